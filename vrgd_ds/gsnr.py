@@ -1,0 +1,116 @@
+"""GSNR maths as pure functions (Jiang et al., arXiv 2309.13681, §3 eqs. 2, 7-10).
+
+For ``n >= 2`` gradient groups with mean gradients ``g_d`` and, element-wise,
+``sum_g = Σ_d g_d`` and ``sum_sq = Σ_d g_d²``::
+
+    gbar = sum_g / n                      # the averaged gradient
+    s    = sum_sq / n                     # mean of squares
+    var  = max(s - gbar², 0)              # device-wise (biased) variance, eq. 7
+    r    = gbar² / (var + eps)            # GSNR, eq. 2
+    r    = clamp(r / mean_tensor(r), gamma, 1)   # eqs. 8-9, layer = one parameter tensor
+
+A tensor whose mean r is 0 carries no information and keeps r = 1 (the zero-information
+guard). ``gamma = 1`` gives r = 1 everywhere.
+
+The gradient noise scale ``B_simple = tr(Σ) / |G|²`` (McCandlish et al. 2018, "An
+Empirical Model of Large-Batch Training", eq. 2.7 and App. A) comes from the same sums.
+
+No torch.distributed, no optimizer state: segments (pieces of one tensor, e.g. under a
+ZeRO partition) are described by lengths, and combining pieces is the caller's business.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+
+def gsnr(sum_g: Tensor, sum_sq: Tensor, n: int, eps: float) -> Tensor:
+    """Raw element-wise GSNR ``gbar² / (max(s - gbar², 0) + eps)`` from the moment sums.
+
+    Computed in the dtype of the inputs (fp32 statistics in the optimizers) in the order
+    the fused kernels use, so both paths round alike.
+    """
+    inv_n = 1.0 / n
+    gbar = sum_g * inv_n
+    s = sum_sq * inv_n
+    g2 = gbar * gbar
+    var = (s - g2).clamp_min(0.0)
+    return g2 / (var + eps)
+
+
+@dataclass(frozen=True)
+class SegmentScales:
+    """Per-segment normalisation of the GSNR: ``clamp(r * inv_mean, lo, 1)``.
+
+    ``lo`` is gamma, or 1 where the tensor's mean r is 0 (no information, r = 1).
+    """
+
+    inv_mean: Tensor  # float64 [S]
+    lo: Tensor  # float64 [S]
+    informative: Tensor  # bool [S]
+
+
+def segment_scales(sum_r: Tensor, numel: Tensor, gamma: float) -> SegmentScales:
+    """Normalisation constants from per-tensor sums of r and element counts (float64).
+
+    ``sum_r``/``numel`` must already cover whole tensors (sum the pieces of a tensor split
+    across segments or ranks first): eq. 8 normalises by the mean over the layer.
+    """
+    if not 0.0 < gamma <= 1.0:
+        raise ValueError(f"gamma must be in (0, 1], got {gamma}")
+    mean = sum_r.double() / numel.double()
+    informative = mean > 0
+    inv_mean = torch.where(informative, 1.0 / mean, torch.zeros_like(mean))
+    lo = torch.where(informative, torch.full_like(mean, gamma), torch.ones_like(mean))
+    return SegmentScales(inv_mean=inv_mean, lo=lo, informative=informative)
+
+
+def normalize(r: Tensor, inv_mean: float, lo: float) -> Tensor:
+    """Eqs. 8-9 for one segment: ``clamp(r * inv_mean, lo, 1)``."""
+    return (r * inv_mean).clamp(lo, 1.0)
+
+
+def normalize_segments(r: Tensor, lengths: list[int], gamma: float) -> Tensor:
+    """Eqs. 8-9 for a flat tensor cut into consecutive whole-tensor segments."""
+    pieces = r.split(lengths)
+    sums = torch.stack([p.sum(dtype=torch.float64) for p in pieces])
+    sc = segment_scales(sums, torch.tensor(lengths, dtype=torch.float64), gamma)
+    return torch.cat([normalize(p, float(i), float(lo)) for p, i, lo in zip(pieces, sc.inv_mean, sc.lo)])
+
+
+def gsnr_ema_bias_correction(beta3: float, step: int) -> float:
+    """``1 - beta3**t``: bias correction of the GSNR momentum ``p_t`` (DESIGN §1.3)."""
+    return 1.0 - beta3**step
+
+
+@dataclass(frozen=True)
+class NoiseScale:
+    """Gradient noise scale estimated from ``n`` groups (McCandlish et al. 2018, App. A).
+
+    ``trace_cov`` is tr(Σ) of one *group's* mean gradient, ``grad_sq`` the unbiased |G|²;
+    ``b_simple_groups = trace_cov / grad_sq`` is B_simple in units of gradient groups
+    (multiply by samples per group for samples). NaN where |G|² is not positive: the
+    estimate is too noisy at this step (average numerator and denominator over steps).
+    """
+
+    trace_cov: float
+    grad_sq: float
+    b_simple_groups: float
+
+
+def noise_scale(sum_s: float, sum_gbar2: float, n: int) -> NoiseScale:
+    """B_simple from ``Σ s`` (mean of squared group gradients) and ``Σ gbar²`` over elements.
+
+    With group mean gradients ``g_d`` of b samples each: ``E[(1/n) Σ_d |g_d|²] = |G|² +
+    tr(Σ)/b`` and ``E[|gbar|²] = |G|² + tr(Σ)/(n b)``, hence the unbiased estimates
+    ``tr(Σ)/b = n/(n-1) (Σs - Σgbar²)`` and ``|G|² = Σgbar² - (tr(Σ)/b)/n``.
+    """
+    if n < 2:
+        raise ValueError(f"the noise scale needs n >= 2 gradient groups, got {n}")
+    trace_cov = n / (n - 1) * (sum_s - sum_gbar2)
+    grad_sq = sum_gbar2 - trace_cov / n
+    b = trace_cov / grad_sq if grad_sq > 0 else math.nan
+    return NoiseScale(trace_cov=trace_cov, grad_sq=grad_sq, b_simple_groups=b)

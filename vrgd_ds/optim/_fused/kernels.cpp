@@ -1,0 +1,534 @@
+// Fused CPU kernels for the VRGD optimizer family (multi-tensor, segment-aware).
+//
+// Each kernel walks a list of flat tensors cut into *segments* (tensor index, start,
+// length). In one process a segment is a whole parameter tensor; under ZeRO a segment is
+// the piece of a parameter tensor that lies in this rank's flat partition. Per-segment
+// reductions come back as float64 so the Python side can combine pieces across ranks.
+//
+// The element-wise maths mirrors the reference in vrgd_ds/optim/_impl.py op for op (no FMA
+// contraction, see the build flags) so both paths round alike; only the order of summation
+// in reductions differs. Work is split into fixed-size chunks, independent of the thread
+// count, and partial sums are combined in chunk order: results do not depend on threads.
+//
+// Hot loops live in non-inlined worker functions that take plain values: inside capturing
+// lambdas GCC keeps `omp simd` reduction lanes in memory (gathers, spills); in a function
+// of its own they stay in vector registers, which keeps every pass at memory speed.
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <cmath>
+#include <type_traits>
+#include <vector>
+
+namespace {
+
+constexpr int64_t kChunk = 1 << 15;
+
+struct Chunk {
+  int64_t seg, tensor, begin, end;
+};
+
+std::vector<Chunk> make_chunks(const at::Tensor& seg) {
+  TORCH_CHECK(seg.dtype() == at::kLong && seg.dim() == 2 && seg.size(1) == 3 && seg.is_contiguous(),
+              "segment table must be contiguous int64 [S, 3] (tensor, start, length)");
+  auto s = seg.accessor<int64_t, 2>();
+  std::vector<Chunk> chunks;
+  for (int64_t i = 0; i < seg.size(0); ++i) {
+    const int64_t t = s[i][0], b = s[i][1], n = s[i][2];
+    for (int64_t o = 0; o < n; o += kChunk) chunks.push_back({i, t, b + o, b + std::min(n, o + kChunk)});
+  }
+  return chunks;
+}
+
+// Per-segment float64 parameters, [S, K] contiguous.
+struct SegF {
+  const double* p;
+  int64_t k;
+  double at(int64_t s, int64_t j) const { return p[s * k + j]; }
+};
+
+SegF seg_f(const at::Tensor& t, int64_t segs, int64_t cols) {
+  TORCH_CHECK(t.dtype() == at::kDouble && t.dim() == 2 && t.is_contiguous() && t.size(0) == segs &&
+                  t.size(1) == cols,
+              "per-segment table must be contiguous float64 [", segs, ", ", cols, "]");
+  return {t.data_ptr<double>(), t.size(1)};
+}
+
+void check_list(const std::vector<at::Tensor>& ts, size_t n, const char* what, bool fp32) {
+  TORCH_CHECK(ts.size() == n, what, ": expected ", n, " tensors, got ", ts.size());
+  for (const auto& t : ts) {
+    TORCH_CHECK(t.device().is_cpu() && t.is_contiguous(), what, ": tensors must be contiguous CPU tensors");
+    if (fp32) TORCH_CHECK(t.scalar_type() == at::kFloat, what, ": tensors must be float32");
+  }
+}
+
+void check_same_dtype(const std::vector<at::Tensor>& a, const std::vector<at::Tensor>& b) {
+  for (size_t i = 0; i < a.size(); ++i)
+    TORCH_CHECK(a[i].scalar_type() == a[0].scalar_type() && b[i].scalar_type() == a[0].scalar_type(),
+                "params and grads must all share one dtype per call");
+}
+
+template <typename F>
+void for_chunks(const std::vector<Chunk>& chunks, F&& f) {
+  at::parallel_for(0, static_cast<int64_t>(chunks.size()), 1, [&](int64_t lo, int64_t hi) {
+    for (int64_t c = lo; c < hi; ++c) f(c, chunks[c]);
+  });
+}
+
+at::Tensor combine(const std::vector<Chunk>& chunks, const std::vector<double>& part, int64_t segs, int k) {
+  auto out = at::zeros({segs, k}, at::kDouble);
+  auto a = out.accessor<double, 2>();
+  for (size_t ci = 0; ci < chunks.size(); ++ci)
+    for (int j = 0; j < k; ++j) a[chunks[ci].seg][j] += part[ci * k + j];
+  return out;
+}
+
+// Raw GSNR of one element: gbar^2 / (max(s - gbar^2, 0) + eps) with gbar = sum_g / n and
+// s = sum_sq / n (DESIGN §1; the biased variance, whose constant factor the per-tensor
+// normalisation cancels).
+inline float gsnr_raw(float sg, float sq, float inv_n, float eps) {
+  const float gbar = sg * inv_n;
+  const float s = sq * inv_n;
+  const float g2 = gbar * gbar;
+  float var = s - g2;
+  var = var > 0.f ? var : 0.f;
+  return g2 / (var + eps);
+}
+
+// The statistics one kernel call reads: empty sum_g means GSNR off, empty avg means no EMA.
+struct GsnrArgs {
+  const std::vector<at::Tensor>& sum_g;
+  const std::vector<at::Tensor>& sum_sq;
+  const std::vector<at::Tensor>& avg;
+  double inv_n, eps, beta3;
+};
+
+void check_gsnr(const GsnrArgs& a, size_t n) {
+  if (a.sum_g.empty()) return;
+  check_list(a.sum_g, n, "sum_g", true);
+  check_list(a.sum_sq, n, "sum_sq", true);
+  if (!a.avg.empty()) check_list(a.avg, n, "gsnr_avg", true);
+}
+
+// Per-element GSNR scale p_hat of one chunk. Per-segment columns 0..2: inv_mean, lo (gamma,
+// or 1 for a segment without information), bias correction of the GSNR EMA. ON/EMA are
+// compile-time so the loops vectorise.
+template <bool ON, bool EMA>
+struct GsnrChunk {
+  const float* sg = nullptr;
+  const float* sq = nullptr;
+  float* avg = nullptr;
+  float inv_n = 0, eps = 0, b3 = 0, omb3 = 0, inv_mean = 0, lo = 0, bc3 = 1;
+
+  GsnrChunk(const GsnrArgs& a, const SegF& sf, const Chunk& c) {
+    if constexpr (ON) {
+      sg = a.sum_g[c.tensor].data_ptr<float>() + c.begin;
+      sq = a.sum_sq[c.tensor].data_ptr<float>() + c.begin;
+      inv_n = float(a.inv_n);
+      eps = float(a.eps);
+      inv_mean = float(sf.at(c.seg, 0));
+      lo = float(sf.at(c.seg, 1));
+      bc3 = float(sf.at(c.seg, 2));
+      if constexpr (EMA) {
+        avg = a.avg[c.tensor].data_ptr<float>() + c.begin;
+        b3 = float(a.beta3);
+        omb3 = float(1.0 - a.beta3);
+      }
+    }
+  }
+
+  // Returns p_hat; low/high are 1 where the normalised r_t was raised to lo / cut to 1.
+  template <bool WRITE>
+  inline float operator()(int64_t i, float& low, float& high) const {
+    if constexpr (!ON) {
+      low = 0.f;
+      high = 0.f;
+      return 1.f;
+    } else {
+      const float x = gsnr_raw(sg[i], sq[i], inv_n, eps) * inv_mean;
+      low = x < lo ? 1.f : 0.f;
+      high = x > 1.f ? 1.f : 0.f;
+      const float r = std::min(std::max(x, lo), 1.f);
+      if constexpr (!EMA) {
+        return r;
+      } else {
+        const float a = avg[i] * b3 + r * omb3;
+        if constexpr (WRITE) avg[i] = a;
+        // The bias-corrected EMA of values in [lo, 1] lies in [lo, 1]; the clamp removes
+        // rounding excursions, so gamma == 1 gives exactly 1 and the base optimizer exactly.
+        return std::min(std::max(a / bc3, lo), 1.f);
+      }
+    }
+  }
+};
+
+// Calls f(std::integral_constant<int, M>) with M = 0 (GSNR off), 1 (no EMA), 2 (EMA).
+template <typename F>
+void with_gsnr_mode(const GsnrArgs& a, F&& f) {
+  if (a.sum_g.empty()) f(std::integral_constant<int, 0>{});
+  else if (a.avg.empty()) f(std::integral_constant<int, 1>{});
+  else f(std::integral_constant<int, 2>{});
+}
+template <int M>
+using GsnrOf = GsnrChunk<(M > 0), (M > 1)>;
+
+// ---- workers (one chunk each) ------------------------------------------------------------
+
+__attribute__((noinline)) void moments_chunk(const float* __restrict sg, const float* __restrict sq, int64_t n,
+                                             float inv_n, float eps, double* o) {
+  float sr = 0.f, ss = 0.f, sgb = 0.f, mn = INFINITY, mx = -INFINITY;
+  _Pragma("omp simd reduction(+ : sr, ss, sgb) reduction(min : mn) reduction(max : mx)")
+  for (int64_t i = 0; i < n; ++i) {
+    const float gbar = sg[i] * inv_n, s = sq[i] * inv_n, g2 = gbar * gbar;
+    float var = s - g2;
+    var = var > 0.f ? var : 0.f;
+    const float r = g2 / (var + eps);
+    sr += r;
+    ss += s;
+    sgb += g2;
+    mn = std::min(mn, r);
+    mx = std::max(mx, r);
+  }
+  o[0] = sr; o[1] = ss; o[2] = sgb; o[3] = mn; o[4] = mx;
+}
+
+template <typename scalar_t, typename G>
+__attribute__((noinline)) void grad_norms_chunk(const G scale, const scalar_t* __restrict p,
+                                                const scalar_t* __restrict gr, int64_t n, double* o) {
+  float pp = 0.f, uu = 0.f;
+  _Pragma("omp simd reduction(+ : pp, uu)")
+  for (int64_t i = 0; i < n; ++i) {
+    float lo, hi;
+    const float pv = float(p[i]), u = scale.template operator()<false>(i, lo, hi) * float(gr[i]);
+    pp += pv * pv;
+    uu += u * u;
+  }
+  o[0] = pp; o[1] = uu;
+}
+
+template <typename scalar_t, typename G, bool BUF, bool FIRST>
+__attribute__((noinline)) void sgd_chunk(const G scale, scalar_t* __restrict p, const scalar_t* __restrict gr,
+                                         float* __restrict b, int64_t n, float lr, float wd, float mult, float mu,
+                                         float omd, bool nesterov, double* o) {
+  float nlo = 0.f, nhi = 0.f;
+  _Pragma("omp simd reduction(+ : nlo, nhi)")
+  for (int64_t i = 0; i < n; ++i) {
+    float lo, hi;
+    const float pv = float(p[i]);
+    float d = scale.template operator()<true>(i, lo, hi) * float(gr[i]);
+    d = d + wd * pv;
+    d = d * mult;
+    if constexpr (BUF) {
+      const float bv = FIRST ? d : b[i] * mu + d * omd;
+      b[i] = bv;
+      d = nesterov ? d + bv * mu : bv;
+    }
+    p[i] = scalar_t(pv - lr * d);
+    nlo += lo;
+    nhi += hi;
+  }
+  o[0] = nlo; o[1] = nhi;
+}
+
+struct AdamConsts {
+  float b1, omb1, b2, omb2, eps, wd, decay, bc1, bc2s, step_size, grad_mult;
+};
+
+template <typename scalar_t, typename G>
+__attribute__((noinline)) void adam_apply_chunk(const G scale, scalar_t* __restrict p, const scalar_t* __restrict gr,
+                                                float* __restrict m, float* __restrict v, int64_t n,
+                                                const AdamConsts k, double* o) {
+  float nlo = 0.f, nhi = 0.f;
+  _Pragma("omp simd reduction(+ : nlo, nhi)")
+  for (int64_t i = 0; i < n; ++i) {
+    float lo, hi;
+    const float gv = (scale.template operator()<true>(i, lo, hi) * float(gr[i])) * k.grad_mult;
+    const float mv = m[i] * k.b1 + gv * k.omb1;
+    const float vv = v[i] * k.b2 + (gv * gv) * k.omb2;
+    m[i] = mv;
+    v[i] = vv;
+    const float denom = std::sqrt(vv) / k.bc2s + k.eps;
+    const float pv = float(p[i]) * k.decay;
+    p[i] = scalar_t(pv - k.step_size * (mv / denom));
+    nlo += lo;
+    nhi += hi;
+  }
+  o[0] = nlo; o[1] = nhi;
+}
+
+template <typename scalar_t, typename G>
+__attribute__((noinline)) void adam_norms_chunk(const G scale, const scalar_t* __restrict p,
+                                                const scalar_t* __restrict gr, float* __restrict m,
+                                                float* __restrict v, int64_t n, const AdamConsts k, double* o) {
+  float pp = 0.f, uu = 0.f, nlo = 0.f, nhi = 0.f;
+  _Pragma("omp simd reduction(+ : pp, uu, nlo, nhi)")
+  for (int64_t i = 0; i < n; ++i) {
+    float lo, hi;
+    const float gv = (scale.template operator()<true>(i, lo, hi) * float(gr[i])) * k.grad_mult;
+    const float mv = m[i] * k.b1 + gv * k.omb1;
+    const float vv = v[i] * k.b2 + (gv * gv) * k.omb2;
+    m[i] = mv;
+    v[i] = vv;
+    const float pv = float(p[i]);
+    const float denom = std::sqrt(vv) / k.bc2s + k.eps;
+    const float u = mv / (k.bc1 * denom) + k.wd * pv;
+    pp += pv * pv;
+    uu += u * u;
+    nlo += lo;
+    nhi += hi;
+  }
+  o[0] = pp; o[1] = uu; o[2] = nlo; o[3] = nhi;
+}
+
+template <typename scalar_t>
+__attribute__((noinline)) void lamb_apply_chunk(scalar_t* __restrict p, const float* __restrict m,
+                                                const float* __restrict v, int64_t n, float bc1, float bc2s,
+                                                float eps, float wd, float step) {
+  _Pragma("omp simd")
+  for (int64_t i = 0; i < n; ++i) {
+    const float pv = float(p[i]);
+    const float denom = std::sqrt(v[i]) / bc2s + eps;
+    const float u = m[i] / (bc1 * denom) + wd * pv;
+    p[i] = scalar_t(pv - step * u);
+  }
+}
+
+template <typename scalar_t>
+__attribute__((noinline)) void accumulate_chunk(const scalar_t* __restrict g, float* __restrict a,
+                                                float* __restrict q, int64_t n, bool fresh) {
+  if (fresh) {
+    _Pragma("omp simd")
+    for (int64_t i = 0; i < n; ++i) {
+      const float x = float(g[i]);
+      a[i] = x;
+      q[i] = x * x;
+    }
+  } else {
+    _Pragma("omp simd")
+    for (int64_t i = 0; i < n; ++i) {
+      const float x = float(g[i]);
+      a[i] = a[i] + x;
+      q[i] = q[i] + x * x;
+    }
+  }
+}
+
+}  // namespace
+
+// Pass 1: per-segment moments of the raw GSNR, before normalisation.
+// Columns: sum r, min r, max r, sum s (mean of squares), sum gbar^2, non-finite flag.
+at::Tensor gsnr_moments(const std::vector<at::Tensor>& sum_g, const std::vector<at::Tensor>& sum_sq,
+                        const at::Tensor& seg, double inv_n, double eps) {
+  check_list(sum_g, sum_g.size(), "sum_g", true);
+  check_list(sum_sq, sum_g.size(), "sum_sq", true);
+  const auto chunks = make_chunks(seg);
+  std::vector<double> part(chunks.size() * 5, 0.0);
+  for_chunks(chunks, [&](int64_t ci, const Chunk& c) {
+    moments_chunk(sum_g[c.tensor].data_ptr<float>() + c.begin, sum_sq[c.tensor].data_ptr<float>() + c.begin,
+                  c.end - c.begin, float(inv_n), float(eps), part.data() + ci * 5);
+  });
+  auto out = at::zeros({seg.size(0), 6}, at::kDouble);
+  auto a = out.accessor<double, 2>();
+  for (int64_t s = 0; s < seg.size(0); ++s) {
+    a[s][1] = INFINITY;
+    a[s][2] = -INFINITY;
+  }
+  for (size_t ci = 0; ci < chunks.size(); ++ci) {
+    const double* o = part.data() + ci * 5;
+    const int64_t s = chunks[ci].seg;
+    a[s][0] += o[0];
+    a[s][3] += o[1];
+    a[s][4] += o[2];
+    a[s][1] = std::min(a[s][1], o[3]);
+    a[s][2] = std::max(a[s][2], o[4]);
+  }
+  // A non-finite input makes the sum of s (from sum_sq) or of gbar^2 (from sum_g) non-finite.
+  for (int64_t s = 0; s < seg.size(0); ++s)
+    a[s][5] = std::isfinite(a[s][3]) && std::isfinite(a[s][4]) ? 0.0 : 1.0;
+  return out;
+}
+
+// Per-segment |theta|^2 and |p_hat * g|^2 (the GSNR EMA is read, not written) and a
+// non-finite flag of the latter. LARS trust ratios; global gradient norms (GSNR off).
+at::Tensor scaled_grad_norms(const std::vector<at::Tensor>& params, const std::vector<at::Tensor>& grads,
+                             const std::vector<at::Tensor>& sum_g, const std::vector<at::Tensor>& sum_sq,
+                             const std::vector<at::Tensor>& avg, const at::Tensor& seg, const at::Tensor& segf,
+                             double inv_n, double eps, double beta3) {
+  const size_t T = params.size();
+  check_list(params, T, "params", false);
+  check_list(grads, T, "grads", false);
+  check_same_dtype(params, grads);
+  const GsnrArgs ga{sum_g, sum_sq, avg, inv_n, eps, beta3};
+  check_gsnr(ga, T);
+  const SegF sf = seg_f(segf, seg.size(0), 3);
+  const auto chunks = make_chunks(seg);
+  std::vector<double> part(chunks.size() * 2, 0.0);
+  if (T > 0) {
+    AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, params[0].scalar_type(), "scaled_grad_norms", [&] {
+      with_gsnr_mode(ga, [&](auto mode) {
+        for_chunks(chunks, [&](int64_t ci, const Chunk& c) {
+          const GsnrOf<decltype(mode)::value> scale(ga, sf, c);
+          grad_norms_chunk(scale, params[c.tensor].data_ptr<scalar_t>() + c.begin,
+                           grads[c.tensor].data_ptr<scalar_t>() + c.begin, c.end - c.begin, part.data() + ci * 2);
+        });
+      });
+    });
+  }
+  auto sums = combine(chunks, part, seg.size(0), 2);
+  auto flag = at::logical_not(at::isfinite(sums.select(1, 1))).to(at::kDouble).unsqueeze(1);
+  return at::cat({sums, flag}, 1);
+}
+
+// SGD with (Nesterov) momentum on the GSNR-scaled gradient; also the LARS update.
+// Per-segment columns: inv_mean, lo, bc3, lr multiplier (LARS local lr, else 1),
+// first step of the momentum buffer (1 or 0).
+//   d = lr_mult * (p_hat * g + wd * theta)
+//   buf = first ? d : momentum * buf + (1 - dampening) * d            (momentum != 0)
+//   d = nesterov ? d + momentum * buf : buf
+//   theta -= lr * d
+// Returns per segment the counts of r_t raised to lo and cut to 1.
+at::Tensor sgd_step(const std::vector<at::Tensor>& params, const std::vector<at::Tensor>& grads,
+                    const std::vector<at::Tensor>& bufs, const std::vector<at::Tensor>& sum_g,
+                    const std::vector<at::Tensor>& sum_sq, const std::vector<at::Tensor>& avg, const at::Tensor& seg,
+                    const at::Tensor& segf, double inv_n, double eps, double beta3, double lr, double weight_decay,
+                    double momentum, double dampening, bool nesterov) {
+  const size_t T = params.size();
+  check_list(params, T, "params", false);
+  check_list(grads, T, "grads", false);
+  check_same_dtype(params, grads);
+  const bool use_buf = momentum != 0.0;
+  if (use_buf) check_list(bufs, T, "momentum_buffer", true);
+  const GsnrArgs ga{sum_g, sum_sq, avg, inv_n, eps, beta3};
+  check_gsnr(ga, T);
+  const SegF sf = seg_f(segf, seg.size(0), 5);
+  const auto chunks = make_chunks(seg);
+  std::vector<double> part(chunks.size() * 2, 0.0);
+  const float flr = float(lr), fwd = float(weight_decay), mu = float(momentum), omd = float(1.0 - dampening);
+  if (T > 0) {
+    AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, params[0].scalar_type(), "sgd_step", [&] {
+      with_gsnr_mode(ga, [&](auto mode) {
+        for_chunks(chunks, [&](int64_t ci, const Chunk& c) {
+          const GsnrOf<decltype(mode)::value> scale(ga, sf, c);
+          using G = GsnrOf<decltype(mode)::value>;
+          scalar_t* p = params[c.tensor].data_ptr<scalar_t>() + c.begin;
+          const scalar_t* gr = grads[c.tensor].data_ptr<scalar_t>() + c.begin;
+          float* b = use_buf ? bufs[c.tensor].data_ptr<float>() + c.begin : nullptr;
+          const int64_t n = c.end - c.begin;
+          const float mult = float(sf.at(c.seg, 3));
+          double* o = part.data() + ci * 2;
+          if (!use_buf)
+            sgd_chunk<scalar_t, G, false, false>(scale, p, gr, b, n, flr, fwd, mult, mu, omd, nesterov, o);
+          else if (sf.at(c.seg, 4) != 0.0)
+            sgd_chunk<scalar_t, G, true, true>(scale, p, gr, b, n, flr, fwd, mult, mu, omd, nesterov, o);
+          else
+            sgd_chunk<scalar_t, G, true, false>(scale, p, gr, b, n, flr, fwd, mult, mu, omd, nesterov, o);
+        });
+      });
+    });
+  }
+  return combine(chunks, part, seg.size(0), 2);
+}
+
+// Adam(W) on the GSNR-scaled gradient. Per-segment columns: inv_mean, lo, bc3, bc1, sqrt(bc2),
+// gradient multiplier (LAMB's global-norm pre-normalisation, else 1).
+//   g' = (p_hat * g) * mult;  m = beta1 m + (1 - beta1) g';  v = beta2 v + (1 - beta2) g'^2
+//   denom = sqrt(v) / sqrt(bc2) + eps
+// apply=true (Adam):  theta = theta (1 - lr wd) - (lr / bc1) m / denom;
+//   returns per segment the counts of r_t raised to lo and cut to 1.
+// apply=false (LAMB, first pass): theta untouched; returns per segment |theta|^2, |u|^2 with
+//   u = m / (bc1 denom) + wd theta (the trust-ratio norms), then the two clip counts.
+at::Tensor adam_step(const std::vector<at::Tensor>& params, const std::vector<at::Tensor>& grads,
+                     const std::vector<at::Tensor>& exp_avg, const std::vector<at::Tensor>& exp_avg_sq,
+                     const std::vector<at::Tensor>& sum_g, const std::vector<at::Tensor>& sum_sq,
+                     const std::vector<at::Tensor>& avg, const at::Tensor& seg, const at::Tensor& segf,
+                     double inv_n, double eps_gsnr, double beta3, double lr, double beta1, double beta2,
+                     double eps, double weight_decay, bool apply) {
+  const size_t T = params.size();
+  check_list(params, T, "params", false);
+  check_list(grads, T, "grads", false);
+  check_same_dtype(params, grads);
+  check_list(exp_avg, T, "exp_avg", true);
+  check_list(exp_avg_sq, T, "exp_avg_sq", true);
+  const GsnrArgs ga{sum_g, sum_sq, avg, inv_n, eps_gsnr, beta3};
+  check_gsnr(ga, T);
+  const SegF sf = seg_f(segf, seg.size(0), 6);
+  const auto chunks = make_chunks(seg);
+  const int cols = apply ? 2 : 4;
+  std::vector<double> part(chunks.size() * cols, 0.0);
+  if (T > 0) {
+    AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, params[0].scalar_type(), "adam_step", [&] {
+      with_gsnr_mode(ga, [&](auto mode) {
+        for_chunks(chunks, [&](int64_t ci, const Chunk& c) {
+          const GsnrOf<decltype(mode)::value> scale(ga, sf, c);
+          const AdamConsts k{float(beta1), float(1.0 - beta1), float(beta2), float(1.0 - beta2), float(eps),
+                             float(weight_decay), float(1.0 - lr * weight_decay), float(sf.at(c.seg, 3)),
+                             float(sf.at(c.seg, 4)), float(lr / sf.at(c.seg, 3)), float(sf.at(c.seg, 5))};
+          scalar_t* p = params[c.tensor].data_ptr<scalar_t>() + c.begin;
+          const scalar_t* gr = grads[c.tensor].data_ptr<scalar_t>() + c.begin;
+          float* m = exp_avg[c.tensor].data_ptr<float>() + c.begin;
+          float* v = exp_avg_sq[c.tensor].data_ptr<float>() + c.begin;
+          if (apply)
+            adam_apply_chunk(scale, p, gr, m, v, c.end - c.begin, k, part.data() + ci * cols);
+          else
+            adam_norms_chunk(scale, p, gr, m, v, c.end - c.begin, k, part.data() + ci * cols);
+        });
+      });
+    });
+  }
+  return combine(chunks, part, seg.size(0), cols);
+}
+
+// LAMB second pass: theta -= lr * trust * u, u recomputed from the updated moments.
+// Per-segment columns: bc1, sqrt(bc2), trust ratio.
+void lamb_apply(const std::vector<at::Tensor>& params, const std::vector<at::Tensor>& exp_avg,
+                const std::vector<at::Tensor>& exp_avg_sq, const at::Tensor& seg, const at::Tensor& segf,
+                double lr, double eps, double weight_decay) {
+  const size_t T = params.size();
+  check_list(params, T, "params", false);
+  check_list(exp_avg, T, "exp_avg", true);
+  check_list(exp_avg_sq, T, "exp_avg_sq", true);
+  const SegF sf = seg_f(segf, seg.size(0), 3);
+  const auto chunks = make_chunks(seg);
+  if (T == 0) return;
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, params[0].scalar_type(), "lamb_apply", [&] {
+    for_chunks(chunks, [&](int64_t, const Chunk& c) {
+      lamb_apply_chunk(params[c.tensor].data_ptr<scalar_t>() + c.begin,
+                       exp_avg[c.tensor].data_ptr<float>() + c.begin,
+                       exp_avg_sq[c.tensor].data_ptr<float>() + c.begin, c.end - c.begin, float(sf.at(c.seg, 0)),
+                       float(sf.at(c.seg, 1)), float(eps), float(weight_decay), float(lr * sf.at(c.seg, 2)));
+    });
+  });
+}
+
+// One backward's gradient into fp32 statistics: fresh: sum_g = g, sum_sq = g^2;
+// else sum_g += g, sum_sq += g^2. Squares are taken in fp32.
+void accumulate_moments(const at::Tensor& grad, const at::Tensor& sum_g, const at::Tensor& sum_sq, bool fresh) {
+  check_list({grad}, 1, "grad", false);
+  check_list({sum_g, sum_sq}, 2, "statistics", true);
+  TORCH_CHECK(grad.numel() == sum_g.numel() && grad.numel() == sum_sq.numel(), "statistics size mismatch");
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, grad.scalar_type(), "accumulate_moments", [&] {
+    const scalar_t* g = grad.data_ptr<scalar_t>();
+    float* a = sum_g.data_ptr<float>();
+    float* q = sum_sq.data_ptr<float>();
+    at::parallel_for(0, grad.numel(), kChunk, [&](int64_t b, int64_t e) {
+      accumulate_chunk(g + b, a + b, q + b, e - b, fresh);
+    });
+  });
+}
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  using py::arg;
+  m.def("gsnr_moments", &gsnr_moments, arg("sum_g"), arg("sum_sq"), arg("seg"), arg("inv_n"), arg("eps"));
+  m.def("scaled_grad_norms", &scaled_grad_norms, arg("params"), arg("grads"), arg("sum_g"), arg("sum_sq"),
+        arg("avg"), arg("seg"), arg("segf"), arg("inv_n"), arg("eps"), arg("beta3"));
+  m.def("sgd_step", &sgd_step, arg("params"), arg("grads"), arg("bufs"), arg("sum_g"), arg("sum_sq"), arg("avg"),
+        arg("seg"), arg("segf"), arg("inv_n"), arg("eps"), arg("beta3"), arg("lr"), arg("weight_decay"),
+        arg("momentum"), arg("dampening"), arg("nesterov"));
+  m.def("adam_step", &adam_step, arg("params"), arg("grads"), arg("exp_avg"), arg("exp_avg_sq"), arg("sum_g"),
+        arg("sum_sq"), arg("avg"), arg("seg"), arg("segf"), arg("inv_n"), arg("eps_gsnr"), arg("beta3"), arg("lr"),
+        arg("beta1"), arg("beta2"), arg("eps"), arg("weight_decay"), arg("apply"));
+  m.def("lamb_apply", &lamb_apply, arg("params"), arg("exp_avg"), arg("exp_avg_sq"), arg("seg"), arg("segf"),
+        arg("lr"), arg("eps"), arg("weight_decay"));
+  m.def("accumulate_moments", &accumulate_moments, arg("grad"), arg("sum_g"), arg("sum_sq"), arg("fresh"));
+}

@@ -1,0 +1,229 @@
+"""The element-wise kernels of the family, twice: a single-tensor reference in torch ops
+(any device) and the fused multi-tensor CPU kernels (``_fused/kernels.cpp``).
+
+Both take the same arguments: lists of flat tensors cut into segments by an int64
+``seg`` table ``[S, 3]`` of (tensor index, start, length), per-segment float64 tables, and
+return per-segment float64 reductions. The optimizers' family logic (bias corrections,
+trust ratios, metrics) is written once on top of this interface; tests run every
+optimizer through both and compare (the torch.optim foreach-vs-for-loop pattern).
+
+The reference applies the operations in the kernels' order with the same roundings;
+the kernels only sum in another order.
+"""
+from __future__ import annotations
+
+import logging
+from typing import Protocol, Sequence
+
+import torch
+from torch import Tensor
+
+from vrgd_ds.gsnr import gsnr as gsnr_raw
+from vrgd_ds.log import warn_once
+
+logger = logging.getLogger(__name__)
+
+Tensors = Sequence[Tensor]
+
+
+class Kernels(Protocol):
+    name: str
+
+    def gsnr_moments(self, sum_g: Tensors, sum_sq: Tensors, seg: Tensor, inv_n: float, eps: float) -> Tensor: ...
+
+    def scaled_grad_norms(self, params: Tensors, grads: Tensors, sum_g: Tensors, sum_sq: Tensors, avg: Tensors,
+                          seg: Tensor, segf: Tensor, inv_n: float, eps: float, beta3: float) -> Tensor: ...
+
+    def sgd_step(self, params: Tensors, grads: Tensors, bufs: Tensors, sum_g: Tensors, sum_sq: Tensors,
+                 avg: Tensors, seg: Tensor, segf: Tensor, inv_n: float, eps: float, beta3: float, lr: float,
+                 weight_decay: float, momentum: float, dampening: float, nesterov: bool) -> Tensor: ...
+
+    def adam_step(self, params: Tensors, grads: Tensors, exp_avg: Tensors, exp_avg_sq: Tensors, sum_g: Tensors,
+                  sum_sq: Tensors, avg: Tensors, seg: Tensor, segf: Tensor, inv_n: float, eps_gsnr: float,
+                  beta3: float, lr: float, beta1: float, beta2: float, eps: float, weight_decay: float,
+                  apply: bool) -> Tensor: ...
+
+    def lamb_apply(self, params: Tensors, exp_avg: Tensors, exp_avg_sq: Tensors, seg: Tensor, segf: Tensor,
+                   lr: float, eps: float, weight_decay: float) -> None: ...
+
+    def accumulate_moments(self, grad: Tensor, sum_g: Tensor, sum_sq: Tensor, fresh: bool) -> None: ...
+
+
+def _piece(t: Tensor, start: int, length: int) -> Tensor:
+    return t.view(-1).narrow(0, start, length)
+
+
+def _sum(x: Tensor) -> float:
+    return float(x.sum(dtype=torch.float64))
+
+
+class _Gsnr:
+    """Per-segment GSNR scale of the reference: p_hat, and r_t's clip indicators."""
+
+    def __init__(self, sum_g: Tensors, sum_sq: Tensors, avg: Tensors, inv_n: float, eps: float, beta3: float):
+        self.on = len(sum_g) > 0
+        self.sum_g, self.sum_sq, self.avg = sum_g, sum_sq, avg
+        self.inv_n, self.eps, self.beta3 = inv_n, eps, beta3
+
+    def __call__(self, t: int, start: int, length: int, row: Tensor, write: bool) -> tuple[Tensor | float, float, float]:
+        if not self.on:
+            return 1.0, 0.0, 0.0
+        inv_mean, lo, bc3 = float(row[0]), float(row[1]), float(row[2])
+        sg = _piece(self.sum_g[t], start, length)
+        sq = _piece(self.sum_sq[t], start, length)
+        # gsnr() multiplies by 1/n: same rounding as the kernels' float(inv_n).
+        x = gsnr_raw(sg, sq, round(1.0 / self.inv_n), self.eps) * inv_mean
+        low, high = _sum(x < lo), _sum(x > 1.0)
+        r = x.clamp(lo, 1.0)
+        if not self.avg:
+            return r, low, high
+        a = _piece(self.avg[t], start, length)
+        new = a * self.beta3 + r * (1.0 - self.beta3)
+        if write:
+            a.copy_(new)
+        return (new / bc3).clamp(lo, 1.0), low, high
+
+
+class Reference:
+    """Single-tensor reference: one segment at a time, torch ops, any device."""
+
+    name = "reference"
+
+    def gsnr_moments(self, sum_g, sum_sq, seg, inv_n, eps):
+        out = torch.zeros(seg.shape[0], 6, dtype=torch.float64)
+        n = round(1.0 / inv_n)
+        for i, (t, start, length) in enumerate(seg.tolist()):
+            sg, sq = _piece(sum_g[t], start, length), _piece(sum_sq[t], start, length)
+            r = gsnr_raw(sg, sq, n, eps)
+            gbar = sg * inv_n
+            s = sq * inv_n
+            out[i, 0] = _sum(r)
+            out[i, 1] = float(r.min()) if length else float("inf")
+            out[i, 2] = float(r.max()) if length else float("-inf")
+            out[i, 3] = _sum(s)
+            out[i, 4] = _sum(gbar * gbar)
+        out[:, 5] = (~torch.isfinite(out[:, 3]) | ~torch.isfinite(out[:, 4])).double()
+        return out
+
+    def scaled_grad_norms(self, params, grads, sum_g, sum_sq, avg, seg, segf, inv_n, eps, beta3):
+        scale = _Gsnr(sum_g, sum_sq, avg, inv_n, eps, beta3)
+        out = torch.zeros(seg.shape[0], 3, dtype=torch.float64)
+        for i, (t, start, length) in enumerate(seg.tolist()):
+            p = _piece(params[t], start, length).float()
+            g = _piece(grads[t], start, length).float()
+            u = scale(t, start, length, segf[i], write=False)[0] * g
+            out[i, 0] = _sum(p * p)
+            out[i, 1] = _sum(u * u)
+        out[:, 2] = (~torch.isfinite(out[:, 1])).double()
+        return out
+
+    def sgd_step(self, params, grads, bufs, sum_g, sum_sq, avg, seg, segf, inv_n, eps, beta3, lr, weight_decay,
+                 momentum, dampening, nesterov):
+        scale = _Gsnr(sum_g, sum_sq, avg, inv_n, eps, beta3)
+        out = torch.zeros(seg.shape[0], 2, dtype=torch.float64)
+        for i, (t, start, length) in enumerate(seg.tolist()):
+            p = _piece(params[t], start, length)
+            pv = p.float()
+            sc, out[i, 0], out[i, 1] = scale(t, start, length, segf[i], write=True)
+            d = sc * _piece(grads[t], start, length).float()
+            d = d + weight_decay * pv
+            d = d * float(segf[i, 3])
+            if momentum != 0.0:
+                b = _piece(bufs[t], start, length)
+                if float(segf[i, 4]) != 0.0:
+                    b.copy_(d)
+                else:
+                    b.copy_(b * momentum + d * (1.0 - dampening))
+                d = d + b * momentum if nesterov else b
+            p.copy_(pv - lr * d)
+        return out
+
+    def adam_step(self, params, grads, exp_avg, exp_avg_sq, sum_g, sum_sq, avg, seg, segf, inv_n, eps_gsnr, beta3,
+                  lr, beta1, beta2, eps, weight_decay, apply):
+        scale = _Gsnr(sum_g, sum_sq, avg, inv_n, eps_gsnr, beta3)
+        out = torch.zeros(seg.shape[0], 2 if apply else 4, dtype=torch.float64)
+        for i, (t, start, length) in enumerate(seg.tolist()):
+            row = segf[i]
+            bc1, bc2s, mult = float(row[3]), float(row[4]), float(row[5])
+            p = _piece(params[t], start, length)
+            m, v = _piece(exp_avg[t], start, length), _piece(exp_avg_sq[t], start, length)
+            sc, low, high = scale(t, start, length, row, write=True)
+            gv = (sc * _piece(grads[t], start, length).float()) * mult
+            m.copy_(m * beta1 + gv * (1.0 - beta1))
+            v.copy_(v * beta2 + (gv * gv) * (1.0 - beta2))
+            denom = v.sqrt() / bc2s + eps
+            if apply:
+                pv = p.float() * (1.0 - lr * weight_decay)
+                p.copy_(pv - (lr / bc1) * (m / denom))
+                out[i] = torch.tensor([low, high], dtype=torch.float64)
+            else:
+                pv = p.float()
+                u = m / (bc1 * denom) + weight_decay * pv
+                out[i] = torch.tensor([_sum(pv * pv), _sum(u * u), low, high], dtype=torch.float64)
+        return out
+
+    def lamb_apply(self, params, exp_avg, exp_avg_sq, seg, segf, lr, eps, weight_decay):
+        for i, (t, start, length) in enumerate(seg.tolist()):
+            bc1, bc2s, trust = (float(x) for x in segf[i, :3])
+            p = _piece(params[t], start, length)
+            m, v = _piece(exp_avg[t], start, length), _piece(exp_avg_sq[t], start, length)
+            pv = p.float()
+            denom = v.sqrt() / bc2s + eps
+            u = m / (bc1 * denom) + weight_decay * pv
+            p.copy_(pv - (lr * trust) * u)
+
+    def accumulate_moments(self, grad, sum_g, sum_sq, fresh):
+        x = grad.reshape(sum_g.shape).float()
+        if fresh:
+            sum_g.copy_(x)
+            torch.mul(x, x, out=sum_sq)
+        else:
+            sum_g.add_(x)
+            sum_sq.add_(x * x)
+
+
+class Fused:
+    """The fused multi-tensor CPU kernels, built on first use."""
+
+    name = "fused"
+
+    def __init__(self) -> None:
+        from vrgd_ds.optim import _fused
+
+        self._k = _fused.load()
+
+    def __getattr__(self, item: str):
+        return getattr(self._k, item)
+
+    def accumulate_moments(self, grad, sum_g, sum_sq, fresh):
+        self._k.accumulate_moments(grad.contiguous().view(-1), sum_g.view(-1), sum_sq.view(-1), fresh)
+
+
+_FUSED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def select(fused: bool | None, params: Sequence[Tensor], owner: str) -> Kernels:
+    """The implementation for ``params``: fused=True demands the fused kernels, False takes
+    the reference, None takes the fused kernels where they apply and says so when not."""
+    why_not = None
+    if any(p.device.type != "cpu" for p in params):
+        why_not = "parameters are not on the CPU (the fused kernels are CPU kernels)"
+    elif any(p.dtype not in _FUSED_DTYPES for p in params):
+        why_not = "parameters are not fp32/bf16/fp16"
+    elif any(not p.is_contiguous() for p in params):
+        why_not = "some parameters are not contiguous"
+    if fused is False:
+        return Reference()
+    if why_not is not None:
+        if fused:
+            raise ValueError(f"{owner}(fused=True): {why_not}; pass fused=None or False")
+        return Reference()
+    from vrgd_ds.optim import _fused
+
+    try:
+        return Fused()
+    except _fused.FusedKernelsUnavailable as exc:
+        if fused:
+            raise
+        warn_once(logger, "fused-unavailable", "%s: using the reference implementation: %s", owner, exc)
+        return Reference()

@@ -1,0 +1,111 @@
+"""VR-LAMB and LAMB (You et al. 2019, "Large Batch Optimization for Deep Learning";
+Jiang et al., arXiv 2309.13681 §4.2 for the GSNR part, reconstructed as in ``adam.py``).
+
+    g'    = p̂ ⊙ g · c          c = max_grad_norm / max(‖g‖_global, max_grad_norm) when
+                                grad_pre_normalization (NVLAMB, NVIDIA's BERT recipe), else 1
+    m, v  = Adam moments of g'
+    u     = m̂ / (sqrt(v̂) + eps) + wd · θ
+    trust = clamp(‖θ‖ / ‖u‖, min_coeff, max_coeff), 1 if either norm is 0 or the group has
+            trust_ratio=False (bias and LayerNorm parameters, see ``param_groups``)
+    θ    -= lr · trust · u
+
+Norms are per parameter tensor, also when a tensor is split across ZeRO partitions (the
+integration sums the pieces), so trust ratios equal the unsharded ones.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from vrgd_ds.optim.adam import adam_columns, check_adam_args
+from vrgd_ds.optim.base import GSNROptimizer, Plan, check_arg, table
+
+
+def trust_ratios(plan: Plan, sq_norms: torch.Tensor, coeff: torch.Tensor, min_coeff: float,
+                 max_coeff: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """``clamp(coeff · ‖θ‖/‖u‖, min, max)`` per segment from whole-tensor ``[‖θ‖², ‖u‖²]``,
+    guarded to 1 where a norm is 0 or adaptation is off. Returns (trust, adapted mask)."""
+    w, u = sq_norms[:, 0].sqrt(), sq_norms[:, 1].sqrt()
+    adapted = torch.full_like(w, bool(plan.group["trust_ratio"]), dtype=torch.bool) & (w > 0) & (u > 0)
+    ratio = (coeff * w / torch.where(adapted, u, torch.ones_like(u))).clamp(min_coeff, max_coeff)
+    return torch.where(adapted, ratio, torch.ones_like(ratio)), adapted
+
+
+class VRLamb(GSNROptimizer):
+    r"""VR-LAMB; see the module docstring.
+
+    Args:
+        params: parameters or param groups; a group with ``trust_ratio=False`` is not adapted.
+        lr: learning rate.
+        betas: Adam's (beta1, beta2).
+        eps: added to sqrt(v̂).
+        weight_decay: decoupled weight decay (inside u, as LAMB).
+        bias_correction: Adam bias correction of m and v.
+        min_coeff, max_coeff: trust-ratio clamp (DeepSpeed FusedLamb: 0.01, 10; BERT-64k: max 0.3).
+        grad_pre_normalization: divide gradients by max(global norm, max_grad_norm)/max_grad_norm first.
+        max_grad_norm: threshold of the pre-normalisation.
+        gamma, beta3, gsnr_eps, gsnr, fused: as :class:`vrgd_ds.VRAdam`.
+    """
+
+    state_keys = ("exp_avg", "exp_avg_sq")
+
+    def __init__(self, params: Any, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-6,
+                 weight_decay: float = 1e-2, bias_correction: bool = True, min_coeff: float = 0.01,
+                 max_coeff: float = 10.0, grad_pre_normalization: bool = False, max_grad_norm: float = 1.0,
+                 gamma: float = 0.1, beta3: float = 0.9, gsnr_eps: float = 1e-12, gsnr: bool = True,
+                 fused: bool | None = None) -> None:
+        owner = type(self).__name__
+        check_adam_args(owner, betas, eps)
+        check_arg(owner, "min_coeff", 0.0 <= min_coeff <= max_coeff, min_coeff, "in [0, max_coeff]")
+        check_arg(owner, "max_grad_norm", max_grad_norm > 0, max_grad_norm, "> 0")
+        defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay,
+                        bias_correction=bias_correction, min_coeff=min_coeff, max_coeff=max_coeff,
+                        grad_pre_normalization=grad_pre_normalization, max_grad_norm=max_grad_norm,
+                        trust_ratio=True, gamma=gamma, beta3=beta3, gsnr_eps=gsnr_eps, gsnr=gsnr)
+        super().__init__(params, defaults, fused=fused)
+
+    def _prepare(self, plans, kernels):
+        """The global gradient norm for NVLAMB pre-normalisation, over every group that asks."""
+        wanted = [p for p in plans if p.group["grad_pre_normalization"]]
+        if not wanted:
+            return {}
+        sq = 0.0
+        for plan in wanted:
+            norms = plan.grad_norms if plan.grad_norms is not None else kernels.scaled_grad_norms(
+                plan.params, plan.grads, [], [], [], plan.seg, table([plan.ones()] * 3), 1.0, 0.0, 0.0)
+            sq += float(norms[:, 1].sum())
+        return {"global_grad_norm": self._global_sq_norm(sq) ** 0.5}
+
+    def _global_sq_norm(self, local_sq: float) -> float:
+        """Sum of squared gradient norms over everything this optimizer updates (all ranks
+        under ZeRO: the integration overrides this)."""
+        return local_sq
+
+    def _update(self, plan, kernels, n, extras):
+        g = plan.group
+        mult = None
+        if g["grad_pre_normalization"]:
+            norm = extras["global_grad_norm"]
+            mult = plan.ones() * (g["max_grad_norm"] / max(norm, g["max_grad_norm"]))
+        m = [st["exp_avg"] for st in plan.states]
+        v = [st["exp_avg_sq"] for st in plan.states]
+        cols = adam_columns(plan, mult)
+        gsnr_args = {k: val for k, val in plan.gsnr_args(n).items() if k != "eps"}
+        out = kernels.adam_step(plan.params, plan.grads, m, v, seg=plan.seg, segf=cols, lr=g["lr"],
+                                beta1=g["betas"][0], beta2=g["betas"][1], eps=g["eps"],
+                                weight_decay=g["weight_decay"], apply=False, eps_gsnr=g["gsnr_eps"], **gsnr_args)
+        norms = self.reduce_segments(plan, out[:, :2])
+        trust, adapted = trust_ratios(plan, norms, plan.ones(), g["min_coeff"], g["max_coeff"])
+        kernels.lamb_apply(plan.params, m, v, plan.seg, table([cols[:, 3], cols[:, 4], trust]), g["lr"], g["eps"],
+                           g["weight_decay"])
+        return {"clip_counts": out[:, 2:4], "trust": trust, "adapted": adapted}
+
+
+class Lamb(VRLamb):
+    """LAMB: :class:`VRLamb` with ``gsnr=False`` (same code, nothing else differs)."""
+
+    def __init__(self, params: Any, **kwargs: Any) -> None:
+        if kwargs.pop("gsnr", False):
+            raise ValueError("Lamb is VRLamb without GSNR; use VRLamb for gsnr=True")
+        super().__init__(params, gsnr=False, **kwargs)

@@ -1,0 +1,75 @@
+"""VR-LARS and LARS (You et al. 2017, "Large Batch Training of Convolutional Networks";
+NVIDIA's LARC for the clipping mode; Jiang et al., arXiv 2309.13681 for the GSNR part).
+
+    g'       = p̂ ⊙ g
+    local_lr = η ‖θ‖ / (‖g'‖ + wd ‖θ‖)      1 if ‖θ‖ or ‖g'‖ is 0, or trust_ratio=False
+    local_lr = min(local_lr / lr, 1)         (clip=True: LARC clipping mode)
+    d        = local_lr · (g' + wd · θ)
+    buf      = μ · buf + d ;   θ -= lr · buf     (SGD momentum on d, Nesterov optional)
+
+Bias and norm parameters get neither adaptation nor decay through ``param_groups``.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from vrgd_ds.optim.base import GSNROptimizer, check_arg, table
+from vrgd_ds.optim.sgd import sgd_update
+
+
+class VRLars(GSNROptimizer):
+    r"""VR-LARS; see the module docstring.
+
+    Args:
+        params: parameters or param groups; a group with ``trust_ratio=False`` is not adapted.
+        lr: learning rate.
+        momentum: heavy-ball coefficient.
+        nesterov: Nesterov momentum.
+        weight_decay: L2 penalty inside the adapted direction.
+        trust_coefficient: η (0.001).
+        clip: LARC clipping mode, local lr capped at the global lr.
+        eps: added to the denominator of the local lr.
+        gamma, gsnr_eps, gsnr, fused: as :class:`vrgd_ds.VRAdam`; beta3 defaults to 0 (r as is).
+    """
+
+    state_keys = ()
+
+    def __init__(self, params: Any, lr: float = 1.0, momentum: float = 0.9, nesterov: bool = False,
+                 weight_decay: float = 0.0, trust_coefficient: float = 0.001, clip: bool = False, eps: float = 0.0,
+                 gamma: float = 0.1, beta3: float = 0.0, gsnr_eps: float = 1e-12, gsnr: bool = True,
+                 fused: bool | None = None) -> None:
+        owner = type(self).__name__
+        check_arg(owner, "momentum", 0.0 <= momentum < 1.0, momentum, "in [0, 1)")
+        check_arg(owner, "trust_coefficient", trust_coefficient > 0, trust_coefficient, "> 0")
+        check_arg(owner, "eps", eps >= 0, eps, ">= 0")
+        defaults = dict(lr=lr, momentum=momentum, dampening=0.0, nesterov=nesterov, weight_decay=weight_decay,
+                        trust_coefficient=trust_coefficient, clip=clip, eps=eps, trust_ratio=True, gamma=gamma,
+                        beta3=beta3, gsnr_eps=gsnr_eps, gsnr=gsnr)
+        super().__init__(params, defaults, fused=fused)
+
+    def _update(self, plan, kernels, n, extras):
+        g = plan.group
+        norms = plan.grad_norms  # pass 1 of a group without GSNR computed exactly these
+        if plan.gsnr:
+            norms = kernels.scaled_grad_norms(plan.params, plan.grads, seg=plan.seg,
+                                              segf=table(plan.gsnr_columns()), **plan.gsnr_args(n))
+        sq = self.reduce_segments(plan, norms[:, :2])
+        w, u = sq[:, 0].sqrt(), sq[:, 1].sqrt()
+        adapted = torch.full_like(w, bool(g["trust_ratio"]), dtype=torch.bool) & (w > 0) & (u > 0)
+        denom = torch.where(adapted, u + g["weight_decay"] * w + g["eps"], torch.ones_like(u))
+        local = torch.where(adapted, g["trust_coefficient"] * w / denom, torch.ones_like(w))
+        if g["clip"] and g["lr"] > 0:
+            local = torch.where(adapted, (local / g["lr"]).clamp(max=1.0), local)
+        counts = sgd_update(self, plan, kernels, n, lr_mult=local)
+        return {"clip_counts": counts, "trust": local, "adapted": adapted}
+
+
+class Lars(VRLars):
+    """LARS: :class:`VRLars` with ``gsnr=False`` (same code, nothing else differs)."""
+
+    def __init__(self, params: Any, **kwargs: Any) -> None:
+        if kwargs.pop("gsnr", False):
+            raise ValueError("Lars is VRLars without GSNR; use VRLars for gsnr=True")
+        super().__init__(params, gsnr=False, **kwargs)

@@ -1,0 +1,83 @@
+"""VR-SGD and VR-Momentum (Jiang et al., arXiv 2309.13681, Algorithm 1 and §4.1).
+
+Heavy-ball momentum, optionally Nesterov, on the GSNR-scaled gradient::
+
+    d   = p̂ ⊙ g + wd · θ                     # GSNR scales the data gradient only
+    buf = μ · buf + (1 - dampening) · d        # buf = d at the first step
+    d   = d + μ · buf  (Nesterov)  or  buf
+    θ  -= lr · d
+
+``p̂`` is r (``beta3 = 0``, the paper's VR-SGD) or its bias-corrected momentum. With
+``gsnr=False`` (or ``gamma = 1``) this is ``torch.optim.SGD`` with the same arguments.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from vrgd_ds.optim.base import GSNROptimizer, Plan, check_arg, table
+
+
+def sgd_update(opt: GSNROptimizer, plan: Plan, kernels: Any, n: int, lr_mult: torch.Tensor | None = None) -> torch.Tensor:
+    """One (VR-)SGD/momentum step of a plan; ``lr_mult`` per segment (LARS), default 1."""
+    g = plan.group
+    momentum = g["momentum"]
+    first = torch.tensor([0.0 if "momentum_buffer" in st else 1.0 for st in plan.states], dtype=torch.float64)
+    bufs = []
+    if momentum != 0.0:
+        for p, st in zip(plan.params, plan.states):
+            if "momentum_buffer" not in st:
+                st["momentum_buffer"] = torch.zeros(p.shape, dtype=torch.float32, device=p.device)
+            bufs.append(st["momentum_buffer"])
+    segf = table(plan.gsnr_columns() + [plan.ones() if lr_mult is None else lr_mult, first])
+    return kernels.sgd_step(plan.params, plan.grads, bufs, seg=plan.seg, segf=segf, lr=g["lr"],
+                            weight_decay=g["weight_decay"], momentum=momentum, dampening=g["dampening"],
+                            nesterov=g["nesterov"], **plan.gsnr_args(n))
+
+
+class VRMomentum(GSNROptimizer):
+    r"""VR-Momentum: SGD with (Nesterov) momentum on the GSNR-scaled gradient.
+
+    Args:
+        params: parameters or param groups (see ``vrgd_ds.param_groups``).
+        lr: learning rate.
+        momentum: heavy-ball coefficient μ.
+        dampening: dampening of the momentum update.
+        nesterov: Nesterov momentum (needs momentum > 0, dampening = 0).
+        weight_decay: L2 penalty added to the scaled gradient (as ``torch.optim.SGD``).
+        gamma: lower clamp of the normalised GSNR, in (0, 1] (paper: 0.1).
+        beta3: momentum of the GSNR (0: off, the paper's VR-SGD).
+        gsnr_eps: added to the variance in the GSNR.
+        gsnr: False gives the base optimizer through the same code.
+        fused: True/False/None: fused CPU kernels / reference / fused where applicable.
+    """
+
+    def __init__(self, params: Any, lr: float = 0.1, momentum: float = 0.9, dampening: float = 0.0,
+                 nesterov: bool = False, weight_decay: float = 0.0, gamma: float = 0.1, beta3: float = 0.0,
+                 gsnr_eps: float = 1e-12, gsnr: bool = True, fused: bool | None = None) -> None:
+        defaults = dict(lr=lr, momentum=momentum, dampening=dampening, nesterov=nesterov,
+                        weight_decay=weight_decay, gamma=gamma, beta3=beta3, gsnr_eps=gsnr_eps, gsnr=gsnr)
+        super().__init__(params, defaults, fused=fused)
+
+    def _check_group(self, group: dict[str, Any]) -> None:
+        owner = type(self).__name__
+        check_arg(owner, "momentum", 0.0 <= group["momentum"] < 1.0, group["momentum"], "in [0, 1)")
+        check_arg(owner, "dampening", 0.0 <= group["dampening"] <= 1.0, group["dampening"], "in [0, 1]")
+        check_arg(owner, "nesterov", not group["nesterov"] or (group["momentum"] > 0 and group["dampening"] == 0),
+                  group["nesterov"], "False unless momentum > 0 and dampening = 0")
+
+    def _update(self, plan, kernels, n, extras):
+        return {"clip_counts": sgd_update(self, plan, kernels, n)}
+
+
+class VRSGD(VRMomentum):
+    r"""VR-SGD (paper Algorithm 1): ``θ -= lr · (r ⊙ gbar + wd · θ)``, no momentum.
+
+    Args as :class:`VRMomentum` without the momentum options.
+    """
+
+    def __init__(self, params: Any, lr: float = 0.1, weight_decay: float = 0.0, gamma: float = 0.1,
+                 beta3: float = 0.0, gsnr_eps: float = 1e-12, gsnr: bool = True, fused: bool | None = None) -> None:
+        super().__init__(params, lr=lr, momentum=0.0, weight_decay=weight_decay, gamma=gamma, beta3=beta3,
+                         gsnr_eps=gsnr_eps, gsnr=gsnr, fused=fused)

@@ -1,0 +1,103 @@
+"""Gradient statistics in one process: a tensor hook per parameter sees every backward's
+gradient before it is accumulated into ``.grad``, so each ``backward()`` between two
+optimizer steps is one gradient group (DESIGN §3, first row).
+
+Statistics are fp32 ``Σg`` and ``Σg²`` buffers per parameter, allocated once and reused:
+the first backward after a reset *writes* them instead of adding, so a reset costs no pass
+over memory.
+"""
+from __future__ import annotations
+
+import weakref
+from typing import Callable, Iterable
+
+import torch
+from torch import Tensor
+
+Accumulate = Callable[[Tensor, Tensor, Tensor, bool], None]
+
+
+class TensorHookStats:
+    """Per-backward fp32 moments of the gradients of a set of parameters.
+
+    ``n`` is the number of gradient groups since the last ``reset()``: the largest number
+    of backward passes any watched parameter took part in. A parameter absent from some
+    backward contributed a zero gradient there, which its sums already reflect.
+    """
+
+    def __init__(self, accumulate: Accumulate) -> None:
+        self._accumulate = accumulate
+        self._buffers: dict[Tensor, tuple[Tensor, Tensor]] = {}
+        self._counts: dict[Tensor, int] = {}
+        self._handles: list[torch.utils.hooks.RemovableHandle] = []
+        self._watched: set[int] = set()
+
+    def set_accumulate(self, accumulate: Accumulate) -> None:
+        self._accumulate = accumulate
+
+    def watch(self, params: Iterable[Tensor]) -> None:
+        """Registers the hook on each parameter that requires grad (idempotent)."""
+        me = weakref.ref(self)
+        for p in params:
+            if not p.requires_grad or id(p) in self._watched:
+                continue
+            self._watched.add(id(p))
+            p_ref = weakref.ref(p)
+
+            def hook(grad: Tensor, me=me, p_ref=p_ref) -> None:
+                stats, param = me(), p_ref()
+                if stats is not None and param is not None:
+                    stats._record(param, grad)
+
+            self._handles.append(p.register_hook(hook))
+
+    def _record(self, p: Tensor, grad: Tensor) -> None:
+        if grad.is_sparse:
+            raise RuntimeError(
+                f"VRGD statistics do not support sparse gradients (parameter of shape {tuple(p.shape)}); "
+                "use a dense layer (e.g. nn.Embedding(sparse=False))"
+            )
+        bufs = self._buffers.get(p)
+        if bufs is None:
+            bufs = (torch.empty(p.shape, dtype=torch.float32, device=p.device),
+                    torch.empty(p.shape, dtype=torch.float32, device=p.device))
+            self._buffers[p] = bufs
+        count = self._counts.get(p, 0)
+        self._accumulate(grad.detach(), bufs[0], bufs[1], count == 0)
+        self._counts[p] = count + 1
+
+    @property
+    def n(self) -> int:
+        return max(self._counts.values(), default=0)
+
+    def recorded(self, p: Tensor) -> bool:
+        return self._counts.get(p, 0) > 0
+
+    def moments(self, params: Iterable[Tensor]) -> tuple[list[Tensor], list[Tensor]]:
+        """``Σg`` and ``Σg²`` (fp32, shaped like each parameter) since the last reset."""
+        sum_g, sum_sq = [], []
+        for p in params:
+            if not self.recorded(p):
+                raise RuntimeError(
+                    f"a parameter of shape {tuple(p.shape)} has a gradient but no VRGD statistics: its gradient "
+                    "did not come from backward() since the last step (gradients set by hand are not seen)"
+                )
+            sum_g.append(self._buffers[p][0])
+            sum_sq.append(self._buffers[p][1])
+        return sum_g, sum_sq
+
+    def reset(self) -> None:
+        """Starts a new step: the next backward overwrites the sums."""
+        self._counts.clear()
+
+    def remove(self) -> None:
+        """Removes the hooks and frees the buffers (another source feeds the optimizer)."""
+        for h in self._handles:
+            h.remove()
+        self._handles.clear()
+        self._watched.clear()
+        self._buffers.clear()
+        self._counts.clear()
+
+    def buffer_bytes(self) -> int:
+        return sum(a.numel() * a.element_size() + b.numel() * b.element_size() for a, b in self._buffers.values())
