@@ -277,7 +277,7 @@ class GSNROptimizer(torch.optim.Optimizer):
                 ">= 2 data-parallel ranks or gradient_accumulation_steps >= 2 (ZeRO-2/3). Or set gsnr=False."
             )
         if n < RECOMMENDED_GROUPS:
-            warn_once(logger, f"small-n-{n}", "GSNR estimated from only n=%d gradient groups; the paper recommends "
+            warn_once(logger, f"small-n-{n}-{id(self)}", "GSNR estimated from only n=%d gradient groups; the paper recommends "
                       "n >= %d (best 32-256)", n, RECOMMENDED_GROUPS)
         return n
 

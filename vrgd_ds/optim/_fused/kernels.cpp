@@ -193,18 +193,37 @@ __attribute__((noinline)) void moments_chunk(const float* __restrict sg, const f
   o[0] = sr; o[1] = ss; o[2] = sgb; o[3] = mn; o[4] = mx;
 }
 
+// Sum of squares of one chunk. One instantiation per element type whatever the GSNR mode,
+// so a norm sums in the same order with GSNR on or off: gamma = 1 then reproduces the base
+// optimizer's trust ratios bit for bit.
+template <typename T>
+__attribute__((noinline)) double sum_squares(const T* __restrict x, int64_t n) {
+  float acc = 0.f;
+  _Pragma("omp simd reduction(+ : acc)")
+  for (int64_t i = 0; i < n; ++i) {
+    const float v = float(x[i]);
+    acc += v * v;
+  }
+  return acc;
+}
+
+// Per-thread scratch of one chunk (L2-resident), for values reduced after an element-wise loop.
+float* scratch() {
+  thread_local std::vector<float> buf(kChunk);
+  return buf.data();
+}
+
 template <typename scalar_t, typename G>
 __attribute__((noinline)) void grad_norms_chunk(const G scale, const scalar_t* __restrict p,
                                                 const scalar_t* __restrict gr, int64_t n, double* o) {
-  float pp = 0.f, uu = 0.f;
-  _Pragma("omp simd reduction(+ : pp, uu)")
+  float* __restrict u = scratch();
+  _Pragma("omp simd")
   for (int64_t i = 0; i < n; ++i) {
     float lo, hi;
-    const float pv = float(p[i]), u = scale.template operator()<false>(i, lo, hi) * float(gr[i]);
-    pp += pv * pv;
-    uu += u * u;
+    u[i] = scale.template operator()<false>(i, lo, hi) * float(gr[i]);
   }
-  o[0] = pp; o[1] = uu;
+  o[0] = sum_squares(p, n);
+  o[1] = sum_squares(u, n);
 }
 
 template <typename scalar_t, typename G, bool BUF, bool FIRST>
@@ -261,8 +280,9 @@ template <typename scalar_t, typename G>
 __attribute__((noinline)) void adam_norms_chunk(const G scale, const scalar_t* __restrict p,
                                                 const scalar_t* __restrict gr, float* __restrict m,
                                                 float* __restrict v, int64_t n, const AdamConsts k, double* o) {
-  float pp = 0.f, uu = 0.f, nlo = 0.f, nhi = 0.f;
-  _Pragma("omp simd reduction(+ : pp, uu, nlo, nhi)")
+  float* __restrict u = scratch();
+  float nlo = 0.f, nhi = 0.f;
+  _Pragma("omp simd reduction(+ : nlo, nhi)")
   for (int64_t i = 0; i < n; ++i) {
     float lo, hi;
     const float gv = (scale.template operator()<true>(i, lo, hi) * float(gr[i])) * k.grad_mult;
@@ -270,15 +290,15 @@ __attribute__((noinline)) void adam_norms_chunk(const G scale, const scalar_t* _
     const float vv = v[i] * k.b2 + (gv * gv) * k.omb2;
     m[i] = mv;
     v[i] = vv;
-    const float pv = float(p[i]);
     const float denom = std::sqrt(vv) / k.bc2s + k.eps;
-    const float u = mv / (k.bc1 * denom) + k.wd * pv;
-    pp += pv * pv;
-    uu += u * u;
+    u[i] = mv / (k.bc1 * denom) + k.wd * float(p[i]);
     nlo += lo;
     nhi += hi;
   }
-  o[0] = pp; o[1] = uu; o[2] = nlo; o[3] = nhi;
+  o[0] = sum_squares(p, n);
+  o[1] = sum_squares(u, n);
+  o[2] = nlo;
+  o[3] = nhi;
 }
 
 template <typename scalar_t>

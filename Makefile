@@ -1,0 +1,27 @@
+# Two commands on a fresh machine with Python 3.11 + pip:
+#   make test   installs into .venv and runs the test suite
+#   make demo   installs into .venv and runs the main job on its embedded default
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+
+.PHONY: install test demo bench
+
+$(VENV)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	# the CPU wheel of torch first: a bare "torch" requirement would pull a CUDA build
+	$(PY) -m pip install -q "torch==2.13.0"
+	$(PY) -m pip install -q -e ".[test]"
+	touch $@
+
+install: $(VENV)/.installed
+
+test: install
+	$(PY) -m pytest -q tests
+
+demo: install
+	$(PY) -m vrgd_ds.demo
+
+bench: install
+	$(PY) benchmarks/optimizer_step.py

@@ -1,0 +1,133 @@
+"""Optimizer-step cost of the VRGD family against torch's AdamW, on CPU.
+
+What is measured: the wall time of ``opt.step()`` alone, for ~50M fp32 parameters in
+BERT-like tensor shapes (hidden 512, intermediate 2048, vocab 30522; the number of layers is
+chosen to come closest to ``--params-millions``). Each optimizer owns its own copy of the
+parameters. Before every step two backward passes run (outside the timed region), each
+``loss = sum((p * z_i).sum())`` with a fixed random tensor ``z_i`` per parameter and group
+index i, so every optimizer sees the same per-element varying gradients and the VRGD
+optimizers see n = 2 gradient groups. After warm-up steps (which also build the fused C++
+kernels on first use), the optimizers are timed round-robin, one step each per repeat, so
+machine noise hits all of them alike; the table reports the median.
+
+Memory: after the first step, the bytes of every non-scalar tensor in ``opt.state`` plus the
+VRGD statistics buffers, in fp32 words per parameter; "extra" subtracts Adam's two words
+(exp_avg, exp_avg_sq) for the Adam family and is the raw count for the others.
+
+Run:  python benchmarks/optimizer_step.py [--params-millions 50] [--repeats 15] [--json out.json]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+
+import torch
+
+import vrgd_ds
+
+HIDDEN, INTER, VOCAB, POSITIONS, TYPES = 512, 2048, 30522, 512, 2
+ADAM_FAMILY = ("AdamW(foreach)", "AdamW(fused)", "VRAdam", "VRLamb", "Lamb")
+OURS = (vrgd_ds.VRSGD, vrgd_ds.VRMomentum, vrgd_ds.VRAdam, vrgd_ds.VRLamb, vrgd_ds.VRLars, vrgd_ds.Lamb, vrgd_ds.Lars)
+FACTORIES = {
+    "AdamW(foreach)": lambda ps: torch.optim.AdamW(ps, foreach=True),
+    "AdamW(fused)": lambda ps: torch.optim.AdamW(ps, fused=True),
+    **{cls.__name__: (lambda ps, cls=cls: cls(ps, fused=True)) for cls in OURS},
+}
+
+
+def bert_shapes(target: int) -> list[tuple[int, ...]]:
+    """Parameter shapes of a BERT encoder (embeddings, layers, pooler) with about ``target`` elements."""
+    h, f = HIDDEN, INTER
+    layer = 4 * [(h, h), (h,)] + [(h,), (h,)] + [(f, h), (f,), (h, f), (h,)] + [(h,), (h,)]  # q k v o, LN, FFN, LN
+    per_layer = sum(torch.Size(s).numel() for s in layer)
+    fixed = (POSITIONS + TYPES + 2 + h + 1) * h  # position, token type, embedding LN, pooler
+    vocab = min(VOCAB, max(1000, (target - fixed - per_layer) // h))  # shrink only for tiny targets
+    layers = max(1, round((target - fixed - vocab * h) / per_layer))
+    return [(vocab, h), (POSITIONS, h), (TYPES, h), (h,), (h,)] + layer * layers + [(h, h), (h,)]
+
+
+def backward_groups(params: list[torch.Tensor], noise: list[list[torch.Tensor]]) -> None:
+    """One backward per noise set: each is one gradient group for the VRGD statistics."""
+    for zs in noise:
+        sum((p * z).sum() for p, z in zip(params, zs)).backward()
+
+
+def state_words(opt: torch.optim.Optimizer, numel: int) -> float:
+    """Optimizer state plus statistics buffers, in fp32 words per parameter."""
+    nbytes = sum(v.numel() * v.element_size() for st in opt.state.values() for v in st.values()
+                 if torch.is_tensor(v) and v.dim() > 0)
+    stats = getattr(opt, "_hook_stats", None)
+    return (nbytes + (stats.buffer_bytes() if stats is not None else 0)) / (4 * numel)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--params-millions", type=float, default=50.0)
+    ap.add_argument("--repeats", type=int, default=15)
+    ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--json", help="also write the results as JSON here")
+    args = ap.parse_args()
+
+    torch.manual_seed(0)
+    shapes = bert_shapes(int(args.params_millions * 1e6))
+    numel = sum(torch.Size(s).numel() for s in shapes)
+    print(f"{numel:,} fp32 parameters in {len(shapes)} tensors; torch {torch.__version__}, "
+          f"{torch.get_num_threads()} threads; {args.warmup} warm-up steps, {args.repeats} timed repeats")
+    init = [torch.randn(s) * 0.02 for s in shapes]
+    noise = [[torch.randn(s) * 1e-2 + 1e-3 for s in shapes] for _ in range(2)]
+    runs = {}
+    for name, make in FACTORIES.items():
+        params = [t.clone().requires_grad_() for t in init]
+        runs[name] = {"params": params, "opt": make(params), "times": []}
+
+    words = {}
+    for it in range(args.warmup + args.repeats):
+        for name, run in runs.items():  # round-robin: one step of each optimizer per repeat
+            opt = run["opt"]
+            backward_groups(run["params"], noise)
+            t0 = time.perf_counter()
+            opt.step()
+            elapsed = time.perf_counter() - t0
+            if it == 0:
+                words[name] = state_words(opt, numel)
+                print(f"  first step {name:15s} {elapsed:7.3f} s")
+            elif it >= args.warmup:
+                run["times"].append(elapsed)
+            opt.zero_grad(set_to_none=False)
+
+    med = {name: statistics.median(run["times"]) for name, run in runs.items()}
+    rows = []
+    for name, run in runs.items():
+        extra = words[name] - (2 if name in ADAM_FAMILY else 0)
+        rows.append(dict(optimizer=name, median_s=med[name], min_s=min(run["times"]), max_s=max(run["times"]),
+                         vs_adamw_fused=med[name] / med["AdamW(fused)"],
+                         vs_adamw_foreach=med[name] / med["AdamW(foreach)"],
+                         state_words_per_param=words[name], extra_words_per_param=extra,
+                         skipped_steps=getattr(run["opt"], "skipped_steps", 0)))
+
+    print(f"\n{'optimizer':15s} {'median ms':>10s} {'min ms':>8s} {'max ms':>8s} {'/fused':>7s} "
+          f"{'/foreach':>8s} {'words':>6s} {'extra':>6s} {'skipped':>7s}")
+    for r in rows:
+        print(f"{r['optimizer']:15s} {1e3 * r['median_s']:10.1f} {1e3 * r['min_s']:8.1f} {1e3 * r['max_s']:8.1f} "
+              f"{r['vs_adamw_fused']:7.2f} {r['vs_adamw_foreach']:8.2f} {r['state_words_per_param']:6.2f} "
+              f"{r['extra_words_per_param']:6.2f} {r['skipped_steps']:7d}")
+    vr = next(r for r in rows if r["optimizer"] == "VRAdam")
+    time_ok, mem_ok = vr["vs_adamw_fused"] <= 2.0, vr["extra_words_per_param"] <= 3.0
+    print(f"\nVRAdam / AdamW(fused) = {vr['vs_adamw_fused']:.2f} (target <= 2.0: {'met' if time_ok else 'NOT met'}); "
+          f"extra memory {vr['extra_words_per_param']:.2f} fp32 words/param (target <= 3: "
+          f"{'met' if mem_ok else 'NOT met'})")
+
+    if args.json:
+        meta = dict(params=numel, tensors=len(shapes), threads=torch.get_num_threads(), torch=torch.__version__,
+                    repeats=args.repeats, warmup=args.warmup)
+        result = dict(meta=meta, results=rows, vradam_vs_adamw_fused=vr["vs_adamw_fused"],
+                      time_target_met=time_ok, memory_target_met=mem_ok)
+        with open(args.json, "w") as fh:
+            json.dump(result, fh, indent=2)
+        print(f"wrote {args.json}")
+
+
+if __name__ == "__main__":
+    main()

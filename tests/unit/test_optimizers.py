@@ -1,0 +1,386 @@
+"""The optimizer family: base equivalence, fused == reference, hand computations,
+state_dict round trips, metrics and bad input. Parametrised over ``REGISTRY``."""
+import copy
+import logging
+
+import pytest
+import torch
+from torch import nn
+
+import vrgd_ds
+from vrgd_ds import REGISTRY
+from vrgd_ds.optim import _fused
+
+FUSED = pytest.param(True, marks=pytest.mark.skipif(not _fused.available(), reason="no C++ toolchain"))
+IMPLS = [False, FUSED]
+VR = [name for name, info in REGISTRY.items() if info.vr]
+
+
+def make_model(dtype=torch.float32):
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(6, 40), nn.LayerNorm(40), nn.Tanh(), nn.Linear(40, 3)).to(dtype)
+
+
+def batches(steps, groups, seed=1, dtype=torch.float32):
+    g = torch.Generator().manual_seed(seed)
+    return [[(torch.randn(5, 6, generator=g).to(dtype), torch.randn(5, 3, generator=g).to(dtype))
+             for _ in range(groups)] for _ in range(steps)]
+
+
+def run(model, opt, data, scale=1.0):
+    for step in data:
+        for x, y in step:
+            ((model(x) - y).float().pow(2).mean() * scale).backward()
+        opt.step()
+        opt.zero_grad()
+    return [p.detach().clone() for p in model.parameters()]
+
+
+def build(name, model, fused, **over):
+    info = REGISTRY[name]
+    kw = {**info.test_kwargs, **over}
+    wd = kw.pop("weight_decay", 0.0)
+    return info.cls(vrgd_ds.param_groups(model, wd), fused=fused, **kw)
+
+
+@pytest.mark.parametrize("fused", IMPLS)
+@pytest.mark.parametrize("name", VR)
+def test_gamma_one_equals_base_exactly(name, fused):
+    """gamma = 1 clamps r (and its momentum) to exactly 1: the VR optimizer then takes
+    bit-for-bit the step of its base (gsnr=False), through the same code."""
+    data = batches(4, 3)
+    m1, m2 = make_model(), make_model()
+    vr = run(m1, build(name, m1, fused, gamma=1.0), data)
+    base = run(m2, build(name, m2, fused, gsnr=False), data)
+    for a, b in zip(vr, base):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("name", [n for n, i in REGISTRY.items() if i.torch_equivalent is not None])
+def test_base_equals_torch_optimizer(name):
+    """With GSNR off, VRSGD/VRMomentum equal torch.optim.SGD and VRAdam equals AdamW
+    (same arithmetic; only rounding of fused vector code may differ: rtol 1e-6)."""
+    info = REGISTRY[name]
+    kw = dict(info.test_kwargs)
+    kw.pop("beta3", None)
+    data = batches(5, 2)
+    m1, m2 = make_model(), make_model()
+    ours = run(m1, info.cls(m1.parameters(), gsnr=False, **kw), data)
+    if name == "VRSGD":
+        ref = torch.optim.SGD(m2.parameters(), **kw)
+    else:
+        ref = info.torch_equivalent(m2.parameters(), **kw)
+    theirs = run(m2, ref, data)
+    for a, b in zip(ours, theirs):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.skipif(not _fused.available(), reason="no C++ toolchain")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("name", list(REGISTRY))
+def test_fused_equals_reference(name, dtype):
+    """The fused multi-tensor kernels against the single-tensor reference over several
+    steps. Element-wise maths rounds identically; reductions (mean r, norms) sum in another
+    order, so trajectories agree to ~1e-6 relative in fp32 and to one bf16 ulp in bf16."""
+    data = batches(5, 4, dtype=dtype)
+    m1, m2 = make_model(dtype), make_model(dtype)
+    o1, o2 = build(name, m1, False), build(name, m2, True)
+    a, b = run(m1, o1, data), run(m2, o2, data)
+    tol = dict(rtol=1e-5, atol=1e-6) if dtype == torch.float32 else dict(rtol=1e-2, atol=1e-2)
+    for x, y in zip(a, b):
+        torch.testing.assert_close(x, y, **tol)
+    for p1, p2 in zip(m1.parameters(), m2.parameters()):
+        for k, v in o1.state[p1].items():
+            assert v.dtype == torch.float32  # fp32 state for low-precision params
+            torch.testing.assert_close(v, o2.state[p2][k], rtol=1e-4, atol=1e-5)
+    if REGISTRY[name].vr:
+        m1_, m2_ = o1.gsnr_metrics(), o2.gsnr_metrics()
+        assert m1_.keys() == m2_.keys()
+        for k in m1_:
+            assert m1_[k] == pytest.approx(m2_[k], rel=1e-3, abs=1e-6, nan_ok=True), k
+
+
+@pytest.mark.parametrize("fused", IMPLS)
+@pytest.mark.parametrize("k", [2, 5])
+def test_vrsgd_step_equals_algorithm_1_by_hand(k, fused):
+    """One VR-SGD step against paper Algorithm 1 in float64 from the k group gradients
+    (statistics are fp32 by design: rtol 1e-5)."""
+    torch.manual_seed(k)
+    w = nn.Parameter(torch.randn(4, 3))
+    b = nn.Parameter(torch.randn(3))
+    xs = [torch.randn(2, 4) for _ in range(k)]
+    opt = vrgd_ds.VRSGD([w, b], lr=0.1, gamma=0.2, fused=fused)
+    grads = []
+    for x in xs:
+        loss = ((x @ w + b).sin()).sum()
+        gw, gb = torch.autograd.grad(loss, [w, b], retain_graph=True)
+        grads.append((gw.double(), gb.double()))
+        loss.backward()
+    w0, b0 = w.detach().double().clone(), b.detach().double().clone()
+    # g_d is the gradient of group d; p.grad holds their sum, and r is scale-invariant.
+    opt.step()
+    for i, (p, p0) in enumerate([(w, w0), (b, b0)]):
+        gd = torch.stack([g[i] for g in grads])
+        gbar = gd.mean(0)
+        var = (gd.pow(2).mean(0) - gbar.pow(2)).clamp_min(0)
+        r = gbar.pow(2) / (var + 1e-12)
+        r = (r / r.mean()).clamp(0.2, 1.0)
+        expect = p0 - 0.1 * r * gd.sum(0)
+        torch.testing.assert_close(p.detach().double(), expect, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("fused", IMPLS)
+def test_scale_invariance_of_the_step(fused):
+    """Scaling every group gradient by 2^k (a loss scale) leaves r unchanged exactly (eps=0):
+    VR-SGD, linear in the gradient, with lr / 2^k then takes the identical step."""
+    data = batches(3, 4)
+    m1, m2 = make_model(), make_model()
+    a = run(m1, vrgd_ds.VRSGD(m1.parameters(), lr=0.05, gsnr_eps=0.0, fused=fused), data)
+    b = run(m2, vrgd_ds.VRSGD(m2.parameters(), lr=0.05 / 1024, gsnr_eps=0.0, fused=fused), data, scale=1024.0)
+    for x, y in zip(a, b):
+        assert torch.equal(x, y)
+
+
+@pytest.mark.parametrize("fused", IMPLS)
+@pytest.mark.parametrize("name", list(REGISTRY))
+def test_state_dict_round_trip_continues_trajectory(name, fused, tmp_path):
+    data = batches(6, 3)
+    m1 = make_model()
+    o1 = build(name, m1, fused)
+    run(m1, o1, data[:3])
+    torch.save({"model": m1.state_dict(), "opt": o1.state_dict()}, tmp_path / "ckpt.pt")
+    straight = run(m1, o1, data[3:])
+    ck = torch.load(tmp_path / "ckpt.pt")
+    m2 = make_model()
+    m2.load_state_dict(ck["model"])
+    o2 = build(name, m2, fused)
+    o2.load_state_dict(ck["opt"])
+    resumed = run(m2, o2, data[3:])
+    for a, b in zip(straight, resumed):
+        assert torch.equal(a, b)
+
+
+def test_old_checkpoint_without_new_keys_loads():
+    """A checkpoint missing a group option and the GSNR momentum still loads: the option
+    takes its default, the state is created at the next step."""
+    m = make_model()
+    opt = vrgd_ds.VRAdam(m.parameters())
+    run(m, opt, batches(1, 2))
+    sd = opt.state_dict()
+    for st in sd["state"].values():
+        del st["gsnr_avg"]
+    for g in sd["param_groups"]:
+        del g["gsnr_eps"]
+    opt2 = vrgd_ds.VRAdam(m.parameters())
+    opt2.load_state_dict(sd)
+    assert opt2.param_groups[0]["gsnr_eps"] == 1e-12
+    run(m, opt2, batches(1, 2))
+    assert all("gsnr_avg" in opt2.state[p] for p in m.parameters())
+
+
+@pytest.mark.parametrize("fused", IMPLS)
+def test_lamb_trust_ratio_by_hand(fused):
+    w = nn.Parameter(torch.randn(5, 4))
+    w.grad = torch.randn(5, 4)
+    w0, g = w.detach().clone(), w.grad.clone()
+    opt = vrgd_ds.Lamb([w], lr=0.1, weight_decay=0.01, eps=1e-6, max_coeff=10.0, fused=fused)
+    opt.step()
+    m = 0.1 * g
+    v = 0.001 * g * g
+    u = (m / 0.1) / ((v / 0.001).sqrt() + 1e-6) + 0.01 * w0
+    trust = (w0.norm() / u.norm()).clamp(0.01, 10.0)
+    torch.testing.assert_close(w.detach(), w0 - 0.1 * trust * u, rtol=1e-6, atol=1e-7)
+    assert opt.gsnr_metrics()["trust_ratio/mean"] == pytest.approx(trust.item(), rel=1e-6)
+
+
+@pytest.mark.parametrize("fused", IMPLS)
+@pytest.mark.parametrize("cls", [vrgd_ds.Lamb, vrgd_ds.Lars])
+def test_trust_ratio_guards_at_zero_norms(cls, fused):
+    """A zero parameter (‖θ‖ = 0) or a zero update (zero gradient, no decay) keeps trust 1
+    instead of 0 or inf."""
+    z = nn.Parameter(torch.zeros(3, 3))
+    z.grad = torch.ones(3, 3)
+    q = nn.Parameter(torch.ones(3))
+    q.grad = torch.zeros(3)
+    opt = cls([z, q], lr=0.1, weight_decay=0.0, fused=fused)
+    opt.step()
+    assert opt._per_tensor["group0.param0"]["trust_ratio"] == 1.0
+    assert opt._per_tensor["group0.param1"]["trust_ratio"] == 1.0
+    assert torch.isfinite(z).all() and (z != 0).all()
+
+
+@pytest.mark.parametrize("fused", IMPLS)
+def test_lars_local_lr_by_hand(fused):
+    w = nn.Parameter(torch.randn(6, 2))
+    w.grad = torch.randn(6, 2)
+    w0, g = w.detach().clone(), w.grad.clone()
+    opt = vrgd_ds.Lars([w], lr=0.5, momentum=0.9, weight_decay=1e-3, trust_coefficient=0.01, fused=fused)
+    opt.step()
+    local = 0.01 * w0.norm() / (g.norm() + 1e-3 * w0.norm())
+    torch.testing.assert_close(w.detach(), w0 - 0.5 * local * (g + 1e-3 * w0), rtol=1e-6, atol=1e-7)
+
+
+def test_excluded_group_is_not_adapted():
+    m = make_model()
+    groups = vrgd_ds.param_groups(m, 0.01)
+    assert [len(g["params"]) for g in groups] == [2, 4]  # 2 weights; 2 biases + LayerNorm weight/bias
+    assert groups[1]["weight_decay"] == 0.0 and groups[1]["trust_ratio"] is False
+    assert groups[1]["param_names"] == ["0.bias", "1.weight", "1.bias", "3.bias"]
+    opt = vrgd_ds.VRLamb(groups, lr=0.01)
+    run(m, opt, batches(1, 2))
+    per = opt.gsnr_metrics(per_tensor=True)
+    assert per["tensor/1.weight/trust_ratio"] == 1.0
+    assert per["tensor/0.weight/trust_ratio"] != 1.0
+
+
+def test_metrics_clip_fractions_and_n():
+    m = make_model()
+    opt = vrgd_ds.VRSGD(m.parameters(), lr=0.01, gamma=0.3, fused=False)
+    data = batches(1, 6)
+    sums = {p: [torch.zeros_like(p), torch.zeros_like(p)] for p in m.parameters()}
+    for x, y in data[0]:
+        m.zero_grad()
+        (m(x) - y).pow(2).mean().backward()
+        for p in m.parameters():
+            sums[p][0] += p.grad
+            sums[p][1] += p.grad**2
+    for p in m.parameters():
+        p.grad = sums[p][0].clone()
+    low = high = total = 0
+    for p in m.parameters():
+        r = vrgd_ds.gsnr.gsnr(sums[p][0], sums[p][1], 6, 1e-12)
+        x = r / r.double().mean().float()
+        low += int((x < 0.3).sum())
+        high += int((x > 1).sum())
+        total += p.numel()
+    opt.step()
+    met = opt.gsnr_metrics()
+    assert met["gsnr/n"] == 6
+    assert met["gsnr/clip_low_frac"] == pytest.approx(low / total, abs=2 / total)
+    assert met["gsnr/clip_high_frac"] == pytest.approx(high / total, abs=2 / total)
+
+
+def test_statistics_reset_every_step_and_on_zero_grad():
+    m = make_model()
+    opt = vrgd_ds.VRAdam(m.parameters())
+    x, y = batches(1, 1)[0][0]
+    for _ in range(3):
+        (m(x) - y).pow(2).mean().backward()
+    assert opt.statistics_source.n == 3
+    opt.step()
+    assert opt.statistics_source.n == 0
+    (m(x) - y).pow(2).mean().backward()
+    opt.zero_grad()  # a step the caller skipped (e.g. GradScaler overflow)
+    assert opt.statistics_source.n == 0
+
+
+def test_closure_is_called_and_counts_its_backwards():
+    m = make_model()
+    opt = vrgd_ds.VRSGD(m.parameters(), lr=0.01)
+    x, y = batches(1, 1)[0][0]
+
+    def closure():
+        opt.zero_grad()
+        loss = None
+        for half in (x[:2], x[2:]):
+            loss = (m(half) - y[: len(half)]).pow(2).mean()
+            loss.backward()
+        return loss
+
+    loss = opt.step(closure)
+    assert torch.is_tensor(loss) and opt.gsnr_metrics()["gsnr/n"] == 2
+
+
+def test_lr_scheduler_drives_groups():
+    m = make_model()
+    opt = vrgd_ds.VRLamb(m.parameters(), lr=0.1)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 0.5**s)
+    for step in batches(3, 2):
+        run(m, opt, [step])
+        sched.step()
+    assert opt.param_groups[0]["lr"] == pytest.approx(0.1 * 0.125)
+
+
+# ---- bad input -----------------------------------------------------------------------------
+
+
+def test_single_group_is_an_error_saying_how_to_fix():
+    m = make_model()
+    opt = vrgd_ds.VRAdam(m.parameters())
+    x, y = batches(1, 1)[0][0]
+    (m(x) - y).pow(2).mean().backward()
+    with pytest.raises(RuntimeError, match=r"n=1.*micro-batches.*gradient_accumulation_steps"):
+        opt.step()
+    assert opt.statistics_source.n == 0  # reset even after the error
+
+
+def test_few_groups_warn_once(caplog):
+    m = make_model()
+    opt = vrgd_ds.VRAdam(m.parameters())
+    with caplog.at_level(logging.WARNING):
+        run(m, opt, batches(2, 3))
+    assert sum("n=3" in r.message for r in caplog.records) == 1
+
+
+@pytest.mark.parametrize("kwargs, key", [
+    (dict(gamma=0.0), "gamma"), (dict(gamma=1.1), "gamma"), (dict(lr=-1.0), "lr"),
+    (dict(betas=(0.9, 1.0)), "betas"), (dict(eps=-1e-8), "eps"), (dict(beta3=1.0), "beta3"),
+    (dict(weight_decay=-0.1), "weight_decay"), (dict(fused="yes"), "fused"),
+])
+def test_invalid_hyper_parameters(kwargs, key):
+    with pytest.raises(ValueError, match=key):
+        vrgd_ds.VRAdam(make_model().parameters(), **kwargs)
+
+
+@pytest.mark.parametrize("fused", IMPLS)
+@pytest.mark.parametrize("name", list(REGISTRY))
+def test_nonfinite_gradient_skips_step_and_keeps_state(name, fused):
+    m = make_model()
+    opt = build(name, m, fused)
+    run(m, opt, batches(2, 2))
+    before = copy.deepcopy((m.state_dict(), opt.state_dict()))
+    x, y = batches(1, 1)[0][0]
+    for _ in range(2):
+        (m(x) - y).pow(2).mean().backward()
+    next(m.parameters()).grad[0, 0] = float("nan")
+    with torch.no_grad():  # statistics see the same corruption as the gradient
+        if REGISTRY[name].vr:
+            opt.statistics_source.moments([next(m.parameters())])[1][0][0, 0] = float("inf")
+    opt.step()
+    met = opt.gsnr_metrics()
+    assert met["step/skipped_nonfinite"] == 1.0 and met["step/skipped_total"] == 1.0
+    after = (m.state_dict(), opt.state_dict())
+    for k, v in before[0].items():
+        assert torch.equal(v, after[0][k])
+    for pid, st in before[1]["state"].items():
+        for k, v in st.items():
+            assert torch.equal(v, after[1]["state"][pid][k])
+    opt.zero_grad()
+    run(m, opt, batches(1, 2))  # training continues
+    assert opt.gsnr_metrics()["step/skipped_nonfinite"] == 0.0
+
+
+def test_params_without_grad_are_skipped():
+    m = make_model()
+    opt = vrgd_ds.VRAdam(m.parameters())
+    frozen = m[3].weight
+    frozen.requires_grad_(False)
+    w0 = frozen.detach().clone()
+    run(m, opt, batches(2, 2))
+    assert torch.equal(frozen, w0) and frozen not in opt.state
+
+
+def test_sparse_gradients_are_rejected():
+    emb = nn.Embedding(10, 4, sparse=True)
+    opt = vrgd_ds.VRAdam(emb.parameters())
+    with pytest.raises(RuntimeError, match="sparse"):
+        emb(torch.tensor([1, 2])).sum().backward()
+    opt.zero_grad()
+
+
+def test_fused_true_rejects_unsupported_params():
+    p = nn.Parameter(torch.zeros(3, dtype=torch.float64))
+    opt = vrgd_ds.VRSGD([p], fused=True)
+    p.grad = torch.ones(3, dtype=torch.float64)
+    with pytest.raises(ValueError, match="fp32/bf16/fp16"):
+        opt.kernels()
