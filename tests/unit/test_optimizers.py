@@ -204,8 +204,9 @@ def test_trust_ratio_guards_at_zero_norms(cls, fused):
     q.grad = torch.zeros(3)
     opt = cls([z, q], lr=0.1, weight_decay=0.0, fused=fused)
     opt.step()
-    assert opt._per_tensor["group0.param0"]["trust_ratio"] == 1.0
-    assert opt._per_tensor["group0.param1"]["trust_ratio"] == 1.0
+    per = opt.gsnr_metrics(per_tensor=True)
+    assert per["tensor/group0.param0/trust_ratio"] == 1.0
+    assert per["tensor/group0.param1/trust_ratio"] == 1.0
     assert torch.isfinite(z).all() and (z != 0).all()
 
 

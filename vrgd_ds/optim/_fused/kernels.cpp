@@ -254,10 +254,13 @@ struct AdamConsts {
   float b1, omb1, b2, omb2, eps, wd, decay, bc1, bc2s, step_size, grad_mult;
 };
 
-template <typename scalar_t, typename G>
-__attribute__((noinline)) void adam_apply_chunk(const G scale, scalar_t* __restrict p, const scalar_t* __restrict gr,
-                                                float* __restrict m, float* __restrict v, int64_t n,
-                                                const AdamConsts k, double* o) {
+// APPLY: the AdamW update, o = clip counts. Else LAMB's first pass: moments only,
+// o = |theta|^2, |u|^2 (u kept in scratch), clip counts.
+template <typename scalar_t, typename G, bool APPLY>
+__attribute__((noinline)) void adam_chunk(const G scale, scalar_t* __restrict p, const scalar_t* __restrict gr,
+                                          float* __restrict m, float* __restrict v, int64_t n, const AdamConsts k,
+                                          double* o) {
+  float* __restrict u = APPLY ? nullptr : scratch();
   float nlo = 0.f, nhi = 0.f;
   _Pragma("omp simd reduction(+ : nlo, nhi)")
   for (int64_t i = 0; i < n; ++i) {
@@ -268,37 +271,20 @@ __attribute__((noinline)) void adam_apply_chunk(const G scale, scalar_t* __restr
     m[i] = mv;
     v[i] = vv;
     const float denom = std::sqrt(vv) / k.bc2s + k.eps;
-    const float pv = float(p[i]) * k.decay;
-    p[i] = scalar_t(pv - k.step_size * (mv / denom));
+    if constexpr (APPLY) {
+      const float pv = float(p[i]) * k.decay;
+      p[i] = scalar_t(pv - k.step_size * (mv / denom));
+    } else {
+      u[i] = mv / (k.bc1 * denom) + k.wd * float(p[i]);
+    }
     nlo += lo;
     nhi += hi;
   }
-  o[0] = nlo; o[1] = nhi;
-}
-
-template <typename scalar_t, typename G>
-__attribute__((noinline)) void adam_norms_chunk(const G scale, const scalar_t* __restrict p,
-                                                const scalar_t* __restrict gr, float* __restrict m,
-                                                float* __restrict v, int64_t n, const AdamConsts k, double* o) {
-  float* __restrict u = scratch();
-  float nlo = 0.f, nhi = 0.f;
-  _Pragma("omp simd reduction(+ : nlo, nhi)")
-  for (int64_t i = 0; i < n; ++i) {
-    float lo, hi;
-    const float gv = (scale.template operator()<true>(i, lo, hi) * float(gr[i])) * k.grad_mult;
-    const float mv = m[i] * k.b1 + gv * k.omb1;
-    const float vv = v[i] * k.b2 + (gv * gv) * k.omb2;
-    m[i] = mv;
-    v[i] = vv;
-    const float denom = std::sqrt(vv) / k.bc2s + k.eps;
-    u[i] = mv / (k.bc1 * denom) + k.wd * float(p[i]);
-    nlo += lo;
-    nhi += hi;
+  if constexpr (APPLY) {
+    o[0] = nlo; o[1] = nhi;
+  } else {
+    o[0] = sum_squares(p, n); o[1] = sum_squares(u, n); o[2] = nlo; o[3] = nhi;
   }
-  o[0] = sum_squares(p, n);
-  o[1] = sum_squares(u, n);
-  o[2] = nlo;
-  o[3] = nhi;
 }
 
 template <typename scalar_t>
@@ -488,10 +474,11 @@ at::Tensor adam_step(const std::vector<at::Tensor>& params, const std::vector<at
           const scalar_t* gr = grads[c.tensor].data_ptr<scalar_t>() + c.begin;
           float* m = exp_avg[c.tensor].data_ptr<float>() + c.begin;
           float* v = exp_avg_sq[c.tensor].data_ptr<float>() + c.begin;
+          using G = GsnrOf<decltype(mode)::value>;
           if (apply)
-            adam_apply_chunk(scale, p, gr, m, v, c.end - c.begin, k, part.data() + ci * cols);
+            adam_chunk<scalar_t, G, true>(scale, p, gr, m, v, c.end - c.begin, k, part.data() + ci * cols);
           else
-            adam_norms_chunk(scale, p, gr, m, v, c.end - c.begin, k, part.data() + ci * cols);
+            adam_chunk<scalar_t, G, false>(scale, p, gr, m, v, c.end - c.begin, k, part.data() + ci * cols);
         });
       });
     });
