@@ -26,6 +26,7 @@ _CFLAGS = [
     "-fopenmp",  # at::parallel_for and omp simd
     "-fno-math-errno",
     "-fno-trapping-math",
+    "-fno-unswitch-loops",  # GCC otherwise versions the GSNR loops on gamma and runs a scalar copy
 ]
 
 

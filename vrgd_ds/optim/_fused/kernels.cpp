@@ -138,26 +138,29 @@ struct GsnrChunk {
     }
   }
 
-  // Returns p_hat; low/high are 1 where the normalised r_t was raised to lo / cut to 1.
+  // p_hat, and flags (1 or 0) where the normalised r_t was raised to lo / cut to 1. Returned
+  // by value: flags written through references become memory and stop vectorisation.
+  struct Scaled {
+    float r, low, high;
+  };
+
   template <bool WRITE>
-  inline float operator()(int64_t i, float& low, float& high) const {
+  inline Scaled operator()(int64_t i) const {
     if constexpr (!ON) {
-      low = 0.f;
-      high = 0.f;
-      return 1.f;
+      return {1.f, 0.f, 0.f};
     } else {
       const float x = gsnr_raw(sg[i], sq[i], inv_n, eps) * inv_mean;
-      low = x < lo ? 1.f : 0.f;
-      high = x > 1.f ? 1.f : 0.f;
+      const float low = x < lo ? 1.f : 0.f;
+      const float high = x > 1.f ? 1.f : 0.f;
       const float r = std::min(std::max(x, lo), 1.f);
       if constexpr (!EMA) {
-        return r;
+        return {r, low, high};
       } else {
         const float a = avg[i] * b3 + r * omb3;
         if constexpr (WRITE) avg[i] = a;
         // The bias-corrected EMA of values in [lo, 1] lies in [lo, 1]; the clamp removes
         // rounding excursions, so gamma == 1 gives exactly 1 and the base optimizer exactly.
-        return std::min(std::max(a / bc3, lo), 1.f);
+        return {std::min(std::max(a / bc3, lo), 1.f), low, high};
       }
     }
   }
@@ -219,8 +222,7 @@ __attribute__((noinline)) void grad_norms_chunk(const G scale, const scalar_t* _
   float* __restrict u = scratch();
   _Pragma("omp simd")
   for (int64_t i = 0; i < n; ++i) {
-    float lo, hi;
-    u[i] = scale.template operator()<false>(i, lo, hi) * float(gr[i]);
+    u[i] = scale.template operator()<false>(i).r * float(gr[i]);
   }
   o[0] = sum_squares(p, n);
   o[1] = sum_squares(u, n);
@@ -233,9 +235,9 @@ __attribute__((noinline)) void sgd_chunk(const G scale, scalar_t* __restrict p, 
   float nlo = 0.f, nhi = 0.f;
   _Pragma("omp simd reduction(+ : nlo, nhi)")
   for (int64_t i = 0; i < n; ++i) {
-    float lo, hi;
+    const auto sc = scale.template operator()<true>(i);
     const float pv = float(p[i]);
-    float d = scale.template operator()<true>(i, lo, hi) * float(gr[i]);
+    float d = sc.r * float(gr[i]);
     d = d + wd * pv;
     d = d * mult;
     if constexpr (BUF) {
@@ -244,8 +246,8 @@ __attribute__((noinline)) void sgd_chunk(const G scale, scalar_t* __restrict p, 
       d = nesterov ? d + bv * mu : bv;
     }
     p[i] = scalar_t(pv - lr * d);
-    nlo += lo;
-    nhi += hi;
+    nlo += sc.low;
+    nhi += sc.high;
   }
   o[0] = nlo; o[1] = nhi;
 }
@@ -264,8 +266,8 @@ __attribute__((noinline)) void adam_chunk(const G scale, scalar_t* __restrict p,
   float nlo = 0.f, nhi = 0.f;
   _Pragma("omp simd reduction(+ : nlo, nhi)")
   for (int64_t i = 0; i < n; ++i) {
-    float lo, hi;
-    const float gv = (scale.template operator()<true>(i, lo, hi) * float(gr[i])) * k.grad_mult;
+    const auto sc = scale.template operator()<true>(i);
+    const float gv = (sc.r * float(gr[i])) * k.grad_mult;
     const float mv = m[i] * k.b1 + gv * k.omb1;
     const float vv = v[i] * k.b2 + (gv * gv) * k.omb2;
     m[i] = mv;
@@ -277,8 +279,8 @@ __attribute__((noinline)) void adam_chunk(const G scale, scalar_t* __restrict p,
     } else {
       u[i] = mv / (k.bc1 * denom) + k.wd * float(p[i]);
     }
-    nlo += lo;
-    nhi += hi;
+    nlo += sc.low;
+    nhi += sc.high;
   }
   if constexpr (APPLY) {
     o[0] = nlo; o[1] = nhi;
