@@ -91,6 +91,18 @@ class Plan:
                     eps=g["gsnr_eps"], beta3=g["beta3"] if self.gsnr else 0.0)
 
 
+@dataclass
+class _Rows:
+    """What per-tensor metrics of the last step need, without the step's large tensors."""
+
+    index: int
+    group: dict[str, Any]
+    params: list[Tensor]
+    gsnr: bool
+    moments: Tensor | None
+    numel: Tensor
+
+
 def table(cols: list[Tensor]) -> Tensor:
     return torch.stack([c.double() for c in cols], dim=1).contiguous()
 
@@ -120,7 +132,7 @@ class GSNROptimizer(torch.optim.Optimizer):
         self._hook_stats: TensorHookStats | None = None
         self._segment_reducer: Callable[[Plan, Tensor], Tensor] | None = None
         self._metrics: dict[str, float] = {}
-        self._per_tensor: dict[str, dict[str, float]] = {}
+        self._per_tensor: list[tuple[_Rows, dict[str, Tensor]]] = []
         self.skipped_steps = 0
         super().__init__(params, defaults)
         for group in self.param_groups:
@@ -252,7 +264,7 @@ class GSNROptimizer(torch.optim.Optimizer):
             self.skipped_steps += 1
             self._metrics = {"step/skipped_nonfinite": 1.0, "step/skipped_total": float(self.skipped_steps),
                              "gsnr/n": float(n)}
-            self._per_tensor = {}
+            self._per_tensor = []
             warn_once(logger, f"nonfinite-{id(self)}", "%s: non-finite gradients, step skipped (state untouched); "
                       "see gsnr_metrics()['step/skipped_total'] for the count", type(self).__name__)
             return
@@ -309,7 +321,6 @@ class GSNROptimizer(torch.optim.Optimizer):
 
     def _record_metrics(self, plans: list[Plan], results: list[dict[str, Tensor]], n: int) -> None:
         m: dict[str, float] = {"step/skipped_nonfinite": 0.0, "step/skipped_total": float(self.skipped_steps)}
-        per: dict[str, dict[str, float]] = {}
         gs = [(p, r) for p, r in zip(plans, results) if p.gsnr]
         if gs:
             mom = torch.cat([p.moments for p, _ in gs])
@@ -337,21 +348,11 @@ class GSNROptimizer(torch.optim.Optimizer):
             m["trust_ratio/mean"] = float(trusts.mean())
             m["trust_ratio/min"] = float(trusts.min())
             m["trust_ratio/max"] = float(trusts.max())
-        for plan, res in zip(plans, results):
-            names = plan.group.get("param_names")
-            name_of = {id(q): nm for q, nm in zip(plan.group["params"], names)} if names else {}
-            for i, p in enumerate(plan.params):
-                key = name_of.get(id(p), f"group{plan.index}.param{i}")
-                row: dict[str, float] = {}
-                if plan.gsnr:
-                    row["gsnr_mean"] = float(plan.moments[i, 0] / max(plan.numel[i], 1))
-                    row["gsnr_min"] = float(plan.moments[i, 1])
-                    row["gsnr_max"] = float(plan.moments[i, 2])
-                    row["clip_low_frac"] = float(res["clip_counts"][i, 0] / max(plan.numel[i], 1))
-                    row["clip_high_frac"] = float(res["clip_counts"][i, 1] / max(plan.numel[i], 1))
-                if "trust" in res:
-                    row["trust_ratio"] = float(res["trust"][i])
-                per[key] = row
+        # Per-tensor rows are built only when asked for (gsnr_metrics(per_tensor=True)):
+        # a Python loop over every tensor would cost a noticeable slice of the step.
+        # Only small per-segment tensors are kept: no gradient or statistics buffer.
+        per = [(_Rows(plan.index, plan.group, plan.params, plan.gsnr, plan.moments, plan.numel), res)
+               for plan, res in zip(plans, results)]
         self._metrics, self._per_tensor = m, per
 
     def gsnr_metrics(self, per_tensor: bool = False, samples_per_group: int | None = None) -> dict[str, float]:
@@ -368,7 +369,24 @@ class GSNROptimizer(torch.optim.Optimizer):
         if samples_per_group is not None and "noise_scale/b_simple_groups" in out:
             out["noise_scale/b_simple"] = out["noise_scale/b_simple_groups"] * samples_per_group
         if per_tensor:
-            for name, row in self._per_tensor.items():
+            for name, row in self._tensor_rows():
                 for k, v in row.items():
                     out[f"tensor/{name}/{k}"] = v
         return out
+
+    def _tensor_rows(self) -> Iterable[tuple[str, dict[str, float]]]:
+        for plan, res in self._per_tensor:
+            names = plan.group.get("param_names")
+            name_of = {id(q): nm for q, nm in zip(plan.group["params"], names)} if names else {}
+            numel = plan.numel.clamp_min(1)
+            cols: dict[str, list[float]] = {}
+            if plan.gsnr:
+                cols["gsnr_mean"] = (plan.moments[:, 0] / numel).tolist()
+                cols["gsnr_min"] = plan.moments[:, 1].tolist()
+                cols["gsnr_max"] = plan.moments[:, 2].tolist()
+                cols["clip_low_frac"] = (res["clip_counts"][:, 0] / numel).tolist()
+                cols["clip_high_frac"] = (res["clip_counts"][:, 1] / numel).tolist()
+            if "trust" in res:
+                cols["trust_ratio"] = res["trust"].tolist()
+            for i, p in enumerate(plan.params):
+                yield name_of.get(id(p), f"group{plan.index}.param{i}"), {k: v[i] for k, v in cols.items()}

@@ -228,10 +228,10 @@ __attribute__((noinline)) void grad_norms_chunk(const G scale, const scalar_t* _
   o[1] = sum_squares(u, n);
 }
 
-template <typename scalar_t, typename G, bool BUF, bool FIRST>
+template <typename scalar_t, typename G, bool BUF, bool FIRST, bool NESTEROV>
 __attribute__((noinline)) void sgd_chunk(const G scale, scalar_t* __restrict p, const scalar_t* __restrict gr,
                                          float* __restrict b, int64_t n, float lr, float wd, float mult, float mu,
-                                         float omd, bool nesterov, double* o) {
+                                         float omd, double* o) {
   float nlo = 0.f, nhi = 0.f;
   _Pragma("omp simd reduction(+ : nlo, nhi)")
   for (int64_t i = 0; i < n; ++i) {
@@ -243,7 +243,7 @@ __attribute__((noinline)) void sgd_chunk(const G scale, scalar_t* __restrict p, 
     if constexpr (BUF) {
       const float bv = FIRST ? d : b[i] * mu + d * omd;
       b[i] = bv;
-      d = nesterov ? d + bv * mu : bv;
+      d = NESTEROV ? d + bv * mu : bv;
     }
     p[i] = scalar_t(pv - lr * d);
     nlo += sc.low;
@@ -425,12 +425,18 @@ at::Tensor sgd_step(const std::vector<at::Tensor>& params, const std::vector<at:
           const int64_t n = c.end - c.begin;
           const float mult = float(sf.at(c.seg, 3));
           double* o = part.data() + ci * 2;
-          if (!use_buf)
-            sgd_chunk<scalar_t, G, false, false>(scale, p, gr, b, n, flr, fwd, mult, mu, omd, nesterov, o);
-          else if (sf.at(c.seg, 4) != 0.0)
-            sgd_chunk<scalar_t, G, true, true>(scale, p, gr, b, n, flr, fwd, mult, mu, omd, nesterov, o);
-          else
-            sgd_chunk<scalar_t, G, true, false>(scale, p, gr, b, n, flr, fwd, mult, mu, omd, nesterov, o);
+          auto run = [&](auto buf, auto first, auto nest) {
+            sgd_chunk<scalar_t, G, decltype(buf)::value, decltype(first)::value, decltype(nest)::value>(
+                scale, p, gr, b, n, flr, fwd, mult, mu, omd, o);
+          };
+          using T = std::true_type;
+          using F = std::false_type;
+          const bool first = sf.at(c.seg, 4) != 0.0;
+          if (!use_buf) run(F{}, F{}, F{});
+          else if (first && nesterov) run(T{}, T{}, T{});
+          else if (first) run(T{}, T{}, F{});
+          else if (nesterov) run(T{}, F{}, T{});
+          else run(T{}, F{}, F{});
         });
       });
     });
