@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import time
 
@@ -74,7 +75,8 @@ def main() -> None:
     shapes = bert_shapes(int(args.params_millions * 1e6))
     numel = sum(torch.Size(s).numel() for s in shapes)
     print(f"{numel:,} fp32 parameters in {len(shapes)} tensors; torch {torch.__version__}, "
-          f"{torch.get_num_threads()} threads; {args.warmup} warm-up steps, {args.repeats} timed repeats")
+          f"{torch.get_num_threads()} threads; {args.warmup} warm-up steps, {args.repeats} timed repeats; "
+          f"load average {os.getloadavg()[0]:.2f}")
     init = [torch.randn(s) * 0.02 for s in shapes]
     noise = [[torch.randn(s) * 1e-2 + 1e-3 for s in shapes] for _ in range(2)]
     runs = {}
@@ -113,6 +115,7 @@ def main() -> None:
         print(f"{r['optimizer']:15s} {1e3 * r['median_s']:10.1f} {1e3 * r['min_s']:8.1f} {1e3 * r['max_s']:8.1f} "
               f"{r['vs_adamw_fused']:7.2f} {r['vs_adamw_foreach']:8.2f} {r['state_words_per_param']:6.2f} "
               f"{r['extra_words_per_param']:6.2f} {r['skipped_steps']:7d}")
+    print(f"load average at the end {os.getloadavg()[0]:.2f} (above ~0.5 before the run: other work shares the CPU)")
     vr = next(r for r in rows if r["optimizer"] == "VRAdam")
     time_ok, mem_ok = vr["vs_adamw_fused"] <= 2.0, vr["extra_words_per_param"] <= 3.0
     print(f"\nVRAdam / AdamW(fused) = {vr['vs_adamw_fused']:.2f} (target <= 2.0: {'met' if time_ok else 'NOT met'}); "
@@ -121,7 +124,7 @@ def main() -> None:
 
     if args.json:
         meta = dict(params=numel, tensors=len(shapes), threads=torch.get_num_threads(), torch=torch.__version__,
-                    repeats=args.repeats, warmup=args.warmup)
+                    repeats=args.repeats, warmup=args.warmup, loadavg_end=os.getloadavg()[0])
         result = dict(meta=meta, results=rows, vradam_vs_adamw_fused=vr["vs_adamw_fused"],
                       time_target_met=time_ok, memory_target_met=mem_ok)
         with open(args.json, "w") as fh:
