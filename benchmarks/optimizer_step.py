@@ -63,6 +63,18 @@ def state_words(opt: torch.optim.Optimizer, numel: int) -> float:
     return (nbytes + (stats.buffer_bytes() if stats is not None else 0)) / (4 * numel)
 
 
+def other_cpu_s() -> float:
+    """CPU seconds the whole machine has been busy, less this process's own (Linux; else 0)."""
+    try:
+        with open("/proc/stat") as fh:
+            ticks = [int(x) for x in fh.readline().split()[1:8]]
+    except OSError:
+        return 0.0
+    busy = (sum(ticks) - ticks[3] - ticks[4]) / os.sysconf("SC_CLK_TCK")  # minus idle, iowait
+    own = os.times()
+    return busy - own.user - own.system
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--params-millions", type=float, default=50.0)
@@ -75,8 +87,7 @@ def main() -> None:
     shapes = bert_shapes(int(args.params_millions * 1e6))
     numel = sum(torch.Size(s).numel() for s in shapes)
     print(f"{numel:,} fp32 parameters in {len(shapes)} tensors; torch {torch.__version__}, "
-          f"{torch.get_num_threads()} threads; {args.warmup} warm-up steps, {args.repeats} timed repeats; "
-          f"load average {os.getloadavg()[0]:.2f}")
+          f"{torch.get_num_threads()} threads; {args.warmup} warm-up steps, {args.repeats} timed repeats")
     init = [torch.randn(s) * 0.02 for s in shapes]
     noise = [[torch.randn(s) * 1e-2 + 1e-3 for s in shapes] for _ in range(2)]
     runs = {}
@@ -85,6 +96,7 @@ def main() -> None:
         runs[name] = {"params": params, "opt": make(params), "times": []}
 
     words = {}
+    other0, wall0 = other_cpu_s(), time.perf_counter()
     for it in range(args.warmup + args.repeats):
         for name, run in runs.items():  # round-robin: one step of each optimizer per repeat
             opt = run["opt"]
@@ -99,6 +111,7 @@ def main() -> None:
                 run["times"].append(elapsed)
             opt.zero_grad(set_to_none=False)
 
+    other = (other_cpu_s() - other0) / (time.perf_counter() - wall0)  # other processes' mean CPU use
     med = {name: statistics.median(run["times"]) for name, run in runs.items()}
     rows = []
     for name, run in runs.items():
@@ -115,7 +128,8 @@ def main() -> None:
         print(f"{r['optimizer']:15s} {1e3 * r['median_s']:10.1f} {1e3 * r['min_s']:8.1f} {1e3 * r['max_s']:8.1f} "
               f"{r['vs_adamw_fused']:7.2f} {r['vs_adamw_foreach']:8.2f} {r['state_words_per_param']:6.2f} "
               f"{r['extra_words_per_param']:6.2f} {r['skipped_steps']:7d}")
-    print(f"load average at the end {os.getloadavg()[0]:.2f} (above ~0.5 before the run: other work shares the CPU)")
+    print(f"other processes used {other:.2f} CPU cores on average during the run"
+          + (" -- timings are disturbed, run again on a quiet machine" if other > 0.1 else ""))
     vr = next(r for r in rows if r["optimizer"] == "VRAdam")
     time_ok, mem_ok = vr["vs_adamw_fused"] <= 2.0, vr["extra_words_per_param"] <= 3.0
     print(f"\nVRAdam / AdamW(fused) = {vr['vs_adamw_fused']:.2f} (target <= 2.0: {'met' if time_ok else 'NOT met'}); "
@@ -124,7 +138,7 @@ def main() -> None:
 
     if args.json:
         meta = dict(params=numel, tensors=len(shapes), threads=torch.get_num_threads(), torch=torch.__version__,
-                    repeats=args.repeats, warmup=args.warmup, loadavg_end=os.getloadavg()[0])
+                    repeats=args.repeats, warmup=args.warmup, other_cpu_cores=other)
         result = dict(meta=meta, results=rows, vradam_vs_adamw_fused=vr["vs_adamw_fused"],
                       time_target_met=time_ok, memory_target_met=mem_ok)
         with open(args.json, "w") as fh:
