@@ -6,5 +6,26 @@ from vrgd_ds.optim import (REGISTRY, VRSGD, GSNROptimizer, Lamb, Lars, VRAdam, V
 
 __version__ = "0.1.0"
 
+
+def register() -> None:
+    """Makes ``VRSGD``, ``VRMomentum``, ``VRAdam``, ``VRLamb``, ``VRLars``, ``Lars`` (and
+    ``Lamb`` on CPU) valid ``"optimizer": {"type": ...}`` names in DeepSpeed configs
+    (idempotent; ``import vrgd_ds`` does it as soon as DeepSpeed is imported)."""
+    from vrgd_ds.ds.integration import register as _register
+
+    _register()
+
+
+def initialize(*args, **kwargs):
+    """``deepspeed.initialize`` with the VRGD names registered."""
+    from vrgd_ds.ds import initialize as _initialize
+
+    return _initialize(*args, **kwargs)
+
+
+from vrgd_ds.ds.lazy import register_when_imported as _register_when_imported  # noqa: E402
+
+_register_when_imported()
+
 __all__ = ["gsnr", "GSNROptimizer", "VRSGD", "VRMomentum", "VRAdam", "VRLamb", "VRLars", "Lamb", "Lars",
-           "param_groups", "REGISTRY", "__version__"]
+           "param_groups", "REGISTRY", "register", "initialize", "__version__"]

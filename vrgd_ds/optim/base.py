@@ -9,7 +9,9 @@ A step, for every param group (DESIGN §1)::
     pass 2   the member's fused update with r (or its momentum p̂) applied to the gradient
 
 Statistics come from a source: in one process tensor hooks (``vrgd_ds.stats``); under
-DeepSpeed or DDP the integration installs its own with ``set_statistics_source``.
+DeepSpeed or DDP the integration installs its own with ``set_statistics_source``, with a
+``Layout`` when the optimizer sees flat ZeRO partitions: segments of a flat tensor are then
+pieces of model tensors (keys), and per-tensor sums are completed across ranks by key.
 """
 from __future__ import annotations
 
@@ -42,6 +44,24 @@ class StatisticsSource(Protocol):
     def reset(self) -> None: ...
 
 
+class Layout(Protocol):
+    """Flat partitions -> model tensors (ZeRO). Keys index model tensors ``0..num_keys-1``."""
+
+    names: list[str]  # per key
+    numel: Tensor  # float64 [num_keys]: element count of each whole model tensor
+
+    @property
+    def num_keys(self) -> int: ...
+
+    def segments(self, p: Tensor) -> list[tuple[int, int, int]]:
+        """``(start, length, key)`` of each model-tensor piece inside the flat tensor ``p``."""
+        ...
+
+    def all_reduce(self, t: Tensor, op: str) -> None:
+        """In-place ``"sum"`` or ``"max"`` over the data-parallel group (every rank calls it)."""
+        ...
+
+
 def check_arg(owner: str, name: str, ok: bool, value: Any, want: str) -> None:
     if not ok:
         raise ValueError(f"{owner}: invalid {name}={value!r}: must be {want}")
@@ -57,7 +77,8 @@ class Plan:
     grads: list[Tensor]
     states: list[dict[str, Any]]
     seg: Tensor  # int64 [S, 3]: tensor index, start, length
-    numel: Tensor  # float64 [S]
+    numel: Tensor  # float64 [S]: whole-tensor element count of each segment's piece
+    keys: Tensor  # int64 [S]: the model tensor each segment belongs to
     steps: list[int] = field(default_factory=list)
     sum_g: list[Tensor] = field(default_factory=list)
     sum_sq: list[Tensor] = field(default_factory=list)
@@ -73,8 +94,12 @@ class Plan:
     def ones(self) -> Tensor:
         return torch.ones(self.seg.shape[0], dtype=torch.float64)
 
+    def per_segment(self, per_param: list[float]) -> Tensor:
+        """A value per parameter of the plan -> per segment (ZeRO: several per flat tensor)."""
+        return torch.tensor(per_param, dtype=torch.float64).index_select(0, self.seg[:, 0])
+
     def bias_correction(self, beta: float) -> Tensor:
-        return torch.tensor([1.0 - beta**s for s in self.steps], dtype=torch.float64)
+        return self.per_segment([1.0 - beta**s for s in self.steps])
 
     def gsnr_columns(self) -> list[Tensor]:
         """Per-segment inv_mean, lo and GSNR-EMA bias correction (kernel columns 0..2)."""
@@ -91,16 +116,24 @@ class Plan:
                     eps=g["gsnr_eps"], beta3=g["beta3"] if self.gsnr else 0.0)
 
 
-@dataclass
-class _Rows:
-    """What per-tensor metrics of the last step need, without the step's large tensors."""
+# Columns of the per-tensor metric tables (one row per model tensor, complete across ranks).
+_SUM_COLS = ("sum_r", "numel", "sum_s", "sum_gbar_sq", "clip_low", "clip_high", "zero_info")
+_MAX_COLS = ("neg_min_r", "max_r", "trust", "adapted", "gsnr", "present")
+_S = {c: i for i, c in enumerate(_SUM_COLS)}
+_M = {c: i for i, c in enumerate(_MAX_COLS)}
 
-    index: int
-    group: dict[str, Any]
-    params: list[Tensor]
-    gsnr: bool
-    moments: Tensor | None
-    numel: Tensor
+
+@dataclass
+class _Tables:
+    """Per-tensor quantities of one step: small [T, k] tables, no step buffers kept."""
+
+    sums: Tensor  # float64 [T, len(_SUM_COLS)]
+    maxs: Tensor  # float64 [T, len(_MAX_COLS)], -inf where absent
+    names: list[str]
+
+    def merge(self, other: "_Tables") -> None:
+        self.sums += other.sums
+        torch.maximum(self.maxs, other.maxs, out=self.maxs)
 
 
 def table(cols: list[Tensor]) -> Tensor:
@@ -130,10 +163,14 @@ class GSNROptimizer(torch.optim.Optimizer):
         self._kernels: _impl.Kernels | None = None
         self._stats: StatisticsSource | None = None
         self._hook_stats: TensorHookStats | None = None
-        self._segment_reducer: Callable[[Plan, Tensor], Tensor] | None = None
+        self._layout: Layout | None = None
         self._metrics: dict[str, float] = {}
-        self._per_tensor: list[tuple[_Rows, dict[str, Tensor]]] = []
+        self._tables: _Tables | None = None
+        #: set by an integration whose wrapper calls step() once per sub-group (ZeRO-3):
+        #: metrics then merge over the calls until ``begin_step_records()``
+        self.merge_step_records = False
         self.skipped_steps = 0
+        self.step_calls = 0
         super().__init__(params, defaults)
         for group in self.param_groups:
             self._check_group(group)
@@ -175,18 +212,17 @@ class GSNROptimizer(torch.optim.Optimizer):
 
     # ---- statistics ----------------------------------------------------------------------
 
-    def set_statistics_source(self, source: StatisticsSource | None,
-                              segment_reducer: Callable[[Plan, Tensor], Tensor] | None = None) -> None:
+    def set_statistics_source(self, source: StatisticsSource | None, layout: Layout | None = None) -> None:
         """Feeds the optimizer from ``source`` (DeepSpeed, DDP) instead of its tensor hooks.
 
-        ``segment_reducer(plan, values[S, k])`` turns per-segment sums into whole-tensor sums
-        for every segment (e.g. across ZeRO partitions); default: segments are tensors.
+        ``layout`` maps flat partitions to model tensors (ZeRO); per-tensor sums (GSNR
+        mean, trust-ratio norms, metrics) are then completed across ranks by key.
         """
         if self._hook_stats is not None:
             self._hook_stats.remove()
             self._hook_stats = None
         self._stats = source
-        self._segment_reducer = segment_reducer
+        self._layout = layout
 
     @property
     def statistics_source(self) -> StatisticsSource | None:
@@ -203,10 +239,21 @@ class GSNROptimizer(torch.optim.Optimizer):
         return self._kernels
 
     def reduce_segments(self, plan: Plan, values: Tensor) -> Tensor:
-        """Per-segment sums ``[S, k]`` -> sums over each segment's whole tensor."""
-        if self._segment_reducer is None:
+        """Per-segment sums ``[S, k]`` -> sums over each segment's whole model tensor."""
+        if self._layout is None:
             return values
-        return self._segment_reducer(plan, values)
+        buf = torch.zeros(self._layout.num_keys, values.shape[1], dtype=torch.float64)
+        buf.index_add_(0, plan.keys, values.double())
+        self._layout.all_reduce(buf, "sum")
+        return buf.index_select(0, plan.keys)
+
+    def reduce_scalar(self, value: float) -> float:
+        """A sum over everything this optimizer updates (all ranks under ZeRO)."""
+        if self._layout is None:
+            return value
+        t = torch.tensor([value], dtype=torch.float64)
+        self._layout.all_reduce(t, "sum")
+        return float(t[0])
 
     # ---- the step --------------------------------------------------------------------------
 
@@ -223,7 +270,7 @@ class GSNROptimizer(torch.optim.Optimizer):
                 self._stats.reset()
         return loss
 
-    def _plan(self, index: int, group: dict[str, Any]) -> Plan:
+    def _plan(self, index: int, group: dict[str, Any], key_base: int) -> Plan:
         params, grads, states = [], [], []
         for p in group["params"]:
             if p.grad is None:
@@ -237,11 +284,26 @@ class GSNROptimizer(torch.optim.Optimizer):
             params.append(p)
             grads.append(p.grad)
             states.append(self.state[p])
-        seg = torch.tensor([[i, 0, p.numel()] for i, p in enumerate(params)], dtype=torch.long).reshape(-1, 3)
-        return Plan(index, group, params, grads, states, seg, seg[:, 2].double())
+        if self._layout is None:  # every tensor is a whole model tensor
+            rows = [[i, 0, p.numel(), key_base + i, p.numel()] for i, p in enumerate(params)]
+        else:
+            rows = [[i, start, length, key, 0] for i, p in enumerate(params)
+                    for start, length, key in self._layout.segments(p)]
+        t = torch.tensor(rows, dtype=torch.long).reshape(-1, 5)
+        seg, keys = t[:, :3].contiguous(), t[:, 3].contiguous()
+        numel = t[:, 4].double() if self._layout is None else self._layout.numel.index_select(0, keys)
+        return Plan(index, group, params, grads, states, seg, numel, keys)
 
     def _step(self) -> None:
-        plans = [p for p in (self._plan(i, g) for i, g in enumerate(self.param_groups)) if p.params]
+        self.step_calls += 1
+        if not self.merge_step_records:
+            self.begin_step_records()
+        plans, key_base = [], 0
+        for i, g in enumerate(self.param_groups):
+            plan = self._plan(i, g, key_base)
+            key_base += len(plan.params)
+            if plan.params:
+                plans.append(plan)
         if not plans:
             return
         kernels = self.kernels()
@@ -261,18 +323,13 @@ class GSNROptimizer(torch.optim.Optimizer):
                     plan.params, plan.grads, [], [], [], plan.seg, table([plan.ones()] * 3), 1.0, 0.0, 0.0)
                 nonfinite |= bool(plan.grad_norms[:, 2].any())
         if nonfinite:
-            self.skipped_steps += 1
-            self._metrics = {"step/skipped_nonfinite": 1.0, "step/skipped_total": float(self.skipped_steps),
-                             "gsnr/n": float(n)}
-            self._per_tensor = []
-            warn_once(logger, f"nonfinite-{id(self)}", "%s: non-finite gradients, step skipped (state untouched); "
-                      "see gsnr_metrics()['step/skipped_total'] for the count", type(self).__name__)
+            self.record_skipped("step/skipped_nonfinite", n)
             return
         for plan in plans:
             self._init_state(plan)
             if plan.gsnr:
-                sums = self.reduce_segments(plan, torch.stack([plan.moments[:, 0], plan.numel], 1))
-                plan.scales = G.segment_scales(sums[:, 0], sums[:, 1], plan.group["gamma"])
+                sum_r = self.reduce_segments(plan, plan.moments[:, :1])[:, 0]
+                plan.scales = G.segment_scales(sum_r, plan.numel, plan.group["gamma"])
         extras = self._prepare(plans, kernels)
         results = [self._update(plan, kernels, n, extras) for plan in plans]
         self._record_metrics(plans, results, n)
@@ -320,43 +377,107 @@ class GSNROptimizer(torch.optim.Optimizer):
     # ---- metrics ---------------------------------------------------------------------------
 
     def _record_metrics(self, plans: list[Plan], results: list[dict[str, Tensor]], n: int) -> None:
-        m: dict[str, float] = {"step/skipped_nonfinite": 0.0, "step/skipped_total": float(self.skipped_steps)}
-        gs = [(p, r) for p, r in zip(plans, results) if p.gsnr]
-        if gs:
-            mom = torch.cat([p.moments for p, _ in gs])
-            numel = torch.cat([p.numel for p, _ in gs])
-            informative = torch.cat([p.scales.informative for p, _ in gs])
-            clips = torch.cat([r["clip_counts"] for _, r in gs])
-            tmean = mom[:, 0] / numel.clamp_min(1)
+        tables = self._step_tables(plans, results)
+        if self._tables is None:
+            self._tables = tables
+        else:
+            self._tables.merge(tables)
+        self._metrics = self._summarise(self._tables, n)
+
+    def record_skipped(self, reason: str, n: int) -> None:
+        """Metrics of a skipped step: ``reason`` is ``step/skipped_nonfinite`` (here) or
+        ``step/skipped_overflow`` (DeepSpeed's fp16 loss scaler skipped the step)."""
+        self.skipped_steps += 1
+        self._metrics = {"step/skipped_nonfinite": 0.0, reason: 1.0, "gsnr/n": float(n)}
+        self._tables = None
+        if reason == "step/skipped_nonfinite":
+            warn_once(logger, f"nonfinite-{id(self)}", "%s: non-finite gradients, step skipped (state untouched); "
+                      "see gsnr_metrics()['step/skipped_total'] for the count", type(self).__name__)
+
+    def begin_step_records(self) -> None:
+        """Starts the metrics of a new step (called by ``step()`` unless an integration merges)."""
+        self._tables = None
+
+    def _step_tables(self, plans: list[Plan], results: list[dict[str, Tensor]]) -> _Tables:
+        """Per-model-tensor tables of this call, complete across ranks (two small collectives)."""
+        if self._layout is None:
+            num_keys = int(max(int(p.keys.max()) + 1 if p.keys.numel() else 0 for p in plans))
+        else:
+            num_keys = self._layout.num_keys
+        sums = torch.zeros(num_keys, len(_SUM_COLS), dtype=torch.float64)
+        maxs = torch.full((num_keys, len(_MAX_COLS)), -torch.inf, dtype=torch.float64)
+        for plan, res in zip(plans, results):
+            k = plan.keys
+            if k.numel() == 0:
+                continue
+            cols = torch.zeros(k.numel(), len(_SUM_COLS), dtype=torch.float64)
+            top = torch.full((k.numel(), len(_MAX_COLS)), -torch.inf, dtype=torch.float64)
+            top[:, _M["present"]] = 1.0
+            top[:, _M["gsnr"]] = float(plan.gsnr)
+            if plan.gsnr:
+                cols[:, _S["sum_r"]] = plan.moments[:, 0]
+                cols[:, _S["sum_s"]] = plan.moments[:, 3]
+                cols[:, _S["sum_gbar_sq"]] = plan.moments[:, 4]
+                cols[:, _S["clip_low"]] = res["clip_counts"][:, 0]
+                cols[:, _S["clip_high"]] = res["clip_counts"][:, 1]
+                cols[:, _S["numel"]] = plan.seg[:, 2].double()
+                top[:, _M["neg_min_r"]] = -plan.moments[:, 1]
+                top[:, _M["max_r"]] = plan.moments[:, 2]
+                zero_info = (~plan.scales.informative).double()
+                cols[:, _S["zero_info"]] = zero_info * plan.seg[:, 2].double() / plan.numel.clamp_min(1)
+            if "trust" in res:
+                top[:, _M["trust"]] = res["trust"]
+                top[:, _M["adapted"]] = res["adapted"].double()
+            sums.index_add_(0, k, cols)
+            maxs.scatter_reduce_(0, k.unsqueeze(1).expand_as(top), top, "amax")
+        if self._layout is not None:
+            self._layout.all_reduce(sums, "sum")
+            self._layout.all_reduce(maxs, "max")
+            names = self._layout.names
+        else:
+            names = [""] * num_keys
+            for plan in plans:
+                given = plan.group.get("param_names")
+                name_of = {id(q): nm for q, nm in zip(plan.group["params"], given)} if given else {}
+                for j, p in enumerate(plan.params):
+                    names[int(plan.keys[j])] = name_of.get(id(p), f"group{plan.index}.param{j}")
+        return _Tables(sums, maxs, names)
+
+    @staticmethod
+    def _summarise(t: _Tables, n: int) -> dict[str, float]:
+        m: dict[str, float] = {"step/skipped_nonfinite": 0.0}
+        present = t.maxs[:, _M["present"]] > 0
+        g = present & (t.maxs[:, _M["gsnr"]] > 0)
+        if bool(g.any()):
+            s, mx = t.sums[g], t.maxs[g]
+            numel = s[:, _S["numel"]]
+            informative = s[:, _S["zero_info"]] < 0.5
             m["gsnr/n"] = float(n)
-            m["gsnr/mean"] = float(mom[:, 0].sum() / numel.sum())
-            m["gsnr/min"] = float(mom[:, 1].min())
-            m["gsnr/max"] = float(mom[:, 2].max())
+            m["gsnr/mean"] = float(s[:, _S["sum_r"]].sum() / numel.sum())
+            m["gsnr/min"] = float(-mx[:, _M["neg_min_r"]].max())
+            m["gsnr/max"] = float(mx[:, _M["max_r"]].max())
+            tmean = s[:, _S["sum_r"]] / numel.clamp_min(1)
             m["gsnr/tensor_mean_min"] = float(tmean.min())
             m["gsnr/tensor_mean_max"] = float(tmean.max())
             used = numel[informative].sum().clamp_min(1)
-            m["gsnr/clip_low_frac"] = float(clips[informative, 0].sum() / used)
-            m["gsnr/clip_high_frac"] = float(clips[informative, 1].sum() / used)
+            m["gsnr/clip_low_frac"] = float(s[informative, _S["clip_low"]].sum() / used)
+            m["gsnr/clip_high_frac"] = float(s[informative, _S["clip_high"]].sum() / used)
             m["gsnr/zero_info_tensors"] = float((~informative).sum())
-            ns = G.noise_scale(float(mom[:, 3].sum()), float(mom[:, 4].sum()), n)
+            ns = G.noise_scale(float(s[:, _S["sum_s"]].sum()), float(s[:, _S["sum_gbar_sq"]].sum()), n)
             m["noise_scale/trace_cov"] = ns.trace_cov
             m["noise_scale/grad_sq"] = ns.grad_sq
             m["noise_scale/b_simple_groups"] = ns.b_simple_groups
-        trusts = [r["trust"][r["adapted"]] for r in results if "trust" in r]
-        trusts = torch.cat(trusts) if trusts else torch.empty(0)
-        if trusts.numel():
-            m["trust_ratio/mean"] = float(trusts.mean())
-            m["trust_ratio/min"] = float(trusts.min())
-            m["trust_ratio/max"] = float(trusts.max())
-        # Per-tensor rows are built only when asked for (gsnr_metrics(per_tensor=True)):
-        # a Python loop over every tensor would cost a noticeable slice of the step.
-        # Only small per-segment tensors are kept: no gradient or statistics buffer.
-        per = [(_Rows(plan.index, plan.group, plan.params, plan.gsnr, plan.moments, plan.numel), res)
-               for plan, res in zip(plans, results)]
-        self._metrics, self._per_tensor = m, per
+        adapted = present & (t.maxs[:, _M["adapted"]] > 0)
+        if bool(adapted.any()):
+            trust = t.maxs[adapted, _M["trust"]]
+            m["trust_ratio/mean"] = float(trust.mean())
+            m["trust_ratio/min"] = float(trust.min())
+            m["trust_ratio/max"] = float(trust.max())
+        return m
 
     def gsnr_metrics(self, per_tensor: bool = False, samples_per_group: int | None = None) -> dict[str, float]:
-        """Metrics of the last ``step()`` (DESIGN §5) as ``dict[str, float]``.
+        """Metrics of the last ``step()`` (DESIGN §5) as ``dict[str, float]``; the same on
+        every rank under ZeRO (per-tensor sums are completed across ranks at the step).
 
         ``gsnr/mean|min|max``: raw GSNR over all elements before normalisation;
         ``gsnr/tensor_mean_min|max``: extremes of the per-tensor means; ``gsnr/clip_low_frac``,
@@ -366,6 +487,8 @@ class GSNROptimizer(torch.optim.Optimizer):
         LARS); ``step/skipped_*``. ``per_tensor=True`` adds ``tensor/<name>/<metric>``.
         """
         out = dict(self._metrics)
+        if out:
+            out["step/skipped_total"] = float(self.skipped_steps)
         if samples_per_group is not None and "noise_scale/b_simple_groups" in out:
             out["noise_scale/b_simple"] = out["noise_scale/b_simple_groups"] * samples_per_group
         if per_tensor:
@@ -375,18 +498,21 @@ class GSNROptimizer(torch.optim.Optimizer):
         return out
 
     def _tensor_rows(self) -> Iterable[tuple[str, dict[str, float]]]:
-        for plan, res in self._per_tensor:
-            names = plan.group.get("param_names")
-            name_of = {id(q): nm for q, nm in zip(plan.group["params"], names)} if names else {}
-            numel = plan.numel.clamp_min(1)
-            cols: dict[str, list[float]] = {}
-            if plan.gsnr:
-                cols["gsnr_mean"] = (plan.moments[:, 0] / numel).tolist()
-                cols["gsnr_min"] = plan.moments[:, 1].tolist()
-                cols["gsnr_max"] = plan.moments[:, 2].tolist()
-                cols["clip_low_frac"] = (res["clip_counts"][:, 0] / numel).tolist()
-                cols["clip_high_frac"] = (res["clip_counts"][:, 1] / numel).tolist()
-            if "trust" in res:
-                cols["trust_ratio"] = res["trust"].tolist()
-            for i, p in enumerate(plan.params):
-                yield name_of.get(id(p), f"group{plan.index}.param{i}"), {k: v[i] for k, v in cols.items()}
+        t = self._tables
+        if t is None:
+            return
+        for key in range(t.sums.shape[0]):
+            s, mx = t.sums[key], t.maxs[key]
+            if mx[_M["present"]] <= 0:
+                continue
+            row: dict[str, float] = {}
+            if mx[_M["gsnr"]] > 0:
+                numel = float(s[_S["numel"]]) or 1.0
+                row["gsnr_mean"] = float(s[_S["sum_r"]]) / numel
+                row["gsnr_min"] = -float(mx[_M["neg_min_r"]])
+                row["gsnr_max"] = float(mx[_M["max_r"]])
+                row["clip_low_frac"] = float(s[_S["clip_low"]]) / numel
+                row["clip_high_frac"] = float(s[_S["clip_high"]]) / numel
+            if mx[_M["trust"]] > -torch.inf:
+                row["trust_ratio"] = float(mx[_M["trust"]])
+            yield t.names[key], row

@@ -75,12 +75,7 @@ class VRLamb(GSNROptimizer):
             norms = plan.grad_norms if plan.grad_norms is not None else kernels.scaled_grad_norms(
                 plan.params, plan.grads, [], [], [], plan.seg, table([plan.ones()] * 3), 1.0, 0.0, 0.0)
             sq += float(norms[:, 1].sum())
-        return {"global_grad_norm": self._global_sq_norm(sq) ** 0.5}
-
-    def _global_sq_norm(self, local_sq: float) -> float:
-        """Sum of squared gradient norms over everything this optimizer updates (all ranks
-        under ZeRO: the integration overrides this)."""
-        return local_sq
+        return {"global_grad_norm": self.reduce_scalar(sq) ** 0.5}
 
     def _update(self, plan, kernels, n, extras):
         g = plan.group

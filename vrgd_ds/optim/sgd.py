@@ -23,7 +23,7 @@ def sgd_update(opt: GSNROptimizer, plan: Plan, kernels: Any, n: int, lr_mult: to
     """One (VR-)SGD/momentum step of a plan; ``lr_mult`` per segment (LARS), default 1."""
     g = plan.group
     momentum = g["momentum"]
-    first = torch.tensor([0.0 if "momentum_buffer" in st else 1.0 for st in plan.states], dtype=torch.float64)
+    first = plan.per_segment([0.0 if "momentum_buffer" in st else 1.0 for st in plan.states])
     bufs = []
     if momentum != 0.0:
         for p, st in zip(plan.params, plan.states):

@@ -1,0 +1,108 @@
+"""Attaches VRGD statistics to an engine after DeepSpeed built its optimizer wrapper."""
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import deepspeed.comm as dist
+
+from vrgd_ds.ds import sources
+from vrgd_ds.ds.integration import UnsupportedConfiguration, _require
+from vrgd_ds.ds.layout import Layout
+from vrgd_ds.optim.base import MIN_GROUPS, GSNROptimizer
+
+logger = logging.getLogger(__name__)
+
+
+def _names(engine: Any) -> tuple[list[str], dict[int, int], list[int]]:
+    names, keys, numel = [], {}, []
+    for name, p in engine.module.named_parameters():
+        if p.requires_grad and id(p) not in keys:
+            keys[id(p)] = len(names)
+            names.append(name)
+            numel.append(int(getattr(p, "ds_numel", p.numel())))
+    return names, keys, numel
+
+
+def attach(engine: Any) -> sources.ReductionStats:
+    """Feeds ``engine.basic_optimizer`` (a VRGD optimizer) from DeepSpeed's gradient reduction."""
+    opt: GSNROptimizer = engine.basic_optimizer
+    wrapper = engine.optimizer
+    stage = int(engine.zero_optimization_stage())
+    world = dist.get_world_size(group=engine.seq_data_parallel_group)
+    gas = int(engine.gradient_accumulation_steps())
+    names, keys, numel = _names(engine)
+    device = next(engine.module.parameters()).device
+    wrapped = type(wrapper).__name__
+
+    if any(g["gsnr"] for g in opt.param_groups):
+        n = sources.expected_groups(world, gas, stage)
+        if n < MIN_GROUPS:
+            raise UnsupportedConfiguration(
+                f"{type(opt).__name__}: GSNR needs >= {MIN_GROUPS} gradient groups per step, this run has n={n} "
+                f"({world} data-parallel rank(s), gradient_accumulation_steps={gas}, ZeRO stage {stage}: groups are "
+                + ("ranks x micro-steps" if stage >= 2 else "ranks") + "). Use more ranks"
+                + (", or gradient_accumulation_steps >= 2" if stage >= 2 else ", or ZeRO-2/3 with gradient_accumulation_steps >= 2")
+                + ", or set 'gsnr': false.")
+
+    if stage == 0:
+        if wrapped == "FP16_UnfusedOptimizer":
+            _require(wrapper, ("fp16_groups", "fp32_groups", "loss_scale"), "FP16_UnfusedOptimizer")
+            pairs = [(p, m) for lp, hp in zip(wrapper.fp16_groups, wrapper.fp32_groups) for p, m in zip(lp, hp)]
+        elif wrapper is opt:
+            pairs = [(p, p) for g in opt.param_groups for p in g["params"]]
+        else:
+            raise UnsupportedConfiguration(f"vrgd_ds: DeepSpeed wrapped the VRGD optimizer in {wrapped}, which the "
+                                           "hooks do not cover (stage 0 supports fp32, fp16 and bf16)")
+        layout = Layout(names, numel, group=None, device=device)
+        for p, m in pairs:
+            layout.add(m, [(0, m.numel(), keys[id(p)])])
+        stats = sources.attach_stage0(engine, pairs, world)
+    elif stage in (1, 2):
+        _require(wrapper, ("gradient_reduction_w_predivide", "_add_full_reduction_to_compact_grad_partition",
+                           "grad_start_offset", "grad_partition_insertion_offset", "single_partition_of_fp32_groups",
+                           "bit16_groups", "ipg_buckets", "partition_size", "real_dp_process_group",
+                           "dp_process_group", "loss_scale", "get_param_id"), wrapped)
+        layout = Layout(names, numel, group=wrapper.dp_process_group, device=device)
+        for i, flat in enumerate(wrapper.single_partition_of_fp32_groups):
+            layout.add(flat, [(dst, num, keys[id(p)]) for p, _, dst, num in sources.zero12_pieces(wrapper, i)])
+        stats = sources.attach_zero12(engine, wrapper, world, stage)
+    elif stage == 3:
+        _require(wrapper, (sources._AVG_SCATTER, "fp32_partitioned_groups_flat", "fp16_groups", "grad_position",
+                           "get_param_id", "_get_param_partition_group", "gradient_accumulation_dtype",
+                           "loss_scale"), wrapped)
+        if len(wrapper.fp16_groups) > 1 and any(g.get("grad_pre_normalization") for g in opt.param_groups):
+            raise UnsupportedConfiguration(
+                "vrgd_ds: grad_pre_normalization under ZeRO-3 with more than one sub-group (param groups or "
+                "zero_optimization.sub_group_size) is not supported: ZeRO-3 steps sub-groups one at a time")
+        layout = Layout(names, numel, group=wrapper.dp_process_group, device=device)
+        for i, flat in enumerate(wrapper.fp32_partitioned_groups_flat):
+            layout.add(flat, [(off, valid, keys[id(p)]) for p, off, valid in sources.zero3_pieces(wrapper, i)])
+        stats = sources.attach_zero3(engine, wrapper, world)
+        opt.merge_step_records = True  # one optimizer.step() per sub-group
+    else:
+        raise UnsupportedConfiguration(f"vrgd_ds: unknown ZeRO stage {stage}")
+
+    opt.set_statistics_source(stats, layout)
+    _hook_step(wrapper, opt, stats)
+    engine.vrgd_stats = stats
+    logger.info("vrgd_ds: %s attached to DeepSpeed (stage %d, %s, n=%d groups per step)", type(opt).__name__,
+                stage, wrapped, sources.expected_groups(world, gas, stage))
+    return stats
+
+
+def _hook_step(wrapper: Any, opt: GSNROptimizer, stats: sources.ReductionStats) -> None:
+    """Statistics end with the engine's step, taken or skipped (fp16 overflow)."""
+    step = wrapper.step
+
+    def vrgd_step(*args, **kwargs):
+        opt.begin_step_records()
+        calls = opt.step_calls
+        try:
+            return step(*args, **kwargs)
+        finally:
+            stats.end_step()
+            if opt.step_calls == calls:  # DeepSpeed skipped the step (fp16 overflow)
+                opt.record_skipped("step/skipped_overflow", stats.n)
+
+    wrapper.step = vrgd_step

@@ -1,0 +1,61 @@
+"""Where each model tensor lives inside the flat tensors the optimizer updates (DESIGN §3).
+
+Under ZeRO-1/2/3 the optimizer sees one flat fp32 partition per group; a model tensor can be
+split between ranks. The layout lists, per flat tensor, the pieces ``(start, length, key)``
+it holds, and completes per-tensor sums over the data-parallel group in one small
+collective (``[num_tensors, k]`` float64), so LAMB/LARS trust ratios and the GSNR mean of a
+split tensor equal the unsharded ones.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import Tensor
+
+
+class Layout:
+    """Pieces of model tensors in flat tensors, keyed by the model's parameter order."""
+
+    def __init__(self, names: list[str], numel: list[int], group: Any | None,
+                 device: torch.device | str = "cpu") -> None:
+        self.names = names
+        self.device = torch.device(device)  # where the collective runs (NCCL: the GPU)
+        self.numel = torch.tensor(numel, dtype=torch.float64)
+        self.group = group  # None: every rank holds whole, identical tensors (no collective)
+        self._pieces: dict[int, list[tuple[int, int, int]]] = {}
+        self.collectives = 0
+
+    @property
+    def num_keys(self) -> int:
+        return len(self.names)
+
+    def add(self, flat: Tensor, pieces: list[tuple[int, int, int]]) -> None:
+        for start, length, key in pieces:
+            if start < 0 or length < 0 or start + length > flat.numel() or not 0 <= key < self.num_keys:
+                raise ValueError(f"bad layout piece (start={start}, length={length}, key={key}) for a flat "
+                                 f"tensor of {flat.numel()} elements and {self.num_keys} model tensors")
+        self._pieces[id(flat)] = [(s, n, k) for s, n, k in pieces if n > 0]
+
+    def segments(self, p: Tensor) -> list[tuple[int, int, int]]:
+        try:
+            return self._pieces[id(p)]
+        except KeyError:
+            raise RuntimeError(
+                f"the optimizer updates a tensor of shape {tuple(p.shape)} that the DeepSpeed layout does not "
+                "know; parameters were added to the optimizer after deepspeed.initialize (not supported)"
+            ) from None
+
+    def all_reduce(self, t: Tensor, op: str) -> None:
+        if self.group is None:
+            return
+        import deepspeed.comm as dist
+
+        red = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX}[op]
+        if self.device.type == "cpu":
+            dist.all_reduce(t, op=red, group=self.group)
+        else:
+            on_device = t.to(self.device)
+            dist.all_reduce(on_device, op=red, group=self.group)
+            t.copy_(on_device)
+        self.collectives += 1

@@ -1,0 +1,37 @@
+"""Registration with DeepSpeed at ``import vrgd_ds`` without importing DeepSpeed (seconds)
+for users who never touch it: if DeepSpeed is imported already, register now; otherwise
+register right after ``import deepspeed`` finishes, whoever imports it (HF, Accelerate)."""
+from __future__ import annotations
+
+import importlib.abc
+import importlib.machinery
+import sys
+
+
+class _AfterImport(importlib.abc.MetaPathFinder):
+    def find_spec(self, fullname, path, target=None):
+        if fullname != "deepspeed":
+            return None
+        sys.meta_path.remove(self)  # one shot; the real finders resolve the module
+        spec = importlib.machinery.PathFinder.find_spec(fullname, path)
+        if spec is None or spec.loader is None:
+            return spec
+        exec_module = spec.loader.exec_module
+
+        def exec_then_register(module):
+            exec_module(module)
+            from vrgd_ds.ds.integration import register
+
+            register()
+
+        spec.loader.exec_module = exec_then_register
+        return spec
+
+
+def register_when_imported() -> None:
+    if "deepspeed" in sys.modules:
+        from vrgd_ds.ds.integration import register
+
+        register()
+    elif not any(isinstance(f, _AfterImport) for f in sys.meta_path):
+        sys.meta_path.insert(0, _AfterImport())

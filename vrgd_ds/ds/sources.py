@@ -1,0 +1,279 @@
+"""Gradient statistics taken inside DeepSpeed's own gradient reduction (DESIGN §3).
+
+One source per engine path. Each replaces the reduction of one bucket by a single fused
+fp32 all-reduce (ZeRO-3: one coalesced reduce-scatter) of ``[g | (c·g)²]``, where ``c``
+turns the local, loss-scaled gradient into one group's gradient:
+
+===============  ============================  ==========================  ====================
+path             DeepSpeed function replaced   groups n                     c
+===============  ============================  ==========================  ====================
+stage 0          ``engine.allreduce_bucket``   ranks                        1/S
+ZeRO-1           ``gradient_reduction_w_...``  ranks                        1/S
+ZeRO-2           ``gradient_reduction_w_...``  ranks × micro-steps          GAS/S
+ZeRO-3           ``__avg_scatter_grads``       ranks × micro-steps          GAS/S
+===============  ============================  ==========================  ====================
+
+(``engine.backward`` divides the loss by GAS and the loss scaler multiplies by S: a local
+micro-batch gradient is ``S·g/GAS``; stage 0 and ZeRO-1 reduce the sum over the micro-steps
+once, at the boundary.) Squares are taken in fp32 after removing the loss scale. The reduced
+``g`` half goes back to DeepSpeed exactly where its own reduction would have put it, so
+everything after (accumulation, overflow check, clipping) is DeepSpeed's; ``Σg`` and ``Σg²``
+are added into fp32 buffers shaped like the flat partition this rank's optimizer updates.
+
+Statistics are cleared when the engine's optimizer step ends, also when DeepSpeed skipped the
+step (fp16 overflow): the wrapper's ``step`` is wrapped, not the basic optimizer's.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+from torch import Tensor
+
+import deepspeed.comm as dist
+
+
+@dataclass
+class CommCounters:
+    """What the fused reductions sent (per rank), to check the fused path's cost."""
+
+    collectives: int = 0
+    bytes_sent: int = 0  # bytes of the fused buffers
+    grad_bytes_fp32: int = 0  # bytes the gradient alone takes in fp32
+
+    def add(self, numel_grad: int, nbytes: int) -> None:
+        self.collectives += 1
+        self.bytes_sent += nbytes
+        self.grad_bytes_fp32 += 4 * numel_grad
+
+
+class ReductionStats:
+    """``Σg`` and ``Σg²`` per flat tensor the basic optimizer updates (a ``StatisticsSource``).
+
+    ``groups_per_round`` is the number of ranks; ``per_micro_step`` tells whether every
+    micro-step is a round (ZeRO-2/3) or only the accumulation boundary (stage 0, ZeRO-1).
+    """
+
+    def __init__(self, engine: Any, flats: list[Tensor], world: int, per_micro_step: bool,
+                 loss_scale: Callable[[], float]) -> None:
+        self.engine = engine
+        self.world = world
+        self.per_micro_step = per_micro_step
+        self._loss_scale = loss_scale
+        self._bufs = {id(f): (torch.zeros(f.numel(), dtype=torch.float32, device=f.device),
+                              torch.zeros(f.numel(), dtype=torch.float32, device=f.device)) for f in flats}
+        self._shapes = {id(f): f.shape for f in flats}
+        self._rounds: set[int] = set()
+        self._stale = False
+        self.counters = CommCounters()
+
+    # -- StatisticsSource --------------------------------------------------------------------
+
+    @property
+    def n(self) -> int:
+        return self.world * len(self._rounds)
+
+    def moments(self, params) -> tuple[list[Tensor], list[Tensor]]:
+        sum_g, sum_sq = [], []
+        for p in params:
+            bufs = self._bufs.get(id(p))
+            if bufs is None:
+                raise RuntimeError(f"no VRGD statistics for a flat tensor of shape {tuple(p.shape)}: it was not "
+                                   "in the optimizer when DeepSpeed built its partitions")
+            sum_g.append(bufs[0].view(p.shape))
+            sum_sq.append(bufs[1].view(p.shape))
+        return sum_g, sum_sq
+
+    def reset(self) -> None:
+        """The optimizer's own end-of-step reset: nothing to do, ``end_step`` clears instead
+        (ZeRO-3 calls the optimizer once per sub-group within one step)."""
+
+    # -- engine side -------------------------------------------------------------------------
+
+    def end_step(self) -> None:
+        """The engine's step is over (taken or skipped): the next reduction starts afresh."""
+        self._stale = True
+
+    def multiplier(self) -> float:
+        """``c``: local reduced-bucket values -> one group's gradient."""
+        scale = float(self._loss_scale())
+        gas = self.engine.gradient_accumulation_steps() if self.per_micro_step else 1
+        return gas / scale
+
+    def begin_round(self) -> None:
+        if self._stale:
+            for g, s in self._bufs.values():
+                g.zero_()
+                s.zero_()
+            self._rounds.clear()
+            self._stale = False
+        self._rounds.add(int(self.engine.micro_steps) if self.per_micro_step else 0)
+
+    def add(self, flat_id: int, dst: int, sum_g: Tensor, sum_sq: Tensor) -> None:
+        g, s = self._bufs[flat_id]
+        n = sum_g.numel()
+        g.narrow(0, dst, n).add_(sum_g)
+        s.narrow(0, dst, n).add_(sum_sq)
+
+    def buffer_bytes(self) -> int:
+        return sum(2 * g.numel() * g.element_size() for g, _ in self._bufs.values())
+
+
+def fused_all_reduce(flat: Tensor, c: float, group: Any, counters: CommCounters) -> Tensor:
+    """``[Σ_r x_r | Σ_r (c·x_r)²]`` in one fp32 all-reduce (x = this rank's flat local values)."""
+    n = flat.numel()
+    buf = torch.empty(2 * n, dtype=torch.float32, device=flat.device)
+    buf[:n].copy_(flat.view(-1))
+    torch.mul(buf[:n], c, out=buf[n:]).square_()
+    dist.all_reduce(buf, group=group)
+    counters.add(n, buf.numel() * buf.element_size())
+    return buf
+
+
+# ---- stage 0 (plain, FP16_UnfusedOptimizer for fp16/bf16) -------------------------------------
+
+
+def attach_stage0(engine: Any, pairs: list[tuple[Tensor, Tensor]], world: int) -> ReductionStats:
+    """``pairs``: (model parameter, tensor the basic optimizer updates) — the same tensor in
+    fp32, the fp32 master copy under FP16_UnfusedOptimizer."""
+    wrapper = engine.optimizer
+    scale = (lambda: wrapper.loss_scale) if hasattr(type(wrapper), "loss_scale") else (lambda: 1.0)
+    stats = ReductionStats(engine, [m for _, m in pairs], world, per_micro_step=False, loss_scale=scale)
+    by_param = {id(p): m for p, m in pairs}
+
+    def allreduce_bucket(bucket, dp_group, dp_world_size=None):
+        k = dp_world_size or dist.get_world_size(group=dp_group)
+        tensor = engine.flatten(bucket)
+        stats.begin_round()
+        c = stats.multiplier()
+        buf = fused_all_reduce(tensor, c, dp_group, stats.counters)
+        n = tensor.numel()
+        owner = {p.grad.data_ptr(): by_param[id(p)] for p, _ in pairs if p.grad is not None}
+        off = 0
+        for t in bucket:
+            m = owner.get(t.data_ptr())
+            if m is None:
+                raise RuntimeError("a gradient in DeepSpeed's reduction bucket belongs to no parameter of the "
+                                   "VRGD optimizer (stage 0); was a parameter left out of the optimizer?")
+            num = t.numel()
+            stats.add(id(m), 0, buf.narrow(0, off, num).mul(c), buf.narrow(0, n + off, num))
+            off += num
+        tensor.copy_(buf[:n].mul_(1.0 / k))  # DeepSpeed's postscale average
+        return tensor
+
+    engine.allreduce_bucket = allreduce_bucket
+    return stats
+
+
+# ---- ZeRO-1 / ZeRO-2 (DeepSpeedZeroOptimizer) -------------------------------------------------
+
+
+def zero12_pieces(zopt: Any, i: int) -> list[tuple[Tensor, int, int, int]]:
+    """(model parameter, start in the parameter, start in this rank's partition, length) of
+    every piece of param group ``i`` this rank owns."""
+    part = dist.get_rank(group=zopt.real_dp_process_group[i])
+    starts = zopt.grad_start_offset[i][part]
+    inserts = zopt.grad_partition_insertion_offset[i][part]
+    out = []
+    for p in zopt.bit16_groups[i]:
+        pid = zopt.get_param_id(p)
+        if pid in starts:
+            src, dst = int(starts[pid]), int(inserts[pid])
+            num = int(min(p.numel() - src, zopt.partition_size[i] - dst))
+            if num > 0:
+                out.append((p, src, dst, num))
+    return out
+
+
+def attach_zero12(engine: Any, zopt: Any, world: int, stage: int) -> ReductionStats:
+    flats = list(zopt.single_partition_of_fp32_groups)
+    stats = ReductionStats(engine, flats, world, per_micro_step=stage >= 2, loss_scale=lambda: zopt.loss_scale)
+    # Bucket layout -> (flat index, source offset in the bucket, destination, length), per bucket.
+    pieces = {i: {id(p): (src, dst, num) for p, src, dst, num in zero12_pieces(zopt, i)}
+              for i in range(len(flats))}
+    group = zopt.dp_process_group
+    zopt.reduce_scatter = False  # every bucket goes through gradient_reduction_w_predivide
+
+    def gradient_reduction_w_predivide(tensor, communication_data_type):
+        if tensor.numel() == 0:
+            return tensor
+        k = dist.get_world_size(group=group)
+        stats.begin_round()
+        c = stats.multiplier()
+        buf = fused_all_reduce(tensor, c, group, stats.counters)
+        n = tensor.numel()
+        bucket = zopt.ipg_buckets[communication_data_type]
+        off = 0
+        for i, pidx, _ in bucket.params:
+            p = zopt.bit16_groups[i][pidx]
+            piece = pieces[i].get(id(p))
+            if piece is not None:
+                src, dst, num = piece
+                stats.add(id(flats[i]), dst, buf.narrow(0, off + src, num).mul(c), buf.narrow(0, n + off + src, num))
+            off += p.numel()
+        if off != n:
+            raise RuntimeError(f"DeepSpeed's reduction bucket holds {n} elements but its parameters {off}: the "
+                               "bucket layout differs from DeepSpeed 0.19.8's (unsupported DeepSpeed version?)")
+        tensor.view(-1).copy_(buf[:n].mul_(1.0 / k))  # DeepSpeed's postscale average
+        return tensor
+
+    zopt.gradient_reduction_w_predivide = gradient_reduction_w_predivide
+    return stats
+
+
+# ---- ZeRO-3 (DeepSpeedZeroOptimizer_Stage3) ---------------------------------------------------
+
+_AVG_SCATTER = "_DeepSpeedZeroOptimizer_Stage3__avg_scatter_grads"
+
+
+def zero3_pieces(zopt: Any, i: int) -> list[tuple[Tensor, int, int]]:
+    """(model parameter, start in this rank's flat partition, valid length) for sub-group i."""
+    out = []
+    for p in zopt.fp16_groups[i]:
+        _, offset, part_numel = zopt.grad_position[zopt.get_param_id(p)]
+        rank = dist.get_rank(group=zopt._get_param_partition_group(p))
+        valid = max(0, min(p.ds_numel - rank * int(part_numel), int(part_numel)))
+        out.append((p, int(offset), valid))
+    return out
+
+
+def attach_zero3(engine: Any, zopt: Any, world: int) -> ReductionStats:
+    from deepspeed.runtime.comm.coalesced_collectives import reduce_scatter_coalesced
+
+    flats = list(zopt.fp32_partitioned_groups_flat)
+    stats = ReductionStats(engine, flats, world, per_micro_step=True, loss_scale=lambda: zopt.loss_scale)
+    where = {}
+    for i in range(len(flats)):
+        for p, offset, valid in zero3_pieces(zopt, i):
+            where[id(p)] = (i, offset, valid)
+    zopt.reduce_scatter = True  # every bucket goes through __avg_scatter_grads
+
+    def avg_scatter_grads(params, communication_data_type):
+        group = zopt._get_param_partition_group(params[0])
+        k = dist.get_world_size(group=group)
+        stats.begin_round()
+        c = stats.multiplier()
+        grads = [p.grad.float() for p in params]
+        squares = [torch.mul(g, c).square_() for g in grads]
+        parts = reduce_scatter_coalesced(grads + squares, group)  # one collective, averaged over k
+        t = len(params)
+        numel = sum(g.numel() for g in grads)
+        stats.counters.add(numel, 2 * 4 * numel)
+        for p, gp, sp in zip(params, parts[:t], parts[t:]):
+            i, offset, valid = where[id(p)]
+            if valid:
+                stats.add(id(flats[i]), offset, gp.view(-1)[:valid].mul(k * c), sp.view(-1)[:valid].mul(k))
+        return [gp.to(zopt.gradient_accumulation_dtype) for gp in parts[:t]]
+
+    setattr(zopt, _AVG_SCATTER, avg_scatter_grads)
+    return stats
+
+
+def expected_groups(world: int, gas: int, stage: int) -> int:
+    """n at every step of a run (DESIGN §3)."""
+    return world * (gas if stage >= 2 else 1)
+
+
+__all__ = ["ReductionStats", "CommCounters", "attach_stage0", "attach_zero12", "attach_zero3",
+           "expected_groups", "zero12_pieces", "zero3_pieces"]
