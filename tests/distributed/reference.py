@@ -40,30 +40,54 @@ class Reference:
         self.opt.set_statistics_source(self.stats)
 
     def step(self, batches, loss_fn, loss_scale: float) -> None:
-        """``batches[r][j]``: micro-batch j of rank r. Gradients are taken from the
-        low-precision copy with the loss scaled like DeepSpeed (loss · S / GAS)."""
+        """``batches[r][j]``: micro-batch j of rank r.
+
+        Mirrors DeepSpeed's arithmetic in the low-precision dtype: the loss is scaled as
+        ``(loss / GAS) · S``; stage 0/ZeRO-1 accumulate a rank's micro-batch gradients in
+        ``.grad`` (low precision) and reduce once; ZeRO-2/3 reduce every micro-step and add the
+        reduced gradients in the gradient-accumulation dtype (here the model dtype). The fused
+        reduction averages in fp32 and rounds to the model dtype once. Statistics are fp32.
+        """
+        low = self.dtype
         with torch.no_grad():
             for lo, hi in zip(self.low.parameters(), self.master.parameters()):
-                lo.copy_(hi.to(self.dtype))
-        per_group = []
+                lo.copy_(hi.to(low))
+        per_micro = self.stage >= 2
+        groups: list[list[torch.Tensor]] = []  # fp32 gradient of every group
+        reduced: list[list[torch.Tensor]] = []  # what one reduction hands DeepSpeed, per reduction
+        locals_: list[list[list[torch.Tensor]]] = []  # [reduction][rank][param], low precision
         for r in range(self.world):
-            micro = []
+            self.low.zero_grad(set_to_none=True)
             for j in range(self.gas):
-                self.low.zero_grad(set_to_none=True)
+                if per_micro:
+                    self.low.zero_grad(set_to_none=True)
                 loss = loss_fn(self.low, batches[r][j])
-                (loss * (loss_scale / self.gas)).backward()
-                micro.append([p.grad.float() * (self.gas / loss_scale) for p in self.low.parameters()])
-            if self.stage >= 2:
-                per_group.extend(micro)
-            else:
-                per_group.append([sum(g[i] for g in micro) / self.gas for i in range(len(micro[0]))])
-        n = len(per_group)
+                ((loss / self.gas) * loss_scale).backward()
+                if per_micro:
+                    local = [p.grad.detach().clone() for p in self.low.parameters()]
+                    if len(locals_) <= j:
+                        locals_.append([])
+                    locals_[j].append(local)
+                    groups.append([g.float() * (self.gas / loss_scale) for g in local])
+            if not per_micro:
+                local = [p.grad.detach().clone() for p in self.low.parameters()]
+                if not locals_:
+                    locals_.append([])
+                locals_[0].append(local)
+                groups.append([g.float() / loss_scale for g in local])
+        for per_rank in locals_:  # fp32 all-reduce, average, round to the model dtype
+            reduced.append([(sum(rk[i].float() for rk in per_rank) / self.world).to(low)
+                            for i in range(len(per_rank[0]))])
+        acc = reduced[0]
+        for more in reduced[1:]:  # ZeRO-2/3 accumulation across micro-steps
+            acc = [(a.float() + b.float()).to(low) for a, b in zip(acc, more)]
+        n = len(groups)
         params = list(self.master.parameters())
         total_sq = 0.0
         for i, p in enumerate(params):
-            gs = torch.stack([g[i] for g in per_group])
+            gs = torch.stack([g[i] for g in groups])
             self.stats.sums[id(p)] = (gs.sum(0), gs.square().sum(0))
-            p.grad = gs.sum(0) / n
+            p.grad = acc[i].float() / loss_scale
             total_sq += float(p.grad.double().square().sum())
         if self.clip > 0:
             coef = self.clip / (total_sq ** 0.5 + 1e-6)

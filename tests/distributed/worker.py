@@ -42,10 +42,10 @@ def tiny_model(seed: int = 0) -> torch.nn.Module:
                                torch.nn.LayerNorm(7))
 
 
-def loss_fn(model: torch.nn.Module, batch) -> torch.Tensor:
+def loss_fn(model: torch.nn.Module, batch, dtype: torch.dtype) -> torch.Tensor:
+    """``model``: the engine itself (its forward runs DeepSpeed's per-micro-step logic) or a module."""
     x, y = batch
-    p = next(model.parameters())
-    return torch.nn.functional.mse_loss(model(x.to(p.dtype)).float(), y)
+    return torch.nn.functional.mse_loss(model(x.to(dtype)).float(), y)
 
 
 def batch(step: int, rank: int, micro: int):
@@ -86,23 +86,69 @@ def run_matrix_case(case: dict) -> dict:
     cls = vrgd_ds.REGISTRY[case["opt"]].cls
     ref = Reference(model, lambda ps: cls(ps, **OPT_KW[case["opt"]]), dtype, case["stage"], case["gas"], world,
                     case["clip"])
+    plain = None  # the same run without variance reduction: how far apart a GSNR mistake would land
+    if REGISTRY_GSNR(case["opt"]):
+        plain = Reference(model, lambda ps: cls(ps, **{**OPT_KW[case["opt"]], "gamma": 1.0}), dtype, case["stage"],
+                          case["gas"], world, case["clip"])
     engine, *_ = deepspeed.initialize(model=model, config=config(case))
     ns, skipped = [], 0
     for step in range(STEPS):
         scale = float(getattr(engine.optimizer, "loss_scale", 1.0))
         for j in range(case["gas"]):
-            loss = loss_fn(engine.module, batch(step, rank, j))
+            loss = loss_fn(engine, batch(step, rank, j), dtype)
             engine.backward(loss)
             engine.step()
         m = engine.basic_optimizer.gsnr_metrics()
         ns.append(m.get("gsnr/n"))
         skipped += int(m.get("step/skipped_overflow", 0))
-        ref.step([[batch(step, r, j) for j in range(case["gas"])] for r in range(world)], loss_fn, scale)
+        for rf in (ref, plain):
+            if rf is not None:
+                rf.step([[batch(step, r, j) for j in range(case["gas"])] for r in range(world)],
+                        lambda mod, b: loss_fn(mod, b, dtype), scale)
     got = full_params(engine)
     want = [p.detach().to(dtype).float() if dtype != torch.float32 else p.detach() for p in ref.master.parameters()]
-    err = max(float(((a - b).abs() / (b.abs() + 1e-3)).max()) for a, b in zip(got, want))
-    moved = max(float((b - a.detach().float()).abs().max()) for a, b in zip(tiny_model().parameters(), want))
-    return dict(max_rel_err=err, moved=moved, n=ns, skipped=skipped)
+    init = [p.detach().to(dtype).float() for p in tiny_model().parameters()]
+    err, ulps, l2 = rel_err(got, want, init, dtype), ulp_err(got, want, dtype), l2_err(got, want, init)
+    contrast = contrast_ulps = contrast_l2 = None
+    if plain is not None:
+        other = [p.detach().to(dtype).float() for p in plain.master.parameters()]
+        contrast, contrast_ulps = rel_err(other, want, init, dtype), ulp_err(other, want, dtype)
+        contrast_l2 = l2_err(other, want, init)
+        if os.environ.get("VRGD_TEST_DEBUG") and dist.get_rank() == 0:
+            print("[debug] got vs plain (ulps):", ulp_err(got, other, dtype))
+    return dict(max_rel_err=err, ulps=ulps, l2=l2, contrast=contrast, contrast_ulps=contrast_ulps,
+                contrast_l2=contrast_l2, n=ns, skipped=skipped)
+
+
+def l2_err(got, want, init) -> float:
+    """``‖a - b‖ / ‖b - b0‖`` over all parameters: the error as a fraction of the reference's movement."""
+    num = sum(float((a - b).double().square().sum()) for a, b in zip(got, want))
+    den = sum(float((b - b0).double().square().sum()) for b, b0 in zip(want, init))
+    return (num / den) ** 0.5
+
+
+def ulp_err(got, want, dtype) -> float:
+    """Largest per-tensor ``max|a - b|`` in units of the dtype's epsilon at the tensor's largest value."""
+    return max(float((a - b).abs().max()) / (float(b.abs().max()) * torch.finfo(dtype).eps) for a, b in zip(got, want))
+
+
+def rel_err(got, want, init, dtype) -> float:
+    """Largest per-tensor ``max|a - b|`` as a fraction of how far the reference tensor moved
+    from its initial value (at least one unit in the last place of the dtype at the
+    tensor's largest value, so a tensor that did not move compares in ulps)."""
+    out = 0.0
+    for a, b, b0 in zip(got, want, init):
+        ulp = float(b.abs().max()) * torch.finfo(dtype).eps
+        moved = max(float((b - b0).abs().max()), ulp)
+        out = max(out, float((a - b).abs().max()) / moved)
+        if os.environ.get("VRGD_TEST_DEBUG") and dist.get_rank() == 0:
+            print(f"[debug] shape={tuple(b.shape)} |a-b|={float((a - b).abs().max()):.3g} moved_ref="
+                  f"{float((b - b0).abs().max()):.3g} moved_got={float((a - b0).abs().max()):.3g} ulp={ulp:.3g}")
+    return out
+
+
+def REGISTRY_GSNR(name: str) -> bool:
+    return name.startswith("VR")
 
 
 def matrix_cases():
@@ -116,6 +162,72 @@ def matrix_cases():
 def lamb_cases():
     for stage in (0, 1, 2, 3):
         yield f"lamb-stage{stage}", dict(stage=stage, dtype="fp32", gas=2, clip=1.0, opt="Lamb", bucket=40)
+
+
+def run_checkpoint_case(case: dict) -> dict:
+    """Uninterrupted run vs. save at step 2, a fresh engine (other initial weights), load, go on."""
+    world, rank = dist.get_world_size(), dist.get_rank()
+    dtype = DTYPES[case["dtype"]]
+    total, cut = 4, 2
+
+    def train(engine, steps):
+        out = []
+        for step in steps:
+            for j in range(case["gas"]):
+                engine.backward(loss_fn(engine, batch(step, rank, j), dtype))
+                engine.step()
+            out.append(full_params(engine))
+        return out
+
+    engine, *_ = deepspeed.initialize(model=tiny_model(), config=config(case))
+    straight = train(engine, range(total))
+    path = os.path.join(case["dir"], f"stage{case['stage']}")
+    engine, *_ = deepspeed.initialize(model=tiny_model(), config=config(case))
+    train(engine, range(cut))
+    engine.save_checkpoint(path, tag="cut")
+    engine, *_ = deepspeed.initialize(model=tiny_model(seed=7), config=config(case))
+    engine.load_checkpoint(path, tag="cut")
+    opt = engine.basic_optimizer
+    keys = sorted({k for st in opt.state.values() for k in st})
+    resumed = train(engine, range(cut, total))
+    diff = max(float((a - b).abs().max()) for x, y in zip(straight[cut:], resumed) for a, b in zip(x, y))
+    moved = max(float((a - b).abs().max()) for a, b in zip(straight[cut], straight[-1]))
+    return dict(max_abs_diff=diff, moved=moved, state_keys=keys, world=world)
+
+
+def checkpoint_cases(tmp: str):
+    for stage in (0, 1, 2, 3):
+        yield f"checkpoint-stage{stage}", dict(stage=stage, dtype="fp32", gas=2, clip=1.0, opt="VRLamb", bucket=40,
+                                              dir=tmp)
+
+
+def run_bad_case(case: dict) -> dict:
+    cfg = config(case)
+    for key, value in case.get("set", {}).items():
+        node = cfg
+        *path, last = key.split(".")
+        for part in path:
+            node = node.setdefault(part, {})
+        node[last] = value
+    kwargs = {}
+    if case.get("client"):
+        kwargs["optimizer"] = vrgd_ds.VRSGD(tiny_model().parameters(), lr=0.1)
+    try:
+        deepspeed.initialize(model=tiny_model(), config=cfg, **kwargs)
+    except Exception as e:
+        return dict(raised=type(e).__name__, message=str(e))
+    return dict(raised=None, message="")
+
+
+def bad_cases():
+    base = dict(stage=2, dtype="fp32", gas=1, clip=0.0, opt="VRLamb", bucket=500)
+    yield "bad-offload", dict(base, set={"zero_optimization.offload_optimizer": {"device": "cpu"}})
+    yield "bad-contiguous", dict(base, set={"zero_optimization.contiguous_gradients": False})
+    yield "bad-quantized-gradients", dict(base, set={"zero_optimization.zero_quantized_gradients": True})
+    yield "bad-predivide", dict(base, set={"gradient_predivide_factor": 2.0})
+    yield "bad-fp16-stage0", dict(base, stage=0, dtype="fp16")
+    yield "bad-client-and-config", dict(base, client=True)
+    yield "bad-unknown-param", dict(base, set={"optimizer.params.gama": 0.1})
 
 
 def run_suite(cases, runner, only: str | None) -> dict:
@@ -147,6 +259,11 @@ def main() -> None:
             results.update(run_suite(matrix_cases(), run_matrix_case, args.only))
         elif suite == "lamb":
             results.update(run_suite(lamb_cases(), run_matrix_case, args.only))
+        elif suite == "checkpoint":
+            results.update(run_suite(checkpoint_cases(os.path.dirname(os.path.abspath(args.out))),
+                                     run_checkpoint_case, args.only))
+        elif suite == "bad":
+            results.update(run_suite(bad_cases(), run_bad_case, args.only))
         else:
             raise SystemExit(f"unknown suite {suite}")
     if dist.get_rank() == 0:

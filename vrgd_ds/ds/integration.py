@@ -10,10 +10,14 @@ Accelerate, Megatron-DeepSpeed) goes through:
 * ``_configure_optimizer``: rejects what the hooks do not cover, then attaches statistics,
   layout and the step hook to the optimizer DeepSpeed wrapped (config or client instance);
 * ``engine.is_zero_supported_optimizer``: our classes run under ZeRO without
-  ``zero_allow_untested_optimizer``.
+  ``zero_allow_untested_optimizer``;
+
+and ``FP16_UnfusedOptimizer.initialize_optimizer_states`` (stage 0 fp16/bf16), which steps the
+optimizer once on zero gradients: VRGD state is created at the first real step instead.
 """
 from __future__ import annotations
 
+import inspect
 import logging
 from typing import Any
 
@@ -104,17 +108,27 @@ def register() -> None:
         if cls is None:
             return configure_basic(self, model_parameters)
         params = dict(self.optimizer_params() or {})
-        if "max_grad_norm" in params:
+        if "max_grad_norm" in params and cls.__name__ not in ("VRLamb", "Lamb"):
             raise UnsupportedConfiguration(
                 "optimizer.params.max_grad_norm: use DeepSpeed's top-level 'gradient_clipping' instead")
+        accepted = [n for n in inspect.signature(cls.__init__).parameters if n not in ("self", "params", "kwargs")]
+        if cls.__name__ in ("Lamb", "Lars"):
+            accepted = [n for n in inspect.signature(cls.__mro__[1].__init__).parameters
+                        if n not in ("self", "params", "gsnr")]
+        unknown = sorted(set(params) - set(accepted))
+        if unknown:
+            raise UnsupportedConfiguration(
+                f"optimizer.params.{unknown[0]}: not a parameter of {cls.__name__} (type {self.optimizer_name()!r}); "
+                f"accepted: {', '.join(accepted)}")
         return cls(model_parameters, **params)
 
     def _configure_optimizer(self, client_optimizer, model_parameters):
-        ours = resolve(self.optimizer_name()) is not None
+        config_name = self._config.optimizer_name  # optimizer_name() reports the client's class instead
+        ours = resolve(config_name) is not None
         client = client_optimizer is not None and not _is_dummy(client_optimizer)
-        if client and self.optimizer_name() is not None and (ours or isinstance(client_optimizer, GSNROptimizer)):
+        if client and config_name is not None and (ours or isinstance(client_optimizer, GSNROptimizer)):
             raise UnsupportedConfiguration(
-                f"both a config optimizer ('optimizer.type': {self.optimizer_name()!r}) and a client optimizer "
+                f"both a config optimizer ('optimizer.type': {config_name!r}) and a client optimizer "
                 f"({type(client_optimizer).__name__}) were given to deepspeed.initialize; DeepSpeed would silently "
                 "use the client one. Remove the 'optimizer' block from the config or do not pass optimizer=")
         if ours or isinstance(client_optimizer, GSNROptimizer):
@@ -128,6 +142,18 @@ def register() -> None:
     def is_zero_supported_optimizer(optimizer):
         return isinstance(optimizer, GSNROptimizer) or zero_supported(optimizer)
 
+    from deepspeed.runtime.fp16.unfused_optimizer import FP16_UnfusedOptimizer
+
+    _require(FP16_UnfusedOptimizer, ("initialize_optimizer_states",), "FP16_UnfusedOptimizer")
+    init_states = FP16_UnfusedOptimizer.initialize_optimizer_states
+
+    def initialize_optimizer_states(self):
+        # DeepSpeed steps the optimizer once on zero gradients to allocate its state; VRGD
+        # creates state at the first real step (and a step needs statistics).
+        if not isinstance(self.optimizer, GSNROptimizer):
+            init_states(self)
+
+    FP16_UnfusedOptimizer.initialize_optimizer_states = initialize_optimizer_states
     DeepSpeedEngine._is_supported_optimizer = _is_supported_optimizer
     DeepSpeedEngine._configure_basic_optimizer = _configure_basic_optimizer
     DeepSpeedEngine._configure_optimizer = _configure_optimizer
@@ -176,6 +202,10 @@ def check_engine(engine: Any) -> None:
     if engine.gradient_predivide_factor() != 1.0:
         no("gradient_predivide_factor", "set it to 1.0 (the default)")
     model_dtype, accum_dtype = engine.get_data_types()
+    if stage == 0 and model_dtype == torch.float16:
+        no("fp16 with zero_optimization.stage 0", "DeepSpeed 0.19.8's engine.backward applies the fp16 loss scale "
+           "only for ZeRO optimizers, while FP16_UnfusedOptimizer.step divides by it: gradients come out "
+           "loss_scale times too small for any client optimizer. Use ZeRO stage >= 1 with fp16, or bf16")
     if stage == 1 and model_dtype == torch.bfloat16 and accum_dtype == torch.float32:
         no("data_types.grad_accum_dtype", "bf16 with ZeRO-1 and fp32 gradient accumulation uses BF16_Optimizer, "
            "which the hooks do not cover; use ZeRO-2, or drop grad_accum_dtype")
