@@ -47,8 +47,19 @@ def launch(tmp: Path, suites: list[str], ranks: int = 2, script: Path = WORKER, 
 
 
 @pytest.fixture(scope="module")
-def results(tmp_path_factory) -> dict:
-    return launch(tmp_path_factory.mktemp("ds2"), ["matrix", "lamb", "checkpoint", "bad"])
+def workdir(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("ds")
+
+
+@pytest.fixture(scope="module")
+def results(workdir) -> dict:
+    return launch(workdir, ["matrix", "lamb", "checkpoint", "bad", "universal-save"])
+
+
+@pytest.fixture(scope="module")
+def single_rank(workdir, results) -> dict:
+    """One rank, after the 2-rank launch saved and converted its checkpoint."""
+    return launch(workdir, ["universal-load"], ranks=1)
 
 
 def matrix_names():
@@ -113,3 +124,17 @@ def test_bad_configs_name_the_key(results, name):
     res = results[name]
     assert res["raised"] == "UnsupportedConfiguration", res
     assert BAD[name] in res["message"]
+
+
+def test_universal_checkpoint_resumes_on_one_rank_with_gsnr_momentum(results, single_rank):
+    assert _case(results, "universal-save")["kept"] == ["gsnr_avg"]  # beyond DeepSpeed's exp_avg/exp_avg_sq
+    res = _case(single_rank, "universal-load")
+    assert res["max_abs_diff"] == {"gsnr_avg": 0.0, "exp_avg": 0.0, "exp_avg_sq": 0.0}
+    assert res["step"] == 3 and res["n_after"] == 2.0  # one rank x gradient_accumulation_steps 2 (ZeRO-2)
+
+
+def test_single_rank_without_enough_groups_is_an_error(single_rank):
+    res = single_rank["bad-n1"]
+    assert res["raised"] == "UnsupportedConfiguration"
+    assert "GSNR needs >= 2 gradient groups per step, this run has n=1" in res["message"]
+    assert "gradient_accumulation_steps >= 2" in res["message"]

@@ -230,6 +230,71 @@ def bad_cases():
     yield "bad-unknown-param", dict(base, set={"optimizer.params.gama": 0.1})
 
 
+def full_state(engine, key: str) -> dict[str, torch.Tensor]:
+    """Every model tensor's piece of optimizer state ``key``, assembled over ranks (ZeRO-1/2)."""
+    from vrgd_ds.ds.sources import zero12_pieces
+
+    zopt, opt = engine.optimizer, engine.basic_optimizer
+    names = {p: n for n, p in engine.module.named_parameters()}
+    mine = []
+    for i, flat in enumerate(zopt.single_partition_of_fp32_groups):
+        st = opt.state[flat][key]
+        mine += [(names[p], tuple(p.shape), src, st[dst:dst + num].clone()) for p, src, dst, num in zero12_pieces(zopt, i)]
+    everyone = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, mine)
+    out: dict[str, torch.Tensor] = {}
+    for name, shape, src, values in (x for part in everyone for x in part):
+        full = out.setdefault(name, torch.full((int(torch.Size(shape).numel()),), float("nan")))
+        full[src:src + values.numel()] = values
+    return out
+
+
+def universal_case(tmp: str) -> dict:
+    return dict(stage=2, dtype="fp32", gas=2, clip=1.0, opt="VRLamb", bucket=40, dir=tmp)
+
+
+def run_universal_save(case: dict) -> dict:
+    """2 ranks: train, save, convert to universal (keeping gsnr_avg), remember the full state."""
+    from vrgd_ds.ds.universal import convert
+
+    rank = dist.get_rank()
+    engine, *_ = deepspeed.initialize(model=tiny_model(), config=config(case))
+    for step in range(2):
+        for j in range(case["gas"]):
+            engine.backward(loss_fn(engine, batch(step, rank, j), torch.float32))
+            engine.step()
+    engine.save_checkpoint(os.path.join(case["dir"], "ckpt"), tag="t2")
+    states = {key: full_state(engine, key) for key in ("gsnr_avg", "exp_avg", "exp_avg_sq")}
+    keys = None
+    if rank == 0:
+        torch.save(states, os.path.join(case["dir"], "states.pt"))
+        keys = convert(os.path.join(case["dir"], "ckpt", "t2"), os.path.join(case["dir"], "ckpt", "t2_universal"))
+    dist.barrier()
+    return dict(kept=keys)
+
+
+def run_universal_load(case: dict) -> dict:
+    """1 rank: resume from the universal checkpoint; the state must be the 2-rank run's."""
+    cfg = config(case)
+    cfg["checkpoint"] = {"load_universal": True}
+    engine, *_ = deepspeed.initialize(model=tiny_model(seed=3), config=cfg)
+    engine.load_checkpoint(os.path.join(case["dir"], "ckpt"))
+    want = torch.load(os.path.join(case["dir"], "states.pt"), weights_only=False)
+    diffs = {}
+    for key, per_param in want.items():
+        got = full_state(engine, key)
+        diffs[key] = max(float((got[n] - v).abs().max()) for n, v in per_param.items())
+    for j in range(case["gas"]):  # training goes on with the restored state on one rank
+        engine.backward(loss_fn(engine, batch(2, 0, j), torch.float32))
+        engine.step()
+    m = engine.basic_optimizer.gsnr_metrics()
+    return dict(max_abs_diff=diffs, n_after=m.get("gsnr/n"), step=int(engine.global_steps))
+
+
+def run_single_rank_n1(case: dict) -> dict:
+    return run_bad_case(dict(case, stage=1, gas=4))
+
+
 def run_suite(cases, runner, only: str | None) -> dict:
     out = {}
     for name, case in cases:
@@ -244,6 +309,10 @@ def run_suite(cases, runner, only: str | None) -> dict:
         if dist.get_rank() == 0:
             print(f"[worker] {name}: {json.dumps({k: v for k, v in res.items() if k != 'trace'})}", flush=True)
     return out
+
+
+def tmp_dir(args) -> str:
+    return os.path.dirname(os.path.abspath(args.out))
 
 
 def main() -> None:
@@ -262,6 +331,11 @@ def main() -> None:
         elif suite == "checkpoint":
             results.update(run_suite(checkpoint_cases(os.path.dirname(os.path.abspath(args.out))),
                                      run_checkpoint_case, args.only))
+        elif suite == "universal-save":
+            results.update(run_suite([("universal-save", universal_case(tmp_dir(args)))], run_universal_save, None))
+        elif suite == "universal-load":
+            results.update(run_suite([("universal-load", universal_case(tmp_dir(args)))], run_universal_load, None))
+            results.update(run_suite([("bad-n1", universal_case(tmp_dir(args)))], run_single_rank_n1, None))
         elif suite == "bad":
             results.update(run_suite(bad_cases(), run_bad_case, args.only))
         else:

@@ -1,0 +1,239 @@
+"""Runs the DDP cases inside one 2-rank launch (gloo, CPU) and writes one JSON result per
+case, every rank's, as ``{case: [rank 0, rank 1]}``. Launched by ``test_ddp.py``:
+
+    python -m torch.distributed.run --nproc_per_node 2 tests/distributed/ddp_worker.py --out results.json
+
+Every rank's micro-batches are generated from (step, rank, micro-step), so each process also
+runs a single-process reference that sees all ranks' gradients.
+"""
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import os
+import sys
+import traceback
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from vrgd_ds import VRAdam, VRSGD
+from vrgd_ds.ddp import DDPStats, attach
+
+sys.path.insert(0, os.path.dirname(__file__))
+from reference import GivenStats  # noqa: E402
+
+STEPS = 3
+MICRO = 4
+BUCKET_CAP_MB = 0.0001  # 100 bytes: several buckets once DDP has rebuilt them after step 1
+OPTS: dict[str, tuple[type, dict[str, Any]]] = {
+    "VRSGD": (VRSGD, dict(lr=0.05)),
+    "VRAdam": (VRAdam, dict(lr=1e-2)),
+}
+
+# Every all_reduce issued in this process, counted independently of DDPStats.
+ALL_REDUCE_CALLS = [0]
+_all_reduce = dist.all_reduce
+
+
+def _counting_all_reduce(*args, **kwargs):
+    ALL_REDUCE_CALLS[0] += 1
+    return _all_reduce(*args, **kwargs)
+
+
+dist.all_reduce = _counting_all_reduce
+
+
+def tiny_model(dtype: torch.dtype = torch.float32) -> torch.nn.Module:
+    """With 100-byte buckets DDP's rebuilt buckets are [b3, W3, b2], [W2], [b1, W1]: a bucket
+    of several tensors and one of a single tensor (the first step: one bucket of all six)."""
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(5, 13), torch.nn.Tanh(), torch.nn.Linear(13, 7), torch.nn.Tanh(),
+                               torch.nn.Linear(7, 3)).to(dtype)
+
+
+def batch(step: int, rank: int, micro: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(1000 * step + 10 * rank + micro)
+    return torch.randn(MICRO, 5, generator=g), torch.randn(MICRO, 3, generator=g)
+
+
+def loss_fn(model: torch.nn.Module, b: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    x, y = b
+    dtype = next(model.parameters()).dtype
+    return torch.nn.functional.mse_loss(model(x.to(dtype)).float(), y)
+
+
+def flat(model: torch.nn.Module) -> torch.Tensor:
+    return torch.cat([p.detach().double().view(-1) for p in model.parameters()])
+
+
+def group_grads(model: torch.nn.Module, batches: list[tuple[torch.Tensor, torch.Tensor]]) -> list[torch.Tensor]:
+    """One rank's gradient (its micro-batch gradients summed in ``.grad``), cast to fp32."""
+    model.zero_grad(set_to_none=True)
+    for b in batches:
+        loss_fn(model, b).backward()
+    return [p.grad.detach().float().clone() for p in model.parameters()]
+
+
+def hand_sums(model: torch.nn.Module, batches: list[list[tuple[torch.Tensor, torch.Tensor]]]):
+    """``Σg`` and ``Σg²`` per parameter over the groups (``batches[r]``: rank r's micro-batches)."""
+    groups = [group_grads(model, per_rank) for per_rank in batches]
+    sums = []
+    for i in range(len(groups[0])):
+        gs = [g[i] for g in groups]
+        sums.append((sum(gs[1:], gs[0].clone()), sum((g * g for g in gs[1:]), gs[0] * gs[0])))
+    return sums
+
+
+class Reference:
+    """The same optimizer class on a copy of the model, fed with sums computed by hand."""
+
+    def __init__(self, model: torch.nn.Module, make_opt: Callable[[Any], torch.optim.Optimizer]) -> None:
+        self.model = model
+        self.opt = make_opt(model.parameters())
+        self.stats = GivenStats()
+        self.opt.set_statistics_source(self.stats)
+
+    def step(self, batches: list[list[tuple[torch.Tensor, torch.Tensor]]]) -> None:
+        sums = hand_sums(self.model, batches)
+        for p, (sum_g, sum_sq) in zip(self.model.parameters(), sums):
+            self.stats.sums[id(p)] = (sum_g, sum_sq)
+            p.grad = sum_g / len(batches)
+        self.stats.groups = len(batches)
+        self.opt.step()
+
+
+def rel(a: torch.Tensor, b: torch.Tensor, b0: torch.Tensor) -> float:
+    return float((a - b).norm() / (b - b0).norm())
+
+
+def train_case(opt_name: str, micro_steps: int, **ddp_kw: Any) -> dict[str, Any]:
+    """3 steps of DDP + ``attach`` against the reference; ``micro_steps`` > 1 accumulates
+    under ``no_sync()``."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    cls, kw = OPTS[opt_name]
+    model = tiny_model()
+    ref = Reference(copy.deepcopy(model), lambda ps: cls(ps, **kw))
+    plain = Reference(copy.deepcopy(model), lambda ps: cls(ps, **{**kw, "gamma": 1.0}))  # no variance reduction
+    p0 = flat(model)
+    ddp = DDP(model, bucket_cap_mb=BUCKET_CAP_MB, **ddp_kw)
+    opt = cls(ddp.parameters(), **kw)
+    stats = attach(ddp, opt)
+    steps = []
+    for step in range(STEPS):
+        collectives, calls, sent = stats.collectives, ALL_REDUCE_CALLS[0], stats.bytes_sent
+        opt.zero_grad()
+        for j in range(micro_steps - 1):
+            with ddp.no_sync():
+                loss_fn(ddp, batch(step, rank, j)).backward()
+        loss_fn(ddp, batch(step, rank, micro_steps - 1)).backward()
+        opt.step()
+        steps.append(dict(
+            n=opt.gsnr_metrics()["gsnr/n"],
+            collectives=stats.collectives - collectives,
+            all_reduce_calls=ALL_REDUCE_CALLS[0] - calls,
+            buckets=stats.buckets,
+            # DDP's own buckets, as its reducer holds them now (rebuilt after the first step)
+            ddp_bucket_numels=[b.buffer().numel() for b in ddp.reducer._get_zeros_like_grad_buckets()],
+            bytes_sent=stats.bytes_sent - sent,
+        ))
+        batches = [[batch(step, r, j) for j in range(micro_steps)] for r in range(world)]
+        ref.step(batches)
+        plain.step(batches)
+    a, b, c = flat(model), flat(ref.model), flat(plain.model)
+    return dict(err=rel(a, b, p0), contrast=rel(c, b, p0), moved=float((b - p0).norm()), steps=steps,
+                param_numels=[p.numel() for p in model.parameters()])
+
+
+def low_precision_case(dtype: torch.dtype) -> dict[str, Any]:
+    """The hook on a low-precision model: statistics are sums of the fp32 casts of the
+    ranks' gradients and squares of those casts; ``.grad`` is their fp32 mean rounded once."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    model = tiny_model(dtype)
+    local = copy.deepcopy(model)
+    ddp = DDP(model, bucket_cap_mb=BUCKET_CAP_MB)
+    opt = VRSGD(ddp.parameters(), lr=0.05)
+    stats = attach(ddp, opt)
+    loss_fn(ddp, batch(0, rank, 0)).backward()
+    want = hand_sums(local, [[batch(0, r, 0)] for r in range(world)])
+    params = list(model.parameters())
+    sum_g, sum_sq = stats.moments(params)
+    out = dict(
+        n=stats.n,
+        grad_dtypes=sorted({str(p.grad.dtype) for p in params}),
+        stat_dtypes=sorted({str(t.dtype) for t in sum_g + sum_sq}),
+        sum_g_err=max(float((a - w[0]).abs().max()) for a, w in zip(sum_g, want)),
+        sum_sq_err=max(float((a - w[1]).abs().max()) for a, w in zip(sum_sq, want)),
+        grad_err=max(float((p.grad.float() - (w[0] / world).to(dtype).float()).abs().max())
+                     for p, w in zip(params, want)),
+        sum_sq_scale=max(float(w[1].abs().max()) for w in want),
+    )
+    opt.zero_grad()
+    out["n_after_reset"] = stats.n
+    return out
+
+
+def bad_cases() -> dict[str, Any]:
+    rank, world = dist.get_rank(), dist.get_world_size()
+    out: dict[str, Any] = {}
+    ddp = DDP(tiny_model(), bucket_cap_mb=BUCKET_CAP_MB)
+    try:
+        attach(ddp, torch.optim.SGD(ddp.parameters(), lr=0.1))
+        out["non_gsnr"] = "no error"
+    except TypeError as exc:
+        out["non_gsnr"] = str(exc)
+    singles = [dist.new_group([r]) for r in range(world)]  # every rank creates every group
+    ddp1 = DDP(tiny_model(), process_group=singles[rank])
+    try:
+        attach(ddp1, VRSGD(ddp1.parameters(), lr=0.05))
+        out["one_rank"] = "no error"
+    except ValueError as exc:
+        out["one_rank"] = str(exc)
+    ddp1b = DDP(tiny_model(), process_group=singles[rank])
+    out["one_rank_gsnr_off"] = isinstance(attach(ddp1b, VRSGD(ddp1b.parameters(), lr=0.05, gsnr=False)), DDPStats)
+    ddp2 = DDP(tiny_model(), bucket_cap_mb=BUCKET_CAP_MB)
+    try:
+        attach(ddp2, VRSGD(tiny_model().parameters(), lr=0.05))
+        out["foreign_params"] = "no error"
+    except ValueError as exc:
+        out["foreign_params"] = str(exc)
+    return out
+
+
+def cases() -> dict[str, Callable[[], dict[str, Any]]]:
+    return {
+        "VRSGD": lambda: train_case("VRSGD", 1),
+        "VRAdam": lambda: train_case("VRAdam", 1),
+        "VRSGD_no_sync": lambda: train_case("VRSGD", 2),
+        "VRAdam_no_sync": lambda: train_case("VRAdam", 2),
+        "VRSGD_bucket_view": lambda: train_case("VRSGD", 1, gradient_as_bucket_view=True),
+        "bf16": lambda: low_precision_case(torch.bfloat16),
+        "fp16": lambda: low_precision_case(torch.float16),
+        "bad": bad_cases,
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", required=True)
+    args = parser.parse_args()
+    dist.init_process_group("gloo")
+    results: dict[str, Any] = {}
+    for name, run in cases().items():
+        try:
+            results[name] = run()
+        except Exception as exc:  # reported per case; the other rank may then time out
+            results[name] = dict(error=f"{type(exc).__name__}: {exc}", trace=traceback.format_exc())
+    gathered: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, results)
+    if dist.get_rank() == 0:
+        with open(args.out, "w") as f:
+            json.dump({name: [g[name] for g in gathered] for name in results}, f, indent=1)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
