@@ -59,7 +59,7 @@ def config(case: dict) -> dict:
         "gradient_accumulation_steps": case["gas"],
         "gradient_clipping": case["clip"],
         "steps_per_print": 10**9,
-        "optimizer": {"type": case["opt"], "params": OPT_KW[case["opt"]]},
+        "optimizer": {"type": case["opt"], "params": dict(OPT_KW[case["opt"]])},
         "zero_optimization": {"stage": case["stage"], "reduce_bucket_size": case["bucket"],
                               "allgather_bucket_size": max(case["bucket"], 500),
                               "stage3_param_persistence_threshold": 0},

@@ -24,8 +24,12 @@ def _names(engine: Any) -> tuple[list[str], dict[int, int], list[int]]:
     return names, keys, numel
 
 
-def attach(engine: Any) -> sources.ReductionStats:
-    """Feeds ``engine.basic_optimizer`` (a VRGD optimizer) from DeepSpeed's gradient reduction."""
+def attach(engine: Any) -> sources.ReductionStats | None:
+    """Feeds ``engine.basic_optimizer`` (a VRGD optimizer) from DeepSpeed's gradient reduction.
+
+    The layout (per-tensor sums across partitions) is attached for every member; the fused
+    ``[g | g²]`` reduction only when a param group has ``gsnr`` on (``Lamb``/``Lars`` send
+    exactly DeepSpeed's bytes)."""
     opt: GSNROptimizer = engine.basic_optimizer
     wrapper = engine.optimizer
     stage = int(engine.zero_optimization_stage())
@@ -35,7 +39,7 @@ def attach(engine: Any) -> sources.ReductionStats:
     device = next(engine.module.parameters()).device
     wrapped = type(wrapper).__name__
 
-    if any(g["gsnr"] for g in opt.param_groups):
+    if any(g["gsnr"] for g in opt.param_groups):  # fail before training, not at the first step
         n = sources.expected_groups(world, gas, stage)
         if n < MIN_GROUPS:
             raise UnsupportedConfiguration(
@@ -45,6 +49,8 @@ def attach(engine: Any) -> sources.ReductionStats:
                 + (", or gradient_accumulation_steps >= 2" if stage >= 2 else ", or ZeRO-2/3 with gradient_accumulation_steps >= 2")
                 + ", or set 'gsnr': false.")
 
+    wants_stats = any(g["gsnr"] for g in opt.param_groups)
+    stats = None
     if stage == 0:
         if wrapped == "FP16_UnfusedOptimizer":
             _require(wrapper, ("fp16_groups", "fp32_groups", "loss_scale"), "FP16_UnfusedOptimizer")
@@ -57,7 +63,8 @@ def attach(engine: Any) -> sources.ReductionStats:
         layout = Layout(names, numel, group=None, device=device)
         for p, m in pairs:
             layout.add(m, [(0, m.numel(), keys[id(p)])])
-        stats = sources.attach_stage0(engine, pairs, world)
+        if wants_stats:
+            stats = sources.attach_stage0(engine, pairs, world)
     elif stage in (1, 2):
         _require(wrapper, ("gradient_reduction_w_predivide", "_add_full_reduction_to_compact_grad_partition",
                            "grad_start_offset", "grad_partition_insertion_offset", "single_partition_of_fp32_groups",
@@ -66,7 +73,8 @@ def attach(engine: Any) -> sources.ReductionStats:
         layout = Layout(names, numel, group=wrapper.dp_process_group, device=device)
         for i, flat in enumerate(wrapper.single_partition_of_fp32_groups):
             layout.add(flat, [(dst, num, keys[id(p)]) for p, _, dst, num in sources.zero12_pieces(wrapper, i)])
-        stats = sources.attach_zero12(engine, wrapper, world, stage)
+        if wants_stats:
+            stats = sources.attach_zero12(engine, wrapper, world, stage)
     elif stage == 3:
         _require(wrapper, (sources._AVG_SCATTER, "fp32_partitioned_groups_flat", "fp16_groups", "grad_position",
                            "get_param_id", "_get_param_partition_group", "gradient_accumulation_dtype",
@@ -78,7 +86,8 @@ def attach(engine: Any) -> sources.ReductionStats:
         layout = Layout(names, numel, group=wrapper.dp_process_group, device=device)
         for i, flat in enumerate(wrapper.fp32_partitioned_groups_flat):
             layout.add(flat, [(off, valid, keys[id(p)]) for p, off, valid in sources.zero3_pieces(wrapper, i)])
-        stats = sources.attach_zero3(engine, wrapper, world)
+        if wants_stats:
+            stats = sources.attach_zero3(engine, wrapper, world)
         opt.merge_step_records = True  # one optimizer.step() per sub-group
     else:
         raise UnsupportedConfiguration(f"vrgd_ds: unknown ZeRO stage {stage}")
@@ -86,12 +95,12 @@ def attach(engine: Any) -> sources.ReductionStats:
     opt.set_statistics_source(stats, layout)
     _hook_step(wrapper, opt, stats)
     engine.vrgd_stats = stats
-    logger.info("vrgd_ds: %s attached to DeepSpeed (stage %d, %s, n=%d groups per step)", type(opt).__name__,
-                stage, wrapped, sources.expected_groups(world, gas, stage))
+    logger.info("vrgd_ds: %s attached to DeepSpeed (stage %d, %s, %s)", type(opt).__name__, stage, wrapped,
+                f"n={sources.expected_groups(world, gas, stage)} groups per step" if stats else "no GSNR statistics")
     return stats
 
 
-def _hook_step(wrapper: Any, opt: GSNROptimizer, stats: sources.ReductionStats) -> None:
+def _hook_step(wrapper: Any, opt: GSNROptimizer, stats: sources.ReductionStats | None) -> None:
     """Statistics end with the engine's step, taken or skipped (fp16 overflow)."""
     step = wrapper.step
 
@@ -101,8 +110,10 @@ def _hook_step(wrapper: Any, opt: GSNROptimizer, stats: sources.ReductionStats) 
         try:
             return step(*args, **kwargs)
         finally:
-            stats.end_step()
+            n = stats.n if stats is not None else 0
+            if stats is not None:
+                stats.end_step()
             if opt.step_calls == calls:  # DeepSpeed skipped the step (fp16 overflow)
-                opt.record_skipped("step/skipped_overflow", stats.n)
+                opt.record_skipped("step/skipped_overflow", n)
 
     wrapper.step = vrgd_step

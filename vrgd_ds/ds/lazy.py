@@ -12,13 +12,16 @@ class _AfterImport(importlib.abc.MetaPathFinder):
     def find_spec(self, fullname, path, target=None):
         if fullname != "deepspeed":
             return None
-        sys.meta_path.remove(self)  # one shot; the real finders resolve the module
+        # A probe (importlib.util.find_spec, e.g. transformers' is_deepspeed_available) also
+        # lands here without importing: stay installed until the module really executes.
         spec = importlib.machinery.PathFinder.find_spec(fullname, path)
         if spec is None or spec.loader is None:
             return spec
         exec_module = spec.loader.exec_module
 
         def exec_then_register(module):
+            if self in sys.meta_path:
+                sys.meta_path.remove(self)
             exec_module(module)
             from vrgd_ds.ds.integration import register
 

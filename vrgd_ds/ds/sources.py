@@ -64,7 +64,7 @@ class ReductionStats:
         self._bufs = {id(f): (torch.zeros(f.numel(), dtype=torch.float32, device=f.device),
                               torch.zeros(f.numel(), dtype=torch.float32, device=f.device)) for f in flats}
         self._shapes = {id(f): f.shape for f in flats}
-        self._rounds: set[int] = set()
+        self._counts: dict[int, int] = {}  # reductions of each model tensor since the last step
         self._stale = False
         self.counters = CommCounters()
 
@@ -72,7 +72,9 @@ class ReductionStats:
 
     @property
     def n(self) -> int:
-        return self.world * len(self._rounds)
+        """Ranks × reductions per tensor: every micro-step reduces each gradient once under
+        ZeRO-2/3, however the caller drives backward and step (per micro-batch or per cycle)."""
+        return self.world * max(self._counts.values(), default=0)
 
     def moments(self, params) -> tuple[list[Tensor], list[Tensor]]:
         sum_g, sum_sq = [], []
@@ -101,14 +103,16 @@ class ReductionStats:
         gas = self.engine.gradient_accumulation_steps() if self.per_micro_step else 1
         return gas / scale
 
-    def begin_round(self) -> None:
+    def begin_round(self, tensors) -> None:
+        """A bucket of ``tensors`` (model parameters) is about to be reduced."""
         if self._stale:
             for g, s in self._bufs.values():
                 g.zero_()
                 s.zero_()
-            self._rounds.clear()
+            self._counts.clear()
             self._stale = False
-        self._rounds.add(int(self.engine.micro_steps) if self.per_micro_step else 0)
+        for t in tensors:
+            self._counts[id(t)] = self._counts.get(id(t), 0) + 1
 
     def add(self, flat_id: int, dst: int, sum_g: Tensor, sum_sq: Tensor) -> None:
         g, s = self._bufs[flat_id]
@@ -120,12 +124,32 @@ class ReductionStats:
         return sum(2 * g.numel() * g.element_size() for g, _ in self._bufs.values())
 
 
+class _Scratch:
+    """One reusable fused buffer: a fresh multi-GB allocation per bucket would pay its page
+    faults (CPU) or allocator traffic every time."""
+
+    def __init__(self) -> None:
+        self._buf: Tensor | None = None
+
+    def get(self, numel: int, device: torch.device) -> Tensor:
+        if self._buf is None or self._buf.numel() < numel or self._buf.device != device:
+            self._buf = torch.empty(numel, dtype=torch.float32, device=device)
+        return self._buf[:numel]
+
+
+_scratch = _Scratch()
+
+
 def fused_all_reduce(flat: Tensor, c: float, group: Any, counters: CommCounters) -> Tensor:
-    """``[Σ_r x_r | Σ_r (c·x_r)²]`` in one fp32 all-reduce (x = this rank's flat local values)."""
+    """``[Σ_r x_r | Σ_r (c·x_r)²]`` in one fp32 all-reduce (x = this rank's flat local values).
+    The result lives in a shared scratch buffer: use it before the next call."""
     n = flat.numel()
-    buf = torch.empty(2 * n, dtype=torch.float32, device=flat.device)
+    buf = _scratch.get(2 * n, flat.device)
     buf[:n].copy_(flat.view(-1))
-    torch.mul(buf[:n], c, out=buf[n:]).square_()
+    if c == 1.0:
+        torch.square(buf[:n], out=buf[n:])
+    else:
+        torch.mul(buf[:n], c, out=buf[n:]).square_()
     dist.all_reduce(buf, group=group)
     counters.add(n, buf.numel() * buf.element_size())
     return buf
@@ -145,7 +169,7 @@ def attach_stage0(engine: Any, pairs: list[tuple[Tensor, Tensor]], world: int) -
     def allreduce_bucket(bucket, dp_group, dp_world_size=None):
         k = dp_world_size or dist.get_world_size(group=dp_group)
         tensor = engine.flatten(bucket)
-        stats.begin_round()
+        stats.begin_round(bucket)
         c = stats.multiplier()
         buf = fused_all_reduce(tensor, c, dp_group, stats.counters)
         n = tensor.numel()
@@ -199,23 +223,28 @@ def attach_zero12(engine: Any, zopt: Any, world: int, stage: int) -> ReductionSt
         if tensor.numel() == 0:
             return tensor
         k = dist.get_world_size(group=group)
-        stats.begin_round()
+        bucket = zopt.ipg_buckets[communication_data_type]
+        stats.begin_round([zopt.bit16_groups[i][pidx] for i, pidx, _ in bucket.params])
         c = stats.multiplier()
         buf = fused_all_reduce(tensor, c, group, stats.counters)
         n = tensor.numel()
-        bucket = zopt.ipg_buckets[communication_data_type]
         off = 0
         for i, pidx, _ in bucket.params:
             p = zopt.bit16_groups[i][pidx]
             piece = pieces[i].get(id(p))
             if piece is not None:
                 src, dst, num = piece
-                stats.add(id(flats[i]), dst, buf.narrow(0, off + src, num).mul(c), buf.narrow(0, n + off + src, num))
+                g = buf.narrow(0, off + src, num)
+                stats.add(id(flats[i]), dst, g if c == 1.0 else g.mul(c), buf.narrow(0, n + off + src, num))
             off += p.numel()
         if off != n:
             raise RuntimeError(f"DeepSpeed's reduction bucket holds {n} elements but its parameters {off}: the "
                                "bucket layout differs from DeepSpeed 0.19.8's (unsupported DeepSpeed version?)")
-        tensor.view(-1).copy_(buf[:n].mul_(1.0 / k))  # DeepSpeed's postscale average
+        flat = tensor.view(-1)
+        if flat.dtype == torch.float32:
+            torch.mul(buf[:n], 1.0 / k, out=flat)  # DeepSpeed's postscale average
+        else:
+            flat.copy_(buf[:n].mul_(1.0 / k))
         return tensor
 
     zopt.gradient_reduction_w_predivide = gradient_reduction_w_predivide
@@ -252,7 +281,7 @@ def attach_zero3(engine: Any, zopt: Any, world: int) -> ReductionStats:
     def avg_scatter_grads(params, communication_data_type):
         group = zopt._get_param_partition_group(params[0])
         k = dist.get_world_size(group=group)
-        stats.begin_round()
+        stats.begin_round(params)
         c = stats.multiplier()
         grads = [p.grad.float() for p in params]
         squares = [torch.mul(g, c).square_() for g in grads]

@@ -1,0 +1,100 @@
+"""``transformers.Trainer`` with ``TrainingArguments(deepspeed=...)`` whose config names a VRGD
+optimizer (``"optimizer": {"type": "VRLamb"}``), ZeRO-2, on 2 CPU ranks: HF/Accelerate hand
+DeepSpeed a ``DummyOptim`` placeholder and DeepSpeed builds VRLamb from the config.
+
+One ``deepspeed --num_gpus 2`` launch of ``hf_trainer_worker.py`` (a tiny BERT masked-LM on
+random tokens, 6 optimizer steps, micro-batch 4, gradient accumulation 2) feeds every test here.
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("transformers")
+pytest.importorskip("accelerate")  # transformers.Trainer needs it for DeepSpeed
+
+HERE = Path(__file__).parent
+ROOT = HERE.parent.parent
+WORKER = HERE / "hf_trainer_worker.py"
+RANKS, GAS, STEPS = 2, 2, 6
+
+# "lazy": the worker only does `import vrgd_ds` before transformers (what users write);
+# "eager" would call vrgd_ds.register() explicitly.
+REGISTER = "lazy"
+
+
+def _env() -> dict:
+    return dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def result(tmp_path_factory) -> dict:
+    tmp = tmp_path_factory.mktemp("hf")
+    out = tmp / "r.json"
+    deepspeed = Path(sys.executable).parent / "deepspeed"
+    cmd = [str(deepspeed), "--num_gpus", str(RANKS), "--master_port", str(_free_port()), str(WORKER),
+           "--register", REGISTER, "--out", str(out), "--output_dir", str(tmp / "hf_out")]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=_env(), cwd=tmp)
+    if proc.returncode != 0 or not out.exists():
+        raise RuntimeError(f"deepspeed launch failed (rc={proc.returncode}):\n{proc.stdout[-6000:]}\n"
+                           f"{proc.stderr[-6000:]}")
+    return json.loads(out.read_text())
+
+
+def test_vrlamb_built_from_config_under_zero2(result):
+    assert result["registered"]
+    assert result["engine"] == "DeepSpeedEngine"
+    assert result["basic_optimizer"] == "VRLamb"
+    assert result["wrapped_optimizer"] == "DeepSpeedZeroOptimizer"
+    assert result["zero_stage"] == 2
+    assert result["world_size"] == RANKS
+    assert result["gradient_accumulation_steps"] == GAS
+    assert result["global_steps"] == STEPS
+
+
+def test_trains(result):
+    losses = result["losses"]
+    assert len(losses) == STEPS, result["log_history"]
+    assert all(math.isfinite(x) for x in losses), losses
+    assert result["params_changed"], result["param_delta_norm"]
+    # every parameter moves, except key biases, whose true gradient is 0 (softmax is invariant to them)
+    still = [n for n, d in result["param_delta_norm"].items() if d == 0 and not n.endswith(".self.key.bias")]
+    assert not still, still
+    m = result["gsnr_metrics"]
+    for key in ("trust_ratio/mean", "trust_ratio/min", "trust_ratio/max"):
+        assert key in m and math.isfinite(m[key]), m
+    assert 0 < m["trust_ratio/min"] <= m["trust_ratio/mean"] <= m["trust_ratio/max"], m
+    assert m["step/skipped_total"] == 0
+    assert len(result["step_metrics"]) == STEPS
+    assert all("trust_ratio/mean" in row for row in result["step_metrics"])
+
+
+def test_gradient_groups_per_step(result):
+    # ZeRO-2 reduces every micro-step: ranks x gradient accumulation groups per optimizer step
+    assert result["gsnr_metrics"]["gsnr/n"] == RANKS * GAS
+    assert [row["gsnr/n"] for row in result["step_metrics"]] == [RANKS * GAS] * STEPS
+
+
+def test_import_vrgd_ds_then_transformers_registers():
+    code = ("import vrgd_ds\n"
+            "from transformers import Trainer\n"
+            "import deepspeed\n"
+            "from vrgd_ds.ds import integration\n"
+            "print('REGISTERED', integration._registered)\n")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, env=_env(),
+                          cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert "REGISTERED True" in proc.stdout, proc.stdout[-2000:]
