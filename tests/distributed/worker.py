@@ -64,6 +64,8 @@ def config(case: dict) -> dict:
                               "allgather_bucket_size": max(case["bucket"], 500),
                               "stage3_param_persistence_threshold": 0},
     }
+    if case.get("squares"):
+        cfg["vrgd"] = {"squares_dtype": case["squares"]}
     if case["dtype"] == "bf16":
         cfg["bf16"] = {"enabled": True}
     if case["dtype"] == "fp16":
@@ -91,7 +93,7 @@ def run_matrix_case(case: dict) -> dict:
         plain = Reference(model, lambda ps: cls(ps, **{**OPT_KW[case["opt"]], "gamma": 1.0}), dtype, case["stage"],
                           case["gas"], world, case["clip"])
     engine, *_ = deepspeed.initialize(model=model, config=config(case))
-    ns, skipped = [], 0
+    ns, skipped, gsnr_means = [], 0, []
     for step in range(STEPS):
         scale = float(getattr(engine.optimizer, "loss_scale", 1.0))
         for j in range(case["gas"]):
@@ -105,6 +107,9 @@ def run_matrix_case(case: dict) -> dict:
             if rf is not None:
                 rf.step([[batch(step, r, j) for j in range(case["gas"])] for r in range(world)],
                         lambda mod, b: loss_fn(mod, b, dtype), scale)
+        gsnr_means.append([m.get("gsnr/mean"), ref.opt.gsnr_metrics().get("gsnr/mean")])
+    stats = getattr(engine, "vrgd_stats", None)
+    bytes_ratio = stats.counters.bytes_sent / stats.counters.grad_bytes_fp32 if stats is not None else None
     got = full_params(engine)
     want = [p.detach().to(dtype).float() if dtype != torch.float32 else p.detach() for p in ref.master.parameters()]
     init = [p.detach().to(dtype).float() for p in tiny_model().parameters()]
@@ -117,7 +122,8 @@ def run_matrix_case(case: dict) -> dict:
         if os.environ.get("VRGD_TEST_DEBUG") and dist.get_rank() == 0:
             print("[debug] got vs plain (ulps):", ulp_err(got, other, dtype))
     return dict(max_rel_err=err, ulps=ulps, l2=l2, contrast=contrast, contrast_ulps=contrast_ulps,
-                contrast_l2=contrast_l2, n=ns, skipped=skipped)
+                contrast_l2=contrast_l2, n=ns, skipped=skipped, gsnr_means=gsnr_means, bytes_ratio=bytes_ratio,
+                collectives=stats.counters.collectives if stats is not None else None)
 
 
 def l2_err(got, want, init) -> float:
@@ -157,6 +163,16 @@ def matrix_cases():
         bucket = (40, 500)[i % 2]  # small buckets: many per step; large: one
         yield f"stage{stage}-{dtype}-gas{gas}-clip{clip:g}-{opt}-bucket{bucket}", dict(
             stage=stage, dtype=dtype, gas=gas, clip=clip, opt=opt, bucket=bucket)
+
+
+def squares_cases():
+    """bf16 squares ("vrgd": {"squares_dtype": "bf16"}) against the fp32-squares reference."""
+    for stage in (0, 1, 2, 3):
+        for opt in ("VRAdam", "VRLamb"):
+            yield f"squares-bf16-stage{stage}-{opt}", dict(stage=stage, dtype="fp32", gas=2, clip=0.0, opt=opt,
+                                                          bucket=40, squares="bf16")
+            yield f"squares-fp32-stage{stage}-{opt}", dict(stage=stage, dtype="fp32", gas=2, clip=0.0, opt=opt,
+                                                          bucket=40)
 
 
 def lamb_cases():
@@ -228,6 +244,8 @@ def bad_cases():
     yield "bad-fp16-stage0", dict(base, stage=0, dtype="fp16")
     yield "bad-client-and-config", dict(base, client=True)
     yield "bad-unknown-param", dict(base, set={"optimizer.params.gama": 0.1})
+    yield "bad-squares-dtype", dict(base, set={"vrgd.squares_dtype": "fp8"})
+    yield "bad-vrgd-key", dict(base, set={"vrgd.square_dtype": "bf16"})
 
 
 def full_state(engine, key: str) -> dict[str, torch.Tensor]:
@@ -326,6 +344,8 @@ def main() -> None:
     for suite in args.suite:
         if suite == "matrix":
             results.update(run_suite(matrix_cases(), run_matrix_case, args.only))
+        elif suite == "squares":
+            results.update(run_suite(squares_cases(), run_matrix_case, args.only))
         elif suite == "lamb":
             results.update(run_suite(lamb_cases(), run_matrix_case, args.only))
         elif suite == "checkpoint":

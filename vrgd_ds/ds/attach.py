@@ -7,6 +7,7 @@ from typing import Any
 import deepspeed.comm as dist
 
 from vrgd_ds.ds import sources
+from vrgd_ds.ds.config import reduction_config
 from vrgd_ds.ds.integration import UnsupportedConfiguration, _require
 from vrgd_ds.ds.layout import Layout
 from vrgd_ds.optim.base import MIN_GROUPS, GSNROptimizer
@@ -38,6 +39,7 @@ def attach(engine: Any) -> sources.ReductionStats | None:
     names, keys, numel = _names(engine)
     device = next(engine.module.parameters()).device
     wrapped = type(wrapper).__name__
+    options = reduction_config(getattr(engine._config, "_param_dict", {}) or {})
 
     if any(g["gsnr"] for g in opt.param_groups):  # fail before training, not at the first step
         n = sources.expected_groups(world, gas, stage)
@@ -92,6 +94,8 @@ def attach(engine: Any) -> sources.ReductionStats | None:
     else:
         raise UnsupportedConfiguration(f"vrgd_ds: unknown ZeRO stage {stage}")
 
+    if stats is not None:
+        stats.squares_dtype = options.torch_squares_dtype
     opt.set_statistics_source(stats, layout)
     _hook_step(wrapper, opt, stats)
     engine.vrgd_stats = stats

@@ -42,8 +42,8 @@ class CommCounters:
     bytes_sent: int = 0  # bytes of the fused buffers
     grad_bytes_fp32: int = 0  # bytes the gradient alone takes in fp32
 
-    def add(self, numel_grad: int, nbytes: int) -> None:
-        self.collectives += 1
+    def add(self, numel_grad: int, nbytes: int, calls: int = 1) -> None:
+        self.collectives += calls
         self.bytes_sent += nbytes
         self.grad_bytes_fp32 += 4 * numel_grad
 
@@ -67,6 +67,7 @@ class ReductionStats:
         self._counts: dict[int, int] = {}  # reductions of each model tensor since the last step
         self._stale = False
         self.counters = CommCounters()
+        self.squares_dtype = torch.float32  # set from the config's "vrgd" block at attach
 
     # -- StatisticsSource --------------------------------------------------------------------
 
@@ -125,34 +126,53 @@ class ReductionStats:
 
 
 class _Scratch:
-    """One reusable fused buffer: a fresh multi-GB allocation per bucket would pay its page
-    faults (CPU) or allocator traffic every time."""
+    """Reusable fused buffers, one per dtype: a fresh multi-GB allocation per bucket would pay
+    its page faults (CPU) or allocator traffic every time."""
 
     def __init__(self) -> None:
-        self._buf: Tensor | None = None
+        self._bufs: dict[torch.dtype, Tensor] = {}
 
-    def get(self, numel: int, device: torch.device) -> Tensor:
-        if self._buf is None or self._buf.numel() < numel or self._buf.device != device:
-            self._buf = torch.empty(numel, dtype=torch.float32, device=device)
-        return self._buf[:numel]
+    def get(self, numel: int, device: torch.device, dtype: torch.dtype = torch.float32) -> Tensor:
+        buf = self._bufs.get(dtype)
+        if buf is None or buf.numel() < numel or buf.device != device:
+            buf = self._bufs[dtype] = torch.empty(numel, dtype=dtype, device=device)
+        return buf[:numel]
 
 
 _scratch = _Scratch()
 
 
-def fused_all_reduce(flat: Tensor, c: float, group: Any, counters: CommCounters) -> Tensor:
-    """``[Σ_r x_r | Σ_r (c·x_r)²]`` in one fp32 all-reduce (x = this rank's flat local values).
-    The result lives in a shared scratch buffer: use it before the next call."""
+def fused_all_reduce(flat: Tensor, c: float, group: Any, counters: CommCounters,
+                     squares_dtype: torch.dtype = torch.float32) -> tuple[Tensor, Tensor]:
+    """``(Σ_r x_r, Σ_r (c·x_r)²)`` for this rank's flat local values ``x``, both fp32 views of
+    shared scratch buffers (use them before the next call).
+
+    fp32 squares: one all-reduce of ``[x | (c·x)²]``. bf16 squares: a collective cannot mix
+    dtypes, so the fp32 ``x`` and the bf16 squares go as two all-reduces issued together
+    (``async_op``; on NCCL they queue back to back on one stream) — half the extra bytes, one
+    more call per bucket. Squares are formed in fp32 and rounded once to bf16 (8-bit mantissa:
+    relative error <= 2^-9 per element before the sum).
+    """
     n = flat.numel()
-    buf = _scratch.get(2 * n, flat.device)
-    buf[:n].copy_(flat.view(-1))
-    if c == 1.0:
-        torch.square(buf[:n], out=buf[n:])
-    else:
-        torch.mul(buf[:n], c, out=buf[n:]).square_()
-    dist.all_reduce(buf, group=group)
-    counters.add(n, buf.numel() * buf.element_size())
-    return buf
+    if squares_dtype == torch.float32:
+        buf = _scratch.get(2 * n, flat.device)
+        buf[:n].copy_(flat.view(-1))
+        if c == 1.0:
+            torch.square(buf[:n], out=buf[n:])
+        else:
+            torch.mul(buf[:n], c, out=buf[n:]).square_()
+        dist.all_reduce(buf, group=group)
+        counters.add(n, buf.numel() * buf.element_size())
+        return buf[:n], buf[n:]
+    g = _scratch.get(n, flat.device)
+    g.copy_(flat.view(-1))
+    sq = _scratch.get(n, flat.device, squares_dtype)
+    sq.copy_(torch.square(g) if c == 1.0 else torch.mul(g, c).square_())  # fp32 square, one rounding
+    works = [dist.all_reduce(g, group=group, async_op=True), dist.all_reduce(sq, group=group, async_op=True)]
+    for w in works:
+        w.wait()
+    counters.add(n, g.numel() * g.element_size() + sq.numel() * sq.element_size(), calls=2)
+    return g, sq.float()
 
 
 # ---- stage 0 (plain, FP16_UnfusedOptimizer for fp16/bf16) -------------------------------------
@@ -171,8 +191,7 @@ def attach_stage0(engine: Any, pairs: list[tuple[Tensor, Tensor]], world: int) -
         tensor = engine.flatten(bucket)
         stats.begin_round(bucket)
         c = stats.multiplier()
-        buf = fused_all_reduce(tensor, c, dp_group, stats.counters)
-        n = tensor.numel()
+        red_g, red_sq = fused_all_reduce(tensor, c, dp_group, stats.counters, stats.squares_dtype)
         owner = {p.grad.data_ptr(): by_param[id(p)] for p, _ in pairs if p.grad is not None}
         off = 0
         for t in bucket:
@@ -181,9 +200,9 @@ def attach_stage0(engine: Any, pairs: list[tuple[Tensor, Tensor]], world: int) -
                 raise RuntimeError("a gradient in DeepSpeed's reduction bucket belongs to no parameter of the "
                                    "VRGD optimizer (stage 0); was a parameter left out of the optimizer?")
             num = t.numel()
-            stats.add(id(m), 0, buf.narrow(0, off, num).mul(c), buf.narrow(0, n + off, num))
+            stats.add(id(m), 0, red_g.narrow(0, off, num).mul(c), red_sq.narrow(0, off, num))
             off += num
-        tensor.copy_(buf[:n].mul_(1.0 / k))  # DeepSpeed's postscale average
+        tensor.copy_(red_g.mul_(1.0 / k))  # DeepSpeed's postscale average
         return tensor
 
     engine.allreduce_bucket = allreduce_bucket
@@ -226,7 +245,7 @@ def attach_zero12(engine: Any, zopt: Any, world: int, stage: int) -> ReductionSt
         bucket = zopt.ipg_buckets[communication_data_type]
         stats.begin_round([zopt.bit16_groups[i][pidx] for i, pidx, _ in bucket.params])
         c = stats.multiplier()
-        buf = fused_all_reduce(tensor, c, group, stats.counters)
+        red_g, red_sq = fused_all_reduce(tensor, c, group, stats.counters, stats.squares_dtype)
         n = tensor.numel()
         off = 0
         for i, pidx, _ in bucket.params:
@@ -234,17 +253,17 @@ def attach_zero12(engine: Any, zopt: Any, world: int, stage: int) -> ReductionSt
             piece = pieces[i].get(id(p))
             if piece is not None:
                 src, dst, num = piece
-                g = buf.narrow(0, off + src, num)
-                stats.add(id(flats[i]), dst, g if c == 1.0 else g.mul(c), buf.narrow(0, n + off + src, num))
+                g = red_g.narrow(0, off + src, num)
+                stats.add(id(flats[i]), dst, g if c == 1.0 else g.mul(c), red_sq.narrow(0, off + src, num))
             off += p.numel()
         if off != n:
             raise RuntimeError(f"DeepSpeed's reduction bucket holds {n} elements but its parameters {off}: the "
                                "bucket layout differs from DeepSpeed 0.19.8's (unsupported DeepSpeed version?)")
         flat = tensor.view(-1)
         if flat.dtype == torch.float32:
-            torch.mul(buf[:n], 1.0 / k, out=flat)  # DeepSpeed's postscale average
+            torch.mul(red_g, 1.0 / k, out=flat)  # DeepSpeed's postscale average
         else:
-            flat.copy_(buf[:n].mul_(1.0 / k))
+            flat.copy_(red_g.mul_(1.0 / k))
         return tensor
 
     zopt.gradient_reduction_w_predivide = gradient_reduction_w_predivide
@@ -285,15 +304,21 @@ def attach_zero3(engine: Any, zopt: Any, world: int) -> ReductionStats:
         c = stats.multiplier()
         grads = [p.grad.float() for p in params]
         squares = [torch.mul(g, c).square_() for g in grads]
-        parts = reduce_scatter_coalesced(grads + squares, group)  # one collective, averaged over k
         t = len(params)
         numel = sum(g.numel() for g in grads)
-        stats.counters.add(numel, 2 * 4 * numel)
-        for p, gp, sp in zip(params, parts[:t], parts[t:]):
+        if stats.squares_dtype == torch.float32:
+            parts = reduce_scatter_coalesced(grads + squares, group)  # one collective, averaged over k
+            g_parts, sq_parts = parts[:t], parts[t:]
+            stats.counters.add(numel, 2 * 4 * numel)
+        else:  # a coalesced call flattens into one dtype: the bf16 squares go as a second one
+            g_parts = reduce_scatter_coalesced(grads, group)
+            sq_parts = [x.float() for x in reduce_scatter_coalesced([x.to(stats.squares_dtype) for x in squares], group)]
+            stats.counters.add(numel, 4 * numel + 2 * numel, calls=2)
+        for p, gp, sp in zip(params, g_parts, sq_parts):
             i, offset, valid = where[id(p)]
             if valid:
                 stats.add(id(flats[i]), offset, gp.view(-1)[:valid].mul(k * c), sp.view(-1)[:valid].mul(k))
-        return [gp.to(zopt.gradient_accumulation_dtype) for gp in parts[:t]]
+        return [gp.to(zopt.gradient_accumulation_dtype) for gp in g_parts]
 
     setattr(zopt, _AVG_SCATTER, avg_scatter_grads)
     return stats
