@@ -1,0 +1,137 @@
+"""``vrgd-plots``: a run's metrics.jsonl to PNG files, tolerant of gaps and a cut-off line."""
+import json
+import logging
+import math
+
+import pytest
+
+from vrgd_ds.train import plots as P
+from vrgd_ds.train.telemetry import JsonlSink
+
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+ALL = ["loss.png", "lr.png", "gsnr.png", "clip.png", "noise_scale.png", "throughput.png"]
+
+
+def _record(step):
+    phase = 1 if step <= 12 else 2
+    r = {
+        "phase": phase,
+        "train/loss": 8.0 / step,
+        "train/lr": 1e-3 * min(step / 5, 1.0),
+        "train/tokens_per_s": 1e5 + step,
+        "train/step_time_s": 0.5,
+        "train/samples": 64 * step,
+        "gsnr/mean": 0.1 + 0.01 * step,
+        "gsnr/min": 1e-4,
+        "gsnr/max": 5.0,
+        "gsnr/clip_low_frac": 0.3,
+        "gsnr/clip_high_frac": 0.05,
+        # A noisy estimate can be negative or NaN: not drawn on the log axis.
+        "noise_scale/b_simple": float("nan") if step == 3 else (-1.0 if step == 4 else 100.0 * step),
+        "trust_ratio/mean": 1.1,
+        "step/skipped_total": 0.0,
+    }
+    for g in ["embeddings", "encoder.layer.0", "encoder.layer.1", "encoder.layer.10", "head"]:
+        r[f"group/{g}/gsnr_mean"] = 0.2
+    if step % 5 == 0:
+        r["eval/mlm_loss"] = 7.0 / step
+        r["eval/mlm_acc"] = 0.1 * step / 20
+    return r
+
+
+@pytest.fixture
+def run_dir(tmp_path):
+    run = tmp_path / "run"
+    with JsonlSink(run / "metrics.jsonl") as sink:
+        for s in range(1, 21):
+            sink.write(s, _record(s))
+    return run
+
+
+def _assert_pngs(paths, names):
+    assert sorted(p.name for p in paths) == sorted(names)
+    for p in paths:
+        data = p.read_bytes()
+        assert data[:8] == PNG_MAGIC and len(data) > 1000, p
+
+
+def test_full_run_writes_every_plot(run_dir):
+    paths = P.plot_run(run_dir)
+    _assert_pngs(paths, ALL)
+    assert all(p.parent == run_dir / "plots" for p in paths)
+
+
+def test_out_dir_and_cut_off_last_line(run_dir, tmp_path, caplog):
+    with open(run_dir / "metrics.jsonl", "a") as f:
+        f.write('{"step": 21, "train/lo')
+    with caplog.at_level(logging.WARNING, logger=P.__name__):
+        paths = P.plot_run(run_dir, tmp_path / "out")
+    _assert_pngs(paths, ALL)
+    assert all(p.parent == tmp_path / "out" for p in paths)
+    assert "corrupt last line" in caplog.text
+
+
+def test_missing_keys_skip_plots(tmp_path, caplog):
+    run = tmp_path / "run"
+    run.mkdir()
+    with open(run / "metrics.jsonl", "w") as f:
+        for s in range(1, 6):
+            # null values and keys missing in some records are both gaps.
+            rec = {"step": s, "time": 0.0, "train/loss": None if s == 2 else 1.0 / s}
+            if s > 2:
+                rec["train/lr"] = 0.01
+            f.write(json.dumps(rec) + "\n")
+    with caplog.at_level(logging.INFO, logger=P.__name__):
+        paths = P.plot_run(run)
+    _assert_pngs(paths, ["loss.png", "lr.png"])
+    for skipped in ["gsnr.png", "clip.png", "noise_scale.png", "throughput.png"]:
+        assert f"skipping {skipped}" in caplog.text
+
+
+def test_read_metrics_merges_records_of_one_step(tmp_path):
+    """The loop may write a step's evaluation as its own record after the training one."""
+    path = tmp_path / "metrics.jsonl"
+    path.write_text("\n".join(json.dumps(r) for r in [
+        {"step": 2, "train/loss": 1.0},
+        {"step": 1, "train/loss": 2.0},
+        {"step": 2, "eval/mlm_loss": 1.5},
+        {"no_step": 1},
+        ["not", "a", "record"],
+    ]) + "\n")
+    recs = P.read_metrics(path)
+    assert recs == [{"step": 1, "train/loss": 2.0}, {"step": 2, "train/loss": 1.0, "eval/mlm_loss": 1.5}]
+
+
+def test_phase_changes():
+    recs = [{"step": 1, "phase": 1}, {"step": 2}, {"step": 3, "phase": 1}, {"step": 4, "phase": 2},
+            {"step": 5, "phase": None}, {"step": 6, "phase": 2}, {"step": 7, "phase": "p3"}]
+    assert P._phase_changes(recs) == [(4, 2), (7, "p3")]
+
+
+def test_series_skips_null_non_finite_and_strings():
+    recs = [{"step": 1, "k": 1.0}, {"step": 2, "k": None}, {"step": 3, "k": math.inf},
+            {"step": 4, "k": "x"}, {"step": 5}, {"step": 6, "k": 3}]
+    assert P._series(recs, "k") == ([1, 6], [1.0, 3.0])
+
+
+def test_group_order_follows_the_stack():
+    recs = [{"step": 1, **{f"group/{g}/gsnr_mean": 1.0 for g in
+                           ["head", "encoder.layer.10", "pooler", "encoder.layer.2", "embeddings"]}}]
+    assert P._group_names(recs, "gsnr_mean") == ["embeddings", "encoder.layer.2", "encoder.layer.10", "pooler", "head"]
+
+
+def test_cli_prints_paths(run_dir, capsys):
+    assert P.main([str(run_dir), "--out", str(run_dir / "png")]) == 0
+    printed = capsys.readouterr().out.split()
+    assert sorted(printed) == sorted(str(run_dir / "png" / n) for n in ALL)
+
+
+def test_cli_errors_on_missing_or_empty_file(tmp_path, capsys):
+    assert P.main([str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and str(tmp_path / "metrics.jsonl") in err
+    (tmp_path / "metrics.jsonl").write_text("\n")
+    assert P.main([str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and "metrics.jsonl" in err and "no step record" in err
+    assert not (tmp_path / "plots").exists()

@@ -1,0 +1,1 @@
+"""The BERT pretraining job."""
