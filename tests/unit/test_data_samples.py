@@ -1,0 +1,389 @@
+"""Sample index and dynamic masking: packing, layout, staleness, NSP/SOP, 80/10/10."""
+import hashlib
+import json
+import math
+import os
+import pathlib
+import pickle
+
+import numpy as np
+import pytest
+import torch
+
+from data_pipeline import samples as S
+from data_pipeline.errors import DataError
+from data_pipeline.sampler import PretrainingSampler
+
+
+class FakeCorpus:
+    """In-memory corpus with ShardedCorpus's attributes; writes a manifest.json to `path`."""
+
+    def __init__(self, docs, path, vocab_size=1000):
+        self.docs = [[np.asarray(s, dtype=np.uint16) for s in d] for d in docs]
+        self.path = pathlib.Path(path)
+        self.path.mkdir(parents=True, exist_ok=True)
+        self.vocab_size = vocab_size
+        self.dtype = np.dtype(np.uint16)
+        self.num_documents = len(self.docs)
+        self.num_sentences = sum(len(d) for d in self.docs)
+        self.num_tokens = sum(len(s) for d in self.docs for s in d)
+        self.tokenizer_sha256 = "0" * 64
+        digest = hashlib.sha256(b"".join(s.tobytes() for d in self.docs for s in d))
+        self.manifest = {"num_documents": self.num_documents, "sha256": digest.hexdigest()}
+        (self.path / "manifest.json").write_text(json.dumps(self.manifest))
+
+    def __len__(self):
+        return self.num_documents
+
+    def document(self, i):
+        return list(self.docs[i])
+
+    def sentence_lengths(self, i):
+        return np.array([len(s) for s in self.docs[i]], dtype=np.int64)
+
+
+def random_docs(rng, num_docs=40, max_sentences=12, max_len=30, unk_rate=0.02, vocab=1000,
+                long_every=0):
+    """Documents of ordinary tokens with some [UNK]s; optionally some over-long sentences."""
+    docs = []
+    for d in range(num_docs):
+        doc = []
+        for s in range(int(rng.integers(1, max_sentences + 1))):
+            n = int(rng.integers(1, max_len + 1))
+            if long_every and (d * 31 + s) % long_every == 0:
+                n = int(rng.integers(200, 400))
+            toks = rng.integers(S.FIRST_ORDINARY_ID, vocab, size=n)
+            toks[rng.random(n) < unk_rate] = S.UNK_ID
+            doc.append(toks)
+        docs.append(doc)
+    return docs
+
+
+@pytest.fixture
+def corpus(tmp_path):
+    return FakeCorpus(random_docs(np.random.default_rng(0), long_every=17), tmp_path / "c")
+
+
+def sentences(corpus, doc, begin, end):
+    return np.concatenate([np.empty(0, np.int64)] +
+                          [s.astype(np.int64) for s in corpus.document(doc)[begin:end]])
+
+
+def is_substring(part, whole):
+    n = len(part)
+    return any(np.array_equal(whole[i:i + n], part) for i in range(len(whole) - n + 1))
+
+
+@pytest.mark.parametrize("next_sentence", [None, "nsp", "sop"])
+@pytest.mark.parametrize("max_seq_len", [16, 64])
+def test_layout_segments_and_truncation(corpus, tmp_path, next_sentence, max_seq_len):
+    """Every sample fits max_seq_len, is [CLS] A [SEP] (B [SEP]) with segment ids 0 then 1,
+    and A, B are the indexed sentences, whole when they fit and a contiguous piece when
+    truncated (which the long sentences force)."""
+    path = S.build_sample_index(corpus, max_seq_len, 1, tmp_path / "idx",
+                                next_sentence=next_sentence)
+    ds = S.BertPretrainingDataset(corpus, path, max_seq_len, seed=0)
+    rows = np.load(path)
+    truncated = 0
+    for i, row in enumerate(rows):
+        ids, types, label = ds.tokens(i)
+        assert len(ids) <= max_seq_len
+        a = sentences(corpus, row[S.DOC_A], row[S.A_BEGIN], row[S.A_END])
+        b = sentences(corpus, row[S.DOC_B], row[S.B_BEGIN], row[S.B_END])
+        assert ids[0] == S.CLS_ID and ids[-1] == S.SEP_ID
+        seps = np.flatnonzero(ids == S.SEP_ID)
+        has_b = row[S.B_BEGIN] != row[S.B_END]
+        assert len(seps) == (2 if has_b else 1)
+        got_a = ids[1:seps[0]]
+        got_b = ids[seps[0] + 1:-1] if has_b else ids[:0]
+        assert len(got_a) > 0 and (len(got_b) > 0) == has_b
+        np.testing.assert_array_equal(types, (np.arange(len(ids)) > seps[0]).astype(np.int64))
+        if len(a) + len(b) + 2 + has_b <= max_seq_len:
+            np.testing.assert_array_equal(got_a, a)
+            np.testing.assert_array_equal(got_b, b)
+        else:
+            truncated += 1
+            assert len(ids) == max_seq_len
+            assert is_substring(got_a, a) and is_substring(got_b, b)
+        assert label == int(row[S.LABEL])
+    assert truncated > 0
+
+
+def google_truncate(len_a, len_b, max_tokens):
+    """Lengths left by Google's token-by-token truncate_seq_pair (ties cut B)."""
+    while len_a + len_b > max_tokens:
+        if len_a > len_b:
+            len_a -= 1
+        else:
+            len_b -= 1
+    return len_a, len_b
+
+
+def test_truncation_matches_googles_loop_in_lengths_and_is_fair_front_back():
+    rng = np.random.default_rng(0)
+    fronts = []
+    for la in range(0, 30):
+        for lb in range(0, 30):
+            (fa, ba), (fb, bb) = S.truncate_lengths(la, lb, 20, rng)
+            assert (la - fa - ba, lb - fb - bb) == google_truncate(la, lb, 20)
+            assert min(fa, ba, fb, bb) >= 0
+            fronts += [fa / (fa + ba)] if fa + ba else []
+    # front share of each cut is Binomial(cut, 1/2) / cut: its mean is 1/2
+    assert abs(np.mean(fronts) - 0.5) < 5 * 0.5 / math.sqrt(len(fronts))
+
+
+def test_packing_is_greedy_and_covers_each_document_once(corpus, tmp_path):
+    """Without NSP, chunks tile each document in order; a chunk stops at the first sentence
+    that reaches the target, so all but its last sentence stay under max_seq_len - 3."""
+    max_seq_len = 64
+    rows = np.load(S.build_sample_index(corpus, max_seq_len, 3, tmp_path, short_seq_prob=0.0))
+    assert (rows[:, S.DOC_A] == rows[:, S.DOC_B]).all() and (rows[:, S.LABEL] == 0).all()
+    assert (rows[:, S.A_END] == rows[:, S.B_BEGIN]).all()
+    assert (rows[:, S.A_END] > rows[:, S.A_BEGIN]).all()
+    for doc in range(corpus.num_documents):
+        mine = rows[rows[:, S.DOC_A] == doc]
+        bounds = [(r[S.A_BEGIN], r[S.B_END]) for r in mine]
+        assert bounds[0][0] == 0 and bounds[-1][1] == len(corpus.document(doc))
+        assert all(bounds[j][1] == bounds[j + 1][0] for j in range(len(bounds) - 1))
+        lens = corpus.sentence_lengths(doc)
+        for begin, end in bounds:
+            assert lens[begin:end - 1].sum() < max_seq_len - 3
+            if end < len(lens):
+                assert lens[begin:end].sum() >= max_seq_len - 3
+
+
+def test_short_seq_prob_yields_short_targets(tmp_path):
+    """With short_seq_prob=1 every chunk has a random target in [2, max_seq_len - 3], so
+    chunks of equal 4-token sentences hold fewer than the 12 that fill 48 tokens."""
+    docs = [[np.full(4, 7)] * 60 for _ in range(10)]
+    corpus = FakeCorpus(docs, tmp_path / "c")
+    full = np.load(S.build_sample_index(corpus, 51, 0, tmp_path / "a", short_seq_prob=0.0))
+    short = np.load(S.build_sample_index(corpus, 51, 0, tmp_path / "b", short_seq_prob=1.0))
+    sizes_full = full[:, S.B_END] - full[:, S.A_BEGIN]
+    sizes_short = short[:, S.B_END] - short[:, S.A_BEGIN]
+    assert (sizes_full == 12).all()
+    assert sizes_short.mean() < 9 and sizes_short.min() >= 1
+
+
+def test_index_is_deterministic_and_depends_on_seed(corpus, tmp_path):
+    a = np.load(S.build_sample_index(corpus, 64, 5, tmp_path / "a", next_sentence="nsp"))
+    b = np.load(S.build_sample_index(corpus, 64, 5, tmp_path / "b", next_sentence="nsp"))
+    c = np.load(S.build_sample_index(corpus, 64, 6, tmp_path / "c", next_sentence="nsp"))
+    np.testing.assert_array_equal(a, b)
+    assert a.shape != c.shape or not np.array_equal(a, c)
+
+
+def test_index_name_location_sidecar_and_reuse(corpus):
+    path = S.build_sample_index(corpus, 128, 42, None, next_sentence="sop")
+    assert path == corpus.path / "samples_seq128_seed42_sop.npy"
+    meta = json.loads(path.with_suffix(".json").read_text())
+    assert meta["manifest_sha256"] == hashlib.sha256(
+        (corpus.path / "manifest.json").read_bytes()).hexdigest()
+    assert meta["num_samples"] == len(np.load(path)) and meta["next_sentence"] == "sop"
+    assert not [p for p in corpus.path.iterdir() if ".tmp" in p.name]
+    stamp = path.stat().st_mtime_ns
+    os.utime(path, ns=(stamp - 10**9, stamp - 10**9))
+    assert S.build_sample_index(corpus, 128, 42, None, next_sentence="sop") == path
+    assert path.stat().st_mtime_ns == stamp - 10**9  # reused, not rewritten
+
+
+def test_stale_index_is_rejected_and_rebuilt(corpus, tmp_path):
+    path = S.build_sample_index(corpus, 64, 0, tmp_path)
+    with pytest.raises(DataError, match="max_seq_len=64, not 128"):
+        S.BertPretrainingDataset(corpus, path, 128, seed=0)
+    changed = FakeCorpus([d[::-1] for d in corpus.docs], corpus.path)  # new manifest.json
+    with pytest.raises(DataError, match="stale") as err:
+        S.BertPretrainingDataset(changed, path, 64, seed=0)
+    assert str(path) in str(err.value) and "build_sample_index" in str(err.value)
+    rebuilt = S.build_sample_index(changed, 64, 0, tmp_path)
+    assert rebuilt == path
+    assert len(S.BertPretrainingDataset(changed, path, 64, seed=0)) > 0
+    path.with_suffix(".json").unlink()
+    with pytest.raises(DataError, match="sidecar"):
+        S.BertPretrainingDataset(changed, path, 64, seed=0)
+
+
+def test_bad_options_name_the_option(corpus, tmp_path):
+    with pytest.raises(DataError, match="next_sentence='mlm'"):
+        S.build_sample_index(corpus, 64, 0, tmp_path, next_sentence="mlm")
+    with pytest.raises(DataError, match="max_seq_len=4"):
+        S.build_sample_index(corpus, 4, 0, tmp_path)
+    with pytest.raises(DataError, match="short_seq_prob=2"):
+        S.build_sample_index(corpus, 64, 0, tmp_path, short_seq_prob=2)
+    one_doc = FakeCorpus([[np.arange(5, 9)] * 3], tmp_path / "one")
+    with pytest.raises(DataError, match="next_sentence='nsp'"):
+        S.build_sample_index(one_doc, 64, 0, tmp_path, next_sentence="nsp")
+    path = S.build_sample_index(corpus, 64, 0, tmp_path)
+    with pytest.raises(DataError, match="mlm_probability=0"):
+        S.BertPretrainingDataset(corpus, path, 64, seed=0, mlm_probability=0)
+    with pytest.raises(DataError, match="mask_token_prob=0.95"):
+        S.BertPretrainingDataset(corpus, path, 64, seed=0, mask_token_prob=0.95)
+    ds = S.BertPretrainingDataset(corpus, path, 64, seed=0)
+    with pytest.raises(DataError, match=r"\(epoch, sample_index\)"):
+        ds[3]
+
+
+def test_nsp_labels_are_correct_and_balanced(tmp_path):
+    """Label 1 pairs A with a sentence run of another document, label 0 with the sentences
+    that follow A. The label-1 rate is 1/2 (Binomial, 5 sigma) plus the forced random-next
+    of one-sentence chunks; with equal short sentences those occur only at a document's
+    end, so at most one per document: the upper bound adds num_documents / rows."""
+    rng = np.random.default_rng(1)
+    docs = [[rng.integers(5, 1000, size=6) for _ in range(150)] for _ in range(20)]
+    corpus = FakeCorpus(docs, tmp_path / "c")
+    rows = np.load(S.build_sample_index(corpus, 64, 0, tmp_path, next_sentence="nsp",
+                                        short_seq_prob=0.0))
+    rand = rows[:, S.LABEL] == 1
+    assert (rows[rand, S.DOC_B] != rows[rand, S.DOC_A]).all()
+    assert (rows[~rand, S.DOC_B] == rows[~rand, S.DOC_A]).all()
+    assert (rows[~rand, S.B_BEGIN] == rows[~rand, S.A_END]).all()
+    assert (rows[:, S.B_END] > rows[:, S.B_BEGIN]).all()
+    n = len(rows)
+    sigma = math.sqrt(0.25 / n)
+    assert 0.5 - 5 * sigma <= rand.mean() <= 0.5 + 5 * sigma + len(docs) / n
+    # every sentence of every document is an A or an in-document B exactly once
+    seen = np.zeros((len(docs), 150), dtype=int)
+    for r in rows:
+        seen[r[S.DOC_A], r[S.A_BEGIN]:r[S.A_END]] += 1
+        if r[S.LABEL] == 0:
+            seen[r[S.DOC_B], r[S.B_BEGIN]:r[S.B_END]] += 1
+    assert (seen == 1).all()
+    ds = S.BertPretrainingDataset(corpus, tmp_path / "samples_seq64_seed0_nsp.npy", 64, seed=0)
+    assert ds[(0, 0)]["next_sentence_label"].item() == rows[0, S.LABEL]
+
+
+def test_sop_labels_swap_order_and_are_balanced(tmp_path):
+    """SOP: label 1 iff B precedes A in the same document; every row draws the swap with
+    p = 1/2, so the rate is within 5 sigma of a Binomial(n, 1/2)."""
+    rng = np.random.default_rng(2)
+    docs = [[rng.integers(5, 1000, size=6) for _ in range(150)] for _ in range(20)]
+    corpus = FakeCorpus(docs, tmp_path / "c")
+    rows = np.load(S.build_sample_index(corpus, 64, 0, tmp_path, next_sentence="sop"))
+    swapped = rows[:, S.LABEL] == 1
+    assert (rows[:, S.DOC_A] == rows[:, S.DOC_B]).all()
+    assert (rows[swapped, S.B_END] == rows[swapped, S.A_BEGIN]).all()
+    assert (rows[~swapped, S.A_END] == rows[~swapped, S.B_BEGIN]).all()
+    assert abs(swapped.mean() - 0.5) <= 5 * math.sqrt(0.25 / len(rows))
+
+
+def test_single_sentence_documents(tmp_path):
+    """None: A-only samples [CLS] A [SEP]; 'sop': skipped; 'nsp': random-next B, label 1."""
+    docs = [[np.arange(5, 15)] for _ in range(6)] + [[np.arange(20, 26)] * 4]
+    corpus = FakeCorpus(docs, tmp_path / "c")
+    rows = np.load(S.build_sample_index(corpus, 64, 0, tmp_path))
+    single = rows[rows[:, S.DOC_A] < 6]
+    assert len(single) == 6 and (single[:, S.B_BEGIN] == single[:, S.B_END]).all()
+    ds = S.BertPretrainingDataset(corpus, tmp_path / "samples_seq64_seed0_none.npy", 64,
+                                  seed=0)
+    ids, types, _ = ds.tokens(0)
+    assert ids.tolist() == [S.CLS_ID] + list(range(5, 15)) + [S.SEP_ID]
+    assert (types == 0).all()
+    assert "next_sentence_label" not in ds[(0, 0)]
+    sop = np.load(S.build_sample_index(corpus, 64, 0, tmp_path, next_sentence="sop"))
+    assert (sop[:, S.DOC_A] == 6).all()
+    nsp = np.load(S.build_sample_index(corpus, 64, 0, tmp_path, next_sentence="nsp"))
+    single = nsp[nsp[:, S.DOC_A] < 6]
+    assert len(single) == 6 and (single[:, S.LABEL] == 1).all()
+    assert (single[:, S.DOC_B] != single[:, S.DOC_A]).all()
+
+
+@pytest.fixture
+def dataset(tmp_path):
+    corpus = FakeCorpus(random_docs(np.random.default_rng(3), num_docs=150, unk_rate=0.05,
+                                    vocab=50), tmp_path / "c", vocab_size=50)
+    path = S.build_sample_index(corpus, 128, 0, None, next_sentence="nsp")
+    return S.BertPretrainingDataset(corpus, path, 128, seed=11)
+
+
+def test_masking_statistics(dataset):
+    """Over all samples of four epochs: exactly max(1, round(0.15 c)) of the c candidates
+    (ordinary tokens) are predicted in each sample; specials ([CLS], [SEP], [UNK]) never
+    are; unpredicted positions are untouched; and the 80/10/10 split holds.
+
+    With M predictions in all, each one is [MASK] with p = 0.8, a random ordinary token
+    with p = 0.1 and kept with p = 0.1. A random draw equals the original with
+    q = 1/(V - 5), so the observed "changed to another token" rate is 0.1 (1 - q) and the
+    "unchanged" rate 0.1 + 0.1 q. Each observed count is Binomial(M, p); it is asserted
+    within 5 sigma = 5 sqrt(M p (1 - p)) of M p, which a correct implementation fails with
+    probability below 1e-6 per check. V = 50 keeps q visible (1/45).
+    """
+    v = dataset.vocab_size
+    q = 1 / (v - S.FIRST_ORDINARY_ID)
+    counts = {"mask": 0, "random": 0, "keep": 0}
+    predicted = candidates = 0
+    for epoch, i in [(e, i) for e in range(4) for i in range(len(dataset))]:
+        ids, types, _ = dataset.tokens(i)
+        item = dataset[(epoch, i)]
+        inputs, labels = item["input_ids"].numpy(), item["labels"].numpy()
+        cand = ids >= S.FIRST_ORDINARY_ID
+        assert ((ids == S.UNK_ID) | (ids == S.CLS_ID) | (ids == S.SEP_ID) | cand).all()
+        pred = labels != S.IGNORE_INDEX
+        assert not (pred & ~cand).any()
+        assert pred.sum() == max(1, round(0.15 * cand.sum()))
+        np.testing.assert_array_equal(labels[pred], ids[pred])
+        np.testing.assert_array_equal(inputs[~pred], ids[~pred])
+        np.testing.assert_array_equal(item["token_type_ids"].numpy(), types)
+        assert (item["attention_mask"] == 1).all()
+        got = inputs[pred]
+        assert ((got == S.MASK_ID) | ((got >= S.FIRST_ORDINARY_ID) & (got < v))).all()
+        counts["mask"] += int((got == S.MASK_ID).sum())
+        counts["keep"] += int((got == ids[pred]).sum())
+        counts["random"] += int(((got != S.MASK_ID) & (got != ids[pred])).sum())
+        predicted += int(pred.sum())
+        candidates += int(cand.sum())
+    m = predicted
+    assert m > 10000
+    # rounding moves each sample's count by at most 1/2 (the max(1, .) floor by < 1)
+    assert abs(predicted - 0.15 * candidates) <= 4 * len(dataset)
+    assert abs(predicted / candidates - 0.15) < 0.005
+    for name, p in [("mask", 0.8), ("random", 0.1 * (1 - q)), ("keep", 0.1 + 0.1 * q)]:
+        assert abs(counts[name] - m * p) <= 5 * math.sqrt(m * p * (1 - p)), (name, counts)
+
+
+def test_masks_are_keyed_by_seed_epoch_and_index(dataset):
+    """Same key -> identical sample (also after pickling, as a DataLoader worker gets it);
+    another epoch or seed -> other masked positions."""
+    clone = pickle.loads(pickle.dumps(dataset))
+    assert clone._rows is not None
+    reseeded = S.BertPretrainingDataset(dataset.corpus, dataset.index_path, 128, seed=12)
+    compared = 0
+    for i in range(len(dataset)):
+        x = dataset[(3, i)]
+        for name, t in clone[(3, i)].items():
+            assert torch.equal(t, x[name]), name
+        if (dataset.tokens(i)[0] >= S.FIRST_ORDINARY_ID).sum() < 60:
+            continue  # with >= 60 candidates two draws coincide with p < 1e-10
+        compared += 1
+        assert not torch.equal(x["labels"], dataset[(4, i)]["labels"])
+        assert not torch.equal(x["labels"], reseeded[(3, i)]["labels"])
+    assert compared > 20
+
+
+def test_collate_pads_to_a_multiple_of_eight(dataset):
+    batch = [dataset[(0, i)] for i in range(5)]
+    out = S.collate(batch)
+    longest = max(len(b["input_ids"]) for b in batch)
+    width = -(-longest // 8) * 8
+    assert out["input_ids"].shape == (5, width)
+    for row, b in enumerate(batch):
+        n = len(b["input_ids"])
+        for name, pad in [("input_ids", 0), ("token_type_ids", 0), ("attention_mask", 0),
+                          ("labels", -100)]:
+            assert torch.equal(out[name][row, :n], b[name])
+            assert (out[name][row, n:] == pad).all()
+    assert out["next_sentence_label"].shape == (5,)
+    assert S.collate(batch, pad_to_multiple_of=None)["input_ids"].shape == (5, longest)
+
+
+def test_dataloader_with_workers_matches_direct_reads(dataset):
+    sampler = PretrainingSampler(len(dataset), micro_batch_size=4, rank=1, world_size=2,
+                                 seed=0, max_samples=40)
+    loader = torch.utils.data.DataLoader(dataset, batch_sampler=sampler, num_workers=2,
+                                         collate_fn=S.collate)
+    ref = PretrainingSampler(len(dataset), micro_batch_size=4, rank=1, world_size=2, seed=0)
+    batches = list(loader)
+    assert len(batches) == 5
+    for got, keys in zip(batches, ref):
+        want = S.collate([dataset[k] for k in keys])
+        for name in want:
+            assert torch.equal(got[name], want[name]), name
