@@ -145,18 +145,20 @@ def _build_rows(corpus: TokenCorpus, max_seq_len: int, seed: int, short_seq_prob
     """
     max_tokens = max_seq_len - 3
     num_docs = corpus.num_documents
-    lengths = [np.asarray(corpus.sentence_lengths(d), dtype=np.int64) for d in range(num_docs)]
-    nonempty = np.flatnonzero([len(lens) > 0 for lens in lengths])
+    # Sentence lengths are read per document when needed (a random-next B reads another
+    # document's), so memory stays O(documents) rather than O(sentences).
+    def lengths(d: int) -> np.ndarray:
+        return np.asarray(corpus.sentence_lengths(d), dtype=np.int64)
+
+    nonempty = np.flatnonzero([len(corpus.sentence_lengths(d)) > 0 for d in range(num_docs)])
     if next_sentence == "nsp" and len(nonempty) < 2:
         raise DataError(
             f"next_sentence='nsp' needs at least two non-empty documents to draw a random "
             f"next sentence from, but the corpus at {corpus.path} has {len(nonempty)}; use "
             "next_sentence=None or 'sop', or prepare a larger corpus")
     rows: list[tuple[int, ...]] = []
-    for doc in range(num_docs):
-        lens = lengths[doc]
-        if len(lens) == 0:
-            continue
+    for doc in nonempty.tolist():
+        lens = lengths(doc)
         rng = np.random.default_rng([seed, _TAG_INDEX, doc])
         target = max_tokens
         if rng.random() < short_seq_prob:
@@ -181,7 +183,7 @@ def _build_rows(corpus: TokenCorpus, max_seq_len: int, seed: int, short_seq_prob
                     pick = int(rng.integers(0, len(nonempty) - 1))
                     pick += pick >= int(np.searchsorted(nonempty, doc))
                     other = int(nonempty[pick])
-                    other_lens = lengths[other]
+                    other_lens = lengths(other)
                     b_begin = int(rng.integers(0, len(other_lens)))
                     cum = np.cumsum(other_lens[b_begin:])
                     b_end = b_begin + min(int(np.searchsorted(cum, target_b)) + 1, len(cum))
@@ -215,7 +217,8 @@ def build_sample_index(corpus: TokenCorpus, max_seq_len: int, seed: int,
     sidecar, atomically (temporary file + ``os.replace``), so a crash never leaves a
     half-written index behind a valid name. An existing index whose sidecar matches the
     corpus and the arguments is reused; anything else is rebuilt. The result is a pure
-    function of the corpus contents and the arguments.
+    function of the corpus contents and the arguments. In a multi-process job, build on
+    one rank and let the others wait at a barrier before opening the index.
 
     Args:
         corpus: the sharded corpus (``ShardedCorpus`` or anything with the same attributes).
