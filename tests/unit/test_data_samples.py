@@ -387,3 +387,44 @@ def test_dataloader_with_workers_matches_direct_reads(dataset):
         want = S.collate([dataset[k] for k in keys])
         for name in want:
             assert torch.equal(got[name], want[name]), name
+
+
+def test_on_real_shards_and_stale_after_resharding(tmp_path):
+    """End to end on ShardedCorpus: the index sits next to the shards, samples are the
+    shard's sentences, the dataset survives pickling with the corpus, and re-sharding other
+    text into the same directory makes the index stale."""
+    shards = pytest.importorskip("data_pipeline.shards")
+    tokenizer = pytest.importorskip("data_pipeline.tokenizer")
+    rng = np.random.default_rng(0)
+    words = ["alpha", "beta", "gamma", "delta", "river", "stone", "light", "paper", "north",
+             "garden", "quiet", "signal"]
+
+    def docs(n):
+        return [[" ".join(rng.choice(words, size=int(rng.integers(4, 15)))) + "."
+                 for _ in range(int(rng.integers(1, 9)))] for _ in range(n)]
+
+    text = docs(60)
+    tokenizer.train_tokenizer(text, tmp_path / "tok.model", vocab_size=32)
+    corpus = shards.write_shards(text, tmp_path / "tok.model", tmp_path / "shards", workers=1,
+                                 progress=False, shard_tokens=500)
+    path = S.build_sample_index(corpus, 32, 0, None, next_sentence="nsp")
+    assert path.parent == corpus.path
+    ds = pickle.loads(pickle.dumps(S.BertPretrainingDataset(corpus, path, 32, seed=0)))
+    rows = np.load(path)
+    assert len(ds) == len(rows) > 50
+    for i in range(len(ds)):
+        ids, types, label = ds.tokens(i)
+        row = rows[i]
+        a = sentences(corpus, row[S.DOC_A], row[S.A_BEGIN], row[S.A_END])
+        got_a = ids[1:np.flatnonzero(ids == S.SEP_ID)[0]]
+        assert len(ids) <= 32 and is_substring(got_a, a)
+        item = ds[(0, i)]
+        assert (item["input_ids"][item["labels"] != -100] != S.SEP_ID).all()
+    shards.write_shards(docs(50), tmp_path / "tok.model", tmp_path / "shards", workers=1,
+                        progress=False, shard_tokens=500)
+    resharded = shards.ShardedCorpus(tmp_path / "shards")
+    if path.exists():  # write_shards replaces shard files only; an index left behind is stale
+        with pytest.raises(DataError, match="stale"):
+            S.BertPretrainingDataset(resharded, path, 32, seed=0)
+    rebuilt = S.build_sample_index(resharded, 32, 0, None, next_sentence="nsp")
+    assert len(S.BertPretrainingDataset(resharded, rebuilt, 32, seed=0)) > 0
