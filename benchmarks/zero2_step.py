@@ -11,7 +11,9 @@ optimizer step), their ratio, and per step the number of ``all_reduce`` calls an
 compared with the fp32 gradient (target: exactly 1x, one collective per bucket unchanged).
 
 Run:  python benchmarks/zero2_step.py [--repeats 8] [--micro-batch 8] [--json out.json]
-(it launches ``deepspeed --num_gpus 2`` on itself).
+(it launches ``deepspeed --num_gpus 2`` on itself). On a GPU machine, one NCCL rank:
+      python benchmarks/zero2_step.py --ranks 1 --gas 2 --dtype bf16 --model base --bf16-squares
+(one rank needs ``--gas >= 2``: ZeRO-2 groups are ranks x micro-steps).
 """
 from __future__ import annotations
 
@@ -25,9 +27,17 @@ import time
 from pathlib import Path
 
 
+MODELS = {  # BERT shapes; "small" is the ~30M-parameter CPU default
+    "small": dict(hidden_size=512, num_hidden_layers=4, num_attention_heads=8, intermediate_size=2048),
+    "base": dict(hidden_size=768, num_hidden_layers=12, num_attention_heads=12, intermediate_size=3072),
+    "large": dict(hidden_size=1024, num_hidden_layers=24, num_attention_heads=16, intermediate_size=4096),
+}
+
+
 def launch(argv: list[str]) -> int:
     deepspeed = Path(sys.executable).parent / "deepspeed"
-    cmd = [str(deepspeed), "--num_gpus", "2", "--master_port", "29611", __file__, "--worker", *argv]
+    ranks = "1" if "--ranks" in argv and argv[argv.index("--ranks") + 1] == "1" else "2"
+    cmd = [str(deepspeed), "--num_gpus", ranks, "--master_port", "29611", __file__, "--worker", *argv]
     return subprocess.call(cmd)
 
 
@@ -39,9 +49,12 @@ def worker(args: argparse.Namespace) -> None:
     import deepspeed
     import deepspeed.comm as dist
 
-    deepspeed.init_distributed(dist_backend="gloo")
+    cuda = torch.cuda.is_available()
+    deepspeed.init_distributed(dist_backend="nccl" if cuda else "gloo")
     rank = dist.get_rank()
-    torch.set_num_threads(max(1, (os.cpu_count() or 2) // 2))
+    device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
+    if not cuda:
+        torch.set_num_threads(max(1, (os.cpu_count() or 2) // dist.get_world_size()))
     calls = {"n": 0, "bytes": 0}
     all_reduce = dist.all_reduce
 
@@ -51,62 +64,96 @@ def worker(args: argparse.Namespace) -> None:
         return all_reduce(tensor, *a, **kw)
 
     dist.all_reduce = counting_all_reduce
-    cfg = transformers.BertConfig(vocab_size=30522, hidden_size=512, num_hidden_layers=4, num_attention_heads=8,
-                                  intermediate_size=2048, max_position_embeddings=512)
+    cfg = transformers.BertConfig(vocab_size=30522, max_position_embeddings=512, **MODELS[args.model])
+    # "Lamb" is VRLamb with gsnr off: our Lamb, on every accelerator ("type": "Lamb" is
+    # DeepSpeed's FusedLamb on CUDA).
+    variants = {"VRLamb": ({}, "fp32"), "Lamb": ({"gsnr": False}, "fp32")}
+    if args.bf16_squares:
+        variants["VRLamb/bf16sq"] = ({}, "bf16")
     engines = {}
-    for name in ("VRLamb", "Lamb"):
+    for name, (extra, squares) in variants.items():
         torch.manual_seed(0)
         model = transformers.BertForMaskedLM(cfg)
-        ds_cfg = {"train_micro_batch_size_per_gpu": args.micro_batch, "gradient_accumulation_steps": 1,
+        ds_cfg = {"train_micro_batch_size_per_gpu": args.micro_batch, "gradient_accumulation_steps": args.gas,
                   "gradient_clipping": 1.0, "steps_per_print": 10**9,
-                  "optimizer": {"type": name, "params": {"lr": 1e-4, "weight_decay": 0.01}},
-                  "zero_optimization": {"stage": 2, "reduce_bucket_size": args.bucket}}
+                  "optimizer": {"type": "VRLamb", "params": {"lr": 1e-4, "weight_decay": 0.01, **extra}},
+                  "zero_optimization": {"stage": 2, "reduce_bucket_size": args.bucket},
+                  "vrgd": {"squares_dtype": squares}}
+        if args.dtype == "bf16":
+            ds_cfg["bf16"] = {"enabled": True}
+        elif args.dtype == "fp16":
+            ds_cfg["fp16"] = {"enabled": True, "initial_scale_power": 12}
         engines[name], *_ = deepspeed.initialize(model=model, config=ds_cfg)
     numel = sum(p.numel() for p in engines["Lamb"].module.parameters())
     g = torch.Generator().manual_seed(rank)
     times = {k: [] for k in engines}
     phases = {k: [] for k in engines}  # (forward, backward incl. reduction, step)
     comm = {k: [] for k in engines}
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
+    losses = {}
     for it in range(args.warmup + args.repeats):
-        ids = torch.randint(0, cfg.vocab_size, (args.micro_batch, args.seq), generator=g)
+        batches = [torch.randint(0, cfg.vocab_size, (args.micro_batch, args.seq), generator=g).to(device)
+                   for _ in range(args.gas)]
         for name, engine in engines.items():
             dist.barrier()
+            sync()
             calls.update(n=0, bytes=0)
             t0 = time.perf_counter()
-            loss = engine(input_ids=ids, labels=ids).loss
-            t1 = time.perf_counter()
-            engine.backward(loss)
-            t2 = time.perf_counter()
-            backward_calls = dict(calls)
-            engine.step()
+            t_fwd = t_bwd = 0.0
+            for ids in batches:  # DeepSpeed steps the optimizer at the accumulation boundary
+                ta = time.perf_counter()
+                loss = engine(input_ids=ids, labels=ids).loss
+                sync()
+                tb = time.perf_counter()
+                engine.backward(loss)
+                sync()
+                losses[name] = float(loss)
+                t_fwd, t_bwd = t_fwd + tb - ta, t_bwd + time.perf_counter() - tb
+                backward_calls = dict(calls)
+                ts = time.perf_counter()
+                engine.step()
+                sync()
             t3 = time.perf_counter()
+            t1, t2 = t0 + t_fwd, t0 + t_fwd + t_bwd
             if it >= args.warmup:
                 times[name].append(t3 - t0)
-                phases[name].append((t1 - t0, t2 - t1, t3 - t2))
+                phases[name].append((t_fwd, t_bwd, t3 - ts))
                 comm[name].append((backward_calls["n"], backward_calls["bytes"], calls["n"] - backward_calls["n"]))
     if rank != 0:
         return
     med = {k: statistics.median(v) for k, v in times.items()}
     stats = engines["VRLamb"].vrgd_stats
     per_step = {k: comm[k][-1] for k in comm}
-    grad_bytes = 4 * numel
+    grad_bytes = 4 * numel * args.gas  # ZeRO-2 reduces every micro-step
     extra = per_step["VRLamb"][1] - per_step["Lamb"][1]
-    print(f"\n{numel:,} parameters, ZeRO-2, fp32, 2 ranks x {torch.get_num_threads()} thread(s), micro-batch "
-          f"{args.micro_batch} x seq {args.seq}, reduce_bucket_size {args.bucket:,}, {args.repeats} repeats")
-    print(f"{'optimizer':8s} {'median s':>9s} {'min s':>7s} {'fwd s':>6s} {'bwd s':>6s} {'step s':>6s} "
+    where = (f"{torch.cuda.get_device_name()} (NCCL)" if cuda else f"CPU x {torch.get_num_threads()} thread(s) (gloo)")
+    print(f"\n{numel:,} parameters ({args.model}), ZeRO-2, {args.dtype}, {dist.get_world_size()} rank(s) on {where}, "
+          f"micro-batch {args.micro_batch} x seq {args.seq} x GAS {args.gas}, reduce_bucket_size {args.bucket:,}, "
+          f"{args.repeats} repeats")
+    print(f"{'optimizer':13s} {'median s':>9s} {'min s':>7s} {'fwd s':>6s} {'bwd s':>6s} {'step s':>6s} "
           f"{'bucket all_reduce':>17s} {'MB':>7s} {'small all_reduce in step':>25s}")
     for k in engines:
         f, b, st = (statistics.median(x[i] for x in phases[k]) for i in range(3))
-        print(f"{k:8s} {med[k]:9.3f} {min(times[k]):7.3f} {f:6.3f} {b:6.3f} {st:6.3f} {per_step[k][0]:17d} "
+        print(f"{k:13s} {med[k]:9.3f} {min(times[k]):7.3f} {f:6.3f} {b:6.3f} {st:6.3f} {per_step[k][0]:17d} "
               f"{per_step[k][1] / 1e6:7.1f} {per_step[k][2]:25d}")
     ratio = med["VRLamb"] / med["Lamb"]
     print(f"\nstep time VRLamb / Lamb = {ratio:.3f} (target <= 1.10: {'met' if ratio <= 1.10 else 'NOT met'})")
-    print(f"extra bytes per step = {extra / 1e6:.1f} MB = {extra / grad_bytes:.3f} x the fp32 gradient "
+    if "VRLamb/bf16sq" in med:
+        sq = engines["VRLamb/bf16sq"].vrgd_stats.counters
+        print(f"step time VRLamb with bf16 squares / Lamb = {med['VRLamb/bf16sq'] / med['Lamb']:.3f}; its "
+              f"reduction sent {sq.bytes_sent / max(sq.grad_bytes_fp32, 1):.3f} x fp32 gradient bytes in "
+              f"{sq.collectives} calls")
+    print(f"extra bytes per step = {extra / 1e6:.1f} MB = {extra / grad_bytes:.3f} x the fp32 gradients reduced "
           f"({grad_bytes / 1e6:.1f} MB); fused-reduction counters: {stats.counters.collectives} collectives, "
           f"{stats.counters.bytes_sent / max(stats.counters.grad_bytes_fp32, 1):.3f} x fp32 gradient bytes since "
           "start")
     print(f"gradient all-reduces per step (backward): VRLamb {per_step['VRLamb'][0]}, Lamb {per_step['Lamb'][0]}"
           f" ({'unchanged' if per_step['VRLamb'][0] == per_step['Lamb'][0] else 'DIFFERENT'})")
+    for k, e in engines.items():
+        m = e.basic_optimizer.gsnr_metrics()
+        shown = {key: round(m[key], 4) for key in ("gsnr/n", "gsnr/mean", "gsnr/clip_low_frac", "trust_ratio/mean",
+                                                    "step/skipped_total") if key in m}
+        print(f"{k:13s} last loss {losses[k]:.4f}  {shown}")
     if args.json:
         with open(args.json, "w") as fh:
             json.dump(dict(params=numel, median_s=med, ratio=ratio, per_step_allreduce=per_step,
@@ -123,6 +170,11 @@ def main() -> None:
     ap.add_argument("--seq", type=int, default=128)
     ap.add_argument("--bucket", type=int, default=5_000_000)
     ap.add_argument("--json", default=None)
+    ap.add_argument("--ranks", type=int, choices=(1, 2), default=2)
+    ap.add_argument("--gas", type=int, default=1, help="gradient accumulation steps")
+    ap.add_argument("--dtype", choices=("fp32", "bf16", "fp16"), default="fp32")
+    ap.add_argument("--model", choices=sorted(MODELS), default="small")
+    ap.add_argument("--bf16-squares", action="store_true", help="also time VRLamb with bf16 squares")
     args = ap.parse_args()
     if args.worker:
         worker(args)
