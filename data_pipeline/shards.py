@@ -1,0 +1,546 @@
+"""Sharded, memory-mapped token files: parallel writer and lazy, verifiable reader.
+
+Layout of a shard directory (``K`` = 00000, 00001, ...)::
+
+    shard_K.tokens.npy      token ids of all sentences, concatenated        (num_tokens,)
+    shard_K.sentences.npy   int64 token offsets of the sentences            (num_sentences + 1,)
+    shard_K.documents.npy   int64 sentence offsets of the documents         (num_documents + 1,)
+    manifest.json           format version, dtype, vocab_size, tokenizer sha256, per-shard
+                            counts, byte sizes and sha256 of every file, totals, source
+
+Offsets are local to their shard and start at 0: sentence ``s`` of a shard is
+``tokens[sentences[s]:sentences[s + 1]]`` and document ``d`` is sentences
+``documents[d]:documents[d + 1]``. A document never spans two shards; a shard is closed once it
+holds ``shard_tokens`` tokens. Tokens are ``uint16`` when the vocabulary fits (<= 65536 ids),
+else ``int32``; the dtype is in the manifest. Every file is a plain ``.npy`` that
+``np.load(path, mmap_mode="r")`` opens without reading it, so any number of ranks and DataLoader
+workers on a node share one copy in the page cache.
+
+Crash safety. Every file is written under a hidden temporary name, fsynced and only then renamed
+to its final name; the manifest is written last, the same way. A crash or a full disk (ENOSPC)
+therefore leaves either no shard file or a complete one, and never a manifest describing files
+that are not all there. Writing into a directory first deletes its old manifest, so a rewrite
+that dies halfway leaves shard files without a manifest, which :class:`ShardedCorpus` rejects
+with a message saying to rerun. Sizes (cheap) or sha256 sums (a full read) catch later damage.
+
+Parallelism. The main process reads documents and cuts them into chunks of about
+``chunk_chars`` characters; ``workers`` spawned processes (each loads the tokenizer once)
+encode the chunks; results are consumed in submission order with a bounded number of chunks in
+flight. Shard contents are therefore byte-identical for any number of workers, and memory stays
+bounded for corpora of any size.
+"""
+from __future__ import annotations
+
+import errno
+import hashlib
+import itertools
+import json
+import logging
+import multiprocessing
+import os
+from collections import deque
+from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+from tqdm.auto import tqdm
+
+from data_pipeline.errors import DataError
+from data_pipeline.tokenizer import Tokenizer, fsync_dir, sha256_file, write_atomic
+
+logger = logging.getLogger(__name__)
+
+FORMAT_NAME = "vrgd-data-shards"
+FORMAT_VERSION = 1
+MANIFEST = "manifest.json"
+FILE_KINDS = ("tokens", "sentences", "documents")
+VERIFY_LEVELS = ("none", "size", "full")
+DEFAULT_SHARD_TOKENS = 1 << 25  # 64 MiB of uint16 tokens per shard
+DEFAULT_CHUNK_CHARS = 1 << 20  # text per worker task: large enough to amortise pickling
+
+
+def default_workers() -> int:
+    """CPUs this process may run on."""
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except AttributeError:  # not on Linux
+        return max(1, os.cpu_count() or 1)
+
+
+def token_dtype(vocab_size: int) -> np.dtype:
+    """``uint16`` when every id fits, else ``int32``."""
+    return np.dtype(np.uint16) if vocab_size <= 1 << 16 else np.dtype(np.int32)
+
+
+def shard_file(directory: Path, index: int, kind: str) -> Path:
+    return directory / f"shard_{index:05d}.{kind}.npy"
+
+
+# --------------------------------------------------------------------------- encoding (workers)
+
+
+@dataclass
+class _Encoded:
+    """One chunk of documents, tokenised; empty sentences and documents are dropped."""
+
+    tokens: np.ndarray  # int32, all sentences concatenated
+    sentence_lengths: np.ndarray  # int64 per sentence
+    document_sentences: np.ndarray  # int64 sentences per document
+    text_chars: int
+
+
+_worker_tokenizer: Tokenizer | None = None
+
+
+def _init_worker(tokenizer_path: str) -> None:
+    global _worker_tokenizer
+    _worker_tokenizer = Tokenizer.load(tokenizer_path)
+
+
+def _encode_in_worker(documents: list[list[str]]) -> _Encoded:
+    assert _worker_tokenizer is not None, "worker started without _init_worker"
+    return encode_documents(_worker_tokenizer, documents)
+
+
+def encode_documents(tokenizer: Tokenizer, documents: Sequence[Sequence[str]]) -> _Encoded:
+    """Tokenise ``documents`` sentence by sentence (one sentencepiece thread)."""
+    sentences = [s for document in documents for s in document]
+    ids = tokenizer.encode_batch(sentences, num_threads=1) if sentences else []
+    lengths = np.fromiter((len(x) for x in ids), dtype=np.int64, count=len(ids))
+    per_document = []
+    position = 0
+    for document in documents:
+        n = len(document)
+        per_document.append(int(np.count_nonzero(lengths[position:position + n])))
+        position += n
+    tokens = np.fromiter(itertools.chain.from_iterable(ids), dtype=np.int32, count=int(lengths.sum()))
+    document_sentences = np.asarray(per_document, dtype=np.int64)
+    return _Encoded(
+        tokens=tokens,
+        sentence_lengths=lengths[lengths > 0],
+        document_sentences=document_sentences[document_sentences > 0],
+        text_chars=sum(len(s) + 1 for s in sentences),
+    )
+
+
+def _chunks(documents: Iterable[Sequence[str]], chunk_chars: int) -> Iterator[list[list[str]]]:
+    chunk: list[list[str]] = []
+    size = 0
+    for document in documents:
+        chunk.append(list(document))
+        size += sum(len(s) for s in document)
+        if size >= chunk_chars:
+            yield chunk
+            chunk, size = [], 0
+    if chunk:
+        yield chunk
+
+
+def _encoded_chunks(
+    documents: Iterable[Sequence[str]], tokenizer: Tokenizer, workers: int, chunk_chars: int
+) -> Iterator[tuple[int, _Encoded]]:
+    """(documents read, encoded chunk) in input order, encoded in ``workers`` processes."""
+    if workers <= 1:
+        for chunk in _chunks(documents, chunk_chars):
+            yield len(chunk), encode_documents(tokenizer, chunk)
+        return
+    # spawn, not fork: the caller may hold threads (torch, tokenizer) that a fork would copy in
+    # a locked state. Each worker loads the tokenizer once, in _init_worker.
+    context = multiprocessing.get_context("spawn")
+    pool = context.Pool(workers, initializer=_init_worker, initargs=(str(tokenizer.path),))
+    in_flight: deque = deque()
+    try:
+        # Pool.imap would read the whole input ahead of the workers; a bounded queue of
+        # AsyncResults in submission order keeps memory flat and the order deterministic.
+        for chunk in _chunks(documents, chunk_chars):
+            in_flight.append((len(chunk), pool.apply_async(_encode_in_worker, (chunk,))))
+            if len(in_flight) >= 2 * workers:
+                n, result = in_flight.popleft()
+                yield n, result.get()
+        while in_flight:
+            n, result = in_flight.popleft()
+            yield n, result.get()
+        pool.close()
+    finally:
+        pool.terminate()
+        pool.join()
+
+
+# --------------------------------------------------------------------------- writing
+
+
+class _HashingWriter:
+    """File wrapper for ``np.save`` that hashes and counts the bytes it writes."""
+
+    def __init__(self, fh):
+        self._fh = fh
+        self.sha256 = hashlib.sha256()
+        self.bytes = 0
+
+    def write(self, data) -> int:
+        view = memoryview(data).cast("B")
+        self.sha256.update(view)
+        self.bytes += view.nbytes
+        return self._fh.write(view)
+
+
+def _write_npy(path: Path, array: np.ndarray) -> dict:
+    """Write ``array`` to ``path`` via a temporary name; return its size and sha256."""
+    tmp = path.with_name(f".{path.name}.tmp")
+    try:
+        with open(tmp, "wb") as fh:
+            writer = _HashingWriter(fh)
+            np.save(writer, array, allow_pickle=False)
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    return {"file": path.name, "bytes": writer.bytes, "sha256": writer.sha256.hexdigest()}
+
+
+class _ShardWriter:
+    """Accumulates encoded documents and writes a shard once it holds ``shard_tokens`` tokens."""
+
+    def __init__(self, directory: Path, dtype: np.dtype, shard_tokens: int):
+        self.directory = directory
+        self.dtype = dtype
+        self.shard_tokens = shard_tokens
+        self.entries: list[dict] = []
+        self._reset()
+
+    def _reset(self) -> None:
+        self._tokens: list[np.ndarray] = []
+        self._lengths: list[np.ndarray] = []
+        self._doc_sentences: list[np.ndarray] = []
+        self._num_tokens = 0
+
+    def add(self, encoded: _Encoded) -> None:
+        doc_sentences = encoded.document_sentences
+        sentence_start = np.concatenate([[0], np.cumsum(doc_sentences)])
+        token_start = np.concatenate([[0], np.cumsum(encoded.sentence_lengths)])
+        doc_tokens = np.diff(token_start[sentence_start])
+        d = 0
+        while d < len(doc_sentences):
+            # Take documents until the shard is full; the document that crosses the limit goes in
+            # whole, so documents never span shards.
+            room = self.shard_tokens - self._num_tokens
+            cumulative = np.cumsum(doc_tokens[d:])
+            take = min(int(np.searchsorted(cumulative, room, side="left")) + 1, len(doc_sentences) - d)
+            s0, s1 = sentence_start[d], sentence_start[d + take]
+            t0, t1 = token_start[s0], token_start[s1]
+            self._tokens.append(encoded.tokens[t0:t1])
+            self._lengths.append(encoded.sentence_lengths[s0:s1])
+            self._doc_sentences.append(doc_sentences[d:d + take])
+            self._num_tokens += int(t1 - t0)
+            d += take
+            if self._num_tokens >= self.shard_tokens:
+                self.flush()
+
+    def flush(self) -> None:
+        if not self._doc_sentences:
+            return
+        index = len(self.entries)
+        tokens = np.concatenate(self._tokens).astype(self.dtype, copy=False)
+        lengths = np.concatenate(self._lengths)
+        doc_sentences = np.concatenate(self._doc_sentences)
+        arrays = {
+            "tokens": tokens,
+            "sentences": np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64),
+            "documents": np.concatenate([[0], np.cumsum(doc_sentences)]).astype(np.int64),
+        }
+        files = {kind: _write_npy(shard_file(self.directory, index, kind), arrays[kind]) for kind in FILE_KINDS}
+        self.entries.append({
+            "name": f"shard_{index:05d}",
+            "num_documents": len(doc_sentences),
+            "num_sentences": len(lengths),
+            "num_tokens": len(tokens),
+            "files": files,
+        })
+        logger.debug("wrote shard %d: %d documents, %d tokens", index, len(doc_sentences), len(tokens))
+        self._reset()
+
+
+def _clear_directory(directory: Path) -> None:
+    """Remove a previous shard set: the manifest first, so that no state in between looks valid."""
+    (directory / MANIFEST).unlink(missing_ok=True)
+    fsync_dir(directory)
+    for path in sorted(directory.glob("shard_*.npy")) + sorted(directory.glob(".shard_*.tmp")):
+        path.unlink()
+
+
+def write_shards(
+    documents: Iterable[Sequence[str]],
+    tokenizer_path: str | os.PathLike[str],
+    out_dir: str | os.PathLike[str],
+    shard_tokens: int = DEFAULT_SHARD_TOKENS,
+    workers: int | None = None,
+    progress: bool = True,
+    source: str | None = None,
+    chunk_chars: int = DEFAULT_CHUNK_CHARS,
+) -> ShardedCorpus:
+    """Tokenise ``documents`` into shards in ``out_dir`` and return the reader over them.
+
+    Args:
+        documents: iterable of documents (lists of sentences), read once; a
+            :class:`~data_pipeline.corpus.Corpus` also supplies the source description.
+        tokenizer_path: sentencepiece model from :func:`~data_pipeline.tokenizer.train_tokenizer`.
+        out_dir: shard directory, created if needed; a previous shard set there is replaced.
+        shard_tokens: a shard is closed once it holds this many tokens.
+        workers: encoding processes (default: the usable CPUs); 1 encodes in this process.
+            The output does not depend on it.
+        progress: show a tqdm progress bar.
+        source: description of the input for the manifest (default: ``documents.description``).
+        chunk_chars: characters of text per worker task.
+    """
+    if shard_tokens < 1:
+        raise DataError(f"shard_tokens={shard_tokens} must be positive; pass --shard-tokens >= 1")
+    workers = default_workers() if workers is None else int(workers)
+    if workers < 1:
+        raise DataError(f"workers={workers} must be at least 1; pass --workers >= 1")
+    tokenizer = Tokenizer.load(tokenizer_path)
+    dtype = token_dtype(tokenizer.vocab_size)
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    _clear_directory(out_dir)
+    writer = _ShardWriter(out_dir, dtype, shard_tokens)
+    text_chars = 0
+    bar = tqdm(desc=f"sharding -> {out_dir.name}", unit=" docs", unit_scale=True, disable=not progress)
+    try:
+        for n, encoded in _encoded_chunks(documents, tokenizer, workers, chunk_chars):
+            writer.add(encoded)
+            text_chars += encoded.text_chars
+            bar.update(n)
+        writer.flush()
+    except OSError as e:
+        for tmp in out_dir.glob(".shard_*.tmp"):
+            tmp.unlink(missing_ok=True)
+        hint = "free disk space" if e.errno == errno.ENOSPC else "check the directory"
+        raise DataError(
+            f"writing shards to {out_dir} failed ({e}); {hint} and rerun: the shards written so far "
+            "have no manifest and will not load"
+        ) from e
+    finally:
+        bar.close()
+    if not writer.entries:
+        raise DataError("the corpus tokenised to nothing (no document has a non-empty sentence); check the inputs")
+    entries = writer.entries
+    manifest = {
+        "format": FORMAT_NAME,
+        "format_version": FORMAT_VERSION,
+        "dtype": dtype.name,
+        "vocab_size": tokenizer.vocab_size,
+        "tokenizer_sha256": tokenizer.sha256,
+        "tokenizer_path": str(tokenizer.path),
+        "special_ids": {"pad": 0, "unk": 1, "cls": 2, "sep": 3, "mask": 4},
+        "source": source if source is not None else getattr(documents, "description", "documents (iterable)"),
+        "text_chars": text_chars,
+        "shard_tokens": shard_tokens,
+        "num_shards": len(entries),
+        "num_documents": sum(e["num_documents"] for e in entries),
+        "num_sentences": sum(e["num_sentences"] for e in entries),
+        "num_tokens": sum(e["num_tokens"] for e in entries),
+        "shards": entries,
+    }
+    try:
+        fsync_dir(out_dir)  # the shard renames are durable before the manifest that names them
+        write_atomic(out_dir / MANIFEST, (json.dumps(manifest, indent=1) + "\n").encode())
+    except OSError as e:
+        raise DataError(f"writing {out_dir / MANIFEST} failed ({e}); free disk space and rerun") from e
+    logger.info(
+        "wrote %d shards to %s: %d documents, %d sentences, %d tokens",
+        len(entries), out_dir, manifest["num_documents"], manifest["num_sentences"], manifest["num_tokens"],
+    )
+    return ShardedCorpus(out_dir, verify="size")
+
+
+# --------------------------------------------------------------------------- reading
+
+
+def _npy_header(path: Path) -> tuple[tuple[int, ...], np.dtype]:
+    with open(path, "rb") as fh:
+        version = np.lib.format.read_magic(fh)
+        if version == (1, 0):
+            shape, _, dtype = np.lib.format.read_array_header_1_0(fh)
+        else:
+            shape, _, dtype = np.lib.format.read_array_header_2_0(fh)
+    return shape, dtype
+
+
+class ShardedCorpus:
+    """Read-only view of a shard directory; documents are views into memory-mapped files.
+
+    Files are mapped on first use, shard by shard. Pickling (DataLoader workers, spawn) ships only
+    the path and manifest; the copy maps the files again when it first needs them.
+
+    Args:
+        path: the shard directory (with ``manifest.json``).
+        verify: ``"size"`` (default) checks that every file exists with the size, dtype and shape
+            the manifest records; ``"full"`` also recomputes every sha256 (reads everything);
+            ``"none"`` trusts the manifest.
+
+    Attributes:
+        path, manifest (the parsed ``manifest.json``), num_documents, num_sentences, num_tokens,
+        vocab_size, dtype (numpy dtype of the tokens), tokenizer_sha256.
+    """
+
+    def __init__(self, path: str | os.PathLike[str], verify: str = "size"):
+        self.path = Path(path)
+        if verify not in VERIFY_LEVELS:
+            raise DataError(f"verify={verify!r} is not one of {VERIFY_LEVELS}")
+        self.manifest = self._read_manifest()
+        m = self.manifest
+        self.num_documents = int(m["num_documents"])
+        self.num_sentences = int(m["num_sentences"])
+        self.num_tokens = int(m["num_tokens"])
+        self.vocab_size = int(m["vocab_size"])
+        self.dtype = np.dtype(m["dtype"])
+        self.tokenizer_sha256 = str(m["tokenizer_sha256"])
+        self._doc_starts = np.cumsum([0] + [int(s["num_documents"]) for s in m["shards"]])
+        self._maps: dict[int, tuple[np.ndarray, np.ndarray, np.ndarray]] = {}
+        self.verify(verify)
+
+    def _read_manifest(self) -> dict:
+        manifest_path = self.path / MANIFEST
+        if not self.path.is_dir():
+            raise DataError(f"shard directory {self.path} does not exist; write it with `vrgd-data shard`")
+        if not manifest_path.is_file():
+            leftovers = sorted(self.path.glob("shard_*.npy"))
+            if leftovers:
+                raise DataError(
+                    f"{manifest_path} is missing but {len(leftovers)} shard files are there (e.g. {leftovers[0].name}): "
+                    "an interrupted write (crash, full disk) leaves shards without a manifest; "
+                    f"rerun `vrgd-data shard` (or `vrgd-data prepare`) into {self.path}"
+                )
+            raise DataError(f"{manifest_path} does not exist; write shards there with `vrgd-data shard`")
+        try:
+            manifest = json.loads(manifest_path.read_text())
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise DataError(f"{manifest_path} is not valid JSON ({e}); rerun `vrgd-data shard`") from None
+        if not isinstance(manifest, dict) or manifest.get("format") != FORMAT_NAME:
+            raise DataError(f"{manifest_path} is not a {FORMAT_NAME} manifest; point at a directory written by `vrgd-data shard`")
+        if manifest.get("format_version") != FORMAT_VERSION:
+            raise DataError(
+                f"{manifest_path} has format_version {manifest.get('format_version')}, this reader reads "
+                f"{FORMAT_VERSION}; rewrite the shards with this version of `vrgd-data shard`"
+            )
+        missing = [k for k in ("dtype", "vocab_size", "tokenizer_sha256", "num_documents", "num_sentences",
+                               "num_tokens", "shards") if k not in manifest]
+        if missing:
+            raise DataError(f"{manifest_path} lacks {missing}; rerun `vrgd-data shard`")
+        return manifest
+
+    # ---------------------------------------------------------------- verification
+
+    def _expected_shape(self, entry: dict, kind: str) -> tuple[int]:
+        if kind == "tokens":
+            return (int(entry["num_tokens"]),)
+        return (int(entry["num_sentences" if kind == "sentences" else "num_documents"]) + 1,)
+
+    def verify(self, level: str = "size") -> None:
+        """Check the files against the manifest (``level`` as the constructor's ``verify``).
+
+        Raises DataError naming the first file that is missing, has the wrong size/shape/dtype,
+        or (``"full"``) the wrong sha256.
+        """
+        if level not in VERIFY_LEVELS:
+            raise DataError(f"verify={level!r} is not one of {VERIFY_LEVELS}")
+        if level == "none":
+            return
+        rerun = f"rerun `vrgd-data shard` into {self.path} (or restore the file)"
+        for entry in self.manifest["shards"]:
+            for kind in FILE_KINDS:
+                record = entry["files"][kind]
+                path = self.path / record["file"]
+                if not path.is_file():
+                    raise DataError(f"shard file {path} is missing; {rerun}")
+                size = path.stat().st_size
+                if size != record["bytes"]:
+                    raise DataError(f"shard file {path} has {size} bytes, the manifest says {record['bytes']}; {rerun}")
+                try:
+                    shape, dtype = _npy_header(path)
+                except ValueError as e:
+                    raise DataError(f"shard file {path} is not a valid .npy file ({e}); {rerun}") from None
+                want_dtype = self.dtype if kind == "tokens" else np.dtype(np.int64)
+                if shape != self._expected_shape(entry, kind) or dtype != want_dtype:
+                    raise DataError(
+                        f"shard file {path} holds {dtype}{list(shape)}, the manifest says "
+                        f"{want_dtype}{list(self._expected_shape(entry, kind))}; {rerun}"
+                    )
+                if level == "full" and sha256_file(path) != record["sha256"]:
+                    raise DataError(f"shard file {path} is corrupt (sha256 differs from the manifest); {rerun}")
+
+    def check_tokenizer(self, tokenizer: Tokenizer) -> None:
+        """Raise DataError unless these shards were written with ``tokenizer``."""
+        if tokenizer.sha256 != self.tokenizer_sha256:
+            raise DataError(
+                f"{self.path} was tokenised with a different tokenizer (sha256 {self.tokenizer_sha256[:12]}) than "
+                f"{tokenizer.path} ({tokenizer.sha256[:12]}); rerun `vrgd-data shard` with that tokenizer"
+            )
+
+    # ---------------------------------------------------------------- access
+
+    @property
+    def num_shards(self) -> int:
+        return len(self.manifest["shards"])
+
+    def _arrays(self, shard: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        arrays = self._maps.get(shard)
+        if arrays is None:
+            entry = self.manifest["shards"][shard]
+            loaded = []
+            for kind in FILE_KINDS:
+                path = self.path / entry["files"][kind]["file"]
+                try:
+                    loaded.append(np.load(path, mmap_mode="r", allow_pickle=False))
+                except FileNotFoundError:
+                    raise DataError(f"shard file {path} is missing; rerun `vrgd-data shard` into {self.path}") from None
+            arrays = self._maps[shard] = tuple(loaded)
+        return arrays
+
+    def _locate(self, i: int) -> tuple[np.ndarray, np.ndarray, int, int]:
+        """Tokens and sentence offsets of document ``i``'s shard, and its sentence range there."""
+        i = int(i)
+        if i < 0:
+            i += self.num_documents
+        if not 0 <= i < self.num_documents:
+            raise IndexError(f"document {i} out of range for {self.num_documents} documents")
+        shard = int(np.searchsorted(self._doc_starts, i, side="right")) - 1
+        tokens, sentences, documents = self._arrays(shard)
+        local = i - int(self._doc_starts[shard])
+        return tokens, sentences, int(documents[local]), int(documents[local + 1])
+
+    def document(self, i: int) -> list[np.ndarray]:
+        """Document ``i`` (global index across shards) as its sentences' token arrays (memmap views)."""
+        tokens, sentences, s0, s1 = self._locate(i)
+        offsets = sentences[s0:s1 + 1].tolist()
+        return [tokens[a:b] for a, b in zip(offsets[:-1], offsets[1:])]
+
+    def sentence_lengths(self, i: int) -> np.ndarray:
+        """Token counts (int64) of document ``i``'s sentences."""
+        _, sentences, s0, s1 = self._locate(i)
+        return np.diff(sentences[s0:s1 + 1]).astype(np.int64, copy=False)
+
+    def __getitem__(self, i: int) -> list[np.ndarray]:
+        return self.document(i)
+
+    def __len__(self) -> int:
+        return self.num_documents
+
+    def __iter__(self) -> Iterator[list[np.ndarray]]:
+        for i in range(self.num_documents):
+            yield self.document(i)
+
+    def __repr__(self) -> str:
+        return (f"ShardedCorpus({str(self.path)!r}, shards={self.num_shards}, documents={self.num_documents}, "
+                f"tokens={self.num_tokens}, vocab_size={self.vocab_size})")
+
+    def __getstate__(self) -> dict:
+        state = self.__dict__.copy()
+        state["_maps"] = {}  # memmaps are reopened lazily in the receiving process
+        return state
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state)

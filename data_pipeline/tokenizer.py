@@ -1,0 +1,275 @@
+"""Sentencepiece tokenizer with BERT's special tokens at fixed ids: training and loading.
+
+Ids 0-4 are reserved, in every model this module trains, so that the sample builder, the
+masking code and the model config can use them as constants:
+
+    [PAD]=0  [UNK]=1  [CLS]=2  [SEP]=3  [MASK]=4
+
+In sentencepiece terms: ``pad_id=0`` (piece ``[PAD]``), ``unk_id=1`` (piece ``[UNK]``), BOS/EOS
+disabled, and ``[CLS]``, ``[SEP]``, ``[MASK]`` as *control* symbols, which take the next ids in
+order. Control symbols never come out of :meth:`Tokenizer.encode` - text that happens to contain
+``"[MASK]"`` is split into ordinary pieces - so user text cannot forge a special token. After
+training, the ids are read back from the model and a model that has them elsewhere is rejected.
+
+The model type is the *unigram* language model (Kudo 2018), sentencepiece's default: it trains
+in one pass over a sample of sentences, its segmentation is the most likely one under a fitted
+unigram model (BPE is available with ``model_type="bpe"``). Training reads sentences from an
+iterator (no temporary text file) and is deterministic given the documents and ``seed``: the
+sampling of ``input_sentence_size`` sentences uses sentencepiece's generator seeded with
+``seed``, and the model file is written atomically (temporary file, fsync, rename).
+
+:attr:`Tokenizer.sha256` (of the model file's bytes) is recorded in shard manifests so that a
+training job can refuse shards tokenised with a different vocabulary.
+"""
+from __future__ import annotations
+
+import hashlib
+import io
+import logging
+import os
+from collections.abc import Iterable, Iterator, Sequence
+from pathlib import Path
+
+import sentencepiece as spm
+
+from data_pipeline.errors import DataError
+
+logger = logging.getLogger(__name__)
+
+PAD, UNK, CLS, SEP, MASK = "[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"
+SPECIAL_IDS = {PAD: 0, UNK: 1, CLS: 2, SEP: 3, MASK: 4}
+MODEL_TYPES = ("unigram", "bpe")
+# sentencepiece drops longer sentences from training with a warning; 16 KiB keeps all but
+# pathological ones (tables flattened into one line) while bounding the trainer's memory.
+MAX_SENTENCE_BYTES = 16384
+
+
+def sha256_file(path: str | os.PathLike[str]) -> str:
+    """Hex sha256 of a file's bytes, read in 4 MiB blocks."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as fh:
+        for block in iter(lambda: fh.read(1 << 22), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def write_atomic(path: Path, data: bytes) -> None:
+    """Write ``data`` to ``path`` so that ``path`` is either the old file or the complete new one.
+
+    The bytes go to a temporary name in the same directory, are fsynced, and replace ``path`` with
+    ``os.replace`` (atomic on POSIX and Windows); the directory is fsynced so the rename survives a
+    power loss. On error the temporary file is removed.
+    """
+    tmp = path.with_name(f".{path.name}.tmp.{os.getpid()}")
+    try:
+        with open(tmp, "wb") as fh:
+            fh.write(data)
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    fsync_dir(path.parent)
+
+
+def fsync_dir(directory: Path) -> None:
+    """fsync a directory so that renames in it are durable (a no-op where unsupported)."""
+    try:
+        fd = os.open(directory, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass  # some filesystems (and Windows) refuse fsync on directories
+    finally:
+        os.close(fd)
+
+
+class Tokenizer:
+    """A trained sentencepiece model with BERT special ids.
+
+    Args:
+        path: the ``.model`` file (use :meth:`load`).
+
+    Attributes:
+        pad_id, unk_id, cls_id, sep_id, mask_id: 0, 1, 2, 3, 4 (checked on load).
+        vocab_size: number of pieces, specials included.
+        sha256: hex sha256 of the model file; identifies the vocabulary in shard manifests.
+        path: the model file.
+    """
+
+    pad_id, unk_id, cls_id, sep_id, mask_id = 0, 1, 2, 3, 4
+
+    def __init__(self, path: str | os.PathLike[str]):
+        self.path = Path(path)
+        try:
+            data = self.path.read_bytes()
+        except FileNotFoundError:
+            raise DataError(f"tokenizer model {self.path} does not exist; train one with `vrgd-data tokenizer`") from None
+        self._init(data)
+
+    def _init(self, data: bytes) -> None:
+        self._data = data
+        self.sha256 = hashlib.sha256(data).hexdigest()
+        self._sp = spm.SentencePieceProcessor()
+        try:
+            self._sp.LoadFromSerializedProto(data)
+        except Exception as e:  # sentencepiece raises RuntimeError/OSError for a corrupt proto
+            raise DataError(f"{self.path} is not a sentencepiece model ({e}); retrain it with `vrgd-data tokenizer`") from None
+        check_special_ids(self._sp, self.path)
+
+    @classmethod
+    def load(cls, path: str | os.PathLike[str]) -> Tokenizer:
+        """Load a model file written by :func:`train_tokenizer`."""
+        return cls(path)
+
+    @property
+    def vocab_size(self) -> int:
+        return self._sp.get_piece_size()
+
+    def encode(self, text: str) -> list[int]:
+        """Token ids of ``text`` (no [CLS]/[SEP]; the sample builder adds them)."""
+        return self._sp.encode(text, out_type=int)
+
+    def encode_batch(self, texts: Sequence[str], num_threads: int = 1) -> list[list[int]]:
+        """Token ids of each text; ``num_threads`` sentencepiece threads (-1: all cores)."""
+        return self._sp.encode(list(texts), out_type=int, num_threads=num_threads)
+
+    def decode(self, ids: Iterable[int]) -> str:
+        """Text of ``ids``; control tokens ([PAD], [CLS], [SEP], [MASK]) decode to nothing."""
+        return self._sp.decode([int(i) for i in ids])
+
+    def id_to_piece(self, i: int) -> str:
+        return self._sp.id_to_piece(int(i))
+
+    def piece_to_id(self, piece: str) -> int:
+        return self._sp.piece_to_id(piece)
+
+    def __len__(self) -> int:
+        return self.vocab_size
+
+    def __repr__(self) -> str:
+        return f"Tokenizer({str(self.path)!r}, vocab_size={self.vocab_size}, sha256={self.sha256[:12]})"
+
+    # sentencepiece processors do not pickle everywhere; ship the model bytes instead.
+    def __getstate__(self) -> dict:
+        return {"path": self.path, "data": self._data}
+
+    def __setstate__(self, state: dict) -> None:
+        self.path = state["path"]
+        self._init(state["data"])
+
+
+def check_special_ids(sp: spm.SentencePieceProcessor, path: os.PathLike[str] | str) -> None:
+    """Raise DataError unless [PAD]..[MASK] have ids 0..4 in ``sp``."""
+    found = {piece: sp.piece_to_id(piece) for piece in SPECIAL_IDS}
+    # piece_to_id maps unknown pieces to unk_id, so also check the reverse direction.
+    wrong = {p: i for p, i in found.items() if i != SPECIAL_IDS[p] or sp.id_to_piece(SPECIAL_IDS[p]) != p}
+    if wrong or sp.pad_id() != 0 or sp.unk_id() != 1:
+        raise DataError(
+            f"{path}: special tokens are not at the BERT ids {SPECIAL_IDS} (found {found}); "
+            "retrain the tokenizer with `vrgd-data tokenizer`"
+        )
+
+
+def sentence_stream(documents: Iterable[Sequence[str]], max_bytes: int = MAX_SENTENCE_BYTES) -> Iterator[str]:
+    """Non-empty sentences of ``documents``, cut to ``max_bytes`` UTF-8 bytes."""
+    for document in documents:
+        for sentence in document:
+            if not sentence:
+                continue
+            if len(sentence) * 4 > max_bytes and len(sentence.encode()) > max_bytes:
+                sentence = sentence.encode()[:max_bytes].decode(errors="ignore")
+            yield sentence
+
+
+def train_tokenizer(
+    documents: Iterable[Sequence[str]],
+    out_path: str | os.PathLike[str],
+    vocab_size: int = 30522,
+    model_type: str = "unigram",
+    seed: int = 0,
+    input_sentence_size: int = 4_000_000,
+    character_coverage: float = 0.9995,
+    byte_fallback: bool = False,
+    num_threads: int = 1,
+) -> Tokenizer:
+    """Train a sentencepiece model on the sentences of ``documents`` and write it to ``out_path``.
+
+    Args:
+        documents: iterable of documents (lists of sentences), read once.
+        out_path: the ``.model`` file to write (atomically); parent directories are created.
+        vocab_size: number of pieces including the 5 specials (BERT-base uses 30522). A corpus too
+            small for the vocabulary is a DataError that says so.
+        model_type: ``"unigram"`` (default) or ``"bpe"``.
+        seed: seeds sentencepiece's sampling of ``input_sentence_size`` sentences.
+        input_sentence_size: at most this many sentences are used for training, a uniform sample
+            (reservoir sampling, seeded) when the corpus has more; 0 uses all.
+        character_coverage: fraction of characters covered by the vocabulary; the rest map to
+            [UNK] (or to bytes with ``byte_fallback``).
+        byte_fallback: encode uncovered characters as UTF-8 byte pieces instead of [UNK] (adds
+            256 pieces; needs ``vocab_size`` well above 261).
+        num_threads: trainer threads.
+
+    Returns:
+        The loaded :class:`Tokenizer`.
+    """
+    if model_type not in MODEL_TYPES:
+        raise DataError(f"model_type={model_type!r} is not supported; use one of {MODEL_TYPES}")
+    if vocab_size <= len(SPECIAL_IDS):
+        raise DataError(f"vocab_size={vocab_size} leaves no room next to the {len(SPECIAL_IDS)} special tokens; use a larger --vocab-size")
+    out_path = Path(out_path)
+    out_path.parent.mkdir(parents=True, exist_ok=True)
+    spm.set_random_generator_seed(seed)
+    model = io.BytesIO()
+    count = 0
+
+    def counted() -> Iterator[str]:
+        nonlocal count
+        for sentence in sentence_stream(documents):
+            count += 1
+            yield sentence
+
+    verbose = logger.isEnabledFor(logging.DEBUG)
+    try:
+        spm.SentencePieceTrainer.train(
+            sentence_iterator=counted(),
+            model_writer=model,
+            model_type=model_type,
+            vocab_size=vocab_size,
+            pad_id=0, pad_piece=PAD,
+            unk_id=1, unk_piece=UNK,
+            bos_id=-1, eos_id=-1,
+            control_symbols=[CLS, SEP, MASK],
+            input_sentence_size=input_sentence_size,
+            # Sampling only happens when the corpus exceeds input_sentence_size; with the seed set
+            # above the sample is the same on every run.
+            shuffle_input_sentence=True,
+            character_coverage=character_coverage,
+            byte_fallback=byte_fallback,
+            max_sentence_length=MAX_SENTENCE_BYTES,
+            num_threads=num_threads,
+            minloglevel=0 if verbose else 2,
+        )
+    except DataError:
+        raise  # an empty corpus, raised by the document iterator inside the trainer
+    except RuntimeError as e:
+        message = str(e)
+        if count == 0:
+            raise DataError("tokenizer training got no sentences: the corpus is empty; check the inputs") from None
+        if "Vocabulary size" in message or "vocab_size" in message:
+            raise DataError(
+                f"the corpus ({count} sentences) is too small for vocab_size={vocab_size} ({message.strip()}); "
+                "lower --vocab-size or add text"
+            ) from None
+        raise DataError(f"sentencepiece training failed: {message.strip()}; check the corpus and options") from None
+    data = model.getvalue()
+    sp = spm.SentencePieceProcessor()
+    sp.LoadFromSerializedProto(data)
+    check_special_ids(sp, out_path)
+    write_atomic(out_path, data)
+    tokenizer = Tokenizer(out_path)
+    logger.info("trained %s tokenizer on %d sentences: %s", model_type, count, tokenizer)
+    return tokenizer
