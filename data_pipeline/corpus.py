@@ -34,8 +34,11 @@ sorted); a missing path, an empty directory or a pattern matching nothing is a
 The embedded corpus (:func:`embedded_corpus`) is the documentation that ships inside the
 interpreter, so the pretraining job runs on a machine without any download: the ``pydoc_data``
 topics (the language reference pages behind ``help("topics")``) and the docstrings of the standard
-library's public modules, functions, classes and methods. On CPython 3.11.7 (Linux) it yields
-about 9.3 MB of text in about 8,400 documents (64,000 sentences) and takes about 2 s to collect.
+library's public modules, functions, classes and methods. Measured on CPython 3.11.7 (Linux):
+1.6 MB of text (0.47 MB of it pydoc topics) in 1,492 documents and 18,772 sentences, collected
+in about 0.5 s; about 360k tokens with an 8k-piece vocabulary. That is small next to
+Wikipedia (a unigram model on it supports at most about 10.8k pieces), but enough for the job
+to run end to end, and to overfit visibly, on a fresh machine.
 """
 from __future__ import annotations
 

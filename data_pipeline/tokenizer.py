@@ -14,7 +14,9 @@ training, the ids are read back from the model and a model that has them elsewhe
 The model type is the *unigram* language model (Kudo 2018), sentencepiece's default: it trains
 in one pass over a sample of sentences, its segmentation is the most likely one under a fitted
 unigram model (BPE is available with ``model_type="bpe"``). Training reads sentences from an
-iterator (no temporary text file) and is deterministic given the documents and ``seed``: the
+iterator (no temporary text file) and is deterministic given the documents, ``seed`` and
+``num_threads`` (sentencepiece partitions the work by thread, so the thread count is an input
+of the result, like the seed, and defaults to a fixed 8 rather than the CPU count): the
 sampling of ``input_sentence_size`` sentences uses sentencepiece's generator seeded with
 ``seed``, and the model file is written atomically (temporary file, fsync, rename).
 
@@ -194,7 +196,7 @@ def train_tokenizer(
     input_sentence_size: int = 4_000_000,
     character_coverage: float = 0.9995,
     byte_fallback: bool = False,
-    num_threads: int = 1,
+    num_threads: int = 8,
 ) -> Tokenizer:
     """Train a sentencepiece model on the sentences of ``documents`` and write it to ``out_path``.
 
@@ -211,7 +213,8 @@ def train_tokenizer(
             [UNK] (or to bytes with ``byte_fallback``).
         byte_fallback: encode uncovered characters as UTF-8 byte pieces instead of [UNK] (adds
             256 pieces; needs ``vocab_size`` well above 261).
-        num_threads: trainer threads.
+        num_threads: trainer threads. The model depends on it (sentencepiece splits the work
+            statically), so keep it fixed rather than tying it to the machine's CPU count.
 
     Returns:
         The loaded :class:`Tokenizer`.
