@@ -1,0 +1,247 @@
+"""Configuration of the BERT pretraining job: the ``"job"`` block of a DeepSpeed JSON config.
+
+One file holds both: DeepSpeed's own keys (``optimizer``, ``zero_optimization``, ``fp16`` /
+``bf16``, ``gradient_clipping``, the ``"vrgd"`` reduction block) and the job's block, which
+describes the model, the data and the two phases of NVIDIA's LAMB recipe (seq 128 for the
+first 90% of steps, then seq 512, each with its own global batch, learning rate and warmup)::
+
+    "job": {
+      "model": {"size": "large"},
+      "total_steps": 8599,
+      "phases": [
+        {"seq_len": 128, "fraction": 0.9, "global_batch": 65536, "micro_batch": 64,
+         "lr": 6e-3, "warmup_fraction": 0.2843},
+        {"seq_len": 512, "fraction": 0.1, "global_batch": 32768, "micro_batch": 16,
+         "lr": 4e-3, "warmup_fraction": 0.128}
+      ]
+    }
+
+The job derives DeepSpeed's ``train_batch_size`` / ``train_micro_batch_size_per_gpu`` /
+``gradient_accumulation_steps`` per phase as global batch = micro-batch × accumulation ×
+ranks; a config that sets them itself is rejected (they would disagree with the phases).
+Every model rejects unknown keys; messages name the key and the fix.
+"""
+from __future__ import annotations
+
+import copy
+import json
+import math
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+JOB_KEY = "job"
+BATCH_KEYS = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps")
+
+
+class ConfigError(ValueError):
+    """A job configuration that cannot run; the message names the key and the fix."""
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+MODEL_SIZES: dict[str, dict[str, int]] = {
+    # BERT shapes (Devlin et al. 2019, Table/Section 3); "tiny"/"mini" are the small BERTs of
+    # Turc et al. 2019 for CPU runs and tests.
+    "tiny": dict(hidden_size=128, num_hidden_layers=2, num_attention_heads=2, intermediate_size=512),
+    "mini": dict(hidden_size=256, num_hidden_layers=4, num_attention_heads=4, intermediate_size=1024),
+    "base": dict(hidden_size=768, num_hidden_layers=12, num_attention_heads=12, intermediate_size=3072),
+    "large": dict(hidden_size=1024, num_hidden_layers=24, num_attention_heads=16, intermediate_size=4096),
+}
+
+
+class ModelConfig(_Strict):
+    """The BERT to build from ``transformers.BertConfig`` (nothing is fetched from a hub)."""
+
+    size: Literal["tiny", "mini", "base", "large"] = "tiny"
+    """Shape preset: hidden size, layers, heads, intermediate size."""
+    overrides: dict[str, Any] = Field(default_factory=dict)
+    """Further ``BertConfig`` fields, e.g. ``{"hidden_dropout_prob": 0.0}``."""
+    vocab_size: int | None = None
+    """Must equal the tokenizer's vocabulary when given; by default taken from it."""
+
+
+class DataConfig(_Strict):
+    """Where the pretraining data comes from."""
+
+    path: str | None = None
+    """A directory prepared by ``vrgd-data prepare`` (tokenizer, shards, sample indices). With
+    ``null`` the job prepares ``inputs`` (or the embedded default corpus) into
+    ``<run dir>/data`` on rank 0 first."""
+    inputs: list[str] = Field(default_factory=list)
+    """Raw corpora (files or globs: plain text, WikiText, JSONL) to prepare when ``path`` is null.
+    Empty: the embedded default corpus (Python's own documentation; no download)."""
+    format: Literal["auto", "text", "wikitext", "jsonl"] = "auto"
+    vocab_size: int = Field(8000, ge=64)
+    """Vocabulary of the sentencepiece tokenizer trained when preparing."""
+    heldout_fraction: float = Field(0.02, gt=0.0, lt=0.5)
+    """Share of documents (the last ones of the corpus) kept out of training for the held-out
+    MLM loss/accuracy."""
+    eval_samples: int = Field(256, ge=1)
+    """Held-out samples evaluated (fixed masks, so evaluations are comparable)."""
+    next_sentence: Literal["nsp", "sop"] | None = None
+    """Second pre-training task: next-sentence (BERT) or sentence-order (ALBERT) prediction."""
+    workers: int = Field(0, ge=0)
+    """DataLoader worker processes per rank (0: load in the training process)."""
+    prepare_workers: int = Field(1, ge=1)
+    """Processes for tokenising when the job prepares the data."""
+
+
+class PhaseConfig(_Strict):
+    """One phase of the recipe."""
+
+    seq_len: int = Field(ge=8, le=512)
+    fraction: float = Field(gt=0.0, le=1.0)
+    """Share of ``total_steps`` in this phase; the fractions sum to 1."""
+    global_batch: int = Field(ge=1)
+    """Sequences per optimizer step over all ranks = micro_batch × accumulation × ranks."""
+    micro_batch: int = Field(ge=1)
+    """Sequences per rank per forward/backward."""
+    lr: float = Field(gt=0.0)
+    """Peak learning rate of the phase."""
+    warmup_fraction: float = Field(0.0, ge=0.0, lt=1.0)
+    """Linear warmup over this share of the phase's steps, then polynomial decay to 0."""
+    decay_power: float = Field(0.5, gt=0.0)
+    """Power of the polynomial decay (NVIDIA's BERT LAMB recipe: 0.5)."""
+
+
+class TelemetryConfig(_Strict):
+    jsonl: bool = True
+    tensorboard: bool = True
+    wandb: dict[str, Any] | None = None
+    """``WandbSink`` arguments (``project``, ``mode`` = offline by default, ``name``); null: off."""
+    per_layer_group: bool = True
+    """Add ``group/<layer group>/*`` GSNR rows (embeddings, encoder.layer.i, head)."""
+
+
+class JobConfig(_Strict):
+    """The ``"job"`` block."""
+
+    model: ModelConfig = Field(default_factory=ModelConfig)
+    data: DataConfig = Field(default_factory=DataConfig)
+    phases: list[PhaseConfig]
+    total_steps: int = Field(ge=1)
+    """Optimizer steps over both phases."""
+    seed: int = 1234
+    log_every: int = Field(1, ge=1)
+    eval_every: int = Field(0, ge=0)
+    """Held-out evaluation every N steps (0: only before training and at the end)."""
+    checkpoint_every: int = Field(0, ge=0)
+    """Checkpoint every N steps (0: only at the end); the job resumes from the latest one."""
+    keep_checkpoints: int = Field(2, ge=1)
+    telemetry: TelemetryConfig = Field(default_factory=TelemetryConfig)
+
+    @model_validator(mode="after")
+    def _phases_fit(self) -> "JobConfig":
+        if not self.phases:
+            raise ValueError("job.phases: give at least one phase")
+        total = sum(p.fraction for p in self.phases)
+        if not math.isclose(total, 1.0, abs_tol=1e-6):
+            raise ValueError(f"job.phases[*].fraction: the fractions sum to {total:g}, not 1; e.g. 0.9 and 0.1")
+        for i, p in enumerate(self.phases):
+            if p.global_batch % p.micro_batch:
+                raise ValueError(f"job.phases[{i}].global_batch: {p.global_batch} is not a multiple of micro_batch "
+                                 f"{p.micro_batch}")
+        steps = self.phase_steps()
+        for i, n in enumerate(steps):
+            if n < 1:
+                raise ValueError(f"job.phases[{i}].fraction: {self.phases[i].fraction} of total_steps "
+                                 f"{self.total_steps} leaves the phase no step; raise total_steps")
+        return self
+
+    def phase_steps(self) -> list[int]:
+        """Steps per phase: rounded cumulative fractions, so they add up to ``total_steps``."""
+        bounds, acc = [], 0.0
+        for p in self.phases:
+            acc += p.fraction
+            bounds.append(round(acc * self.total_steps))
+        bounds[-1] = self.total_steps
+        return [b - a for a, b in zip([0] + bounds[:-1], bounds)]
+
+
+def _error(e: ValidationError, prefix: str) -> ConfigError:
+    lines = []
+    for err in e.errors():
+        key = ".".join([prefix, *map(str, err["loc"])]) if err["loc"] else prefix
+        msg = err["msg"].removeprefix("Value error, ")
+        lines.append(f"{key}: {msg}" if not msg.startswith(prefix) else msg)
+    return ConfigError("; ".join(lines))
+
+
+def parse_job(raw: dict[str, Any], source: str = "config") -> JobConfig:
+    """The validated ``"job"`` block of a DeepSpeed config dict; errors name the key."""
+    if JOB_KEY not in raw:
+        raise ConfigError(f"{source}: no '{JOB_KEY}' block; the pretraining job needs one (see configs/)")
+    for key in BATCH_KEYS:
+        if key in raw:
+            raise ConfigError(f"{source}: '{key}' is derived per phase from job.phases[*].global_batch and "
+                              f"micro_batch; remove it")
+    try:
+        return JobConfig.model_validate(raw[JOB_KEY])
+    except ValidationError as e:
+        raise _error(e, JOB_KEY) from None
+
+
+def gradient_accumulation(phase: PhaseConfig, world_size: int, index: int) -> int:
+    """Accumulation steps of a phase on ``world_size`` ranks; an error names the key if the
+    global batch does not split evenly."""
+    per_step = phase.micro_batch * world_size
+    if phase.global_batch % per_step:
+        raise ConfigError(f"job.phases[{index}].global_batch: {phase.global_batch} is not divisible by micro_batch "
+                          f"x ranks = {phase.micro_batch} x {world_size}; change global_batch or micro_batch")
+    return phase.global_batch // per_step
+
+
+def deepspeed_config(raw: dict[str, Any], phase: PhaseConfig, world_size: int, index: int) -> dict[str, Any]:
+    """DeepSpeed's part of the file with the batch keys of ``phase`` filled in."""
+    ds = {k: copy.deepcopy(v) for k, v in raw.items() if k != JOB_KEY}
+    ds["train_micro_batch_size_per_gpu"] = phase.micro_batch
+    ds["gradient_accumulation_steps"] = gradient_accumulation(phase, world_size, index)
+    ds["train_batch_size"] = phase.global_batch
+    ds.setdefault("steps_per_print", 10**9)  # the job reports progress itself
+    return ds
+
+
+def apply_overrides(raw: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
+    """``key.path=value`` overrides (value parsed as JSON, else a string), e.g.
+    ``job.total_steps=20`` or ``job.phases.0.micro_batch=4``."""
+    out = copy.deepcopy(raw)
+    for item in overrides:
+        key, sep, text = item.partition("=")
+        if not sep or not key:
+            raise ConfigError(f"--set {item!r}: expected KEY=VALUE, e.g. job.total_steps=20")
+        try:
+            value = json.loads(text)
+        except json.JSONDecodeError:
+            value = text
+        node: Any = out
+        parts = key.split(".")
+        for j, part in enumerate(parts[:-1]):
+            if isinstance(node, list):
+                node = node[int(part)]
+            else:
+                if part not in node:
+                    raise ConfigError(f"--set {key}: no key '{'.'.join(parts[:j + 1])}' in the config")
+                node = node[part]
+        last = parts[-1]
+        if isinstance(node, list):
+            node[int(last)] = value
+        else:
+            node[last] = value
+    return out
+
+
+def load_config(path: str | Path, overrides: list[str] = ()) -> tuple[dict[str, Any], JobConfig]:
+    """Reads a config file (raw dict with overrides applied, validated job block)."""
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"{path}: no such config file")
+    try:
+        raw = json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise ConfigError(f"{path}: not valid JSON ({e})") from None
+    raw = apply_overrides(raw, list(overrides))
+    return raw, parse_job(raw, str(path))

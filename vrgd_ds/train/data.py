@@ -1,0 +1,96 @@
+"""The job's data: prepared corpus, per-phase training sets, held-out set, loaders.
+
+Rank 0 prepares the data (tokenizer, shards, sample indices; idempotent) when the config
+names no prepared directory, the other ranks wait at a barrier: the run directory must be
+on a filesystem every node sees, as a multi-node job's checkpoints must be too. Documents at
+the end of the corpus (``job.data.heldout_fraction``) are kept out of training; their samples
+form the held-out set, evaluated with fixed masks (epoch 0) so evaluations compare.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from data_pipeline.sampler import PretrainingSampler
+from data_pipeline.samples import DOC_A, BertPretrainingDataset, collate, index_filename
+from data_pipeline.shards import ShardedCorpus
+from data_pipeline.tokenizer import Tokenizer
+from vrgd_ds.train.config import ConfigError, JobConfig
+
+
+class Rows(torch.utils.data.Dataset):
+    """The samples ``rows`` of a dataset keyed by ``(epoch, sample_index)``."""
+
+    def __init__(self, base: BertPretrainingDataset, rows: np.ndarray) -> None:
+        self.base, self.rows = base, rows
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def __getitem__(self, key: tuple[int, int]) -> dict[str, torch.Tensor]:
+        epoch, i = key
+        return self.base[(epoch, int(self.rows[i]))]
+
+
+@dataclass
+class JobData:
+    tokenizer: Tokenizer
+    corpus: ShardedCorpus
+    samples: dict[int, Path]  # seq len -> sample index
+    split_document: int  # documents >= this one are held out
+    seed: int
+    next_sentence: str | None
+
+    @property
+    def vocab_size(self) -> int:
+        return self.tokenizer.vocab_size
+
+    def _dataset(self, seq_len: int) -> BertPretrainingDataset:
+        return BertPretrainingDataset(self.corpus, self.samples[seq_len], seq_len, seed=self.seed)
+
+    def split(self, seq_len: int) -> tuple[Rows, Rows]:
+        """(training samples, held-out samples) of the ``seq_len`` index."""
+        ds = self._dataset(seq_len)
+        docs = np.asarray(ds._rows[:, DOC_A])
+        train, held = np.flatnonzero(docs < self.split_document), np.flatnonzero(docs >= self.split_document)
+        if len(train) == 0 or len(held) == 0:
+            raise ConfigError(f"job.data.heldout_fraction: the corpus ({self.corpus.num_documents} documents, "
+                              f"{len(docs)} samples at seq {seq_len}) leaves no training or no held-out samples; "
+                              "use a larger corpus or change the fraction")
+        return Rows(ds, train), Rows(ds, held)
+
+
+def prepare_data(job: JobConfig, run_dir: Path, rank: int, barrier: Any, seq_lens: list[int]) -> JobData:
+    """Opens (rank 0 first prepares) the job's data; every rank returns the same view."""
+    from data_pipeline.prepare import SAMPLES_DIR, SHARDS_DIR, TOKENIZER_FILE, prepare
+
+    cfg = job.data
+    out = Path(cfg.path) if cfg.path else run_dir / "data"
+    if rank == 0:  # idempotent: checks and reuses what an earlier start (or vrgd-data prepare) built
+        prepare(out, inputs=cfg.inputs or None, format=cfg.format, vocab_size=cfg.vocab_size,
+                seq_lens=tuple(seq_lens), seed=job.seed, workers=cfg.prepare_workers, progress=True,
+                next_sentence=cfg.next_sentence)
+    barrier()
+    corpus = ShardedCorpus(out / SHARDS_DIR, verify="size")
+    tokenizer = Tokenizer.load(out / TOKENIZER_FILE)
+    corpus.check_tokenizer(tokenizer)
+    samples = {n: out / SAMPLES_DIR / index_filename(n, job.seed, cfg.next_sentence) for n in seq_lens}
+    split = int(round(corpus.num_documents * (1.0 - cfg.heldout_fraction)))
+    split = min(max(split, 1), corpus.num_documents - 1)
+    return JobData(tokenizer, corpus, samples, split, job.seed, cfg.next_sentence)
+
+
+def loader(dataset: Rows, sampler: PretrainingSampler, workers: int, pin_memory: bool) -> torch.utils.data.DataLoader:
+    return torch.utils.data.DataLoader(dataset, batch_sampler=sampler, collate_fn=collate, num_workers=workers,
+                                       pin_memory=pin_memory, persistent_workers=False)
+
+
+def eval_batches(held: Rows, count: int, micro_batch: int, rank: int, world: int) -> list[dict[str, torch.Tensor]]:
+    """This rank's share of the first ``count`` held-out samples (epoch 0 masks), batched."""
+    idx = list(range(min(count, len(held))))[rank::world]
+    items = [held[(0, i)] for i in idx]
+    return [collate(items[j:j + micro_batch]) for j in range(0, len(items), micro_batch)]

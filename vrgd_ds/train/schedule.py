@@ -1,0 +1,38 @@
+"""Learning rate per phase: linear warmup, then polynomial decay to zero.
+
+``lr(t) = peak · (t + 1)/w`` for ``t < w``, then ``peak · (1 - (t - w)/(T - w))^power``, with
+``t`` the step within the phase, ``T`` its steps and ``w = warmup_fraction · T``: the shape of
+NVIDIA's BERT LAMB recipe (DeepLearningExamples ``PyTorch/LanguageModeling/BERT/schedulers.py``,
+``PolyWarmUpScheduler``, power 0.5), with the decay measured from the end of warmup so the
+rate is continuous there. It is a pure function of the global step: resuming needs only the step.
+"""
+from __future__ import annotations
+
+from vrgd_ds.train.config import JobConfig
+
+
+class PhaseSchedule:
+    def __init__(self, job: JobConfig) -> None:
+        self.phases = job.phases
+        self.steps = job.phase_steps()
+
+    def phase_of(self, step: int) -> tuple[int, int]:
+        """(phase index, step within the phase) of global step ``step`` (0-based)."""
+        start = 0
+        for i, n in enumerate(self.steps):
+            if step < start + n:
+                return i, step - start
+            start += n
+        return len(self.steps) - 1, step - (start - self.steps[-1])
+
+    def phase_start(self, index: int) -> int:
+        return sum(self.steps[:index])
+
+    def lr(self, step: int) -> float:
+        """Learning rate of the optimizer step that follows ``step`` completed steps."""
+        i, t = self.phase_of(step)
+        p, total = self.phases[i], self.steps[i]
+        warmup = p.warmup_fraction * total
+        if t < warmup:
+            return p.lr * (t + 1) / warmup
+        return p.lr * max(0.0, 1.0 - (t - warmup) / max(total - warmup, 1.0)) ** p.decay_power
