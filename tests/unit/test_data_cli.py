@@ -1,0 +1,103 @@
+"""`vrgd-data` end to end on a temporary directory, `prepare` idempotency, and error exits."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from pydoc_data.topics import topics
+
+from data_pipeline.cli import main
+from data_pipeline.errors import DataError
+from data_pipeline.prepare import prepare
+from data_pipeline.shards import ShardedCorpus
+from data_pipeline.tokenizer import Tokenizer
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture
+def corpus_file(tmp_path):
+    """The pydoc topics as a plain-text corpus, one topic per document."""
+    path = tmp_path / "corpus.txt"
+    path.write_text("\n\n".join(" ".join(topics[k].split()) for k in sorted(topics)[:40]) + "\n")
+    return path
+
+
+def test_cli_end_to_end(corpus_file, tmp_path, capsys):
+    model, shards = tmp_path / "tok.model", tmp_path / "shards"
+    assert main(["tokenizer", "--out", str(model), str(corpus_file), "--vocab-size", "400", "--threads", "1"]) == 0
+    assert Tokenizer.load(model).vocab_size == 400
+    assert main(["shard", "--tokenizer", str(model), "--out", str(shards), str(corpus_file),
+                 "--workers", "1", "--no-progress", "--shard-tokens", "10000"]) == 0
+    corpus = ShardedCorpus(shards, verify="full")
+    assert corpus.num_documents == 40 and corpus.num_shards > 1
+    assert main(["samples", str(shards), "--seq-len", "64", "--seq-len", "128", "--seed", "3"]) == 0
+    printed = capsys.readouterr().out.split()
+    assert [Path(p).name for p in printed[-2:]] == ["samples_seq64_seed3_none.npy", "samples_seq128_seed3_none.npy"]
+    assert main(["verify", str(shards), "--full", "--tokenizer", str(model)]) == 0
+    assert "ok (full)" in capsys.readouterr().out
+    assert main(["info", str(shards), "--json"]) == 0
+    info = json.loads(capsys.readouterr().out)
+    assert info["num_documents"] == 40 and info["vocab_size"] == 400 and len(info["sample_indices"]) == 2
+    assert main(["info", str(model)]) == 0
+    assert "special_ids" in capsys.readouterr().out
+
+
+def test_cli_errors_exit_2_without_traceback(tmp_path, capsys):
+    assert main(["shard", "--tokenizer", str(tmp_path / "none.model"), "--out", str(tmp_path / "s"),
+                 str(tmp_path / "missing.txt")]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and "missing.txt does not exist" in err and "Traceback" not in err
+    assert main(["verify", str(tmp_path)]) == 2
+    assert "manifest.json does not exist" in capsys.readouterr().err
+
+
+def test_module_entry_point_subprocess(tmp_path):
+    """`python -m data_pipeline` really exits 2 with a one-line message, and --help works."""
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    run = subprocess.run([sys.executable, "-m", "data_pipeline", "verify", str(tmp_path / "x")],
+                         capture_output=True, text=True, env=env, cwd=tmp_path)
+    assert run.returncode == 2 and run.stderr.startswith("error: shard directory") and "Traceback" not in run.stderr
+    run = subprocess.run([sys.executable, "-m", "data_pipeline", "--help"], capture_output=True, text=True, env=env)
+    assert run.returncode == 0
+    for command in ("prepare", "tokenizer", "shard", "samples", "verify", "info"):
+        assert command in run.stdout
+
+
+def test_prepare_is_idempotent_and_notices_changed_input(corpus_file, tmp_path, capsys):
+    out = tmp_path / "prepared"
+    first = prepare(out, corpus_file, vocab_size=400, seq_lens=(64,), workers=1, progress=False,
+                    tokenizer_threads=1, shard_tokens=10000)
+    assert first.built == ("tokenizer", "shards")
+    assert first.sample_indices[64].is_file() and first.tokenizer == out / "tokenizer.model"
+    stamps = {p: p.stat().st_mtime_ns for p in out.rglob("*") if p.is_file()}
+    second = prepare(out, corpus_file, vocab_size=400, seq_lens=(64,), workers=1, progress=False,
+                     tokenizer_threads=1, shard_tokens=10000)
+    assert second.built == () and second.sample_indices == first.sample_indices
+    assert {p: p.stat().st_mtime_ns for p in out.rglob("*") if p.is_file()} == stamps  # nothing rewritten
+    # a damaged shard is caught by the size check and the shards are rewritten
+    victim = out / "shards" / "shard_00000.tokens.npy"
+    victim.write_bytes(victim.read_bytes()[:-2])
+    third = prepare(out, corpus_file, vocab_size=400, seq_lens=(64,), workers=1, progress=False,
+                    tokenizer_threads=1, shard_tokens=10000)
+    assert third.built == ("shards",)
+    ShardedCorpus(out / "shards", verify="full")
+    # an edited corpus retrains everything
+    corpus_file.write_text(corpus_file.read_text() + "\nA new document. With two sentences.\n")
+    fourth = prepare(out, corpus_file, vocab_size=400, seq_lens=(64,), workers=1, progress=False,
+                     tokenizer_threads=1, shard_tokens=10000)
+    assert fourth.built == ("tokenizer", "shards")
+    assert ShardedCorpus(out / "shards").num_documents == 41
+    # the CLI says what it reused
+    assert main(["prepare", str(out), str(corpus_file), "--vocab-size", "400", "--seq-len", "64",
+                 "--tokenizer-threads", "1", "--shard-tokens", "10000", "--workers", "1", "--no-progress"]) == 0
+    assert "built: nothing (all reused)" in capsys.readouterr().out
+
+
+def test_prepare_rejects_empty_seq_lens(corpus_file, tmp_path):
+    with pytest.raises(DataError, match="seq_lens is empty"):
+        prepare(tmp_path / "p", corpus_file, vocab_size=400, seq_lens=(), progress=False)

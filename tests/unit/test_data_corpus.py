@@ -1,0 +1,186 @@
+"""Corpus readers: formats, WikiText headings and joiners, globs, errors, the embedded corpus."""
+from __future__ import annotations
+
+import gzip
+import json
+from pathlib import Path
+
+import pytest
+
+from data_pipeline.corpus import (
+    Corpus,
+    EmbeddedCorpus,
+    _collect_embedded,
+    detect_format,
+    embedded_corpus,
+    read_documents,
+    resolve_inputs,
+    split_sentences,
+)
+from data_pipeline.errors import DataError
+
+SHARED = Path(__file__).resolve().parents[2].parent / "shared"
+
+WIKITEXT = """ 
+ = First Article = 
+ 
+ The first article starts here . It has 0 @.@ 7 kg and a state @-@ of @-@ the @-@ art claim of 1 @,@ 000 people . 
+ 
+ = = Section = = 
+ 
+ Section text . 
+ 
+ = = = Deeper = = = 
+ 
+ More text . 
+ 
+ = Second Article = 
+ 
+ Only one sentence here . 
+"""
+
+
+def test_split_sentences_rules():
+    """Boundaries at .!? before a capital/digit/quote, not after abbreviations, initials or acronyms."""
+    assert split_sentences("One two. Three four! Five? six. 7 is a number.") == [
+        "One two.", "Three four!", "Five? six.", "7 is a number."]
+    assert split_sentences("Use e.g. Python. Dr. Who met J. Smith in the U.S. Army today.") == [
+        "Use e.g. Python.", "Dr. Who met J. Smith in the U.S. Army today."]
+    assert split_sentences('He said "Stop." Then "Go."') == ['He said "Stop."', 'Then "Go."']
+    # WikiText's space-separated punctuation
+    assert split_sentences("It grows to 60 cm ( 24 in ) . It is H. americanus .") == [
+        "It grows to 60 cm ( 24 in ) .", "It is H. americanus ."]
+    assert split_sentences("  spaced\n\tout   words ") == ["spaced out words"]
+    assert split_sentences("   ") == []
+
+
+def test_plain_text_blank_lines_separate_documents(tmp_path):
+    path = tmp_path / "a.txt"
+    path.write_text("First doc. Second sentence.\nA new line.\n\n\nSecond doc.\n\n")
+    assert list(read_documents(path, format="text")) == [
+        ["First doc.", "Second sentence.", "A new line."], ["Second doc."]]
+
+
+def test_wikitext_titles_subheadings_and_joiners(tmp_path):
+    path = tmp_path / "wiki.tokens"
+    path.write_text(WIKITEXT)
+    docs = list(read_documents(path, format="wikitext"))
+    assert docs == [
+        ["The first article starts here .",
+         "It has 0.7 kg and a state-of-the-art claim of 1,000 people .",
+         "Section text .", "More text ."],
+        ["Only one sentence here ."],
+    ]
+    assert detect_format(path) == "wikitext"
+    assert list(read_documents(path)) == docs  # format="auto"
+
+
+def test_wikitext_real_file():
+    """WikiText-2 valid: documents start at titles, no heading or joiner survives."""
+    path = SHARED / "data" / "wikitext-2" / "valid.txt"
+    if not path.is_file():
+        pytest.skip(f"{path} is not present")
+    docs = list(read_documents(path, format="auto"))
+    assert len(docs) == 60  # WikiText-2 valid has 60 articles
+    assert docs[0][0].startswith("Homarus gammarus , known as the European lobster")
+    sentences = [s for d in docs for s in d]
+    assert not any("@-@" in s or "@.@" in s or "@,@" in s for s in sentences)
+    assert not any(s.startswith("= ") or s.endswith(" =") for s in sentences)
+    assert "0.7 – 2.2 kg" in " ".join(docs[0])
+
+
+def test_jsonl_field_and_errors(tmp_path):
+    good = tmp_path / "c.jsonl"
+    good.write_text(json.dumps({"text": "Alpha. Beta.\nGamma.", "id": 1}) + "\n\n" + json.dumps({"text": "D."}) + "\n")
+    assert list(read_documents(good)) == [["Alpha.", "Beta.", "Gamma."], ["D."]]
+    other = tmp_path / "c2.jsonl"
+    other.write_text(json.dumps({"body": "X y."}) + "\n")
+    assert list(read_documents(other, field="body")) == [["X y."]]
+    with pytest.raises(DataError, match=r"c2\.jsonl:1: no 'text' field.*--field"):
+        list(read_documents(other))
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text(json.dumps({"text": "ok."}) + "\n" + json.dumps({"text": "ok."}) + "\n{not json\n")
+    with pytest.raises(DataError, match=r"bad\.jsonl:3: not valid JSON"):
+        list(read_documents(bad))
+    typed = tmp_path / "typed.jsonl"
+    typed.write_text(json.dumps({"text": 5}) + "\n")
+    with pytest.raises(DataError, match=r"typed\.jsonl:1: field 'text' is a int"):
+        list(read_documents(typed))
+
+
+def test_auto_format_detection(tmp_path):
+    (tmp_path / "a.jsonl").write_text('{"text": "x"}\n')
+    (tmp_path / "b.txt").write_text('\n  {"text": "json in a .txt"}\n')
+    (tmp_path / "c.txt").write_text("Plain text. Nothing else.\n")
+    (tmp_path / "d.txt").write_text(WIKITEXT)
+    assert [detect_format(tmp_path / n) for n in ("a.jsonl", "b.txt", "c.txt", "d.txt")] == [
+        "jsonl", "jsonl", "text", "wikitext"]
+
+
+def test_globs_directories_and_compressed_files(tmp_path):
+    (tmp_path / "sub").mkdir()
+    (tmp_path / "b.txt").write_text("Doc b.\n")
+    (tmp_path / "a.txt").write_text("Doc a.\n")
+    (tmp_path / "sub" / "c.txt").write_text("Doc c.\n")
+    (tmp_path / ".hidden.txt").write_text("Hidden.\n")
+    with gzip.open(tmp_path / "sub" / "d.txt.gz", "wt") as fh:
+        fh.write("Doc d.\n")
+    assert [p.name for p in resolve_inputs(str(tmp_path / "*.txt"))] == ["a.txt", "b.txt"]
+    assert [p.name for p in resolve_inputs(str(tmp_path / "**" / "*.txt*"))] == ["a.txt", "b.txt", "c.txt", "d.txt.gz"]
+    assert [p.name for p in resolve_inputs(tmp_path)] == ["a.txt", "b.txt", "c.txt", "d.txt.gz"]
+    # duplicates (a file named twice) are read once, in first-seen order
+    assert [p.name for p in resolve_inputs([tmp_path / "b.txt", str(tmp_path / "*.txt")])] == ["b.txt", "a.txt"]
+    assert list(read_documents(tmp_path)) == [["Doc a."], ["Doc b."], ["Doc c."], ["Doc d."]]
+
+
+def test_missing_inputs_are_errors(tmp_path):
+    with pytest.raises(DataError, match="nope.txt does not exist"):
+        read_documents(tmp_path / "nope.txt")
+    with pytest.raises(DataError, match=r"matches no files"):
+        read_documents(str(tmp_path / "*.jsonl"))
+    (tmp_path / "empty_dir").mkdir()
+    with pytest.raises(DataError, match="contains no files"):
+        read_documents(tmp_path / "empty_dir")
+    (tmp_path / "x.txt").write_text("x\n")
+    with pytest.raises(DataError, match="unknown corpus format 'csv'"):
+        read_documents(tmp_path / "x.txt", format="csv")
+
+
+def test_empty_corpus_is_an_error(tmp_path):
+    (tmp_path / "blank.txt").write_text("\n   \n\n")
+    (tmp_path / "headings.txt").write_text(" = Title = \n\n = = Sub = = \n")
+    with pytest.raises(DataError, match="has no documents"):
+        list(read_documents(tmp_path / "blank.txt"))
+    with pytest.raises(DataError, match="has no documents"):
+        list(read_documents(tmp_path / "headings.txt", format="wikitext"))
+
+
+def test_non_utf8_names_the_file(tmp_path):
+    path = tmp_path / "latin1.txt"
+    path.write_bytes("Fine line.\n".encode() * 3 + "caf\xe9\n".encode("latin-1"))
+    with pytest.raises(DataError, match=r"latin1\.txt.*not UTF-8"):
+        list(read_documents(path, format="text"))
+
+
+def test_corpus_is_reiterable(tmp_path):
+    (tmp_path / "a.txt").write_text("One. Two.\n\nThree.\n")
+    corpus = Corpus(tmp_path / "a.txt")
+    assert list(corpus) == list(corpus) == [["One.", "Two."], ["Three."]]
+    assert "a.txt" in corpus.description
+
+
+def test_embedded_corpus_nonempty_and_deterministic():
+    docs = embedded_corpus()
+    assert len(docs) > 500
+    assert sum(len(s) for d in docs for s in d) > 1_000_000  # characters
+    assert all(d and all(isinstance(s, str) and s and s == s.strip() for s in d) for d in docs)
+    # pydoc topics first, then stdlib docstrings (the json module documents itself)
+    from pydoc_data.topics import topics
+
+    assert any("customize the meaning of attribute access" in s for d in docs[:len(topics)] for s in d)
+    assert any(s.startswith("JSON (JavaScript Object Notation)") for d in docs for s in d)
+    # a fresh collection in the same interpreter gives the same documents in the same order
+    assert [list(d) for d in _collect_embedded()] == docs
+    # no document is repeated (shared docstrings are used once)
+    assert len({tuple(d) for d in docs}) == len(docs)
+    assert list(EmbeddedCorpus()) == docs

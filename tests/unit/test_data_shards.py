@@ -1,0 +1,193 @@
+"""Sharded token files: round trip, checksums, verification, crash safety, worker independence."""
+from __future__ import annotations
+
+import errno
+import hashlib
+import json
+import pickle
+
+import numpy as np
+import pytest
+from pydoc_data.topics import topics
+
+from data_pipeline import shards as shards_module
+from data_pipeline.corpus import split_sentences
+from data_pipeline.errors import DataError
+from data_pipeline.shards import MANIFEST, ShardedCorpus, token_dtype, write_shards
+from data_pipeline.tokenizer import Tokenizer, train_tokenizer
+
+DOCUMENTS = [split_sentences(topics[key]) for key in sorted(topics)]
+# An empty document and one whose only sentence is blank are dropped by the writer.
+INPUT = DOCUMENTS[:30] + [[], ["   "]] + DOCUMENTS[30:]
+SHARD_TOKENS = 20_000  # several shards from ~100k tokens
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tmp_path_factory):
+    return train_tokenizer(DOCUMENTS, tmp_path_factory.mktemp("tok") / "tok.model", vocab_size=500, num_threads=1)
+
+
+@pytest.fixture(scope="module")
+def written(tokenizer, tmp_path_factory):
+    out = tmp_path_factory.mktemp("shards")
+    return write_shards(INPUT, tokenizer.path, out, shard_tokens=SHARD_TOKENS, workers=1, progress=False,
+                        chunk_chars=50_000)
+
+
+def expected(tokenizer):
+    docs = [[tokenizer.encode(s) for s in d] for d in INPUT]
+    return [[s for s in d if s] for d in docs if any(d)]
+
+
+def test_round_trip_equals_direct_encoding(written, tokenizer):
+    want = expected(tokenizer)
+    corpus = ShardedCorpus(written.path)
+    assert corpus.num_shards > 2
+    assert len(corpus) == corpus.num_documents == len(want) == len(DOCUMENTS)
+    assert corpus.num_sentences == sum(len(d) for d in want)
+    assert corpus.num_tokens == sum(len(s) for d in want for s in d)
+    assert corpus.vocab_size == 500 and corpus.dtype == np.uint16
+    assert corpus.tokenizer_sha256 == tokenizer.sha256
+    for i, doc in enumerate(want):
+        got = corpus.document(i)
+        assert [s.tolist() for s in got] == doc
+        assert corpus.sentence_lengths(i).dtype == np.int64
+        assert corpus.sentence_lengths(i).tolist() == [len(s) for s in doc]
+    assert [s.tolist() for s in corpus[-1]] == want[-1]
+    with pytest.raises(IndexError):
+        corpus.document(len(want))
+
+
+def test_layout_and_checksums(written):
+    manifest = json.loads((written.path / MANIFEST).read_text())
+    assert manifest == written.manifest
+    assert manifest["format_version"] == 1 and manifest["dtype"] == "uint16"
+    shard_docs = 0
+    for k, entry in enumerate(manifest["shards"]):
+        tokens = np.load(written.path / f"shard_{k:05d}.tokens.npy", mmap_mode="r")
+        sentences = np.load(written.path / f"shard_{k:05d}.sentences.npy", mmap_mode="r")
+        documents = np.load(written.path / f"shard_{k:05d}.documents.npy", mmap_mode="r")
+        assert isinstance(tokens, np.memmap) and tokens.dtype == np.uint16
+        assert sentences.dtype == documents.dtype == np.int64
+        assert len(sentences) == entry["num_sentences"] + 1 and len(documents) == entry["num_documents"] + 1
+        assert sentences[0] == 0 and sentences[-1] == len(tokens) == entry["num_tokens"]
+        assert documents[0] == 0 and documents[-1] == entry["num_sentences"]
+        # every shard but the last is closed at the first document boundary past SHARD_TOKENS
+        if k < len(manifest["shards"]) - 1:
+            assert entry["num_tokens"] >= SHARD_TOKENS
+            last_doc_tokens = sentences[-1] - sentences[documents[-2]]
+            assert entry["num_tokens"] - last_doc_tokens < SHARD_TOKENS
+        for record in entry["files"].values():
+            data = (written.path / record["file"]).read_bytes()
+            assert record["bytes"] == len(data) and record["sha256"] == hashlib.sha256(data).hexdigest()
+        shard_docs += entry["num_documents"]
+    assert shard_docs == manifest["num_documents"]
+    assert not list(written.path.glob(".*"))  # no temporary files left behind
+    # documents are views into the memory maps, not copies
+    assert isinstance(written.document(0)[0].base, np.memmap) or isinstance(written.document(0)[0], np.memmap)
+
+
+def test_one_and_two_workers_are_byte_identical(tokenizer, written, tmp_path):
+    out = write_shards(INPUT, tokenizer.path, tmp_path / "two", shard_tokens=SHARD_TOKENS, workers=2,
+                       progress=False, chunk_chars=50_000)
+    names = sorted(p.name for p in written.path.iterdir())
+    assert names == sorted(p.name for p in out.path.iterdir())
+    for name in names:
+        if name != MANIFEST:
+            assert (written.path / name).read_bytes() == (out.path / name).read_bytes(), name
+    strip = lambda m: {k: v for k, v in m.items() if k != "source"}  # noqa: E731
+    assert strip(out.manifest) == strip(written.manifest)
+
+
+def copy_dir(src, dst):
+    dst.mkdir()
+    for p in src.iterdir():
+        (dst / p.name).write_bytes(p.read_bytes())
+    return dst
+
+
+def test_full_verify_detects_a_flipped_byte(written, tmp_path):
+    """Sizes still match after a bit flip, so only verify="full" catches it - naming the file."""
+    path = copy_dir(written.path, tmp_path / "flip")
+    victim = path / "shard_00001.tokens.npy"
+    data = bytearray(victim.read_bytes())
+    data[-7] ^= 0x01
+    victim.write_bytes(bytes(data))
+    ShardedCorpus(path, verify="size")
+    with pytest.raises(DataError, match=r"shard_00001\.tokens\.npy is corrupt \(sha256"):
+        ShardedCorpus(path, verify="full")
+
+
+def test_missing_or_truncated_shard_names_the_file(written, tmp_path):
+    path = copy_dir(written.path, tmp_path / "missing")
+    (path / "shard_00002.documents.npy").unlink()
+    with pytest.raises(DataError, match=r"shard_00002\.documents\.npy is missing"):
+        ShardedCorpus(path)
+    lazy = ShardedCorpus(path, verify="none")  # trusting the manifest, the error comes on access
+    with pytest.raises(DataError, match=r"shard_00002\.documents\.npy is missing"):
+        lazy.document(sum(e["num_documents"] for e in lazy.manifest["shards"][:2]))  # first of shard 2
+    path = copy_dir(written.path, tmp_path / "truncated")
+    victim = path / "shard_00000.sentences.npy"
+    victim.write_bytes(victim.read_bytes()[:-8])
+    with pytest.raises(DataError, match=r"shard_00000\.sentences\.npy has \d+ bytes, the manifest says"):
+        ShardedCorpus(path)
+
+
+def test_shards_without_manifest_are_rejected(written, tmp_path):
+    path = copy_dir(written.path, tmp_path / "nomanifest")
+    (path / MANIFEST).unlink()
+    with pytest.raises(DataError, match="interrupted write.*rerun"):
+        ShardedCorpus(path)
+    with pytest.raises(DataError, match="does not exist"):
+        ShardedCorpus(tmp_path / "nowhere")
+
+
+def test_disk_full_leaves_nothing_that_loads(tokenizer, written, tmp_path, monkeypatch):
+    """ENOSPC in the middle of a shard: DataError, no manifest (also not the old one), no temp files."""
+    path = copy_dir(written.path, tmp_path / "full")  # a valid old shard set is being replaced
+    calls = 0
+    real_write = shards_module._HashingWriter.write
+
+    def failing_write(self, data):
+        nonlocal calls
+        calls += 1
+        if calls == 8:  # header and body of a few files succeed, then the disk is full
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real_write(self, data)
+
+    monkeypatch.setattr(shards_module._HashingWriter, "write", failing_write)
+    with pytest.raises(DataError, match="No space left on device.*free disk space") as info:
+        write_shards(INPUT, tokenizer.path, path, shard_tokens=SHARD_TOKENS, workers=1, progress=False)
+    assert isinstance(info.value.__cause__, OSError) and info.value.__cause__.errno == errno.ENOSPC
+    assert not (path / MANIFEST).exists()
+    assert not list(path.glob(".*"))
+    # the files that did get their final name are complete .npy files, but without a manifest
+    # the set is refused
+    for p in path.glob("shard_*.npy"):
+        np.load(p, mmap_mode="r")
+    with pytest.raises(DataError, match="interrupted write"):
+        ShardedCorpus(path)
+
+
+def test_pickle_reopens_lazily(written):
+    corpus = ShardedCorpus(written.path)
+    corpus.document(0)
+    copy = pickle.loads(pickle.dumps(corpus))
+    assert copy._maps == {}
+    last = copy.num_documents - 1
+    assert [s.tolist() for s in copy.document(last)] == [s.tolist() for s in corpus.document(last)]
+
+
+def test_tokenizer_mismatch_and_dtypes(written, tokenizer, tmp_path):
+    written.check_tokenizer(tokenizer)
+    other = train_tokenizer(DOCUMENTS[:40], tmp_path / "other.model", vocab_size=300, num_threads=1)
+    with pytest.raises(DataError, match="different tokenizer"):
+        written.check_tokenizer(Tokenizer.load(other.path))
+    assert token_dtype(65536) == np.uint16 and token_dtype(65537) == np.int32
+
+
+def test_empty_input_is_an_error(tokenizer, tmp_path):
+    with pytest.raises(DataError, match="tokenised to nothing"):
+        write_shards([[], [" "]], tokenizer.path, tmp_path / "empty", workers=1, progress=False)
+    with pytest.raises(DataError, match="workers=0"):
+        write_shards(INPUT, tokenizer.path, tmp_path / "w", workers=0, progress=False)

@@ -1,0 +1,94 @@
+"""Sentencepiece training with BERT special ids: ids, round trip, determinism, errors."""
+from __future__ import annotations
+
+import hashlib
+import io
+import pickle
+
+import pytest
+import sentencepiece as spm
+from pydoc_data.topics import topics
+
+from data_pipeline.corpus import split_sentences
+from data_pipeline.errors import DataError
+from data_pipeline.tokenizer import SPECIAL_IDS, Tokenizer, train_tokenizer
+
+# The language reference pages that ship with CPython: real English prose, about 0.5 MB.
+DOCUMENTS = [split_sentences(topics[key]) for key in sorted(topics)]
+VOCAB = 600
+
+
+@pytest.fixture(scope="module")
+def model_path(tmp_path_factory):
+    path = tmp_path_factory.mktemp("tok") / "sub" / "tok.model"
+    train_tokenizer(DOCUMENTS, path, vocab_size=VOCAB, num_threads=2)
+    return path
+
+
+def test_special_ids_and_vocab(model_path):
+    tok = Tokenizer.load(model_path)
+    assert tok.vocab_size == len(tok) == VOCAB
+    assert (tok.pad_id, tok.unk_id, tok.cls_id, tok.sep_id, tok.mask_id) == (0, 1, 2, 3, 4)
+    assert [tok.id_to_piece(i) for i in range(5)] == ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
+    assert {p: tok.piece_to_id(p) for p in SPECIAL_IDS} == SPECIAL_IDS
+
+
+def test_encode_decode_round_trip(model_path):
+    tok = Tokenizer.load(model_path)
+    text = "The value of the expression is assigned to the target list, and the object is returned."
+    ids = tok.encode(text)
+    assert ids and all(5 <= i < VOCAB for i in ids)  # no specials, no [UNK] in covered text
+    assert tok.decode(ids) == text
+    texts = [text, "Exceptions are raised by the interpreter.", ""]
+    assert tok.encode_batch(texts) == [tok.encode(t) for t in texts]
+
+
+def test_special_strings_in_text_are_not_special(model_path):
+    """Control symbols never come out of encode: user text cannot forge [MASK] or [SEP]."""
+    tok = Tokenizer.load(model_path)
+    ids = tok.encode("a [MASK] b [SEP] c [CLS] [PAD]")
+    assert not set(ids) & {0, 2, 3, 4}
+    assert tok.decode([2, *tok.encode("hello")]) == tok.decode(tok.encode("hello"))
+
+
+def test_training_is_deterministic(model_path, tmp_path):
+    """Same documents, seed and threads -> byte-identical model; sha256 is that of the file."""
+    again = train_tokenizer(DOCUMENTS, tmp_path / "again.model", vocab_size=VOCAB, num_threads=2)
+    assert again.path.read_bytes() == model_path.read_bytes()
+    assert again.sha256 == hashlib.sha256(model_path.read_bytes()).hexdigest() == Tokenizer.load(model_path).sha256
+
+
+def test_bpe_and_pickle(tmp_path):
+    tok = train_tokenizer(DOCUMENTS[:20], tmp_path / "bpe.model", vocab_size=400, model_type="bpe", num_threads=1)
+    assert tok.vocab_size == 400 and tok.id_to_piece(4) == "[MASK]"
+    copy = pickle.loads(pickle.dumps(tok))
+    text = "The import statement finds modules."
+    assert copy.encode(text) == tok.encode(text) and copy.sha256 == tok.sha256
+
+
+def test_errors(tmp_path):
+    with pytest.raises(DataError, match="too small for vocab_size=50000.*--vocab-size"):
+        train_tokenizer(DOCUMENTS[:3], tmp_path / "big.model", vocab_size=50000, num_threads=1)
+    with pytest.raises(DataError, match="empty"):
+        train_tokenizer([[], [""]], tmp_path / "empty.model", vocab_size=300)
+    with pytest.raises(DataError, match="model_type='wordpiece'"):
+        train_tokenizer(DOCUMENTS, tmp_path / "x.model", model_type="wordpiece")
+    with pytest.raises(DataError, match="missing.model does not exist"):
+        Tokenizer.load(tmp_path / "missing.model")
+    garbage = tmp_path / "garbage.model"
+    garbage.write_bytes(b"not a model")
+    with pytest.raises(DataError, match="garbage.model is not a sentencepiece model"):
+        Tokenizer.load(garbage)
+    assert not (tmp_path / "big.model").exists()  # nothing is written on failure
+
+
+def test_model_with_other_special_ids_is_rejected(tmp_path):
+    """A stock sentencepiece model (<unk>=0, <s>=1, </s>=2) must not be taken for a BERT one."""
+    buffer = io.BytesIO()
+    spm.SentencePieceTrainer.train(
+        sentence_iterator=iter([s for d in DOCUMENTS[:20] for s in d]), model_writer=buffer,
+        vocab_size=300, minloglevel=2)
+    path = tmp_path / "stock.model"
+    path.write_bytes(buffer.getvalue())
+    with pytest.raises(DataError, match=r"stock\.model: special tokens are not at the BERT ids"):
+        Tokenizer.load(path)
