@@ -76,6 +76,7 @@ class Trainer:
             (run_dir / "config.json").write_text(json.dumps(raw, indent=2))
         self.data: JobData = prepare_data(job, run_dir, self.rank, dist.barrier, sorted({p.seq_len for p in job.phases}))
         self.next_sentence = self.data.next_sentence is not None
+        torch.manual_seed(job.seed)  # the same initial weights on every rank and every start
         model = build_model(job.model, self.data.vocab_size, max(p.seq_len for p in job.phases), self.next_sentence)
         ds_cfg = deepspeed_config(raw, job.phases[0], self.world, 0)
         wd = float(ds_cfg.get("optimizer", {}).get("params", {}).get("weight_decay", 0.0))
