@@ -5,7 +5,7 @@ PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 
-.PHONY: install test demo bench
+.PHONY: install test demo demo-mlp bench
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -20,7 +20,12 @@ install: $(VENV)/.installed
 test: install
 	$(PY) -m pytest -q tests
 
+RUN_DIR ?= runs/demo
 demo: install
+	$(VENV)/bin/deepspeed --num_gpus 2 --module vrgd_ds.train --config configs/bert_tiny_cpu_vr_lamb.json \
+		--run-dir $(RUN_DIR)
+
+demo-mlp: install
 	$(PY) -m vrgd_ds.demo
 
 bench: install

@@ -1,7 +1,10 @@
 """The job's data: prepared corpus, per-phase training sets, held-out set, loaders.
 
-Rank 0 prepares the data (tokenizer, shards, sample indices; idempotent) when the config
-names no prepared directory, the other ranks wait at a barrier: the run directory must be
+Rank 0 prepares the data (tokenizer, shards, sample indices; idempotent) from
+``job.data.inputs`` or the embedded corpus into ``job.data.path`` (default ``<run dir>/data``);
+a ``job.data.path`` that already holds a tokenizer and no ``inputs`` are given is used as
+``vrgd-data prepare`` built it (only missing sample indices are added); the other ranks
+wait at a barrier: the run directory must be
 on a filesystem every node sees, as a multi-node job's checkpoints must be too. Documents at
 the end of the corpus (``job.data.heldout_fraction``) are kept out of training; their samples
 form the held-out set, evaluated with fixed masks (epoch 0) so evaluations compare.
@@ -70,7 +73,15 @@ def prepare_data(job: JobConfig, run_dir: Path, rank: int, barrier: Any, seq_len
 
     cfg = job.data
     out = Path(cfg.path) if cfg.path else run_dir / "data"
-    if rank == 0:  # idempotent: checks and reuses what an earlier start (or vrgd-data prepare) built
+    if rank == 0 and cfg.path and not cfg.inputs and (out / TOKENIZER_FILE).is_file():
+        # A directory prepared beforehand (vrgd-data prepare): use its tokenizer and shards as
+        # they are; only sample indices for this job's seed / lengths are added if missing.
+        from data_pipeline.samples import build_sample_index
+
+        corpus = ShardedCorpus(out / SHARDS_DIR, verify="size")
+        for n in seq_lens:
+            build_sample_index(corpus, n, job.seed, out / SAMPLES_DIR, next_sentence=cfg.next_sentence)
+    elif rank == 0:  # idempotent: checks and reuses what an earlier start built
         prepare(out, inputs=cfg.inputs or None, format=cfg.format, vocab_size=cfg.vocab_size,
                 seq_lens=tuple(seq_lens), seed=job.seed, workers=cfg.prepare_workers, progress=True,
                 next_sentence=cfg.next_sentence)
