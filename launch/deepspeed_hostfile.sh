@@ -1,0 +1,43 @@
+#!/usr/bin/env bash
+# BERT pretraining on several nodes with the DeepSpeed launcher (pdsh over ssh).
+#
+#   launch/deepspeed_hostfile.sh [--set KEY=VALUE ...]
+#   HOSTFILE=hosts CONFIG=configs/bert_large_128k_64k_vr_lamb.json launch/deepspeed_hostfile.sh
+#
+# The hostfile lists one node per line as "<hostname> slots=<GPUs>"; every node needs
+# passwordless ssh from this one, the same checkout and Python environment at the same path,
+# and RUN_DIR and the data on a filesystem all nodes see. launch/local_cluster/setup_pdsh.sh
+# builds a two-"node" version of this on one machine (loopback aliases).
+#
+# Environment (defaults): CONFIG (configs/bert_large_64k_32k_vr_lamb.json), RUN_DIR
+# (runs/<config name>), HOSTFILE (hostfile), MASTER_ADDR (first host of HOSTFILE), MASTER_PORT
+# (29500), LAUNCHER (pdsh), DEEPSPEED (deepspeed next to PYTHON, else on PATH), PYTHON (python),
+# BACKEND (empty: nccl on GPUs, gloo on CPU), DS_ARGS (extra launcher arguments, e.g.
+# "--num_gpus 1"). Further arguments go to the job ("$@").
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+CONFIG=${CONFIG:-configs/bert_large_64k_32k_vr_lamb.json}
+RUN_DIR=${RUN_DIR:-runs/$(basename "$CONFIG" .json)}
+HOSTFILE=${HOSTFILE:-hostfile}
+PYTHON=${PYTHON:-python}
+if [[ -z "${DEEPSPEED:-}" ]]; then
+    DEEPSPEED=$(dirname "$(command -v "$PYTHON")")/deepspeed
+    [[ -x "$DEEPSPEED" ]] || DEEPSPEED=deepspeed
+fi
+[[ -f "$HOSTFILE" ]] || { echo "error: no hostfile '$HOSTFILE' (lines '<host> slots=<n>'; set HOSTFILE)" >&2; exit 2; }
+MASTER_ADDR=${MASTER_ADDR:-$(awk '!/^[[:space:]]*(#|$)/ {print $1; exit}' "$HOSTFILE")}
+MASTER_PORT=${MASTER_PORT:-29500}
+LAUNCHER=${LAUNCHER:-pdsh}
+BACKEND_ARGS=()
+[[ -n "${BACKEND:-}" ]] && BACKEND_ARGS=(--backend "$BACKEND")
+read -r -a EXTRA <<< "${DS_ARGS:-}"
+
+# Relative paths would resolve against each node's ssh login directory.
+CONFIG=$(realpath "$CONFIG")
+RUN_DIR=$(realpath -m "$RUN_DIR")
+
+set -x
+exec "$DEEPSPEED" --hostfile "$HOSTFILE" --launcher "$LAUNCHER" \
+    --master_addr "$MASTER_ADDR" --master_port "$MASTER_PORT" "${EXTRA[@]}" \
+    --module vrgd_ds.train --config "$CONFIG" --run-dir "$RUN_DIR" "${BACKEND_ARGS[@]}" "$@"

