@@ -47,7 +47,7 @@ import numpy as np
 from tqdm.auto import tqdm
 
 from data_pipeline.errors import DataError
-from data_pipeline.tokenizer import Tokenizer, fsync_dir, sha256_file, write_atomic
+from data_pipeline.tokenizer import Tokenizer, atomic_file, fsync_dir, sha256_file, write_atomic
 
 logger = logging.getLogger(__name__)
 
@@ -187,17 +187,10 @@ class _HashingWriter:
 
 def _write_npy(path: Path, array: np.ndarray) -> dict:
     """Write ``array`` to ``path`` via a temporary name; return its size and sha256."""
-    tmp = path.with_name(f".{path.name}.tmp")
-    try:
-        with open(tmp, "wb") as fh:
-            writer = _HashingWriter(fh)
-            np.save(writer, array, allow_pickle=False)
-            fh.flush()
-            os.fsync(fh.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
+    # The ".shard_*.tmp" name lets write_shards find leftovers of an interrupted run.
+    with atomic_file(path, tmp=path.with_name(f".{path.name}.tmp")) as fh:
+        writer = _HashingWriter(fh)
+        np.save(writer, array, allow_pickle=False)
     return {"file": path.name, "bytes": writer.bytes, "sha256": writer.sha256.hexdigest()}
 
 

@@ -30,7 +30,9 @@ import io
 import logging
 import os
 from collections.abc import Iterable, Iterator, Sequence
+from contextlib import contextmanager
 from pathlib import Path
+from typing import IO
 
 import sentencepiece as spm
 
@@ -55,17 +57,19 @@ def sha256_file(path: str | os.PathLike[str]) -> str:
     return digest.hexdigest()
 
 
-def write_atomic(path: Path, data: bytes) -> None:
-    """Write ``data`` to ``path`` so that ``path`` is either the old file or the complete new one.
+@contextmanager
+def atomic_file(path: Path, tmp: Path | None = None) -> Iterator[IO[bytes]]:
+    """A binary file handle whose content replaces ``path`` only once complete.
 
-    The bytes go to a temporary name in the same directory, are fsynced, and replace ``path`` with
-    ``os.replace`` (atomic on POSIX and Windows); the directory is fsynced so the rename survives a
-    power loss. On error the temporary file is removed.
+    The bytes go to ``tmp`` (default: a hidden name with the pid, in the same directory), are
+    fsynced, and replace ``path`` with ``os.replace`` (atomic on POSIX and Windows); the
+    directory is fsynced so the rename survives a power loss. On error the temporary file is
+    removed and ``path`` is untouched.
     """
-    tmp = path.with_name(f".{path.name}.tmp.{os.getpid()}")
+    tmp = tmp or path.with_name(f".{path.name}.tmp.{os.getpid()}")
     try:
         with open(tmp, "wb") as fh:
-            fh.write(data)
+            yield fh
             fh.flush()
             os.fsync(fh.fileno())
         os.replace(tmp, path)
@@ -73,6 +77,12 @@ def write_atomic(path: Path, data: bytes) -> None:
         tmp.unlink(missing_ok=True)
         raise
     fsync_dir(path.parent)
+
+
+def write_atomic(path: Path, data: bytes) -> None:
+    """Write ``data`` to ``path`` so that ``path`` is either the old file or the complete new one."""
+    with atomic_file(path) as fh:
+        fh.write(data)
 
 
 def fsync_dir(directory: Path) -> None:

@@ -45,13 +45,8 @@ def _seed_step(seed: int, step: int, rank: int) -> None:
 
 
 def _inputs(batch: dict[str, torch.Tensor], device: torch.device, next_sentence: bool) -> dict[str, torch.Tensor]:
-    out = {k: batch[k].to(device, non_blocking=True) for k in ("input_ids", "token_type_ids", "attention_mask")}
-    if next_sentence:
-        out["labels"] = batch["labels"].to(device, non_blocking=True)
-        out["next_sentence_label"] = batch["next_sentence_label"].to(device, non_blocking=True)
-    else:
-        out["labels"] = batch["labels"].to(device, non_blocking=True)
-    return out
+    keys = ("input_ids", "token_type_ids", "attention_mask", "labels") + (("next_sentence_label",) if next_sentence else ())
+    return {k: batch[k].to(device, non_blocking=True) for k in keys}
 
 
 class Trainer:
@@ -161,7 +156,8 @@ class Trainer:
         sinks = telemetry.build_sinks(self.run_dir, jsonl=self.job.telemetry.jsonl,
                                       tensorboard=self.job.telemetry.tensorboard, wandb=self.job.telemetry.wandb,
                                       resume_step=self.step if resumed else None) if self.rank == 0 else None
-        helds = {p.seq_len: self.data.split(p.seq_len)[1] for p in self.job.phases}
+        self.splits = {p.seq_len: self.data.split(p.seq_len) for p in self.job.phases}
+        helds = {n: held for n, (_, held) in self.splits.items()}
         final_held = helds[self.job.phases[-1].seq_len]
         if not self.evals:
             self.evals.append({"step": 0, **self.evaluate(final_held)})
@@ -195,7 +191,7 @@ class Trainer:
 
         p = self.job.phases[index]
         gas = self._set_phase(index)
-        train, _ = self.data.split(p.seq_len)
+        train, _ = self.splits[p.seq_len]
         sampler = PretrainingSampler(len(train), micro_batch_size=p.micro_batch, rank=self.rank,
                                      world_size=self.world, seed=self.job.seed + index,
                                      consumed_samples=self.consumed[index])
