@@ -12,10 +12,10 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 
+import launching
 import pytest
 
 HERE = Path(__file__).parent
@@ -31,7 +31,7 @@ def launch(tmp: Path, timeout: int = 300) -> dict:
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(RANKS),
            str(WORKER), "--out", str(out)]
     env = dict(os.environ, PYTHONPATH=str(HERE.parent.parent) + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env, cwd=tmp)
+    proc = launching.run(cmd, timeout=timeout, marker=out, env=env, cwd=tmp)
     if proc.returncode != 0 or not out.exists():
         raise RuntimeError(f"torchrun launch failed (rc={proc.returncode}):\n{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}")
     return json.loads(out.read_text())

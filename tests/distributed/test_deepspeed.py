@@ -20,10 +20,10 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 
+import launching
 import pytest
 
 HERE = Path(__file__).parent
@@ -35,12 +35,12 @@ CONTRAST = {"fp32": 0.1, "fp16": 0.5, "bf16": None}  # err <= factor × distance
 def launch(tmp: Path, suites: list[str], ranks: int = 2, script: Path = WORKER, timeout: int = 1500) -> dict:
     out = tmp / "results.json"
     deepspeed = Path(sys.executable).parent / "deepspeed"
-    cmd = [str(deepspeed), "--num_gpus", str(ranks), "--master_port", str(29500 + os.getpid() % 1000), str(script)]
+    cmd = [str(deepspeed), "--num_gpus", str(ranks), "--master_port", str(launching.free_port()), str(script)]
     for s in suites:
         cmd += ["--suite", s]
     cmd += ["--out", str(out)]
     env = dict(os.environ, PYTHONPATH=str(HERE.parent.parent) + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env, cwd=tmp)
+    proc = launching.run(cmd, timeout=timeout, marker=out, env=env, cwd=tmp)
     if proc.returncode != 0 or not out.exists():
         raise RuntimeError(f"deepspeed launch failed (rc={proc.returncode}):\n{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}")
     return json.loads(out.read_text())

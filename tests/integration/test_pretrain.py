@@ -5,13 +5,11 @@ losses exactly (fp32; dropout on, data order, masks and LR all restored)."""
 from __future__ import annotations
 
 import json
-import os
-import signal
-import subprocess
 import sys
 import time
 from pathlib import Path
 
+import launching
 import pytest
 
 pytestmark = pytest.mark.slow
@@ -35,9 +33,9 @@ CONFIG = {
 }
 
 
-def command(config: Path, run_dir: Path, port: int) -> list[str]:
+def command(config: Path, run_dir: Path) -> list[str]:
     deepspeed = Path(sys.executable).parent / "deepspeed"
-    return [str(deepspeed), "--num_gpus", "2", "--master_port", str(port), "--module", "vrgd_ds.train",
+    return [str(deepspeed), "--num_gpus", "2", "--master_port", str(launching.free_port()), "--module", "vrgd_ds.train",
             "--config", str(config), "--run-dir", str(run_dir)]
 
 
@@ -56,17 +54,16 @@ def setup(tmp_path_factory):
     cfg["job"]["data"]["path"] = str(tmp / "data")  # prepared by the first run, reused by the others
     path = tmp / "config.json"
     path.write_text(json.dumps(cfg))
-    base = 29700 + os.getpid() % 200
     full = tmp / "full"
-    proc = subprocess.run(command(path, full, base), capture_output=True, text=True, timeout=900)
+    proc = launching.run(command(path, full), timeout=900, marker=full)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    return tmp, path, full, proc.stdout, base
+    return tmp, path, full, proc.stdout
 
 
 def test_two_rank_run_trains_both_phases_with_vr_lamb(setup):
     """A few steps of VR-LAMB through ZeRO-2: both phases run with their own sequence length,
     n = 2 ranks x 2 micro-steps in each, and the summary, plots and checkpoint exist."""
-    _, _, full, stdout, _ = setup
+    _, _, full, stdout = setup
     rec = records(full)
     assert sorted(k for k in rec if k > 0) == list(range(1, 11))
     assert [rec[s]["train/seq_len"] for s in range(1, 11)] == [64] * 8 + [128] * 2
@@ -83,10 +80,9 @@ def test_killed_run_resumes_on_the_same_trajectory(setup):
     """SIGKILL after the step-4 checkpoint, restart with the same command: the job resumes
     by itself (model, optimizer with GSNR state, sampler position, LR, dropout RNG) and its
     losses and held-out figures equal the uninterrupted run's exactly, across the phase change."""
-    tmp, path, full, _, base = setup
+    tmp, path, full, _ = setup
     run = tmp / "killed"
-    proc = subprocess.Popen(command(path, run, base + 1), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                            start_new_session=True)
+    proc = launching.spawn(command(path, run))
     latest = run / "checkpoints" / "latest"
     deadline = time.time() + 600
     while time.time() < deadline and proc.poll() is None:
@@ -94,10 +90,9 @@ def test_killed_run_resumes_on_the_same_trajectory(setup):
             break
         time.sleep(0.05)
     assert proc.poll() is None, "the run ended before it could be killed"
-    os.killpg(proc.pid, signal.SIGKILL)
-    proc.wait()
+    launching.kill(proc, marker=run)
     killed_at = max(records(run))
-    resumed = subprocess.run(command(path, run, base + 2), capture_output=True, text=True, timeout=900)
+    resumed = launching.run(command(path, run), timeout=900, marker=run)
     assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
     want, got = records(full), records(run)
     assert killed_at >= 4

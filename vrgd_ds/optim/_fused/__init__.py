@@ -4,14 +4,20 @@ The extension is compiled once per machine type with the host's vector instructi
 (``-march=native``); the build directory name carries a fingerprint of the CPU flags so a
 home directory shared by nodes of different CPU generations never serves a binary built
 for another CPU. FMA contraction is off so the kernels round like the eager reference.
+
+The build always runs the ``ninja`` of the ``ninja`` Python package (a dependency): a second
+ninja on PATH (Debian's ``ninja-build``, say) keeps its build log in another hash format, and
+processes alternating between the two would each rebuild the kernels (half a minute per launch).
 """
 from __future__ import annotations
 
 import functools
 import hashlib
 import logging
+import os
 import platform
 import shutil
+from contextlib import contextmanager
 from pathlib import Path
 from types import ModuleType
 
@@ -46,10 +52,37 @@ def _cpu_fingerprint() -> str:
     return hashlib.sha1(flags.encode()).hexdigest()[:10]
 
 
+def _ninja_dir() -> str | None:
+    try:
+        import ninja
+    except ImportError:
+        return None
+    return str(ninja.BIN_DIR)
+
+
+@contextmanager
+def _path_first(directory: str | None):
+    """``directory`` first on PATH while the build runs (torch runs ``ninja`` by name)."""
+    if directory is None:
+        yield
+        return
+    saved = os.environ.get("PATH")
+    os.environ["PATH"] = directory + os.pathsep + (saved or "")
+    try:
+        yield
+    finally:
+        if saved is None:
+            os.environ.pop("PATH", None)
+        else:
+            os.environ["PATH"] = saved
+
+
 @functools.lru_cache(maxsize=1)
 def load() -> ModuleType:
     """Returns the compiled kernels, building them on first use (about a minute)."""
-    missing = [tool for tool in ("c++", "ninja") if shutil.which(tool) is None]
+    ninja_dir = _ninja_dir()
+    missing = [tool for tool in ("c++", "ninja")
+               if shutil.which(tool, path=ninja_dir if tool == "ninja" else None) is None]
     if missing:
         raise FusedKernelsUnavailable(
             f"fused VRGD kernels need {' and '.join(missing)} on PATH to build "
@@ -60,7 +93,9 @@ def load() -> ModuleType:
     name = f"vrgd_ds_fused_{_cpu_fingerprint()}"
     logger.info("building fused VRGD kernels %s (first use on this machine type)", name)
     try:
-        return cpp_extension.load(name=name, sources=[str(_SOURCE)], extra_cflags=_CFLAGS, extra_ldflags=["-fopenmp"])
+        with _path_first(ninja_dir):
+            return cpp_extension.load(name=name, sources=[str(_SOURCE)], extra_cflags=_CFLAGS,
+                                      extra_ldflags=["-fopenmp"])
     except Exception as exc:  # compiler errors surface as RuntimeError/CalledProcessError
         raise FusedKernelsUnavailable(f"building the fused VRGD kernels failed: {exc}") from exc
 

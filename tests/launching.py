@@ -1,0 +1,81 @@
+"""Starting multi-process launchers from tests without ever hanging the test session.
+
+``subprocess.run(..., capture_output=True, timeout=T)`` is not enough for a launcher: on timeout
+it kills the launcher only, and then waits for the pipes to close, which the launcher's ranks
+(its children, holding the same pipes) never do if one of them is stuck in a collective. Here
+every launch runs in its own session; on timeout the whole process group is killed, along with
+any process whose command line names the run's unique marker (ranks started over ssh/pdsh live
+outside the group), and the test fails with the output collected so far.
+"""
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+from collections.abc import Sequence
+
+import pytest
+
+GRACE_S = 30  # after the kill, how long the pipes may take to close
+
+
+def free_port() -> int:
+    """A TCP port nobody listens on now (the rendezvous port of one launch)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _kill_group(pgid: int) -> None:
+    try:
+        os.killpg(pgid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+def _kill_marked(marker: str | None) -> None:
+    if marker:
+        subprocess.run(["pkill", "-KILL", "-f", marker], capture_output=True)
+
+
+def run(cmd: Sequence[str | os.PathLike], *, timeout: float, marker: str | os.PathLike | None = None,
+        **kwargs) -> subprocess.CompletedProcess:
+    """Runs ``cmd`` like ``subprocess.run(capture_output=True, text=True)``; fails the test if it
+    is still running after ``timeout`` seconds, after killing its process group and every process
+    whose command line contains ``marker`` (e.g. the run directory). Stragglers of a finished
+    launch (a rank left behind by a launcher that exited) are killed the same way, so no launch
+    leaves processes that hold ports or files for the next one."""
+    cmd = [str(c) for c in cmd]
+    marker = str(marker) if marker is not None else None
+    kwargs.setdefault("stdin", subprocess.DEVNULL)  # no rank may wait on the session's terminal
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True, **kwargs)
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        _kill_group(proc.pid)
+        _kill_marked(marker)
+        try:
+            out, err = proc.communicate(timeout=GRACE_S)
+        except subprocess.TimeoutExpired:
+            out, err = "", f"(output lost: the pipes stayed open {GRACE_S} s after the kill)"
+        pytest.fail(f"{' '.join(cmd)}\nstill running after {timeout:.0f} s: killed it and its ranks\n"
+                    f"--- stdout (tail)\n{(out or '')[-4000:]}\n--- stderr (tail)\n{(err or '')[-4000:]}")
+    finally:
+        _kill_group(proc.pid)
+    _kill_marked(marker)
+    return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
+
+
+def spawn(cmd: Sequence[str | os.PathLike], **kwargs) -> subprocess.Popen:
+    """Starts ``cmd`` in its own session with its output discarded (for tests that kill it)."""
+    return subprocess.Popen([str(c) for c in cmd], stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL, start_new_session=True, **kwargs)
+
+
+def kill(proc: subprocess.Popen, marker: str | os.PathLike | None = None) -> None:
+    """SIGKILL to ``proc``'s whole process group (launcher and ranks) and reaps it."""
+    _kill_group(proc.pid)
+    _kill_marked(str(marker) if marker is not None else None)
+    proc.wait()
