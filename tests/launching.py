@@ -13,7 +13,9 @@ import os
 import signal
 import socket
 import subprocess
+import time
 from collections.abc import Sequence
+from pathlib import Path
 
 import pytest
 
@@ -39,14 +41,27 @@ def _kill_marked(marker: str | None) -> None:
         subprocess.run(["pkill", "-KILL", "-f", marker], capture_output=True)
 
 
+def _unlink_shm_segments(since: float) -> None:
+    """DeepSpeed's CPU all-reduce segments (69 MB of RAM per rank, never unlinked by DeepSpeed)
+    that this launch created."""
+    for segment in Path("/dev/shm").glob(f"deepspeed_allreduce_buffer_{os.getuid()}_*"):
+        try:
+            if segment.stat().st_mtime >= since:
+                segment.unlink()
+        except FileNotFoundError:
+            pass
+
+
 def run(cmd: Sequence[str | os.PathLike], *, timeout: float, marker: str | os.PathLike | None = None,
-        **kwargs) -> subprocess.CompletedProcess:
+        unlink_shm: bool = True, **kwargs) -> subprocess.CompletedProcess:
     """Runs ``cmd`` like ``subprocess.run(capture_output=True, text=True)``; fails the test if it
     is still running after ``timeout`` seconds, after killing its process group and every process
     whose command line contains ``marker`` (e.g. the run directory). Stragglers of a finished
     launch (a rank left behind by a launcher that exited) are killed the same way, so no launch
-    leaves processes that hold ports or files for the next one."""
+    leaves processes that hold ports or files for the next one. DeepSpeed's shared-memory
+    segments created meanwhile are removed unless ``unlink_shm`` is false."""
     cmd = [str(c) for c in cmd]
+    started = time.time() - 1
     marker = str(marker) if marker is not None else None
     kwargs.setdefault("stdin", subprocess.DEVNULL)  # no rank may wait on the session's terminal
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
@@ -64,6 +79,8 @@ def run(cmd: Sequence[str | os.PathLike], *, timeout: float, marker: str | os.Pa
                     f"--- stdout (tail)\n{(out or '')[-4000:]}\n--- stderr (tail)\n{(err or '')[-4000:]}")
     finally:
         _kill_group(proc.pid)
+        if unlink_shm:
+            _unlink_shm_segments(started)
     _kill_marked(marker)
     return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
 
