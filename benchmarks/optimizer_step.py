@@ -93,14 +93,15 @@ def main() -> None:
     runs = {}
     for name, make in FACTORIES.items():
         params = [t.clone().requires_grad_() for t in init]
-        runs[name] = {"params": params, "opt": make(params), "times": []}
+        runs[name] = {"params": params, "opt": make(params), "times": [], "bwd": []}
 
     words = {}
     other0, wall0 = other_cpu_s(), time.perf_counter()
     for it in range(args.warmup + args.repeats):
         for name, run in runs.items():  # round-robin: one step of each optimizer per repeat
             opt = run["opt"]
-            backward_groups(run["params"], noise)
+            tb = time.perf_counter()
+            backward_groups(run["params"], noise)  # with our optimizers, their statistics hooks
             t0 = time.perf_counter()
             opt.step()
             elapsed = time.perf_counter() - t0
@@ -109,25 +110,31 @@ def main() -> None:
                 print(f"  first step {name:15s} {elapsed:7.3f} s")
             elif it >= args.warmup:
                 run["times"].append(elapsed)
+                run["bwd"].append(t0 - tb)
             opt.zero_grad(set_to_none=False)
 
     other = (other_cpu_s() - other0) / (time.perf_counter() - wall0)  # other processes' mean CPU use
     med = {name: statistics.median(run["times"]) for name, run in runs.items()}
+    bwd = {name: statistics.median(run["bwd"]) for name, run in runs.items()}
     rows = []
     for name, run in runs.items():
         extra = words[name] - (2 if name in ADAM_FAMILY else 0)
         rows.append(dict(optimizer=name, median_s=med[name], min_s=min(run["times"]), max_s=max(run["times"]),
                          vs_adamw_fused=med[name] / med["AdamW(fused)"],
                          vs_adamw_foreach=med[name] / med["AdamW(foreach)"],
+                         backward_s=bwd[name], hooks_s=bwd[name] - bwd["AdamW(fused)"],
                          state_words_per_param=words[name], extra_words_per_param=extra,
                          skipped_steps=getattr(run["opt"], "skipped_steps", 0)))
 
     print(f"\n{'optimizer':15s} {'median ms':>10s} {'min ms':>8s} {'max ms':>8s} {'/fused':>7s} "
-          f"{'/foreach':>8s} {'words':>6s} {'extra':>6s} {'skipped':>7s}")
+          f"{'/foreach':>8s} {'words':>6s} {'extra':>6s} {'skipped':>7s} {'bwd ms':>7s} {'hooks ms':>8s}")
     for r in rows:
         print(f"{r['optimizer']:15s} {1e3 * r['median_s']:10.1f} {1e3 * r['min_s']:8.1f} {1e3 * r['max_s']:8.1f} "
               f"{r['vs_adamw_fused']:7.2f} {r['vs_adamw_foreach']:8.2f} {r['state_words_per_param']:6.2f} "
-              f"{r['extra_words_per_param']:6.2f} {r['skipped_steps']:7d}")
+              f"{r['extra_words_per_param']:6.2f} {r['skipped_steps']:7d} {1e3 * r['backward_s']:7.1f} "
+              f"{1e3 * r['hooks_s']:8.1f}")
+    print("bwd: the two backward passes before each step; hooks: their time beyond AdamW(fused)'s, i.e. the "
+          "statistics hooks")
     print(f"other processes used {other:.2f} CPU cores on average during the run"
           + (" -- timings are disturbed, run again on a quiet machine" if other > 0.1 else ""))
     vr = next(r for r in rows if r["optimizer"] == "VRAdam")

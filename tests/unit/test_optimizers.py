@@ -385,3 +385,72 @@ def test_fused_true_rejects_unsupported_params():
     p.grad = torch.ones(3, dtype=torch.float64)
     with pytest.raises(ValueError, match="fp32/bf16/fp16"):
         opt.kernels()
+
+
+@pytest.mark.skipif(not _fused.available(), reason="no C++ toolchain")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_pass_one_taken_in_the_last_backward_is_the_steps_own(dtype):
+    """The fused hooks take each tensor's GSNR moments while accumulating; the step uses them
+    only when they are exactly what its own pass 1 would compute (same chunks, same order: bit
+    for bit), and falls back to the pass when a tensor missed the last backward, the
+    statistics were handed out, or the step took fewer backwards than the one before."""
+    k = _fused.load()
+    sizes = [70_001, 5, 32_768 * 2]  # several chunks, a ragged end, an exact multiple
+    params = [nn.Parameter(torch.randn(s).to(dtype)) for s in sizes]
+    opt = vrgd_ds.VRAdam(params, fused=True, gsnr_eps=1e-10)
+    calls = []
+    real = k.gsnr_moments
+
+    class Counting:
+        def __getattr__(self, name):
+            return getattr(opt._kernels_real, name)
+
+        def gsnr_moments(self, *a, **kw):
+            calls.append(1)
+            return real(*a, **kw)
+
+    opt._kernels_real = opt.kernels()
+    opt._kernels = Counting()
+
+    def backward(which, seed):
+        torch.manual_seed(seed)
+        sum((p.float() * torch.randn(p.shape)).sum() for p in which).backward()
+
+    for seed in range(3):
+        backward(params, seed)
+    n = opt.statistics_source.n
+    cached = opt._hook_stats.last_moments(params, n)
+    seg = torch.tensor([[i, 0, p.numel()] for i, p in enumerate(params)], dtype=torch.long)
+    bufs = [opt._hook_stats._buffers[p] for p in params]
+    want = k.gsnr_moments([b[0] for b in bufs], [b[1] for b in bufs], seg, 1.0 / n, 1e-10)
+    assert torch.equal(torch.stack(cached), want)
+    opt.step()
+    assert calls == []  # the hooks' pass 1 was used
+    opt.zero_grad()
+
+    for seed in range(2):
+        backward(params, 10 + seed)
+    backward(params[:2], 20)  # the last tensor misses the third backward: its row is at n = 2
+    opt.step()
+    assert calls == [1]
+    opt.zero_grad()
+
+    for seed in range(3):
+        backward(params, 30 + seed)
+    assert opt._hook_stats.last_moments(params, 3) is not None  # taken in the third backward only
+    opt.statistics_source.moments(params[:1])  # buffers handed out: they may be changed
+    opt.step()
+    assert calls == [1, 1]
+    opt.zero_grad()
+
+    for seed in range(4):  # more backwards than the step before: each one from the third on takes them
+        backward(params, 40 + seed)
+    opt.step()
+    assert calls == [1, 1]
+    opt.zero_grad()
+
+    for seed in range(2):  # fewer: none of them was expected to be the last
+        backward(params, 50 + seed)
+    assert opt._hook_stats.last_moments(params, 2) is None
+    opt.step()
+    assert calls == [1, 1, 1]

@@ -46,7 +46,11 @@ class Kernels(Protocol):
     def lamb_apply(self, params: Tensors, exp_avg: Tensors, exp_avg_sq: Tensors, seg: Tensor, segf: Tensor,
                    lr: float, eps: float, weight_decay: float) -> None: ...
 
-    def accumulate_moments(self, grad: Tensor, sum_g: Tensor, sum_sq: Tensor, fresh: bool) -> None: ...
+    def accumulate_moments(self, grad: Tensor, sum_g: Tensor, sum_sq: Tensor, fresh: bool, inv_n: float = 0.0,
+                           eps: float = 0.0) -> Tensor | None:
+        """Adds one backward's gradient to the statistics; with ``inv_n > 0`` an implementation
+        may also return ``gsnr_moments``' row for the tensor as one segment (``None``: it does
+        not, and the step computes it)."""
 
 
 def _piece(t: Tensor, start: int, length: int) -> Tensor:
@@ -172,7 +176,7 @@ class Reference:
             u = m / (bc1 * denom) + weight_decay * pv
             p.copy_(pv - (lr * trust) * u)
 
-    def accumulate_moments(self, grad, sum_g, sum_sq, fresh):
+    def accumulate_moments(self, grad, sum_g, sum_sq, fresh, inv_n=0.0, eps=0.0):
         x = grad.reshape(sum_g.shape).float()
         if fresh:
             sum_g.copy_(x)
@@ -195,8 +199,10 @@ class Fused:
     def __getattr__(self, item: str):
         return getattr(self._k, item)
 
-    def accumulate_moments(self, grad, sum_g, sum_sq, fresh):
-        self._k.accumulate_moments(grad.contiguous().view(-1), sum_g.view(-1), sum_sq.view(-1), fresh)
+    def accumulate_moments(self, grad, sum_g, sum_sq, fresh, inv_n=0.0, eps=0.0):
+        row = self._k.accumulate_moments(grad.contiguous().view(-1), sum_g.view(-1), sum_sq.view(-1), fresh,
+                                         inv_n, eps)
+        return row if inv_n > 0 else None
 
 
 _FUSED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)

@@ -163,6 +163,7 @@ class GSNROptimizer(torch.optim.Optimizer):
         self._kernels: _impl.Kernels | None = None
         self._stats: StatisticsSource | None = None
         self._hook_stats: TensorHookStats | None = None
+        self._gsnr_eps: dict[Tensor, float] = {}  # per parameter, as the hooks last used it
         self._layout: Layout | None = None
         self._metrics: dict[str, float] = {}
         self._tables: _Tables | None = None
@@ -228,8 +229,27 @@ class GSNROptimizer(torch.optim.Optimizer):
     def statistics_source(self) -> StatisticsSource | None:
         return self._stats
 
-    def _accumulate(self, grad: Tensor, sum_g: Tensor, sum_sq: Tensor, fresh: bool) -> None:
-        self.kernels(grad.device.type == "cpu").accumulate_moments(grad, sum_g, sum_sq, fresh)
+    def _accumulate(self, p: Tensor, grad: Tensor, sum_g: Tensor, sum_sq: Tensor, fresh: bool, n: int) -> Tensor | None:
+        """One backward into ``p``'s statistics (tensor hooks); with ``n`` > 0 also takes the
+        tensor's pass 1 at ``n`` groups where the implementation can do it in the same pass."""
+        eps = self._gsnr_eps.get(p)
+        if eps is None:  # a parameter added since, or not in a group with GSNR on
+            self._gsnr_eps = {q: g["gsnr_eps"] for g in self.param_groups if g["gsnr"] for q in g["params"]}
+            eps = self._gsnr_eps.get(p, 0.0)
+        return self.kernels(grad.device.type == "cpu").accumulate_moments(
+            grad, sum_g, sum_sq, fresh, 1.0 / n if n and p in self._gsnr_eps else 0.0, eps)
+
+    def _moments_from_hooks(self, plan: Plan, n: int) -> Tensor | None:
+        """Pass 1 of ``plan`` as the tensor hooks took it in the last backward, when that is
+        exactly what ``gsnr_moments`` would compute now: one whole-tensor segment per
+        parameter, every row taken at ``n`` groups with the group's current ``gsnr_eps``."""
+        if self._stats is not self._hook_stats or self._layout is not None or plan.seg.shape[0] != len(plan.params):
+            return None
+        if any(self._gsnr_eps.get(p) != plan.group["gsnr_eps"] for p in plan.params):
+            self._gsnr_eps = {}  # gsnr_eps changed: the next backward looks it up again
+            return None
+        rows = self._hook_stats.last_moments(plan.params, n)
+        return None if rows is None else torch.stack(rows)
 
     def kernels(self, cpu_only: bool = True) -> _impl.Kernels:
         """The implementation in use (fused CPU kernels or the reference)."""
@@ -314,9 +334,11 @@ class GSNROptimizer(torch.optim.Optimizer):
         nonfinite = False
         for plan in plans:
             if plan.gsnr:
+                plan.moments = self._moments_from_hooks(plan, n)  # before moments() hands the buffers out
                 plan.sum_g, plan.sum_sq = self._stats.moments(plan.params)
-                plan.moments = kernels.gsnr_moments(plan.sum_g, plan.sum_sq, plan.seg, 1.0 / n,
-                                                    plan.group["gsnr_eps"])
+                if plan.moments is None:
+                    plan.moments = kernels.gsnr_moments(plan.sum_g, plan.sum_sq, plan.seg, 1.0 / n,
+                                                        plan.group["gsnr_eps"])
                 nonfinite |= bool(plan.moments[:, 5].any())
             else:
                 plan.grad_norms = kernels.scaled_grad_norms(

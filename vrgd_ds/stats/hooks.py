@@ -4,7 +4,10 @@ optimizer steps is one gradient group (DESIGN §3, first row).
 
 Statistics are fp32 ``Σg`` and ``Σg²`` buffers per parameter, allocated once and reused:
 the first backward after a reset *writes* them instead of adding, so a reset costs no pass
-over memory.
+over memory. In the backward that is expected to be a step's last (the one that reaches the
+previous step's ``n``), the accumulate function may also return the step's pass 1 for the
+tensor (its GSNR moments at that ``n``), taken while the data is in cache; it is kept with
+the ``n`` it was taken at, and the step uses it when that backward was indeed the last.
 """
 from __future__ import annotations
 
@@ -14,7 +17,9 @@ from typing import Callable, Iterable
 import torch
 from torch import Tensor
 
-Accumulate = Callable[[Tensor, Tensor, Tensor, bool], None]
+#: (param, grad, sum_g, sum_sq, fresh, n) -> the tensor's GSNR moments at n groups, or None;
+#: n = 0: do not take them (this backward is not expected to be the last)
+Accumulate = Callable[[Tensor, Tensor, Tensor, Tensor, bool, int], "Tensor | None"]
 
 
 class TensorHookStats:
@@ -29,6 +34,9 @@ class TensorHookStats:
         self._accumulate = accumulate
         self._buffers: dict[Tensor, tuple[Tensor, Tensor]] = {}
         self._counts: dict[Tensor, int] = {}
+        self._moments: dict[Tensor, tuple[int, Tensor]] = {}
+        self._expect = 0  # groups in the previous step (0: unknown, take moments every time)
+        self._handed_out = False  # moments() gave the buffers away since the last reset
         self._handles: list[torch.utils.hooks.RemovableHandle] = []
         self._watched: set[int] = set()
 
@@ -63,8 +71,13 @@ class TensorHookStats:
                     torch.empty(p.shape, dtype=torch.float32, device=p.device))
             self._buffers[p] = bufs
         count = self._counts.get(p, 0)
-        self._accumulate(grad.detach(), bufs[0], bufs[1], count == 0)
+        row = self._accumulate(p, grad.detach(), bufs[0], bufs[1], count == 0,
+                               count + 1 if count + 1 >= self._expect else 0)
         self._counts[p] = count + 1
+        if row is not None:
+            self._moments[p] = (count + 1, row)
+        else:
+            self._moments.pop(p, None)
 
     @property
     def n(self) -> int:
@@ -74,7 +87,9 @@ class TensorHookStats:
         return self._counts.get(p, 0) > 0
 
     def moments(self, params: Iterable[Tensor]) -> tuple[list[Tensor], list[Tensor]]:
-        """``Σg`` and ``Σg²`` (fp32, shaped like each parameter) since the last reset."""
+        """``Σg`` and ``Σg²`` (fp32, shaped like each parameter) since the last reset. The
+        buffers are handed out writable, so the moments the hooks took are no longer used."""
+        self._handed_out = True
         sum_g, sum_sq = [], []
         for p in params:
             if not self.recorded(p):
@@ -86,9 +101,25 @@ class TensorHookStats:
             sum_sq.append(self._buffers[p][1])
         return sum_g, sum_sq
 
+    def last_moments(self, params: Iterable[Tensor], n: int) -> list[Tensor] | None:
+        """The GSNR moments each parameter's latest backward returned, if every one of them was
+        taken with ``n`` groups (else ``None``: the step computes them)."""
+        if self._handed_out:
+            return None
+        rows = []
+        for p in params:
+            got = self._moments.get(p)
+            if got is None or got[0] != n:
+                return None
+            rows.append(got[1])
+        return rows
+
     def reset(self) -> None:
         """Starts a new step: the next backward overwrites the sums."""
+        self._expect = self.n or self._expect
         self._counts.clear()
+        self._moments.clear()
+        self._handed_out = False
 
     def remove(self) -> None:
         """Removes the hooks and frees the buffers (another source feeds the optimizer)."""
@@ -98,6 +129,7 @@ class TensorHookStats:
         self._watched.clear()
         self._buffers.clear()
         self._counts.clear()
+        self._moments.clear()
 
     def buffer_bytes(self) -> int:
         return sum(a.numel() * a.element_size() + b.numel() * b.element_size() for a, b in self._buffers.values())

@@ -518,18 +518,48 @@ void lamb_apply(const std::vector<at::Tensor>& params, const std::vector<at::Ten
 
 // One backward's gradient into fp32 statistics: fresh: sum_g = g, sum_sq = g^2;
 // else sum_g += g, sum_sq += g^2. Squares are taken in fp32.
-void accumulate_moments(const at::Tensor& grad, const at::Tensor& sum_g, const at::Tensor& sum_sq, bool fresh) {
+//
+// With inv_n > 0 it also returns pass 1 of the step for this tensor as one segment (the row
+// gsnr_moments would return, [6] float64, with n = 1 / inv_n groups so far), computed on each
+// chunk while it is still in cache: when this backward turns out to be the step's last, the
+// step reads the statistics once instead of twice. Chunks and their combination are those of
+// gsnr_moments, so the row is bit for bit the same.
+at::Tensor accumulate_moments(const at::Tensor& grad, const at::Tensor& sum_g, const at::Tensor& sum_sq,
+                              bool fresh, double inv_n, double eps) {
   check_list({grad}, 1, "grad", false);
   check_list({sum_g, sum_sq}, 2, "statistics", true);
   TORCH_CHECK(grad.numel() == sum_g.numel() && grad.numel() == sum_sq.numel(), "statistics size mismatch");
+  const int64_t numel = grad.numel();
+  const int64_t nchunks = (numel + kChunk - 1) / kChunk;
+  const bool moments = inv_n > 0;
+  std::vector<double> part(moments ? nchunks * 5 : 0, 0.0);
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, grad.scalar_type(), "accumulate_moments", [&] {
     const scalar_t* g = grad.data_ptr<scalar_t>();
     float* a = sum_g.data_ptr<float>();
     float* q = sum_sq.data_ptr<float>();
-    at::parallel_for(0, grad.numel(), kChunk, [&](int64_t b, int64_t e) {
-      accumulate_chunk(g + b, a + b, q + b, e - b, fresh);
+    at::parallel_for(0, nchunks, 1, [&](int64_t lo, int64_t hi) {
+      for (int64_t c = lo; c < hi; ++c) {
+        const int64_t b = c * kChunk, n = std::min(numel, b + kChunk) - b;
+        accumulate_chunk(g + b, a + b, q + b, n, fresh);
+        if (moments) moments_chunk(a + b, q + b, n, float(inv_n), float(eps), part.data() + c * 5);
+      }
     });
   });
+  if (!moments) return at::Tensor();
+  auto out = at::zeros({6}, at::kDouble);
+  double* o = out.data_ptr<double>();
+  o[1] = INFINITY;
+  o[2] = -INFINITY;
+  for (int64_t c = 0; c < nchunks; ++c) {
+    const double* pc = part.data() + c * 5;
+    o[0] += pc[0];
+    o[3] += pc[1];
+    o[4] += pc[2];
+    o[1] = std::min(o[1], pc[3]);
+    o[2] = std::max(o[2], pc[4]);
+  }
+  o[5] = std::isfinite(o[3]) && std::isfinite(o[4]) ? 0.0 : 1.0;
+  return out;
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -545,5 +575,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         arg("beta1"), arg("beta2"), arg("eps"), arg("weight_decay"), arg("apply"));
   m.def("lamb_apply", &lamb_apply, arg("params"), arg("exp_avg"), arg("exp_avg_sq"), arg("seg"), arg("segf"),
         arg("lr"), arg("eps"), arg("weight_decay"));
-  m.def("accumulate_moments", &accumulate_moments, arg("grad"), arg("sum_g"), arg("sum_sq"), arg("fresh"));
+  m.def("accumulate_moments", &accumulate_moments, arg("grad"), arg("sum_g"), arg("sum_sq"), arg("fresh"),
+        arg("inv_n") = 0.0, arg("eps") = 0.0);
 }
