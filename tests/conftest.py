@@ -1,9 +1,18 @@
+import os
 import pathlib
+import sys
 
 import pytest
 import torch
 
 SHARED = pathlib.Path(__file__).resolve().parents[2] / "shared"
+
+# As in an activated environment: launchers, and the ninja that JIT extension builds run,
+# come from this interpreter's environment for the session and every process it starts (two
+# ninjas would each rebuild DeepSpeed's extensions: their build logs differ).
+_BIN = str(pathlib.Path(sys.executable).parent)
+if os.environ.get("PATH", "").split(os.pathsep)[0] != _BIN:
+    os.environ["PATH"] = _BIN + os.pathsep + os.environ.get("PATH", "")
 
 
 @pytest.fixture(autouse=True)
@@ -17,3 +26,27 @@ def shared_data() -> pathlib.Path:
     if not path.is_dir():
         pytest.skip("../shared/data/wikitext-2 is not present")
     return path
+
+
+def pytest_sessionstart(session):
+    """Builds the JIT extensions the launched ranks load (our fused kernels, DeepSpeed's CPU
+    shared-memory all-reduce) once, here, before any launch: ranks then only load them, and a
+    rank killed on a timeout can never leave a build lock that every later launch would wait
+    on. A build that fails here fails again, with its message, where it is used."""
+    import logging
+
+    from vrgd_ds.optim import _fused
+
+    try:
+        _fused.load()
+    except _fused.FusedKernelsUnavailable as exc:
+        logging.getLogger(__name__).warning("%s", exc)
+    try:
+        import deepspeed.ops
+        from deepspeed.accelerator import get_accelerator
+
+        builder = get_accelerator().create_op_builder("ShareMemCommBuilder")
+        if builder is not None and deepspeed.ops.__compatible_ops__.get(builder.NAME, False):
+            builder.load(verbose=False)
+    except Exception as exc:  # noqa: BLE001 - reported, and met again by the test that needs it
+        logging.getLogger(__name__).warning("building DeepSpeed's ShareMemCommBuilder failed: %s", exc)

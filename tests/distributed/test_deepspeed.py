@@ -32,7 +32,7 @@ TOL = {"fp32": 1e-3, "fp16": 0.1, "bf16": 0.3}
 CONTRAST = {"fp32": 0.1, "fp16": 0.5, "bf16": None}  # err <= factor × distance to the gamma = 1 run
 
 
-def launch(tmp: Path, suites: list[str], ranks: int = 2, script: Path = WORKER, timeout: int = 1500) -> dict:
+def launch(tmp: Path, suites: list[str], ranks: int = 2, script: Path = WORKER, timeout: int = 900) -> dict:
     out = tmp / "results.json"
     deepspeed = Path(sys.executable).parent / "deepspeed"
     cmd = [str(deepspeed), "--num_gpus", str(ranks), "--master_port", str(launching.free_port()), str(script)]
