@@ -15,6 +15,7 @@ pieces of model tensors (keys), and per-tensor sums are completed across ranks b
 """
 from __future__ import annotations
 
+import itertools
 import logging
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Protocol
@@ -31,6 +32,7 @@ logger = logging.getLogger(__name__)
 
 MIN_GROUPS = 2
 RECOMMENDED_GROUPS = 8
+_SERIALS = itertools.count()
 
 
 class StatisticsSource(Protocol):
@@ -160,6 +162,7 @@ class GSNROptimizer(torch.optim.Optimizer):
         check_arg(owner, "weight_decay", defaults["weight_decay"] >= 0.0, defaults["weight_decay"], ">= 0")
         check_arg(owner, "fused", fused in (None, True, False), fused, "None, True or False")
         self._fused = fused
+        self._serial = next(_SERIALS)  # names this optimizer in warn-once keys (an id() is reused)
         self._kernels: _impl.Kernels | None = None
         self._stats: StatisticsSource | None = None
         self._hook_stats: TensorHookStats | None = None
@@ -368,7 +371,7 @@ class GSNROptimizer(torch.optim.Optimizer):
                 ">= 2 data-parallel ranks or gradient_accumulation_steps >= 2 (ZeRO-2/3). Or set gsnr=False."
             )
         if n < RECOMMENDED_GROUPS:
-            warn_once(logger, f"small-n-{n}-{id(self)}", "GSNR estimated from only n=%d gradient groups; the paper recommends "
+            warn_once(logger, f"small-n-{n}-{self._serial}", "GSNR estimated from only n=%d gradient groups; the paper recommends "
                       "n >= %d (best 32-256)", n, RECOMMENDED_GROUPS)
         return n
 
@@ -413,7 +416,7 @@ class GSNROptimizer(torch.optim.Optimizer):
         self._metrics = {"step/skipped_nonfinite": 0.0, reason: 1.0, "gsnr/n": float(n)}
         self._tables = None
         if reason == "step/skipped_nonfinite":
-            warn_once(logger, f"nonfinite-{id(self)}", "%s: non-finite gradients, step skipped (state untouched); "
+            warn_once(logger, f"nonfinite-{self._serial}", "%s: non-finite gradients, step skipped (state untouched); "
                       "see gsnr_metrics()['step/skipped_total'] for the count", type(self).__name__)
 
     def begin_step_records(self) -> None:
