@@ -42,11 +42,8 @@ def pytest_sessionstart(session):
     except _fused.FusedKernelsUnavailable as exc:
         logging.getLogger(__name__).warning("%s", exc)
     try:
-        import deepspeed.ops
-        from deepspeed.accelerator import get_accelerator
+        from deepspeed.comm.torch import build_shm_op  # what TorchBackend calls in every rank
 
-        builder = get_accelerator().create_op_builder("ShareMemCommBuilder")
-        if builder is not None and deepspeed.ops.__compatible_ops__.get(builder.NAME, False):
-            builder.load(verbose=False)
+        build_shm_op()
     except Exception as exc:  # noqa: BLE001 - reported, and met again by the test that needs it
-        logging.getLogger(__name__).warning("building DeepSpeed's ShareMemCommBuilder failed: %s", exc)
+        logging.getLogger(__name__).warning("building DeepSpeed's shared-memory op failed: %s", exc)

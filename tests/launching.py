@@ -15,9 +15,10 @@ import socket
 import subprocess
 import time
 from collections.abc import Sequence
-from pathlib import Path
 
 import pytest
+
+from vrgd_ds.ds import shm
 
 GRACE_S = 30  # after the kill, how long the pipes may take to close
 
@@ -36,15 +37,15 @@ def _kill_group(pgid: int) -> None:
         pass
 
 
-def _kill_marked(marker: str | None) -> None:
-    if marker:
-        subprocess.run(["pkill", "-KILL", "-f", marker], capture_output=True)
+def _kill_marked(marker: str | os.PathLike | None) -> None:
+    if marker is not None:
+        subprocess.run(["pkill", "-KILL", "-f", str(marker)], capture_output=True)
 
 
 def _unlink_shm_segments(since: float) -> None:
-    """DeepSpeed's CPU all-reduce segments (69 MB of RAM per rank, never unlinked by DeepSpeed)
-    that this launch created."""
-    for segment in Path("/dev/shm").glob(f"deepspeed_allreduce_buffer_{os.getuid()}_*"):
+    """DeepSpeed's CPU all-reduce segments (``vrgd_ds.ds.shm``) that this launch created and
+    left: the job removes its own, test workers built on plain DeepSpeed do not."""
+    for segment in shm.SHM_DIR.glob(shm.segment_name()):
         try:
             if segment.stat().st_mtime >= since:
                 segment.unlink()
@@ -62,7 +63,6 @@ def run(cmd: Sequence[str | os.PathLike], *, timeout: float, marker: str | os.Pa
     segments created meanwhile are removed unless ``unlink_shm`` is false."""
     cmd = [str(c) for c in cmd]
     started = time.time() - 1
-    marker = str(marker) if marker is not None else None
     kwargs.setdefault("stdin", subprocess.DEVNULL)  # no rank may wait on the session's terminal
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             start_new_session=True, **kwargs)
@@ -70,7 +70,7 @@ def run(cmd: Sequence[str | os.PathLike], *, timeout: float, marker: str | os.Pa
         out, err = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
         _kill_group(proc.pid)
-        _kill_marked(marker)
+        _kill_marked(marker)  # ranks outside the group (ssh/pdsh, Slurm) hold the pipes too
         try:
             out, err = proc.communicate(timeout=GRACE_S)
         except subprocess.TimeoutExpired:
@@ -79,9 +79,9 @@ def run(cmd: Sequence[str | os.PathLike], *, timeout: float, marker: str | os.Pa
                     f"--- stdout (tail)\n{(out or '')[-4000:]}\n--- stderr (tail)\n{(err or '')[-4000:]}")
     finally:
         _kill_group(proc.pid)
+        _kill_marked(marker)
         if unlink_shm:
             _unlink_shm_segments(started)
-    _kill_marked(marker)
     return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
 
 
@@ -94,5 +94,5 @@ def spawn(cmd: Sequence[str | os.PathLike], **kwargs) -> subprocess.Popen:
 def kill(proc: subprocess.Popen, marker: str | os.PathLike | None = None) -> None:
     """SIGKILL to ``proc``'s whole process group (launcher and ranks) and reaps it."""
     _kill_group(proc.pid)
-    _kill_marked(str(marker) if marker is not None else None)
+    _kill_marked(marker)
     proc.wait()

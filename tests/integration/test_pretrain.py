@@ -12,6 +12,8 @@ from pathlib import Path
 import launching
 import pytest
 
+from vrgd_ds.ds import shm
+
 pytestmark = pytest.mark.slow
 
 CONFIG = {
@@ -59,7 +61,7 @@ def setup(tmp_path_factory):
     proc = launching.run(command(path, full, port), timeout=900, marker=full, unlink_shm=False)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     # DeepSpeed's CPU all-reduce segments (69 MB each) are not left in /dev/shm by the job
-    left = sorted(p.name for p in Path("/dev/shm").glob(f"deepspeed_allreduce_buffer_*_127.0.0.1_{port}_*"))
+    left = sorted(p.name for p in shm.SHM_DIR.glob(shm.segment_name("127.0.0.1", port)))
     assert not left, left
     return tmp, path, full, proc.stdout
 

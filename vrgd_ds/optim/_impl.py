@@ -200,9 +200,8 @@ class Fused:
         return getattr(self._k, item)
 
     def accumulate_moments(self, grad, sum_g, sum_sq, fresh, inv_n=0.0, eps=0.0):
-        row = self._k.accumulate_moments(grad.contiguous().view(-1), sum_g.view(-1), sum_sq.view(-1), fresh,
-                                         inv_n, eps)
-        return row if inv_n > 0 else None
+        return self._k.accumulate_moments(grad.contiguous().view(-1), sum_g.view(-1), sum_sq.view(-1), fresh,
+                                          inv_n, eps)  # None (an undefined tensor) when inv_n == 0
 
 
 _FUSED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)

@@ -74,10 +74,8 @@ class TensorHookStats:
         row = self._accumulate(p, grad.detach(), bufs[0], bufs[1], count == 0,
                                count + 1 if count + 1 >= self._expect else 0)
         self._counts[p] = count + 1
-        if row is not None:
+        if row is not None:  # an older row stays, but its n no longer matches (last_moments)
             self._moments[p] = (count + 1, row)
-        else:
-            self._moments.pop(p, None)
 
     @property
     def n(self) -> int:

@@ -29,6 +29,7 @@ from typing import Any
 import torch
 
 import vrgd_ds
+from vrgd_ds.ds import shm
 from vrgd_ds.train.config import ConfigError, JobConfig, deepspeed_config, gradient_accumulation, load_config
 from vrgd_ds.train.data import JobData, eval_batches, loader, prepare_data
 from vrgd_ds.train.model import build_model
@@ -49,24 +50,6 @@ def _inputs(batch: dict[str, torch.Tensor], device: torch.device, next_sentence:
     return {k: batch[k].to(device, non_blocking=True) for k in keys}
 
 
-def _unlink_shm_segment(rank: int) -> None:
-    """Removes the name of this rank's shared-memory all-reduce segment.
-
-    On the CPU accelerator with every rank on one node, DeepSpeed 0.19.8 maps a 69 MB segment per
-    rank (``shm_initialize`` in ``deepspeed/ops/csrc/cpu/comm/shm.cpp``, named from the uid,
-    MASTER_ADDR, MASTER_PORT and rank) and never unlinks it, so each job would leave them in
-    ``/dev/shm`` (RAM) until the node reboots. Once every rank has mapped its peers' segments
-    the names are not needed: the mappings stay valid and the memory is freed when the
-    processes exit, also after a crash or a kill.
-    """
-    addr, port = os.environ.get("MASTER_ADDR", ""), os.environ.get("MASTER_PORT", "")
-    segment = Path("/dev/shm") / f"deepspeed_allreduce_buffer_{os.getuid()}_{addr}_{port}_{rank}"
-    try:
-        segment.unlink()
-    except FileNotFoundError:  # GPUs, or ranks on several nodes: no segment
-        pass
-
-
 class Trainer:
     def __init__(self, raw: dict[str, Any], job: JobConfig, run_dir: Path, backend: str | None) -> None:
         import deepspeed
@@ -78,7 +61,7 @@ class Trainer:
         self.dist = dist
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
         dist.barrier()  # every rank has mapped its peers' shared memory (CPU accelerator)
-        _unlink_shm_segment(self.rank)
+        shm.unlink_own_segment(self.rank)
         if cuda:
             local = int(os.environ.get("LOCAL_RANK", self.rank % max(torch.cuda.device_count(), 1)))
             torch.cuda.set_device(local)
