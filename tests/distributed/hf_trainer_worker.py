@@ -143,6 +143,12 @@ def main() -> None:
         }
         with open(args.out, "w") as f:
             json.dump(result, f, indent=1, default=str)
+    # Leave together: a rank that exits while its peer still writes can die in gloo's teardown
+    # ("terminate called without an active exception", rc 250; seen once under load).
+    import torch.distributed as dist
+
+    dist.barrier()
+    dist.destroy_process_group()
 
 
 if __name__ == "__main__":

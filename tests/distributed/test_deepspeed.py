@@ -116,10 +116,14 @@ def test_bf16_squares_halve_the_extra_bytes(results, stage, opt):
 def test_bf16_squares_stay_close_with_four_groups(results, stage, opt):
     """Pins the measured effect of bf16 squares on the trajectory with n = 4 groups (2 ranks x
     2 micro-steps): the variance ``s - gbar²`` cancels, so each square's bf16 rounding
-    (relative 2^-9) reaches the GSNR amplified by about (1 + GSNR). Seen: ``l2`` <= 0.0071, against
-    0.068-0.077 for the gamma = 1 run; the bound 0.02 leaves room for summation order only."""
+    (relative 2^-9) reaches the GSNR amplified by about (1 + GSNR). With the GSNR scale on the
+    first moment only (the default placement) that error reaches the step: seen ``l2`` 0.019
+    (VRAdam) and 0.067 (VRLamb), against 0.86 and 0.55 for the run without VR (gamma = 1), i.e.
+    2% and 12% of VR's own effect. (With the scale on both moments, where it cancels, the same
+    cases measured <= 0.0071 against 0.068-0.077.) Bounds: 0.1 absolute and 0.15 of the
+    distance to the gamma = 1 run."""
     res = _case(results, f"squares-bf16-stage{stage}-{opt}")
-    assert res["l2"] <= 0.02, res
+    assert res["l2"] <= 0.1, res
     assert res["l2"] <= 0.15 * res["contrast_l2"], res
 
 

@@ -143,7 +143,7 @@ def test_lamb_and_vr_lamb_differ_only_in_the_gsnr_switch(batches):
     p_vr, p_lamb = vr["optimizer"].pop("params"), lamb["optimizer"].pop("params")
     assert vr == lamb
     assert p_lamb.pop("gsnr") is False and p_vr.get("gsnr", True) is True
-    assert (p_vr.pop("gamma"), p_vr.pop("beta3")) == (0.1, 0.9)
+    assert (p_vr.pop("gamma"), p_vr.pop("beta3"), p_vr.pop("gsnr_placement")) == (0.1, 0.9, "first_moment")
     assert p_vr == p_lamb
 
 

@@ -10,10 +10,16 @@ from torch import nn
 import vrgd_ds
 from vrgd_ds import REGISTRY
 from vrgd_ds.optim import _fused
+from vrgd_ds.optim.adam import GSNR_PLACEMENTS
 
 FUSED = pytest.param(True, marks=pytest.mark.skipif(not _fused.available(), reason="no C++ toolchain"))
 IMPLS = [False, FUSED]
 VR = [name for name, info in REGISTRY.items() if info.vr]
+ADAM_FAMILY = ["VRAdam", "VRLamb"]
+# every family member once, and the Adam family once per GSNR placement
+WITH_PLACEMENTS = [(name, {}) for name in REGISTRY if name not in ADAM_FAMILY] + [
+    pytest.param(name, dict(gsnr_placement=pl), id=f"{name}-{pl}") for name in ADAM_FAMILY for pl in GSNR_PLACEMENTS]
+VR_WITH_PLACEMENTS = [c for c in WITH_PLACEMENTS if (c[0] if isinstance(c, tuple) else c.values[0]) in VR]
 
 
 def make_model(dtype=torch.float32):
@@ -44,13 +50,14 @@ def build(name, model, fused, **over):
 
 
 @pytest.mark.parametrize("fused", IMPLS)
-@pytest.mark.parametrize("name", VR)
-def test_gamma_one_equals_base_exactly(name, fused):
+@pytest.mark.parametrize("name, over", VR_WITH_PLACEMENTS)
+def test_gamma_one_equals_base_exactly(name, over, fused):
     """gamma = 1 clamps r (and its momentum) to exactly 1: the VR optimizer then takes
-    bit-for-bit the step of its base (gsnr=False), through the same code."""
+    bit-for-bit the step of its base (gsnr=False), through the same code, whatever the
+    placement of the scale in the Adam family."""
     data = batches(4, 3)
     m1, m2 = make_model(), make_model()
-    vr = run(m1, build(name, m1, fused, gamma=1.0), data)
+    vr = run(m1, build(name, m1, fused, gamma=1.0, **over), data)
     base = run(m2, build(name, m2, fused, gsnr=False), data)
     for a, b in zip(vr, base):
         assert torch.equal(a, b)
@@ -77,14 +84,14 @@ def test_base_equals_torch_optimizer(name):
 
 @pytest.mark.skipif(not _fused.available(), reason="no C++ toolchain")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("name", list(REGISTRY))
-def test_fused_equals_reference(name, dtype):
+@pytest.mark.parametrize("name, over", WITH_PLACEMENTS)
+def test_fused_equals_reference(name, over, dtype):
     """The fused multi-tensor kernels against the single-tensor reference over several
     steps. Element-wise maths rounds identically; reductions (mean r, norms) sum in another
     order, so trajectories agree to ~1e-6 relative in fp32 and to about one ulp in bf16/fp16."""
     data = batches(5, 4, dtype=dtype)
     m1, m2 = make_model(dtype), make_model(dtype)
-    o1, o2 = build(name, m1, False), build(name, m2, True)
+    o1, o2 = build(name, m1, False, **over), build(name, m2, True, **over)
     a, b = run(m1, o1, data), run(m2, o2, data)
     tol = dict(rtol=1e-5, atol=1e-6) if dtype == torch.float32 else dict(rtol=1e-2, atol=1e-2)
     for x, y in zip(a, b):
@@ -178,6 +185,110 @@ def test_old_checkpoint_without_new_keys_loads():
     assert all("gsnr_avg" in opt2.state[p] for p in m.parameters())
 
 
+@pytest.mark.parametrize("name", ADAM_FAMILY)
+def test_checkpoint_keeps_its_placement(name, tmp_path):
+    """The placement is a param-group option: saved in ``state_dict`` and restored by
+    ``load_state_dict`` (as torch restores ``lr``), so a run continues as it was saved even
+    when the optimizer is constructed with the default; the state keys are unchanged."""
+    data = batches(4, 3)
+    m1 = make_model()
+    o1 = build(name, m1, None, gsnr_placement="update")
+    run(m1, o1, data[:2])
+    sd = copy.deepcopy(o1.state_dict())
+    assert {k for st in sd["state"].values() for k in st} == {"step", "exp_avg", "exp_avg_sq", "gsnr_avg"}
+    straight = run(m1, o1, data[2:])
+    m2 = make_model()
+    run(m2, build(name, m2, None, gsnr_placement="update"), data[:2])
+    o2 = build(name, m2, None)
+    o2.load_state_dict(sd)
+    assert {g["gsnr_placement"] for g in o2.param_groups} == {"update"}
+    for a, b in zip(straight, run(m2, o2, data[2:])):
+        assert torch.equal(a, b)
+
+
+def test_checkpoint_without_placement_takes_the_default_and_says_so(caplog):
+    """A checkpoint written before the placement existed (its runs had p̂ on both moments)
+    continues with the constructor's placement, with a warning naming both."""
+    m = make_model()
+    opt = vrgd_ds.VRLamb(m.parameters(), gsnr_placement="both_moments")
+    run(m, opt, batches(1, 2))
+    sd = opt.state_dict()
+    for g in sd["param_groups"]:
+        del g["gsnr_placement"]
+    opt2 = vrgd_ds.VRLamb(m.parameters())
+    with caplog.at_level(logging.WARNING):
+        opt2.load_state_dict(sd)
+    assert opt2.param_groups[0]["gsnr_placement"] == "first_moment"
+    assert any("gsnr_placement='first_moment'" in r.message and "both_moments" in r.message for r in caplog.records)
+    opt3 = vrgd_ds.VRLamb(m.parameters(), gsnr_placement="both_moments")
+    opt3.load_state_dict(sd)
+    assert opt3.param_groups[0]["gsnr_placement"] == "both_moments"
+
+
+@pytest.mark.parametrize("fused", IMPLS)
+@pytest.mark.parametrize("placement", GSNR_PLACEMENTS)
+def test_vradam_first_step_by_hand(placement, fused):
+    """One VR-Adam step in float64 from the group gradients, for each placement. At step 1
+    with beta3 > 0 the bias-corrected GSNR momentum is r itself: p̂ = clamp(r/mean r, gamma, 1).
+    With m̂ = p̂ g_m, v̂ = g_v²:  first_moment  Δθ = -lr p̂ g / (|g| + eps);  both_moments
+    -lr p̂ g / (p̂ |g| + eps), which p̂ cancels up to eps;  update -lr p̂ g / (|g| + eps)."""
+    torch.manual_seed(3)
+    w = nn.Parameter(torch.randn(6, 5))
+    gs = [torch.randn(6, 5) + 0.5 for _ in range(4)]
+    opt = vrgd_ds.VRAdam([w], lr=0.1, weight_decay=0.0, eps=1e-3, gamma=0.2, gsnr_placement=placement, fused=fused)
+    for g in gs:
+        (w * g).sum().div(4).backward()
+    w0 = w.detach().double().clone()
+    opt.step()
+    gd = torch.stack(gs).double()
+    gbar = gd.mean(0)
+    r = gbar.pow(2) / ((gd.pow(2).mean(0) - gbar.pow(2)).clamp_min(0) + 1e-12)
+    p_hat = (r / r.mean()).clamp(0.2, 1.0)
+    if placement == "both_moments":
+        step = p_hat * gbar / (p_hat * gbar.abs() + 1e-3)
+    else:
+        step = p_hat * gbar / (gbar.abs() + 1e-3)
+    torch.testing.assert_close(w.detach().double(), w0 - 0.1 * step, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("fused", IMPLS)
+@pytest.mark.parametrize("placement", GSNR_PLACEMENTS)
+def test_vrlamb_keeps_lambs_step_norm_and_moves_it_to_high_gsnr_elements(placement, fused):
+    """What VR-LAMB changes: the trust ratio sets each tensor's step norm to lr·‖θ‖ (when the
+    clamp is inactive) for LAMB and VR-LAMB alike; GSNR only redistributes the step inside
+    the tensor. Half of the tensor gets a consistent gradient, half pure noise: the step norms
+    agree to rounding, and (except for both_moments, which cancels) VR-LAMB gives the
+    consistent half a larger share of the step than LAMB does."""
+    gen = torch.Generator().manual_seed(0)
+    theta0 = torch.randn(2, 256, generator=gen)
+    groups = []
+    for _ in range(8):
+        g = torch.randn(2, 256, generator=gen)
+        g[1] = 1.0 + 0.1 * g[1]
+        groups.append(g)
+    deltas, shares = [], []
+    for cls, kw in ((vrgd_ds.Lamb, {}), (vrgd_ds.VRLamb, dict(gsnr_placement=placement))):
+        w = nn.Parameter(theta0.clone())
+        opt = cls([w], lr=0.01, weight_decay=0.01, max_coeff=1e3, min_coeff=0.0, fused=fused, **kw)
+        for _ in range(3):
+            for g in groups:
+                (w * g).sum().div(8).backward()
+            before = w.detach().clone()
+            opt.step()
+            opt.zero_grad()
+        d = w.detach() - before
+        deltas.append(d)
+        shares.append(float(d[1].norm() / d.norm()))
+        trust = opt.gsnr_metrics()["trust_ratio/max"]
+        assert 0.0 < trust < 1e3  # inside the clamp
+        torch.testing.assert_close(d.norm(), 0.01 * before.norm(), rtol=1e-5, atol=0.0)
+    lamb, vr = shares
+    if placement == "both_moments":
+        assert vr == pytest.approx(lamb, abs=0.02)
+    else:
+        assert vr > lamb + 0.05, (vr, lamb)
+
+
 @pytest.mark.parametrize("fused", IMPLS)
 def test_lamb_trust_ratio_by_hand(fused):
     w = nn.Parameter(torch.randn(5, 4))
@@ -248,17 +359,20 @@ def test_metrics_clip_fractions_and_n():
     for p in m.parameters():
         p.grad = sums[p][0].clone()
     low = high = total = 0
+    scale = 0.0
     for p in m.parameters():
         r = vrgd_ds.gsnr.gsnr(sums[p][0], sums[p][1], 6, 1e-12)
         x = r / r.double().mean().float()
         low += int((x < 0.3).sum())
         high += int((x > 1).sum())
+        scale += float(x.double().clamp(0.3, 1.0).sum())  # beta3 = 0: p̂ is r itself
         total += p.numel()
     opt.step()
     met = opt.gsnr_metrics()
     assert met["gsnr/n"] == 6
     assert met["gsnr/clip_low_frac"] == pytest.approx(low / total, abs=2 / total)
     assert met["gsnr/clip_high_frac"] == pytest.approx(high / total, abs=2 / total)
+    assert met["gsnr/scale_mean"] == pytest.approx(scale / total, rel=1e-6)
 
 
 def test_statistics_reset_every_step_and_on_zero_grad():
@@ -327,10 +441,19 @@ def test_few_groups_warn_once(caplog):
     (dict(gamma=0.0), "gamma"), (dict(gamma=1.1), "gamma"), (dict(lr=-1.0), "lr"),
     (dict(betas=(0.9, 1.0)), "betas"), (dict(eps=-1e-8), "eps"), (dict(beta3=1.0), "beta3"),
     (dict(weight_decay=-0.1), "weight_decay"), (dict(fused="yes"), "fused"),
+    (dict(gsnr_placement="moments"), r"gsnr_placement='moments'.*'first_moment', 'both_moments', 'update'"),
 ])
-def test_invalid_hyper_parameters(kwargs, key):
+@pytest.mark.parametrize("cls", [vrgd_ds.VRAdam, vrgd_ds.VRLamb])
+def test_invalid_hyper_parameters(cls, kwargs, key):
     with pytest.raises(ValueError, match=key):
-        vrgd_ds.VRAdam(make_model().parameters(), **kwargs)
+        cls(make_model().parameters(), **kwargs)
+
+
+def test_invalid_placement_in_an_added_group_is_rejected():
+    m = make_model()
+    opt = vrgd_ds.VRAdam(list(m.parameters())[:2])
+    with pytest.raises(ValueError, match="gsnr_placement"):
+        opt.add_param_group({"params": list(m.parameters())[2:], "gsnr_placement": "last"})
 
 
 @pytest.mark.parametrize("fused", IMPLS)

@@ -25,6 +25,12 @@ logger = logging.getLogger(__name__)
 
 Tensors = Sequence[Tensor]
 
+#: Where the Adam family applies the GSNR scale p̂, by the index the kernels take
+#: (``Placement`` in ``_fused/kernels.cpp``): the first moment only (m from p̂ ⊙ g, v from g²),
+#: both moments (cancels in m̂/√v̂ wherever p̂ is steady), or the final update m̂/(√v̂+eps).
+PLACEMENTS = ("first_moment", "both_moments", "update")
+FIRST_MOMENT, BOTH_MOMENTS, UPDATE = range(3)
+
 
 class Kernels(Protocol):
     name: str
@@ -36,15 +42,21 @@ class Kernels(Protocol):
 
     def sgd_step(self, params: Tensors, grads: Tensors, bufs: Tensors, sum_g: Tensors, sum_sq: Tensors,
                  avg: Tensors, seg: Tensor, segf: Tensor, inv_n: float, eps: float, beta3: float, lr: float,
-                 weight_decay: float, momentum: float, dampening: float, nesterov: bool) -> Tensor: ...
+                 weight_decay: float, momentum: float, dampening: float, nesterov: bool) -> Tensor:
+        """Returns per segment [clip low count, clip high count, Σ p̂]."""
 
     def adam_step(self, params: Tensors, grads: Tensors, exp_avg: Tensors, exp_avg_sq: Tensors, sum_g: Tensors,
                   sum_sq: Tensors, avg: Tensors, seg: Tensor, segf: Tensor, inv_n: float, eps_gsnr: float,
                   beta3: float, lr: float, beta1: float, beta2: float, eps: float, weight_decay: float,
-                  apply: bool) -> Tensor: ...
+                  apply: bool, placement: int) -> Tensor:
+        """Returns per segment [clip low, clip high, Σ p̂] (apply) or [‖θ‖², ‖u‖², clip low,
+        clip high, Σ p̂] (LAMB's first pass); ``placement`` indexes ``PLACEMENTS``."""
 
-    def lamb_apply(self, params: Tensors, exp_avg: Tensors, exp_avg_sq: Tensors, seg: Tensor, segf: Tensor,
-                   lr: float, eps: float, weight_decay: float) -> None: ...
+    def lamb_apply(self, params: Tensors, exp_avg: Tensors, exp_avg_sq: Tensors, sum_g: Tensors, sum_sq: Tensors,
+                   avg: Tensors, seg: Tensor, segf: Tensor, inv_n: float, eps_gsnr: float, beta3: float, lr: float,
+                   eps: float, weight_decay: float) -> None:
+        """LAMB's second pass; the statistics are given (non-empty) only for the ``update``
+        placement, whose p̂ it reads back after ``adam_step`` advanced the GSNR momentum."""
 
     def accumulate_moments(self, grad: Tensor, sum_g: Tensor, sum_sq: Tensor, fresh: bool, inv_n: float = 0.0,
                            eps: float = 0.0) -> Tensor | None:
@@ -87,6 +99,19 @@ class _Gsnr:
             a.copy_(new)
         return (new / bc3).clamp(lo, 1.0), low, high
 
+    def written(self, t: int, start: int, length: int, row: Tensor) -> Tensor | float:
+        """p̂ once ``__call__(write=True)`` ran this step: the GSNR momentum is read back."""
+        if not self.on:
+            return 1.0
+        if not self.avg:
+            return self(t, start, length, row, write=False)[0]
+        lo, bc3 = float(row[1]), float(row[2])
+        return (_piece(self.avg[t], start, length) / bc3).clamp(lo, 1.0)
+
+
+def _scale_sum(sc: Tensor | float, length: int) -> float:
+    return _sum(sc) if isinstance(sc, Tensor) else sc * length
+
 
 class Reference:
     """Single-tensor reference: one segment at a time, torch ops, any device."""
@@ -124,11 +149,12 @@ class Reference:
     def sgd_step(self, params, grads, bufs, sum_g, sum_sq, avg, seg, segf, inv_n, eps, beta3, lr, weight_decay,
                  momentum, dampening, nesterov):
         scale = _Gsnr(sum_g, sum_sq, avg, inv_n, eps, beta3)
-        out = torch.zeros(seg.shape[0], 2, dtype=torch.float64)
+        out = torch.zeros(seg.shape[0], 3, dtype=torch.float64)
         for i, (t, start, length) in enumerate(seg.tolist()):
             p = _piece(params[t], start, length)
             pv = p.float()
             sc, out[i, 0], out[i, 1] = scale(t, start, length, segf[i], write=True)
+            out[i, 2] = _scale_sum(sc, length)
             d = sc * _piece(grads[t], start, length).float()
             d = d + weight_decay * pv
             d = d * float(segf[i, 3])
@@ -143,37 +169,45 @@ class Reference:
         return out
 
     def adam_step(self, params, grads, exp_avg, exp_avg_sq, sum_g, sum_sq, avg, seg, segf, inv_n, eps_gsnr, beta3,
-                  lr, beta1, beta2, eps, weight_decay, apply):
+                  lr, beta1, beta2, eps, weight_decay, apply, placement):
+        if placement not in range(len(PLACEMENTS)):
+            raise ValueError(f"adam_step: unknown GSNR placement {placement}")
         scale = _Gsnr(sum_g, sum_sq, avg, inv_n, eps_gsnr, beta3)
-        out = torch.zeros(seg.shape[0], 2 if apply else 4, dtype=torch.float64)
+        out = torch.zeros(seg.shape[0], 3 if apply else 5, dtype=torch.float64)
         for i, (t, start, length) in enumerate(seg.tolist()):
             row = segf[i]
             bc1, bc2s, mult = float(row[3]), float(row[4]), float(row[5])
             p = _piece(params[t], start, length)
             m, v = _piece(exp_avg[t], start, length), _piece(exp_avg_sq[t], start, length)
             sc, low, high = scale(t, start, length, row, write=True)
-            gv = (sc * _piece(grads[t], start, length).float()) * mult
-            m.copy_(m * beta1 + gv * (1.0 - beta1))
+            graw = _piece(grads[t], start, length).float()
+            gm = (graw if placement == UPDATE else sc * graw) * mult
+            gv = gm if placement == BOTH_MOMENTS else graw * mult
+            m.copy_(m * beta1 + gm * (1.0 - beta1))
             v.copy_(v * beta2 + (gv * gv) * (1.0 - beta2))
             denom = v.sqrt() / bc2s + eps
+            on_update = sc if placement == UPDATE else 1.0
             if apply:
                 pv = p.float() * (1.0 - lr * weight_decay)
-                p.copy_(pv - (lr / bc1) * (m / denom))
-                out[i] = torch.tensor([low, high], dtype=torch.float64)
+                p.copy_(pv - (lr / bc1) * (on_update * (m / denom)))
+                out[i] = torch.tensor([low, high, _scale_sum(sc, length)], dtype=torch.float64)
             else:
                 pv = p.float()
-                u = m / (bc1 * denom) + weight_decay * pv
-                out[i] = torch.tensor([_sum(pv * pv), _sum(u * u), low, high], dtype=torch.float64)
+                u = on_update * (m / (bc1 * denom)) + weight_decay * pv
+                out[i] = torch.tensor([_sum(pv * pv), _sum(u * u), low, high, _scale_sum(sc, length)],
+                                      dtype=torch.float64)
         return out
 
-    def lamb_apply(self, params, exp_avg, exp_avg_sq, seg, segf, lr, eps, weight_decay):
+    def lamb_apply(self, params, exp_avg, exp_avg_sq, sum_g, sum_sq, avg, seg, segf, inv_n, eps_gsnr, beta3, lr,
+                   eps, weight_decay):
+        scale = _Gsnr(sum_g, sum_sq, avg, inv_n, eps_gsnr, beta3)
         for i, (t, start, length) in enumerate(seg.tolist()):
-            bc1, bc2s, trust = (float(x) for x in segf[i, :3])
+            bc1, bc2s, trust = (float(x) for x in segf[i, 3:6])
             p = _piece(params[t], start, length)
             m, v = _piece(exp_avg[t], start, length), _piece(exp_avg_sq[t], start, length)
             pv = p.float()
             denom = v.sqrt() / bc2s + eps
-            u = m / (bc1 * denom) + weight_decay * pv
+            u = scale.written(t, start, length, segf[i]) * (m / (bc1 * denom)) + weight_decay * pv
             p.copy_(pv - (lr * trust) * u)
 
     def accumulate_moments(self, grad, sum_g, sum_sq, fresh, inv_n=0.0, eps=0.0):

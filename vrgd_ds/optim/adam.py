@@ -4,14 +4,21 @@ The paper's Appendix D is not public; this is our reconstruction (DESIGN §1.3):
 adapts the gradient mean before gradients' momentum estimation ... we apply the momentum
 mechanism on GSNR"::
 
-    p_t = beta3 · p_{t-1} + (1 - beta3) · r_t ;   p̂_t = p_t / (1 - beta3^t)
-    g'  = p̂_t ⊙ gbar
-    m, v = Adam moments of g'
-    θ  = θ · (1 - lr · wd) - lr/(1 - beta1^t) · m / (sqrt(v)/sqrt(1 - beta2^t) + eps)
+    p_t = beta3 · p_{t-1} + (1 - beta3) · r_t ;   p̂_t = clamp(p_t / (1 - beta3^t), gamma, 1)
+    m   = beta1 · m + (1 - beta1) · p̂_t ⊙ gbar        # GSNR-scaled first moment
+    v   = beta2 · v + (1 - beta2) · gbar²              # raw second moment
+    θ   = θ · (1 - lr · wd) - lr/(1 - beta1^t) · m / (sqrt(v)/sqrt(1 - beta2^t) + eps)
 
-With ``gsnr=False`` (or ``gamma = 1``) this is AdamW in ``torch.optim.AdamW``'s arithmetic.
-To change the reconstruction, change ``GsnrChunk`` in ``_fused/kernels.cpp`` and ``_Gsnr``
-in ``_impl.py`` together (the tests compare them).
+That is ``gsnr_placement="first_moment"``, the default. ``"both_moments"`` feeds p̂ ⊙ gbar to
+m *and* v; wherever p̂ is steady per element, m' ≈ p̂·m and v' ≈ p̂²·v, so m̂'/√v̂' = m̂/√v̂:
+Adam's step, p̂ cancels (kept for comparison). ``"update"`` keeps Adam's moments and multiplies
+the update m̂/(√v̂+eps) by p̂ (the paper argues against it: the scale then never enters the
+moments). On the noise-damping problem (``vrgd_ds.damping``) the noise/signal update ratio is
+0.18 for AdamW and for both_moments, and about 0.02 for first_moment and update.
+
+With ``gsnr=False`` (or ``gamma = 1``, any placement) this is AdamW in ``torch.optim.AdamW``'s
+arithmetic. To change the reconstruction, change ``GsnrChunk``/``adam_chunk`` in
+``_fused/kernels.cpp`` and ``_Gsnr``/``adam_step`` in ``_impl.py`` together (the tests compare them).
 """
 from __future__ import annotations
 
@@ -19,13 +26,28 @@ from typing import Any
 
 import torch
 
+from vrgd_ds.optim import _impl
 from vrgd_ds.optim.base import GSNROptimizer, Plan, check_arg, table
+
+#: the accepted ``gsnr_placement`` values (module docstring); the first is the default
+GSNR_PLACEMENTS = _impl.PLACEMENTS
+UPDATE_PLACEMENT = _impl.UPDATE
 
 
 def check_adam_args(owner: str, betas: tuple[float, float], eps: float) -> None:
     check_arg(owner, "betas[0]", 0.0 <= betas[0] < 1.0, betas[0], "in [0, 1)")
     check_arg(owner, "betas[1]", 0.0 <= betas[1] < 1.0, betas[1], "in [0, 1)")
     check_arg(owner, "eps", eps >= 0.0, eps, ">= 0")
+
+
+def check_placement(owner: str, group: dict[str, Any]) -> None:
+    check_arg(owner, "gsnr_placement", group["gsnr_placement"] in GSNR_PLACEMENTS, group["gsnr_placement"],
+              f"one of {', '.join(map(repr, GSNR_PLACEMENTS))}")
+
+
+def placement_index(plan: Plan) -> int:
+    """The kernels' index of the group's placement (any index is the base step without GSNR)."""
+    return GSNR_PLACEMENTS.index(plan.group["gsnr_placement"])
 
 
 def adam_columns(plan: Plan, grad_mult: torch.Tensor | None = None) -> torch.Tensor:
@@ -53,6 +75,8 @@ class VRAdam(GSNROptimizer):
         gamma: lower clamp of the normalised GSNR, in (0, 1] (paper: 0.1).
         beta3: momentum of the GSNR (paper: 0.9), bias-corrected.
         gsnr_eps: added to the variance in the GSNR.
+        gsnr_placement: where p̂ enters: ``"first_moment"`` (default), ``"both_moments"``
+            (cancels in m̂/√v̂; for comparison) or ``"update"`` (module docstring).
         gsnr: False gives AdamW through the same code.
         fused: True/False/None: fused CPU kernels / reference / fused where applicable.
     """
@@ -61,17 +85,22 @@ class VRAdam(GSNROptimizer):
 
     def __init__(self, params: Any, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
                  weight_decay: float = 1e-2, bias_correction: bool = True, gamma: float = 0.1, beta3: float = 0.9,
-                 gsnr_eps: float = 1e-12, gsnr: bool = True, fused: bool | None = None) -> None:
+                 gsnr_eps: float = 1e-12, gsnr_placement: str = GSNR_PLACEMENTS[0], gsnr: bool = True,
+                 fused: bool | None = None) -> None:
         check_adam_args(type(self).__name__, betas, eps)
         defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay,
-                        bias_correction=bias_correction, gamma=gamma, beta3=beta3, gsnr_eps=gsnr_eps, gsnr=gsnr)
+                        bias_correction=bias_correction, gamma=gamma, beta3=beta3, gsnr_eps=gsnr_eps,
+                        gsnr_placement=gsnr_placement, gsnr=gsnr)
         super().__init__(params, defaults, fused=fused)
+
+    def _check_group(self, group: dict[str, Any]) -> None:
+        check_placement(type(self).__name__, group)
 
     def _update(self, plan, kernels, n, extras):
         g = plan.group
         counts = kernels.adam_step(
             plan.params, plan.grads, [st["exp_avg"] for st in plan.states], [st["exp_avg_sq"] for st in plan.states],
             seg=plan.seg, segf=adam_columns(plan), lr=g["lr"], beta1=g["betas"][0], beta2=g["betas"][1],
-            eps=g["eps"], weight_decay=g["weight_decay"], apply=True, eps_gsnr=g["gsnr_eps"],
-            **{k: v for k, v in plan.gsnr_args(n).items() if k != "eps"})
-        return {"clip_counts": counts}
+            eps=g["eps"], weight_decay=g["weight_decay"], apply=True, placement=placement_index(plan),
+            eps_gsnr=g["gsnr_eps"], **{k: v for k, v in plan.gsnr_args(n).items() if k != "eps"})
+        return {"gsnr_counts": counts}

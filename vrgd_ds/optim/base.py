@@ -119,7 +119,7 @@ class Plan:
 
 
 # Columns of the per-tensor metric tables (one row per model tensor, complete across ranks).
-_SUM_COLS = ("sum_r", "numel", "sum_s", "sum_gbar_sq", "clip_low", "clip_high", "zero_info")
+_SUM_COLS = ("sum_r", "numel", "sum_s", "sum_gbar_sq", "clip_low", "clip_high", "zero_info", "sum_scale")
 _MAX_COLS = ("neg_min_r", "max_r", "trust", "adapted", "gsnr", "present")
 _S = {c: i for i, c in enumerate(_SUM_COLS)}
 _M = {c: i for i, c in enumerate(_MAX_COLS)}
@@ -189,9 +189,19 @@ class GSNROptimizer(torch.optim.Optimizer):
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         super().__setstate__(state)
+        missing: dict[str, Any] = {}
         for group in self.param_groups:  # groups saved before a key existed get its default
             for k, v in self.defaults.items():
-                group.setdefault(k, v)
+                if k not in group:
+                    group[k] = missing[k] = v
+        if missing:
+            logger.warning("%s: the loaded state has no %s (saved by an older version); using %s", type(self).__name__,
+                           ", ".join(missing), ", ".join(f"{k}={v!r}" for k, v in missing.items()))
+        if "gsnr_placement" in missing:
+            logger.warning("%s: checkpoints without gsnr_placement were trained with p̂ on both Adam moments, where it "
+                           "cancels; they now continue with gsnr_placement=%r. To continue the saved trajectory "
+                           "exactly, construct the optimizer with gsnr_placement='both_moments' before loading",
+                           type(self).__name__, missing["gsnr_placement"])
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         super().add_param_group(param_group)
@@ -396,7 +406,8 @@ class GSNROptimizer(torch.optim.Optimizer):
         return {}
 
     def _update(self, plan: Plan, kernels: _impl.Kernels, n: int, extras: dict[str, Any]) -> dict[str, Tensor]:
-        """The member's update. Returns ``clip_counts`` [S, 2] and optionally ``trust`` [S]."""
+        """The member's update. Returns ``gsnr_counts`` [S, 3] (elements raised to gamma, cut to 1,
+        and the sum of the scale p̂ applied) and optionally ``trust`` [S] with ``adapted`` [S]."""
         raise NotImplementedError
 
     # ---- metrics ---------------------------------------------------------------------------
@@ -443,8 +454,9 @@ class GSNROptimizer(torch.optim.Optimizer):
                 cols[:, _S["sum_r"]] = plan.moments[:, 0]
                 cols[:, _S["sum_s"]] = plan.moments[:, 3]
                 cols[:, _S["sum_gbar_sq"]] = plan.moments[:, 4]
-                cols[:, _S["clip_low"]] = res["clip_counts"][:, 0]
-                cols[:, _S["clip_high"]] = res["clip_counts"][:, 1]
+                cols[:, _S["clip_low"]] = res["gsnr_counts"][:, 0]
+                cols[:, _S["clip_high"]] = res["gsnr_counts"][:, 1]
+                cols[:, _S["sum_scale"]] = res["gsnr_counts"][:, 2]
                 cols[:, _S["numel"]] = plan.seg[:, 2].double()
                 top[:, _M["neg_min_r"]] = -plan.moments[:, 1]
                 top[:, _M["max_r"]] = plan.moments[:, 2]
@@ -488,6 +500,7 @@ class GSNROptimizer(torch.optim.Optimizer):
             m["gsnr/clip_low_frac"] = float(s[informative, _S["clip_low"]].sum() / used)
             m["gsnr/clip_high_frac"] = float(s[informative, _S["clip_high"]].sum() / used)
             m["gsnr/zero_info_tensors"] = float((~informative).sum())
+            m["gsnr/scale_mean"] = float(s[:, _S["sum_scale"]].sum() / numel.sum())
             ns = G.noise_scale(float(s[:, _S["sum_s"]].sum()), float(s[:, _S["sum_gbar_sq"]].sum()), n)
             m["noise_scale/trace_cov"] = ns.trace_cov
             m["noise_scale/grad_sq"] = ns.grad_sq
@@ -506,7 +519,8 @@ class GSNROptimizer(torch.optim.Optimizer):
 
         ``gsnr/mean|min|max``: raw GSNR over all elements before normalisation;
         ``gsnr/tensor_mean_min|max``: extremes of the per-tensor means; ``gsnr/clip_low_frac``,
-        ``gsnr/clip_high_frac``: fraction of elements raised to gamma / cut to 1; ``gsnr/n``;
+        ``gsnr/clip_high_frac``: fraction of elements raised to gamma / cut to 1;
+        ``gsnr/scale_mean``: mean of the scale p̂ applied (1: no effect this step); ``gsnr/n``;
         ``noise_scale/*``: B_simple in gradient groups, and in samples when
         ``samples_per_group`` is given (``noise_scale/b_simple``); ``trust_ratio/*`` (LAMB,
         LARS); ``step/skipped_*``. ``per_tensor=True`` adds ``tensor/<name>/<metric>``.
@@ -538,6 +552,7 @@ class GSNROptimizer(torch.optim.Optimizer):
                 row["gsnr_max"] = float(mx[_M["max_r"]])
                 row["clip_low_frac"] = float(s[_S["clip_low"]]) / numel
                 row["clip_high_frac"] = float(s[_S["clip_high"]]) / numel
+                row["scale_mean"] = float(s[_S["sum_scale"]]) / numel
             if mx[_M["trust"]] > -torch.inf:
                 row["trust_ratio"] = float(mx[_M["trust"]])
             yield t.names[key], row

@@ -1,13 +1,19 @@
 """VR-LAMB and LAMB (You et al. 2019, "Large Batch Optimization for Deep Learning";
 Jiang et al., arXiv 2309.13681 §4.2 for the GSNR part, reconstructed as in ``adam.py``).
 
-    g'    = p̂ ⊙ g · c          c = max_grad_norm / max(‖g‖_global, max_grad_norm) when
+    g     = g · c              c = max_grad_norm / max(‖g‖_global, max_grad_norm) when
                                 grad_pre_normalization (NVLAMB, NVIDIA's BERT recipe), else 1
-    m, v  = Adam moments of g'
+    m     = beta1 · m + (1 - beta1) · p̂ ⊙ g       v = beta2 · v + (1 - beta2) · g²
     u     = m̂ / (sqrt(v̂) + eps) + wd · θ
     trust = clamp(‖θ‖ / ‖u‖, min_coeff, max_coeff), 1 if either norm is 0 or the group has
             trust_ratio=False (bias and LayerNorm parameters, see ``param_groups``)
     θ    -= lr · trust · u
+
+p̂ enters as ``gsnr_placement`` says (``adam.py``: ``first_moment`` above, the default;
+``both_moments``, which cancels; ``update``, p̂ ⊙ m̂/(√v̂+eps)). The trust ratio then sets the
+tensor's step norm, ‖Δθ‖ = lr · clamp(‖θ‖/‖u‖) · ‖u‖ = lr · ‖θ‖ wherever the clamp is
+inactive, exactly as in LAMB: what VR-LAMB changes is how the step is distributed inside a
+tensor (towards high-GSNR elements), not its size.
 
 Norms are per parameter tensor, also when a tensor is split across ZeRO partitions (the
 integration sums the pieces), so trust ratios equal the unsharded ones.
@@ -18,7 +24,8 @@ from typing import Any
 
 import torch
 
-from vrgd_ds.optim.adam import adam_columns, check_adam_args
+from vrgd_ds.optim.adam import (GSNR_PLACEMENTS, UPDATE_PLACEMENT, adam_columns, check_adam_args, check_placement,
+                                 placement_index)
 from vrgd_ds.optim.base import GSNROptimizer, Plan, check_arg, table
 
 
@@ -45,7 +52,7 @@ class VRLamb(GSNROptimizer):
         min_coeff, max_coeff: trust-ratio clamp (DeepSpeed FusedLamb: 0.01, 10; BERT-64k: max 0.3).
         grad_pre_normalization: divide gradients by max(global norm, max_grad_norm)/max_grad_norm first.
         max_grad_norm: threshold of the pre-normalisation.
-        gamma, beta3, gsnr_eps, gsnr, fused: as :class:`vrgd_ds.VRAdam`.
+        gamma, beta3, gsnr_eps, gsnr_placement, gsnr, fused: as :class:`vrgd_ds.VRAdam`.
     """
 
     state_keys = ("exp_avg", "exp_avg_sq")
@@ -53,8 +60,8 @@ class VRLamb(GSNROptimizer):
     def __init__(self, params: Any, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-6,
                  weight_decay: float = 1e-2, bias_correction: bool = True, min_coeff: float = 0.01,
                  max_coeff: float = 10.0, grad_pre_normalization: bool = False, max_grad_norm: float = 1.0,
-                 gamma: float = 0.1, beta3: float = 0.9, gsnr_eps: float = 1e-12, gsnr: bool = True,
-                 fused: bool | None = None) -> None:
+                 gamma: float = 0.1, beta3: float = 0.9, gsnr_eps: float = 1e-12,
+                 gsnr_placement: str = GSNR_PLACEMENTS[0], gsnr: bool = True, fused: bool | None = None) -> None:
         owner = type(self).__name__
         check_adam_args(owner, betas, eps)
         check_arg(owner, "min_coeff", 0.0 <= min_coeff <= max_coeff, min_coeff, "in [0, max_coeff]")
@@ -62,8 +69,12 @@ class VRLamb(GSNROptimizer):
         defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay,
                         bias_correction=bias_correction, min_coeff=min_coeff, max_coeff=max_coeff,
                         grad_pre_normalization=grad_pre_normalization, max_grad_norm=max_grad_norm,
-                        trust_ratio=True, gamma=gamma, beta3=beta3, gsnr_eps=gsnr_eps, gsnr=gsnr)
+                        trust_ratio=True, gamma=gamma, beta3=beta3, gsnr_eps=gsnr_eps,
+                        gsnr_placement=gsnr_placement, gsnr=gsnr)
         super().__init__(params, defaults, fused=fused)
+
+    def _check_group(self, group: dict[str, Any]) -> None:
+        check_placement(type(self).__name__, group)
 
     def _prepare(self, plans, kernels):
         """The global gradient norm for NVLAMB pre-normalisation, over every group that asks."""
@@ -87,14 +98,19 @@ class VRLamb(GSNROptimizer):
         v = [st["exp_avg_sq"] for st in plan.states]
         cols = adam_columns(plan, mult)
         gsnr_args = {k: val for k, val in plan.gsnr_args(n).items() if k != "eps"}
+        placement = placement_index(plan)
         out = kernels.adam_step(plan.params, plan.grads, m, v, seg=plan.seg, segf=cols, lr=g["lr"],
                                 beta1=g["betas"][0], beta2=g["betas"][1], eps=g["eps"],
-                                weight_decay=g["weight_decay"], apply=False, eps_gsnr=g["gsnr_eps"], **gsnr_args)
+                                weight_decay=g["weight_decay"], apply=False, placement=placement,
+                                eps_gsnr=g["gsnr_eps"], **gsnr_args)
         norms = self.reduce_segments(plan, out[:, :2])
         trust, adapted = trust_ratios(plan, norms, plan.ones(), g["min_coeff"], g["max_coeff"])
-        kernels.lamb_apply(plan.params, m, v, plan.seg, table([cols[:, 3], cols[:, 4], trust]), g["lr"], g["eps"],
-                           g["weight_decay"])
-        return {"clip_counts": out[:, 2:4], "trust": trust, "adapted": adapted}
+        if placement != UPDATE_PLACEMENT or not plan.gsnr:  # only the update placement reads p̂ again
+            gsnr_args.update(sum_g=[], sum_sq=[], avg=[])
+        kernels.lamb_apply(plan.params, m, v, seg=plan.seg, segf=torch.cat([cols[:, :5], trust[:, None]], 1),
+                           lr=g["lr"], eps=g["eps"], weight_decay=g["weight_decay"], eps_gsnr=g["gsnr_eps"],
+                           **gsnr_args)
+        return {"gsnr_counts": out[:, 2:5], "trust": trust, "adapted": adapted}
 
 
 class Lamb(VRLamb):

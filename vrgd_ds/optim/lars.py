@@ -63,7 +63,7 @@ class VRLars(GSNROptimizer):
         if g["clip"] and g["lr"] > 0:
             local = torch.where(adapted, (local / g["lr"]).clamp(max=1.0), local)
         counts = sgd_update(self, plan, kernels, n, lr_mult=local)
-        return {"clip_counts": counts, "trust": local, "adapted": adapted}
+        return {"gsnr_counts": counts, "trust": local, "adapted": adapted}
 
 
 class Lars(VRLars):

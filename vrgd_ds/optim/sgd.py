@@ -68,7 +68,7 @@ class VRMomentum(GSNROptimizer):
                   group["nesterov"], "False unless momentum > 0 and dampening = 0")
 
     def _update(self, plan, kernels, n, extras):
-        return {"clip_counts": sgd_update(self, plan, kernels, n)}
+        return {"gsnr_counts": sgd_update(self, plan, kernels, n)}
 
 
 class VRSGD(VRMomentum):

@@ -205,8 +205,9 @@ def _draw_clip(fig: Figure, records: Sequence[dict[str, Any]]) -> None:
     ax = fig.add_subplot()
     _line(ax, records, "gsnr/clip_low_frac", label="raised to gamma (clip_low_frac)")
     _line(ax, records, "gsnr/clip_high_frac", label="cut to 1 (clip_high_frac)")
-    _finish(ax, "fraction of elements")
-    ax.set_title("GSNR clipping")
+    _line(ax, records, "gsnr/scale_mean", label="mean scale p̂ applied (scale_mean)")
+    _finish(ax, "fraction of elements / mean scale")
+    ax.set_title("GSNR clipping and the scale applied")
 
 
 def _draw_noise_scale(fig: Figure, records: Sequence[dict[str, Any]]) -> None:

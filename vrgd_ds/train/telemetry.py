@@ -88,6 +88,7 @@ _GROUP_REDUCTIONS = {
     "gsnr_max": "max",
     "clip_low_frac": "mean",
     "clip_high_frac": "mean",
+    "scale_mean": "mean",
     "trust_ratio": "mean",
 }
 
@@ -96,7 +97,7 @@ def group_summary(per_tensor: Mapping[str, float]) -> dict[str, float]:
     """Per layer group rows ``group/<group>/<metric>`` from ``tensor/<name>/<metric>`` keys.
 
     ``gsnr_min`` / ``gsnr_max`` are the extremes over the group's tensors. ``gsnr_mean``,
-    ``clip_low_frac``, ``clip_high_frac`` and ``trust_ratio`` are the plain mean over the
+    ``clip_low_frac``, ``clip_high_frac``, ``scale_mean`` and ``trust_ratio`` are the plain mean over the
     group's tensors: a numel-weighted mean would be the group's true element mean, but the
     per-tensor rows carry no element counts, so a small bias vector weighs as much as a
     1024x4096 weight. Keys that are not per-tensor rows (the rest of ``gsnr_metrics()``)

@@ -116,6 +116,7 @@ void check_gsnr(const GsnrArgs& a, size_t n) {
 // compile-time so the loops vectorise.
 template <bool ON, bool EMA>
 struct GsnrChunk {
+  static constexpr bool kOn = ON;
   const float* sg = nullptr;
   const float* sq = nullptr;
   float* avg = nullptr;
@@ -164,7 +165,27 @@ struct GsnrChunk {
       }
     }
   }
+
+  // p_hat of element i once operator()<true> has run this step (a second pass over the same
+  // elements): the EMA already holds p_t, so it is read back, not advanced again. Bit for bit
+  // the value operator() returned.
+  inline float written(int64_t i) const {
+    if constexpr (!ON) {
+      return 1.f;
+    } else if constexpr (!EMA) {
+      return std::min(std::max(gsnr_raw(sg[i], sq[i], inv_n, eps) * inv_mean, lo), 1.f);
+    } else {
+      return std::min(std::max(avg[i] / bc3, lo), 1.f);
+    }
+  }
 };
+
+// Where p_hat enters the Adam family (VRAdam, VRLamb), in the order of GSNR_PLACEMENTS in
+// vrgd_ds/optim/adam.py:
+//   kFirstMoment  m from p_hat * g, v from g^2          (default: p_hat reaches the step)
+//   kBothMoments  m from p_hat * g, v from (p_hat * g)^2 (p_hat cancels in m / sqrt(v))
+//   kUpdate       m, v from g; the update m_hat / (sqrt(v_hat) + eps) is multiplied by p_hat
+enum Placement : int64_t { kFirstMoment = 0, kBothMoments = 1, kUpdate = 2 };
 
 // Calls f(std::integral_constant<int, M>) with M = 0 (GSNR off), 1 (no EMA), 2 (EMA).
 template <typename F>
@@ -232,8 +253,8 @@ template <typename scalar_t, typename G, bool BUF, bool FIRST, bool NESTEROV>
 __attribute__((noinline)) void sgd_chunk(const G scale, scalar_t* __restrict p, const scalar_t* __restrict gr,
                                          float* __restrict b, int64_t n, float lr, float wd, float mult, float mu,
                                          float omd, double* o) {
-  float nlo = 0.f, nhi = 0.f;
-  _Pragma("omp simd reduction(+ : nlo, nhi)")
+  float nlo = 0.f, nhi = 0.f, nsc = 0.f;
+  _Pragma("omp simd reduction(+ : nlo, nhi, nsc)")
   for (int64_t i = 0; i < n; ++i) {
     const auto sc = scale.template operator()<true>(i);
     const float pv = float(p[i]);
@@ -248,56 +269,65 @@ __attribute__((noinline)) void sgd_chunk(const G scale, scalar_t* __restrict p, 
     p[i] = scalar_t(pv - lr * d);
     nlo += sc.low;
     nhi += sc.high;
+    nsc += sc.r;
   }
-  o[0] = nlo; o[1] = nhi;
+  o[0] = nlo; o[1] = nhi; o[2] = nsc;
 }
 
 struct AdamConsts {
   float b1, omb1, b2, omb2, eps, wd, decay, bc1, bc2s, step_size, grad_mult;
 };
 
-// APPLY: the AdamW update, o = clip counts. Else LAMB's first pass: moments only,
-// o = |theta|^2, |u|^2 (u kept in scratch), clip counts.
-template <typename scalar_t, typename G, bool APPLY>
+// APPLY: the AdamW update, o = clip counts and the sum of p_hat. Else LAMB's first pass:
+// moments only, o = |theta|^2, |u|^2 (u kept in scratch), clip counts, sum of p_hat.
+// PLACE: where p_hat enters (Placement); with p_hat == 1 every placement is the base step.
+template <typename scalar_t, typename G, bool APPLY, int64_t PLACE>
 __attribute__((noinline)) void adam_chunk(const G scale, scalar_t* __restrict p, const scalar_t* __restrict gr,
                                           float* __restrict m, float* __restrict v, int64_t n, const AdamConsts k,
                                           double* o) {
   float* __restrict u = APPLY ? nullptr : scratch();
-  float nlo = 0.f, nhi = 0.f;
-  _Pragma("omp simd reduction(+ : nlo, nhi)")
+  float nlo = 0.f, nhi = 0.f, nsc = 0.f;
+  _Pragma("omp simd reduction(+ : nlo, nhi, nsc)")
   for (int64_t i = 0; i < n; ++i) {
     const auto sc = scale.template operator()<true>(i);
-    const float gv = (sc.r * float(gr[i])) * k.grad_mult;
-    const float mv = m[i] * k.b1 + gv * k.omb1;
+    const float graw = float(gr[i]);
+    const float gm = (PLACE == kUpdate ? graw : sc.r * graw) * k.grad_mult;
+    const float gv = PLACE == kBothMoments ? gm : graw * k.grad_mult;
+    const float mv = m[i] * k.b1 + gm * k.omb1;
     const float vv = v[i] * k.b2 + (gv * gv) * k.omb2;
     m[i] = mv;
     v[i] = vv;
     const float denom = std::sqrt(vv) / k.bc2s + k.eps;
     if constexpr (APPLY) {
       const float pv = float(p[i]) * k.decay;
-      p[i] = scalar_t(pv - k.step_size * (mv / denom));
+      const float step = mv / denom;
+      p[i] = scalar_t(pv - k.step_size * (PLACE == kUpdate ? sc.r * step : step));
     } else {
-      u[i] = mv / (k.bc1 * denom) + k.wd * float(p[i]);
+      const float step = mv / (k.bc1 * denom);
+      u[i] = (PLACE == kUpdate ? sc.r * step : step) + k.wd * float(p[i]);
     }
     nlo += sc.low;
     nhi += sc.high;
+    nsc += sc.r;
   }
   if constexpr (APPLY) {
-    o[0] = nlo; o[1] = nhi;
+    o[0] = nlo; o[1] = nhi; o[2] = nsc;
   } else {
-    o[0] = sum_squares(p, n); o[1] = sum_squares(u, n); o[2] = nlo; o[3] = nhi;
+    o[0] = sum_squares(p, n); o[1] = sum_squares(u, n); o[2] = nlo; o[3] = nhi; o[4] = nsc;
   }
 }
 
-template <typename scalar_t>
-__attribute__((noinline)) void lamb_apply_chunk(scalar_t* __restrict p, const float* __restrict m,
+// LAMB's second pass; `scale` reads back p_hat for the kUpdate placement (GSNR off otherwise).
+template <typename scalar_t, typename G>
+__attribute__((noinline)) void lamb_apply_chunk(const G scale, scalar_t* __restrict p, const float* __restrict m,
                                                 const float* __restrict v, int64_t n, float bc1, float bc2s,
                                                 float eps, float wd, float step) {
   _Pragma("omp simd")
   for (int64_t i = 0; i < n; ++i) {
     const float pv = float(p[i]);
     const float denom = std::sqrt(v[i]) / bc2s + eps;
-    const float u = m[i] / (bc1 * denom) + wd * pv;
+    const float adam = m[i] / (bc1 * denom);
+    const float u = (G::kOn ? scale.written(i) * adam : adam) + wd * pv;
     p[i] = scalar_t(pv - step * u);
   }
 }
@@ -395,7 +425,7 @@ at::Tensor scaled_grad_norms(const std::vector<at::Tensor>& params, const std::v
 //   buf = first ? d : momentum * buf + (1 - dampening) * d            (momentum != 0)
 //   d = nesterov ? d + momentum * buf : buf
 //   theta -= lr * d
-// Returns per segment the counts of r_t raised to lo and cut to 1.
+// Returns per segment the counts of r_t raised to lo and cut to 1, and the sum of p_hat.
 at::Tensor sgd_step(const std::vector<at::Tensor>& params, const std::vector<at::Tensor>& grads,
                     const std::vector<at::Tensor>& bufs, const std::vector<at::Tensor>& sum_g,
                     const std::vector<at::Tensor>& sum_sq, const std::vector<at::Tensor>& avg, const at::Tensor& seg,
@@ -411,7 +441,7 @@ at::Tensor sgd_step(const std::vector<at::Tensor>& params, const std::vector<at:
   check_gsnr(ga, T);
   const SegF sf = seg_f(segf, seg.size(0), 5);
   const auto chunks = make_chunks(seg);
-  std::vector<double> part(chunks.size() * 2, 0.0);
+  std::vector<double> part(chunks.size() * 3, 0.0);
   const float flr = float(lr), fwd = float(weight_decay), mu = float(momentum), omd = float(1.0 - dampening);
   if (T > 0) {
     AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, params[0].scalar_type(), "sgd_step", [&] {
@@ -424,7 +454,7 @@ at::Tensor sgd_step(const std::vector<at::Tensor>& params, const std::vector<at:
           float* b = use_buf ? bufs[c.tensor].data_ptr<float>() + c.begin : nullptr;
           const int64_t n = c.end - c.begin;
           const float mult = float(sf.at(c.seg, 3));
-          double* o = part.data() + ci * 2;
+          double* o = part.data() + ci * 3;
           auto run = [&](auto buf, auto first, auto nest) {
             sgd_chunk<scalar_t, G, decltype(buf)::value, decltype(first)::value, decltype(nest)::value>(
                 scale, p, gr, b, n, flr, fwd, mult, mu, omd, o);
@@ -441,77 +471,100 @@ at::Tensor sgd_step(const std::vector<at::Tensor>& params, const std::vector<at:
       });
     });
   }
-  return combine(chunks, part, seg.size(0), 2);
+  return combine(chunks, part, seg.size(0), 3);
 }
 
-// Adam(W) on the GSNR-scaled gradient. Per-segment columns: inv_mean, lo, bc3, bc1, sqrt(bc2),
-// gradient multiplier (LAMB's global-norm pre-normalisation, else 1).
-//   g' = (p_hat * g) * mult;  m = beta1 m + (1 - beta1) g';  v = beta2 v + (1 - beta2) g'^2
-//   denom = sqrt(v) / sqrt(bc2) + eps
-// apply=true (Adam):  theta = theta (1 - lr wd) - (lr / bc1) m / denom;
-//   returns per segment the counts of r_t raised to lo and cut to 1.
+// Adam(W) with GSNR. Per-segment columns: inv_mean, lo, bc3, bc1, sqrt(bc2), gradient multiplier
+// (LAMB's global-norm pre-normalisation, else 1). With g_m = p_hat * g (placement kUpdate: g)
+// and g_v = g (kBothMoments: p_hat * g), both times mult:
+//   m = beta1 m + (1 - beta1) g_m;  v = beta2 v + (1 - beta2) g_v^2;  denom = sqrt(v) / sqrt(bc2) + eps
+//   a = m / denom, times p_hat for kUpdate
+// apply=true (Adam):  theta = theta (1 - lr wd) - (lr / bc1) a;
+//   returns per segment the counts of r_t raised to lo and cut to 1, and the sum of p_hat.
 // apply=false (LAMB, first pass): theta untouched; returns per segment |theta|^2, |u|^2 with
-//   u = m / (bc1 denom) + wd theta (the trust-ratio norms), then the two clip counts.
+//   u = a / bc1 + wd theta (the trust-ratio norms), then the two clip counts and the sum of p_hat.
 at::Tensor adam_step(const std::vector<at::Tensor>& params, const std::vector<at::Tensor>& grads,
                      const std::vector<at::Tensor>& exp_avg, const std::vector<at::Tensor>& exp_avg_sq,
                      const std::vector<at::Tensor>& sum_g, const std::vector<at::Tensor>& sum_sq,
                      const std::vector<at::Tensor>& avg, const at::Tensor& seg, const at::Tensor& segf,
                      double inv_n, double eps_gsnr, double beta3, double lr, double beta1, double beta2,
-                     double eps, double weight_decay, bool apply) {
+                     double eps, double weight_decay, bool apply, int64_t placement) {
   const size_t T = params.size();
   check_list(params, T, "params", false);
   check_list(grads, T, "grads", false);
   check_same_dtype(params, grads);
   check_list(exp_avg, T, "exp_avg", true);
   check_list(exp_avg_sq, T, "exp_avg_sq", true);
+  TORCH_CHECK(placement == kFirstMoment || placement == kBothMoments || placement == kUpdate,
+              "adam_step: unknown GSNR placement ", placement);
   const GsnrArgs ga{sum_g, sum_sq, avg, inv_n, eps_gsnr, beta3};
   check_gsnr(ga, T);
   const SegF sf = seg_f(segf, seg.size(0), 6);
   const auto chunks = make_chunks(seg);
-  const int cols = apply ? 2 : 4;
+  const int cols = apply ? 3 : 5;
   std::vector<double> part(chunks.size() * cols, 0.0);
   if (T > 0) {
     AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, params[0].scalar_type(), "adam_step", [&] {
       with_gsnr_mode(ga, [&](auto mode) {
-        for_chunks(chunks, [&](int64_t ci, const Chunk& c) {
-          const GsnrOf<decltype(mode)::value> scale(ga, sf, c);
-          const AdamConsts k{float(beta1), float(1.0 - beta1), float(beta2), float(1.0 - beta2), float(eps),
-                             float(weight_decay), float(1.0 - lr * weight_decay), float(sf.at(c.seg, 3)),
-                             float(sf.at(c.seg, 4)), float(lr / sf.at(c.seg, 3)), float(sf.at(c.seg, 5))};
-          scalar_t* p = params[c.tensor].data_ptr<scalar_t>() + c.begin;
-          const scalar_t* gr = grads[c.tensor].data_ptr<scalar_t>() + c.begin;
-          float* m = exp_avg[c.tensor].data_ptr<float>() + c.begin;
-          float* v = exp_avg_sq[c.tensor].data_ptr<float>() + c.begin;
-          using G = GsnrOf<decltype(mode)::value>;
-          if (apply)
-            adam_chunk<scalar_t, G, true>(scale, p, gr, m, v, c.end - c.begin, k, part.data() + ci * cols);
-          else
-            adam_chunk<scalar_t, G, false>(scale, p, gr, m, v, c.end - c.begin, k, part.data() + ci * cols);
-        });
+        using G = GsnrOf<decltype(mode)::value>;
+        auto run = [&](auto place) {
+          constexpr int64_t P = decltype(place)::value;
+          for_chunks(chunks, [&](int64_t ci, const Chunk& c) {
+            const G scale(ga, sf, c);
+            const AdamConsts k{float(beta1), float(1.0 - beta1), float(beta2), float(1.0 - beta2), float(eps),
+                               float(weight_decay), float(1.0 - lr * weight_decay), float(sf.at(c.seg, 3)),
+                               float(sf.at(c.seg, 4)), float(lr / sf.at(c.seg, 3)), float(sf.at(c.seg, 5))};
+            scalar_t* p = params[c.tensor].data_ptr<scalar_t>() + c.begin;
+            const scalar_t* gr = grads[c.tensor].data_ptr<scalar_t>() + c.begin;
+            float* m = exp_avg[c.tensor].data_ptr<float>() + c.begin;
+            float* v = exp_avg_sq[c.tensor].data_ptr<float>() + c.begin;
+            double* o = part.data() + ci * cols;
+            if (apply)
+              adam_chunk<scalar_t, G, true, P>(scale, p, gr, m, v, c.end - c.begin, k, o);
+            else
+              adam_chunk<scalar_t, G, false, P>(scale, p, gr, m, v, c.end - c.begin, k, o);
+          });
+        };
+        // p_hat == 1 without GSNR: one instantiation serves every placement.
+        if (decltype(mode)::value == 0 || placement == kBothMoments)
+          run(std::integral_constant<int64_t, kBothMoments>{});
+        else if (placement == kFirstMoment)
+          run(std::integral_constant<int64_t, kFirstMoment>{});
+        else
+          run(std::integral_constant<int64_t, kUpdate>{});
       });
     });
   }
   return combine(chunks, part, seg.size(0), cols);
 }
 
-// LAMB second pass: theta -= lr * trust * u, u recomputed from the updated moments.
-// Per-segment columns: bc1, sqrt(bc2), trust ratio.
+// LAMB second pass: theta -= lr * trust * u, u recomputed from the updated moments (and, for
+// the kUpdate placement, p_hat read back from the statistics and the EMA adam_step wrote: pass
+// the statistics only then, empty lists otherwise). Per-segment columns: inv_mean, lo, bc3
+// (as adam_step), bc1, sqrt(bc2), trust ratio.
 void lamb_apply(const std::vector<at::Tensor>& params, const std::vector<at::Tensor>& exp_avg,
-                const std::vector<at::Tensor>& exp_avg_sq, const at::Tensor& seg, const at::Tensor& segf,
-                double lr, double eps, double weight_decay) {
+                const std::vector<at::Tensor>& exp_avg_sq, const std::vector<at::Tensor>& sum_g,
+                const std::vector<at::Tensor>& sum_sq, const std::vector<at::Tensor>& avg, const at::Tensor& seg,
+                const at::Tensor& segf, double inv_n, double eps_gsnr, double beta3, double lr, double eps,
+                double weight_decay) {
   const size_t T = params.size();
   check_list(params, T, "params", false);
   check_list(exp_avg, T, "exp_avg", true);
   check_list(exp_avg_sq, T, "exp_avg_sq", true);
-  const SegF sf = seg_f(segf, seg.size(0), 3);
+  const GsnrArgs ga{sum_g, sum_sq, avg, inv_n, eps_gsnr, beta3};
+  check_gsnr(ga, T);
+  const SegF sf = seg_f(segf, seg.size(0), 6);
   const auto chunks = make_chunks(seg);
   if (T == 0) return;
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, params[0].scalar_type(), "lamb_apply", [&] {
-    for_chunks(chunks, [&](int64_t, const Chunk& c) {
-      lamb_apply_chunk(params[c.tensor].data_ptr<scalar_t>() + c.begin,
-                       exp_avg[c.tensor].data_ptr<float>() + c.begin,
-                       exp_avg_sq[c.tensor].data_ptr<float>() + c.begin, c.end - c.begin, float(sf.at(c.seg, 0)),
-                       float(sf.at(c.seg, 1)), float(eps), float(weight_decay), float(lr * sf.at(c.seg, 2)));
+    with_gsnr_mode(ga, [&](auto mode) {
+      for_chunks(chunks, [&](int64_t, const Chunk& c) {
+        const GsnrOf<decltype(mode)::value> scale(ga, sf, c);
+        lamb_apply_chunk(scale, params[c.tensor].data_ptr<scalar_t>() + c.begin,
+                         exp_avg[c.tensor].data_ptr<float>() + c.begin,
+                         exp_avg_sq[c.tensor].data_ptr<float>() + c.begin, c.end - c.begin, float(sf.at(c.seg, 3)),
+                         float(sf.at(c.seg, 4)), float(eps), float(weight_decay), float(lr * sf.at(c.seg, 5)));
+      });
     });
   });
 }
@@ -572,9 +625,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         arg("momentum"), arg("dampening"), arg("nesterov"));
   m.def("adam_step", &adam_step, arg("params"), arg("grads"), arg("exp_avg"), arg("exp_avg_sq"), arg("sum_g"),
         arg("sum_sq"), arg("avg"), arg("seg"), arg("segf"), arg("inv_n"), arg("eps_gsnr"), arg("beta3"), arg("lr"),
-        arg("beta1"), arg("beta2"), arg("eps"), arg("weight_decay"), arg("apply"));
-  m.def("lamb_apply", &lamb_apply, arg("params"), arg("exp_avg"), arg("exp_avg_sq"), arg("seg"), arg("segf"),
-        arg("lr"), arg("eps"), arg("weight_decay"));
+        arg("beta1"), arg("beta2"), arg("eps"), arg("weight_decay"), arg("apply"), arg("placement"));
+  m.def("lamb_apply", &lamb_apply, arg("params"), arg("exp_avg"), arg("exp_avg_sq"), arg("sum_g"), arg("sum_sq"),
+        arg("avg"), arg("seg"), arg("segf"), arg("inv_n"), arg("eps_gsnr"), arg("beta3"), arg("lr"), arg("eps"),
+        arg("weight_decay"));
   m.def("accumulate_moments", &accumulate_moments, arg("grad"), arg("sum_g"), arg("sum_sq"), arg("fresh"),
         arg("inv_n") = 0.0, arg("eps") = 0.0);
 }
