@@ -90,8 +90,8 @@ def main() -> None:
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--json", help="also write the results as JSON here")
     ap.add_argument("--only", nargs="+", metavar="NAME", help="these optimizers only (AdamW(fused) and "
-                    "AdamW(foreach) are always run: the ratios refer to them); each holds its own copy of the "
-                    "parameters, so fewer rows need less memory")
+                    "AdamW(foreach) are always run: the ratios refer to them; VRAdam/VRLamb bring their "
+                    "--placements rows); each holds its own copy of the parameters, so fewer rows need less memory")
     ap.add_argument("--placements", action="store_true", help="add VRAdam/VRLamb rows for the other GSNR "
                     f"placements ({', '.join(GSNR_PLACEMENTS[1:])})")
     args = ap.parse_args()
@@ -100,7 +100,8 @@ def main() -> None:
         unknown = sorted(set(args.only) - set(factories))
         if unknown:
             ap.error(f"--only {unknown[0]}: not one of {', '.join(factories)}")
-        factories = {k: v for k, v in factories.items() if k in args.only or k.startswith("AdamW")}
+        factories = {k: v for k, v in factories.items()
+                     if k.split("(")[0] in args.only or k in args.only or k.startswith("AdamW")}
 
     torch.manual_seed(0)
     shapes = bert_shapes(int(args.params_millions * 1e6))
@@ -126,7 +127,7 @@ def main() -> None:
             elapsed = time.perf_counter() - t0
             if it == 0:
                 words[name] = state_words(opt, numel)
-                print(f"  first step {name:15s} {elapsed:7.3f} s")
+                print(f"  first step {name:22s} {elapsed:7.3f} s")
             elif it >= args.warmup:
                 run["times"].append(elapsed)
                 run["bwd"].append(t0 - tb)
@@ -145,10 +146,10 @@ def main() -> None:
                          state_words_per_param=words[name], extra_words_per_param=extra,
                          skipped_steps=getattr(run["opt"], "skipped_steps", 0)))
 
-    print(f"\n{'optimizer':15s} {'median ms':>10s} {'min ms':>8s} {'max ms':>8s} {'/fused':>7s} "
+    print(f"\n{'optimizer':22s} {'median ms':>10s} {'min ms':>8s} {'max ms':>8s} {'/fused':>7s} "
           f"{'/foreach':>8s} {'words':>6s} {'extra':>6s} {'skipped':>7s} {'bwd ms':>7s} {'hooks ms':>8s}")
     for r in rows:
-        print(f"{r['optimizer']:15s} {1e3 * r['median_s']:10.1f} {1e3 * r['min_s']:8.1f} {1e3 * r['max_s']:8.1f} "
+        print(f"{r['optimizer']:22s} {1e3 * r['median_s']:10.1f} {1e3 * r['min_s']:8.1f} {1e3 * r['max_s']:8.1f} "
               f"{r['vs_adamw_fused']:7.2f} {r['vs_adamw_foreach']:8.2f} {r['state_words_per_param']:6.2f} "
               f"{r['extra_words_per_param']:6.2f} {r['skipped_steps']:7d} {1e3 * r['backward_s']:7.1f} "
               f"{1e3 * r['hooks_s']:8.1f}")
