@@ -32,7 +32,7 @@ def config(steps: int, inputs: list[str], workers: int, data_dir: str) -> dict:
         "gradient_clipping": 1.0,
         "job": {
             "model": {"size": "tiny"},
-            "data": {"path": data_dir, "inputs": inputs, "format": "wikitext" if inputs else "auto",
+            "data": {"path": data_dir, "prepare": True, "inputs": inputs, "format": "wikitext" if inputs else "auto",
                      "vocab_size": 8000, "eval_samples": 32, "workers": workers},
             "total_steps": steps,
             "phases": [

@@ -464,6 +464,29 @@ class ShardedCorpus:
                     )
                 if level == "full" and sha256_file(path) != record["sha256"]:
                     raise DataError(f"shard file {path} is corrupt (sha256 differs from the manifest); {rerun}")
+        if level == "full":
+            self.check_token_ids()
+
+    def check_token_ids(self) -> None:
+        """Raise DataError naming the first shard whose tokens leave ``[0, vocab_size)``.
+
+        Reads every token once (the largest and smallest id per shard, from the memory map): a
+        shard with flipped bytes passes the size check but would index past the embedding
+        table at the first batch that holds the bad id.
+        """
+        for shard, entry in enumerate(self.manifest["shards"]):
+            tokens = self._arrays(shard)[0]
+            if tokens.size == 0:
+                continue
+            top, bottom = int(tokens.max()), int(tokens.min())
+            if top >= self.vocab_size or bottom < 0:
+                bad = top if top >= self.vocab_size else bottom
+                where = int(np.flatnonzero(tokens == bad)[0])
+                path = self.path / entry["files"]["tokens"]["file"]
+                raise DataError(
+                    f"shard file {path} holds token id {bad} at position {where}, outside the vocabulary "
+                    f"[0, {self.vocab_size}): the file is corrupt (its sha256 check, `vrgd-data verify {self.path} "
+                    f"--full`, tells); rerun `vrgd-data shard` into {self.path} (or restore the file)")
 
     def check_tokenizer(self, tokenizer: Tokenizer) -> None:
         """Raise DataError unless these shards were written with ``tokenizer``."""

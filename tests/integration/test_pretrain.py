@@ -53,7 +53,7 @@ def records(run_dir: Path) -> dict[int, dict]:
 def setup(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("pretrain")
     cfg = json.loads(json.dumps(CONFIG))
-    cfg["job"]["data"]["path"] = str(tmp / "data")  # prepared by the first run, reused by the others
+    cfg["job"]["data"].update(path=str(tmp / "data"), prepare=True)  # prepared by the first run, reused after
     path = tmp / "config.json"
     path.write_text(json.dumps(cfg))
     full = tmp / "full"

@@ -479,9 +479,32 @@ def test_nonfinite_gradient_skips_step_and_keeps_state(name, fused):
     for pid, st in before[1]["state"].items():
         for k, v in st.items():
             assert torch.equal(v, after[1]["state"][pid][k])
+    assert met["step/skipped"] == 1.0 and met["step/skipped_overflow"] == 0.0
     opt.zero_grad()
     run(m, opt, batches(1, 2))  # training continues
-    assert opt.gsnr_metrics()["step/skipped_nonfinite"] == 0.0
+    met = opt.gsnr_metrics()
+    assert met["step/skipped_nonfinite"] == met["step/skipped"] == 0.0 and met["step/skipped_total"] == 1.0
+
+
+@pytest.mark.parametrize("fused", IMPLS)
+@pytest.mark.parametrize("name", list(REGISTRY))
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+def test_gradient_rewritten_after_backward_is_checked_too(name, fused, bad):
+    """The skip looks at the gradient the step applies, not only at the statistics: a NaN/inf
+    written into ``.grad`` after backward (a clipping or rewriting hook) skips the step. Fails on
+    the code that checked only the statistics when GSNR was on: every VR member applied the NaN."""
+    m = make_model()
+    opt = build(name, m, fused)
+    run(m, opt, batches(2, 2))
+    before = [p.detach().clone() for p in m.parameters()]
+    x, y = batches(1, 1)[0][0]
+    for _ in range(2):
+        (m(x) - y).pow(2).mean().backward()
+    list(m.parameters())[2].grad[-1] = bad  # after backward: the statistics stay finite
+    opt.step()
+    assert opt.gsnr_metrics()["step/skipped_nonfinite"] == 1.0
+    for a, b in zip(before, m.parameters()):
+        assert torch.equal(a, b.detach())
 
 
 def test_params_without_grad_are_skipped():

@@ -97,15 +97,17 @@ def attach(engine: Any) -> sources.ReductionStats | None:
     if stats is not None:
         stats.squares_dtype = options.torch_squares_dtype
     opt.set_statistics_source(stats, layout)
-    _hook_step(wrapper, opt, stats)
+    # DeepSpeed skips a step when the gradients it checked are not finite: with an fp16 dynamic
+    # loss scaler that is an overflow (the scale drops), otherwise the gradients are non-finite.
+    _hook_step(wrapper, opt, stats, "step/skipped_overflow" if engine.fp16_enabled() else "step/skipped_nonfinite")
     engine.vrgd_stats = stats
     logger.info("vrgd_ds: %s attached to DeepSpeed (stage %d, %s, %s)", type(opt).__name__, stage, wrapped,
                 f"n={sources.expected_groups(world, gas, stage)} groups per step" if stats else "no GSNR statistics")
     return stats
 
 
-def _hook_step(wrapper: Any, opt: GSNROptimizer, stats: sources.ReductionStats | None) -> None:
-    """Statistics end with the engine's step, taken or skipped (fp16 overflow)."""
+def _hook_step(wrapper: Any, opt: GSNROptimizer, stats: sources.ReductionStats | None, skip_reason: str) -> None:
+    """Statistics end with the engine's step, taken or skipped (``skip_reason``)."""
     step = wrapper.step
 
     def vrgd_step(*args, **kwargs):
@@ -117,7 +119,7 @@ def _hook_step(wrapper: Any, opt: GSNROptimizer, stats: sources.ReductionStats |
             n = stats.n if stats is not None else 0
             if stats is not None:
                 stats.end_step()
-            if opt.step_calls == calls:  # DeepSpeed skipped the step (fp16 overflow)
-                opt.record_skipped("step/skipped_overflow", n)
+            if opt.step_calls == calls:  # DeepSpeed skipped the step before calling ours
+                opt.record_skipped(skip_reason, n)
 
     wrapper.step = vrgd_step

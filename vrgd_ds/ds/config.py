@@ -41,3 +41,25 @@ def reduction_config(raw_config: dict[str, Any]) -> ReductionConfig:
         key = ".".join([KEY, *map(str, err["loc"])])
         raise UnsupportedConfiguration(f"{key}: {err['msg']} (accepted keys: "
                                        f"{', '.join(ReductionConfig.model_fields)})") from None
+
+
+def _offload_device(block: Any) -> str:
+    if not isinstance(block, dict):
+        return "none"
+    return str(block.get("device", "none")).lower()
+
+
+def check_config(raw_config: dict[str, Any]) -> None:
+    """What can be checked in a DeepSpeed config dict before any work (no engine, no
+    process group): the optimizer block (``check_optimizer_block``), the ``"vrgd"`` block, and
+    the ZeRO options the hooks do not cover. ``deepspeed.initialize`` checks the rest."""
+    from vrgd_ds.ds.integration import check_optimizer_block
+
+    check_optimizer_block(raw_config)
+    reduction_config(raw_config)
+    zero = raw_config.get("zero_optimization") or {}
+    for key in ("offload_optimizer", "offload_param"):
+        if _offload_device(zero.get(key)) not in ("none", ""):
+            raise UnsupportedConfiguration(
+                f"zero_optimization.{key}: CPU/NVMe offload is not supported with VRGD optimizers (the statistics "
+                "hooks feed the optimizer on the device); remove the block")

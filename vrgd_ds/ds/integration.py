@@ -17,13 +17,14 @@ optimizer once on zero gradients: VRGD state is created at the first real step i
 """
 from __future__ import annotations
 
+import difflib
 import inspect
 import logging
 from typing import Any
 
 import torch
 
-from vrgd_ds.optim.base import GSNROptimizer
+from vrgd_ds.optim.base import GSNROptimizer, InvalidArgument
 from vrgd_ds.optim.registry import REGISTRY
 
 logger = logging.getLogger(__name__)
@@ -82,6 +83,61 @@ def resolve(name: str | None) -> type[GSNROptimizer] | None:
     return None
 
 
+def _did_you_mean(word: str, choices: list[str]) -> str:
+    close = difflib.get_close_matches(word, choices, n=1, cutoff=0.6)
+    if not close:
+        close = [c for c in choices if c.lower() == word.lower()]
+    return f"; did you mean {close[0]!r}?" if close else ""
+
+
+def accepted_params(cls: type[GSNROptimizer]) -> list[str]:
+    """The ``optimizer.params`` keys of a config ``"type"`` (``Lamb``/``Lars`` fix ``gsnr``)."""
+    base = cls.__mro__[1] if cls.__name__ in ("Lamb", "Lars") else cls
+    return [n for n in inspect.signature(base.__init__).parameters if n not in ("self", "params", "kwargs", "gsnr")
+            or (base is cls and n == "gsnr")]
+
+
+def check_params(cls: type[GSNROptimizer], type_name: str, params: dict[str, Any]) -> None:
+    """Rejects ``optimizer.params`` keys the class does not take, naming the key."""
+    if "max_grad_norm" in params and cls.__name__ not in ("VRLamb", "Lamb"):
+        raise UnsupportedConfiguration(
+            "optimizer.params.max_grad_norm: use DeepSpeed's top-level 'gradient_clipping' instead")
+    accepted = accepted_params(cls)
+    unknown = sorted(set(params) - set(accepted))
+    if unknown:
+        raise UnsupportedConfiguration(
+            f"optimizer.params.{unknown[0]}: not a parameter of {cls.__name__} (type {type_name!r})"
+            f"{_did_you_mean(unknown[0], accepted)}; accepted: {', '.join(accepted)}")
+
+
+def check_optimizer_block(raw_config: dict[str, Any]) -> type[GSNROptimizer]:
+    """Validates the ``"optimizer"`` block of a DeepSpeed config dict before any work: the type
+    is a VRGD optimizer, every parameter is one it takes, and every value passes its checks
+    (the class is built on a one-element dummy parameter). Errors name the key."""
+    block = raw_config.get("optimizer")
+    if not isinstance(block, dict) or "type" not in block:
+        raise UnsupportedConfiguration('optimizer: the config needs an "optimizer" block with a "type", e.g. '
+                                       '{"type": "VRLamb", "params": {"lr": 6e-3}}')
+    name = block["type"]
+    cls = resolve(name) if isinstance(name, str) else None
+    if cls is None:
+        raise UnsupportedConfiguration(
+            f"optimizer.type: {name!r} is not a VRGD optimizer{_did_you_mean(str(name), list(NAMES))}; "
+            f"registered: {', '.join(NAMES)}")
+    params = block.get("params") or {}
+    if not isinstance(params, dict):
+        raise UnsupportedConfiguration(f"optimizer.params: must be an object of {cls.__name__}'s arguments, "
+                                       f"got {type(params).__name__}")
+    check_params(cls, name, params)
+    try:
+        cls([torch.zeros(1, requires_grad=True)], **params)
+    except InvalidArgument as e:
+        raise UnsupportedConfiguration(f"optimizer.params.{e.name.split('[')[0]}: {e}") from None
+    except (ValueError, TypeError) as e:
+        raise UnsupportedConfiguration(f"optimizer.params: {e}") from None
+    return cls
+
+
 def register() -> None:
     """Makes the VRGD names valid DeepSpeed optimizer types (idempotent)."""
     global _registered
@@ -108,18 +164,7 @@ def register() -> None:
         if cls is None:
             return configure_basic(self, model_parameters)
         params = dict(self.optimizer_params() or {})
-        if "max_grad_norm" in params and cls.__name__ not in ("VRLamb", "Lamb"):
-            raise UnsupportedConfiguration(
-                "optimizer.params.max_grad_norm: use DeepSpeed's top-level 'gradient_clipping' instead")
-        accepted = [n for n in inspect.signature(cls.__init__).parameters if n not in ("self", "params", "kwargs")]
-        if cls.__name__ in ("Lamb", "Lars"):
-            accepted = [n for n in inspect.signature(cls.__mro__[1].__init__).parameters
-                        if n not in ("self", "params", "gsnr")]
-        unknown = sorted(set(params) - set(accepted))
-        if unknown:
-            raise UnsupportedConfiguration(
-                f"optimizer.params.{unknown[0]}: not a parameter of {cls.__name__} (type {self.optimizer_name()!r}); "
-                f"accepted: {', '.join(accepted)}")
+        check_params(cls, self.optimizer_name(), params)
         return cls(model_parameters, **params)
 
     def _configure_optimizer(self, client_optimizer, model_parameters):

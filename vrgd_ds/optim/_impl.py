@@ -58,6 +58,9 @@ class Kernels(Protocol):
         """LAMB's second pass; the statistics are given (non-empty) only for the ``update``
         placement, whose p̂ it reads back after ``adam_step`` advanced the GSNR momentum."""
 
+    def nonfinite(self, tensors: Tensors, seg: Tensor) -> Tensor:
+        """Per segment 1.0 where the tensors hold an inf or NaN, else 0.0 (float64 [S])."""
+
     def accumulate_moments(self, grad: Tensor, sum_g: Tensor, sum_sq: Tensor, fresh: bool, inv_n: float = 0.0,
                            eps: float = 0.0) -> Tensor | None:
         """Adds one backward's gradient to the statistics; with ``inv_n > 0`` an implementation
@@ -209,6 +212,10 @@ class Reference:
             denom = v.sqrt() / bc2s + eps
             u = scale.written(t, start, length, segf[i]) * (m / (bc1 * denom)) + weight_decay * pv
             p.copy_(pv - (lr * trust) * u)
+
+    def nonfinite(self, tensors, seg):
+        return torch.tensor([0.0 if bool(torch.isfinite(_piece(tensors[t], start, length)).all()) else 1.0
+                             for t, start, length in seg.tolist()], dtype=torch.float64)
 
     def accumulate_moments(self, grad, sum_g, sum_sq, fresh, inv_n=0.0, eps=0.0):
         x = grad.reshape(sum_g.shape).float()

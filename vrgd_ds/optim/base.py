@@ -31,6 +31,8 @@ from vrgd_ds.stats.hooks import TensorHookStats
 logger = logging.getLogger(__name__)
 
 MIN_GROUPS = 2
+#: the causes of a skipped step reported in gsnr_metrics() (``step/skipped`` counts them all)
+SKIP_REASONS = ("step/skipped_nonfinite", "step/skipped_overflow")
 RECOMMENDED_GROUPS = 8
 _SERIALS = itertools.count()
 
@@ -64,9 +66,17 @@ class Layout(Protocol):
         ...
 
 
+class InvalidArgument(ValueError):
+    """A hyper-parameter out of range; ``name`` is the argument."""
+
+    def __init__(self, owner: str, name: str, value: Any, want: str) -> None:
+        super().__init__(f"{owner}: invalid {name}={value!r}: must be {want}")
+        self.name = name
+
+
 def check_arg(owner: str, name: str, ok: bool, value: Any, want: str) -> None:
     if not ok:
-        raise ValueError(f"{owner}: invalid {name}={value!r}: must be {want}")
+        raise InvalidArgument(owner, name, value, want)
 
 
 @dataclass
@@ -343,7 +353,9 @@ class GSNROptimizer(torch.optim.Optimizer):
         n = 0
         if any(p.gsnr for p in plans):
             n = self._groups_now()
-        # Pass 1 everywhere before any state changes: a non-finite gradient skips the step.
+        # Pass 1 everywhere before any state changes: a non-finite statistic or gradient (the
+        # gradient the update reads, which a hook may have rewritten after backward) skips the
+        # step, on every rank alike (each checks its own partition).
         nonfinite = False
         for plan in plans:
             if plan.gsnr:
@@ -352,11 +364,15 @@ class GSNROptimizer(torch.optim.Optimizer):
                 if plan.moments is None:
                     plan.moments = kernels.gsnr_moments(plan.sum_g, plan.sum_sq, plan.seg, 1.0 / n,
                                                         plan.group["gsnr_eps"])
-                nonfinite |= bool(plan.moments[:, 5].any())
+                nonfinite |= bool(plan.moments[:, 5].any()) or bool(kernels.nonfinite(plan.grads, plan.seg).any())
             else:
                 plan.grad_norms = kernels.scaled_grad_norms(
                     plan.params, plan.grads, [], [], [], plan.seg, table([plan.ones()] * 3), 1.0, 0.0, 0.0)
                 nonfinite |= bool(plan.grad_norms[:, 2].any())
+        if self._layout is not None:
+            flag = torch.tensor([float(nonfinite)], dtype=torch.float64)
+            self._layout.all_reduce(flag, "max")
+            nonfinite = bool(flag[0] > 0)
         if nonfinite:
             self.record_skipped("step/skipped_nonfinite", n)
             return
@@ -421,10 +437,13 @@ class GSNROptimizer(torch.optim.Optimizer):
         self._metrics = self._summarise(self._tables, n)
 
     def record_skipped(self, reason: str, n: int) -> None:
-        """Metrics of a skipped step: ``reason`` is ``step/skipped_nonfinite`` (here) or
-        ``step/skipped_overflow`` (DeepSpeed's fp16 loss scaler skipped the step)."""
+        """Metrics of a skipped step: ``step/skipped`` 1 whatever the cause, and the cause,
+        ``step/skipped_nonfinite`` (non-finite gradients or statistics, seen here or by the
+        engine) or ``step/skipped_overflow`` (an fp16 dynamic loss scaler's overflow)."""
+        if reason not in SKIP_REASONS:
+            raise ValueError(f"unknown skip reason {reason!r}; one of {SKIP_REASONS}")
         self.skipped_steps += 1
-        self._metrics = {"step/skipped_nonfinite": 0.0, reason: 1.0, "gsnr/n": float(n)}
+        self._metrics = {"step/skipped": 1.0, **{r: float(r == reason) for r in SKIP_REASONS}, "gsnr/n": float(n)}
         self._tables = None
         if reason == "step/skipped_nonfinite":
             warn_once(logger, f"nonfinite-{self._serial}", "%s: non-finite gradients, step skipped (state untouched); "
@@ -482,7 +501,7 @@ class GSNROptimizer(torch.optim.Optimizer):
 
     @staticmethod
     def _summarise(t: _Tables, n: int) -> dict[str, float]:
-        m: dict[str, float] = {"step/skipped_nonfinite": 0.0}
+        m: dict[str, float] = {"step/skipped": 0.0, **{r: 0.0 for r in SKIP_REASONS}}
         present = t.maxs[:, _M["present"]] > 0
         g = present & (t.maxs[:, _M["gsnr"]] > 0)
         if bool(g.any()):
@@ -523,7 +542,9 @@ class GSNROptimizer(torch.optim.Optimizer):
         ``gsnr/scale_mean``: mean of the scale p̂ applied (1: no effect this step); ``gsnr/n``;
         ``noise_scale/*``: B_simple in gradient groups, and in samples when
         ``samples_per_group`` is given (``noise_scale/b_simple``); ``trust_ratio/*`` (LAMB,
-        LARS); ``step/skipped_*``. ``per_tensor=True`` adds ``tensor/<name>/<metric>``.
+        LARS); ``step/skipped`` (1: this step was skipped), its cause ``step/skipped_nonfinite`` or
+        ``step/skipped_overflow``, ``step/skipped_total``. ``per_tensor=True`` adds
+        ``tensor/<name>/<metric>``.
         """
         out = dict(self._metrics)
         if out:

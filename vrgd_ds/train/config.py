@@ -68,9 +68,13 @@ class DataConfig(_Strict):
     """Where the pretraining data comes from."""
 
     path: str | None = None
-    """A directory prepared by ``vrgd-data prepare`` (tokenizer, shards, sample indices). With
-    ``null`` the job prepares ``inputs`` (or the embedded default corpus) into
+    """A directory prepared by ``vrgd-data prepare`` (tokenizer, shards, sample indices); one
+    that holds no prepared data is an error unless ``inputs`` are given or ``prepare`` is true.
+    With ``null`` the job prepares ``inputs`` (or the embedded default corpus) into
     ``<run dir>/data`` on rank 0 first."""
+    prepare: bool = False
+    """With ``path``: prepare ``inputs`` (or, without inputs, the embedded corpus) there when it
+    holds no prepared data yet (idempotent: a prepared directory is reused)."""
     inputs: list[str] = Field(default_factory=list)
     """Raw corpora (files or globs: plain text, WikiText, JSONL) to prepare when ``path`` is null.
     Empty: the embedded default corpus (Python's own documentation; no download)."""
@@ -132,6 +136,17 @@ class JobConfig(_Strict):
     checkpoint_every: int = Field(0, ge=0)
     """Checkpoint every N steps (0: only at the end); the job resumes from the latest one."""
     keep_checkpoints: int = Field(2, ge=1)
+    """Complete checkpoints kept; older ones are deleted once a newer one is complete (never the
+    last one before a run of skipped steps). Saving needs room for one more than this."""
+    stop_after_skipped_steps: int = Field(50, ge=1)
+    """The job stops (non-zero exit) after this many consecutive optimizer steps skipped on
+    non-finite gradients or fp16 overflow: the run has diverged. fp16's dynamic loss scale
+    skips a handful in a row while it settles; 50 leaves room for that."""
+    timeout_minutes: float = Field(30.0, gt=0.0)
+    """A rank without progress (a step, an evaluation, a checkpoint) for this long ends the job
+    with a message naming the rank that stalled; also the timeout of every collective
+    (process-group creation). Preparing a large corpus inside the job counts against it on the
+    waiting ranks: prepare it beforehand with ``vrgd-data prepare``."""
     telemetry: TelemetryConfig = Field(default_factory=TelemetryConfig)
 
     @model_validator(mode="after")
@@ -219,18 +234,31 @@ def apply_overrides(raw: dict[str, Any], overrides: list[str]) -> dict[str, Any]
             value = text
         node: Any = out
         parts = key.split(".")
-        for j, part in enumerate(parts[:-1]):
+        for j, part in enumerate(parts):
+            here = ".".join(parts[:j + 1])
+            last = j == len(parts) - 1
             if isinstance(node, list):
-                node = node[int(part)]
+                if not part.lstrip("-").isdigit():
+                    raise ConfigError(f"--set {key}: '{'.'.join(parts[:j]) or 'the config'}' is a list; "
+                                      f"'{part}' is not an index (0..{len(node) - 1})")
+                i = int(part)
+                if not 0 <= i < len(node):
+                    raise ConfigError(f"--set {key}: '{'.'.join(parts[:j])}' has {len(node)} entries "
+                                      f"(0..{len(node) - 1}); there is no {here}")
+                if last:
+                    node[i] = value
+                else:
+                    node = node[i]
+            elif isinstance(node, dict):
+                if last:
+                    node[part] = value
+                elif part not in node:
+                    raise ConfigError(f"--set {key}: no key '{here}' in the config")
+                else:
+                    node = node[part]
             else:
-                if part not in node:
-                    raise ConfigError(f"--set {key}: no key '{'.'.join(parts[:j + 1])}' in the config")
-                node = node[part]
-        last = parts[-1]
-        if isinstance(node, list):
-            node[int(last)] = value
-        else:
-            node[last] = value
+                raise ConfigError(f"--set {key}: '{'.'.join(parts[:j])}' is a value ({node!r}), not an object or "
+                                  f"a list; set '{'.'.join(parts[:j])}=...' instead")
     return out
 
 

@@ -67,24 +67,49 @@ class JobData:
         return Rows(ds, train), Rows(ds, held)
 
 
+def check_data_path(job: JobConfig) -> None:
+    """A ``job.data.path`` without ``inputs`` must hold prepared data: the job never fills a
+    directory the user named with the embedded corpus (a mistyped path would train on Python's
+    documentation and exit 0)."""
+    from data_pipeline.prepare import SHARDS_DIR, TOKENIZER_FILE
+
+    cfg = job.data
+    if not cfg.path or cfg.inputs or cfg.prepare:
+        return
+    out = Path(cfg.path)
+    if not out.is_dir():
+        raise ConfigError(f"job.data.path: {out} does not exist. Prepare it first (vrgd-data prepare {out} "
+                          "'corpus/*.txt'), list raw files in job.data.inputs to have the job prepare them there "
+                          "(job.data.prepare: true for the embedded corpus), or set job.data.path to null for the "
+                          "embedded corpus in the run directory")
+    missing = [name for name in (TOKENIZER_FILE, f"{SHARDS_DIR}/manifest.json") if not (out / name).is_file()]
+    if missing:
+        raise ConfigError(f"job.data.path: {out} holds no prepared data (no {' or '.join(missing)}). Prepare it "
+                          f"with vrgd-data prepare {out} 'corpus/*.txt', or list raw files in job.data.inputs to "
+                          "have the job prepare them there (job.data.prepare: true for the embedded corpus)")
+
+
 def prepare_data(job: JobConfig, run_dir: Path, rank: int, barrier: Any, seq_lens: list[int]) -> JobData:
     """Opens (rank 0 first prepares) the job's data; every rank returns the same view."""
     from data_pipeline.prepare import SAMPLES_DIR, SHARDS_DIR, TOKENIZER_FILE, prepare
 
     cfg = job.data
     out = Path(cfg.path) if cfg.path else run_dir / "data"
+    check_data_path(job)
     if rank == 0 and cfg.path and not cfg.inputs and (out / TOKENIZER_FILE).is_file():
         # A directory prepared beforehand (vrgd-data prepare): use its tokenizer and shards as
         # they are; only sample indices for this job's seed / lengths are added if missing.
         from data_pipeline.samples import build_sample_index
 
         corpus = ShardedCorpus(out / SHARDS_DIR, verify="size")
+        corpus.check_token_ids()
         for n in seq_lens:
             build_sample_index(corpus, n, job.seed, out / SAMPLES_DIR, next_sentence=cfg.next_sentence)
     elif rank == 0:  # idempotent: checks and reuses what an earlier start built
         prepare(out, inputs=cfg.inputs or None, format=cfg.format, vocab_size=cfg.vocab_size,
                 seq_lens=tuple(seq_lens), seed=job.seed, workers=cfg.prepare_workers, progress=True,
                 next_sentence=cfg.next_sentence)
+        ShardedCorpus(out / SHARDS_DIR, verify="size").check_token_ids()
     barrier()
     corpus = ShardedCorpus(out / SHARDS_DIR, verify="size")
     tokenizer = Tokenizer.load(out / TOKENIZER_FILE)

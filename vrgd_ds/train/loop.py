@@ -13,15 +13,33 @@ from the DeepSpeed checkpoint; the data position is the per-phase ``consumed_sam
 client state (the sampler is rebuilt from it); the torch RNG (dropout) is re-seeded from
 ``(seed, step, rank)`` at every step, so no generator state has to be carried over. A run
 stopped after step N and resumed therefore repeats the uninterrupted run's losses (fp32).
+
+Failure handling (each case ends the job with a message naming the key, file, rank or step):
+
+* a bad config (optimizer block, ``--set`` path, data path) fails before any work, once, on the
+  first rank (exit ``EXIT_CONFIG``);
+* a checkpoint counts once every rank has written it (``checkpoints``): resuming takes the
+  newest complete one and names the broken ones it passed over; a save first checks the free
+  space and names the path when the disk is full;
+* ``job.stop_after_skipped_steps`` consecutive skipped steps (non-finite gradients, fp16
+  overflow) stop the run (exit ``EXIT_DIVERGED``); the rotation keeps the last checkpoint
+  taken before the skips began;
+* a rank without progress for ``job.timeout_minutes`` ends the job, naming the stalled rank
+  (``watchdog``, exit 3); collectives time out after the same time;
+* ``SIGUSR1`` (Slurm's ``--signal=USR1@120`` before a time limit or pre-emption): every rank
+  finishes its step, the job takes a checkpoint and exits ``EXIT_REQUEUE`` so the batch script
+  requeues it; the requeued job resumes from that checkpoint.
 """
 from __future__ import annotations
 
 import argparse
+import datetime
 import json
 import logging
 import math
 import os
-import shutil
+import signal
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -30,15 +48,31 @@ import torch
 
 import vrgd_ds
 from vrgd_ds.ds import shm
+from vrgd_ds.train import checkpoints as ckpt
 from vrgd_ds.train.config import ConfigError, JobConfig, deepspeed_config, gradient_accumulation, load_config
-from vrgd_ds.train.data import JobData, eval_batches, loader, prepare_data
+from vrgd_ds.train.data import JobData, check_data_path, eval_batches, loader, prepare_data
 from vrgd_ds.train.model import build_model
 from vrgd_ds.train.schedule import PhaseSchedule
+from vrgd_ds.train.watchdog import Watchdog
 
 logger = logging.getLogger(__name__)
 
 CHECKPOINTS = "checkpoints"
 STATE_KEY = "vrgd_job"
+
+EXIT_CONFIG = 2  # a configuration or data error found before training
+EXIT_DIVERGED = 4  # job.stop_after_skipped_steps consecutive steps skipped
+EXIT_NO_SPACE = 5  # not enough disk space for a checkpoint
+EXIT_REQUEUE = 75  # checkpointed on SIGUSR1: requeue the job (EX_TEMPFAIL)
+PREEMPT_SIGNAL = signal.SIGUSR1
+
+
+class Diverged(RuntimeError):
+    """Too many consecutive skipped steps."""
+
+
+class Preempted(Exception):
+    """The job took a checkpoint on ``PREEMPT_SIGNAL`` and should be requeued."""
 
 
 def _seed_step(seed: int, step: int, rank: int) -> None:
@@ -57,9 +91,13 @@ class Trainer:
 
         self.raw, self.job, self.run_dir = raw, job, run_dir
         cuda = torch.cuda.is_available()
-        deepspeed.init_distributed(dist_backend=backend or ("nccl" if cuda else "gloo"), auto_mpi_discovery=True)
+        deepspeed.init_distributed(dist_backend=backend or ("nccl" if cuda else "gloo"), auto_mpi_discovery=True,
+                                   timeout=datetime.timedelta(minutes=job.timeout_minutes))
         self.dist = dist
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
+        self.watchdog = Watchdog(run_dir, self.rank, self.world, job.timeout_minutes * 60).start()
+        self.preempt_requested = False
+        signal.signal(PREEMPT_SIGNAL, self._on_preempt_signal)
         dist.barrier()  # every rank has mapped its peers' shared memory (CPU accelerator)
         shm.unlink_own_segment(self.rank)
         if cuda:
@@ -84,6 +122,17 @@ class Trainer:
         self.step = 0
         self.consumed = [0] * len(job.phases)
         self.evals: list[dict[str, float]] = []
+        self.skip_streak_from: int | None = None  # steps completed before the current run of skipped steps
+        self.watchdog.beat(0, "set-up")
+
+    def _on_preempt_signal(self, signum, frame) -> None:  # noqa: ARG002 (signal handler signature)
+        self.preempt_requested = True
+
+    def _any_rank(self, flag: bool) -> bool:
+        """True on every rank if ``flag`` is true on any (one small all-reduce)."""
+        t = torch.tensor([1.0 if flag else 0.0], device=self.device)
+        self.dist.all_reduce(t, op=self.dist.ReduceOp.MAX)
+        return bool(t.item() > 0)
 
     # -- checkpoints ---------------------------------------------------------------------------
 
@@ -92,30 +141,92 @@ class Trainer:
         return self.run_dir / CHECKPOINTS
 
     def resume(self) -> bool:
-        if not (self.ckpt_dir / "latest").is_file():
+        """Loads the newest complete checkpoint (``checkpoints``); broken newer ones are named
+        and passed over. No checkpoint at all: a fresh start."""
+        if not ckpt.tags(self.ckpt_dir):
             return False
-        path, client = self.engine.load_checkpoint(str(self.ckpt_dir))
-        if path is None or STATE_KEY not in (client or {}):
-            raise RuntimeError(f"{self.ckpt_dir}: the latest checkpoint could not be loaded or holds no job state; "
-                               "remove the directory to start afresh")
+        failed: list[str] = []
+        reported: set[str] = set()
+        while True:
+            choice = ckpt.choose(self.ckpt_dir, tuple(failed))
+            for why in choice.skipped:
+                if self.rank == 0 and why not in reported:
+                    logger.warning("skipping checkpoint %s", why)
+                reported.add(why)
+            if choice.tag is None:
+                raise ConfigError(f"{self.ckpt_dir}: no complete checkpoint to resume from ({'; '.join(choice.skipped)}). "
+                                  "Move the directory away to start afresh (or restore the files)")
+            try:
+                path, client = self.engine.load_checkpoint(str(self.ckpt_dir), tag=choice.tag)
+                ok = path is not None and STATE_KEY in (client or {})
+            except Exception as e:  # a file that passed the size check but does not load
+                logger.warning("rank %d: checkpoint %s does not load: %s", self.rank, choice.tag, e)
+                ok = False
+            if not self._any_rank(not ok):
+                break
+            failed.append(choice.tag)
         state = client[STATE_KEY]
         if state["world_size"] != self.world and self.engine.zero_optimization_stage() > 0:
             raise ConfigError(f"{path}: saved on {state['world_size']} ranks, resumed on {self.world}: ZeRO "
                               "partitions differ. Convert it with python -m vrgd_ds.ds.universal first")
         self.step, self.consumed, self.evals = state["step"], list(state["consumed"]), list(state["evals"])
+        self.skip_streak_from = state.get("skip_streak_from")
         if self.rank == 0:
             logger.info("resumed from %s at step %d", path, self.step)
+        self.watchdog.beat(self.step, "resume")
         return True
 
+    def _checkpoint_bytes(self) -> int:
+        """About how many bytes the next checkpoint needs: the last complete one's size, else
+        an estimate from the module and every rank's optimizer state (fp32 partitions + state)."""
+        done = [t for t in ckpt.tags(self.ckpt_dir) if ckpt.problem(self.ckpt_dir, t) is None]
+        if done:
+            return int(ckpt.size_of(self.ckpt_dir, done[-1]) * 1.05) + (1 << 20)
+        opt = self.optimizer
+        local = sum(t.numel() * t.element_size() for st in opt.state.values() for t in st.values() if torch.is_tensor(t))
+        local += sum(p.numel() * 4 for g in opt.param_groups for p in g["params"])  # fp32 master partitions
+        total = torch.tensor([float(local)], dtype=torch.float64, device=self.device)
+        self.dist.all_reduce(total)
+        module = sum(p.numel() * p.element_size() for p in self.engine.module.parameters())
+        return int((float(total[0]) + module) * 1.1) + (1 << 20)
+
     def save(self) -> None:
-        tag = f"step{self.step:08d}"
-        state = {"step": self.step, "consumed": self.consumed, "evals": self.evals, "world_size": self.world}
-        self.engine.save_checkpoint(str(self.ckpt_dir), tag=tag, client_state={STATE_KEY: state})
-        self.dist.barrier()
+        tag = ckpt.tag_of(self.step)
+        need = self._checkpoint_bytes()
+        short = None
         if self.rank == 0:
-            tags = sorted(p for p in self.ckpt_dir.glob("step*") if p.is_dir())
-            for old in tags[:-self.job.keep_checkpoints]:
-                shutil.rmtree(old, ignore_errors=True)
+            try:
+                self.ckpt_dir.mkdir(parents=True, exist_ok=True)
+                ckpt.check_space(self.ckpt_dir, need)
+            except ckpt.NoSpace as e:
+                short = str(e)
+        if self._any_rank(short is not None):
+            raise ckpt.NoSpace(short or f"no space left on {self.ckpt_dir} for the next checkpoint (see rank 0)")
+        state = {"step": self.step, "consumed": self.consumed, "evals": self.evals, "world_size": self.world,
+                 "skip_streak_from": self.skip_streak_from}
+        try:
+            self.engine.save_checkpoint(str(self.ckpt_dir), tag=tag, client_state={STATE_KEY: state},
+                                        save_latest=False)
+        except Exception as e:
+            if ckpt.is_disk_full(e):
+                raise ckpt.NoSpace(f"no space left on {self.ckpt_dir} while writing {tag} (need about "
+                                   f"{need / 2**20:,.0f} MB); the previous checkpoint is intact") from e
+            raise
+        self.dist.barrier()  # every rank's files are written (DeepSpeed's closing barrier too)
+        if self.rank == 0:
+            ckpt.mark_complete(self.ckpt_dir, tag, self.step)
+            protect = None
+            if self.skip_streak_from is not None:
+                before = [t for t in ckpt.tags(self.ckpt_dir) if ckpt.step_of(t) <= self.skip_streak_from
+                          and ckpt.problem(self.ckpt_dir, t) is None]
+                protect = before[-1] if before else None
+            deleted = ckpt.rotate(self.ckpt_dir, self.job.keep_checkpoints, protect)
+            if protect is not None and protect not in deleted and (self.ckpt_dir / protect).exists():
+                logger.warning("keeping checkpoint %s beyond keep_checkpoints=%d: it is the last one before the "
+                               "skipped steps that began at step %d", protect, self.job.keep_checkpoints,
+                               self.skip_streak_from + 1)
+        self.dist.barrier()
+        self.watchdog.beat(self.step, "checkpoint")
 
     # -- evaluation ----------------------------------------------------------------------------
 
@@ -137,6 +248,7 @@ class Trainer:
         sums = sums.to(self.device)
         self.dist.all_reduce(sums)
         self.engine.train()
+        self.watchdog.beat(self.step, "evaluation")
         count = max(float(sums[2]), 1.0)
         return {"eval/mlm_loss": float(sums[0]) / count, "eval/mlm_acc": float(sums[1]) / count,
                 "eval/tokens": float(sums[2])}
@@ -187,6 +299,27 @@ class Trainer:
             sinks.close()
         return {"before": self.evals[0], "after": self.evals[-1], "steps": self.step}
 
+    def _after_step(self, skipped: bool) -> None:
+        """Counts consecutive skipped steps; stops a diverged run."""
+        if not skipped:
+            self.skip_streak_from = None
+            return
+        if self.skip_streak_from is None:
+            self.skip_streak_from = self.step - 1
+            if self.rank == 0:
+                logger.warning("step %d skipped (non-finite gradients or fp16 overflow); the job stops after %d in a "
+                               "row (job.stop_after_skipped_steps)", self.step, self.job.stop_after_skipped_steps)
+        streak = self.step - self.skip_streak_from
+        if streak >= self.job.stop_after_skipped_steps:
+            kept = [t for t in ckpt.tags(self.ckpt_dir) if ckpt.step_of(t) <= self.skip_streak_from
+                    and ckpt.problem(self.ckpt_dir, t) is None]
+            where = (f"the last checkpoint before them is {self.ckpt_dir / kept[-1]} (kept by the rotation)" if kept
+                     else "no checkpoint was taken before them")
+            raise Diverged(f"the run diverged: {streak} consecutive optimizer steps ({self.skip_streak_from + 1}-"
+                           f"{self.step}) were skipped on non-finite gradients or fp16 overflow "
+                           f"(job.stop_after_skipped_steps={self.job.stop_after_skipped_steps}); {where}. Lower the "
+                           "learning rate or the warmup's peak, then start again from that checkpoint")
+
     def _run_phase(self, index: int, phase_end: int, sinks, bar, held, gsnr_on: bool) -> None:
         from data_pipeline.sampler import PretrainingSampler
 
@@ -207,6 +340,7 @@ class Trainer:
                 g["lr"] = lr
             t0 = time.perf_counter()
             data_time, loss_sum, tokens = 0.0, 0.0, 0
+            skipped_before = self.optimizer.skipped_steps
             for j in range(gas):
                 td = time.perf_counter()
                 batch = next(batches)
@@ -217,6 +351,7 @@ class Trainer:
                 self.engine.backward(loss)
                 self.engine.step()
                 loss_sum += float(loss.detach())
+            skipped = self.optimizer.skipped_steps > skipped_before
             if self.device.type == "cuda":
                 torch.cuda.synchronize()
             step_time = time.perf_counter() - t0
@@ -245,13 +380,29 @@ class Trainer:
                 bar.set_postfix(loss=f"{loss_mean:.3f}", tok_s=f"{tok / step_time:,.0f}", step_s=f"{step_time:.2f}",
                                 phase=index, refresh=False)
             bar.update(1)
-            if not math.isfinite(loss_sum):
+            self.watchdog.beat(self.step)
+            if not math.isfinite(loss_sum) and not skipped and self.rank == 0:
                 logger.warning("non-finite training loss at step %d", self.step)
+            self._after_step(skipped)
             if self.job.checkpoint_every and self.step % self.job.checkpoint_every == 0:
                 self.save()
+            if self._any_rank(self.preempt_requested):
+                self.save()
+                raise Preempted(f"checkpoint {ckpt.tag_of(self.step)} taken on {signal.Signals(PREEMPT_SIGNAL).name}")
+
+
+def _launch_rank() -> int:
+    """This process's rank as the launcher set it (before the process group exists)."""
+    for var in ("RANK", "OMPI_COMM_WORLD_RANK", "PMI_RANK", "SLURM_PROCID"):
+        if os.environ.get(var, "").isdigit():
+            return int(os.environ[var])
+    return 0
 
 
 def main(argv: list[str] | None = None) -> int:
+    from vrgd_ds.ds.config import check_config
+    from vrgd_ds.ds.integration import UnsupportedConfiguration
+
     ap = argparse.ArgumentParser(prog="vrgd-pretrain", description="BERT pretraining with VRGD optimizers under "
                                  "DeepSpeed (launch with deepspeed, torchrun, mpirun or srun).")
     ap.add_argument("--config", required=True, help="DeepSpeed JSON config with a 'job' block (see configs/)")
@@ -264,13 +415,38 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--local_rank", "--local-rank", type=int, default=None, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    try:
+    first = _launch_rank() == 0
+    try:  # everything that can be checked without a process group, before any work
         raw, job = load_config(args.config, args.set)
-    except ConfigError as e:
-        ap.exit(2, f"error: {e}\n")
+        check_config(raw)
+        check_data_path(job)
+    except (ConfigError, UnsupportedConfiguration) as e:
+        if first:
+            print(f"vrgd-pretrain: error: {args.config}: {e}", file=sys.stderr, flush=True)
+        return EXIT_CONFIG
     run_dir = Path(args.run_dir)
-    trainer = Trainer(raw, job, run_dir, args.backend)
-    result = trainer.train()
+    trainer = None
+    try:
+        trainer = Trainer(raw, job, run_dir, args.backend)
+        result = trainer.train()
+    except (ConfigError, UnsupportedConfiguration) as e:
+        if trainer is None or trainer.rank == 0:
+            print(f"vrgd-pretrain: error: {e}", file=sys.stderr, flush=True)
+        return EXIT_CONFIG
+    except Diverged as e:
+        if trainer.rank == 0:
+            print(f"vrgd-pretrain: error: {e}", file=sys.stderr, flush=True)
+        return EXIT_DIVERGED
+    except ckpt.NoSpace as e:
+        print(f"vrgd-pretrain: error: {e}", file=sys.stderr, flush=True)
+        return EXIT_NO_SPACE
+    except Preempted as e:
+        if trainer.rank == 0:
+            print(f"vrgd-pretrain: {e}; exiting {EXIT_REQUEUE} to be requeued (it resumes from there)", flush=True)
+        return EXIT_REQUEUE
+    finally:
+        if trainer is not None:
+            trainer.watchdog.stop()
     if trainer.rank == 0:
         plots = []
         try:
@@ -286,6 +462,7 @@ def main(argv: list[str] | None = None) -> int:
         if plots:
             print(f"plots:      {plots[0].parent}")
         print(f"checkpoint: {run_dir / CHECKPOINTS} (latest: "
-              f"{(run_dir / CHECKPOINTS / 'latest').read_text().strip()})", flush=True)
+              f"{(run_dir / CHECKPOINTS / ckpt.LATEST).read_text().strip()})", flush=True)
     trainer.dist.barrier()
+    trainer.dist.destroy_process_group()  # leave together: a rank exiting alone can die in gloo's teardown
     return 0

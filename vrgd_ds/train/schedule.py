@@ -1,14 +1,25 @@
 """Learning rate per phase: linear warmup, then polynomial decay to zero.
 
 ``lr(t) = peak · (t + 1)/w`` for ``t < w``, then ``peak · (1 - (t - w)/(T - w))^power``, with
-``t`` the step within the phase, ``T`` its steps and ``w = warmup_fraction · T``: the shape of
+``t`` the step within the phase, ``T`` its steps and ``w = ⌈warmup_fraction · T⌉`` whole steps
+(a fractional ``w`` would put the last warmup step above the peak: ``(t + 1)/w > 1``). The
+largest rate of a phase is therefore exactly its peak, reached at the last warmup step
+(the first step when there is no warmup). The shape of
 NVIDIA's BERT LAMB recipe (DeepLearningExamples ``PyTorch/LanguageModeling/BERT/schedulers.py``,
 ``PolyWarmUpScheduler``, power 0.5), with the decay measured from the end of warmup so the
 rate is continuous there. It is a pure function of the global step: resuming needs only the step.
 """
 from __future__ import annotations
 
+import math
+
 from vrgd_ds.train.config import JobConfig
+
+
+def warmup_steps(fraction: float, total: int) -> int:
+    """Whole warmup steps: ``⌈fraction · total⌉`` (a product a rounding error above a whole number,
+    e.g. 0.1 · 30, counts as that number)."""
+    return min(total, math.ceil(fraction * total - 1e-9))
 
 
 class PhaseSchedule:
@@ -32,7 +43,7 @@ class PhaseSchedule:
         """Learning rate of the optimizer step that follows ``step`` completed steps."""
         i, t = self.phase_of(step)
         p, total = self.phases[i], self.steps[i]
-        warmup = p.warmup_fraction * total
+        warmup = warmup_steps(p.warmup_fraction, total)
         if t < warmup:
-            return p.lr * (t + 1) / warmup
+            return p.lr * ((t + 1) / warmup)  # the ratio first: exactly 1 at the last warmup step
         return p.lr * max(0.0, 1.0 - (t - warmup) / max(total - warmup, 1.0)) ** p.decay_power

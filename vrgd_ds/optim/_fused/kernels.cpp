@@ -332,6 +332,16 @@ __attribute__((noinline)) void lamb_apply_chunk(const G scale, scalar_t* __restr
   }
 }
 
+// 0 if every element is finite, else NaN: x * 0 is NaN exactly for inf and NaN, and a NaN
+// survives the sum (no fast-math: see the build flags).
+template <typename scalar_t>
+__attribute__((noinline)) float nonfinite_chunk(const scalar_t* __restrict x, int64_t n) {
+  float acc = 0.f;
+  _Pragma("omp simd reduction(+ : acc)")
+  for (int64_t i = 0; i < n; ++i) acc += float(x[i]) * 0.f;
+  return acc;
+}
+
 template <typename scalar_t>
 __attribute__((noinline)) void accumulate_chunk(const scalar_t* __restrict g, float* __restrict a,
                                                 float* __restrict q, int64_t n, bool fresh) {
@@ -569,6 +579,27 @@ void lamb_apply(const std::vector<at::Tensor>& params, const std::vector<at::Ten
   });
 }
 
+// Per segment 1.0 where the tensors hold an inf or NaN, else 0.0: the step's check of the
+// gradients it is about to apply (they may differ from the statistics: a hook that clips or
+// rewrites .grad after backward, low-precision accumulation that overflowed).
+at::Tensor nonfinite(const std::vector<at::Tensor>& tensors, const at::Tensor& seg) {
+  check_list(tensors, tensors.size(), "tensors", false);
+  const auto chunks = make_chunks(seg);
+  std::vector<double> part(chunks.size(), 0.0);
+  if (!tensors.empty()) {
+    AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, tensors[0].scalar_type(), "nonfinite", [&] {
+      for_chunks(chunks, [&](int64_t ci, const Chunk& c) {
+        part[ci] = std::isnan(nonfinite_chunk(tensors[c.tensor].data_ptr<scalar_t>() + c.begin, c.end - c.begin))
+                       ? 1.0 : 0.0;
+      });
+    });
+  }
+  auto out = at::zeros({seg.size(0)}, at::kDouble);
+  auto a = out.accessor<double, 1>();
+  for (size_t ci = 0; ci < chunks.size(); ++ci) a[chunks[ci].seg] = std::max(a[chunks[ci].seg], part[ci]);
+  return out;
+}
+
 // One backward's gradient into fp32 statistics: fresh: sum_g = g, sum_sq = g^2;
 // else sum_g += g, sum_sq += g^2. Squares are taken in fp32.
 //
@@ -629,6 +660,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("lamb_apply", &lamb_apply, arg("params"), arg("exp_avg"), arg("exp_avg_sq"), arg("sum_g"), arg("sum_sq"),
         arg("avg"), arg("seg"), arg("segf"), arg("inv_n"), arg("eps_gsnr"), arg("beta3"), arg("lr"), arg("eps"),
         arg("weight_decay"));
+  m.def("nonfinite", &nonfinite, arg("tensors"), arg("seg"));
   m.def("accumulate_moments", &accumulate_moments, arg("grad"), arg("sum_g"), arg("sum_sq"), arg("fresh"),
         arg("inv_n") = 0.0, arg("eps") = 0.0);
 }

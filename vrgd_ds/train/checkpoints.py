@@ -1,0 +1,149 @@
+"""The job's checkpoint directory: which checkpoints are complete, which one to resume from,
+which ones to delete, and whether the next one fits on the disk.
+
+DeepSpeed 0.19.8 writes ``latest`` from rank 0 right after rank 0's own files, without waiting
+for the other ranks' (``DeepSpeedEngine.save_checkpoint``), and ``torch.save`` writes in place:
+a job killed while saving can leave ``latest`` naming a checkpoint whose other files are cut
+short. So the job saves with ``save_latest=False`` and, once every rank has returned from the
+save (DeepSpeed's closing barrier), rank 0 records the checkpoint as complete:
+
+    <dir>/<tag>/vrgd_complete.json    {"tag", "step", "files": {relative path: bytes}}
+    <dir>/latest                      the tag, written atomically (temporary file + rename)
+
+A checkpoint counts only with its marker, and only if every file the marker lists is there with
+its size. Resuming takes the newest such checkpoint; newer ones that are incomplete or broken
+are reported by name and skipped (and left on disk for inspection).
+
+Everything here is filesystem work on the directory every rank sees; no collectives.
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+
+MARKER = "vrgd_complete.json"
+LATEST = "latest"
+_TAG = re.compile(r"^step(\d{8})$")
+
+
+def tag_of(step: int) -> str:
+    return f"step{step:08d}"
+
+
+def step_of(tag: str) -> int | None:
+    m = _TAG.match(tag)
+    return int(m.group(1)) if m else None
+
+
+def _atomic_write(path: Path, text: str) -> None:
+    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+    with open(tmp, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def mark_complete(ckpt_dir: Path, tag: str, step: int) -> None:
+    """Rank 0, after every rank's files are written: the marker, then ``latest``."""
+    root = ckpt_dir / tag
+    files = {str(p.relative_to(root)): p.stat().st_size for p in sorted(root.rglob("*"))
+             if p.is_file() and p.name != MARKER}
+    if not files:
+        raise RuntimeError(f"{root}: the checkpoint wrote no files")
+    _atomic_write(root / MARKER, json.dumps({"tag": tag, "step": step, "files": files}, indent=1))
+    _atomic_write(ckpt_dir / LATEST, tag)
+
+
+def problem(ckpt_dir: Path, tag: str) -> str | None:
+    """Why ``tag`` cannot be resumed from, or ``None`` if it is complete."""
+    root = ckpt_dir / tag
+    marker = root / MARKER
+    if not marker.is_file():
+        return f"{root}: incomplete (no {MARKER}: the save did not finish on every rank)"
+    try:
+        files = json.loads(marker.read_text())["files"]
+    except (OSError, ValueError, KeyError) as e:
+        return f"{marker}: unreadable ({e})"
+    for rel, size in files.items():
+        path = root / rel
+        if not path.is_file():
+            return f"{path}: missing"
+        got = path.stat().st_size
+        if got != size:
+            return f"{path}: {got} bytes, {size} when it was written (truncated or overwritten)"
+    return None
+
+
+@dataclass
+class Choice:
+    tag: str | None  # the checkpoint to resume from (None: none is complete)
+    skipped: list[str]  # what was passed over, newest first, with the reason
+
+
+def tags(ckpt_dir: Path) -> list[str]:
+    """The job's checkpoint tags, oldest first."""
+    if not ckpt_dir.is_dir():
+        return []
+    found = [p.name for p in ckpt_dir.iterdir() if p.is_dir() and step_of(p.name) is not None]
+    return sorted(found, key=step_of)
+
+
+def choose(ckpt_dir: Path, exclude: tuple[str, ...] = ()) -> Choice:
+    """The newest complete checkpoint; ``exclude``: tags that failed to load."""
+    skipped = []
+    for tag in reversed(tags(ckpt_dir)):
+        why = f"{ckpt_dir / tag}: failed to load" if tag in exclude else problem(ckpt_dir, tag)
+        if why is None:
+            return Choice(tag, skipped)
+        skipped.append(why)
+    return Choice(None, skipped)
+
+
+def rotate(ckpt_dir: Path, keep: int, protect: str | None = None) -> list[str]:
+    """Deletes complete checkpoints beyond the newest ``keep``, never ``protect`` (the last one
+    before a run of skipped steps) and never an incomplete one (kept for inspection, and not
+    counted). Returns the deleted tags."""
+    complete = [t for t in tags(ckpt_dir) if problem(ckpt_dir, t) is None]
+    deleted = []
+    for tag in complete[:-keep] if keep > 0 else complete:
+        if tag == protect:
+            continue
+        shutil.rmtree(ckpt_dir / tag, ignore_errors=True)
+        deleted.append(tag)
+    return deleted
+
+
+def size_of(ckpt_dir: Path, tag: str) -> int:
+    """Bytes of a checkpoint's files."""
+    return sum(p.stat().st_size for p in (ckpt_dir / tag).rglob("*") if p.is_file())
+
+
+class NoSpace(OSError):
+    """Not enough free space for a checkpoint (the message names the path and the sizes)."""
+
+
+def check_space(ckpt_dir: Path, need_bytes: int) -> None:
+    """Raises ``NoSpace`` unless ``ckpt_dir``'s filesystem has ``need_bytes`` free."""
+    probe = ckpt_dir if ckpt_dir.exists() else ckpt_dir.parent
+    while not probe.exists():
+        probe = probe.parent
+    free = shutil.disk_usage(probe).free
+    if free < need_bytes:
+        raise NoSpace(f"no space left on {ckpt_dir} for the next checkpoint: need about {need_bytes / 2**20:,.0f} MB, "
+                      f"{free / 2**20:,.0f} MB free. Free space there, lower job.keep_checkpoints, or point "
+                      "--run-dir at a larger filesystem")
+
+
+def is_disk_full(exc: BaseException) -> bool:
+    """torch.save on a full disk raises ``RuntimeError: ... unexpected pos ...`` or ``OSError`` ENOSPC."""
+    for e in (exc, exc.__cause__, exc.__context__):
+        if isinstance(e, OSError) and e.errno == 28:
+            return True
+        if isinstance(e, RuntimeError) and ("unexpected pos" in str(e) or "No space left" in str(e)):
+            return True
+    return False

@@ -1,0 +1,112 @@
+"""Step watchdog: a rank that makes no progress for ``timeout`` seconds ends the job with a
+message naming the rank(s) that stopped and the step.
+
+Every rank keeps a heartbeat file ``<run dir>/heartbeat/rank<r>``: its last progress (a step,
+an evaluation, a checkpoint, with the step and the time) and an ``alive`` time that a thread of
+the process refreshes every poll interval. When a rank has seen no progress of its own for
+``timeout`` seconds, it reads every heartbeat and names the ranks whose ``alive`` time stopped
+(the process is stopped, hung holding the interpreter, or gone: SIGSTOP, a hung device, a dead
+node) or, if all are alive, the ranks at the lowest step; then it exits with ``EXIT_STALLED``
+and the launcher (deepspeed, torchrun, srun, mpirun) ends the other ranks. A stalled rank
+cannot report on itself, which is why every rank reports on all of them.
+
+The collective timeout given to process-group creation (``job.timeout_minutes``) is the second
+line: a rank blocked in a collective whose peer is gone raises after that long.
+"""
+from __future__ import annotations
+
+import faulthandler
+import json
+import logging
+import os
+import socket
+import sys
+import threading
+import time
+from pathlib import Path
+
+logger = logging.getLogger(__name__)
+
+EXIT_STALLED = 3
+BACKSTOP_S = 60.0  # after the timeout, how long the thread may take before faulthandler ends the process
+
+
+class Watchdog:
+    def __init__(self, run_dir: Path, rank: int, world: int, timeout_s: float, poll_s: float | None = None) -> None:
+        self.dir = run_dir / "heartbeat"
+        self.rank, self.world, self.timeout = rank, world, timeout_s
+        self.poll = poll_s if poll_s is not None else min(10.0, max(timeout_s / 20, 0.05))
+        self.dir.mkdir(parents=True, exist_ok=True)
+        self._last = time.monotonic()
+        self._progress = {"step": 0, "what": "start", "time": time.time()}
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._watch, name="vrgd-watchdog", daemon=True)
+
+    def start(self) -> "Watchdog":
+        self.beat(0, "start")
+        self._thread.start()
+        return self
+
+    def beat(self, step: int, what: str = "step") -> None:
+        """Progress: ``what`` finished at ``step``."""
+        with self._lock:
+            self._last = time.monotonic()
+            self._progress = {"step": step, "what": what, "time": time.time()}
+        # The backstop, should this process hold the interpreter lock while stuck (a C call that
+        # never returns): faulthandler's own thread dumps every thread's stack and exits.
+        faulthandler.dump_traceback_later(self.timeout + BACKSTOP_S, exit=True)
+        self._write()
+
+    def _write(self) -> None:
+        with self._lock:
+            record = {"rank": self.rank, **self._progress, "alive": time.time(), "host": socket.gethostname(),
+                      "pid": os.getpid()}
+        tmp = self.dir / f".rank{self.rank}.tmp"
+        tmp.write_text(json.dumps(record))
+        os.replace(tmp, self.dir / f"rank{self.rank}")
+
+    def stop(self) -> None:
+        self._stop.set()
+        faulthandler.cancel_dump_traceback_later()
+
+    def report(self) -> str:
+        """Which ranks hold the job up: silent ones first, else the ones at the lowest step."""
+        now = time.time()
+        beats = {}
+        for r in range(self.world):
+            try:
+                beats[r] = json.loads((self.dir / f"rank{r}").read_text())
+            except (OSError, ValueError):
+                beats[r] = None
+        missing = [r for r, b in beats.items() if b is None]
+        silent = sorted(r for r, b in beats.items() if b is not None and now - b["alive"] > 3 * self.poll + 1.0)
+        parts = []
+        if missing:
+            parts.append(f"rank(s) {', '.join(map(str, missing))} never reported")
+        for r in silent:
+            b = beats[r]
+            parts.append(f"rank {r} ({b['host']}, pid {b['pid']}) unresponsive for {now - b['alive']:.0f} s "
+                         f"(stopped, hung or gone), last finished {b['what']} at step {b['step']}")
+        if not parts:
+            seen = {r: b for r, b in beats.items() if b is not None}
+            lowest = min(b["step"] for b in seen.values())
+            for r in sorted(r for r, b in seen.items() if b["step"] == lowest):
+                b = seen[r]
+                parts.append(f"rank {r} ({b['host']}, pid {b['pid']}) alive but at step {b['step']} since "
+                             f"{now - b['time']:.0f} s (last finished {b['what']})")
+        return "; ".join(parts)
+
+    def _watch(self) -> None:
+        while not self._stop.wait(self.poll):
+            self._write()
+            idle = time.monotonic() - self._last
+            if idle < self.timeout:
+                continue
+            step, what = self._progress["step"], self._progress["what"]
+            msg = (f"vrgd-pretrain: rank {self.rank} made no progress for {idle:.0f} s (job.timeout_minutes) after "
+                   f"{what} at step {step}: {self.report()}. Ending the job (exit {EXIT_STALLED}); started again, it "
+                   "resumes from the last complete checkpoint")
+            logger.error("%s", msg)
+            print(msg, file=sys.stderr, flush=True)
+            os._exit(EXIT_STALLED)
