@@ -118,6 +118,21 @@ def test_full_verify_detects_a_flipped_byte(written, tmp_path):
         ShardedCorpus(path, verify="full")
 
 
+def test_token_id_outside_the_vocabulary_names_the_shard(written, tmp_path):
+    """A high byte flipped in a token passes the size check; before the range check it crashed the
+    job at its first evaluation with ``IndexError: index out of range in self`` and no file named."""
+    path = copy_dir(written.path, tmp_path / "ids")
+    victim = path / "shard_00001.tokens.npy"
+    data = bytearray(victim.read_bytes())
+    data[-5] |= 0xF0  # the high byte of a little-endian uint16 token: id >= 61440 > vocab
+    victim.write_bytes(bytes(data))
+    corpus = ShardedCorpus(path, verify="size")
+    with pytest.raises(DataError, match=r"shard_00001\.tokens\.npy holds token id \d+ at position \d+, outside the "
+                                        r"vocabulary \[0, \d+\)"):
+        corpus.check_token_ids()
+    ShardedCorpus(written.path).check_token_ids()  # the intact shards pass
+
+
 def test_missing_or_truncated_shard_names_the_file(written, tmp_path):
     path = copy_dir(written.path, tmp_path / "missing")
     (path / "shard_00002.documents.npy").unlink()

@@ -19,6 +19,7 @@ import faulthandler
 import json
 import logging
 import os
+import signal
 import socket
 import sys
 import threading
@@ -59,12 +60,12 @@ class Watchdog:
         self._write()
 
     def _write(self) -> None:
-        with self._lock:
+        with self._lock:  # the thread and the training loop both write: one temporary file at a time
             record = {"rank": self.rank, **self._progress, "alive": time.time(), "host": socket.gethostname(),
                       "pid": os.getpid()}
-        tmp = self.dir / f".rank{self.rank}.tmp"
-        tmp.write_text(json.dumps(record))
-        os.replace(tmp, self.dir / f"rank{self.rank}")
+            tmp = self.dir / f".rank{self.rank}.tmp"
+            tmp.write_text(json.dumps(record))
+            os.replace(tmp, self.dir / f"rank{self.rank}")
 
     def stop(self) -> None:
         self._stop.set()
@@ -72,6 +73,10 @@ class Watchdog:
 
     def report(self) -> str:
         """Which ranks hold the job up: silent ones first, else the ones at the lowest step."""
+        return self._examine()[0]
+
+    def _examine(self) -> tuple[str, list[int]]:
+        """(the report, the pids of silent ranks on this host)."""
         now = time.time()
         beats = {}
         for r in range(self.world):
@@ -88,6 +93,8 @@ class Watchdog:
             b = beats[r]
             parts.append(f"rank {r} ({b['host']}, pid {b['pid']}) unresponsive for {now - b['alive']:.0f} s "
                          f"(stopped, hung or gone), last finished {b['what']} at step {b['step']}")
+        here = socket.gethostname()
+        local_silent = [beats[r]["pid"] for r in silent if beats[r]["host"] == here and beats[r]["pid"] != os.getpid()]
         if not parts:
             seen = {r: b for r, b in beats.items() if b is not None}
             lowest = min(b["step"] for b in seen.values())
@@ -95,7 +102,7 @@ class Watchdog:
                 b = seen[r]
                 parts.append(f"rank {r} ({b['host']}, pid {b['pid']}) alive but at step {b['step']} since "
                              f"{now - b['time']:.0f} s (last finished {b['what']})")
-        return "; ".join(parts)
+        return "; ".join(parts), local_silent
 
     def _watch(self) -> None:
         while not self._stop.wait(self.poll):
@@ -104,9 +111,17 @@ class Watchdog:
             if idle < self.timeout:
                 continue
             step, what = self._progress["step"], self._progress["what"]
+            report, local_silent = self._examine()
             msg = (f"vrgd-pretrain: rank {self.rank} made no progress for {idle:.0f} s (job.timeout_minutes) after "
-                   f"{what} at step {step}: {self.report()}. Ending the job (exit {EXIT_STALLED}); started again, it "
+                   f"{what} at step {step}: {report}. Ending the job (exit {EXIT_STALLED}); started again, it "
                    "resumes from the last complete checkpoint")
             logger.error("%s", msg)
             print(msg, file=sys.stderr, flush=True)
+            # A stopped process ignores the launcher's SIGTERM (DeepSpeed's launcher then waits 30 s
+            # before its SIGKILL): end the silent ranks of this host at once.
+            for pid in local_silent:
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except OSError:
+                    pass
             os._exit(EXIT_STALLED)

@@ -1,0 +1,197 @@
+"""The pretraining job under failures, on 2 real CPU ranks (``deepspeed --num_gpus 2``, gloo):
+a diverged run, a broken newest checkpoint, a stalled rank, a killed rank, and the pre-emption
+signal. Each test says what the code before these changes did."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import launching
+import pytest
+
+pytestmark = pytest.mark.slow
+
+CONFIG = {
+    "optimizer": {"type": "VRLamb", "params": {"lr": 1e-3, "weight_decay": 0.01}},
+    "zero_optimization": {"stage": 2, "reduce_bucket_size": 200000},
+    "gradient_clipping": 1.0,
+    "job": {
+        "model": {"size": "tiny"},
+        "data": {"vocab_size": 2000, "eval_samples": 32},
+        "total_steps": 8,
+        "checkpoint_every": 2,
+        "telemetry": {"tensorboard": False},
+        "phases": [{"seq_len": 32, "fraction": 1.0, "global_batch": 16, "micro_batch": 4, "lr": 2e-3,
+                    "warmup_fraction": 0.25}],
+    },
+}
+TIMEOUT = 600
+
+
+def command(config: Path, run_dir: Path, *sets: str) -> list[str]:
+    deepspeed = Path(sys.executable).parent / "deepspeed"
+    cmd = [str(deepspeed), "--num_gpus", "2", "--master_port", str(launching.free_port()), "--module",
+           "vrgd_ds.train", "--config", str(config), "--run-dir", str(run_dir)]
+    for s in sets:
+        cmd += ["--set", s]
+    return cmd
+
+
+def records(run_dir: Path) -> dict[int, dict]:
+    out: dict[int, dict] = {}
+    for line in (run_dir / "metrics.jsonl").read_text().splitlines():
+        rec = json.loads(line)
+        out.setdefault(rec["step"], {}).update(rec)
+    return out
+
+
+@pytest.fixture(scope="module")
+def config(tmp_path_factory) -> Path:
+    """The config with a data directory prepared once for every test of the module."""
+    tmp = tmp_path_factory.mktemp("reliability")
+    data = tmp / "data"
+    subprocess.run([sys.executable, "-m", "data_pipeline", "prepare", str(data), "--vocab-size", "2000",
+                    "--seq-len", "32", "--no-progress"], check=True, capture_output=True, timeout=TIMEOUT)
+    cfg = json.loads(json.dumps(CONFIG))
+    cfg["job"]["data"]["path"] = str(data)
+    path = tmp / "config.json"
+    path.write_text(json.dumps(cfg))
+    return path
+
+
+def wait_for(pred, proc: subprocess.Popen, timeout: float = TIMEOUT) -> None:
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        if pred():
+            return
+        if proc.poll() is not None:
+            raise AssertionError(f"the job ended (rc={proc.returncode}) before the condition was met")
+        time.sleep(0.05)
+    raise AssertionError("condition not met in time")
+
+
+def heartbeat(run_dir: Path, rank: int) -> dict | None:
+    try:
+        return json.loads((run_dir / "heartbeat" / f"rank{rank}").read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def test_diverged_run_stops_and_keeps_the_last_good_checkpoint(config, tmp_path):
+    """LR 1e6: every step from the third on is non-finite and skipped. Before: a warning per step,
+    the run went on to the end, reported a NaN held-out loss, saved and exited 0, and the rotation
+    (keep_checkpoints) deleted the last good checkpoints; DeepSpeed fp32 skips were counted as
+    ``step/skipped_overflow`` with ``step/skipped_nonfinite`` 0. Now: exit 4 after
+    ``stop_after_skipped_steps`` in a row, the checkpoint before the skips kept, one counter."""
+    run = tmp_path / "run"
+    proc = launching.run(command(config, run, "job.phases.0.lr=1e6", "job.stop_after_skipped_steps=3",
+                                 "job.keep_checkpoints=1", "job.total_steps=20"), timeout=TIMEOUT, marker=run)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 4, out[-4000:]
+    rec = records(run)
+    skipped = sorted(s for s, r in rec.items() if r.get("step/skipped") == 1.0)
+    good = [s for s in sorted(rec) if s > 0 and rec[s].get("step/skipped") == 0.0]
+    assert len(skipped) == 3 and skipped == list(range(skipped[0], skipped[0] + 3)), skipped
+    assert good and max(good) < skipped[0]
+    assert all(rec[s]["step/skipped_nonfinite"] == 1.0 and rec[s]["step/skipped_overflow"] == 0.0 for s in skipped)
+    last_good = max(s for s in range(0, skipped[0]) if s % 2 == 0 and s > 0)
+    tag = f"step{last_good:08d}"
+    assert f"the run diverged: 3 consecutive optimizer steps ({skipped[0]}-{skipped[-1]}) were skipped" in out
+    assert f"the last checkpoint before them is {run / 'checkpoints' / tag} (kept by the rotation)" in out
+    assert (run / "checkpoints" / tag / "vrgd_complete.json").is_file()
+    assert max(rec) == skipped[-1]  # stopped there: no evaluation or checkpoint of the diverged state
+
+
+def test_broken_newest_checkpoint_falls_back_to_the_previous(config, tmp_path):
+    """One rank's optimizer file of the newest checkpoint cut short (as a kill during torch.save
+    leaves it). Before: the restart failed with "checkpoint file is corrupted" and no file named,
+    with an intact checkpoint beside it. Now: it warns naming the file and resumes from the
+    previous complete checkpoint, and finishes."""
+    run = tmp_path / "run"
+    first = launching.run(command(config, run, "job.total_steps=6", "job.keep_checkpoints=3"), timeout=TIMEOUT,
+                          marker=run)
+    assert first.returncode == 0, first.stderr[-3000:]
+    victim = next((run / "checkpoints" / "step00000006").glob("*rank_1*optim_states.pt"))
+    victim.write_bytes(victim.read_bytes()[: victim.stat().st_size // 2])
+    again = launching.run(command(config, run, "job.total_steps=8", "job.keep_checkpoints=3"), timeout=TIMEOUT,
+                          marker=run)
+    out = again.stdout + again.stderr
+    assert again.returncode == 0, out[-4000:]
+    assert f"skipping checkpoint {victim}: " in out and "truncated or overwritten" in out
+    assert "resumed from" in out and "step00000004" in out
+    assert (run / "checkpoints" / "latest").read_text() == "step00000008"
+
+
+def test_stalled_rank_ends_the_job_naming_it(config, tmp_path):
+    """SIGSTOP on rank 1. Before: no progress and no exit (watched for 90 s). Now: after
+    job.timeout_minutes (here 0.25 min) without progress the job ends, naming rank 1."""
+    run = tmp_path / "run"
+    log = tmp_path / "log.txt"
+    with open(log, "w") as fh:
+        proc = subprocess.Popen(command(config, run, "job.timeout_minutes=0.25", "job.total_steps=200",
+                                        "job.checkpoint_every=0"),
+                                stdin=subprocess.DEVNULL, stdout=fh, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        wait_for(lambda: (heartbeat(run, 1) or {}).get("step", 0) >= 2, proc)
+        pid = heartbeat(run, 1)["pid"]
+        os.kill(pid, signal.SIGSTOP)
+        stopped = time.time()
+        proc.wait(timeout=180)
+        took = time.time() - stopped
+    finally:
+        launching.kill(proc, marker=run)
+    out = log.read_text()
+    assert proc.returncode != 0
+    assert "made no progress for" in out and f"rank 1 " in out and "unresponsive" in out, out[-4000:]
+    assert took < 15 + 15, took  # the timeout, the poll, the launcher ending the ranks
+    print(f"stall-to-exit {took:.1f} s (timeout 15 s)")
+
+
+def test_killed_rank_ends_the_whole_job_quickly(config, tmp_path):
+    """kill -9 of one rank: the launcher ends the other and exits non-zero within seconds."""
+    run = tmp_path / "run"
+    proc = launching.spawn(command(config, run, "job.total_steps=200", "job.checkpoint_every=0"))
+    try:
+        wait_for(lambda: (heartbeat(run, 0) or {}).get("step", 0) >= 2, proc)
+        os.kill(heartbeat(run, 0)["pid"], signal.SIGKILL)
+        killed = time.time()
+        proc.wait(timeout=60)
+        took = time.time() - killed
+    finally:
+        launching.kill(proc, marker=run)
+    assert proc.returncode != 0
+    assert took < 10, took
+    print(f"kill-to-exit {took:.2f} s")
+
+
+def test_preemption_signal_checkpoints_and_the_requeued_run_continues_exactly(config, tmp_path):
+    """SIGUSR1 (Slurm's --signal=USR1@T) to one rank mid-run: every rank finishes its step, the job
+    takes a checkpoint and exits 75 (requeue); started again it resumes there and its losses equal
+    an uninterrupted run's."""
+    full = tmp_path / "full"
+    ref = launching.run(command(config, full), timeout=TIMEOUT, marker=full)
+    assert ref.returncode == 0, ref.stderr[-3000:]
+    run = tmp_path / "run"
+    proc = launching.spawn(command(config, run, "job.checkpoint_every=0"))
+    try:
+        wait_for(lambda: (heartbeat(run, 1) or {}).get("step", 0) >= 3, proc)
+        os.kill(heartbeat(run, 1)["pid"], signal.SIGUSR1)
+        proc.wait(timeout=TIMEOUT)
+    finally:
+        launching.kill(proc, marker=run)
+    assert proc.returncode == 75
+    tags = sorted(p.name for p in (run / "checkpoints").glob("step*"))
+    assert len(tags) == 1 and (run / "checkpoints" / tags[0] / "vrgd_complete.json").is_file()
+    stopped_at = int(tags[0][4:])
+    assert 3 <= stopped_at < 8
+    again = launching.run(command(config, run, "job.checkpoint_every=0"), timeout=TIMEOUT, marker=run)
+    assert again.returncode == 0, again.stderr[-3000:]
+    want, got = records(full), records(run)
+    for step in range(1, 9):
+        assert got[step]["train/loss"] == want[step]["train/loss"], step
+    assert got[8]["eval/mlm_loss"] == want[8]["eval/mlm_loss"]

@@ -1,0 +1,160 @@
+"""The job's failure handling that needs no process group: configuration checked before any
+work, checkpoint completeness and the choice of the checkpoint to resume from, rotation, free
+space, and the watchdog's report. Launch-level behaviour (kill, stall, divergence, requeue)
+is in tests/integration/test_reliability.py."""
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+import pytest
+
+from vrgd_ds.train import checkpoints as ckpt
+from vrgd_ds.train import loop
+from vrgd_ds.train.watchdog import Watchdog
+
+CONFIGS = Path(__file__).resolve().parents[2] / "configs"
+TEST_CONFIG = CONFIGS / "bert_tiny_cpu_test.json"
+
+
+def run_main(capsys, *args: str, config: Path = TEST_CONFIG, run_dir: Path | None = None) -> tuple[int, str]:
+    rc = loop.main(["--config", str(config), "--run-dir", str(run_dir or "/nonexistent/run"), *args])
+    return rc, capsys.readouterr().err
+
+
+@pytest.mark.parametrize("override, message", [
+    ("optimizer.params.gama=0.1", "optimizer.params.gama: not a parameter of VRLamb (type 'VRLamb'); did you mean "
+                                  "'gamma'?; accepted: lr, "),
+    ("optimizer.params.gamma=0", "optimizer.params.gamma: VRLamb: invalid gamma=0: must be in (0, 1]"),
+    ("optimizer.params.beta3=1", "optimizer.params.beta3: VRLamb: invalid beta3=1: must be in [0, 1)"),
+    ("optimizer.params.gsnr_placement=\"last\"", "optimizer.params.gsnr_placement: VRLamb: invalid "
+                                                 "gsnr_placement='last'"),
+    ('optimizer.type="VRLam"', "optimizer.type: 'VRLam' is not a VRGD optimizer; did you mean 'VRLamb'?; registered: "
+                               "VRSGD, VRMomentum, VRAdam, VRLamb, VRLars, Lamb, Lars"),
+    ('zero_optimization.offload_optimizer={"device": "cpu"}', "zero_optimization.offload_optimizer: CPU/NVMe offload "
+                                                              "is not supported"),
+    ('vrgd.squares_dtype="fp8"', "vrgd.squares_dtype"),
+    ("job.phases.5.lr=1", "--set job.phases.5.lr: 'job.phases' has 2 entries (0..1); there is no job.phases.5"),
+    ("job.phases.x.lr=1", "--set job.phases.x.lr: 'job.phases' is a list; 'x' is not an index (0..1)"),
+    ("job.total_steps.foo=1", "--set job.total_steps.foo: 'job.total_steps' is a value (4), not an object"),
+    ('job.data.path="/does/not/exist"', "job.data.path: /does/not/exist does not exist. Prepare it first"),
+])
+def test_bad_configuration_fails_before_any_work_with_one_line(capsys, override, message):
+    """Each of these used to surface late (at deepspeed.initialize, after data preparation and
+    the model build, as a long traceback on every rank), as a raw IndexError/ValueError/
+    TypeError (--set paths), or not at all (a data path that does not exist trained on the
+    embedded corpus and exited 0). Now: exit 2 before any process group, one line naming the
+    key."""
+    rc, err = run_main(capsys, "--set", override)
+    assert rc == loop.EXIT_CONFIG
+    assert message in err, err
+    assert len(err.strip().splitlines()) == 1 and "Traceback" not in err
+
+
+def test_a_data_path_without_prepared_data_is_an_error_unless_asked_to_prepare(tmp_path, capsys):
+    (tmp_path / "empty").mkdir()
+    rc, err = run_main(capsys, "--set", f'job.data.path="{tmp_path / "empty"}"')
+    assert rc == loop.EXIT_CONFIG and f"{tmp_path / 'empty'} holds no prepared data (no tokenizer.model" in err
+    from vrgd_ds.train.config import load_config
+    from vrgd_ds.train.data import check_data_path
+
+    for extra in ("job.data.prepare=true", 'job.data.inputs=["corpus.txt"]'):
+        _, job = load_config(TEST_CONFIG, [f'job.data.path="{tmp_path / "empty"}"', extra])
+        check_data_path(job)  # asked to prepare there: no error
+
+
+def test_only_the_first_rank_prints_the_error(capsys, monkeypatch):
+    monkeypatch.setenv("RANK", "1")
+    rc, err = run_main(capsys, "--set", "optimizer.params.gama=0.1")
+    assert rc == loop.EXIT_CONFIG and err == ""
+
+
+# ---- checkpoint directory ----------------------------------------------------------------
+
+
+def fake_checkpoint(root: Path, step: int, complete: bool = True, files: dict[str, int] | None = None) -> str:
+    tag = ckpt.tag_of(step)
+    d = root / tag
+    d.mkdir(parents=True)
+    for name, size in (files or {"mp_rank_00_model_states.pt": 100, "zero_pp_rank_0_optim_states.pt": 300,
+                                 "zero_pp_rank_1_optim_states.pt": 300}).items():
+        (d / name).write_bytes(b"x" * size)
+    if complete:
+        ckpt.mark_complete(root, tag, step)
+    return tag
+
+
+def test_marker_and_latest_are_written_after_the_files(tmp_path):
+    tag = fake_checkpoint(tmp_path, 4)
+    marker = json.loads((tmp_path / tag / ckpt.MARKER).read_text())
+    assert marker["step"] == 4 and marker["files"]["zero_pp_rank_1_optim_states.pt"] == 300
+    assert (tmp_path / "latest").read_text() == tag
+    assert ckpt.problem(tmp_path, tag) is None
+
+
+def test_a_truncated_newest_checkpoint_falls_back_to_the_previous_one(tmp_path):
+    """DeepSpeed writes ``latest`` from rank 0 before the other ranks finish, and torch.save
+    writes in place: a truncated rank file in the tag ``latest`` names used to fail the restart
+    ("checkpoint file is corrupted", no file named) although an intact checkpoint sat beside it."""
+    fake_checkpoint(tmp_path, 2)
+    newest = fake_checkpoint(tmp_path, 4)
+    bad = tmp_path / newest / "zero_pp_rank_1_optim_states.pt"
+    bad.write_bytes(b"x" * 120)
+    choice = ckpt.choose(tmp_path)
+    assert choice.tag == ckpt.tag_of(2)
+    assert choice.skipped == [f"{bad}: 120 bytes, 300 when it was written (truncated or overwritten)"]
+
+
+def test_a_checkpoint_without_marker_is_incomplete(tmp_path):
+    fake_checkpoint(tmp_path, 2)
+    fake_checkpoint(tmp_path, 4, complete=False)  # killed before every rank finished
+    choice = ckpt.choose(tmp_path)
+    assert choice.tag == ckpt.tag_of(2) and "no vrgd_complete.json" in choice.skipped[0]
+    assert ckpt.choose(tmp_path, exclude=(ckpt.tag_of(2),)).tag is None
+
+
+def test_rotation_keeps_the_newest_and_the_protected_and_never_an_incomplete_one(tmp_path):
+    for s in (2, 4, 6, 8):
+        fake_checkpoint(tmp_path, s)
+    fake_checkpoint(tmp_path, 10, complete=False)
+    assert ckpt.rotate(tmp_path, keep=2, protect=ckpt.tag_of(2)) == [ckpt.tag_of(4)]
+    assert ckpt.tags(tmp_path) == [ckpt.tag_of(s) for s in (2, 6, 8, 10)]
+
+
+def test_free_space_check_names_the_path_and_the_sizes(tmp_path):
+    import shutil
+
+    free = shutil.disk_usage(tmp_path).free
+    ckpt.check_space(tmp_path / "checkpoints", 1 << 20)  # a missing directory is checked on its parent
+    with pytest.raises(ckpt.NoSpace, match=rf"no space left on {tmp_path / 'checkpoints'} for the next checkpoint: "
+                                           r"need about [\d,]+ MB, [\d,]+ MB free"):
+        ckpt.check_space(tmp_path / "checkpoints", free + (1 << 40))
+
+
+def test_disk_full_errors_are_recognised():
+    """torch.save on a full disk raises ``RuntimeError: [enforce fail at inline_container.cc:672]
+    . unexpected pos ...`` (seen) with no path: the job turns it into a message that names one."""
+    assert ckpt.is_disk_full(RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 4288 vs 4176"))
+    assert ckpt.is_disk_full(OSError(28, "No space left on device"))
+    assert not ckpt.is_disk_full(RuntimeError("CUDA out of memory"))
+
+
+# ---- watchdog ------------------------------------------------------------------------------
+
+
+def test_watchdog_report_names_the_silent_rank(tmp_path):
+    a = Watchdog(tmp_path, 0, 3, timeout_s=60, poll_s=0.05)
+    b = Watchdog(tmp_path, 1, 3, timeout_s=60, poll_s=0.05)
+    try:
+        a.beat(7)
+        b.beat(6)
+        time.sleep(1.3)  # rank 1 stops refreshing (its thread never ran: a stopped process)
+        a._write()
+        report = a.report()
+    finally:
+        a.stop()  # also disarms faulthandler's backstop in this process
+        b.stop()
+    assert "rank(s) 2 never reported" in report
+    assert "rank 1 " in report and "unresponsive" in report and "step 6" in report
+    assert "rank 0 " not in report
