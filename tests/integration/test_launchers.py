@@ -17,6 +17,7 @@ import os
 import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import launching
@@ -149,3 +150,65 @@ def test_slurm_sbatch_srun(tmp_path):
     assert_finished(tmp_path / "run")
     log = next(tmp_path.glob("slurm-*.out")).read_text()
     assert "2 tasks on" in log
+
+
+def _job_state(job_id: str) -> dict[str, str]:
+    out = subprocess.run(["scontrol", "show", "job", job_id], capture_output=True, text=True, timeout=30).stdout
+    return dict(kv.split("=", 1) for kv in out.split() if "=" in kv)
+
+
+@pytest.mark.skipif(_skip_slurm_reason() is not None, reason=str(_skip_slurm_reason()))
+def test_slurm_signal_checkpoints_requeues_and_finishes_exactly(tmp_path):
+    """SIGUSR1 to the job's ranks mid-run (as --signal=USR1@120 sends before a time limit, here by
+    ``scancel --signal=USR1``): the job checkpoints, exits 75, the batch script requeues it, the
+    second start resumes from that checkpoint and finishes, and every step's loss equals an
+    uninterrupted run's. Before: the script had no --requeue and the job no signal handler, so
+    the signal killed the ranks (SIGUSR1's default action) and the run was lost to its last
+    periodic checkpoint."""
+    steps = 30
+    env = {**os.environ, "PYTHON": sys.executable, "CONFIG": str(CONFIG),
+           "PATH": f"{BIN}{os.pathsep}{os.environ.get('PATH', '')}"}
+    sets = ["--set", f"job.total_steps={steps}", "--set", "job.checkpoint_every=0", "--set", "job.eval_every=0"]
+    sbatch = ["sbatch", "--time=10", "--nodes=1", "--ntasks-per-node=2", "--job-name=vrgd-requeue-test"]
+    ref = tmp_path / "ref"
+    proc = launching.run([*sbatch, "--wait", f"--output={tmp_path / 'ref-%j.out'}", str(ROOT / "launch" / "slurm.sbatch"),
+                          *sets], timeout=TIMEOUT, marker=ref, cwd=ROOT, env={**env, "RUN_DIR": str(ref)})
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+
+    run = tmp_path / "run"
+    out = tmp_path / "run.out"
+    job_id = subprocess.run([*sbatch, "--parsable", f"--output={out}", str(ROOT / "launch" / "slurm.sbatch"), *sets],
+                            capture_output=True, text=True, cwd=ROOT, env={**env, "RUN_DIR": str(run)},
+                            timeout=60, check=True).stdout.strip().split(";")[0]
+    try:
+        deadline = time.time() + TIMEOUT
+        beat = run / "heartbeat" / "rank0"
+        while time.time() < deadline:
+            try:
+                if json.loads(beat.read_text())["step"] >= 5:
+                    break
+            except (OSError, ValueError, KeyError):
+                pass
+            time.sleep(0.1)
+        subprocess.run(["scancel", "--signal=USR1", job_id], check=True, timeout=30)
+        state = {}
+        while time.time() < deadline:
+            state = _job_state(job_id)
+            if state.get("JobState") in ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL"):
+                break
+            time.sleep(1)
+    finally:
+        subprocess.run(["scancel", job_id], capture_output=True, timeout=30)
+    log = out.read_text() if out.exists() else ""
+    assert state.get("JobState") == "COMPLETED", (state, log[-4000:])
+    assert state.get("Restarts") == "1", state
+    assert "requeueing job" in log and "start 2" in log, log[-4000:]
+    assert "resumed from" in log
+    want, got = {}, {}
+    for path, into in ((ref, want), (run, got)):
+        for line in (path / "metrics.jsonl").read_text().splitlines():
+            rec = json.loads(line)
+            if "train/loss" in rec:
+                into[rec["step"]] = rec["train/loss"]
+    assert sorted(got) == list(range(1, steps + 1)) == sorted(want)
+    assert got == want

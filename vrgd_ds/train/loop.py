@@ -64,6 +64,7 @@ EXIT_CONFIG = 2  # a configuration or data error found before training
 EXIT_DIVERGED = 4  # job.stop_after_skipped_steps consecutive steps skipped
 EXIT_NO_SPACE = 5  # not enough disk space for a checkpoint
 EXIT_REQUEUE = 75  # checkpointed on SIGUSR1: requeue the job (EX_TEMPFAIL)
+REQUEUE_MARKER = "requeue.json"  # <run dir>/requeue.json: the same, for batch scripts (launch/slurm.sbatch)
 PREEMPT_SIGNAL = signal.SIGUSR1
 
 
@@ -110,6 +111,7 @@ class Trainer:
         if self.rank == 0:
             run_dir.mkdir(parents=True, exist_ok=True)
             (run_dir / "config.json").write_text(json.dumps(raw, indent=2))
+            (run_dir / REQUEUE_MARKER).unlink(missing_ok=True)
         self.data: JobData = prepare_data(job, run_dir, self.rank, dist.barrier, sorted({p.seq_len for p in job.phases}))
         self.next_sentence = self.data.next_sentence is not None
         torch.manual_seed(job.seed)  # the same initial weights on every rank and every start
@@ -388,6 +390,8 @@ class Trainer:
                 self.save()
             if self._any_rank(self.preempt_requested):
                 self.save()
+                if self.rank == 0:  # for the batch script: the exit code of srun is the first rank's to end
+                    (self.run_dir / REQUEUE_MARKER).write_text(json.dumps({"tag": ckpt.tag_of(self.step)}))
                 raise Preempted(f"checkpoint {ckpt.tag_of(self.step)} taken on {signal.Signals(PREEMPT_SIGNAL).name}")
 
 

@@ -1,0 +1,44 @@
+"""Prints the pip requirements of vrgd-ds (with the given extras) minus torch, one per line.
+
+The GPU image keeps the torch of its NGC base: NVIDIA's builds carry versions such as
+``2.13.0a0+<git>``, which pip reads as pre-releases outside ``torch>=2.13``, so installing the
+package with its dependencies would replace the tuned torch with a PyPI wheel. The image installs
+the package with ``--no-deps`` and these requirements beside it; pyproject.toml stays the one list.
+
+    python docker/requirements.py train > /tmp/requirements.txt
+"""
+from __future__ import annotations
+
+import re
+import sys
+import tomllib
+from pathlib import Path
+
+PYPROJECT = Path(__file__).resolve().parents[1] / "pyproject.toml"
+
+
+def requirements(extras: list[str]) -> list[str]:
+    project = tomllib.loads(PYPROJECT.read_text())["project"]
+    found = list(project["dependencies"])
+    optional = project.get("optional-dependencies", {})
+    todo = list(extras)
+    while todo:
+        extra = todo.pop()
+        if extra not in optional:
+            raise SystemExit(f"{PYPROJECT}: no extra {extra!r} (extras: {', '.join(optional)})")
+        for req in optional[extra]:
+            m = re.fullmatch(r"vrgd-ds\[(.+)\]", req.replace(" ", ""))
+            if m:  # an extra that includes others
+                todo += m.group(1).split(",")
+            else:
+                found.append(req)
+    out = []
+    for req in found:
+        name = re.split(r"[<>=!~\[; ]", req, maxsplit=1)[0].lower()
+        if name != "torch" and req not in out:
+            out.append(req)
+    return out
+
+
+if __name__ == "__main__":
+    print("\n".join(requirements(sys.argv[1:])))
