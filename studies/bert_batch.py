@@ -1,8 +1,8 @@
 """LAMB vs VR-LAMB (each GSNR placement) in the real pretraining job as the global batch
 grows at a fixed sample budget: held-out MLM loss and accuracy.
 
-Every run is ``vrgd-pretrain`` on 2 CPU ranks (``deepspeed --num_gpus 2``), ZeRO-2 fp32, a
-tiny BERT, one phase at ``--seq-len``, ``--samples`` training samples in all, so a larger
+Every run is ``vrgd-pretrain`` on ``--ranks`` CPU ranks (``deepspeed --num_gpus R``), ZeRO-2
+fp32, a tiny BERT, one phase at ``--seq-len``, ``--samples`` training samples in all, so a larger
 batch takes proportionally fewer steps. The batch grows through accumulation (micro-batch
 fixed), so the GSNR groups grow with it: n = ranks × accumulation. The peak LR follows
 ``--lr-rule`` from ``--base-lr`` at ``--base-batch`` (linear or square-root scaling), with
@@ -37,20 +37,17 @@ OPTIMIZERS: dict[str, dict] = {
     "LAMB": {"gsnr": False},
     **{f"VR-LAMB {pl}": {"gamma": 0.1, "beta3": 0.9, "gsnr_placement": pl} for pl in GSNR_PLACEMENTS},
 }
-RANKS = 2
-
-
-def base_config(seq_len: int, micro_batch: int) -> dict:
+def base_config(seq_len: int, micro_batch: int, ranks: int, workers: int) -> dict:
     return {
         "optimizer": {"type": "VRLamb", "params": {"weight_decay": 0.01, "betas": [0.9, 0.999], "eps": 1e-6}},
         "zero_optimization": {"stage": 2},
         "gradient_clipping": 1.0,
         "job": {
             "model": {"size": "tiny"},
-            "data": {"eval_samples": 512},
+            "data": {"eval_samples": 512, "workers": workers},
             "total_steps": 1, "log_every": 1, "eval_every": 0, "checkpoint_every": 0, "keep_checkpoints": 1,
             "telemetry": {"tensorboard": False, "per_layer_group": False},
-            "phases": [{"seq_len": seq_len, "fraction": 1.0, "global_batch": micro_batch * RANKS,
+            "phases": [{"seq_len": seq_len, "fraction": 1.0, "global_batch": micro_batch * ranks,
                         "micro_batch": micro_batch, "lr": 1e-3, "warmup_fraction": 0.1}],
         },
     }
@@ -97,24 +94,24 @@ def run_one(label: str, corpus: str, data: Path, batch: int, seed: int, args: ar
     if run_dir.exists():  # an interrupted run: start it again from scratch
         shutil.rmtree(run_dir)
     run_dir.mkdir(parents=True)
-    cfg = base_config(args.seq_len, args.micro_batch)
+    cfg = base_config(args.seq_len, args.micro_batch, args.ranks, args.workers)
     lr = lr_for(batch, args)
     cfg["optimizer"]["params"].update(OPTIMIZERS[label])
     cfg["job"].update(seed=seed, total_steps=steps)
     cfg["job"]["data"]["path"] = str(data)
     cfg["job"]["phases"][0].update(global_batch=batch, lr=lr)
     (run_dir / "study_config.json").write_text(json.dumps(cfg, indent=2))
-    cmd = [str(Path(sys.executable).with_name("deepspeed")), "--num_gpus", str(RANKS), "--master_port",
+    cmd = [str(Path(sys.executable).with_name("deepspeed")), "--num_gpus", str(args.ranks), "--master_port",
            str(args.port), "--module", "vrgd_ds.train", "--config", str(run_dir / "study_config.json"),
            "--run-dir", str(run_dir)]
     t0 = time.perf_counter()
     with open(run_dir / "log.txt", "w") as log:
-        proc = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "OMP_NUM_THREADS": "1"})
+        proc = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, env=os.environ)
     if proc.returncode != 0:
         raise SystemExit(f"run failed ({proc.returncode}): see {run_dir / 'log.txt'}")
     ev = final_eval(run_dir)
     result = {"corpus": corpus, "batch": batch, "optimizer": label, "seed": seed, "steps": steps, "lr": lr,
-              "groups": RANKS * (batch // (RANKS * args.micro_batch)), "samples": steps * batch,
+              "groups": batch // args.micro_batch, "ranks": args.ranks, "samples": steps * batch,
               "mlm_loss": ev["eval/mlm_loss"], "mlm_acc": ev["eval/mlm_acc"],
               "wall_s": round(time.perf_counter() - t0, 1)}
     shutil.rmtree(run_dir / "checkpoints", ignore_errors=True)  # the figures are what the study keeps
@@ -155,7 +152,10 @@ def main() -> None:
     ap.add_argument("--optimizer", action="append", default=None, choices=list(OPTIMIZERS))
     ap.add_argument("--samples", type=int, default=20480, help="training samples per run (fixed budget)")
     ap.add_argument("--seq-len", type=int, default=64)
-    ap.add_argument("--micro-batch", type=int, default=8)
+    ap.add_argument("--micro-batch", type=int, default=8, help="also the samples per GSNR group (ZeRO-2: "
+                    "every micro-batch of every rank is one group)")
+    ap.add_argument("--ranks", type=int, default=1, help="CPU ranks per run (the groups do not depend on it)")
+    ap.add_argument("--workers", type=int, default=1, help="DataLoader workers per rank")
     ap.add_argument("--vocab-size", type=int, default=8000)
     ap.add_argument("--base-lr", type=float, default=4e-3)
     ap.add_argument("--base-batch", type=int, default=64)
@@ -171,8 +171,9 @@ def main() -> None:
         name, _, path = spec.partition("=")
         data = prepare(name, path or None, args.out, args.seq_len, args.vocab_size)
         for batch in args.batch or [64, 1024]:
-            if batch % (RANKS * args.micro_batch):
-                raise SystemExit(f"--batch {batch}: not a multiple of ranks x micro-batch = {RANKS * args.micro_batch}")
+            if batch % (args.ranks * args.micro_batch):
+                raise SystemExit(f"--batch {batch}: not a multiple of ranks x micro-batch = "
+                                 f"{args.ranks * args.micro_batch}")
             for seed in args.seed or [1, 2]:
                 for label in labels:
                     results.append(run_one(label, name, data, batch, seed, args))
