@@ -442,7 +442,8 @@ def main(argv: list[str] | None = None) -> int:
             print(f"vrgd-pretrain: error: {e}", file=sys.stderr, flush=True)
         return EXIT_DIVERGED
     except ckpt.NoSpace as e:
-        print(f"vrgd-pretrain: error: {e}", file=sys.stderr, flush=True)
+        if trainer is None or trainer.rank == 0:
+            print(f"vrgd-pretrain: error: {e}", file=sys.stderr, flush=True)
         return EXIT_NO_SPACE
     except Preempted as e:
         if trainer.rank == 0:
