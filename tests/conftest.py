@@ -15,6 +15,12 @@ if os.environ.get("PATH", "").split(os.pathsep)[0] != _BIN:
     os.environ["PATH"] = _BIN + os.pathsep + os.environ.get("PATH", "")
 
 
+# The Triton kernels run on CPU tensors under Triton's interpreter (tests/unit/test_triton.py);
+# the flag is read when the kernels are defined, so it is set before anything imports them.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+
 @pytest.fixture(autouse=True)
 def _seed():
     torch.manual_seed(0)

@@ -52,9 +52,9 @@ class Layout:
         import deepspeed.comm as dist
 
         red = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX}[op]
-        if self.device.type == "cpu":
+        if t.device == self.device:  # the sync-free kernels keep their tables here: no copies
             dist.all_reduce(t, op=red, group=self.group)
-        else:
+        else:  # host tables with an NCCL group: through the device and back (blocking)
             on_device = t.to(self.device)
             dist.all_reduce(on_device, op=red, group=self.group)
             t.copy_(on_device)

@@ -1,5 +1,6 @@
-"""The element-wise kernels of the family, twice: a single-tensor reference in torch ops
-(any device) and the fused multi-tensor CPU kernels (``_fused/kernels.cpp``).
+"""The element-wise kernels of the family: a single-tensor reference in torch ops (any
+device), the fused multi-tensor CPU kernels (``_fused/kernels.cpp``) and the Triton
+multi-tensor kernels for CUDA (``_triton.py``).
 
 Both take the same arguments: lists of flat tensors cut into segments by an int64
 ``seg`` table ``[S, 3]`` of (tensor index, start, length), per-segment float64 tables, and
@@ -247,18 +248,44 @@ class Fused:
 
 _FUSED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
+#: accepted values of the optimizers' ``fused`` argument
+FUSED_CHOICES = (None, True, False, "triton")
 
-def select(fused: bool | None, params: Sequence[Tensor], owner: str) -> Kernels:
-    """The implementation for ``params``: fused=True demands the fused kernels, False takes
-    the reference, None takes the fused kernels where they apply and says so when not."""
+
+def _triton() -> tuple[Kernels | None, str | None]:
+    """The Triton kernels, or why they cannot run here."""
+    try:
+        from vrgd_ds.optim import _triton
+    except ImportError as exc:  # triton ships with the CUDA torch wheels; pip install triton otherwise
+        return None, f"triton is not importable ({exc})"
+    why = _triton.available()
+    return (_triton.Triton(), None) if why is None else (None, why)
+
+
+def select(fused: bool | str | None, params: Sequence[Tensor], owner: str) -> Kernels:
+    """The implementation for ``params``: on the CPU the fused C++ kernels, on CUDA the Triton
+    kernels. ``fused=True`` demands the fused kernels of the parameters' device, ``False``
+    takes the reference, ``"triton"`` the Triton kernels (on CPU tensors under
+    ``TRITON_INTERPRET=1``, as the tests run them), ``None`` the fused kernels where they apply
+    and the reference, with a warning naming the reason, where they do not."""
+    if fused is False:
+        return Reference()
     why_not = None
-    if any(p.device.type != "cpu" for p in params):
-        why_not = "parameters are not on the CPU (the fused kernels are CPU kernels)"
-    elif any(p.dtype not in _FUSED_DTYPES for p in params):
+    if any(p.dtype not in _FUSED_DTYPES for p in params):
         why_not = "parameters are not fp32/bf16/fp16"
     elif any(not p.is_contiguous() for p in params):
         why_not = "some parameters are not contiguous"
-    if fused is False:
+    elif len({p.device for p in params}) > 1:
+        why_not = "parameters are on more than one device"
+    on_cpu = all(p.device.type == "cpu" for p in params)
+    if fused == "triton" or (why_not is None and not on_cpu):
+        kernels, why = _triton()
+        if why_not is None and kernels is not None:
+            return kernels
+        why_not = why_not or why
+        if fused:
+            raise ValueError(f"{owner}(fused={fused!r}): {why_not}; pass fused=None or False")
+        warn_once(logger, "triton-unavailable", "%s: using the reference implementation: %s", owner, why_not)
         return Reference()
     if why_not is not None:
         if fused:

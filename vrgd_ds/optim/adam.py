@@ -78,7 +78,9 @@ class VRAdam(GSNROptimizer):
         gsnr_placement: where p̂ enters: ``"first_moment"`` (default), ``"both_moments"``
             (cancels in m̂/√v̂; for comparison) or ``"update"`` (module docstring).
         gsnr: False gives AdamW through the same code.
-        fused: True/False/None: fused CPU kernels / reference / fused where applicable.
+        fused: None (default): the fused kernels of the parameters' device (C++ on CPU, Triton on
+            CUDA) where they apply, else the reference; True: demand them; False: the reference;
+            "triton": the Triton kernels (on CPU under TRITON_INTERPRET=1).
     """
 
     state_keys = ("exp_avg", "exp_avg_sq")
@@ -86,7 +88,7 @@ class VRAdam(GSNROptimizer):
     def __init__(self, params: Any, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
                  weight_decay: float = 1e-2, bias_correction: bool = True, gamma: float = 0.1, beta3: float = 0.9,
                  gsnr_eps: float = 1e-12, gsnr_placement: str = GSNR_PLACEMENTS[0], gsnr: bool = True,
-                 fused: bool | None = None) -> None:
+                 fused: bool | str | None = None) -> None:
         check_adam_args(type(self).__name__, betas, eps)
         defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay,
                         bias_correction=bias_correction, gamma=gamma, beta3=beta3, gsnr_eps=gsnr_eps,
@@ -102,5 +104,5 @@ class VRAdam(GSNROptimizer):
             plan.params, plan.grads, [st["exp_avg"] for st in plan.states], [st["exp_avg_sq"] for st in plan.states],
             seg=plan.seg, segf=adam_columns(plan), lr=g["lr"], beta1=g["betas"][0], beta2=g["betas"][1],
             eps=g["eps"], weight_decay=g["weight_decay"], apply=True, placement=placement_index(plan),
-            eps_gsnr=g["gsnr_eps"], **{k: v for k, v in plan.gsnr_args(n).items() if k != "eps"})
+            eps_gsnr=g["gsnr_eps"], **{k: v for k, v in plan.gsnr_args(n).items() if k != "eps"}, **plan.skip_args())
         return {"gsnr_counts": counts}

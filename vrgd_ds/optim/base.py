@@ -26,13 +26,13 @@ from torch import Tensor
 from vrgd_ds import gsnr as G
 from vrgd_ds.log import warn_once
 from vrgd_ds.optim import _impl
+from vrgd_ds.optim import metrics as M
+from vrgd_ds.optim.metrics import SKIP_REASONS
 from vrgd_ds.stats.hooks import TensorHookStats
 
 logger = logging.getLogger(__name__)
 
 MIN_GROUPS = 2
-#: the causes of a skipped step reported in gsnr_metrics() (``step/skipped`` counts them all)
-SKIP_REASONS = ("step/skipped_nonfinite", "step/skipped_overflow")
 RECOMMENDED_GROUPS = 8
 _SERIALS = itertools.count()
 
@@ -79,19 +79,37 @@ def check_arg(owner: str, name: str, ok: bool, value: Any, want: str) -> None:
         raise InvalidArgument(owner, name, value, want)
 
 
+def to_device(host: Tensor, device: torch.device) -> Tensor:
+    """A small host table on ``device`` without blocking the host (pinned memory)."""
+    if device.type == "cpu":
+        return host
+    return host.pin_memory().to(device, non_blocking=True)
+
+
 @dataclass
 class Plan:
-    """What one param group's step works on: flat tensors cut into segments."""
+    """What one param group's step works on: flat tensors cut into segments.
+
+    The segment table is built on the host from shapes (``seg``, CPU int64 ``[S, 3]``: tensor
+    index, start, length); every per-segment quantity derived from data (moments, scales,
+    bias corrections, trust ratios, the non-finite flag) is a float64 tensor on ``tdev``, the
+    device the kernels keep their tables on: the parameters' device for the sync-free
+    (Triton) kernels, the CPU otherwise. So the step reads nothing back to the host.
+    """
 
     index: int
     group: dict[str, Any]
     params: list[Tensor]
     grads: list[Tensor]
     states: list[dict[str, Any]]
-    seg: Tensor  # int64 [S, 3]: tensor index, start, length
-    numel: Tensor  # float64 [S]: whole-tensor element count of each segment's piece
-    keys: Tensor  # int64 [S]: the model tensor each segment belongs to
-    steps: list[int] = field(default_factory=list)
+    seg: Tensor  # int64 [S, 3] on the host: tensor index, start, length
+    numel: Tensor  # float64 [S] on tdev: whole-tensor element count of each segment's piece
+    keys: Tensor  # int64 [S] on tdev: the model tensor each segment belongs to
+    tdev: torch.device = torch.device("cpu")
+    key_base: int = 0  # one process: the key of the plan's first tensor (keys number tensors in order)
+    tensor_of: Tensor | None = None  # int64 [S] on tdev: the tensor index of each segment
+    step_t: Tensor | None = None  # float64 [S] on tdev: the step count after this step
+    found: Tensor | None = None  # float64 0-dim on tdev: 1 when the step is skipped (sync-free kernels)
     sum_g: list[Tensor] = field(default_factory=list)
     sum_sq: list[Tensor] = field(default_factory=list)
     avg: list[Tensor] = field(default_factory=list)
@@ -103,15 +121,19 @@ class Plan:
     def gsnr(self) -> bool:
         return self.group["gsnr"]
 
+    @property
+    def num_segments(self) -> int:
+        return self.seg.shape[0]
+
     def ones(self) -> Tensor:
-        return torch.ones(self.seg.shape[0], dtype=torch.float64)
+        return torch.ones(self.num_segments, dtype=torch.float64, device=self.tdev)
 
     def per_segment(self, per_param: list[float]) -> Tensor:
-        """A value per parameter of the plan -> per segment (ZeRO: several per flat tensor)."""
-        return torch.tensor(per_param, dtype=torch.float64).index_select(0, self.seg[:, 0])
+        """A value per parameter of the plan (host) -> per segment (ZeRO: several per flat tensor)."""
+        return to_device(torch.tensor(per_param, dtype=torch.float64), self.tdev).index_select(0, self.tensor_of)
 
     def bias_correction(self, beta: float) -> Tensor:
-        return self.per_segment([1.0 - beta**s for s in self.steps])
+        return 1.0 - torch.pow(torch.tensor(beta, dtype=torch.float64), self.step_t)
 
     def gsnr_columns(self) -> list[Tensor]:
         """Per-segment inv_mean, lo and GSNR-EMA bias correction (kernel columns 0..2)."""
@@ -127,25 +149,9 @@ class Plan:
         return dict(sum_g=self.sum_g, sum_sq=self.sum_sq, avg=self.avg, inv_n=1.0 / max(n, 1),
                     eps=g["gsnr_eps"], beta3=g["beta3"] if self.gsnr else 0.0)
 
-
-# Columns of the per-tensor metric tables (one row per model tensor, complete across ranks).
-_SUM_COLS = ("sum_r", "numel", "sum_s", "sum_gbar_sq", "clip_low", "clip_high", "zero_info", "sum_scale")
-_MAX_COLS = ("neg_min_r", "max_r", "trust", "adapted", "gsnr", "present")
-_S = {c: i for i, c in enumerate(_SUM_COLS)}
-_M = {c: i for i, c in enumerate(_MAX_COLS)}
-
-
-@dataclass
-class _Tables:
-    """Per-tensor quantities of one step: small [T, k] tables, no step buffers kept."""
-
-    sums: Tensor  # float64 [T, len(_SUM_COLS)]
-    maxs: Tensor  # float64 [T, len(_MAX_COLS)], -inf where absent
-    names: list[str]
-
-    def merge(self, other: "_Tables") -> None:
-        self.sums += other.sums
-        torch.maximum(self.maxs, other.maxs, out=self.maxs)
+    def skip_args(self) -> dict[str, Any]:
+        """``found_inf`` for the sync-free kernels (which skip on the device), else nothing."""
+        return {} if self.found is None else {"found_inf": self.found}
 
 
 def table(cols: list[Tensor]) -> Tensor:
@@ -170,7 +176,7 @@ class GSNROptimizer(torch.optim.Optimizer):
         check_arg(owner, "beta3", 0.0 <= defaults["beta3"] < 1.0, defaults["beta3"], "in [0, 1)")
         check_arg(owner, "gsnr_eps", defaults["gsnr_eps"] >= 0.0, defaults["gsnr_eps"], ">= 0")
         check_arg(owner, "weight_decay", defaults["weight_decay"] >= 0.0, defaults["weight_decay"], ">= 0")
-        check_arg(owner, "fused", fused in (None, True, False), fused, "None, True or False")
+        check_arg(owner, "fused", fused in _impl.FUSED_CHOICES, fused, " or ".join(map(repr, _impl.FUSED_CHOICES)))
         self._fused = fused
         self._serial = next(_SERIALS)  # names this optimizer in warn-once keys (an id() is reused)
         self._kernels: _impl.Kernels | None = None
@@ -178,12 +184,13 @@ class GSNROptimizer(torch.optim.Optimizer):
         self._hook_stats: TensorHookStats | None = None
         self._gsnr_eps: dict[Tensor, float] = {}  # per parameter, as the hooks last used it
         self._layout: Layout | None = None
-        self._metrics: dict[str, float] = {}
-        self._tables: _Tables | None = None
+        self._metrics: dict[str, float] = {}  # a step skipped before any kernel ran (host-decided)
+        self._record: M.StepRecord | None = None  # the last step's tables (possibly on the device)
         #: set by an integration whose wrapper calls step() once per sub-group (ZeRO-3):
         #: metrics then merge over the calls until ``begin_step_records()``
         self.merge_step_records = False
-        self.skipped_steps = 0
+        self._skipped_host = 0
+        self._skipped_device: Tensor | None = None  # steps the sync-free kernels skipped (read lazily)
         self.step_calls = 0
         super().__init__(params, defaults)
         for group in self.param_groups:
@@ -275,28 +282,35 @@ class GSNROptimizer(torch.optim.Optimizer):
         return None if rows is None else torch.stack(rows)
 
     def kernels(self, cpu_only: bool = True) -> _impl.Kernels:
-        """The implementation in use (fused CPU kernels or the reference)."""
+        """The implementation in use (fused CPU kernels, Triton kernels, or the reference)."""
         if self._kernels is None:
             params = [p for g in self.param_groups for p in g["params"]]
             self._kernels = _impl.select(self._fused, params, type(self).__name__)
         return self._kernels
 
+    @property
+    def skipped_steps(self) -> int:
+        """Steps skipped so far (reading it waits for the device when the kernels skip there)."""
+        device = 0 if self._skipped_device is None else int(self._skipped_device.item())
+        return self._skipped_host + device
+
     def reduce_segments(self, plan: Plan, values: Tensor) -> Tensor:
         """Per-segment sums ``[S, k]`` -> sums over each segment's whole model tensor."""
         if self._layout is None:
             return values
-        buf = torch.zeros(self._layout.num_keys, values.shape[1], dtype=torch.float64)
+        # Per rank a model tensor is at most one segment (one piece of one flat partition), so
+        # index_add_ has no colliding rows here: deterministic also with CUDA atomics.
+        buf = torch.zeros(self._layout.num_keys, values.shape[1], dtype=torch.float64, device=values.device)
         buf.index_add_(0, plan.keys, values.double())
         self._layout.all_reduce(buf, "sum")
         return buf.index_select(0, plan.keys)
 
-    def reduce_scalar(self, value: float) -> float:
-        """A sum over everything this optimizer updates (all ranks under ZeRO)."""
-        if self._layout is None:
-            return value
-        t = torch.tensor([value], dtype=torch.float64)
-        self._layout.all_reduce(t, "sum")
-        return float(t[0])
+    def reduce_scalar(self, value: Tensor) -> Tensor:
+        """A float64 sum over everything this optimizer updates (all ranks under ZeRO)."""
+        t = value.double().reshape(1)
+        if self._layout is not None:
+            self._layout.all_reduce(t, "sum")
+        return t[0]
 
     # ---- the step --------------------------------------------------------------------------
 
@@ -313,7 +327,7 @@ class GSNROptimizer(torch.optim.Optimizer):
                 self._stats.reset()
         return loss
 
-    def _plan(self, index: int, group: dict[str, Any], key_base: int) -> Plan:
+    def _plan(self, index: int, group: dict[str, Any], key_base: int, tdev: torch.device) -> Plan:
         params, grads, states = [], [], []
         for p in group["params"]:
             if p.grad is None:
@@ -335,47 +349,58 @@ class GSNROptimizer(torch.optim.Optimizer):
         t = torch.tensor(rows, dtype=torch.long).reshape(-1, 5)
         seg, keys = t[:, :3].contiguous(), t[:, 3].contiguous()
         numel = t[:, 4].double() if self._layout is None else self._layout.numel.index_select(0, keys)
-        return Plan(index, group, params, grads, states, seg, numel, keys)
+        plan = Plan(index, group, params, grads, states, seg, to_device(numel, tdev), to_device(keys, tdev), tdev,
+                    key_base)
+        plan.tensor_of = to_device(seg[:, 0].contiguous(), tdev)
+        return plan
 
     def _step(self) -> None:
         self.step_calls += 1
         if not self.merge_step_records:
             self.begin_step_records()
+        kernels = self.kernels()
+        sync_free = getattr(kernels, "sync_free", False)
+        groups = [g for g in self.param_groups if any(p.grad is not None for p in g["params"])]
+        if not groups:
+            return
+        device = next(p.device for g in groups for p in g["params"] if p.grad is not None)
+        tdev = device if sync_free else torch.device("cpu")
         plans, key_base = [], 0
         for i, g in enumerate(self.param_groups):
-            plan = self._plan(i, g, key_base)
+            plan = self._plan(i, g, key_base, tdev)
             key_base += len(plan.params)
             if plan.params:
                 plans.append(plan)
-        if not plans:
-            return
-        kernels = self.kernels()
         n = 0
         if any(p.gsnr for p in plans):
             n = self._groups_now()
         # Pass 1 everywhere before any state changes: a non-finite statistic or gradient (the
         # gradient the update reads, which a hook may have rewritten after backward) skips the
         # step, on every rank alike (each checks its own partition).
-        nonfinite = False
+        flags = []
         for plan in plans:
             if plan.gsnr:
-                plan.moments = self._moments_from_hooks(plan, n)  # before moments() hands the buffers out
+                plan.moments = None if sync_free else self._moments_from_hooks(plan, n)  # before moments() hands out
                 plan.sum_g, plan.sum_sq = self._stats.moments(plan.params)
                 if plan.moments is None:
                     plan.moments = kernels.gsnr_moments(plan.sum_g, plan.sum_sq, plan.seg, 1.0 / n,
                                                         plan.group["gsnr_eps"])
-                nonfinite |= bool(plan.moments[:, 5].any()) or bool(kernels.nonfinite(plan.grads, plan.seg).any())
+                flags += [plan.moments[:, 5], kernels.nonfinite(plan.grads, plan.seg)]
             else:
                 plan.grad_norms = kernels.scaled_grad_norms(
                     plan.params, plan.grads, [], [], [], plan.seg, table([plan.ones()] * 3), 1.0, 0.0, 0.0)
-                nonfinite |= bool(plan.grad_norms[:, 2].any())
+                flags.append(plan.grad_norms[:, 2])
+        found = torch.cat([f.reshape(-1).to(tdev) for f in flags]).amax().reshape(1)
         if self._layout is not None:
-            flag = torch.tensor([float(nonfinite)], dtype=torch.float64)
-            self._layout.all_reduce(flag, "max")
-            nonfinite = bool(flag[0] > 0)
-        if nonfinite:
-            self.record_skipped("step/skipped_nonfinite", n)
-            return
+            self._layout.all_reduce(found, "max")
+        found = found[0]
+        if not sync_free:
+            if bool(found > 0):  # host tables: the decision costs nothing here
+                self.record_skipped("step/skipped_nonfinite", n)
+                return
+        else:
+            for plan in plans:
+                plan.found = found
         for plan in plans:
             self._init_state(plan)
             if plan.gsnr:
@@ -383,7 +408,7 @@ class GSNROptimizer(torch.optim.Optimizer):
                 plan.scales = G.segment_scales(sum_r, plan.numel, plan.group["gamma"])
         extras = self._prepare(plans, kernels)
         results = [self._update(plan, kernels, n, extras) for plan in plans]
-        self._record_metrics(plans, results, n)
+        self._record_metrics(plans, results, n, found if sync_free else None)
 
     def _groups_now(self) -> int:
         if self._stats is None:
@@ -402,20 +427,33 @@ class GSNROptimizer(torch.optim.Optimizer):
         return n
 
     def _init_state(self, plan: Plan) -> None:
-        """Creates missing state lazily (also keys an older checkpoint lacks) and counts the step."""
+        """Creates missing state lazily (also keys an older checkpoint lacks) and counts the step.
+
+        Step counters live on the table device: the host for the host-table kernels, the
+        parameters' device for the sync-free kernels, where a skipped step (``plan.found``)
+        does not count."""
         beta3 = plan.group["beta3"] if plan.gsnr else 0.0
+        counters = []
         for p, st in zip(plan.params, plan.states):
             if "step" not in st:
-                st["step"] = torch.tensor(0.0, dtype=torch.float32)
+                st["step"] = torch.tensor(0.0, dtype=torch.float32, device=plan.tdev)
+            elif st["step"].device != plan.tdev:
+                st["step"] = st["step"].to(plan.tdev)
             for key in self.state_keys:
                 if key not in st:
                     st[key] = torch.zeros(p.shape, dtype=torch.float32, device=p.device)
             if beta3 > 0 and "gsnr_avg" not in st:
                 st["gsnr_avg"] = torch.zeros(p.shape, dtype=torch.float32, device=p.device)
-            st["step"] += 1
-            plan.steps.append(int(st["step"].item()))
+            counters.append(st["step"])
             if beta3 > 0:
                 plan.avg.append(st["gsnr_avg"])
+        if plan.found is None:
+            torch._foreach_add_(counters, 1.0)
+        else:
+            torch._foreach_add_(counters, (1.0 - plan.found).float())
+        # A skipped step's bias corrections must stay finite (its kernels store nothing).
+        steps = torch.stack(counters).double().clamp_min(1.0)
+        plan.step_t = steps.index_select(0, plan.tensor_of)
 
     def _prepare(self, plans: list[Plan], kernels: _impl.Kernels) -> dict[str, Any]:
         """Cross-group quantities computed before any update (e.g. LAMB's global norm)."""
@@ -428,62 +466,68 @@ class GSNROptimizer(torch.optim.Optimizer):
 
     # ---- metrics ---------------------------------------------------------------------------
 
-    def _record_metrics(self, plans: list[Plan], results: list[dict[str, Tensor]], n: int) -> None:
-        tables = self._step_tables(plans, results)
-        if self._tables is None:
-            self._tables = tables
+    def _record_metrics(self, plans: list[Plan], results: list[dict[str, Tensor]], n: int,
+                        found: Tensor | None) -> None:
+        record = self._step_tables(plans, results, n, found)
+        if found is not None:
+            skipped = found.reshape(1).double()
+            self._skipped_device = skipped if self._skipped_device is None else self._skipped_device + skipped
+        self._metrics = {}
+        if self._record is None:
+            self._record = record
         else:
-            self._tables.merge(tables)
-        self._metrics = self._summarise(self._tables, n)
+            self._record.merge(record)
 
     def record_skipped(self, reason: str, n: int) -> None:
         """Metrics of a skipped step: ``step/skipped`` 1 whatever the cause, and the cause,
         ``step/skipped_nonfinite`` (non-finite gradients or statistics, seen here or by the
         engine) or ``step/skipped_overflow`` (an fp16 dynamic loss scaler's overflow)."""
-        if reason not in SKIP_REASONS:
-            raise ValueError(f"unknown skip reason {reason!r}; one of {SKIP_REASONS}")
-        self.skipped_steps += 1
-        self._metrics = {"step/skipped": 1.0, **{r: float(r == reason) for r in SKIP_REASONS}, "gsnr/n": float(n)}
-        self._tables = None
+        self._metrics = M.skipped_summary(reason, n)
+        self._skipped_host += 1
+        self._record = None
         if reason == "step/skipped_nonfinite":
             warn_once(logger, f"nonfinite-{self._serial}", "%s: non-finite gradients, step skipped (state untouched); "
                       "see gsnr_metrics()['step/skipped_total'] for the count", type(self).__name__)
 
     def begin_step_records(self) -> None:
         """Starts the metrics of a new step (called by ``step()`` unless an integration merges)."""
-        self._tables = None
+        self._record = None
+        self._metrics = {}
 
-    def _step_tables(self, plans: list[Plan], results: list[dict[str, Tensor]]) -> _Tables:
+    def _step_tables(self, plans: list[Plan], results: list[dict[str, Tensor]], n: int,
+                     found: Tensor | None) -> M.StepRecord:
         """Per-model-tensor tables of this call, complete across ranks (two small collectives)."""
+        tdev = plans[0].tdev
         if self._layout is None:
-            num_keys = int(max(int(p.keys.max()) + 1 if p.keys.numel() else 0 for p in plans))
+            num_keys = max(p.key_base + len(p.params) for p in plans)
         else:
             num_keys = self._layout.num_keys
-        sums = torch.zeros(num_keys, len(_SUM_COLS), dtype=torch.float64)
-        maxs = torch.full((num_keys, len(_MAX_COLS)), -torch.inf, dtype=torch.float64)
+        sums, maxs = M.empty_tables(num_keys, tdev)
+        S_, M_ = M.S, M.M
         for plan, res in zip(plans, results):
             k = plan.keys
             if k.numel() == 0:
                 continue
-            cols = torch.zeros(k.numel(), len(_SUM_COLS), dtype=torch.float64)
-            top = torch.full((k.numel(), len(_MAX_COLS)), -torch.inf, dtype=torch.float64)
-            top[:, _M["present"]] = 1.0
-            top[:, _M["gsnr"]] = float(plan.gsnr)
+            cols = torch.zeros(k.numel(), len(M.SUM_COLS), dtype=torch.float64, device=tdev)
+            top = torch.full((k.numel(), len(M.MAX_COLS)), -torch.inf, dtype=torch.float64, device=tdev)
+            top[:, M_["present"]] = 1.0
+            top[:, M_["gsnr"]] = float(plan.gsnr)
             if plan.gsnr:
-                cols[:, _S["sum_r"]] = plan.moments[:, 0]
-                cols[:, _S["sum_s"]] = plan.moments[:, 3]
-                cols[:, _S["sum_gbar_sq"]] = plan.moments[:, 4]
-                cols[:, _S["clip_low"]] = res["gsnr_counts"][:, 0]
-                cols[:, _S["clip_high"]] = res["gsnr_counts"][:, 1]
-                cols[:, _S["sum_scale"]] = res["gsnr_counts"][:, 2]
-                cols[:, _S["numel"]] = plan.seg[:, 2].double()
-                top[:, _M["neg_min_r"]] = -plan.moments[:, 1]
-                top[:, _M["max_r"]] = plan.moments[:, 2]
+                length = to_device(plan.seg[:, 2].double(), tdev)
+                cols[:, S_["sum_r"]] = plan.moments[:, 0]
+                cols[:, S_["sum_s"]] = plan.moments[:, 3]
+                cols[:, S_["sum_gbar_sq"]] = plan.moments[:, 4]
+                cols[:, S_["clip_low"]] = res["gsnr_counts"][:, 0]
+                cols[:, S_["clip_high"]] = res["gsnr_counts"][:, 1]
+                cols[:, S_["sum_scale"]] = res["gsnr_counts"][:, 2]
+                cols[:, S_["numel"]] = length
+                top[:, M_["neg_min_r"]] = -plan.moments[:, 1]
+                top[:, M_["max_r"]] = plan.moments[:, 2]
                 zero_info = (~plan.scales.informative).double()
-                cols[:, _S["zero_info"]] = zero_info * plan.seg[:, 2].double() / plan.numel.clamp_min(1)
+                cols[:, S_["zero_info"]] = zero_info * length / plan.numel.clamp_min(1)
             if "trust" in res:
-                top[:, _M["trust"]] = res["trust"]
-                top[:, _M["adapted"]] = res["adapted"].double()
+                top[:, M_["trust"]] = res["trust"]
+                top[:, M_["adapted"]] = res["adapted"].double()
             sums.index_add_(0, k, cols)
             maxs.scatter_reduce_(0, k.unsqueeze(1).expand_as(top), top, "amax")
         if self._layout is not None:
@@ -496,41 +540,8 @@ class GSNROptimizer(torch.optim.Optimizer):
                 given = plan.group.get("param_names")
                 name_of = {id(q): nm for q, nm in zip(plan.group["params"], given)} if given else {}
                 for j, p in enumerate(plan.params):
-                    names[int(plan.keys[j])] = name_of.get(id(p), f"group{plan.index}.param{j}")
-        return _Tables(sums, maxs, names)
-
-    @staticmethod
-    def _summarise(t: _Tables, n: int) -> dict[str, float]:
-        m: dict[str, float] = {"step/skipped": 0.0, **{r: 0.0 for r in SKIP_REASONS}}
-        present = t.maxs[:, _M["present"]] > 0
-        g = present & (t.maxs[:, _M["gsnr"]] > 0)
-        if bool(g.any()):
-            s, mx = t.sums[g], t.maxs[g]
-            numel = s[:, _S["numel"]]
-            informative = s[:, _S["zero_info"]] < 0.5
-            m["gsnr/n"] = float(n)
-            m["gsnr/mean"] = float(s[:, _S["sum_r"]].sum() / numel.sum())
-            m["gsnr/min"] = float(-mx[:, _M["neg_min_r"]].max())
-            m["gsnr/max"] = float(mx[:, _M["max_r"]].max())
-            tmean = s[:, _S["sum_r"]] / numel.clamp_min(1)
-            m["gsnr/tensor_mean_min"] = float(tmean.min())
-            m["gsnr/tensor_mean_max"] = float(tmean.max())
-            used = numel[informative].sum().clamp_min(1)
-            m["gsnr/clip_low_frac"] = float(s[informative, _S["clip_low"]].sum() / used)
-            m["gsnr/clip_high_frac"] = float(s[informative, _S["clip_high"]].sum() / used)
-            m["gsnr/zero_info_tensors"] = float((~informative).sum())
-            m["gsnr/scale_mean"] = float(s[:, _S["sum_scale"]].sum() / numel.sum())
-            ns = G.noise_scale(float(s[:, _S["sum_s"]].sum()), float(s[:, _S["sum_gbar_sq"]].sum()), n)
-            m["noise_scale/trace_cov"] = ns.trace_cov
-            m["noise_scale/grad_sq"] = ns.grad_sq
-            m["noise_scale/b_simple_groups"] = ns.b_simple_groups
-        adapted = present & (t.maxs[:, _M["adapted"]] > 0)
-        if bool(adapted.any()):
-            trust = t.maxs[adapted, _M["trust"]]
-            m["trust_ratio/mean"] = float(trust.mean())
-            m["trust_ratio/min"] = float(trust.min())
-            m["trust_ratio/max"] = float(trust.max())
-        return m
+                    names[plan.key_base + j] = name_of.get(id(p), f"group{plan.index}.param{j}")
+        return M.StepRecord(sums, maxs, names, n, found)
 
     def gsnr_metrics(self, per_tensor: bool = False, samples_per_group: int | None = None) -> dict[str, float]:
         """Metrics of the last ``step()`` (DESIGN §5) as ``dict[str, float]``; the same on
@@ -545,35 +556,19 @@ class GSNROptimizer(torch.optim.Optimizer):
         LARS); ``step/skipped`` (1: this step was skipped), its cause ``step/skipped_nonfinite`` or
         ``step/skipped_overflow``, ``step/skipped_total``. ``per_tensor=True`` adds
         ``tensor/<name>/<metric>``.
+
+        With the sync-free (Triton) kernels this is where the step's tables are read back.
         """
         out = dict(self._metrics)
+        if not out and self._record is not None:
+            out = self._record.summary()
         if out:
             out["step/skipped_total"] = float(self.skipped_steps)
         if samples_per_group is not None and "noise_scale/b_simple_groups" in out:
             out["noise_scale/b_simple"] = out["noise_scale/b_simple_groups"] * samples_per_group
-        if per_tensor:
-            for name, row in self._tensor_rows():
+        if per_tensor and self._record is not None:
+            for name, row in self._record.tensor_rows():
                 for k, v in row.items():
                     out[f"tensor/{name}/{k}"] = v
         return out
 
-    def _tensor_rows(self) -> Iterable[tuple[str, dict[str, float]]]:
-        t = self._tables
-        if t is None:
-            return
-        for key in range(t.sums.shape[0]):
-            s, mx = t.sums[key], t.maxs[key]
-            if mx[_M["present"]] <= 0:
-                continue
-            row: dict[str, float] = {}
-            if mx[_M["gsnr"]] > 0:
-                numel = float(s[_S["numel"]]) or 1.0
-                row["gsnr_mean"] = float(s[_S["sum_r"]]) / numel
-                row["gsnr_min"] = -float(mx[_M["neg_min_r"]])
-                row["gsnr_max"] = float(mx[_M["max_r"]])
-                row["clip_low_frac"] = float(s[_S["clip_low"]]) / numel
-                row["clip_high_frac"] = float(s[_S["clip_high"]]) / numel
-                row["scale_mean"] = float(s[_S["sum_scale"]]) / numel
-            if mx[_M["trust"]] > -torch.inf:
-                row["trust_ratio"] = float(mx[_M["trust"]])
-            yield t.names[key], row

@@ -61,7 +61,8 @@ class VRLamb(GSNROptimizer):
                  weight_decay: float = 1e-2, bias_correction: bool = True, min_coeff: float = 0.01,
                  max_coeff: float = 10.0, grad_pre_normalization: bool = False, max_grad_norm: float = 1.0,
                  gamma: float = 0.1, beta3: float = 0.9, gsnr_eps: float = 1e-12,
-                 gsnr_placement: str = GSNR_PLACEMENTS[0], gsnr: bool = True, fused: bool | None = None) -> None:
+                 gsnr_placement: str = GSNR_PLACEMENTS[0], gsnr: bool = True,
+                 fused: bool | str | None = None) -> None:
         owner = type(self).__name__
         check_adam_args(owner, betas, eps)
         check_arg(owner, "min_coeff", 0.0 <= min_coeff <= max_coeff, min_coeff, "in [0, max_coeff]")
@@ -81,19 +82,19 @@ class VRLamb(GSNROptimizer):
         wanted = [p for p in plans if p.group["grad_pre_normalization"]]
         if not wanted:
             return {}
-        sq = 0.0
+        sq = []
         for plan in wanted:
             norms = plan.grad_norms if plan.grad_norms is not None else kernels.scaled_grad_norms(
                 plan.params, plan.grads, [], [], [], plan.seg, table([plan.ones()] * 3), 1.0, 0.0, 0.0)
-            sq += float(norms[:, 1].sum())
-        return {"global_grad_norm": self.reduce_scalar(sq) ** 0.5}
+            sq.append(norms[:, 1].sum())
+        return {"global_grad_norm": self.reduce_scalar(torch.stack(sq).sum()).sqrt()}  # float64, on the device
 
     def _update(self, plan, kernels, n, extras):
         g = plan.group
         mult = None
         if g["grad_pre_normalization"]:
             norm = extras["global_grad_norm"]
-            mult = plan.ones() * (g["max_grad_norm"] / max(norm, g["max_grad_norm"]))
+            mult = plan.ones() * (g["max_grad_norm"] / norm.clamp_min(g["max_grad_norm"]))
         m = [st["exp_avg"] for st in plan.states]
         v = [st["exp_avg_sq"] for st in plan.states]
         cols = adam_columns(plan, mult)
@@ -102,14 +103,14 @@ class VRLamb(GSNROptimizer):
         out = kernels.adam_step(plan.params, plan.grads, m, v, seg=plan.seg, segf=cols, lr=g["lr"],
                                 beta1=g["betas"][0], beta2=g["betas"][1], eps=g["eps"],
                                 weight_decay=g["weight_decay"], apply=False, placement=placement,
-                                eps_gsnr=g["gsnr_eps"], **gsnr_args)
+                                eps_gsnr=g["gsnr_eps"], **gsnr_args, **plan.skip_args())
         norms = self.reduce_segments(plan, out[:, :2])
         trust, adapted = trust_ratios(plan, norms, plan.ones(), g["min_coeff"], g["max_coeff"])
         if placement != UPDATE_PLACEMENT or not plan.gsnr:  # only the update placement reads p̂ again
             gsnr_args.update(sum_g=[], sum_sq=[], avg=[])
         kernels.lamb_apply(plan.params, m, v, seg=plan.seg, segf=torch.cat([cols[:, :5], trust[:, None]], 1),
                            lr=g["lr"], eps=g["eps"], weight_decay=g["weight_decay"], eps_gsnr=g["gsnr_eps"],
-                           **gsnr_args)
+                           **gsnr_args, **plan.skip_args())
         return {"gsnr_counts": out[:, 2:5], "trust": trust, "adapted": adapted}
 
 

@@ -39,7 +39,7 @@ class VRLars(GSNROptimizer):
     def __init__(self, params: Any, lr: float = 1.0, momentum: float = 0.9, nesterov: bool = False,
                  weight_decay: float = 0.0, trust_coefficient: float = 0.001, clip: bool = False, eps: float = 0.0,
                  gamma: float = 0.1, beta3: float = 0.0, gsnr_eps: float = 1e-12, gsnr: bool = True,
-                 fused: bool | None = None) -> None:
+                 fused: bool | str | None = None) -> None:
         owner = type(self).__name__
         check_arg(owner, "momentum", 0.0 <= momentum < 1.0, momentum, "in [0, 1)")
         check_arg(owner, "trust_coefficient", trust_coefficient > 0, trust_coefficient, "> 0")

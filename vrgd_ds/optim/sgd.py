@@ -23,7 +23,10 @@ def sgd_update(opt: GSNROptimizer, plan: Plan, kernels: Any, n: int, lr_mult: to
     """One (VR-)SGD/momentum step of a plan; ``lr_mult`` per segment (LARS), default 1."""
     g = plan.group
     momentum = g["momentum"]
-    first = plan.per_segment([0.0 if "momentum_buffer" in st else 1.0 for st in plan.states])
+    # The buffer's first applied step copies d: a buffer created now, or the first counted step
+    # (a step the sync-free kernels skipped on the device leaves the new buffer at zero).
+    first = torch.maximum(plan.per_segment([0.0 if "momentum_buffer" in st else 1.0 for st in plan.states]),
+                          (plan.step_t <= 1).double())
     bufs = []
     if momentum != 0.0:
         for p, st in zip(plan.params, plan.states):
@@ -33,7 +36,7 @@ def sgd_update(opt: GSNROptimizer, plan: Plan, kernels: Any, n: int, lr_mult: to
     segf = table(plan.gsnr_columns() + [plan.ones() if lr_mult is None else lr_mult, first])
     return kernels.sgd_step(plan.params, plan.grads, bufs, seg=plan.seg, segf=segf, lr=g["lr"],
                             weight_decay=g["weight_decay"], momentum=momentum, dampening=g["dampening"],
-                            nesterov=g["nesterov"], **plan.gsnr_args(n))
+                            nesterov=g["nesterov"], **plan.gsnr_args(n), **plan.skip_args())
 
 
 class VRMomentum(GSNROptimizer):
@@ -50,12 +53,12 @@ class VRMomentum(GSNROptimizer):
         beta3: momentum of the GSNR (0: off, the paper's VR-SGD).
         gsnr_eps: added to the variance in the GSNR.
         gsnr: False gives the base optimizer through the same code.
-        fused: True/False/None: fused CPU kernels / reference / fused where applicable.
+        fused: as :class:`vrgd_ds.VRAdam` (None: the fused kernels of the parameters' device).
     """
 
     def __init__(self, params: Any, lr: float = 0.1, momentum: float = 0.9, dampening: float = 0.0,
                  nesterov: bool = False, weight_decay: float = 0.0, gamma: float = 0.1, beta3: float = 0.0,
-                 gsnr_eps: float = 1e-12, gsnr: bool = True, fused: bool | None = None) -> None:
+                 gsnr_eps: float = 1e-12, gsnr: bool = True, fused: bool | str | None = None) -> None:
         defaults = dict(lr=lr, momentum=momentum, dampening=dampening, nesterov=nesterov,
                         weight_decay=weight_decay, gamma=gamma, beta3=beta3, gsnr_eps=gsnr_eps, gsnr=gsnr)
         super().__init__(params, defaults, fused=fused)
@@ -78,6 +81,6 @@ class VRSGD(VRMomentum):
     """
 
     def __init__(self, params: Any, lr: float = 0.1, weight_decay: float = 0.0, gamma: float = 0.1,
-                 beta3: float = 0.0, gsnr_eps: float = 1e-12, gsnr: bool = True, fused: bool | None = None) -> None:
+                 beta3: float = 0.0, gsnr_eps: float = 1e-12, gsnr: bool = True, fused: bool | str | None = None) -> None:
         super().__init__(params, lr=lr, momentum=0.0, weight_decay=weight_decay, gamma=gamma, beta3=beta3,
                          gsnr_eps=gsnr_eps, gsnr=gsnr, fused=fused)

@@ -1,0 +1,229 @@
+"""The Triton kernels (the CUDA implementation) against the reference, on CPU tensors under
+Triton's interpreter (``TRITON_INTERPRET=1``, set by conftest.py without CUDA), and on the GPU
+when there is one (marked ``cuda``). Small on purpose: the interpreter runs each kernel
+program in numpy (about a second per optimizer step here)."""
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+import vrgd_ds
+from vrgd_ds import REGISTRY
+from vrgd_ds.optim.adam import GSNR_PLACEMENTS
+
+triton = pytest.importorskip("triton", reason="pip install triton (the tests run its interpreter on CPU)")
+from vrgd_ds.optim import _triton  # noqa: E402
+
+pytestmark = pytest.mark.skipif(_triton.available() is not None, reason=str(_triton.available()))
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+ADAM_FAMILY = ["VRAdam", "VRLamb"]
+CASES = [(n, {}) for n in REGISTRY if n not in ADAM_FAMILY] + [
+    pytest.param(n, dict(gsnr_placement=pl), id=f"{n}-{pl}") for n in ADAM_FAMILY for pl in GSNR_PLACEMENTS]
+
+
+class Net(nn.Module):
+    """Tensors of 1, 7, BLOCK - 1, BLOCK + 1 elements and one of CHUNK + 1 (two chunks)."""
+
+    def __init__(self, dtype=torch.float32):
+        super().__init__()
+        g = torch.Generator().manual_seed(0)
+        sizes = [1, 7, _triton.BLOCK - 1, _triton.BLOCK + 1, _triton.CHUNK + 1]
+        self.ps = nn.ParameterList([nn.Parameter(torch.randn(n, generator=g).to(dtype)) for n in sizes])
+        self.w = nn.Parameter(torch.randn(6, 5, generator=g).to(dtype))
+
+    def loss(self, z):
+        """A different gradient per group ``z`` for every element."""
+        out = (self.w.float() @ z[:5]).sin().sum()
+        for p in self.ps:
+            zp = z[:p.numel()]
+            out = out + (p.float() * zp).sum() + 0.01 * (p.float() * zp).square().sum()
+        return out
+
+
+def data(steps: int, groups: int, seed: int = 1) -> list[list[torch.Tensor]]:
+    g = torch.Generator().manual_seed(seed)
+    return [[torch.randn(_triton.CHUNK + 8, generator=g) + 0.3 for _ in range(groups)] for _ in range(steps)]
+
+
+def build(name, model, fused, **over):
+    info = REGISTRY[name]
+    kw = {**info.test_kwargs, **over}
+    kw.pop("weight_decay", None)
+    return info.cls(model.parameters(), fused=fused, weight_decay=0.01, **kw)
+
+
+def run(model, opt, batches):
+    for step in batches:
+        for z in step:
+            model.loss(z.to(DEVICE)).backward()
+        opt.step()
+        opt.zero_grad()
+    return [p.detach().float().clone() for p in model.parameters()]
+
+
+@pytest.mark.parametrize("name, over", CASES)
+def test_triton_equals_reference_fp32(name, over):
+    """Element-wise maths in the reference's order (IEEE division and square root, no FMA);
+    only the summation order of the reductions differs."""
+    batches = data(2, 3)
+    m1, m2 = Net().to(DEVICE), Net().to(DEVICE)
+    o1, o2 = build(name, m1, False, **over), build(name, m2, "triton", **over)
+    assert type(o2.kernels()).__name__ == "Triton"
+    for a, b in zip(run(m1, o1, batches), run(m2, o2, batches)):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+    for p1, p2 in zip(m1.parameters(), m2.parameters()):
+        for k, v in o1.state[p1].items():
+            torch.testing.assert_close(v.cpu().float(), o2.state[p2][k].cpu().float(), rtol=1e-4, atol=1e-5)
+    if REGISTRY[name].vr:
+        m1_, m2_ = o1.gsnr_metrics(per_tensor=True), o2.gsnr_metrics(per_tensor=True)
+        assert m1_.keys() == m2_.keys()
+        for k in m1_:
+            assert m1_[k] == pytest.approx(m2_[k], rel=1e-3, abs=1e-6, nan_ok=True), k
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("name", ["VRSGD", "VRAdam", "VRLamb", "VRLars"])
+def test_triton_low_precision_parameters(name, dtype):
+    """bf16/fp16 parameters, fp32 state. Rounding to the parameter dtype may differ by one unit
+    in the last place (Triton's interpreter truncates fp32 -> bf16)."""
+    batches = data(2, 3)
+    m1, m2 = Net(dtype).to(DEVICE), Net(dtype).to(DEVICE)
+    o1, o2 = build(name, m1, False), build(name, m2, "triton")
+    for a, b in zip(run(m1, o1, batches), run(m2, o2, batches)):
+        torch.testing.assert_close(a, b, rtol=2e-2, atol=2e-2)
+    for p2 in m2.parameters():
+        assert p2.dtype == dtype and all(v.dtype == torch.float32 for v in o2.state[p2].values())
+
+
+@pytest.mark.parametrize("name, over", [c for c in CASES if (c[0] if isinstance(c, tuple) else c.values[0])
+                                        in [n for n, i in REGISTRY.items() if i.vr]])
+def test_triton_gamma_one_is_the_base_optimizer_exactly(name, over):
+    batches = data(2, 2)
+    m1, m2 = Net().to(DEVICE), Net().to(DEVICE)
+    vr = run(m1, build(name, m1, "triton", gamma=1.0, **over), batches)
+    base = run(m2, build(name, m2, "triton", gsnr=False), batches)
+    for a, b in zip(vr, base):
+        assert torch.equal(a, b)
+
+
+class GivenStats:
+    def __init__(self, sums, n):
+        self.sums, self.n = sums, n
+
+    def moments(self, params):
+        return [self.sums[id(p)][0] for p in params], [self.sums[id(p)][1] for p in params]
+
+    def reset(self):
+        pass
+
+
+@pytest.mark.parametrize("name", ["VRAdam", "VRLamb", "VRLars"])
+def test_triton_flat_partition_cut_mid_tensor(name):
+    """What ZeRO hands the optimizer: one flat tensor holding pieces of model tensors, cut in the
+    middle of a tensor (its other part on another rank, absent here). Per-tensor sums (GSNR
+    mean, trust norms) come from the layout; both implementations see the same pieces."""
+    from vrgd_ds.ds.layout import Layout
+
+    g = torch.Generator().manual_seed(2)
+    n = 3
+    results = []
+    for fused in (False, "triton"):
+        flat = nn.Parameter(torch.randn(3000, generator=torch.Generator().manual_seed(5)).to(DEVICE))
+        layout = Layout(["a", "b", "c"], [1500, 1200, 900], group=None, device=DEVICE)
+        layout.add(flat, [(0, 1100, 0), (1100, 1200, 1), (2300, 700, 2)])  # a and c cut
+        opt = REGISTRY[name].cls([flat], fused=fused, **REGISTRY[name].test_kwargs)
+        gs = torch.randn(n, 3000, generator=g.manual_seed(9)).to(DEVICE) + 0.2
+        opt.set_statistics_source(GivenStats({id(flat): (gs.sum(0), gs.square().sum(0))}, n), layout)
+        flat.grad = gs.mean(0)
+        opt.step()
+        results.append((flat.detach().clone(), opt.gsnr_metrics()))
+    torch.testing.assert_close(results[0][0], results[1][0], rtol=1e-5, atol=1e-6)
+    assert results[0][1]["gsnr/mean"] == pytest.approx(results[1][1]["gsnr/mean"], rel=1e-5)
+
+
+@pytest.mark.parametrize("name", ["VRSGD", "VRAdam", "VRLamb", "Lamb"])
+def test_triton_skips_a_nonfinite_step_on_the_device(name):
+    """NaN in a gradient: the decision is a device flag the kernels read; nothing changes, the
+    skip is counted and reported."""
+    m = Net().to(DEVICE)
+    opt = build(name, m, "triton")
+    run(m, opt, data(1, 2))
+    before = copy.deepcopy((m.state_dict(), opt.state_dict()))
+    for z in data(1, 2, seed=3)[0]:
+        m.loss(z.to(DEVICE)).backward()
+    m.w.grad[0, 0] = float("nan")
+    opt.step()
+    opt.zero_grad()
+    met = opt.gsnr_metrics()
+    assert met["step/skipped"] == 1.0 and met["step/skipped_nonfinite"] == 1.0 and met["step/skipped_total"] == 1.0
+    assert opt.skipped_steps == 1
+    for k, v in before[0].items():
+        assert torch.equal(v, m.state_dict()[k])
+    for pid, st in before[1]["state"].items():
+        for k, v in st.items():
+            assert torch.equal(v, opt.state_dict()["state"][pid][k]), k
+    run(m, opt, data(1, 2, seed=4))  # trains on
+    assert opt.gsnr_metrics()["step/skipped"] == 0.0
+
+
+@pytest.mark.parametrize("name", ["VRMomentum", "VRLamb"])
+def test_triton_state_dict_round_trip_continues_the_trajectory(name, tmp_path):
+    batches = data(4, 2)
+    m1 = Net().to(DEVICE)
+    o1 = build(name, m1, "triton")
+    run(m1, o1, batches[:2])
+    ckpt = copy.deepcopy({"model": m1.state_dict(), "opt": o1.state_dict()})
+    straight = run(m1, o1, batches[2:])
+    m2 = Net().to(DEVICE)
+    m2.load_state_dict(ckpt["model"])
+    o2 = build(name, m2, "triton")
+    o2.load_state_dict(ckpt["opt"])
+    for a, b in zip(straight, run(m2, o2, batches[2:])):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("name", list(REGISTRY))
+def test_triton_step_reads_nothing_back_to_the_host(name, monkeypatch):
+    """No host synchronisation in step(): on CPU tensors the same code path must not call
+    ``.item()``, ``float()``, ``int()``, ``bool()`` or ``.tolist()`` on any tensor (on a GPU each
+    would wait for the device). The GPU test with torch.cuda.set_sync_debug_mode covers CUDA."""
+    m = Net().to(DEVICE)
+    opt = build(name, m, "triton")
+    run(m, opt, data(1, 2))  # state created; the second step is the one counted
+    for z in data(1, 2, seed=7)[0]:
+        m.loss(z.to(DEVICE)).backward()
+    calls = []
+    for method in ("item", "__float__", "__int__", "__bool__", "tolist", "__index__"):
+        original = getattr(torch.Tensor, method)
+
+        def spy(self, *a, _m=method, _o=original, **k):
+            calls.append(_m)
+            return _o(self, *a, **k)
+
+        monkeypatch.setattr(torch.Tensor, method, spy)
+    opt.step()
+    monkeypatch.undo()
+    assert calls == [], calls
+    assert opt.gsnr_metrics()["step/skipped"] == 0.0  # the metrics are read here instead
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("name", list(REGISTRY))
+def test_cuda_step_does_not_synchronise(name):
+    m = Net().cuda()
+    opt = build(name, m, None)
+    assert type(opt.kernels()).__name__ == "Triton"
+    run(m, opt, data(1, 2))
+    for z in data(1, 2, seed=7)[0]:
+        m.loss(z.cuda()).backward()
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        opt.step()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    opt.gsnr_metrics()

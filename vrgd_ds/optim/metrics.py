@@ -1,0 +1,117 @@
+"""The metrics of a VRGD step (DESIGN §5) as pure functions over small per-tensor tables.
+
+A step leaves one ``StepRecord``: two float64 tables with a row per model tensor (sums, and
+maxima), complete across ranks, the number of gradient groups and the step's non-finite flag,
+all possibly on the device; nothing is read back until ``summary()``/``tensor_rows()`` are
+asked for (``gsnr_metrics()``), so the step itself never synchronises with the host.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Iterable
+
+import torch
+from torch import Tensor
+
+from vrgd_ds import gsnr as G
+
+#: the causes of a skipped step reported in gsnr_metrics() (``step/skipped`` counts them all)
+SKIP_REASONS = ("step/skipped_nonfinite", "step/skipped_overflow")
+
+#: columns of the per-tensor tables, by name (one row per model tensor)
+SUM_COLS = ("sum_r", "numel", "sum_s", "sum_gbar_sq", "clip_low", "clip_high", "zero_info", "sum_scale")
+MAX_COLS = ("neg_min_r", "max_r", "trust", "adapted", "gsnr", "present")
+S = {c: i for i, c in enumerate(SUM_COLS)}
+M = {c: i for i, c in enumerate(MAX_COLS)}
+
+
+def empty_tables(num_keys: int, device: torch.device) -> tuple[Tensor, Tensor]:
+    sums = torch.zeros(num_keys, len(SUM_COLS), dtype=torch.float64, device=device)
+    maxs = torch.full((num_keys, len(MAX_COLS)), -torch.inf, dtype=torch.float64, device=device)
+    return sums, maxs
+
+
+@dataclass
+class StepRecord:
+    """Per-tensor quantities of one step: small ``[T, k]`` tables, no step buffers kept."""
+
+    sums: Tensor  # float64 [T, len(SUM_COLS)]
+    maxs: Tensor  # float64 [T, len(MAX_COLS)], -inf where absent
+    names: list[str]
+    n: int
+    found: Tensor | None = None  # float64 0-dim: 1 when the step was skipped on the device
+
+    def merge(self, other: "StepRecord") -> None:
+        """Another call of the same engine step (ZeRO-3 steps sub-groups one at a time)."""
+        self.sums += other.sums
+        torch.maximum(self.maxs, other.maxs, out=self.maxs)
+        if other.found is not None:
+            self.found = other.found if self.found is None else torch.maximum(self.found, other.found)
+
+    def skipped(self) -> bool:
+        return self.found is not None and bool(self.found > 0)
+
+    def summary(self) -> dict[str, float]:
+        """The step's metrics (host values; reads the tables once)."""
+        if self.skipped():
+            return skipped_summary("step/skipped_nonfinite", self.n)
+        sums, maxs = self.sums.cpu(), self.maxs.cpu()
+        m: dict[str, float] = {"step/skipped": 0.0, **{r: 0.0 for r in SKIP_REASONS}}
+        present = maxs[:, M["present"]] > 0
+        g = present & (maxs[:, M["gsnr"]] > 0)
+        if bool(g.any()):
+            s, mx = sums[g], maxs[g]
+            numel = s[:, S["numel"]]
+            informative = s[:, S["zero_info"]] < 0.5
+            m["gsnr/n"] = float(self.n)
+            m["gsnr/mean"] = float(s[:, S["sum_r"]].sum() / numel.sum())
+            m["gsnr/min"] = float(-mx[:, M["neg_min_r"]].max())
+            m["gsnr/max"] = float(mx[:, M["max_r"]].max())
+            tmean = s[:, S["sum_r"]] / numel.clamp_min(1)
+            m["gsnr/tensor_mean_min"] = float(tmean.min())
+            m["gsnr/tensor_mean_max"] = float(tmean.max())
+            used = numel[informative].sum().clamp_min(1)
+            m["gsnr/clip_low_frac"] = float(s[informative, S["clip_low"]].sum() / used)
+            m["gsnr/clip_high_frac"] = float(s[informative, S["clip_high"]].sum() / used)
+            m["gsnr/zero_info_tensors"] = float((~informative).sum())
+            m["gsnr/scale_mean"] = float(s[:, S["sum_scale"]].sum() / numel.sum())
+            ns = G.noise_scale(float(s[:, S["sum_s"]].sum()), float(s[:, S["sum_gbar_sq"]].sum()), self.n)
+            m["noise_scale/trace_cov"] = ns.trace_cov
+            m["noise_scale/grad_sq"] = ns.grad_sq
+            m["noise_scale/b_simple_groups"] = ns.b_simple_groups
+        adapted = present & (maxs[:, M["adapted"]] > 0)
+        if bool(adapted.any()):
+            trust = maxs[adapted, M["trust"]]
+            m["trust_ratio/mean"] = float(trust.mean())
+            m["trust_ratio/min"] = float(trust.min())
+            m["trust_ratio/max"] = float(trust.max())
+        return m
+
+    def tensor_rows(self) -> Iterable[tuple[str, dict[str, float]]]:
+        """``(tensor name, {metric: value})`` per model tensor of the step."""
+        if self.skipped():
+            return
+        sums, maxs = self.sums.cpu(), self.maxs.cpu()
+        for key in range(sums.shape[0]):
+            s, mx = sums[key], maxs[key]
+            if mx[M["present"]] <= 0:
+                continue
+            row: dict[str, float] = {}
+            if mx[M["gsnr"]] > 0:
+                numel = float(s[S["numel"]]) or 1.0
+                row["gsnr_mean"] = float(s[S["sum_r"]]) / numel
+                row["gsnr_min"] = -float(mx[M["neg_min_r"]])
+                row["gsnr_max"] = float(mx[M["max_r"]])
+                row["clip_low_frac"] = float(s[S["clip_low"]]) / numel
+                row["clip_high_frac"] = float(s[S["clip_high"]]) / numel
+                row["scale_mean"] = float(s[S["sum_scale"]]) / numel
+            if mx[M["trust"]] > -torch.inf:
+                row["trust_ratio"] = float(mx[M["trust"]])
+            yield self.names[key], row
+
+
+def skipped_summary(reason: str, n: int) -> dict[str, float]:
+    """Metrics of a skipped step: ``step/skipped`` 1 whatever the cause, and the cause."""
+    if reason not in SKIP_REASONS:
+        raise ValueError(f"unknown skip reason {reason!r}; one of {SKIP_REASONS}")
+    return {"step/skipped": 1.0, **{r: float(r == reason) for r in SKIP_REASONS}, "gsnr/n": float(n)}
