@@ -70,15 +70,28 @@ def worker(args: argparse.Namespace) -> None:
     variants = {"VRLamb": ({}, "fp32"), "Lamb": ({"gsnr": False}, "fp32")}
     if args.bf16_squares:
         variants["VRLamb/bf16sq"] = ({}, "bf16")
+    # The GPU anchors (--anchors): DeepSpeed's FusedLamb ("type": "Lamb" on CUDA, JIT-built; not in
+    # DeepSpeed's ZERO_SUPPORTED_OPTIMIZERS, hence zero_allow_untested_optimizer) and torch's fused
+    # AdamW through DeepSpeed's torch_adam switch.
+    anchors = {"FusedLamb": {"type": "Lamb", "params": {"lr": 1e-4, "weight_decay": 0.01}},
+               "AdamW(fused)": {"type": "AdamW", "params": {"lr": 1e-4, "weight_decay": 0.01, "torch_adam": True,
+                                                            "fused": True}}}
+    if args.anchors:
+        if not cuda:
+            raise SystemExit("--anchors needs CUDA: DeepSpeed's FusedLamb and fused AdamW are GPU kernels")
+        variants.update({k: (v, None) for k, v in anchors.items()})
     engines = {}
     for name, (extra, squares) in variants.items():
         torch.manual_seed(0)
         model = transformers.BertForMaskedLM(cfg)
         ds_cfg = {"train_micro_batch_size_per_gpu": args.micro_batch, "gradient_accumulation_steps": args.gas,
                   "gradient_clipping": 1.0, "steps_per_print": 10**9,
-                  "optimizer": {"type": "VRLamb", "params": {"lr": 1e-4, "weight_decay": 0.01, **extra}},
-                  "zero_optimization": {"stage": 2, "reduce_bucket_size": args.bucket},
-                  "vrgd": {"squares_dtype": squares}}
+                  "zero_optimization": {"stage": 2, "reduce_bucket_size": args.bucket}}
+        if squares is None:  # an anchor
+            ds_cfg.update(optimizer=extra, zero_allow_untested_optimizer=True)
+        else:
+            ds_cfg.update(optimizer={"type": "VRLamb", "params": {"lr": 1e-4, "weight_decay": 0.01, **extra}},
+                          vrgd={"squares_dtype": squares})
         if args.dtype == "bf16":
             ds_cfg["bf16"] = {"enabled": True}
         elif args.dtype == "fp16":
@@ -138,6 +151,28 @@ def worker(args: argparse.Namespace) -> None:
               f"{per_step[k][1] / 1e6:7.1f} {per_step[k][2]:25d}")
     ratio = med["VRLamb"] / med["Lamb"]
     print(f"\nstep time VRLamb / Lamb = {ratio:.3f} (target <= 1.10: {'met' if ratio <= 1.10 else 'NOT met'})")
+    if "FusedLamb" in med:
+        r = med["VRLamb"] / med["FusedLamb"]
+        print(f"step time VRLamb / DeepSpeed FusedLamb = {r:.3f} (target <= 1.05: {'met' if r <= 1.05 else 'NOT met'});"
+              f" Lamb / FusedLamb = {med['Lamb'] / med['FusedLamb']:.3f}; VRLamb / AdamW(fused) = "
+              f"{med['VRLamb'] / med['AdamW(fused)']:.3f}")
+    if cuda and args.profile:
+        from torch.profiler import ProfilerActivity, profile
+
+        launch = {"cudaLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernel", "cuLaunchKernelEx"}
+        syncs = {"cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize", "cudaMemcpy"}
+        print("optimizer step only (engine.step at the boundary), per step: kernel launches, host syncs")
+        for k, engine in engines.items():
+            for ids in batches[:-1]:
+                engine.backward(engine(input_ids=ids, labels=ids).loss)
+                engine.step()
+            engine.backward(engine(input_ids=batches[-1], labels=batches[-1]).loss)
+            torch.cuda.synchronize()
+            with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+                engine.step()
+                torch.cuda.synchronize()
+            ev = prof.events()
+            print(f"  {k:13s} launches {sum(e.name in launch for e in ev):6d}  syncs {sum(e.name in syncs for e in ev):5d}")
     if "VRLamb/bf16sq" in med:
         sq = engines["VRLamb/bf16sq"].vrgd_stats.counters
         print(f"step time VRLamb with bf16 squares / Lamb = {med['VRLamb/bf16sq'] / med['Lamb']:.3f}; its "
@@ -150,7 +185,7 @@ def worker(args: argparse.Namespace) -> None:
     print(f"gradient all-reduces per step (backward): VRLamb {per_step['VRLamb'][0]}, Lamb {per_step['Lamb'][0]}"
           f" ({'unchanged' if per_step['VRLamb'][0] == per_step['Lamb'][0] else 'DIFFERENT'})")
     for k, e in engines.items():
-        m = e.basic_optimizer.gsnr_metrics()
+        m = e.basic_optimizer.gsnr_metrics() if hasattr(e.basic_optimizer, "gsnr_metrics") else {}
         shown = {key: round(m[key], 4) for key in ("gsnr/n", "gsnr/mean", "gsnr/clip_low_frac", "trust_ratio/mean",
                                                     "step/skipped_total") if key in m}
         print(f"{k:13s} last loss {losses[k]:.4f}  {shown}")
@@ -175,6 +210,9 @@ def main() -> None:
     ap.add_argument("--dtype", choices=("fp32", "bf16", "fp16"), default="fp32")
     ap.add_argument("--model", choices=sorted(MODELS), default="small")
     ap.add_argument("--bf16-squares", action="store_true", help="also time VRLamb with bf16 squares")
+    ap.add_argument("--anchors", action="store_true", help="also time DeepSpeed's FusedLamb and fused AdamW (CUDA; "
+                    "on H100 export TORCH_CUDA_ARCH_LIST=9.0 first)")
+    ap.add_argument("--profile", action="store_true", help="count kernel launches and host syncs of each step (CUDA)")
     args = ap.parse_args()
     if args.worker:
         worker(args)
