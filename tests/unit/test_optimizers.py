@@ -600,3 +600,61 @@ def test_pass_one_taken_in_the_last_backward_is_the_steps_own(dtype):
     assert opt._hook_stats.last_moments(params, 2) is None
     opt.step()
     assert calls == [1, 1, 1]
+
+
+@pytest.mark.parametrize("impl", ["reference", "fused", "triton"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_pack_squares_writes_both_halves_in_one_call(impl, dtype):
+    """The reduction hooks' one pass over a local bucket: ``[float(x) | (c·float(x))²]``, the
+    squares in fp32 after removing the loss scale, as the reference's torch ops compute them."""
+    from vrgd_ds.optim import _impl
+
+    if impl == "fused" and not _fused.available():
+        pytest.skip("no C++ toolchain")
+    if impl == "triton":
+        pytest.importorskip("triton")
+        from vrgd_ds.optim import _triton
+
+        if _triton.available() is not None:
+            pytest.skip(_triton.available())
+        kernels = _triton.Triton()
+    else:
+        kernels = _impl.Reference() if impl == "reference" else _impl.Fused()
+    x = (torch.randn(3001) * 300).to(dtype)
+    g, sq = torch.empty(3001), torch.empty(3001)
+    kernels.pack_squares(x, g, sq, 1 / 1024)
+    want = x.float() * (1 / 1024)
+    assert torch.equal(g, x.float())
+    torch.testing.assert_close(sq, want * want, rtol=0, atol=0)
+    only = torch.empty(3001)
+    kernels.pack_squares(x, None, only, 1.0)
+    assert torch.equal(only, x.float() * x.float())
+
+
+def test_reduction_statistics_are_written_fresh_and_never_left_stale():
+    """The DeepSpeed hooks' buffers are not zeroed every step: a piece's first reduction after a
+    step writes ``Σg = c·g`` and ``Σg²``, later ones add; a piece that no reduction reached this
+    step reads as zero, not as the previous step's values."""
+    from vrgd_ds.ds.sources import ReductionStats
+    from vrgd_ds.optim import _impl
+
+    flat = torch.zeros(10)
+    a, b = torch.zeros(6), torch.zeros(4)  # two model tensors living in flat[0:6] and flat[6:10]
+    stats = ReductionStats(None, [flat], world=2, per_micro_step=True, loss_scale=lambda: 1.0,
+                           kernels=_impl.Reference())
+    stats.piece(a, flat, 0, 6)
+    stats.piece(b, flat, 6, 4)
+    for step, parts in enumerate([[a, b], [a]]):
+        stats.begin_round(parts)
+        for t in parts:
+            start = 0 if t is a else 6
+            x = torch.full((t.numel(),), float(step + 1))
+            stats.add(id(flat), start, x, x * x, 0.5, stats.first(t))
+        stats.begin_round([a])  # a second micro-step reaches a only
+        stats.add(id(flat), 0, torch.ones(6), torch.ones(6), 0.5, stats.first(a))
+        sum_g, sum_sq = stats.moments([flat])
+        assert torch.equal(sum_g[0][:6], torch.full((6,), 0.5 * (step + 1) + 0.5))
+        assert torch.equal(sum_sq[0][:6], torch.full((6,), (step + 1.0) ** 2 + 1.0))
+        want_b = 0.5 * (step + 1) if step == 0 else 0.0  # step 1 never reduced b: zero, not step 0's value
+        assert torch.equal(sum_g[0][6:], torch.full((4,), want_b))
+        stats.end_step()

@@ -18,7 +18,13 @@ micro-batch gradient is ``S·g/GAS``; stage 0 and ZeRO-1 reduce the sum over the
 once, at the boundary.) Squares are taken in fp32 after removing the loss scale. The reduced
 ``g`` half goes back to DeepSpeed exactly where its own reduction would have put it, so
 everything after (accumulation, overflow check, clipping) is DeepSpeed's; ``Σg`` and ``Σg²``
-are added into fp32 buffers shaped like the flat partition this rank's optimizer updates.
+go into fp32 buffers shaped like the flat partition this rank's optimizer updates.
+
+Passes over memory: one kernel reads the local bucket and writes both halves of the fused
+buffer (``Kernels.pack_squares``: cast, unscale and square together); the first reduction of
+a piece after a step *writes* its ``Σg``/``Σg²`` (scaled in the same pass), later ones add,
+so the buffers are never zeroed (a piece no reduction reached this step is zeroed when the
+optimizer asks for the moments).
 
 Statistics are cleared when the engine's optimizer step ends, also when DeepSpeed skipped the
 step (fp16 overflow): the wrapper's ``step`` is wrapped, not the basic optimizer's.
@@ -56,18 +62,24 @@ class ReductionStats:
     """
 
     def __init__(self, engine: Any, flats: list[Tensor], world: int, per_micro_step: bool,
-                 loss_scale: Callable[[], float]) -> None:
+                 loss_scale: Callable[[], float], kernels: Any) -> None:
         self.engine = engine
         self.world = world
         self.per_micro_step = per_micro_step
+        self.kernels = kernels  # the optimizer's implementation: pack_squares
         self._loss_scale = loss_scale
         self._bufs = {id(f): (torch.zeros(f.numel(), dtype=torch.float32, device=f.device),
                               torch.zeros(f.numel(), dtype=torch.float32, device=f.device)) for f in flats}
         self._shapes = {id(f): f.shape for f in flats}
         self._counts: dict[int, int] = {}  # reductions of each model tensor since the last step
+        self._pieces: list[tuple[int, int, int, int]] = []  # (model tensor id, flat id, start, length)
         self._stale = False
         self.counters = CommCounters()
         self.squares_dtype = torch.float32  # set from the config's "vrgd" block at attach
+
+    def piece(self, tensor: Tensor, flat: Tensor, start: int, length: int) -> None:
+        """Registers where a model tensor's statistics live (to zero it if a step misses it)."""
+        self._pieces.append((id(tensor), id(flat), start, length))
 
     # -- StatisticsSource --------------------------------------------------------------------
 
@@ -78,6 +90,12 @@ class ReductionStats:
         return self.world * max(self._counts.values(), default=0)
 
     def moments(self, params) -> tuple[list[Tensor], list[Tensor]]:
+        if not self._stale:
+            for tid, fid, start, length in self._pieces:  # written fresh by the first reduction, or not at all
+                if tid not in self._counts:
+                    g, s = self._bufs[fid]
+                    g.narrow(0, start, length).zero_()
+                    s.narrow(0, start, length).zero_()
         sum_g, sum_sq = [], []
         for p in params:
             bufs = self._bufs.get(id(p))
@@ -107,19 +125,26 @@ class ReductionStats:
     def begin_round(self, tensors) -> None:
         """A bucket of ``tensors`` (model parameters) is about to be reduced."""
         if self._stale:
-            for g, s in self._bufs.values():
-                g.zero_()
-                s.zero_()
             self._counts.clear()
             self._stale = False
         for t in tensors:
             self._counts[id(t)] = self._counts.get(id(t), 0) + 1
 
-    def add(self, flat_id: int, dst: int, sum_g: Tensor, sum_sq: Tensor) -> None:
+    def first(self, tensor: Tensor) -> bool:
+        """True in the first reduction of ``tensor`` since the last step: its pieces are written."""
+        return self._counts.get(id(tensor), 0) == 1
+
+    def add(self, flat_id: int, dst: int, sum_g: Tensor, sum_sq: Tensor, c: float, first: bool) -> None:
+        """``Σg += c · sum_g`` and ``Σg² += sum_sq`` at ``dst`` (``first``: ``=``), one pass each."""
         g, s = self._bufs[flat_id]
         n = sum_g.numel()
-        g.narrow(0, dst, n).add_(sum_g)
-        s.narrow(0, dst, n).add_(sum_sq)
+        dg, ds = g.narrow(0, dst, n), s.narrow(0, dst, n)
+        if first:
+            torch.mul(sum_g, c, out=dg)
+            ds.copy_(sum_sq)
+        else:
+            dg.add_(sum_g, alpha=c)
+            ds.add_(sum_sq)
 
     def buffer_bytes(self) -> int:
         return sum(2 * g.numel() * g.element_size() for g, _ in self._bufs.values())
@@ -142,7 +167,7 @@ class _Scratch:
 _scratch = _Scratch()
 
 
-def fused_all_reduce(flat: Tensor, c: float, group: Any, counters: CommCounters,
+def fused_all_reduce(flat: Tensor, c: float, group: Any, counters: CommCounters, kernels: Any,
                      squares_dtype: torch.dtype = torch.float32) -> tuple[Tensor, Tensor]:
     """``(Σ_r x_r, Σ_r (c·x_r)²)`` for this rank's flat local values ``x``, both fp32 views of
     shared scratch buffers (use them before the next call).
@@ -156,18 +181,15 @@ def fused_all_reduce(flat: Tensor, c: float, group: Any, counters: CommCounters,
     n = flat.numel()
     if squares_dtype == torch.float32:
         buf = _scratch.get(2 * n, flat.device)
-        buf[:n].copy_(flat.view(-1))
-        if c == 1.0:
-            torch.square(buf[:n], out=buf[n:])
-        else:
-            torch.mul(buf[:n], c, out=buf[n:]).square_()
+        kernels.pack_squares(flat.view(-1), buf[:n], buf[n:], c)  # one pass: [x | (c x)²]
         dist.all_reduce(buf, group=group)
         counters.add(n, buf.numel() * buf.element_size())
         return buf[:n], buf[n:]
     g = _scratch.get(n, flat.device)
-    g.copy_(flat.view(-1))
+    sq32 = _scratch.get(n, flat.device, torch.float64).view(torch.float32)[:n]  # fp32 squares before rounding
+    kernels.pack_squares(flat.view(-1), g, sq32, c)
     sq = _scratch.get(n, flat.device, squares_dtype)
-    sq.copy_(torch.square(g) if c == 1.0 else torch.mul(g, c).square_())  # fp32 square, one rounding
+    sq.copy_(sq32)  # one rounding to bf16
     works = [dist.all_reduce(g, group=group, async_op=True), dist.all_reduce(sq, group=group, async_op=True)]
     for w in works:
         w.wait()
@@ -183,24 +205,27 @@ def attach_stage0(engine: Any, pairs: list[tuple[Tensor, Tensor]], world: int) -
     fp32, the fp32 master copy under FP16_UnfusedOptimizer."""
     wrapper = engine.optimizer
     scale = (lambda: wrapper.loss_scale) if hasattr(type(wrapper), "loss_scale") else (lambda: 1.0)
-    stats = ReductionStats(engine, [m for _, m in pairs], world, per_micro_step=False, loss_scale=scale)
+    stats = ReductionStats(engine, [m for _, m in pairs], world, per_micro_step=False, loss_scale=scale,
+                           kernels=engine.basic_optimizer.kernels())
     by_param = {id(p): m for p, m in pairs}
+    for p, m in pairs:
+        stats.piece(p, m, 0, m.numel())
 
     def allreduce_bucket(bucket, dp_group, dp_world_size=None):
         k = dp_world_size or dist.get_world_size(group=dp_group)
         tensor = engine.flatten(bucket)
-        stats.begin_round(bucket)
+        owner = {p.grad.data_ptr(): (p, by_param[id(p)]) for p, _ in pairs if p.grad is not None}
+        found = [owner.get(t.data_ptr()) for t in bucket]
+        if any(f is None for f in found):
+            raise RuntimeError("a gradient in DeepSpeed's reduction bucket belongs to no parameter of the "
+                               "VRGD optimizer (stage 0); was a parameter left out of the optimizer?")
+        stats.begin_round([p for p, _ in found])
         c = stats.multiplier()
-        red_g, red_sq = fused_all_reduce(tensor, c, dp_group, stats.counters, stats.squares_dtype)
-        owner = {p.grad.data_ptr(): by_param[id(p)] for p, _ in pairs if p.grad is not None}
+        red_g, red_sq = fused_all_reduce(tensor, c, dp_group, stats.counters, stats.kernels, stats.squares_dtype)
         off = 0
-        for t in bucket:
-            m = owner.get(t.data_ptr())
-            if m is None:
-                raise RuntimeError("a gradient in DeepSpeed's reduction bucket belongs to no parameter of the "
-                                   "VRGD optimizer (stage 0); was a parameter left out of the optimizer?")
+        for t, (p, m) in zip(bucket, found):
             num = t.numel()
-            stats.add(id(m), 0, red_g.narrow(0, off, num).mul(c), red_sq.narrow(0, off, num))
+            stats.add(id(m), 0, red_g.narrow(0, off, num), red_sq.narrow(0, off, num), c, stats.first(p))
             off += num
         tensor.copy_(red_g.mul_(1.0 / k))  # DeepSpeed's postscale average
         return tensor
@@ -231,10 +256,14 @@ def zero12_pieces(zopt: Any, i: int) -> list[tuple[Tensor, int, int, int]]:
 
 def attach_zero12(engine: Any, zopt: Any, world: int, stage: int) -> ReductionStats:
     flats = list(zopt.single_partition_of_fp32_groups)
-    stats = ReductionStats(engine, flats, world, per_micro_step=stage >= 2, loss_scale=lambda: zopt.loss_scale)
+    stats = ReductionStats(engine, flats, world, per_micro_step=stage >= 2, loss_scale=lambda: zopt.loss_scale,
+                           kernels=engine.basic_optimizer.kernels())
     # Bucket layout -> (flat index, source offset in the bucket, destination, length), per bucket.
     pieces = {i: {id(p): (src, dst, num) for p, src, dst, num in zero12_pieces(zopt, i)}
               for i in range(len(flats))}
+    for i, flat in enumerate(flats):
+        for p, _, dst, num in zero12_pieces(zopt, i):
+            stats.piece(p, flat, dst, num)
     group = zopt.dp_process_group
     zopt.reduce_scatter = False  # every bucket goes through gradient_reduction_w_predivide
 
@@ -245,7 +274,7 @@ def attach_zero12(engine: Any, zopt: Any, world: int, stage: int) -> ReductionSt
         bucket = zopt.ipg_buckets[communication_data_type]
         stats.begin_round([zopt.bit16_groups[i][pidx] for i, pidx, _ in bucket.params])
         c = stats.multiplier()
-        red_g, red_sq = fused_all_reduce(tensor, c, group, stats.counters, stats.squares_dtype)
+        red_g, red_sq = fused_all_reduce(tensor, c, group, stats.counters, stats.kernels, stats.squares_dtype)
         n = tensor.numel()
         off = 0
         for i, pidx, _ in bucket.params:
@@ -253,8 +282,8 @@ def attach_zero12(engine: Any, zopt: Any, world: int, stage: int) -> ReductionSt
             piece = pieces[i].get(id(p))
             if piece is not None:
                 src, dst, num = piece
-                g = red_g.narrow(0, off + src, num)
-                stats.add(id(flats[i]), dst, g if c == 1.0 else g.mul(c), red_sq.narrow(0, off + src, num))
+                stats.add(id(flats[i]), dst, red_g.narrow(0, off + src, num), red_sq.narrow(0, off + src, num), c,
+                          stats.first(p))
             off += p.numel()
         if off != n:
             raise RuntimeError(f"DeepSpeed's reduction bucket holds {n} elements but its parameters {off}: the "
@@ -290,11 +319,14 @@ def attach_zero3(engine: Any, zopt: Any, world: int) -> ReductionStats:
     from deepspeed.runtime.comm.coalesced_collectives import reduce_scatter_coalesced
 
     flats = list(zopt.fp32_partitioned_groups_flat)
-    stats = ReductionStats(engine, flats, world, per_micro_step=True, loss_scale=lambda: zopt.loss_scale)
+    stats = ReductionStats(engine, flats, world, per_micro_step=True, loss_scale=lambda: zopt.loss_scale,
+                           kernels=engine.basic_optimizer.kernels())
     where = {}
     for i in range(len(flats)):
         for p, offset, valid in zero3_pieces(zopt, i):
             where[id(p)] = (i, offset, valid)
+            if valid:
+                stats.piece(p, flats[i], offset, valid)
     zopt.reduce_scatter = True  # every bucket goes through __avg_scatter_grads
 
     def avg_scatter_grads(params, communication_data_type):
@@ -303,7 +335,11 @@ def attach_zero3(engine: Any, zopt: Any, world: int) -> ReductionStats:
         stats.begin_round(params)
         c = stats.multiplier()
         grads = [p.grad.float() for p in params]
-        squares = [torch.mul(g, c).square_() for g in grads]
+        squares = []
+        for g in grads:  # one pass each: (c g)² in fp32
+            sq = torch.empty(g.shape, dtype=torch.float32, device=g.device)
+            stats.kernels.pack_squares(g, None, sq.view(-1), c)
+            squares.append(sq)
         t = len(params)
         numel = sum(g.numel() for g in grads)
         if stats.squares_dtype == torch.float32:
@@ -316,8 +352,9 @@ def attach_zero3(engine: Any, zopt: Any, world: int) -> ReductionStats:
             stats.counters.add(numel, 4 * numel + 2 * numel, calls=2)
         for p, gp, sp in zip(params, g_parts, sq_parts):
             i, offset, valid = where[id(p)]
-            if valid:
-                stats.add(id(flats[i]), offset, gp.view(-1)[:valid].mul(k * c), sp.view(-1)[:valid].mul(k))
+            if valid:  # the coalesced reduce-scatter averaged over k: the squares' sum is k times it
+                sp.mul_(k)
+                stats.add(id(flats[i]), offset, gp.view(-1)[:valid], sp.view(-1)[:valid], k * c, stats.first(p))
         return [gp.to(zopt.gradient_accumulation_dtype) for gp in g_parts]
 
     setattr(zopt, _AVG_SCATTER, avg_scatter_grads)

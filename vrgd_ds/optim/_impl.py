@@ -62,6 +62,10 @@ class Kernels(Protocol):
     def nonfinite(self, tensors: Tensors, seg: Tensor) -> Tensor:
         """Per segment 1.0 where the tensors hold an inf or NaN, else 0.0 (float64 [S])."""
 
+    def pack_squares(self, src: Tensor, g_out: Tensor | None, sq_out: Tensor, c: float) -> None:
+        """One pass over a flat local gradient: ``g_out = float(src)`` (when given) and
+        ``sq_out = (c · float(src))²`` (fp32 squares after removing the loss scale)."""
+
     def accumulate_moments(self, grad: Tensor, sum_g: Tensor, sum_sq: Tensor, fresh: bool, inv_n: float = 0.0,
                            eps: float = 0.0) -> Tensor | None:
         """Adds one backward's gradient to the statistics; with ``inv_n > 0`` an implementation
@@ -214,6 +218,13 @@ class Reference:
             u = scale.written(t, start, length, segf[i]) * (m / (bc1 * denom)) + weight_decay * pv
             p.copy_(pv - (lr * trust) * u)
 
+    def pack_squares(self, src, g_out, sq_out, c):
+        x = src.reshape(-1).float()
+        if g_out is not None:
+            g_out.copy_(x)
+        torch.mul(x, c, out=sq_out)
+        sq_out.mul_(sq_out)
+
     def nonfinite(self, tensors, seg):
         return torch.tensor([0.0 if bool(torch.isfinite(_piece(tensors[t], start, length)).all()) else 1.0
                              for t, start, length in seg.tolist()], dtype=torch.float64)
@@ -240,6 +251,9 @@ class Fused:
 
     def __getattr__(self, item: str):
         return getattr(self._k, item)
+
+    def pack_squares(self, src, g_out, sq_out, c):
+        self._k.pack_squares(src.contiguous().view(-1), g_out, sq_out, c)
 
     def accumulate_moments(self, grad, sum_g, sum_sq, fresh, inv_n=0.0, eps=0.0):
         return self._k.accumulate_moments(grad.contiguous().view(-1), sum_g.view(-1), sum_sq.view(-1), fresh,
