@@ -658,3 +658,32 @@ def test_reduction_statistics_are_written_fresh_and_never_left_stale():
         want_b = 0.5 * (step + 1) if step == 0 else 0.0  # step 1 never reduced b: zero, not step 0's value
         assert torch.equal(sum_g[0][6:], torch.full((4,), want_b))
         stats.end_step()
+
+
+def test_the_three_implementations_read_the_kernel_tables_by_the_same_names():
+    """The per-segment tables are named once (vrgd_ds/optim/columns.py): the C++ kernels' col::k...
+    constants and the Triton kernels' constants must give every name the schema's position."""
+    import re
+    from pathlib import Path
+
+    from vrgd_ds.optim import columns
+
+    src = (Path(columns.__file__).parent / "_fused" / "kernels.cpp").read_text()
+    block = src[src.index("namespace col {"):src.index("}  // namespace col")]
+    cpp = {m.group(1): int(m.group(2)) for m in re.finditer(r"constexpr int k(\w+) = (\d+);", block)}
+    want = {"InvMean": columns.COL.INV_MEAN, "Lo": columns.COL.LO, "Bc3": columns.COL.BC3,
+            "SgdLrMult": columns.COL.SGD_LR_MULT, "SgdFirst": columns.COL.SGD_FIRST,
+            "AdamBc1": columns.COL.ADAM_BC1, "AdamBc2s": columns.COL.ADAM_BC2S,
+            "AdamGradMult": columns.COL.ADAM_GRAD_MULT, "LambBc1": columns.COL.LAMB_BC1,
+            "LambBc2s": columns.COL.LAMB_BC2S, "LambTrust": columns.COL.LAMB_TRUST,
+            "NormsWidth": len(columns.NORMS), "SgdWidth": len(columns.SGD), "AdamWidth": len(columns.ADAM),
+            "LambWidth": len(columns.LAMB_APPLY)}
+    assert cpp == want
+    triton = pytest.importorskip("triton")  # noqa: F841
+    from vrgd_ds.optim import _triton as T
+
+    assert (T._ADAM_BC1, T._ADAM_GRAD_MULT, T._SGD_FIRST, T._LAMB_TRUST, T._ADAM_W) == (
+        columns.COL.ADAM_BC1, columns.COL.ADAM_GRAD_MULT, columns.COL.SGD_FIRST, columns.COL.LAMB_TRUST,
+        len(columns.ADAM) + 1)
+    with pytest.raises(ValueError, match="missing \\['first'\\]"):
+        columns.build(columns.SGD, inv_mean=torch.ones(2), lo=torch.ones(2), bc3=torch.ones(2), lr_mult=torch.ones(2))

@@ -85,7 +85,7 @@ def test_triton_equals_reference_fp32(name, over):
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("name", ["VRSGD", "VRAdam", "VRLamb", "VRLars"])
+@pytest.mark.parametrize("name", list(REGISTRY))
 def test_triton_low_precision_parameters(name, dtype):
     """bf16/fp16 parameters, fp32 state. Rounding to the parameter dtype may differ by one unit
     in the last place (Triton's interpreter truncates fp32 -> bf16)."""
@@ -96,6 +96,23 @@ def test_triton_low_precision_parameters(name, dtype):
         torch.testing.assert_close(a, b, rtol=2e-2, atol=2e-2)
     for p2 in m2.parameters():
         assert p2.dtype == dtype and all(v.dtype == torch.float32 for v in o2.state[p2].values())
+
+
+def test_triton_many_tensors_in_one_launch():
+    """Sixty-four tensors of different sizes in one call: one chunk table, one launch per stage."""
+    g = torch.Generator().manual_seed(4)
+    results = []
+    for fused in (False, "triton"):
+        ps = [nn.Parameter(torch.randn(1 + 37 * i, generator=g.manual_seed(i)).to(DEVICE)) for i in range(64)]
+        opt = vrgd_ds.VRLamb(ps, lr=1e-2, fused=fused)
+        for k in range(3):
+            zs = [torch.randn(p.numel(), generator=g.manual_seed(100 + k)).to(DEVICE) + 0.2 for p in ps]
+            sum(((p * z).sum() + 0.1 * (p * z).square().sum()) for p, z in zip(ps, zs)).backward()
+        opt.step()
+        results.append(([p.detach().clone() for p in ps], opt.gsnr_metrics()))
+    for a, b in zip(results[0][0], results[1][0]):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+    assert results[0][1]["trust_ratio/mean"] == pytest.approx(results[1][1]["trust_ratio/mean"], rel=1e-6)
 
 
 @pytest.mark.parametrize("name, over", [c for c in CASES if (c[0] if isinstance(c, tuple) else c.values[0])

@@ -20,6 +20,7 @@ import torch
 from torch import Tensor
 
 from vrgd_ds.gsnr import gsnr as gsnr_raw
+from vrgd_ds.optim.columns import COL
 from vrgd_ds.log import warn_once
 
 logger = logging.getLogger(__name__)
@@ -92,7 +93,7 @@ class _Gsnr:
     def __call__(self, t: int, start: int, length: int, row: Tensor, write: bool) -> tuple[Tensor | float, float, float]:
         if not self.on:
             return 1.0, 0.0, 0.0
-        inv_mean, lo, bc3 = float(row[0]), float(row[1]), float(row[2])
+        inv_mean, lo, bc3 = float(row[COL.INV_MEAN]), float(row[COL.LO]), float(row[COL.BC3])
         sg = _piece(self.sum_g[t], start, length)
         sq = _piece(self.sum_sq[t], start, length)
         # gsnr() multiplies by 1/n: same rounding as the kernels' float(inv_n).
@@ -113,7 +114,7 @@ class _Gsnr:
             return 1.0
         if not self.avg:
             return self(t, start, length, row, write=False)[0]
-        lo, bc3 = float(row[1]), float(row[2])
+        lo, bc3 = float(row[COL.LO]), float(row[COL.BC3])
         return (_piece(self.avg[t], start, length) / bc3).clamp(lo, 1.0)
 
 
@@ -165,10 +166,10 @@ class Reference:
             out[i, 2] = _scale_sum(sc, length)
             d = sc * _piece(grads[t], start, length).float()
             d = d + weight_decay * pv
-            d = d * float(segf[i, 3])
+            d = d * float(segf[i, COL.SGD_LR_MULT])
             if momentum != 0.0:
                 b = _piece(bufs[t], start, length)
-                if float(segf[i, 4]) != 0.0:
+                if float(segf[i, COL.SGD_FIRST]) != 0.0:
                     b.copy_(d)
                 else:
                     b.copy_(b * momentum + d * (1.0 - dampening))
@@ -184,7 +185,7 @@ class Reference:
         out = torch.zeros(seg.shape[0], 3 if apply else 5, dtype=torch.float64)
         for i, (t, start, length) in enumerate(seg.tolist()):
             row = segf[i]
-            bc1, bc2s, mult = float(row[3]), float(row[4]), float(row[5])
+            bc1, bc2s, mult = float(row[COL.ADAM_BC1]), float(row[COL.ADAM_BC2S]), float(row[COL.ADAM_GRAD_MULT])
             p = _piece(params[t], start, length)
             m, v = _piece(exp_avg[t], start, length), _piece(exp_avg_sq[t], start, length)
             sc, low, high = scale(t, start, length, row, write=True)
@@ -210,7 +211,7 @@ class Reference:
                    eps, weight_decay):
         scale = _Gsnr(sum_g, sum_sq, avg, inv_n, eps_gsnr, beta3)
         for i, (t, start, length) in enumerate(seg.tolist()):
-            bc1, bc2s, trust = (float(x) for x in segf[i, 3:6])
+            bc1, bc2s, trust = (float(segf[i, c]) for c in (COL.LAMB_BC1, COL.LAMB_BC2S, COL.LAMB_TRUST))
             p = _piece(params[t], start, length)
             m, v = _piece(exp_avg[t], start, length), _piece(exp_avg_sq[t], start, length)
             pv = p.float()

@@ -32,9 +32,30 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from vrgd_ds.optim import columns
 from vrgd_ds.optim._impl import BOTH_MOMENTS, PLACEMENTS
 
 Tensors = Sequence[Tensor]
+
+# Columns of the per-segment tables (columns.py); the Adam and LAMB tables get one more column
+# computed on the device before the launch (lr / bc1, lr · trust).
+_INV_MEAN: tl.constexpr = columns.index(columns.GSNR, "inv_mean")
+_LO: tl.constexpr = columns.index(columns.GSNR, "lo")
+_BC3: tl.constexpr = columns.index(columns.GSNR, "bc3")
+_NORMS_W: tl.constexpr = len(columns.NORMS)
+_SGD_LR_MULT: tl.constexpr = columns.index(columns.SGD, "lr_mult")
+_SGD_FIRST: tl.constexpr = columns.index(columns.SGD, "first")
+_SGD_W: tl.constexpr = len(columns.SGD)
+_ADAM_BC1: tl.constexpr = columns.index(columns.ADAM, "bc1")
+_ADAM_BC2S: tl.constexpr = columns.index(columns.ADAM, "bc2s")
+_ADAM_GRAD_MULT: tl.constexpr = columns.index(columns.ADAM, "grad_mult")
+_ADAM_STEP_SIZE: tl.constexpr = len(columns.ADAM)
+_ADAM_W: tl.constexpr = len(columns.ADAM) + 1
+_LAMB_BC1: tl.constexpr = columns.index(columns.LAMB_APPLY, "bc1")
+_LAMB_BC2S: tl.constexpr = columns.index(columns.LAMB_APPLY, "bc2s")
+_LAMB_TRUST: tl.constexpr = columns.index(columns.LAMB_APPLY, "trust")
+_LAMB_STEP: tl.constexpr = len(columns.LAMB_APPLY)
+_LAMB_W: tl.constexpr = len(columns.LAMB_APPLY) + 1
 
 CHUNK = 1 << 16  # elements per program
 BLOCK = 1024  # elements per iteration inside a program
@@ -183,9 +204,9 @@ def _grad_norms_kernel(P_T, G_T, SG_T, SQ_T, AVG_T, chunks, segf, part, inv_n, e
     SG = _ptr(SG_T, t, tl.float32) if ON else P
     SQ = _ptr(SQ_T, t, tl.float32) if ON else P
     AVG = _ptr(AVG_T, t, tl.float32) if EMA else P
-    inv_mean = _seg_f(segf, s, 0, 3).to(tl.float32)
-    lo = _seg_f(segf, s, 1, 3).to(tl.float32)
-    bc3 = _seg_f(segf, s, 2, 3).to(tl.float32)
+    inv_mean = _seg_f(segf, s, _INV_MEAN, _NORMS_W).to(tl.float32)
+    lo = _seg_f(segf, s, _LO, _NORMS_W).to(tl.float32)
+    bc3 = _seg_f(segf, s, _BC3, _NORMS_W).to(tl.float32)
     pp = tl.zeros([BLOCK], tl.float32)
     uu = tl.zeros([BLOCK], tl.float32)
     for off in range(0, n, BLOCK):
@@ -214,11 +235,11 @@ def _sgd_kernel(P_T, G_T, B_T, SG_T, SQ_T, AVG_T, chunks, segf, part, found, inv
     SG = _ptr(SG_T, t, tl.float32) if ON else P
     SQ = _ptr(SQ_T, t, tl.float32) if ON else P
     AVG = _ptr(AVG_T, t, tl.float32) if EMA else P
-    inv_mean = _seg_f(segf, s, 0, 5).to(tl.float32)
-    lo = _seg_f(segf, s, 1, 5).to(tl.float32)
-    bc3 = _seg_f(segf, s, 2, 5).to(tl.float32)
-    mult = _seg_f(segf, s, 3, 5).to(tl.float32)
-    first = _seg_f(segf, s, 4, 5) != 0.0
+    inv_mean = _seg_f(segf, s, _INV_MEAN, _SGD_W).to(tl.float32)
+    lo = _seg_f(segf, s, _LO, _SGD_W).to(tl.float32)
+    bc3 = _seg_f(segf, s, _BC3, _SGD_W).to(tl.float32)
+    mult = _seg_f(segf, s, _SGD_LR_MULT, _SGD_W).to(tl.float32)
+    first = _seg_f(segf, s, _SGD_FIRST, _SGD_W) != 0.0
     nlo = tl.zeros([BLOCK], tl.float32)
     nhi = tl.zeros([BLOCK], tl.float32)
     nsc = tl.zeros([BLOCK], tl.float32)
@@ -262,13 +283,13 @@ def _adam_kernel(P_T, G_T, M_T, V_T, SG_T, SQ_T, AVG_T, chunks, segf, part, foun
     SG = _ptr(SG_T, t, tl.float32) if ON else M
     SQ = _ptr(SQ_T, t, tl.float32) if ON else M
     AVG = _ptr(AVG_T, t, tl.float32) if EMA else M
-    inv_mean = _seg_f(segf, s, 0, 7).to(tl.float32)
-    lo = _seg_f(segf, s, 1, 7).to(tl.float32)
-    bc3 = _seg_f(segf, s, 2, 7).to(tl.float32)
-    bc1 = _seg_f(segf, s, 3, 7).to(tl.float32)
-    bc2s = _seg_f(segf, s, 4, 7).to(tl.float32)
-    mult = _seg_f(segf, s, 5, 7).to(tl.float32)
-    step_size = _seg_f(segf, s, 6, 7).to(tl.float32)  # lr / bc1 in float64, as the C++ kernels' float(lr / bc1)
+    inv_mean = _seg_f(segf, s, _INV_MEAN, _ADAM_W).to(tl.float32)
+    lo = _seg_f(segf, s, _LO, _ADAM_W).to(tl.float32)
+    bc3 = _seg_f(segf, s, _BC3, _ADAM_W).to(tl.float32)
+    bc1 = _seg_f(segf, s, _ADAM_BC1, _ADAM_W).to(tl.float32)
+    bc2s = _seg_f(segf, s, _ADAM_BC2S, _ADAM_W).to(tl.float32)
+    mult = _seg_f(segf, s, _ADAM_GRAD_MULT, _ADAM_W).to(tl.float32)
+    step_size = _seg_f(segf, s, _ADAM_STEP_SIZE, _ADAM_W).to(tl.float32)  # lr / bc1 rounded once from float64
     pp = tl.zeros([BLOCK], tl.float32)
     uu = tl.zeros([BLOCK], tl.float32)
     nlo = tl.zeros([BLOCK], tl.float32)
@@ -334,12 +355,12 @@ def _lamb_apply_kernel(P_T, M_T, V_T, SG_T, SQ_T, AVG_T, chunks, segf, found, in
     SG = _ptr(SG_T, t, tl.float32) if ON else M
     SQ = _ptr(SQ_T, t, tl.float32) if ON else M
     AVG = _ptr(AVG_T, t, tl.float32) if EMA else M
-    inv_mean = _seg_f(segf, s, 0, 7).to(tl.float32)
-    lo = _seg_f(segf, s, 1, 7).to(tl.float32)
-    bc3 = _seg_f(segf, s, 2, 7).to(tl.float32)
-    bc1 = _seg_f(segf, s, 3, 7).to(tl.float32)
-    bc2s = _seg_f(segf, s, 4, 7).to(tl.float32)
-    step = _seg_f(segf, s, 6, 7).to(tl.float32)  # lr * trust in float64, as the C++ kernels' float(lr * trust)
+    inv_mean = _seg_f(segf, s, _INV_MEAN, _LAMB_W).to(tl.float32)
+    lo = _seg_f(segf, s, _LO, _LAMB_W).to(tl.float32)
+    bc3 = _seg_f(segf, s, _BC3, _LAMB_W).to(tl.float32)
+    bc1 = _seg_f(segf, s, _LAMB_BC1, _LAMB_W).to(tl.float32)
+    bc2s = _seg_f(segf, s, _LAMB_BC2S, _LAMB_W).to(tl.float32)
+    step = _seg_f(segf, s, _LAMB_STEP, _LAMB_W).to(tl.float32)  # lr * trust rounded once from float64
     for off in range(0, n, BLOCK):
         rel = off + tl.arange(0, BLOCK)
         m = rel < n
@@ -519,7 +540,7 @@ class Triton:
             _adam_kernel[(ch.count,)](
                 self.ptrs(params, dev), self.ptrs(grads, dev), self.ptrs(exp_avg, dev), self.ptrs(exp_avg_sq, dev),
                 self.ptrs(sum_g, dev), self.ptrs(sum_sq, dev), self.ptrs(avg, dev), ch.table,
-                _with_column(segf, lr / segf[:, 3]), part, found_inf, float(inv_n), float(eps_gsnr), float(beta3), float(beta1), float(1.0 - beta1),
+                _with_column(segf, lr / segf[:, _ADAM_BC1]), part, found_inf, float(inv_n), float(eps_gsnr), float(beta3), float(beta1), float(1.0 - beta1),
                 float(beta2), float(1.0 - beta2), float(eps), float(weight_decay), float(1.0 - lr * weight_decay),
                 PDT=self._dtype(params), ON=on,
                 EMA=bool(avg), APPLY=bool(apply), PLACE=placement if on else BOTH_MOMENTS, BLOCK=BLOCK,
@@ -533,7 +554,7 @@ class Triton:
         if ch.count:
             _lamb_apply_kernel[(ch.count,)](
                 self.ptrs(params, dev), self.ptrs(exp_avg, dev), self.ptrs(exp_avg_sq, dev), self.ptrs(sum_g, dev),
-                self.ptrs(sum_sq, dev), self.ptrs(avg, dev), ch.table, _with_column(segf, lr * segf[:, 5]), found_inf,
+                self.ptrs(sum_sq, dev), self.ptrs(avg, dev), ch.table, _with_column(segf, lr * segf[:, _LAMB_TRUST]), found_inf,
                 float(inv_n), float(eps_gsnr), float(eps), float(weight_decay), PDT=self._dtype(params),
                 ON=bool(sum_g), EMA=bool(avg), BLOCK=BLOCK, **self._launch)
 

@@ -26,8 +26,8 @@ from typing import Any
 
 import torch
 
-from vrgd_ds.optim import _impl
-from vrgd_ds.optim.base import GSNROptimizer, Plan, check_arg, table
+from vrgd_ds.optim import _impl, columns
+from vrgd_ds.optim.base import GSNROptimizer, Plan, check_arg
 
 #: the accepted ``gsnr_placement`` values (module docstring); the first is the default
 GSNR_PLACEMENTS = _impl.PLACEMENTS
@@ -50,8 +50,8 @@ def placement_index(plan: Plan) -> int:
     return GSNR_PLACEMENTS.index(plan.group["gsnr_placement"])
 
 
-def adam_columns(plan: Plan, grad_mult: torch.Tensor | None = None) -> torch.Tensor:
-    """Kernel table: inv_mean, lo, bc3, bc1, sqrt(bc2), gradient multiplier."""
+def adam_columns(plan: Plan, grad_mult: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
+    """The columns of ``columns.ADAM`` by name: GSNR's, bc1, sqrt(bc2), gradient multiplier."""
     g = plan.group
     beta1, beta2 = g["betas"]
     if g["bias_correction"]:
@@ -59,7 +59,7 @@ def adam_columns(plan: Plan, grad_mult: torch.Tensor | None = None) -> torch.Ten
         bc2s = plan.bias_correction(beta2).sqrt()
     else:
         bc1 = bc2s = plan.ones()
-    return table(plan.gsnr_columns() + [bc1, bc2s, plan.ones() if grad_mult is None else grad_mult])
+    return dict(plan.gsnr_columns(), bc1=bc1, bc2s=bc2s, grad_mult=plan.ones() if grad_mult is None else grad_mult)
 
 
 class VRAdam(GSNROptimizer):
@@ -102,7 +102,7 @@ class VRAdam(GSNROptimizer):
         g = plan.group
         counts = kernels.adam_step(
             plan.params, plan.grads, [st["exp_avg"] for st in plan.states], [st["exp_avg_sq"] for st in plan.states],
-            seg=plan.seg, segf=adam_columns(plan), lr=g["lr"], beta1=g["betas"][0], beta2=g["betas"][1],
+            seg=plan.seg, segf=columns.build(columns.ADAM, **adam_columns(plan)), lr=g["lr"], beta1=g["betas"][0], beta2=g["betas"][1],
             eps=g["eps"], weight_decay=g["weight_decay"], apply=True, placement=placement_index(plan),
             eps_gsnr=g["gsnr_eps"], **{k: v for k, v in plan.gsnr_args(n).items() if k != "eps"}, **plan.skip_args())
         return {"gsnr_counts": counts}

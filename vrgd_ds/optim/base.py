@@ -25,7 +25,7 @@ from torch import Tensor
 
 from vrgd_ds import gsnr as G
 from vrgd_ds.log import warn_once
-from vrgd_ds.optim import _impl
+from vrgd_ds.optim import _impl, columns
 from vrgd_ds.optim import metrics as M
 from vrgd_ds.optim.metrics import SKIP_REASONS
 from vrgd_ds.stats.hooks import TensorHookStats
@@ -135,13 +135,14 @@ class Plan:
     def bias_correction(self, beta: float) -> Tensor:
         return 1.0 - torch.pow(torch.tensor(beta, dtype=torch.float64), self.step_t)
 
-    def gsnr_columns(self) -> list[Tensor]:
-        """Per-segment inv_mean, lo and GSNR-EMA bias correction (kernel columns 0..2)."""
+    def gsnr_columns(self) -> dict[str, Tensor]:
+        """The GSNR columns of every kernel table (``columns.GSNR``): inv_mean, lo and the
+        GSNR momentum's bias correction bc3."""
         if not self.gsnr:
-            return [self.ones(), self.ones(), self.ones()]
+            return dict(inv_mean=self.ones(), lo=self.ones(), bc3=self.ones())
         beta3 = self.group["beta3"]
         bc3 = self.bias_correction(beta3) if beta3 > 0 else self.ones()
-        return [self.scales.inv_mean, self.scales.lo, bc3]
+        return dict(inv_mean=self.scales.inv_mean, lo=self.scales.lo, bc3=bc3)
 
     def gsnr_args(self, n: int) -> dict[str, Any]:
         """The statistics arguments of every kernel (empty lists: GSNR off)."""
@@ -152,10 +153,6 @@ class Plan:
     def skip_args(self) -> dict[str, Any]:
         """``found_inf`` for the sync-free kernels (which skip on the device), else nothing."""
         return {} if self.found is None else {"found_inf": self.found}
-
-
-def table(cols: list[Tensor]) -> Tensor:
-    return torch.stack([c.double() for c in cols], dim=1).contiguous()
 
 
 class GSNROptimizer(torch.optim.Optimizer):
@@ -388,7 +385,8 @@ class GSNROptimizer(torch.optim.Optimizer):
                 flags += [plan.moments[:, 5], kernels.nonfinite(plan.grads, plan.seg)]
             else:
                 plan.grad_norms = kernels.scaled_grad_norms(
-                    plan.params, plan.grads, [], [], [], plan.seg, table([plan.ones()] * 3), 1.0, 0.0, 0.0)
+                    plan.params, plan.grads, [], [], [], plan.seg, columns.build(columns.NORMS, **plan.gsnr_columns()),
+                    1.0, 0.0, 0.0)
                 flags.append(plan.grad_norms[:, 2])
         found = torch.cat([f.reshape(-1).to(tdev) for f in flags]).amax().reshape(1)
         if self._layout is not None:

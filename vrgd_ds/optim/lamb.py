@@ -26,7 +26,8 @@ import torch
 
 from vrgd_ds.optim.adam import (GSNR_PLACEMENTS, UPDATE_PLACEMENT, adam_columns, check_adam_args, check_placement,
                                  placement_index)
-from vrgd_ds.optim.base import GSNROptimizer, Plan, check_arg, table
+from vrgd_ds.optim import columns
+from vrgd_ds.optim.base import GSNROptimizer, Plan, check_arg
 
 
 def trust_ratios(plan: Plan, sq_norms: torch.Tensor, coeff: torch.Tensor, min_coeff: float,
@@ -85,7 +86,8 @@ class VRLamb(GSNROptimizer):
         sq = []
         for plan in wanted:
             norms = plan.grad_norms if plan.grad_norms is not None else kernels.scaled_grad_norms(
-                plan.params, plan.grads, [], [], [], plan.seg, table([plan.ones()] * 3), 1.0, 0.0, 0.0)
+                plan.params, plan.grads, [], [], [], plan.seg,
+                columns.build(columns.NORMS, inv_mean=plan.ones(), lo=plan.ones(), bc3=plan.ones()), 1.0, 0.0, 0.0)
             sq.append(norms[:, 1].sum())
         return {"global_grad_norm": self.reduce_scalar(torch.stack(sq).sum()).sqrt()}  # float64, on the device
 
@@ -100,15 +102,16 @@ class VRLamb(GSNROptimizer):
         cols = adam_columns(plan, mult)
         gsnr_args = {k: val for k, val in plan.gsnr_args(n).items() if k != "eps"}
         placement = placement_index(plan)
-        out = kernels.adam_step(plan.params, plan.grads, m, v, seg=plan.seg, segf=cols, lr=g["lr"],
-                                beta1=g["betas"][0], beta2=g["betas"][1], eps=g["eps"],
+        out = kernels.adam_step(plan.params, plan.grads, m, v, seg=plan.seg, segf=columns.build(columns.ADAM, **cols),
+                                lr=g["lr"], beta1=g["betas"][0], beta2=g["betas"][1], eps=g["eps"],
                                 weight_decay=g["weight_decay"], apply=False, placement=placement,
                                 eps_gsnr=g["gsnr_eps"], **gsnr_args, **plan.skip_args())
         norms = self.reduce_segments(plan, out[:, :2])
         trust, adapted = trust_ratios(plan, norms, plan.ones(), g["min_coeff"], g["max_coeff"])
         if placement != UPDATE_PLACEMENT or not plan.gsnr:  # only the update placement reads p̂ again
             gsnr_args.update(sum_g=[], sum_sq=[], avg=[])
-        kernels.lamb_apply(plan.params, m, v, seg=plan.seg, segf=torch.cat([cols[:, :5], trust[:, None]], 1),
+        apply_cols = dict({k: cols[k] for k in columns.LAMB_APPLY if k != "trust"}, trust=trust)
+        kernels.lamb_apply(plan.params, m, v, seg=plan.seg, segf=columns.build(columns.LAMB_APPLY, **apply_cols),
                            lr=g["lr"], eps=g["eps"], weight_decay=g["weight_decay"], eps_gsnr=g["gsnr_eps"],
                            **gsnr_args, **plan.skip_args())
         return {"gsnr_counts": out[:, 2:5], "trust": trust, "adapted": adapted}

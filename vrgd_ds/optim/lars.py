@@ -15,7 +15,8 @@ from typing import Any
 
 import torch
 
-from vrgd_ds.optim.base import GSNROptimizer, check_arg, table
+from vrgd_ds.optim import columns
+from vrgd_ds.optim.base import GSNROptimizer, check_arg
 from vrgd_ds.optim.sgd import sgd_update
 
 
@@ -54,7 +55,8 @@ class VRLars(GSNROptimizer):
         norms = plan.grad_norms  # pass 1 of a group without GSNR computed exactly these
         if plan.gsnr:
             norms = kernels.scaled_grad_norms(plan.params, plan.grads, seg=plan.seg,
-                                              segf=table(plan.gsnr_columns()), **plan.gsnr_args(n))
+                                              segf=columns.build(columns.NORMS, **plan.gsnr_columns()),
+                                              **plan.gsnr_args(n))
         sq = self.reduce_segments(plan, norms[:, :2])
         w, u = sq[:, 0].sqrt(), sq[:, 1].sqrt()
         adapted = torch.full_like(w, bool(g["trust_ratio"]), dtype=torch.bool) & (w > 0) & (u > 0)

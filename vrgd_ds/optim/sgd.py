@@ -16,7 +16,8 @@ from typing import Any
 
 import torch
 
-from vrgd_ds.optim.base import GSNROptimizer, Plan, check_arg, table
+from vrgd_ds.optim import columns
+from vrgd_ds.optim.base import GSNROptimizer, Plan, check_arg
 
 
 def sgd_update(opt: GSNROptimizer, plan: Plan, kernels: Any, n: int, lr_mult: torch.Tensor | None = None) -> torch.Tensor:
@@ -33,7 +34,8 @@ def sgd_update(opt: GSNROptimizer, plan: Plan, kernels: Any, n: int, lr_mult: to
             if "momentum_buffer" not in st:
                 st["momentum_buffer"] = torch.zeros(p.shape, dtype=torch.float32, device=p.device)
             bufs.append(st["momentum_buffer"])
-    segf = table(plan.gsnr_columns() + [plan.ones() if lr_mult is None else lr_mult, first])
+    segf = columns.build(columns.SGD, **plan.gsnr_columns(), lr_mult=plan.ones() if lr_mult is None else lr_mult,
+                         first=first)
     return kernels.sgd_step(plan.params, plan.grads, bufs, seg=plan.seg, segf=segf, lr=g["lr"],
                             weight_decay=g["weight_decay"], momentum=momentum, dampening=g["dampening"],
                             nesterov=g["nesterov"], **plan.gsnr_args(n), **plan.skip_args())

@@ -25,6 +25,26 @@ namespace {
 
 constexpr int64_t kChunk = 1 << 15;
 
+// Columns of the per-segment tables, by the names of vrgd_ds/optim/columns.py (a test reads
+// these lines and compares them with the Python schemas).
+namespace col {
+constexpr int kInvMean = 0;
+constexpr int kLo = 1;
+constexpr int kBc3 = 2;
+constexpr int kSgdLrMult = 3;
+constexpr int kSgdFirst = 4;
+constexpr int kAdamBc1 = 3;
+constexpr int kAdamBc2s = 4;
+constexpr int kAdamGradMult = 5;
+constexpr int kLambBc1 = 3;
+constexpr int kLambBc2s = 4;
+constexpr int kLambTrust = 5;
+constexpr int kNormsWidth = 3;
+constexpr int kSgdWidth = 5;
+constexpr int kAdamWidth = 6;
+constexpr int kLambWidth = 6;
+}  // namespace col
+
 struct Chunk {
   int64_t seg, tensor, begin, end;
 };
@@ -128,9 +148,9 @@ struct GsnrChunk {
       sq = a.sum_sq[c.tensor].data_ptr<float>() + c.begin;
       inv_n = float(a.inv_n);
       eps = float(a.eps);
-      inv_mean = float(sf.at(c.seg, 0));
-      lo = float(sf.at(c.seg, 1));
-      bc3 = float(sf.at(c.seg, 2));
+      inv_mean = float(sf.at(c.seg, col::kInvMean));
+      lo = float(sf.at(c.seg, col::kLo));
+      bc3 = float(sf.at(c.seg, col::kBc3));
       if constexpr (EMA) {
         avg = a.avg[c.tensor].data_ptr<float>() + c.begin;
         b3 = float(a.beta3);
@@ -409,7 +429,7 @@ at::Tensor scaled_grad_norms(const std::vector<at::Tensor>& params, const std::v
   check_same_dtype(params, grads);
   const GsnrArgs ga{sum_g, sum_sq, avg, inv_n, eps, beta3};
   check_gsnr(ga, T);
-  const SegF sf = seg_f(segf, seg.size(0), 3);
+  const SegF sf = seg_f(segf, seg.size(0), col::kNormsWidth);
   const auto chunks = make_chunks(seg);
   std::vector<double> part(chunks.size() * 2, 0.0);
   if (T > 0) {
@@ -449,7 +469,7 @@ at::Tensor sgd_step(const std::vector<at::Tensor>& params, const std::vector<at:
   if (use_buf) check_list(bufs, T, "momentum_buffer", true);
   const GsnrArgs ga{sum_g, sum_sq, avg, inv_n, eps, beta3};
   check_gsnr(ga, T);
-  const SegF sf = seg_f(segf, seg.size(0), 5);
+  const SegF sf = seg_f(segf, seg.size(0), col::kSgdWidth);
   const auto chunks = make_chunks(seg);
   std::vector<double> part(chunks.size() * 3, 0.0);
   const float flr = float(lr), fwd = float(weight_decay), mu = float(momentum), omd = float(1.0 - dampening);
@@ -463,7 +483,7 @@ at::Tensor sgd_step(const std::vector<at::Tensor>& params, const std::vector<at:
           const scalar_t* gr = grads[c.tensor].data_ptr<scalar_t>() + c.begin;
           float* b = use_buf ? bufs[c.tensor].data_ptr<float>() + c.begin : nullptr;
           const int64_t n = c.end - c.begin;
-          const float mult = float(sf.at(c.seg, 3));
+          const float mult = float(sf.at(c.seg, col::kSgdLrMult));
           double* o = part.data() + ci * 3;
           auto run = [&](auto buf, auto first, auto nest) {
             sgd_chunk<scalar_t, G, decltype(buf)::value, decltype(first)::value, decltype(nest)::value>(
@@ -471,7 +491,7 @@ at::Tensor sgd_step(const std::vector<at::Tensor>& params, const std::vector<at:
           };
           using T = std::true_type;
           using F = std::false_type;
-          const bool first = sf.at(c.seg, 4) != 0.0;
+          const bool first = sf.at(c.seg, col::kSgdFirst) != 0.0;
           if (!use_buf) run(F{}, F{}, F{});
           else if (first && nesterov) run(T{}, T{}, T{});
           else if (first) run(T{}, T{}, F{});
@@ -509,7 +529,7 @@ at::Tensor adam_step(const std::vector<at::Tensor>& params, const std::vector<at
               "adam_step: unknown GSNR placement ", placement);
   const GsnrArgs ga{sum_g, sum_sq, avg, inv_n, eps_gsnr, beta3};
   check_gsnr(ga, T);
-  const SegF sf = seg_f(segf, seg.size(0), 6);
+  const SegF sf = seg_f(segf, seg.size(0), col::kAdamWidth);
   const auto chunks = make_chunks(seg);
   const int cols = apply ? 3 : 5;
   std::vector<double> part(chunks.size() * cols, 0.0);
@@ -522,8 +542,9 @@ at::Tensor adam_step(const std::vector<at::Tensor>& params, const std::vector<at
           for_chunks(chunks, [&](int64_t ci, const Chunk& c) {
             const G scale(ga, sf, c);
             const AdamConsts k{float(beta1), float(1.0 - beta1), float(beta2), float(1.0 - beta2), float(eps),
-                               float(weight_decay), float(1.0 - lr * weight_decay), float(sf.at(c.seg, 3)),
-                               float(sf.at(c.seg, 4)), float(lr / sf.at(c.seg, 3)), float(sf.at(c.seg, 5))};
+                               float(weight_decay), float(1.0 - lr * weight_decay),
+                               float(sf.at(c.seg, col::kAdamBc1)), float(sf.at(c.seg, col::kAdamBc2s)),
+                               float(lr / sf.at(c.seg, col::kAdamBc1)), float(sf.at(c.seg, col::kAdamGradMult))};
             scalar_t* p = params[c.tensor].data_ptr<scalar_t>() + c.begin;
             const scalar_t* gr = grads[c.tensor].data_ptr<scalar_t>() + c.begin;
             float* m = exp_avg[c.tensor].data_ptr<float>() + c.begin;
@@ -563,7 +584,7 @@ void lamb_apply(const std::vector<at::Tensor>& params, const std::vector<at::Ten
   check_list(exp_avg_sq, T, "exp_avg_sq", true);
   const GsnrArgs ga{sum_g, sum_sq, avg, inv_n, eps_gsnr, beta3};
   check_gsnr(ga, T);
-  const SegF sf = seg_f(segf, seg.size(0), 6);
+  const SegF sf = seg_f(segf, seg.size(0), col::kLambWidth);
   const auto chunks = make_chunks(seg);
   if (T == 0) return;
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, params[0].scalar_type(), "lamb_apply", [&] {
@@ -572,8 +593,9 @@ void lamb_apply(const std::vector<at::Tensor>& params, const std::vector<at::Ten
         const GsnrOf<decltype(mode)::value> scale(ga, sf, c);
         lamb_apply_chunk(scale, params[c.tensor].data_ptr<scalar_t>() + c.begin,
                          exp_avg[c.tensor].data_ptr<float>() + c.begin,
-                         exp_avg_sq[c.tensor].data_ptr<float>() + c.begin, c.end - c.begin, float(sf.at(c.seg, 3)),
-                         float(sf.at(c.seg, 4)), float(eps), float(weight_decay), float(lr * sf.at(c.seg, 5)));
+                         exp_avg_sq[c.tensor].data_ptr<float>() + c.begin, c.end - c.begin,
+                         float(sf.at(c.seg, col::kLambBc1)), float(sf.at(c.seg, col::kLambBc2s)), float(eps),
+                         float(weight_decay), float(lr * sf.at(c.seg, col::kLambTrust)));
       });
     });
   });
