@@ -14,7 +14,7 @@ import traceback
 
 import torch
 
-import vrgd_ds  # noqa: F401  (registers the names with DeepSpeed)
+import vrgd_ds  # registers the names with DeepSpeed
 import deepspeed
 import deepspeed.comm as dist
 
@@ -211,6 +211,37 @@ def run_checkpoint_case(case: dict) -> dict:
     return dict(max_abs_diff=diff, moved=moved, state_keys=keys, world=world)
 
 
+def groups_cases():
+    """Two param groups (decay / no decay, as vrgd_ds.param_groups builds and the job uses)."""
+    for stage in (0, 1, 2, 3):
+        yield f"groups-stage{stage}", dict(stage=stage, dtype="fp32", gas=2, clip=1.0, opt="VRLamb", bucket=40)
+
+
+def run_groups_case(case: dict) -> dict:
+    """The metrics of an engine step must cover every param group: ZeRO-1/2 step the basic
+    optimizer once per group, and each call used to start the step's metrics afresh."""
+    model = tiny_model()
+    world, rank = dist.get_world_size(), dist.get_rank()
+    ref = Reference(model, lambda ps: vrgd_ds.VRLamb(ps, **OPT_KW["VRLamb"]), torch.float32, case["stage"],
+                    case["gas"], world, case["clip"])
+    ref.opt = vrgd_ds.VRLamb(vrgd_ds.param_groups(ref.master, 0.01), **OPT_KW["VRLamb"])  # the same two groups
+    ref.opt.set_statistics_source(ref.stats)
+    cfg = config(case)
+    engine, *_ = deepspeed.initialize(model=model, model_parameters=vrgd_ds.param_groups(model, 0.01), config=cfg)
+    for step in range(STEPS):
+        for j in range(case["gas"]):
+            engine.backward(loss_fn(engine, batch(step, rank, j), torch.float32))
+            engine.step()
+        ref.step([[batch(step, r, j) for j in range(case["gas"])] for r in range(world)],
+                 lambda mod, b: loss_fn(mod, b, torch.float32), 1.0)
+    m = engine.basic_optimizer.gsnr_metrics(per_tensor=True)
+    want = ref.opt.gsnr_metrics()
+    return dict(groups=len(engine.basic_optimizer.param_groups),
+                tensors=sorted({k.split("/")[1] for k in m if k.startswith("tensor/")}),
+                names=sorted(n for n, _ in model.named_parameters()),
+                adapted="trust_ratio/mean" in m, gsnr_mean=m.get("gsnr/mean"), ref_gsnr_mean=want.get("gsnr/mean"))
+
+
 def checkpoint_cases(tmp: str):
     for stage in (0, 1, 2, 3):
         yield f"checkpoint-stage{stage}", dict(stage=stage, dtype="fp32", gas=2, clip=1.0, opt="VRLamb", bucket=40,
@@ -359,6 +390,8 @@ def main() -> None:
             results.update(run_suite(squares_cases(), run_matrix_case, args.only))
         elif suite == "lamb":
             results.update(run_suite(lamb_cases(), run_matrix_case, args.only))
+        elif suite == "groups":
+            results.update(run_suite(groups_cases(), run_groups_case, args.only))
         elif suite == "checkpoint":
             results.update(run_suite(checkpoint_cases(os.path.dirname(os.path.abspath(args.out))),
                                      run_checkpoint_case, args.only))

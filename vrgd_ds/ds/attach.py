@@ -77,6 +77,13 @@ def attach(engine: Any) -> sources.ReductionStats | None:
             layout.add(flat, [(dst, num, keys[id(p)]) for p, _, dst, num in sources.zero12_pieces(wrapper, i)])
         if wants_stats:
             stats = sources.attach_zero12(engine, wrapper, world, stage)
+        # DeepSpeedZeroOptimizer._optimizer_step calls step() once per param group (param_groups
+        # narrowed to that group): one engine step's metrics merge over the calls.
+        opt.merge_step_records = True
+        if len(opt.param_groups) > 1 and any(g.get("grad_pre_normalization") for g in opt.param_groups):
+            raise UnsupportedConfiguration(
+                "vrgd_ds: grad_pre_normalization under ZeRO-1/2 with more than one param group is not supported: "
+                "ZeRO-1/2 step the param groups one at a time, so the global gradient norm would be per group")
     elif stage == 3:
         _require(wrapper, (sources._AVG_SCATTER, "fp32_partitioned_groups_flat", "fp16_groups", "grad_position",
                            "get_param_id", "_get_param_partition_group", "gradient_accumulation_dtype",
