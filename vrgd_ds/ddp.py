@@ -1,26 +1,27 @@
-"""Gradient statistics taken inside ``torch.nn.parallel.DistributedDataParallel``'s own
-gradient reduction, for plain ``torchrun`` + DDP training (one gradient group per rank).
-
-A DDP communication hook replaces the all-reduce of every gradient bucket by a single fused
-fp32 all-reduce of ``[g | g²]``, where ``g`` is this rank's local bucket gradient cast to
-fp32 (squares are taken of the fp32 cast, also for fp16/bf16 models). The reduced ``g`` half,
-divided by the number of ranks and cast to the bucket dtype, is what DDP receives: the same
-mean gradient its default hook produces, so ``p.grad`` is the mean over ranks. ``Σg`` and
-``Σg²`` go into fp32 buffers shaped like each parameter, which the optimizer reads at its
-step::
+"""Gradient statistics for plain ``torchrun`` + ``torch.nn.parallel.DistributedDataParallel``::
 
     model = DistributedDataParallel(net)
     optimizer = VRAdam(model.parameters(), lr=1e-3)
-    vrgd_ds.ddp.attach(model, optimizer)
+    vrgd_ds.ddp.attach(model, optimizer)              # squares="per_step"
 
-Each rank is one gradient group, so ``n`` = number of ranks. With gradient accumulation under
-``model.no_sync()`` only the last, synchronised ``backward()`` reduces: a rank's group is then
-the sum of its accumulated micro-batch gradients, and ``n`` is still the number of ranks.
-Every synchronised ``backward()`` reduces the rank's whole accumulated ``.grad``, so the
-statistics always describe the last one (the one ``p.grad`` comes from).
+``squares="per_step"`` (default): DDP's own gradient reduction is untouched. Tensor hooks on the
+parameters add every ``backward()``'s local gradient and its fp32 square into local buffers on
+each rank (micro-steps under ``model.no_sync()`` included), and one all-reduce of
+``[Σg | Σg²]`` per optimizer step completes them: n = ranks × backward passes per step, at twice
+the fp32 gradient's bytes per step whatever the accumulation. The mean gradient of the
+statistics is the local fp32 one (the user may clip ``.grad`` before ``step()``; the GSNR needs
+the unclipped scale). The same ``LocalStats`` serves DeepSpeed's per-step scheme
+(``vrgd_ds/stats/local.py``: the loss scale is removed in exactly one place, its hooks; nothing
+is divided by the world size: the collective sums).
 
-Cost per bucket: one collective of twice the bucket's elements in fp32 (fp16/bf16 buckets:
-four times the bytes of DDP's own reduction).
+``squares="per_micro_step"``: a DDP communication hook replaces the all-reduce of every
+gradient bucket by a single fused fp32 all-reduce of ``[g | g²]``, where ``g`` is this rank's
+local bucket gradient cast to fp32 (squares of the fp32 cast, also for fp16/bf16 models). The
+reduced ``g`` half, divided by the number of ranks and cast to the bucket dtype, is what DDP
+receives: the same mean gradient its default hook produces. Each rank is one gradient group,
+so ``n`` = number of ranks (with ``no_sync()`` only the last, synchronised ``backward()``
+reduces). Cost per bucket: one collective of twice the bucket's elements in fp32 (fp16/bf16
+buckets: four times the bytes of DDP's own reduction).
 """
 # No ``from __future__ import annotations``: DDP checks the hook's annotations at registration.
 from typing import Iterable
@@ -31,6 +32,7 @@ from torch import Tensor
 from torch.nn.parallel import DistributedDataParallel
 
 from vrgd_ds.optim.base import MIN_GROUPS, GSNROptimizer
+from vrgd_ds.stats.local import Flat, LocalStats, reduce
 
 # (parameter, Σg buffer, Σg² buffer, offset in the bucket, length) of every parameter of a bucket
 _Slice = tuple[Tensor, Tensor, Tensor, int, int]
@@ -134,13 +136,19 @@ def fused_allreduce_hook(stats: DDPStats, bucket: dist.GradBucket) -> torch.futu
     return dist.all_reduce(buf, group=stats.group, async_op=True).get_future().then(finish)
 
 
-def attach(ddp_model: DistributedDataParallel, optimizer: GSNROptimizer) -> DDPStats:
-    """Feeds ``optimizer`` with statistics from ``ddp_model``'s gradient reduction.
+def attach(ddp_model: DistributedDataParallel, optimizer: GSNROptimizer,
+           squares: str = "per_step") -> "DDPStats | LocalStats":
+    """Feeds ``optimizer`` with statistics of ``ddp_model``'s training.
 
-    Registers a communication hook on ``ddp_model`` (DDP allows one; call before training)
-    and makes the returned ``DDPStats`` the optimizer's statistics source; the optimizer's
-    parameters must be those of ``ddp_model``. Needs >= 2 ranks in the DDP process group
-    when any param group has ``gsnr=True``.
+    ``squares="per_step"`` (default): DDP's own reduction untouched; tensor hooks on the
+    parameters sum every ``backward()``'s local gradient and square in fp32 on each rank
+    (``no_sync()`` micro-steps included), and one all-reduce of ``[Σg | Σg²]`` per optimizer step
+    (twice the fp32 gradient's bytes, whatever the accumulation) completes them: n = ranks ×
+    backward passes per step (``vrgd_ds.stats.local``). ``"per_micro_step"``: a communication hook
+    replaces DDP's all-reduce of every bucket by one fused fp32 ``[g | g²]`` (n = ranks; DDP
+    allows one hook, call before training). The optimizer's parameters must be those of
+    ``ddp_model``. Needs >= 2 ranks in the DDP process group when any param group has
+    ``gsnr=True``.
 
     With ``torch.amp.GradScaler`` the statistics are of the scaled gradients; the GSNR is
     invariant to that scale (up to ``gsnr_eps``, which acts as ``gsnr_eps / scale²``), and a
@@ -167,10 +175,40 @@ def attach(ddp_model: DistributedDataParallel, optimizer: GSNROptimizer) -> DDPS
         if missing:
             raise ValueError(f"{missing} parameter(s) of a gsnr=True param group of {type(optimizer).__name__} are "
                              "not reduced by this DDP model: build the optimizer on ddp_model.parameters()")
-    stats = DDPStats(group, world)
-    ddp_model.register_comm_hook(stats, fused_allreduce_hook)
+    if squares == "per_micro_step":
+        stats = DDPStats(group, world)
+        ddp_model.register_comm_hook(stats, fused_allreduce_hook)
+        optimizer.set_statistics_source(stats)
+        return stats
+    if squares != "per_step":
+        raise ValueError(f"vrgd_ds.ddp.attach: squares={squares!r}: use 'per_step' or 'per_micro_step'")
+    return _attach_per_step(ddp_model, optimizer, group, world, gsnr_params)
+
+
+def _attach_per_step(ddp_model: DistributedDataParallel, optimizer: GSNROptimizer, group: dist.ProcessGroup,
+                     world: int, params: list[Tensor]) -> LocalStats:
+    """Local sums of every backward's gradient and square, one fused all-reduce per step."""
+    params = [p for p in params if p.requires_grad]
+    stats = LocalStats(dist, optimizer.kernels(), world, params, gbar="local", squares_dtype=torch.float32,
+                       loss_scale=lambda: 1.0, accumulation=lambda: 1)
+    stats.reset_ends_step = True  # no engine wraps the step: the optimizer's reset ends it
+    total = sum(p.numel() for p in params)
+    device = params[0].device if params else torch.device("cpu")
+
+    def reduce_flat(flat: Flat) -> list:
+        works = reduce(stats, flat.both, flat.both, group, scatter=False, dtype=torch.float32)
+        stats.counters.grad_bytes_fp32 -= 4 * total  # [Σg | Σg²] stands for one fp32 gradient
+        return works
+
+    flat = stats.add_flat(total, device, reduce_flat)
+    off = 0
+    for p in params:
+        n = p.numel()
+        stats.watch(p, flat, off, n)
+        stats.alias(p, flat.g.narrow(0, off, n), flat.sq.narrow(0, off, n))
+        off += n
     optimizer.set_statistics_source(stats)
     return stats
 
 
-__all__ = ["attach", "DDPStats", "fused_allreduce_hook"]
+__all__ = ["attach", "DDPStats", "LocalStats", "fused_allreduce_hook"]

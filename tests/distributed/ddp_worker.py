@@ -21,7 +21,7 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from vrgd_ds import VRAdam, VRSGD
-from vrgd_ds.ddp import DDPStats, attach
+from vrgd_ds.ddp import DDPStats, LocalStats, attach
 
 sys.path.insert(0, os.path.dirname(__file__))
 from reference import GivenStats  # noqa: E402
@@ -97,12 +97,16 @@ class Reference:
         self.stats = GivenStats()
         self.opt.set_statistics_source(self.stats)
 
-    def step(self, batches: list[list[tuple[torch.Tensor, torch.Tensor]]]) -> None:
-        sums = hand_sums(self.model, batches)
+    def step(self, batches: list[list[tuple[torch.Tensor, torch.Tensor]]], per_micro: bool = False) -> None:
+        """``batches[r]``: rank r's micro-batches; the groups are the ranks, or every micro-batch
+        of every rank (``per_micro``: the per-step scheme). ``.grad`` is DDP's: the mean over ranks
+        of each rank's summed micro-batch gradients."""
+        groups = [[b] for per_rank in batches for b in per_rank] if per_micro else batches
+        sums = hand_sums(self.model, groups)
         for p, (sum_g, sum_sq) in zip(self.model.parameters(), sums):
             self.stats.sums[id(p)] = (sum_g, sum_sq)
             p.grad = sum_g / len(batches)
-        self.stats.groups = len(batches)
+        self.stats.groups = len(groups)
         self.opt.step()
 
 
@@ -110,7 +114,7 @@ def rel(a: torch.Tensor, b: torch.Tensor, b0: torch.Tensor) -> float:
     return float((a - b).norm() / (b - b0).norm())
 
 
-def train_case(opt_name: str, micro_steps: int, **ddp_kw: Any) -> dict[str, Any]:
+def train_case(opt_name: str, micro_steps: int, squares: str = "per_step", **ddp_kw: Any) -> dict[str, Any]:
     """3 steps of DDP + ``attach`` against the reference; ``micro_steps`` > 1 accumulates
     under ``no_sync()``."""
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -121,28 +125,31 @@ def train_case(opt_name: str, micro_steps: int, **ddp_kw: Any) -> dict[str, Any]
     p0 = flat(model)
     ddp = DDP(model, bucket_cap_mb=BUCKET_CAP_MB, **ddp_kw)
     opt = cls(ddp.parameters(), **kw)
-    stats = attach(ddp, opt)
+    stats = attach(ddp, opt, squares=squares)
+    counters = (lambda: (stats.collectives, stats.bytes_sent)) if squares == "per_micro_step" else (
+        lambda: (stats.counters.collectives, stats.counters.bytes_sent))
     steps = []
     for step in range(STEPS):
-        collectives, calls, sent = stats.collectives, ALL_REDUCE_CALLS[0], stats.bytes_sent
+        (collectives, sent), calls = counters(), ALL_REDUCE_CALLS[0]
         opt.zero_grad()
         for j in range(micro_steps - 1):
             with ddp.no_sync():
                 loss_fn(ddp, batch(step, rank, j)).backward()
         loss_fn(ddp, batch(step, rank, micro_steps - 1)).backward()
         opt.step()
+        now_collectives, now_sent = counters()
         steps.append(dict(
             n=opt.gsnr_metrics()["gsnr/n"],
-            collectives=stats.collectives - collectives,
+            collectives=now_collectives - collectives,
             all_reduce_calls=ALL_REDUCE_CALLS[0] - calls,
-            buckets=stats.buckets,
+            buckets=getattr(stats, "buckets", None),
             # DDP's own buckets, as its reducer holds them now (rebuilt after the first step)
             ddp_bucket_numels=[b.buffer().numel() for b in ddp.reducer._get_zeros_like_grad_buckets()],
-            bytes_sent=stats.bytes_sent - sent,
+            bytes_sent=now_sent - sent,
         ))
         batches = [[batch(step, r, j) for j in range(micro_steps)] for r in range(world)]
-        ref.step(batches)
-        plain.step(batches)
+        ref.step(batches, per_micro=squares == "per_step")
+        plain.step(batches, per_micro=squares == "per_step")
     a, b, c = flat(model), flat(ref.model), flat(plain.model)
     return dict(err=rel(a, b, p0), contrast=rel(c, b, p0), moved=float((b - p0).norm()), steps=steps,
                 param_numels=[p.numel() for p in model.parameters()])
@@ -156,7 +163,7 @@ def low_precision_case(dtype: torch.dtype) -> dict[str, Any]:
     local = copy.deepcopy(model)
     ddp = DDP(model, bucket_cap_mb=BUCKET_CAP_MB)
     opt = VRSGD(ddp.parameters(), lr=0.05)
-    stats = attach(ddp, opt)
+    stats = attach(ddp, opt, squares="per_micro_step")
     loss_fn(ddp, batch(0, rank, 0)).backward()
     want = hand_sums(local, [[batch(0, r, 0)] for r in range(world)])
     params = list(model.parameters())
@@ -193,7 +200,8 @@ def bad_cases() -> dict[str, Any]:
     except ValueError as exc:
         out["one_rank"] = str(exc)
     ddp1b = DDP(tiny_model(), process_group=singles[rank])
-    out["one_rank_gsnr_off"] = isinstance(attach(ddp1b, VRSGD(ddp1b.parameters(), lr=0.05, gsnr=False)), DDPStats)
+    out["one_rank_gsnr_off"] = isinstance(attach(ddp1b, VRSGD(ddp1b.parameters(), lr=0.05, gsnr=False)),
+                                         (DDPStats, LocalStats))
     ddp2 = DDP(tiny_model(), bucket_cap_mb=BUCKET_CAP_MB)
     try:
         attach(ddp2, VRSGD(tiny_model().parameters(), lr=0.05))
@@ -208,8 +216,14 @@ def cases() -> dict[str, Callable[[], dict[str, Any]]]:
         "VRSGD": lambda: train_case("VRSGD", 1),
         "VRAdam": lambda: train_case("VRAdam", 1),
         "VRSGD_no_sync": lambda: train_case("VRSGD", 2),
-        "VRAdam_no_sync": lambda: train_case("VRAdam", 2),
+        "VRAdam_no_sync": lambda: train_case("VRAdam", 3),
         "VRSGD_bucket_view": lambda: train_case("VRSGD", 1, gradient_as_bucket_view=True),
+        "fused_VRSGD": lambda: train_case("VRSGD", 1, squares="per_micro_step"),
+        "fused_VRAdam": lambda: train_case("VRAdam", 1, squares="per_micro_step"),
+        "fused_VRSGD_no_sync": lambda: train_case("VRSGD", 2, squares="per_micro_step"),
+        "fused_VRAdam_no_sync": lambda: train_case("VRAdam", 2, squares="per_micro_step"),
+        "fused_VRSGD_bucket_view": lambda: train_case("VRSGD", 1, squares="per_micro_step",
+                                                      gradient_as_bucket_view=True),
         "bf16": lambda: low_precision_case(torch.bfloat16),
         "fp16": lambda: low_precision_case(torch.float16),
         "bad": bad_cases,

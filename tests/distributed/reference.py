@@ -30,11 +30,17 @@ class GivenStats:
 
 
 class Reference:
+    """``squares``: the scheme whose statistics to mirror. ``per_micro_step``: groups are ranks on
+    stage 0/ZeRO-1, ranks × micro-steps on ZeRO-2/3, Σg in fp32 from the groups. ``per_step``:
+    ranks × micro-steps everywhere; Σg from the gradient DeepSpeed reduced (``gbar="engine"``,
+    before clipping: n · ḡ in its dtype) or from the groups in fp32 (``gbar="local"``)."""
+
     def __init__(self, model: torch.nn.Module, make_opt, dtype: torch.dtype, stage: int, gas: int,
-                 world: int, clip: float) -> None:
+                 world: int, clip: float, squares: str = "per_micro_step", gbar: str = "local") -> None:
         self.master = copy.deepcopy(model).float()
         self.low = copy.deepcopy(model).to(dtype)
         self.dtype, self.stage, self.gas, self.world, self.clip = dtype, stage, gas, world, clip
+        self.squares, self.gbar = squares, gbar
         self.opt = make_opt(list(self.master.parameters()))
         self.stats = GivenStats()
         self.opt.set_statistics_source(self.stats)
@@ -52,29 +58,33 @@ class Reference:
         with torch.no_grad():
             for lo, hi in zip(self.low.parameters(), self.master.parameters()):
                 lo.copy_(hi.to(low))
-        per_micro = self.stage >= 2
+        per_micro = self.stage >= 2  # DeepSpeed reduces every micro-step (else once, at the boundary)
+        micro_groups = per_micro or self.squares == "per_step"
         groups: list[list[torch.Tensor]] = []  # fp32 gradient of every group
         reduced: list[list[torch.Tensor]] = []  # what one reduction hands DeepSpeed, per reduction
         locals_: list[list[list[torch.Tensor]]] = []  # [reduction][rank][param], low precision
         for r in range(self.world):
             self.low.zero_grad(set_to_none=True)
+            acc_local: list[torch.Tensor] | None = None
             for j in range(self.gas):
-                if per_micro:
-                    self.low.zero_grad(set_to_none=True)
+                self.low.zero_grad(set_to_none=True)
                 loss = loss_fn(self.low, batches[r][j])
                 ((loss / self.gas) * loss_scale).backward()
+                micro = [p.grad.detach().clone() for p in self.low.parameters()]
+                if micro_groups:
+                    groups.append([g.float() * (self.gas / loss_scale) for g in micro])
                 if per_micro:
-                    local = [p.grad.detach().clone() for p in self.low.parameters()]
                     if len(locals_) <= j:
                         locals_.append([])
-                    locals_[j].append(local)
-                    groups.append([g.float() * (self.gas / loss_scale) for g in local])
+                    locals_[j].append(micro)
+                else:  # autograd accumulates into .grad in the model's dtype
+                    acc_local = micro if acc_local is None else [(a + b) for a, b in zip(acc_local, micro)]
             if not per_micro:
-                local = [p.grad.detach().clone() for p in self.low.parameters()]
                 if not locals_:
                     locals_.append([])
-                locals_[0].append(local)
-                groups.append([g.float() / loss_scale for g in local])
+                locals_[0].append(acc_local)
+                if not micro_groups:
+                    groups.append([g.float() / loss_scale for g in acc_local])
         for per_rank in locals_:  # fp32 all-reduce, average, round to the model dtype
             reduced.append([(sum(rk[i].float() for rk in per_rank) / self.world).to(low)
                             for i in range(len(per_rank[0]))])
@@ -86,7 +96,10 @@ class Reference:
         total_sq = 0.0
         for i, p in enumerate(params):
             gs = torch.stack([g[i] for g in groups])
-            self.stats.sums[id(p)] = (gs.sum(0), gs.square().sum(0))
+            sum_g = gs.sum(0)
+            if self.squares == "per_step" and self.gbar == "engine":
+                sum_g = acc[i].float() * (n / loss_scale)  # DeepSpeed's reduced gradient, before clipping
+            self.stats.sums[id(p)] = (sum_g, gs.square().sum(0))
             p.grad = acc[i].float() / loss_scale
             total_sq += float(p.grad.double().square().sum())
         if self.clip > 0:

@@ -24,6 +24,7 @@ RANKS = 2
 TOL = 1e-5
 CONTRAST = 100  # the gamma = 1 run must be at least this many tolerances away
 TRAIN_CASES = ["VRSGD", "VRAdam", "VRSGD_no_sync", "VRAdam_no_sync", "VRSGD_bucket_view"]
+FUSED_CASES = ["fused_" + name for name in TRAIN_CASES]  # squares="per_micro_step": the comm hook
 
 
 def launch(tmp: Path, timeout: int = 300) -> dict:
@@ -51,7 +52,7 @@ def _case(results: dict, name: str) -> list[dict]:
     return per_rank
 
 
-@pytest.mark.parametrize("name", TRAIN_CASES)
+@pytest.mark.parametrize("name", TRAIN_CASES + FUSED_CASES)
 def test_training_equals_single_process_reference(results, name):
     for res in _case(results, name):
         assert res["err"] <= TOL, res
@@ -60,12 +61,26 @@ def test_training_equals_single_process_reference(results, name):
 
 
 @pytest.mark.parametrize("name", TRAIN_CASES)
-def test_groups_are_ranks(results, name):
+def test_per_step_groups_are_ranks_times_backward_passes(results, name):
+    """The default scheme: every backward of every rank is a group, no_sync() micro-steps
+    included, and one all-reduce of [Σg | Σg²] per step (twice the fp32 gradient's bytes),
+    DDP's own reduction untouched."""
+    micro = {"VRSGD_no_sync": 2, "VRAdam_no_sync": 3}.get(name, 1)
+    for res in _case(results, name):
+        numel = sum(res["param_numels"])
+        for s in res["steps"]:
+            assert s["n"] == float(RANKS * micro)
+            assert s["collectives"] == s["all_reduce_calls"] == 1, s
+            assert s["bytes_sent"] == 2 * 4 * numel, s
+
+
+@pytest.mark.parametrize("name", FUSED_CASES)
+def test_fused_groups_are_ranks(results, name):
     for res in _case(results, name):
         assert [s["n"] for s in res["steps"]] == [float(RANKS)] * len(res["steps"])
 
 
-@pytest.mark.parametrize("name", TRAIN_CASES)
+@pytest.mark.parametrize("name", FUSED_CASES)
 def test_one_fused_collective_per_bucket(results, name):
     for res in _case(results, name):
         numel = sum(res["param_numels"])

@@ -64,8 +64,9 @@ def config(case: dict) -> dict:
                               "allgather_bucket_size": max(case["bucket"], 500),
                               "stage3_param_persistence_threshold": 0},
     }
-    if case.get("squares"):
-        cfg["vrgd"] = {"squares_dtype": case["squares"]}
+    cfg["vrgd"] = {"squares": case.get("scheme", "per_micro_step"), "gbar": case.get("gbar", "auto")}
+    if case.get("sq_dtype"):
+        cfg["vrgd"]["squares_dtype"] = case["sq_dtype"]
     if case["dtype"] == "bf16":
         cfg["bf16"] = {"enabled": True}
     if case["dtype"] == "fp16":
@@ -86,12 +87,16 @@ def run_matrix_case(case: dict) -> dict:
     dtype = DTYPES[case["dtype"]]
     world, rank = dist.get_world_size(), dist.get_rank()
     cls = vrgd_ds.REGISTRY[case["opt"]].cls
+    gbar = case.get("gbar", "auto")
+    if gbar == "auto":
+        gbar = "engine" if dtype == torch.float32 else "local"
+    scheme = dict(squares=case.get("scheme", "per_micro_step"), gbar=gbar)
     ref = Reference(model, lambda ps: cls(ps, **OPT_KW[case["opt"]]), dtype, case["stage"], case["gas"], world,
-                    case["clip"])
+                    case["clip"], **scheme)
     plain = None  # the same run without variance reduction: how far apart a GSNR mistake would land
     if REGISTRY_GSNR(case["opt"]):
         plain = Reference(model, lambda ps: cls(ps, **{**OPT_KW[case["opt"]], "gamma": 1.0}), dtype, case["stage"],
-                          case["gas"], world, case["clip"])
+                          case["gas"], world, case["clip"], **scheme)
     engine, *_ = deepspeed.initialize(model=model, config=config(case))
     ns, skipped, gsnr_means = [], 0, []
     for step in range(STEPS):
@@ -165,12 +170,23 @@ def matrix_cases():
             stage=stage, dtype=dtype, gas=gas, clip=clip, opt=opt, bucket=bucket)
 
 
+def perstep_cases():
+    """The per-step scheme: DeepSpeed's reduction untouched, n = ranks × micro-steps on every stage."""
+    for stage, dtype, gas, opt in itertools.product((0, 1, 2, 3), ("fp32", "bf16", "fp16"), (1, 2, 4),
+                                                    ("VRAdam", "VRLamb")):
+        yield f"perstep-stage{stage}-{dtype}-gas{gas}-{opt}", dict(stage=stage, dtype=dtype, gas=gas, clip=1.0,
+                                                                   opt=opt, bucket=40, scheme="per_step")
+    for stage, dtype, gbar in itertools.product((0, 1, 2, 3), ("fp32", "bf16"), ("engine", "local")):
+        yield f"perstep-{gbar}-stage{stage}-{dtype}", dict(stage=stage, dtype=dtype, gas=2, clip=1.0, opt="VRLamb",
+                                                           bucket=40, scheme="per_step", gbar=gbar)
+
+
 def squares_cases():
     """bf16 squares ("vrgd": {"squares_dtype": "bf16"}) against the fp32-squares reference."""
     for stage in (0, 1, 2, 3):
         for opt in ("VRAdam", "VRLamb"):
             yield f"squares-bf16-stage{stage}-{opt}", dict(stage=stage, dtype="fp32", gas=2, clip=0.0, opt=opt,
-                                                          bucket=40, squares="bf16")
+                                                          bucket=40, sq_dtype="bf16")
             yield f"squares-fp32-stage{stage}-{opt}", dict(stage=stage, dtype="fp32", gas=2, clip=0.0, opt=opt,
                                                           bucket=40)
 
@@ -197,7 +213,7 @@ def run_checkpoint_case(case: dict) -> dict:
 
     engine, *_ = deepspeed.initialize(model=tiny_model(), config=config(case))
     straight = train(engine, range(total))
-    path = os.path.join(case["dir"], f"stage{case['stage']}")
+    path = os.path.join(case["dir"], f"stage{case['stage']}-{case.get('scheme', 'per_micro_step')}")
     engine, *_ = deepspeed.initialize(model=tiny_model(), config=config(case))
     train(engine, range(cut))
     engine.save_checkpoint(path, tag="cut")
@@ -242,10 +258,88 @@ def run_groups_case(case: dict) -> dict:
                 adapted="trust_ratio/mean" in m, gsnr_mean=m.get("gsnr/mean"), ref_gsnr_mean=want.get("gsnr/mean"))
 
 
+def bytes_cases():
+    for stage, gas in itertools.product((0, 1, 2, 3), (1, 2, 4)):
+        yield f"bytes-stage{stage}-gas{gas}", dict(stage=stage, dtype="fp32", gas=gas, clip=1.0, opt="VRLamb",
+                                                   bucket=40, scheme="per_step")
+    for stage in (0, 2, 3):
+        yield f"bytes-bf16sq-stage{stage}-gas4", dict(stage=stage, dtype="fp32", gas=4, clip=1.0, opt="VRLamb",
+                                                      bucket=40, scheme="per_step", sq_dtype="bf16")
+
+
+class CommCount:
+    """Every collective deepspeed.comm issues, by function: calls and input bytes."""
+
+    NAMES = ("all_reduce", "reduce_scatter_tensor", "reduce_scatter_fn", "reduce_scatter", "all_gather_into_tensor",
+             "all_gather", "allgather_fn", "reduce_scatter_coalesced", "broadcast")
+
+    def __init__(self) -> None:
+        self.calls = self.bytes = 0
+        self.originals = {}
+        for name in self.NAMES:
+            fn = getattr(dist, name, None)
+            if fn is None:
+                continue
+            self.originals[name] = fn
+
+            def counted(*args, _fn=fn, _name=name, **kwargs):
+                t = kwargs.get("tensor", kwargs.get("input_tensor", args[1] if _name in (
+                    "reduce_scatter_tensor", "reduce_scatter_fn", "all_gather_into_tensor", "allgather_fn")
+                    and len(args) > 1 else args[0] if args else None))
+                if torch.is_tensor(t):
+                    self.calls += 1
+                    self.bytes += t.numel() * t.element_size()
+                return _fn(*args, **kwargs)
+
+            setattr(dist, name, counted)
+
+    def restore(self) -> None:
+        for name, fn in self.originals.items():
+            setattr(dist, name, fn)
+
+
+def run_bytes_case(case: dict) -> dict:
+    """Bytes and calls per optimizer step, VR-LAMB with per-step squares against our LAMB (GSNR
+    off) on the same batches: DeepSpeed's own traffic (everything but the statistics and the
+    small per-tensor tables) must be the same, and the statistics one fp32 gradient per step."""
+    rank = dist.get_rank()
+    out = {}
+    for name, extra in (("vr", {}), ("lamb", {"gsnr": False})):
+        cfg = config(case)
+        cfg["optimizer"]["params"].update(extra)
+        engine, *_ = deepspeed.initialize(model=tiny_model(), config=cfg)
+        for j in range(case["gas"]):  # a first step: buffers allocated, partitions built
+            engine.backward(loss_fn(engine, batch(0, rank, j), torch.float32))
+            engine.step()
+        layout = engine.basic_optimizer._layout
+        stats = getattr(engine, "vrgd_stats", None)
+        before = (layout.bytes_sent, stats.counters.bytes_sent if stats else 0, stats.counters.collectives if stats else 0,
+                  layout.collectives)
+        count = CommCount()
+        try:
+            for j in range(case["gas"]):
+                engine.backward(loss_fn(engine, batch(1, rank, j), torch.float32))
+                engine.step()
+        finally:
+            count.restore()
+        tables = layout.bytes_sent - before[0]
+        ours = (stats.counters.bytes_sent - before[1]) if stats else 0
+        ours_calls = (stats.counters.collectives - before[2]) if stats else 0
+        out[name] = dict(total_bytes=count.bytes, total_calls=count.calls, table_bytes=tables,
+                         table_calls=layout.collectives - before[3], stats_bytes=ours, stats_calls=ours_calls,
+                         deepspeed_bytes=count.bytes - tables - ours,
+                         deepspeed_calls=count.calls - (layout.collectives - before[3]) - ours_calls,
+                         grad_bytes_fp32=4 * sum(getattr(p, "ds_numel", p.numel()) for p in engine.module.parameters()),
+                         n=engine.basic_optimizer.gsnr_metrics().get("gsnr/n"))
+    return out
+
+
 def checkpoint_cases(tmp: str):
     for stage in (0, 1, 2, 3):
         yield f"checkpoint-stage{stage}", dict(stage=stage, dtype="fp32", gas=2, clip=1.0, opt="VRLamb", bucket=40,
                                               dir=tmp)
+        yield f"checkpoint-perstep-stage{stage}", dict(stage=stage, dtype="fp32", gas=2, clip=1.0, opt="VRLamb",
+                                                      bucket=40, dir=tmp, scheme="per_step")
 
 
 def run_bad_case(case: dict) -> dict:
@@ -390,6 +484,10 @@ def main() -> None:
             results.update(run_suite(squares_cases(), run_matrix_case, args.only))
         elif suite == "lamb":
             results.update(run_suite(lamb_cases(), run_matrix_case, args.only))
+        elif suite == "perstep":
+            results.update(run_suite(perstep_cases(), run_matrix_case, args.only))
+        elif suite == "bytes":
+            results.update(run_suite(bytes_cases(), run_bytes_case, args.only))
         elif suite == "groups":
             results.update(run_suite(groups_cases(), run_groups_case, args.only))
         elif suite == "checkpoint":

@@ -629,6 +629,9 @@ def test_pack_squares_writes_both_halves_in_one_call(impl, dtype):
     only = torch.empty(3001)
     kernels.pack_squares(x, None, only, 1.0)
     assert torch.equal(only, x.float() * x.float())
+    kernels.pack_squares(x, g, sq, 1 / 1024, accumulate=True)  # a second micro-step, summed locally
+    assert torch.equal(g, x.float() + x.float())
+    torch.testing.assert_close(sq, want * want + want * want, rtol=0, atol=0)
 
 
 def test_reduction_statistics_are_written_fresh_and_never_left_stale():

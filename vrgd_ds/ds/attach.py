@@ -6,7 +6,7 @@ from typing import Any
 
 import deepspeed.comm as dist
 
-from vrgd_ds.ds import sources
+from vrgd_ds.ds import local, sources
 from vrgd_ds.ds.config import reduction_config
 from vrgd_ds.ds.integration import UnsupportedConfiguration, _require
 from vrgd_ds.ds.layout import Layout
@@ -40,15 +40,19 @@ def attach(engine: Any) -> sources.ReductionStats | None:
     device = next(engine.module.parameters()).device
     wrapped = type(wrapper).__name__
     options = reduction_config(getattr(engine._config, "_param_dict", {}) or {})
+    kernels = opt.kernels()
+    gbar = options.gbar_for(engine.get_data_types()[0])
 
+    scheme = options.scheme(stage)
     if any(g["gsnr"] for g in opt.param_groups):  # fail before training, not at the first step
-        n = sources.expected_groups(world, gas, stage)
+        n = sources.expected_groups(world, gas, stage, scheme)
         if n < MIN_GROUPS:
             raise UnsupportedConfiguration(
                 f"{type(opt).__name__}: GSNR needs >= {MIN_GROUPS} gradient groups per step, this run has n={n} "
                 f"({world} data-parallel rank(s), gradient_accumulation_steps={gas}, ZeRO stage {stage}: groups are "
-                + ("ranks x micro-steps" if stage >= 2 else "ranks") + "). Use more ranks"
-                + (", or gradient_accumulation_steps >= 2" if stage >= 2 else ", or ZeRO-2/3 with gradient_accumulation_steps >= 2")
+                + ("ranks x micro-steps" if stage >= 2 or scheme == "per_step" else "ranks") + "). Use more ranks"
+                + (", or gradient_accumulation_steps >= 2" if stage >= 2 or scheme == "per_step"
+                   else ", or \"vrgd\": {\"squares\": \"per_step\"} with gradient_accumulation_steps >= 2")
                 + ", or set 'gsnr': false.")
 
     wants_stats = any(g["gsnr"] for g in opt.param_groups)
@@ -66,7 +70,8 @@ def attach(engine: Any) -> sources.ReductionStats | None:
         for p, m in pairs:
             layout.add(m, [(0, m.numel(), keys[id(p)])])
         if wants_stats:
-            stats = sources.attach_stage0(engine, pairs, world)
+            stats = (local.attach_stage0(engine, pairs, world, gbar, options.torch_squares_dtype, kernels)
+                     if scheme == "per_step" else sources.attach_stage0(engine, pairs, world))
     elif stage in (1, 2):
         _require(wrapper, ("gradient_reduction_w_predivide", "_add_full_reduction_to_compact_grad_partition",
                            "grad_start_offset", "grad_partition_insertion_offset", "single_partition_of_fp32_groups",
@@ -76,7 +81,8 @@ def attach(engine: Any) -> sources.ReductionStats | None:
         for i, flat in enumerate(wrapper.single_partition_of_fp32_groups):
             layout.add(flat, [(dst, num, keys[id(p)]) for p, _, dst, num in sources.zero12_pieces(wrapper, i)])
         if wants_stats:
-            stats = sources.attach_zero12(engine, wrapper, world, stage)
+            stats = (local.attach_zero12(engine, wrapper, world, gbar, options.torch_squares_dtype, kernels)
+                     if scheme == "per_step" else sources.attach_zero12(engine, wrapper, world, stage))
         # DeepSpeedZeroOptimizer._optimizer_step calls step() once per param group (param_groups
         # narrowed to that group): one engine step's metrics merge over the calls.
         opt.merge_step_records = True
@@ -96,7 +102,13 @@ def attach(engine: Any) -> sources.ReductionStats | None:
         for i, flat in enumerate(wrapper.fp32_partitioned_groups_flat):
             layout.add(flat, [(off, valid, keys[id(p)]) for p, off, valid in sources.zero3_pieces(wrapper, i)])
         if wants_stats:
-            stats = sources.attach_zero3(engine, wrapper, world)
+            if scheme == "per_step":
+                pieces = {id(p): (i, off, valid) for i in range(len(wrapper.fp32_partitioned_groups_flat))
+                          for p, off, valid in sources.zero3_pieces(wrapper, i)}
+                stats = local.attach_zero3(engine, wrapper, world, gbar, options.torch_squares_dtype, kernels,
+                                           pieces)
+            else:
+                stats = sources.attach_zero3(engine, wrapper, world)
         opt.merge_step_records = True  # one optimizer.step() per sub-group
     else:
         raise UnsupportedConfiguration(f"vrgd_ds: unknown ZeRO stage {stage}")
@@ -109,7 +121,8 @@ def attach(engine: Any) -> sources.ReductionStats | None:
     _hook_step(wrapper, opt, stats, "step/skipped_overflow" if engine.fp16_enabled() else "step/skipped_nonfinite")
     engine.vrgd_stats = stats
     logger.info("vrgd_ds: %s attached to DeepSpeed (stage %d, %s, %s)", type(opt).__name__, stage, wrapped,
-                f"n={sources.expected_groups(world, gas, stage)} groups per step" if stats else "no GSNR statistics")
+                f"n={sources.expected_groups(world, gas, stage, scheme)} groups per step, squares {scheme}"
+                if stats else "no GSNR statistics")
     return stats
 
 
@@ -120,6 +133,8 @@ def _hook_step(wrapper: Any, opt: GSNROptimizer, stats: sources.ReductionStats |
     def vrgd_step(*args, **kwargs):
         opt.begin_step_records()
         calls = opt.step_calls
+        if stats is not None and hasattr(stats, "start"):
+            stats.start()  # per_step: every micro-step is in; launch the step's one reduction
         try:
             return step(*args, **kwargs)
         finally:

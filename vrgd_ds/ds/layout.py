@@ -25,6 +25,7 @@ class Layout:
         self.group = group  # None: every rank holds whole, identical tensors (no collective)
         self._pieces: dict[int, list[tuple[int, int, int]]] = {}
         self.collectives = 0
+        self.bytes_sent = 0  # of the small per-tensor tables
 
     @property
     def num_keys(self) -> int:
@@ -59,3 +60,4 @@ class Layout:
             dist.all_reduce(on_device, op=red, group=self.group)
             t.copy_(on_device)
         self.collectives += 1
+        self.bytes_sent += t.numel() * t.element_size()

@@ -31,7 +31,6 @@ step (fp16 overflow): the wrapper's ``step`` is wrapped, not the basic optimizer
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Any, Callable
 
 import torch
@@ -39,19 +38,7 @@ from torch import Tensor
 
 import deepspeed.comm as dist
 
-
-@dataclass
-class CommCounters:
-    """What the fused reductions sent (per rank), to check the fused path's cost."""
-
-    collectives: int = 0
-    bytes_sent: int = 0  # bytes of the fused buffers
-    grad_bytes_fp32: int = 0  # bytes the gradient alone takes in fp32
-
-    def add(self, numel_grad: int, nbytes: int, calls: int = 1) -> None:
-        self.collectives += calls
-        self.bytes_sent += nbytes
-        self.grad_bytes_fp32 += 4 * numel_grad
+from vrgd_ds.stats.local import CommCounters
 
 
 class ReductionStats:
@@ -361,9 +348,10 @@ def attach_zero3(engine: Any, zopt: Any, world: int) -> ReductionStats:
     return stats
 
 
-def expected_groups(world: int, gas: int, stage: int) -> int:
-    """n at every step of a run (DESIGN §3)."""
-    return world * (gas if stage >= 2 else 1)
+def expected_groups(world: int, gas: int, stage: int, scheme: str = "per_micro_step") -> int:
+    """n at every step of a run (DESIGN §3): ranks × micro-steps, but only ranks on stage 0 /
+    ZeRO-1 with the per-micro-step fused reduction (DeepSpeed reduces there once per step)."""
+    return world * (gas if stage >= 2 or scheme == "per_step" else 1)
 
 
 __all__ = ["ReductionStats", "CommCounters", "attach_stage0", "attach_zero12", "attach_zero3",

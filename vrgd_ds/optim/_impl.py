@@ -63,9 +63,11 @@ class Kernels(Protocol):
     def nonfinite(self, tensors: Tensors, seg: Tensor) -> Tensor:
         """Per segment 1.0 where the tensors hold an inf or NaN, else 0.0 (float64 [S])."""
 
-    def pack_squares(self, src: Tensor, g_out: Tensor | None, sq_out: Tensor, c: float) -> None:
+    def pack_squares(self, src: Tensor, g_out: Tensor | None, sq_out: Tensor, c: float,
+                     accumulate: bool = False) -> None:
         """One pass over a flat local gradient: ``g_out = float(src)`` (when given) and
-        ``sq_out = (c · float(src))²`` (fp32 squares after removing the loss scale)."""
+        ``sq_out = (c · float(src))²`` (fp32 squares after removing the loss scale); with
+        ``accumulate`` both are added instead of written."""
 
     def accumulate_moments(self, grad: Tensor, sum_g: Tensor, sum_sq: Tensor, fresh: bool, inv_n: float = 0.0,
                            eps: float = 0.0) -> Tensor | None:
@@ -219,12 +221,17 @@ class Reference:
             u = scale.written(t, start, length, segf[i]) * (m / (bc1 * denom)) + weight_decay * pv
             p.copy_(pv - (lr * trust) * u)
 
-    def pack_squares(self, src, g_out, sq_out, c):
+    def pack_squares(self, src, g_out, sq_out, c, accumulate=False):
         x = src.reshape(-1).float()
+        w = x * c
+        if accumulate:
+            if g_out is not None:
+                g_out.add_(x)
+            sq_out.add_(w * w)
+            return
         if g_out is not None:
             g_out.copy_(x)
-        torch.mul(x, c, out=sq_out)
-        sq_out.mul_(sq_out)
+        torch.mul(w, w, out=sq_out)
 
     def nonfinite(self, tensors, seg):
         return torch.tensor([0.0 if bool(torch.isfinite(_piece(tensors[t], start, length)).all()) else 1.0
@@ -253,8 +260,8 @@ class Fused:
     def __getattr__(self, item: str):
         return getattr(self._k, item)
 
-    def pack_squares(self, src, g_out, sq_out, c):
-        self._k.pack_squares(src.contiguous().view(-1), g_out, sq_out, c)
+    def pack_squares(self, src, g_out, sq_out, c, accumulate=False):
+        self._k.pack_squares(src.contiguous().view(-1), g_out, sq_out, c, accumulate)
 
     def accumulate_moments(self, grad, sum_g, sum_sq, fresh, inv_n=0.0, eps=0.0):
         return self._k.accumulate_moments(grad.contiguous().view(-1), sum_g.view(-1), sum_sq.view(-1), fresh,

@@ -389,14 +389,19 @@ def _nonfinite_kernel(X_T, chunks, part, XDT: tl.constexpr, BLOCK: tl.constexpr)
 
 
 @triton.jit
-def _pack_squares_kernel(X, G, SQ, numel, c, WITH_G: tl.constexpr, BLOCK: tl.constexpr):
+def _pack_squares_kernel(X, G, SQ, numel, c, WITH_G: tl.constexpr, ACCUMULATE: tl.constexpr, BLOCK: tl.constexpr):
     idx = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     m = idx < numel
     x = tl.load(X + idx, mask=m, other=0.0).to(tl.float32)
-    if WITH_G:
-        tl.store(G + idx, x, mask=m)
     w = x * c
-    tl.store(SQ + idx, w * w, mask=m)
+    if ACCUMULATE:
+        if WITH_G:
+            tl.store(G + idx, tl.load(G + idx, mask=m, other=0.0) + x, mask=m)
+        tl.store(SQ + idx, tl.load(SQ + idx, mask=m, other=0.0) + w * w, mask=m)
+    else:
+        if WITH_G:
+            tl.store(G + idx, x, mask=m)
+        tl.store(SQ + idx, w * w, mask=m)
 
 
 @triton.jit
@@ -567,13 +572,13 @@ class Triton:
                                            BLOCK=BLOCK, **self._launch)
         return (self._combined(ch, part, 1, 1, False)[:, 0] > 0).double()
 
-    def pack_squares(self, src, g_out, sq_out, c):
+    def pack_squares(self, src, g_out, sq_out, c, accumulate=False):
         x = src.reshape(-1)
         numel = x.numel()
         if numel:
             _pack_squares_kernel[(triton.cdiv(numel, BLOCK),)](x, sq_out if g_out is None else g_out, sq_out, numel,
-                                                               float(c), WITH_G=g_out is not None, BLOCK=BLOCK,
-                                                               **self._launch)
+                                                               float(c), WITH_G=g_out is not None,
+                                                               ACCUMULATE=bool(accumulate), BLOCK=BLOCK, **self._launch)
 
     def accumulate_moments(self, grad, sum_g, sum_sq, fresh, inv_n=0.0, eps=0.0):
         g = grad.reshape(-1)

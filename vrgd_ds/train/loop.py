@@ -334,7 +334,6 @@ class Trainer:
                                      world_size=self.world, seed=self.job.seed + index,
                                      consumed_samples=self.consumed[index])
         batches = iter(loader(train, sampler, self.job.data.workers, self.device.type == "cuda"))
-        n_groups = self.world * (gas if self.engine.zero_optimization_stage() >= 2 else 1)
         while self.step < phase_end:
             _seed_step(self.job.seed, self.step, self.rank)
             lr = self.schedule.lr(self.step)
@@ -367,8 +366,9 @@ class Trainer:
                 record = {"phase": index, "train/loss": loss_mean, "train/lr": lr, "train/step_time_s": step_time,
                           "train/data_time_s": float(red[2]) / self.world, "train/tokens_per_s": tok / step_time,
                           "train/samples": float(sum(self.consumed)), "train/seq_len": p.seq_len}
-                m = self.optimizer.gsnr_metrics(per_tensor=self.job.telemetry.per_layer_group,
-                                                samples_per_group=p.global_batch // n_groups if gsnr_on else None)
+                m = self.optimizer.gsnr_metrics(per_tensor=self.job.telemetry.per_layer_group)
+                if gsnr_on and m.get("gsnr/n") and "noise_scale/b_simple_groups" in m:  # groups -> samples
+                    m["noise_scale/b_simple"] = m["noise_scale/b_simple_groups"] * p.global_batch / m["gsnr/n"]
                 per_tensor = {k: v for k, v in m.items() if k.startswith("tensor/")}
                 record.update({k: v for k, v in m.items() if not k.startswith("tensor/")})
                 if per_tensor:

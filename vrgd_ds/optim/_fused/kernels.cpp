@@ -622,10 +622,13 @@ at::Tensor nonfinite(const std::vector<at::Tensor>& tensors, const at::Tensor& s
   return out;
 }
 
-// The statistics half of a fused reduction buffer in one pass over the local gradient x:
-// g_out = float(x) (when defined) and sq_out = (c * float(x))^2, squares taken in fp32 after
-// removing the loss scale (c), instead of a copy, a multiply and a square.
-void pack_squares(const at::Tensor& src, const c10::optional<at::Tensor>& g_out, const at::Tensor& sq_out, double c) {
+// One pass over a local gradient x for the statistics: g_out = float(x) (when defined) and
+// sq_out = (c * float(x))^2, squares taken in fp32 after removing the loss scale (c); with
+// accumulate, both are added instead (a rank's micro-steps summed locally). The fused
+// reduction buffer's two halves, or a rank's local sums, in place of a copy, a multiply and a
+// square.
+void pack_squares(const at::Tensor& src, const c10::optional<at::Tensor>& g_out, const at::Tensor& sq_out, double c,
+                  bool accumulate) {
   check_list({src}, 1, "src", false);
   check_list({sq_out}, 1, "sq_out", true);
   const bool with_g = g_out.has_value() && g_out->defined();
@@ -638,13 +641,27 @@ void pack_squares(const at::Tensor& src, const c10::optional<at::Tensor>& g_out,
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, src.scalar_type(), "pack_squares", [&] {
     const scalar_t* x = src.data_ptr<scalar_t>();
     at::parallel_for(0, numel, kChunk, [&](int64_t lo, int64_t hi) {
-      if (g != nullptr) {
+      if (g != nullptr && accumulate) {
+        _Pragma("omp simd")
+        for (int64_t i = lo; i < hi; ++i) {
+          const float v = float(x[i]);
+          g[i] = g[i] + v;
+          const float w = v * fc;
+          q[i] = q[i] + w * w;
+        }
+      } else if (g != nullptr) {
         _Pragma("omp simd")
         for (int64_t i = lo; i < hi; ++i) {
           const float v = float(x[i]);
           g[i] = v;
           const float w = v * fc;
           q[i] = w * w;
+        }
+      } else if (accumulate) {
+        _Pragma("omp simd")
+        for (int64_t i = lo; i < hi; ++i) {
+          const float w = float(x[i]) * fc;
+          q[i] = q[i] + w * w;
         }
       } else {
         _Pragma("omp simd")
@@ -718,7 +735,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         arg("avg"), arg("seg"), arg("segf"), arg("inv_n"), arg("eps_gsnr"), arg("beta3"), arg("lr"), arg("eps"),
         arg("weight_decay"));
   m.def("nonfinite", &nonfinite, arg("tensors"), arg("seg"));
-  m.def("pack_squares", &pack_squares, arg("src"), arg("g_out"), arg("sq_out"), arg("c"));
+  m.def("pack_squares", &pack_squares, arg("src"), arg("g_out"), arg("sq_out"), arg("c"), arg("accumulate") = false);
   m.def("accumulate_moments", &accumulate_moments, arg("grad"), arg("sum_g"), arg("sum_sq"), arg("fresh"),
         arg("inv_n") = 0.0, arg("eps") = 0.0);
 }
