@@ -79,7 +79,7 @@ def main() -> None:
           "(the first run builds the fused CPU kernels, about a minute)")
     results = {name: train(name, x, y, xv, yv, args) for name in ("VRLamb", "Lamb")}
     print("held-out MSE after training: " + ", ".join(f"{k} {v:.4f}" for k, v in results.items())
-          + f" (noise floor 0.25)")
+          + " (noise floor 0.25)")
 
 
 if __name__ == "__main__":

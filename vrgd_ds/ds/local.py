@@ -168,12 +168,13 @@ def attach_zero3(engine: Any, zopt: Any, world: int, gbar: str, squares_dtype: t
 
 def _scatter3(stats: LocalStats, reduce_scatter_coalesced: Any, views: list[Tensor], group: Any,
               dtype: torch.dtype, squares: bool = True) -> list[Tensor]:
-    numel = sum(v.numel() for v in views)
     k = dist.get_world_size(group=group)
-    sent = sum(-(-v.numel() // k) * k for v in views)  # the helper pads every tensor to a multiple of k
+    # the helper pads every tensor to a multiple of k, as it does for DeepSpeed's own fp32 gradient
+    # reduce-scatter: the padded size is what one fp32 gradient costs on this path
+    sent = sum(-(-v.numel() // k) * k for v in views)
     if dtype != torch.float32:
         low = [v.to(dtype) for v in views]
-        stats.count(numel if squares else 0, sent * low[0].element_size())
+        stats.count(sent if squares else 0, sent * low[0].element_size())
         return [x.float() for x in reduce_scatter_coalesced(low, group)]
-    stats.count(numel if squares else 0, sent * 4)
+    stats.count(sent if squares else 0, sent * 4)
     return reduce_scatter_coalesced(views, group)

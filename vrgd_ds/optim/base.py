@@ -27,7 +27,6 @@ from vrgd_ds import gsnr as G
 from vrgd_ds.log import warn_once
 from vrgd_ds.optim import _impl, columns
 from vrgd_ds.optim import metrics as M
-from vrgd_ds.optim.metrics import SKIP_REASONS
 from vrgd_ds.stats.hooks import TensorHookStats
 
 logger = logging.getLogger(__name__)
