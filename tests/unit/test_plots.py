@@ -9,7 +9,7 @@ from vrgd_ds.train import plots as P
 from vrgd_ds.train.telemetry import JsonlSink
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
-ALL = ["loss.png", "lr.png", "gsnr.png", "clip.png", "noise_scale.png", "throughput.png"]
+ALL = ["loss.png", "lr.png", "gsnr.png", "clip.png", "noise_scale.png", "throughput.png", "batch.png"]
 
 
 def _record(step):
@@ -30,7 +30,18 @@ def _record(step):
         "noise_scale/b_simple": float("nan") if step == 3 else (-1.0 if step == 4 else 100.0 * step),
         "trust_ratio/mean": 1.1,
         "step/skipped_total": 0.0,
+        # an adaptive batch in phase 1: doubles at step 6, measured similarity every 4th step
+        "train/global_batch": 64.0 if step < 6 else 128.0,
+        "adaptive/b_simple": 90.0 + step,
+        "adaptive/implied_similarity": 0.3 + 0.01 * step,
     }
+    if step % 4 == 0:
+        r["adaptive/measured_similarity"] = 0.28 + 0.01 * step
+    if step == 5:
+        r["adaptive/target_batch"] = 180.0
+    if phase == 2:
+        for key in ("adaptive/b_simple", "adaptive/implied_similarity", "adaptive/measured_similarity"):
+            r.pop(key, None)
     for g in ["embeddings", "encoder.layer.0", "encoder.layer.1", "encoder.layer.10", "head"]:
         r[f"group/{g}/gsnr_mean"] = 0.2
     if step % 5 == 0:
@@ -84,7 +95,7 @@ def test_missing_keys_skip_plots(tmp_path, caplog):
     with caplog.at_level(logging.INFO, logger=P.__name__):
         paths = P.plot_run(run)
     _assert_pngs(paths, ["loss.png", "lr.png"])
-    for skipped in ["gsnr.png", "clip.png", "noise_scale.png", "throughput.png"]:
+    for skipped in ["gsnr.png", "clip.png", "noise_scale.png", "throughput.png", "batch.png"]:
         assert f"skipping {skipped}" in caplog.text
 
 

@@ -94,6 +94,44 @@ class DataConfig(_Strict):
     """Processes for tokenising when the job prepares the data."""
 
 
+class AdaptiveBatchConfig(_Strict):
+    """``job.phases[i].adaptive_batch``: the global batch follows the gradient noise scale
+    (``vrgd_ds.adaptive_batch``). The phase's ``global_batch`` is the first batch and the
+    reference of the LR rule; its length is ``steps × global_batch`` *samples*, and warmup and
+    decay run over samples, so they stay in place when steps get bigger."""
+
+    target_similarity: float | None = Field(None, gt=0.0, lt=1.0)
+    """Target cosine of the two half-batch gradients (SimiGrad's knob); the batch becomes
+    ``2 B_simple s / (1 - s)``."""
+    target_ratio: float | None = Field(None, gt=0.0)
+    """Or a target batch / B_simple (1: the batch at the noise scale, similarity 1/3)."""
+    min_batch: int = Field(ge=1)
+    max_batch: int = Field(ge=1)
+    every: int = Field(10, ge=1)
+    """Steps between adjustments."""
+    smoothing: float = Field(0.9, ge=0.0, lt=1.0)
+    """EMA factor of the noise-scale moments tr(Σ) and |G|² (their ratio is B_simple)."""
+    max_change: float = Field(2.0, gt=1.0)
+    """At most ×/÷ this per adjustment."""
+    tolerance: float = Field(0.1, ge=0.0)
+    """No change while the target is within this fraction of the current batch."""
+    after_warmup: bool = True
+    """No adjustment during the phase's LR warmup."""
+    lr_rule: Literal["linear", "sqrt", "none"] = "sqrt"
+    """LR × (B / global_batch) (linear), × √(B / global_batch) (sqrt) or unchanged (none)."""
+    measure_cosine_every: int = Field(0, ge=0)
+    """Every N steps also measure the half-batch cosine directly (0: never): 8 B/param of
+    memory per rank and one all-reduce of twice the fp32 gradient per measured step."""
+
+    @model_validator(mode="after")
+    def _one_target(self) -> "AdaptiveBatchConfig":
+        if (self.target_similarity is None) == (self.target_ratio is None):
+            raise ValueError("give exactly one of target_similarity and target_ratio")
+        if self.min_batch > self.max_batch:
+            raise ValueError(f"min_batch {self.min_batch} is above max_batch {self.max_batch}")
+        return self
+
+
 class PhaseConfig(_Strict):
     """One phase of the recipe."""
 
@@ -110,6 +148,8 @@ class PhaseConfig(_Strict):
     """Linear warmup over this share of the phase's steps, then polynomial decay to 0."""
     decay_power: float = Field(0.5, gt=0.0)
     """Power of the polynomial decay (NVIDIA's BERT LAMB recipe: 0.5)."""
+    adaptive_batch: AdaptiveBatchConfig | None = None
+    """The global batch follows the gradient noise scale (null: fixed ``global_batch``)."""
 
 
 class TelemetryConfig(_Strict):
@@ -160,6 +200,10 @@ class JobConfig(_Strict):
             if p.global_batch % p.micro_batch:
                 raise ValueError(f"job.phases[{i}].global_batch: {p.global_batch} is not a multiple of micro_batch "
                                  f"{p.micro_batch}")
+            ab = p.adaptive_batch
+            if ab is not None and not ab.min_batch <= p.global_batch <= ab.max_batch:
+                raise ValueError(f"job.phases[{i}].adaptive_batch: global_batch {p.global_batch} (the first batch) "
+                                 f"must lie in [min_batch, max_batch] = [{ab.min_batch}, {ab.max_batch}]")
         steps = self.phase_steps()
         for i, n in enumerate(steps):
             if n < 1:
@@ -208,6 +252,33 @@ def gradient_accumulation(phase: PhaseConfig, world_size: int, index: int) -> in
         raise ConfigError(f"job.phases[{index}].global_batch: {phase.global_batch} is not divisible by micro_batch "
                           f"x ranks = {phase.micro_batch} x {world_size}; change global_batch or micro_batch")
     return phase.global_batch // per_step
+
+
+def phase_samples(job: JobConfig) -> list[int]:
+    """Samples per phase: its steps at its ``global_batch``. An adaptive phase runs until it has
+    consumed them, whatever batches it takes."""
+    return [n * p.global_batch for n, p in zip(job.phase_steps(), job.phases)]
+
+
+def controller_settings(phase: PhaseConfig, world_size: int, index: int, phase_steps: int):
+    """The ``BatchController`` settings of an adaptive phase on ``world_size`` ranks; errors
+    name the key."""
+    from vrgd_ds.adaptive_batch import ControllerSettings
+    from vrgd_ds.train.schedule import warmup_steps
+
+    ab = phase.adaptive_batch
+    assert ab is not None
+    g = phase.micro_batch * world_size
+    for key in ("min_batch", "max_batch"):
+        value = getattr(ab, key)
+        if value % g:
+            raise ConfigError(f"job.phases[{index}].adaptive_batch.{key}: {value} is not a multiple of micro_batch "
+                              f"x ranks = {phase.micro_batch} x {world_size}; only the accumulation changes")
+    start = warmup_steps(phase.warmup_fraction, phase_steps) if ab.after_warmup else 0
+    return ControllerSettings(initial_batch=phase.global_batch, min_batch=ab.min_batch, max_batch=ab.max_batch,
+                              granularity=g, target_similarity=ab.target_similarity, target_ratio=ab.target_ratio,
+                              every=ab.every, start_step=start, smoothing=ab.smoothing, max_change=ab.max_change,
+                              tolerance=ab.tolerance)
 
 
 def deepspeed_config(raw: dict[str, Any], phase: PhaseConfig, world_size: int, index: int) -> dict[str, Any]:

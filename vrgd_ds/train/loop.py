@@ -49,7 +49,9 @@ import torch
 import vrgd_ds
 from vrgd_ds.ds import shm
 from vrgd_ds.train import checkpoints as ckpt
-from vrgd_ds.train.config import ConfigError, JobConfig, deepspeed_config, gradient_accumulation, load_config
+from vrgd_ds.adaptive_batch import BatchController, lr_factor
+from vrgd_ds.train.config import (ConfigError, JobConfig, controller_settings, deepspeed_config, gradient_accumulation,
+                                  load_config, phase_samples)
 from vrgd_ds.train.data import JobData, check_data_path, eval_batches, loader, prepare_data
 from vrgd_ds.train.model import build_model
 from vrgd_ds.train.schedule import PhaseSchedule
@@ -66,6 +68,21 @@ EXIT_NO_SPACE = 5  # not enough disk space for a checkpoint
 EXIT_REQUEUE = 75  # checkpointed on SIGUSR1: requeue the job (EX_TEMPFAIL)
 REQUEUE_MARKER = "requeue.json"  # <run dir>/requeue.json: the same, for batch scripts (launch/slurm.sbatch)
 PREEMPT_SIGNAL = signal.SIGUSR1
+#: set to a directory: each rank writes ``samples.rank<r>.jsonl``, the (epoch, sample) keys every
+#: optimizer step read, to check data accounting (needs ``job.data.workers`` = 0: no prefetch)
+TRACE_ENV = "VRGD_TRACE_SAMPLES"
+
+
+class _Recorder:
+    """A batch sampler that remembers the keys it handed out (``TRACE_ENV``)."""
+
+    def __init__(self, sampler: Any) -> None:
+        self.sampler, self.keys = sampler, []
+
+    def __iter__(self):
+        for keys in self.sampler:
+            self.keys.extend(keys)
+            yield keys
 
 
 class Diverged(RuntimeError):
@@ -106,8 +123,12 @@ class Trainer:
             torch.cuda.set_device(local)
         self.device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
         self.schedule = PhaseSchedule(job)
+        self.budget = phase_samples(job)
+        self.controllers: dict[int, BatchController] = {}
         for i, p in enumerate(job.phases):
             gradient_accumulation(p, self.world, i)  # fail before preparing data
+            if p.adaptive_batch is not None:
+                self.controllers[i] = BatchController(controller_settings(p, self.world, i, self.schedule.steps[i]))
         if self.rank == 0:
             run_dir.mkdir(parents=True, exist_ok=True)
             (run_dir / "config.json").write_text(json.dumps(raw, indent=2))
@@ -121,6 +142,15 @@ class Trainer:
         groups = vrgd_ds.param_groups(model, weight_decay=wd)
         self.engine, *_ = deepspeed.initialize(model=model, model_parameters=groups, config=ds_cfg)
         self.optimizer = self.engine.basic_optimizer
+        if self.controllers and not any(g.get("gsnr") for g in self.optimizer.param_groups):
+            raise ConfigError("job.phases[*].adaptive_batch needs the gradient statistics: optimizer.params.gsnr is "
+                              "false. For plain LAMB with an adaptive batch use VRLamb with \"gamma\": 1 (its step "
+                              "equals LAMB's bit for bit; the statistics are still gathered)")
+        self.cosine = None
+        if any(p.adaptive_batch is not None and p.adaptive_batch.measure_cosine_every for p in job.phases):
+            from vrgd_ds.train.halves import HalfBatchCosine
+
+            self.cosine = HalfBatchCosine(self.engine, self.dist)
         self.step = 0
         self.consumed = [0] * len(job.phases)
         self.evals: list[dict[str, float]] = []
@@ -173,6 +203,15 @@ class Trainer:
                               "partitions differ. Convert it with python -m vrgd_ds.ds.universal first")
         self.step, self.consumed, self.evals = state["step"], list(state["consumed"]), list(state["evals"])
         self.skip_streak_from = state.get("skip_streak_from")
+        for key, saved in (state.get("adaptive") or {}).items():
+            index = int(key)
+            if index not in self.controllers:
+                raise ConfigError(f"{path}: phase {index} ran with adaptive_batch, the config has none there; resume "
+                                  "with the config it was saved with")
+            try:
+                self.controllers[index].load_state_dict(saved)
+            except ValueError as e:
+                raise ConfigError(f"{path}: job.phases[{index}].adaptive_batch: {e}") from None
         if self.rank == 0:
             logger.info("resumed from %s at step %d", path, self.step)
         self.watchdog.beat(self.step, "resume")
@@ -205,7 +244,8 @@ class Trainer:
         if self._any_rank(short is not None):
             raise ckpt.NoSpace(short or f"no space left on {self.ckpt_dir} for the next checkpoint (see rank 0)")
         state = {"step": self.step, "consumed": self.consumed, "evals": self.evals, "world_size": self.world,
-                 "skip_streak_from": self.skip_streak_from}
+                 "skip_streak_from": self.skip_streak_from,
+                 "adaptive": {str(i): c.state_dict() for i, c in self.controllers.items()}}
         try:
             self.engine.save_checkpoint(str(self.ckpt_dir), tag=tag, client_state={STATE_KEY: state},
                                         save_latest=False)
@@ -235,7 +275,7 @@ class Trainer:
     @torch.no_grad()
     def evaluate(self, held) -> dict[str, float]:
         self.engine.eval()
-        phase = self.job.phases[self.schedule.phase_of(min(self.step, self.job.total_steps - 1))[0]]
+        phase = self.job.phases[self.current_phase()]
         sums = torch.zeros(3, dtype=torch.float64)  # loss sum, correct, predicted tokens
         for batch in eval_batches(held, self.job.data.eval_samples, phase.micro_batch, self.rank, self.world):
             inputs = _inputs(batch, self.device, self.next_sentence)
@@ -257,12 +297,17 @@ class Trainer:
 
     # -- training ------------------------------------------------------------------------------
 
-    def _set_phase(self, index: int) -> int:
+    def current_phase(self) -> int:
+        """The first phase that has samples left (the last one once all are done)."""
+        return next((i for i, (c, b) in enumerate(zip(self.consumed, self.budget)) if c < b), len(self.budget) - 1)
+
+    def _set_batch(self, index: int, batch: int) -> int:
+        """Sets the engine's micro-batch and global batch (between optimizer steps); returns the
+        accumulation steps."""
         p = self.job.phases[index]
-        gas = gradient_accumulation(p, self.world, index)
         self.engine.set_train_micro_batch_size(p.micro_batch)
-        self.engine.set_train_batch_size(p.global_batch)
-        return gas
+        self.engine.set_train_batch_size(batch)
+        return batch // (p.micro_batch * self.world)
 
     def train(self) -> dict[str, Any]:
         from tqdm import tqdm
@@ -284,10 +329,9 @@ class Trainer:
                    desc="pretrain")
         gsnr_on = any(g.get("gsnr") for g in self.optimizer.param_groups)
         try:
-            while self.step < self.job.total_steps:
-                index, _ = self.schedule.phase_of(self.step)
-                phase_end = self.schedule.phase_start(index) + self.schedule.steps[index]
-                self._run_phase(index, phase_end, sinks, bar, helds[self.job.phases[index].seq_len], gsnr_on)
+            while any(c < b for c, b in zip(self.consumed, self.budget)):
+                index = self.current_phase()
+                self._run_phase(index, sinks, bar, helds[self.job.phases[index].seq_len], gsnr_on)
         finally:
             bar.close()
         last = self.evals[-1]
@@ -322,58 +366,92 @@ class Trainer:
                            f"(job.stop_after_skipped_steps={self.job.stop_after_skipped_steps}); {where}. Lower the "
                            "learning rate or the warmup's peak, then start again from that checkpoint")
 
-    def _run_phase(self, index: int, phase_end: int, sinks, bar, held, gsnr_on: bool) -> None:
+    def _run_phase(self, index: int, sinks, bar, held, gsnr_on: bool) -> None:
         from data_pipeline.sampler import PretrainingSampler
 
         from vrgd_ds.train import telemetry
 
         p = self.job.phases[index]
-        gas = self._set_phase(index)
+        gradient_accumulation(p, self.world, index)
+        controller = self.controllers.get(index)
+        ab = p.adaptive_batch
         train, _ = self.splits[p.seq_len]
         sampler = PretrainingSampler(len(train), micro_batch_size=p.micro_batch, rank=self.rank,
                                      world_size=self.world, seed=self.job.seed + index,
                                      consumed_samples=self.consumed[index])
+        trace = os.environ.get(TRACE_ENV)
+        if trace:
+            if self.job.data.workers:
+                raise ConfigError(f"{TRACE_ENV} needs job.data.workers = 0 (workers prefetch ahead of the steps)")
+            sampler = _Recorder(sampler)
         batches = iter(loader(train, sampler, self.job.data.workers, self.device.type == "cuda"))
-        while self.step < phase_end:
+        engine_batch = None
+        while self.consumed[index] < self.budget[index]:
             _seed_step(self.job.seed, self.step, self.rank)
-            lr = self.schedule.lr(self.step)
+            if controller is None:
+                batch = p.global_batch
+                lr = self.schedule.lr_in_phase(index, self.consumed[index] // p.global_batch)
+            else:  # the last step of the phase takes only what is left of its samples
+                batch = min(controller.batch, self.budget[index] - self.consumed[index])
+                lr = self.schedule.lr_samples(index, self.consumed[index], batch,
+                                              lr_factor(ab.lr_rule, batch, p.global_batch))
+            if batch != engine_batch:
+                gas = self._set_batch(index, batch)
+                engine_batch = batch
             for g in self.optimizer.param_groups:
                 g["lr"] = lr
+            measure = (self.cosine is not None and ab is not None and ab.measure_cosine_every
+                       and (self.step + 1) % ab.measure_cosine_every == 0)
+            if measure:
+                self.cosine.start(gas)
             t0 = time.perf_counter()
             data_time, loss_sum, tokens = 0.0, 0.0, 0
             skipped_before = self.optimizer.skipped_steps
             for j in range(gas):
                 td = time.perf_counter()
-                batch = next(batches)
+                batch_data = next(batches)
                 data_time += time.perf_counter() - td
-                tokens += int(batch["attention_mask"].sum())
+                tokens += int(batch_data["attention_mask"].sum())
                 self.engine.set_gradient_accumulation_boundary(j == gas - 1)
-                loss = self.engine(**_inputs(batch, self.device, self.next_sentence)).loss
+                if measure:
+                    self.cosine.micro_step(j)
+                loss = self.engine(**_inputs(batch_data, self.device, self.next_sentence)).loss
                 self.engine.backward(loss)
                 self.engine.step()
                 loss_sum += float(loss.detach())
             skipped = self.optimizer.skipped_steps > skipped_before
+            measured = self.cosine.finish() if measure else None
             if self.device.type == "cuda":
                 torch.cuda.synchronize()
             step_time = time.perf_counter() - t0
             self.step += 1
-            self.consumed[index] += p.global_batch
-            logging_step = self.step % self.job.log_every == 0 or self.step == phase_end
+            self.consumed[index] += batch
+            if trace:
+                with open(Path(trace) / f"samples.rank{self.rank}.jsonl", "a") as fh:
+                    fh.write(json.dumps({"step": self.step, "phase": index, "keys": [list(map(int, k)) for k in
+                                                                                   sampler.keys]}) + "\n")
+                sampler.keys.clear()
+            adaptive: dict[str, float] = {}
+            if controller is not None:
+                adaptive = self._adapt(controller, batch, measured)
+            logging_step = self.step % self.job.log_every == 0 or self.consumed[index] >= self.budget[index]
             if logging_step:
                 red = torch.tensor([loss_sum / gas, float(tokens), data_time], dtype=torch.float64, device=self.device)
                 self.dist.all_reduce(red)
                 loss_mean, tok = float(red[0]) / self.world, float(red[1])
                 record = {"phase": index, "train/loss": loss_mean, "train/lr": lr, "train/step_time_s": step_time,
                           "train/data_time_s": float(red[2]) / self.world, "train/tokens_per_s": tok / step_time,
-                          "train/samples": float(sum(self.consumed)), "train/seq_len": p.seq_len}
+                          "train/samples": float(sum(self.consumed)), "train/seq_len": p.seq_len,
+                          "train/global_batch": float(batch), "train/accumulation": float(gas), **adaptive}
                 m = self.optimizer.gsnr_metrics(per_tensor=self.job.telemetry.per_layer_group)
                 if gsnr_on and m.get("gsnr/n") and "noise_scale/b_simple_groups" in m:  # groups -> samples
-                    m["noise_scale/b_simple"] = m["noise_scale/b_simple_groups"] * p.global_batch / m["gsnr/n"]
+                    m["noise_scale/b_simple"] = m["noise_scale/b_simple_groups"] * batch / m["gsnr/n"]
                 per_tensor = {k: v for k, v in m.items() if k.startswith("tensor/")}
                 record.update({k: v for k, v in m.items() if not k.startswith("tensor/")})
                 if per_tensor:
                     record.update(telemetry.group_summary(per_tensor))
-                if self.job.eval_every and self.step % self.job.eval_every == 0 and self.step < self.job.total_steps:
+                done = all(c >= b for c, b in zip(self.consumed, self.budget))
+                if self.job.eval_every and self.step % self.job.eval_every == 0 and not done:
                     ev = self.evaluate(held)
                     self.evals.append({"step": self.step, **ev})
                     record.update(ev)
@@ -393,6 +471,27 @@ class Trainer:
                 if self.rank == 0:  # for the batch script: the exit code of srun is the first rank's to end
                     (self.run_dir / REQUEUE_MARKER).write_text(json.dumps({"tag": ckpt.tag_of(self.step)}))
                 raise Preempted(f"checkpoint {ckpt.tag_of(self.step)} taken on {signal.Signals(PREEMPT_SIGNAL).name}")
+
+    def _adapt(self, controller: BatchController, batch: int, measured: float | None) -> dict[str, float]:
+        """Feeds the step's noise-scale moments to the controller (the same on every rank: the
+        statistics are complete on each); returns the step's ``adaptive/*`` metrics."""
+        m = self.optimizer.gsnr_metrics()
+        n = m.get("gsnr/n")
+        if n and "noise_scale/trace_cov" in m and not m.get("step/skipped"):
+            per_group = batch / n  # samples per gradient group
+            decision = controller.observe(m["noise_scale/trace_cov"] * per_group, m["noise_scale/grad_sq"])
+        else:
+            decision = controller.observe(math.nan, math.nan)
+        out = {"adaptive/b_simple": decision.b_simple, "adaptive/implied_similarity": decision.implied_similarity,
+               "adaptive/next_batch": float(decision.batch)}
+        if math.isfinite(decision.target):
+            out["adaptive/target_batch"] = decision.target
+        if measured is not None:
+            out["adaptive/measured_similarity"] = measured
+        if decision.changed and self.rank == 0:
+            logger.info("adaptive batch: %d -> %d after step %d (B_simple %.0f, target %.0f)", batch, decision.batch,
+                        self.step, decision.b_simple, decision.target)
+        return out
 
 
 def _launch_rank() -> int:

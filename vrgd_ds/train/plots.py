@@ -124,7 +124,8 @@ def _line(ax: Any, records: Sequence[dict[str, Any]], key: str, **kw: Any) -> bo
     if not xs:
         return False
     # Markers when there are few points: evaluation runs every few thousand steps.
-    ax.plot(xs, ys, label=kw.pop("label", key), marker="o" if len(xs) < 30 else None, markersize=3, **kw)
+    kw.setdefault("marker", "o" if len(xs) < 30 else None)
+    ax.plot(xs, ys, label=kw.pop("label", key), markersize=3, **kw)
     return True
 
 
@@ -241,6 +242,23 @@ def _draw_throughput(fig: Figure, records: Sequence[dict[str, Any]]) -> None:
     first.set_title("throughput")
 
 
+def _draw_batch(fig: Figure, records: Sequence[dict[str, Any]]) -> None:
+    """The adaptive batch: global batch, the smoothed noise scale and the target it implies;
+    below, the half-batch similarity the noise scale implies and, where measured, SimiGrad's."""
+    top = fig.add_subplot(2, 1, 1)
+    _line(top, records, "train/global_batch", label="global batch", drawstyle="steps-post")
+    _line(top, records, "adaptive/b_simple", label="B_simple (smoothed, samples)", alpha=0.8)
+    _line(top, records, "adaptive/target_batch", label="target batch", linestyle="none", marker="x")
+    _log_if_positive(top)
+    _finish(top, "samples")
+    top.set_title("adaptive batch")
+    bottom = fig.add_subplot(2, 1, 2, sharex=top)
+    _line(bottom, records, "adaptive/implied_similarity", label="implied by B_simple: 1/(1 + 2 B_simple/B)")
+    _line(bottom, records, "adaptive/measured_similarity", label="measured: cos(half-batch gradients)",
+          linestyle="none", marker="o")
+    _finish(bottom, "half-batch cosine")
+
+
 PLOTS = (
     _Plot("loss.png", ("train/loss", "eval/mlm_loss"), _draw_loss),
     _Plot("lr.png", ("train/lr",), _draw_lr),
@@ -248,6 +266,7 @@ PLOTS = (
     _Plot("clip.png", ("gsnr/clip_low_frac", "gsnr/clip_high_frac"), _draw_clip),
     _Plot("noise_scale.png", ("noise_scale/b_simple", "noise_scale/b_simple_groups"), _draw_noise_scale),
     _Plot("throughput.png", ("train/tokens_per_s", "train/step_time_s"), _draw_throughput),
+    _Plot("batch.png", ("adaptive/b_simple",), _draw_batch),
 )
 
 
@@ -293,7 +312,7 @@ def plot_run(run_dir: str | os.PathLike[str], out_dir: str | os.PathLike[str] | 
         if not _has_any(records, plot.keys):
             logger.info("skipping %s: none of %s in %s", plot.file, ", ".join(plot.keys), path)
             continue
-        fig = Figure(figsize=(9, 6 if plot.file in ("gsnr.png", "throughput.png") else 4.5))
+        fig = Figure(figsize=(9, 6 if plot.file in ("gsnr.png", "throughput.png", "batch.png") else 4.5))
         FigureCanvasAgg(fig)
         plot.draw(fig, records)
         for ax in fig.axes:

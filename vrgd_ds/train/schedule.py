@@ -8,6 +8,11 @@ largest rate of a phase is therefore exactly its peak, reached at the last warmu
 NVIDIA's BERT LAMB recipe (DeepLearningExamples ``PyTorch/LanguageModeling/BERT/schedulers.py``,
 ``PolyWarmUpScheduler``, power 0.5), with the decay measured from the end of warmup so the
 rate is continuous there. It is a pure function of the global step: resuming needs only the step.
+
+A phase with ``adaptive_batch`` runs the same shape over *samples*: with ``B`` the phase's
+``global_batch``, ``T`` its steps and ``c`` the samples it consumed before a step of ``b``
+samples, warmup ``(c + b)/(w·B)`` until ``c ≥ w·B``, then ``(1 - (c - w·B)/((T - w)·B))^power``,
+times the batch rule's factor (``b/B`` or ``√(b/B)``). At ``b = B`` this is the step formula.
 """
 from __future__ import annotations
 
@@ -40,10 +45,25 @@ class PhaseSchedule:
         return sum(self.steps[:index])
 
     def lr(self, step: int) -> float:
-        """Learning rate of the optimizer step that follows ``step`` completed steps."""
-        i, t = self.phase_of(step)
+        """Learning rate of the optimizer step that follows ``step`` completed steps (phases of a
+        fixed batch)."""
+        return self.lr_in_phase(*self.phase_of(step))
+
+    def lr_in_phase(self, i: int, t: int) -> float:
+        """Learning rate of phase ``i``'s step that follows ``t`` completed steps of the phase."""
         p, total = self.phases[i], self.steps[i]
         warmup = warmup_steps(p.warmup_fraction, total)
         if t < warmup:
             return p.lr * ((t + 1) / warmup)  # the ratio first: exactly 1 at the last warmup step
         return p.lr * max(0.0, 1.0 - (t - warmup) / max(total - warmup, 1.0)) ** p.decay_power
+
+    def lr_samples(self, index: int, consumed: int, batch: int, factor: float = 1.0) -> float:
+        """Learning rate of phase ``index``'s step of ``batch`` samples after ``consumed`` samples
+        of the phase (module docstring), times ``factor`` (the batch rule's)."""
+        p, total = self.phases[index], self.steps[index]
+        ref = p.global_batch
+        warm = warmup_steps(p.warmup_fraction, total) * ref
+        if consumed < warm:
+            return p.lr * min(1.0, (consumed + batch) / warm) * factor
+        span = max((total * ref) - warm, 1)
+        return p.lr * max(0.0, 1.0 - (consumed - warm) / span) ** p.decay_power * factor

@@ -1,0 +1,177 @@
+"""The batch-size controller on synthetic statistics, its checkpoint state, the sample-based
+schedule of an adaptive phase, the config block, and the half-batch cosine the noise scale
+implies checked against a direct measurement on a small model."""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from torch import Tensor
+
+from vrgd_ds import gsnr as G
+from vrgd_ds.adaptive_batch import (BatchController, ControllerSettings, implied_similarity, lr_factor,
+                                    similarity_from_ratio)
+from vrgd_ds.train.config import ConfigError, parse_job, phase_samples
+from vrgd_ds.train.schedule import PhaseSchedule
+
+
+def settings(**kw) -> ControllerSettings:
+    base = dict(initial_batch=64, min_batch=32, max_batch=1024, granularity=16, target_ratio=1.0, every=2,
+                smoothing=0.0, max_change=2.0, tolerance=0.1)
+    base.update(kw)
+    return ControllerSettings(**base)
+
+
+def drive(ctrl: BatchController, b_simple, steps: int) -> list[int]:
+    """Feeds ``steps`` steps whose noise scale is ``b_simple(step)`` (‖G‖² = 1); the batch of each step."""
+    out = []
+    for t in range(steps):
+        out.append(ctrl.batch)
+        ctrl.observe(float(b_simple(t)), 1.0)
+    return out
+
+
+def test_grows_while_noise_dominates_by_at_most_max_change_per_adjustment():
+    ctrl = BatchController(settings())
+    batches = drive(ctrl, lambda t: 600.0, 12)
+    assert batches == [64, 64, 128, 128, 256, 256, 512, 512, 608, 608, 608, 608]  # 600 rounded to 16s
+    assert ctrl.history == [(2, 128), (4, 256), (6, 512), (8, 608)]
+
+
+def test_holds_at_the_target_and_within_the_dead_band():
+    ctrl = BatchController(settings())
+    assert drive(ctrl, lambda t: 64.0 * (1.08 if t % 2 else 0.93), 20) == [64] * 20
+    assert ctrl.history == []
+
+
+def test_shrinks_when_the_batch_is_above_the_noise_scale_and_respects_min():
+    ctrl = BatchController(settings(initial_batch=512))
+    assert drive(ctrl, lambda t: 10.0, 10) == [512, 512, 256, 256, 128, 128, 64, 64, 32, 32]
+
+
+def test_max_batch_granularity_and_similarity_target():
+    # similarity 0.5 <=> B = 2 B_simple; B_simple 300 -> 600 -> capped at max 400 (a multiple of 16? 400 = 25 x 16)
+    ctrl = BatchController(settings(target_ratio=None, target_similarity=0.5, max_batch=400, max_change=100.0))
+    assert drive(ctrl, lambda t: 300.0, 4) == [64, 64, 400, 400]
+    ctrl = BatchController(settings(max_change=100.0, granularity=48, initial_batch=96, min_batch=48, max_batch=960))
+    drive(ctrl, lambda t: 250.0, 2)
+    assert ctrl.batch == 240 and ctrl.batch % 48 == 0  # 250 -> nearest multiple of 48
+
+
+def test_no_adjustment_before_the_warmup_ends_and_only_every_k_steps():
+    ctrl = BatchController(settings(start_step=5, every=3))
+    batches = drive(ctrl, lambda t: 1000.0, 10)
+    assert batches[:6] == [64] * 6 and batches[6] == 128  # first adjustment after step 6 (a multiple of 3, >= 5)
+    assert [s for s, _ in ctrl.history] == [6, 9]
+
+
+def test_smoothing_takes_the_ratio_of_averaged_moments_and_ignores_non_finite_steps():
+    ctrl = BatchController(settings(smoothing=0.5, every=1000))
+    for trace, grad_sq in ((100.0, 1.0), (math.nan, math.nan), (300.0, 3.0), (0.0, -1.0)):
+        ctrl.observe(trace, grad_sq)
+    # EMAs (debiased by the weight, which cancels in the ratio): trace 0.25*100+0.5*300... / grad
+    tr = 0.5 * (0.5 * (0.5 * 100.0) + 0.5 * 300.0) + 0.0
+    gs = 0.5 * (0.5 * (0.5 * 1.0) + 0.5 * 3.0) + 0.5 * -1.0
+    assert ctrl.b_simple() == pytest.approx(tr / gs)
+
+
+def test_state_round_trip_continues_the_same_trajectory():
+    noise = [50.0 * (1 + (t * 7919) % 13) for t in range(40)]
+    full = BatchController(settings(smoothing=0.8, every=3))
+    want = drive(full, lambda t: noise[t], 40)
+    first = BatchController(settings(smoothing=0.8, every=3))
+    got = drive(first, lambda t: noise[t], 17)
+    resumed = BatchController(settings(smoothing=0.8, every=3))
+    resumed.load_state_dict(first.state_dict())
+    got += drive(resumed, lambda t: noise[t + 17], 23)
+    assert got == want and len(set(want)) > 2
+    with pytest.raises(ValueError, match="max_change"):
+        BatchController(settings(smoothing=0.8, every=3, max_change=3.0)).load_state_dict(first.state_dict())
+
+
+def test_settings_are_validated():
+    with pytest.raises(ValueError, match="exactly one"):
+        settings(target_similarity=0.5)
+    with pytest.raises(ValueError, match="multiple of micro_batch x ranks = 16"):
+        settings(max_batch=1000)
+    with pytest.raises(ValueError, match="min_batch <= initial"):
+        settings(initial_batch=16)
+
+
+def test_formulas():
+    assert similarity_from_ratio(1.0) == pytest.approx(1 / 3)
+    assert implied_similarity(200.0, 100.0) == pytest.approx(0.5)
+    assert math.isnan(implied_similarity(200.0, math.nan))
+    assert settings(target_ratio=None, target_similarity=0.5).ratio == pytest.approx(2.0)
+    assert lr_factor("linear", 256, 64) == 4.0 and lr_factor("sqrt", 256, 64) == 2.0 and lr_factor("none", 256, 64) == 1
+
+
+# -- the config block and the sample-based schedule ---------------------------------------------
+
+def job(adaptive: dict | None = None, **phase) -> dict:
+    p = {"seq_len": 64, "fraction": 1.0, "global_batch": 64, "micro_batch": 8, "lr": 1e-3, "warmup_fraction": 0.2}
+    p.update(phase)
+    if adaptive is not None:
+        p["adaptive_batch"] = adaptive
+    return {"job": {"total_steps": 20, "phases": [p]}}
+
+
+def test_config_block_rejects_unknown_keys_and_bad_bounds():
+    ok = parse_job(job({"target_ratio": 1.0, "min_batch": 32, "max_batch": 512}))
+    assert ok.phases[0].adaptive_batch.every == 10 and phase_samples(ok) == [20 * 64]
+    with pytest.raises(ConfigError, match=r"adaptive_batch.target_ration"):
+        parse_job(job({"target_ration": 1.0, "min_batch": 32, "max_batch": 512}))
+    with pytest.raises(ConfigError, match="exactly one of target_similarity and target_ratio"):
+        parse_job(job({"min_batch": 32, "max_batch": 512}))
+    with pytest.raises(ConfigError, match=r"global_batch 64 \(the first batch\) must lie in"):
+        parse_job(job({"target_ratio": 1.0, "min_batch": 128, "max_batch": 512}))
+
+
+def test_adaptive_schedule_in_samples_equals_the_step_schedule_at_the_reference_batch_and_never_exceeds_peak():
+    sched = PhaseSchedule(parse_job(job({"target_ratio": 1.0, "min_batch": 32, "max_batch": 512})))
+    for t in range(20):
+        assert sched.lr_samples(0, t * 64, 64) == pytest.approx(sched.lr_in_phase(0, t), rel=1e-12)
+    # bigger steps later in the phase: the rate follows the samples, the warmup is not stretched
+    assert sched.lr_samples(0, 4 * 64, 256) == pytest.approx(sched.lr_in_phase(0, 4))
+    assert sched.lr_samples(0, 10 * 64, 256) == pytest.approx(sched.lr_in_phase(0, 10))
+    assert max(sched.lr_samples(0, c, b) for c in range(0, 1280, 16) for b in (16, 64, 512)) <= 1e-3
+    assert sched.lr_samples(0, 3 * 64, 64, factor=2.0) == pytest.approx(2 * sched.lr_in_phase(0, 3))
+
+
+# -- the cosine the noise scale implies against a direct half-batch measurement -----------------
+
+def test_noise_scale_predicts_the_half_batch_cosine_of_a_small_model():
+    """A logistic-regression model (d = 50) on noisy synthetic data, many independent batches of
+    B = 256 samples in n = 16 groups: the mean direct cosine of the two half-batch gradients
+    agrees with the mean of ``1 / (1 + 2 B_simple / B)`` from the group statistics, within three
+    standard errors of the difference plus the first-order approximation's bias (a ratio of
+    expectations, README): seen +0.014 ± 0.004 here (direct 0.562), +0.002 ± 0.002 at B = 1024
+    (direct 0.832), the same with n = 64 groups or d = 500: the bias is the approximation's,
+    not the estimator's, and shrinks as the similarity grows."""
+    gen = torch.Generator().manual_seed(0)
+    d, B, n, draws = 50, 256, 16, 300
+    w_true = torch.randn(d, generator=gen) / math.sqrt(d)
+    w = torch.zeros(d)
+
+    def per_sample_grads(x: Tensor, y: Tensor) -> Tensor:
+        p = torch.sigmoid(x @ w)
+        return (p - y)[:, None] * x  # d loss / dw per sample
+
+    direct, implied = [], []
+    for _ in range(draws):
+        x = torch.randn(B, d, generator=gen) + 0.3
+        y = (torch.rand(B, generator=gen) < torch.sigmoid(3 * x @ w_true)).float()
+        g = per_sample_grads(x, y).double()
+        h1, h2 = g[: B // 2].mean(0), g[B // 2:].mean(0)
+        direct.append(float(h1 @ h2 / (h1.norm() * h2.norm())))
+        groups = g.view(n, B // n, d).mean(1)
+        ns = G.noise_scale(float((groups ** 2).mean(0).sum()), float(groups.mean(0).pow(2).sum()), n)
+        implied.append(implied_similarity(B, ns.b_simple_groups * (B // n)))
+    diff = torch.tensor(direct) - torch.tensor(implied)
+    se = float(diff.std() / math.sqrt(draws))
+    assert 0.2 < sum(direct) / draws < 0.95  # a regime where the batch matters
+    assert abs(float(diff.mean())) <= 3 * se + 0.02, (float(diff.mean()), se)
+
+
+
