@@ -131,7 +131,7 @@ def worker(args: argparse.Namespace) -> None:
                 tb = time.perf_counter()
                 engine.backward(loss)
                 sync()
-                losses[name] = float(loss)
+                losses[name] = float(loss.detach())
                 t_fwd, t_bwd = t_fwd + tb - ta, t_bwd + time.perf_counter() - tb
                 ts = time.perf_counter()
                 engine.step()

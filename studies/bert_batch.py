@@ -1,21 +1,24 @@
 """LAMB vs VR-LAMB (each GSNR placement) in the real pretraining job as the global batch
-grows at a fixed sample budget: held-out MLM loss and accuracy.
+grows at a fixed sample budget: held-out MLM loss and accuracy, and the gradient noise scale.
 
 Every run is ``vrgd-pretrain`` on ``--ranks`` CPU ranks (``deepspeed --num_gpus R``), ZeRO-2
 fp32, a tiny BERT, one phase at ``--seq-len``, ``--samples`` training samples in all, so a larger
 batch takes proportionally fewer steps. The batch grows through accumulation (micro-batch
 fixed), so the GSNR groups grow with it: n = ranks × accumulation. The peak LR follows
-``--lr-rule`` from ``--base-lr`` at ``--base-batch`` (linear or square-root scaling), with
-10% linear warmup and the job's polynomial decay.
+``--lr-rule`` from ``--base-lr`` at ``--base-batch`` (square-root scaling by default), times each
+factor of ``--lr-factor`` (the same grid for every optimizer), with 10% linear warmup and the
+job's polynomial decay. For each (corpus, batch, optimizer) the factor with the lowest mean
+held-out loss over seeds is reported (the job has one held-out split: selection and report
+both use it, for every optimizer alike). The noise scale is the mean ``noise_scale/b_simple``
+(samples) the VR runs log over the second half of training.
 
-Each corpus is prepared once (``vrgd-data prepare``) under ``--out``; runs that finished
+Each corpus is prepared once (``vrgd-data prepare``) under ``--work``; runs that finished
 before are read back, not repeated, so the command can be stopped and started again.
 
-    python studies/bert_batch.py --corpus embedded --corpus wikitext=../shared/data/wikitext-2 \\
-        --batch 64 --batch 1024 --seed 1 --seed 2
+    python studies/bert_batch.py --corpus embedded --corpus wikitext=../shared/data/wikitext-2
+    python studies/bert_batch.py --quick     # LAMB and VR-LAMB, 2 tiny runs each (CI)
 
-prints a Markdown table (mean over seeds, with the spread min-max) and writes every run's
-figures to ``<out>/results.jsonl``.
+writes the tables, plots and record to ``--out`` (default ``docs/studies/bert_batch``).
 """
 from __future__ import annotations
 
@@ -30,6 +33,8 @@ import time
 from pathlib import Path
 from statistics import mean
 
+from common import DOCS, Output, plt, spread, table
+
 from vrgd_ds.optim.adam import GSNR_PLACEMENTS
 
 #: optimizer label -> the job's ``optimizer.params`` besides lr
@@ -37,6 +42,8 @@ OPTIMIZERS: dict[str, dict] = {
     "LAMB": {"gsnr": False},
     **{f"VR-LAMB {pl}": {"gamma": 0.1, "beta3": 0.9, "gsnr_placement": pl} for pl in GSNR_PLACEMENTS},
 }
+
+
 def base_config(seq_len: int, micro_batch: int, ranks: int, workers: int) -> dict:
     return {
         "optimizer": {"type": "VRLamb", "params": {"weight_decay": 0.01, "betas": [0.9, 0.999], "eps": 1e-6}},
@@ -51,7 +58,6 @@ def base_config(seq_len: int, micro_batch: int, ranks: int, workers: int) -> dic
                         "micro_batch": micro_batch, "lr": 1e-3, "warmup_fraction": 0.1}],
         },
     }
-
 
 def prepare(name: str, source: str | None, out: Path, seq_len: int, vocab: int) -> Path:
     data = out / "data" / name  # vrgd-data prepare is idempotent: a second call checks and reuses
@@ -73,20 +79,27 @@ def lr_for(batch: int, args: argparse.Namespace) -> float:
     return args.base_lr * (ratio if args.lr_rule == "linear" else math.sqrt(ratio))
 
 
-def final_eval(run_dir: Path) -> dict | None:
+def read_metrics(run_dir: Path) -> tuple[dict | None, float | None]:
+    """The last evaluation record, and the mean ``noise_scale/b_simple`` over the second half."""
     metrics = run_dir / "metrics.jsonl"
     if not metrics.is_file():
-        return None
-    last = None
+        return None, None
+    last, noise = None, []
     for line in metrics.read_text().splitlines():
         rec = json.loads(line)
         if "eval/mlm_loss" in rec:
             last = rec
-    return last
+        if "noise_scale/b_simple" in rec:
+            noise.append(rec["noise_scale/b_simple"])
+    half = noise[len(noise) // 2:]
+    return last, (mean(half) if half else None)
 
 
-def run_one(label: str, corpus: str, data: Path, batch: int, seed: int, args: argparse.Namespace) -> dict:
-    run_dir = args.out / "runs" / corpus / f"b{batch}" / label.replace(" ", "_") / f"seed{seed}"
+def run_one(label: str, corpus: str, data: Path, batch: int, factor: float, seed: int,
+            args: argparse.Namespace, params: dict | None = None, phase_extra: dict | None = None) -> dict:
+    """One job run (read back when it finished before); ``params`` replace the label's optimizer
+    parameters, ``phase_extra`` is merged into the phase (e.g. ``adaptive_batch``)."""
+    run_dir = args.work / "runs" / corpus / f"b{batch}" / label.replace(" ", "_") / f"lr{factor:g}" / f"seed{seed}"
     steps = args.samples // batch
     done = run_dir / "result.json"
     if done.is_file():
@@ -95,62 +108,74 @@ def run_one(label: str, corpus: str, data: Path, batch: int, seed: int, args: ar
         shutil.rmtree(run_dir)
     run_dir.mkdir(parents=True)
     cfg = base_config(args.seq_len, args.micro_batch, args.ranks, args.workers)
-    lr = lr_for(batch, args)
-    cfg["optimizer"]["params"].update(OPTIMIZERS[label])
+    lr = lr_for(batch, args) * factor
+    cfg["optimizer"]["params"].update(OPTIMIZERS[label] if params is None else params)
     cfg["job"].update(seed=seed, total_steps=steps)
     cfg["job"]["data"]["path"] = str(data)
-    cfg["job"]["phases"][0].update(global_batch=batch, lr=lr)
+    cfg["job"]["phases"][0].update(global_batch=batch, lr=lr, **(phase_extra or {}))
     (run_dir / "study_config.json").write_text(json.dumps(cfg, indent=2))
     cmd = [str(Path(sys.executable).with_name("deepspeed")), "--num_gpus", str(args.ranks), "--master_port",
            str(args.port), "--module", "vrgd_ds.train", "--config", str(run_dir / "study_config.json"),
            "--run-dir", str(run_dir)]
     t0 = time.perf_counter()
     with open(run_dir / "log.txt", "w") as log:
-        proc = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, env=os.environ)
+        proc = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, env=os.environ, check=False)
     if proc.returncode != 0:
         raise SystemExit(f"run failed ({proc.returncode}): see {run_dir / 'log.txt'}")
-    ev = final_eval(run_dir)
+    ev, noise = read_metrics(run_dir)
+    if ev is None:
+        raise SystemExit(f"{run_dir / 'metrics.jsonl'}: no evaluation record")
     result = {"corpus": corpus, "batch": batch, "optimizer": label, "seed": seed, "steps": steps, "lr": lr,
-              "groups": batch // args.micro_batch, "ranks": args.ranks, "samples": steps * batch,
-              "mlm_loss": ev["eval/mlm_loss"], "mlm_acc": ev["eval/mlm_acc"],
-              "wall_s": round(time.perf_counter() - t0, 1)}
+              "factor": factor, "groups": batch // args.micro_batch, "ranks": args.ranks, "samples": steps * batch,
+              "mlm_loss": ev["eval/mlm_loss"], "mlm_acc": ev["eval/mlm_acc"], "b_simple": noise,
+              "wall_s": round(time.perf_counter() - t0, 1), "run_dir": str(run_dir)}
     shutil.rmtree(run_dir / "checkpoints", ignore_errors=True)  # the figures are what the study keeps
     done.write_text(json.dumps(result))
-    with open(args.out / "results.jsonl", "a") as f:
-        f.write(json.dumps(result) + "\n")
-    print(f"[{corpus} b{batch} {label} seed {seed}] loss {result['mlm_loss']:.4f} acc {result['mlm_acc']:.4f} "
-          f"lr {lr:.3g} ({result['wall_s']:.0f} s)", flush=True)
+    print(f"[{corpus} b{batch} {label} lr x{factor:g} seed {seed}] loss {result['mlm_loss']:.4f} "
+          f"acc {result['mlm_acc']:.4f} lr {lr:.3g} ({result['wall_s']:.0f} s)", flush=True)
     return result
 
 
-def table(results: list[dict], labels: list[str]) -> str:
-    rows = ["| corpus | batch | steps | n | LR | " + " | ".join(labels) + " |",
-            "| --- | --- | --- | --- | --- | " + " | ".join("---" for _ in labels) + " |"]
-    keys = sorted({(r["corpus"], r["batch"]) for r in results}, key=lambda k: (k[0], k[1]))
-    for corpus, batch in keys:
-        cell = [r for r in results if r["corpus"] == corpus and r["batch"] == batch]
-        first = cell[0]
-        out = []
+def best_cells(results: list[dict]) -> dict[tuple[str, int, str], list[dict]]:
+    """(corpus, batch, optimizer) -> the runs (one per seed) of the LR factor with the lowest mean loss."""
+    cells: dict[tuple[str, int, str], dict[float, list[dict]]] = {}
+    for r in results:
+        cells.setdefault((r["corpus"], r["batch"], r["optimizer"]), {}).setdefault(r["factor"], []).append(r)
+    return {key: min(by_factor.values(), key=lambda rs: mean(r["mlm_loss"] for r in rs))
+            for key, by_factor in cells.items()}
+
+
+def plot(out: Output, results: list[dict], best: dict, corpora: list[str], batches: list[int],
+         labels: list[str]) -> None:
+    pyplot = plt()
+    fig, axes = pyplot.subplots(1, len(corpora), figsize=(5 * len(corpora), 3.6), squeeze=False)
+    for ax, name in zip(axes[0], corpora):
         for label in labels:
-            rs = [r for r in cell if r["optimizer"] == label]
-            if not rs:
-                out.append("–")
-                continue
-            ls, acc = [r["mlm_loss"] for r in rs], [r["mlm_acc"] for r in rs]
-            out.append(f"{mean(ls):.3f} ({min(ls):.3f}–{max(ls):.3f}) / {mean(acc):.3f}")
-        rows.append(f"| {corpus} | {batch} | {first['steps']} | {first['groups']} | {first['lr']:.3g} | "
-                    + " | ".join(out) + " |")
-    return "\n".join(rows)
+            cells = [(b, [r["mlm_loss"] for r in best[name, b, label]]) for b in batches if (name, b, label) in best]
+            ax.errorbar([b for b, _ in cells], [mean(v) for _, v in cells],
+                        yerr=[[mean(v) - min(v) for _, v in cells], [max(v) - mean(v) for _, v in cells]],
+                        marker="o", capsize=3, label=label)
+        noise = [r["b_simple"] for r in results if r["corpus"] == name and r.get("b_simple") is not None]
+        if noise:
+            ax.axvline(mean(noise), color="grey", ls="--", lw=0.8, label=f"mean B_simple {mean(noise):.0f}")
+        ax.set(xscale="log", xlabel="global batch", ylabel="held-out MLM loss (best LR)", title=name)
+        ax.legend(fontsize=7)
+    out.savefig(fig, "bert_batch.png")
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--quick", action="store_true", help="embedded corpus, batches 16 and 64, 256 samples, "
+                    "1 seed, LAMB and VR-LAMB first_moment: a smoke run")
     ap.add_argument("--corpus", action="append", default=None, metavar="NAME[=PATH]",
                     help="'embedded' (Python's documentation) or NAME=PATH of text files; repeatable")
-    ap.add_argument("--batch", type=int, action="append", default=None, help="global batch; repeatable")
-    ap.add_argument("--seed", type=int, action="append", default=None, help="repeatable")
+    ap.add_argument("--batch", type=int, action="append", default=None,
+                    help="global batch; repeatable (default 64 256 1024)")
+    ap.add_argument("--seed", type=int, action="append", default=None, help="repeatable (default 1 2)")
     ap.add_argument("--optimizer", action="append", default=None, choices=list(OPTIMIZERS))
-    ap.add_argument("--samples", type=int, default=20480, help="training samples per run (fixed budget)")
+    ap.add_argument("--lr-factor", type=float, action="append", default=None,
+                    help="grid around the rule's LR; repeatable (default 0.5 1 2)")
+    ap.add_argument("--samples", type=int, default=10240, help="training samples per run (fixed budget)")
     ap.add_argument("--seq-len", type=int, default=64)
     ap.add_argument("--micro-batch", type=int, default=8, help="also the samples per GSNR group (ZeRO-2: "
                     "every micro-batch of every rank is one group)")
@@ -159,27 +184,58 @@ def main() -> None:
     ap.add_argument("--vocab-size", type=int, default=8000)
     ap.add_argument("--base-lr", type=float, default=4e-3)
     ap.add_argument("--base-batch", type=int, default=64)
-    ap.add_argument("--lr-rule", choices=("linear", "sqrt"), default="linear")
+    ap.add_argument("--lr-rule", choices=("linear", "sqrt"), default="sqrt")
     ap.add_argument("--port", type=int, default=29671)
-    ap.add_argument("--out", type=Path, default=Path("runs/studies/bert_batch"))
+    ap.add_argument("--work", type=Path, default=Path("runs/studies/bert_batch"),
+                    help="prepared data and the runs' directories")
+    ap.add_argument("--out", type=Path, default=None,
+                    help="tables, plots, record (default docs/studies/bert_batch; quick: <work>/quick)")
     args = ap.parse_args()
-    corpora = args.corpus or ["embedded"]
+    if args.quick:
+        args.corpus, args.batch, args.seed = ["embedded"], [16, 64], [1]
+        args.optimizer, args.lr_factor, args.samples = ["LAMB", "VR-LAMB first_moment"], [1.0], 256
+        args.work = args.work / "quick"
+    specs = args.corpus or ["embedded"]
+    corpora = [spec.partition("=")[0] for spec in specs]
+    batches = args.batch or [64, 256, 1024]
+    seeds = args.seed or [1, 2]
+    factors = args.lr_factor or [0.5, 1.0, 2.0]
     labels = args.optimizer or list(OPTIMIZERS)
-    args.out.mkdir(parents=True, exist_ok=True)
+    for batch in batches:
+        if batch % (args.ranks * args.micro_batch):
+            raise SystemExit(f"--batch {batch}: not a multiple of ranks x micro-batch = {args.ranks * args.micro_batch}")
+    args.work.mkdir(parents=True, exist_ok=True)
+    out = Output(args.out or (args.work if args.quick else DOCS / "bert_batch"), "bert_batch",
+                 {"corpora": specs, "batches": batches, "seeds": seeds, "lr_factors": factors, "optimizers": labels,
+                  "samples": args.samples, "seq_len": args.seq_len, "micro_batch": args.micro_batch,
+                  "ranks": args.ranks, "lr_rule": args.lr_rule, "base_lr": args.base_lr,
+                  "base_batch": args.base_batch, "vocab_size": args.vocab_size, "model": "tiny", "zero": 2,
+                  "quick": args.quick})
     results = []
-    for spec in corpora:
-        name, _, path = spec.partition("=")
-        data = prepare(name, path or None, args.out, args.seq_len, args.vocab_size)
-        for batch in args.batch or [64, 1024]:
-            if batch % (args.ranks * args.micro_batch):
-                raise SystemExit(f"--batch {batch}: not a multiple of ranks x micro-batch = "
-                                 f"{args.ranks * args.micro_batch}")
-            for seed in args.seed or [1, 2]:
-                for label in labels:
-                    results.append(run_one(label, name, data, batch, seed, args))
-    print(f"\nheld-out MLM loss, mean over seeds (min–max) / accuracy; {args.samples} samples per run, "
-          f"seq {args.seq_len}, LR {args.lr_rule} from {args.base_lr:g} at batch {args.base_batch}\n")
-    print(table(results, labels))
+    for spec, name in zip(specs, corpora):
+        data = prepare(name, spec.partition("=")[2] or None, args.work, args.seq_len, args.vocab_size)
+        for batch in batches:
+            for label in labels:
+                for factor in factors:
+                    for seed in seeds:
+                        r = run_one(label, name, data, batch, factor, seed, args)
+                        out.log_run(r)
+                        results.append(r)
+    best = best_cells(results)
+    rows = []
+    for (corpus, batch, label), rs in sorted(best.items(), key=lambda kv: (corpora.index(kv[0][0]), kv[0][1],
+                                                                           labels.index(kv[0][2]))):
+        noise = [r["b_simple"] for r in rs if r.get("b_simple") is not None]
+        rows.append((corpus, batch, rs[0]["steps"], rs[0]["groups"], label,
+                     f"{rs[0]['lr']:.3g} (×{rs[0]['factor']:g})", spread([r["mlm_loss"] for r in rs]),
+                     spread([r["mlm_acc"] for r in rs]), spread(noise, "{:.0f}") if noise else "–"))
+    out.add_table(f"Held-out MLM loss and accuracy at the best LR factor ({len(seeds)} seeds, mean (min–max); "
+                  f"{args.samples} samples per run, seq {args.seq_len}, LR {args.lr_rule} rule from {args.base_lr:g} "
+                  f"at batch {args.base_batch} × factor {factors})",
+                  table(["corpus", "batch", "steps", "groups n", "optimizer", "LR (factor)", "MLM loss",
+                         "MLM accuracy", "B_simple (samples)"], rows))
+    plot(out, results, best, corpora, batches, labels)
+    out.finish()
 
 
 if __name__ == "__main__":

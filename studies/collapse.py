@@ -11,22 +11,24 @@ mean *validation* accuracy over seeds is chosen (validation: 20% of the training
 the table reports that factor's test accuracy and generalisation gap (train − test accuracy),
 mean and spread (min–max) over seeds.
 
-    python studies/collapse.py --optimizer Adam --optimizer "VR-Adam first_moment" ...
+    python studies/collapse.py                      # full: every family, 3 seeds -> docs/studies/collapse
     python studies/collapse.py --family adam        # Adam vs VR-Adam in each placement
+    python studies/collapse.py --quick              # 1 seed, 2 batches, 3 epochs (CI)
 
 Needs scikit-learn (``pip install "vrgd-ds[studies]"``).
 """
 from __future__ import annotations
 
 import argparse
-import json
+import logging
 import math
 import time
+from collections.abc import Callable
 from pathlib import Path
 from statistics import mean
-from typing import Callable
 
 import torch
+from common import DOCS, Output, plt, spread, table
 from torch import nn
 
 import vrgd_ds
@@ -107,8 +109,10 @@ def train(label: str, batch: int, lr: float, seed: int, data: dict, args: argpar
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--quick", action="store_true", help="1 seed, batches 32 and 512, 3 epochs: a smoke run")
     ap.add_argument("--optimizer", action="append", default=None, choices=list(OPTIMIZERS))
-    ap.add_argument("--family", action="append", default=None, choices=list(FAMILIES))
+    ap.add_argument("--family", action="append", default=None, choices=list(FAMILIES),
+                    help="default: every family")
     ap.add_argument("--batch", type=int, action="append", default=None)
     ap.add_argument("--seeds", type=int, default=3)
     ap.add_argument("--lr-factor", type=float, action="append", default=None,
@@ -116,21 +120,27 @@ def main() -> None:
     ap.add_argument("--epochs", type=int, default=40)
     ap.add_argument("--groups", type=int, default=8)
     ap.add_argument("--weight-decay", type=float, default=0.0)
-    ap.add_argument("--out", type=Path, default=Path("runs/studies/collapse.jsonl"))
+    ap.add_argument("--out", type=Path, default=None, help="default docs/studies/collapse (quick: runs/studies/collapse)")
     args = ap.parse_args()
     labels = list(args.optimizer or [])
-    for fam in args.family or ([] if labels else ["adam"]):
+    for fam in args.family or ([] if labels else list(FAMILIES)):
         labels += [lb for lb in FAMILIES[fam] if lb not in labels]
-    batches = args.batch or [32, 128, 512, 1024]
-    factors = args.lr_factor or [0.25, 0.5, 1.0, 2.0, 4.0]
+    if args.quick:
+        args.seeds, args.epochs = 1, 3
+    batches = args.batch or ([32, 512] if args.quick else [32, 128, 512, 1024])
+    factors = args.lr_factor or ([0.5, 2.0] if args.quick else [0.25, 0.5, 1.0, 2.0, 4.0])
     torch.set_num_threads(1)
+    logging.getLogger("vrgd_ds").setLevel(logging.ERROR)  # skipped steps of a diverging grid point
     data = load()
     if max(batches) > len(data["train"][0]):
         raise SystemExit(f"--batch {max(batches)}: the training split has only {len(data['train'][0])} samples")
-    args.out.parent.mkdir(parents=True, exist_ok=True)
+    out = Output(args.out or (Path("runs/studies/collapse") if args.quick else DOCS / "collapse"), "collapse",
+                 {"optimizers": labels, "batches": batches, "seeds": args.seeds, "lr_factors": factors,
+                  "epochs": args.epochs, "groups": args.groups, "weight_decay": args.weight_decay,
+                  "base_lr_at_32": {lb: OPTIMIZERS[lb][0] for lb in labels}, "quick": args.quick})
     print(f"digits: {len(data['train'][0])} train / {len(data['val'][0])} val / {len(data['test'][0])} test, "
           f"{args.epochs} epochs, {args.groups} groups per step, {args.seeds} seeds, LR grid x{factors}", flush=True)
-    rows = []
+    rows, best_test = [], {}
     t0 = time.perf_counter()
     for batch in batches:
         for label in labels:
@@ -139,21 +149,31 @@ def main() -> None:
             for f in factors:
                 runs = [train(label, batch, base * f, seed, data, args) for seed in range(args.seeds)]
                 score = mean(r["val"] for r in runs)
-                with open(args.out, "a") as fh:
-                    fh.write(json.dumps({"optimizer": label, "batch": batch, "lr": base * f, "factor": f,
-                                         "runs": runs}) + "\n")
+                out.log_run({"optimizer": label, "batch": batch, "lr": base * f, "factor": f, "runs": runs})
                 if best is None or score > best[0]:
                     best = (score, f, runs)
             _, f, runs = best
             te, gap = [r["test"] for r in runs], [r["gap"] for r in runs]
-            rows.append((batch, label, f, base * f, runs[0]["steps"], te, gap))
-            print(f"  batch {batch:5d} {label:24s} best x{f:<5g} lr {base * f:.3g}: test {mean(te):.4f} "
-                  f"({min(te):.4f}-{max(te):.4f}) gap {mean(gap):+.4f}  [{time.perf_counter() - t0:.0f} s]", flush=True)
-    print("\n| batch | steps | optimizer | best LR (factor) | test accuracy, mean (min–max) | train − test |")
-    print("| --- | --- | --- | --- | --- | --- |")
-    for batch, label, f, lr, steps, te, gap in rows:
-        print(f"| {batch} | {steps} | {label} | {lr:.3g} (×{f:g}) | {mean(te):.4f} ({min(te):.4f}–{max(te):.4f}) | "
-              f"{mean(gap):+.4f} ({min(gap):+.4f}–{max(gap):+.4f}) |")
+            best_test[label, batch] = te
+            rows.append((batch, runs[0]["steps"], label, f"{base * f:.3g} (×{f:g})", spread(te), spread(gap, "{:+.4f}")))
+            print(f"  batch {batch:5d} {label:24s} best x{f:<5g} lr {base * f:.3g}: test {spread(te)} "
+                  f"gap {spread(gap, '{:+.4f}')}  [{time.perf_counter() - t0:.0f} s]", flush=True)
+    out.add_table(f"Digits, test accuracy and generalisation gap at the best LR per cell ({args.seeds} seeds, "
+                  f"mean (min–max); {args.epochs} epochs, {args.groups} groups per step)",
+                  table(["batch", "steps", "optimizer", "best LR (factor)", "test accuracy", "train − test"], rows))
+    pyplot = plt()
+    fams = [fam for fam, members in FAMILIES.items() if any(lb in labels for lb in members)]
+    fig, axes = pyplot.subplots(1, len(fams), figsize=(4.2 * len(fams), 3.4), squeeze=False)
+    for ax, fam in zip(axes[0], fams):
+        for lb in (lb for lb in FAMILIES[fam] if lb in labels):
+            accs = [best_test[lb, b] for b in batches]
+            ax.errorbar(batches, [mean(a) for a in accs], yerr=[[mean(a) - min(a) for a in accs],
+                                                                [max(a) - mean(a) for a in accs]],
+                        marker="o", capsize=3, label=lb)
+        ax.set(xscale="log", xlabel="batch", ylabel="test accuracy (best LR)", title=fam)
+        ax.legend(fontsize=7)
+    out.savefig(fig, "collapse.png")
+    out.finish()
 
 
 if __name__ == "__main__":

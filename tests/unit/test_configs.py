@@ -174,6 +174,21 @@ def readme_table() -> dict[str, dict]:
     return rows
 
 
+@pytest.mark.parametrize("path", [p for p in ALL if "adaptive" in p.name], ids=lambda p: p.name)
+def test_adaptive_configs_build_their_controller_on_every_world_size(path):
+    """The batch stays a multiple of micro-batch x ranks (only the accumulation changes) and
+    the phase keeps the recipe's samples."""
+    from vrgd_ds.train.config import controller_settings, phase_samples
+
+    _, job = load_config(path)
+    for world in world_sizes(path):
+        for i, phase in enumerate(job.phases):
+            if phase.adaptive_batch is not None:
+                st = controller_settings(phase, world, i, job.phase_steps()[i])
+                assert st.granularity == phase.micro_batch * world and st.max_batch % st.granularity == 0
+    assert phase_samples(job)[0] == RECIPE_64K["p1_steps"] * RECIPE_64K["p1_batch"]
+
+
 def test_readme_states_the_figures_the_configs_use():
     table = readme_table()
     assert set(table) == {p.name for p in LARGE}

@@ -433,7 +433,9 @@ class Trainer:
                 sampler.keys.clear()
             adaptive: dict[str, float] = {}
             if controller is not None:
+                ta = time.perf_counter()
                 adaptive = self._adapt(controller, batch, measured)
+                adaptive["adaptive/controller_s"] = time.perf_counter() - ta  # metrics read + controller
             logging_step = self.step % self.job.log_every == 0 or self.consumed[index] >= self.budget[index]
             if logging_step:
                 red = torch.tensor([loss_sum / gas, float(tokens), data_time], dtype=torch.float64, device=self.device)

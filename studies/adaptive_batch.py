@@ -1,0 +1,130 @@
+"""Fixed vs adaptive global batch in the real pretraining job, LAMB and VR-LAMB, at one sample
+budget: held-out MLM loss, optimizer steps taken, the batch trajectory, and what the
+controller costs per step.
+
+Four runs per corpus and seed, on the runs of ``studies/bert_batch.py`` (tiny BERT, ZeRO-2
+fp32, ``--ranks`` CPU ranks, one phase at seq 64, micro-batch 8): LAMB and VR-LAMB at a fixed
+batch, and both with ``job.phases[0].adaptive_batch`` starting from that batch. "Adaptive
+LAMB" is VR-LAMB with ``gamma = 1`` (LAMB's step bit for bit; the statistics the controller
+reads are still gathered). The peak LR is the same for all four at the first batch; the
+adaptive runs scale it with ``lr_rule`` as the batch moves.
+
+    python studies/adaptive_batch.py --corpus embedded --corpus wikitext=../shared/data/wikitext-2
+    python studies/adaptive_batch.py --quick       # 4 short runs on the embedded corpus
+"""
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+from statistics import mean, median
+
+from bert_batch import prepare, run_one
+from common import DOCS, Output, plt, spread, table
+
+VR = {"gamma": 0.1, "beta3": 0.9, "gsnr_placement": "first_moment"}
+RUNS = {  # label -> (optimizer params, adaptive?)
+    "LAMB fixed": ({"gsnr": False}, False),
+    "VR-LAMB fixed": (VR, False),
+    "LAMB adaptive": ({"gamma": 1.0}, True),
+    "VR-LAMB adaptive": (VR, True),
+}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--quick", action="store_true", help="embedded corpus, 512 samples, 1 seed")
+    ap.add_argument("--corpus", action="append", default=None, metavar="NAME[=PATH]")
+    ap.add_argument("--seed", type=int, action="append", default=None, help="repeatable (default 1)")
+    ap.add_argument("--batch", type=int, default=64, help="the fixed batch and the adaptive runs' first batch")
+    ap.add_argument("--lr", type=float, default=4e-3, help="peak LR at --batch")
+    ap.add_argument("--samples", type=int, default=10240)
+    ap.add_argument("--target-ratio", type=float, default=2.0, help="B / B_simple (2: half-batch similarity 1/2)")
+    ap.add_argument("--min-batch", type=int, default=16)
+    ap.add_argument("--max-batch", type=int, default=1024)
+    ap.add_argument("--every", type=int, default=10)
+    ap.add_argument("--lr-rule", choices=("linear", "sqrt", "none"), default="sqrt")
+    ap.add_argument("--seq-len", type=int, default=64)
+    ap.add_argument("--micro-batch", type=int, default=8)
+    ap.add_argument("--ranks", type=int, default=1)
+    ap.add_argument("--workers", type=int, default=1)
+    ap.add_argument("--vocab-size", type=int, default=8000)
+    ap.add_argument("--port", type=int, default=29691)
+    ap.add_argument("--work", type=Path, default=Path("runs/studies/adaptive_batch"))
+    ap.add_argument("--out", type=Path, default=None)
+    args = ap.parse_args()
+    if args.quick:
+        args.corpus, args.seed, args.samples, args.every = ["embedded"], [1], 512, 2
+        args.work = args.work / "quick"
+    specs = args.corpus or ["embedded"]
+    seeds = args.seed or [1]
+    out = Output(args.out or (args.work if args.quick else DOCS / "adaptive_batch"), "adaptive_batch",
+                 {k: v for k, v in vars(args).items() if k not in ("work", "out", "port")} | {"corpora": specs})
+    # bert_batch.run_one's knobs: the LR is base_lr at base_batch (factor 1, no rule: one batch)
+    args.base_lr, args.base_batch, args.lr_rule_fixed = args.lr, args.batch, "linear"
+    results = []
+    for spec in specs:
+        name, _, path = spec.partition("=")
+        data = prepare(name, path or None, args.work, args.seq_len, args.vocab_size)
+        for seed in seeds:
+            for label, (params, adaptive) in RUNS.items():
+                extra = {"adaptive_batch": {"target_ratio": args.target_ratio, "min_batch": args.min_batch,
+                                            "max_batch": args.max_batch, "every": args.every, "smoothing": 0.9,
+                                            "lr_rule": args.lr_rule}} if adaptive else None
+                r = run_one(label, name, data, args.batch, 1.0, seed, study_args(args),
+                            params=params, phase_extra=extra)
+                r.update(trajectory(r["run_dir"]))
+                out.log_run(r)
+                results.append(r)
+    rows = []
+    for r in results:
+        batches = r["batches"]
+        rows.append((r["corpus"], r["seed"], r["optimizer"], f"{r['mlm_loss']:.4f}", f"{r['mlm_acc']:.4f}",
+                     r["optimizer_steps"], f"{batches[0]:.0f} → {batches[-1]:.0f} (median {median(batches):.0f})",
+                     r["changes"], "–" if r["b_simple"] is None else f"{r['b_simple']:.0f}",
+                     "–" if r["controller_ms"] is None else f"{r['controller_ms']:.2f} ms ({r['controller_share']:.2%})"))
+    out.add_table(f"Fixed vs adaptive batch at {args.samples} samples per run (first batch {args.batch}, peak LR "
+                  f"{args.lr:g}; adaptive: B → {args.target_ratio:g} × B_simple in [{args.min_batch}, {args.max_batch}],"
+                  f" every {args.every} steps, LR {args.lr_rule})",
+                  table(["corpus", "seed", "run", "MLM loss", "MLM accuracy", "optimizer steps", "batch first → last",
+                         "changes", "B_simple (2nd half)", "controller per step"], rows))
+    pyplot = plt()
+    fig, axes = pyplot.subplots(1, len(specs), figsize=(5 * len(specs), 3.6), squeeze=False)
+    for ax, spec in zip(axes[0], specs):
+        name = spec.partition("=")[0]
+        for r in results:
+            if r["corpus"] == name and r["seed"] == seeds[0]:
+                ax.step(r["samples_at"], r["batches"], where="post", label=r["optimizer"])
+        ax.set(xlabel="samples", ylabel="global batch", yscale="log", title=f"{name} (seed {seeds[0]})")
+        ax.legend(fontsize=7)
+    out.savefig(fig, "batch_trajectory.png")
+    out.finish()
+
+
+def study_args(args: argparse.Namespace) -> argparse.Namespace:
+    ns = argparse.Namespace(**vars(args))
+    ns.lr_rule = "linear"  # bert_batch's LR rule: base_lr at base_batch = the batch here, factor 1
+    return ns
+
+
+def trajectory(run_dir: str) -> dict:
+    """Per-step global batch, the samples before each step, the controller's time share."""
+    batches, at, ctrl, step_s, done = [], [], [], [], 0
+    for line in (Path(run_dir) / "metrics.jsonl").read_text().splitlines():
+        rec = json.loads(line)
+        if "train/global_batch" not in rec:
+            continue
+        batches.append(rec["train/global_batch"])
+        at.append(done)
+        done += rec["train/global_batch"]
+        step_s.append(rec["train/step_time_s"])
+        if "adaptive/controller_s" in rec:
+            ctrl.append(rec["adaptive/controller_s"])
+    changes = sum(1 for a, b in zip(batches, batches[1:]) if a != b)
+    return {"batches": batches, "samples_at": at, "optimizer_steps": len(batches), "changes": changes,
+            "controller_ms": 1e3 * mean(ctrl) if ctrl else None,
+            "controller_share": sum(ctrl) / sum(step_s) if ctrl else None}
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,116 @@
+"""What every study writes next to its results: the tables (Markdown, generated), the runs
+(JSON lines), the record of how they were obtained (command, seeds, versions, machine) and the
+plots. One directory per study, ``docs/studies/<name>/`` for the committed full runs;
+``studies/page.py`` assembles ``docs/results.md`` from them."""
+from __future__ import annotations
+
+import json
+import os
+import platform
+import subprocess
+import sys
+import time
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+from statistics import mean
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+DOCS = ROOT / "docs" / "studies"
+
+
+def machine() -> dict[str, Any]:
+    """Versions and hardware the numbers came from."""
+    import torch
+
+    out: dict[str, Any] = {
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "platform": platform.platform(),
+        "processor": platform.processor() or platform.machine(),
+        "cpus": os.cpu_count(),
+        "cuda": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
+    }
+    for mod in ("deepspeed", "transformers", "sklearn", "numpy"):
+        try:
+            out[mod] = __import__(mod).__version__
+        except ImportError:  # not installed: not used by this study
+            continue
+    try:
+        git = ["git", "-C", str(ROOT)]
+        out["commit"] = subprocess.run([*git, "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                                       check=True).stdout.strip()
+        changed = subprocess.run([*git, "status", "--porcelain", "--untracked-files=no", "--", "vrgd_ds", "studies",
+                                  "data_pipeline"], capture_output=True, text=True, check=True).stdout.strip()
+        if changed:  # the code that ran is not the commit's
+            out["commit"] += "+uncommitted changes"
+    except (OSError, subprocess.CalledProcessError):
+        out["commit"] = None
+    return out
+
+
+def table(headers: Sequence[str], rows: Iterable[Sequence[Any]]) -> str:
+    """A Markdown table."""
+    lines = ["| " + " | ".join(headers) + " |", "| " + " | ".join("---" for _ in headers) + " |"]
+    lines += ["| " + " | ".join(str(c) for c in row) + " |" for row in rows]
+    return "\n".join(lines) + "\n"
+
+
+def spread(values: Sequence[float], fmt: str = "{:.4f}") -> str:
+    """``mean (min–max)``, or the value alone for one seed."""
+    if len(values) == 1:
+        return fmt.format(values[0])
+    return f"{fmt.format(mean(values))} ({fmt.format(min(values))}–{fmt.format(max(values))})"
+
+
+class Output:
+    """A study's output directory: ``runs.jsonl``, ``tables.md``, ``meta.json``, plots."""
+
+    def __init__(self, directory: Path, study: str, config: dict[str, Any], resume: bool = False) -> None:
+        self.dir = Path(directory)
+        self.dir.mkdir(parents=True, exist_ok=True)
+        if not resume:
+            self.runs_path.unlink(missing_ok=True)
+        self.study = study
+        self.t0 = time.time()
+        self.meta = {"study": study, "command": " ".join([Path(sys.argv[0]).name, *sys.argv[1:]]),
+                     "config": config, "machine": machine(), "started": time.strftime("%Y-%m-%d %H:%M:%S %Z")}
+        self.sections: list[tuple[str, str]] = []
+
+    @property
+    def runs_path(self) -> Path:
+        return self.dir / "runs.jsonl"
+
+    def log_run(self, record: dict[str, Any]) -> None:
+        with open(self.runs_path, "a") as fh:
+            fh.write(json.dumps(record) + "\n")
+
+    def add_table(self, title: str, markdown: str) -> None:
+        self.sections.append((title, markdown))
+        print(f"\n{title}\n\n{markdown}", flush=True)
+
+    def savefig(self, fig: Any, name: str) -> Path:
+        path = self.dir / name
+        fig.savefig(path, dpi=110, bbox_inches="tight")
+        import matplotlib.pyplot as plt
+
+        plt.close(fig)
+        return path
+
+    def finish(self) -> None:
+        self.meta["wall_s"] = round(time.time() - self.t0, 1)
+        (self.dir / "meta.json").write_text(json.dumps(self.meta, indent=2) + "\n")
+        body = [f"<!-- written by studies/{self.study}.py; do not edit -->\n"]
+        body += [f"#### {title}\n\n{md}" for title, md in self.sections]
+        (self.dir / "tables.md").write_text("\n".join(body))
+        print(f"\nwrote {self.dir}/tables.md, meta.json, runs.jsonl and plots", flush=True)
+
+
+def plt():
+    """matplotlib with a file-only backend."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    from matplotlib import pyplot
+
+    return pyplot

@@ -1,0 +1,68 @@
+"""Writes ``docs/results.md`` from ``docs/results.template.md`` and the studies' outputs.
+
+The template holds the prose (what each study shows against the paper's claims); every
+``{{study:NAME}}`` line is replaced by that study's generated tables, plots and record
+(command, seeds, versions, machine, wall time) from ``docs/studies/NAME/``. Tables are never
+typed by hand: ``--check`` fails when ``docs/results.md`` differs from what this writes.
+
+    python studies/page.py            # after running the studies in full mode
+    python studies/page.py --check
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import sys
+
+from common import DOCS, ROOT
+
+TEMPLATE = ROOT / "docs" / "results.template.md"
+PAGE = ROOT / "docs" / "results.md"
+MARK = re.compile(r"^\{\{study:([a-z_]+)\}\}$", re.MULTILINE)
+
+
+def record(meta: dict) -> str:
+    m = meta["machine"]
+    versions = ", ".join(f"{k} {m[k]}" for k in ("python", "torch", "deepspeed", "transformers", "sklearn")
+                         if m.get(k))
+    hw = m["cuda"] or f"{m['processor']}, {m['cpus']} CPU cores"
+    cfg = ", ".join(f"{k}={v}" for k, v in meta["config"].items())
+    return (f"*Record:* `python studies/{meta['command']}` at commit {m.get('commit') or 'unknown'}, "
+            f"{meta['started']}, {meta['wall_s']:.0f} s on {hw} ({m['platform']}); {versions}. "
+            f"Settings: {cfg}.\n")
+
+
+def section(name: str) -> str:
+    d = DOCS / name
+    if not (d / "tables.md").exists():
+        raise SystemExit(f"{d}/tables.md is missing: run python studies/{name}.py (full mode) first")
+    meta = json.loads((d / "meta.json").read_text())
+    tables = (d / "tables.md").read_text().split("\n", 1)[1].strip()  # without the do-not-edit line
+    tables = tables.replace("#### ", "##### ")
+    plots = "\n".join(f"![{p.stem}](studies/{name}/{p.name})" for p in sorted(d.glob("*.png")))
+    return f"{tables}\n\n{plots}\n\n{record(meta)}"
+
+
+def render() -> str:
+    text = TEMPLATE.read_text()
+    head = "<!-- written by studies/page.py from docs/results.template.md and docs/studies/; do not edit -->\n"
+    return head + MARK.sub(lambda mt: section(mt.group(1)), text)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--check", action="store_true", help="fail if docs/results.md is not what this writes")
+    args = ap.parse_args()
+    page = render()
+    if args.check:
+        if not PAGE.exists() or PAGE.read_text() != page:
+            sys.exit("docs/results.md is out of date: run python studies/page.py")
+        print("docs/results.md is up to date")
+        return
+    PAGE.write_text(page)
+    print(f"wrote {PAGE}")
+
+
+if __name__ == "__main__":
+    main()

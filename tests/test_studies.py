@@ -1,0 +1,124 @@
+"""The studies' quick modes: each writes its tables, plots and record, with finite numbers; the
+results page is what ``studies/page.py`` writes from the committed outputs. The statistical
+conclusions live in docs/results.md, not here."""
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+STUDIES = ROOT / "studies"
+
+
+def run_study(script: str, *args: str, timeout: int = 600) -> subprocess.CompletedProcess:
+    proc = subprocess.run([sys.executable, str(STUDIES / script), *args], cwd=ROOT, capture_output=True, text=True,
+                          timeout=timeout, check=False)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return proc
+
+
+def check_output(out: Path, plots: list[str]) -> list[dict]:
+    tables = (out / "tables.md").read_text()
+    assert tables.startswith("<!-- written by studies/")
+    assert "| ---" in tables
+    for word in ("nan", "inf |"):
+        assert word not in tables.lower(), tables
+    for name in plots:
+        png = out / name
+        assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n", png
+    meta = json.loads((out / "meta.json").read_text())
+    assert meta["machine"]["torch"] == torch.__version__ and meta["config"]["quick"] is True
+    return [json.loads(line) for line in (out / "runs.jsonl").read_text().splitlines()]
+
+
+def test_linreg_quick(tmp_path):
+    run_study("linreg.py", "--quick", "--out", str(tmp_path))
+    runs = check_output(tmp_path, ["loss.png", "gsnr.png", "gamma.png", "k.png"])
+    assert {r["sweep"] for r in runs} == {"main", "gamma", "k"}
+    assert {r["optimizer"] for r in runs if r["sweep"] == "main"} == {"SGD", "VR-SGD"}
+    # every grid point of the main comparison ran 100 steps; the best LR's finals are finite
+    best = min((r for r in runs if r["sweep"] == "main" and r["optimizer"] == "SGD" and r["sigma"] == 0),
+               key=lambda r: r["final"][0])
+    assert math.isfinite(best["final"][0]) and best["final"][0] < 1.0
+
+
+def test_linreg_group_gradients_equal_one_backward_per_group():
+    """The study hands the optimizer its k group gradients directly (closed form): the step equals
+    the one the tensor hooks give when each group is its own backward()."""
+    sys.path.insert(0, str(STUDIES))
+    import linreg
+
+    import vrgd_ds
+
+    gen = torch.Generator().manual_seed(3)
+    x, y = torch.rand(64, linreg.DIM, generator=gen), torch.randn(64, generator=gen)
+    k, m = 8, 8
+    direct, hooked = (torch.nn.Parameter(torch.full((linreg.DIM,), 0.5)) for _ in range(2))
+    opt_direct, opt_hooked = vrgd_ds.VRSGD([direct], lr=0.1), vrgd_ds.VRSGD([hooked], lr=0.1)
+    source = linreg.GroupGradients()
+    opt_direct.set_statistics_source(source)
+    for _ in range(3):
+        xs = x.view(k, m, -1)
+        groups = (2.0 / m) * torch.einsum("kmd,km->kd", xs, xs @ direct.detach() - y.view(k, m))
+        source.feed(direct, groups)
+        opt_direct.step()
+        for j in range(k):
+            (((x[j * m:(j + 1) * m] @ hooked - y[j * m:(j + 1) * m]) ** 2).mean() / k).backward()
+        opt_hooked.step()
+        opt_hooked.zero_grad()
+        torch.testing.assert_close(direct.detach(), hooked.detach(), rtol=1e-5, atol=1e-6)
+    assert not torch.equal(direct.detach(), torch.full((linreg.DIM,), 0.5))
+
+
+def test_collapse_quick(tmp_path):
+    run_study("collapse.py", "--quick", "--out", str(tmp_path))
+    runs = check_output(tmp_path, ["collapse.png"])
+    labels = {r["optimizer"] for r in runs}
+    assert {"Momentum", "VR-Momentum", "Adam", "LAMB", "LARS", "VR-LARS"} <= labels
+    assert {"VR-Adam first_moment", "VR-Adam both_moments", "VR-Adam update"} <= labels
+    for r in runs:
+        for seed in r["runs"]:
+            assert 0.0 <= seed["test"] <= 1.0 and math.isfinite(seed["gap"])
+
+
+@pytest.mark.slow
+def test_bert_batch_quick(tmp_path):
+    """Two optimizers x two batches through the real job (1 CPU rank, 256 samples each)."""
+    run_study("bert_batch.py", "--quick", "--work", str(tmp_path / "work"), "--out", str(tmp_path / "out"),
+              "--port", "29681", timeout=900)
+    runs = check_output(tmp_path / "out", ["bert_batch.png"])
+    assert sorted((r["batch"], r["optimizer"]) for r in runs) == [
+        (16, "LAMB"), (16, "VR-LAMB first_moment"), (64, "LAMB"), (64, "VR-LAMB first_moment")]
+    for r in runs:
+        assert math.isfinite(r["mlm_loss"]) and r["samples"] == 256
+        assert (r["b_simple"] is None) == (r["optimizer"] == "LAMB")  # the noise scale needs the statistics
+        if r["b_simple"] is not None:
+            assert math.isfinite(r["b_simple"]) and r["b_simple"] > 0
+
+
+@pytest.mark.slow
+def test_adaptive_batch_quick(tmp_path):
+    """Fixed and adaptive LAMB / VR-LAMB through the real job (1 CPU rank, 512 samples each):
+    every run consumes the same samples; the adaptive ones change their batch."""
+    run_study("adaptive_batch.py", "--quick", "--work", str(tmp_path / "work"), "--out", str(tmp_path / "out"),
+              "--port", "29683", timeout=900)
+    runs = check_output(tmp_path / "out", ["batch_trajectory.png"])
+    assert [r["optimizer"] for r in runs] == ["LAMB fixed", "VR-LAMB fixed", "LAMB adaptive", "VR-LAMB adaptive"]
+    for r in runs:
+        assert sum(r["batches"]) == 512 and math.isfinite(r["mlm_loss"])
+        assert (r["changes"] > 0) == r["optimizer"].endswith("adaptive")
+        assert (r["controller_ms"] is not None) == r["optimizer"].endswith("adaptive")
+
+
+def test_results_page_is_generated_from_the_committed_outputs():
+    if not (ROOT / "docs" / "results.template.md").exists():
+        pytest.fail("docs/results.template.md is missing")
+    proc = subprocess.run([sys.executable, str(STUDIES / "page.py"), "--check"], cwd=ROOT, capture_output=True,
+                          text=True, check=False)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
