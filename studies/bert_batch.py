@@ -61,14 +61,14 @@ def base_config(seq_len: int, micro_batch: int, ranks: int, workers: int) -> dic
 
 def prepare(name: str, source: str | None, out: Path, seq_len: int, vocab: int) -> Path:
     data = out / "data" / name  # vrgd-data prepare is idempotent: a second call checks and reuses
-    cmd = [sys.executable, "-m", "data_pipeline", "prepare", str(data), "--vocab-size", str(vocab),
-           "--seq-len", str(seq_len), "--seed", "1", "--no-progress"]
+    cmd = [sys.executable, "-m", "data_pipeline", "prepare", str(data)]  # the inputs right after it
     if source:
         src = Path(source)
         files = sorted(src.glob("*.txt")) if src.is_dir() else [src]
         if not files:
             raise SystemExit(f"--corpus {name}={source}: no .txt files there")
         cmd += [str(f) for f in files] + ["--format", "wikitext" if "wikitext" in name else "auto"]
+    cmd += ["--vocab-size", str(vocab), "--seq-len", str(seq_len), "--seed", "1", "--no-progress"]
     print(f"[prepare] {name}: {' '.join(cmd[3:])}", flush=True)
     subprocess.run(cmd, check=True)
     return data
