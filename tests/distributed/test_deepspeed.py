@@ -117,7 +117,8 @@ def test_per_step_squares_equal_the_reference_with_every_micro_step_a_group(resu
     micro-step squares summed locally and reduced once per step, so n = ranks × micro-steps on
     every stage (stage 0/ZeRO-1 included), with exactly one statistics collective per step
     (two with gbar="local" under ZeRO, where Σg and Σg² are reduce-scattered separately) whose
-    bytes are the fp32 gradient's (twice with gbar="local")."""
+    bytes are the fp32 gradient's (twice with gbar="local"). Fails on the old code for ZeRO-3,
+    which counted its padded reduce-scatter as sent but not as gradient (ratio 1.032 / 2.063)."""
     res = results[name]
     case = res["case"]
     if case["stage"] == 0 and case["dtype"] == "fp16":
