@@ -147,19 +147,31 @@ def best_cells(results: list[dict]) -> dict[tuple[str, int, str], list[dict]]:
 
 def plot(out: Output, results: list[dict], best: dict, corpora: list[str], batches: list[int],
          labels: list[str]) -> None:
+    """Top: held-out loss at the best LR per batch. Bottom, the noise-scale view: each VR
+    placement's loss minus LAMB's (below 0: VR-LAMB helps) against the batch, with the mean
+    ``B_simple`` the VR runs measured."""
     pyplot = plt()
-    fig, axes = pyplot.subplots(1, len(corpora), figsize=(5 * len(corpora), 3.6), squeeze=False)
-    for ax, name in zip(axes[0], corpora):
+    fig, axes = pyplot.subplots(2, len(corpora), figsize=(5 * len(corpora), 6.6), squeeze=False, sharex="col")
+    for col, name in enumerate(corpora):
+        ax, dax = axes[0][col], axes[1][col]
         for label in labels:
             cells = [(b, [r["mlm_loss"] for r in best[name, b, label]]) for b in batches if (name, b, label) in best]
-            ax.errorbar([b for b, _ in cells], [mean(v) for _, v in cells],
-                        yerr=[[mean(v) - min(v) for _, v in cells], [max(v) - mean(v) for _, v in cells]],
-                        marker="o", capsize=3, label=label)
+            bars = ax.errorbar([b for b, _ in cells], [mean(v) for _, v in cells],
+                               yerr=[[mean(v) - min(v) for _, v in cells], [max(v) - mean(v) for _, v in cells]],
+                               marker="o", capsize=3, label=label)
+            if label != "LAMB":
+                diff = [(b, mean(v) - mean(r["mlm_loss"] for r in best[name, b, "LAMB"]))
+                        for b, v in cells if (name, b, "LAMB") in best]
+                dax.plot([b for b, _ in diff], [d for _, d in diff], marker="o", label=label,
+                         color=bars[0].get_color())
         noise = [r["b_simple"] for r in results if r["corpus"] == name and r.get("b_simple") is not None]
-        if noise:
-            ax.axvline(mean(noise), color="grey", ls="--", lw=0.8, label=f"mean B_simple {mean(noise):.0f}")
-        ax.set(xscale="log", xlabel="global batch", ylabel="held-out MLM loss (best LR)", title=name)
-        ax.legend(fontsize=7)
+        for a in (ax, dax):
+            if noise:
+                a.axvline(mean(noise), color="grey", ls="--", lw=0.8, label=f"mean B_simple {mean(noise):.0f}")
+            a.legend(fontsize=7)
+        dax.axhline(0.0, color="black", lw=0.6)
+        ax.set(xscale="log", ylabel="held-out MLM loss (best LR)", title=name)
+        dax.set(xscale="log", xlabel="global batch", ylabel="VR-LAMB − LAMB loss (best LR each)")
     out.savefig(fig, "bert_batch.png")
 
 
@@ -235,6 +247,8 @@ def main() -> None:
                   table(["corpus", "batch", "steps", "groups n", "optimizer", "LR (factor)", "MLM loss",
                          "MLM accuracy", "B_simple (samples)"], rows))
     plot(out, results, best, corpora, batches, labels)
+    # runs finished before are read back: the record gives the time the runs themselves took
+    out.meta["run_wall_s"] = round(sum(r["wall_s"] for r in results), 1)
     out.finish()
 
 

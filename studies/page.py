@@ -28,8 +28,9 @@ def record(meta: dict) -> str:
                          if m.get(k))
     hw = m["cuda"] or f"{m['processor']}, {m['cpus']} CPU cores"
     cfg = ", ".join(f"{k}={v}" for k, v in meta["config"].items())
+    runs = f" (the runs themselves: {meta['run_wall_s']:.0f} s)" if "run_wall_s" in meta else ""
     return (f"*Record:* `python studies/{meta['command']}` at commit {m.get('commit') or 'unknown'}, "
-            f"{meta['started']}, {meta['wall_s']:.0f} s on {hw} ({m['platform']}); {versions}. "
+            f"{meta['started']}, {meta['wall_s']:.0f} s{runs} on {hw} ({m['platform']}); {versions}. "
             f"Settings: {cfg}.\n")
 
 
