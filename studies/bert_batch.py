@@ -89,7 +89,7 @@ def read_metrics(run_dir: Path) -> tuple[dict | None, float | None]:
         rec = json.loads(line)
         if "eval/mlm_loss" in rec:
             last = rec
-        if "noise_scale/b_simple" in rec:
+        if rec.get("noise_scale/b_simple") is not None:  # None: the step's |G|^2 estimate was <= 0
             noise.append(rec["noise_scale/b_simple"])
     half = noise[len(noise) // 2:]
     return last, (mean(half) if half else None)
