@@ -20,7 +20,7 @@ from pathlib import Path
 from statistics import mean, median
 
 from bert_batch import prepare, run_one
-from common import DOCS, Output, plt, spread, table
+from common import DOCS, Output, plt, table
 
 VR = {"gamma": 0.1, "beta3": 0.9, "gsnr_placement": "first_moment"}
 RUNS = {  # label -> (optimizer params, adaptive?)
@@ -98,6 +98,7 @@ def main() -> None:
         ax.set(xlabel="samples", ylabel="global batch", yscale="log", title=f"{name} (seed {seeds[0]})")
         ax.legend(fontsize=7)
     out.savefig(fig, "batch_trajectory.png")
+    out.meta["run_wall_s"] = round(sum(r["wall_s"] for r in results), 1)  # runs read back included
     out.finish()
 
 
