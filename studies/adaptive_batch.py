@@ -15,6 +15,7 @@ adaptive runs scale it with ``lr_rule`` as the batch moves.
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 from pathlib import Path
 from statistics import mean, median
@@ -121,7 +122,7 @@ def trajectory(run_dir: str) -> dict:
         step_s.append(rec["train/step_time_s"])
         if "adaptive/controller_s" in rec:
             ctrl.append(rec["adaptive/controller_s"])
-    changes = sum(1 for a, b in zip(batches, batches[1:]) if a != b)
+    changes = sum(1 for a, b in itertools.pairwise(batches) if a != b)
     return {"batches": batches, "samples_at": at, "optimizer_steps": len(batches), "changes": changes,
             "controller_ms": 1e3 * mean(ctrl) if ctrl else None,
             "controller_share": sum(ctrl) / sum(step_s) if ctrl else None}

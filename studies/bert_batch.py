@@ -9,8 +9,8 @@ fixed), so the GSNR groups grow with it: n = ranks × accumulation. The peak LR 
 factor of ``--lr-factor`` (the same grid for every optimizer), with 10% linear warmup and the
 job's polynomial decay. For each (corpus, batch, optimizer) the factor with the lowest mean
 held-out loss over seeds is reported (the job has one held-out split: selection and report
-both use it, for every optimizer alike). The noise scale is the mean ``noise_scale/b_simple``
-(samples) the VR runs log over the second half of training.
+both use it, for every optimizer alike). The noise scale is ``B_simple`` (samples) from the
+statistics the VR runs log over the second half of training (``read_metrics``).
 
 Each corpus is prepared once (``vrgd-data prepare``) under ``--work``; runs that finished
 before are read back, not repeated, so the command can be stopped and started again.
@@ -80,19 +80,27 @@ def lr_for(batch: int, args: argparse.Namespace) -> float:
 
 
 def read_metrics(run_dir: Path) -> tuple[dict | None, float | None]:
-    """The last evaluation record, and the mean ``noise_scale/b_simple`` over the second half."""
+    """The last evaluation record, and the noise scale ``B_simple`` (samples) over the second half
+    of training: the ratio of the mean ``noise_scale/trace_cov`` to the mean
+    ``noise_scale/grad_sq`` (as the batch controller smooths them), not the mean of the per-step
+    ratios, which a step whose unbiased ``|G|^2`` estimate is near or below 0 throws off."""
     metrics = run_dir / "metrics.jsonl"
     if not metrics.is_file():
         return None, None
-    last, noise = None, []
+    last, moments, per_group = None, [], None
     for line in metrics.read_text().splitlines():
         rec = json.loads(line)
         if "eval/mlm_loss" in rec:
             last = rec
-        if rec.get("noise_scale/b_simple") is not None:  # None: the step's |G|^2 estimate was <= 0
-            noise.append(rec["noise_scale/b_simple"])
-    half = noise[len(noise) // 2:]
-    return last, (mean(half) if half else None)
+        if rec.get("noise_scale/trace_cov") is not None:
+            moments.append((rec["noise_scale/trace_cov"], rec["noise_scale/grad_sq"]))
+        if rec.get("noise_scale/b_simple") is not None:  # samples per statistics group
+            per_group = rec["noise_scale/b_simple"] / rec["noise_scale/b_simple_groups"]
+    half = moments[len(moments) // 2:]
+    if not half or per_group is None:
+        return last, None
+    grad_sq = mean(g for _, g in half)
+    return last, (per_group * mean(t for t, _ in half) / grad_sq if grad_sq > 0 else None)
 
 
 def run_one(label: str, corpus: str, data: Path, batch: int, factor: float, seed: int,
@@ -102,8 +110,8 @@ def run_one(label: str, corpus: str, data: Path, batch: int, factor: float, seed
     run_dir = args.work / "runs" / corpus / f"b{batch}" / label.replace(" ", "_") / f"lr{factor:g}" / f"seed{seed}"
     steps = args.samples // batch
     done = run_dir / "result.json"
-    if done.is_file():
-        return json.loads(done.read_text())
+    if done.is_file():  # the noise scale is derived again: its definition here may be newer than the run
+        return json.loads(done.read_text()) | {"b_simple": read_metrics(run_dir)[1]}
     if run_dir.exists():  # an interrupted run: start it again from scratch
         shutil.rmtree(run_dir)
     run_dir.mkdir(parents=True)

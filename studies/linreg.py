@@ -160,7 +160,7 @@ def main() -> None:
                                      "lr_grid": lrs, "gamma_grid": gammas, "k_grid": ks, "quick": args.quick})
     torch.set_num_threads(1)
     logging.getLogger("vrgd_ds").setLevel(logging.ERROR)  # diverging grid points, n = 2 warnings
-    problem = dict(features=args.features, steps=args.steps, batch=args.batch)
+    problem = {"features": args.features, "steps": args.steps, "batch": args.batch}
     pyplot = plt()
 
     # 1. the main comparison: loss curves and steps to SGD's final loss
