@@ -81,13 +81,13 @@ def main() -> None:
     for r in results:
         batches = r["batches"]
         rows.append((r["corpus"], r["seed"], r["optimizer"], f"{r['mlm_loss']:.4f}", f"{r['mlm_acc']:.4f}",
-                     r["optimizer_steps"], f"{batches[0]:.0f} → {batches[-1]:.0f} (median {median(batches):.0f})",
+                     r["optimizer_steps"], f"{batches[0]:.0f} / {min(batches):.0f}–{max(batches):.0f} / {median(batches):.0f}",
                      r["changes"], "–" if r["b_simple"] is None else f"{r['b_simple']:.0f}",
                      "–" if r["controller_ms"] is None else f"{r['controller_ms']:.2f} ms ({r['controller_share']:.2%})"))
     out.add_table(f"Fixed vs adaptive batch at {args.samples} samples per run (first batch {args.batch}, peak LR "
                   f"{args.lr:g}; adaptive: B → {args.target_ratio:g} × B_simple in [{args.min_batch}, {args.max_batch}],"
                   f" every {args.every} steps, LR {args.lr_rule})",
-                  table(["corpus", "seed", "run", "MLM loss", "MLM accuracy", "optimizer steps", "batch first → last",
+                  table(["corpus", "seed", "run", "MLM loss", "MLM accuracy", "optimizer steps", "batch: first / range / median",
                          "changes", "B_simple (2nd half)", "controller per step"], rows))
     pyplot = plt()
     fig, axes = pyplot.subplots(1, len(specs), figsize=(5 * len(specs), 3.6), squeeze=False)
