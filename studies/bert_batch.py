@@ -153,11 +153,12 @@ def best_cells(results: list[dict]) -> dict[tuple[str, int, str], list[dict]]:
             for key, by_factor in cells.items()}
 
 
-def plot(out: Output, results: list[dict], best: dict, corpora: list[str], batches: list[int],
+def plot(out: Output, best: dict, corpora: list[str], batches: list[int],
          labels: list[str]) -> None:
     """Top: held-out loss at the best LR per batch. Bottom, the noise-scale view: each VR
     placement's loss minus LAMB's (below 0: VR-LAMB helps) against the batch, with the mean
-    ``B_simple`` the VR runs measured."""
+    ``B_simple`` the VR runs measured at their best LR (it depends on the LR: the further
+    training got, the smaller ``|G|^2``)."""
     pyplot = plt()
     fig, axes = pyplot.subplots(2, len(corpora), figsize=(5 * len(corpora), 6.6), squeeze=False, sharex="col")
     for col, name in enumerate(corpora):
@@ -172,7 +173,8 @@ def plot(out: Output, results: list[dict], best: dict, corpora: list[str], batch
                         for b, v in cells if (name, b, "LAMB") in best]
                 dax.plot([b for b, _ in diff], [d for _, d in diff], marker="o", label=label,
                          color=bars[0].get_color())
-        noise = [r["b_simple"] for r in results if r["corpus"] == name and r.get("b_simple") is not None]
+        noise = [r["b_simple"] for (corpus, _, _), rs in best.items() if corpus == name  # at each cell's best LR
+                 for r in rs if r.get("b_simple") is not None]
         for a in (ax, dax):
             if noise:
                 a.axvline(mean(noise), color="grey", ls="--", lw=0.8, label=f"mean B_simple {mean(noise):.0f}")
@@ -254,7 +256,7 @@ def main() -> None:
                   f"at batch {args.base_batch} × factor {factors})",
                   table(["corpus", "batch", "steps", "groups n", "optimizer", "LR (factor)", "MLM loss",
                          "MLM accuracy", "B_simple (samples)"], rows))
-    plot(out, results, best, corpora, batches, labels)
+    plot(out, best, corpora, batches, labels)
     # runs finished before are read back: the record gives the time the runs themselves took
     out.meta["run_wall_s"] = round(sum(r["wall_s"] for r in results), 1)
     out.finish()
