@@ -256,6 +256,15 @@ def main() -> None:
                   f"at batch {args.base_batch} × factor {factors})",
                   table(["corpus", "batch", "steps", "groups n", "optimizer", "LR (factor)", "MLM loss",
                          "MLM accuracy", "B_simple (samples)"], rows))
+    grid = []  # every factor, to show how each optimizer's loss depends on the LR
+    for name in corpora:
+        for batch in batches:
+            for label in labels:
+                cell = [[r for r in results if (r["corpus"], r["batch"], r["optimizer"], r["factor"]) ==
+                         (name, batch, label, f)] for f in factors]
+                grid.append((name, batch, label, *(spread([r["mlm_loss"] for r in rs], "{:.3f}") for rs in cell)))
+    out.add_table(f"Held-out MLM loss at every LR factor ({len(seeds)} seeds, mean (min–max))",
+                  table(["corpus", "batch", "optimizer", *(f"×{f:g}" for f in factors)], grid))
     plot(out, best, corpora, batches, labels)
     # runs finished before are read back: the record gives the time the runs themselves took
     out.meta["run_wall_s"] = round(sum(r["wall_s"] for r in results), 1)
