@@ -122,3 +122,26 @@ def test_results_page_is_generated_from_the_committed_outputs():
     proc = subprocess.run([sys.executable, str(STUDIES / "page.py"), "--check"], cwd=ROOT, capture_output=True,
                           text=True, check=False)
     assert proc.returncode == 0, proc.stdout + proc.stderr
+
+
+def test_noise_scale_read_back_survives_a_step_without_one(tmp_path):
+    """A step whose unbiased |G|^2 estimate is <= 0 logs ``noise_scale/b_simple: null``. The old
+    ``read_metrics`` averaged the per-step ``b_simple`` values: it raised TypeError on the null
+    (the adaptive-batch study crashed on it), and without the null one near-zero |G|^2 step
+    dominated the mean (730 samples where the moments say 26). It now takes the ratio of the
+    mean moments over the second half, in samples."""
+    sys.path.insert(0, str(STUDIES))
+    from bert_batch import read_metrics
+
+    steps = [(4.0, 1.0), (4.0, 1.0), (4.0, 1.0), (4.0, 0.01), (4.0, -0.2)]  # (trace_cov, grad_sq) per group
+    with open(tmp_path / "metrics.jsonl", "w") as fh:
+        for i, (t, g) in enumerate(steps):
+            ok = g > 0
+            fh.write(json.dumps({"step": i + 1, "noise_scale/trace_cov": t, "noise_scale/grad_sq": g,
+                                 "noise_scale/b_simple_groups": t / g if ok else None,
+                                 "noise_scale/b_simple": 8 * t / g if ok else None}) + "\n")
+        fh.write(json.dumps({"step": 5, "eval/mlm_loss": 7.0, "eval/mlm_acc": 0.05}) + "\n")
+    last, b_simple = read_metrics(tmp_path)
+    assert last["eval/mlm_loss"] == 7.0
+    half = steps[2:]  # the second half: 8 samples per group x mean trace / mean |G|^2
+    assert b_simple == pytest.approx(8 * 4.0 / (sum(g for _, g in half) / len(half)))
