@@ -144,13 +144,18 @@ def run_one(label: str, corpus: str, data: Path, batch: int, factor: float, seed
     return result
 
 
-def best_cells(results: list[dict]) -> dict[tuple[str, int, str], list[dict]]:
-    """(corpus, batch, optimizer) -> the runs (one per seed) of the LR factor with the lowest mean loss."""
+def by_factor(results: list[dict]) -> dict[tuple[str, int, str], dict[float, list[dict]]]:
+    """(corpus, batch, optimizer) -> LR factor -> the runs (one per seed)."""
     cells: dict[tuple[str, int, str], dict[float, list[dict]]] = {}
     for r in results:
         cells.setdefault((r["corpus"], r["batch"], r["optimizer"]), {}).setdefault(r["factor"], []).append(r)
-    return {key: min(by_factor.values(), key=lambda rs: mean(r["mlm_loss"] for r in rs))
-            for key, by_factor in cells.items()}
+    return cells
+
+
+def best_cells(results: list[dict]) -> dict[tuple[str, int, str], list[dict]]:
+    """(corpus, batch, optimizer) -> the runs (one per seed) of the LR factor with the lowest mean loss."""
+    return {key: min(runs.values(), key=lambda rs: mean(r["mlm_loss"] for r in rs))
+            for key, runs in by_factor(results).items()}
 
 
 def plot(out: Output, best: dict, corpora: list[str], batches: list[int],
@@ -256,13 +261,10 @@ def main() -> None:
                   f"at batch {args.base_batch} × factor {factors})",
                   table(["corpus", "batch", "steps", "groups n", "optimizer", "LR (factor)", "MLM loss",
                          "MLM accuracy", "B_simple (samples)"], rows))
-    grid = []  # every factor, to show how each optimizer's loss depends on the LR
-    for name in corpora:
-        for batch in batches:
-            for label in labels:
-                cell = [[r for r in results if (r["corpus"], r["batch"], r["optimizer"], r["factor"]) ==
-                         (name, batch, label, f)] for f in factors]
-                grid.append((name, batch, label, *(spread([r["mlm_loss"] for r in rs], "{:.3f}") for rs in cell)))
+    cells = by_factor(results)  # every factor, to show how each optimizer's loss depends on the LR
+    grid = [(name, batch, label, *(spread([r["mlm_loss"] for r in cells[name, batch, label][f]], "{:.3f}")
+                                   for f in factors))
+            for name in corpora for batch in batches for label in labels]
     out.add_table(f"Held-out MLM loss at every LR factor ({len(seeds)} seeds, mean (min–max))",
                   table(["corpus", "batch", "optimizer", *(f"×{f:g}" for f in factors)], grid))
     plot(out, best, corpora, batches, labels)
