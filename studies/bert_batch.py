@@ -13,7 +13,11 @@ both use it, for every optimizer alike). The noise scale is ``B_simple`` (sample
 statistics the VR runs log over the second half of training (``read_metrics``).
 
 Each corpus is prepared once (``vrgd-data prepare``) under ``--work``; runs that finished
-before are read back, not repeated, so the command can be stopped and started again.
+before are read back, not repeated, so the command can be stopped and started again. Runs a
+committed study holds (``--reuse docs/studies/NAME``, checked to have the same settings) are read
+from its ``runs.jsonl``, so a grid can grow piecewise and on other machines;
+``--only-finished`` assembles the tables from those alone, with "–" for cells never run and,
+for each best cell, the factors it was chosen from.
 
     python studies/bert_batch.py --corpus embedded --corpus wikitext=../shared/data/wikitext-2
     python studies/bert_batch.py --quick     # LAMB and VR-LAMB, 2 tiny runs each (CI)
@@ -103,15 +107,61 @@ def read_metrics(run_dir: Path) -> tuple[dict | None, float | None]:
     return last, (per_group * mean(t for t, _ in half) / grad_sq if grad_sq > 0 else None)
 
 
+#: the settings that make two runs of the same cell the same run (``--reuse`` checks them)
+RUN_SETTINGS = ("samples", "seq_len", "micro_batch", "ranks", "lr_rule", "base_lr", "base_batch", "vocab_size",
+                "model", "zero", "quick")
+
+RunKey = tuple[str, int, str, float, int]  # corpus, batch, optimizer, LR factor, seed
+
+
+def load_reused(dirs: list[Path], config: dict) -> tuple[dict[RunKey, dict], list[dict]]:
+    """The runs of committed studies whose settings match ``config`` (a study's ``meta.json``
+    config), keyed by cell and seed, and where each came from. A setting or a corpus that
+    differs, or one run recorded twice with different results, is an error naming it."""
+    runs: dict[RunKey, dict] = {}
+    sources = []
+    specs = dict(spec.partition("=")[::2] for spec in config["corpora"])
+    for d in dirs:
+        meta_path, runs_path = d / "meta.json", d / "runs.jsonl"
+        if not (meta_path.is_file() and runs_path.is_file()):
+            raise SystemExit(f"--reuse {d}: needs meta.json and runs.jsonl there (a study's --out directory)")
+        meta = json.loads(meta_path.read_text())
+        theirs = meta["config"]
+        for key in RUN_SETTINGS:
+            if theirs.get(key) != config[key]:
+                raise SystemExit(f"--reuse {d}: its runs used {key}={theirs.get(key)!r}, this study {config[key]!r}: "
+                                 "run with its settings or leave that directory out")
+        their_specs = dict(spec.partition("=")[::2] for spec in theirs["corpora"])
+        for name, source in their_specs.items():
+            if name in specs and specs[name] != source:
+                raise SystemExit(f"--reuse {d}: corpus {name!r} was {source or 'embedded'!r} there, "
+                                 f"{specs[name] or 'embedded'!r} here")
+        for line in runs_path.read_text().splitlines():
+            r = json.loads(line)
+            key = (r["corpus"], r["batch"], r["optimizer"], r["factor"], r["seed"])
+            if key in runs and runs[key]["mlm_loss"] != r["mlm_loss"]:
+                raise SystemExit(f"--reuse: {key} is recorded with loss {runs[key]['mlm_loss']} in "
+                                 f"{runs[key]['reused_from']} and {r['mlm_loss']} in {d}")
+            runs.setdefault(key, r | {"reused_from": str(d)})
+        sources.append({"dir": str(d), "commit": meta["machine"].get("commit"), "started": meta["started"]})
+    return runs, sources
+
+
 def run_one(label: str, corpus: str, data: Path, batch: int, factor: float, seed: int,
-            args: argparse.Namespace, params: dict | None = None, phase_extra: dict | None = None) -> dict:
-    """One job run (read back when it finished before); ``params`` replace the label's optimizer
-    parameters, ``phase_extra`` is merged into the phase (e.g. ``adaptive_batch``)."""
+            args: argparse.Namespace, params: dict | None = None, phase_extra: dict | None = None) -> dict | None:
+    """One job run (read back when it finished before, or from ``args.reused``); ``params``
+    replace the label's optimizer parameters, ``phase_extra`` is merged into the phase (e.g.
+    ``adaptive_batch``). None when it never ran and ``args.only_finished`` is set."""
+    reused = getattr(args, "reused", {}).get((corpus, batch, label, factor, seed))
+    if reused is not None:
+        return reused
     run_dir = args.work / "runs" / corpus / f"b{batch}" / label.replace(" ", "_") / f"lr{factor:g}" / f"seed{seed}"
     steps = args.samples // batch
     done = run_dir / "result.json"
     if done.is_file():  # the noise scale is derived again: its definition here may be newer than the run
         return json.loads(done.read_text()) | {"b_simple": read_metrics(run_dir)[1]}
+    if getattr(args, "only_finished", False):
+        return None
     if run_dir.exists():  # an interrupted run: start it again from scratch
         shutil.rmtree(run_dir)
     run_dir.mkdir(parents=True)
@@ -153,9 +203,13 @@ def by_factor(results: list[dict]) -> dict[tuple[str, int, str], dict[float, lis
 
 
 def best_cells(results: list[dict]) -> dict[tuple[str, int, str], list[dict]]:
-    """(corpus, batch, optimizer) -> the runs (one per seed) of the LR factor with the lowest mean loss."""
-    return {key: min(runs.values(), key=lambda rs: mean(r["mlm_loss"] for r in rs))
-            for key, runs in by_factor(results).items()}
+    """(corpus, batch, optimizer) -> the runs (one per seed) of the LR factor with the lowest mean
+    loss, among the factors with the most seeds (a factor run with fewer is not chosen on them)."""
+    best = {}
+    for key, runs in by_factor(results).items():
+        most = max(len(rs) for rs in runs.values())
+        best[key] = min((rs for rs in runs.values() if len(rs) == most), key=lambda rs: mean(r["mlm_loss"] for r in rs))
+    return best
 
 
 def plot(out: Output, best: dict, corpora: list[str], batches: list[int],
@@ -217,6 +271,11 @@ def main() -> None:
                     help="prepared data and the runs' directories")
     ap.add_argument("--out", type=Path, default=None,
                     help="tables, plots, record (default docs/studies/bert_batch; quick: <work>/quick)")
+    ap.add_argument("--reuse", type=Path, action="append", default=[], metavar="DIR",
+                    help="a committed study's --out directory whose runs are read, not run again (same "
+                         "settings, checked); repeatable")
+    ap.add_argument("--only-finished", action="store_true",
+                    help="run nothing: assemble from finished and --reuse runs, '–' for cells never run")
     args = ap.parse_args()
     if args.quick:
         args.corpus, args.batch, args.seed = ["embedded"], [16, 64], [1]
@@ -231,45 +290,53 @@ def main() -> None:
     for batch in batches:
         if batch % (args.ranks * args.micro_batch):
             raise SystemExit(f"--batch {batch}: not a multiple of ranks x micro-batch = {args.ranks * args.micro_batch}")
+    config = {"corpora": specs, "batches": batches, "seeds": seeds, "lr_factors": factors, "optimizers": labels,
+              "samples": args.samples, "seq_len": args.seq_len, "micro_batch": args.micro_batch,
+              "ranks": args.ranks, "lr_rule": args.lr_rule, "base_lr": args.base_lr, "base_batch": args.base_batch,
+              "vocab_size": args.vocab_size, "model": "tiny", "zero": 2, "quick": args.quick}
+    args.reused, sources = load_reused(args.reuse, config)  # before Output: --out may be one of them
     args.work.mkdir(parents=True, exist_ok=True)
-    out = Output(args.out or (args.work if args.quick else DOCS / "bert_batch"), "bert_batch",
-                 {"corpora": specs, "batches": batches, "seeds": seeds, "lr_factors": factors, "optimizers": labels,
-                  "samples": args.samples, "seq_len": args.seq_len, "micro_batch": args.micro_batch,
-                  "ranks": args.ranks, "lr_rule": args.lr_rule, "base_lr": args.base_lr,
-                  "base_batch": args.base_batch, "vocab_size": args.vocab_size, "model": "tiny", "zero": 2,
-                  "quick": args.quick})
+    out = Output(args.out or (args.work if args.quick else DOCS / "bert_batch"), "bert_batch", config)
+    if sources:
+        out.meta["reused"] = sources
     results = []
     for spec, name in zip(specs, corpora):
-        data = prepare(name, spec.partition("=")[2] or None, args.work, args.seq_len, args.vocab_size)
+        data = (args.work / "data" / name if args.only_finished
+                else prepare(name, spec.partition("=")[2] or None, args.work, args.seq_len, args.vocab_size))
         for batch in batches:
             for label in labels:
                 for factor in factors:
                     for seed in seeds:
                         r = run_one(label, name, data, batch, factor, seed, args)
-                        out.log_run(r)
-                        results.append(r)
+                        if r is not None:
+                            out.log_run(r)
+                            results.append(r)
+    if not results:
+        raise SystemExit("--only-finished: no finished or reused run matches these corpora, batches and optimizers")
+    cells = by_factor(results)  # every factor, to show how each optimizer's loss depends on the LR
     best = best_cells(results)
     rows = []
     for (corpus, batch, label), rs in sorted(best.items(), key=lambda kv: (corpora.index(kv[0][0]), kv[0][1],
                                                                            labels.index(kv[0][2]))):
         noise = [r["b_simple"] for r in rs if r.get("b_simple") is not None]
+        tried = sorted(cells[corpus, batch, label])
         rows.append((corpus, batch, rs[0]["steps"], rs[0]["groups"], label,
-                     f"{rs[0]['lr']:.3g} (×{rs[0]['factor']:g})", spread([r["mlm_loss"] for r in rs]),
-                     spread([r["mlm_acc"] for r in rs]), spread(noise, "{:.0f}") if noise else "–"))
+                     f"{rs[0]['lr']:.3g} (×{rs[0]['factor']:g})", f"×{tried[0]:g}–×{tried[-1]:g} ({len(tried)})",
+                     spread([r["mlm_loss"] for r in rs]), spread([r["mlm_acc"] for r in rs]),
+                     spread(noise, "{:.0f}") if noise else "–"))
     out.add_table(f"Held-out MLM loss and accuracy at the best LR factor ({len(seeds)} seeds, mean (min–max); "
                   f"{args.samples} samples per run, seq {args.seq_len}, LR {args.lr_rule} rule from {args.base_lr:g} "
-                  f"at batch {args.base_batch} × factor {factors})",
-                  table(["corpus", "batch", "steps", "groups n", "optimizer", "LR (factor)", "MLM loss",
-                         "MLM accuracy", "B_simple (samples)"], rows))
-    cells = by_factor(results)  # every factor, to show how each optimizer's loss depends on the LR
+                  f"at batch {args.base_batch} × the factors tried)",
+                  table(["corpus", "batch", "steps", "groups n", "optimizer", "LR (factor)", "factors tried",
+                         "MLM loss", "MLM accuracy", "B_simple (samples)"], rows))
     grid = [(name, batch, label, *(spread([r["mlm_loss"] for r in cells[name, batch, label][f]], "{:.3f}")
-                                   for f in factors))
-            for name in corpora for batch in batches for label in labels]
-    out.add_table(f"Held-out MLM loss at every LR factor ({len(seeds)} seeds, mean (min–max))",
+                                   if f in cells.get((name, batch, label), {}) else "–" for f in factors))
+            for name in corpora for batch in batches for label in labels if (name, batch, label) in cells]
+    out.add_table(f"Held-out MLM loss at every LR factor ({len(seeds)} seeds, mean (min–max); – never run)",
                   table(["corpus", "batch", "optimizer", *(f"×{f:g}" for f in factors)], grid))
     plot(out, best, corpora, batches, labels)
     # runs finished before are read back: the record gives the time the runs themselves took
-    out.meta["run_wall_s"] = round(sum(r["wall_s"] for r in results), 1)
+    out.meta["run_wall_s"] = round(sum(r["wall_s"] for r in results), 1)  # reused runs included
     out.finish()
 
 

@@ -100,6 +100,60 @@ def test_bert_batch_quick(tmp_path):
         assert (r["b_simple"] is None) == (r["optimizer"] == "LAMB")  # the noise scale needs the statistics
         if r["b_simple"] is not None:
             assert math.isfinite(r["b_simple"]) and r["b_simple"] > 0
+    # the committed output alone reassembles the same study: nothing runs again
+    run_study("bert_batch.py", "--quick", "--only-finished", "--reuse", str(tmp_path / "out"),
+              "--work", str(tmp_path / "elsewhere"), "--out", str(tmp_path / "again"))
+    again = check_output(tmp_path / "again", ["bert_batch.png"])
+    assert [r["mlm_loss"] for r in again] == [r["mlm_loss"] for r in runs]
+    assert not (tmp_path / "elsewhere" / "quick" / "runs").exists()
+
+
+def fake_study(directory: Path, runs: list[tuple[str, int, str, float, int, float]], **settings) -> Path:
+    """A bert_batch output directory holding the given (corpus, batch, optimizer, factor, seed, loss) runs."""
+    config = {"corpora": ["embedded"], "samples": 10240, "seq_len": 64, "micro_batch": 8, "ranks": 1,
+              "lr_rule": "sqrt", "base_lr": 0.004, "base_batch": 64, "vocab_size": 8000, "model": "tiny", "zero": 2,
+              "quick": False} | settings
+    directory.mkdir(parents=True)
+    (directory / "meta.json").write_text(json.dumps({"config": config, "machine": {"commit": "abc1234"},
+                                                     "started": "2026-11-24 06:00:00 UTC"}))
+    records = [{"corpus": corpus, "batch": batch, "optimizer": label, "seed": seed, "steps": 10240 // batch,
+                "lr": 0.004 * (batch / 64) ** 0.5 * factor, "factor": factor, "groups": batch // 8, "ranks": 1,
+                "samples": 10240, "mlm_loss": loss, "mlm_acc": 0.05, "b_simple": None, "wall_s": 1.0, "run_dir": "gone"}
+               for corpus, batch, label, factor, seed, loss in runs]
+    (directory / "runs.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    return directory
+
+
+def test_bert_batch_assembles_committed_runs_of_several_studies(tmp_path):
+    """``--reuse`` reads runs from committed outputs (two grids of one cell here) and
+    ``--only-finished`` assembles them without running anything: the best factor is chosen among
+    those with every seed (x8 has one seed and the lowest loss, and is not chosen), cells never
+    run are '–', and the record names where the runs came from."""
+    a = fake_study(tmp_path / "a", [("embedded", 64, "LAMB", f, s, 7.0 - 0.1 * f + 0.01 * s)
+                                    for f in (1.0, 2.0) for s in (1, 2)])
+    b = fake_study(tmp_path / "b", [("embedded", 64, "LAMB", 2.0, 1, 6.81), ("embedded", 64, "LAMB", 4.0, 1, 6.75),
+                                    ("embedded", 64, "LAMB", 4.0, 2, 6.65), ("embedded", 64, "LAMB", 8.0, 1, 5.0)])
+    args = ["--only-finished", "--corpus", "embedded", "--batch", "64", "--optimizer", "LAMB", "--optimizer",
+            "VR-LAMB update", "--work", str(tmp_path / "work"), "--reuse", str(a), "--reuse", str(b)]
+    factors = [arg for f in ("1", "2", "4", "8", "16") for arg in ("--lr-factor", f)]
+    run_study("bert_batch.py", *args, *factors, "--out", str(tmp_path / "out"))
+    tables = (tmp_path / "out" / "tables.md").read_text()
+    assert "| embedded | 64 | 160 | 8 | LAMB | 0.016 (×4) | ×1–×8 (4) | 6.7000 (6.6500–6.7500) |" in tables
+    assert "| embedded | 64 | LAMB | 6.915 (6.910–6.920) | 6.815 (6.810–6.820) | 6.700 (6.650–6.750) | 5.000 | – |" \
+        in tables
+    assert "VR-LAMB update |" not in tables  # never run: no row
+    meta = json.loads((tmp_path / "out" / "meta.json").read_text())
+    assert [r["dir"] for r in meta["reused"]] == [str(a), str(b)]
+    assert not (tmp_path / "work" / "runs").exists()
+
+    other = fake_study(tmp_path / "c", [("embedded", 64, "LAMB", 2.0, 1, 6.9)], seq_len=128)
+    proc = subprocess.run([sys.executable, str(STUDIES / "bert_batch.py"), *args, "--reuse", str(other), *factors,
+                           "--out", str(tmp_path / "out2")], cwd=ROOT, capture_output=True, text=True, check=False)
+    assert proc.returncode != 0 and f"--reuse {other}: its runs used seq_len=128" in proc.stderr
+    clash = fake_study(tmp_path / "d", [("embedded", 64, "LAMB", 2.0, 1, 6.5)])
+    proc = subprocess.run([sys.executable, str(STUDIES / "bert_batch.py"), *args, "--reuse", str(clash), *factors,
+                           "--out", str(tmp_path / "out3")], cwd=ROOT, capture_output=True, text=True, check=False)
+    assert proc.returncode != 0 and "is recorded with loss 6.81" in proc.stderr
 
 
 @pytest.mark.slow
