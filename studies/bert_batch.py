@@ -1,9 +1,10 @@
 """LAMB vs VR-LAMB (each GSNR placement) in the real pretraining job as the global batch
 grows at a fixed sample budget: held-out MLM loss and accuracy, and the gradient noise scale.
 
-Every run is ``vrgd-pretrain`` on ``--ranks`` CPU ranks (``deepspeed --num_gpus R``), ZeRO-2
-fp32, a tiny BERT, one phase at ``--seq-len``, ``--samples`` training samples in all, so a larger
-batch takes proportionally fewer steps. The batch grows through accumulation (micro-batch
+Every run is ``vrgd-pretrain`` on ``--ranks`` ranks (``deepspeed --num_gpus R``: CPU ranks, or
+GPUs where there are), ZeRO-2 fp32, a ``--model`` BERT (tiny by default), one phase at
+``--seq-len``, ``--samples`` training samples in all, so a larger batch takes proportionally
+fewer steps. The batch grows through accumulation (micro-batch
 fixed), so the GSNR groups grow with it: n = ranks × accumulation. The peak LR follows
 ``--lr-rule`` from ``--base-lr`` at ``--base-batch`` (square-root scaling by default), times each
 factor of ``--lr-factor`` (the same grid for every optimizer), with 10% linear warmup and the
@@ -48,13 +49,13 @@ OPTIMIZERS: dict[str, dict] = {
 }
 
 
-def base_config(seq_len: int, micro_batch: int, ranks: int, workers: int) -> dict:
+def base_config(seq_len: int, micro_batch: int, ranks: int, workers: int, model: str = "tiny") -> dict:
     return {
         "optimizer": {"type": "VRLamb", "params": {"weight_decay": 0.01, "betas": [0.9, 0.999], "eps": 1e-6}},
         "zero_optimization": {"stage": 2},
         "gradient_clipping": 1.0,
         "job": {
-            "model": {"size": "tiny"},
+            "model": {"size": model},
             "data": {"eval_samples": 512, "workers": workers},
             "total_steps": 1, "log_every": 1, "eval_every": 0, "checkpoint_every": 0, "keep_checkpoints": 1,
             "telemetry": {"tensorboard": False, "per_layer_group": False},
@@ -143,7 +144,9 @@ def load_reused(dirs: list[Path], config: dict) -> tuple[dict[RunKey, dict], lis
                 raise SystemExit(f"--reuse: {key} is recorded with loss {runs[key]['mlm_loss']} in "
                                  f"{runs[key]['reused_from']} and {r['mlm_loss']} in {d}")
             runs.setdefault(key, r | {"reused_from": str(d)})
-        sources.append({"dir": str(d), "commit": meta["machine"].get("commit"), "started": meta["started"]})
+        m = meta["machine"]
+        sources.append({"dir": str(d), "commit": m.get("commit"), "started": meta["started"],
+                        "machine": m.get("cuda") or f"{m.get('processor')}, {m.get('cpus')} CPU cores"})
     return runs, sources
 
 
@@ -165,7 +168,7 @@ def run_one(label: str, corpus: str, data: Path, batch: int, factor: float, seed
     if run_dir.exists():  # an interrupted run: start it again from scratch
         shutil.rmtree(run_dir)
     run_dir.mkdir(parents=True)
-    cfg = base_config(args.seq_len, args.micro_batch, args.ranks, args.workers)
+    cfg = base_config(args.seq_len, args.micro_batch, args.ranks, args.workers, getattr(args, "model", "tiny"))
     lr = lr_for(batch, args) * factor
     cfg["optimizer"]["params"].update(OPTIMIZERS[label] if params is None else params)
     cfg["job"].update(seed=seed, total_steps=steps)
@@ -263,6 +266,8 @@ def main() -> None:
     ap.add_argument("--ranks", type=int, default=1, help="CPU ranks per run (the groups do not depend on it)")
     ap.add_argument("--workers", type=int, default=1, help="DataLoader workers per rank")
     ap.add_argument("--vocab-size", type=int, default=8000)
+    ap.add_argument("--model", choices=("tiny", "mini", "base", "large"), default="tiny",
+                    help="the job's BERT size (mini: the GPU study at 4k-32k)")
     ap.add_argument("--base-lr", type=float, default=4e-3)
     ap.add_argument("--base-batch", type=int, default=64)
     ap.add_argument("--lr-rule", choices=("linear", "sqrt"), default="sqrt")
@@ -293,7 +298,7 @@ def main() -> None:
     config = {"corpora": specs, "batches": batches, "seeds": seeds, "lr_factors": factors, "optimizers": labels,
               "samples": args.samples, "seq_len": args.seq_len, "micro_batch": args.micro_batch,
               "ranks": args.ranks, "lr_rule": args.lr_rule, "base_lr": args.base_lr, "base_batch": args.base_batch,
-              "vocab_size": args.vocab_size, "model": "tiny", "zero": 2, "quick": args.quick}
+              "vocab_size": args.vocab_size, "model": args.model, "zero": 2, "quick": args.quick}
     args.reused, sources = load_reused(args.reuse, config)  # before Output: --out may be one of them
     args.work.mkdir(parents=True, exist_ok=True)
     out = Output(args.out or (args.work if args.quick else DOCS / "bert_batch"), "bert_batch", config)

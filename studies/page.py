@@ -29,7 +29,7 @@ def record(meta: dict) -> str:
     hw = m["cuda"] or f"{m['processor']}, {m['cpus']} CPU cores"
     cfg = ", ".join(f"{k}={v}" for k, v in meta["config"].items())
     runs = f" (the runs themselves: {meta['run_wall_s']:.0f} s)" if "run_wall_s" in meta else ""
-    reused = "; ".join(f"`{r['dir']}` (commit {r['commit'] or 'unknown'}, {r['started']})"
+    reused = "; ".join(f"`{r['dir']}` (commit {r['commit'] or 'unknown'}, {r['started']}, {r['machine']})"
                        for r in meta.get("reused", []))
     reused = f" Runs read from earlier records: {reused}." if reused else ""
     return (f"*Record:* `python studies/{meta['command']}` at commit {m.get('commit') or 'unknown'}, "

@@ -114,7 +114,8 @@ def fake_study(directory: Path, runs: list[tuple[str, int, str, float, int, floa
               "lr_rule": "sqrt", "base_lr": 0.004, "base_batch": 64, "vocab_size": 8000, "model": "tiny", "zero": 2,
               "quick": False} | settings
     directory.mkdir(parents=True)
-    (directory / "meta.json").write_text(json.dumps({"config": config, "machine": {"commit": "abc1234"},
+    (directory / "meta.json").write_text(json.dumps({"config": config, "machine": {"commit": "abc1234", "cuda": None,
+                                                                 "processor": "x86_64", "cpus": 2},
                                                      "started": "2026-11-24 06:00:00 UTC"}))
     records = [{"corpus": corpus, "batch": batch, "optimizer": label, "seed": seed, "steps": 10240 // batch,
                 "lr": 0.004 * (batch / 64) ** 0.5 * factor, "factor": factor, "groups": batch // 8, "ranks": 1,
@@ -143,7 +144,8 @@ def test_bert_batch_assembles_committed_runs_of_several_studies(tmp_path):
         in tables
     assert "VR-LAMB update |" not in tables  # never run: no row
     meta = json.loads((tmp_path / "out" / "meta.json").read_text())
-    assert [r["dir"] for r in meta["reused"]] == [str(a), str(b)]
+    assert [(r["dir"], r["machine"]) for r in meta["reused"]] == [(str(a), "x86_64, 2 CPU cores"),
+                                                                  (str(b), "x86_64, 2 CPU cores")]
     assert not (tmp_path / "work" / "runs").exists()
 
     other = fake_study(tmp_path / "c", [("embedded", 64, "LAMB", 2.0, 1, 6.9)], seq_len=128)
