@@ -99,8 +99,7 @@ def main() -> None:
         ax.set(xlabel="samples", ylabel="global batch", yscale="log", title=f"{name} (seed {seeds[0]})")
         ax.legend(fontsize=7)
     out.savefig(fig, "batch_trajectory.png")
-    out.meta["run_wall_s"] = round(sum(r["wall_s"] for r in results), 1)  # runs read back included
-    out.finish()
+    out.finish(results)
 
 
 def study_args(args: argparse.Namespace) -> argparse.Namespace:

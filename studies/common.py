@@ -97,8 +97,12 @@ class Output:
         plt.close(fig)
         return path
 
-    def finish(self) -> None:
+    def finish(self, runs: Sequence[dict[str, Any]] = ()) -> None:
+        """Writes the record and the tables. ``runs`` with a ``wall_s`` each: runs read back from
+        an earlier invocation or output took their time there, and the record gives it too."""
         self.meta["wall_s"] = round(time.time() - self.t0, 1)
+        if runs:
+            self.meta["run_wall_s"] = round(sum(r["wall_s"] for r in runs), 1)
         (self.dir / "meta.json").write_text(json.dumps(self.meta, indent=2) + "\n")
         body = [f"<!-- written by studies/{self.study}.py; do not edit -->\n"]
         body += [f"#### {title}\n\n{md}" for title, md in self.sections]
