@@ -663,6 +663,24 @@ def test_reduction_statistics_are_written_fresh_and_never_left_stale():
         stats.end_step()
 
 
+def test_a_tensor_without_statistics_is_an_error_naming_it():
+    """Both statistics sources (reductions hooked in DeepSpeed, local sums reduced per step)
+    refuse a flat tensor they hold no buffers for, with its shape, instead of reading zeros."""
+    from vrgd_ds.ds.sources import ReductionStats
+    from vrgd_ds.optim import _impl
+    from vrgd_ds.stats.local import LocalStats
+
+    known, added = torch.zeros(6), torch.zeros(3, 5)
+    sources = [ReductionStats(None, [known], world=1, per_micro_step=True, loss_scale=lambda: 1.0,
+                              kernels=_impl.Reference()),
+               LocalStats(None, _impl.Reference(), 1, [known], "local", torch.float32, lambda: 1.0, lambda: 1)]
+    for stats in sources:
+        sum_g, sum_sq = stats.moments([known])
+        assert sum_g[0].shape == sum_sq[0].shape == (6,)
+        with pytest.raises(RuntimeError, match=r"shape \(3, 5\)"):
+            stats.moments([known, added])
+
+
 def test_the_three_implementations_read_the_kernel_tables_by_the_same_names():
     """The per-segment tables are named once (vrgd_ds/optim/columns.py): the C++ kernels' col::k...
     constants and the Triton kernels' constants must give every name the schema's position."""

@@ -38,7 +38,7 @@ from torch import Tensor
 
 import deepspeed.comm as dist
 
-from vrgd_ds.stats.local import CommCounters
+from vrgd_ds.stats.local import CommCounters, moment_buffers, moment_views
 
 
 class ReductionStats:
@@ -55,8 +55,7 @@ class ReductionStats:
         self.per_micro_step = per_micro_step
         self.kernels = kernels  # the optimizer's implementation: pack_squares
         self._loss_scale = loss_scale
-        self._bufs = {id(f): (torch.zeros(f.numel(), dtype=torch.float32, device=f.device),
-                              torch.zeros(f.numel(), dtype=torch.float32, device=f.device)) for f in flats}
+        self._bufs = moment_buffers(flats)
         self._shapes = {id(f): f.shape for f in flats}
         self._counts: dict[int, int] = {}  # reductions of each model tensor since the last step
         self._pieces: list[tuple[int, int, int, int]] = []  # (model tensor id, flat id, start, length)
@@ -83,15 +82,7 @@ class ReductionStats:
                     g, s = self._bufs[fid]
                     g.narrow(0, start, length).zero_()
                     s.narrow(0, start, length).zero_()
-        sum_g, sum_sq = [], []
-        for p in params:
-            bufs = self._bufs.get(id(p))
-            if bufs is None:
-                raise RuntimeError(f"no VRGD statistics for a flat tensor of shape {tuple(p.shape)}: it was not "
-                                   "in the optimizer when DeepSpeed built its partitions")
-            sum_g.append(bufs[0].view(p.shape))
-            sum_sq.append(bufs[1].view(p.shape))
-        return sum_g, sum_sq
+        return moment_views(self._bufs, params)
 
     def reset(self) -> None:
         """The optimizer's own end-of-step reset: nothing to do, ``end_step`` clears instead

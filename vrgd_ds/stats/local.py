@@ -40,6 +40,26 @@ from torch import Tensor
 logger = logging.getLogger(__name__)
 
 
+def moment_buffers(targets: list[Tensor]) -> dict[int, tuple[Tensor, Tensor]]:
+    """The ``(Σg, Σg²)`` fp32 buffers of each flat tensor the basic optimizer updates, by id."""
+    return {id(t): (torch.zeros(t.numel(), dtype=torch.float32, device=t.device),
+                    torch.zeros(t.numel(), dtype=torch.float32, device=t.device)) for t in targets}
+
+
+def moment_views(bufs: dict[int, tuple[Tensor, Tensor]], params) -> tuple[list[Tensor], list[Tensor]]:
+    """``moments()``'s answer: each tensor's buffers viewed in its shape; a tensor without
+    statistics is an error naming its shape (it was added after the engine was built)."""
+    sum_g, sum_sq = [], []
+    for p in params:
+        pair = bufs.get(id(p))
+        if pair is None:
+            raise RuntimeError(f"no VRGD statistics for a flat tensor of shape {tuple(p.shape)}: it was not "
+                               "in the optimizer when DeepSpeed built its partitions")
+        sum_g.append(pair[0].view(p.shape))
+        sum_sq.append(pair[1].view(p.shape))
+    return sum_g, sum_sq
+
+
 @dataclass
 class CommCounters:
     """What a statistics source sent (per rank), to check its cost: collectives, the bytes of
@@ -85,8 +105,7 @@ class LocalStats:
         self.gbar = gbar
         self.squares_dtype = squares_dtype
         self._loss_scale = loss_scale
-        self._bufs = {id(t): (torch.zeros(t.numel(), dtype=torch.float32, device=t.device),
-                              torch.zeros(t.numel(), dtype=torch.float32, device=t.device)) for t in targets}
+        self._bufs = moment_buffers(targets)
         self._targets = {id(t): t for t in targets}
         self.flats: list[Flat] = []
         self._where: dict[int, tuple[Flat, int]] = {}  # param id -> (flat, offset)
@@ -186,18 +205,11 @@ class LocalStats:
                 for gb, _ in self._bufs.values():
                     gb.mul_(self._c)  # the local sums were of x; the squares already carry c
             self._finished = True
-        sum_g, sum_sq = [], []
-        for p in params:
-            bufs = self._bufs.get(id(p))
-            if bufs is None:
-                raise RuntimeError(f"no VRGD statistics for a flat tensor of shape {tuple(p.shape)}: it was not "
-                                   "in the optimizer when DeepSpeed built its partitions")
-            if self.gbar == "engine" and id(p) not in self._captured:
-                # DeepSpeed did not unscale or clip (loss scale 1, no clipping): its gradient is as reduced
-                self.capture(p, p.grad)
-            sum_g.append(bufs[0].view(p.shape))
-            sum_sq.append(bufs[1].view(p.shape))
-        return sum_g, sum_sq
+        if self.gbar == "engine":
+            for p in params:  # DeepSpeed did not unscale or clip (loss scale 1, no clipping): as reduced
+                if id(p) not in self._captured:
+                    self.capture(p, p.grad)
+        return moment_views(self._bufs, params)
 
     #: True where no engine wraps the step (DDP): the optimizer's reset ends the step
     reset_ends_step = False
