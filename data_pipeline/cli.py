@@ -182,7 +182,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--next-sentence", choices=("nsp", "sop", "none"), default=None,
                    help="sentence-pair task of the sample indices (default: the sample builder's)")
     _add_workers_args(p)
-    p.set_defaults(func=_cmd_prepare)
+    p.set_defaults(func=_cmd_prepare, command_parser=p)
 
     p = sub.add_parser("tokenizer", help="train a sentencepiece tokenizer with BERT special ids",
                        description="Train a sentencepiece model; [PAD]=0 [UNK]=1 [CLS]=2 [SEP]=3 [MASK]=4.")
@@ -196,7 +196,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="train on a seeded sample of at most this many sentences; 0: all (default: 4M)")
     p.add_argument("--character-coverage", type=float, default=0.9995)
     p.add_argument("--byte-fallback", action="store_true", help="encode uncovered characters as bytes, not [UNK]")
-    p.set_defaults(func=_cmd_tokenizer)
+    p.set_defaults(func=_cmd_tokenizer, command_parser=p)
 
     p = sub.add_parser("shard", help="tokenise a corpus into memory-mapped shards",
                        description="Tokenise documents into shard_*.npy files plus manifest.json in --out "
@@ -206,7 +206,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", required=True, help="shard directory")
     p.add_argument("--shard-tokens", type=int, default=1 << 25, help="tokens per shard (default: 2^25)")
     _add_workers_args(p)
-    p.set_defaults(func=_cmd_shard)
+    p.set_defaults(func=_cmd_shard, command_parser=p)
 
     p = sub.add_parser("samples", help="build sample indices over shards",
                        description="Build one sample index per --seq-len (reused when up to date).")
@@ -217,7 +217,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--next-sentence", choices=("nsp", "sop", "none"), default=None,
                    help="sentence-pair task (default: the sample builder's)")
     p.add_argument("--short-seq-prob", type=float, default=None, help="probability of a shorter target length (BERT: 0.1)")
-    p.set_defaults(func=_cmd_samples)
+    p.set_defaults(func=_cmd_samples, command_parser=p)
 
     p = sub.add_parser("verify", help="check shards against their manifest",
                        description="Check that every shard file exists with the recorded size and shape; "
@@ -225,18 +225,31 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("shards", help="shard directory")
     p.add_argument("--full", action="store_true", help="recompute sha256 sums (reads every byte)")
     p.add_argument("--tokenizer", default=None, help="also check the shards were written with this model")
-    p.set_defaults(func=_cmd_verify)
+    p.set_defaults(func=_cmd_verify, command_parser=p)
 
     p = sub.add_parser("info", help="describe shards, a tokenizer model or a prepared directory")
     p.add_argument("path", help="shard directory, .model file, or `prepare` output directory")
     p.add_argument("--json", action="store_true", help="print JSON")
-    p.set_defaults(func=_cmd_info)
+    p.set_defaults(func=_cmd_info, command_parser=p)
     return parser
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    """The command line, with a command's inputs allowed after its options
+    (``prepare OUT --vocab-size 8000 a.txt b.txt``): argparse fills a ``nargs="*"`` positional at
+    its first chance and calls later ones unrecognized, so what the first pass leaves over is
+    settled by parsing the command's arguments again, intermixed."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args, rest = build_parser().parse_known_args(argv)
+    if rest:
+        own = argv[argv.index(args.command) + 1:]  # only -v precedes the command, and it takes no value
+        vars(args).update(vars(args.command_parser.parse_intermixed_args(own)))
+    return args
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of ``vrgd-data``; returns the exit status."""
-    args = build_parser().parse_args(argv)
+    args = parse_args(argv)
     level = logging.WARNING if args.verbose == 0 else logging.INFO if args.verbose == 1 else logging.DEBUG
     logging.basicConfig(level=level, format="%(levelname)s %(name)s: %(message)s")
     try:

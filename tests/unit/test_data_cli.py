@@ -98,6 +98,20 @@ def test_prepare_is_idempotent_and_notices_changed_input(corpus_file, tmp_path, 
     assert "built: nothing (all reused)" in capsys.readouterr().out
 
 
+def test_input_files_may_follow_the_options(corpus_file, tmp_path, capsys):
+    """``prepare OUT --options... INPUT`` (how scripts append their file lists) reads the inputs;
+    an unknown option is still an error naming it. On the old code the first command exited
+    with "unrecognized arguments" (SystemExit 2)."""
+    out = tmp_path / "p"
+    assert main(["prepare", str(out), "--vocab-size", "400", "--seq-len", "64", "--tokenizer-threads", "1",
+                 "--shard-tokens", "10000", "--workers", "1", "--no-progress", str(corpus_file)]) == 0
+    assert ShardedCorpus(out / "shards").num_documents == 40  # the file's, not the embedded corpus
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as exc:
+        main(["prepare", str(out), "--no-such-option", str(corpus_file)])
+    assert exc.value.code == 2 and "--no-such-option" in capsys.readouterr().err
+
+
 def test_prepare_rejects_empty_seq_lens(corpus_file, tmp_path):
     with pytest.raises(DataError, match="seq_lens is empty"):
         prepare(tmp_path / "p", corpus_file, vocab_size=400, seq_lens=(), progress=False)
