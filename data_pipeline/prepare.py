@@ -153,8 +153,8 @@ def prepare(
 
     # 1. tokenizer
     tokenizer_path = output_dir / TOKENIZER_FILE
-    wanted = {
-        "corpus_fingerprint": fingerprint, "source": corpus.description, "vocab_size": vocab_size,
+    wanted = {  # the corpus by its fingerprint: the description names the files as they were given
+        "corpus_fingerprint": fingerprint, "vocab_size": vocab_size,
         "model_type": model_type, "seed": seed, "num_threads": tokenizer_threads,
     }
     old = record.get("tokenizer", {})
@@ -171,7 +171,8 @@ def prepare(
             num_threads=tokenizer_threads,
         )
         built.append("tokenizer")
-        record = {"tokenizer": {**wanted, "sha256": tokenizer.sha256}}  # later steps are stale now
+        # the source is recorded, not compared; later steps are stale now
+        record = {"tokenizer": {**wanted, "source": corpus.description, "sha256": tokenizer.sha256}}
         _write_record(record_path, record)
 
     # 2. shards

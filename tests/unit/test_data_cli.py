@@ -68,7 +68,7 @@ def test_module_entry_point_subprocess(tmp_path):
         assert command in run.stdout
 
 
-def test_prepare_is_idempotent_and_notices_changed_input(corpus_file, tmp_path, capsys):
+def test_prepare_is_idempotent_and_notices_changed_input(corpus_file, tmp_path, capsys, monkeypatch):
     out = tmp_path / "prepared"
     first = prepare(out, corpus_file, vocab_size=400, seq_lens=(64,), workers=1, progress=False,
                     tokenizer_threads=1, shard_tokens=10000)
@@ -79,6 +79,12 @@ def test_prepare_is_idempotent_and_notices_changed_input(corpus_file, tmp_path, 
                      tokenizer_threads=1, shard_tokens=10000)
     assert second.built == () and second.sample_indices == first.sample_indices
     assert {p: p.stat().st_mtime_ns for p in out.rglob("*") if p.is_file()} == stamps  # nothing rewritten
+    # the same file named another way (relative, from its directory) is the same input: nothing
+    # rebuilt (the old code compared the recorded description, so it retrained and resharded)
+    monkeypatch.chdir(corpus_file.parent)
+    again = prepare(out, corpus_file.name, vocab_size=400, seq_lens=(64,), workers=1, progress=False,
+                    tokenizer_threads=1, shard_tokens=10000)
+    assert again.built == ()
     # a damaged shard is caught by the size check and the shards are rewritten
     victim = out / "shards" / "shard_00000.tokens.npy"
     victim.write_bytes(victim.read_bytes()[:-2])
