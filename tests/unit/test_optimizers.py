@@ -86,16 +86,27 @@ def test_base_equals_torch_optimizer(name):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("name, over", WITH_PLACEMENTS)
 def test_fused_equals_reference(name, over, dtype):
-    """The fused multi-tensor kernels against the single-tensor reference over several
-    steps. Element-wise maths rounds identically; reductions (mean r, norms) sum in another
-    order, so trajectories agree to ~1e-6 relative in fp32 and to about one ulp in bf16/fp16."""
+    """The fused multi-tensor kernels against the single-tensor reference, step by step over
+    several steps. Element-wise maths rounds identically; reductions (mean r, norms) sum in
+    another order, so each step agrees to ~1e-6 relative in fp32 and to about one ulp in
+    bf16/fp16. Each step starts from the reference's state: over several steps LARS's trust
+    ratio and the GSNR clamp amplify a last-bit difference of a norm (on an AVX-512 build
+    7e-8 relative in the first step's trust ratios, 7e-6 of the weights' scale after five),
+    which says nothing about the kernels."""
     data = batches(5, 4, dtype=dtype)
     m1, m2 = make_model(dtype), make_model(dtype)
     o1, o2 = build(name, m1, False, **over), build(name, m2, True, **over)
-    a, b = run(m1, o1, data), run(m2, o2, data)
     tol = dict(rtol=1e-5, atol=1e-6) if dtype == torch.float32 else dict(rtol=1e-2, atol=1e-2)
-    for x, y in zip(a, b):
-        torch.testing.assert_close(x, y, **tol)
+    for i, step in enumerate(data):
+        if i:
+            with torch.no_grad():
+                for p1, p2 in zip(m1.parameters(), m2.parameters()):
+                    p2.copy_(p1)
+                    for k, v in o1.state[p1].items():
+                        o2.state[p2][k].copy_(v)
+        a, b = run(m1, o1, [step]), run(m2, o2, [step])
+        for x, y in zip(a, b):
+            torch.testing.assert_close(x, y, **tol)
     for p1, p2 in zip(m1.parameters(), m2.parameters()):
         for k, v in o1.state[p1].items():
             assert v.dtype == torch.float32  # fp32 state for low-precision params

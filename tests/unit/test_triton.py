@@ -244,3 +244,80 @@ def test_cuda_step_does_not_synchronise(name):
     finally:
         torch.cuda.set_sync_debug_mode("default")
     opt.gsnr_metrics()
+
+
+# ---- a kernel that fails to compile: fused=None falls back, fused="triton" raises --------------------
+
+
+def _broken(launch: str, tmp_path):
+    """``LAUNCHES[launch]`` with a kernel of the same signature that the compiler (and the
+    interpreter) rejects: a static assertion that cannot hold."""
+    import dataclasses
+    import importlib.util
+    import inspect
+
+    spec = _triton.LAUNCHES[launch]
+    params = inspect.signature(getattr(spec.kernel, "fn", spec.kernel)).parameters
+    args = ", ".join(f"{n}: tl.constexpr" if "constexpr" in str(p.annotation) else n for n, p in params.items())
+    path = tmp_path / f"broken_{launch}.py"
+    path.write_text("import triton\nimport triton.language as tl\n\n\n@triton.jit\n"
+                    f"def _broken_kernel({args}):\n    tl.static_assert(BLOCK < 0, 'forced compile failure')\n")
+    mod_spec = importlib.util.spec_from_file_location(f"broken_{launch}", path)
+    mod = importlib.util.module_from_spec(mod_spec)
+    mod_spec.loader.exec_module(mod)
+    return dataclasses.replace(spec, kernel=mod._broken_kernel)
+
+
+def _with_fallback(opt):
+    """What ``select`` returns for ``fused=None`` on CUDA, on this CPU's interpreted kernels."""
+    from vrgd_ds.optim import _impl
+
+    opt._kernels = _impl.WithFallback(_triton.Triton(), type(opt).__name__)
+    return opt
+
+
+def test_fused_none_on_cuda_selects_the_kernels_with_fallback():
+    from vrgd_ds.optim import _impl
+
+    meta = [torch.empty(3, device="meta")]  # not a CPU tensor: the Triton branch of select()
+    assert isinstance(_impl.select(None, meta, "X"), _impl.WithFallback)
+    assert isinstance(_impl.select("triton", meta, "X"), _triton.Triton)
+
+
+@pytest.mark.parametrize("name, launch", [("VRAdam", "adam"), ("VRLamb", "nonfinite"), ("VRMomentum", "sgd"),
+                                          ("VRLamb", "accumulate"), ("VRLars", "grad_norms")])
+def test_a_kernel_failing_to_compile_falls_back_to_the_reference(name, launch, tmp_path, monkeypatch, caplog):
+    """fused=None: the compiler's message is logged once and the reference takes over; the
+    failed step is redone there from the start (its step count not counted twice), so the run
+    equals one on the reference throughout."""
+    monkeypatch.setitem(_triton.LAUNCHES, launch, _broken(launch, tmp_path))
+    batches = data(3, 2)
+    m1, m2 = Net().to(DEVICE), Net().to(DEVICE)
+    ref = run(m1, build(name, m1, False), batches)
+    opt = _with_fallback(build(name, m2, "triton"))
+    with caplog.at_level("WARNING"):
+        got = run(m2, opt, batches)
+    for a, b in zip(ref, got):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
+    warned = [r for r in caplog.records if "forced compile failure" in r.getMessage()]
+    assert len(warned) == 1 and "using the reference implementation" in warned[0].getMessage()
+    assert opt.kernels().name == "reference" and opt.step_calls == 3
+    assert all(int(st["step"]) == 3 for st in opt.state.values())
+
+
+def test_fused_triton_raises_the_compile_failure(tmp_path, monkeypatch):
+    monkeypatch.setitem(_triton.LAUNCHES, "adam", _broken("adam", tmp_path))
+    m = Net().to(DEVICE)
+    with pytest.raises(Exception, match="forced compile failure"):
+        run(m, build("VRAdam", m, "triton"), data(1, 2))
+
+
+def test_a_failure_after_the_step_wrote_state_is_not_papered_over(tmp_path, monkeypatch):
+    """LAMB's second pass failing after the first pass wrote the moments: redoing the step would
+    apply them twice, so it raises, naming the way out. (On a GPU the second pass is compiled
+    before the first runs, so a compile failure surfaces before anything is written; the
+    interpreter compiles nothing ahead.)"""
+    monkeypatch.setitem(_triton.LAUNCHES, "lamb_apply", _broken("lamb_apply", tmp_path))
+    m = Net().to(DEVICE)
+    with pytest.raises(RuntimeError, match="cannot be redone.*fused=False"):
+        run(m, _with_fallback(build("VRLamb", m, "triton")), data(1, 2))

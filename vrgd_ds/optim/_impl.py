@@ -274,6 +274,96 @@ _FUSED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 FUSED_CHOICES = (None, True, False, "triton")
 
 
+class KernelFailure(RuntimeError):
+    """A kernel of a compiled implementation failed to compile or launch; ``cause`` is the
+    compiler's or driver's exception."""
+
+    def __init__(self, kernel: str, flags: dict, cause: BaseException) -> None:
+        super().__init__(f"kernel {kernel} {flags} failed: {type(cause).__name__}: {cause}")
+        self.kernel, self.flags, self.cause = kernel, flags, cause
+
+
+class StepRetry(Exception):
+    """A step's kernels failed before anything was written: the step is to be run again (on the
+    reference, which the kernels now are)."""
+
+
+class WithFallback:
+    """The Triton kernels for ``fused=None``: when one fails to compile or launch at run time,
+    the compiler's message is logged once and the reference takes over for good. A hook's call
+    is redone on the reference at once (it only writes its outputs); a step's failure before any
+    parameter or state was written raises ``StepRetry`` (the optimizer runs the step again), and
+    after that a ``RuntimeError`` naming the fix (nothing is silently half-applied)."""
+
+    _HOOKS = frozenset(("pack_squares", "accumulate_moments"))
+
+    def __init__(self, kernels: Kernels, owner: str) -> None:
+        self.primary, self.reference, self.owner = kernels, Reference(), owner
+        self.failure: KernelFailure | None = None
+        self._step_writes = 0
+
+    @property
+    def active(self) -> Kernels:
+        return self.reference if self.failure is not None else self.primary
+
+    @property
+    def name(self) -> str:
+        return self.active.name
+
+    @property
+    def sync_free(self) -> bool:
+        return getattr(self.active, "sync_free", False)
+
+    def _writes(self) -> int:
+        """Launches so far that wrote parameters or optimizer state."""
+        return getattr(self.primary, "counts", {}).get("mutating_launches", 0)
+
+    def new_step(self) -> None:
+        """A step begins: nothing of it is written yet."""
+        self._step_writes = self._writes()
+
+    def _call(self, method: str, *args, **kwargs):
+        if self.failure is None:
+            try:
+                return getattr(self.primary, method)(*args, **kwargs)
+            except KernelFailure as exc:
+                self.failure = exc
+                logger.warning("%s: the %s kernels failed; using the reference implementation from now on "
+                               "(fused=True raises instead): %s", self.owner, self.primary.name, exc)
+                if method not in self._HOOKS:
+                    if self._writes() > self._step_writes:
+                        raise RuntimeError(f"{self.owner}: a {self.primary.name} kernel failed after this step "
+                                           "had written parameters or state, so it cannot be redone; restart "
+                                           "from the last checkpoint with fused=False") from exc
+                    raise StepRetry() from exc
+        kwargs.pop("found_inf", None)
+        return getattr(self.reference, method)(*args, **kwargs)
+
+    def gsnr_moments(self, *args, **kwargs):
+        return self._call("gsnr_moments", *args, **kwargs)
+
+    def scaled_grad_norms(self, *args, **kwargs):
+        return self._call("scaled_grad_norms", *args, **kwargs)
+
+    def sgd_step(self, *args, **kwargs):
+        return self._call("sgd_step", *args, **kwargs)
+
+    def adam_step(self, *args, **kwargs):
+        return self._call("adam_step", *args, **kwargs)
+
+    def lamb_apply(self, *args, **kwargs):
+        return self._call("lamb_apply", *args, **kwargs)
+
+    def nonfinite(self, *args, **kwargs):
+        return self._call("nonfinite", *args, **kwargs)
+
+    def pack_squares(self, *args, **kwargs):
+        return self._call("pack_squares", *args, **kwargs)
+
+    def accumulate_moments(self, *args, **kwargs):
+        return self._call("accumulate_moments", *args, **kwargs)
+
+
 def _triton() -> tuple[Kernels | None, str | None]:
     """The Triton kernels, or why they cannot run here."""
     try:
@@ -303,7 +393,7 @@ def select(fused: bool | str | None, params: Sequence[Tensor], owner: str) -> Ke
     if fused == "triton" or (why_not is None and not on_cpu):
         kernels, why = _triton()
         if why_not is None and kernels is not None:
-            return kernels
+            return kernels if fused else WithFallback(kernels, owner)
         why_not = why_not or why
         if fused:
             raise ValueError(f"{owner}(fused={fused!r}): {why_not}; pass fused=None or False")

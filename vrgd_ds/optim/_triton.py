@@ -10,22 +10,38 @@ kernel combines per segment **in chunk order** (one program per segment, a seque
 results do not depend on scheduling. Tensors are reached through device tables of their
 ``data_ptr()``\\ s, cast to typed pointers inside the kernels.
 
-No host synchronisation: the tables are built on the host from shapes only (cached), copied
-to the device from pinned memory without blocking; per-segment columns arrive as device
-float64 tables; the step's non-finite decision arrives as a device flag ``found_inf`` that
-turns every store into a no-op (a skipped chunk has zero length), as torch's fused AdamW
-takes ``found_inf``. Kernels return device tensors and never read them back.
+Wide accesses. A chunk is walked as an aligned *body* of whole ``BLOCK``\\ s and a *rest* (the
+few elements before the body and the tail after it). The body's pointers carry alignment
+hints, so every fp32 stream moves 128 bits per access (64 for a bf16/fp16 parameter); the rest
+is masked and scalar. The hints are true by construction: the host puts the body of a chunk
+where every stream of its tensor is aligned to ``VEC`` elements (from the ``data_ptr()``\\ s, no
+device read), and a tensor whose streams disagree (a view at an odd offset) gets no body —
+never a wrong hint. ZeRO flat partitions cut at any element and tensors of any size go
+through the same two loops.
+
+No host synchronisation: the tables are built on the host from shapes and addresses only
+(cached while the tensors are the same), copied to the device from pinned memory without
+blocking; per-segment columns arrive as device float64 tables; the step's non-finite decision
+arrives as a device flag ``found_inf`` that turns every store into a no-op (a skipped chunk
+has zero length), as torch's fused AdamW takes ``found_inf``. Kernels return device tensors
+and never read them back.
+
+What can be launched is data: ``LAUNCHES`` lists, per kernel, every combination of
+compile-time flags its launch site may pass and the launch options; ``Triton._launch`` refuses
+anything else, and ``vrgd_ds.optim.triton_aot`` compiles exactly that list for A100 and H100
+(no GPU needed) and reads registers, spills and access widths from the machine code.
 
 Element-wise arithmetic follows the reference (``_impl.Reference``) op for op, in fp32, with
 IEEE division and square root (``div_rn``, ``sqrt_rn``) and no FMA contraction on the GPU
 (``enable_fp_fusion=False``), so only the order of summation differs. (Triton's interpreter
 rounds fp32 -> bf16 by truncation; on the GPU the conversion rounds to nearest even.)
 """
-from __future__ import annotations
-
+import inspect
+import itertools
+import logging
 import os
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Any, Sequence
 
 import torch
 import triton
@@ -33,34 +49,51 @@ import triton.language as tl
 from torch import Tensor
 
 from vrgd_ds.optim import columns
-from vrgd_ds.optim._impl import BOTH_MOMENTS, PLACEMENTS
+from vrgd_ds.optim._impl import BOTH_MOMENTS, PLACEMENTS, UPDATE, KernelFailure
+
+logger = logging.getLogger(__name__)
 
 Tensors = Sequence[Tensor]
 
 # Columns of the per-segment tables (columns.py); the Adam and LAMB tables get one more column
-# computed on the device before the launch (lr / bc1, lr · trust).
-_INV_MEAN: tl.constexpr = columns.index(columns.GSNR, "inv_mean")
-_LO: tl.constexpr = columns.index(columns.GSNR, "lo")
-_BC3: tl.constexpr = columns.index(columns.GSNR, "bc3")
-_NORMS_W: tl.constexpr = len(columns.NORMS)
-_SGD_LR_MULT: tl.constexpr = columns.index(columns.SGD, "lr_mult")
-_SGD_FIRST: tl.constexpr = columns.index(columns.SGD, "first")
-_SGD_W: tl.constexpr = len(columns.SGD)
-_ADAM_BC1: tl.constexpr = columns.index(columns.ADAM, "bc1")
-_ADAM_BC2S: tl.constexpr = columns.index(columns.ADAM, "bc2s")
-_ADAM_GRAD_MULT: tl.constexpr = columns.index(columns.ADAM, "grad_mult")
-_ADAM_STEP_SIZE: tl.constexpr = len(columns.ADAM)
-_ADAM_W: tl.constexpr = len(columns.ADAM) + 1
-_LAMB_BC1: tl.constexpr = columns.index(columns.LAMB_APPLY, "bc1")
-_LAMB_BC2S: tl.constexpr = columns.index(columns.LAMB_APPLY, "bc2s")
-_LAMB_TRUST: tl.constexpr = columns.index(columns.LAMB_APPLY, "trust")
-_LAMB_STEP: tl.constexpr = len(columns.LAMB_APPLY)
-_LAMB_W: tl.constexpr = len(columns.LAMB_APPLY) + 1
+# computed on the device before the launch (lr / bc1, lr · trust). Module globals reach a
+# compiled kernel only as tl.constexpr objects (an annotation is not enough).
+_INV_MEAN = tl.constexpr(columns.index(columns.GSNR, "inv_mean"))
+_LO = tl.constexpr(columns.index(columns.GSNR, "lo"))
+_BC3 = tl.constexpr(columns.index(columns.GSNR, "bc3"))
+_NORMS_W = tl.constexpr(len(columns.NORMS))
+_SGD_LR_MULT = tl.constexpr(columns.index(columns.SGD, "lr_mult"))
+_SGD_FIRST = tl.constexpr(columns.index(columns.SGD, "first"))
+_SGD_W = tl.constexpr(len(columns.SGD))
+_ADAM_BC1 = tl.constexpr(columns.index(columns.ADAM, "bc1"))
+_ADAM_BC2S = tl.constexpr(columns.index(columns.ADAM, "bc2s"))
+_ADAM_GRAD_MULT = tl.constexpr(columns.index(columns.ADAM, "grad_mult"))
+_ADAM_STEP_SIZE = tl.constexpr(len(columns.ADAM))
+_ADAM_W = tl.constexpr(len(columns.ADAM) + 1)
+_LAMB_BC1 = tl.constexpr(columns.index(columns.LAMB_APPLY, "bc1"))
+_LAMB_BC2S = tl.constexpr(columns.index(columns.LAMB_APPLY, "bc2s"))
+_LAMB_TRUST = tl.constexpr(columns.index(columns.LAMB_APPLY, "trust"))
+_LAMB_STEP = tl.constexpr(len(columns.LAMB_APPLY))
+_LAMB_W = tl.constexpr(len(columns.LAMB_APPLY) + 1)
 
 CHUNK = 1 << 16  # elements per program
-BLOCK = 1024  # elements per iteration inside a program
+BLOCK = 512  # elements per iteration inside a program: 4 per thread of 4 warps, one 128-bit access
+HOOK_SPAN = 8 * BLOCK  # elements per program of the statistics hook (per tensor: enough programs to fill a GPU)
+VEC = 4  # elements per aligned access group: 128 bits of fp32
+_VEC = tl.constexpr(VEC)
+_ROW = tl.constexpr(6)  # chunk table row: tensor, start, length, segment, head, body blocks
 INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") == "1"
 _DTYPES = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
+
+
+def _kernel(fn):
+    """``@triton.jit`` without value specialisation: Triton would otherwise compile another
+    variant for an argument that happens to be 1, divisible by 16 or 16-byte aligned. Here the
+    constexpr flags alone choose the code (``LAUNCHES``), and alignment is hinted where the
+    host proved it."""
+    params = inspect.signature(fn).parameters
+    runtime = [n for n, p in params.items() if "constexpr" not in str(p.annotation)]
+    return triton.jit(fn, do_not_specialize=runtime, do_not_specialize_on_alignment=runtime)
 
 
 # ---- shared device helpers --------------------------------------------------------------------
@@ -68,14 +101,68 @@ _DTYPES = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16
 
 @triton.jit
 def _chunk(chunks, c, found):
-    """(tensor index, start, length, segment) of chunk ``c``; length 0 when ``found`` is set."""
-    t = tl.load(chunks + c * 4 + 0)
-    start = tl.load(chunks + c * 4 + 1)
-    n = tl.load(chunks + c * 4 + 2)
-    s = tl.load(chunks + c * 4 + 3)
+    """(tensor, start, length, segment, head, body blocks) of chunk ``c``; all lengths 0 when
+    ``found`` is set. The body is ``[start + head, start + head + blocks · BLOCK)``."""
+    row = chunks + c * _ROW
+    t = tl.load(row + 0)
+    start = tl.load(row + 1)
+    n = tl.load(row + 2)
+    s = tl.load(row + 3)
+    head = tl.load(row + 4)
+    nblk = tl.load(row + 5)
     if found is not None:
-        n = n * (1 - (tl.load(found) != 0).to(tl.int64))
-    return t, start, n, s
+        keep = 1 - (tl.load(found) != 0).to(tl.int64)
+        n = n * keep
+        head = head * keep
+        nblk = nblk * keep
+    return t, start, n, s, head, nblk
+
+
+@triton.jit
+def _body_idx(start, head, i, BLOCK: tl.constexpr):
+    return start + head + i * BLOCK + tl.arange(0, BLOCK)
+
+
+@triton.jit
+def _rest_idx(start, n, head, nblk, off, BLOCK: tl.constexpr):
+    """Indices and mask of the rest's ``off``-th block: the head, then the tail after the body."""
+    rel = off + tl.arange(0, BLOCK)
+    idx = start + rel + tl.where(rel < head, 0, nblk * BLOCK)
+    return idx, rel < n - nblk * BLOCK
+
+
+@triton.jit
+def _at(PTR, idx, WIDE: tl.constexpr):
+    """The element pointers; in the body, hinted aligned to VEC elements (true by construction)."""
+    ptrs = PTR + idx
+    if WIDE:
+        ptrs = tl.multiple_of(ptrs, _VEC * (PTR.dtype.element_ty.primitive_bitwidth // 8))
+    return ptrs
+
+
+@triton.jit
+def _ld(PTR, idx, m, WIDE: tl.constexpr):
+    if WIDE:
+        x = tl.load(_at(PTR, idx, True))
+    else:
+        x = tl.load(PTR + idx, mask=m, other=0.0)
+    return x
+
+
+@triton.jit
+def _st(PTR, idx, x, m, WIDE: tl.constexpr):
+    if WIDE:
+        tl.store(_at(PTR, idx, True), x)
+    else:
+        tl.store(PTR + idx, x, mask=m)
+
+
+@triton.jit
+def _keep(x, m, WIDE: tl.constexpr):
+    """``x`` where the element exists, else 0 (for the partial sums of the masked rest)."""
+    if not WIDE:
+        x = tl.where(m, x, 0.0)
+    return x
 
 
 @triton.jit
@@ -89,20 +176,18 @@ def _gsnr_raw(sg, sq, inv_n, eps):
 
 @triton.jit
 def _p_hat(SG, SQ, AVG, idx, m, inv_n, eps, inv_mean, lo, bc3, b3, omb3, ON: tl.constexpr, EMA: tl.constexpr,
-           WRITE: tl.constexpr):
+           WRITE: tl.constexpr, WIDE: tl.constexpr):
     """The GSNR scale p̂ of elements ``idx`` (the reference's ``_Gsnr.__call__``) and the
     indicators of r_t raised to lo / cut to 1. ``SG``/``SQ``/``AVG``: typed base pointers."""
     if ON:
-        sg = tl.load(SG + idx, mask=m, other=0.0)
-        sq = tl.load(SQ + idx, mask=m, other=0.0)
-        x = _gsnr_raw(sg, sq, inv_n, eps) * inv_mean
-        low = tl.where(m & (x < lo), 1.0, 0.0)
-        high = tl.where(m & (x > 1.0), 1.0, 0.0)
+        x = _gsnr_raw(_ld(SG, idx, m, WIDE), _ld(SQ, idx, m, WIDE), inv_n, eps) * inv_mean
+        low = _keep(tl.where(x < lo, 1.0, 0.0), m, WIDE)
+        high = _keep(tl.where(x > 1.0, 1.0, 0.0), m, WIDE)
         r = tl.minimum(tl.maximum(x, lo), 1.0)
         if EMA:
-            a = tl.load(AVG + idx, mask=m, other=0.0) * b3 + r * omb3
+            a = _ld(AVG, idx, m, WIDE) * b3 + r * omb3
             if WRITE:
-                tl.store(AVG + idx, a, mask=m)
+                _st(AVG, idx, a, m, WIDE)
             r = tl.minimum(tl.maximum(tl.div_rn(a, bc3), lo), 1.0)
     else:
         r = tl.full(idx.shape, 1.0, tl.float32)
@@ -112,15 +197,15 @@ def _p_hat(SG, SQ, AVG, idx, m, inv_n, eps, inv_mean, lo, bc3, b3, omb3, ON: tl.
 
 
 @triton.jit
-def _p_hat_written(SG, SQ, AVG, idx, m, inv_n, eps, inv_mean, lo, bc3, ON: tl.constexpr, EMA: tl.constexpr):
+def _p_hat_written(SG, SQ, AVG, idx, m, inv_n, eps, inv_mean, lo, bc3, ON: tl.constexpr, EMA: tl.constexpr,
+                   WIDE: tl.constexpr):
     """p̂ once ``_p_hat(WRITE=True)`` ran this step: the GSNR momentum is read back."""
     if ON:
         if EMA:
-            r = tl.minimum(tl.maximum(tl.div_rn(tl.load(AVG + idx, mask=m, other=0.0), bc3), lo), 1.0)
+            r = tl.minimum(tl.maximum(tl.div_rn(_ld(AVG, idx, m, WIDE), bc3), lo), 1.0)
         else:
-            sg = tl.load(SG + idx, mask=m, other=0.0)
-            sq = tl.load(SQ + idx, mask=m, other=0.0)
-            r = tl.minimum(tl.maximum(_gsnr_raw(sg, sq, inv_n, eps) * inv_mean, lo), 1.0)
+            raw = _gsnr_raw(_ld(SG, idx, m, WIDE), _ld(SQ, idx, m, WIDE), inv_n, eps)
+            r = tl.minimum(tl.maximum(raw * inv_mean, lo), 1.0)
     else:
         r = tl.full(idx.shape, 1.0, tl.float32)
     return r
@@ -133,11 +218,11 @@ def _ptr(table, t, DT: tl.constexpr):
 
 @triton.jit
 def _seg_f(segf, s, j, K: tl.constexpr):
-    return tl.load(segf + s * K + j)
+    return tl.load(segf + s * K + j).to(tl.float32)
 
 
-@triton.jit
-def _combine(part, bounds, out, K: tl.constexpr, NSUM: tl.constexpr, MINMAX: tl.constexpr):
+@_kernel
+def _combine(part: "*fp64", bounds: "*i64", out: "*fp64", K: tl.constexpr, NSUM: tl.constexpr, MINMAX: tl.constexpr):
     """Per segment ``s``: the partial rows of its chunks ``bounds[s]..bounds[s+1]`` combined in
     chunk order, in float64. Columns ``0..NSUM-1`` are summed; with ``MINMAX`` the next two are
     a minimum and a maximum."""
@@ -159,33 +244,28 @@ def _combine(part, bounds, out, K: tl.constexpr, NSUM: tl.constexpr, MINMAX: tl.
         tl.store(out + s * K + NSUM + 1, hi)
 
 
-# ---- kernels ---------------------------------------------------------------------------------------
+# ---- kernels: per element (one block of indices), then the chunk loops -----------------------------
 
 
 @triton.jit
-def _moments_kernel(SG_T, SQ_T, chunks, part, inv_n, eps, BLOCK: tl.constexpr):
-    c = tl.program_id(0)
-    t, start, n, s = _chunk(chunks, c, None)
-    SG = _ptr(SG_T, t, tl.float32)
-    SQ = _ptr(SQ_T, t, tl.float32)
-    sr = tl.zeros([BLOCK], tl.float32)
-    ss = tl.zeros([BLOCK], tl.float32)
-    sgb = tl.zeros([BLOCK], tl.float32)
-    mn = tl.full([BLOCK], float("inf"), tl.float32)
-    mx = tl.full([BLOCK], float("-inf"), tl.float32)
-    for off in range(0, n, BLOCK):
-        rel = off + tl.arange(0, BLOCK)
-        m = rel < n
-        idx = start + rel
-        sg = tl.load(SG + idx, mask=m, other=0.0)
-        sq = tl.load(SQ + idx, mask=m, other=0.0)
-        gbar = sg * inv_n
-        r = _gsnr_raw(sg, sq, inv_n, eps)
-        sr += tl.where(m, r, 0.0)
-        ss += sq * inv_n
-        sgb += gbar * gbar
+def _moments_add(sg, sq, m, inv_n, eps, sr, ss, sgb, mn, mx, WIDE: tl.constexpr):
+    """Pass 1's per-lane sums (Σr, Σs, Σḡ², min r, max r) with one block of statistics added."""
+    gbar = sg * inv_n
+    r = _gsnr_raw(sg, sq, inv_n, eps)
+    sr += _keep(r, m, WIDE)
+    ss += sq * inv_n
+    sgb += gbar * gbar
+    if WIDE:
+        mn = tl.minimum(mn, r)
+        mx = tl.maximum(mx, r)
+    else:
         mn = tl.minimum(mn, tl.where(m, r, float("inf")))
         mx = tl.maximum(mx, tl.where(m, r, float("-inf")))
+    return sr, ss, sgb, mn, mx
+
+
+@triton.jit
+def _moments_row(part, c, sr, ss, sgb, mn, mx):
     row = part + c * 5
     tl.store(row + 0, tl.sum(sr, axis=0).to(tl.float64))
     tl.store(row + 1, tl.sum(ss, axis=0).to(tl.float64))
@@ -194,88 +274,169 @@ def _moments_kernel(SG_T, SQ_T, chunks, part, inv_n, eps, BLOCK: tl.constexpr):
     tl.store(row + 4, tl.max(mx, axis=0).to(tl.float64))
 
 
+@_kernel
+def _moments_kernel(SG_T: "*i64", SQ_T: "*i64", chunks: "*i64", part: "*fp64", inv_n: tl.float32, eps: tl.float32,
+                    BLOCK: tl.constexpr):
+    c = tl.program_id(0)
+    t, start, n, s, head, nblk = _chunk(chunks, c, None)
+    SG = _ptr(SG_T, t, tl.float32)
+    SQ = _ptr(SQ_T, t, tl.float32)
+    sr = tl.zeros([BLOCK], tl.float32)
+    ss = tl.zeros([BLOCK], tl.float32)
+    sgb = tl.zeros([BLOCK], tl.float32)
+    mn = tl.full([BLOCK], float("inf"), tl.float32)
+    mx = tl.full([BLOCK], float("-inf"), tl.float32)
+    for i in range(nblk):
+        idx = _body_idx(start, head, i, BLOCK)
+        sr, ss, sgb, mn, mx = _moments_add(_ld(SG, idx, None, True), _ld(SQ, idx, None, True), None, inv_n, eps,
+                                           sr, ss, sgb, mn, mx, True)
+    for off in range(0, n - nblk * BLOCK, BLOCK):
+        idx, m = _rest_idx(start, n, head, nblk, off, BLOCK)
+        sr, ss, sgb, mn, mx = _moments_add(_ld(SG, idx, m, False), _ld(SQ, idx, m, False), m, inv_n, eps,
+                                           sr, ss, sgb, mn, mx, False)
+    _moments_row(part, c, sr, ss, sgb, mn, mx)
+
+
 @triton.jit
-def _grad_norms_kernel(P_T, G_T, SG_T, SQ_T, AVG_T, chunks, segf, part, inv_n, eps, b3,
+def _grad_norms_elems(P, G, SG, SQ, AVG, idx, m, inv_n, eps, b3, inv_mean, lo, bc3, pp, uu, ON: tl.constexpr,
+                      EMA: tl.constexpr, WIDE: tl.constexpr):
+    r, low, high = _p_hat(SG, SQ, AVG, idx, m, inv_n, eps, inv_mean, lo, bc3, b3, 1.0 - b3, ON, EMA, False, WIDE)
+    p = _ld(P, idx, m, WIDE).to(tl.float32)
+    g = _ld(G, idx, m, WIDE).to(tl.float32)
+    u = r * g
+    return pp + p * p, uu + u * u
+
+
+@_kernel
+def _grad_norms_kernel(P_T: "*i64", G_T: "*i64", SG_T: "*i64", SQ_T: "*i64", AVG_T: "*i64", chunks: "*i64",
+                       segf: "*fp64", part: "*fp64", inv_n: tl.float32, eps: tl.float32, b3: tl.float32,
                        PDT: tl.constexpr, ON: tl.constexpr, EMA: tl.constexpr, BLOCK: tl.constexpr):
     c = tl.program_id(0)
-    t, start, n, s = _chunk(chunks, c, None)
+    t, start, n, s, head, nblk = _chunk(chunks, c, None)
     P = _ptr(P_T, t, PDT)
     G = _ptr(G_T, t, PDT)
     SG = _ptr(SG_T, t, tl.float32) if ON else P
     SQ = _ptr(SQ_T, t, tl.float32) if ON else P
     AVG = _ptr(AVG_T, t, tl.float32) if EMA else P
-    inv_mean = _seg_f(segf, s, _INV_MEAN, _NORMS_W).to(tl.float32)
-    lo = _seg_f(segf, s, _LO, _NORMS_W).to(tl.float32)
-    bc3 = _seg_f(segf, s, _BC3, _NORMS_W).to(tl.float32)
+    inv_mean = _seg_f(segf, s, _INV_MEAN, _NORMS_W)
+    lo = _seg_f(segf, s, _LO, _NORMS_W)
+    bc3 = _seg_f(segf, s, _BC3, _NORMS_W)
     pp = tl.zeros([BLOCK], tl.float32)
     uu = tl.zeros([BLOCK], tl.float32)
-    for off in range(0, n, BLOCK):
-        rel = off + tl.arange(0, BLOCK)
-        m = rel < n
-        idx = start + rel
-        p = tl.load(P + idx, mask=m, other=0.0).to(tl.float32)
-        g = tl.load(G + idx, mask=m, other=0.0).to(tl.float32)
-        r, low, high = _p_hat(SG, SQ, AVG, idx, m, inv_n, eps, inv_mean, lo, bc3, b3, 1.0 - b3, ON, EMA, False)
-        u = r * g
-        pp += p * p
-        uu += u * u
+    for i in range(nblk):
+        idx = _body_idx(start, head, i, BLOCK)
+        pp, uu = _grad_norms_elems(P, G, SG, SQ, AVG, idx, None, inv_n, eps, b3, inv_mean, lo, bc3, pp, uu, ON, EMA,
+                                   True)
+    for off in range(0, n - nblk * BLOCK, BLOCK):
+        idx, m = _rest_idx(start, n, head, nblk, off, BLOCK)
+        pp, uu = _grad_norms_elems(P, G, SG, SQ, AVG, idx, m, inv_n, eps, b3, inv_mean, lo, bc3, pp, uu, ON, EMA,
+                                   False)
     tl.store(part + c * 2 + 0, tl.sum(pp, axis=0).to(tl.float64))
     tl.store(part + c * 2 + 1, tl.sum(uu, axis=0).to(tl.float64))
 
 
 @triton.jit
-def _sgd_kernel(P_T, G_T, B_T, SG_T, SQ_T, AVG_T, chunks, segf, part, found, inv_n, eps, b3, lr, wd, mu, omd,
-                PDT: tl.constexpr, ON: tl.constexpr, EMA: tl.constexpr, BUF: tl.constexpr, NESTEROV: tl.constexpr,
-                BLOCK: tl.constexpr):
+def _sgd_elems(P, G, B, SG, SQ, AVG, idx, m, inv_n, eps, b3, inv_mean, lo, bc3, mult, first, lr, wd, mu, omd,
+               nlo, nhi, nsc, PDT: tl.constexpr, ON: tl.constexpr, EMA: tl.constexpr, BUF: tl.constexpr,
+               NESTEROV: tl.constexpr, WIDE: tl.constexpr):
+    # p̂ first: its IEEE divisions call a subroutine, and values live across the calls would spill
+    r, low, high = _p_hat(SG, SQ, AVG, idx, m, inv_n, eps, inv_mean, lo, bc3, b3, 1.0 - b3, ON, EMA, True, WIDE)
+    pv = _ld(P, idx, m, WIDE).to(tl.float32)
+    g = _ld(G, idx, m, WIDE).to(tl.float32)
+    d = r * g
+    d = d + wd * pv
+    d = d * mult
+    if BUF:
+        bv = _ld(B, idx, m, WIDE)
+        bv = tl.where(first, d, bv * mu + d * omd)
+        _st(B, idx, bv, m, WIDE)
+        if NESTEROV:
+            d = d + bv * mu
+        else:
+            d = bv
+    _st(P, idx, (pv - lr * d).to(PDT, fp_downcast_rounding="rtne"), m, WIDE)
+    return nlo + low, nhi + high, nsc + _keep(r, m, WIDE)
+
+
+@_kernel
+def _sgd_kernel(P_T: "*i64", G_T: "*i64", B_T: "*i64", SG_T: "*i64", SQ_T: "*i64", AVG_T: "*i64", chunks: "*i64",
+                segf: "*fp64", part: "*fp64", found: "*fp64", inv_n: tl.float32, eps: tl.float32, b3: tl.float32,
+                lr: tl.float32, wd: tl.float32, mu: tl.float32, omd: tl.float32, PDT: tl.constexpr, ON: tl.constexpr,
+                EMA: tl.constexpr, BUF: tl.constexpr, NESTEROV: tl.constexpr, BLOCK: tl.constexpr):
     c = tl.program_id(0)
-    t, start, n, s = _chunk(chunks, c, found)
+    t, start, n, s, head, nblk = _chunk(chunks, c, found)
     P = _ptr(P_T, t, PDT)
     G = _ptr(G_T, t, PDT)
     B = _ptr(B_T, t, tl.float32) if BUF else P
     SG = _ptr(SG_T, t, tl.float32) if ON else P
     SQ = _ptr(SQ_T, t, tl.float32) if ON else P
     AVG = _ptr(AVG_T, t, tl.float32) if EMA else P
-    inv_mean = _seg_f(segf, s, _INV_MEAN, _SGD_W).to(tl.float32)
-    lo = _seg_f(segf, s, _LO, _SGD_W).to(tl.float32)
-    bc3 = _seg_f(segf, s, _BC3, _SGD_W).to(tl.float32)
-    mult = _seg_f(segf, s, _SGD_LR_MULT, _SGD_W).to(tl.float32)
+    inv_mean = _seg_f(segf, s, _INV_MEAN, _SGD_W)
+    lo = _seg_f(segf, s, _LO, _SGD_W)
+    bc3 = _seg_f(segf, s, _BC3, _SGD_W)
+    mult = _seg_f(segf, s, _SGD_LR_MULT, _SGD_W)
     first = _seg_f(segf, s, _SGD_FIRST, _SGD_W) != 0.0
     nlo = tl.zeros([BLOCK], tl.float32)
     nhi = tl.zeros([BLOCK], tl.float32)
     nsc = tl.zeros([BLOCK], tl.float32)
-    for off in range(0, n, BLOCK):
-        rel = off + tl.arange(0, BLOCK)
-        m = rel < n
-        idx = start + rel
-        pv = tl.load(P + idx, mask=m, other=0.0).to(tl.float32)
-        g = tl.load(G + idx, mask=m, other=0.0).to(tl.float32)
-        r, low, high = _p_hat(SG, SQ, AVG, idx, m, inv_n, eps, inv_mean, lo, bc3, b3, 1.0 - b3, ON, EMA, True)
-        d = r * g
-        d = d + wd * pv
-        d = d * mult
-        if BUF:
-            bv = tl.load(B + idx, mask=m, other=0.0)
-            bv = tl.where(first, d, bv * mu + d * omd)
-            tl.store(B + idx, bv, mask=m)
-            if NESTEROV:
-                d = d + bv * mu
-            else:
-                d = bv
-        tl.store(P + idx, (pv - lr * d).to(PDT, fp_downcast_rounding="rtne"), mask=m)
-        nlo += low
-        nhi += high
-        nsc += tl.where(m, r, 0.0)
+    for i in range(nblk):
+        idx = _body_idx(start, head, i, BLOCK)
+        nlo, nhi, nsc = _sgd_elems(P, G, B, SG, SQ, AVG, idx, None, inv_n, eps, b3, inv_mean, lo, bc3, mult, first,
+                                   lr, wd, mu, omd, nlo, nhi, nsc, PDT, ON, EMA, BUF, NESTEROV, True)
+    for off in range(0, n - nblk * BLOCK, BLOCK):
+        idx, m = _rest_idx(start, n, head, nblk, off, BLOCK)
+        nlo, nhi, nsc = _sgd_elems(P, G, B, SG, SQ, AVG, idx, m, inv_n, eps, b3, inv_mean, lo, bc3, mult, first,
+                                   lr, wd, mu, omd, nlo, nhi, nsc, PDT, ON, EMA, BUF, NESTEROV, False)
     tl.store(part + c * 3 + 0, tl.sum(nlo, axis=0).to(tl.float64))
     tl.store(part + c * 3 + 1, tl.sum(nhi, axis=0).to(tl.float64))
     tl.store(part + c * 3 + 2, tl.sum(nsc, axis=0).to(tl.float64))
 
 
 @triton.jit
-def _adam_kernel(P_T, G_T, M_T, V_T, SG_T, SQ_T, AVG_T, chunks, segf, part, found, inv_n, eps_gsnr, b3, b1, omb1,
-                 b2, omb2, eps, wd, decay, PDT: tl.constexpr, ON: tl.constexpr, EMA: tl.constexpr,
-                 APPLY: tl.constexpr, PLACE: tl.constexpr, BLOCK: tl.constexpr):
+def _adam_elems(P, G, M, V, SG, SQ, AVG, idx, m, inv_n, eps_gsnr, b3, b1, omb1, b2, omb2, eps, wd, decay,
+                inv_mean, lo, bc3, bc1, bc2s, mult, step_size, pp, uu, nlo, nhi, nsc, PDT: tl.constexpr,
+                ON: tl.constexpr, EMA: tl.constexpr, APPLY: tl.constexpr, PLACE: tl.constexpr, WIDE: tl.constexpr):
+    r, low, high = _p_hat(SG, SQ, AVG, idx, m, inv_n, eps_gsnr, inv_mean, lo, bc3, b3, 1.0 - b3, ON, EMA, True,
+                          WIDE)  # first: see _sgd_elems
+    graw = _ld(G, idx, m, WIDE).to(tl.float32)
+    if PLACE == 2:  # update
+        gm = graw * mult
+    else:
+        gm = (r * graw) * mult
+    if PLACE == 1:  # both moments
+        gv = gm
+    else:
+        gv = graw * mult
+    mv = _ld(M, idx, m, WIDE) * b1 + gm * omb1
+    vv = _ld(V, idx, m, WIDE) * b2 + (gv * gv) * omb2
+    _st(M, idx, mv, m, WIDE)
+    _st(V, idx, vv, m, WIDE)
+    denom = tl.div_rn(tl.sqrt_rn(vv), bc2s) + eps
+    if APPLY:
+        step = tl.div_rn(mv, denom)
+        if PLACE == 2:
+            step = r * step
+        pv = _ld(P, idx, m, WIDE).to(tl.float32)  # after the divisions, as in _sgd_elems
+        _st(P, idx, (pv * decay - step_size * step).to(PDT, fp_downcast_rounding="rtne"), m, WIDE)
+    else:
+        step = tl.div_rn(mv, bc1 * denom)
+        if PLACE == 2:
+            step = r * step
+        pv = _ld(P, idx, m, WIDE).to(tl.float32)
+        u = _keep(step + wd * pv, m, WIDE)
+        pp += pv * pv
+        uu += u * u
+    return pp, uu, nlo + low, nhi + high, nsc + _keep(r, m, WIDE)
+
+
+@_kernel
+def _adam_kernel(P_T: "*i64", G_T: "*i64", M_T: "*i64", V_T: "*i64", SG_T: "*i64", SQ_T: "*i64", AVG_T: "*i64",
+                 chunks: "*i64", segf: "*fp64", part: "*fp64", found: "*fp64", inv_n: tl.float32,
+                 eps_gsnr: tl.float32, b3: tl.float32, b1: tl.float32, omb1: tl.float32, b2: tl.float32,
+                 omb2: tl.float32, eps: tl.float32, wd: tl.float32, decay: tl.float32, PDT: tl.constexpr,
+                 ON: tl.constexpr, EMA: tl.constexpr, APPLY: tl.constexpr, PLACE: tl.constexpr, BLOCK: tl.constexpr):
     c = tl.program_id(0)
-    t, start, n, s = _chunk(chunks, c, found)
+    t, start, n, s, head, nblk = _chunk(chunks, c, found)
     P = _ptr(P_T, t, PDT)
     G = _ptr(G_T, t, PDT)
     M = _ptr(M_T, t, tl.float32)
@@ -283,53 +444,28 @@ def _adam_kernel(P_T, G_T, M_T, V_T, SG_T, SQ_T, AVG_T, chunks, segf, part, foun
     SG = _ptr(SG_T, t, tl.float32) if ON else M
     SQ = _ptr(SQ_T, t, tl.float32) if ON else M
     AVG = _ptr(AVG_T, t, tl.float32) if EMA else M
-    inv_mean = _seg_f(segf, s, _INV_MEAN, _ADAM_W).to(tl.float32)
-    lo = _seg_f(segf, s, _LO, _ADAM_W).to(tl.float32)
-    bc3 = _seg_f(segf, s, _BC3, _ADAM_W).to(tl.float32)
-    bc1 = _seg_f(segf, s, _ADAM_BC1, _ADAM_W).to(tl.float32)
-    bc2s = _seg_f(segf, s, _ADAM_BC2S, _ADAM_W).to(tl.float32)
-    mult = _seg_f(segf, s, _ADAM_GRAD_MULT, _ADAM_W).to(tl.float32)
-    step_size = _seg_f(segf, s, _ADAM_STEP_SIZE, _ADAM_W).to(tl.float32)  # lr / bc1 rounded once from float64
+    inv_mean = _seg_f(segf, s, _INV_MEAN, _ADAM_W)
+    lo = _seg_f(segf, s, _LO, _ADAM_W)
+    bc3 = _seg_f(segf, s, _BC3, _ADAM_W)
+    bc1 = _seg_f(segf, s, _ADAM_BC1, _ADAM_W)
+    bc2s = _seg_f(segf, s, _ADAM_BC2S, _ADAM_W)
+    mult = _seg_f(segf, s, _ADAM_GRAD_MULT, _ADAM_W)
+    step_size = _seg_f(segf, s, _ADAM_STEP_SIZE, _ADAM_W)  # lr / bc1 rounded once from float64
     pp = tl.zeros([BLOCK], tl.float32)
     uu = tl.zeros([BLOCK], tl.float32)
     nlo = tl.zeros([BLOCK], tl.float32)
     nhi = tl.zeros([BLOCK], tl.float32)
     nsc = tl.zeros([BLOCK], tl.float32)
-    for off in range(0, n, BLOCK):
-        rel = off + tl.arange(0, BLOCK)
-        m = rel < n
-        idx = start + rel
-        graw = tl.load(G + idx, mask=m, other=0.0).to(tl.float32)
-        r, low, high = _p_hat(SG, SQ, AVG, idx, m, inv_n, eps_gsnr, inv_mean, lo, bc3, b3, 1.0 - b3, ON, EMA, True)
-        if PLACE == 2:  # update
-            gm = graw * mult
-        else:
-            gm = (r * graw) * mult
-        if PLACE == 1:  # both moments
-            gv = gm
-        else:
-            gv = graw * mult
-        mv = tl.load(M + idx, mask=m, other=0.0) * b1 + gm * omb1
-        vv = tl.load(V + idx, mask=m, other=0.0) * b2 + (gv * gv) * omb2
-        tl.store(M + idx, mv, mask=m)
-        tl.store(V + idx, vv, mask=m)
-        denom = tl.div_rn(tl.sqrt_rn(vv), bc2s) + eps
-        pv = tl.load(P + idx, mask=m, other=0.0).to(tl.float32)
-        if APPLY:
-            step = tl.div_rn(mv, denom)
-            if PLACE == 2:
-                step = r * step
-            tl.store(P + idx, (pv * decay - step_size * step).to(PDT, fp_downcast_rounding="rtne"), mask=m)
-        else:
-            step = tl.div_rn(mv, bc1 * denom)
-            if PLACE == 2:
-                step = r * step
-            u = tl.where(m, step + wd * pv, 0.0)
-            pp += pv * pv
-            uu += u * u
-        nlo += low
-        nhi += high
-        nsc += tl.where(m, r, 0.0)
+    for i in range(nblk):
+        idx = _body_idx(start, head, i, BLOCK)
+        pp, uu, nlo, nhi, nsc = _adam_elems(
+            P, G, M, V, SG, SQ, AVG, idx, None, inv_n, eps_gsnr, b3, b1, omb1, b2, omb2, eps, wd, decay, inv_mean,
+            lo, bc3, bc1, bc2s, mult, step_size, pp, uu, nlo, nhi, nsc, PDT, ON, EMA, APPLY, PLACE, True)
+    for off in range(0, n - nblk * BLOCK, BLOCK):
+        idx, m = _rest_idx(start, n, head, nblk, off, BLOCK)
+        pp, uu, nlo, nhi, nsc = _adam_elems(
+            P, G, M, V, SG, SQ, AVG, idx, m, inv_n, eps_gsnr, b3, b1, omb1, b2, omb2, eps, wd, decay, inv_mean,
+            lo, bc3, bc1, bc2s, mult, step_size, pp, uu, nlo, nhi, nsc, PDT, ON, EMA, APPLY, PLACE, False)
     if APPLY:
         row = part + c * 3
         tl.store(row + 0, tl.sum(nlo, axis=0).to(tl.float64))
@@ -345,76 +481,202 @@ def _adam_kernel(P_T, G_T, M_T, V_T, SG_T, SQ_T, AVG_T, chunks, segf, part, foun
 
 
 @triton.jit
-def _lamb_apply_kernel(P_T, M_T, V_T, SG_T, SQ_T, AVG_T, chunks, segf, found, inv_n, eps_gsnr, eps, wd,
-                       PDT: tl.constexpr, ON: tl.constexpr, EMA: tl.constexpr, BLOCK: tl.constexpr):
+def _lamb_apply_elems(P, M, V, SG, SQ, AVG, idx, m, inv_n, eps_gsnr, eps, wd, inv_mean, lo, bc3, bc1, bc2s, step,
+                      PDT: tl.constexpr, ON: tl.constexpr, EMA: tl.constexpr, WIDE: tl.constexpr):
+    pv = _ld(P, idx, m, WIDE).to(tl.float32)
+    denom = tl.div_rn(tl.sqrt_rn(_ld(V, idx, m, WIDE)), bc2s) + eps
+    adam = tl.div_rn(_ld(M, idx, m, WIDE), bc1 * denom)
+    if ON:
+        adam = _p_hat_written(SG, SQ, AVG, idx, m, inv_n, eps_gsnr, inv_mean, lo, bc3, ON, EMA, WIDE) * adam
+    u = adam + wd * pv
+    _st(P, idx, (pv - step * u).to(PDT, fp_downcast_rounding="rtne"), m, WIDE)
+
+
+@_kernel
+def _lamb_apply_kernel(P_T: "*i64", M_T: "*i64", V_T: "*i64", SG_T: "*i64", SQ_T: "*i64", AVG_T: "*i64",
+                       chunks: "*i64", segf: "*fp64", found: "*fp64", inv_n: tl.float32, eps_gsnr: tl.float32,
+                       eps: tl.float32, wd: tl.float32, PDT: tl.constexpr, ON: tl.constexpr, EMA: tl.constexpr,
+                       BLOCK: tl.constexpr):
     c = tl.program_id(0)
-    t, start, n, s = _chunk(chunks, c, found)
+    t, start, n, s, head, nblk = _chunk(chunks, c, found)
     P = _ptr(P_T, t, PDT)
     M = _ptr(M_T, t, tl.float32)
     V = _ptr(V_T, t, tl.float32)
     SG = _ptr(SG_T, t, tl.float32) if ON else M
     SQ = _ptr(SQ_T, t, tl.float32) if ON else M
     AVG = _ptr(AVG_T, t, tl.float32) if EMA else M
-    inv_mean = _seg_f(segf, s, _INV_MEAN, _LAMB_W).to(tl.float32)
-    lo = _seg_f(segf, s, _LO, _LAMB_W).to(tl.float32)
-    bc3 = _seg_f(segf, s, _BC3, _LAMB_W).to(tl.float32)
-    bc1 = _seg_f(segf, s, _LAMB_BC1, _LAMB_W).to(tl.float32)
-    bc2s = _seg_f(segf, s, _LAMB_BC2S, _LAMB_W).to(tl.float32)
-    step = _seg_f(segf, s, _LAMB_STEP, _LAMB_W).to(tl.float32)  # lr * trust rounded once from float64
-    for off in range(0, n, BLOCK):
-        rel = off + tl.arange(0, BLOCK)
-        m = rel < n
-        idx = start + rel
-        pv = tl.load(P + idx, mask=m, other=0.0).to(tl.float32)
-        denom = tl.div_rn(tl.sqrt_rn(tl.load(V + idx, mask=m, other=0.0)), bc2s) + eps
-        adam = tl.div_rn(tl.load(M + idx, mask=m, other=0.0), bc1 * denom)
-        if ON:
-            adam = _p_hat_written(SG, SQ, AVG, idx, m, inv_n, eps_gsnr, inv_mean, lo, bc3, ON, EMA) * adam
-        u = adam + wd * pv
-        tl.store(P + idx, (pv - step * u).to(PDT, fp_downcast_rounding="rtne"), mask=m)
+    inv_mean = _seg_f(segf, s, _INV_MEAN, _LAMB_W)
+    lo = _seg_f(segf, s, _LO, _LAMB_W)
+    bc3 = _seg_f(segf, s, _BC3, _LAMB_W)
+    bc1 = _seg_f(segf, s, _LAMB_BC1, _LAMB_W)
+    bc2s = _seg_f(segf, s, _LAMB_BC2S, _LAMB_W)
+    step = _seg_f(segf, s, _LAMB_STEP, _LAMB_W)  # lr * trust rounded once from float64
+    for i in range(nblk):
+        idx = _body_idx(start, head, i, BLOCK)
+        _lamb_apply_elems(P, M, V, SG, SQ, AVG, idx, None, inv_n, eps_gsnr, eps, wd, inv_mean, lo, bc3, bc1, bc2s,
+                          step, PDT, ON, EMA, True)
+    for off in range(0, n - nblk * BLOCK, BLOCK):
+        idx, m = _rest_idx(start, n, head, nblk, off, BLOCK)
+        _lamb_apply_elems(P, M, V, SG, SQ, AVG, idx, m, inv_n, eps_gsnr, eps, wd, inv_mean, lo, bc3, bc1, bc2s,
+                          step, PDT, ON, EMA, False)
 
 
 @triton.jit
-def _nonfinite_kernel(X_T, chunks, part, XDT: tl.constexpr, BLOCK: tl.constexpr):
+def _bad(X, idx, m, WIDE: tl.constexpr):
+    x = _ld(X, idx, m, WIDE).to(tl.float32)
+    return _keep(tl.where(x == x, tl.where(tl.abs(x) < float("inf"), 0.0, 1.0), 1.0), m, WIDE)
+
+
+@_kernel
+def _nonfinite_kernel(X_T: "*i64", chunks: "*i64", part: "*fp64", XDT: tl.constexpr, BLOCK: tl.constexpr):
     c = tl.program_id(0)
-    t, start, n, s = _chunk(chunks, c, None)
+    t, start, n, s, head, nblk = _chunk(chunks, c, None)
     X = _ptr(X_T, t, XDT)
     bad = tl.zeros([BLOCK], tl.float32)
-    for off in range(0, n, BLOCK):
-        rel = off + tl.arange(0, BLOCK)
-        m = rel < n
-        x = tl.load(X + start + rel, mask=m, other=0.0).to(tl.float32)
-        bad += tl.where(x == x, tl.where(tl.abs(x) < float("inf"), 0.0, 1.0), 1.0)
+    for i in range(nblk):
+        bad += _bad(X, _body_idx(start, head, i, BLOCK), None, True)
+    for off in range(0, n - nblk * BLOCK, BLOCK):
+        idx, m = _rest_idx(start, n, head, nblk, off, BLOCK)
+        bad += _bad(X, idx, m, False)
     tl.store(part + c, tl.sum(bad, axis=0).to(tl.float64))
 
 
+# ---- hook kernels: one tensor, one block per program; the last (partial) block masked ----------------
+
+
 @triton.jit
-def _pack_squares_kernel(X, G, SQ, numel, c, WITH_G: tl.constexpr, ACCUMULATE: tl.constexpr, BLOCK: tl.constexpr):
-    idx = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    m = idx < numel
-    x = tl.load(X + idx, mask=m, other=0.0).to(tl.float32)
+def _pack_elems(X, G, SQ, idx, m, c, WITH_G: tl.constexpr, ACCUMULATE: tl.constexpr, WIDE: tl.constexpr):
+    x = _ld(X, idx, m, WIDE).to(tl.float32)
     w = x * c
     if ACCUMULATE:
         if WITH_G:
-            tl.store(G + idx, tl.load(G + idx, mask=m, other=0.0) + x, mask=m)
-        tl.store(SQ + idx, tl.load(SQ + idx, mask=m, other=0.0) + w * w, mask=m)
+            _st(G, idx, _ld(G, idx, m, WIDE) + x, m, WIDE)
+        _st(SQ, idx, _ld(SQ, idx, m, WIDE) + w * w, m, WIDE)
     else:
         if WITH_G:
-            tl.store(G + idx, x, mask=m)
-        tl.store(SQ + idx, w * w, mask=m)
+            _st(G, idx, x, m, WIDE)
+        _st(SQ, idx, w * w, m, WIDE)
+
+
+@_kernel
+def _pack_squares_kernel(x: tl.int64, G: "*fp32", SQ: "*fp32", numel: tl.int64, c: tl.float32, XDT: tl.constexpr,
+                         WITH_G: tl.constexpr, ACCUMULATE: tl.constexpr, ALIGNED: tl.constexpr, BLOCK: tl.constexpr):
+    X = x.to(tl.pointer_type(XDT))
+    b = tl.program_id(0).to(tl.int64)
+    idx = b * BLOCK + tl.arange(0, BLOCK)
+    if ALIGNED:
+        if (b + 1) * BLOCK <= numel:
+            _pack_elems(X, G, SQ, idx, None, c, WITH_G, ACCUMULATE, True)
+        else:
+            _pack_elems(X, G, SQ, idx, idx < numel, c, WITH_G, ACCUMULATE, False)
+    else:
+        _pack_elems(X, G, SQ, idx, idx < numel, c, WITH_G, ACCUMULATE, False)
 
 
 @triton.jit
-def _accumulate_kernel(G, SG, SQ, numel, FRESH: tl.constexpr, BLOCK: tl.constexpr):
-    idx = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    m = idx < numel
-    x = tl.load(G + idx, mask=m, other=0.0).to(tl.float32)
+def _accumulate_elems(G, SG, SQ, idx, m, FRESH: tl.constexpr, WIDE: tl.constexpr):
+    x = _ld(G, idx, m, WIDE).to(tl.float32)
     if FRESH:
-        tl.store(SG + idx, x, mask=m)
-        tl.store(SQ + idx, x * x, mask=m)
+        sg = x
+        sq = x * x
     else:
-        tl.store(SG + idx, tl.load(SG + idx, mask=m, other=0.0) + x, mask=m)
-        tl.store(SQ + idx, tl.load(SQ + idx, mask=m, other=0.0) + x * x, mask=m)
+        sg = _ld(SG, idx, m, WIDE) + x
+        sq = _ld(SQ, idx, m, WIDE) + x * x
+    _st(SG, idx, sg, m, WIDE)
+    _st(SQ, idx, sq, m, WIDE)
+    return sg, sq
+
+
+@_kernel
+def _accumulate_kernel(g: tl.int64, SG: "*fp32", SQ: "*fp32", part: "*fp64", numel: tl.int64, inv_n: tl.float32,
+                       eps: tl.float32, GDT: tl.constexpr, FRESH: tl.constexpr, MOMENTS: tl.constexpr,
+                       ALIGNED: tl.constexpr, BLOCK: tl.constexpr, SPAN: tl.constexpr):
+    """One backward's gradient into the statistics, ``SPAN`` elements per program; with
+    ``MOMENTS`` (the backward expected to be the step's last) also pass 1's partial sums of the
+    completed statistics, taken while they are in registers (the step then skips its pass 1)."""
+    G = g.to(tl.pointer_type(GDT))
+    c = tl.program_id(0)
+    start = c.to(tl.int64) * SPAN
+    n = tl.minimum(numel - start, SPAN)
+    nblk = n // BLOCK if ALIGNED else n * 0  # SPAN and BLOCK are multiples of VEC: aligned blocks
+    sr = tl.zeros([BLOCK], tl.float32)
+    ss = tl.zeros([BLOCK], tl.float32)
+    sgb = tl.zeros([BLOCK], tl.float32)
+    mn = tl.full([BLOCK], float("inf"), tl.float32)
+    mx = tl.full([BLOCK], float("-inf"), tl.float32)
+    for i in range(nblk):
+        idx = start + i * BLOCK + tl.arange(0, BLOCK)
+        sg, sq = _accumulate_elems(G, SG, SQ, idx, None, FRESH, True)
+        if MOMENTS:
+            sr, ss, sgb, mn, mx = _moments_add(sg, sq, None, inv_n, eps, sr, ss, sgb, mn, mx, True)
+    for off in range(nblk * BLOCK, n, BLOCK):
+        idx = start + off + tl.arange(0, BLOCK)
+        m = idx < start + n
+        sg, sq = _accumulate_elems(G, SG, SQ, idx, m, FRESH, False)
+        if MOMENTS:
+            sr, ss, sgb, mn, mx = _moments_add(sg, sq, m, inv_n, eps, sr, ss, sgb, mn, mx, False)
+    if MOMENTS:
+        _moments_row(part, c, sr, ss, sgb, mn, mx)
+
+
+# ---- what can be launched -----------------------------------------------------------------------------
+
+_PDTS = (tl.float32, tl.bfloat16, tl.float16)
+_BOOL = (False, True)
+
+
+@dataclass(frozen=True)
+class Launch:
+    """A kernel and every combination of compile-time flags its launch site may pass."""
+
+    kernel: Any
+    cases: tuple[dict[str, Any], ...]  # constexpr name -> value, BLOCK included
+    num_warps: int = 4
+    mutates: bool = False  # writes parameters or optimizer state (a step failing after it cannot be redone)
+
+    def admits(self, flags: dict[str, Any]) -> bool:
+        return flags in self.cases
+
+
+def _cases(where=lambda c: True, **axes: Sequence[Any]) -> tuple[dict[str, Any], ...]:
+    names = list(axes)
+    every = (dict(zip(names, values)) for values in itertools.product(*axes.values()))
+    return tuple(c for c in every if where(c))
+
+
+def _stats_ok(c: dict[str, Any]) -> bool:
+    """The GSNR momentum only with statistics."""
+    return c["ON"] or not c["EMA"]
+
+
+#: every kernel the implementation launches, with every flag combination its call site can
+#: produce; ``Triton._launch`` refuses others, ``triton_aot`` compiles exactly these.
+#: The element-wise kernels run 4 warps over blocks of 512: 4 elements per thread and stream
+#: (one 128-bit access each), which keeps every variant under 128 registers without spilling
+#: around the IEEE division's subroutine calls.
+LAUNCHES: dict[str, Launch] = {
+    "moments": Launch(_moments_kernel, _cases(BLOCK=(BLOCK,)), num_warps=4),
+    "grad_norms": Launch(_grad_norms_kernel, _cases(_stats_ok, PDT=_PDTS, ON=_BOOL, EMA=_BOOL, BLOCK=(BLOCK,)),
+                         num_warps=4),
+    "sgd": Launch(_sgd_kernel, _cases(lambda c: _stats_ok(c) and (c["BUF"] or not c["NESTEROV"]), PDT=_PDTS,
+                                      ON=_BOOL, EMA=_BOOL, BUF=_BOOL, NESTEROV=_BOOL, BLOCK=(BLOCK,)),
+                  num_warps=4, mutates=True),
+    "adam": Launch(_adam_kernel, _cases(lambda c: _stats_ok(c) and (c["ON"] or c["PLACE"] == BOTH_MOMENTS),
+                                        PDT=_PDTS, ON=_BOOL, EMA=_BOOL, APPLY=_BOOL,
+                                        PLACE=tuple(range(len(PLACEMENTS))), BLOCK=(BLOCK,)),
+                   num_warps=4, mutates=True),
+    "lamb_apply": Launch(_lamb_apply_kernel, _cases(_stats_ok, PDT=_PDTS, ON=_BOOL, EMA=_BOOL, BLOCK=(BLOCK,)),
+                         num_warps=4, mutates=True),
+    "nonfinite": Launch(_nonfinite_kernel, _cases(XDT=_PDTS, BLOCK=(BLOCK,)), num_warps=4),
+    # the reductions' (columns, summed, min/max) of the call sites above
+    "combine": Launch(_combine, tuple(dict(K=k, NSUM=s, MINMAX=mm) for k, s, mm in
+                                      ((5, 3, True), (2, 2, False), (3, 3, False), (5, 5, False), (1, 1, False))),
+                      num_warps=1),
+    "pack_squares": Launch(_pack_squares_kernel, _cases(XDT=_PDTS, WITH_G=_BOOL, ACCUMULATE=_BOOL, ALIGNED=_BOOL,
+                                                        BLOCK=(BLOCK,)), num_warps=4),
+    "accumulate": Launch(_accumulate_kernel, _cases(GDT=_PDTS, FRESH=_BOOL, MOMENTS=_BOOL, ALIGNED=_BOOL,
+                                                    BLOCK=(BLOCK,), SPAN=(HOOK_SPAN,)), num_warps=4),
+}
 
 
 # ---- host side --------------------------------------------------------------------------------------
@@ -422,7 +684,7 @@ def _accumulate_kernel(G, SG, SQ, numel, FRESH: tl.constexpr, BLOCK: tl.constexp
 
 @dataclass
 class _Chunks:
-    table: Tensor  # int64 [C, 4] on the device: tensor, start, length, segment
+    table: Tensor  # int64 [C, 6] on the device: tensor, start, length, segment, head, body blocks
     bounds: Tensor  # int64 [S + 1] on the device: each segment's first chunk
     count: int
     segments: int
@@ -434,51 +696,120 @@ def _to_device(host: Tensor, device: torch.device) -> Tensor:
     return host.pin_memory().to(device, non_blocking=True)
 
 
+def _phases(streams: Sequence[Tensors], count: int) -> tuple[int, ...]:
+    """Per tensor index: the element offset (mod ``VEC``) at which every one of its streams is
+    aligned to ``VEC`` elements, or -1 when they disagree (that tensor gets no wide body)."""
+    out = []
+    for t in range(count):
+        want = None
+        for tensors in streams:
+            x = tensors[t]
+            ptr, es = x.data_ptr(), x.element_size()
+            q = (-(ptr // es)) % VEC if ptr % es == 0 else -1
+            if want is None:
+                want = q
+            elif q != want:
+                want = -1
+        out.append(-1 if want is None else want)
+    return tuple(out)
+
+
 class Triton:
     """The kernels of ``_impl.Kernels`` as Triton launches; every result stays on the device.
 
     ``sync_free``: the step orchestration (``GSNROptimizer``) keeps its tables on the device,
-    decides a non-finite skip on the device and hands it over as ``found_inf``."""
+    decides a non-finite skip on the device and hands it over as ``found_inf``.
+
+    Tables are cached while the tensors are the same (the same shapes and addresses): a steady
+    step copies nothing to the device. ``counts`` tallies launches and table copies (the static
+    cost report reads it)."""
 
     name = "triton"
     sync_free = True
 
     def __init__(self) -> None:
         self._chunks: dict[tuple, _Chunks] = {}
-        self._launch = {} if INTERPRETED else {"enable_fp_fusion": False}
+        self._ptrs: dict[tuple, Tensor] = {}
+        self._options = {} if INTERPRETED else {"enable_fp_fusion": False}
+        self.counts = {"launches": 0, "mutating_launches": 0, "table_copies": 0}
+
+    # -- launching
+    def _launch(self, name: str, grid: tuple[int, ...], *args: Any, then: Sequence[tuple[str, dict]] = (),
+                **flags: Any) -> None:
+        """Launches ``LAUNCHES[name]`` with ``flags``. A kernel that writes parameters or state first
+        has the launches that complete its call (``then``) compiled, so that a compile failure
+        surfaces before anything is written (``_impl.WithFallback`` can then redo the step)."""
+        spec = LAUNCHES[name]
+        if not spec.admits(flags):
+            raise ValueError(f"Triton kernel {name}: flags {flags} are not in LAUNCHES (add them there, where the "
+                             "compile check finds them)")
+        for later, later_flags in then:
+            self._compile(later, args[0].device, later_flags)
+        try:
+            spec.kernel[grid](*args, **flags, num_warps=spec.num_warps, **self._options)
+        except Exception as exc:  # a compile or launch error, from Triton or the driver
+            raise KernelFailure(spec.kernel.__name__, flags, exc) from exc
+        self.counts["launches"] += 1
+        self.counts["mutating_launches"] += spec.mutates
+
+    def _compile(self, name: str, device: torch.device, flags: dict[str, Any]) -> None:
+        """Compiles a specialization without launching it (on the GPU; the interpreter compiles
+        nothing). Arguments are placeholders of the annotated types: only types reach the compiler."""
+        if INTERPRETED:
+            return
+        spec = LAUNCHES[name]
+        args = [_PLACEHOLDERS[p.annotation_type](device) for p in spec.kernel.params if not p.is_constexpr]
+        try:
+            spec.kernel.warmup(*args, grid=(1,), **flags, num_warps=spec.num_warps, **self._options)
+        except Exception as exc:
+            raise KernelFailure(spec.kernel.__name__, flags, exc) from exc
 
     # -- tables
-    def chunks(self, seg: Tensor, device: torch.device) -> _Chunks:
-        """The chunk table of a host segment table ``[S, 3]`` (cached by its content)."""
+    def chunks(self, seg: Tensor, device: torch.device, streams: Sequence[Tensors] = ()) -> _Chunks:
+        """The chunk table of a host segment table ``[S, 3]``, with each chunk's aligned body for
+        ``streams`` (the tensor lists the launch reads, by tensor index); cached."""
         if seg.device.type != "cpu":
             raise ValueError("the segment table must be a host (CPU) tensor: it is built from shapes")
         host = seg.numpy()  # host memory: reading it never waits for a device
-        key = (device, host.shape, host.tobytes())
+        phases = _phases([s for s in streams if len(s)], int(host[:, 0].max()) + 1 if host.shape[0] else 0)
+        key = (device, host.shape, host.tobytes(), phases)
         got = self._chunks.get(key)
         if got is None:
             rows, bounds = [], [0]
             for s, (t, start, length) in enumerate(host.tolist()):
                 for off in range(0, length, CHUNK):
-                    rows.append((t, start + off, min(CHUNK, length - off), s))
+                    st, n = start + off, min(CHUNK, length - off)
+                    head = n if phases[t] < 0 else min((phases[t] - st) % VEC, n)
+                    rows.append((t, st, n, s, head, (n - head) // BLOCK))
                 bounds.append(len(rows))
-            table = torch.tensor(rows or [(0, 0, 0, 0)], dtype=torch.long).reshape(-1, 4)
-            got = _Chunks(_to_device(table, device), _to_device(torch.tensor(bounds, dtype=torch.long), device),
+            table = torch.tensor(rows or [(0, 0, 0, 0, 0, 0)], dtype=torch.long).reshape(-1, 6)
+            got = _Chunks(self._copy(table, device), self._copy(torch.tensor(bounds, dtype=torch.long), device),
                           len(rows), seg.shape[0])
             if len(self._chunks) > 64:
                 self._chunks.clear()
             self._chunks[key] = got
         return got
 
-    @staticmethod
-    def ptrs(tensors: Tensors, device: torch.device) -> Tensor:
-        if not tensors:
-            return torch.zeros(1, dtype=torch.long, device=device)
-        return _to_device(torch.tensor([t.data_ptr() for t in tensors], dtype=torch.long), device)
+    def ptrs(self, tensors: Tensors, device: torch.device) -> Tensor:
+        """The device table of the tensors' addresses (cached by the addresses)."""
+        key = (device, tuple(t.data_ptr() for t in tensors))
+        got = self._ptrs.get(key)
+        if got is None:
+            host = torch.tensor(key[1] or (0,), dtype=torch.long)
+            got = self._copy(host, device)
+            if len(self._ptrs) > 256:
+                self._ptrs.clear()
+            self._ptrs[key] = got
+        return got
+
+    def _copy(self, host: Tensor, device: torch.device) -> Tensor:
+        self.counts["table_copies"] += 1
+        return _to_device(host, device)
 
     def _combined(self, ch: _Chunks, part: Tensor, k: int, nsum: int, minmax: bool) -> Tensor:
         out = torch.empty(ch.segments, k, dtype=torch.float64, device=part.device)
         if ch.segments:
-            _combine[(ch.segments,)](part, ch.bounds, out, K=k, NSUM=nsum, MINMAX=minmax)
+            self._launch("combine", (ch.segments,), part, ch.bounds, out, K=k, NSUM=nsum, MINMAX=minmax)
         return out
 
     @staticmethod
@@ -493,43 +824,50 @@ class Triton:
                             f"{sorted({str(t.dtype) for t in tensors})}")
         return _DTYPES[dt]
 
+    @staticmethod
+    def _fp32(*lists: Tensors) -> None:
+        for tensors in lists:
+            if any(t.dtype != torch.float32 for t in tensors):
+                raise TypeError("Triton VRGD kernels keep optimizer state and statistics in fp32")
+
     # -- kernels
     def gsnr_moments(self, sum_g, sum_sq, seg, inv_n, eps):
         dev = self._device(sum_g)
-        ch = self.chunks(seg, dev)
+        self._fp32(sum_g, sum_sq)
+        ch = self.chunks(seg, dev, (sum_g, sum_sq))
         part = torch.empty(max(ch.count, 1), 5, dtype=torch.float64, device=dev)
         if ch.count:
-            _moments_kernel[(ch.count,)](self.ptrs(sum_g, dev), self.ptrs(sum_sq, dev), ch.table, part, float(inv_n),
-                                         float(eps), BLOCK=BLOCK, **self._launch)
-        c = self._combined(ch, part, 5, 3, True)
-        flag = (~torch.isfinite(c[:, 1]) | ~torch.isfinite(c[:, 2])).double()
-        return torch.stack([c[:, 0], c[:, 3], c[:, 4], c[:, 1], c[:, 2], flag], dim=1)
+            self._launch("moments", (ch.count,), self.ptrs(sum_g, dev), self.ptrs(sum_sq, dev), ch.table, part,
+                         float(inv_n), float(eps), BLOCK=BLOCK)
+        return _moment_rows(self._combined(ch, part, 5, 3, True))
 
     def scaled_grad_norms(self, params, grads, sum_g, sum_sq, avg, seg, segf, inv_n, eps, beta3):
         dev = self._device(params)
-        ch = self.chunks(seg, dev)
+        self._fp32(sum_g, sum_sq, avg)
+        ch = self.chunks(seg, dev, (params, grads, sum_g, sum_sq, avg))
         part = torch.empty(max(ch.count, 1), 2, dtype=torch.float64, device=dev)
         if ch.count:
-            _grad_norms_kernel[(ch.count,)](
-                self.ptrs(params, dev), self.ptrs(grads, dev), self.ptrs(sum_g, dev), self.ptrs(sum_sq, dev),
-                self.ptrs(avg, dev), ch.table, segf.contiguous(), part, float(inv_n), float(eps), float(beta3),
-                PDT=self._dtype(params), ON=bool(sum_g), EMA=bool(avg), BLOCK=BLOCK, **self._launch)
+            self._launch("grad_norms", (ch.count,), self.ptrs(params, dev), self.ptrs(grads, dev),
+                         self.ptrs(sum_g, dev), self.ptrs(sum_sq, dev), self.ptrs(avg, dev), ch.table,
+                         segf.contiguous(), part, float(inv_n), float(eps), float(beta3),
+                         PDT=self._dtype(params), ON=bool(sum_g), EMA=bool(avg), BLOCK=BLOCK)
         c = self._combined(ch, part, 2, 2, False)
         return torch.cat([c, (~torch.isfinite(c[:, 1:2])).double()], dim=1)
 
     def sgd_step(self, params, grads, bufs, sum_g, sum_sq, avg, seg, segf, inv_n, eps, beta3, lr, weight_decay,
                  momentum, dampening, nesterov, found_inf):
         dev = self._device(params)
-        ch = self.chunks(seg, dev)
+        self._fp32(bufs, sum_g, sum_sq, avg)
+        ch = self.chunks(seg, dev, (params, grads, bufs, sum_g, sum_sq, avg))
         part = torch.empty(max(ch.count, 1), 3, dtype=torch.float64, device=dev)
         if ch.count:
             buf = momentum != 0.0
-            _sgd_kernel[(ch.count,)](
-                self.ptrs(params, dev), self.ptrs(grads, dev), self.ptrs(bufs, dev), self.ptrs(sum_g, dev),
-                self.ptrs(sum_sq, dev), self.ptrs(avg, dev), ch.table, segf.contiguous(), part, found_inf,
-                float(inv_n), float(eps), float(beta3), float(lr), float(weight_decay), float(momentum),
-                float(1.0 - dampening), PDT=self._dtype(params), ON=bool(sum_g), EMA=bool(avg), BUF=buf,
-                NESTEROV=bool(nesterov) and buf, BLOCK=BLOCK, **self._launch)
+            self._launch("sgd", (ch.count,), self.ptrs(params, dev), self.ptrs(grads, dev), self.ptrs(bufs, dev),
+                         self.ptrs(sum_g, dev), self.ptrs(sum_sq, dev), self.ptrs(avg, dev), ch.table,
+                         segf.contiguous(), part, found_inf, float(inv_n), float(eps), float(beta3), float(lr),
+                         float(weight_decay), float(momentum), float(1.0 - dampening), PDT=self._dtype(params),
+                         ON=bool(sum_g), EMA=bool(avg), BUF=buf, NESTEROV=bool(nesterov) and buf, BLOCK=BLOCK,
+                         then=[_combine_flags(3, 3, False)])
         return self._combined(ch, part, 3, 3, False)
 
     def adam_step(self, params, grads, exp_avg, exp_avg_sq, sum_g, sum_sq, avg, seg, segf, inv_n, eps_gsnr, beta3,
@@ -537,58 +875,104 @@ class Triton:
         if placement not in range(len(PLACEMENTS)):
             raise ValueError(f"adam_step: unknown GSNR placement {placement}")
         dev = self._device(params)
-        ch = self.chunks(seg, dev)
+        self._fp32(exp_avg, exp_avg_sq, sum_g, sum_sq, avg)
+        ch = self.chunks(seg, dev, (params, grads, exp_avg, exp_avg_sq, sum_g, sum_sq, avg))
         k = 3 if apply else 5
         part = torch.empty(max(ch.count, 1), k, dtype=torch.float64, device=dev)
         if ch.count:
             on = bool(sum_g)
-            _adam_kernel[(ch.count,)](
-                self.ptrs(params, dev), self.ptrs(grads, dev), self.ptrs(exp_avg, dev), self.ptrs(exp_avg_sq, dev),
-                self.ptrs(sum_g, dev), self.ptrs(sum_sq, dev), self.ptrs(avg, dev), ch.table,
-                _with_column(segf, lr / segf[:, _ADAM_BC1]), part, found_inf, float(inv_n), float(eps_gsnr), float(beta3), float(beta1), float(1.0 - beta1),
-                float(beta2), float(1.0 - beta2), float(eps), float(weight_decay), float(1.0 - lr * weight_decay),
-                PDT=self._dtype(params), ON=on,
-                EMA=bool(avg), APPLY=bool(apply), PLACE=placement if on else BOTH_MOMENTS, BLOCK=BLOCK,
-                **self._launch)
+            self._launch("adam", (ch.count,), self.ptrs(params, dev), self.ptrs(grads, dev), self.ptrs(exp_avg, dev),
+                         self.ptrs(exp_avg_sq, dev), self.ptrs(sum_g, dev), self.ptrs(sum_sq, dev),
+                         self.ptrs(avg, dev), ch.table, _with_column(segf, lr / segf[:, _ADAM_BC1.value]), part,
+                         found_inf,
+                         float(inv_n), float(eps_gsnr), float(beta3), float(beta1), float(1.0 - beta1), float(beta2),
+                         float(1.0 - beta2), float(eps), float(weight_decay), float(1.0 - lr * weight_decay),
+                         PDT=self._dtype(params), ON=on, EMA=bool(avg), APPLY=bool(apply),
+                         PLACE=placement if on else BOTH_MOMENTS, BLOCK=BLOCK,
+                         then=[_combine_flags(k, k, False)] + ([] if apply else [_lamb_apply_flags(
+                             self._dtype(params), on and placement == UPDATE, bool(avg) and placement == UPDATE)]))
         return self._combined(ch, part, k, k, False)
 
     def lamb_apply(self, params, exp_avg, exp_avg_sq, sum_g, sum_sq, avg, seg, segf, inv_n, eps_gsnr, beta3, lr,
                    eps, weight_decay, found_inf):
         dev = self._device(params)
-        ch = self.chunks(seg, dev)
+        self._fp32(exp_avg, exp_avg_sq, sum_g, sum_sq, avg)
+        ch = self.chunks(seg, dev, (params, exp_avg, exp_avg_sq, sum_g, sum_sq, avg))
         if ch.count:
-            _lamb_apply_kernel[(ch.count,)](
-                self.ptrs(params, dev), self.ptrs(exp_avg, dev), self.ptrs(exp_avg_sq, dev), self.ptrs(sum_g, dev),
-                self.ptrs(sum_sq, dev), self.ptrs(avg, dev), ch.table, _with_column(segf, lr * segf[:, _LAMB_TRUST]), found_inf,
-                float(inv_n), float(eps_gsnr), float(eps), float(weight_decay), PDT=self._dtype(params),
-                ON=bool(sum_g), EMA=bool(avg), BLOCK=BLOCK, **self._launch)
+            self._launch("lamb_apply", (ch.count,), self.ptrs(params, dev), self.ptrs(exp_avg, dev),
+                         self.ptrs(exp_avg_sq, dev), self.ptrs(sum_g, dev), self.ptrs(sum_sq, dev),
+                         self.ptrs(avg, dev), ch.table, _with_column(segf, lr * segf[:, _LAMB_TRUST.value]), found_inf,
+                         float(inv_n), float(eps_gsnr), float(eps), float(weight_decay), PDT=self._dtype(params),
+                         ON=bool(sum_g), EMA=bool(avg), BLOCK=BLOCK)
 
     def nonfinite(self, tensors, seg):
         dev = self._device(tensors)
-        ch = self.chunks(seg, dev)
+        ch = self.chunks(seg, dev, (tensors,))
         part = torch.empty(max(ch.count, 1), 1, dtype=torch.float64, device=dev)
         if ch.count:
-            _nonfinite_kernel[(ch.count,)](self.ptrs(tensors, dev), ch.table, part, XDT=self._dtype(tensors),
-                                           BLOCK=BLOCK, **self._launch)
+            self._launch("nonfinite", (ch.count,), self.ptrs(tensors, dev), ch.table, part,
+                         XDT=self._dtype(tensors), BLOCK=BLOCK)
         return (self._combined(ch, part, 1, 1, False)[:, 0] > 0).double()
 
     def pack_squares(self, src, g_out, sq_out, c, accumulate=False):
         x = src.reshape(-1)
         numel = x.numel()
         if numel:
-            _pack_squares_kernel[(triton.cdiv(numel, BLOCK),)](x, sq_out if g_out is None else g_out, sq_out, numel,
-                                                               float(c), WITH_G=g_out is not None,
-                                                               ACCUMULATE=bool(accumulate), BLOCK=BLOCK, **self._launch)
+            self._fp32([sq_out] if g_out is None else [sq_out, g_out])
+            g = sq_out if g_out is None else g_out
+            self._launch("pack_squares", (triton.cdiv(numel, BLOCK),), x.data_ptr(), g, sq_out, numel, float(c),
+                         XDT=self._dtype([x]), WITH_G=g_out is not None, ACCUMULATE=bool(accumulate),
+                         ALIGNED=_aligned(x, g, sq_out), BLOCK=BLOCK)
 
     def accumulate_moments(self, grad, sum_g, sum_sq, fresh, inv_n=0.0, eps=0.0):
         g = grad.reshape(-1)
         if not g.is_contiguous():
             g = g.contiguous()
         numel = g.numel()
-        if numel:
-            _accumulate_kernel[(triton.cdiv(numel, BLOCK),)](g, sum_g.view(-1), sum_sq.view(-1), numel,
-                                                             FRESH=bool(fresh), BLOCK=BLOCK, **self._launch)
-        return None  # pass 1 is the step's own stage 1 here
+        if not numel:
+            return None
+        self._fp32([sum_g, sum_sq])
+        sg, sq = sum_g.view(-1), sum_sq.view(-1)
+        programs = triton.cdiv(numel, HOOK_SPAN)
+        moments = inv_n > 0
+        part = torch.empty(programs if moments else 1, 5, dtype=torch.float64, device=g.device)
+        self._launch("accumulate", (programs,), g.data_ptr(), sg, sq, part, numel, float(inv_n), float(eps),
+                     GDT=self._dtype([g]), FRESH=bool(fresh), MOMENTS=moments, ALIGNED=_aligned(g, sg, sq),
+                     BLOCK=BLOCK, SPAN=HOOK_SPAN)
+        if not moments:
+            return None
+        return _moment_rows(self._combined(self._one_segment(programs, g.device), part, 5, 3, True))[0]
+
+    def _one_segment(self, chunks: int, device: torch.device) -> _Chunks:
+        """The combine table of one segment made of ``chunks`` partial rows (cached)."""
+        key = ("one", device, chunks)
+        got = self._chunks.get(key)
+        if got is None:
+            bounds = self._copy(torch.tensor([0, chunks], dtype=torch.long), device)
+            got = self._chunks[key] = _Chunks(bounds, bounds, chunks, 1)
+        return got
+
+
+def _moment_rows(c: Tensor) -> Tensor:
+    """``gsnr_moments``' rows [Σr, min r, max r, Σs, Σḡ², non-finite] from the combined
+    partial sums [Σr, Σs, Σḡ², min r, max r]."""
+    flag = (~torch.isfinite(c[:, 1]) | ~torch.isfinite(c[:, 2])).double()
+    return torch.stack([c[:, 0], c[:, 3], c[:, 4], c[:, 1], c[:, 2], flag], dim=1)
+
+
+def _aligned(*tensors: Tensor) -> bool:
+    """Every tensor starts on a ``VEC``-element boundary (the hook kernels' wide blocks)."""
+    return all(t.data_ptr() % (VEC * t.element_size()) == 0 for t in tensors)
+
+
+def _combine_flags(k: int, nsum: int, minmax: bool) -> tuple[str, dict[str, Any]]:
+    return "combine", dict(K=k, NSUM=nsum, MINMAX=minmax)
+
+
+def _lamb_apply_flags(pdt: tl.dtype, on: bool, ema: bool) -> tuple[str, dict[str, Any]]:
+    """LAMB's second pass after ``adam_step(apply=False)``: it reads p̂ again only for the
+    ``update`` placement (``VRLamb._update``)."""
+    return "lamb_apply", dict(PDT=pdt, ON=on, EMA=ema, BLOCK=BLOCK)
 
 
 def _with_column(segf: Tensor, col: Tensor) -> Tensor:

@@ -188,6 +188,7 @@ class GSNROptimizer(torch.optim.Optimizer):
         self._skipped_host = 0
         self._skipped_device: Tensor | None = None  # steps the sync-free kernels skipped (read lazily)
         self.step_calls = 0
+        self._counted: list[tuple[list[Tensor], Any]] = []  # step counters the current step added to
         super().__init__(params, defaults)
         for group in self.param_groups:
             self._check_group(group)
@@ -317,7 +318,11 @@ class GSNROptimizer(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         try:
-            self._step()
+            try:
+                self._step()
+            except _impl.StepRetry:  # the Triton kernels failed before writing anything: the reference now
+                self._undo_step_counts()
+                self._step()
         finally:
             if self._stats is not None:
                 self._stats.reset()
@@ -350,11 +355,21 @@ class GSNROptimizer(torch.optim.Optimizer):
         plan.tensor_of = to_device(seg[:, 0].contiguous(), tdev)
         return plan
 
+    def _undo_step_counts(self) -> None:
+        """What ``_step`` counted before its kernels failed (the step is run again)."""
+        self.step_calls -= 1
+        for counters, added in self._counted:
+            torch._foreach_add_(counters, -added if isinstance(added, float) else [-a for a in added])
+        self._counted = []
+
     def _step(self) -> None:
         self.step_calls += 1
+        self._counted = []
         if not self.merge_step_records:
             self.begin_step_records()
         kernels = self.kernels()
+        if isinstance(kernels, _impl.WithFallback):
+            kernels.new_step()
         sync_free = getattr(kernels, "sync_free", False)
         groups = [g for g in self.param_groups if any(p.grad is not None for p in g["params"])]
         if not groups:
@@ -376,7 +391,7 @@ class GSNROptimizer(torch.optim.Optimizer):
         flags = []
         for plan in plans:
             if plan.gsnr:
-                plan.moments = None if sync_free else self._moments_from_hooks(plan, n)  # before moments() hands out
+                plan.moments = self._moments_from_hooks(plan, n)  # before moments() hands out
                 plan.sum_g, plan.sum_sq = self._stats.moments(plan.params)
                 if plan.moments is None:
                     plan.moments = kernels.gsnr_moments(plan.sum_g, plan.sum_sq, plan.seg, 1.0 / n,
@@ -444,10 +459,10 @@ class GSNROptimizer(torch.optim.Optimizer):
             counters.append(st["step"])
             if beta3 > 0:
                 plan.avg.append(st["gsnr_avg"])
-        if plan.found is None:
-            torch._foreach_add_(counters, 1.0)
-        else:
-            torch._foreach_add_(counters, (1.0 - plan.found).float())
+        # a device scalar per counter (a list): the 0-d-tensor overload reads the scalar on the host
+        added = 1.0 if plan.found is None else [(1.0 - plan.found).float()] * len(counters)
+        torch._foreach_add_(counters, added)
+        self._counted.append((counters, added))
         # A skipped step's bias corrections must stay finite (its kernels store nothing).
         steps = torch.stack(counters).double().clamp_min(1.0)
         plan.step_t = steps.index_select(0, plan.tensor_of)

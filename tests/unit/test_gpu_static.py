@@ -1,0 +1,69 @@
+"""The static cost report of the GPU step (benchmarks/gpu_static.py) on every CI run: the bytes
+the kernels move per parameter, measured from their own loads and stores under Triton's
+interpreter, the launches and table copies of a steady step, and the host synchronisations.
+The numbers asserted are exact counts (words are whole or half fp32 words per parameter)."""
+from __future__ import annotations
+
+import pathlib
+import sys
+
+import pytest
+
+pytest.importorskip("triton", reason="pip install triton (the interpreter runs the kernels on CPU)")
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[2] / "benchmarks"))
+import gpu_static  # noqa: E402
+
+from vrgd_ds.optim import _triton  # noqa: E402
+
+pytestmark = pytest.mark.skipif(not _triton.INTERPRETED, reason="counts are taken under TRITON_INTERPRET=1")
+
+
+@pytest.fixture(scope="module")
+def lamb():
+    return {t: gpu_static.measure_step("VRLamb", dict(gsnr_placement="first_moment"), tensors=t) for t in (5, 40)}
+
+
+def test_vr_lamb_moves_its_floor_plus_the_gradient_check(lamb):
+    """VR-LAMB's step: 14 words with the GSNR pass taken by the statistics hook (read g, Σg,
+    Σg², p, m, v, p̂; write p̂, m, v in the first pass; read p, m, v, write p in the second), 16
+    with its own GSNR pass, plus 1 for the inf/NaN check of the gradient it reads."""
+    for r in lamb.values():
+        assert r["step_words"] == {"read": 11.0, "written": 4.0, "total": 15.0}
+        assert r["zero_step_words"] == 17.0
+
+
+def test_launches_per_step_do_not_grow_with_the_number_of_tensors(lamb):
+    """5 and 40 tensors: the same Triton launches and torch operations; tables copied only
+    where a tensor changed (the .grad tensors zero_grad() freed and reallocated), never read
+    back; no torch operation over more elements than a table."""
+    few, many = lamb[5], lamb[40]
+    assert few["triton_launches"] == many["triton_launches"] <= 6
+    assert few["torch_ops"] == many["torch_ops"]
+    assert few["table_copies"] == many["table_copies"] <= 1
+    assert few["host_syncs"] == many["host_syncs"] == 0
+    assert many["largest_torch_op_tensor"] <= 8 * many["tensors"]
+
+
+def test_hooks_words_per_micro_step():
+    """The one-process hook writes Σg, Σg² from a fp32 gradient (3 words) on the first
+    micro-step and adds to them later (5), taking the GSNR pass in the same pass; the ZeRO
+    per_step hook reads an fp16 gradient (half a word) and writes its fp32 square (and Σg with
+    gbar=local)."""
+    h = {k: v["total"] for k, v in gpu_static.measure_hooks().items()}
+    assert h["tensor hook, float32 gradient, first"] == 3.0
+    assert h["tensor hook, float32 gradient, later"] == h["tensor hook, float32 gradient, last (+pass 1)"] == 5.0
+    assert h["tensor hook, bfloat16 gradient, first"] == 2.5
+    assert h["ZeRO per_step hook, fp16 gradient, gbar=engine, first"] == 1.5
+    assert h["ZeRO per_step hook, fp16 gradient, gbar=local, later"] == 4.5
+
+
+def test_roofline_model_adds_up():
+    """The model's arithmetic on BERT-large's shapes from the config (built on the meta device)."""
+    shapes = gpu_static.bert_shapes(gpu_static.ROOT / "configs" / "bert_large_64k_32k_vr_lamb.json")
+    assert 330e6 < shapes["params"] < 345e6 and shapes["layers"] == 24 and shapes["hidden"] == 1024
+    rows = gpu_static.roofline(shapes, {"VRLamb": 17.0}, {"first": 2.5, "later": 4.5}, 0.4)
+    r = next(x for x in rows if x["ranks"] == 8 and x["gpu"] == "A100-80GB")
+    assert r["micro_steps"] == 65536 // (8 * 64)
+    assert r["step_gb"] == pytest.approx(17 * 4 * -(-shapes["params"] // 8) / 1e9)
+    assert r["hook_gb"] == pytest.approx((2.5 + 127 * 4.5) * 4 * shapes["params"] / 1e9)
+    assert r["step_ms"] == pytest.approx(r["step_gb"] / 2.0)
