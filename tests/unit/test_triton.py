@@ -321,3 +321,17 @@ def test_a_failure_after_the_step_wrote_state_is_not_papered_over(tmp_path, monk
     m = Net().to(DEVICE)
     with pytest.raises(RuntimeError, match="cannot be redone.*fused=False"):
         run(m, _with_fallback(build("VRLamb", m, "triton")), data(1, 2))
+
+
+def test_an_untested_triton_release_is_named(monkeypatch, caplog):
+    """A Triton outside the releases the compile check passed on: said once, with the way to
+    check it; the kernels are still used (a failure hands over to the reference)."""
+    from vrgd_ds import log
+    from vrgd_ds.optim import _impl
+
+    monkeypatch.setattr(triton, "__version__", "3.2.0")
+    monkeypatch.setattr(log, "_warned", set())
+    with caplog.at_level("WARNING"):
+        kernels, why = _impl._triton()
+    assert kernels is not None and why is None
+    assert any("Triton 3.2.0" in r.getMessage() and "triton_aot" in r.getMessage() for r in caplog.records)

@@ -339,37 +339,40 @@ class WithFallback:
         kwargs.pop("found_inf", None)
         return getattr(self.reference, method)(*args, **kwargs)
 
-    def gsnr_moments(self, *args, **kwargs):
-        return self._call("gsnr_moments", *args, **kwargs)
 
-    def scaled_grad_norms(self, *args, **kwargs):
-        return self._call("scaled_grad_norms", *args, **kwargs)
+def _fallback_method(method: str):
+    def call(self: WithFallback, *args, **kwargs):
+        return self._call(method, *args, **kwargs)
 
-    def sgd_step(self, *args, **kwargs):
-        return self._call("sgd_step", *args, **kwargs)
+    call.__name__ = call.__qualname__ = method
+    call.__doc__ = getattr(Kernels, method).__doc__
+    return call
 
-    def adam_step(self, *args, **kwargs):
-        return self._call("adam_step", *args, **kwargs)
 
-    def lamb_apply(self, *args, **kwargs):
-        return self._call("lamb_apply", *args, **kwargs)
+for _method in ("gsnr_moments", "scaled_grad_norms", "sgd_step", "adam_step", "lamb_apply", "nonfinite",
+                "pack_squares", "accumulate_moments"):  # the Kernels protocol, each through _call
+    setattr(WithFallback, _method, _fallback_method(_method))
 
-    def nonfinite(self, *args, **kwargs):
-        return self._call("nonfinite", *args, **kwargs)
 
-    def pack_squares(self, *args, **kwargs):
-        return self._call("pack_squares", *args, **kwargs)
-
-    def accumulate_moments(self, *args, **kwargs):
-        return self._call("accumulate_moments", *args, **kwargs)
+#: Triton releases [from, to) whose compiler the kernels passed ``vrgd_ds.optim.triton_aot`` with
+#: (every specialization for sm_80 and sm_90: compiles, no spills, <= 128 registers, 128-bit bodies)
+TESTED_TRITON = ((3, 8), (3, 10))
 
 
 def _triton() -> tuple[Kernels | None, str | None]:
     """The Triton kernels, or why they cannot run here."""
     try:
+        import triton
+
         from vrgd_ds.optim import _triton
     except ImportError as exc:  # triton ships with the CUDA torch wheels; pip install triton otherwise
         return None, f"triton is not importable ({exc})"
+    version = tuple(int(x) for x in triton.__version__.split(".")[:2] if x.isdigit())
+    if not TESTED_TRITON[0] <= version < TESTED_TRITON[1]:
+        lo, hi = (".".join(map(str, v)) for v in TESTED_TRITON)
+        warn_once(logger, "triton-version", "Triton %s: the kernels were compiled and checked with Triton >= %s, < %s; "
+                  "check this one with `python -m vrgd_ds.optim.triton_aot` (a kernel that fails at run time "
+                  "hands over to the reference implementation with fused=None)", triton.__version__, lo, hi)
     why = _triton.available()
     return (_triton.Triton(), None) if why is None else (None, why)
 

@@ -265,6 +265,13 @@ def _moments_add(sg, sq, m, inv_n, eps, sr, ss, sgb, mn, mx, WIDE: tl.constexpr)
 
 
 @triton.jit
+def _moments_zero(BLOCK: tl.constexpr):
+    """Pass 1's per-lane sums before the first block: Σr, Σs, Σḡ², min r, max r."""
+    zero = tl.zeros([BLOCK], tl.float32)
+    return zero, zero, zero, zero + float("inf"), zero - float("inf")
+
+
+@triton.jit
 def _moments_row(part, c, sr, ss, sgb, mn, mx):
     row = part + c * 5
     tl.store(row + 0, tl.sum(sr, axis=0).to(tl.float64))
@@ -281,11 +288,7 @@ def _moments_kernel(SG_T: "*i64", SQ_T: "*i64", chunks: "*i64", part: "*fp64", i
     t, start, n, s, head, nblk = _chunk(chunks, c, None)
     SG = _ptr(SG_T, t, tl.float32)
     SQ = _ptr(SQ_T, t, tl.float32)
-    sr = tl.zeros([BLOCK], tl.float32)
-    ss = tl.zeros([BLOCK], tl.float32)
-    sgb = tl.zeros([BLOCK], tl.float32)
-    mn = tl.full([BLOCK], float("inf"), tl.float32)
-    mx = tl.full([BLOCK], float("-inf"), tl.float32)
+    sr, ss, sgb, mn, mx = _moments_zero(BLOCK)
     for i in range(nblk):
         idx = _body_idx(start, head, i, BLOCK)
         sr, ss, sgb, mn, mx = _moments_add(_ld(SG, idx, None, True), _ld(SQ, idx, None, True), None, inv_n, eps,
@@ -599,11 +602,7 @@ def _accumulate_kernel(g: tl.int64, SG: "*fp32", SQ: "*fp32", part: "*fp64", num
     start = c.to(tl.int64) * SPAN
     n = tl.minimum(numel - start, SPAN)
     nblk = n // BLOCK if ALIGNED else n * 0  # SPAN and BLOCK are multiples of VEC: aligned blocks
-    sr = tl.zeros([BLOCK], tl.float32)
-    ss = tl.zeros([BLOCK], tl.float32)
-    sgb = tl.zeros([BLOCK], tl.float32)
-    mn = tl.full([BLOCK], float("inf"), tl.float32)
-    mx = tl.full([BLOCK], float("-inf"), tl.float32)
+    sr, ss, sgb, mn, mx = _moments_zero(BLOCK)
     for i in range(nblk):
         idx = start + i * BLOCK + tl.arange(0, BLOCK)
         sg, sq = _accumulate_elems(G, SG, SQ, idx, None, FRESH, True)
@@ -730,6 +729,7 @@ class Triton:
     def __init__(self) -> None:
         self._chunks: dict[tuple, _Chunks] = {}
         self._ptrs: dict[tuple, Tensor] = {}
+        self._compiled: set[tuple] = set()  # specializations compiled ahead of their launch (_compile)
         self._options = {} if INTERPRETED else {"enable_fp_fusion": False}
         self.counts = {"launches": 0, "mutating_launches": 0, "table_copies": 0}
 
@@ -755,7 +755,8 @@ class Triton:
     def _compile(self, name: str, device: torch.device, flags: dict[str, Any]) -> None:
         """Compiles a specialization without launching it (on the GPU; the interpreter compiles
         nothing). Arguments are placeholders of the annotated types: only types reach the compiler."""
-        if INTERPRETED:
+        key = (name, device, tuple((k, str(v)) for k, v in flags.items()))
+        if INTERPRETED or key in self._compiled:
             return
         spec = LAUNCHES[name]
         args = [_PLACEHOLDERS[p.annotation_type](device) for p in spec.kernel.params if not p.is_constexpr]
@@ -763,6 +764,7 @@ class Triton:
             spec.kernel.warmup(*args, grid=(1,), **flags, num_warps=spec.num_warps, **self._options)
         except Exception as exc:
             raise KernelFailure(spec.kernel.__name__, flags, exc) from exc
+        self._compiled.add(key)
 
     # -- tables
     def chunks(self, seg: Tensor, device: torch.device, streams: Sequence[Tensors] = ()) -> _Chunks:

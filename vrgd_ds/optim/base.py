@@ -397,11 +397,13 @@ class GSNROptimizer(torch.optim.Optimizer):
                     plan.moments = kernels.gsnr_moments(plan.sum_g, plan.sum_sq, plan.seg, 1.0 / n,
                                                         plan.group["gsnr_eps"])
                 flags += [plan.moments[:, 5], kernels.nonfinite(plan.grads, plan.seg)]
-            else:
+            elif self._needs_grad_norms(plan.group):  # the norms' pass also answers the non-finite check
                 plan.grad_norms = kernels.scaled_grad_norms(
                     plan.params, plan.grads, [], [], [], plan.seg, columns.build(columns.NORMS, **plan.gsnr_columns()),
                     1.0, 0.0, 0.0)
                 flags.append(plan.grad_norms[:, 2])
+            else:  # reads the gradient only (one word per parameter, the norms' pass reads two)
+                flags.append(kernels.nonfinite(plan.grads, plan.seg))
         found = torch.cat([f.reshape(-1).to(tdev) for f in flags]).amax().reshape(1)
         if self._layout is not None:
             self._layout.all_reduce(found, "max")
@@ -466,6 +468,11 @@ class GSNROptimizer(torch.optim.Optimizer):
         # A skipped step's bias corrections must stay finite (its kernels store nothing).
         steps = torch.stack(counters).double().clamp_min(1.0)
         plan.step_t = steps.index_select(0, plan.tensor_of)
+
+    def _needs_grad_norms(self, group: dict[str, Any]) -> bool:
+        """Whether a group without GSNR uses ‖θ‖² and ‖g‖² per tensor (``plan.grad_norms``):
+        pass 1 then computes them, which also answers the non-finite check."""
+        return False
 
     def _prepare(self, plans: list[Plan], kernels: _impl.Kernels) -> dict[str, Any]:
         """Cross-group quantities computed before any update (e.g. LAMB's global norm)."""

@@ -78,6 +78,9 @@ class VRLamb(GSNROptimizer):
     def _check_group(self, group: dict[str, Any]) -> None:
         check_placement(type(self).__name__, group)
 
+    def _needs_grad_norms(self, group):
+        return bool(group["grad_pre_normalization"])  # the global gradient norm
+
     def _prepare(self, plans, kernels):
         """The global gradient norm for NVLAMB pre-normalisation, over every group that asks."""
         wanted = [p for p in plans if p.group["grad_pre_normalization"]]

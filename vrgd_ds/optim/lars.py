@@ -50,6 +50,9 @@ class VRLars(GSNROptimizer):
                         beta3=beta3, gsnr_eps=gsnr_eps, gsnr=gsnr)
         super().__init__(params, defaults, fused=fused)
 
+    def _needs_grad_norms(self, group):
+        return True
+
     def _update(self, plan, kernels, n, extras):
         g = plan.group
         norms = plan.grad_norms  # pass 1 of a group without GSNR computed exactly these
