@@ -374,14 +374,16 @@ def _print(r: dict[str, Any]) -> None:
     print(f"\n## Roofline model: BERT-large ({b['params'] / 1e6:.1f}M parameters, {b['tensors']} tensors), ZeRO-2 "
           f"fp16, global batch {b['global_batch']}, micro-batch {b['micro_batch']}, seq {b['seq']}, MFU "
           f"{r['mfu']:.0%} (a model; the word counts in it are measured)\n")
-    print("| member | ranks | micro-steps | GPU | step GB | hooks GB | step ms | hooks ms | compute ms "
-          "| optimizer + hooks share |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
-    for x in r["roofline"]:
-        if x["member"] in ("VRLamb first_moment", "Lamb", "VRAdam first_moment"):
-            print(f"| {x['member']} | {x['ranks']} | {x['micro_steps']} | {x['gpu']} | {x['step_gb']:.2f} "
-                  f"| {x['hook_gb']:.2f} | {x['step_ms']:.2f} | {x['hook_ms']:.2f} | {x['compute_ms']:.0f} "
-                  f"| {x['share']:.2%} |")
+    print("| member | ranks | micro-steps | step GB | hooks GB | A100: step + hooks ms | of compute ms "
+          "| share | H100: step + hooks ms | of compute ms | share |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    by = {(x["member"], x["ranks"], x["gpu"]): x for x in r["roofline"]}
+    for member in r["steps"]:
+        for ranks in RANKS:
+            a, h = by[(member, ranks, "A100-80GB")], by[(member, ranks, "H100-SXM")]
+            print(f"| {member} | {ranks} | {a['micro_steps']} | {a['step_gb']:.2f} | {a['hook_gb']:.1f} "
+                  f"| {a['step_ms']:.2f} + {a['hook_ms']:.1f} | {a['compute_ms']:.0f} | {a['share']:.2%} "
+                  f"| {h['step_ms']:.2f} + {h['hook_ms']:.1f} | {h['compute_ms']:.0f} | {h['share']:.2%} |")
     if r["aot"]:
         recs = r["aot"]["records"]
         print(f"\n## Compiled (Triton {r['aot']['triton']}, sm_80 and sm_90): {len(recs)} specializations, "
