@@ -36,6 +36,7 @@ IEEE division and square root (``div_rn``, ``sqrt_rn``) and no FMA contraction o
 (``enable_fp_fusion=False``), so only the order of summation differs. (Triton's interpreter
 rounds fp32 -> bf16 by truncation; on the GPU the conversion rounds to nearest even.)
 """
+import functools
 import inspect
 import itertools
 import logging
@@ -634,7 +635,16 @@ class Launch:
     mutates: bool = False  # writes parameters or optimizer state (a step failing after it cannot be redone)
 
     def admits(self, flags: dict[str, Any]) -> bool:
-        return flags in self.cases
+        return _flag_key(flags) in self._keys
+
+    @functools.cached_property
+    def _keys(self) -> frozenset:
+        return frozenset(_flag_key(c) for c in self.cases)
+
+
+def _flag_key(flags: dict[str, Any]) -> tuple:
+    """A hashable form of a flag combination, in any order (Triton dtypes by name)."""
+    return tuple(sorted((k, str(v)) for k, v in flags.items()))
 
 
 def _cases(where=lambda c: True, **axes: Sequence[Any]) -> tuple[dict[str, Any], ...]:
@@ -695,15 +705,19 @@ def _to_device(host: Tensor, device: torch.device) -> Tensor:
     return host.pin_memory().to(device, non_blocking=True)
 
 
-def _phases(streams: Sequence[Tensors], count: int) -> tuple[int, ...]:
+def _addresses(tensors: Tensors) -> tuple[tuple[int, int], ...]:
+    """(address, element size) of each tensor: all a launch's tables are built from (host metadata)."""
+    return tuple((t.data_ptr(), t.element_size()) for t in tensors)
+
+
+def _phases(streams: Sequence[tuple[tuple[int, int], ...]], count: int) -> tuple[int, ...]:
     """Per tensor index: the element offset (mod ``VEC``) at which every one of its streams is
     aligned to ``VEC`` elements, or -1 when they disagree (that tensor gets no wide body)."""
     out = []
     for t in range(count):
         want = None
-        for tensors in streams:
-            x = tensors[t]
-            ptr, es = x.data_ptr(), x.element_size()
+        for addrs in streams:
+            ptr, es = addrs[t]
             q = (-(ptr // es)) % VEC if ptr % es == 0 else -1
             if want is None:
                 want = q
@@ -755,7 +769,7 @@ class Triton:
     def _compile(self, name: str, device: torch.device, flags: dict[str, Any]) -> None:
         """Compiles a specialization without launching it (on the GPU; the interpreter compiles
         nothing). Arguments are placeholders of the annotated types: only types reach the compiler."""
-        key = (name, device, tuple((k, str(v)) for k, v in flags.items()))
+        key = (name, device, _flag_key(flags))
         if INTERPRETED or key in self._compiled:
             return
         spec = LAUNCHES[name]
@@ -767,13 +781,25 @@ class Triton:
         self._compiled.add(key)
 
     # -- tables
+    def tables(self, seg: Tensor, device: torch.device, *streams: Tensors) -> tuple[_Chunks, list[Tensor]]:
+        """A launch's chunk table and the address table of each of its tensor lists (``streams``,
+        by tensor index), from one read of the tensors' addresses; both cached."""
+        addrs = [_addresses(s) for s in streams]
+        return self._chunk_table(seg, device, addrs), [self._ptr_table(a, device) for a in addrs]
+
     def chunks(self, seg: Tensor, device: torch.device, streams: Sequence[Tensors] = ()) -> _Chunks:
+        return self._chunk_table(seg, device, [_addresses(s) for s in streams])
+
+    def ptrs(self, tensors: Tensors, device: torch.device) -> Tensor:
+        return self._ptr_table(_addresses(tensors), device)
+
+    def _chunk_table(self, seg: Tensor, device: torch.device, streams: Sequence[tuple]) -> _Chunks:
         """The chunk table of a host segment table ``[S, 3]``, with each chunk's aligned body for
-        ``streams`` (the tensor lists the launch reads, by tensor index); cached."""
+        the streams' addresses."""
         if seg.device.type != "cpu":
             raise ValueError("the segment table must be a host (CPU) tensor: it is built from shapes")
         host = seg.numpy()  # host memory: reading it never waits for a device
-        phases = _phases([s for s in streams if len(s)], int(host[:, 0].max()) + 1 if host.shape[0] else 0)
+        phases = _phases([a for a in streams if a], int(host[:, 0].max()) + 1 if host.shape[0] else 0)
         key = (device, host.shape, host.tobytes(), phases)
         got = self._chunks.get(key)
         if got is None:
@@ -792,13 +818,12 @@ class Triton:
             self._chunks[key] = got
         return got
 
-    def ptrs(self, tensors: Tensors, device: torch.device) -> Tensor:
-        """The device table of the tensors' addresses (cached by the addresses)."""
-        key = (device, tuple(t.data_ptr() for t in tensors))
+    def _ptr_table(self, addrs: tuple[tuple[int, int], ...], device: torch.device) -> Tensor:
+        """The device table of the addresses (cached by them)."""
+        key = (device, addrs)
         got = self._ptrs.get(key)
         if got is None:
-            host = torch.tensor(key[1] or (0,), dtype=torch.long)
-            got = self._copy(host, device)
+            got = self._copy(torch.tensor([a for a, _ in addrs] or [0], dtype=torch.long), device)
             if len(self._ptrs) > 256:
                 self._ptrs.clear()
             self._ptrs[key] = got
@@ -836,21 +861,20 @@ class Triton:
     def gsnr_moments(self, sum_g, sum_sq, seg, inv_n, eps):
         dev = self._device(sum_g)
         self._fp32(sum_g, sum_sq)
-        ch = self.chunks(seg, dev, (sum_g, sum_sq))
+        ch, ptrs = self.tables(seg, dev, sum_g, sum_sq)
         part = torch.empty(max(ch.count, 1), 5, dtype=torch.float64, device=dev)
         if ch.count:
-            self._launch("moments", (ch.count,), self.ptrs(sum_g, dev), self.ptrs(sum_sq, dev), ch.table, part,
+            self._launch("moments", (ch.count,), *ptrs, ch.table, part,
                          float(inv_n), float(eps), BLOCK=BLOCK)
         return _moment_rows(self._combined(ch, part, 5, 3, True))
 
     def scaled_grad_norms(self, params, grads, sum_g, sum_sq, avg, seg, segf, inv_n, eps, beta3):
         dev = self._device(params)
         self._fp32(sum_g, sum_sq, avg)
-        ch = self.chunks(seg, dev, (params, grads, sum_g, sum_sq, avg))
+        ch, ptrs = self.tables(seg, dev, params, grads, sum_g, sum_sq, avg)
         part = torch.empty(max(ch.count, 1), 2, dtype=torch.float64, device=dev)
         if ch.count:
-            self._launch("grad_norms", (ch.count,), self.ptrs(params, dev), self.ptrs(grads, dev),
-                         self.ptrs(sum_g, dev), self.ptrs(sum_sq, dev), self.ptrs(avg, dev), ch.table,
+            self._launch("grad_norms", (ch.count,), *ptrs, ch.table,
                          segf.contiguous(), part, float(inv_n), float(eps), float(beta3),
                          PDT=self._dtype(params), ON=bool(sum_g), EMA=bool(avg), BLOCK=BLOCK)
         c = self._combined(ch, part, 2, 2, False)
@@ -860,12 +884,11 @@ class Triton:
                  momentum, dampening, nesterov, found_inf):
         dev = self._device(params)
         self._fp32(bufs, sum_g, sum_sq, avg)
-        ch = self.chunks(seg, dev, (params, grads, bufs, sum_g, sum_sq, avg))
+        ch, ptrs = self.tables(seg, dev, params, grads, bufs, sum_g, sum_sq, avg)
         part = torch.empty(max(ch.count, 1), 3, dtype=torch.float64, device=dev)
         if ch.count:
             buf = momentum != 0.0
-            self._launch("sgd", (ch.count,), self.ptrs(params, dev), self.ptrs(grads, dev), self.ptrs(bufs, dev),
-                         self.ptrs(sum_g, dev), self.ptrs(sum_sq, dev), self.ptrs(avg, dev), ch.table,
+            self._launch("sgd", (ch.count,), *ptrs, ch.table,
                          segf.contiguous(), part, found_inf, float(inv_n), float(eps), float(beta3), float(lr),
                          float(weight_decay), float(momentum), float(1.0 - dampening), PDT=self._dtype(params),
                          ON=bool(sum_g), EMA=bool(avg), BUF=buf, NESTEROV=bool(nesterov) and buf, BLOCK=BLOCK,
@@ -878,15 +901,13 @@ class Triton:
             raise ValueError(f"adam_step: unknown GSNR placement {placement}")
         dev = self._device(params)
         self._fp32(exp_avg, exp_avg_sq, sum_g, sum_sq, avg)
-        ch = self.chunks(seg, dev, (params, grads, exp_avg, exp_avg_sq, sum_g, sum_sq, avg))
+        ch, ptrs = self.tables(seg, dev, params, grads, exp_avg, exp_avg_sq, sum_g, sum_sq, avg)
         k = 3 if apply else 5
         part = torch.empty(max(ch.count, 1), k, dtype=torch.float64, device=dev)
         if ch.count:
             on = bool(sum_g)
-            self._launch("adam", (ch.count,), self.ptrs(params, dev), self.ptrs(grads, dev), self.ptrs(exp_avg, dev),
-                         self.ptrs(exp_avg_sq, dev), self.ptrs(sum_g, dev), self.ptrs(sum_sq, dev),
-                         self.ptrs(avg, dev), ch.table, _with_column(segf, lr / segf[:, _ADAM_BC1.value]), part,
-                         found_inf,
+            self._launch("adam", (ch.count,), *ptrs, ch.table, _with_column(segf, lr / segf[:, _ADAM_BC1.value]),
+                         part, found_inf,
                          float(inv_n), float(eps_gsnr), float(beta3), float(beta1), float(1.0 - beta1), float(beta2),
                          float(1.0 - beta2), float(eps), float(weight_decay), float(1.0 - lr * weight_decay),
                          PDT=self._dtype(params), ON=on, EMA=bool(avg), APPLY=bool(apply),
@@ -899,20 +920,18 @@ class Triton:
                    eps, weight_decay, found_inf):
         dev = self._device(params)
         self._fp32(exp_avg, exp_avg_sq, sum_g, sum_sq, avg)
-        ch = self.chunks(seg, dev, (params, exp_avg, exp_avg_sq, sum_g, sum_sq, avg))
+        ch, ptrs = self.tables(seg, dev, params, exp_avg, exp_avg_sq, sum_g, sum_sq, avg)
         if ch.count:
-            self._launch("lamb_apply", (ch.count,), self.ptrs(params, dev), self.ptrs(exp_avg, dev),
-                         self.ptrs(exp_avg_sq, dev), self.ptrs(sum_g, dev), self.ptrs(sum_sq, dev),
-                         self.ptrs(avg, dev), ch.table, _with_column(segf, lr * segf[:, _LAMB_TRUST.value]), found_inf,
+            self._launch("lamb_apply", (ch.count,), *ptrs, ch.table, _with_column(segf, lr * segf[:, _LAMB_TRUST.value]), found_inf,
                          float(inv_n), float(eps_gsnr), float(eps), float(weight_decay), PDT=self._dtype(params),
                          ON=bool(sum_g), EMA=bool(avg), BLOCK=BLOCK)
 
     def nonfinite(self, tensors, seg):
         dev = self._device(tensors)
-        ch = self.chunks(seg, dev, (tensors,))
+        ch, ptrs = self.tables(seg, dev, tensors)
         part = torch.empty(max(ch.count, 1), 1, dtype=torch.float64, device=dev)
         if ch.count:
-            self._launch("nonfinite", (ch.count,), self.ptrs(tensors, dev), ch.table, part,
+            self._launch("nonfinite", (ch.count,), *ptrs, ch.table, part,
                          XDT=self._dtype(tensors), BLOCK=BLOCK)
         return (self._combined(ch, part, 1, 1, False)[:, 0] > 0).double()
 
