@@ -12,7 +12,7 @@ import pytest
 
 from vrgd_ds.train import checkpoints as ckpt
 from vrgd_ds.train import loop
-from vrgd_ds.train.watchdog import Watchdog
+from vrgd_ds.train.watchdog import Watchdog, collective_timeout, poll_interval
 
 CONFIGS = Path(__file__).resolve().parents[2] / "configs"
 TEST_CONFIG = CONFIGS / "bert_tiny_cpu_test.json"
@@ -160,3 +160,13 @@ def test_watchdog_report_names_the_silent_rank(tmp_path):
     assert "rank(s) 2 never reported" in report
     assert "rank 1 " in report and "unresponsive" in report and "step 6" in report
     assert "rank 0 " not in report
+
+
+@pytest.mark.parametrize("timeout_s", [15.0, 60.0, 1800.0])
+def test_collectives_outlive_the_watchdog(timeout_s):
+    """Bug: the collective timeout equalled job.timeout_minutes, so a collective entered just after
+    a step's heartbeat timed out before the watchdog's next poll, and a stalled job ended with
+    gloo's bare "Timed out waiting 15000ms" instead of the message naming the rank (seen in
+    test_stalled_rank_ends_the_job_naming_it). Fails on the old code: no ``collective_timeout``."""
+    latest_watchdog_exit = timeout_s + poll_interval(timeout_s)
+    assert collective_timeout(timeout_s) >= latest_watchdog_exit + 10.0

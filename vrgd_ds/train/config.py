@@ -184,9 +184,10 @@ class JobConfig(_Strict):
     skips a handful in a row while it settles; 50 leaves room for that."""
     timeout_minutes: float = Field(30.0, gt=0.0)
     """A rank without progress (a step, an evaluation, a checkpoint) for this long ends the job
-    with a message naming the rank that stalled; also the timeout of every collective
-    (process-group creation). Preparing a large corpus inside the job counts against it on the
-    waiting ranks: prepare it beforehand with ``vrgd-data prepare``."""
+    with a message naming the rank that stalled; every collective times out a little later
+    (``watchdog.collective_timeout``), so the watchdog's message comes first. Preparing a
+    large corpus inside the job counts against it on the waiting ranks: prepare it beforehand
+    with ``vrgd-data prepare``."""
     telemetry: TelemetryConfig = Field(default_factory=TelemetryConfig)
 
     @model_validator(mode="after")

@@ -25,7 +25,7 @@ Failure handling (each case ends the job with a message naming the key, file, ra
   overflow) stop the run (exit ``EXIT_DIVERGED``); the rotation keeps the last checkpoint
   taken before the skips began;
 * a rank without progress for ``job.timeout_minutes`` ends the job, naming the stalled rank
-  (``watchdog``, exit 3); collectives time out after the same time;
+  (``watchdog``, exit 3); collectives time out a little later, so that message comes first;
 * ``SIGUSR1`` (Slurm's ``--signal=USR1@120`` before a time limit or pre-emption): every rank
   finishes its step, the job takes a checkpoint and exits ``EXIT_REQUEUE`` so the batch script
   requeues it; the requeued job resumes from that checkpoint.
@@ -55,7 +55,7 @@ from vrgd_ds.train.config import (ConfigError, JobConfig, controller_settings, d
 from vrgd_ds.train.data import JobData, check_data_path, eval_batches, loader, prepare_data
 from vrgd_ds.train.model import build_model
 from vrgd_ds.train.schedule import PhaseSchedule
-from vrgd_ds.train.watchdog import Watchdog
+from vrgd_ds.train.watchdog import Watchdog, collective_timeout
 
 logger = logging.getLogger(__name__)
 
@@ -110,7 +110,7 @@ class Trainer:
         self.raw, self.job, self.run_dir = raw, job, run_dir
         cuda = torch.cuda.is_available()
         deepspeed.init_distributed(dist_backend=backend or ("nccl" if cuda else "gloo"), auto_mpi_discovery=True,
-                                   timeout=datetime.timedelta(minutes=job.timeout_minutes))
+                                   timeout=datetime.timedelta(seconds=collective_timeout(job.timeout_minutes * 60)))
         self.dist = dist
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
         self.watchdog = Watchdog(run_dir, self.rank, self.world, job.timeout_minutes * 60).start()

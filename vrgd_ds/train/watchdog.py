@@ -10,8 +10,12 @@ node) or, if all are alive, the ranks at the lowest step; then it exits with ``E
 and the launcher (deepspeed, torchrun, srun, mpirun) ends the other ranks. A stalled rank
 cannot report on itself, which is why every rank reports on all of them.
 
-The collective timeout given to process-group creation (``job.timeout_minutes``) is the second
-line: a rank blocked in a collective whose peer is gone raises after that long.
+The collective timeout given to process-group creation is the second line: a rank blocked in a
+collective whose peer is gone raises after that long. It is ``collective_timeout(timeout)``,
+``COLLECTIVE_MARGIN_S`` past the watchdog's own deadline, so that the watchdog, which names
+the stalled rank, always speaks first; were both equal, a collective entered just after a step's
+heartbeat would time out before the watchdog's next poll and the job would end with gloo's or
+NCCL's bare "timed out" instead.
 """
 from __future__ import annotations
 
@@ -30,13 +34,24 @@ logger = logging.getLogger(__name__)
 
 EXIT_STALLED = 3
 BACKSTOP_S = 60.0  # after the timeout, how long the thread may take before faulthandler ends the process
+COLLECTIVE_MARGIN_S = 30.0  # a collective outlives the watchdog's deadline by this much
+
+
+def collective_timeout(timeout_s: float) -> float:
+    """The collective timeout (seconds) for a watchdog of ``timeout_s``: its deadline, its worst
+    poll delay, and ``COLLECTIVE_MARGIN_S`` for the message and the exit."""
+    return timeout_s + poll_interval(timeout_s) + COLLECTIVE_MARGIN_S
+
+
+def poll_interval(timeout_s: float) -> float:
+    return min(10.0, max(timeout_s / 20, 0.05))
 
 
 class Watchdog:
     def __init__(self, run_dir: Path, rank: int, world: int, timeout_s: float, poll_s: float | None = None) -> None:
         self.dir = run_dir / "heartbeat"
         self.rank, self.world, self.timeout = rank, world, timeout_s
-        self.poll = poll_s if poll_s is not None else min(10.0, max(timeout_s / 20, 0.05))
+        self.poll = poll_s if poll_s is not None else poll_interval(timeout_s)
         self.dir.mkdir(parents=True, exist_ok=True)
         self._last = time.monotonic()
         self._progress = {"step": 0, "what": "start", "time": time.time()}
