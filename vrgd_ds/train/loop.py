@@ -16,6 +16,9 @@ stopped after step N and resumed therefore repeats the uninterrupted run's losse
 
 Failure handling (each case ends the job with a message naming the key, file, rank or step):
 
+* a second job started on a run directory that a live job owns stops before touching it, naming
+  the owner (``rundir``, exit ``EXIT_BUSY``); a dead owner's directory, or an earlier start of
+  the same Slurm job, is taken over with a log line;
 * a bad config (optimizer block, ``--set`` path, data path) fails before any work, once, on the
   first rank (exit ``EXIT_CONFIG``);
 * a checkpoint counts once every rank has written it (``checkpoints``): resuming takes the
@@ -54,6 +57,7 @@ from vrgd_ds.train.config import (ConfigError, JobConfig, controller_settings, d
                                   load_config, phase_samples)
 from vrgd_ds.train.data import JobData, check_data_path, eval_batches, loader, prepare_data
 from vrgd_ds.train.model import build_model
+from vrgd_ds.train.rundir import RunDirBusy, RunDirLock
 from vrgd_ds.train.schedule import PhaseSchedule
 from vrgd_ds.train.watchdog import Watchdog, collective_timeout
 
@@ -65,6 +69,7 @@ STATE_KEY = "vrgd_job"
 EXIT_CONFIG = 2  # a configuration or data error found before training
 EXIT_DIVERGED = 4  # job.stop_after_skipped_steps consecutive steps skipped
 EXIT_NO_SPACE = 5  # not enough disk space for a checkpoint
+EXIT_BUSY = 6  # the run directory belongs to another live job (rundir)
 EXIT_REQUEUE = 75  # checkpointed on SIGUSR1: requeue the job (EX_TEMPFAIL)
 REQUEUE_MARKER = "requeue.json"  # <run dir>/requeue.json: the same, for batch scripts (launch/slurm.sbatch)
 PREEMPT_SIGNAL = signal.SIGUSR1
@@ -113,15 +118,50 @@ class Trainer:
                                    timeout=datetime.timedelta(seconds=collective_timeout(job.timeout_minutes * 60)))
         self.dist = dist
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
-        self.watchdog = Watchdog(run_dir, self.rank, self.world, job.timeout_minutes * 60).start()
-        self.preempt_requested = False
-        signal.signal(PREEMPT_SIGNAL, self._on_preempt_signal)
-        dist.barrier()  # every rank has mapped its peers' shared memory (CPU accelerator)
-        shm.unlink_own_segment(self.rank)
         if cuda:
             local = int(os.environ.get("LOCAL_RANK", self.rank % max(torch.cuda.device_count(), 1)))
             torch.cuda.set_device(local)
         self.device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
+        self.watchdog: Watchdog | None = None
+        self.lock = self._take_run_dir()  # before anything in the run directory is touched
+
+    def _take_run_dir(self) -> RunDirLock | None:
+        """Rank 0 takes the run directory (``rundir``); every rank learns whether it could."""
+        lock, refused = None, None
+        if self.rank == 0:
+            lock = RunDirLock(self.run_dir)
+            try:
+                note = lock.acquire()
+            except RunDirBusy as e:
+                refused = str(e)
+            else:
+                if note:
+                    logger.warning("%s", note)
+                lock.start()
+        if self._any_rank(refused is not None):
+            raise RunDirBusy(refused or "the run directory is in use by another job (rank 0 names it)")
+        return lock
+
+    def release(self) -> None:
+        """Stops the watchdog and gives the run directory back (every exit path)."""
+        if self.watchdog is not None:
+            self.watchdog.stop()
+        if self.lock is not None:
+            self.lock.release()
+
+    def setup(self) -> "Trainer":
+        """Everything after the run directory is taken: data, model, engine."""
+        import deepspeed
+
+        job, run_dir, raw, dist = self.job, self.run_dir, self.raw, self.dist
+        self.watchdog = Watchdog(run_dir, self.rank, self.world, job.timeout_minutes * 60)
+        if self.lock is not None:
+            self.watchdog.on_exit = self.lock.release
+        self.watchdog.start()
+        self.preempt_requested = False
+        signal.signal(PREEMPT_SIGNAL, self._on_preempt_signal)
+        dist.barrier()  # every rank has mapped its peers' shared memory (CPU accelerator)
+        shm.unlink_own_segment(self.rank)
         self.schedule = PhaseSchedule(job)
         self.budget = phase_samples(job)
         self.controllers: dict[int, BatchController] = {}
@@ -156,15 +196,19 @@ class Trainer:
         self.evals: list[dict[str, float]] = []
         self.skip_streak_from: int | None = None  # steps completed before the current run of skipped steps
         self.watchdog.beat(0, "set-up")
+        return self
 
     def _on_preempt_signal(self, signum, frame) -> None:  # noqa: ARG002 (signal handler signature)
         self.preempt_requested = True
 
     def _any_rank(self, flag: bool) -> bool:
         """True on every rank if ``flag`` is true on any (one small all-reduce)."""
-        t = torch.tensor([1.0 if flag else 0.0], device=self.device)
+        return self._max_over_ranks(1 if flag else 0) > 0
+
+    def _max_over_ranks(self, value: int) -> int:
+        t = torch.tensor([float(value)], device=self.device)
         self.dist.all_reduce(t, op=self.dist.ReduceOp.MAX)
-        return bool(t.item() > 0)
+        return int(t.item())
 
     # -- checkpoints ---------------------------------------------------------------------------
 
@@ -468,7 +512,12 @@ class Trainer:
             self._after_step(skipped)
             if self.job.checkpoint_every and self.step % self.job.checkpoint_every == 0:
                 self.save()
-            if self._any_rank(self.preempt_requested):
+            lost = self.lock is not None and self.lock.lost is not None
+            signal_code = self._max_over_ranks(2 if lost else 1 if self.preempt_requested else 0)
+            if signal_code == 2:  # another job took the directory over: write nothing more into it
+                raise RunDirBusy(self.lock.lost if lost else "another job took the run directory over (rank 0 "
+                                 "names it); this job stops without writing to it")
+            if signal_code == 1:
                 self.save()
                 if self.rank == 0:  # for the batch script: the exit code of srun is the first rank's to end
                     (self.run_dir / REQUEUE_MARKER).write_text(json.dumps({"tag": ckpt.tag_of(self.step)}))
@@ -533,7 +582,11 @@ def main(argv: list[str] | None = None) -> int:
     trainer = None
     try:
         trainer = Trainer(raw, job, run_dir, args.backend)
-        result = trainer.train()
+        result = trainer.setup().train()
+    except RunDirBusy as e:
+        if first:
+            print(f"vrgd-pretrain: error: {e}", file=sys.stderr, flush=True)
+        return EXIT_BUSY
     except (ConfigError, UnsupportedConfiguration) as e:
         if trainer is None or trainer.rank == 0:
             print(f"vrgd-pretrain: error: {e}", file=sys.stderr, flush=True)
@@ -552,7 +605,7 @@ def main(argv: list[str] | None = None) -> int:
         return EXIT_REQUEUE
     finally:
         if trainer is not None:
-            trainer.watchdog.stop()
+            trainer.release()
     if trainer.rank == 0:
         plots = []
         try:

@@ -29,6 +29,7 @@ import sys
 import threading
 import time
 from pathlib import Path
+from typing import Callable
 
 logger = logging.getLogger(__name__)
 
@@ -58,6 +59,8 @@ class Watchdog:
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._watch, name="vrgd-watchdog", daemon=True)
+        #: called just before the process ends the job (e.g. to give the run directory back)
+        self.on_exit: Callable[[], None] | None = None
 
     def start(self) -> "Watchdog":
         self.beat(0, "start")
@@ -139,4 +142,9 @@ class Watchdog:
                     os.kill(pid, signal.SIGKILL)
                 except OSError:
                     pass
+            if self.on_exit is not None:
+                try:
+                    self.on_exit()
+                except Exception as e:  # ending the job matters more
+                    logger.warning("watchdog: clean-up before exit failed: %s", e)
             os._exit(EXIT_STALLED)

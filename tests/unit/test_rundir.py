@@ -1,0 +1,103 @@
+"""The run directory's owner record (``vrgd_ds.train.rundir``): one job at a time, dead owners
+taken over, a requeued Slurm job continuing. The jobs themselves are in
+``tests/integration/test_run_dir.py``."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+
+from vrgd_ds.train.rundir import OWNER, RunDirBusy, RunDirLock
+
+
+def _record(run_dir, **fields) -> None:
+    base = {"host": "node-a", "pid": 4242, "proc_start": "1", "slurm_job_id": None, "slurm_restart": 0,
+            "token": "someone-else", "started": time.time() - 60, "heartbeat": time.time(), "command": "x"}
+    run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / OWNER).write_text(json.dumps({**base, **fields}))
+
+
+def test_the_first_job_takes_the_directory_and_a_second_is_refused_naming_it(tmp_path):
+    first = RunDirLock(tmp_path / "run")
+    assert first.acquire() is None and first.held
+    second = RunDirLock(tmp_path / "run")
+    with pytest.raises(RunDirBusy) as e:
+        second.acquire()
+    msg = str(e.value)
+    assert f"pid {os.getpid()}" in msg and "not a Slurm job" in msg and "--run-dir" in msg and OWNER in msg
+    assert json.loads((tmp_path / "run" / OWNER).read_text())["token"] == first.token  # untouched
+    first.release()
+    assert not (tmp_path / "run" / OWNER).exists()
+    assert second.acquire() is None  # free again
+    second.release()
+
+
+def test_a_dead_owner_on_this_host_is_taken_over_at_once(tmp_path):
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()
+    _record(tmp_path, host=RunDirLock(tmp_path).record["host"], pid=gone.pid)
+    lock = RunDirLock(tmp_path)
+    note = lock.acquire()
+    assert note is not None and f"pid {gone.pid} no longer runs" in note and "taking over" in note
+    assert json.loads((tmp_path / OWNER).read_text())["token"] == lock.token
+    lock.release()
+
+
+def test_a_reused_pid_is_not_its_old_owner(tmp_path):
+    """The pid runs (it is this process), but it started at another time: another process."""
+    _record(tmp_path, host=RunDirLock(tmp_path).record["host"], pid=os.getpid(), proc_start="1")
+    note = RunDirLock(tmp_path).acquire()
+    assert note is not None and "is now another process" in note
+
+
+@pytest.mark.parametrize("age, taken", [(30.0, False), (500.0, True)])
+def test_an_owner_on_another_host_is_dead_only_once_its_heartbeat_is_stale(tmp_path, age, taken):
+    _record(tmp_path, heartbeat=time.time() - age)
+    lock = RunDirLock(tmp_path, stale_s=120.0)
+    if taken:
+        assert "heartbeat is 500 s old" in lock.acquire()
+    else:
+        with pytest.raises(RunDirBusy, match="host node-a, pid 4242"):
+            lock.acquire()
+
+
+@pytest.mark.parametrize("previous, continues", [("777", True), ("778", False)])
+def test_a_requeued_slurm_job_continues_and_another_job_is_refused(tmp_path, monkeypatch, previous, continues):
+    """The previous start of Slurm job 777 ran on another node whose heartbeat is fresh (it was
+    requeued moments ago): only the same job id continues."""
+    _record(tmp_path, slurm_job_id=previous)
+    monkeypatch.setenv("SLURM_JOB_ID", "777")
+    monkeypatch.setenv("SLURM_RESTART_COUNT", "1")
+    lock = RunDirLock(tmp_path)
+    if continues:
+        assert "earlier start of this Slurm job 777 (now restart 1)" in lock.acquire()
+    else:
+        with pytest.raises(RunDirBusy, match="scancel 778"):
+            lock.acquire()
+
+
+def test_the_heartbeat_refreshes_and_a_taken_over_owner_knows(tmp_path):
+    lock = RunDirLock(tmp_path, refresh_s=0.05)
+    lock.acquire()
+    before = json.loads((tmp_path / OWNER).read_text())["heartbeat"]
+    lock.start()
+    time.sleep(0.3)
+    assert json.loads((tmp_path / OWNER).read_text())["heartbeat"] > before
+    assert lock.lost is None
+    _record(tmp_path, token="intruder")  # another job decided this one was dead
+    deadline = time.time() + 5
+    while lock.lost is None and time.time() < deadline:
+        time.sleep(0.05)
+    assert lock.lost is not None and "taken over by another job" in lock.lost and "node-a" in lock.lost
+    lock.release()  # must not delete the other job's record
+    assert json.loads((tmp_path / OWNER).read_text())["token"] == "intruder"
+
+
+def test_a_torn_record_is_treated_as_a_dead_owner_once_stale(tmp_path):
+    (tmp_path / OWNER).write_text("{not json")
+    note = RunDirLock(tmp_path).acquire()
+    assert note is not None and "stale" in note
