@@ -169,13 +169,26 @@ def test_killed_rank_ends_the_whole_job_quickly(config, tmp_path):
     print(f"kill-to-exit {took:.2f} s")
 
 
-def test_preemption_signal_checkpoints_and_the_requeued_run_continues_exactly(config, tmp_path):
+@pytest.fixture(scope="module")
+def alone(config, tmp_path_factory) -> Path:
+    """The run directory of the config's run, uninterrupted and alone."""
+    full = tmp_path_factory.mktemp("alone") / "run"
+    ref = launching.run(command(config, full), timeout=TIMEOUT, marker=full)
+    assert ref.returncode == 0, ref.stderr[-3000:]
+    return full
+
+
+def assert_same_run(run: Path, full: Path) -> None:
+    want, got = records(full), records(run)
+    for step in range(1, 9):
+        assert got[step]["train/loss"] == want[step]["train/loss"], step
+    assert got[8]["eval/mlm_loss"] == want[8]["eval/mlm_loss"]
+
+
+def test_preemption_signal_checkpoints_and_the_requeued_run_continues_exactly(config, alone, tmp_path):
     """SIGUSR1 (Slurm's --signal=USR1@T) to one rank mid-run: every rank finishes its step, the job
     takes a checkpoint and exits 75 (requeue); started again it resumes there and its losses equal
     an uninterrupted run's."""
-    full = tmp_path / "full"
-    ref = launching.run(command(config, full), timeout=TIMEOUT, marker=full)
-    assert ref.returncode == 0, ref.stderr[-3000:]
     run = tmp_path / "run"
     proc = launching.spawn(command(config, run, "job.checkpoint_every=0"))
     try:
@@ -191,7 +204,84 @@ def test_preemption_signal_checkpoints_and_the_requeued_run_continues_exactly(co
     assert 3 <= stopped_at < 8
     again = launching.run(command(config, run, "job.checkpoint_every=0"), timeout=TIMEOUT, marker=run)
     assert again.returncode == 0, again.stderr[-3000:]
-    want, got = records(full), records(run)
-    for step in range(1, 9):
-        assert got[step]["train/loss"] == want[step]["train/loss"], step
-    assert got[8]["eval/mlm_loss"] == want[8]["eval/mlm_loss"]
+    assert_same_run(run, alone)
+
+
+# ---- one job per run directory -------------------------------------------------------------
+
+
+def rank_pids(run: Path) -> list[int]:
+    return [heartbeat(run, r)["pid"] for r in (0, 1)]
+
+
+def test_a_second_job_on_the_run_directory_is_refused_and_the_first_is_unharmed(config, alone, tmp_path):
+    """Before: the second job's set-up recreated heartbeat/ and the first died in watchdog._write
+    (FileNotFoundError), or both trained on, writing the same checkpoints. Now the second exits 6
+    within seconds naming the owner, having written nothing, and the first's losses are those of
+    the run alone. The first job's ranks are stopped (SIGSTOP) while the second starts, so that
+    it is surely still running: a stopped owner whose heartbeat is fresh is alive."""
+    run = tmp_path / "run"
+    first = launching.spawn(command(config, run))
+    try:
+        wait_for(lambda: (heartbeat(run, 1) or {}).get("step", 0) >= 2, first)
+        pids = rank_pids(run)
+        for pid in pids:
+            os.kill(pid, signal.SIGSTOP)
+        time.sleep(0.5)  # a file being written when the signal came is complete
+        before = sorted(str(p.relative_to(run)) for p in run.rglob("*"))
+        try:
+            t0 = time.time()
+            # (its own --set marks its processes apart from the first job's for the clean-up)
+            second = launching.run(command(config, run, "job.log_every=1"), timeout=TIMEOUT, marker="log_every=1")
+            took = time.time() - t0
+        finally:
+            for pid in pids:
+                os.kill(pid, signal.SIGCONT)
+        after = sorted(str(p.relative_to(run)) for p in run.rglob("*"))
+        first.wait(timeout=TIMEOUT)
+    finally:
+        launching.kill(first, marker=run)
+    out = second.stdout + second.stderr
+    assert second.returncode == 6, out[-3000:]
+    assert f"run directory {run} is in use by another job (host" in out and f"pid {pids[0]}" in out, out[-3000:]
+    assert "resumed from" not in out and after == before  # it touched nothing
+    assert took < 60, took
+    assert first.returncode == 0
+    assert_same_run(run, alone)
+    assert not (run / "owner.json").exists()  # given back at the end
+    print(f"second job refused after {took:.1f} s")
+
+
+def test_a_killed_jobs_run_directory_is_taken_over(config, tmp_path):
+    """kill -9 of the whole job (launcher and ranks) leaves its owner record; the next start on
+    the same host sees the pid gone, takes the directory over with a log line and resumes."""
+    run = tmp_path / "run"
+    proc = launching.spawn(command(config, run, "job.total_steps=40"))
+    try:
+        wait_for(lambda: (run / "checkpoints" / "latest").exists(), proc)
+    finally:
+        launching.kill(proc, marker=run)
+    owner = json.loads((run / "owner.json").read_text())
+    again = launching.run(command(config, run, "job.total_steps=40"), timeout=TIMEOUT, marker=run)
+    out = again.stdout + again.stderr
+    assert again.returncode == 0, out[-3000:]
+    assert f"taking over run directory {run} from host {owner['host']}, pid {owner['pid']}" in out, out[-3000:]
+    assert f"pid {owner['pid']} no longer runs on this host" in out
+    assert "resumed from" in out
+
+
+def test_a_requeued_slurm_job_continues_in_its_run_directory(config, tmp_path):
+    """The previous start of Slurm job 4711 ran on another node and left its record with a fresh
+    heartbeat (the requeue came moments later): the same job id continues, another is refused."""
+    run = tmp_path / "run"
+    run.mkdir()
+    record = {"host": "node-a", "pid": 12345, "proc_start": "1", "slurm_job_id": "4711", "slurm_restart": 0,
+              "token": "previous-start", "started": time.time() - 600, "heartbeat": time.time(), "command": "x"}
+    (run / "owner.json").write_text(json.dumps(record))
+    other = launching.run(command(config, run), timeout=TIMEOUT, marker=run, env={**os.environ, "SLURM_JOB_ID": "4712"})
+    assert other.returncode == 6 and "Slurm job 4711" in other.stderr and "scancel 4711" in other.stderr
+    same = launching.run(command(config, run), timeout=TIMEOUT, marker=run,
+                         env={**os.environ, "SLURM_JOB_ID": "4711", "SLURM_RESTART_COUNT": "1"})
+    out = same.stdout + same.stderr
+    assert same.returncode == 0, out[-3000:]
+    assert "earlier start of this Slurm job 4711 (now restart 1): the requeued job continues" in out
