@@ -719,3 +719,48 @@ def test_the_three_implementations_read_the_kernel_tables_by_the_same_names():
         len(columns.ADAM) + 1)
     with pytest.raises(ValueError, match="missing \\['first'\\]"):
         columns.build(columns.SGD, inv_mean=torch.ones(2), lo=torch.ones(2), bc3=torch.ones(2), lr_mult=torch.ones(2))
+
+
+def test_a_member_state_resumes_in_its_base_without_the_gsnr(caplog):
+    """Bug: a VRLamb state loaded into Lamb carried ``gsnr: True`` in its param groups, and Lamb's
+    first step raised "Lamb: no statistics source is attached" (after a warning about a missing
+    "differentiable" key "saved by an older version"). Now the moments carry over, the GSNR
+    momentum is dropped, one warning says so, and no "older version" warning appears."""
+    m1 = make_model()
+    vr = vrgd_ds.VRLamb(vrgd_ds.param_groups(m1, 0.1), lr=1e-2)
+    run(m1, vr, batches(3, 2))
+    sd = copy.deepcopy(vr.state_dict())
+    lamb = vrgd_ds.Lamb(vrgd_ds.param_groups(m1, 0.1), lr=1e-2)
+    with caplog.at_level(logging.WARNING):
+        lamb.load_state_dict(sd)
+    assert all(g["gsnr"] is False for g in lamb.param_groups)
+    assert all("gsnr_avg" not in st for st in lamb.state.values())
+    for i, p in enumerate(p for g in lamb.param_groups for p in g["params"]):
+        assert torch.equal(lamb.state[p]["exp_avg"], sd["state"][i]["exp_avg"])
+    text = caplog.text
+    assert "older version" not in text
+    assert text.count("resuming a state saved with gsnr=True as built (gsnr=False)") == 1
+    assert "the GSNR momentum is dropped" in text
+    run(m1, lamb, batches(2, 2, seed=2))  # it steps
+    assert all(torch.isfinite(p).all() for p in m1.parameters())
+
+
+def test_the_gsnr_switched_on_at_a_resume_starts_from_the_base_optimizers_step():
+    """A Lamb state loaded into VRLamb: the GSNR momentum starts at p̂ = 1 after the bias
+    correction, so VRLamb with gamma = 1 (r = 1 everywhere) continues exactly as LAMB would. With
+    the momentum started from zero, p̂ would be 0.1 / (1 - 0.9**4) = 0.29: a 3.4x smaller step."""
+    data, more = batches(3, 2), batches(2, 2, seed=2)
+    m1 = make_model()
+    lamb = vrgd_ds.Lamb(vrgd_ds.param_groups(m1, 0.1), lr=1e-2)
+    run(m1, lamb, data)
+    sd = copy.deepcopy(lamb.state_dict())
+    m2 = copy.deepcopy(m1)
+    straight = run(m1, lamb, more)
+    vr = vrgd_ds.VRLamb(vrgd_ds.param_groups(m2, 0.1), lr=1e-2)
+    vr.load_state_dict(sd)
+    assert all(g["gsnr"] is True for g in vr.param_groups)
+    for g in vr.param_groups:  # the saved options hold (torch's rule), Lamb's gamma among them
+        g["gamma"] = 1.0
+    switched = run(m2, vr, more)
+    for a, b in zip(straight, switched):
+        torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-7)

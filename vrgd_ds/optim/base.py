@@ -164,6 +164,10 @@ class GSNROptimizer(torch.optim.Optimizer):
 
     #: state keys created by the member, each fp32 and shaped like the parameter
     state_keys: tuple[str, ...] = ()
+    #: group options that decide how the statistics are wired (hooks, DeepSpeed's reduction):
+    #: a loaded state keeps the values this optimizer was built with (``load_state_dict``);
+    #: every other option is the saved one, as torch restores ``lr``
+    wiring_keys: tuple[str, ...] = ("gsnr",)
 
     def __init__(self, params: Any, defaults: dict[str, Any], fused: bool | None = None) -> None:
         owner = type(self).__name__
@@ -174,6 +178,7 @@ class GSNROptimizer(torch.optim.Optimizer):
         check_arg(owner, "weight_decay", defaults["weight_decay"] >= 0.0, defaults["weight_decay"], ">= 0")
         check_arg(owner, "fused", fused in _impl.FUSED_CHOICES, fused, " or ".join(map(repr, _impl.FUSED_CHOICES)))
         self._fused = fused
+        self._own_keys = tuple(defaults)  # torch adds keys of its own ("differentiable") to defaults
         self._serial = next(_SERIALS)  # names this optimizer in warn-once keys (an id() is reused)
         self._kernels: _impl.Kernels | None = None
         self._stats: StatisticsSource | None = None
@@ -205,9 +210,9 @@ class GSNROptimizer(torch.optim.Optimizer):
         super().__setstate__(state)
         missing: dict[str, Any] = {}
         for group in self.param_groups:  # groups saved before a key existed get its default
-            for k, v in self.defaults.items():
+            for k in getattr(self, "_own_keys", self.defaults):
                 if k not in group:
-                    group[k] = missing[k] = v
+                    group[k] = missing[k] = self.defaults[k]
         if missing:
             logger.warning("%s: the loaded state has no %s (saved by an older version); using %s", type(self).__name__,
                            ", ".join(missing), ", ".join(f"{k}={v!r}" for k, v in missing.items()))
@@ -216,6 +221,34 @@ class GSNROptimizer(torch.optim.Optimizer):
                            "cancels; they now continue with gsnr_placement=%r. To continue the saved trajectory "
                            "exactly, construct the optimizer with gsnr_placement='both_moments' before loading",
                            type(self).__name__, missing["gsnr_placement"])
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """torch's, except that ``wiring_keys`` keep the values this optimizer was built with: a
+        state saved by a member resumes in its base and back (VRLamb <-> Lamb, ``gsnr`` on/off).
+        The shared state (moments) carries over; the GSNR momentum is dropped when the GSNR is
+        off, and starts at p̂ = 1 (the base optimizer's step) when it was off (``_init_state``).
+        One warning says what changed."""
+        built = [{k: g[k] for k in self.wiring_keys if k in g} for g in self.param_groups]
+        super().load_state_dict(state_dict)
+        changed: dict[str, tuple[Any, Any]] = {}
+        for group, mine in zip(self.param_groups, built):
+            for k, v in mine.items():
+                if group.get(k) != v:
+                    changed[k] = (group.get(k), v)
+                    group[k] = v
+            if not (group["gsnr"] and group["beta3"] > 0):
+                for p in group["params"]:
+                    if p in self.state:
+                        self.state[p].pop("gsnr_avg", None)
+        if changed:
+            saved = ", ".join(f"{k}={a!r}" for k, (a, _) in changed.items())
+            now = ", ".join(f"{k}={b!r}" for k, (_, b) in changed.items())
+            gsnr = changed.get("gsnr")
+            what = ("the GSNR momentum is dropped" if gsnr == (True, False) else
+                    "the GSNR momentum starts at p̂ = 1 (the base optimizer's step)" if gsnr == (False, True) else
+                    "the GSNR momentum carries over")
+            logger.warning("%s: resuming a state saved with %s as built (%s): the moments carry over, %s",
+                           type(self).__name__, saved, now, what)
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         super().add_param_group(param_group)
@@ -457,7 +490,11 @@ class GSNROptimizer(torch.optim.Optimizer):
                 if key not in st:
                     st[key] = torch.zeros(p.shape, dtype=torch.float32, device=p.device)
             if beta3 > 0 and "gsnr_avg" not in st:
-                st["gsnr_avg"] = torch.zeros(p.shape, dtype=torch.float32, device=p.device)
+                # p̂ = 1 after the bias correction 1 - beta3**step: zeros on a fresh start; on a
+                # state without it (GSNR switched on at a resume) the base optimizer's step,
+                # which the measured GSNR then takes over from
+                prior = 1.0 - torch.pow(beta3, st["step"].to(device=p.device, dtype=torch.float32))
+                st["gsnr_avg"] = prior * torch.ones(p.shape, dtype=torch.float32, device=p.device)
             counters.append(st["step"])
             if beta3 > 0:
                 plan.avg.append(st["gsnr_avg"])

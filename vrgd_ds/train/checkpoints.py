@@ -7,8 +7,15 @@ a job killed while saving can leave ``latest`` naming a checkpoint whose other f
 short. So the job saves with ``save_latest=False`` and, once every rank has returned from the
 save (DeepSpeed's closing barrier), rank 0 records the checkpoint as complete:
 
-    <dir>/<tag>/vrgd_complete.json    {"tag", "step", "files": {relative path: bytes}}
+    <dir>/<tag>/vrgd_complete.json    {"tag", "step", "world_size", "info", "files": {relative path: bytes}}
     <dir>/latest                      the tag, written atomically (temporary file + rename)
+
+(``info``: what a resume would load, for ``vrgd-pretrain --check-resume`` without reading the
+tensors.) A checkpoint resumed on another number of ranks is converted once to DeepSpeed's
+universal form, next to it::
+
+    <dir>/universal/<tag>/...                  the converted checkpoint (``vrgd_ds.ds.universal``)
+    <dir>/universal/<tag>/vrgd_converted.json  {"from", "saved_world_size", "state_keys"}, written last
 
 A checkpoint counts only with its marker, and only if every file the marker lists is there with
 its size. Resuming takes the newest such checkpoint; newer ones that are incomplete or broken
@@ -27,6 +34,9 @@ from pathlib import Path
 
 MARKER = "vrgd_complete.json"
 LATEST = "latest"
+UNIVERSAL = "universal"
+CONVERTED = "vrgd_converted.json"
+_ZERO_SHARD = re.compile(r"^(?:bf16_)?zero_pp_rank_(\d+)_mp_rank_\d+_optim_states\.pt$")
 _TAG = re.compile(r"^step(\d{8})$")
 
 
@@ -48,15 +58,48 @@ def _atomic_write(path: Path, text: str) -> None:
     os.replace(tmp, path)
 
 
-def mark_complete(ckpt_dir: Path, tag: str, step: int) -> None:
+def mark_complete(ckpt_dir: Path, tag: str, step: int, world_size: int | None = None,
+                  info: dict | None = None) -> None:
     """Rank 0, after every rank's files are written: the marker, then ``latest``."""
     root = ckpt_dir / tag
     files = {str(p.relative_to(root)): p.stat().st_size for p in sorted(root.rglob("*"))
              if p.is_file() and p.name != MARKER}
     if not files:
         raise RuntimeError(f"{root}: the checkpoint wrote no files")
-    _atomic_write(root / MARKER, json.dumps({"tag": tag, "step": step, "files": files}, indent=1))
+    record = {"tag": tag, "step": step, "world_size": world_size, "info": info or {}, "files": files}
+    _atomic_write(root / MARKER, json.dumps(record, indent=1))
     _atomic_write(ckpt_dir / LATEST, tag)
+
+
+def marker(ckpt_dir: Path, tag: str) -> dict:
+    """The marker of a complete checkpoint (``{}`` if unreadable)."""
+    try:
+        return json.loads((ckpt_dir / tag / MARKER).read_text())
+    except (OSError, ValueError):
+        return {}
+
+
+def saved_world_size(ckpt_dir: Path, tag: str) -> int | None:
+    """How many data-parallel ranks wrote a ZeRO checkpoint (None: no ZeRO shards, as on stage
+    0, whose files load on any number of ranks). Read from the marker, else from the shards."""
+    shards = [m for p in (ckpt_dir / tag).iterdir() if (m := _ZERO_SHARD.match(p.name))] if (ckpt_dir / tag).is_dir() else []
+    if not shards:
+        return None
+    recorded = marker(ckpt_dir, tag).get("world_size")
+    return int(recorded) if recorded else len({m.group(1) for m in shards})
+
+
+def converted(ckpt_dir: Path, tag: str) -> dict | None:
+    """The record of ``tag``'s finished universal conversion, or None."""
+    try:
+        return json.loads((ckpt_dir / UNIVERSAL / tag / CONVERTED).read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def record_conversion(ckpt_dir: Path, tag: str, saved_world: int, state_keys: list[str]) -> None:
+    _atomic_write(ckpt_dir / UNIVERSAL / tag / CONVERTED,
+                  json.dumps({"from": tag, "saved_world_size": saved_world, "state_keys": state_keys}, indent=1))
 
 
 def problem(ckpt_dir: Path, tag: str) -> str | None:
@@ -114,6 +157,7 @@ def rotate(ckpt_dir: Path, keep: int, protect: str | None = None) -> list[str]:
         if tag == protect:
             continue
         shutil.rmtree(ckpt_dir / tag, ignore_errors=True)
+        shutil.rmtree(ckpt_dir / UNIVERSAL / tag, ignore_errors=True)  # its conversion, if any
         deleted.append(tag)
     return deleted
 

@@ -52,6 +52,19 @@ class JobData:
     def vocab_size(self) -> int:
         return self.tokenizer.vocab_size
 
+    def fingerprint(self) -> str:
+        """What decides the sample stream, in 16 hex digits: the tokenizer, the shards (their
+        manifest's hash), the seed, the held-out split and the sentence-pair task."""
+        import hashlib
+        import json
+
+        from data_pipeline.shards import MANIFEST
+        from data_pipeline.tokenizer import sha256_file
+
+        parts = {"tokenizer": self.tokenizer.sha256, "shards": sha256_file(self.corpus.path / MANIFEST),
+                 "seed": self.seed, "split_document": self.split_document, "next_sentence": self.next_sentence}
+        return hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()[:16]
+
     def _dataset(self, seq_len: int) -> BertPretrainingDataset:
         return BertPretrainingDataset(self.corpus, self.samples[seq_len], seq_len, seed=self.seed)
 
