@@ -168,6 +168,9 @@ class GSNROptimizer(torch.optim.Optimizer):
     #: a loaded state keeps the values this optimizer was built with (``load_state_dict``);
     #: every other option is the saved one, as torch restores ``lr``
     wiring_keys: tuple[str, ...] = ("gsnr",)
+    #: ``load_state_dict`` warns what a resume changed (an integration that reports it itself
+    #: turns this off)
+    report_load = True
 
     def __init__(self, params: Any, defaults: dict[str, Any], fused: bool | None = None) -> None:
         owner = type(self).__name__
@@ -240,7 +243,7 @@ class GSNROptimizer(torch.optim.Optimizer):
                 for p in group["params"]:
                     if p in self.state:
                         self.state[p].pop("gsnr_avg", None)
-        if changed:
+        if changed and self.report_load:
             saved = ", ".join(f"{k}={a!r}" for k, (a, _) in changed.items())
             now = ", ".join(f"{k}={b!r}" for k, (_, b) in changed.items())
             gsnr = changed.get("gsnr")

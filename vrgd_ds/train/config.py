@@ -32,6 +32,8 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 JOB_KEY = "job"
+CHECKPOINT_KEY = "checkpoint"  # DeepSpeed's block; the job reads "optimizer_state" from it
+OPTIMIZER_STATE_POLICIES = ("require", "reset_if_incompatible")
 BATCH_KEYS = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps")
 
 
@@ -239,10 +241,30 @@ def parse_job(raw: dict[str, Any], source: str = "config") -> JobConfig:
         if key in raw:
             raise ConfigError(f"{source}: '{key}' is derived per phase from job.phases[*].global_batch and "
                               f"micro_batch; remove it")
+    optimizer_state_policy(raw)
     try:
         return JobConfig.model_validate(raw[JOB_KEY])
     except ValidationError as e:
         raise _error(e, JOB_KEY) from None
+
+
+def optimizer_state_policy(raw: dict[str, Any]) -> str:
+    """``checkpoint.optimizer_state``: what a resume does when the checkpoint's optimizer state
+    cannot carry over to the configured optimizer (another family, e.g. LAMB -> SGD):
+    ``"require"`` (default) stops with a message naming this option; ``"reset_if_incompatible"``
+    loads the weights and the data position and starts the optimizer fresh, with a warning.
+    A member and its base (VRLamb <-> Lamb, ``gsnr`` on/off) always carry the state over."""
+    block = raw.get(CHECKPOINT_KEY) or {}
+    if not isinstance(block, dict):
+        raise ConfigError(f"{CHECKPOINT_KEY}: must be an object, got {type(block).__name__}")
+    if block.get("load_universal"):
+        raise ConfigError(f"{CHECKPOINT_KEY}.load_universal: remove it; the job converts a checkpoint to universal "
+                          "form and loads it that way by itself when the number of ranks changed")
+    value = block.get("optimizer_state", OPTIMIZER_STATE_POLICIES[0])
+    if value not in OPTIMIZER_STATE_POLICIES:
+        raise ConfigError(f"{CHECKPOINT_KEY}.optimizer_state: {value!r} is not one of "
+                          f"{', '.join(map(repr, OPTIMIZER_STATE_POLICIES))}")
+    return value
 
 
 def gradient_accumulation(phase: PhaseConfig, world_size: int, index: int) -> int:
@@ -285,6 +307,10 @@ def controller_settings(phase: PhaseConfig, world_size: int, index: int, phase_s
 def deepspeed_config(raw: dict[str, Any], phase: PhaseConfig, world_size: int, index: int) -> dict[str, Any]:
     """DeepSpeed's part of the file with the batch keys of ``phase`` filled in."""
     ds = {k: copy.deepcopy(v) for k, v in raw.items() if k != JOB_KEY}
+    if isinstance(ds.get(CHECKPOINT_KEY), dict):  # the job's key, not DeepSpeed's
+        ds[CHECKPOINT_KEY].pop("optimizer_state", None)
+        if not ds[CHECKPOINT_KEY]:
+            del ds[CHECKPOINT_KEY]
     ds["train_micro_batch_size_per_gpu"] = phase.micro_batch
     ds["gradient_accumulation_steps"] = gradient_accumulation(phase, world_size, index)
     ds["train_batch_size"] = phase.global_batch

@@ -21,6 +21,7 @@ import torch
 from data_pipeline.sampler import PretrainingSampler
 from data_pipeline.samples import DOC_A, BertPretrainingDataset, collate, index_filename
 from data_pipeline.shards import ShardedCorpus
+from data_pipeline.prepare import SHARDS_DIR, TOKENIZER_FILE
 from data_pipeline.tokenizer import Tokenizer
 from vrgd_ds.train.config import ConfigError, JobConfig
 
@@ -53,17 +54,10 @@ class JobData:
         return self.tokenizer.vocab_size
 
     def fingerprint(self) -> str:
-        """What decides the sample stream, in 16 hex digits: the tokenizer, the shards (their
-        manifest's hash), the seed, the held-out split and the sentence-pair task."""
-        import hashlib
-        import json
-
         from data_pipeline.shards import MANIFEST
-        from data_pipeline.tokenizer import sha256_file
 
-        parts = {"tokenizer": self.tokenizer.sha256, "shards": sha256_file(self.corpus.path / MANIFEST),
-                 "seed": self.seed, "split_document": self.split_document, "next_sentence": self.next_sentence}
-        return hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()[:16]
+        return fingerprint(self.tokenizer.sha256, self.corpus.path / MANIFEST, self.seed, self.split_document,
+                           self.next_sentence)
 
     def _dataset(self, seq_len: int) -> BertPretrainingDataset:
         return BertPretrainingDataset(self.corpus, self.samples[seq_len], seq_len, seed=self.seed)
@@ -80,12 +74,48 @@ class JobData:
         return Rows(ds, train), Rows(ds, held)
 
 
+def fingerprint(tokenizer_sha256: str, manifest: Path, seed: int, split_document: int,
+                next_sentence: str | None) -> str:
+    """What decides the sample stream, in 16 hex digits: the tokenizer, the shards (their
+    manifest's hash), the seed, the held-out split and the sentence-pair task."""
+    import hashlib
+    import json
+
+    from data_pipeline.tokenizer import sha256_file
+
+    parts = {"tokenizer": tokenizer_sha256, "shards": sha256_file(manifest), "seed": seed,
+             "split_document": split_document, "next_sentence": next_sentence}
+    return hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def split_document(num_documents: int, heldout_fraction: float) -> int:
+    """The first held-out document: the last ``heldout_fraction`` of the corpus, at least one
+    document on each side."""
+    split = int(round(num_documents * (1.0 - heldout_fraction)))
+    return min(max(split, 1), num_documents - 1)
+
+
+def configured_fingerprint(job: JobConfig, run_dir: Path) -> str | None:
+    """``fingerprint`` of the data a job with this configuration would read, if it is prepared
+    (None if not: the job would prepare it)."""
+    import json
+
+    from data_pipeline.shards import MANIFEST
+    from data_pipeline.tokenizer import sha256_file
+
+    out = Path(job.data.path) if job.data.path else run_dir / "data"
+    manifest = out / SHARDS_DIR / MANIFEST
+    if not (out / TOKENIZER_FILE).is_file() or not manifest.is_file():
+        return None
+    documents = int(json.loads(manifest.read_text())["num_documents"])
+    return fingerprint(sha256_file(out / TOKENIZER_FILE), manifest, job.seed,
+                       split_document(documents, job.data.heldout_fraction), job.data.next_sentence)
+
+
 def check_data_path(job: JobConfig) -> None:
     """A ``job.data.path`` without ``inputs`` must hold prepared data: the job never fills a
     directory the user named with the embedded corpus (a mistyped path would train on Python's
     documentation and exit 0)."""
-    from data_pipeline.prepare import SHARDS_DIR, TOKENIZER_FILE
-
     cfg = job.data
     if not cfg.path or cfg.inputs or cfg.prepare:
         return
@@ -104,7 +134,7 @@ def check_data_path(job: JobConfig) -> None:
 
 def prepare_data(job: JobConfig, run_dir: Path, rank: int, barrier: Any, seq_lens: list[int]) -> JobData:
     """Opens (rank 0 first prepares) the job's data; every rank returns the same view."""
-    from data_pipeline.prepare import SAMPLES_DIR, SHARDS_DIR, TOKENIZER_FILE, prepare
+    from data_pipeline.prepare import SAMPLES_DIR, prepare
 
     cfg = job.data
     out = Path(cfg.path) if cfg.path else run_dir / "data"
@@ -128,8 +158,7 @@ def prepare_data(job: JobConfig, run_dir: Path, rank: int, barrier: Any, seq_len
     tokenizer = Tokenizer.load(out / TOKENIZER_FILE)
     corpus.check_tokenizer(tokenizer)
     samples = {n: out / SAMPLES_DIR / index_filename(n, job.seed, cfg.next_sentence) for n in seq_lens}
-    split = int(round(corpus.num_documents * (1.0 - cfg.heldout_fraction)))
-    split = min(max(split, 1), corpus.num_documents - 1)
+    split = split_document(corpus.num_documents, cfg.heldout_fraction)
     return JobData(tokenizer, corpus, samples, split, job.seed, cfg.next_sentence)
 
 

@@ -41,6 +41,7 @@ import json
 import logging
 import math
 import os
+import shutil
 import signal
 import sys
 import time
@@ -54,9 +55,10 @@ from vrgd_ds.ds import shm
 from vrgd_ds.train import checkpoints as ckpt
 from vrgd_ds.adaptive_batch import BatchController, lr_factor
 from vrgd_ds.train.config import (ConfigError, JobConfig, controller_settings, deepspeed_config, gradient_accumulation,
-                                  load_config, phase_samples)
+                                  load_config, optimizer_state_policy, phase_samples)
 from vrgd_ds.train.data import JobData, check_data_path, eval_batches, loader, prepare_data
 from vrgd_ds.train.model import build_model
+from vrgd_ds.train.resume import ResumePlan, convert_command, plan_resume
 from vrgd_ds.train.rundir import RunDirBusy, RunDirLock
 from vrgd_ds.train.schedule import PhaseSchedule
 from vrgd_ds.train.watchdog import Watchdog, collective_timeout
@@ -175,6 +177,7 @@ class Trainer:
             (run_dir / REQUEUE_MARKER).unlink(missing_ok=True)
         self.data: JobData = prepare_data(job, run_dir, self.rank, dist.barrier, sorted({p.seq_len for p in job.phases}))
         self.next_sentence = self.data.next_sentence is not None
+        self.data_fingerprint = self.data.fingerprint()
         torch.manual_seed(job.seed)  # the same initial weights on every rank and every start
         model = build_model(job.model, self.data.vocab_size, max(p.seq_len for p in job.phases), self.next_sentence)
         ds_cfg = deepspeed_config(raw, job.phases[0], self.world, 0)
@@ -218,11 +221,14 @@ class Trainer:
 
     def resume(self) -> bool:
         """Loads the newest complete checkpoint (``checkpoints``); broken newer ones are named
-        and passed over. No checkpoint at all: a fresh start."""
+        and passed over. No checkpoint at all: a fresh start. A checkpoint of another number of
+        ranks is converted to universal form once (``_plan``); one of another optimizer
+        carries its state over, starts it fresh, or stops, per ``checkpoint.optimizer_state``."""
         if not ckpt.tags(self.ckpt_dir):
             return False
         failed: list[str] = []
         reported: set[str] = set()
+        built = [{k: v for k, v in g.items() if k != "params"} for g in self.optimizer.param_groups]
         while True:
             choice = ckpt.choose(self.ckpt_dir, tuple(failed))
             for why in choice.skipped:
@@ -232,8 +238,9 @@ class Trainer:
             if choice.tag is None:
                 raise ConfigError(f"{self.ckpt_dir}: no complete checkpoint to resume from ({'; '.join(choice.skipped)}). "
                                   "Move the directory away to start afresh (or restore the files)")
+            plan = self._plan(choice.tag)
             try:
-                path, client = self.engine.load_checkpoint(str(self.ckpt_dir), tag=choice.tag)
+                path, client = self._load(choice.tag, plan)
                 ok = path is not None and STATE_KEY in (client or {})
             except Exception as e:  # a file that passed the size check but does not load
                 logger.warning("rank %d: checkpoint %s does not load: %s", self.rank, choice.tag, e)
@@ -242,9 +249,6 @@ class Trainer:
                 break
             failed.append(choice.tag)
         state = client[STATE_KEY]
-        if state["world_size"] != self.world and self.engine.zero_optimization_stage() > 0:
-            raise ConfigError(f"{path}: saved on {state['world_size']} ranks, resumed on {self.world}: ZeRO "
-                              "partitions differ. Convert it with python -m vrgd_ds.ds.universal first")
         self.step, self.consumed, self.evals = state["step"], list(state["consumed"]), list(state["evals"])
         self.skip_streak_from = state.get("skip_streak_from")
         for key, saved in (state.get("adaptive") or {}).items():
@@ -256,10 +260,78 @@ class Trainer:
                 self.controllers[index].load_state_dict(saved)
             except ValueError as e:
                 raise ConfigError(f"{path}: job.phases[{index}].adaptive_batch: {e}") from None
+        notes = plan.notes + (self._apply_configured_options(built) if plan.optimizer_states else [])
         if self.rank == 0:
+            for note in notes:
+                logger.warning("%s", note)
             logger.info("resumed from %s at step %d", path, self.step)
         self.watchdog.beat(self.step, "resume")
         return True
+
+    def optimizer_info(self) -> dict[str, Any]:
+        groups = self.optimizer.param_groups
+        return {"type": type(self.optimizer).__name__, "gsnr": any(bool(g.get("gsnr")) for g in groups),
+                "gsnr_placement": groups[0].get("gsnr_placement")}
+
+    def resume_info(self) -> dict[str, Any]:
+        """What a resume from the next checkpoint will find (its marker; ``--check-resume``)."""
+        return {"optimizer": self.optimizer_info(), "zero_stage": self.engine.zero_optimization_stage(),
+                "total_steps": self.job.total_steps, "phases": [p.model_dump(mode="json") for p in self.job.phases],
+                "data": self.data_fingerprint, "consumed": list(self.consumed), "seed": self.job.seed}
+
+    def _plan(self, tag: str) -> ResumePlan:
+        """How to load ``tag`` (``resume.plan_resume``); converts it to universal form here,
+        once, if the number of ranks changed."""
+        plan = plan_resume(self.ckpt_dir, tag, self.optimizer_info(), self.world,
+                           self.engine.zero_optimization_stage(), optimizer_state_policy(self.raw))
+        if plan.optimizer_states and any("moments carry over" in note for note in plan.notes):
+            self.optimizer.report_load = False  # the plan's line says it once
+        if not plan.universal or ckpt.converted(self.ckpt_dir, tag) is not None:
+            return plan
+        error = None
+        if self.rank == 0:
+            self.watchdog.beat(self.step, "conversion")
+            try:
+                from vrgd_ds.ds.universal import convert
+
+                out = self.ckpt_dir / ckpt.UNIVERSAL / tag
+                shutil.rmtree(out, ignore_errors=True)  # a conversion cut short
+                keys = convert(str(self.ckpt_dir / tag), str(out))
+                ckpt.record_conversion(self.ckpt_dir, tag, plan.saved_world, keys)
+            except Exception as e:  # noqa: BLE001 (reported on every rank below)
+                error = f"{type(e).__name__}: {e}"
+        if self._any_rank(error is not None):
+            raise ConfigError(f"{self.ckpt_dir / tag}: saved on {plan.saved_world} ranks, resumed on {self.world}; "
+                              f"converting it to a universal checkpoint failed ({error or 'see rank 0'}). Convert it "
+                              f"by hand to see why: {convert_command(self.ckpt_dir, tag)}; or resume it on "
+                              f"{plan.saved_world} ranks")
+        self.watchdog.beat(self.step, "conversion")
+        return plan
+
+    def _load(self, tag: str, plan: ResumePlan) -> tuple[str | None, dict | None]:
+        config = self.engine._config
+        before = config.load_universal_checkpoint
+        # DeepSpeed 0.19.8 reads the flag at load time (engine.load_universal_checkpoint())
+        config.load_universal_checkpoint = plan.universal
+        try:
+            load_dir = self.ckpt_dir / ckpt.UNIVERSAL if plan.universal else self.ckpt_dir
+            return self.engine.load_checkpoint(str(load_dir), tag=tag, load_optimizer_states=plan.optimizer_states,
+                                               load_lr_scheduler_states=plan.optimizer_states)
+        finally:
+            config.load_universal_checkpoint = before
+
+    def _apply_configured_options(self, built: list[dict[str, Any]]) -> list[str]:
+        """A loaded optimizer state brings its param-group options (torch's rule); the ones the
+        config names in ``optimizer.params`` are the config's again. Returns what changed."""
+        named = set((self.raw.get("optimizer") or {}).get("params") or {}) - {"lr", "gsnr"}
+        changed: dict[str, tuple[Any, Any]] = {}
+        for group, mine in zip(self.optimizer.param_groups, built):
+            for key in sorted(named & set(mine)):
+                if group.get(key) != mine[key]:
+                    changed.setdefault(key, (group.get(key), mine[key]))
+                    group[key] = mine[key]
+        return [f"optimizer.params.{k}: the checkpoint has {a!r}, the config {b!r}; continuing with the config's"
+                for k, (a, b) in changed.items()]
 
     def _checkpoint_bytes(self) -> int:
         """About how many bytes the next checkpoint needs: the last complete one's size, else
@@ -288,7 +360,7 @@ class Trainer:
         if self._any_rank(short is not None):
             raise ckpt.NoSpace(short or f"no space left on {self.ckpt_dir} for the next checkpoint (see rank 0)")
         state = {"step": self.step, "consumed": self.consumed, "evals": self.evals, "world_size": self.world,
-                 "skip_streak_from": self.skip_streak_from,
+                 "skip_streak_from": self.skip_streak_from, "optimizer": self.optimizer_info(),
                  "adaptive": {str(i): c.state_dict() for i, c in self.controllers.items()}}
         try:
             self.engine.save_checkpoint(str(self.ckpt_dir), tag=tag, client_state={STATE_KEY: state},
@@ -300,7 +372,7 @@ class Trainer:
             raise
         self.dist.barrier()  # every rank's files are written (DeepSpeed's closing barrier too)
         if self.rank == 0:
-            ckpt.mark_complete(self.ckpt_dir, tag, self.step)
+            ckpt.mark_complete(self.ckpt_dir, tag, self.step, self.world, self.resume_info())
             protect = None
             if self.skip_streak_from is not None:
                 before = [t for t in ckpt.tags(self.ckpt_dir) if ckpt.step_of(t) <= self.skip_streak_from
@@ -553,15 +625,37 @@ def _launch_rank() -> int:
     return 0
 
 
+def _check_resume(args: argparse.Namespace) -> int:
+    from vrgd_ds.ds.integration import UnsupportedConfiguration
+    from vrgd_ds.train.resume import check
+
+    run_dir = Path(args.check_resume)
+    raw = None
+    try:
+        if args.config:
+            raw, _ = load_config(args.config, args.set)
+        report, ok = check(run_dir, raw, args.world_size)
+    except (ConfigError, UnsupportedConfiguration) as e:
+        print(f"vrgd-pretrain: error: {args.config}: {e}", file=sys.stderr, flush=True)
+        return EXIT_CONFIG
+    print(report, flush=True)
+    return 0 if ok else EXIT_CONFIG
+
+
 def main(argv: list[str] | None = None) -> int:
     from vrgd_ds.ds.config import check_config
     from vrgd_ds.ds.integration import UnsupportedConfiguration
 
     ap = argparse.ArgumentParser(prog="vrgd-pretrain", description="BERT pretraining with VRGD optimizers under "
                                  "DeepSpeed (launch with deepspeed, torchrun, mpirun or srun).")
-    ap.add_argument("--config", required=True, help="DeepSpeed JSON config with a 'job' block (see configs/)")
-    ap.add_argument("--run-dir", required=True, help="metrics, TensorBoard, plots and checkpoints; the job resumes "
-                    "from the latest checkpoint found here")
+    ap.add_argument("--config", help="DeepSpeed JSON config with a 'job' block (see configs/)")
+    ap.add_argument("--run-dir", help="metrics, TensorBoard, plots and checkpoints; the job resumes "
+                    "from the latest checkpoint found here (one job at a time owns it)")
+    ap.add_argument("--check-resume", metavar="RUN_DIR", help="report what a resume of RUN_DIR would load (step, "
+                    "ranks, optimizer, phases, data fingerprint) and, with --config and --world-size, what would "
+                    "change; trains nothing. Exit 0 if the resume would go ahead, else 2")
+    ap.add_argument("--world-size", type=int, default=None, help="with --check-resume: the ranks of the resume "
+                    "(default: the checkpoint's)")
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                     help="override a config key, e.g. --set job.total_steps=20 (value parsed as JSON)")
     ap.add_argument("--backend", choices=("nccl", "gloo", "mpi"), default=None,
@@ -569,6 +663,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--local_rank", "--local-rank", type=int, default=None, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if args.check_resume:
+        return _check_resume(args)
+    if not args.config or not args.run_dir:
+        ap.error("--config and --run-dir are required (or --check-resume RUN_DIR)")
     first = _launch_rank() == 0
     try:  # everything that can be checked without a process group, before any work
         raw, job = load_config(args.config, args.set)

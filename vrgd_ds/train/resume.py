@@ -1,0 +1,155 @@
+"""What a resume loads, decided from a checkpoint's marker and the configuration alone: the
+job (``loop.Trainer.resume``) and ``vrgd-pretrain --check-resume`` ask the same function.
+
+* Another **number of ranks**: ZeRO-1/2 checkpoints are converted once to DeepSpeed's universal
+  form (``vrgd_ds.ds.universal``, keeping the GSNR momentum) and loaded that way; stage 0 loads
+  on any number of ranks; ZeRO-3 is refused, naming both world sizes.
+* Another **optimizer**: a member and its base (``REGISTRY[...].base``: VRLamb/Lamb, VRAdam with
+  ``gsnr`` on/off) share their state; another family (LAMB -> SGD) follows
+  ``checkpoint.optimizer_state``: ``require`` stops, ``reset_if_incompatible`` loads the weights
+  and data position and starts the optimizer fresh.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from vrgd_ds.train import checkpoints as ckpt
+from vrgd_ds.train.config import ConfigError
+
+RESET_HINT = ("set \"checkpoint\": {\"optimizer_state\": \"reset_if_incompatible\"} (--set "
+              "'checkpoint={\"optimizer_state\": \"reset_if_incompatible\"}')")
+
+
+@dataclass
+class ResumePlan:
+    optimizer_states: bool = True  # False: the weights and the data position only
+    universal: bool = False  # load the universal conversion (another number of ranks)
+    saved_world: int | None = None  # ranks that wrote the ZeRO shards (None: stage 0)
+    notes: list[str] = field(default_factory=list)  # what changes, one line each
+
+
+def family(optimizer_type: str) -> str:
+    """The optimizer whose state a type shares: a member and its base are one family."""
+    from vrgd_ds.optim.registry import REGISTRY
+
+    info = REGISTRY.get(optimizer_type)
+    return info.base if info is not None else optimizer_type
+
+
+def convert_command(ckpt_dir: Path, tag: str) -> str:
+    return (f"python -m vrgd_ds.ds.universal --input_folder {ckpt_dir / tag} "
+            f"--output_folder {ckpt_dir / ckpt.UNIVERSAL / tag}")
+
+
+def plan_resume(ckpt_dir: Path, tag: str, optimizer: dict[str, Any], world: int, zero_stage: int,
+                policy: str) -> ResumePlan:
+    """How to load ``tag`` with ``optimizer`` (``{"type", "gsnr", "gsnr_placement"}``) on
+    ``world`` ranks; raises ``ConfigError`` for a resume that cannot work, saying what to do."""
+    where = ckpt_dir / tag
+    saved = (ckpt.marker(ckpt_dir, tag).get("info") or {}).get("optimizer")
+    plan = ResumePlan(saved_world=ckpt.saved_world_size(ckpt_dir, tag))
+    if saved and family(saved["type"]) != family(optimizer["type"]):
+        if policy == "require":
+            raise ConfigError(
+                f"{where}: saved with optimizer {saved['type']}, the config has {optimizer['type']}: a "
+                f"{saved['type']} state cannot carry over to {optimizer['type']}. Resume with \"optimizer\": "
+                f"{{\"type\": \"{saved['type']}\"}}, or {RESET_HINT} to continue from its weights and data position "
+                f"with a fresh {optimizer['type']} state")
+        plan.optimizer_states = False
+        plan.notes.append(f"{where} was saved with {saved['type']}; resuming its weights and data position with a "
+                          f"fresh {optimizer['type']} state (checkpoint.optimizer_state = reset_if_incompatible)")
+        return plan  # the weights load on any number of ranks
+    if saved and saved != optimizer:
+        gsnr = ("the GSNR momentum is dropped" if saved["gsnr"] and not optimizer["gsnr"] else
+                "the GSNR momentum starts at p̂ = 1 (the base optimizer's step)"
+                if optimizer["gsnr"] and not saved["gsnr"] else "the GSNR momentum carries over")
+        plan.notes.append(f"{where} was saved with {saved['type']} (gsnr {saved['gsnr']}, placement "
+                          f"{saved.get('gsnr_placement')}), resuming with {optimizer['type']} (gsnr "
+                          f"{optimizer['gsnr']}, placement {optimizer.get('gsnr_placement')}): the weights and "
+                          f"moments carry over, {gsnr}")
+    if zero_stage == 0 or plan.saved_world is None or plan.saved_world == world:
+        return plan
+    if zero_stage == 3:
+        raise ConfigError(f"{where}: saved on {plan.saved_world} ranks, resumed on {world}: a ZeRO-3 checkpoint is "
+                          f"not converted to another number of ranks ({convert_command(ckpt_dir, tag)} handles "
+                          f"ZeRO-1/2). Resume it on {plan.saved_world} ranks")
+    plan.universal = True
+    out = ckpt_dir / ckpt.UNIVERSAL / tag
+    if ckpt.converted(ckpt_dir, tag) is not None:
+        plan.notes.append(f"{where} was saved on {plan.saved_world} ranks; resuming on {world} from its universal "
+                          f"conversion {out} (made earlier)")
+    else:
+        plan.notes.append(f"{where} was saved on {plan.saved_world} ranks; converting it for {world} to the "
+                          f"universal checkpoint {out} (DeepSpeed's state and the GSNR momentum) and resuming from that")
+    return plan
+
+
+def check(run_dir: Path, raw: dict[str, Any] | None, world: int | None) -> tuple[str, bool]:
+    """The ``--check-resume`` report: what a resume of ``run_dir`` would load and, given the
+    configuration ``raw`` and the number of ranks, what would change. Returns (report, whether
+    the resume would go ahead)."""
+    import torch
+
+    from vrgd_ds.ds.integration import check_optimizer_block
+    from vrgd_ds.train.config import optimizer_state_policy, parse_job
+    from vrgd_ds.train.data import configured_fingerprint
+
+    ckpt_dir = run_dir / "checkpoints"
+    lines = [f"run directory {run_dir}"]
+    choice = ckpt.choose(ckpt_dir)
+    lines += [f"  skipped: {why}" for why in choice.skipped]
+    if choice.tag is None:
+        lines.append("  no complete checkpoint: the job would start afresh" if not choice.skipped else
+                     "  no complete checkpoint to resume from: the job would stop (move the directory away to start "
+                     "afresh, or restore the files)")
+        return "\n".join(lines), not choice.skipped
+    record = ckpt.marker(ckpt_dir, choice.tag)
+    info = record.get("info") or {}
+    saved_world = ckpt.saved_world_size(ckpt_dir, choice.tag)
+    opt = info.get("optimizer") or {}
+    lines += [f"  checkpoint:  {ckpt_dir / choice.tag} (step {record.get('step')})",
+              f"  saved on:    {saved_world or record.get('world_size') or '?'} ranks, ZeRO stage "
+              f"{info.get('zero_stage', '?')}",
+              f"  optimizer:   {opt.get('type', '?')} (gsnr {opt.get('gsnr', '?')}, placement "
+              f"{opt.get('gsnr_placement', '?')})",
+              f"  data:        fingerprint {info.get('data', '?')}, samples consumed per phase {info.get('consumed', '?')}",
+              f"  schedule:    {info.get('total_steps', '?')} steps, phases "
+              + "; ".join(f"seq {p.get('seq_len')} x {p.get('global_batch')} for {p.get('fraction')}"
+                          for p in info.get("phases", []))]
+    if converted := ckpt.converted(ckpt_dir, choice.tag):
+        lines.append(f"  converted:   {ckpt_dir / ckpt.UNIVERSAL / choice.tag} (from "
+                     f"{converted['saved_world_size']} ranks)")
+    if raw is None:
+        return "\n".join(lines), True
+    job = parse_job(raw)
+    cls = check_optimizer_block(raw)  # validated; built on a dummy parameter for its defaults
+    group = cls([torch.nn.Parameter(torch.zeros(1))], **(raw["optimizer"].get("params") or {})).param_groups[0]
+    now = {"type": cls.__name__, "gsnr": bool(group["gsnr"]), "gsnr_placement": group.get("gsnr_placement")}
+    stage = int((raw.get("zero_optimization") or {}).get("stage", 0))
+    ranks = world if world is not None else saved_world or 1
+    lines.append(f"with this configuration on {ranks} ranks:")
+    changes = []
+    if info.get("total_steps") not in (None, job.total_steps):
+        changes.append(f"job.total_steps {info['total_steps']} -> {job.total_steps} (the LR schedule follows)")
+    phases = [p.model_dump(mode="json") for p in job.phases]
+    if info.get("phases") not in (None, phases):
+        changes.append("job.phases differ from the saved run's (the data position is kept per phase)")
+    if info.get("zero_stage") not in (None, stage):
+        changes.append(f"ZeRO stage {info['zero_stage']} -> {stage}")
+    data = configured_fingerprint(job, run_dir)
+    if data is None:
+        changes.append("the configured data is not prepared yet (the job would prepare it; its fingerprint is then "
+                       "compared by hand)")
+    elif info.get("data") not in (None, data):
+        changes.append(f"the data differs: fingerprint {info['data']} -> {data} (tokenizer, shards, seed or "
+                       "held-out split changed): the samples already seen are not those of the new stream")
+    try:
+        plan = plan_resume(ckpt_dir, choice.tag, now, ranks, stage, optimizer_state_policy(raw))
+    except ConfigError as e:
+        lines += [f"  - {c}" for c in changes] + [f"  would stop: {e}"]
+        return "\n".join(lines), False
+    changes += plan.notes
+    lines += [f"  - {c}" for c in changes] or ["  nothing changes: the run continues as it was saved"]
+    return "\n".join(lines), True
