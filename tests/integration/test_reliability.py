@@ -4,6 +4,7 @@ signal. Each test says what the code before these changes did."""
 from __future__ import annotations
 
 import json
+import math
 import os
 import signal
 import subprocess
@@ -33,9 +34,9 @@ CONFIG = {
 TIMEOUT = 600
 
 
-def command(config: Path, run_dir: Path, *sets: str) -> list[str]:
+def command(config: Path, run_dir: Path, *sets: str, ranks: int = 2) -> list[str]:
     deepspeed = Path(sys.executable).parent / "deepspeed"
-    cmd = [str(deepspeed), "--num_gpus", "2", "--master_port", str(launching.free_port()), "--module",
+    cmd = [str(deepspeed), "--num_gpus", str(ranks), "--master_port", str(launching.free_port()), "--module",
            "vrgd_ds.train", "--config", str(config), "--run-dir", str(run_dir)]
     for s in sets:
         cmd += ["--set", s]
@@ -171,11 +172,41 @@ def test_killed_rank_ends_the_whole_job_quickly(config, tmp_path):
 
 @pytest.fixture(scope="module")
 def alone(config, tmp_path_factory) -> Path:
-    """The run directory of the config's run, uninterrupted and alone."""
+    """The run directory of the config's run, uninterrupted and alone; ``<it>/../trace`` holds
+    the samples every step read (``VRGD_TRACE_SAMPLES``)."""
     full = tmp_path_factory.mktemp("alone") / "run"
-    ref = launching.run(command(config, full), timeout=TIMEOUT, marker=full)
+    (full.parent / "trace").mkdir()
+    ref = launching.run(command(config, full), timeout=TIMEOUT, marker=full,
+                        env={**os.environ, "VRGD_TRACE_SAMPLES": str(full.parent / "trace")})
     assert ref.returncode == 0, ref.stderr[-3000:]
     return full
+
+
+def stream(*traces: Path) -> dict[int, list]:
+    """step -> the sorted sample keys every rank read in it, over the traces of consecutive
+    parts of one run (a step traced by two parts would be counted twice: it fails the test)."""
+    out: dict[int, list] = {}
+    for trace in traces:
+        for path in trace.glob("samples.rank*.jsonl"):
+            for line in path.read_text().splitlines():
+                rec = json.loads(line)
+                out.setdefault(rec["step"], []).extend(tuple(k) for k in rec["keys"])
+    return {step: sorted(keys) for step, keys in out.items()}
+
+
+def preempt(config: Path, run: Path, trace: Path, ranks: int, at_step: int) -> None:
+    """Runs the config on ``ranks`` ranks and stops it with SIGUSR1 once ``at_step`` is done
+    (a checkpoint there, exit 75)."""
+    trace.mkdir()
+    proc = launching.spawn(command(config, run, "job.checkpoint_every=0", ranks=ranks),
+                           env={**os.environ, "VRGD_TRACE_SAMPLES": str(trace)})
+    try:
+        wait_for(lambda: (heartbeat(run, 0) or {}).get("step", 0) >= at_step, proc)
+        os.kill(heartbeat(run, 0)["pid"], signal.SIGUSR1)
+        proc.wait(timeout=TIMEOUT)
+    finally:
+        launching.kill(proc, marker=run)
+    assert proc.returncode == 75
 
 
 def assert_same_run(run: Path, full: Path) -> None:
@@ -285,3 +316,75 @@ def test_a_requeued_slurm_job_continues_in_its_run_directory(config, tmp_path):
     out = same.stdout + same.stderr
     assert same.returncode == 0, out[-3000:]
     assert "earlier start of this Slurm job 4711 (now restart 1): the requeued job continues" in out
+
+
+
+# ---- resuming on other ranks, with another optimizer ---------------------------------------
+
+
+@pytest.mark.parametrize("before, after", [(2, 1), (1, 2)])
+def test_a_checkpoint_resumes_on_another_number_of_ranks_with_the_same_samples(config, alone, tmp_path, before, after):
+    """Before: saved on 2 ranks and resumed on 1, every checkpoint "failed to load" and the job
+    told the user to move the directory away. Now it is converted once to universal form (with
+    the GSNR momentum), recorded, and the run goes on: every step reads exactly the samples the
+    uninterrupted 2-rank run read, and the losses follow it to fp32 summation order."""
+    run = tmp_path / "run"
+    preempt(config, run, tmp_path / "trace_a", before, at_step=3)
+    stopped = (run / "checkpoints" / "latest").read_text()
+    (tmp_path / "trace_b").mkdir()
+    again = launching.run(command(config, run, "job.checkpoint_every=0", ranks=after), timeout=TIMEOUT, marker=run,
+                          env={**os.environ, "VRGD_TRACE_SAMPLES": str(tmp_path / "trace_b")})
+    out = again.stdout + again.stderr
+    assert again.returncode == 0, out[-3000:]
+    assert "Move the directory away" not in out and "failed to load" not in out
+    assert f"was saved on {before} ranks; converting it for {after} to the universal checkpoint" in out, out[-3000:]
+    record = json.loads((run / "checkpoints" / "universal" / stopped / "vrgd_converted.json").read_text())
+    assert record["saved_world_size"] == before and record["state_keys"] == ["gsnr_avg"]
+    assert stream(tmp_path / "trace_a", tmp_path / "trace_b") == stream(alone.parent / "trace")
+    want, got = records(alone), records(run)
+    for step in range(1, 9):
+        assert got[step]["train/loss"] == pytest.approx(want[step]["train/loss"], rel=1e-4), step
+    assert got[8]["eval/mlm_loss"] == pytest.approx(want[8]["eval/mlm_loss"], rel=1e-4)
+
+
+def test_a_vr_lamb_run_resumes_as_lamb_and_back(config, tmp_path):
+    """Before: resumed with optimizer.type Lamb, both ranks crashed in step() with "Lamb: no
+    statistics source is attached", after a warning that the state was "saved by an older
+    version". Now the weights and moments carry over, the GSNR momentum is dropped, and one line
+    says so; back to VRLamb, the GSNR momentum starts at p̂ = 1."""
+    run = tmp_path / "run"
+    first = launching.run(command(config, run, "job.total_steps=4"), timeout=TIMEOUT, marker=run)
+    assert first.returncode == 0, first.stderr[-3000:]
+    lamb = launching.run(command(config, run, "job.total_steps=6", 'optimizer.type="Lamb"'), timeout=TIMEOUT,
+                         marker=run)
+    out = lamb.stdout + lamb.stderr
+    assert lamb.returncode == 0, out[-3000:]
+    assert "older version" not in out and "no statistics source" not in out
+    line = "was saved with VRLamb (gsnr True, placement first_moment), resuming with Lamb (gsnr False"
+    assert out.count(line) == 1 and "the GSNR momentum is dropped" in out, out[-3000:]
+    back = launching.run(command(config, run, "job.total_steps=8"), timeout=TIMEOUT, marker=run)
+    out = back.stdout + back.stderr
+    assert back.returncode == 0, out[-3000:]
+    assert "resuming with VRLamb (gsnr True" in out and "starts at p̂ = 1" in out
+    assert all(math.isfinite(r["train/loss"]) for s, r in records(run).items() if s > 0)
+
+
+def test_another_optimizer_family_stops_or_starts_fresh_as_configured(config, tmp_path):
+    """VRLamb -> VRSGD cannot carry its state: by default the job stops, naming
+    checkpoint.optimizer_state; with "reset_if_incompatible" it continues from the saved weights
+    (its first loss is the trained model's, not a fresh one's) with a fresh VRSGD state."""
+    run = tmp_path / "run"
+    first = launching.run(command(config, run), timeout=TIMEOUT, marker=run)
+    assert first.returncode == 0, first.stderr[-3000:]
+    sgd = ('optimizer={"type": "VRSGD", "params": {"lr": 0.01}}', "job.total_steps=12")
+    refused = launching.run(command(config, run, *sgd), timeout=TIMEOUT, marker=run)
+    assert refused.returncode == 2
+    assert "saved with optimizer VRLamb, the config has VRSGD" in refused.stderr
+    assert '"checkpoint": {"optimizer_state": "reset_if_incompatible"}' in refused.stderr
+    fresh = launching.run(command(config, run, *sgd, 'checkpoint={"optimizer_state": "reset_if_incompatible"}'),
+                          timeout=TIMEOUT, marker=run)
+    out = fresh.stdout + fresh.stderr
+    assert fresh.returncode == 0, out[-3000:]
+    assert "with a fresh VRSGD state (checkpoint.optimizer_state = reset_if_incompatible)" in out
+    rec = records(run)
+    assert rec[9]["train/loss"] < rec[1]["train/loss"] - 0.02, (rec[1]["train/loss"], rec[9]["train/loss"])

@@ -11,8 +11,11 @@ accumulation changes between phases.
 Exact resume: the model, optimizer (with the VRGD state), loss scaler and LR position come
 from the DeepSpeed checkpoint; the data position is the per-phase ``consumed_samples`` in its
 client state (the sampler is rebuilt from it); the torch RNG (dropout) is re-seeded from
-``(seed, step, rank)`` at every step, so no generator state has to be carried over. A run
-stopped after step N and resumed therefore repeats the uninterrupted run's losses (fp32).
+``(seed, step, slot)`` before every micro-batch, where the slot is the micro-batch's place in
+the step's global batch (micro-step × ranks + rank), so no generator state has to be carried
+over. A run stopped after step N and resumed therefore repeats the uninterrupted run's losses
+(fp32); resumed on another number of ranks (same micro-batch), each slot holds the same
+samples with the same dropout, and only the summation order differs.
 
 Failure handling (each case ends the job with a message naming the key, file, rank or step):
 
@@ -100,8 +103,10 @@ class Preempted(Exception):
     """The job took a checkpoint on ``PREEMPT_SIGNAL`` and should be requeued."""
 
 
-def _seed_step(seed: int, step: int, rank: int) -> None:
-    torch.manual_seed((seed * 1_000_003 + step) * 4099 + rank)
+def _seed_micro_batch(seed: int, step: int, slot: int) -> None:
+    """Dropout of the micro-batch in ``slot`` of the step's global batch (its samples are
+    ``slot × micro_batch`` onwards on any number of ranks: ``PretrainingSampler``)."""
+    torch.manual_seed((seed * 1_000_003 + step) * 4099 + slot)
 
 
 def _inputs(batch: dict[str, torch.Tensor], device: torch.device, next_sentence: bool) -> dict[str, torch.Tensor]:
@@ -503,7 +508,6 @@ class Trainer:
         batches = iter(loader(train, sampler, self.job.data.workers, self.device.type == "cuda"))
         engine_batch = None
         while self.consumed[index] < self.budget[index]:
-            _seed_step(self.job.seed, self.step, self.rank)
             if controller is None:
                 batch = p.global_batch
                 lr = self.schedule.lr_in_phase(index, self.consumed[index] // p.global_batch)
@@ -529,6 +533,7 @@ class Trainer:
                 data_time += time.perf_counter() - td
                 tokens += int(batch_data["attention_mask"].sum())
                 self.engine.set_gradient_accumulation_boundary(j == gas - 1)
+                _seed_micro_batch(self.job.seed, self.step, j * self.world + self.rank)
                 if measure:
                     self.cosine.micro_step(j)
                 loss = self.engine(**_inputs(batch_data, self.device, self.next_sentence)).loss
