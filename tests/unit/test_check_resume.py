@@ -1,0 +1,89 @@
+"""``vrgd-pretrain --check-resume``: what a resume would load and what would change, read from
+the checkpoint's marker without loading tensors or starting ranks."""
+from __future__ import annotations
+
+import copy
+import json
+
+import pytest
+
+from vrgd_ds.train import checkpoints as ckpt
+from vrgd_ds.train import loop
+from vrgd_ds.train.resume import check
+
+RAW = {
+    "optimizer": {"type": "VRLamb", "params": {"lr": 1e-3}},
+    "zero_optimization": {"stage": 2},
+    "job": {"model": {"size": "tiny"}, "total_steps": 8,
+            "phases": [{"seq_len": 32, "fraction": 1.0, "global_batch": 16, "micro_batch": 4, "lr": 2e-3}]},
+}
+INFO = {"optimizer": {"type": "VRLamb", "gsnr": True, "gsnr_placement": "first_moment"}, "zero_stage": 2,
+        "total_steps": 8, "phases": None, "data": "0123456789abcdef", "consumed": [64], "seed": 1234}
+
+
+@pytest.fixture
+def run_dir(tmp_path):
+    """A run directory whose checkpoint step00000004 was written by 2 ZeRO-2 ranks."""
+    from vrgd_ds.train.config import parse_job
+
+    ckpt_dir = tmp_path / "run" / "checkpoints"
+    tag = ckpt_dir / "step00000004"
+    tag.mkdir(parents=True)
+    for name in ("mp_rank_00_model_states.pt", "zero_pp_rank_0_mp_rank_00_optim_states.pt",
+                 "zero_pp_rank_1_mp_rank_00_optim_states.pt"):
+        (tag / name).write_bytes(b"x" * 10)
+    info = dict(INFO, phases=[p.model_dump(mode="json") for p in parse_job(RAW).phases])
+    ckpt.mark_complete(ckpt_dir, "step00000004", 4, 2, info)
+    return tmp_path / "run"
+
+
+def test_the_report_names_step_ranks_optimizer_phases_and_data(run_dir):
+    report, ok = check(run_dir, None, None)
+    assert ok
+    assert "step00000004 (step 4)" in report and "saved on:    2 ranks, ZeRO stage 2" in report
+    assert "VRLamb (gsnr True, placement first_moment)" in report and "fingerprint 0123456789abcdef" in report
+    assert "8 steps, phases seq 32 x 16 for 1.0" in report and "consumed per phase [64]" in report
+
+
+def test_the_same_configuration_changes_nothing_but_the_data_check(run_dir):
+    report, ok = check(run_dir, copy.deepcopy(RAW), 2)
+    assert ok and "with this configuration on 2 ranks:" in report
+    assert "converting" not in report and "resuming with" not in report
+    assert "the configured data is not prepared yet" in report  # run_dir/data does not exist here
+
+
+def test_other_ranks_and_the_base_optimizer_are_listed(run_dir):
+    raw = copy.deepcopy(RAW)
+    raw["optimizer"]["type"] = "Lamb"
+    raw["job"]["total_steps"] = 12
+    report, ok = check(run_dir, raw, 1)
+    assert ok
+    assert "job.total_steps 8 -> 12" in report
+    assert "was saved on 2 ranks; converting it for 1 to the universal checkpoint" in report
+    assert "resuming with Lamb (gsnr False" in report and "the GSNR momentum is dropped" in report
+
+
+def test_another_family_would_stop_and_the_cli_exits_2(run_dir, tmp_path, capsys):
+    raw = copy.deepcopy(RAW)
+    raw["optimizer"] = {"type": "VRSGD", "params": {"lr": 0.1}}
+    report, ok = check(run_dir, raw, 2)
+    assert not ok and "would stop" in report and "reset_if_incompatible" in report
+    config = tmp_path / "config.json"
+    config.write_text(json.dumps(raw))
+    assert loop.main(["--check-resume", str(run_dir), "--config", str(config)]) == loop.EXIT_CONFIG
+    assert "would stop" in capsys.readouterr().out
+    assert loop.main(["--check-resume", str(run_dir), "--config", str(config), "--set",
+                      'checkpoint={"optimizer_state": "reset_if_incompatible"}']) == 0
+    assert "with a fresh VRSGD state" in capsys.readouterr().out
+
+
+def test_zero3_on_other_ranks_is_refused_naming_both_world_sizes(run_dir):
+    raw = copy.deepcopy(RAW)
+    raw["zero_optimization"]["stage"] = 3
+    report, ok = check(run_dir, raw, 4)
+    assert not ok and "saved on 2 ranks, resumed on 4: a ZeRO-3 checkpoint is not converted" in report
+
+
+def test_a_run_directory_without_checkpoints_would_start_afresh(tmp_path):
+    report, ok = check(tmp_path, None, None)
+    assert ok and "start afresh" in report
