@@ -169,12 +169,18 @@ class BatchController:
                 "history": [list(h) for h in self.history], "settings": asdict(self.settings)}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        """The saved controller; the settings must be the saved ones except ``granularity``
+        (micro-batch × ranks: a resume on another number of ranks), to whose multiples the
+        saved batch is then rounded (within ``[min_batch, max_batch]``)."""
         saved = state.get("settings")
-        if saved is not None and saved != asdict(self.settings):
-            changed = sorted(k for k in saved if saved[k] != asdict(self.settings).get(k))
+        mine = asdict(self.settings)
+        changed = sorted(k for k in (saved or {}) if k != "granularity" and saved[k] != mine.get(k))
+        if changed:
             raise ValueError(f"the checkpoint's adaptive_batch settings differ in {', '.join(changed)}: resume with "
                              "the settings it was saved with")
-        self.batch, self.steps = int(state["batch"]), int(state["steps"])
+        g, st = self.settings.granularity, self.settings
+        self.batch = min(max(int(round(int(state["batch"]) / g)) * g, st.min_batch), st.max_batch)
+        self.steps = int(state["steps"])
         self.ema_trace, self.ema_grad_sq = float(state["ema_trace"]), float(state["ema_grad_sq"])
         self.ema_weight, self.last_change = float(state["ema_weight"]), int(state["last_change"])
         self.history = [tuple(h) for h in state["history"]]

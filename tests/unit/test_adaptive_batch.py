@@ -90,6 +90,19 @@ def test_state_round_trip_continues_the_same_trajectory():
         BatchController(settings(smoothing=0.8, every=3, max_change=3.0)).load_state_dict(first.state_dict())
 
 
+def test_a_resume_on_other_ranks_keeps_the_controller_and_rounds_its_batch():
+    """Bug: the granularity (micro-batch x ranks) was compared with the saved settings, so an
+    adaptive-batch run resumed on another number of ranks stopped with "settings differ in
+    granularity". Now the controller carries over; its batch is rounded to the new multiple."""
+    first = BatchController(settings(granularity=16, min_batch=32, max_batch=1024, initial_batch=64))
+    drive(first, lambda t: 5000.0, 9)
+    state = first.state_dict()
+    state["batch"] = 48  # a multiple of 16, not of 32
+    resumed = BatchController(settings(granularity=32, min_batch=32, max_batch=1024, initial_batch=64))
+    resumed.load_state_dict(state)
+    assert resumed.batch in (32, 64) and resumed.steps == first.steps and resumed.ema_trace == first.ema_trace
+
+
 def test_settings_are_validated():
     with pytest.raises(ValueError, match="exactly one"):
         settings(target_similarity=0.5)
