@@ -265,10 +265,10 @@ def test_a_second_job_on_the_run_directory_is_refused_and_the_first_is_unharmed(
             # (its own --set marks its processes apart from the first job's for the clean-up)
             second = launching.run(command(config, run, "job.log_every=1"), timeout=TIMEOUT, marker="log_every=1")
             took = time.time() - t0
+            after = sorted(str(p.relative_to(run)) for p in run.rglob("*"))  # the first still stopped
         finally:
             for pid in pids:
                 os.kill(pid, signal.SIGCONT)
-        after = sorted(str(p.relative_to(run)) for p in run.rglob("*"))
         first.wait(timeout=TIMEOUT)
     finally:
         launching.kill(first, marker=run)
@@ -327,7 +327,8 @@ def test_a_checkpoint_resumes_on_another_number_of_ranks_with_the_same_samples(c
     """Before: saved on 2 ranks and resumed on 1, every checkpoint "failed to load" and the job
     told the user to move the directory away. Now it is converted once to universal form (with
     the GSNR momentum), recorded, and the run goes on: every step reads exactly the samples the
-    uninterrupted 2-rank run read, and the losses follow it to fp32 summation order."""
+    uninterrupted 2-rank run read, and the losses follow it to fp32 summation order (the dropout
+    of each slot of the global batch is the same on any number of ranks)."""
     run = tmp_path / "run"
     preempt(config, run, tmp_path / "trace_a", before, at_step=3)
     stopped = (run / "checkpoints" / "latest").read_text()
@@ -343,8 +344,10 @@ def test_a_checkpoint_resumes_on_another_number_of_ranks_with_the_same_samples(c
     assert stream(tmp_path / "trace_a", tmp_path / "trace_b") == stream(alone.parent / "trace")
     want, got = records(alone), records(run)
     for step in range(1, 9):
-        assert got[step]["train/loss"] == pytest.approx(want[step]["train/loss"], rel=1e-4), step
-    assert got[8]["eval/mlm_loss"] == pytest.approx(want[8]["eval/mlm_loss"], rel=1e-4)
+        assert got[step]["train/loss"] == pytest.approx(want[step]["train/loss"], rel=1e-6), step  # seen <= 8e-8
+    assert got[8]["eval/mlm_loss"] == pytest.approx(want[8]["eval/mlm_loss"], rel=1e-6)
+    worst = max(abs(got[s]["train/loss"] / want[s]["train/loss"] - 1) for s in range(1, 9))
+    print(f"{before} -> {after} ranks: largest relative loss difference {worst:.1e}")
 
 
 def test_a_vr_lamb_run_resumes_as_lamb_and_back(config, tmp_path):

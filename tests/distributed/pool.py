@@ -1,0 +1,111 @@
+"""A persistent group of ranks for distributed tests: one ``deepspeed`` launch per pytest session
+(gloo on CPU), one test case per pytest item.
+
+``Pool.run(module, function, case)`` has every rank call ``module.function(case)`` (modules of
+``tests/distributed/``) and returns rank 0's result; an exception on any rank fails the test with
+that rank's traceback. A case that hangs past its timeout or kills a rank fails with the ranks'
+output, and the next case starts a fresh group: one bad case costs itself, not its module.
+(The shape of DeepSpeed's own ``tests/unit/common.py`` ``DistributedTest`` with
+``reuse_dist_env``, driven from outside the ranks here.)
+"""
+from __future__ import annotations
+
+import itertools
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import launching
+import pytest
+
+HERE = Path(__file__).parent
+START_TIMEOUT_S = 180.0
+
+
+class Pool:
+    def __init__(self, root: Path, ranks: int = 2) -> None:
+        self.root, self.ranks = root, ranks
+        self.proc: subprocess.Popen | None = None
+        self.control: Path | None = None
+        self.log: Path | None = None
+        self._ids = itertools.count()
+        self._starts = itertools.count()
+        self.cases_run = 0
+
+    # ---- the ranks ---------------------------------------------------------------------------
+
+    def _start(self) -> None:
+        start = next(self._starts)
+        self.control = self.root / f"pool{start}"
+        self.control.mkdir(parents=True)
+        self.log = self.control / "ranks.log"
+        deepspeed = Path(sys.executable).parent / "deepspeed"
+        cmd = [str(deepspeed), "--num_gpus", str(self.ranks), "--master_port", str(launching.free_port()),
+               str(HERE / "pool_worker.py"), "--control", str(self.control), "--owner", str(os.getpid())]
+        env = dict(os.environ, PYTHONPATH=str(HERE.parent.parent) + os.pathsep + os.environ.get("PYTHONPATH", ""),
+                   PYTHONUNBUFFERED="1")
+        with open(self.log, "w") as fh:
+            self.proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=fh, stderr=subprocess.STDOUT,
+                                         start_new_session=True, cwd=self.control, env=env)
+        deadline = time.time() + START_TIMEOUT_S
+        while not (self.control / "ready.json").exists():
+            if self.proc.poll() is not None or time.time() > deadline:
+                tail = self._tail()
+                self.close()
+                pytest.fail(f"the {self.ranks}-rank pool did not start:\n{tail}")
+            time.sleep(0.05)
+
+    def _tail(self, chars: int = 6000) -> str:
+        try:
+            return self.log.read_text()[-chars:] if self.log else ""
+        except OSError:
+            return ""
+
+    def close(self) -> None:
+        """Stops the ranks (asks, then kills the group)."""
+        if self.proc is None:
+            return
+        if self.proc.poll() is None and self.control is not None:
+            self._request({"op": "stop"})
+            try:
+                self.proc.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                pass
+        launching.kill(self.proc, marker=self.control)
+        self.proc = None
+
+    def _request(self, payload: dict) -> Path:
+        request_id = f"{next(self._ids):06d}"
+        path = self.control / f"req-{request_id}.json"
+        tmp = self.control / f".req-{request_id}.tmp"
+        tmp.write_text(json.dumps({**payload, "id": request_id}))
+        os.replace(tmp, path)
+        return self.control / f"res-{request_id}.json"
+
+    # ---- cases -------------------------------------------------------------------------------
+
+    def run(self, module: str, function: str, case: dict, timeout: float = 180.0) -> dict:
+        """``module.function(case)`` on every rank; rank 0's result."""
+        if self.proc is None or self.proc.poll() is not None:
+            if self.proc is not None:
+                self.close()
+            self._start()
+        result = self._request({"module": module, "function": function, "case": case})
+        deadline = time.time() + timeout
+        while not result.exists():
+            code = self.proc.poll()
+            if code is not None or time.time() > deadline:
+                tail = self._tail()
+                self.close()  # the next case starts a fresh group
+                why = (f"a rank died (launcher exit {code})" if code is not None else
+                       f"no result after {timeout:.0f} s (a hang)")
+                pytest.fail(f"{module}.{function}({case}): {why}; the ranks' output:\n{tail}")
+            time.sleep(0.01)
+        self.cases_run += 1
+        outcome = json.loads(result.read_text())
+        if "error" in outcome:
+            pytest.fail(f"{module}.{function}({case}) raised on {outcome['error']}\n{outcome['trace']}")
+        return outcome["result"]
