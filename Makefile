@@ -5,7 +5,7 @@ PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 
-.PHONY: install test demo demo-mlp bench
+.PHONY: install test test-all test-exhaustive demo demo-mlp bench
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -17,8 +17,17 @@ $(VENV)/.installed: pyproject.toml
 
 install: $(VENV)/.installed
 
+# make test: everything that guards correctness, the distributed matrices as covering designs
+# (every pair of factor levels); make test-all: also their full products (README "Tests")
 test: install
+	$(PY) -m pytest -q -m "not exhaustive" tests
+
+test-all: install
 	$(PY) -m pytest -q tests
+
+# what test-all adds to test (CI runs it after make test while time allows)
+test-exhaustive: install
+	$(PY) -m pytest -q -m exhaustive tests
 
 RUN_DIR ?= runs/demo
 demo: install

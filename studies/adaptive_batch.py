@@ -34,7 +34,8 @@ RUNS = {  # label -> (optimizer params, adaptive?)
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--quick", action="store_true", help="embedded corpus, 512 samples, 1 seed")
+    ap.add_argument("--quick", action="store_true", help="embedded corpus, 512 samples, 1 seed, a 2,000-piece "
+                    "vocabulary")
     ap.add_argument("--corpus", action="append", default=None, metavar="NAME[=PATH]")
     ap.add_argument("--seed", type=int, action="append", default=None, help="repeatable (default 1)")
     ap.add_argument("--batch", type=int, default=64, help="the fixed batch and the adaptive runs' first batch")
@@ -56,6 +57,7 @@ def main() -> None:
     args = ap.parse_args()
     if args.quick:
         args.corpus, args.seed, args.samples, args.every = ["embedded"], [1], 512, 2
+        args.vocab_size = min(args.vocab_size, 2000)  # a smoke run: the tokenizer trains in a few seconds
         args.work = args.work / "quick"
     specs = args.corpus or ["embedded"]
     seeds = args.seed or [1]

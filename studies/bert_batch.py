@@ -250,7 +250,7 @@ def plot(out: Output, best: dict, corpora: list[str], batches: list[int],
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="embedded corpus, batches 16 and 64, 256 samples, "
-                    "1 seed, LAMB and VR-LAMB first_moment: a smoke run")
+                    "1 seed, LAMB and VR-LAMB first_moment, a 2,000-piece vocabulary: a smoke run")
     ap.add_argument("--corpus", action="append", default=None, metavar="NAME[=PATH]",
                     help="'embedded' (Python's documentation) or NAME=PATH of text files; repeatable")
     ap.add_argument("--batch", type=int, action="append", default=None,
@@ -285,6 +285,7 @@ def main() -> None:
     if args.quick:
         args.corpus, args.batch, args.seed = ["embedded"], [16, 64], [1]
         args.optimizer, args.lr_factor, args.samples = ["LAMB", "VR-LAMB first_moment"], [1.0], 256
+        args.vocab_size = min(args.vocab_size, 2000)  # a smoke run: the tokenizer trains in a few seconds
         args.work = args.work / "quick"
     specs = args.corpus or ["embedded"]
     corpora = [spec.partition("=")[0] for spec in specs]

@@ -87,10 +87,16 @@ def test_collapse_quick(tmp_path):
             assert 0.0 <= seed["test"] <= 1.0 and math.isfinite(seed["gap"])
 
 
+@pytest.fixture(scope="module")
+def study_work(tmp_path_factory) -> Path:
+    """The quick BERT studies' work directory: the embedded corpus is prepared there once."""
+    return tmp_path_factory.mktemp("study_work")
+
+
 @pytest.mark.slow
-def test_bert_batch_quick(tmp_path):
+def test_bert_batch_quick(tmp_path, study_work):
     """Two optimizers x two batches through the real job (1 CPU rank, 256 samples each)."""
-    run_study("bert_batch.py", "--quick", "--work", str(tmp_path / "work"), "--out", str(tmp_path / "out"),
+    run_study("bert_batch.py", "--quick", "--work", str(study_work), "--out", str(tmp_path / "out"),
               "--port", "29681", timeout=900)
     runs = check_output(tmp_path / "out", ["bert_batch.png"])
     assert sorted((r["batch"], r["optimizer"]) for r in runs) == [
@@ -159,10 +165,10 @@ def test_bert_batch_assembles_committed_runs_of_several_studies(tmp_path):
 
 
 @pytest.mark.slow
-def test_adaptive_batch_quick(tmp_path):
+def test_adaptive_batch_quick(tmp_path, study_work):
     """Fixed and adaptive LAMB / VR-LAMB through the real job (1 CPU rank, 512 samples each):
     every run consumes the same samples; the adaptive ones change their batch."""
-    run_study("adaptive_batch.py", "--quick", "--work", str(tmp_path / "work"), "--out", str(tmp_path / "out"),
+    run_study("adaptive_batch.py", "--quick", "--work", str(study_work), "--out", str(tmp_path / "out"),
               "--port", "29683", timeout=900)
     runs = check_output(tmp_path / "out", ["batch_trajectory.png"])
     assert [r["optimizer"] for r in runs] == ["LAMB fixed", "VR-LAMB fixed", "LAMB adaptive", "VR-LAMB adaptive"]

@@ -1,16 +1,12 @@
-"""Runs the DDP cases inside one 2-rank launch (gloo, CPU) and writes one JSON result per
-case, every rank's, as ``{case: [rank 0, rank 1]}``. Launched by ``test_ddp.py``:
-
-    python -m torch.distributed.run --nproc_per_node 2 tests/distributed/ddp_worker.py --out results.json
+"""DDP cases for the rank pool (``pool.py``), run in its gloo process group on CPU;
+``run_case`` returns every rank's result as ``[rank 0, rank 1]``.
 
 Every rank's micro-batches are generated from (step, rank, micro-step), so each process also
 runs a single-process reference that sees all ranks' gradients.
 """
 from __future__ import annotations
 
-import argparse
 import copy
-import json
 import os
 import sys
 import traceback
@@ -230,24 +226,13 @@ def cases() -> dict[str, Callable[[], dict[str, Any]]]:
     }
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--out", required=True)
-    args = parser.parse_args()
-    dist.init_process_group("gloo")
-    results: dict[str, Any] = {}
-    for name, run in cases().items():
-        try:
-            results[name] = run()
-        except Exception as exc:  # reported per case; the other rank may then time out
-            results[name] = dict(error=f"{type(exc).__name__}: {exc}", trace=traceback.format_exc())
+def run_case(case: dict) -> list[dict[str, Any]]:
+    """Case ``case["name"]`` on every rank; every rank's result (an error is recorded, not raised:
+    the other rank must still reach the gather)."""
+    try:
+        result = cases()[case["name"]]()
+    except Exception as exc:  # noqa: BLE001 (reported per rank to the test)
+        result = dict(error=f"{type(exc).__name__}: {exc}", trace=traceback.format_exc())
     gathered: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(gathered, results)
-    if dist.get_rank() == 0:
-        with open(args.out, "w") as f:
-            json.dump({name: [g[name] for g in gathered] for name in results}, f, indent=1)
-    dist.destroy_process_group()
-
-
-if __name__ == "__main__":
-    main()
+    dist.all_gather_object(gathered, result)
+    return gathered

@@ -26,8 +26,9 @@ START_TIMEOUT_S = 180.0
 
 
 class Pool:
-    def __init__(self, root: Path, ranks: int = 2) -> None:
-        self.root, self.ranks = root, ranks
+    def __init__(self, root: Path, ranks: int = 2, setup: tuple[tuple[str, str], ...] = ()) -> None:
+        """``setup``: ``(module, function)`` pairs every fresh group runs first (with ``{}``)."""
+        self.root, self.ranks, self.setup = root, ranks, setup
         self.proc: subprocess.Popen | None = None
         self.control: Path | None = None
         self.log: Path | None = None
@@ -93,6 +94,8 @@ class Pool:
             if self.proc is not None:
                 self.close()
             self._start()
+            for setup_module, setup_function in self.setup:
+                self.run(setup_module, setup_function, {}, timeout)
         result = self._request({"module": module, "function": function, "case": case})
         deadline = time.time() + timeout
         while not result.exists():

@@ -1,5 +1,5 @@
-"""``vrgd_ds.ddp.attach`` on 2 real CPU ranks (gloo): one ``torchrun --nproc_per_node 2``
-launch of ``ddp_worker.py`` runs every case; each test reads its case (both ranks' results).
+"""``vrgd_ds.ddp.attach`` on 2 real CPU ranks (gloo): each case is its own test, run by
+``ddp_worker.py`` in the session's rank pool (``pool.py``), every rank's result checked.
 
 Training cases: 3 steps of DDP with 100-byte buckets (several buckets, one holding several
 tensors) against a single-process reference that sees every rank's gradient and feeds the
@@ -10,16 +10,8 @@ in the statistics would not pass unseen (2% off in Σg² already gives 0.1-0.6).
 """
 from __future__ import annotations
 
-import json
-import os
-import sys
-from pathlib import Path
-
-import launching
 import pytest
 
-HERE = Path(__file__).parent
-WORKER = HERE / "ddp_worker.py"
 RANKS = 2
 TOL = 1e-5
 CONTRAST = 100  # the gamma = 1 run must be at least this many tolerances away
@@ -27,25 +19,13 @@ TRAIN_CASES = ["VRSGD", "VRAdam", "VRSGD_no_sync", "VRAdam_no_sync", "VRSGD_buck
 FUSED_CASES = ["fused_" + name for name in TRAIN_CASES]  # squares="per_micro_step": the comm hook
 
 
-def launch(tmp: Path, timeout: int = 300) -> dict:
-    out = tmp / "results.json"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(RANKS),
-           str(WORKER), "--out", str(out)]
-    env = dict(os.environ, PYTHONPATH=str(HERE.parent.parent) + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    proc = launching.run(cmd, timeout=timeout, marker=out, env=env, cwd=tmp)
-    if proc.returncode != 0 or not out.exists():
-        raise RuntimeError(f"torchrun launch failed (rc={proc.returncode}):\n{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}")
-    return json.loads(out.read_text())
+_RUN: dict[str, list[dict]] = {}  # a case read by several tests runs once
 
 
-@pytest.fixture(scope="module")
-def results(tmp_path_factory) -> dict:
-    return launch(tmp_path_factory.mktemp("ddp2"))
-
-
-def _case(results: dict, name: str) -> list[dict]:
-    assert name in results, f"case {name} did not run"
-    per_rank = results[name]
+def _case(pool, name: str) -> list[dict]:
+    if name not in _RUN:
+        _RUN[name] = pool.run("ddp_worker", "run_case", {"name": name})
+    per_rank = _RUN[name]
     assert len(per_rank) == RANKS
     for rank, res in enumerate(per_rank):
         assert "error" not in res, f"{name} (rank {rank}): {res['error']}\n{res.get('trace', '')}"
@@ -53,20 +33,20 @@ def _case(results: dict, name: str) -> list[dict]:
 
 
 @pytest.mark.parametrize("name", TRAIN_CASES + FUSED_CASES)
-def test_training_equals_single_process_reference(results, name):
-    for res in _case(results, name):
+def test_training_equals_single_process_reference(pool, name):
+    for res in _case(pool, name):
         assert res["err"] <= TOL, res
         assert res["contrast"] >= CONTRAST * TOL, res
         assert res["moved"] > 0
 
 
 @pytest.mark.parametrize("name", TRAIN_CASES)
-def test_per_step_groups_are_ranks_times_backward_passes(results, name):
+def test_per_step_groups_are_ranks_times_backward_passes(pool, name):
     """The default scheme: every backward of every rank is a group, no_sync() micro-steps
     included, and one all-reduce of [Σg | Σg²] per step (twice the fp32 gradient's bytes),
     DDP's own reduction untouched."""
     micro = {"VRSGD_no_sync": 2, "VRAdam_no_sync": 3}.get(name, 1)
-    for res in _case(results, name):
+    for res in _case(pool, name):
         numel = sum(res["param_numels"])
         for s in res["steps"]:
             assert s["n"] == float(RANKS * micro)
@@ -75,14 +55,14 @@ def test_per_step_groups_are_ranks_times_backward_passes(results, name):
 
 
 @pytest.mark.parametrize("name", FUSED_CASES)
-def test_fused_groups_are_ranks(results, name):
-    for res in _case(results, name):
+def test_fused_groups_are_ranks(pool, name):
+    for res in _case(pool, name):
         assert [s["n"] for s in res["steps"]] == [float(RANKS)] * len(res["steps"])
 
 
 @pytest.mark.parametrize("name", FUSED_CASES)
-def test_one_fused_collective_per_bucket(results, name):
-    for res in _case(results, name):
+def test_one_fused_collective_per_bucket(pool, name):
+    for res in _case(pool, name):
         numel = sum(res["param_numels"])
         for s in res["steps"]:
             buckets = len(s["ddp_bucket_numels"])
@@ -94,8 +74,8 @@ def test_one_fused_collective_per_bucket(results, name):
 
 
 @pytest.mark.parametrize("name", ["bf16", "fp16"])
-def test_low_precision_model(results, name):
-    for res in _case(results, name):
+def test_low_precision_model(pool, name):
+    for res in _case(pool, name):
         assert res["n"] == RANKS and res["n_after_reset"] == 0
         assert res["stat_dtypes"] == ["torch.float32"]
         assert res["grad_dtypes"] == [f"torch.{'bfloat16' if name == 'bf16' else 'float16'}"]
@@ -103,8 +83,8 @@ def test_low_precision_model(results, name):
         assert res["grad_err"] == 0.0, "the fp32 mean rounded once to the model dtype"
 
 
-def test_bad_setups_raise(results):
-    for res in _case(results, "bad"):
+def test_bad_setups_raise(pool):
+    for res in _case(pool, "bad"):
         assert "needs a VRGD optimizer" in res["non_gsnr"] and "got SGD" in res["non_gsnr"]
         assert "needs >= 2 ranks" in res["one_rank"] and "use >= 2 ranks or gsnr=False" in res["one_rank"]
         assert res["one_rank_gsnr_off"] is True

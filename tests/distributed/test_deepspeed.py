@@ -1,5 +1,8 @@
-"""DeepSpeed integration on 2 real CPU ranks (gloo): one ``deepspeed --num_gpus 2`` launch runs
-every case (engines built one after another in one process group); each test reads its case.
+"""DeepSpeed integration on 2 real CPU ranks (gloo): every case is its own test, run in the
+session's rank pool (``pool.py``: one process group, engines built one after another; a hang
+or a crash fails its case only). ``make test`` runs the covering designs of the matrix and the
+per-step scheme (``worker.matrix_design``/``perstep_design``: every pair of factor levels at
+least once); the full products are marked ``exhaustive`` (``make test-all``).
 
 Tolerances of the matrix, as ``‖θ_deepspeed − θ_reference‖ / ‖θ_reference − θ_0‖`` over all
 parameters after 3 steps (the error as a fraction of how far training moved them):
@@ -18,74 +21,44 @@ variance reduction (gamma = 1): a mistake in the statistics would not pass unsee
 """
 from __future__ import annotations
 
-import json
-import os
 import sys
 from pathlib import Path
 
-import launching
 import pytest
 
 HERE = Path(__file__).parent
-WORKER = HERE / "worker.py"
 TOL = {"fp32": 1e-3, "fp16": 0.1, "bf16": 0.3}
 CONTRAST = {"fp32": 0.1, "fp16": 0.5, "bf16": None}  # err <= factor × distance to the gamma = 1 run
 
 
-def launch(tmp: Path, suites: list[str], ranks: int = 2, script: Path = WORKER, timeout: int = 900) -> dict:
-    out = tmp / "results.json"
-    deepspeed = Path(sys.executable).parent / "deepspeed"
-    cmd = [str(deepspeed), "--num_gpus", str(ranks), "--master_port", str(launching.free_port()), str(script)]
-    for s in suites:
-        cmd += ["--suite", s]
-    cmd += ["--out", str(out)]
-    env = dict(os.environ, PYTHONPATH=str(HERE.parent.parent) + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    proc = launching.run(cmd, timeout=timeout, marker=out, env=env, cwd=tmp)
-    if proc.returncode != 0 or not out.exists():
-        raise RuntimeError(f"deepspeed launch failed (rc={proc.returncode}):\n{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}")
-    return json.loads(out.read_text())
+sys.path.insert(0, str(HERE))
+import worker  # noqa: E402  (the case lists; the cases themselves run in the pool)
 
 
-@pytest.fixture(scope="module")
-def workdir(tmp_path_factory) -> Path:
-    return tmp_path_factory.mktemp("ds")
+def params(cases, design: set[str] | None = None) -> list:
+    """pytest parameters: every case by name, those outside ``design`` marked exhaustive."""
+    out = []
+    for name, case in cases:
+        marks = [pytest.mark.exhaustive] if design is not None and name not in design else []
+        out.append(pytest.param(name, case, marks=marks, id=name))
+    return out
 
 
-@pytest.fixture(scope="module")
-def results(workdir) -> dict:
-    return launch(workdir, ["matrix", "perstep", "bytes", "lamb", "groups", "squares", "checkpoint", "bad",
-                            "universal-save"])
+def run(pool, runner: str, case: dict) -> dict:
+    return pool.run("worker", runner, case)
 
 
-@pytest.fixture(scope="module")
-def single_rank(workdir, results) -> dict:
-    """One rank, after the 2-rank launch saved and converted its checkpoint."""
-    return launch(workdir, ["universal-load"], ranks=1)
+def by_name(cases, name: str) -> dict:
+    return dict(cases)[name]
 
 
-def matrix_names():
-    sys.path.insert(0, str(HERE))
-    import importlib
-
-    names = [name for name, _ in importlib.import_module("worker").matrix_cases()]
-    return names
-
-
-def _case(results: dict, name: str) -> dict:
-    assert name in results, f"case {name} did not run"
-    res = results[name]
-    assert "error" not in res, f"{name}: {res['error']}\n{res.get('trace', '')}"
-    return res
-
-
-@pytest.mark.parametrize("name", matrix_names())
-def test_matrix_equals_single_process_reference(results, name):
-    res = results[name]
-    case = res["case"]
+@pytest.mark.parametrize("name, case", params(worker.matrix_cases(), worker.matrix_design()))
+def test_matrix_equals_single_process_reference(pool, name, case):
     if case["stage"] == 0 and case["dtype"] == "fp16":
-        assert "'fp16 with zero_optimization.stage 0' is not supported" in res.get("error", ""), res
+        res = run(pool, "run_bad_case", case)
+        assert "'fp16 with zero_optimization.stage 0' is not supported" in res["message"], res
         return
-    res = _case(results, name)
+    res = run(pool, "run_matrix_case", case)
     want_n = 2 * (case["gas"] if case["stage"] >= 2 else 1)
     assert res["n"] == [want_n] * 3, "number of gradient groups per step (DESIGN §3)"
     assert res["skipped"] == 0
@@ -93,13 +66,6 @@ def test_matrix_equals_single_process_reference(results, name):
     factor = CONTRAST[case["dtype"]]
     if factor is not None and res["contrast_l2"] is not None:
         assert res["l2"] <= factor * res["contrast_l2"], res
-
-
-def perstep_names():
-    sys.path.insert(0, str(HERE))
-    import importlib
-
-    return [name for name, _ in importlib.import_module("worker").perstep_cases()]
 
 
 # Tolerances of the per-step scheme, fraction of the distance trained. fp32: as the matrix (seen
@@ -111,20 +77,19 @@ def perstep_names():
 PERSTEP_TOL = {"fp32": (1e-3, 1e-3), "fp16": (0.15, 0.03), "bf16": (0.3, 0.15)}  # (n = 2, n >= 4)
 
 
-@pytest.mark.parametrize("name", perstep_names())
-def test_per_step_squares_equal_the_reference_with_every_micro_step_a_group(results, name):
+@pytest.mark.parametrize("name, case", params(worker.perstep_cases(), worker.perstep_design()))
+def test_per_step_squares_equal_the_reference_with_every_micro_step_a_group(pool, name, case):
     """``"vrgd": {"squares": "per_step"}``: DeepSpeed's own reduction untouched, each rank's
     micro-step squares summed locally and reduced once per step, so n = ranks × micro-steps on
     every stage (stage 0/ZeRO-1 included), with exactly one statistics collective per step
     (two with gbar="local" under ZeRO, where Σg and Σg² are reduce-scattered separately) whose
     bytes are the fp32 gradient's (twice with gbar="local"). Fails on the old code for ZeRO-3,
     which counted its padded reduce-scatter as sent but not as gradient (ratio 1.032 / 2.063)."""
-    res = results[name]
-    case = res["case"]
     if case["stage"] == 0 and case["dtype"] == "fp16":
-        assert "'fp16 with zero_optimization.stage 0' is not supported" in res.get("error", ""), res
+        res = run(pool, "run_bad_case", case)
+        assert "'fp16 with zero_optimization.stage 0' is not supported" in res["message"], res
         return
-    res = _case(results, name)
+    res = run(pool, "run_matrix_case", case)
     n = 2 * case["gas"]
     assert res["n"] == [n] * 3
     assert res["skipped"] == 0
@@ -138,32 +103,26 @@ def test_per_step_squares_equal_the_reference_with_every_micro_step_a_group(resu
         assert res["l2"] <= factor * res["contrast_l2"], res
 
 
-def test_engine_mean_gradient_in_bf16_inflates_the_gsnr_local_does_not(results):
+def test_engine_mean_gradient_in_bf16_inflates_the_gsnr_local_does_not(pool):
     """The measurement behind gbar="auto": in bf16 training DeepSpeed's bf16-reduced ḡ meets the
     fp32 squares in s - ḡ²; its rounding inflates the first step's mean GSNR (seen 4.46 against
     1.52 with the fp32 ḡ, n = 4), while the local fp32 ḡ equals the reference's."""
-    engine = _case(results, "perstep-engine-stage2-bf16")["gsnr_means"][0]
-    local = _case(results, "perstep-local-stage2-bf16")["gsnr_means"][0]
+    cases = list(worker.perstep_cases())
+    engine = run(pool, "run_matrix_case", by_name(cases, "perstep-engine-stage2-bf16"))["gsnr_means"][0]
+    local = run(pool, "run_matrix_case", by_name(cases, "perstep-local-stage2-bf16"))["gsnr_means"][0]
     assert local[0] == pytest.approx(local[1], rel=1e-4)  # DeepSpeed run == reference (fp32 ḡ)
     assert engine[0] > 2 * local[0]
 
 
-def bytes_names():
-    sys.path.insert(0, str(HERE))
-    import importlib
-
-    return [name for name, _ in importlib.import_module("worker").bytes_cases()]
-
-
-@pytest.mark.parametrize("name", bytes_names())
-def test_per_step_statistics_add_one_reduction_per_step_to_deepspeeds_own_traffic(results, name):
+@pytest.mark.parametrize("name, case", params(worker.bytes_cases()))
+def test_per_step_statistics_add_one_reduction_per_step_to_deepspeeds_own_traffic(pool, name, case):
     """Collectives of one optimizer step, counted by wrapping deepspeed.comm: DeepSpeed's own
     (everything but the statistics and the small per-tensor tables) is the same with VR-LAMB as
     with LAMB, whatever the accumulation, and the statistics add exactly one collective of one
     fp32 gradient (bf16 squares: half of it). The local buffers follow DeepSpeed's padding
     (ZeRO-1/2: the flat group's; ZeRO-3: each tensor padded to the world size), hence a few
     bytes over the gradient's on this tiny model."""
-    res = _case(results, name)
+    res = run(pool, "run_bytes_case", case)
     vr, lamb = res["vr"], res["lamb"]
     assert vr["deepspeed_bytes"] == lamb["deepspeed_bytes"] and vr["deepspeed_calls"] == lamb["deepspeed_calls"]
     assert vr["stats_calls"] == 1 and lamb["stats_calls"] == 0
@@ -174,14 +133,14 @@ def test_per_step_statistics_add_one_reduction_per_step_to_deepspeeds_own_traffi
     assert vr["n"] == 2 * gas
 
 
-@pytest.mark.parametrize("stage", [0, 1, 2, 3])
-def test_lamb_under_zero_equals_unsharded(results, stage):
-    res = _case(results, f"lamb-stage{stage}")
+@pytest.mark.parametrize("name, case", params(worker.lamb_cases()))
+def test_lamb_under_zero_equals_unsharded(pool, name, case):
+    res = run(pool, "run_matrix_case", case)
     assert res["l2"] <= 1e-5, res
 
 
-@pytest.mark.parametrize("stage", [0, 1, 2, 3])
-def test_metrics_cover_every_param_group(results, stage):
+@pytest.mark.parametrize("name, case", params(worker.groups_cases()))
+def test_metrics_cover_every_param_group(pool, name, case):
     """Two param groups (decay / no decay): the step's metrics cover every model tensor, with
     trust ratios from the adapted group, and the mean GSNR equals the single-process
     reference's over all tensors (the default scheme: n = 4 groups on every stage; with n = 2
@@ -189,19 +148,24 @@ def test_metrics_cover_every_param_group(results, stage):
     moved it by 0.16% on an AVX-512 machine). Fails on the code before: ZeRO-1/2 step the basic optimizer
     once per param group, each call started the metrics afresh, so the job's telemetry showed
     the last group only (biases and LayerNorm: no trust_ratio/* at all)."""
-    res = _case(results, f"groups-stage{stage}")
+    res = run(pool, "run_groups_case", case)
     assert res["groups"] == 2
     assert res["tensors"] == res["names"]
     assert res["adapted"]
     assert res["gsnr_mean"] == pytest.approx(res["ref_gsnr_mean"], rel=1e-4)  # seen: <= 2e-5
 
 
+def squares(pool, stage: int, opt: str, dtype: str) -> dict:
+    return run(pool, "run_matrix_case", by_name(worker.squares_cases(), f"squares-{dtype}-stage{stage}-{opt}"))
+
+
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])
 @pytest.mark.parametrize("opt", ["VRAdam", "VRLamb"])
-def test_bf16_squares_halve_the_extra_bytes(results, stage, opt):
+def test_bf16_squares_halve_the_extra_bytes(pool, stage, opt):
     """``"vrgd": {"squares_dtype": "bf16"}``: the squares travel in bf16 as a second call per
-    bucket, so the bytes are 1.5x the fp32 gradient (fp32 squares: 2x, one call per bucket)."""
-    fp32, bf16 = _case(results, f"squares-fp32-stage{stage}-{opt}"), _case(results, f"squares-bf16-stage{stage}-{opt}")
+    bucket, so the bytes are 1.5x the fp32 gradient (fp32 squares: 2x, one call per bucket); the
+    bf16-squares trajectory itself is pinned below on the stages where it runs with n = 4."""
+    fp32, bf16 = squares(pool, stage, opt, "fp32"), squares(pool, stage, opt, "bf16")
     assert fp32["bytes_ratio"] == 2.0 and bf16["bytes_ratio"] == 1.5
     assert bf16["collectives"] == 2 * fp32["collectives"]
     assert fp32["l2"] <= TOL["fp32"]
@@ -209,7 +173,7 @@ def test_bf16_squares_halve_the_extra_bytes(results, stage, opt):
 
 @pytest.mark.parametrize("stage", [2, 3])
 @pytest.mark.parametrize("opt", ["VRAdam", "VRLamb"])
-def test_bf16_squares_stay_close_with_four_groups(results, stage, opt):
+def test_bf16_squares_stay_close_with_four_groups(pool, stage, opt):
     """Pins the measured effect of bf16 squares on the trajectory with n = 4 groups (2 ranks x
     2 micro-steps): the variance ``s - gbar²`` cancels, so each square's bf16 rounding
     (relative 2^-9) reaches the GSNR amplified by about (1 + GSNR). With the GSNR scale on the
@@ -218,15 +182,14 @@ def test_bf16_squares_stay_close_with_four_groups(results, stage, opt):
     2% and 12% of VR's own effect. (With the scale on both moments, where it cancels, the same
     cases measured <= 0.0071 against 0.068-0.077.) Bounds: 0.1 absolute and 0.15 of the
     distance to the gamma = 1 run."""
-    res = _case(results, f"squares-bf16-stage{stage}-{opt}")
+    res = squares(pool, stage, opt, "bf16")
     assert res["l2"] <= 0.1, res
     assert res["l2"] <= 0.15 * res["contrast_l2"], res
 
 
-@pytest.mark.parametrize("scheme", ["", "perstep-"])
-@pytest.mark.parametrize("stage", [0, 1, 2, 3])
-def test_checkpoint_resume_continues_identically(results, stage, scheme):
-    res = _case(results, f"checkpoint-{scheme}stage{stage}")
+@pytest.mark.parametrize("name, case", params(worker.checkpoint_cases("")))
+def test_checkpoint_resume_continues_identically(pool, tmp_path, name, case):
+    res = run(pool, "run_checkpoint_case", dict(case, dir=str(tmp_path)))
     assert res["moved"] > 1e-3  # the compared steps do change the weights
     assert res["max_abs_diff"] == 0.0, res
     assert "gsnr_avg" in res["state_keys"] and "exp_avg" in res["state_keys"]
@@ -245,22 +208,23 @@ BAD = {
 }
 
 
-@pytest.mark.parametrize("name", sorted(BAD))
-def test_bad_configs_name_the_key(results, name):
-    res = results[name]
+@pytest.mark.parametrize("name, case", params(worker.bad_cases()))
+def test_bad_configs_name_the_key(pool, name, case):
+    res = run(pool, "run_bad_case", case)
     assert res["raised"] == "UnsupportedConfiguration", res
     assert BAD[name] in res["message"]
 
 
-def test_universal_checkpoint_resumes_on_one_rank_with_gsnr_momentum(results, single_rank):
-    assert _case(results, "universal-save")["kept"] == ["gsnr_avg"]  # beyond DeepSpeed's exp_avg/exp_avg_sq
-    res = _case(single_rank, "universal-load")
+def test_universal_checkpoint_resumes_on_one_rank_with_gsnr_momentum(pool, pool1, tmp_path):
+    case = worker.universal_case(str(tmp_path))
+    assert run(pool, "run_universal_save", case)["kept"] == ["gsnr_avg"]  # beyond DeepSpeed's exp_avg/exp_avg_sq
+    res = run(pool1, "run_universal_load", case)
     assert res["max_abs_diff"] == {"gsnr_avg": 0.0, "exp_avg": 0.0, "exp_avg_sq": 0.0}
     assert res["step"] == 3 and res["n_after"] == 2.0  # one rank x gradient_accumulation_steps 2 (ZeRO-2)
 
 
-def test_single_rank_without_enough_groups_is_an_error(single_rank):
-    res = single_rank["bad-n1"]
+def test_single_rank_without_enough_groups_is_an_error(pool1, tmp_path):
+    res = run(pool1, "run_single_rank_n1", worker.universal_case(str(tmp_path)))
     assert res["raised"] == "UnsupportedConfiguration"
     assert "GSNR needs >= 2 gradient groups per step, this run has n=1" in res["message"]
     assert "gradient_accumulation_steps >= 2" in res["message"]

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import launching
 import pytest
-from test_pretrain import command, records
+from jobs import command, records, write_config
 
 from data_pipeline.sampler import PretrainingSampler
 
@@ -53,12 +53,9 @@ def traces(trace: Path) -> dict[int, dict[int, list]]:
 
 
 @pytest.fixture(scope="module")
-def full(tmp_path_factory):
+def full(corpus, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("adaptive")
-    cfg = json.loads(json.dumps(CONFIG))
-    cfg["job"]["data"].update(path=str(tmp / "data"), prepare=True)
-    path = tmp / "config.json"
-    path.write_text(json.dumps(cfg))
+    path = write_config(tmp, CONFIG, corpus)
     run, trace = tmp / "full", tmp / "trace_full"
     trace.mkdir()
     proc = launching.run(command(path, run), timeout=900, marker=run, env={**os.environ, "VRGD_TRACE_SAMPLES": str(trace)})

@@ -1,16 +1,14 @@
 """The pretraining job end to end on 2 CPU ranks (``deepspeed --num_gpus 2``, gloo): VR-LAMB
-through ZeRO-2 over both phases on the embedded corpus, and a run killed (SIGKILL) after its
+through ZeRO-2 over both phases on the embedded corpus (the session's, ``conftest.corpus``), and a run killed (SIGKILL) after its
 step-4 checkpoint that, restarted with the same command, repeats the uninterrupted run's
 losses exactly (fp32; dropout on, data order, masks and LR all restored)."""
 from __future__ import annotations
 
-import json
-import sys
 import time
-from pathlib import Path
 
 import launching
 import pytest
+from jobs import command, records, write_config
 
 from vrgd_ds.ds import shm
 
@@ -35,30 +33,13 @@ CONFIG = {
 }
 
 
-def command(config: Path, run_dir: Path, port: int | None = None) -> list[str]:
-    deepspeed = Path(sys.executable).parent / "deepspeed"
-    return [str(deepspeed), "--num_gpus", "2", "--master_port", str(port or launching.free_port()), "--module", "vrgd_ds.train",
-            "--config", str(config), "--run-dir", str(run_dir)]
-
-
-def records(run_dir: Path) -> dict[int, dict]:
-    out: dict[int, dict] = {}
-    for line in (run_dir / "metrics.jsonl").read_text().splitlines():
-        rec = json.loads(line)
-        out.setdefault(rec["step"], {}).update(rec)
-    return out
-
-
 @pytest.fixture(scope="module")
-def setup(tmp_path_factory):
+def setup(corpus, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("pretrain")
-    cfg = json.loads(json.dumps(CONFIG))
-    cfg["job"]["data"].update(path=str(tmp / "data"), prepare=True)  # prepared by the first run, reused after
-    path = tmp / "config.json"
-    path.write_text(json.dumps(cfg))
+    path = write_config(tmp, CONFIG, corpus)
     full = tmp / "full"
     port = launching.free_port()
-    proc = launching.run(command(path, full, port), timeout=900, marker=full, unlink_shm=False)
+    proc = launching.run(command(path, full, port=port), timeout=900, marker=full, unlink_shm=False)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     # DeepSpeed's CPU all-reduce segments (69 MB each) are not left in /dev/shm by the job
     left = sorted(p.name for p in shm.SHM_DIR.glob(shm.segment_name("127.0.0.1", port)))

@@ -1,0 +1,59 @@
+"""What the integration tests share: the job's command line, its metrics and heartbeats, and
+job configurations on the session's prepared corpus (``conftest.corpus``)."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import launching
+
+TIMEOUT = 600  # one launch
+
+
+def command(config: Path, run_dir: Path, *sets: str, ranks: int = 2, port: int | None = None) -> list[str]:
+    """``deepspeed --num_gpus RANKS --module vrgd_ds.train`` with ``--set`` overrides."""
+    deepspeed = Path(sys.executable).parent / "deepspeed"
+    cmd = [str(deepspeed), "--num_gpus", str(ranks), "--master_port", str(port or launching.free_port()),
+           "--module", "vrgd_ds.train", "--config", str(config), "--run-dir", str(run_dir)]
+    for s in sets:
+        cmd += ["--set", s]
+    return cmd
+
+
+def write_config(directory: Path, config: dict, corpus: Path) -> Path:
+    """``config`` with the session's prepared corpus as its data, written to ``config.json``."""
+    cfg = json.loads(json.dumps(config))
+    cfg["job"]["data"]["path"] = str(corpus)
+    path = directory / "config.json"
+    path.write_text(json.dumps(cfg))
+    return path
+
+
+def records(run_dir: Path) -> dict[int, dict]:
+    """``metrics.jsonl`` by step (a step's records merged)."""
+    out: dict[int, dict] = {}
+    for line in (run_dir / "metrics.jsonl").read_text().splitlines():
+        rec = json.loads(line)
+        out.setdefault(rec["step"], {}).update(rec)
+    return out
+
+
+def heartbeat(run_dir: Path, rank: int) -> dict | None:
+    try:
+        return json.loads((run_dir / "heartbeat" / f"rank{rank}").read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def wait_for(pred, proc: subprocess.Popen, timeout: float = TIMEOUT) -> None:
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        if pred():
+            return
+        if proc.poll() is not None:
+            raise AssertionError(f"the job ended (rc={proc.returncode}) before the condition was met")
+        time.sleep(0.05)
+    raise AssertionError("condition not met in time")
