@@ -1,20 +1,37 @@
 """The session's rank pools (``pool.py``): one 2-rank group for every DeepSpeed and DDP case,
-a 1-rank group for the cases that need a single rank. Started on first use."""
+a 1-rank group for the cases that need a single rank. Started on first use, stopped after the
+last test of this directory (idle ranks would otherwise poll through the rest of the session)."""
 from __future__ import annotations
+
+from pathlib import Path
 
 import pytest
 from pool import Pool
 
+HERE = Path(__file__).parent
+_OPEN: list[Pool] = []
+
+
+def _pool(tmp_path_factory, name: str, ranks: int):
+    p = Pool(tmp_path_factory.mktemp(name), ranks=ranks, setup=(("worker", "prepare_process"),))
+    _OPEN.append(p)
+    yield p
+    p.close()
+
 
 @pytest.fixture(scope="session")
 def pool(tmp_path_factory):
-    p = Pool(tmp_path_factory.mktemp("pool2"), ranks=2, setup=(("worker", "prepare_process"),))
-    yield p
-    p.close()
+    yield from _pool(tmp_path_factory, "pool2", 2)
 
 
 @pytest.fixture(scope="session")
 def pool1(tmp_path_factory):
-    p = Pool(tmp_path_factory.mktemp("pool1"), ranks=1, setup=(("worker", "prepare_process"),))
-    yield p
-    p.close()
+    yield from _pool(tmp_path_factory, "pool1", 1)
+
+
+def pytest_runtest_teardown(item, nextitem):
+    """After the last test here (pytest runs a directory's tests together), the pools stop; a
+    later test that asks for one again starts a fresh group."""
+    if nextitem is None or HERE not in Path(nextitem.path).parents:
+        for p in _OPEN:
+            p.close()

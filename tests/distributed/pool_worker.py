@@ -24,7 +24,7 @@ import deepspeed.comm as dist
 
 sys.path.insert(0, os.path.dirname(__file__))
 
-POLL_S = 0.01
+POLL_S, IDLE_POLL_S = 0.01, 0.1
 
 
 def _write(path: Path, payload: dict) -> None:
@@ -34,6 +34,8 @@ def _write(path: Path, payload: dict) -> None:
 
 
 def _next_request(control: Path, owner: int) -> dict:
+    """The next request; polls every 10 ms for a second after the last one, then every 100 ms."""
+    since = time.monotonic()
     while True:
         found = sorted(control.glob("req-*.json"))
         if found:
@@ -44,7 +46,7 @@ def _next_request(control: Path, owner: int) -> dict:
             os.kill(owner, 0)
         except ProcessLookupError:
             return {"op": "stop"}
-        time.sleep(POLL_S)
+        time.sleep(POLL_S if time.monotonic() - since < 1.0 else IDLE_POLL_S)
 
 
 def _call(request: dict) -> dict:
