@@ -94,6 +94,7 @@ def study_work(tmp_path_factory) -> Path:
 
 
 @pytest.mark.slow
+@pytest.mark.exhaustive  # an end-to-end smoke run of the study script (1 min): make test-all
 def test_bert_batch_quick(tmp_path, study_work):
     """Two optimizers x two batches through the real job (1 CPU rank, 256 samples each)."""
     run_study("bert_batch.py", "--quick", "--work", str(study_work), "--out", str(tmp_path / "out"),
@@ -165,6 +166,7 @@ def test_bert_batch_assembles_committed_runs_of_several_studies(tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.exhaustive  # an end-to-end smoke run of the study script (1 min): make test-all
 def test_adaptive_batch_quick(tmp_path, study_work):
     """Fixed and adaptive LAMB / VR-LAMB through the real job (1 CPU rank, 512 samples each):
     every run consumes the same samples; the adaptive ones change their batch."""

@@ -140,18 +140,6 @@ def _skip_slurm_reason() -> str | None:
     return None
 
 
-@pytest.mark.skipif(_skip_slurm_reason() is not None, reason=str(_skip_slurm_reason()))
-def test_slurm_sbatch_srun(tmp_path):
-    """``sbatch --wait`` of launch/slurm.sbatch with 2 tasks; srun starts the ranks and the script
-    maps SLURM_PROCID/NTASKS/LOCALID and the node list to the torch.distributed variables."""
-    out = tmp_path / "slurm-%j.out"
-    launch("slurm.sbatch", tmp_path / "run", {}, "sbatch", "--wait", "--time=10", "--nodes=1", "--ntasks-per-node=2",
-           f"--output={out}", "--job-name=vrgd-launch-test")
-    assert_finished(tmp_path / "run")
-    log = next(tmp_path.glob("slurm-*.out")).read_text()
-    assert "2 tasks on" in log
-
-
 def _job_state(job_id: str) -> dict[str, str]:
     out = subprocess.run(["scontrol", "show", "job", job_id], capture_output=True, text=True, timeout=30).stdout
     return dict(kv.split("=", 1) for kv in out.split() if "=" in kv)
@@ -164,7 +152,9 @@ def test_slurm_signal_checkpoints_requeues_and_finishes_exactly(tmp_path):
     second start resumes from that checkpoint and finishes, and every step's loss equals an
     uninterrupted run's. Before: the script had no --requeue and the job no signal handler, so
     the signal killed the ranks (SIGUSR1's default action) and the run was lost to its last
-    periodic checkpoint."""
+    periodic checkpoint. The uninterrupted reference is itself the plain ``sbatch --wait`` of
+    launch/slurm.sbatch with 2 tasks: srun starts the ranks and the script maps
+    SLURM_PROCID/NTASKS/LOCALID and the node list to the torch.distributed variables."""
     steps = 30
     env = {**os.environ, "PYTHON": sys.executable, "CONFIG": str(CONFIG),
            "PATH": f"{BIN}{os.pathsep}{os.environ.get('PATH', '')}"}
@@ -174,6 +164,12 @@ def test_slurm_signal_checkpoints_requeues_and_finishes_exactly(tmp_path):
     proc = launching.run([*sbatch, "--wait", f"--output={tmp_path / 'ref-%j.out'}", str(ROOT / "launch" / "slurm.sbatch"),
                           *sets], timeout=TIMEOUT, marker=ref, cwd=ROOT, env={**env, "RUN_DIR": str(ref)})
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "2 tasks on" in next(tmp_path.glob("ref-*.out")).read_text()
+    ref_train = [json.loads(line) for line in (ref / "metrics.jsonl").read_text().splitlines()]
+    ref_train = [r for r in ref_train if "train/loss" in r]
+    assert [r["step"] for r in ref_train] == list(range(1, steps + 1))
+    assert all(math.isfinite(r["train/loss"]) and r["gsnr/n"] == 4.0 for r in ref_train)  # 2 ranks x 2 micro-steps
+    assert (ref / "checkpoints" / "latest").read_text().strip() == f"step{steps:08d}"
 
     run = tmp_path / "run"
     out = tmp_path / "run.out"

@@ -24,6 +24,14 @@ CASES = [(n, {}) for n in REGISTRY if n not in ADAM_FAMILY] + [
     pytest.param(n, dict(gsnr_placement=pl), id=f"{n}-{pl}") for n in ADAM_FAMILY for pl in GSNR_PLACEMENTS]
 
 
+@pytest.fixture(autouse=True)
+def small_chunks(monkeypatch):
+    """Chunks of 4 blocks instead of 128: the same paths (a tensor over two chunks, bodies and
+    rests) with 32x fewer elements for the interpreter to run. The chunk size is a host-side
+    choice only (the chunk table); the kernels read each chunk's length from it."""
+    monkeypatch.setattr(_triton, "CHUNK", 4 * _triton.BLOCK)
+
+
 class Net(nn.Module):
     """Tensors of 1, 7, BLOCK - 1, BLOCK + 1 elements and one of CHUNK + 1 (two chunks)."""
 

@@ -77,6 +77,7 @@ def aot(tmp_path_factory) -> dict:
     return {"exit": out.returncode, "stdout": out.stdout, **json.loads(path.read_text())}
 
 
+@pytest.mark.exhaustive  # 1-1.5 min cold; make test compiles the four step kernels (above)
 def test_every_launchable_specialization_compiles_without_spills(aot):
     """Each member, placement, flag, parameter dtype and hook variant the launcher can reach:
     compiles for both targets, no local-memory spills, at most 128 registers per thread."""
@@ -90,6 +91,7 @@ def test_every_launchable_specialization_compiles_without_spills(aot):
         assert r["registers"] <= triton_aot.MAX_REGISTERS, r
 
 
+@pytest.mark.exhaustive  # reads the full compile's records
 def test_step_kernels_move_fp32_streams_128_bits_at_a_time(aot):
     """The full-block loop of every step kernel reads and writes each element stream through
     hinted pointers, and the SASS has a 128-bit access (``LDG.E.128``/``STG.E.128``) per fp32

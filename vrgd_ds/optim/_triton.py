@@ -800,7 +800,7 @@ class Triton:
             raise ValueError("the segment table must be a host (CPU) tensor: it is built from shapes")
         host = seg.numpy()  # host memory: reading it never waits for a device
         phases = _phases([a for a in streams if a], int(host[:, 0].max()) + 1 if host.shape[0] else 0)
-        key = (device, host.shape, host.tobytes(), phases)
+        key = (device, CHUNK, host.shape, host.tobytes(), phases)
         got = self._chunks.get(key)
         if got is None:
             rows, bounds = [], [0]
