@@ -55,7 +55,7 @@ class Pool:
         while not (self.control / "ready.json").exists():
             if self.proc.poll() is not None or time.time() > deadline:
                 tail = self._tail()
-                self.close()
+                self.close(ask=False)
                 pytest.fail(f"the {self.ranks}-rank pool did not start:\n{tail}")
             time.sleep(0.05)
 
@@ -65,11 +65,11 @@ class Pool:
         except OSError:
             return ""
 
-    def close(self) -> None:
-        """Stops the ranks (asks, then kills the group)."""
+    def close(self, ask: bool = True) -> None:
+        """Stops the ranks: asks them to leave (``ask``), then kills the group."""
         if self.proc is None:
             return
-        if self.proc.poll() is None and self.control is not None:
+        if ask and self.proc.poll() is None and self.control is not None:
             self._request({"op": "stop"})
             try:
                 self.proc.wait(timeout=15)
@@ -102,7 +102,7 @@ class Pool:
             code = self.proc.poll()
             if code is not None or time.time() > deadline:
                 tail = self._tail()
-                self.close()  # the next case starts a fresh group
+                self.close(ask=False)  # a hung or broken group cannot answer; the next case starts afresh
                 why = (f"a rank died (launcher exit {code})" if code is not None else
                        f"no result after {timeout:.0f} s (a hang)")
                 pytest.fail(f"{module}.{function}({case}): {why}; the ranks' output:\n{tail}")

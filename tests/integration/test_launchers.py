@@ -169,6 +169,7 @@ def test_slurm_signal_checkpoints_requeues_and_finishes_exactly(tmp_path):
     ref_train = [r for r in ref_train if "train/loss" in r]
     assert [r["step"] for r in ref_train] == list(range(1, steps + 1))
     assert all(math.isfinite(r["train/loss"]) and r["gsnr/n"] == 4.0 for r in ref_train)  # 2 ranks x 2 micro-steps
+    assert [r["train/seq_len"] for r in ref_train] == [32] * (steps // 2) + [64] * (steps // 2)  # both phases
     assert (ref / "checkpoints" / "latest").read_text().strip() == f"step{steps:08d}"
 
     run = tmp_path / "run"

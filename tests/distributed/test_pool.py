@@ -1,0 +1,38 @@
+"""The rank pool itself (``pool.py``): a case that raises, hangs or kills its rank fails alone,
+with what the ranks said, and the next case runs in a fresh group."""
+from __future__ import annotations
+
+import re
+
+import pytest
+from pool import Pool
+
+
+@pytest.fixture(scope="module")
+def lone(tmp_path_factory):
+    p = Pool(tmp_path_factory.mktemp("lone"), ranks=1)
+    yield p
+    p.close()
+
+
+def test_a_case_runs_and_answers(lone):
+    assert lone.run("pool_cases", "ok", {"echo": 7}) == {"rank": 0, "world": 1, "echo": 7}
+
+
+def test_a_raising_case_fails_with_its_traceback_and_the_group_goes_on(lone):
+    proc = lone.proc
+    with pytest.raises(pytest.fail.Exception, match=r"raised on rank 0: ValueError: broken on purpose \(x\)"):
+        lone.run("pool_cases", "fail", {"echo": "x"})
+    assert lone.run("pool_cases", "ok", {"echo": 1})["echo"] == 1
+    assert lone.proc is proc  # the same group
+
+
+@pytest.mark.parametrize("what, why", [("hang", "no result after 3 s (a hang)"), ("die", "a rank died")])
+def test_a_hung_or_dead_case_fails_with_the_ranks_output_and_the_next_gets_a_fresh_group(lone, what, why):
+    lone.run("pool_cases", "ok", {})
+    before = lone.proc
+    with pytest.raises(pytest.fail.Exception, match=re.escape(why)) as e:
+        lone.run("pool_cases", what, {}, timeout=3.0)
+    assert "the ranks' output" in str(e.value)
+    assert lone.run("pool_cases", "ok", {"echo": what})["echo"] == what
+    assert lone.proc is not before
