@@ -67,24 +67,22 @@ def test_diverged_run_stops_and_keeps_the_last_good_checkpoint(config, tmp_path)
     assert max(rec) == skipped[-1]  # stopped there: no evaluation or checkpoint of the diverged state
 
 
-def test_broken_newest_checkpoint_falls_back_to_the_previous(config, tmp_path):
+def test_broken_newest_checkpoint_falls_back_to_the_previous(config, alone, tmp_path):
     """One rank's optimizer file of the newest checkpoint cut short (as a kill during torch.save
     leaves it). Before: the restart failed with "checkpoint file is corrupted" and no file named,
     with an intact checkpoint beside it. Now: it warns naming the file and resumes from the
-    previous complete checkpoint, and finishes."""
+    previous complete checkpoint, and finishes. (From a copy of the finished 8-step run, whose
+    rotation kept steps 6 and 8.)"""
     run = tmp_path / "run"
-    first = launching.run(command(config, run, "job.total_steps=6", "job.keep_checkpoints=3"), timeout=TIMEOUT,
-                          marker=run)
-    assert first.returncode == 0, first.stderr[-3000:]
-    victim = next((run / "checkpoints" / "step00000006").glob("*rank_1*optim_states.pt"))
+    shutil.copytree(alone, run)
+    victim = next((run / "checkpoints" / "step00000008").glob("*rank_1*optim_states.pt"))
     victim.write_bytes(victim.read_bytes()[: victim.stat().st_size // 2])
-    again = launching.run(command(config, run, "job.total_steps=8", "job.keep_checkpoints=3"), timeout=TIMEOUT,
-                          marker=run)
+    again = launching.run(command(config, run, "job.total_steps=10"), timeout=TIMEOUT, marker=run)
     out = again.stdout + again.stderr
     assert again.returncode == 0, out[-4000:]
     assert f"skipping checkpoint {victim}: " in out and "truncated or overwritten" in out
-    assert "resumed from" in out and "step00000004" in out
-    assert (run / "checkpoints" / "latest").read_text() == "step00000008"
+    assert "resumed from" in out and "step00000006" in out
+    assert (run / "checkpoints" / "latest").read_text() == "step00000010"
 
 
 def test_stalled_rank_ends_the_job_naming_it(config, tmp_path):
@@ -251,13 +249,13 @@ def test_a_killed_jobs_run_directory_is_taken_over(config, tmp_path):
     """kill -9 of the whole job (launcher and ranks) leaves its owner record; the next start on
     the same host sees the pid gone, takes the directory over with a log line and resumes."""
     run = tmp_path / "run"
-    proc = launching.spawn(command(config, run, "job.total_steps=40"))
+    proc = launching.spawn(command(config, run, "job.total_steps=12"))
     try:
         wait_for(lambda: (run / "checkpoints" / "latest").exists(), proc)
     finally:
         launching.kill(proc, marker=run)
     owner = json.loads((run / "owner.json").read_text())
-    again = launching.run(command(config, run, "job.total_steps=40"), timeout=TIMEOUT, marker=run)
+    again = launching.run(command(config, run, "job.total_steps=12"), timeout=TIMEOUT, marker=run)
     out = again.stdout + again.stderr
     assert again.returncode == 0, out[-3000:]
     assert f"taking over run directory {run} from host {owner['host']}, pid {owner['pid']}" in out, out[-3000:]
