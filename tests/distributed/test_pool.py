@@ -27,12 +27,13 @@ def test_a_raising_case_fails_with_its_traceback_and_the_group_goes_on(lone):
     assert lone.proc is proc  # the same group
 
 
-@pytest.mark.parametrize("what, why", [("hang", "no result after 3 s (a hang)"), ("die", "a rank died")])
-def test_a_hung_or_dead_case_fails_with_the_ranks_output_and_the_next_gets_a_fresh_group(lone, what, why):
+@pytest.mark.parametrize("what, timeout, why", [("hang", 3.0, "no result after 3 s (a hang)"),
+                                                ("die", 120.0, "a rank died")])  # seen by the launcher's exit
+def test_a_hung_or_dead_case_fails_with_the_ranks_output_and_the_next_gets_a_fresh_group(lone, what, timeout, why):
     lone.run("pool_cases", "ok", {})
     before = lone.proc
     with pytest.raises(pytest.fail.Exception, match=re.escape(why)) as e:
-        lone.run("pool_cases", what, {}, timeout=3.0)
+        lone.run("pool_cases", what, {}, timeout=timeout)
     assert "the ranks' output" in str(e.value)
     assert lone.run("pool_cases", "ok", {"echo": what})["echo"] == what
     assert lone.proc is not before

@@ -156,12 +156,13 @@ def preempt(config: Path, run: Path, trace: Path, ranks: int, at_step: int, outp
     (a checkpoint there, exit 75); ``output`` receives the job's output."""
     trace.mkdir()
     log = trace.parent / f"{trace.name}.log"
+    before = (heartbeat(run, 0) or {}).get("pid")  # a previous part's heartbeat is not this job's
     with open(log, "w") as fh:
         proc = subprocess.Popen(command(config, run, "job.checkpoint_every=0", ranks=ranks), stdin=subprocess.DEVNULL,
                                 stdout=fh, stderr=subprocess.STDOUT, start_new_session=True,
                                 env={**os.environ, "VRGD_TRACE_SAMPLES": str(trace)})
     try:
-        wait_for(lambda: (heartbeat(run, 0) or {}).get("step", 0) >= at_step, proc)
+        wait_for(lambda: (hb := heartbeat(run, 0) or {}).get("pid") != before and hb.get("step", 0) >= at_step, proc)
         os.kill(heartbeat(run, 0)["pid"], signal.SIGUSR1)
         proc.wait(timeout=TIMEOUT)
     finally:
