@@ -154,6 +154,16 @@ class Plan:
         return {} if self.found is None else {"found_inf": self.found}
 
 
+def gsnr_switch(saved: bool, built: bool) -> str:
+    """What a resume does to the GSNR momentum when the state was saved with ``gsnr=saved`` and
+    the optimizer is built with ``gsnr=built`` (``GSNROptimizer.load_state_dict``)."""
+    if saved and not built:
+        return "the GSNR momentum is dropped"
+    if built and not saved:
+        return "the GSNR momentum starts at p̂ = 1 (the base optimizer's step)"
+    return "the GSNR momentum carries over"
+
+
 class GSNROptimizer(torch.optim.Optimizer):
     """Base of ``VRSGD``, ``VRMomentum``, ``VRAdam``, ``VRLamb``, ``VRLars`` (and ``Lamb``,
     ``Lars``: the same code with ``gsnr=False``). Not used directly.
@@ -246,10 +256,7 @@ class GSNROptimizer(torch.optim.Optimizer):
         if changed and self.report_load:
             saved = ", ".join(f"{k}={a!r}" for k, (a, _) in changed.items())
             now = ", ".join(f"{k}={b!r}" for k, (_, b) in changed.items())
-            gsnr = changed.get("gsnr")
-            what = ("the GSNR momentum is dropped" if gsnr == (True, False) else
-                    "the GSNR momentum starts at p̂ = 1 (the base optimizer's step)" if gsnr == (False, True) else
-                    "the GSNR momentum carries over")
+            what = gsnr_switch(*changed.get("gsnr", (True, True)))
             logger.warning("%s: resuming a state saved with %s as built (%s): the moments carry over, %s",
                            type(self).__name__, saved, now, what)
 

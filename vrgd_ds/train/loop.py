@@ -289,7 +289,7 @@ class Trainer:
         once, if the number of ranks changed."""
         plan = plan_resume(self.ckpt_dir, tag, self.optimizer_info(), self.world,
                            self.engine.zero_optimization_stage(), optimizer_state_policy(self.raw))
-        if plan.optimizer_states and any("moments carry over" in note for note in plan.notes):
+        if plan.switched:
             self.optimizer.report_load = False  # the plan's line says it once
         if not plan.universal or ckpt.converted(self.ckpt_dir, tag) is not None:
             return plan

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from vrgd_ds.optim.base import gsnr_switch
 from vrgd_ds.train import checkpoints as ckpt
 from vrgd_ds.train.config import ConfigError
 
@@ -27,6 +28,7 @@ class ResumePlan:
     optimizer_states: bool = True  # False: the weights and the data position only
     universal: bool = False  # load the universal conversion (another number of ranks)
     saved_world: int | None = None  # ranks that wrote the ZeRO shards (None: stage 0)
+    switched: bool = False  # saved by another member of the same family (or other GSNR settings)
     notes: list[str] = field(default_factory=list)  # what changes, one line each
 
 
@@ -62,9 +64,8 @@ def plan_resume(ckpt_dir: Path, tag: str, optimizer: dict[str, Any], world: int,
                           f"fresh {optimizer['type']} state (checkpoint.optimizer_state = reset_if_incompatible)")
         return plan  # the weights load on any number of ranks
     if saved and saved != optimizer:
-        gsnr = ("the GSNR momentum is dropped" if saved["gsnr"] and not optimizer["gsnr"] else
-                "the GSNR momentum starts at p̂ = 1 (the base optimizer's step)"
-                if optimizer["gsnr"] and not saved["gsnr"] else "the GSNR momentum carries over")
+        plan.switched = True
+        gsnr = gsnr_switch(saved["gsnr"], optimizer["gsnr"])
         plan.notes.append(f"{where} was saved with {saved['type']} (gsnr {saved['gsnr']}, placement "
                           f"{saved.get('gsnr_placement')}), resuming with {optimizer['type']} (gsnr "
                           f"{optimizer['gsnr']}, placement {optimizer.get('gsnr_placement')}): the weights and "
