@@ -4,9 +4,9 @@ What is measured, in MB/s of input text (file bytes on disk) and wall time:
 
 * ``read``: parsing the WikiText files into documents (heading detection, joiners, sentence
   splitting), the work every later stage repeats while it streams the corpus;
-* ``tokenizer``: :func:`data_pipeline.tokenizer.train_tokenizer` (unigram, ``--vocab-size``)
+* ``tokenizer``: :func:`vrgd_ds.data_pipeline.tokenizer.train_tokenizer` (unigram, ``--vocab-size``)
   with 1 and 2 trainer threads, reading the corpus inside the timed region;
-* ``shard``: :func:`data_pipeline.shards.write_shards` with 1 and 2 worker processes, reading the
+* ``shard``: :func:`vrgd_ds.data_pipeline.shards.write_shards` with 1 and 2 worker processes, reading the
   corpus, encoding, writing and fsyncing the shards and manifest; the 2-worker time includes
   spawning the workers and loading the tokenizer in each.
 
@@ -40,9 +40,9 @@ import tempfile
 import time
 from pathlib import Path
 
-from data_pipeline.corpus import Corpus
-from data_pipeline.shards import ShardedCorpus, default_workers, write_shards
-from data_pipeline.tokenizer import train_tokenizer
+from vrgd_ds.data_pipeline.corpus import Corpus
+from vrgd_ds.data_pipeline.shards import ShardedCorpus, default_workers, write_shards
+from vrgd_ds.data_pipeline.tokenizer import train_tokenizer
 
 DEFAULT_DATA = Path(__file__).resolve().parents[1].parent / "shared" / "data" / "wikitext-2"
 

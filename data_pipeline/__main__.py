@@ -1,7 +1,7 @@
-"""``python -m data_pipeline``: the ``vrgd-data`` command line (see :mod:`data_pipeline.cli`)."""
+"""``python -m vrgd_ds.data_pipeline``: the ``vrgd-data`` command line (see :mod:`vrgd_ds.data_pipeline.cli`)."""
 import sys
 
-from data_pipeline.cli import main
+from vrgd_ds.data_pipeline.cli import main
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -1,4 +1,4 @@
-"""``vrgd-data`` (also ``python -m data_pipeline``): the data pipeline's stages as subcommands.
+"""``vrgd-data`` (also ``python -m vrgd_ds.data_pipeline``): the data pipeline's stages as subcommands.
 
     vrgd-data prepare OUT [INPUT ...]           everything, idempotently (embedded corpus without INPUT)
     vrgd-data tokenizer --out M [INPUT ...]     train a sentencepiece model
@@ -7,7 +7,7 @@
     vrgd-data verify D [--full]                 check shards against their manifest
     vrgd-data info PATH                         describe shards, a tokenizer or a prepared directory
 
-A :class:`~data_pipeline.errors.DataError` is printed as ``error: <message>`` (which names the
+A :class:`~vrgd_ds.data_pipeline.errors.DataError` is printed as ``error: <message>`` (which names the
 file or option at fault and the fix) and exits with status 2, without a traceback.
 """
 from __future__ import annotations
@@ -19,7 +19,7 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from data_pipeline.errors import DataError
+from vrgd_ds.data_pipeline.errors import DataError
 
 logger = logging.getLogger(__name__)
 
@@ -35,7 +35,7 @@ examples:
 
 
 def _corpus(args: argparse.Namespace):
-    from data_pipeline.corpus import Corpus, EmbeddedCorpus
+    from vrgd_ds.data_pipeline.corpus import Corpus, EmbeddedCorpus
 
     return EmbeddedCorpus() if not args.inputs else Corpus(args.inputs, args.format, args.field)
 
@@ -56,7 +56,7 @@ def _add_workers_args(p: argparse.ArgumentParser) -> None:
 
 
 def _cmd_tokenizer(args: argparse.Namespace) -> int:
-    from data_pipeline.tokenizer import train_tokenizer
+    from vrgd_ds.data_pipeline.tokenizer import train_tokenizer
 
     tok = train_tokenizer(
         _corpus(args), args.out, vocab_size=args.vocab_size, model_type=args.model_type, seed=args.seed,
@@ -68,7 +68,7 @@ def _cmd_tokenizer(args: argparse.Namespace) -> int:
 
 
 def _cmd_shard(args: argparse.Namespace) -> int:
-    from data_pipeline.shards import write_shards
+    from vrgd_ds.data_pipeline.shards import write_shards
 
     corpus = write_shards(_corpus(args), args.tokenizer, args.out, shard_tokens=args.shard_tokens,
                           workers=args.workers, progress=args.progress)
@@ -78,8 +78,8 @@ def _cmd_shard(args: argparse.Namespace) -> int:
 
 
 def _cmd_samples(args: argparse.Namespace) -> int:
-    from data_pipeline.samples import build_sample_index
-    from data_pipeline.shards import ShardedCorpus
+    from vrgd_ds.data_pipeline.samples import build_sample_index
+    from vrgd_ds.data_pipeline.shards import ShardedCorpus
 
     corpus = ShardedCorpus(args.shards, verify="size")
     extra = {} if args.next_sentence is None else {
@@ -92,7 +92,7 @@ def _cmd_samples(args: argparse.Namespace) -> int:
 
 
 def _cmd_prepare(args: argparse.Namespace) -> int:
-    from data_pipeline.prepare import prepare
+    from vrgd_ds.data_pipeline.prepare import prepare
 
     result = prepare(
         args.output_dir, args.inputs or None, format=args.format, vocab_size=args.vocab_size,
@@ -110,8 +110,8 @@ def _cmd_prepare(args: argparse.Namespace) -> int:
 
 
 def _cmd_verify(args: argparse.Namespace) -> int:
-    from data_pipeline.shards import ShardedCorpus
-    from data_pipeline.tokenizer import Tokenizer
+    from vrgd_ds.data_pipeline.shards import ShardedCorpus
+    from vrgd_ds.data_pipeline.tokenizer import Tokenizer
 
     level = "full" if args.full else "size"
     corpus = ShardedCorpus(args.shards, verify=level)
@@ -122,9 +122,9 @@ def _cmd_verify(args: argparse.Namespace) -> int:
 
 
 def _describe(path: Path) -> dict:
-    from data_pipeline.prepare import RECORD, SHARDS_DIR
-    from data_pipeline.shards import MANIFEST, ShardedCorpus
-    from data_pipeline.tokenizer import Tokenizer
+    from vrgd_ds.data_pipeline.prepare import RECORD, SHARDS_DIR
+    from vrgd_ds.data_pipeline.shards import MANIFEST, ShardedCorpus
+    from vrgd_ds.data_pipeline.tokenizer import Tokenizer
 
     if path.is_file():
         tok = Tokenizer.load(path)

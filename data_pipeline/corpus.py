@@ -29,7 +29,7 @@ Formats (``format=``):
 Files ending in ``.gz``, ``.bz2`` or ``.xz`` are decompressed on the fly. Inputs may be files,
 directories (every non-hidden file below them, sorted) and glob patterns (``**`` recursive,
 sorted); a missing path, an empty directory or a pattern matching nothing is a
-:class:`~data_pipeline.errors.DataError`, and so is a corpus that yields no document at all.
+:class:`~vrgd_ds.data_pipeline.errors.DataError`, and so is a corpus that yields no document at all.
 
 The embedded corpus (:func:`embedded_corpus`) is the documentation that ships inside the
 interpreter, so the pretraining job runs on a machine without any download: the ``pydoc_data``
@@ -61,7 +61,7 @@ from functools import lru_cache
 from pathlib import Path
 from typing import TextIO, Union
 
-from data_pipeline.errors import DataError
+from vrgd_ds.data_pipeline.errors import DataError
 
 logger = logging.getLogger(__name__)
 

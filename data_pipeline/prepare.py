@@ -2,9 +2,9 @@
 
 Layout of ``output_dir``::
 
-    tokenizer.model        sentencepiece model (data_pipeline.tokenizer)
-    shards/                token shards + manifest.json (data_pipeline.shards)
-    samples/               one sample index per sequence length (data_pipeline.samples)
+    tokenizer.model        sentencepiece model (vrgd_ds.data_pipeline.tokenizer)
+    shards/                token shards + manifest.json (vrgd_ds.data_pipeline.shards)
+    samples/               one sample index per sequence length (vrgd_ds.data_pipeline.samples)
     prepare.json           what each finished step was built from, written after each step
 
 Each step is skipped when its output exists, is valid and was built from the same inputs and
@@ -15,7 +15,7 @@ edited file changes its mtime); for the embedded corpus, the sha256 of its text.
 tokenizer is reused when ``prepare.json`` records the same fingerprint and options and the
 model file's sha256 still matches; the shards when the record matches, the manifest's sha256
 matches and every file has its recorded size; sample indices are reused by
-:func:`data_pipeline.samples.build_sample_index` itself, which checks its sidecar against the
+:func:`vrgd_ds.data_pipeline.samples.build_sample_index` itself, which checks its sidecar against the
 shard manifest. A changed step invalidates the steps after it through the checksums they record.
 
 The tokenizer is trained with a fixed number of threads (``tokenizer_threads``), not the CPU
@@ -32,10 +32,10 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from data_pipeline.corpus import Corpus, EmbeddedCorpus, PathLike, embedded_corpus
-from data_pipeline.errors import DataError
-from data_pipeline.shards import DEFAULT_SHARD_TOKENS, MANIFEST, ShardedCorpus, write_shards
-from data_pipeline.tokenizer import Tokenizer, sha256_file, train_tokenizer, write_atomic
+from vrgd_ds.data_pipeline.corpus import Corpus, EmbeddedCorpus, PathLike, embedded_corpus
+from vrgd_ds.data_pipeline.errors import DataError
+from vrgd_ds.data_pipeline.shards import DEFAULT_SHARD_TOKENS, MANIFEST, ShardedCorpus, write_shards
+from vrgd_ds.data_pipeline.tokenizer import Tokenizer, sha256_file, train_tokenizer, write_atomic
 
 logger = logging.getLogger(__name__)
 
@@ -56,7 +56,7 @@ class Prepared:
     Attributes:
         output_dir: the directory given to :func:`prepare`.
         tokenizer: the sentencepiece model file.
-        shards: the shard directory (open it with :class:`~data_pipeline.shards.ShardedCorpus`).
+        shards: the shard directory (open it with :class:`~vrgd_ds.data_pipeline.shards.ShardedCorpus`).
         sample_indices: sequence length -> sample index file.
         built: the steps that ran this time (``"tokenizer"``, ``"shards"``); the others were reused.
     """
@@ -122,7 +122,7 @@ def prepare(
     Args:
         output_dir: where everything goes (layout in the module docstring); created if needed.
         inputs: corpus files, directories or glob patterns; ``None`` uses the embedded corpus.
-        format: corpus format (:mod:`data_pipeline.corpus`); ignored for the embedded corpus.
+        format: corpus format (:mod:`vrgd_ds.data_pipeline.corpus`); ignored for the embedded corpus.
         vocab_size: tokenizer vocabulary including the 5 specials; default 30522 (BERT), or
             8192 for the embedded corpus, which is too small for more than about 10.8k pieces.
         seq_lens: one sample index per sequence length (BERT phase 1 and 2: 128, 512).
@@ -136,7 +136,7 @@ def prepare(
         next_sentence: passed to ``build_sample_index`` when set (``"nsp"``/``"sop"``); by
             default its own default is used.
     """
-    from data_pipeline.samples import build_sample_index  # the sample builder imports torch
+    from vrgd_ds.data_pipeline.samples import build_sample_index  # the sample builder imports torch
 
     output_dir = Path(output_dir)
     output_dir.mkdir(parents=True, exist_ok=True)

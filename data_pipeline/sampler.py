@@ -13,7 +13,7 @@ continues the stream exactly: within an epoch no sample is lost or repeated. (Me
 contiguous slice of the global batch instead, which ties the order to the world size.)
 
 Each key is ``(epoch, sample_index)``: the epoch travels with the index so that
-:class:`data_pipeline.samples.BertPretrainingDataset` can draw that epoch's masks.
+:class:`vrgd_ds.data_pipeline.samples.BertPretrainingDataset` can draw that epoch's masks.
 
 The permutation of the current epoch is held in memory: O(N) int64, 8 bytes per sample
 (800 MB for 10^8 samples); at most two epochs' permutations are cached, for a micro-batch
@@ -26,7 +26,7 @@ from collections.abc import Iterator
 
 import numpy as np
 
-from data_pipeline.errors import DataError
+from vrgd_ds.data_pipeline.errors import DataError
 
 logger = logging.getLogger(__name__)
 

@@ -60,7 +60,7 @@ from typing import Any, Protocol
 import numpy as np
 import torch
 
-from data_pipeline.errors import DataError
+from vrgd_ds.data_pipeline.errors import DataError
 
 logger = logging.getLogger(__name__)
 
@@ -82,7 +82,7 @@ _TAG_MASK = 0x6D61736B  # "mask"
 
 
 class TokenCorpus(Protocol):
-    """What this module reads from a corpus (``data_pipeline.shards.ShardedCorpus``)."""
+    """What this module reads from a corpus (``vrgd_ds.data_pipeline.shards.ShardedCorpus``)."""
 
     num_documents: int
     vocab_size: int
@@ -287,7 +287,7 @@ def load_sample_index(corpus: TokenCorpus, index_path: str | os.PathLike,
     """Open an index memory-mapped after checking its sidecar against corpus and seq len."""
     path = pathlib.Path(index_path)
     sidecar = _sidecar(path)
-    rebuild = ("rebuild it with data_pipeline.samples.build_sample_index(corpus, "
+    rebuild = ("rebuild it with vrgd_ds.data_pipeline.samples.build_sample_index(corpus, "
                f"{max_seq_len}, seed, ...), which replaces an index that does not match")
     if not path.is_file() or not sidecar.is_file():
         raise DataError(f"sample index {path} or its sidecar {sidecar} is missing; {rebuild}")
@@ -465,7 +465,7 @@ class BertPretrainingDataset(torch.utils.data.Dataset):
         except (TypeError, ValueError):
             raise DataError(
                 f"BertPretrainingDataset is indexed by (epoch, sample_index), got {key!r}; "
-                "use data_pipeline.sampler.PretrainingSampler as the batch_sampler") from None
+                "use vrgd_ds.data_pipeline.sampler.PretrainingSampler as the batch_sampler") from None
         if not 0 <= sample_index < len(self._rows):
             raise IndexError(f"sample_index {sample_index} out of range [0, {len(self._rows)})")
         ids, types, label = self.tokens(sample_index)

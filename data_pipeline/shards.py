@@ -46,8 +46,8 @@ from pathlib import Path
 import numpy as np
 from tqdm.auto import tqdm
 
-from data_pipeline.errors import DataError
-from data_pipeline.tokenizer import Tokenizer, atomic_file, fsync_dir, sha256_file, write_atomic
+from vrgd_ds.data_pipeline.errors import DataError
+from vrgd_ds.data_pipeline.tokenizer import Tokenizer, atomic_file, fsync_dir, sha256_file, write_atomic
 
 logger = logging.getLogger(__name__)
 
@@ -278,8 +278,8 @@ def write_shards(
 
     Args:
         documents: iterable of documents (lists of sentences), read once; a
-            :class:`~data_pipeline.corpus.Corpus` also supplies the source description.
-        tokenizer_path: sentencepiece model from :func:`~data_pipeline.tokenizer.train_tokenizer`.
+            :class:`~vrgd_ds.data_pipeline.corpus.Corpus` also supplies the source description.
+        tokenizer_path: sentencepiece model from :func:`~vrgd_ds.data_pipeline.tokenizer.train_tokenizer`.
         out_dir: shard directory, created if needed; a previous shard set there is replaced.
         shard_tokens: a shard is closed once it holds this many tokens.
         workers: encoding processes (default: the usable CPUs); 1 encodes in this process.

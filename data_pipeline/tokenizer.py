@@ -36,7 +36,7 @@ from typing import IO
 
 import sentencepiece as spm
 
-from data_pipeline.errors import DataError
+from vrgd_ds.data_pipeline.errors import DataError
 
 logger = logging.getLogger(__name__)
 

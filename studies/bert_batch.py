@@ -66,7 +66,7 @@ def base_config(seq_len: int, micro_batch: int, ranks: int, workers: int, model:
 
 def prepare(name: str, source: str | None, out: Path, seq_len: int, vocab: int) -> Path:
     data = out / "data" / name  # vrgd-data prepare is idempotent: a second call checks and reuses
-    cmd = [sys.executable, "-m", "data_pipeline", "prepare", str(data)]  # the inputs right after it
+    cmd = [sys.executable, "-m", "vrgd_ds.data_pipeline", "prepare", str(data)]  # the inputs right after it
     if source:
         src = Path(source)
         files = sorted(src.glob("*.txt")) if src.is_dir() else [src]

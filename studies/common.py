@@ -41,7 +41,7 @@ def machine() -> dict[str, Any]:
         out["commit"] = subprocess.run([*git, "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
                                        check=True).stdout.strip()
         changed = subprocess.run([*git, "status", "--porcelain", "--untracked-files=no", "--", "vrgd_ds", "studies",
-                                  "data_pipeline"], capture_output=True, text=True, check=True).stdout.strip()
+                                  "vrgd_ds.data_pipeline"], capture_output=True, text=True, check=True).stdout.strip()
         if changed:  # the code that ran is not the commit's
             out["commit"] += "+uncommitted changes"
     except (OSError, subprocess.CalledProcessError):

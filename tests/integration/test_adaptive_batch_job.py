@@ -13,7 +13,7 @@ import launching
 import pytest
 from jobs import command, records, write_config
 
-from data_pipeline.sampler import PretrainingSampler
+from vrgd_ds.data_pipeline.sampler import PretrainingSampler
 
 pytestmark = pytest.mark.slow
 

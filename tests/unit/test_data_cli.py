@@ -10,11 +10,11 @@ from pathlib import Path
 import pytest
 from pydoc_data.topics import topics
 
-from data_pipeline.cli import main
-from data_pipeline.errors import DataError
-from data_pipeline.prepare import prepare
-from data_pipeline.shards import ShardedCorpus
-from data_pipeline.tokenizer import Tokenizer
+from vrgd_ds.data_pipeline.cli import main
+from vrgd_ds.data_pipeline.errors import DataError
+from vrgd_ds.data_pipeline.prepare import prepare
+from vrgd_ds.data_pipeline.shards import ShardedCorpus
+from vrgd_ds.data_pipeline.tokenizer import Tokenizer
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -57,12 +57,12 @@ def test_cli_errors_exit_2_without_traceback(tmp_path, capsys):
 
 
 def test_module_entry_point_subprocess(tmp_path):
-    """`python -m data_pipeline` really exits 2 with a one-line message, and --help works."""
+    """`python -m vrgd_ds.data_pipeline` really exits 2 with a one-line message, and --help works."""
     env = {**os.environ, "PYTHONPATH": str(REPO)}
-    run = subprocess.run([sys.executable, "-m", "data_pipeline", "verify", str(tmp_path / "x")],
+    run = subprocess.run([sys.executable, "-m", "vrgd_ds.data_pipeline", "verify", str(tmp_path / "x")],
                          capture_output=True, text=True, env=env, cwd=tmp_path)
     assert run.returncode == 2 and run.stderr.startswith("error: shard directory") and "Traceback" not in run.stderr
-    run = subprocess.run([sys.executable, "-m", "data_pipeline", "--help"], capture_output=True, text=True, env=env)
+    run = subprocess.run([sys.executable, "-m", "vrgd_ds.data_pipeline", "--help"], capture_output=True, text=True, env=env)
     assert run.returncode == 0
     for command in ("prepare", "tokenizer", "shard", "samples", "verify", "info"):
         assert command in run.stdout

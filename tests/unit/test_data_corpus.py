@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from data_pipeline.corpus import (
+from vrgd_ds.data_pipeline.corpus import (
     Corpus,
     EmbeddedCorpus,
     _collect_embedded,
@@ -17,7 +17,7 @@ from data_pipeline.corpus import (
     resolve_inputs,
     split_sentences,
 )
-from data_pipeline.errors import DataError
+from vrgd_ds.data_pipeline.errors import DataError
 
 SHARED = Path(__file__).resolve().parents[2].parent / "shared"
 

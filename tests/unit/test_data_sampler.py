@@ -4,8 +4,8 @@ import collections
 import numpy as np
 import pytest
 
-from data_pipeline.errors import DataError
-from data_pipeline.sampler import PretrainingSampler
+from vrgd_ds.data_pipeline.errors import DataError
+from vrgd_ds.data_pipeline.sampler import PretrainingSampler
 
 
 def run_steps(num_samples, *, steps, micro, world, accum, seed=7, consumed=0):

@@ -10,9 +10,9 @@ import numpy as np
 import pytest
 import torch
 
-from data_pipeline import samples as S
-from data_pipeline.errors import DataError
-from data_pipeline.sampler import PretrainingSampler
+from vrgd_ds.data_pipeline import samples as S
+from vrgd_ds.data_pipeline.errors import DataError
+from vrgd_ds.data_pipeline.sampler import PretrainingSampler
 
 
 class FakeCorpus:
@@ -393,8 +393,8 @@ def test_on_real_shards_and_stale_after_resharding(tmp_path):
     """End to end on ShardedCorpus: the index sits next to the shards, samples are the
     shard's sentences, the dataset survives pickling with the corpus, and re-sharding other
     text into the same directory makes the index stale."""
-    shards = pytest.importorskip("data_pipeline.shards")
-    tokenizer = pytest.importorskip("data_pipeline.tokenizer")
+    shards = pytest.importorskip("vrgd_ds.data_pipeline.shards")
+    tokenizer = pytest.importorskip("vrgd_ds.data_pipeline.tokenizer")
     rng = np.random.default_rng(0)
     words = ["alpha", "beta", "gamma", "delta", "river", "stone", "light", "paper", "north",
              "garden", "quiet", "signal"]

@@ -10,11 +10,11 @@ import numpy as np
 import pytest
 from pydoc_data.topics import topics
 
-from data_pipeline import shards as shards_module
-from data_pipeline.corpus import split_sentences
-from data_pipeline.errors import DataError
-from data_pipeline.shards import MANIFEST, ShardedCorpus, token_dtype, write_shards
-from data_pipeline.tokenizer import Tokenizer, train_tokenizer
+from vrgd_ds.data_pipeline import shards as shards_module
+from vrgd_ds.data_pipeline.corpus import split_sentences
+from vrgd_ds.data_pipeline.errors import DataError
+from vrgd_ds.data_pipeline.shards import MANIFEST, ShardedCorpus, token_dtype, write_shards
+from vrgd_ds.data_pipeline.tokenizer import Tokenizer, train_tokenizer
 
 DOCUMENTS = [split_sentences(topics[key]) for key in sorted(topics)]
 # An empty document and one whose only sentence is blank are dropped by the writer.

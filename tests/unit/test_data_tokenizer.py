@@ -9,9 +9,9 @@ import pytest
 import sentencepiece as spm
 from pydoc_data.topics import topics
 
-from data_pipeline.corpus import split_sentences
-from data_pipeline.errors import DataError
-from data_pipeline.tokenizer import SPECIAL_IDS, Tokenizer, train_tokenizer
+from vrgd_ds.data_pipeline.corpus import split_sentences
+from vrgd_ds.data_pipeline.errors import DataError
+from vrgd_ds.data_pipeline.tokenizer import SPECIAL_IDS, Tokenizer, train_tokenizer
 
 # The language reference pages that ship with CPython: real English prose, about 0.5 MB.
 DOCUMENTS = [split_sentences(topics[key]) for key in sorted(topics)]

@@ -18,11 +18,11 @@ from typing import Any
 import numpy as np
 import torch
 
-from data_pipeline.sampler import PretrainingSampler
-from data_pipeline.samples import DOC_A, BertPretrainingDataset, collate, index_filename
-from data_pipeline.shards import ShardedCorpus
-from data_pipeline.prepare import SHARDS_DIR, TOKENIZER_FILE
-from data_pipeline.tokenizer import Tokenizer
+from vrgd_ds.data_pipeline.sampler import PretrainingSampler
+from vrgd_ds.data_pipeline.samples import DOC_A, BertPretrainingDataset, collate, index_filename
+from vrgd_ds.data_pipeline.shards import ShardedCorpus
+from vrgd_ds.data_pipeline.prepare import SHARDS_DIR, TOKENIZER_FILE
+from vrgd_ds.data_pipeline.tokenizer import Tokenizer
 from vrgd_ds.train.config import ConfigError, JobConfig
 
 
@@ -54,7 +54,7 @@ class JobData:
         return self.tokenizer.vocab_size
 
     def fingerprint(self) -> str:
-        from data_pipeline.shards import MANIFEST
+        from vrgd_ds.data_pipeline.shards import MANIFEST
 
         return fingerprint(self.tokenizer.sha256, self.corpus.path / MANIFEST, self.seed, self.split_document,
                            self.next_sentence)
@@ -81,7 +81,7 @@ def fingerprint(tokenizer_sha256: str, manifest: Path, seed: int, split_document
     import hashlib
     import json
 
-    from data_pipeline.tokenizer import sha256_file
+    from vrgd_ds.data_pipeline.tokenizer import sha256_file
 
     parts = {"tokenizer": tokenizer_sha256, "shards": sha256_file(manifest), "seed": seed,
              "split_document": split_document, "next_sentence": next_sentence}
@@ -100,8 +100,8 @@ def configured_fingerprint(job: JobConfig, run_dir: Path) -> str | None:
     (None if not: the job would prepare it)."""
     import json
 
-    from data_pipeline.shards import MANIFEST
-    from data_pipeline.tokenizer import sha256_file
+    from vrgd_ds.data_pipeline.shards import MANIFEST
+    from vrgd_ds.data_pipeline.tokenizer import sha256_file
 
     out = Path(job.data.path) if job.data.path else run_dir / "data"
     manifest = out / SHARDS_DIR / MANIFEST
@@ -134,7 +134,7 @@ def check_data_path(job: JobConfig) -> None:
 
 def prepare_data(job: JobConfig, run_dir: Path, rank: int, barrier: Any, seq_lens: list[int]) -> JobData:
     """Opens (rank 0 first prepares) the job's data; every rank returns the same view."""
-    from data_pipeline.prepare import SAMPLES_DIR, prepare
+    from vrgd_ds.data_pipeline.prepare import SAMPLES_DIR, prepare
 
     cfg = job.data
     out = Path(cfg.path) if cfg.path else run_dir / "data"
@@ -142,7 +142,7 @@ def prepare_data(job: JobConfig, run_dir: Path, rank: int, barrier: Any, seq_len
     if rank == 0 and cfg.path and not cfg.inputs and (out / TOKENIZER_FILE).is_file():
         # A directory prepared beforehand (vrgd-data prepare): use its tokenizer and shards as
         # they are; only sample indices for this job's seed / lengths are added if missing.
-        from data_pipeline.samples import build_sample_index
+        from vrgd_ds.data_pipeline.samples import build_sample_index
 
         corpus = ShardedCorpus(out / SHARDS_DIR, verify="size")
         corpus.check_token_ids()

@@ -488,7 +488,7 @@ class Trainer:
                            "learning rate or the warmup's peak, then start again from that checkpoint")
 
     def _run_phase(self, index: int, sinks, bar, held, gsnr_on: bool) -> None:
-        from data_pipeline.sampler import PretrainingSampler
+        from vrgd_ds.data_pipeline.sampler import PretrainingSampler
 
         from vrgd_ds.train import telemetry
 
