@@ -82,7 +82,7 @@ def normalize_segments(r: Tensor, lengths: list[int], gamma: float) -> Tensor:
 
 
 def gsnr_ema_bias_correction(beta3: float, step: int) -> float:
-    """``1 - beta3**t``: bias correction of the GSNR momentum ``p_t`` (DESIGN §1.3)."""
+    """``1 - beta3**t``: bias correction of the GSNR momentum ``p_t`` (docs/design.md §1.3)."""
     return 1.0 - beta3**step
 
 

@@ -1,6 +1,6 @@
 """A single-process reference of what a 2-rank DeepSpeed run of a VRGD optimizer computes.
 
-It sees every rank's micro-batch gradients, groups them as DESIGN §3 says for the stage
+It sees every rank's micro-batch gradients, groups them as docs/design.md §3 says for the stage
 (ranks for stage 0/ZeRO-1, ranks × micro-steps for ZeRO-2/3), applies DeepSpeed's gradient
 clipping to the mean gradient and steps the same optimizer class on fp32 master weights.
 """

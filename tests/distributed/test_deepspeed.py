@@ -60,7 +60,7 @@ def test_matrix_equals_single_process_reference(pool, name, case):
         return
     res = run(pool, "run_matrix_case", case)
     want_n = 2 * (case["gas"] if case["stage"] >= 2 else 1)
-    assert res["n"] == [want_n] * 3, "number of gradient groups per step (DESIGN §3)"
+    assert res["n"] == [want_n] * 3, "number of gradient groups per step (docs/design.md §3)"
     assert res["skipped"] == 0
     assert res["l2"] <= TOL[case["dtype"]], res
     factor = CONTRAST[case["dtype"]]

@@ -1,4 +1,4 @@
-"""GSNR maths (DESIGN §1) against float64 hand computations, and its invariants."""
+"""GSNR maths (docs/design.md §1) against float64 hand computations, and its invariants."""
 import math
 
 import numpy as np

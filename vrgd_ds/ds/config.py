@@ -17,7 +17,7 @@ KEY = "vrgd"
 
 
 class ReductionConfig(BaseModel):
-    """Options of the statistics' reduction (DESIGN §3)."""
+    """Options of the statistics' reduction (docs/design.md §3)."""
 
     model_config = ConfigDict(extra="forbid")
 

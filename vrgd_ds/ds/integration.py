@@ -1,5 +1,5 @@
 """VRGD inside DeepSpeed: optimizer names in the JSON config, and statistics hooks attached
-to whatever optimizer DeepSpeed builds (DESIGN §2–3).
+to whatever optimizer DeepSpeed builds (docs/design.md §2–3).
 
 ``register()`` (run by ``import vrgd_ds``) patches four points of ``DeepSpeedEngine`` at
 class level, the one place every entry path (``deepspeed.initialize``, HF ``Trainer``,
@@ -212,7 +212,7 @@ def _is_dummy(opt: Any) -> bool:
 
 
 def check_engine(engine: Any) -> None:
-    """Rejects configurations the VRGD hooks do not cover, naming the key (DESIGN §3)."""
+    """Rejects configurations the VRGD hooks do not cover, naming the key (docs/design.md §3)."""
     stage = int(engine.zero_optimization_stage())
 
     def no(key: str, why: str) -> None:

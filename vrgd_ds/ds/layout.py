@@ -1,4 +1,4 @@
-"""Where each model tensor lives inside the flat tensors the optimizer updates (DESIGN §3).
+"""Where each model tensor lives inside the flat tensors the optimizer updates (docs/design.md §3).
 
 Under ZeRO-1/2/3 the optimizer sees one flat fp32 partition per group; a model tensor can be
 split between ranks. The layout lists, per flat tensor, the pieces ``(start, length, key)``

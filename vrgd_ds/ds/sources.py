@@ -1,4 +1,4 @@
-"""Gradient statistics taken inside DeepSpeed's own gradient reduction (DESIGN §3).
+"""Gradient statistics taken inside DeepSpeed's own gradient reduction (docs/design.md §3).
 
 One source per engine path. Each replaces the reduction of one bucket by a single fused
 fp32 all-reduce (ZeRO-3: one coalesced reduce-scatter) of ``[g | (c·g)²]``, where ``c``
@@ -340,7 +340,7 @@ def attach_zero3(engine: Any, zopt: Any, world: int) -> ReductionStats:
 
 
 def expected_groups(world: int, gas: int, stage: int, scheme: str = "per_micro_step") -> int:
-    """n at every step of a run (DESIGN §3): ranks × micro-steps, but only ranks on stage 0 /
+    """n at every step of a run (docs/design.md §3): ranks × micro-steps, but only ranks on stage 0 /
     ZeRO-1 with the per-micro-step fused reduction (DeepSpeed reduces there once per step)."""
     return world * (gas if stage >= 2 or scheme == "per_step" else 1)
 

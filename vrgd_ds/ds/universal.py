@@ -1,4 +1,4 @@
-"""Universal-checkpoint conversion that keeps the VRGD optimizer state (DESIGN §4).
+"""Universal-checkpoint conversion that keeps the VRGD optimizer state (docs/design.md §4).
 
 DeepSpeed's ``ds_to_universal`` extracts only ``exp_avg``, ``exp_avg_sq``, ``fp32`` and
 ``step`` from each rank's ZeRO shard: ``gsnr_avg`` (the GSNR momentum) and

@@ -1,7 +1,7 @@
 """The shell shared by the VRGD optimizer family: statistics, the GSNR pass, skipping on
 non-finite gradients, and metrics. Each member adds only its update (``_update``).
 
-A step, for every param group (DESIGN §1)::
+A step, for every param group (docs/design.md §1)::
 
     pass 1   per tensor: Σr, min r, max r, Σs, Σgbar² from the statistics (one read)
     check    non-finite statistics or gradients -> the whole step is skipped, state untouched
@@ -610,7 +610,7 @@ class GSNROptimizer(torch.optim.Optimizer):
         return M.StepRecord(sums, maxs, names, n, found)
 
     def gsnr_metrics(self, per_tensor: bool = False, samples_per_group: int | None = None) -> dict[str, float]:
-        """Metrics of the last ``step()`` (DESIGN §5) as ``dict[str, float]``; the same on
+        """Metrics of the last ``step()`` (docs/design.md §5) as ``dict[str, float]``; the same on
         every rank under ZeRO (per-tensor sums are completed across ranks at the step).
 
         ``gsnr/mean|min|max``: raw GSNR over all elements before normalisation;

@@ -1,4 +1,4 @@
-"""The metrics of a VRGD step (DESIGN §5) as pure functions over small per-tensor tables.
+"""The metrics of a VRGD step (docs/design.md §5) as pure functions over small per-tensor tables.
 
 A step leaves one ``StepRecord``: two float64 tables with a row per model tensor (sums, and
 maxima), complete across ranks, the number of gradient groups and the step's non-finite flag,

@@ -1,6 +1,6 @@
 """Gradient statistics in one process: a tensor hook per parameter sees every backward's
 gradient before it is accumulated into ``.grad``, so each ``backward()`` between two
-optimizer steps is one gradient group (DESIGN §3, first row).
+optimizer steps is one gradient group (docs/design.md §3, first row).
 
 Statistics are fp32 ``Σg`` and ``Σg²`` buffers per parameter, allocated once and reused:
 the first backward after a reset *writes* them instead of adding, so a reset costs no pass

@@ -1,6 +1,6 @@
 """Gradient statistics with the engine's own gradient reduction untouched (DeepSpeed, torch
 DDP): each rank sums its micro-steps' squares locally, and one collective per optimizer step
-brings the sums into the partition this rank's optimizer owns (DESIGN §3; DeepSpeed:
+brings the sums into the partition this rank's optimizer owns (docs/design.md §3; DeepSpeed:
 ``"vrgd": {"squares": "per_step"}``, the per-engine set-up in ``vrgd_ds/ds/local.py``; DDP:
 ``vrgd_ds.ddp.attach``). The collectives go through the ``comm`` module given (``deepspeed.comm``
 or ``torch.distributed``, which share the signatures used here).

@@ -1,6 +1,6 @@
 """Turns a run's ``metrics.jsonl`` into PNG plots: ``vrgd-plots RUN_DIR [--out DIR]``.
 
-The plots are the ones a VRGD run is judged by (DESIGN §5): loss and MLM accuracy, the
+The plots are the ones a VRGD run is judged by (docs/design.md §5): loss and MLM accuracy, the
 learning rate, GSNR overall and per layer group, the fraction of elements clipped at gamma
 and at 1, the gradient noise scale B_simple (McCandlish et al. 2018, the critical batch
 size), and throughput. Phase changes (BERT phase 1 → 2: sequence length and batch size

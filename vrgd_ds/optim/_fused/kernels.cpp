@@ -105,7 +105,7 @@ at::Tensor combine(const std::vector<Chunk>& chunks, const std::vector<double>& 
 }
 
 // Raw GSNR of one element: gbar^2 / (max(s - gbar^2, 0) + eps) with gbar = sum_g / n and
-// s = sum_sq / n (DESIGN §1; the biased variance, whose constant factor the per-tensor
+// s = sum_sq / n (docs/design.md §1; the biased variance, whose constant factor the per-tensor
 // normalisation cancels).
 inline float gsnr_raw(float sg, float sq, float inv_n, float eps) {
   const float gbar = sg * inv_n;
