@@ -1,8 +1,8 @@
 """vrgd_ds: variance-reduced gradient descent driven by the gradient signal-to-noise ratio
 (GSNR; Jiang et al., arXiv 2309.13681) for PyTorch and DeepSpeed."""
 from vrgd_ds import gsnr
-from vrgd_ds.optim import (REGISTRY, VRSGD, GSNROptimizer, Lamb, Lars, VRAdam, VRLamb, VRLars, VRMomentum,
-                           param_groups)
+from vrgd_ds.optim import (REGISTRY, VRSGD, GSNROptimizer, Lamb, Lars, VRAdam, VRFusedLAMB, VRLamb, VRLars,
+                           VRMomentum, param_groups)
 
 __version__ = "0.1.0"
 
@@ -27,5 +27,5 @@ from vrgd_ds.ds.lazy import register_when_imported as _register_when_imported  #
 
 _register_when_imported()
 
-__all__ = ["gsnr", "GSNROptimizer", "VRSGD", "VRMomentum", "VRAdam", "VRLamb", "VRLars", "Lamb", "Lars",
+__all__ = ["gsnr", "GSNROptimizer", "VRSGD", "VRMomentum", "VRAdam", "VRLamb", "VRLars", "Lamb", "Lars", "VRFusedLAMB",
            "param_groups", "REGISTRY", "register", "initialize", "__version__"]

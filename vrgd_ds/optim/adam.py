@@ -1,6 +1,6 @@
 """VR-Adam (decoupled weight decay) — Jiang et al., arXiv 2309.13681 §4.2.
 
-The paper's Appendix D is not public; this is our reconstruction (DESIGN §1.3): "GSNR
+The paper's Appendix D is not public; this is our reconstruction (docs/design.md §1.3): "GSNR
 adapts the gradient mean before gradients' momentum estimation ... we apply the momentum
 mechanism on GSNR"::
 
@@ -59,6 +59,8 @@ def adam_columns(plan: Plan, grad_mult: torch.Tensor | None = None) -> dict[str,
         bc2s = plan.bias_correction(beta2).sqrt()
     else:
         bc1 = bc2s = plan.ones()
+    if not g.get("grad_averaging", True):  # m = beta1·m + g is the averaged m / (1 - beta1): m̂ shares it
+        bc1 = bc1 * (1.0 - beta1)
     return dict(plan.gsnr_columns(), bc1=bc1, bc2s=bc2s, grad_mult=plan.ones() if grad_mult is None else grad_mult)
 
 

@@ -17,6 +17,24 @@ tensor (towards high-GSNR elements), not its size.
 
 Norms are per parameter tensor, also when a tensor is split across ZeRO partitions (the
 integration sums the pieces), so trust ratios equal the unsharded ones.
+
+apex's ``FusedLAMB`` (NVIDIA's BERT recipe builds it directly) takes arguments that
+:class:`VRLamb` accepts with the same meanings (``apex/optimizers/fused_lamb.py``,
+``csrc/multi_tensor_lamb.cu``):
+
+* ``max_grad_norm`` given: the global pre-normalisation above, at that threshold
+  (``grad_pre_normalization`` defaults to whether it was given; apex always clips, at 1.0 unless told);
+* ``use_nvlamb=False``: groups with ``weight_decay == 0`` keep trust 1 (apex's default; ours adapts
+  every group unless it sets ``trust_ratio=False``);
+* ``grad_averaging=False``: m = beta1 · m + g (no 1 - beta1 on the gradient); kept as the averaged m
+  with m̂ divided by (1 - beta1) — the same update, a state that differs from apex's by that factor;
+* ``adam_w_mode=False``: L2 regularisation, g ← c · g + wd · θ into both moments and no decay in u
+  (with ``gsnr=False`` only: the GSNR scales the data gradient, and L2 makes the decay part of it);
+* ``amsgrad=True`` refused, as apex does; ``set_grad_none``: the default of ``zero_grad``.
+
+apex's trust ratio is unclamped (``min_coeff=0, max_coeff=inf``). :class:`VRFusedLAMB` is
+:class:`VRLamb` with every default of ``FusedLAMB``: ``from vrgd_ds import VRFusedLAMB as FusedLAMB``
+switches a script written for apex.
 """
 from __future__ import annotations
 
@@ -34,8 +52,10 @@ def trust_ratios(plan: Plan, sq_norms: torch.Tensor, coeff: torch.Tensor, min_co
                  max_coeff: float) -> tuple[torch.Tensor, torch.Tensor]:
     """``clamp(coeff · ‖θ‖/‖u‖, min, max)`` per segment from whole-tensor ``[‖θ‖², ‖u‖²]``,
     guarded to 1 where a norm is 0 or adaptation is off. Returns (trust, adapted mask)."""
+    g = plan.group
     w, u = sq_norms[:, 0].sqrt(), sq_norms[:, 1].sqrt()
-    adapted = torch.full_like(w, bool(plan.group["trust_ratio"]), dtype=torch.bool) & (w > 0) & (u > 0)
+    on = bool(g["trust_ratio"]) and bool(g.get("use_nvlamb", True) or g["weight_decay"] != 0)
+    adapted = torch.full_like(w, on, dtype=torch.bool) & (w > 0) & (u > 0)
     ratio = (coeff * w / torch.where(adapted, u, torch.ones_like(u))).clamp(min_coeff, max_coeff)
     return torch.where(adapted, ratio, torch.ones_like(ratio)), adapted
 
@@ -51,8 +71,14 @@ class VRLamb(GSNROptimizer):
         weight_decay: decoupled weight decay (inside u, as LAMB).
         bias_correction: Adam bias correction of m and v.
         min_coeff, max_coeff: trust-ratio clamp (DeepSpeed FusedLamb: 0.01, 10; BERT-64k: max 0.3).
-        grad_pre_normalization: divide gradients by max(global norm, max_grad_norm)/max_grad_norm first.
-        max_grad_norm: threshold of the pre-normalisation.
+        grad_pre_normalization: divide gradients by max(global norm, max_grad_norm)/max_grad_norm first
+            (default: whether ``max_grad_norm`` was given).
+        max_grad_norm: threshold of the pre-normalisation (default 1.0).
+        use_nvlamb: adapt groups with ``weight_decay == 0`` too (apex's ``use_nvlamb``; False keeps them at 1).
+        grad_averaging: (1 - beta1) on the gradient in m (apex's ``grad_averaging``).
+        adam_w_mode: decoupled weight decay; False: L2 inside the gradient (apex's mode 0; gsnr=False only).
+        amsgrad: must be False (apex refuses it too).
+        set_grad_none: what ``zero_grad()`` does by default.
         gamma, beta3, gsnr_eps, gsnr_placement, gsnr, fused: as :class:`vrgd_ds.VRAdam`.
     """
 
@@ -60,23 +86,38 @@ class VRLamb(GSNROptimizer):
 
     def __init__(self, params: Any, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-6,
                  weight_decay: float = 1e-2, bias_correction: bool = True, min_coeff: float = 0.01,
-                 max_coeff: float = 10.0, grad_pre_normalization: bool = False, max_grad_norm: float = 1.0,
+                 max_coeff: float = 10.0, grad_pre_normalization: bool | None = None,
+                 max_grad_norm: float | None = None, use_nvlamb: bool = True, grad_averaging: bool = True,
+                 adam_w_mode: bool = True, amsgrad: bool = False, set_grad_none: bool = True,
                  gamma: float = 0.1, beta3: float = 0.9, gsnr_eps: float = 1e-12,
                  gsnr_placement: str = GSNR_PLACEMENTS[0], gsnr: bool = True,
                  fused: bool | str | None = None) -> None:
         owner = type(self).__name__
         check_adam_args(owner, betas, eps)
         check_arg(owner, "min_coeff", 0.0 <= min_coeff <= max_coeff, min_coeff, "in [0, max_coeff]")
+        check_arg(owner, "amsgrad", not amsgrad, amsgrad, "False (LAMB has no AMSGrad variant; apex refuses it too)")
+        if grad_pre_normalization is None:
+            grad_pre_normalization = max_grad_norm is not None
+        max_grad_norm = 1.0 if max_grad_norm is None else max_grad_norm
         check_arg(owner, "max_grad_norm", max_grad_norm > 0, max_grad_norm, "> 0")
+        self.set_grad_none = bool(set_grad_none)
         defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay,
                         bias_correction=bias_correction, min_coeff=min_coeff, max_coeff=max_coeff,
-                        grad_pre_normalization=grad_pre_normalization, max_grad_norm=max_grad_norm,
-                        trust_ratio=True, gamma=gamma, beta3=beta3, gsnr_eps=gsnr_eps,
-                        gsnr_placement=gsnr_placement, gsnr=gsnr)
+                        grad_pre_normalization=bool(grad_pre_normalization), max_grad_norm=max_grad_norm,
+                        use_nvlamb=bool(use_nvlamb), grad_averaging=bool(grad_averaging),
+                        adam_w_mode=bool(adam_w_mode), trust_ratio=True, gamma=gamma, beta3=beta3,
+                        gsnr_eps=gsnr_eps, gsnr_placement=gsnr_placement, gsnr=gsnr)
         super().__init__(params, defaults, fused=fused)
 
     def _check_group(self, group: dict[str, Any]) -> None:
         check_placement(type(self).__name__, group)
+        if not group["adam_w_mode"] and group["gsnr"]:
+            raise ValueError(f"{type(self).__name__}: adam_w_mode=False (L2 regularisation inside the gradient) "
+                             "works with gsnr=False only: the GSNR scales the data gradient, and L2 makes the "
+                             "decay part of it. Use adam_w_mode=True (decoupled decay, apex's default) or Lamb")
+
+    def zero_grad(self, set_to_none: bool | None = None) -> None:
+        super().zero_grad(self.set_grad_none if set_to_none is None else set_to_none)
 
     def _needs_grad_norms(self, group):
         return bool(group["grad_pre_normalization"])  # the global gradient norm
@@ -102,12 +143,17 @@ class VRLamb(GSNROptimizer):
             mult = plan.ones() * (g["max_grad_norm"] / norm.clamp_min(g["max_grad_norm"]))
         m = [st["exp_avg"] for st in plan.states]
         v = [st["exp_avg_sq"] for st in plan.states]
+        grads, decay = plan.grads, g["weight_decay"]
+        if not g["adam_w_mode"]:  # apex's L2 mode: c · g + wd · θ into both moments, no decay in u
+            c = 1.0 if mult is None else mult[0]
+            grads = [(gr.float() * c + p.float() * decay).to(gr.dtype) for gr, p in zip(plan.grads, plan.params)]
+            mult, decay = None, 0.0
         cols = adam_columns(plan, mult)
         gsnr_args = {k: val for k, val in plan.gsnr_args(n).items() if k != "eps"}
         placement = placement_index(plan)
-        out = kernels.adam_step(plan.params, plan.grads, m, v, seg=plan.seg, segf=columns.build(columns.ADAM, **cols),
+        out = kernels.adam_step(plan.params, grads, m, v, seg=plan.seg, segf=columns.build(columns.ADAM, **cols),
                                 lr=g["lr"], beta1=g["betas"][0], beta2=g["betas"][1], eps=g["eps"],
-                                weight_decay=g["weight_decay"], apply=False, placement=placement,
+                                weight_decay=decay, apply=False, placement=placement,
                                 eps_gsnr=g["gsnr_eps"], **gsnr_args, **plan.skip_args())
         norms = self.reduce_segments(plan, out[:, :2])
         trust, adapted = trust_ratios(plan, norms, plan.ones(), g["min_coeff"], g["max_coeff"])
@@ -115,7 +161,7 @@ class VRLamb(GSNROptimizer):
             gsnr_args.update(sum_g=[], sum_sq=[], avg=[])
         apply_cols = dict({k: cols[k] for k in columns.LAMB_APPLY if k != "trust"}, trust=trust)
         kernels.lamb_apply(plan.params, m, v, seg=plan.seg, segf=columns.build(columns.LAMB_APPLY, **apply_cols),
-                           lr=g["lr"], eps=g["eps"], weight_decay=g["weight_decay"], eps_gsnr=g["gsnr_eps"],
+                           lr=g["lr"], eps=g["eps"], weight_decay=decay, eps_gsnr=g["gsnr_eps"],
                            **gsnr_args, **plan.skip_args())
         return {"gsnr_counts": out[:, 2:5], "trust": trust, "adapted": adapted}
 
@@ -127,3 +173,21 @@ class Lamb(VRLamb):
         if kwargs.pop("gsnr", False):
             raise ValueError("Lamb is VRLamb without GSNR; use VRLamb for gsnr=True")
         super().__init__(params, gsnr=False, **kwargs)
+
+
+class VRFusedLAMB(VRLamb):
+    """:class:`VRLamb` with apex ``FusedLAMB``'s defaults (module docstring): global gradient
+    clipping at ``max_grad_norm=1.0``, unclamped trust ratio, no adaptation of groups without
+    weight decay (``use_nvlamb=False``). ``gsnr=False`` gives apex's LAMB."""
+
+    def __init__(self, params: Any, lr: float = 1e-3, bias_correction: bool = True,
+                 betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-6, weight_decay: float = 0.01,
+                 amsgrad: bool = False, adam_w_mode: bool = True, grad_averaging: bool = True,
+                 set_grad_none: bool = True, max_grad_norm: float = 1.0, use_nvlamb: bool = False,
+                 **kwargs: Any) -> None:
+        kwargs.setdefault("min_coeff", 0.0)
+        kwargs.setdefault("max_coeff", float("inf"))
+        super().__init__(params, lr=lr, bias_correction=bias_correction, betas=betas, eps=eps,
+                         weight_decay=weight_decay, amsgrad=amsgrad, adam_w_mode=adam_w_mode,
+                         grad_averaging=grad_averaging, set_grad_none=set_grad_none, max_grad_norm=max_grad_norm,
+                         use_nvlamb=use_nvlamb, **kwargs)
