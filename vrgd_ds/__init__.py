@@ -1,15 +1,16 @@
 """vrgd_ds: variance-reduced gradient descent driven by the gradient signal-to-noise ratio
 (GSNR; Jiang et al., arXiv 2309.13681) for PyTorch and DeepSpeed."""
 from vrgd_ds import gsnr
-from vrgd_ds.optim import (REGISTRY, VRSGD, GSNROptimizer, Lamb, Lars, VRAdam, VRFusedLAMB, VRLamb, VRLars,
-                           VRMomentum, param_groups)
+from vrgd_ds.optim import GSNROptimizer, VRFusedLAMB, param_groups
+from vrgd_ds.optim.registry import CLASSES, REGISTRY
+
+globals().update(CLASSES)  # every member by name: vrgd_ds.VRLamb, vrgd_ds.Merit, ...
 
 __version__ = "0.1.0"
 
 
 def register() -> None:
-    """Makes ``VRSGD``, ``VRMomentum``, ``VRAdam``, ``VRLamb``, ``VRLars``, ``Lars`` (and
-    ``Lamb`` on CPU) valid ``"optimizer": {"type": ...}`` names in DeepSpeed configs
+    """Makes every name of ``REGISTRY`` (``Lamb``: on CPU, DeepSpeed's own on GPUs) a valid ``"optimizer": {"type": ...}`` names in DeepSpeed configs
     (idempotent; ``import vrgd_ds`` does it as soon as DeepSpeed is imported)."""
     from vrgd_ds.ds.integration import register as _register
 
@@ -27,5 +28,5 @@ from vrgd_ds.ds.lazy import register_when_imported as _register_when_imported  #
 
 _register_when_imported()
 
-__all__ = ["gsnr", "GSNROptimizer", "VRSGD", "VRMomentum", "VRAdam", "VRLamb", "VRLars", "Lamb", "Lars", "VRFusedLAMB",
-           "param_groups", "REGISTRY", "register", "initialize", "__version__"]
+__all__ = ["gsnr", "GSNROptimizer", *CLASSES, "VRFusedLAMB", "param_groups", "REGISTRY", "register", "initialize",
+           "__version__"]

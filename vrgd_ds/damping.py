@@ -31,24 +31,31 @@ OptimizerFactory = Callable[[list[torch.Tensor]], torch.optim.Optimizer]
 
 
 def noise_signal_ratio(make_optimizer: OptimizerFactory, *, dim: int = 512, groups: int = 8, steps: int = 300,
-                       window: int = 100, seed: int = 0) -> float:
-    """Mean |update| of the noise coordinates / that of the signal coordinates (module docstring)."""
+                       window: int = 100, seed: int = 0, rows: int = 1, noise: str = "rows") -> float:
+    """Mean |update| of the noise coordinates / that of the signal coordinates (module docstring).
+
+    ``rows > 1`` makes the tensor a ``[rows, 2·dim/rows]`` matrix (an optimizer with row or
+    column ratios, MERIT, sees its structure): ``noise="rows"`` puts the noise coordinates in
+    whole rows (the first half), ``"scattered"`` at a fixed random half of the elements."""
     if not 0 < window <= steps:
         raise ValueError(f"window must be in [1, steps={steps}], got {window}")
+    if rows < 1 or (2 * dim) % rows or noise not in ("rows", "scattered"):
+        raise ValueError(f"rows must divide 2·dim={2 * dim} and noise be 'rows' or 'scattered', got {rows}, {noise!r}")
     gen = torch.Generator().manual_seed(seed)
-    theta = torch.nn.Parameter(torch.randn(2 * dim, generator=gen))
+    theta = torch.nn.Parameter(torch.randn(2 * dim, generator=gen).view(rows, -1).squeeze(0))
+    where = torch.randperm(2 * dim, generator=gen) if noise == "scattered" else torch.arange(2 * dim)
     opt = make_optimizer([theta])
     noise_sum = signal_sum = 0.0
     for step in range(steps):
         for _ in range(groups):
             g = torch.randn(2 * dim, generator=gen)
             g[dim:] = 1.0 + 0.1 * g[dim:]
-            ((theta * g).sum() / groups).backward()
+            ((theta * g[where].view_as(theta)).sum() / groups).backward()
         before = theta.detach().clone()
         opt.step()
         opt.zero_grad()
         if step >= steps - window:
-            delta = (theta.detach() - before).abs()
+            delta = (theta.detach() - before).abs().reshape(-1)[torch.argsort(where)]
             noise_sum += float(delta[:dim].sum())
             signal_sum += float(delta[dim:].sum())
     return noise_sum / signal_sum

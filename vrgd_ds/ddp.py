@@ -32,6 +32,7 @@ from torch import Tensor
 from torch.nn.parallel import DistributedDataParallel
 
 from vrgd_ds.optim.base import MIN_GROUPS, GSNROptimizer
+from vrgd_ds.optim.registry import REGISTRY
 from vrgd_ds.stats.local import Flat, LocalStats, reduce
 
 # (parameter, Σg buffer, Σg² buffer, offset in the bucket, length) of every parameter of a bucket
@@ -155,8 +156,8 @@ def attach(ddp_model: DistributedDataParallel, optimizer: GSNROptimizer,
     step the scaler skips never reaches the optimizer, whose ``zero_grad()`` clears them.
     """
     if not isinstance(optimizer, GSNROptimizer):
-        raise TypeError(f"vrgd_ds.ddp.attach needs a VRGD optimizer (VRSGD, VRMomentum, VRAdam, VRLamb, VRLars, "
-                        f"Lamb, Lars), got {type(optimizer).__name__}")
+        raise TypeError(f"vrgd_ds.ddp.attach needs a VRGD optimizer ({', '.join(REGISTRY)}), got "
+                        f"{type(optimizer).__name__}")
     if not isinstance(ddp_model, DistributedDataParallel):
         raise TypeError(f"vrgd_ds.ddp.attach needs a torch.nn.parallel.DistributedDataParallel model, got "
                         f"{type(ddp_model).__name__}")

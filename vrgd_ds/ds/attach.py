@@ -15,14 +15,15 @@ from vrgd_ds.optim.base import MIN_GROUPS, GSNROptimizer
 logger = logging.getLogger(__name__)
 
 
-def _names(engine: Any) -> tuple[list[str], dict[int, int], list[int]]:
-    names, keys, numel = [], {}, []
+def _names(engine: Any) -> tuple[list[str], dict[int, int], list[int], list[tuple[int, ...]]]:
+    names, keys, numel, shapes = [], {}, [], []
     for name, p in engine.module.named_parameters():
         if p.requires_grad and id(p) not in keys:
             keys[id(p)] = len(names)
             names.append(name)
             numel.append(int(getattr(p, "ds_numel", p.numel())))
-    return names, keys, numel
+            shapes.append(tuple(getattr(p, "ds_shape", p.shape)))  # ZeRO-3 empties p; ds_shape is the model's
+    return names, keys, numel, shapes
 
 
 def attach(engine: Any) -> sources.ReductionStats | None:
@@ -36,7 +37,7 @@ def attach(engine: Any) -> sources.ReductionStats | None:
     stage = int(engine.zero_optimization_stage())
     world = dist.get_world_size(group=engine.seq_data_parallel_group)
     gas = int(engine.gradient_accumulation_steps())
-    names, keys, numel = _names(engine)
+    names, keys, numel, shapes = _names(engine)
     device = next(engine.module.parameters()).device
     wrapped = type(wrapper).__name__
     options = reduction_config(getattr(engine._config, "_param_dict", {}) or {})
@@ -66,7 +67,7 @@ def attach(engine: Any) -> sources.ReductionStats | None:
         else:
             raise UnsupportedConfiguration(f"vrgd_ds: DeepSpeed wrapped the VRGD optimizer in {wrapped}, which the "
                                            "hooks do not cover (stage 0 supports fp32, fp16 and bf16)")
-        layout = Layout(names, numel, group=None, device=device)
+        layout = Layout(names, numel, group=None, device=device, shapes=shapes)
         for p, m in pairs:
             layout.add(m, [(0, m.numel(), keys[id(p)])])
         if wants_stats:
@@ -77,9 +78,9 @@ def attach(engine: Any) -> sources.ReductionStats | None:
                            "grad_start_offset", "grad_partition_insertion_offset", "single_partition_of_fp32_groups",
                            "bit16_groups", "ipg_buckets", "partition_size", "real_dp_process_group",
                            "dp_process_group", "loss_scale", "get_param_id"), wrapped)
-        layout = Layout(names, numel, group=wrapper.dp_process_group, device=device)
+        layout = Layout(names, numel, group=wrapper.dp_process_group, device=device, shapes=shapes)
         for i, flat in enumerate(wrapper.single_partition_of_fp32_groups):
-            layout.add(flat, [(dst, num, keys[id(p)]) for p, _, dst, num in sources.zero12_pieces(wrapper, i)])
+            layout.add(flat, [(dst, num, keys[id(p)], src) for p, src, dst, num in sources.zero12_pieces(wrapper, i)])
         if wants_stats:
             stats = (local.attach_zero12(engine, wrapper, world, gbar, options.torch_squares_dtype, kernels)
                      if scheme == "per_step" else sources.attach_zero12(engine, wrapper, world, stage))
@@ -98,9 +99,10 @@ def attach(engine: Any) -> sources.ReductionStats | None:
             raise UnsupportedConfiguration(
                 "vrgd_ds: grad_pre_normalization under ZeRO-3 with more than one sub-group (param groups or "
                 "zero_optimization.sub_group_size) is not supported: ZeRO-3 steps sub-groups one at a time")
-        layout = Layout(names, numel, group=wrapper.dp_process_group, device=device)
+        layout = Layout(names, numel, group=wrapper.dp_process_group, device=device, shapes=shapes)
         for i, flat in enumerate(wrapper.fp32_partitioned_groups_flat):
-            layout.add(flat, [(off, valid, keys[id(p)]) for p, off, valid in sources.zero3_pieces(wrapper, i)])
+            layout.add(flat, [(off, valid, keys[id(p)], sources.zero3_tensor_offset(wrapper, p))
+                              for p, off, valid in sources.zero3_pieces(wrapper, i)])
         if wants_stats:
             if scheme == "per_step":
                 pieces = {id(p): (i, off, valid) for i in range(len(wrapper.fp32_partitioned_groups_flat))

@@ -18,7 +18,6 @@ optimizer once on zero gradients: VRGD state is created at the first real step i
 from __future__ import annotations
 
 import difflib
-import inspect
 import logging
 from typing import Any
 
@@ -91,15 +90,13 @@ def _did_you_mean(word: str, choices: list[str]) -> str:
 
 
 def accepted_params(cls: type[GSNROptimizer]) -> list[str]:
-    """The ``optimizer.params`` keys of a config ``"type"`` (``Lamb``/``Lars`` fix ``gsnr``)."""
-    base = cls.__mro__[1] if cls.__name__ in ("Lamb", "Lars") else cls
-    return [n for n in inspect.signature(base.__init__).parameters if n not in ("self", "params", "kwargs", "gsnr")
-            or (base is cls and n == "gsnr")]
+    """The ``optimizer.params`` keys of a config ``"type"`` (a base variant fixes ``gsnr``)."""
+    return REGISTRY[cls.__name__].accepted_params()
 
 
 def check_params(cls: type[GSNROptimizer], type_name: str, params: dict[str, Any]) -> None:
     """Rejects ``optimizer.params`` keys the class does not take, naming the key."""
-    if "max_grad_norm" in params and cls.__name__ not in ("VRLamb", "Lamb"):
+    if "max_grad_norm" in params and "max_grad_norm" not in accepted_params(cls):
         raise UnsupportedConfiguration(
             "optimizer.params.max_grad_norm: use DeepSpeed's top-level 'gradient_clipping' instead")
     accepted = accepted_params(cls)

@@ -18,12 +18,15 @@ class Layout:
     """Pieces of model tensors in flat tensors, keyed by the model's parameter order."""
 
     def __init__(self, names: list[str], numel: list[int], group: Any | None,
-                 device: torch.device | str = "cpu") -> None:
+                 device: torch.device | str = "cpu", shapes: list[tuple[int, ...]] | None = None) -> None:
         self.names = names
+        #: per key, the whole model tensor's shape (row/column maxima of MERIT); flat if not given
+        self.shapes = [tuple(s) for s in shapes] if shapes is not None else [(int(n),) for n in numel]
         self.device = torch.device(device)  # where the collective runs (NCCL: the GPU)
         self.numel = torch.tensor(numel, dtype=torch.float64)
         self.group = group  # None: every rank holds whole, identical tensors (no collective)
         self._pieces: dict[int, list[tuple[int, int, int]]] = {}
+        self._offsets: dict[int, list[int]] = {}
         self.collectives = 0
         self.bytes_sent = 0  # of the small per-tensor tables
 
@@ -31,12 +34,18 @@ class Layout:
     def num_keys(self) -> int:
         return len(self.names)
 
-    def add(self, flat: Tensor, pieces: list[tuple[int, int, int]]) -> None:
-        for start, length, key in pieces:
-            if start < 0 or length < 0 or start + length > flat.numel() or not 0 <= key < self.num_keys:
-                raise ValueError(f"bad layout piece (start={start}, length={length}, key={key}) for a flat "
-                                 f"tensor of {flat.numel()} elements and {self.num_keys} model tensors")
-        self._pieces[id(flat)] = [(s, n, k) for s, n, k in pieces if n > 0]
+    def add(self, flat: Tensor, pieces: list[tuple[int, ...]]) -> None:
+        """``pieces``: ``(start, length, key)`` or ``(start, length, key, offset)``, where
+        ``offset`` is the piece's first element inside its model tensor (default 0)."""
+        rows = [(*piece, 0)[:4] for piece in pieces]
+        for start, length, key, offset in rows:
+            if (start < 0 or length < 0 or start + length > flat.numel() or not 0 <= key < self.num_keys
+                    or offset < 0 or offset + length > self.numel[key]):
+                raise ValueError(f"bad layout piece (start={start}, length={length}, key={key}, offset={offset}) for "
+                                 f"a flat tensor of {flat.numel()} elements and {self.num_keys} model tensors")
+        kept = [row for row in rows if row[1] > 0]
+        self._pieces[id(flat)] = [(s, n, k) for s, n, k, _ in kept]
+        self._offsets[id(flat)] = [o for *_, o in kept]
 
     def segments(self, p: Tensor) -> list[tuple[int, int, int]]:
         try:
@@ -46,6 +55,11 @@ class Layout:
                 f"the optimizer updates a tensor of shape {tuple(p.shape)} that the DeepSpeed layout does not "
                 "know; parameters were added to the optimizer after deepspeed.initialize (not supported)"
             ) from None
+
+    def offsets(self, p: Tensor) -> list[int]:
+        """Where each of ``segments(p)`` starts inside its model tensor."""
+        self.segments(p)
+        return self._offsets[id(p)]
 
     def all_reduce(self, t: Tensor, op: str) -> None:
         if self.group is None:

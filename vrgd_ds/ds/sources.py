@@ -293,6 +293,13 @@ def zero3_pieces(zopt: Any, i: int) -> list[tuple[Tensor, int, int]]:
     return out
 
 
+def zero3_tensor_offset(zopt: Any, p: Tensor) -> int:
+    """Where this rank's partition of ``p`` starts inside the whole tensor (ZeRO-3 cuts each
+    parameter into equal ``partition_numel`` pieces, rank r holding the r-th)."""
+    _, _, part_numel = zopt.grad_position[zopt.get_param_id(p)]
+    return min(dist.get_rank(group=zopt._get_param_partition_group(p)) * int(part_numel), int(p.ds_numel))
+
+
 def attach_zero3(engine: Any, zopt: Any, world: int) -> ReductionStats:
     from deepspeed.runtime.comm.coalesced_collectives import reduce_scatter_coalesced
 
@@ -346,4 +353,4 @@ def expected_groups(world: int, gas: int, stage: int, scheme: str = "per_micro_s
 
 
 __all__ = ["ReductionStats", "CommCounters", "attach_stage0", "attach_zero12", "attach_zero3",
-           "expected_groups", "zero12_pieces", "zero3_pieces"]
+           "expected_groups", "zero12_pieces", "zero3_pieces", "zero3_tensor_offset"]

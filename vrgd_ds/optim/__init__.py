@@ -1,11 +1,10 @@
-"""The VRGD optimizer family: stateful shells over fused functional updates."""
-from vrgd_ds.optim.adam import VRAdam
+"""The VRGD optimizer family: stateful shells over fused functional updates. The members are
+listed once, in ``registry.py``; this package exports each by name."""
 from vrgd_ds.optim.base import GSNROptimizer
-from vrgd_ds.optim.lamb import Lamb, VRFusedLAMB, VRLamb
-from vrgd_ds.optim.lars import Lars, VRLars
+from vrgd_ds.optim.lamb import VRFusedLAMB
 from vrgd_ds.optim.param_groups import param_groups
-from vrgd_ds.optim.registry import REGISTRY, OptimInfo
-from vrgd_ds.optim.sgd import VRSGD, VRMomentum
+from vrgd_ds.optim.registry import CLASSES, REGISTRY, OptimInfo
 
-__all__ = ["GSNROptimizer", "VRSGD", "VRMomentum", "VRAdam", "VRLamb", "VRLars", "Lamb", "Lars", "VRFusedLAMB",
-           "param_groups", "REGISTRY", "OptimInfo"]
+globals().update(CLASSES)
+
+__all__ = ["GSNROptimizer", *CLASSES, "VRFusedLAMB", "param_groups", "REGISTRY", "OptimInfo"]

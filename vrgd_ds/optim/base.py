@@ -52,12 +52,17 @@ class Layout(Protocol):
 
     names: list[str]  # per key
     numel: Tensor  # float64 [num_keys]: element count of each whole model tensor
+    shapes: list[tuple[int, ...]]  # per key: the whole model tensor's shape
 
     @property
     def num_keys(self) -> int: ...
 
     def segments(self, p: Tensor) -> list[tuple[int, int, int]]:
         """``(start, length, key)`` of each model-tensor piece inside the flat tensor ``p``."""
+        ...
+
+    def offsets(self, p: Tensor) -> list[int]:
+        """Where each piece of ``segments(p)`` starts inside its model tensor."""
         ...
 
     def all_reduce(self, t: Tensor, op: str) -> None:
@@ -107,6 +112,10 @@ class Plan:
     tdev: torch.device = torch.device("cpu")
     key_base: int = 0  # one process: the key of the plan's first tensor (keys number tensors in order)
     tensor_of: Tensor | None = None  # int64 [S] on tdev: the tensor index of each segment
+    offsets: Tensor | None = None  # int64 [S] on the host: where each segment starts in its model tensor
+    shapes: dict[int, tuple[int, ...]] = field(default_factory=dict)  # key -> the whole model tensor's shape
+    rows: list[list[int]] = field(default_factory=list)  # per segment, host ints: tensor index, start, length,
+    #                                                      key, numel (one process), offset in the model tensor
     step_t: Tensor | None = None  # float64 [S] on tdev: the step count after this step
     found: Tensor | None = None  # float64 0-dim on tdev: 1 when the step is skipped (sync-free kernels)
     sum_g: list[Tensor] = field(default_factory=list)
@@ -386,16 +395,19 @@ class GSNROptimizer(torch.optim.Optimizer):
             grads.append(p.grad)
             states.append(self.state[p])
         if self._layout is None:  # every tensor is a whole model tensor
-            rows = [[i, 0, p.numel(), key_base + i, p.numel()] for i, p in enumerate(params)]
+            rows = [[i, 0, p.numel(), key_base + i, p.numel(), 0] for i, p in enumerate(params)]
+            shapes = {key_base + i: tuple(p.shape) for i, p in enumerate(params)}
         else:
-            rows = [[i, start, length, key, 0] for i, p in enumerate(params)
-                    for start, length, key in self._layout.segments(p)]
-        t = torch.tensor(rows, dtype=torch.long).reshape(-1, 5)
+            rows = [[i, start, length, key, 0, offset] for i, p in enumerate(params)
+                    for (start, length, key), offset in zip(self._layout.segments(p), self._layout.offsets(p))]
+            shapes = {row[3]: self._layout.shapes[row[3]] for row in rows}
+        t = torch.tensor(rows, dtype=torch.long).reshape(-1, 6)
         seg, keys = t[:, :3].contiguous(), t[:, 3].contiguous()
         numel = t[:, 4].double() if self._layout is None else self._layout.numel.index_select(0, keys)
         plan = Plan(index, group, params, grads, states, seg, to_device(numel, tdev), to_device(keys, tdev), tdev,
                     key_base)
         plan.tensor_of = to_device(seg[:, 0].contiguous(), tdev)
+        plan.offsets, plan.shapes, plan.rows = t[:, 5].contiguous(), shapes, rows
         return plan
 
     def _undo_step_counts(self) -> None:

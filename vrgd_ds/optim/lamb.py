@@ -166,15 +166,6 @@ class VRLamb(GSNROptimizer):
         return {"gsnr_counts": out[:, 2:5], "trust": trust, "adapted": adapted}
 
 
-class Lamb(VRLamb):
-    """LAMB: :class:`VRLamb` with ``gsnr=False`` (same code, nothing else differs)."""
-
-    def __init__(self, params: Any, **kwargs: Any) -> None:
-        if kwargs.pop("gsnr", False):
-            raise ValueError("Lamb is VRLamb without GSNR; use VRLamb for gsnr=True")
-        super().__init__(params, gsnr=False, **kwargs)
-
-
 class VRFusedLAMB(VRLamb):
     """:class:`VRLamb` with apex ``FusedLAMB``'s defaults (module docstring): global gradient
     clipping at ``max_grad_norm=1.0``, unclamped trust ratio, no adaptation of groups without

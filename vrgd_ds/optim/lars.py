@@ -70,11 +70,3 @@ class VRLars(GSNROptimizer):
         counts = sgd_update(self, plan, kernels, n, lr_mult=local)
         return {"gsnr_counts": counts, "trust": local, "adapted": adapted}
 
-
-class Lars(VRLars):
-    """LARS: :class:`VRLars` with ``gsnr=False`` (same code, nothing else differs)."""
-
-    def __init__(self, params: Any, **kwargs: Any) -> None:
-        if kwargs.pop("gsnr", False):
-            raise ValueError("Lars is VRLars without GSNR; use VRLars for gsnr=True")
-        super().__init__(params, gsnr=False, **kwargs)

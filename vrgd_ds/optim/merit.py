@@ -1,0 +1,197 @@
+"""VR-MERIT and MERIT (Luo et al., ICML 2025, "MERIT: Maximum-normalized Element-wise Ratio for
+Language Model Large-batch Training", arXiv 2508.20577, Algorithm 1; the authors' code
+``NUS-HPC-AI-Lab/MERIT``, ``optim/merit.py``; Jiang et al., arXiv 2309.13681 for the GSNR part).
+
+Algorithm 1, by line, with ‖·‖_m the max-norm (largest absolute value)::
+
+    m = beta1 · m + (1 - beta1) · p̂ ⊙ g        v = beta2 · v + (1 - beta2) · g²      (lines 4-5)
+    u = m / (sqrt(v) + eps) + wd · θ                                                   (line 6)
+    b      = ‖θ‖_m / ‖u‖_m                       whole tensor                          (line 7)
+    r_i    = ‖θ_i,:‖_m / ‖u_i,:‖_m               row i                                 (line 8)
+    c_j    = ‖θ_:,j‖_m / ‖u_:,j‖_m               column j                              (line 9)
+    s_ij   = max(max(r_i, c_j), b)                                                     (lines 10-11)
+    θ     -= lr · clip(s ⊙ u, -1, 1)             element-wise                          (line 12)
+
+Where the paper and the code differ, this follows the code, and says so:
+
+* neither has a bias correction (``bias_correction=False`` by default; True divides m and v as Adam);
+* the code sets s = 1 for an element whose row or column maximum of |θ| or |u| is 0, after the
+  lower bound b (the paper has no guard);
+* the paper writes Algorithm 1 for matrices; the code treats a tensor of two or more dimensions by
+  its dims 0 and 1 (rows: maxima over dim 1, columns: over dim 0, further dims kept apart), and a
+  1-D tensor (biases, LayerNorm) by the whole-tensor ratio b alone (1 if either maximum is 0);
+* defaults are the code's: ``lr=1e-3, betas=(0.9, 0.999), eps=1e-6, weight_decay=0`` (its
+  docstring says eps 1e-8; the constructor uses 1e-6). The clip threshold is 1 in both.
+
+What p̂ does here (``tests/unit/test_damping.py``): noise elements that share rows and columns
+with signal elements are damped as in VR-LAMB (a [16, 64] matrix with scattered noise: 0.073 of
+the signal's step against MERIT's 0.600); a row or column that is noise throughout is rescaled by
+its own ratio to its weights' max-norm, which cancels p̂ there (0.661 against 0.685) — the
+element-wise analogue of LAMB's trust ratio, which does the same to a tensor that is all noise.
+
+A group with ``trust_ratio=False`` keeps s = 1 (``param_groups`` puts biases and norms there), the
+clip still applies. p̂ enters as ``gsnr_placement`` says, where VR-LAMB puts it (``adam.py``).
+
+Exact under ZeRO: a tensor cut across partitions completes its row and column maxima with one
+small MAX all-reduce per ``step()`` call (``Layout.all_reduce``) of a table holding, per model
+tensor, [max|θ|, max|u|, row and column maxima of |θ| and of |u|] — (2 + 2·(rows + columns)) fp32
+values, about 1 % of a BERT weight matrix's elements — so every rank scales its elements exactly
+as the unsharded computation. The moments run in the fused ``adam_step`` kernels; the ratios
+are torch ops (no fused kernel: a one-time log line says so).
+"""
+from __future__ import annotations
+
+import logging
+import math
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from vrgd_ds.log import warn_once
+from vrgd_ds.optim import _impl, columns
+from vrgd_ds.optim.adam import (GSNR_PLACEMENTS, UPDATE_PLACEMENT, adam_columns, check_adam_args, check_placement,
+                                placement_index)
+from vrgd_ds.optim.base import GSNROptimizer, Plan
+
+logger = logging.getLogger(__name__)
+
+
+class MaxTable:
+    """Where each model tensor's maxima live in one flat fp32 table:
+    ``[max|θ|, max|u|, |θ| rows, |θ| columns, |u| rows, |u| columns]`` per key."""
+
+    def __init__(self, shapes: dict[int, tuple[int, ...]]) -> None:
+        self.base: dict[int, int] = {}
+        self.dims: dict[int, tuple[int, int, int]] = {}  # key -> (rows a, columns b, kept R) for >= 2-D
+        size = 0
+        for key in sorted(shapes):
+            shape = shapes[key]
+            self.base[key] = size
+            if len(shape) >= 2:
+                a, b, r = shape[0], shape[1], math.prod(shape[2:])
+                self.dims[key] = (a, b, r)
+                size += 2 + 2 * (a + b) * r
+            else:
+                size += 2
+        self.size = size
+
+    def indices(self, key: int, offset: int, length: int, device: torch.device) -> tuple[Tensor, ...] | None:
+        """Table positions of the |θ|-row, |θ|-column, |u|-row, |u|-column maxima of elements
+        ``offset .. offset+length`` of tensor ``key`` (None for a tensor under 2-D)."""
+        if key not in self.dims:
+            return None
+        a, b, r = self.dims[key]
+        e = torch.arange(offset, offset + length, device=device)
+        row = (e // (b * r)) * r + e % r
+        col = ((e // r) % b) * r + e % r
+        w_rows = self.base[key] + 2
+        w_cols, u_rows = w_rows + a * r, w_rows + (a + b) * r
+        u_cols = u_rows + a * r
+        return w_rows + row, w_cols + col, u_rows + row, u_cols + col
+
+
+class VRMerit(GSNROptimizer):
+    r"""VR-MERIT; see the module docstring.
+
+    Args:
+        params: parameters or param groups; a group with ``trust_ratio=False`` keeps s = 1.
+        lr: learning rate.
+        betas: (beta1, beta2) of the moments.
+        eps: added to sqrt(v).
+        weight_decay: λ, inside u (so inside the ratios and the clip), as Algorithm 1.
+        bias_correction: Adam's bias correction of m and v (the paper and its code have none).
+        gamma, beta3, gsnr_eps, gsnr_placement, gsnr, fused: as :class:`vrgd_ds.VRAdam`.
+    """
+
+    state_keys = ("exp_avg", "exp_avg_sq")
+
+    def __init__(self, params: Any, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-6,
+                 weight_decay: float = 0.0, bias_correction: bool = False, gamma: float = 0.1, beta3: float = 0.9,
+                 gsnr_eps: float = 1e-12, gsnr_placement: str = GSNR_PLACEMENTS[0], gsnr: bool = True,
+                 fused: bool | str | None = None) -> None:
+        check_adam_args(type(self).__name__, betas, eps)
+        defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay,
+                        bias_correction=bias_correction, trust_ratio=True, gamma=gamma, beta3=beta3,
+                        gsnr_eps=gsnr_eps, gsnr_placement=gsnr_placement, gsnr=gsnr)
+        super().__init__(params, defaults, fused=fused)
+
+    def _check_group(self, group: dict[str, Any]) -> None:
+        check_placement(type(self).__name__, group)
+
+    def _update(self, plan: Plan, kernels: _impl.Kernels, n: int, extras: dict[str, Any]) -> dict[str, Tensor]:
+        g = plan.group
+        warn_once(logger, f"merit-torch-{type(self).__name__}", "%s: the max-norm and element-wise ratios run in "
+                  "torch ops (no fused kernel); the moments in the %s kernels", type(self).__name__, kernels.name)
+        m = [st["exp_avg"] for st in plan.states]
+        v = [st["exp_avg_sq"] for st in plan.states]
+        cols = adam_columns(plan)
+        gsnr_args = {k: val for k, val in plan.gsnr_args(n).items() if k != "eps"}
+        placement = placement_index(plan)
+        segf = columns.build(columns.ADAM, **cols)
+        out = kernels.adam_step(plan.params, plan.grads, m, v, seg=plan.seg, segf=segf, lr=g["lr"],
+                                beta1=g["betas"][0], beta2=g["betas"][1], eps=g["eps"],
+                                weight_decay=g["weight_decay"], apply=False, placement=placement,
+                                eps_gsnr=g["gsnr_eps"], **gsnr_args, **plan.skip_args())
+        on_update = None
+        if plan.gsnr and placement == UPDATE_PLACEMENT:  # p̂ on u, read back as the kernels left it (syncs)
+            on_update = _impl._Gsnr(plan.sum_g, plan.sum_sq, plan.avg, gsnr_args["inv_n"], g["gsnr_eps"],
+                                    gsnr_args["beta3"])
+            segf_host = segf.cpu()
+        # host ints from the plan, per-segment values as device scalars: nothing is read back
+        segs = [(t, start, length, key, offset) for t, start, length, key, _, offset in plan.rows]
+        bc1, bc2s = cols["bc1"], cols["bc2s"]
+
+        def update(i: int) -> tuple[Tensor, Tensor]:
+            t, start, length = segs[i][:3]
+            pv = plan.params[t].view(-1).narrow(0, start, length).float()
+            mi, vi = (x[t].view(-1).narrow(0, start, length) for x in (m, v))
+            u = mi / (bc1[i].float() * (vi.sqrt() / bc2s[i].float() + g["eps"]))
+            if on_update is not None:
+                u = on_update.written(t, start, length, segf_host[i]) * u
+            return pv, u + g["weight_decay"] * pv
+
+        device = plan.params[0].device
+        # every rank builds the same table (all model tensors under ZeRO) for the collective
+        table = MaxTable(plan.shapes if self._layout is None else dict(enumerate(self._layout.shapes)))
+        maxima = torch.zeros(table.size, dtype=torch.float32, device=device)
+        for i, (_, _, length, key, offset) in enumerate(segs):
+            pv, u = update(i)
+            w_abs, u_abs = pv.abs(), u.abs()
+            base = table.base[key]
+            if length:
+                maxima[base] = torch.maximum(maxima[base], w_abs.max())
+                maxima[base + 1] = torch.maximum(maxima[base + 1], u_abs.max())
+            idx = table.indices(key, offset, length, device)
+            if idx is not None:
+                for where, x in zip(idx, (w_abs, w_abs, u_abs, u_abs)):
+                    maxima.scatter_reduce_(0, where, x, "amax")
+        if self._layout is not None:
+            self._layout.all_reduce(maxima, "max")
+
+        adapt = bool(g["trust_ratio"])
+        ratio = torch.ones(len(segs), dtype=torch.float64, device=device)
+        adapted = torch.zeros(len(segs), dtype=torch.bool, device=device)
+        for i, (t, start, length, key, offset) in enumerate(segs):
+            pv, u = update(i)
+            base = table.base[key]
+            w_max, u_max = maxima[base], maxima[base + 1]
+            whole = (w_max > 0) & (u_max > 0)
+            b = torch.where(whole, w_max / torch.where(whole, u_max, 1.0), 1.0)
+            ratio[i], adapted[i] = b.double(), whole & adapt
+            idx = table.indices(key, offset, length, device)
+            if not adapt:
+                s: Tensor | float = 1.0
+            elif idx is None:  # under 2-D: the whole-tensor ratio (1 if either maximum is 0)
+                s = b
+            else:
+                w_row, w_col, u_row, u_col = (maxima.index_select(0, j) for j in idx)
+                zero = (w_row == 0) | (u_row == 0) | (w_col == 0) | (u_col == 0)
+                s = torch.maximum(w_row / u_row, w_col / u_col).clamp_min(b)
+                s = torch.where(zero, 1.0, s)
+            new = pv - g["lr"] * (u * s).clamp(-1.0, 1.0)
+            if plan.found is not None:  # the sync-free kernels skip on the device
+                new = torch.where(plan.found > 0, pv, new)
+            plan.params[t].view(-1).narrow(0, start, length).copy_(new)
+        return {"gsnr_counts": out[:, 2:5], "trust": ratio.to(plan.tdev), "adapted": adapted.to(plan.tdev)}
+
