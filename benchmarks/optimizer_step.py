@@ -31,7 +31,7 @@ import vrgd_ds
 from vrgd_ds.optim.adam import GSNR_PLACEMENTS
 
 HIDDEN, INTER, VOCAB, POSITIONS, TYPES = 512, 2048, 30522, 512, 2
-OURS = (vrgd_ds.VRSGD, vrgd_ds.VRMomentum, vrgd_ds.VRAdam, vrgd_ds.VRLamb, vrgd_ds.VRLars, vrgd_ds.Lamb, vrgd_ds.Lars)
+OURS = tuple(info.cls for info in vrgd_ds.REGISTRY.values())  # every member
 FACTORIES = {
     "AdamW(foreach)": lambda ps: torch.optim.AdamW(ps, foreach=True),
     "AdamW(fused)": lambda ps: torch.optim.AdamW(ps, fused=True),
@@ -43,7 +43,7 @@ PLACEMENT_FACTORIES = {
     f"{cls.__name__}({pl})": (lambda ps, cls=cls, pl=pl: cls(ps, fused=True, gsnr_placement=pl))
     for cls in (vrgd_ds.VRAdam, vrgd_ds.VRLamb) for pl in GSNR_PLACEMENTS[1:]
 }
-ADAM_FAMILY = ("AdamW(foreach)", "AdamW(fused)", "VRAdam", "VRLamb", "Lamb", *PLACEMENT_FACTORIES)
+ADAM_FAMILY = ("AdamW(foreach)", "AdamW(fused)", "VRAdam", "VRLamb", "Lamb", "VRMerit", "Merit", *PLACEMENT_FACTORIES)
 
 
 def bert_shapes(target: int) -> list[tuple[int, ...]]:
@@ -90,7 +90,7 @@ def main() -> None:
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--json", help="also write the results as JSON here")
     ap.add_argument("--only", nargs="+", metavar="NAME", help="these optimizers only (AdamW(fused) and "
-                    "AdamW(foreach) are always run: the ratios refer to them; VRAdam/VRLamb bring their "
+                    "AdamW(foreach) are always run, and Lamb: the ratios refer to them; VRAdam/VRLamb bring their "
                     "--placements rows); each holds its own copy of the parameters, so fewer rows need less memory")
     ap.add_argument("--placements", action="store_true", help="add VRAdam/VRLamb rows for the other GSNR "
                     f"placements ({', '.join(GSNR_PLACEMENTS[1:])})")
@@ -101,7 +101,7 @@ def main() -> None:
         if unknown:
             ap.error(f"--only {unknown[0]}: not one of {', '.join(factories)}")
         factories = {k: v for k, v in factories.items()
-                     if k.split("(")[0] in args.only or k in args.only or k.startswith("AdamW")}
+                     if k.split("(")[0] in args.only or k in args.only or k.startswith("AdamW") or k == "Lamb"}
 
     torch.manual_seed(0)
     shapes = bert_shapes(int(args.params_millions * 1e6))
@@ -142,15 +142,16 @@ def main() -> None:
         rows.append(dict(optimizer=name, median_s=med[name], min_s=min(run["times"]), max_s=max(run["times"]),
                          vs_adamw_fused=med[name] / med["AdamW(fused)"],
                          vs_adamw_foreach=med[name] / med["AdamW(foreach)"],
+                         vs_lamb=med[name] / med["Lamb"] if "Lamb" in med else float("nan"),
                          backward_s=bwd[name], hooks_s=bwd[name] - bwd["AdamW(fused)"],
                          state_words_per_param=words[name], extra_words_per_param=extra,
                          skipped_steps=getattr(run["opt"], "skipped_steps", 0)))
 
     print(f"\n{'optimizer':22s} {'median ms':>10s} {'min ms':>8s} {'max ms':>8s} {'/fused':>7s} "
-          f"{'/foreach':>8s} {'words':>6s} {'extra':>6s} {'skipped':>7s} {'bwd ms':>7s} {'hooks ms':>8s}")
+          f"{'/foreach':>8s} {'/Lamb':>6s} {'words':>6s} {'extra':>6s} {'skipped':>7s} {'bwd ms':>7s} {'hooks ms':>8s}")
     for r in rows:
         print(f"{r['optimizer']:22s} {1e3 * r['median_s']:10.1f} {1e3 * r['min_s']:8.1f} {1e3 * r['max_s']:8.1f} "
-              f"{r['vs_adamw_fused']:7.2f} {r['vs_adamw_foreach']:8.2f} {r['state_words_per_param']:6.2f} "
+              f"{r['vs_adamw_fused']:7.2f} {r['vs_adamw_foreach']:8.2f} {r['vs_lamb']:6.2f} {r['state_words_per_param']:6.2f} "
               f"{r['extra_words_per_param']:6.2f} {r['skipped_steps']:7d} {1e3 * r['backward_s']:7.1f} "
               f"{1e3 * r['hooks_s']:8.1f}")
     print("bwd: the two backward passes before each step; hooks: their time beyond AdamW(fused)'s, i.e. the "

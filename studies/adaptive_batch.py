@@ -9,7 +9,7 @@ LAMB" is VR-LAMB with ``gamma = 1`` (LAMB's step bit for bit; the statistics the
 reads are still gathered). The peak LR is the same for all four at the first batch; the
 adaptive runs scale it with ``lr_rule`` as the batch moves.
 
-    python studies/adaptive_batch.py --corpus embedded --corpus wikitext=../shared/data/wikitext-2
+    python studies/adaptive_batch.py --corpus embedded --corpus wikitext=WIKITEXT2_DIR
     python studies/adaptive_batch.py --quick       # 4 short runs on the embedded corpus
 """
 from __future__ import annotations

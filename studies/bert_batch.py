@@ -20,7 +20,7 @@ from its ``runs.jsonl``, so a grid can grow piecewise and on other machines;
 ``--only-finished`` assembles the tables from those alone, with "–" for cells never run and,
 for each best cell, the factors it was chosen from.
 
-    python studies/bert_batch.py --corpus embedded --corpus wikitext=../shared/data/wikitext-2
+    python studies/bert_batch.py --corpus embedded --corpus wikitext=WIKITEXT2_DIR
     python studies/bert_batch.py --quick     # LAMB and VR-LAMB, 2 tiny runs each (CI)
 
 writes the tables, plots and record to ``--out`` (default ``docs/studies/bert_batch``).

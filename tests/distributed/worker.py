@@ -27,7 +27,11 @@ OPT_KW = {
     "VRLamb": dict(lr=1e-2, weight_decay=0.01),
     "VRLars": dict(lr=0.5, momentum=0.9, weight_decay=1e-3),
     "Lamb": dict(lr=1e-2, weight_decay=0.01),
+    "VRMerit": dict(lr=1e-2, weight_decay=0.01),
 }
+# every other member of the registry: its base's arguments, else the registry's test arguments
+for _name, _info in vrgd_ds.REGISTRY.items():
+    OPT_KW.setdefault(_name, dict(OPT_KW.get(_info.base) or OPT_KW.get("VR" + _info.base) or _info.test_kwargs))
 STEPS = int(os.environ.get("VRGD_TEST_STEPS", "3"))
 if os.environ.get("VRGD_TEST_OPT_KW"):  # debugging: override the optimizer arguments
     OPT_KW = {k: {**v, **json.loads(os.environ["VRGD_TEST_OPT_KW"])} for k, v in OPT_KW.items()}
@@ -161,11 +165,11 @@ def rel_err(got, want, init, dtype) -> float:
 
 
 def REGISTRY_GSNR(name: str) -> bool:
-    return name.startswith("VR")
+    return vrgd_ds.REGISTRY[name].vr
 
 
 MATRIX_FACTORS = dict(stage=(0, 1, 2, 3), dtype=("fp32", "bf16", "fp16"), gas=(1, 2), clip=(0.0, 1.0),
-                      opt=("VRSGD", "VRAdam", "VRLamb", "VRLars"), bucket=(40, 500))  # 40: many buckets a step
+                      opt=("VRSGD", "VRAdam", "VRLamb", "VRLars", "VRMerit"), bucket=(40, 500))  # 40: many buckets
 PERSTEP_FACTORS = dict(stage=(0, 1, 2, 3), dtype=("fp32", "bf16", "fp16"), gas=(1, 2, 4), opt=("VRAdam", "VRLamb"))
 GBAR_FACTORS = dict(stage=(0, 1, 2, 3), dtype=("fp32", "bf16"), gbar=("engine", "local"))
 
@@ -245,9 +249,24 @@ def squares_cases():
                                                           bucket=40)
 
 
-def lamb_cases():
-    for stage in (0, 1, 2, 3):
-        yield f"lamb-stage{stage}", dict(stage=stage, dtype="fp32", gas=2, clip=1.0, opt="Lamb", bucket=40)
+def family_cases():
+    """Every member of the registry the matrix does not cover (the base variants, which send
+    exactly DeepSpeed's bytes, and the rest), on every stage: sharded equals unsharded."""
+    for name in vrgd_ds.REGISTRY:
+        if name not in MATRIX_FACTORS["opt"]:
+            for stage in (0, 1, 2, 3):
+                yield (f"{name.lower()}-stage{stage}",
+                       dict(stage=stage, dtype="fp32", gas=2, clip=1.0, opt=name, bucket=40))
+
+
+def merit_cut_cases():
+    """MERIT's row and column maxima on tensors ZeRO cuts mid-row (every column is cut too):
+    the tiny model's 7x13 weight is split at element 17 on 2 ranks under ZeRO-1/2 (its flat
+    partition boundary) and every tensor in halves under ZeRO-3."""
+    for name in ("Merit", "VRMerit"):
+        for stage in (1, 2, 3):
+            yield f"cut-{name.lower()}-stage{stage}", dict(stage=stage, dtype="fp32", gas=2, clip=0.0, opt=name,
+                                                          bucket=40)
 
 
 def run_checkpoint_case(case: dict) -> dict:

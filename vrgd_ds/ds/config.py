@@ -36,7 +36,7 @@ class ReductionConfig(BaseModel):
     reduced with them (twice the bytes). ``auto``: ``engine`` in fp32 training, ``local`` in
     bf16/fp16 training, where DeepSpeed reduces and accumulates ḡ in the low dtype and its
     rounding meets the fp32 squares in ``s - ḡ²`` (measured: the first step's mean GSNR 4.46
-    instead of 1.52 at n = 4 in bf16; see the README)."""
+    instead of 1.52 at n = 4 in bf16; see docs/deepspeed.md)."""
 
     squares_dtype: Literal["fp32", "bf16"] = "fp32"
     """dtype the squares travel in. ``fp32``: one fused fp32 collective per bucket (2x the

@@ -121,7 +121,7 @@ class VRMerit(GSNROptimizer):
 
     def _update(self, plan: Plan, kernels: _impl.Kernels, n: int, extras: dict[str, Any]) -> dict[str, Tensor]:
         g = plan.group
-        warn_once(logger, f"merit-torch-{type(self).__name__}", "%s: the max-norm and element-wise ratios run in "
+        warn_once(logger, f"merit-torch-{self._serial}", "%s: the max-norm and element-wise ratios run in "
                   "torch ops (no fused kernel); the moments in the %s kernels", type(self).__name__, kernels.name)
         m = [st["exp_avg"] for st in plan.states]
         v = [st["exp_avg_sq"] for st in plan.states]

@@ -4,7 +4,7 @@ the DDP hook's message, the README's table (checked by ``tests/unit/test_registr
 distributed test matrix and the unit tests that parametrise over ``REGISTRY``.
 
 A base variant is data too: ``Lamb`` is ``VRLamb`` with ``gsnr=False``, built here by
-:func:`without_gsnr`. Adding a member (``docs/design.md`` §6): its update (a module under
+:func:`without_gsnr`. Adding a member (``docs/design.md`` §1.1): its update (a module under
 ``vrgd_ds/optim/`` with its class), one entry below, and — if it wants them fused — its
 kernels in the three implementations (``columns.py`` lists them).
 """
@@ -60,8 +60,8 @@ class OptimInfo:
 
     @property
     def vr(self) -> bool:
-        """Whether the name has GSNR on (a base variant fixes it off)."""
-        return self.base != self.name
+        """Whether the name has GSNR on (a base variant fixes it off; our own classes default to on)."""
+        return self.variant_of is None
 
     @property
     def variant_of(self) -> type[GSNROptimizer] | None:

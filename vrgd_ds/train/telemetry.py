@@ -1,7 +1,7 @@
 """Where the pretraining job's metrics go: layer groups for the per-tensor rows, and sinks.
 
 The optimizers return their telemetry as ``dict[str, float]`` (docs/design.md §5:
-``VRGDOptimizer.gsnr_metrics()``); this module is the job's side of that contract. It turns
+``GSNROptimizer.gsnr_metrics()``); this module is the job's side of that contract. It turns
 the per-tensor rows ``tensor/<param name>/<metric>`` into a few rows per layer group (one
 row per encoder layer is readable on a plot, one per tensor of BERT-large is not), and
 writes step records to a JSONL file, TensorBoard and wandb.

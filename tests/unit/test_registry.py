@@ -1,0 +1,91 @@
+"""The family as data: every consumer of the member list reads ``REGISTRY``, so a member added
+there reaches all of them, and a consumer that keeps a list of its own fails here."""
+from __future__ import annotations
+
+import logging
+import re
+from pathlib import Path
+
+import pytest
+import torch
+
+import vrgd_ds
+import vrgd_ds.optim
+from vrgd_ds import REGISTRY
+from vrgd_ds.ds import integration
+from vrgd_ds.optim import registry
+
+ROOT = Path(__file__).resolve().parents[2]
+NAMES = list(REGISTRY)
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_every_member_is_exported_by_name(name):
+    info = REGISTRY[name]
+    assert info.cls.__name__ == name
+    assert getattr(vrgd_ds, name) is info.cls and name in vrgd_ds.__all__
+    assert getattr(vrgd_ds.optim, name) is info.cls and name in vrgd_ds.optim.__all__
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_every_member_is_a_deepspeed_type_with_its_own_parameters(name):
+    info = REGISTRY[name]
+    assert integration.NAMES[name] is info.cls and integration.resolve(name) is info.cls
+    cfg = {"optimizer": {"type": name, "params": dict(info.test_kwargs)}}
+    assert integration.check_optimizer_block(cfg) is info.cls
+    accepted = integration.accepted_params(info.cls)
+    assert ("gsnr" in accepted) == info.vr  # a base variant fixes it
+    with pytest.raises(integration.UnsupportedConfiguration, match=f"optimizer.params.gama: not a parameter of {name}"):
+        integration.check_optimizer_block({"optimizer": {"type": name, "params": {"gama": 0.1}}})
+
+
+def test_ddp_names_every_member_when_given_something_else():
+    from vrgd_ds import ddp
+
+    with pytest.raises(TypeError) as exc:
+        ddp.attach(torch.nn.Linear(1, 1), torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=0.1))
+    assert all(name in str(exc.value) for name in NAMES)
+
+
+def test_readme_table_is_the_registry():
+    text = (ROOT / "README.md").read_text()
+    got = re.search(r"<!-- registry table[^>]*-->\n(.*?)\n<!-- end registry table -->", text, re.S)
+    assert got is not None, "README.md lost its registry table markers"
+    assert got.group(1) == registry.table(), "README's table is stale: paste vrgd_ds.optim.registry.table()"
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_the_design_lists_every_member(name):
+    section = (ROOT / "docs" / "design.md").read_text().split("### 1.1 The family")[1].split("### 1.2")[0]
+    assert f"`{name}`" in section
+
+
+@pytest.mark.parametrize("name", [n for n, i in REGISTRY.items() if i.variant_of is not None])
+def test_a_base_variant_is_its_class_with_gsnr_off(name):
+    info = REGISTRY[name]
+    p = torch.nn.Parameter(torch.ones(3))
+    opt = info.cls([p], **info.test_kwargs)
+    assert isinstance(opt, info.variant_of) and not opt.param_groups[0]["gsnr"]
+    assert REGISTRY[info.base] is info and info.base == name
+    with pytest.raises(ValueError, match=f"{name} is {info.variant_of.__name__} without GSNR"):
+        info.cls([p], gsnr=True)
+
+
+@pytest.mark.parametrize("name", [n for n, i in REGISTRY.items() if not i.fused])
+def test_a_member_without_a_fused_kernel_says_so_once(name, caplog):
+    info = REGISTRY[name]
+    p = torch.nn.Parameter(torch.randn(4, 3))
+    opt = info.cls([p], **{**info.test_kwargs, "gsnr": False} if info.vr else info.test_kwargs)
+    with caplog.at_level(logging.WARNING):
+        for _ in range(2):
+            p.grad = torch.randn(4, 3)
+            opt.step()
+    lines = [r for r in caplog.records if "no fused kernel" in r.getMessage() and name in r.getMessage()]
+    assert len(lines) == 1
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_every_member_names_kernel_operations_that_exist(name):
+    from vrgd_ds.optim._impl import Kernels
+
+    assert set(REGISTRY[name].kernels) <= {m for m in dir(Kernels) if not m.startswith("_")}
