@@ -42,10 +42,12 @@ from common import DOCS, Output, plt, spread, table
 
 from vrgd_ds.optim.adam import GSNR_PLACEMENTS
 
-#: optimizer label -> the job's ``optimizer.params`` besides lr
+#: optimizer label -> the job's ``optimizer.params`` besides lr (``"type"``: another member than VRLamb)
 OPTIMIZERS: dict[str, dict] = {
     "LAMB": {"gsnr": False},
     **{f"VR-LAMB {pl}": {"gamma": 0.1, "beta3": 0.9, "gsnr_placement": pl} for pl in GSNR_PLACEMENTS},
+    "MERIT": {"type": "Merit"},
+    "VR-MERIT": {"type": "VRMerit", "gamma": 0.1, "beta3": 0.9},
 }
 
 
@@ -170,7 +172,9 @@ def run_one(label: str, corpus: str, data: Path, batch: int, factor: float, seed
     run_dir.mkdir(parents=True)
     cfg = base_config(args.seq_len, args.micro_batch, args.ranks, args.workers, getattr(args, "model", "tiny"))
     lr = lr_for(batch, args) * factor
-    cfg["optimizer"]["params"].update(OPTIMIZERS[label] if params is None else params)
+    chosen = dict(OPTIMIZERS[label] if params is None else params)
+    cfg["optimizer"]["type"] = chosen.pop("type", cfg["optimizer"]["type"])
+    cfg["optimizer"]["params"].update(chosen)
     cfg["job"].update(seed=seed, total_steps=steps)
     cfg["job"]["data"]["path"] = str(data)
     cfg["job"]["phases"][0].update(global_batch=batch, lr=lr, **(phase_extra or {}))

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+from vrgd_ds import REGISTRY
 from vrgd_ds.train import checkpoints as ckpt
 from vrgd_ds.train import loop
 from vrgd_ds.train.watchdog import Watchdog, collective_timeout, poll_interval
@@ -31,7 +32,7 @@ def run_main(capsys, *args: str, config: Path = TEST_CONFIG, run_dir: Path | Non
     ("optimizer.params.gsnr_placement=\"last\"", "optimizer.params.gsnr_placement: VRLamb: invalid "
                                                  "gsnr_placement='last'"),
     ('optimizer.type="VRLam"', "optimizer.type: 'VRLam' is not a VRGD optimizer; did you mean 'VRLamb'?; registered: "
-                               "VRSGD, VRMomentum, VRAdam, VRLamb, VRLars, Lamb, Lars"),
+                               + ", ".join(REGISTRY)),
     ('zero_optimization.offload_optimizer={"device": "cpu"}', "zero_optimization.offload_optimizer: CPU/NVMe offload "
                                                               "is not supported"),
     ('vrgd={"squares_dtype": "fp8"}', "vrgd.squares_dtype: Input should be 'fp32' or 'bf16'"),
@@ -170,3 +171,23 @@ def test_collectives_outlive_the_watchdog(timeout_s):
     test_stalled_rank_ends_the_job_naming_it). Fails on the old code: no ``collective_timeout``."""
     latest_watchdog_exit = timeout_s + poll_interval(timeout_s)
     assert collective_timeout(timeout_s) >= latest_watchdog_exit + 10.0
+
+
+def test_set_up_has_its_own_limit_until_the_first_step(tmp_path):
+    """Bug: the step limit applied from the start, so a set-up slower than job.timeout_minutes (a
+    loaded machine, kernels built on first use) ended the job before its first step (seen in
+    test_stalled_rank_ends_the_job_naming_it: "no progress for 15 s ... after start at step 0").
+    Fails on the old code: Watchdog takes no ``startup_s``."""
+    w = Watchdog(tmp_path, 0, 1, timeout_s=15, startup_s=600)
+    try:
+        assert w.limit == 600
+        w.beat(0, "set-up")
+        w.beat(0, "resume")
+        assert w.limit == 600
+        w.beat(1)
+        assert w.limit == 15
+        w.beat(1, "evaluation")
+        assert w.limit == 15
+        assert Watchdog(tmp_path, 1, 2, timeout_s=60, startup_s=5).limit == 60  # never shorter than a step's
+    finally:
+        w.stop()

@@ -8,7 +8,8 @@ import deepspeed.comm as dist
 
 from vrgd_ds.ds import local, sources
 from vrgd_ds.ds.config import reduction_config
-from vrgd_ds.ds.integration import UnsupportedConfiguration, _require
+from vrgd_ds.ds.internals import UnsupportedConfiguration
+from vrgd_ds.ds.internals import require as _require
 from vrgd_ds.ds.layout import Layout
 from vrgd_ds.optim.base import MIN_GROUPS, GSNROptimizer
 

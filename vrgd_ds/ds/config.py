@@ -11,7 +11,8 @@ from typing import Any, Literal
 import torch
 from pydantic import BaseModel, ConfigDict, ValidationError
 
-from vrgd_ds.ds.integration import UnsupportedConfiguration
+from vrgd_ds.ds.internals import UnsupportedConfiguration
+from vrgd_ds.ds.names import check_optimizer_block
 
 KEY = "vrgd"
 
@@ -79,7 +80,6 @@ def check_config(raw_config: dict[str, Any]) -> None:
     """What can be checked in a DeepSpeed config dict before any work (no engine, no
     process group): the optimizer block (``check_optimizer_block``), the ``"vrgd"`` block, and
     the ZeRO options the hooks do not cover. ``deepspeed.initialize`` checks the rest."""
-    from vrgd_ds.ds.integration import check_optimizer_block
 
     check_optimizer_block(raw_config)
     reduction_config(raw_config)

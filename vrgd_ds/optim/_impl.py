@@ -20,18 +20,13 @@ import torch
 from torch import Tensor
 
 from vrgd_ds.gsnr import gsnr as gsnr_raw
-from vrgd_ds.optim.columns import COL
+from vrgd_ds.optim.columns import BOTH_MOMENTS, COL, FIRST_MOMENT, PLACEMENTS, UPDATE, KernelFailure  # noqa: F401
 from vrgd_ds.log import warn_once
 
 logger = logging.getLogger(__name__)
 
 Tensors = Sequence[Tensor]
 
-#: Where the Adam family applies the GSNR scale p̂, by the index the kernels take
-#: (``Placement`` in ``_fused/kernels.cpp``): the first moment only (m from p̂ ⊙ g, v from g²),
-#: both moments (cancels in m̂/√v̂ wherever p̂ is steady), or the final update m̂/(√v̂+eps).
-PLACEMENTS = ("first_moment", "both_moments", "update")
-FIRST_MOMENT, BOTH_MOMENTS, UPDATE = range(3)
 
 
 class Kernels(Protocol):
@@ -272,15 +267,6 @@ _FUSED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 #: accepted values of the optimizers' ``fused`` argument
 FUSED_CHOICES = (None, True, False, "triton")
-
-
-class KernelFailure(RuntimeError):
-    """A kernel of a compiled implementation failed to compile or launch; ``cause`` is the
-    compiler's or driver's exception."""
-
-    def __init__(self, kernel: str, flags: dict, cause: BaseException) -> None:
-        super().__init__(f"kernel {kernel} {flags} failed: {type(cause).__name__}: {cause}")
-        self.kernel, self.flags, self.cause = kernel, flags, cause
 
 
 class StepRetry(Exception):

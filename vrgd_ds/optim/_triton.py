@@ -50,7 +50,7 @@ import triton.language as tl
 from torch import Tensor
 
 from vrgd_ds.optim import columns
-from vrgd_ds.optim._impl import BOTH_MOMENTS, PLACEMENTS, UPDATE, KernelFailure
+from vrgd_ds.optim.columns import BOTH_MOMENTS, PLACEMENTS, UPDATE, KernelFailure
 
 logger = logging.getLogger(__name__)
 

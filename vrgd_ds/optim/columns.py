@@ -1,4 +1,5 @@
-"""The per-segment tables the kernels take, by name: one schema per kernel, written once.
+"""The kernel interface's data: the per-segment tables the kernels take, by name (one schema
+per kernel, written once), the GSNR placements by index, and the failure a compiled kernel raises.
 
 Every kernel call gets a contiguous float64 table ``[S, k]`` with one row per segment; the
 three implementations read its columns by these names — the reference through ``COL``, the
@@ -19,6 +20,21 @@ ADAM = GSNR + ("bc1", "bc2s", "grad_mult")  # adam_step: 1 - beta1^t, sqrt(1 - b
 LAMB_APPLY = GSNR + ("bc1", "bc2s", "trust")  # lamb_apply: as ADAM, and the trust ratio
 
 SCHEMAS = {"norms": NORMS, "sgd": SGD, "adam": ADAM, "lamb_apply": LAMB_APPLY}
+
+#: Where the Adam family applies the GSNR scale p̂, by the index the kernels take
+#: (``Placement`` in ``_fused/kernels.cpp``): the first moment only (m from p̂ ⊙ g, v from g²),
+#: both moments (cancels in m̂/√v̂ wherever p̂ is steady), or the final update m̂/(√v̂+eps).
+PLACEMENTS = ("first_moment", "both_moments", "update")
+FIRST_MOMENT, BOTH_MOMENTS, UPDATE = range(3)
+
+
+class KernelFailure(RuntimeError):
+    """A kernel of a compiled implementation failed to compile or launch; ``cause`` is the
+    compiler's or driver's exception."""
+
+    def __init__(self, kernel: str, flags: dict, cause: BaseException) -> None:
+        super().__init__(f"kernel {kernel} {flags} failed: {type(cause).__name__}: {cause}")
+        self.kernel, self.flags, self.cause = kernel, flags, cause
 
 
 def index(schema: tuple[str, ...], name: str) -> int:

@@ -190,6 +190,9 @@ class JobConfig(_Strict):
     (``watchdog.collective_timeout``), so the watchdog's message comes first. Preparing a
     large corpus inside the job counts against it on the waiting ranks: prepare it beforehand
     with ``vrgd-data prepare``."""
+    startup_timeout_minutes: float = Field(10.0, gt=0.0)
+    """The same limit until the first step finishes (set-up, kernels built on first use, a
+    resume or a checkpoint conversion), when it is longer than ``timeout_minutes``."""
     telemetry: TelemetryConfig = Field(default_factory=TelemetryConfig)
 
     @model_validator(mode="after")

@@ -30,7 +30,8 @@ Failure handling (each case ends the job with a message naming the key, file, ra
 * ``job.stop_after_skipped_steps`` consecutive skipped steps (non-finite gradients, fp16
   overflow) stop the run (exit ``EXIT_DIVERGED``); the rotation keeps the last checkpoint
   taken before the skips began;
-* a rank without progress for ``job.timeout_minutes`` ends the job, naming the stalled rank
+* a rank without progress for ``job.timeout_minutes`` (``job.startup_timeout_minutes`` before the
+  first step) ends the job, naming the stalled rank
   (``watchdog``, exit 3); collectives time out a little later, so that message comes first;
 * ``SIGUSR1`` (Slurm's ``--signal=USR1@120`` before a time limit or pre-emption): every rank
   finishes its step, the job takes a checkpoint and exits ``EXIT_REQUEUE`` so the batch script
@@ -122,7 +123,7 @@ class Trainer:
         self.raw, self.job, self.run_dir = raw, job, run_dir
         cuda = torch.cuda.is_available()
         deepspeed.init_distributed(dist_backend=backend or ("nccl" if cuda else "gloo"), auto_mpi_discovery=True,
-                                   timeout=datetime.timedelta(seconds=collective_timeout(job.timeout_minutes * 60)))
+                                   timeout=datetime.timedelta(seconds=collective_timeout(max(job.timeout_minutes, job.startup_timeout_minutes) * 60)))
         self.dist = dist
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
         if cuda:
@@ -161,7 +162,8 @@ class Trainer:
         import deepspeed
 
         job, run_dir, raw, dist = self.job, self.run_dir, self.raw, self.dist
-        self.watchdog = Watchdog(run_dir, self.rank, self.world, job.timeout_minutes * 60)
+        self.watchdog = Watchdog(run_dir, self.rank, self.world, job.timeout_minutes * 60,
+                                 startup_s=job.startup_timeout_minutes * 60)
         if self.lock is not None:
             self.watchdog.on_exit = self.lock.release
         self.watchdog.start()

@@ -17,8 +17,10 @@ times the batch rule's factor (``b/B`` or ``√(b/B)``). At ``b = B`` this is th
 from __future__ import annotations
 
 import math
+from typing import TYPE_CHECKING
 
-from vrgd_ds.train.config import JobConfig
+if TYPE_CHECKING:  # the config imports this module
+    from vrgd_ds.train.config import JobConfig
 
 
 def warmup_steps(fraction: float, total: int) -> int:

@@ -1,5 +1,7 @@
 """Step watchdog: a rank that makes no progress for ``timeout`` seconds ends the job with a
-message naming the rank(s) that stopped and the step.
+message naming the rank(s) that stopped and the step. Until the first finished step the limit is
+``startup`` instead (``job.startup_timeout_minutes``): set-up — engine creation, kernels built
+on first use, a resume, a checkpoint conversion — may legitimately take longer than a step.
 
 Every rank keeps a heartbeat file ``<run dir>/heartbeat/rank<r>``: its last progress (a step,
 an evaluation, a checkpoint, with the step and the time) and an ``alive`` time that a thread of
@@ -49,9 +51,12 @@ def poll_interval(timeout_s: float) -> float:
 
 
 class Watchdog:
-    def __init__(self, run_dir: Path, rank: int, world: int, timeout_s: float, poll_s: float | None = None) -> None:
+    def __init__(self, run_dir: Path, rank: int, world: int, timeout_s: float, poll_s: float | None = None,
+                 startup_s: float | None = None) -> None:
         self.dir = run_dir / "heartbeat"
         self.rank, self.world, self.timeout = rank, world, timeout_s
+        self.startup = timeout_s if startup_s is None else max(startup_s, timeout_s)
+        self._stepped = False  # a step finished: the step limit applies from now on
         self.poll = poll_s if poll_s is not None else poll_interval(timeout_s)
         self.dir.mkdir(parents=True, exist_ok=True)
         self._last = time.monotonic()
@@ -72,9 +77,10 @@ class Watchdog:
         with self._lock:
             self._last = time.monotonic()
             self._progress = {"step": step, "what": what, "time": time.time()}
+            self._stepped = self._stepped or what == "step"
         # The backstop, should this process hold the interpreter lock while stuck (a C call that
         # never returns): faulthandler's own thread dumps every thread's stack and exits.
-        faulthandler.dump_traceback_later(self.timeout + BACKSTOP_S, exit=True)
+        faulthandler.dump_traceback_later(self.limit + BACKSTOP_S, exit=True)
         self._write()
 
     def _write(self) -> None:
@@ -84,6 +90,11 @@ class Watchdog:
             tmp = self.dir / f".rank{self.rank}.tmp"
             tmp.write_text(json.dumps(record))
             os.replace(tmp, self.dir / f"rank{self.rank}")
+
+    @property
+    def limit(self) -> float:
+        """The seconds without progress that end the job now."""
+        return self.timeout if self._stepped else self.startup
 
     def stop(self) -> None:
         self._stop.set()
@@ -126,11 +137,12 @@ class Watchdog:
         while not self._stop.wait(self.poll):
             self._write()
             idle = time.monotonic() - self._last
-            if idle < self.timeout:
+            if idle < self.limit:
                 continue
             step, what = self._progress["step"], self._progress["what"]
+            key = "job.timeout_minutes" if self._stepped else "job.startup_timeout_minutes, before the first step"
             report, local_silent = self._examine()
-            msg = (f"vrgd-pretrain: rank {self.rank} made no progress for {idle:.0f} s (job.timeout_minutes) after "
+            msg = (f"vrgd-pretrain: rank {self.rank} made no progress for {idle:.0f} s ({key}) after "
                    f"{what} at step {step}: {report}. Ending the job (exit {EXIT_STALLED}); started again, it "
                    "resumes from the last complete checkpoint")
             logger.error("%s", msg)
