@@ -73,17 +73,26 @@ def normalize(r: Tensor, inv_mean: float, lo: float) -> Tensor:
     return (r * inv_mean).clamp(lo, 1.0)
 
 
-def normalize_segments(r: Tensor, lengths: list[int], gamma: float) -> Tensor:
-    """Eqs. 8-9 for a flat tensor cut into consecutive whole-tensor segments."""
-    pieces = r.split(lengths)
-    sums = torch.stack([p.sum(dtype=torch.float64) for p in pieces])
-    sc = segment_scales(sums, torch.tensor(lengths, dtype=torch.float64), gamma)
-    return torch.cat([normalize(p, float(i), float(lo)) for p, i, lo in zip(pieces, sc.inv_mean, sc.lo)])
+def clip_counts(r: Tensor, inv_mean: float, lo: float) -> tuple[float, float]:
+    """How many elements of a segment ``normalize`` raises to ``lo`` and cuts to 1 (metrics)."""
+    x = r * inv_mean
+    return float((x < lo).sum(dtype=torch.float64)), float((x > 1.0).sum(dtype=torch.float64))
 
 
-def gsnr_ema_bias_correction(beta3: float, step: int) -> float:
-    """``1 - beta3**t``: bias correction of the GSNR momentum ``p_t`` (docs/design.md §1.3)."""
-    return 1.0 - beta3**step
+def momentum(avg: Tensor, r: Tensor, beta3: float) -> Tensor:
+    """The GSNR momentum ``p_t = beta3 · p_{t-1} + (1 - beta3) · r_t`` (docs/design.md §1.1)."""
+    return avg * beta3 + r * (1.0 - beta3)
+
+
+def p_hat(avg: Tensor, bc3: float, lo: float) -> Tensor:
+    """The scale applied: ``clamp(p_t / (1 - beta3^t), lo, 1)``."""
+    return (avg / bc3).clamp(lo, 1.0)
+
+
+def gsnr_ema_bias_correction(beta3: float, step: Tensor) -> Tensor:
+    """``1 - beta3**t`` per segment (float64 step counts): the bias correction of the GSNR
+    momentum ``p_t`` (docs/design.md §1.3), and of Adam's moments with their betas."""
+    return 1.0 - torch.pow(torch.tensor(beta3, dtype=torch.float64), step)
 
 
 @dataclass(frozen=True)

@@ -14,62 +14,17 @@ the kernels only sum in another order.
 from __future__ import annotations
 
 import logging
-from typing import Protocol, Sequence
+from typing import Sequence
 
 import torch
 from torch import Tensor
 
-from vrgd_ds.gsnr import gsnr as gsnr_raw
-from vrgd_ds.optim.columns import BOTH_MOMENTS, COL, FIRST_MOMENT, PLACEMENTS, UPDATE, KernelFailure  # noqa: F401
+from vrgd_ds import gsnr as G
+from vrgd_ds.optim.columns import (BOTH_MOMENTS, COL, FIRST_MOMENT, PLACEMENTS, UPDATE, KernelFailure,  # noqa: F401
+                                   Kernels, Tensors)
 from vrgd_ds.log import warn_once
 
 logger = logging.getLogger(__name__)
-
-Tensors = Sequence[Tensor]
-
-
-
-class Kernels(Protocol):
-    name: str
-
-    def gsnr_moments(self, sum_g: Tensors, sum_sq: Tensors, seg: Tensor, inv_n: float, eps: float) -> Tensor: ...
-
-    def scaled_grad_norms(self, params: Tensors, grads: Tensors, sum_g: Tensors, sum_sq: Tensors, avg: Tensors,
-                          seg: Tensor, segf: Tensor, inv_n: float, eps: float, beta3: float) -> Tensor: ...
-
-    def sgd_step(self, params: Tensors, grads: Tensors, bufs: Tensors, sum_g: Tensors, sum_sq: Tensors,
-                 avg: Tensors, seg: Tensor, segf: Tensor, inv_n: float, eps: float, beta3: float, lr: float,
-                 weight_decay: float, momentum: float, dampening: float, nesterov: bool) -> Tensor:
-        """Returns per segment [clip low count, clip high count, Σ p̂]."""
-
-    def adam_step(self, params: Tensors, grads: Tensors, exp_avg: Tensors, exp_avg_sq: Tensors, sum_g: Tensors,
-                  sum_sq: Tensors, avg: Tensors, seg: Tensor, segf: Tensor, inv_n: float, eps_gsnr: float,
-                  beta3: float, lr: float, beta1: float, beta2: float, eps: float, weight_decay: float,
-                  apply: bool, placement: int) -> Tensor:
-        """Returns per segment [clip low, clip high, Σ p̂] (apply) or [‖θ‖², ‖u‖², clip low,
-        clip high, Σ p̂] (LAMB's first pass); ``placement`` indexes ``PLACEMENTS``."""
-
-    def lamb_apply(self, params: Tensors, exp_avg: Tensors, exp_avg_sq: Tensors, sum_g: Tensors, sum_sq: Tensors,
-                   avg: Tensors, seg: Tensor, segf: Tensor, inv_n: float, eps_gsnr: float, beta3: float, lr: float,
-                   eps: float, weight_decay: float) -> None:
-        """LAMB's second pass; the statistics are given (non-empty) only for the ``update``
-        placement, whose p̂ it reads back after ``adam_step`` advanced the GSNR momentum."""
-
-    def nonfinite(self, tensors: Tensors, seg: Tensor) -> Tensor:
-        """Per segment 1.0 where the tensors hold an inf or NaN, else 0.0 (float64 [S])."""
-
-    def pack_squares(self, src: Tensor, g_out: Tensor | None, sq_out: Tensor, c: float,
-                     accumulate: bool = False) -> None:
-        """One pass over a flat local gradient: ``g_out = float(src)`` (when given) and
-        ``sq_out = (c · float(src))²`` (fp32 squares after removing the loss scale); with
-        ``accumulate`` both are added instead of written."""
-
-    def accumulate_moments(self, grad: Tensor, sum_g: Tensor, sum_sq: Tensor, fresh: bool, inv_n: float = 0.0,
-                           eps: float = 0.0) -> Tensor | None:
-        """Adds one backward's gradient to the statistics; with ``inv_n > 0`` an implementation
-        may also return ``gsnr_moments``' row for the tensor as one segment (``None``: it does
-        not, and the step computes it)."""
-
 
 def _piece(t: Tensor, start: int, length: int) -> Tensor:
     return t.view(-1).narrow(0, start, length)
@@ -94,16 +49,16 @@ class _Gsnr:
         sg = _piece(self.sum_g[t], start, length)
         sq = _piece(self.sum_sq[t], start, length)
         # gsnr() multiplies by 1/n: same rounding as the kernels' float(inv_n).
-        x = gsnr_raw(sg, sq, round(1.0 / self.inv_n), self.eps) * inv_mean
-        low, high = _sum(x < lo), _sum(x > 1.0)
-        r = x.clamp(lo, 1.0)
+        raw = G.gsnr(sg, sq, round(1.0 / self.inv_n), self.eps)
+        low, high = G.clip_counts(raw, inv_mean, lo)
+        r = G.normalize(raw, inv_mean, lo)
         if not self.avg:
             return r, low, high
         a = _piece(self.avg[t], start, length)
-        new = a * self.beta3 + r * (1.0 - self.beta3)
+        new = G.momentum(a, r, self.beta3)
         if write:
             a.copy_(new)
-        return (new / bc3).clamp(lo, 1.0), low, high
+        return G.p_hat(new, bc3, lo), low, high
 
     def written(self, t: int, start: int, length: int, row: Tensor) -> Tensor | float:
         """p̂ once ``__call__(write=True)`` ran this step: the GSNR momentum is read back."""
@@ -112,7 +67,7 @@ class _Gsnr:
         if not self.avg:
             return self(t, start, length, row, write=False)[0]
         lo, bc3 = float(row[COL.LO]), float(row[COL.BC3])
-        return (_piece(self.avg[t], start, length) / bc3).clamp(lo, 1.0)
+        return G.p_hat(_piece(self.avg[t], start, length), bc3, lo)
 
 
 def _scale_sum(sc: Tensor | float, length: int) -> float:
@@ -123,6 +78,7 @@ class Reference:
     """Single-tensor reference: one segment at a time, torch ops, any device."""
 
     name = "reference"
+    sync_free = False  # the host decides a skip: ``found_inf`` is always None here
 
     def gsnr_moments(self, sum_g, sum_sq, seg, inv_n, eps):
         out = torch.zeros(seg.shape[0], 6, dtype=torch.float64)
@@ -153,7 +109,7 @@ class Reference:
         return out
 
     def sgd_step(self, params, grads, bufs, sum_g, sum_sq, avg, seg, segf, inv_n, eps, beta3, lr, weight_decay,
-                 momentum, dampening, nesterov):
+                 momentum, dampening, nesterov, found_inf=None):
         scale = _Gsnr(sum_g, sum_sq, avg, inv_n, eps, beta3)
         out = torch.zeros(seg.shape[0], 3, dtype=torch.float64)
         for i, (t, start, length) in enumerate(seg.tolist()):
@@ -175,7 +131,7 @@ class Reference:
         return out
 
     def adam_step(self, params, grads, exp_avg, exp_avg_sq, sum_g, sum_sq, avg, seg, segf, inv_n, eps_gsnr, beta3,
-                  lr, beta1, beta2, eps, weight_decay, apply, placement):
+                  lr, beta1, beta2, eps, weight_decay, apply, placement, found_inf=None):
         if placement not in range(len(PLACEMENTS)):
             raise ValueError(f"adam_step: unknown GSNR placement {placement}")
         scale = _Gsnr(sum_g, sum_sq, avg, inv_n, eps_gsnr, beta3)
@@ -205,7 +161,7 @@ class Reference:
         return out
 
     def lamb_apply(self, params, exp_avg, exp_avg_sq, sum_g, sum_sq, avg, seg, segf, inv_n, eps_gsnr, beta3, lr,
-                   eps, weight_decay):
+                   eps, weight_decay, found_inf=None):
         scale = _Gsnr(sum_g, sum_sq, avg, inv_n, eps_gsnr, beta3)
         for i, (t, start, length) in enumerate(seg.tolist()):
             bc1, bc2s, trust = (float(segf[i, c]) for c in (COL.LAMB_BC1, COL.LAMB_BC2S, COL.LAMB_TRUST))
@@ -246,6 +202,7 @@ class Fused:
     """The fused multi-tensor CPU kernels, built on first use."""
 
     name = "fused"
+    sync_free = False  # the host decides a skip: ``found_inf`` is always None here
 
     def __init__(self) -> None:
         from vrgd_ds.optim import _fused
@@ -254,6 +211,15 @@ class Fused:
 
     def __getattr__(self, item: str):
         return getattr(self._k, item)
+
+    def sgd_step(self, *args, found_inf=None, **kwargs):
+        return self._k.sgd_step(*args, **kwargs)
+
+    def adam_step(self, *args, found_inf=None, **kwargs):
+        return self._k.adam_step(*args, **kwargs)
+
+    def lamb_apply(self, *args, found_inf=None, **kwargs):
+        return self._k.lamb_apply(*args, **kwargs)
 
     def pack_squares(self, src, g_out, sq_out, c, accumulate=False):
         self._k.pack_squares(src.contiguous().view(-1), g_out, sq_out, c, accumulate)
@@ -298,7 +264,7 @@ class WithFallback:
 
     @property
     def sync_free(self) -> bool:
-        return getattr(self.active, "sync_free", False)
+        return self.active.sync_free
 
     def _writes(self) -> int:
         """Launches so far that wrote parameters or optimizer state."""

@@ -857,6 +857,11 @@ class Triton:
             if any(t.dtype != torch.float32 for t in tensors):
                 raise TypeError("Triton VRGD kernels keep optimizer state and statistics in fp32")
 
+    @staticmethod
+    def _no_skip(dev: torch.device) -> Tensor:
+        """``found_inf`` for a caller that decided on the host (the step is taken)."""
+        return torch.zeros((), dtype=torch.float64, device=dev)
+
     # -- kernels
     def gsnr_moments(self, sum_g, sum_sq, seg, inv_n, eps):
         dev = self._device(sum_g)
@@ -881,8 +886,9 @@ class Triton:
         return torch.cat([c, (~torch.isfinite(c[:, 1:2])).double()], dim=1)
 
     def sgd_step(self, params, grads, bufs, sum_g, sum_sq, avg, seg, segf, inv_n, eps, beta3, lr, weight_decay,
-                 momentum, dampening, nesterov, found_inf):
+                 momentum, dampening, nesterov, found_inf=None):
         dev = self._device(params)
+        found_inf = self._no_skip(dev) if found_inf is None else found_inf
         self._fp32(bufs, sum_g, sum_sq, avg)
         ch, ptrs = self.tables(seg, dev, params, grads, bufs, sum_g, sum_sq, avg)
         part = torch.empty(max(ch.count, 1), 3, dtype=torch.float64, device=dev)
@@ -896,10 +902,11 @@ class Triton:
         return self._combined(ch, part, 3, 3, False)
 
     def adam_step(self, params, grads, exp_avg, exp_avg_sq, sum_g, sum_sq, avg, seg, segf, inv_n, eps_gsnr, beta3,
-                  lr, beta1, beta2, eps, weight_decay, apply, placement, found_inf):
+                  lr, beta1, beta2, eps, weight_decay, apply, placement, found_inf=None):
         if placement not in range(len(PLACEMENTS)):
             raise ValueError(f"adam_step: unknown GSNR placement {placement}")
         dev = self._device(params)
+        found_inf = self._no_skip(dev) if found_inf is None else found_inf
         self._fp32(exp_avg, exp_avg_sq, sum_g, sum_sq, avg)
         ch, ptrs = self.tables(seg, dev, params, grads, exp_avg, exp_avg_sq, sum_g, sum_sq, avg)
         k = 3 if apply else 5
@@ -917,8 +924,9 @@ class Triton:
         return self._combined(ch, part, k, k, False)
 
     def lamb_apply(self, params, exp_avg, exp_avg_sq, sum_g, sum_sq, avg, seg, segf, inv_n, eps_gsnr, beta3, lr,
-                   eps, weight_decay, found_inf):
+                   eps, weight_decay, found_inf=None):
         dev = self._device(params)
+        found_inf = self._no_skip(dev) if found_inf is None else found_inf
         self._fp32(exp_avg, exp_avg_sq, sum_g, sum_sq, avg)
         ch, ptrs = self.tables(seg, dev, params, exp_avg, exp_avg_sq, sum_g, sum_sq, avg)
         if ch.count:

@@ -141,7 +141,7 @@ class Plan:
         return to_device(torch.tensor(per_param, dtype=torch.float64), self.tdev).index_select(0, self.tensor_of)
 
     def bias_correction(self, beta: float) -> Tensor:
-        return 1.0 - torch.pow(torch.tensor(beta, dtype=torch.float64), self.step_t)
+        return G.gsnr_ema_bias_correction(beta, self.step_t)
 
     def gsnr_columns(self) -> dict[str, Tensor]:
         """The GSNR columns of every kernel table (``columns.GSNR``): inv_mean, lo and the
@@ -425,7 +425,7 @@ class GSNROptimizer(torch.optim.Optimizer):
         kernels = self.kernels()
         if isinstance(kernels, _impl.WithFallback):
             kernels.new_step()
-        sync_free = getattr(kernels, "sync_free", False)
+        sync_free = kernels.sync_free
         groups = [g for g in self.param_groups if any(p.grad is not None for p in g["params"])]
         if not groups:
             return

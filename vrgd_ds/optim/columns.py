@@ -9,8 +9,12 @@ schemas here. The first three columns of every schema are the GSNR scale's.
 """
 from __future__ import annotations
 
+from typing import Protocol, Sequence
+
 import torch
 from torch import Tensor
+
+Tensors = Sequence[Tensor]
 
 GSNR = ("inv_mean", "lo", "bc3")  # 1/mean r of the tensor, the lower clamp (gamma, or 1 without information),
 #                                   the bias correction of the GSNR momentum
@@ -57,3 +61,54 @@ class COL:
     ADAM_BC1, ADAM_BC2S, ADAM_GRAD_MULT = ADAM.index("bc1"), ADAM.index("bc2s"), ADAM.index("grad_mult")
     LAMB_BC1, LAMB_BC2S, LAMB_TRUST = (LAMB_APPLY.index("bc1"), LAMB_APPLY.index("bc2s"),
                                        LAMB_APPLY.index("trust"))
+
+
+class Kernels(Protocol):
+    """The operations every implementation offers with these arguments: the reference
+    (``_impl.Reference``), the C++ kernels (``_fused/kernels.cpp`` through ``_impl.Fused``) and
+    the Triton kernels (``_triton.Triton``); ``tests/unit/test_kernel_interface.py`` checks all
+    three against this. ``sync_free``: the implementation skips a step on the device from
+    ``found_inf`` (a float64 0-dim device tensor, 1 = skip) and keeps its tables there; the
+    others take ``found_inf=None`` (the host decided the skip before calling)."""
+
+    name: str
+    sync_free: bool
+
+    def gsnr_moments(self, sum_g: Tensors, sum_sq: Tensors, seg: Tensor, inv_n: float, eps: float) -> Tensor: ...
+
+    def scaled_grad_norms(self, params: Tensors, grads: Tensors, sum_g: Tensors, sum_sq: Tensors, avg: Tensors,
+                          seg: Tensor, segf: Tensor, inv_n: float, eps: float, beta3: float) -> Tensor: ...
+
+    def sgd_step(self, params: Tensors, grads: Tensors, bufs: Tensors, sum_g: Tensors, sum_sq: Tensors,
+                 avg: Tensors, seg: Tensor, segf: Tensor, inv_n: float, eps: float, beta3: float, lr: float,
+                 weight_decay: float, momentum: float, dampening: float, nesterov: bool,
+                 found_inf: Tensor | None = None) -> Tensor:
+        """Returns per segment [clip low count, clip high count, Σ p̂]."""
+
+    def adam_step(self, params: Tensors, grads: Tensors, exp_avg: Tensors, exp_avg_sq: Tensors, sum_g: Tensors,
+                  sum_sq: Tensors, avg: Tensors, seg: Tensor, segf: Tensor, inv_n: float, eps_gsnr: float,
+                  beta3: float, lr: float, beta1: float, beta2: float, eps: float, weight_decay: float,
+                  apply: bool, placement: int, found_inf: Tensor | None = None) -> Tensor:
+        """Returns per segment [clip low, clip high, Σ p̂] (apply) or [‖θ‖², ‖u‖², clip low,
+        clip high, Σ p̂] (LAMB's first pass); ``placement`` indexes ``PLACEMENTS``."""
+
+    def lamb_apply(self, params: Tensors, exp_avg: Tensors, exp_avg_sq: Tensors, sum_g: Tensors, sum_sq: Tensors,
+                   avg: Tensors, seg: Tensor, segf: Tensor, inv_n: float, eps_gsnr: float, beta3: float, lr: float,
+                   eps: float, weight_decay: float, found_inf: Tensor | None = None) -> None:
+        """LAMB's second pass; the statistics are given (non-empty) only for the ``update``
+        placement, whose p̂ it reads back after ``adam_step`` advanced the GSNR momentum."""
+
+    def nonfinite(self, tensors: Tensors, seg: Tensor) -> Tensor:
+        """Per segment 1.0 where the tensors hold an inf or NaN, else 0.0 (float64 [S])."""
+
+    def pack_squares(self, src: Tensor, g_out: Tensor | None, sq_out: Tensor, c: float,
+                     accumulate: bool = False) -> None:
+        """One pass over a flat local gradient: ``g_out = float(src)`` (when given) and
+        ``sq_out = (c · float(src))²`` (fp32 squares after removing the loss scale); with
+        ``accumulate`` both are added instead of written."""
+
+    def accumulate_moments(self, grad: Tensor, sum_g: Tensor, sum_sq: Tensor, fresh: bool, inv_n: float = 0.0,
+                           eps: float = 0.0) -> Tensor | None:
+        """Adds one backward's gradient to the statistics; with ``inv_n > 0`` an implementation
+        may also return ``gsnr_moments``' row for the tensor as one segment (``None``: it does
+        not, and the step computes it)."""

@@ -5,6 +5,11 @@ The extension is compiled once per machine type with the host's vector instructi
 home directory shared by nodes of different CPU generations never serves a binary built
 for another CPU. FMA contraction is off so the kernels round like the eager reference.
 
+The name also carries a hash of the source, so two versions of the package never share a build
+directory. A build killed half-way (a job pre-empted during its first step) leaves torch's
+``lock`` file behind, on which every later build would wait forever: a lock older than
+``STALE_LOCK_S`` is removed, with a warning naming it.
+
 The build always runs the ``ninja`` of the ``ninja`` Python package (a dependency): a second
 ninja on PATH (Debian's ``ninja-build``, say) keeps its build log in another hash format, and
 processes alternating between the two would each rebuild the kernels (half a minute per launch).
@@ -17,6 +22,7 @@ import logging
 import os
 import platform
 import shutil
+import time
 from contextlib import contextmanager
 from pathlib import Path
 from types import ModuleType
@@ -34,6 +40,10 @@ _CFLAGS = [
     "-fno-trapping-math",
     "-fno-unswitch-loops",  # GCC otherwise versions the GSNR loops on gamma and runs a scalar copy
 ]
+
+
+#: a build lock this old was left by a killed build (a build takes about a minute)
+STALE_LOCK_S = 15 * 60
 
 
 class FusedKernelsUnavailable(RuntimeError):
@@ -77,6 +87,25 @@ def _path_first(directory: str | None):
             os.environ["PATH"] = saved
 
 
+def clear_stale_lock(build_dir: Path, max_age_s: float = STALE_LOCK_S) -> bool:
+    """Removes ``build_dir/lock`` when it is older than ``max_age_s`` (a killed build's); True if it did."""
+    lock = build_dir / "lock"
+    try:
+        age = time.time() - lock.stat().st_mtime
+    except FileNotFoundError:
+        return False
+    if age < max_age_s:
+        return False
+    logger.warning("removing %s, left %.0f min ago by a build that did not finish (killed?)", lock, age / 60)
+    lock.unlink(missing_ok=True)
+    return True
+
+
+def extension_name() -> str:
+    """The build's name: this CPU's flags and this source."""
+    return f"vrgd_ds_fused_{_cpu_fingerprint()}_{hashlib.sha1(_SOURCE.read_bytes()).hexdigest()[:8]}"
+
+
 @functools.lru_cache(maxsize=1)
 def load() -> ModuleType:
     """Returns the compiled kernels, building them on first use (about a minute)."""
@@ -90,7 +119,10 @@ def load() -> ModuleType:
         )
     from torch.utils import cpp_extension
 
-    name = f"vrgd_ds_fused_{_cpu_fingerprint()}"
+    name = extension_name()
+    build_dir = getattr(cpp_extension, "_get_build_directory", None)  # torch's own choice of directory
+    if build_dir is not None:
+        clear_stale_lock(Path(build_dir(name, verbose=False)))
     logger.info("building fused VRGD kernels %s (first use on this machine type)", name)
     try:
         with _path_first(ninja_dir):
