@@ -20,7 +20,7 @@ import torch
 from torch import Tensor
 
 from vrgd_ds import gsnr as G
-from vrgd_ds.optim.columns import (BOTH_MOMENTS, COL, FIRST_MOMENT, PLACEMENTS, UPDATE, KernelFailure,  # noqa: F401
+from vrgd_ds.optim.columns import (BOTH_MOMENTS, COL, FIRST_MOMENT, PLACEMENTS, UPDATE, KernelFailure,  # noqa: F401 (re-exported)
                                    Kernels, Tensors)
 from vrgd_ds.log import warn_once
 
@@ -85,7 +85,7 @@ class Reference:
         n = round(1.0 / inv_n)
         for i, (t, start, length) in enumerate(seg.tolist()):
             sg, sq = _piece(sum_g[t], start, length), _piece(sum_sq[t], start, length)
-            r = gsnr_raw(sg, sq, n, eps)
+            r = G.gsnr(sg, sq, n, eps)
             gbar = sg * inv_n
             s = sq * inv_n
             out[i, 0] = _sum(r)

@@ -490,14 +490,44 @@ class Trainer:
                            "learning rate or the warmup's peak, then start again from that checkpoint")
 
     def _run_phase(self, index: int, sinks, bar, held, gsnr_on: bool) -> None:
-        from vrgd_ds.data_pipeline.sampler import PretrainingSampler
-
-        from vrgd_ds.train import telemetry
-
+        """Steps of phase ``index`` until its sample budget is consumed: the batch and LR of each
+        step, the step itself, its record, and what follows a step (beat, checkpoint, signals)."""
         p = self.job.phases[index]
         gradient_accumulation(p, self.world, index)
         controller = self.controllers.get(index)
         ab = p.adaptive_batch
+        sampler, batches, trace = self._phase_data(index)
+        engine_batch = None
+        while self.consumed[index] < self.budget[index]:
+            batch, lr = self._batch_and_lr(index, controller)
+            if batch != engine_batch:
+                gas = self._set_batch(index, batch)
+                engine_batch = batch
+            for g in self.optimizer.param_groups:
+                g["lr"] = lr
+            measure = bool(self.cosine is not None and ab is not None and ab.measure_cosine_every
+                           and (self.step + 1) % ab.measure_cosine_every == 0)
+            took = self._train_step(batches, gas, measure)
+            self.step += 1
+            self.consumed[index] += batch
+            if trace:
+                self._trace_samples(trace, sampler, index)
+            adaptive: dict[str, float] = {}
+            if controller is not None:
+                ta = time.perf_counter()
+                adaptive = self._adapt(controller, batch, took["measured"])
+                adaptive["adaptive/controller_s"] = time.perf_counter() - ta  # metrics read + controller
+            if self.step % self.job.log_every == 0 or self.consumed[index] >= self.budget[index]:
+                self._log_step(index, batch, gas, lr, took, adaptive, gsnr_on, held, sinks, bar)
+            bar.update(1)
+            self._after_training_step(took)
+
+    def _phase_data(self, index: int):
+        """The phase's sampler (resumed at the samples consumed), its batch iterator, and the
+        sample trace's directory when ``VRGD_TRACE_SAMPLES`` asks for one."""
+        from vrgd_ds.data_pipeline.sampler import PretrainingSampler
+
+        p = self.job.phases[index]
         train, _ = self.splits[p.seq_len]
         sampler = PretrainingSampler(len(train), micro_batch_size=p.micro_batch, rank=self.rank,
                                      world_size=self.world, seed=self.job.seed + index,
@@ -508,99 +538,104 @@ class Trainer:
                 raise ConfigError(f"{TRACE_ENV} needs job.data.workers = 0 (workers prefetch ahead of the steps)")
             sampler = _Recorder(sampler)
         batches = iter(loader(train, sampler, self.job.data.workers, self.device.type == "cuda"))
-        engine_batch = None
-        while self.consumed[index] < self.budget[index]:
-            if controller is None:
-                batch = p.global_batch
-                lr = self.schedule.lr_in_phase(index, self.consumed[index] // p.global_batch)
-            else:  # the last step of the phase takes only what is left of its samples
-                batch = min(controller.batch, self.budget[index] - self.consumed[index])
-                lr = self.schedule.lr_samples(index, self.consumed[index], batch,
-                                              lr_factor(ab.lr_rule, batch, p.global_batch))
-            if batch != engine_batch:
-                gas = self._set_batch(index, batch)
-                engine_batch = batch
-            for g in self.optimizer.param_groups:
-                g["lr"] = lr
-            measure = (self.cosine is not None and ab is not None and ab.measure_cosine_every
-                       and (self.step + 1) % ab.measure_cosine_every == 0)
+        return sampler, batches, trace
+
+    def _batch_and_lr(self, index: int, controller: BatchController | None) -> tuple[int, float]:
+        """This step's global batch and LR: the phase's, or the adaptive controller's (the last step
+        of the phase takes only what is left of its samples)."""
+        p = self.job.phases[index]
+        if controller is None:
+            return p.global_batch, self.schedule.lr_in_phase(index, self.consumed[index] // p.global_batch)
+        batch = min(controller.batch, self.budget[index] - self.consumed[index])
+        return batch, self.schedule.lr_samples(index, self.consumed[index], batch,
+                                               lr_factor(p.adaptive_batch.lr_rule, batch, p.global_batch))
+
+    def _train_step(self, batches, gas: int, measure: bool) -> dict[str, Any]:
+        """One optimizer step of ``gas`` micro-steps: the summed loss, tokens, data and step time,
+        whether the optimizer skipped it, and the half-batch cosine when ``measure``."""
+        if measure:
+            self.cosine.start(gas)
+        t0 = time.perf_counter()
+        data_time, loss_sum, tokens = 0.0, 0.0, 0
+        skipped_before = self.optimizer.skipped_steps
+        for j in range(gas):
+            td = time.perf_counter()
+            batch_data = next(batches)
+            data_time += time.perf_counter() - td
+            tokens += int(batch_data["attention_mask"].sum())
+            self.engine.set_gradient_accumulation_boundary(j == gas - 1)
+            _seed_micro_batch(self.job.seed, self.step, j * self.world + self.rank)
             if measure:
-                self.cosine.start(gas)
-            t0 = time.perf_counter()
-            data_time, loss_sum, tokens = 0.0, 0.0, 0
-            skipped_before = self.optimizer.skipped_steps
-            for j in range(gas):
-                td = time.perf_counter()
-                batch_data = next(batches)
-                data_time += time.perf_counter() - td
-                tokens += int(batch_data["attention_mask"].sum())
-                self.engine.set_gradient_accumulation_boundary(j == gas - 1)
-                _seed_micro_batch(self.job.seed, self.step, j * self.world + self.rank)
-                if measure:
-                    self.cosine.micro_step(j)
-                loss = self.engine(**_inputs(batch_data, self.device, self.next_sentence)).loss
-                self.engine.backward(loss)
-                self.engine.step()
-                loss_sum += float(loss.detach())
-            skipped = self.optimizer.skipped_steps > skipped_before
-            measured = self.cosine.finish() if measure else None
-            if self.device.type == "cuda":
-                torch.cuda.synchronize()
-            step_time = time.perf_counter() - t0
-            self.step += 1
-            self.consumed[index] += batch
-            if trace:
-                with open(Path(trace) / f"samples.rank{self.rank}.jsonl", "a") as fh:
-                    fh.write(json.dumps({"step": self.step, "phase": index, "keys": [list(map(int, k)) for k in
-                                                                                   sampler.keys]}) + "\n")
-                sampler.keys.clear()
-            adaptive: dict[str, float] = {}
-            if controller is not None:
-                ta = time.perf_counter()
-                adaptive = self._adapt(controller, batch, measured)
-                adaptive["adaptive/controller_s"] = time.perf_counter() - ta  # metrics read + controller
-            logging_step = self.step % self.job.log_every == 0 or self.consumed[index] >= self.budget[index]
-            if logging_step:
-                red = torch.tensor([loss_sum / gas, float(tokens), data_time], dtype=torch.float64, device=self.device)
-                self.dist.all_reduce(red)
-                loss_mean, tok = float(red[0]) / self.world, float(red[1])
-                record = {"phase": index, "train/loss": loss_mean, "train/lr": lr, "train/step_time_s": step_time,
-                          "train/data_time_s": float(red[2]) / self.world, "train/tokens_per_s": tok / step_time,
-                          "train/samples": float(sum(self.consumed)), "train/seq_len": p.seq_len,
-                          "train/global_batch": float(batch), "train/accumulation": float(gas), **adaptive}
-                m = self.optimizer.gsnr_metrics(per_tensor=self.job.telemetry.per_layer_group)
-                if gsnr_on and m.get("gsnr/n") and "noise_scale/b_simple_groups" in m:  # groups -> samples
-                    m["noise_scale/b_simple"] = m["noise_scale/b_simple_groups"] * batch / m["gsnr/n"]
-                per_tensor = {k: v for k, v in m.items() if k.startswith("tensor/")}
-                record.update({k: v for k, v in m.items() if not k.startswith("tensor/")})
-                if per_tensor:
-                    record.update(telemetry.group_summary(per_tensor))
-                done = all(c >= b for c, b in zip(self.consumed, self.budget))
-                if self.job.eval_every and self.step % self.job.eval_every == 0 and not done:
-                    ev = self.evaluate(held)
-                    self.evals.append({"step": self.step, **ev})
-                    record.update(ev)
-                if sinks:
-                    sinks.write(self.step, record)
-                bar.set_postfix(loss=f"{loss_mean:.3f}", tok_s=f"{tok / step_time:,.0f}", step_s=f"{step_time:.2f}",
-                                phase=index, refresh=False)
-            bar.update(1)
-            self.watchdog.beat(self.step)
-            if not math.isfinite(loss_sum) and not skipped and self.rank == 0:
-                logger.warning("non-finite training loss at step %d", self.step)
-            self._after_step(skipped)
-            if self.job.checkpoint_every and self.step % self.job.checkpoint_every == 0:
-                self.save()
-            lost = self.lock is not None and self.lock.lost is not None
-            signal_code = self._max_over_ranks(2 if lost else 1 if self.preempt_requested else 0)
-            if signal_code == 2:  # another job took the directory over: write nothing more into it
-                raise RunDirBusy(self.lock.lost if lost else "another job took the run directory over (rank 0 "
-                                 "names it); this job stops without writing to it")
-            if signal_code == 1:
-                self.save()
-                if self.rank == 0:  # for the batch script: the exit code of srun is the first rank's to end
-                    (self.run_dir / REQUEUE_MARKER).write_text(json.dumps({"tag": ckpt.tag_of(self.step)}))
-                raise Preempted(f"checkpoint {ckpt.tag_of(self.step)} taken on {signal.Signals(PREEMPT_SIGNAL).name}")
+                self.cosine.micro_step(j)
+            loss = self.engine(**_inputs(batch_data, self.device, self.next_sentence)).loss
+            self.engine.backward(loss)
+            self.engine.step()
+            loss_sum += float(loss.detach())
+        skipped = self.optimizer.skipped_steps > skipped_before
+        measured = self.cosine.finish() if measure else None
+        if self.device.type == "cuda":
+            torch.cuda.synchronize()
+        return dict(loss_sum=loss_sum, tokens=tokens, data_time=data_time, step_time=time.perf_counter() - t0,
+                    skipped=skipped, measured=measured)
+
+    def _trace_samples(self, trace: str, sampler, index: int) -> None:
+        with open(Path(trace) / f"samples.rank{self.rank}.jsonl", "a") as fh:
+            fh.write(json.dumps({"step": self.step, "phase": index, "keys": [list(map(int, k)) for k in
+                                                                           sampler.keys]}) + "\n")
+        sampler.keys.clear()
+
+    def _log_step(self, index: int, batch: int, gas: int, lr: float, took: dict[str, Any],
+                  adaptive: dict[str, float], gsnr_on: bool, held, sinks, bar) -> None:
+        """The step's record (loss and throughput over ranks, optimizer metrics, an evaluation when
+        due) to the sinks and the progress bar."""
+        from vrgd_ds.train import telemetry
+
+        p = self.job.phases[index]
+        step_time = took["step_time"]
+        red = torch.tensor([took["loss_sum"] / gas, float(took["tokens"]), took["data_time"]], dtype=torch.float64,
+                           device=self.device)
+        self.dist.all_reduce(red)
+        loss_mean, tok = float(red[0]) / self.world, float(red[1])
+        record = {"phase": index, "train/loss": loss_mean, "train/lr": lr, "train/step_time_s": step_time,
+                  "train/data_time_s": float(red[2]) / self.world, "train/tokens_per_s": tok / step_time,
+                  "train/samples": float(sum(self.consumed)), "train/seq_len": p.seq_len,
+                  "train/global_batch": float(batch), "train/accumulation": float(gas), **adaptive}
+        m = self.optimizer.gsnr_metrics(per_tensor=self.job.telemetry.per_layer_group)
+        if gsnr_on and m.get("gsnr/n") and "noise_scale/b_simple_groups" in m:  # groups -> samples
+            m["noise_scale/b_simple"] = m["noise_scale/b_simple_groups"] * batch / m["gsnr/n"]
+        per_tensor = {k: v for k, v in m.items() if k.startswith("tensor/")}
+        record.update({k: v for k, v in m.items() if not k.startswith("tensor/")})
+        if per_tensor:
+            record.update(telemetry.group_summary(per_tensor))
+        done = all(c >= b for c, b in zip(self.consumed, self.budget))
+        if self.job.eval_every and self.step % self.job.eval_every == 0 and not done:
+            ev = self.evaluate(held)
+            self.evals.append({"step": self.step, **ev})
+            record.update(ev)
+        if sinks:
+            sinks.write(self.step, record)
+        bar.set_postfix(loss=f"{loss_mean:.3f}", tok_s=f"{tok / step_time:,.0f}", step_s=f"{step_time:.2f}",
+                        phase=index, refresh=False)
+
+    def _after_training_step(self, took: dict[str, Any]) -> None:
+        """Progress for the watchdog, the divergence count, a checkpoint when due, and the
+        signals every rank agrees on: another job took the directory over, or a pre-emption."""
+        self.watchdog.beat(self.step)
+        if not math.isfinite(took["loss_sum"]) and not took["skipped"] and self.rank == 0:
+            logger.warning("non-finite training loss at step %d", self.step)
+        self._after_step(took["skipped"])
+        if self.job.checkpoint_every and self.step % self.job.checkpoint_every == 0:
+            self.save()
+        lost = self.lock is not None and self.lock.lost is not None
+        signal_code = self._max_over_ranks(2 if lost else 1 if self.preempt_requested else 0)
+        if signal_code == 2:  # another job took the directory over: write nothing more into it
+            raise RunDirBusy(self.lock.lost if lost else "another job took the run directory over (rank 0 "
+                             "names it); this job stops without writing to it")
+        if signal_code == 1:
+            self.save()
+            if self.rank == 0:  # for the batch script: the exit code of srun is the first rank's to end
+                (self.run_dir / REQUEUE_MARKER).write_text(json.dumps({"tag": ckpt.tag_of(self.step)}))
+            raise Preempted(f"checkpoint {ckpt.tag_of(self.step)} taken on {signal.Signals(PREEMPT_SIGNAL).name}")
 
     def _adapt(self, controller: BatchController, batch: int, measured: float | None) -> dict[str, float]:
         """Feeds the step's noise-scale moments to the controller (the same on every rank: the
