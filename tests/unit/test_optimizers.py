@@ -15,7 +15,8 @@ from vrgd_ds.optim.adam import GSNR_PLACEMENTS
 FUSED = pytest.param(True, marks=pytest.mark.skipif(not _fused.available(), reason="no C++ toolchain"))
 IMPLS = [False, FUSED]
 VR = [name for name, info in REGISTRY.items() if info.vr]
-ADAM_FAMILY = ["VRAdam", "VRLamb"]
+# the members with a GSNR placement (the Adam family), from the registry
+ADAM_FAMILY = [n for n, i in REGISTRY.items() if i.vr and "gsnr_placement" in i.accepted_params()]
 # every family member once, and the Adam family once per GSNR placement
 WITH_PLACEMENTS = [(name, {}) for name in REGISTRY if name not in ADAM_FAMILY] + [
     pytest.param(name, dict(gsnr_placement=pl), id=f"{name}-{pl}") for name in ADAM_FAMILY for pl in GSNR_PLACEMENTS]

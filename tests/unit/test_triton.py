@@ -19,7 +19,8 @@ from vrgd_ds.optim import _triton  # noqa: E402
 
 pytestmark = pytest.mark.skipif(_triton.available() is not None, reason=str(_triton.available()))
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-ADAM_FAMILY = ["VRAdam", "VRLamb"]
+# the members with a GSNR placement (the Adam family), from the registry
+ADAM_FAMILY = [n for n, i in REGISTRY.items() if i.vr and "gsnr_placement" in i.accepted_params()]
 CASES = [(n, {}) for n in REGISTRY if n not in ADAM_FAMILY] + [
     pytest.param(n, dict(gsnr_placement=pl), id=f"{n}-{pl}") for n in ADAM_FAMILY for pl in GSNR_PLACEMENTS]
 
