@@ -76,6 +76,26 @@ class MaxTable:
                 size += 2
         self.size = size
 
+    def split(self, key: int, offset: int, length: int) -> tuple[list[tuple[int, int]], tuple[int, int, int, int] | None]:
+        """A piece of a >= 2-D tensor as its partial rows (at most a head and a tail, element
+        ranges within the piece, read through ``indices``) and its whole rows ``(start, end,
+        first row, end row)``, reduced and scaled as a ``[rows, b, R]`` view (no index tensors)."""
+        a, b, r = self.dims[key]
+        rs = b * r
+        first, end = -(-offset // rs), (offset + length) // rs
+        if end <= first:
+            return [(0, length)], None
+        s0, s1 = first * rs - offset, end * rs - offset
+        return [(0, s0), (s1, length)], (s0, s1, first, end)
+
+    def views(self, maxima: Tensor, key: int) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+        """``[a, R]`` and ``[b, R]`` views of the |θ| and |u| row and column maxima of ``key``."""
+        a, b, r = self.dims[key]
+        w_rows = self.base[key] + 2
+        sizes = (a * r, b * r, a * r, b * r)
+        flat = maxima.narrow(0, w_rows, sum(sizes)).split(sizes)
+        return flat[0].view(a, r), flat[1].view(b, r), flat[2].view(a, r), flat[3].view(b, r)
+
     def indices(self, key: int, offset: int, length: int, device: torch.device) -> tuple[Tensor, ...] | None:
         """Table positions of the |θ|-row, |θ|-column, |u|-row, |u|-column maxima of elements
         ``offset .. offset+length`` of tensor ``key`` (None for a tensor under 2-D)."""
@@ -89,6 +109,15 @@ class MaxTable:
         w_cols, u_rows = w_rows + a * r, w_rows + (a + b) * r
         u_cols = u_rows + a * r
         return w_rows + row, w_cols + col, u_rows + row, u_cols + col
+
+
+def element_ratio(w_row: Tensor, w_col: Tensor, u_row: Tensor, u_col: Tensor, b: Tensor) -> Tensor:
+    """``s = max(max(r, c), b)`` from the maxima of each element's row and column (lines 8-11),
+    1 where any of them is 0 (the code's guard). Whole rows compute r and c per row and column
+    first and broadcast (``_update``): the same operations on the same values, so the same bits."""
+    zero = (w_row == 0) | (u_row == 0) | (w_col == 0) | (u_col == 0)
+    s = torch.maximum(w_row / u_row, w_col / u_col).clamp_min(b)
+    return torch.where(zero, 1.0, s)
 
 
 class VRMerit(GSNROptimizer):
@@ -146,10 +175,13 @@ class VRMerit(GSNROptimizer):
             t, start, length = segs[i][:3]
             pv = plan.params[t].view(-1).narrow(0, start, length).float()
             mi, vi = (x[t].view(-1).narrow(0, start, length) for x in (m, v))
-            u = mi / (bc1[i].float() * (vi.sqrt() / bc2s[i].float() + g["eps"]))
+            if g["bias_correction"] or not g.get("grad_averaging", True):
+                u = mi / (bc1[i].float() * (vi.sqrt() / bc2s[i].float() + g["eps"]))
+            else:  # both corrections are 1 (MERIT's default): the same values, two passes fewer
+                u = mi / (vi.sqrt() + g["eps"])
             if on_update is not None:
                 u = on_update.written(t, start, length, segf_host[i]) * u
-            return pv, u + g["weight_decay"] * pv
+            return pv, (u + g["weight_decay"] * pv) if g["weight_decay"] else u
 
         device = plan.params[0].device
         # every rank builds the same table (all model tensors under ZeRO) for the collective
@@ -162,10 +194,21 @@ class VRMerit(GSNROptimizer):
             if length:
                 maxima[base] = torch.maximum(maxima[base], w_abs.max())
                 maxima[base + 1] = torch.maximum(maxima[base + 1], u_abs.max())
-            idx = table.indices(key, offset, length, device)
-            if idx is not None:
-                for where, x in zip(idx, (w_abs, w_abs, u_abs, u_abs)):
-                    maxima.scatter_reduce_(0, where, x, "amax")
+            if key not in table.dims:
+                continue
+            parts, rows = table.split(key, offset, length)
+            for s0, s1 in parts:  # partial rows: through index tensors
+                if s1 > s0:
+                    idx = table.indices(key, offset + s0, s1 - s0, device)
+                    for where, x in zip(idx, (w_abs[s0:s1], w_abs[s0:s1], u_abs[s0:s1], u_abs[s0:s1])):
+                        maxima.scatter_reduce_(0, where, x, "amax")
+            if rows is not None:  # whole rows: reductions over a [rows, b, R] view
+                s0, s1, r0, r1 = rows
+                w_row, w_col, u_row, u_col = table.views(maxima, key)
+                for x, row, col in ((w_abs, w_row, w_col), (u_abs, u_row, u_col)):
+                    block = x[s0:s1].view(r1 - r0, *table.dims[key][1:])
+                    row[r0:r1] = torch.maximum(row[r0:r1], block.amax(1))
+                    col.copy_(torch.maximum(col, block.amax(0)))
         if self._layout is not None:
             self._layout.all_reduce(maxima, "max")
 
@@ -179,16 +222,24 @@ class VRMerit(GSNROptimizer):
             whole = (w_max > 0) & (u_max > 0)
             b = torch.where(whole, w_max / torch.where(whole, u_max, 1.0), 1.0)
             ratio[i], adapted[i] = b.double(), whole & adapt
-            idx = table.indices(key, offset, length, device)
             if not adapt:
                 s: Tensor | float = 1.0
-            elif idx is None:  # under 2-D: the whole-tensor ratio (1 if either maximum is 0)
+            elif key not in table.dims:  # under 2-D: the whole-tensor ratio (1 if either maximum is 0)
                 s = b
             else:
-                w_row, w_col, u_row, u_col = (maxima.index_select(0, j) for j in idx)
-                zero = (w_row == 0) | (u_row == 0) | (w_col == 0) | (u_col == 0)
-                s = torch.maximum(w_row / u_row, w_col / u_col).clamp_min(b)
-                s = torch.where(zero, 1.0, s)
+                s = torch.empty_like(u)
+                parts, rows = table.split(key, offset, length)
+                for s0, s1 in parts:
+                    if s1 > s0:
+                        idx = table.indices(key, offset + s0, s1 - s0, device)
+                        s[s0:s1] = element_ratio(*(maxima.index_select(0, j) for j in idx), b)
+                if rows is not None:  # the ratios of the rows and columns first, then one broadcast
+                    s0, s1, r0, r1 = rows
+                    w_row, w_col, u_row, u_col = table.views(maxima, key)
+                    r, r_zero = w_row[r0:r1] / u_row[r0:r1], (w_row[r0:r1] == 0) | (u_row[r0:r1] == 0)
+                    c, c_zero = w_col / u_col, (w_col == 0) | (u_col == 0)
+                    full = torch.maximum(r[:, None], c[None]).clamp_min_(b)
+                    s[s0:s1] = torch.where(r_zero[:, None] | c_zero[None], 1.0, full).reshape(-1)
             new = pv - g["lr"] * (u * s).clamp(-1.0, 1.0)
             if plan.found is not None:  # the sync-free kernels skip on the device
                 new = torch.where(plan.found > 0, pv, new)
