@@ -4,6 +4,8 @@ from __future__ import annotations
 import os
 import time
 
+import pytest
+
 from vrgd_ds.optim import _fused
 
 
@@ -21,9 +23,13 @@ def test_a_killed_builds_lock_is_removed_and_a_live_one_kept(tmp_path, caplog):
     assert not _fused.clear_stale_lock(tmp_path)  # nothing to remove
 
 
-def test_two_versions_of_the_source_never_share_a_build_directory(monkeypatch, tmp_path):
+@pytest.mark.parametrize("edit", ["\n// another version\n", ""])
+def test_two_versions_or_checkouts_never_share_a_build_directory(monkeypatch, tmp_path, edit):
+    """Bug: two checkouts with the same kernels.cpp shared one build directory, whose build.ninja
+    names the source by path, and rebuilt each other's kernels at every switch (seen: a test run
+    beside a study waited on a minute-long rebuild at each launch). Fails on the old code."""
     other = tmp_path / "kernels.cpp"
-    other.write_text(_fused._SOURCE.read_text() + "\n// another version\n")
+    other.write_text(_fused._SOURCE.read_text() + edit)
     mine = _fused.extension_name()
     monkeypatch.setattr(_fused, "_SOURCE", other)
     assert _fused.extension_name() != mine

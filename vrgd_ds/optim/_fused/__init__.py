@@ -5,8 +5,9 @@ The extension is compiled once per machine type with the host's vector instructi
 home directory shared by nodes of different CPU generations never serves a binary built
 for another CPU. FMA contraction is off so the kernels round like the eager reference.
 
-The name also carries a hash of the source, so two versions of the package never share a build
-directory. A build killed half-way (a job pre-empted during its first step) leaves torch's
+The name also carries a hash of the source's content and path, so two versions or two checkouts
+of the package never share a build directory (torch's ``build.ninja`` names the source by path:
+two checkouts alternating in one directory would rebuild at every switch, a minute each). A build killed half-way (a job pre-empted during its first step) leaves torch's
 ``lock`` file behind, on which every later build would wait forever: a lock older than
 ``STALE_LOCK_S`` is removed, with a warning naming it.
 
@@ -102,8 +103,11 @@ def clear_stale_lock(build_dir: Path, max_age_s: float = STALE_LOCK_S) -> bool:
 
 
 def extension_name() -> str:
-    """The build's name: this CPU's flags and this source."""
-    return f"vrgd_ds_fused_{_cpu_fingerprint()}_{hashlib.sha1(_SOURCE.read_bytes()).hexdigest()[:8]}"
+    """The build's name: this CPU's flags, and this source by its content and its path (torch's
+    ``build.ninja`` names the source by path: two checkouts sharing a build directory would
+    rebuild each other's kernels at every switch)."""
+    source = hashlib.sha1(_SOURCE.read_bytes() + str(_SOURCE.resolve()).encode()).hexdigest()[:8]
+    return f"vrgd_ds_fused_{_cpu_fingerprint()}_{source}"
 
 
 @functools.lru_cache(maxsize=1)
