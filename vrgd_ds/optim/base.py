@@ -112,7 +112,6 @@ class Plan:
     tdev: torch.device = torch.device("cpu")
     key_base: int = 0  # one process: the key of the plan's first tensor (keys number tensors in order)
     tensor_of: Tensor | None = None  # int64 [S] on tdev: the tensor index of each segment
-    offsets: Tensor | None = None  # int64 [S] on the host: where each segment starts in its model tensor
     shapes: dict[int, tuple[int, ...]] = field(default_factory=dict)  # key -> the whole model tensor's shape
     rows: list[list[int]] = field(default_factory=list)  # per segment, host ints: tensor index, start, length,
     #                                                      key, numel (one process), offset in the model tensor
@@ -407,7 +406,7 @@ class GSNROptimizer(torch.optim.Optimizer):
         plan = Plan(index, group, params, grads, states, seg, to_device(numel, tdev), to_device(keys, tdev), tdev,
                     key_base)
         plan.tensor_of = to_device(seg[:, 0].contiguous(), tdev)
-        plan.offsets, plan.shapes, plan.rows = t[:, 5].contiguous(), shapes, rows
+        plan.shapes, plan.rows = shapes, rows
         return plan
 
     def _undo_step_counts(self) -> None:

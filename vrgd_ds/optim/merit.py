@@ -41,6 +41,7 @@ are torch ops (no fused kernel: a one-time log line says so).
 """
 from __future__ import annotations
 
+import functools
 import logging
 import math
 from typing import Any
@@ -109,6 +110,12 @@ class MaxTable:
         w_cols, u_rows = w_rows + a * r, w_rows + (a + b) * r
         u_cols = u_rows + a * r
         return w_rows + row, w_cols + col, u_rows + row, u_cols + col
+
+
+@functools.lru_cache(maxsize=64)
+def _table(shapes: tuple[tuple[int, tuple[int, ...]], ...]) -> MaxTable:
+    """The table of these tensors, built once (the step asks for it every time)."""
+    return MaxTable(dict(shapes))
 
 
 def element_ratio(w_row: Tensor, w_col: Tensor, u_row: Tensor, u_col: Tensor, b: Tensor) -> Tensor:
@@ -185,7 +192,8 @@ class VRMerit(GSNROptimizer):
 
         device = plan.params[0].device
         # every rank builds the same table (all model tensors under ZeRO) for the collective
-        table = MaxTable(plan.shapes if self._layout is None else dict(enumerate(self._layout.shapes)))
+        table = _table(tuple(sorted(plan.shapes.items() if self._layout is None
+                                    else enumerate(self._layout.shapes))))
         maxima = torch.zeros(table.size, dtype=torch.float32, device=device)
         for i, (_, _, length, key, offset) in enumerate(segs):
             pv, u = update(i)
