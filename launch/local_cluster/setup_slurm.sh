@@ -8,6 +8,10 @@
 # /etc/slurm/slurm.conf (one node = this host, all its CPUs, partition "debug") and
 # /etc/slurm/cgroup.conf (needed even without cgroup confinement: CgroupPlugin=disabled stops
 # slurmd from starting); starts munged, slurmctld and slurmd; waits until the node is idle.
+# A job credential lives 10 s here (AuthInfo=cred_expire, Slurm's default 120 s), and a requeued
+# job waits that long before it may start again: slurmd refuses to start a job whose previous
+# start's credential it still holds as revoked ("Job credential revoked"), so a requeued job
+# forced to start at once fails. A production cluster keeps its own setting.
 #
 # Environment (defaults): PARTITION (debug), WAIT_S (90, seconds to wait for the node).
 set -euo pipefail
@@ -53,6 +57,7 @@ ClusterName=local
 SlurmctldHost=${host}
 SlurmUser=root
 AuthType=auth/munge
+AuthInfo=cred_expire=10
 MpiDefault=none
 ProctrackType=proctrack/linuxproc
 TaskPlugin=task/none
@@ -92,9 +97,16 @@ fi
 
 running() { [[ -s "$1" ]] && kill -0 "$(cat "$1")" 2>/dev/null; }
 
-if running /run/slurmctld.pid && running /run/slurmd.pid && [[ $changed -eq 1 ]]; then
-    log "configuration changed: scontrol reconfigure"
-    scontrol reconfigure
+if [[ $changed -eq 1 ]] && { running /run/slurmctld.pid || running /run/slurmd.pid; }; then
+    # a restart, not `scontrol reconfigure`: AuthInfo is read only when a daemon starts
+    log "configuration changed: restarting slurmctld and slurmd"
+    for pidfile in /run/slurmctld.pid /run/slurmd.pid; do
+        running "$pidfile" && kill "$(cat "$pidfile")"
+    done
+    for _ in $(seq 60); do
+        running /run/slurmctld.pid || running /run/slurmd.pid || break
+        sleep 0.5
+    done
 fi
 if ! running /run/slurmctld.pid; then
     log "starting slurmctld"
