@@ -167,12 +167,25 @@ def _keep(x, m, WIDE: tl.constexpr):
 
 
 @triton.jit
-def _gsnr_raw(sg, sq, inv_n, eps):
+def _gsnr(sg, sq, inv_n, eps):
+    """The GSNR of elements, the one place Triton computes it (docs/design.md §1): ``(s, ḡ², r)``
+    with ḡ = Σg/n, s = Σg²/n, r = ḡ² / (max(s − ḡ², 0) + eps); pass 1 also sums s and ḡ²."""
     gbar = sg * inv_n
     s = sq * inv_n
     g2 = gbar * gbar
     var = tl.maximum(s - g2, 0.0)
-    return tl.div_rn(g2, var + eps)
+    return s, g2, tl.div_rn(g2, var + eps)
+
+
+@triton.jit
+def _gsnr_raw(sg, sq, inv_n, eps):
+    return _gsnr(sg, sq, inv_n, eps)[2]
+
+
+@triton.jit
+def _clamp_unit(x, lo):
+    """Every GSNR scale is clamped to [lo, 1]."""
+    return tl.minimum(tl.maximum(x, lo), 1.0)
 
 
 @triton.jit
@@ -184,12 +197,12 @@ def _p_hat(SG, SQ, AVG, idx, m, inv_n, eps, inv_mean, lo, bc3, b3, omb3, ON: tl.
         x = _gsnr_raw(_ld(SG, idx, m, WIDE), _ld(SQ, idx, m, WIDE), inv_n, eps) * inv_mean
         low = _keep(tl.where(x < lo, 1.0, 0.0), m, WIDE)
         high = _keep(tl.where(x > 1.0, 1.0, 0.0), m, WIDE)
-        r = tl.minimum(tl.maximum(x, lo), 1.0)
+        r = _clamp_unit(x, lo)
         if EMA:
             a = _ld(AVG, idx, m, WIDE) * b3 + r * omb3
             if WRITE:
                 _st(AVG, idx, a, m, WIDE)
-            r = tl.minimum(tl.maximum(tl.div_rn(a, bc3), lo), 1.0)
+            r = _clamp_unit(tl.div_rn(a, bc3), lo)
     else:
         r = tl.full(idx.shape, 1.0, tl.float32)
         low = tl.zeros(idx.shape, tl.float32)
@@ -203,10 +216,9 @@ def _p_hat_written(SG, SQ, AVG, idx, m, inv_n, eps, inv_mean, lo, bc3, ON: tl.co
     """p̂ once ``_p_hat(WRITE=True)`` ran this step: the GSNR momentum is read back."""
     if ON:
         if EMA:
-            r = tl.minimum(tl.maximum(tl.div_rn(_ld(AVG, idx, m, WIDE), bc3), lo), 1.0)
+            r = _clamp_unit(tl.div_rn(_ld(AVG, idx, m, WIDE), bc3), lo)
         else:
-            raw = _gsnr_raw(_ld(SG, idx, m, WIDE), _ld(SQ, idx, m, WIDE), inv_n, eps)
-            r = tl.minimum(tl.maximum(raw * inv_mean, lo), 1.0)
+            r = _clamp_unit(_gsnr_raw(_ld(SG, idx, m, WIDE), _ld(SQ, idx, m, WIDE), inv_n, eps) * inv_mean, lo)
     else:
         r = tl.full(idx.shape, 1.0, tl.float32)
     return r
@@ -251,11 +263,10 @@ def _combine(part: "*fp64", bounds: "*i64", out: "*fp64", K: tl.constexpr, NSUM:
 @triton.jit
 def _moments_add(sg, sq, m, inv_n, eps, sr, ss, sgb, mn, mx, WIDE: tl.constexpr):
     """Pass 1's per-lane sums (Σr, Σs, Σḡ², min r, max r) with one block of statistics added."""
-    gbar = sg * inv_n
-    r = _gsnr_raw(sg, sq, inv_n, eps)
+    s, g2, r = _gsnr(sg, sq, inv_n, eps)
     sr += _keep(r, m, WIDE)
-    ss += sq * inv_n
-    sgb += gbar * gbar
+    ss += s
+    sgb += g2
     if WIDE:
         mn = tl.minimum(mn, r)
         mx = tl.maximum(mx, r)

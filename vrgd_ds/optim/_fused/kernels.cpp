@@ -104,17 +104,24 @@ at::Tensor combine(const std::vector<Chunk>& chunks, const std::vector<double>& 
   return out;
 }
 
-// Raw GSNR of one element: gbar^2 / (max(s - gbar^2, 0) + eps) with gbar = sum_g / n and
-// s = sum_sq / n (docs/design.md §1; the biased variance, whose constant factor the per-tensor
-// normalisation cancels).
-inline float gsnr_raw(float sg, float sq, float inv_n, float eps) {
+// The GSNR of one element, the one place C++ computes it: gbar = sum_g / n, s = sum_sq / n,
+// r = gbar^2 / (max(s - gbar^2, 0) + eps) (docs/design.md §1; the biased variance, whose
+// constant factor the per-tensor normalisation cancels). Pass 1 also sums s and gbar^2.
+struct Gsnr {
+  float s, g2, r;
+};
+inline Gsnr gsnr_of(float sg, float sq, float inv_n, float eps) {
   const float gbar = sg * inv_n;
   const float s = sq * inv_n;
   const float g2 = gbar * gbar;
   float var = s - g2;
   var = var > 0.f ? var : 0.f;
-  return g2 / (var + eps);
+  return {s, g2, g2 / (var + eps)};
 }
+inline float gsnr_raw(float sg, float sq, float inv_n, float eps) { return gsnr_of(sg, sq, inv_n, eps).r; }
+
+// The clamp of every GSNR scale to [lo, 1].
+inline float clamp_unit(float x, float lo) { return std::min(std::max(x, lo), 1.f); }
 
 // The statistics one kernel call reads: empty sum_g means GSNR off, empty avg means no EMA.
 struct GsnrArgs {
@@ -173,7 +180,7 @@ struct GsnrChunk {
       const float x = gsnr_raw(sg[i], sq[i], inv_n, eps) * inv_mean;
       const float low = x < lo ? 1.f : 0.f;
       const float high = x > 1.f ? 1.f : 0.f;
-      const float r = std::min(std::max(x, lo), 1.f);
+      const float r = clamp_unit(x, lo);
       if constexpr (!EMA) {
         return {r, low, high};
       } else {
@@ -181,7 +188,7 @@ struct GsnrChunk {
         if constexpr (WRITE) avg[i] = a;
         // The bias-corrected EMA of values in [lo, 1] lies in [lo, 1]; the clamp removes
         // rounding excursions, so gamma == 1 gives exactly 1 and the base optimizer exactly.
-        return {std::min(std::max(a / bc3, lo), 1.f), low, high};
+        return {clamp_unit(a / bc3, lo), low, high};
       }
     }
   }
@@ -193,9 +200,9 @@ struct GsnrChunk {
     if constexpr (!ON) {
       return 1.f;
     } else if constexpr (!EMA) {
-      return std::min(std::max(gsnr_raw(sg[i], sq[i], inv_n, eps) * inv_mean, lo), 1.f);
+      return clamp_unit(gsnr_raw(sg[i], sq[i], inv_n, eps) * inv_mean, lo);
     } else {
-      return std::min(std::max(avg[i] / bc3, lo), 1.f);
+      return clamp_unit(avg[i] / bc3, lo);
     }
   }
 };
@@ -224,15 +231,12 @@ __attribute__((noinline)) void moments_chunk(const float* __restrict sg, const f
   float sr = 0.f, ss = 0.f, sgb = 0.f, mn = INFINITY, mx = -INFINITY;
   _Pragma("omp simd reduction(+ : sr, ss, sgb) reduction(min : mn) reduction(max : mx)")
   for (int64_t i = 0; i < n; ++i) {
-    const float gbar = sg[i] * inv_n, s = sq[i] * inv_n, g2 = gbar * gbar;
-    float var = s - g2;
-    var = var > 0.f ? var : 0.f;
-    const float r = g2 / (var + eps);
-    sr += r;
-    ss += s;
-    sgb += g2;
-    mn = std::min(mn, r);
-    mx = std::max(mx, r);
+    const Gsnr x = gsnr_of(sg[i], sq[i], inv_n, eps);
+    sr += x.r;
+    ss += x.s;
+    sgb += x.g2;
+    mn = std::min(mn, x.r);
+    mx = std::max(mx, x.r);
   }
   o[0] = sr; o[1] = ss; o[2] = sgb; o[3] = mn; o[4] = mx;
 }
