@@ -24,7 +24,7 @@ reduces). Cost per bucket: one collective of twice the bucket's elements in fp32
 buckets: four times the bytes of DDP's own reduction).
 """
 # No ``from __future__ import annotations``: DDP checks the hook's annotations at registration.
-from typing import Iterable
+from typing import Any, Iterable
 
 import torch
 import torch.distributed as dist
@@ -33,6 +33,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from vrgd_ds.optim.base import MIN_GROUPS, GSNROptimizer
 from vrgd_ds.optim.registry import REGISTRY
+from vrgd_ds.stats.comm import CommCounters, fused_all_reduce
 from vrgd_ds.stats.local import Flat, LocalStats, reduce
 
 # (parameter, Σg buffer, Σg² buffer, offset in the bucket, length) of every parameter of a bucket
@@ -42,18 +43,18 @@ _Slice = tuple[Tensor, Tensor, Tensor, int, int]
 class DDPStats:
     """``Σg`` and ``Σg²`` per parameter from DDP's reduction (a ``StatisticsSource``).
 
-    ``collectives`` and ``bytes_sent`` count the fused all-reduces this rank issued and the
-    bytes of their buffers; ``buckets`` is the number of buckets of the last synchronised
-    ``backward()``.
+    ``counters`` count the fused all-reduces this rank issued and the bytes of their buffers
+    (``vrgd_ds.stats.comm.CommCounters``, as every source); ``buckets`` is the number of buckets
+    of the last synchronised ``backward()``.
     """
 
-    def __init__(self, group: dist.ProcessGroup, world: int) -> None:
+    def __init__(self, group: dist.ProcessGroup, world: int, kernels: Any) -> None:
         self.group = group
         self.world = world
+        self.kernels = kernels  # the optimizer's implementation: pack_squares
         self._bufs: dict[int, tuple[Tensor, Tensor]] = {}
         self._fresh: set[int] = set()  # parameters reduced since the last reset
-        self.collectives = 0
-        self.bytes_sent = 0
+        self.counters = CommCounters()
         self.buckets = 0
 
     # -- StatisticsSource --------------------------------------------------------------------
@@ -99,15 +100,11 @@ class DDPStats:
                                f"element {end}: unsupported bucket layout")
         return out
 
-    def count(self, buf: Tensor) -> None:
-        self.collectives += 1
-        self.bytes_sent += buf.numel() * buf.element_size()
-
-    def store(self, slices: list[_Slice], reduced: Tensor, numel: int) -> None:
-        """Writes ``Σg`` (first half of ``reduced``) and ``Σg²`` (second half) per parameter."""
+    def store(self, slices: list[_Slice], sum_g: Tensor, sum_sq: Tensor) -> None:
+        """Writes each parameter's ``Σg`` and ``Σg²`` from the bucket's reduced halves."""
         for p, g, s, off, num in slices:
-            g.view(-1).copy_(reduced.narrow(0, off, num))
-            s.view(-1).copy_(reduced.narrow(0, numel + off, num))
+            g.view(-1).copy_(sum_g.narrow(0, off, num))
+            s.view(-1).copy_(sum_sq.narrow(0, off, num))
             self._fresh.add(id(p))
 
 
@@ -118,23 +115,20 @@ def fused_allreduce_hook(stats: DDPStats, bucket: dist.GradBucket) -> torch.futu
     if flat.is_sparse:
         raise RuntimeError("VRGD statistics do not support sparse gradients under DDP; use a dense layer "
                            "(e.g. nn.Embedding(sparse=False))")
-    numel = flat.numel()
     slices = stats.slices(bucket, flat)
-    buf = torch.empty(2 * numel, dtype=torch.float32, device=flat.device)
-    buf[:numel].copy_(flat)
-    torch.square(buf[:numel], out=buf[numel:])
-    stats.count(buf)
+    # fresh buffers: DDP keeps several buckets in flight
+    sum_g, sum_sq, works = fused_all_reduce(dist, flat, 1.0, stats.group, stats.counters, stats.kernels,
+                                            scratch=None)
     if bucket.is_last():
         stats.buckets = bucket.index() + 1
     world = stats.world
 
     def finish(fut: torch.futures.Future[list[Tensor]]) -> Tensor:
-        reduced = fut.value()[0]
-        stats.store(slices, reduced, numel)
-        flat.copy_(reduced[:numel].div_(world))  # the mean, rounded once to the bucket dtype
+        stats.store(slices, sum_g, sum_sq)
+        flat.copy_(sum_g.div_(world))  # the mean, rounded once to the bucket dtype
         return flat
 
-    return dist.all_reduce(buf, group=stats.group, async_op=True).get_future().then(finish)
+    return works[0].get_future().then(finish)
 
 
 def attach(ddp_model: DistributedDataParallel, optimizer: GSNROptimizer,
@@ -177,7 +171,7 @@ def attach(ddp_model: DistributedDataParallel, optimizer: GSNROptimizer,
             raise ValueError(f"{missing} parameter(s) of a gsnr=True param group of {type(optimizer).__name__} are "
                              "not reduced by this DDP model: build the optimizer on ddp_model.parameters()")
     if squares == "per_micro_step":
-        stats = DDPStats(group, world)
+        stats = DDPStats(group, world, optimizer.kernels())
         ddp_model.register_comm_hook(stats, fused_allreduce_hook)
         optimizer.set_statistics_source(stats)
         return stats

@@ -396,8 +396,8 @@ def run_bytes_case(case: dict) -> dict:
             engine.step()
         layout = engine.basic_optimizer._layout
         stats = getattr(engine, "vrgd_stats", None)
-        before = (layout.bytes_sent, stats.counters.bytes_sent if stats else 0, stats.counters.collectives if stats else 0,
-                  layout.collectives)
+        before = (layout.counters.bytes_sent, stats.counters.bytes_sent if stats else 0, stats.counters.collectives if stats else 0,
+                  layout.counters.collectives)
         count = CommCount()
         try:
             for j in range(case["gas"]):
@@ -405,13 +405,13 @@ def run_bytes_case(case: dict) -> dict:
                 engine.step()
         finally:
             count.restore()
-        tables = layout.bytes_sent - before[0]
+        tables = layout.counters.bytes_sent - before[0]
         ours = (stats.counters.bytes_sent - before[1]) if stats else 0
         ours_calls = (stats.counters.collectives - before[2]) if stats else 0
         out[name] = dict(total_bytes=count.bytes, total_calls=count.calls, table_bytes=tables,
-                         table_calls=layout.collectives - before[3], stats_bytes=ours, stats_calls=ours_calls,
+                         table_calls=layout.counters.collectives - before[3], stats_bytes=ours, stats_calls=ours_calls,
                          deepspeed_bytes=count.bytes - tables - ours,
-                         deepspeed_calls=count.calls - (layout.collectives - before[3]) - ours_calls,
+                         deepspeed_calls=count.calls - (layout.counters.collectives - before[3]) - ours_calls,
                          grad_bytes_fp32=4 * sum(getattr(p, "ds_numel", p.numel()) for p in engine.module.parameters()),
                          n=engine.basic_optimizer.gsnr_metrics().get("gsnr/n"))
     return out
@@ -458,7 +458,7 @@ def bad_cases():
 
 def full_state(engine, key: str) -> dict[str, torch.Tensor]:
     """Every model tensor's piece of optimizer state ``key``, assembled over ranks (ZeRO-1/2)."""
-    from vrgd_ds.ds.sources import zero12_pieces
+    from vrgd_ds.ds.zero12 import pieces as zero12_pieces
 
     zopt, opt = engine.optimizer, engine.basic_optimizer
     names = {p: n for n, p in engine.module.named_parameters()}

@@ -8,10 +8,36 @@ split tensor equal the unsharded ones.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import Tensor
+
+from vrgd_ds.stats.comm import CommCounters
+
+
+@dataclass
+class ModelTensors:
+    """The model's trainable tensors in parameter order: the layout's keys."""
+
+    names: list[str]
+    keys: dict[int, int]  # id(parameter) -> key
+    numel: list[int]
+    shapes: list[tuple[int, ...]]
+
+    @classmethod
+    def of(cls, module: torch.nn.Module) -> "ModelTensors":
+        """Shared parameters count once; ZeRO-3 empties each parameter, whose ``ds_numel`` and
+        ``ds_shape`` are the model's."""
+        out = cls([], {}, [], [])
+        for name, p in module.named_parameters():
+            if p.requires_grad and id(p) not in out.keys:
+                out.keys[id(p)] = len(out.names)
+                out.names.append(name)
+                out.numel.append(int(getattr(p, "ds_numel", p.numel())))
+                out.shapes.append(tuple(getattr(p, "ds_shape", p.shape)))
+        return out
 
 
 class Layout:
@@ -27,8 +53,7 @@ class Layout:
         self.group = group  # None: every rank holds whole, identical tensors (no collective)
         self._pieces: dict[int, list[tuple[int, int, int]]] = {}
         self._offsets: dict[int, list[int]] = {}
-        self.collectives = 0
-        self.bytes_sent = 0  # of the small per-tensor tables
+        self.counters = CommCounters()  # the small per-tensor tables (they stand for no gradient)
 
     @property
     def num_keys(self) -> int:
@@ -73,5 +98,4 @@ class Layout:
             on_device = t.to(self.device)
             dist.all_reduce(on_device, op=red, group=self.group)
             t.copy_(on_device)
-        self.collectives += 1
-        self.bytes_sent += t.numel() * t.element_size()
+        self.counters.add(0, t.numel() * t.element_size())

@@ -1,9 +1,10 @@
 """Gradient statistics with the engine's own gradient reduction untouched (DeepSpeed, torch
 DDP): each rank sums its micro-steps' squares locally, and one collective per optimizer step
 brings the sums into the partition this rank's optimizer owns (docs/design.md §3; DeepSpeed:
-``"vrgd": {"squares": "per_step"}``, the per-engine set-up in ``vrgd_ds/ds/local.py``; DDP:
-``vrgd_ds.ddp.attach``). The collectives go through the ``comm`` module given (``deepspeed.comm``
-or ``torch.distributed``, which share the signatures used here).
+``"vrgd": {"squares": "per_step"}``, each engine path's set-up in ``vrgd_ds/ds/stage0.py``,
+``zero12.py`` and ``zero3.py``; DDP: ``vrgd_ds.ddp.attach``). The collectives go through the
+``comm`` module given (``deepspeed.comm`` or ``torch.distributed``) and
+``vrgd_ds/stats/comm.py``.
 
 Why it is exact: Σ over ranks and micro-steps of g² equals the sum over ranks of each rank's
 local Σ over its micro-steps (associativity), so ``n = ranks × micro-steps`` on every ZeRO stage.
@@ -37,6 +38,8 @@ from typing import Any, Callable
 import torch
 from torch import Tensor
 
+from vrgd_ds.stats.comm import CommCounters, launch
+
 logger = logging.getLogger(__name__)
 
 
@@ -61,21 +64,6 @@ def moment_views(bufs: dict[int, tuple[Tensor, Tensor]], params) -> tuple[list[T
 
 
 @dataclass
-class CommCounters:
-    """What a statistics source sent (per rank), to check its cost: collectives, the bytes of
-    their buffers, and the bytes the fp32 gradient they stand for takes."""
-
-    collectives: int = 0
-    bytes_sent: int = 0
-    grad_bytes_fp32: int = 0
-
-    def add(self, numel_grad: int, nbytes: int, calls: int = 1) -> None:
-        self.collectives += calls
-        self.bytes_sent += nbytes
-        self.grad_bytes_fp32 += 4 * numel_grad
-
-
-@dataclass
 class Flat:
     """One flat local buffer and where its reduction goes."""
 
@@ -91,8 +79,9 @@ class LocalStats:
     reduced once per step (a ``StatisticsSource``).
 
     ``targets``: the optimizer's flat tensors; ``sum_sq``/``sum_g`` buffers shaped like them
-    receive the reductions. The stage-specific parts (the local layout, the collective, where
-    the engine's gradient is read) are set up by the ``attach_*`` functions below.
+    receive the reductions. The path-specific parts (the local layout, the collective, where
+    the engine's gradient is read) are set up by each engine path: ``vrgd_ds/ds/stage0.py``,
+    ``zero12.py``, ``zero3.py`` and ``vrgd_ds/ddp.py``.
     """
 
     def __init__(self, comm: Any, kernels: Any, world: int, targets: list[Tensor], gbar: str,
@@ -246,23 +235,8 @@ class LocalStats:
         self._handles.clear()
 
 
-# ---- the collectives ----------------------------------------------------------------------------
-
-
 def reduce(stats: LocalStats, local: Tensor, out: Tensor, group: Any, scatter: bool, dtype: torch.dtype,
-            squares: bool = True) -> list[Any]:
-    """Launches the sum of ``local`` over the group into ``out``: this rank's part of it when
-    ``scatter`` (a reduce-scatter), else all of it (an all-reduce; ``out`` may be ``local``),
-    travelling in ``dtype``. Returns what ``moments()`` waits on or runs, in order. The
-    counters measure bytes against the fp32 gradient, whose size the squares' call stands for."""
-    wire = local if dtype == local.dtype else local.to(dtype)
-    if scatter:
-        dest = out if wire.dtype == out.dtype else torch.empty(out.numel(), dtype=wire.dtype, device=out.device)
-        work = stats.comm.reduce_scatter_tensor(dest, wire, group=group, async_op=True)
-    else:
-        dest = wire
-        work = stats.comm.all_reduce(wire, group=group, async_op=True)
-    stats.count(wire.numel() if squares else 0, wire.numel() * wire.element_size())
-    return [work] if dest is out else [work, lambda: out.copy_(dest)]
-
-
+           squares: bool = True) -> list[Any]:
+    """``vrgd_ds.stats.comm.launch`` through ``stats``' communication module and counters: what
+    ``moments()`` waits on or runs, in order."""
+    return launch(stats.comm, stats.counters, local, out, group, scatter, dtype, squares)

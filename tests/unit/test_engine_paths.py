@@ -1,0 +1,75 @@
+"""The DeepSpeed engine paths (vrgd_ds/ds/stage0.py, zero12.py, zero3.py) own their DeepSpeed
+internals: every attribute a path reads from DeepSpeed's optimizer is in the list it checks at
+attach time, and a missing one fails there, naming it. (The paths' behaviour under real
+engines: tests/distributed/test_deepspeed.py.)"""
+from __future__ import annotations
+
+import ast
+import inspect
+import types
+
+import pytest
+
+pytest.importorskip("deepspeed")
+
+from vrgd_ds.ds import internals, stage0, zero3, zero12  # noqa: E402
+from vrgd_ds.ds.paths import for_engine  # noqa: E402
+
+# module, the name its code gives DeepSpeed's optimizer wrapper, the list checked at attach
+WRAPPER_LISTS = [(zero12, "zopt", zero12._REQUIRED), (zero3, "zopt", zero3._REQUIRED),
+                 (stage0, "wrapper", stage0._FP16_UNFUSED)]
+# attributes the code sets on the wrapper (not read from DeepSpeed)
+SET_HERE = {"reduce_scatter"}
+
+
+def _attributes_read(module: types.ModuleType, name: str) -> set[str]:
+    """``name.attr`` and ``self.name.attr`` in the module's source."""
+    out = set()
+    for node in ast.walk(ast.parse(inspect.getsource(module))):
+        if isinstance(node, ast.Attribute):
+            base = node.value
+            if isinstance(base, ast.Name) and base.id == name:
+                out.add(node.attr)
+            elif isinstance(base, ast.Attribute) and base.attr == name and isinstance(base.value, ast.Name):
+                out.add(node.attr)
+    return out
+
+
+@pytest.mark.parametrize("module,name,required", WRAPPER_LISTS, ids=lambda x: getattr(x, "__name__", None))
+def test_every_internal_a_path_reads_is_in_its_required_list(module, name, required):
+    read = _attributes_read(module, name) - SET_HERE
+    assert read, f"no {name}.<attr> found in {module.__name__}: the check would pass vacuously"
+    missing = read - set(required) - ({zero3.AVG_SCATTER} if module is zero3 else set())
+    assert not missing, f"{module.__name__} reads {sorted(missing)} without listing them in its required internals"
+
+
+def test_the_engine_attributes_stage0_uses_are_listed():
+    read = _attributes_read(stage0, "engine") - {"basic_optimizer", "optimizer"}  # the engine's public surface
+    listed = set(stage0._ENGINE) | set(stage0._ENGINE_LATE)
+    assert read <= listed, sorted(read - listed)
+
+
+def _zero_engine(stage: int, drop: str) -> types.SimpleNamespace:
+    required = zero3._REQUIRED if stage == 3 else zero12._REQUIRED
+    zopt = type("DeepSpeedZeroOptimizer", (), {n: None for n in required if n != drop})()
+    return types.SimpleNamespace(optimizer=zopt, basic_optimizer=object())
+
+
+@pytest.mark.parametrize("stage,drop", [(1, "ipg_buckets"), (2, "grad_partition_insertion_offset"),
+                                        (3, zero3.AVG_SCATTER), (3, "grad_position")])
+def test_a_renamed_internal_fails_at_attach_naming_it(stage, drop):
+    with pytest.raises(RuntimeError, match=f"lacks DeepSpeedZeroOptimizer.{drop}, which the VRGD hooks use; "
+                                           f"supported DeepSpeed versions: {internals.SUPPORTED_DEEPSPEED[0]}"):
+        for_engine(_zero_engine(stage, drop), stage)
+
+
+def test_stage0_names_a_missing_engine_method():
+    engine = types.SimpleNamespace(flatten=None, clip_fp32_gradients=None, seq_data_parallel_group=None,
+                                   optimizer=None, basic_optimizer=None)
+    with pytest.raises(RuntimeError, match="lacks DeepSpeedEngine.allreduce_bucket"):
+        for_engine(engine, 0)
+
+
+def test_an_unknown_stage_is_refused():
+    with pytest.raises(internals.UnsupportedConfiguration, match="unknown ZeRO stage 4"):
+        for_engine(types.SimpleNamespace(optimizer=None), 4)

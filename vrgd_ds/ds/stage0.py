@@ -1,0 +1,145 @@
+"""DeepSpeed without ZeRO (stage 0): the engine's own bucketed all-reduce, the basic optimizer
+unwrapped (fp32) or under ``FP16_UnfusedOptimizer`` (fp16/bf16, fp32 master copies).
+
+Everything this path reads or replaces in DeepSpeed 0.19.8 is here and checked at attach time:
+
+* ``engine.allreduce_bucket(bucket, dp_group, dp_world_size)`` and ``engine.flatten``: replaced
+  by the fused ``[g | (c·g)²]`` all-reduce (per-micro-step scheme);
+* ``engine.clip_fp32_gradients`` (fp32) or ``FP16_UnfusedOptimizer.unscale_and_clip_grads``:
+  where the reduced gradient is read for ``gbar="engine"`` (per-step scheme);
+* ``FP16_UnfusedOptimizer.fp16_groups``/``fp32_groups``: model parameter → master copy;
+  ``loss_scale``: the scale removed from the squares;
+* ``engine.seq_data_parallel_group``: the group the gradients are reduced over.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import Tensor
+
+import deepspeed.comm as dist
+
+from vrgd_ds.ds.internals import UnsupportedConfiguration, require
+from vrgd_ds.ds.layout import Layout, ModelTensors
+from vrgd_ds.stats.comm import fused_all_reduce_sync
+from vrgd_ds.stats.local import Flat, LocalStats, reduce
+
+_ENGINE = ("allreduce_bucket", "clip_fp32_gradients", "seq_data_parallel_group")
+_ENGINE_LATE = ("flatten",)  # set by the engine after it configured the optimizer: checked at the first use
+_FP16_UNFUSED = ("fp16_groups", "fp32_groups", "loss_scale", "unscale_and_clip_grads")
+
+
+class Stage0:
+    """The stage-0 engine path (``vrgd_ds/ds/paths.py``'s ``EnginePath``)."""
+
+    per_micro_step = False  # DeepSpeed reduces once per step, at the accumulation boundary
+
+    def __init__(self, engine: Any) -> None:
+        self.engine = engine
+        self.wrapper = engine.optimizer
+        opt = engine.basic_optimizer
+        require(engine, _ENGINE, "DeepSpeedEngine")
+        self.unfused = type(self.wrapper).__name__ == "FP16_UnfusedOptimizer"
+        if self.unfused:
+            require(self.wrapper, _FP16_UNFUSED, "FP16_UnfusedOptimizer")
+            self.pairs = [(p, m) for lp, hp in zip(self.wrapper.fp16_groups, self.wrapper.fp32_groups)
+                          for p, m in zip(lp, hp)]
+        elif self.wrapper is opt:
+            self.pairs = [(p, p) for g in opt.param_groups for p in g["params"]]
+        else:
+            raise UnsupportedConfiguration(
+                f"vrgd_ds: DeepSpeed wrapped the VRGD optimizer in {type(self.wrapper).__name__}, which the hooks "
+                "do not cover (stage 0 supports fp32, fp16 and bf16)")
+
+    def targets(self) -> list[Tensor]:
+        """The tensors the basic optimizer updates: the parameters, or their fp32 master copies."""
+        return [m for _, m in self.pairs]
+
+    def loss_scale(self) -> float:
+        return self.wrapper.loss_scale if self.unfused else 1.0
+
+    def layout(self, model: ModelTensors, device: torch.device) -> Layout:
+        layout = Layout(model.names, model.numel, group=None, device=device, shapes=model.shapes)
+        for p, m in self.pairs:
+            layout.add(m, [(0, m.numel(), model.keys[id(p)])])
+        return layout
+
+    def configure(self, opt: Any) -> None:
+        """Every tensor is whole on every rank: nothing to refuse."""
+
+    # -- the per-micro-step scheme (vrgd_ds/ds/sources.py) ------------------------------------------
+
+    def hook_reduction(self, stats: Any) -> None:
+        """``engine.allreduce_bucket`` becomes one fused all-reduce of ``[g | (c·g)²]``; the ``g``
+        half, divided by the ranks, goes back into the bucket as DeepSpeed's average would."""
+        engine, pairs = self.engine, self.pairs
+        by_param = {id(p): m for p, m in pairs}
+        for p, m in pairs:
+            stats.piece(p, m, 0, m.numel())
+
+        def allreduce_bucket(bucket, dp_group, dp_world_size=None):
+            require(engine, _ENGINE_LATE, "DeepSpeedEngine")
+            k = dp_world_size or dist.get_world_size(group=dp_group)
+            tensor = engine.flatten(bucket)
+            owner = {p.grad.data_ptr(): (p, by_param[id(p)]) for p, _ in pairs if p.grad is not None}
+            found = [owner.get(t.data_ptr()) for t in bucket]
+            if any(f is None for f in found):
+                raise RuntimeError("a gradient in DeepSpeed's reduction bucket belongs to no parameter of the "
+                                   "VRGD optimizer (stage 0); was a parameter left out of the optimizer?")
+            stats.begin_round([p for p, _ in found])
+            c = stats.multiplier()
+            red_g, red_sq = fused_all_reduce_sync(dist, tensor, c, dp_group, stats.counters, stats.kernels,
+                                                  stats.squares_dtype)
+            off = 0
+            for t, (p, m) in zip(bucket, found):
+                num = t.numel()
+                stats.add(id(m), 0, red_g.narrow(0, off, num), red_sq.narrow(0, off, num), c, stats.first(p))
+                off += num
+            tensor.copy_(red_g.mul_(1.0 / k))  # DeepSpeed's postscale average
+            return tensor
+
+        engine.allreduce_bucket = allreduce_bucket
+
+    # -- the per-step scheme (vrgd_ds/ds/local.py) --------------------------------------------------
+
+    def local_buffers(self, stats: LocalStats) -> None:
+        """One flat local buffer over all parameters, all-reduced once per step; the optimizer's
+        statistics are views of it."""
+        pairs, squares_dtype = self.pairs, stats.squares_dtype
+        group = self.engine.seq_data_parallel_group
+        device = pairs[0][1].device if pairs else torch.device("cpu")
+
+        def reduce_flat(f: Flat) -> list[Any]:
+            if f.g is not None and squares_dtype == torch.float32:  # [Σg | Σg²]: one all-reduce, twice the bytes
+                works = reduce(stats, f.both, f.both, group, scatter=False, dtype=torch.float32)
+                stats.counters.grad_bytes_fp32 -= 4 * f.g.numel()  # it stands for one fp32 gradient
+                return works
+            works = reduce(stats, f.sq, f.sq, group, scatter=False, dtype=squares_dtype)
+            if f.g is not None:
+                works += reduce(stats, f.g, f.g, group, scatter=False, dtype=torch.float32, squares=False)
+            return works
+
+        flat = stats.add_flat(sum(p.numel() for p, _ in pairs), device, reduce_flat)
+        off = 0
+        for p, m in pairs:
+            n = p.numel()
+            stats.watch(p, flat, off, n)
+            g, _ = stats.target_bufs(m)  # the statistics of m are views of the reduced flat buffer
+            stats.alias(m, g if flat.g is None else flat.g.narrow(0, off, n), flat.sq.narrow(0, off, n))
+            off += n
+
+    def capture_engine_gradient(self, stats: LocalStats) -> None:
+        """``gbar="engine"``: the reduced gradient, read just before DeepSpeed unscales and clips it."""
+        pairs = self.pairs
+        owner, name = (self.wrapper, "unscale_and_clip_grads") if self.unfused else (self.engine,
+                                                                                    "clip_fp32_gradients")
+        original = getattr(owner, name)
+
+        def read_then(*args, **kwargs):
+            for _, m in pairs:
+                if m.grad is not None:
+                    stats.capture(m, m.grad)
+            return original(*args, **kwargs)
+
+        setattr(owner, name, read_then)

@@ -1,0 +1,172 @@
+"""ZeRO-1 and ZeRO-2 (``DeepSpeedZeroOptimizer``): one flat fp32 partition per param group on
+each rank; model tensors may be cut between ranks.
+
+Everything this path reads or replaces in DeepSpeed 0.19.8 is here and checked at attach time:
+
+* ``gradient_reduction_w_predivide(tensor, communication_data_type)``: replaced by the fused
+  ``[g | (c·g)²]`` all-reduce (per-micro-step scheme); ``reduce_scatter`` is set to False so
+  every bucket goes through it; ``ipg_buckets[dtype].params``: the bucket's parameters, in order;
+* ``grad_start_offset``/``grad_partition_insertion_offset``/``partition_size``/``bit16_groups``/
+  ``get_param_id``/``real_dp_process_group``: which piece of each parameter this rank owns;
+* ``single_partition_of_fp32_groups``: the tensors the basic optimizer updates;
+  ``bit16_groups_flat``: the flat layout (padding included) the per-step local buffer copies;
+* ``unscale_and_clip_grads(grad_groups_flat, total_norm)``: where the reduced gradient is read
+  for ``gbar="engine"``; ``loss_scale``; ``dp_process_group``.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import Tensor
+
+import deepspeed.comm as dist
+
+from vrgd_ds.ds.internals import UnsupportedConfiguration, require
+from vrgd_ds.ds.layout import Layout, ModelTensors
+from vrgd_ds.stats.comm import fused_all_reduce_sync
+from vrgd_ds.stats.local import Flat, LocalStats, reduce
+
+_REQUIRED = ("gradient_reduction_w_predivide", "_add_full_reduction_to_compact_grad_partition", "grad_start_offset",
+             "grad_partition_insertion_offset", "single_partition_of_fp32_groups", "bit16_groups",
+             "bit16_groups_flat", "ipg_buckets", "partition_size", "real_dp_process_group", "dp_process_group",
+             "loss_scale", "get_param_id", "unscale_and_clip_grads")
+
+
+def pieces(zopt: Any, i: int) -> list[tuple[Tensor, int, int, int]]:
+    """(model parameter, start in the parameter, start in this rank's partition, length) of
+    every piece of param group ``i`` this rank owns."""
+    part = dist.get_rank(group=zopt.real_dp_process_group[i])
+    starts = zopt.grad_start_offset[i][part]
+    inserts = zopt.grad_partition_insertion_offset[i][part]
+    out = []
+    for p in zopt.bit16_groups[i]:
+        pid = zopt.get_param_id(p)
+        if pid in starts:
+            src, dst = int(starts[pid]), int(inserts[pid])
+            num = int(min(p.numel() - src, zopt.partition_size[i] - dst))
+            if num > 0:
+                out.append((p, src, dst, num))
+    return out
+
+
+class Zero12:
+    """The ZeRO-1/2 engine path (``vrgd_ds/ds/paths.py``'s ``EnginePath``)."""
+
+    def __init__(self, engine: Any, stage: int) -> None:
+        self.engine = engine
+        self.zopt = engine.optimizer
+        require(self.zopt, _REQUIRED, type(self.zopt).__name__)
+        self.per_micro_step = stage >= 2  # ZeRO-2 reduces every micro-step, ZeRO-1 at the boundary
+        self.flats = list(self.zopt.single_partition_of_fp32_groups)
+        self.pieces = [pieces(self.zopt, i) for i in range(len(self.flats))]
+
+    def targets(self) -> list[Tensor]:
+        return self.flats
+
+    def loss_scale(self) -> float:
+        return self.zopt.loss_scale
+
+    def layout(self, model: ModelTensors, device: torch.device) -> Layout:
+        layout = Layout(model.names, model.numel, group=self.zopt.dp_process_group, device=device,
+                        shapes=model.shapes)
+        for flat, owned in zip(self.flats, self.pieces):
+            layout.add(flat, [(dst, num, model.keys[id(p)], src) for p, src, dst, num in owned])
+        return layout
+
+    def configure(self, opt: Any) -> None:
+        # DeepSpeedZeroOptimizer._optimizer_step calls step() once per param group (param_groups
+        # narrowed to that group): one engine step's metrics merge over the calls.
+        opt.merge_step_records = True
+        if len(opt.param_groups) > 1 and any(g.get("grad_pre_normalization") for g in opt.param_groups):
+            raise UnsupportedConfiguration(
+                "vrgd_ds: grad_pre_normalization under ZeRO-1/2 with more than one param group is not supported: "
+                "ZeRO-1/2 step the param groups one at a time, so the global gradient norm would be per group")
+
+    # -- the per-micro-step scheme (vrgd_ds/ds/sources.py) ------------------------------------------
+
+    def hook_reduction(self, stats: Any) -> None:
+        """Every bucket goes through ``gradient_reduction_w_predivide``, which becomes one fused
+        all-reduce of ``[g | (c·g)²]``; this rank's pieces of the squares go to its partition."""
+        zopt, flats = self.zopt, self.flats
+        owned = {i: {id(p): (src, dst, num) for p, src, dst, num in ps} for i, ps in enumerate(self.pieces)}
+        for flat, ps in zip(flats, self.pieces):
+            for p, _, dst, num in ps:
+                stats.piece(p, flat, dst, num)
+        group = zopt.dp_process_group
+        zopt.reduce_scatter = False  # every bucket goes through gradient_reduction_w_predivide
+
+        def gradient_reduction_w_predivide(tensor, communication_data_type):
+            if tensor.numel() == 0:
+                return tensor
+            k = dist.get_world_size(group=group)
+            bucket = zopt.ipg_buckets[communication_data_type]
+            stats.begin_round([zopt.bit16_groups[i][pidx] for i, pidx, _ in bucket.params])
+            c = stats.multiplier()
+            red_g, red_sq = fused_all_reduce_sync(dist, tensor, c, group, stats.counters, stats.kernels,
+                                                  stats.squares_dtype)
+            n = tensor.numel()
+            off = 0
+            for i, pidx, _ in bucket.params:
+                p = zopt.bit16_groups[i][pidx]
+                piece = owned[i].get(id(p))
+                if piece is not None:
+                    src, dst, num = piece
+                    stats.add(id(flats[i]), dst, red_g.narrow(0, off + src, num), red_sq.narrow(0, off + src, num),
+                              c, stats.first(p))
+                off += p.numel()
+            if off != n:
+                raise RuntimeError(f"DeepSpeed's reduction bucket holds {n} elements but its parameters {off}: the "
+                                   "bucket layout differs from DeepSpeed 0.19.8's (unsupported DeepSpeed version?)")
+            flat = tensor.view(-1)
+            if flat.dtype == torch.float32:
+                torch.mul(red_g, 1.0 / k, out=flat)  # DeepSpeed's postscale average
+            else:
+                flat.copy_(red_g.mul_(1.0 / k))
+            return tensor
+
+        zopt.gradient_reduction_w_predivide = gradient_reduction_w_predivide
+
+    # -- the per-step scheme (vrgd_ds/ds/local.py) --------------------------------------------------
+
+    def local_buffers(self, stats: LocalStats) -> None:
+        """A local buffer per param group laid out like DeepSpeed's flat ``bit16_groups_flat``
+        (padding included), reduce-scattered into this rank's partition once per step."""
+        zopt, targets, squares_dtype = self.zopt, self.flats, stats.squares_dtype
+        for i, flat16 in enumerate(zopt.bit16_groups_flat):
+            group = zopt.real_dp_process_group[i]
+            gb, sb = stats.target_bufs(targets[i])
+            k = dist.get_world_size(group=group)
+            if flat16.numel() != k * targets[i].numel():
+                raise RuntimeError(f"DeepSpeed's flat group {i} holds {flat16.numel()} elements, not {k} partitions "
+                                   f"of {targets[i].numel()}: a layout DeepSpeed 0.19.8 does not produce")
+
+            def reduce_flat(f: Flat, gb=gb, sb=sb, group=group) -> list[Any]:
+                works = reduce(stats, f.sq, sb, group, scatter=True, dtype=squares_dtype)
+                if f.g is not None:
+                    works += reduce(stats, f.g, gb, group, scatter=True, dtype=torch.float32, squares=False)
+                return works
+
+            flat = stats.add_flat(flat16.numel(), flat16.device, reduce_flat)
+            base, size = flat16.data_ptr(), flat16.element_size()
+            for p in zopt.bit16_groups[i]:
+                off = (p.data_ptr() - base) // size
+                if not 0 <= off <= flat16.numel() - p.numel():
+                    raise RuntimeError("a parameter of a ZeRO-1/2 group is not a view of DeepSpeed's flat buffer "
+                                       "(bit16_groups_flat): a layout DeepSpeed 0.19.8 does not produce")
+                stats.watch(p, flat, off, p.numel())
+
+    def capture_engine_gradient(self, stats: LocalStats) -> None:
+        """``gbar="engine"``: each group's reduced partition gradient, read just before DeepSpeed
+        unscales and clips it."""
+        zopt, targets = self.zopt, self.flats
+        original = zopt.unscale_and_clip_grads
+
+        def unscale_and_clip_grads(grad_groups_flat, total_norm):
+            for grad in grad_groups_flat:
+                for t in targets:
+                    if t.grad is grad:
+                        stats.capture(t, grad)
+            return original(grad_groups_flat, total_norm)
+
+        zopt.unscale_and_clip_grads = unscale_and_clip_grads

@@ -1,0 +1,196 @@
+"""ZeRO-3 (``DeepSpeedZeroOptimizer_Stage3``): every parameter cut into equal pieces, one per
+rank; the basic optimizer updates one flat fp32 partition per sub-group.
+
+Everything this path reads or replaces in DeepSpeed 0.19.8 is here and checked at attach time:
+
+* ``__avg_scatter_grads(params, communication_data_type)`` (name-mangled): replaced by one
+  coalesced reduce-scatter of the gradients and their squares (per-micro-step scheme);
+  ``reduce_scatter`` is set to True so every bucket goes through it;
+* ``grad_position[param id] = (sub-group, offset, partition numel)``, ``get_param_id``,
+  ``_get_param_partition_group``, ``fp16_groups``: which piece of each parameter this rank owns
+  and where it lies in its flat partition; ``p.ds_numel``: the whole parameter's size;
+* ``fp32_partitioned_groups_flat``: the tensors the basic optimizer updates;
+  ``gradient_accumulation_dtype``: the dtype DeepSpeed accumulates reduced gradients in;
+* ``unscale_and_clip_grads(sub_group_id, total_norm)``: where the reduced gradient is read for
+  ``gbar="engine"``; ``loss_scale``; ``dp_process_group``;
+* ``deepspeed.runtime.comm.coalesced_collectives.reduce_scatter_coalesced``: DeepSpeed's own
+  partitioning of each tensor (padded to a multiple of the ranks, averaged over them).
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import Tensor
+
+import deepspeed.comm as dist
+
+from vrgd_ds.ds.internals import UnsupportedConfiguration, require
+from vrgd_ds.ds.layout import Layout, ModelTensors
+from vrgd_ds.stats.local import Flat, LocalStats
+
+AVG_SCATTER = "_DeepSpeedZeroOptimizer_Stage3__avg_scatter_grads"
+_REQUIRED = (AVG_SCATTER, "fp32_partitioned_groups_flat", "fp16_groups", "grad_position", "get_param_id",
+             "_get_param_partition_group", "gradient_accumulation_dtype", "loss_scale", "dp_process_group",
+             "unscale_and_clip_grads")
+
+
+def pieces(zopt: Any, i: int) -> list[tuple[Tensor, int, int]]:
+    """(model parameter, start in this rank's flat partition, valid length) for sub-group i."""
+    out = []
+    for p in zopt.fp16_groups[i]:
+        _, offset, part_numel = zopt.grad_position[zopt.get_param_id(p)]
+        rank = dist.get_rank(group=zopt._get_param_partition_group(p))
+        valid = max(0, min(p.ds_numel - rank * int(part_numel), int(part_numel)))
+        out.append((p, int(offset), valid))
+    return out
+
+
+def tensor_offset(zopt: Any, p: Tensor) -> int:
+    """Where this rank's partition of ``p`` starts inside the whole tensor (ZeRO-3 cuts each
+    parameter into equal ``partition_numel`` pieces, rank r holding the r-th)."""
+    _, _, part_numel = zopt.grad_position[zopt.get_param_id(p)]
+    return min(dist.get_rank(group=zopt._get_param_partition_group(p)) * int(part_numel), int(p.ds_numel))
+
+
+def _reduce_scatter_coalesced():
+    from deepspeed.runtime.comm.coalesced_collectives import reduce_scatter_coalesced
+
+    return reduce_scatter_coalesced
+
+
+class Zero3:
+    """The ZeRO-3 engine path (``vrgd_ds/ds/paths.py``'s ``EnginePath``)."""
+
+    per_micro_step = True  # every micro-step's bucket is reduce-scattered
+
+    def __init__(self, engine: Any) -> None:
+        self.engine = engine
+        self.zopt = engine.optimizer
+        require(self.zopt, _REQUIRED, type(self.zopt).__name__)
+        self.flats = list(self.zopt.fp32_partitioned_groups_flat)
+        self.pieces = [pieces(self.zopt, i) for i in range(len(self.flats))]
+        # parameter id -> (sub-group, offset in this rank's flat partition, valid length)
+        self.where = {id(p): (i, off, valid) for i, ps in enumerate(self.pieces) for p, off, valid in ps}
+
+    def targets(self) -> list[Tensor]:
+        return self.flats
+
+    def loss_scale(self) -> float:
+        return self.zopt.loss_scale
+
+    def layout(self, model: ModelTensors, device: torch.device) -> Layout:
+        zopt = self.zopt
+        layout = Layout(model.names, model.numel, group=zopt.dp_process_group, device=device, shapes=model.shapes)
+        for flat, ps in zip(self.flats, self.pieces):
+            layout.add(flat, [(off, valid, model.keys[id(p)], tensor_offset(zopt, p)) for p, off, valid in ps])
+        return layout
+
+    def configure(self, opt: Any) -> None:
+        if len(self.zopt.fp16_groups) > 1 and any(g.get("grad_pre_normalization") for g in opt.param_groups):
+            raise UnsupportedConfiguration(
+                "vrgd_ds: grad_pre_normalization under ZeRO-3 with more than one sub-group (param groups or "
+                "zero_optimization.sub_group_size) is not supported: ZeRO-3 steps sub-groups one at a time")
+        opt.merge_step_records = True  # one optimizer.step() per sub-group
+
+    # -- the per-micro-step scheme (vrgd_ds/ds/sources.py) ------------------------------------------
+
+    def hook_reduction(self, stats: Any) -> None:
+        """``__avg_scatter_grads`` becomes one coalesced reduce-scatter of the gradients and their
+        fp32 squares (a second call for bf16 squares: a coalesced call flattens into one dtype)."""
+        reduce_scatter_coalesced = _reduce_scatter_coalesced()
+        zopt, flats, where = self.zopt, self.flats, self.where
+        for flat, ps in zip(flats, self.pieces):
+            for p, offset, valid in ps:
+                if valid:
+                    stats.piece(p, flat, offset, valid)
+        zopt.reduce_scatter = True  # every bucket goes through __avg_scatter_grads
+
+        def avg_scatter_grads(params, communication_data_type):
+            group = zopt._get_param_partition_group(params[0])
+            k = dist.get_world_size(group=group)
+            stats.begin_round(params)
+            c = stats.multiplier()
+            grads = [p.grad.float() for p in params]
+            squares = []
+            for g in grads:  # one pass each: (c g)² in fp32
+                sq = torch.empty(g.shape, dtype=torch.float32, device=g.device)
+                stats.kernels.pack_squares(g, None, sq.view(-1), c)
+                squares.append(sq)
+            t = len(params)
+            numel = sum(g.numel() for g in grads)
+            if stats.squares_dtype == torch.float32:
+                parts = reduce_scatter_coalesced(grads + squares, group)  # one collective, averaged over k
+                g_parts, sq_parts = parts[:t], parts[t:]
+                stats.counters.add(numel, 2 * 4 * numel)
+            else:
+                g_parts = reduce_scatter_coalesced(grads, group)
+                sq_parts = [x.float() for x in
+                            reduce_scatter_coalesced([x.to(stats.squares_dtype) for x in squares], group)]
+                stats.counters.add(numel, 4 * numel + 2 * numel, calls=2)
+            for p, gp, sp in zip(params, g_parts, sq_parts):
+                i, offset, valid = where[id(p)]
+                if valid:  # the coalesced reduce-scatter averaged over k: the squares' sum is k times it
+                    sp.mul_(k)
+                    stats.add(id(flats[i]), offset, gp.view(-1)[:valid], sp.view(-1)[:valid], k * c, stats.first(p))
+            return [gp.to(zopt.gradient_accumulation_dtype) for gp in g_parts]
+
+        setattr(zopt, AVG_SCATTER, avg_scatter_grads)
+
+    # -- the per-step scheme (vrgd_ds/ds/local.py) --------------------------------------------------
+
+    def local_buffers(self, stats: LocalStats) -> None:
+        """One full-size local buffer per parameter, reduce-scattered once per step with
+        DeepSpeed's own coalesced reduce-scatter (its partitioning of each parameter)."""
+        reduce_scatter_coalesced = _reduce_scatter_coalesced()
+        zopt, targets, where, squares_dtype = self.zopt, self.flats, self.where, stats.squares_dtype
+        params = [p for group in zopt.fp16_groups for p in group]
+        sizes = [int(p.ds_numel) for p in params]
+        group = zopt.dp_process_group
+        k = dist.get_world_size(group=group)
+        offsets, off = [], 0
+        for n in sizes:
+            offsets.append(off)
+            off += n
+
+        def scatter(views: list[Tensor], dtype: torch.dtype, squares: bool) -> list[Tensor]:
+            # the helper pads every tensor to a multiple of k, as it does for DeepSpeed's own fp32
+            # gradient reduce-scatter: the padded size is what one fp32 gradient costs on this path
+            sent = sum(-(-v.numel() // k) * k for v in views)
+            if dtype != torch.float32:
+                low = [v.to(dtype) for v in views]
+                stats.count(sent if squares else 0, sent * low[0].element_size())
+                return [x.float() for x in reduce_scatter_coalesced(low, group)]
+            stats.count(sent if squares else 0, sent * 4)
+            return reduce_scatter_coalesced(views, group)
+
+        def reduce_flat(f: Flat) -> list[Any]:
+            parts = scatter([f.sq.narrow(0, o, n) for o, n in zip(offsets, sizes)], squares_dtype, True)
+            gparts = None
+            if f.g is not None:
+                gparts = scatter([f.g.narrow(0, o, n) for o, n in zip(offsets, sizes)], torch.float32, False)
+            for j, p in enumerate(params):
+                sub, dst, valid = where[id(p)]
+                if valid:
+                    gb, sb = stats.target_bufs(targets[sub])
+                    sb.narrow(0, dst, valid).copy_(parts[j].view(-1)[:valid]).mul_(k)  # the helper averages over k
+                    if gparts is not None:
+                        gb.narrow(0, dst, valid).copy_(gparts[j].view(-1)[:valid]).mul_(k)
+            return []
+
+        flat = stats.add_flat(off, targets[0].device if targets else torch.device("cpu"), reduce_flat)
+        for p, o, n in zip(params, offsets, sizes):
+            stats.watch(p, flat, o, n)
+
+    def capture_engine_gradient(self, stats: LocalStats) -> None:
+        """``gbar="engine"``: each sub-group's reduced partition gradient, read just before
+        DeepSpeed unscales and clips it."""
+        zopt, targets = self.zopt, self.flats
+        original = zopt.unscale_and_clip_grads
+
+        def unscale_and_clip_grads(sub_group_id, total_norm):
+            t = targets[sub_group_id]
+            stats.capture(t, t.grad)
+            return original(sub_group_id, total_norm)
+
+        zopt.unscale_and_clip_grads = unscale_and_clip_grads
