@@ -4,7 +4,9 @@ grows at a fixed sample budget: held-out MLM loss and accuracy, and the gradient
 Every run is ``vrgd-pretrain`` on ``--ranks`` ranks (``deepspeed --num_gpus R``: CPU ranks, or
 GPUs where there are), ZeRO-2 fp32, a ``--model`` BERT (tiny by default), one phase at
 ``--seq-len``, ``--samples`` training samples in all, so a larger batch takes proportionally
-fewer steps. The batch grows through accumulation (micro-batch
+fewer steps — but never fewer than ``--min-steps`` optimizer steps (default 50): a run gets
+``max(samples, min_steps × batch)`` samples, so a large-batch cell is not decided by a run that
+ends where large-batch training begins. The tables show each cell's steps and samples. The batch grows through accumulation (micro-batch
 fixed), so the GSNR groups grow with it: n = ranks × accumulation. The peak LR follows
 ``--lr-rule`` from ``--base-lr`` at ``--base-batch`` (square-root scaling by default), times each
 factor of ``--lr-factor`` (the same grid for every optimizer), with 10% linear warmup and the
@@ -117,12 +119,20 @@ RUN_SETTINGS = ("samples", "seq_len", "micro_batch", "ranks", "lr_rule", "base_l
 RunKey = tuple[str, int, str, float, int]  # corpus, batch, optimizer, LR factor, seed
 
 
-def load_reused(dirs: list[Path], config: dict) -> tuple[dict[RunKey, dict], list[dict]]:
+def steps_for(batch: int, samples: int, min_steps: int | None) -> int:
+    """Optimizer steps of a run at ``batch``: the sample budget's, at least ``min_steps``
+    (a study recorded before the minimum existed has none)."""
+    return max(samples // batch, min_steps or 0)
+
+
+def load_reused(dirs: list[Path], config: dict) -> tuple[dict[RunKey, dict], list[dict], list[dict]]:
     """The runs of committed studies whose settings match ``config`` (a study's ``meta.json``
-    config), keyed by cell and seed, and where each came from. A setting or a corpus that
-    differs, or one run recorded twice with different results, is an error naming it."""
+    config), keyed by cell and seed, where each came from, and the runs left out because they
+    took another number of steps than this study gives their batch (``steps_for``: e.g. 10-step
+    cells recorded before ``--min-steps``). A setting or a corpus that differs, or one run
+    recorded twice with different results, is an error naming it."""
     runs: dict[RunKey, dict] = {}
-    sources = []
+    sources, shorter = [], []
     specs = dict(spec.partition("=")[::2] for spec in config["corpora"])
     for d in dirs:
         meta_path, runs_path = d / "meta.json", d / "runs.jsonl"
@@ -141,6 +151,9 @@ def load_reused(dirs: list[Path], config: dict) -> tuple[dict[RunKey, dict], lis
                                  f"{specs[name] or 'embedded'!r} here")
         for line in runs_path.read_text().splitlines():
             r = json.loads(line)
+            if r["steps"] != steps_for(r["batch"], config["samples"], config.get("min_steps")):
+                shorter.append(r | {"reused_from": str(d)})  # another budget: kept in its record, not used here
+                continue
             key = (r["corpus"], r["batch"], r["optimizer"], r["factor"], r["seed"])
             if key in runs and runs[key]["mlm_loss"] != r["mlm_loss"]:
                 raise SystemExit(f"--reuse: {key} is recorded with loss {runs[key]['mlm_loss']} in "
@@ -149,7 +162,7 @@ def load_reused(dirs: list[Path], config: dict) -> tuple[dict[RunKey, dict], lis
         m = meta["machine"]
         sources.append({"dir": str(d), "commit": m.get("commit"), "started": meta["started"],
                         "machine": m.get("cuda") or f"{m.get('processor')}, {m.get('cpus')} CPU cores"})
-    return runs, sources
+    return runs, sources, shorter
 
 
 def run_one(label: str, corpus: str, data: Path, batch: int, factor: float, seed: int,
@@ -160,8 +173,9 @@ def run_one(label: str, corpus: str, data: Path, batch: int, factor: float, seed
     reused = getattr(args, "reused", {}).get((corpus, batch, label, factor, seed))
     if reused is not None:
         return reused
-    run_dir = args.work / "runs" / corpus / f"b{batch}" / label.replace(" ", "_") / f"lr{factor:g}" / f"seed{seed}"
-    steps = args.samples // batch
+    steps = steps_for(batch, args.samples, getattr(args, "min_steps", None))
+    run_dir = args.work / "runs" / corpus / f"b{batch}" / label.replace(" ", "_") / f"lr{factor:g}" / (
+        f"seed{seed}" if steps == args.samples // batch else f"seed{seed}-steps{steps}")  # a raised budget: its own
     done = run_dir / "result.json"
     if done.is_file():  # the noise scale is derived again: its definition here may be newer than the run
         return json.loads(done.read_text()) | {"b_simple": read_metrics(run_dir)[1]}
@@ -264,6 +278,8 @@ def main() -> None:
     ap.add_argument("--lr-factor", type=float, action="append", default=None,
                     help="grid around the rule's LR; repeatable (default 0.5 1 2)")
     ap.add_argument("--samples", type=int, default=10240, help="training samples per run (fixed budget)")
+    ap.add_argument("--min-steps", type=int, default=50,
+                    help="optimizer steps per run at least: a run gets max(samples, min_steps x batch) samples")
     ap.add_argument("--seq-len", type=int, default=64)
     ap.add_argument("--micro-batch", type=int, default=8, help="also the samples per GSNR group (ZeRO-2: "
                     "every micro-batch of every rank is one group)")
@@ -289,6 +305,7 @@ def main() -> None:
     if args.quick:
         args.corpus, args.batch, args.seed = ["embedded"], [16, 64], [1]
         args.optimizer, args.lr_factor, args.samples = ["LAMB", "VR-LAMB first_moment"], [1.0], 256
+        args.min_steps = 1  # a smoke run: the budget alone
         args.vocab_size = min(args.vocab_size, 2000)  # a smoke run: the tokenizer trains in a few seconds
         args.work = args.work / "quick"
     specs = args.corpus or ["embedded"]
@@ -301,14 +318,19 @@ def main() -> None:
         if batch % (args.ranks * args.micro_batch):
             raise SystemExit(f"--batch {batch}: not a multiple of ranks x micro-batch = {args.ranks * args.micro_batch}")
     config = {"corpora": specs, "batches": batches, "seeds": seeds, "lr_factors": factors, "optimizers": labels,
-              "samples": args.samples, "seq_len": args.seq_len, "micro_batch": args.micro_batch,
+              "samples": args.samples, "min_steps": args.min_steps, "seq_len": args.seq_len, "micro_batch": args.micro_batch,
               "ranks": args.ranks, "lr_rule": args.lr_rule, "base_lr": args.base_lr, "base_batch": args.base_batch,
               "vocab_size": args.vocab_size, "model": args.model, "zero": 2, "quick": args.quick}
-    args.reused, sources = load_reused(args.reuse, config)  # before Output: --out may be one of them
+    args.reused, sources, shorter = load_reused(args.reuse, config)  # before Output: --out may be one of them
     args.work.mkdir(parents=True, exist_ok=True)
     out = Output(args.out or (args.work if args.quick else DOCS / "bert_batch"), "bert_batch", config)
     if sources:
         out.meta["reused"] = sources
+    if shorter:
+        out.meta["not_reused_other_steps"] = len(shorter)
+        print(f"--reuse: {len(shorter)} recorded run(s) took another number of steps than this study gives their "
+              f"batch (--samples {args.samples}, --min-steps {args.min_steps}); they stay in their records, unused "
+              "here", flush=True)
     results = []
     for spec, name in zip(specs, corpora):
         data = (args.work / "data" / name if args.only_finished
@@ -330,14 +352,14 @@ def main() -> None:
                                                                            labels.index(kv[0][2]))):
         noise = [r["b_simple"] for r in rs if r.get("b_simple") is not None]
         tried = sorted(cells[corpus, batch, label])
-        rows.append((corpus, batch, rs[0]["steps"], rs[0]["groups"], label,
+        rows.append((corpus, batch, rs[0]["steps"], rs[0]["samples"], rs[0]["groups"], label,
                      f"{rs[0]['lr']:.3g} (×{rs[0]['factor']:g})", f"×{tried[0]:g}–×{tried[-1]:g} ({len(tried)})",
                      spread([r["mlm_loss"] for r in rs]), spread([r["mlm_acc"] for r in rs]),
                      spread(noise, "{:.0f}") if noise else "–"))
     out.add_table(f"Held-out MLM loss and accuracy at the best LR factor ({len(seeds)} seeds, mean (min–max); "
-                  f"{args.samples} samples per run, seq {args.seq_len}, LR {args.lr_rule} rule from {args.base_lr:g} "
+                  f"max({args.samples}, {args.min_steps} steps × batch) samples per run, seq {args.seq_len}, LR {args.lr_rule} rule from {args.base_lr:g} "
                   f"at batch {args.base_batch} × the factors tried)",
-                  table(["corpus", "batch", "steps", "groups n", "optimizer", "LR (factor)", "factors tried",
+                  table(["corpus", "batch", "steps", "samples", "groups n", "optimizer", "LR (factor)", "factors tried",
                          "MLM loss", "MLM accuracy", "B_simple (samples)"], rows))
     grid = [(name, batch, label, *(spread([r["mlm_loss"] for r in cells[name, batch, label][f]], "{:.3f}")
                                    if f in cells.get((name, batch, label), {}) else "–" for f in factors))

@@ -146,7 +146,7 @@ def test_bert_batch_assembles_committed_runs_of_several_studies(tmp_path):
     factors = [arg for f in ("1", "2", "4", "8", "16") for arg in ("--lr-factor", f)]
     run_study("bert_batch.py", *args, *factors, "--out", str(tmp_path / "out"))
     tables = (tmp_path / "out" / "tables.md").read_text()
-    assert "| embedded | 64 | 160 | 8 | LAMB | 0.016 (×4) | ×1–×8 (4) | 6.7000 (6.6500–6.7500) |" in tables
+    assert "| embedded | 64 | 160 | 10240 | 8 | LAMB | 0.016 (×4) | ×1–×8 (4) | 6.7000 (6.6500–6.7500) |" in tables
     assert "| embedded | 64 | LAMB | 6.915 (6.910–6.920) | 6.815 (6.810–6.820) | 6.700 (6.650–6.750) | 5.000 | – |" \
         in tables
     assert "VR-LAMB update |" not in tables  # never run: no row
@@ -163,6 +163,26 @@ def test_bert_batch_assembles_committed_runs_of_several_studies(tmp_path):
     proc = subprocess.run([sys.executable, str(STUDIES / "bert_batch.py"), *args, "--reuse", str(clash), *factors,
                            "--out", str(tmp_path / "out3")], cwd=ROOT, capture_output=True, text=True, check=False)
     assert proc.returncode != 0 and "is recorded with loss 6.81" in proc.stderr
+
+
+def test_bert_batch_uses_no_recorded_run_shorter_than_min_steps(tmp_path):
+    """A run gets max(samples, min_steps x batch) samples: the 10-step runs at batch 1,024 that a
+    study recorded at 10,240 samples before --min-steps are not this study's cells (the default
+    asks 50 steps) and are left out, said on the console and in meta.json; with --min-steps 10
+    they are the cells; batch 64's 160 steps count either way."""
+    old = fake_study(tmp_path / "old", [("embedded", b, "LAMB", 1.0, s, 7.0 + 0.01 * s) for b in (64, 1024)
+                                        for s in (1, 2)])
+    args = ["--only-finished", "--corpus", "embedded", "--batch", "64", "--batch", "1024", "--optimizer", "LAMB",
+            "--lr-factor", "1", "--work", str(tmp_path / "work"), "--reuse", str(old)]
+    proc = subprocess.run([sys.executable, str(STUDIES / "bert_batch.py"), *args, "--out", str(tmp_path / "out")],
+                          cwd=ROOT, capture_output=True, text=True, check=True)
+    assert "--reuse: 2 recorded run(s) took another number of steps than this study gives their batch" in proc.stdout
+    tables = (tmp_path / "out" / "tables.md").read_text()
+    assert "| embedded | 64 | 160 | 10240 | 8 | LAMB |" in tables
+    assert "| embedded | 1024 |" not in tables.split("Held-out MLM loss at every")[0]
+    assert json.loads((tmp_path / "out" / "meta.json").read_text())["not_reused_other_steps"] == 2
+    run_study("bert_batch.py", *args, "--min-steps", "10", "--out", str(tmp_path / "out10"))
+    assert "| embedded | 1024 | 10 | 10240 | 128 | LAMB |" in (tmp_path / "out10" / "tables.md").read_text()
 
 
 @pytest.mark.slow
