@@ -229,6 +229,10 @@ BAD = {
     "bad-unknown-param": "optimizer.params.gama: not a parameter of VRLamb",
     "bad-squares-dtype": "vrgd.squares_dtype: Input should be 'fp32' or 'bf16'",
     "bad-vrgd-key": "vrgd.square_dtype: Extra inputs are not permitted",
+    "bad-autotp": "'tensor_parallel.autotp_size' is not supported with VRGD optimizers: AutoTP shards weights across 2",
+    "bad-moe": "'MoE layers' is not supported",
+    "bad-tensor-parallel-mpu": "'mpu (tensor model parallelism)' is not supported with VRGD optimizers: the model is "
+                               "sharded over 2 tensor-parallel ranks",
 }
 
 

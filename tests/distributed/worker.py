@@ -436,11 +436,59 @@ def run_bad_case(case: dict) -> dict:
     kwargs = {}
     if case.get("client"):
         kwargs["optimizer"] = vrgd_ds.VRSGD(tiny_model().parameters(), lr=0.1)
+    model = moe_model() if case.get("moe") else bert_model() if case.get("bert") else tiny_model()
+    if case.get("mpu"):
+        kwargs["mpu"] = TensorParallelMpu()
+    from deepspeed.utils import groups
+
+    kept = groups.mpu, groups.mesh_device  # module globals an mpu or AutoTP sets: the pool's next case needs them
     try:
-        deepspeed.initialize(model=tiny_model(), config=cfg, **kwargs)
+        deepspeed.initialize(model=model, config=cfg, **kwargs)
     except Exception as e:
         return dict(raised=type(e).__name__, message=str(e))
+    finally:
+        groups.mpu, groups.mesh_device = kept
     return dict(raised=None, message="")
+
+
+def bert_model() -> torch.nn.Module:
+    """A one-layer BERT from transformers (AutoTP finds its policy only for such models)."""
+    from transformers import BertConfig, BertModel
+
+    return BertModel(BertConfig(vocab_size=32, hidden_size=8, num_hidden_layers=1, num_attention_heads=2,
+                                intermediate_size=16, max_position_embeddings=16))
+
+
+def moe_model() -> torch.nn.Module:
+    """The tiny model with a DeepSpeed mixture-of-experts layer of two experts (one expert group)."""
+    from deepspeed.moe.layer import MoE
+
+    model = tiny_model()
+    model.moe = MoE(hidden_size=7, expert=torch.nn.Linear(7, 7), num_experts=2, ep_size=1, k=1)
+    return model
+
+
+class TensorParallelMpu:
+    """A Megatron-style ``mpu`` (the object Megatron-DeepSpeed passes ``deepspeed.initialize``):
+    every rank in one tensor-parallel group, each rank its own data-parallel group."""
+
+    def __init__(self) -> None:
+        world, rank = dist.get_world_size(), dist.get_rank()
+        self.tp = dist.new_group(list(range(world)))
+        self.dp = [dist.new_group([r]) for r in range(world)][rank]  # every rank creates every group
+        self.rank = rank
+
+    def get_model_parallel_rank(self): return self.rank  # noqa: E704 (Megatron's interface)
+    def get_model_parallel_world_size(self): return dist.get_world_size()  # noqa: E704
+    def get_model_parallel_group(self): return self.tp  # noqa: E704
+    get_tensor_model_parallel_rank = get_model_parallel_rank
+    get_tensor_model_parallel_world_size = get_model_parallel_world_size
+    get_tensor_model_parallel_group = get_model_parallel_group
+    def get_tensor_model_parallel_src_rank(self): return 0  # noqa: E704
+    def get_data_parallel_rank(self): return 0  # noqa: E704
+    def get_data_parallel_world_size(self): return 1  # noqa: E704
+    def get_data_parallel_group(self): return self.dp  # noqa: E704
+    def get_data_parallel_group_ranks(self): return [self.rank]  # noqa: E704
 
 
 def bad_cases():
@@ -454,6 +502,9 @@ def bad_cases():
     yield "bad-unknown-param", dict(base, set={"optimizer.params.gama": 0.1})
     yield "bad-squares-dtype", dict(base, set={"vrgd.squares_dtype": "fp8"})
     yield "bad-vrgd-key", dict(base, set={"vrgd.square_dtype": "bf16"})
+    yield "bad-autotp", dict(base, bert=True, set={"tensor_parallel.autotp_size": 2})
+    yield "bad-moe", dict(base, moe=True)
+    yield "bad-tensor-parallel-mpu", dict(base, mpu=True)
 
 
 def full_state(engine, key: str) -> dict[str, torch.Tensor]:

@@ -132,6 +132,22 @@ def check_engine(engine: Any) -> None:
         no("zero_optimization.contiguous_gradients", "false reduces through a path without the hooks; set it to true")
     if getattr(engine, "sequence_parallel_size", 1) > 1:
         no("sequence_parallel_size", "sequence parallelism is not covered")
+    require(engine, ("autotp_size", "mpu", "has_moe_layers"), "DeepSpeedEngine")
+    # Model parallelism: a weight sharded across ranks would get its GSNR mean and its LAMB/LARS
+    # trust ratio from this rank's shard alone; refused until the shards are completed exactly.
+    if engine.autotp_size() > 1:
+        no("tensor_parallel.autotp_size", f"AutoTP shards weights across {engine.autotp_size()} ranks and the "
+           "per-tensor GSNR mean and trust ratios would be computed per shard; use data parallelism (ZeRO 0-3) "
+           "or a non-VRGD optimizer")
+    from deepspeed.utils.bwc import bwc_tensor_model_parallel_world_size
+
+    if bwc_tensor_model_parallel_world_size(engine.mpu) > 1:
+        no("mpu (tensor model parallelism)", f"the model is sharded over {bwc_tensor_model_parallel_world_size(engine.mpu)} "
+           "tensor-parallel ranks and the per-tensor GSNR mean and trust ratios would be computed per shard; use "
+           "data parallelism (ZeRO 0-3)")
+    if engine.has_moe_layers:
+        no("MoE layers", "expert parameters are reduced over expert-data-parallel groups the statistics hooks do "
+           "not cover; use a dense model")
     if engine.is_deepcompile_enabled():
         no("compile.deepcompile", "DeepCompile does its own gradient reduction; disable it")
     if getattr(engine, "zenflow", False):
