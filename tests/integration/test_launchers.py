@@ -154,7 +154,10 @@ def test_slurm_signal_checkpoints_requeues_and_finishes_exactly(tmp_path):
     the signal killed the ranks (SIGUSR1's default action) and the run was lost to its last
     periodic checkpoint. The uninterrupted reference is itself the plain ``sbatch --wait`` of
     launch/slurm.sbatch with 2 tasks: srun starts the ranks and the script maps
-    SLURM_PROCID/NTASKS/LOCALID and the node list to the torch.distributed variables."""
+    SLURM_PROCID/NTASKS/LOCALID and the node list to the torch.distributed variables.
+    Also failed before (2 runs in 3): it forced the requeued job to start at once, which slurmd
+    refuses while the previous start's credential is revoked ("Job credential revoked"), and the
+    job ended FAILED; it now waits for Slurm to start it (setup_slurm.sh: cred_expire=10)."""
     steps = 30
     env = {**os.environ, "PYTHON": sys.executable, "CONFIG": str(CONFIG),
            "PATH": f"{BIN}{os.pathsep}{os.environ.get('PATH', '')}"}

@@ -159,9 +159,9 @@ class Zero3:
             sent = sum(-(-v.numel() // k) * k for v in views)
             if dtype != torch.float32:
                 low = [v.to(dtype) for v in views]
-                stats.count(sent if squares else 0, sent * low[0].element_size())
+                stats.counters.add(sent if squares else 0, sent * low[0].element_size())
                 return [x.float() for x in reduce_scatter_coalesced(low, group)]
-            stats.count(sent if squares else 0, sent * 4)
+            stats.counters.add(sent if squares else 0, sent * 4)
             return reduce_scatter_coalesced(views, group)
 
         def reduce_flat(f: Flat) -> list[Any]:

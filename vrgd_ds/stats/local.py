@@ -221,10 +221,6 @@ class LocalStats:
         """The statistics of ``target`` are these views (stage 0: of the reduced local buffer)."""
         self._bufs[id(target)] = (sum_g, sum_sq)
 
-    def count(self, numel: int, nbytes: int) -> None:
-        """One collective of ``numel`` local elements sent as ``nbytes``."""
-        self.counters.add(numel, nbytes)
-
     def buffer_bytes(self) -> int:
         local = sum(f.sq.numel() * 4 + (f.g.numel() * 4 if f.g is not None else 0) for f in self.flats)
         return local + sum(2 * g.numel() * 4 for g, _ in self._bufs.values())
