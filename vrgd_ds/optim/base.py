@@ -66,7 +66,14 @@ class Layout(Protocol):
         ...
 
     def all_reduce(self, t: Tensor, op: str) -> None:
-        """In-place ``"sum"`` or ``"max"`` over the data-parallel group (every rank calls it)."""
+        """In-place ``"sum"`` or ``"max"`` over the ranks holding pieces of these model tensors
+        (every one of them calls it). ``"sum"`` takes per-key tables (rows = keys), so a rank
+        holding a copy of a tensor another rank holds too (tensor parallelism) adds it once."""
+        ...
+
+    def all_reduce_stages(self, t: Tensor, op: str) -> None:
+        """In-place over the pipeline stages, of a value complete for this stage's tensors
+        (nothing to do without pipeline parallelism)."""
         ...
 
 
@@ -353,12 +360,19 @@ class GSNROptimizer(torch.optim.Optimizer):
         self._layout.all_reduce(buf, "sum")
         return buf.index_select(0, plan.keys)
 
-    def reduce_scalar(self, value: Tensor) -> Tensor:
-        """A float64 sum over everything this optimizer updates (all ranks under ZeRO)."""
-        t = value.double().reshape(1)
-        if self._layout is not None:
-            self._layout.all_reduce(t, "sum")
-        return t[0]
+    def global_sum(self, plans: list[Plan], values: list[Tensor]) -> Tensor:
+        """A float64 sum of per-segment values (``[S]`` per plan) over every model tensor this
+        optimizer's model updates, each counted once: all ranks under ZeRO, tensor-parallel
+        shards and pipeline stages under Megatron."""
+        if self._layout is None:
+            return torch.stack([v.double().sum() for v in values]).sum()
+        buf = torch.zeros(self._layout.num_keys, 1, dtype=torch.float64, device=values[0].device)
+        for plan, v in zip(plans, values):
+            buf.index_add_(0, plan.keys, v.double().reshape(-1, 1))
+        self._layout.all_reduce(buf, "sum")
+        total = buf.sum().reshape(1)
+        self._layout.all_reduce_stages(total, "sum")
+        return total[0]
 
     # ---- the step --------------------------------------------------------------------------
 
@@ -426,15 +440,19 @@ class GSNROptimizer(torch.optim.Optimizer):
             kernels.new_step()
         sync_free = kernels.sync_free
         groups = [g for g in self.param_groups if any(p.grad is not None for p in g["params"])]
-        if not groups:
+        if not groups and self._layout is None:
             return
-        device = next(p.device for g in groups for p in g["params"] if p.grad is not None)
+        device = next((p.device for g in groups for p in g["params"] if p.grad is not None), None)
+        if device is None:  # this rank holds no piece of any group (Megatron's distributed optimizer)
+            device = self._layout.device
         tdev = device if sync_free else torch.device("cpu")
         plans, key_base = [], 0
         for i, g in enumerate(self.param_groups):
             plan = self._plan(i, g, key_base, tdev)
             key_base += len(plan.params)
-            if plan.params:
+            # Under a layout every rank takes part in every group's collectives, also in a group
+            # of which it holds no piece (Megatron's distributed optimizer can leave it none).
+            if plan.params or self._layout is not None:
                 plans.append(plan)
         n = 0
         if any(p.gsnr for p in plans):
@@ -458,9 +476,11 @@ class GSNROptimizer(torch.optim.Optimizer):
                 flags.append(plan.grad_norms[:, 2])
             else:  # reads the gradient only (one word per parameter, the norms' pass reads two)
                 flags.append(kernels.nonfinite(plan.grads, plan.seg))
-        found = torch.cat([f.reshape(-1).to(tdev) for f in flags]).amax().reshape(1)
+        none = torch.zeros(1, dtype=torch.float64, device=tdev)  # a rank holding no piece finds nothing
+        found = torch.cat([none] + [f.reshape(-1).to(tdev, torch.float64) for f in flags]).amax().reshape(1)
         if self._layout is not None:
             self._layout.all_reduce(found, "max")
+            self._layout.all_reduce_stages(found, "max")
         found = found[0]
         if not sync_free:
             if bool(found > 0):  # host tables: the decision costs nothing here
@@ -519,6 +539,9 @@ class GSNROptimizer(torch.optim.Optimizer):
             counters.append(st["step"])
             if beta3 > 0:
                 plan.avg.append(st["gsnr_avg"])
+        if not counters:  # no piece of this group here (a layout's collectives only)
+            plan.step_t = torch.ones(0, dtype=torch.float64, device=plan.tdev)
+            return
         # a device scalar per counter (a list): the 0-d-tensor overload reads the scalar on the host
         added = 1.0 if plan.found is None else [(1.0 - plan.found).float()] * len(counters)
         torch._foreach_add_(counters, added)

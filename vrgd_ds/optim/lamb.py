@@ -132,8 +132,8 @@ class VRLamb(GSNROptimizer):
             norms = plan.grad_norms if plan.grad_norms is not None else kernels.scaled_grad_norms(
                 plan.params, plan.grads, [], [], [], plan.seg,
                 columns.build(columns.NORMS, inv_mean=plan.ones(), lo=plan.ones(), bc3=plan.ones()), 1.0, 0.0, 0.0)
-            sq.append(norms[:, 1].sum())
-        return {"global_grad_norm": self.reduce_scalar(torch.stack(sq).sum()).sqrt()}  # float64, on the device
+            sq.append(norms[:, 1])
+        return {"global_grad_norm": self.global_sum(wanted, sq).sqrt()}  # float64, on the device
 
     def _update(self, plan, kernels, n, extras):
         g = plan.group

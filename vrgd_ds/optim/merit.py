@@ -190,7 +190,7 @@ class VRMerit(GSNROptimizer):
                 u = on_update.written(t, start, length, segf_host[i]) * u
             return pv, (u + g["weight_decay"] * pv) if g["weight_decay"] else u
 
-        device = plan.params[0].device
+        device = plan.params[0].device if plan.params else plan.tdev
         # every rank builds the same table (all model tensors under ZeRO) for the collective
         table = _table(tuple(sorted(plan.shapes.items() if self._layout is None
                                     else enumerate(self._layout.shapes))))

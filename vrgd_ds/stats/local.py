@@ -86,9 +86,12 @@ class LocalStats:
 
     def __init__(self, comm: Any, kernels: Any, world: int, targets: list[Tensor], gbar: str,
                  squares_dtype: torch.dtype, loss_scale: Callable[[], float],
-                 accumulation: Callable[[], int]) -> None:
+                 accumulation: Callable[[], int], engine_factor: Callable[[], float] | None = None) -> None:
         self.comm = comm  # deepspeed.comm or torch.distributed: all_reduce, reduce_scatter_tensor
         self._accumulation = accumulation
+        #: ``gbar="engine"``: Σg = factor · engine gradient; default n / loss scale (DeepSpeed: the
+        #: engine's gradient is the mean over ranks and micro-steps, loss-scaled)
+        self._engine_factor = engine_factor
         self.kernels = kernels
         self.world = world
         self.gbar = gbar
@@ -174,11 +177,15 @@ class LocalStats:
 
     def capture(self, target: Tensor, grad: Tensor) -> None:
         """``gbar="engine"``: the gradient DeepSpeed reduced for ``target``, still loss-scaled and
-        unclipped (read just before DeepSpeed unscales and clips it), as ``Σg = n · g / S``."""
+        unclipped (read just before DeepSpeed unscales and clips it), as ``Σg = n · g / S`` (or
+        ``engine_factor() · g`` where the engine's gradient is another multiple of the sum)."""
         if self.gbar != "engine" or id(target) not in self._bufs:
             return
-        n = self.world * max(self._counts.values(), default=0)
-        torch.mul(grad.reshape(-1), n / self._scale, out=self._bufs[id(target)][0])
+        if self._engine_factor is not None:
+            factor = self._engine_factor()
+        else:
+            factor = self.world * max(self._counts.values(), default=0) / self._scale
+        torch.mul(grad.reshape(-1), factor, out=self._bufs[id(target)][0])
         self._captured.add(id(target))
 
     def moments(self, params) -> tuple[list[Tensor], list[Tensor]]:

@@ -1,0 +1,239 @@
+"""``get_megatron_optimizer`` for the VRGD family: Megatron's param groups and process groups, our
+optimizer wrapped as Megatron wraps its own (``FP32Optimizer``, ``Float16OptimizerWithFloat16Params``
+or ``DistributedOptimizer``, in a ``ChainedOptimizer``), the statistics attached
+(``vrgd_ds/megatron/stats.py``). What is not covered yet is refused here, naming the option."""
+from __future__ import annotations
+
+import contextlib
+import logging
+from typing import Any, Iterator
+
+import torch
+
+from vrgd_ds.megatron.internals import UnsupportedMegatronConfiguration, check_version
+from vrgd_ds.megatron.stats import MegatronLayout, attach, model_tensors, pairs
+from vrgd_ds.optim.base import GSNROptimizer
+from vrgd_ds.optim.registry import REGISTRY
+
+logger = logging.getLogger(__name__)
+
+#: DistributedOptimizer methods that save or load its state in formats written for Adam's
+#: ``exp_avg``/``exp_avg_sq`` (megatron-core 0.16.1): refused on a VRGD inner optimizer
+_ADAM_CHECKPOINT_METHODS = ("sharded_state_dict", "save_parameter_state", "load_parameter_state",
+                            "get_parameter_state_dp_zero", "load_parameter_state_from_dp_zero")
+
+
+def _refuse(option: str, why: str, fix: str) -> None:
+    raise UnsupportedMegatronConfiguration(f"vrgd_ds.megatron: {option} is not supported with a VRGD optimizer: "
+                                           f"{why}. {fix}")
+
+
+def check_configuration(config: Any, chunks: list[Any], name: str) -> None:
+    """Refuses what the statistics do not cover yet, naming the option (docs/megatron.md)."""
+    from megatron.core import parallel_state as ps
+
+    if name not in REGISTRY:
+        raise ValueError(f"vrgd_ds.megatron: unknown optimizer {name!r}; the family: {', '.join(REGISTRY)}")
+    ddp = chunks[0].ddp_config
+    model = chunks[0].config
+    gsnr = REGISTRY[name].vr
+    for chunk in chunks:
+        if chunk.ddp_config != ddp:
+            raise ValueError("vrgd_ds.megatron: the model chunks have different DistributedDataParallelConfigs")
+    if config.optimizer_cpu_offload:
+        _refuse("OptimizerConfig.optimizer_cpu_offload", "the hybrid CPU/GPU optimizer steps Adam or SGD of its own",
+                "Set optimizer_cpu_offload=False")
+    if config.use_precision_aware_optimizer:
+        _refuse("OptimizerConfig.use_precision_aware_optimizer", "it needs TransformerEngine's FusedAdam",
+                "Set use_precision_aware_optimizer=False")
+    if config.overlap_param_gather_with_optimizer_step:
+        _refuse("OptimizerConfig.overlap_param_gather_with_optimizer_step", "it splits the chunks into two optimizers",
+                "Set it to False")
+    if getattr(ddp, "use_megatron_fsdp", False):
+        _refuse("DistributedDataParallelConfig.use_megatron_fsdp", "FSDP has no grad buffers the statistics read",
+                "Use Megatron's DistributedDataParallel, with or without use_distributed_optimizer")
+    if ddp.num_distributed_optimizer_instances > 1:
+        _refuse("DistributedDataParallelConfig.num_distributed_optimizer_instances > 1",
+                "the squares would need a second, inter-instance reduction",
+                "Set num_distributed_optimizer_instances=1")
+    if getattr(model, "gradient_accumulation_fusion", False):
+        _refuse("TransformerConfig.gradient_accumulation_fusion",
+                "it writes weight gradients straight into main_grad, so no per-micro-batch gradient reaches a hook",
+                "Set gradient_accumulation_fusion=False")
+    if ps.get_context_parallel_world_size() > 1:
+        _refuse("context_parallel_size > 1", "context-parallel ranks hold partial gradients of the same samples",
+                "Use context_parallel_size=1")
+    if getattr(model, "num_moe_experts", None) or any(getattr(c, "expert_parallel_buffers", None) for c in chunks):
+        _refuse("MoE experts (num_moe_experts)", "expert parameters are reduced over the expert data-parallel group",
+                "Use a dense model")
+    if not gsnr:
+        return
+    tp = ps.get_tensor_model_parallel_world_size()
+    if tp > 1 and getattr(model, "sequence_parallel", False):
+        _refuse("TransformerConfig.sequence_parallel", "its LayerNorm parameters hold a partial gradient per "
+                "tensor-parallel rank per micro-batch (the square of a partial is not a partial of the square)",
+                f"Set sequence_parallel=False, or use the base optimizer ({REGISTRY[name].base})")
+    if tp > 1 and getattr(model, "qk_layernorm", False):
+        _refuse("TransformerConfig.qk_layernorm with tensor parallelism", "the q/k LayerNorm parameters hold a "
+                "partial gradient per tensor-parallel rank", "Set qk_layernorm=False")
+    if tp > 1 and REGISTRY[name].cls.__name__.endswith("Merit"):
+        _refuse(f"{name} with tensor parallelism", "its row and column maxima would span tensor-parallel shards",
+                "Use tensor_model_parallel_size=1 or another member")
+    if ps.get_pipeline_model_parallel_world_size() > 1:
+        shared = [n for c in chunks for n, p in c.named_parameters() if getattr(p, "shared_embedding", False)
+                  or getattr(p, "shared", False)]
+        if shared:
+            _refuse("share_embeddings_and_output_weights across pipeline stages",
+                    f"the tied weight ({shared[0]}) is summed across stages once per step, after the squares",
+                    "Set share_embeddings_and_output_weights=False, or use the base optimizer "
+                    f"({REGISTRY[name].base})")
+    if (config.bf16 or config.fp16) and not ddp.grad_reduce_in_fp32:
+        _refuse("bf16/fp16 without DistributedDataParallelConfig.grad_reduce_in_fp32",
+                "the mean gradient would come from a low-precision reduction and meet fp32 squares in s - gbar²",
+                "Set grad_reduce_in_fp32=True")
+
+
+def _inner_kwargs(config: Any, name: str, given: dict[str, Any]) -> dict[str, Any]:
+    """The member's arguments from Megatron's ``OptimizerConfig`` where it has them; ``given`` wins."""
+    accepted = set(REGISTRY[name].accepted_params())
+    out: dict[str, Any] = {"lr": config.lr, "weight_decay": config.weight_decay}
+    if "betas" in accepted:
+        out["betas"] = (config.adam_beta1, config.adam_beta2)
+    if "eps" in accepted:
+        out["eps"] = config.adam_eps
+    if "momentum" in accepted:
+        out["momentum"] = config.sgd_momentum
+    return {**out, **given}
+
+
+@contextlib.contextmanager
+def _distributed_optimizer_accepts(cls: type) -> Iterator[None]:
+    """THE ONE PLACE the Adam-only check is handled. megatron-core 0.16.1's ``DistributedOptimizer``
+    asserts in ``__init__`` that its inner optimizer is an ``Adam``, ``torch.optim.AdamW`` or
+    ``HybridDeviceOptimizer`` "due to checkpointing requirements"; the assert reads the module's
+    name ``Adam``, which names ``cls`` too while the optimizer is built. The checkpoint methods
+    written for Adam's state are refused on the result (``_refuse_adam_checkpoints``)."""
+    import megatron.core.optimizer.distrib_optimizer as distrib
+
+    saved = distrib.Adam
+    distrib.Adam = (saved, cls)
+    try:
+        yield
+    finally:
+        distrib.Adam = saved
+
+
+def _refuse_adam_checkpoints(mopt: Any) -> None:
+    for method in _ADAM_CHECKPOINT_METHODS:
+        if hasattr(mopt, method):
+            def refused(*args: Any, _method: str = method, **kwargs: Any) -> Any:
+                _refuse(f"DistributedOptimizer.{_method} (Megatron's distributed-optimizer checkpoint formats)",
+                        "they are written for Adam's exp_avg/exp_avg_sq", "Checkpoint with use_distributed_optimizer="
+                        "False (the optimizer's torch state_dict), or save the model only")
+
+            setattr(mopt, method, refused)
+
+
+def _wrap(config: Any, chunks: list[Any], inner: GSNROptimizer, groups: dict[str, Any]) -> Any:
+    """Our optimizer in the wrapper Megatron's ``_get_megatron_optimizer_based_on_param_groups``
+    would choose for its own, with the same grad scaler."""
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+    from megatron.core.optimizer.grad_scaler import ConstantGradScaler, DynamicGradScaler
+    from megatron.core.optimizer.optimizer import Float16OptimizerWithFloat16Params, FP32Optimizer
+
+    if not (config.fp16 or config.bf16 or config.use_distributed_optimizer):
+        mopt = FP32Optimizer(inner, config, None)
+        mopt.grad_stats_parallel_group = groups["mp_group"]
+        return mopt
+    scaler = None
+    if config.loss_scale:
+        scaler = ConstantGradScaler(config.loss_scale)
+    elif config.fp16:
+        scaler = DynamicGradScaler(initial_scale=config.initial_loss_scale, min_scale=config.min_loss_scale,
+                                   growth_factor=2.0, backoff_factor=0.5, growth_interval=config.loss_scale_window,
+                                   hysteresis=config.hysteresis)
+    if not config.use_distributed_optimizer:
+        mopt = Float16OptimizerWithFloat16Params(inner, config, scaler, None)
+        mopt.grad_stats_parallel_group = groups["mp_group"]
+        return mopt
+    buffers = {i: chunk.buffers for i, chunk in enumerate(chunks)}
+    with _distributed_optimizer_accepts(type(inner)):
+        mopt = DistributedOptimizer(inner, config, scaler, None, model_chunks=chunks, per_model_buffers=buffers,
+                                    data_parallel_group=groups["intra_dp_cp_group"],
+                                    data_parallel_group_gloo=groups["intra_dp_cp_group_gloo"],
+                                    data_parallel_group_idx=torch.distributed.get_rank(groups["mp_group"]),
+                                    distributed_optimizer_instance_id=0)
+    mopt.grad_stats_parallel_group = groups["intra_dist_opt_group"]
+    _refuse_adam_checkpoints(mopt)
+    return mopt
+
+
+def get_megatron_optimizer(config: Any, model_chunks: list[Any], optimizer: str = "VRLamb",
+                           optimizer_kwargs: dict[str, Any] | None = None, config_overrides: Any = None,
+                           use_gloo_process_groups: bool = True) -> Any:
+    """Megatron's ``get_megatron_optimizer`` with a VRGD member as the inner optimizer.
+
+    ``config`` (``OptimizerConfig``: lr, weight decay, Adam betas/eps, clipping, precision,
+    ``use_distributed_optimizer``), ``model_chunks`` (Megatron ``DistributedDataParallel``
+    chunks of this pipeline stage) and ``config_overrides`` as Megatron takes them;
+    ``optimizer``: a family name (``vrgd_ds.optim.registry.REGISTRY``), built with the arguments
+    ``OptimizerConfig`` has for it and ``optimizer_kwargs`` (gamma, beta3, gsnr_placement, ...).
+    Returns a ``ChainedOptimizer`` whose ``step()`` returns ``(ok, grad_norm, zeros)`` as
+    Megatron's does; its ``vrgd_sources`` are the statistics (``counters``: extra bytes).
+    """
+    check_version()
+    from megatron.core import parallel_state as ps
+    from megatron.core.optimizer import _get_param_groups_and_buffers
+    from megatron.core.optimizer.optimizer import ChainedOptimizer
+    from megatron.core.process_groups_config import ProcessGroupCollection
+
+    check_configuration(config, model_chunks, optimizer)
+    groups = ProcessGroupCollection.setup_process_groups_for_optimizer(None, model_chunks, use_gloo_process_groups)
+    param_groups, _ = _get_param_groups_and_buffers(model_chunks, 0, config, config_overrides,
+                                                    lambda g: not g["is_expert_parallel"], "buffers")
+    param_groups = [g for g in param_groups if g["params"]]
+    if not param_groups:
+        raise ValueError("vrgd_ds.megatron: no trainable parameter in the model chunks of this rank")
+    inner = REGISTRY[optimizer].cls(param_groups, **_inner_kwargs(config, optimizer, optimizer_kwargs or {}))
+    mopt = _wrap(config, model_chunks, inner, groups)
+    tp_group = ps.get_tensor_model_parallel_group()
+    tp = (tp_group, ps.get_tensor_model_parallel_rank(), ps.get_tensor_model_parallel_world_size())
+    stages = ps.get_pipeline_model_parallel_group() if ps.get_pipeline_model_parallel_world_size() > 1 else None
+    source = attach(mopt, model_chunks, inner.kernels(), tp, stages)
+    names, keys, numel, shapes, duplicate = model_tensors(model_chunks, tp[2])
+    distributed = config.use_distributed_optimizer and model_chunks[0].buffers[0].data_parallel_group.size() > 1
+    if distributed and tp[2] > 1:
+        group = ps.get_tensor_and_data_parallel_group()
+    elif distributed:
+        group = model_chunks[0].buffers[0].data_parallel_group
+    else:
+        group = tp_group if tp[2] > 1 else None
+    device = model_chunks[0].buffers[0].grad_data.device
+    layout = MegatronLayout(names, numel, shapes, group, duplicate, tp[1], stages, device)
+    for p, t in pairs(mopt):
+        offset = mopt._get_model_param_range_map(p)["param"].start if config.use_distributed_optimizer else 0
+        layout.add(t, [(0, t.numel(), keys[id(p)], offset)])
+    inner.set_statistics_source(source, layout)
+    chained = ChainedOptimizer([mopt])
+    _hook_step(chained, mopt, source)
+    chained.vrgd_sources = [source]
+    return chained
+
+
+def _hook_step(chained: Any, mopt: Any, source: Any) -> None:
+    """The statistics' step begins where Megatron's does (``prepare_grads``: before it copies,
+    unscales and clips the reduced gradients) and ends after it, taken or skipped."""
+    prepare, step = mopt.prepare_grads, chained.step
+
+    def prepare_grads() -> bool:
+        source.begin_step()
+        return prepare()
+
+    def stepped() -> Any:
+        try:
+            return step()
+        finally:
+            source.end_step()
+
+    mopt.prepare_grads = prepare_grads
+    chained.step = stepped

@@ -1,0 +1,199 @@
+"""Gradient statistics under megatron-core's ``DistributedDataParallel``, its reduction untouched
+(docs/design.md §3; the scheme is DeepSpeed's per-step one, ``vrgd_ds/stats/local.py``).
+
+* **Squares, locally.** A tensor hook on every parameter sees each micro-batch's local gradient
+  ``x`` before Megatron's grad-accumulator hook adds it into ``main_grad``; ``(x/S)²`` (``S`` the
+  loss scale, 1 without fp16) is summed in fp32 into a local buffer laid out like each of
+  Megatron's grad buffers (``param_index_map`` offsets, padding included).
+* **One reduction per bucket per optimizer step**, on the buffer's own data-parallel group,
+  when the optimizer's ``prepare_grads`` begins: a reduce-scatter into this rank's shard with the
+  distributed optimizer (each parameter's piece lands at its ``gbuf_local`` range, as Megatron's
+  gradient does), an all-reduce without. n = data-parallel ranks × micro-batches.
+* **The mean gradient** is Megatron's reduced ``main_grad`` read at the same moment, before
+  Megatron unscales and clips it: ``Σg = main_grad / (e·S)`` with ``e`` the factor Megatron's
+  reduction applied (``gradient_scaling_factor``, and ``1/DP`` with ``average_in_collective``).
+  Extra bytes: one fp32 gradient per optimizer step, whatever the accumulation.
+* **Per-tensor sums** (the GSNR mean, LAMB/LARS norms, metrics) are completed by
+  :class:`MegatronLayout` over the ranks holding pieces of a tensor: the data-parallel shards of
+  the distributed optimizer and the tensor-parallel shards (``tensor_model_parallel``
+  parameters), a tensor every tensor-parallel rank holds whole counted once; global values
+  (the pre-normalisation norm, the skip flag) span the pipeline stages.
+
+Everything this module reads of megatron-core 0.16.1 is listed below and checked when the
+optimizer is built (``vrgd_ds/megatron/internals.py``).
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from vrgd_ds.ds.layout import Layout
+from vrgd_ds.megatron.internals import require
+from vrgd_ds.stats.local import Flat, LocalStats, reduce
+
+_CHUNK = ("buffers", "ddp_config")
+_BUFFER = ("grad_data", "param_index_map", "buckets", "data_parallel_group", "gradient_scaling_factor")
+_BUCKET = ("offset", "grad_data")
+_DISTOPT = ("model_param_gbuf_map", "buffers", "_get_model_param_range_map", "model_float16_groups",
+            "model_fp32_groups", "shard_fp32_groups", "shard_fp32_from_float16_groups")
+_FLOAT16 = ("float16_groups", "fp32_from_float16_groups", "fp32_from_fp32_groups")
+_OPTIMIZER = ("optimizer", "prepare_grads", "get_loss_scale")
+
+
+def pairs(mopt: Any) -> list[tuple[Tensor, Tensor]]:
+    """``(model parameter, tensor the inner optimizer updates)`` of a Megatron optimizer: the
+    parameter itself (fp32), its fp32 main copy (bf16/fp16), or its shard (distributed)."""
+    require(mopt, _OPTIMIZER, type(mopt).__name__)
+    kind = type(mopt).__name__
+    if kind == "DistributedOptimizer":
+        require(mopt, _DISTOPT, kind)
+        groups = [(mopt.model_float16_groups, mopt.shard_fp32_from_float16_groups),
+                  (mopt.model_fp32_groups, mopt.shard_fp32_groups)]
+    elif kind == "Float16OptimizerWithFloat16Params":
+        require(mopt, _FLOAT16, kind)
+        groups = [(mopt.float16_groups, mopt.fp32_from_float16_groups),
+                  (mopt.fp32_from_fp32_groups, mopt.fp32_from_fp32_groups)]
+    elif kind == "FP32Optimizer":
+        groups = [([g["params"] for g in mopt.optimizer.param_groups],) * 2]
+    else:
+        raise RuntimeError(f"vrgd_ds.megatron: Megatron wrapped the optimizer in {kind}, which the statistics do "
+                           "not cover (FP32Optimizer, Float16OptimizerWithFloat16Params, DistributedOptimizer)")
+    return [(p, t) for models, targets in groups for mg, tg in zip(models, targets) for p, t in zip(mg, tg)]
+
+
+class MegatronLayout(Layout):
+    """Pieces of this pipeline stage's model tensors in what the inner optimizer updates, with
+    per-key sums over ``group`` (tensor-parallel, and data-parallel with the distributed
+    optimizer) and global values over ``stages``.
+
+    ``duplicate[key]``: the tensor is whole and identical on every tensor-parallel rank (not
+    ``tensor_model_parallel``): a sum takes it from tensor-parallel rank 0 only.
+    """
+
+    def __init__(self, names: list[str], numel: list[int], shapes: list[tuple[int, ...]], group: Any | None,
+                 duplicate: list[bool], tp_rank: int, stages: Any | None, device: torch.device) -> None:
+        super().__init__(names, numel, group, device=device, shapes=shapes)
+        self._drop = torch.tensor(duplicate, dtype=torch.bool) if tp_rank != 0 and any(duplicate) else None
+        self.stages = stages
+
+    def _reduce(self, t: Tensor, op: str, group: Any) -> None:
+        red = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX}[op]
+        on = t if t.device == self.device else t.to(self.device)
+        dist.all_reduce(on, op=red, group=group)
+        if on is not t:
+            t.copy_(on)
+        self.counters.add(0, t.numel() * t.element_size())
+
+    def all_reduce(self, t: Tensor, op: str) -> None:
+        if self.group is None:
+            return
+        if op == "sum" and self._drop is not None:
+            t[self._drop.to(t.device)] = 0  # another tensor-parallel rank adds this tensor
+        self._reduce(t, op, self.group)
+
+    def all_reduce_stages(self, t: Tensor, op: str) -> None:
+        if self.stages is not None:
+            self._reduce(t, op, self.stages)
+
+
+def model_tensors(chunks: list[Any], tp_size: int) -> tuple[list[str], dict[int, int], list[int],
+                                                              list[tuple[int, ...]], list[bool]]:
+    """The layout's keys: this stage's trainable parameters in model order (each once), their
+    whole-tensor element counts (a tensor-parallel shard's times the tensor-parallel size) and
+    whether every tensor-parallel rank holds them whole."""
+    names, keys, numel, shapes, duplicate = [], {}, [], [], []
+    for i, chunk in enumerate(chunks):
+        for name, p in chunk.named_parameters():
+            if p.requires_grad and id(p) not in keys:
+                split = bool(getattr(p, "tensor_model_parallel", False)) and tp_size > 1
+                keys[id(p)] = len(names)
+                names.append(name if len(chunks) == 1 else f"chunk{i}.{name}")
+                numel.append(p.numel() * (tp_size if split else 1))
+                shapes.append(tuple(p.shape))
+                duplicate.append(not split and tp_size > 1)
+    return names, keys, numel, shapes, duplicate
+
+
+def attach(mopt: Any, chunks: list[Any], kernels: Any, tp: tuple[Any, int, int], stages: Any | None) -> LocalStats:
+    """Feeds the inner optimizer of ``mopt`` (one Megatron optimizer over ``chunks``) with
+    statistics; ``tp`` = (tensor-parallel group, rank, size); ``stages``: the pipeline group or
+    None. Returns the source (its ``counters`` count the extra collectives and bytes)."""
+    for chunk in chunks:
+        require(chunk, _CHUNK, "DistributedDataParallel")
+    buffers = [b for chunk in chunks for b in chunk.buffers]
+    for b in buffers:
+        require(b, _BUFFER, "_ParamAndGradBuffer")
+        for bucket in b.buckets:
+            require(bucket, _BUCKET, "_ParamAndGradBucket")
+    distributed = type(mopt).__name__ == "DistributedOptimizer"
+    both = pairs(mopt)
+    opt = mopt.optimizer
+    dp = buffers[0].data_parallel_group.size() if buffers else 1
+    tp_group, tp_rank, tp_size = tp
+    ddp_config = chunks[0].ddp_config
+
+    def engine_factor() -> float:  # main_grad = e · Σ_ranks Σ_micro-batches x
+        e = buffers[0].gradient_scaling_factor / (dp if ddp_config.average_in_collective else 1)
+        return 1.0 / (e * scale())
+
+    def scale() -> float:
+        return float(mopt.get_loss_scale())
+
+    stats = LocalStats(dist, kernels, dp, [t for _, t in both], "engine", torch.float32, scale, lambda: 1,
+                       engine_factor=engine_factor)
+    shards: dict[tuple[int, int], Tensor] = {}  # (buffer id, bucket index) -> this rank's reduced shard
+    flats: dict[int, Flat] = {}
+    for b in buffers:
+        def reduce_buffer(flat: Flat, b=b) -> list:
+            works = []
+            for i, bucket in enumerate(b.buckets):
+                local = flat.sq.narrow(0, bucket.offset, bucket.grad_data.numel())
+                out = shards.get((id(b), i), local)
+                works += reduce(stats, local, out, b.data_parallel_group, scatter=distributed, dtype=torch.float32)
+            return works
+
+        flat = flats[id(b)] = stats.add_flat(b.grad_data.numel(), b.grad_data.device, reduce_buffer)
+        if distributed:
+            for i, bucket in enumerate(b.buckets):
+                shards[(id(b), i)] = torch.zeros(bucket.grad_data.numel() // dp, dtype=torch.float32,
+                                                 device=b.grad_data.device)
+        for p, (start, end, _) in b.param_index_map.items():
+            if p.requires_grad:
+                stats.watch(p, flat, start, end - start)
+
+    owner = {id(p): b for b in buffers for p in b.param_index_map}
+    main_grads: list[tuple[Tensor, Any, Tensor]] = []  # (target, model parameter, range in its main_grad)
+    for p, t in both:
+        b = owner.get(id(p))
+        if b is None:
+            raise RuntimeError(f"vrgd_ds.megatron: a parameter of shape {tuple(p.shape)} the optimizer updates is in "
+                               "no gradient buffer of the model chunks given (build the optimizer on the chunks the "
+                               "Megatron DistributedDataParallel wraps)")
+        sum_g = stats.target_bufs(t)[0]
+        if distributed:
+            gbuf, _, bucket_index = mopt.model_param_gbuf_map[p]
+            ranges = mopt._get_model_param_range_map(p)
+            local, inside = ranges["gbuf_local"], ranges["param"]
+            if mopt.buffers[gbuf] is not b:
+                raise RuntimeError("vrgd_ds.megatron: the distributed optimizer's buffers are not the model chunks' "
+                                   "(build it on the same chunks)")
+            sq = shards[(id(b), bucket_index)][local.start:local.end]
+            main_grads.append((t, p, slice(inside.start, inside.end)))
+        else:
+            start, end, _ = b.param_index_map[p]
+            sq = flats[id(b)].sq[start:end]
+            main_grads.append((t, p, slice(0, p.numel())))
+        stats.alias(t, sum_g, sq)
+
+    def begin_step() -> None:
+        """Before Megatron copies, unscales and clips the reduced gradients: launch the squares'
+        reductions and read ``Σg`` from ``main_grad``."""
+        stats.start()
+        for t, p, where in main_grads:
+            stats.capture(t, p.main_grad.view(-1)[where])
+
+    stats.begin_step = begin_step
+    return stats
