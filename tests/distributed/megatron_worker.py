@@ -4,46 +4,31 @@ with and without the distributed optimizer and overlap, against the single-proce
 the unsharded model.
 
 megatron-core 0.16.1 assumes CUDA in three places; ``prepare`` patches them for these ranks only
-(test-only, never in the package): ``torch.cuda.current_device`` answers ``"cpu"``,
-``Tensor.type()`` reports a ``torch.cuda.*`` type (the distributed optimizer checks it), and
-tensor factories asked for ``device="cuda"`` build on the CPU.
+(never in the package): ``torch.cuda.current_device`` answers ``"cpu"``, ``Tensor.type()``
+reports a ``torch.cuda.*`` type (the distributed optimizer checks it), and tensor factories
+asked for ``device="cuda"`` build on the CPU.
 """
 from __future__ import annotations
 
 import contextlib
+import copy
 import functools
+import sys
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
-_PATCHED = False
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def prepare(case: dict) -> dict:
-    """Megatron's three CUDA assumptions, answered for CPU ranks (once per process)."""
-    global _PATCHED
-    if _PATCHED:
-        return {}
-    torch.cuda.current_device = lambda: "cpu"
-    original_type = torch.Tensor.type
+    """Megatron's CUDA assumptions answered for these CPU ranks (``launch/megatron/cpu_ranks.py``,
+    the file the Megatron job uses too)."""
+    sys.path.insert(0, str(ROOT / "launch" / "megatron"))
+    import cpu_ranks
 
-    def tensor_type(self, *args, **kwargs):
-        t = original_type(self, *args, **kwargs)
-        if not args and not kwargs and isinstance(t, str) and t.startswith("torch.") and ".cuda." not in t:
-            return "torch.cuda." + t[len("torch."):]
-        return t
-
-    torch.Tensor.type = tensor_type
-    for name in ("tensor", "zeros", "ones", "empty", "full"):
-        factory = getattr(torch, name)
-
-        def on_cpu(*args, _factory=factory, **kwargs):
-            if str(kwargs.get("device", "")).startswith("cuda"):
-                kwargs["device"] = "cpu"
-            return _factory(*args, **kwargs)
-
-        setattr(torch, name, functools.wraps(factory)(on_cpu))
-    _PATCHED = True
+    cpu_ranks.apply()
     return {}
 
 
@@ -138,6 +123,13 @@ def equals_unsharded(case: dict) -> dict:
                        **{k: g[k] for k in ("lr", "weight_decay") if k in g}}
                       for g in _get_param_groups([ddp], ocfg, None) if g["params"]]
         ref_opt = REGISTRY[case["optimizer"]].cls(ref_groups, **defaults)
+        # the same reference without variance reduction: how far the statistics move the result
+        flat = copy.deepcopy(ref)
+        twin = dict(zip(map(id, ref.parameters()), flat.parameters()))
+        flat_groups = [{"params": [twin[id(p)] for p in g["params"]], "lr": g["lr"], "weight_decay": g["weight_decay"]}
+                       for g in ref_opt.param_groups]
+        flat_opt = REGISTRY[case["optimizer"]].cls(flat_groups, **{**defaults, "gamma": 1.0}) if inner.defaults.get(
+            "gsnr") else None
         oks = []
         for step in range(steps):
             ddp.zero_grad_buffer()
@@ -149,22 +141,14 @@ def equals_unsharded(case: dict) -> dict:
             ddp.finish_grad_sync()
             ok, _, _ = opt.step()
             oks.append(bool(ok))
-            ref_opt.zero_grad()
-            for d in range(dp):
-                for m in range(accumulation):
-                    (ref(_batch(d, m, step)).pow(2).sum() / accumulation).backward()
-            for p in ref.parameters():
-                p.grad /= dp
-            if ocfg.clip_grad > 0:
-                torch.nn.utils.clip_grad_norm_(ref.parameters(), ocfg.clip_grad)
-            ref_opt.step()
+            for net, o in ((ref, ref_opt), (flat, flat_opt)):
+                if o is not None:
+                    reference_step(net, o, dp, accumulation, step, ocfg.clip_grad)
         got = _full(model, ps)
-        import os
-        if os.environ.get("MDEBUG"): print(dist.get_rank(), [((a - b).abs().max().item(), b.abs().max().item()) for a, b in zip(got, ref.parameters())], [x.abs().max().item() for x in _initial(case, tp, ps)], flush=True)
-        rel = max(((a - b).abs().max() / b.abs().max()).item() for a, b in zip(got, ref.parameters()))
-        moved = max(((a - b).abs().max()).item() for a, b in zip(got, _initial(case, tp, ps)))
+        rel = relative(got, ref.parameters())
+        contrast = None if flat_opt is None else relative(flat.parameters(), ref.parameters())
         source = opt.vrgd_sources[0]
-        out = {"rel": rel, "moved": moved, "ok": oks, "n": source.n if source.n else None,
+        out = {"rel": rel, "contrast": contrast, "ok": oks, "n": source.n,
                "collectives": source.counters.collectives, "bytes": source.counters.bytes_sent,
                "grad_bytes": source.counters.grad_bytes_fp32, "dp": dp}
         everyone = [None] * dist.get_world_size()
@@ -172,6 +156,207 @@ def equals_unsharded(case: dict) -> dict:
         return {"worst": max(o["rel"] for o in everyone), "ranks": everyone}
 
 
-def _initial(case: dict, tp: int, ps) -> list[torch.Tensor]:
+def relative(got, want) -> float:
+    """``‖θ − θ_ref‖ / ‖θ_ref‖`` over all the tensors given (float64)."""
+    got, want = list(got), list(want)
+    diff = sum(float((a.double() - b.double()).pow(2).sum()) for a, b in zip(got, want))
+    return (diff / sum(float(b.double().pow(2).sum()) for b in want)) ** 0.5
+
+
+def reference_step(net, opt, dp: int, accumulation: int, step: int, clip: float) -> None:
+    """One step of the single-process reference: a backward per micro-batch of every
+    data-parallel rank (each one gradient group), the mean gradient, Megatron's clipping."""
+    opt.zero_grad()
+    for d in range(dp):
+        for m in range(accumulation):
+            (net(_batch(d, m, step)).pow(2).sum() / accumulation).backward()
+    for p in net.parameters():
+        p.grad /= dp
+    if clip > 0:
+        torch.nn.utils.clip_grad_norm_(net.parameters(), clip)
+    opt.step()
+
+
+def _train(case: dict, optimizer: str, kwargs: dict, ps) -> list[torch.Tensor]:
+    """3 steps of ``optimizer`` through ``vrgd_ds.megatron`` on the test model; the unsharded weights."""
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+    from megatron.core.optimizer import OptimizerConfig
+
+    from vrgd_ds.megatron import get_megatron_optimizer
+
+    cfg = _config(case["tp"])
     torch.manual_seed(0)
-    return _full(TwoLayers(_config(tp)), ps)
+    model = TwoLayers(cfg)
+    ddp = DistributedDataParallel(cfg, DistributedDataParallelConfig(
+        grad_reduce_in_fp32=True, use_distributed_optimizer=case["distributed"], bucket_size=40), model)
+    opt = get_megatron_optimizer(OptimizerConfig(optimizer="adam", lr=1e-2, weight_decay=0.1, clip_grad=1.0,
+                                                 use_distributed_optimizer=case["distributed"]),
+                                 [ddp], optimizer=optimizer, optimizer_kwargs=kwargs)
+    dp_rank = ps.get_data_parallel_rank()
+    for step in range(3):
+        ddp.zero_grad_buffer()
+        opt.zero_grad()
+        for m in range(case["accumulation"]):
+            sync = contextlib.nullcontext() if m == case["accumulation"] - 1 else ddp.no_sync()
+            with sync:
+                (ddp(_batch(dp_rank, m, step)).pow(2).sum() / case["accumulation"]).backward()
+        ddp.finish_grad_sync()
+        opt.step()
+    return _full(model, ps)
+
+
+def gamma_one_equals_base(case: dict) -> dict:
+    """A member with ``gamma=1`` and its base (``Lamb``; ``VRAdam``/``VRSGD`` with ``gsnr=False``)
+    take the same steps, bit for bit."""
+    with model_parallel(case["tp"]) as ps:
+        vr = _train(case, case["optimizer"], {"gamma": 1.0}, ps)
+        from vrgd_ds.optim.registry import REGISTRY
+
+        base_name = REGISTRY[case["optimizer"]].base
+        base = _train(case, base_name, {"gsnr": False} if base_name == case["optimizer"] else {}, ps)
+        vr_on = _train(case, case["optimizer"], {}, ps)
+        return {"equal": all(torch.equal(a, b) for a, b in zip(vr, base)),
+                "differs_with_gsnr": max((a - b).abs().max().item() for a, b in zip(vr_on, base))}
+
+
+class _Stage(torch.nn.Module):
+    def __init__(self, layer, tanh: bool) -> None:
+        super().__init__()
+        self.layer, self.tanh = layer, tanh
+
+    def forward(self, x):
+        y, _ = self.layer(x)
+        return torch.tanh(y) if self.tanh else y
+
+
+def pipeline_equals_unsharded(case: dict) -> dict:
+    """Two pipeline stages (the column layer, then the row layer), activations and their
+    gradients sent between them by hand, each stage's optimizer from ``vrgd_ds.megatron``: the
+    parameters after 3 steps against the single-process optimizer on the whole model. LAMB's
+    pre-normalisation norm and the skip flag span the stages."""
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+    from megatron.core.optimizer import OptimizerConfig
+
+    from vrgd_ds.megatron import get_megatron_optimizer
+    from vrgd_ds.optim.registry import REGISTRY
+
+    accumulation = case["accumulation"]
+    with model_parallel(1, pp=2) as ps:
+        stage = ps.get_pipeline_model_parallel_rank()
+        cfg = _config(1)
+        torch.manual_seed(0)
+        whole = TwoLayers(cfg)
+        ref = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 4))
+        with torch.no_grad():
+            for p, w in zip(ref.parameters(), whole.parameters()):
+                p.copy_(w)
+        mine = _Stage(whole.c if stage == 0 else whole.r, tanh=stage == 0)
+        ddp = DistributedDataParallel(cfg, DistributedDataParallelConfig(
+            grad_reduce_in_fp32=True, use_distributed_optimizer=case["distributed"], bucket_size=40), mine)
+        ocfg = OptimizerConfig(optimizer="adam", lr=1e-2, weight_decay=0.1, clip_grad=1.0,
+                               use_distributed_optimizer=case["distributed"])
+        opt = get_megatron_optimizer(ocfg, [ddp], optimizer=case["optimizer"], optimizer_kwargs=case.get("kwargs", {}))
+        defaults = {k: v for k, v in opt.chained_optimizers[0].optimizer.defaults.items()
+                    if k in REGISTRY[case["optimizer"]].accepted_params()}
+        # Megatron's groups differ by wd_mult only (no scheduler applies it here): weights, biases
+        ref_opt = REGISTRY[case["optimizer"]].cls([{"params": [ref[0].weight, ref[2].weight]},
+                                                   {"params": [ref[0].bias, ref[2].bias]}], **defaults)
+        other = 1 - stage
+        for step in range(3):
+            ddp.zero_grad_buffer()
+            opt.zero_grad()
+            for m in range(accumulation):
+                sync = contextlib.nullcontext() if m == accumulation - 1 else ddp.no_sync()
+                with sync:
+                    if stage == 0:
+                        h = ddp(_batch(0, m, step))
+                        dist.send(h.detach().contiguous(), other)
+                        grad_h = torch.empty_like(h)
+                        dist.recv(grad_h, other)
+                        h.backward(grad_h)
+                    else:
+                        h = torch.empty(6, 16)
+                        dist.recv(h, other)
+                        h.requires_grad_(True)
+                        (ddp(h).pow(2).sum() / accumulation).backward()
+                        dist.send(h.grad.contiguous(), other)
+            ddp.finish_grad_sync()
+            ok, _, _ = opt.step()
+            reference_step(ref, ref_opt, 1, accumulation, step, ocfg.clip_grad)
+        got = list(mine.parameters())
+        want = list((ref[0] if stage == 0 else ref[2]).parameters())
+        rel = relative(got, want)
+        everyone = [None] * dist.get_world_size()
+        dist.all_gather_object(everyone, {"rel": rel, "ok": bool(ok), "n": opt.vrgd_sources[0].n})
+        return {"worst": max(o["rel"] for o in everyone), "ranks": everyone}
+
+
+#: what each refused configuration changes, and the option its message must name
+REFUSED = {
+    "gradient-accumulation-fusion": ("model", {"gradient_accumulation_fusion": True}, "gradient_accumulation_fusion"),
+    "moe": ("model", {"num_moe_experts": 2}, "num_moe_experts"),
+    "sequence-parallel": ("model", {"sequence_parallel": True}, "sequence_parallel"),
+    "qk-layernorm": ("model", {"qk_layernorm": True}, "qk_layernorm"),
+    "distributed-optimizer-instances": ("ddp", {"num_distributed_optimizer_instances": 2},
+                                        "num_distributed_optimizer_instances"),
+    "megatron-fsdp": ("ddp", {"use_megatron_fsdp": True}, "use_megatron_fsdp"),
+    "bf16-grad-reduce": ("optimizer", {"bf16": True}, "grad_reduce_in_fp32"),
+    "cpu-offload": ("optimizer", {"optimizer_cpu_offload": True}, "optimizer_cpu_offload"),
+    "precision-aware": ("optimizer", {"use_precision_aware_optimizer": True}, "use_precision_aware_optimizer"),
+    "merit-tensor-parallel": ("name", "VRMerit", "VRMerit with tensor parallelism"),
+    "unknown-name": ("name", "VRAdamax", "unknown optimizer 'VRAdamax'"),
+    "adam-checkpoint": ("checkpoint", "sharded_state_dict", "DistributedOptimizer.sharded_state_dict"),
+    "context-parallel": ("parallel", {"context_parallel_size": 2}, "context_parallel_size"),
+    "tied-embeddings-across-stages": ("parallel", {"pipeline_model_parallel_size": 2},
+                                      "share_embeddings_and_output_weights"),
+    "megatron-core-version": ("version", "0.15.0", "supports megatron-core 0.16.1, found 0.15.0"),
+}
+
+
+def refused(case: dict) -> dict:
+    """Builds a configuration the statistics do not cover; returns the error's type and message.
+    Options the CPU ranks cannot build for real (the fused gradient kernel, MoE layers, several
+    optimizer instances, FSDP) are set on the built configuration objects the check reads."""
+    from megatron.core import package_info
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+    from megatron.core.optimizer import OptimizerConfig
+
+    from vrgd_ds.megatron import get_megatron_optimizer
+
+    where, change, _ = REFUSED[case["name"]]
+    tp = 2 if case["name"] in ("sequence-parallel", "qk-layernorm", "merit-tensor-parallel") else 1
+    sizes = change if where == "parallel" else {}
+    from megatron.core import parallel_state as ps
+
+    ps.initialize_model_parallel(tensor_model_parallel_size=tp, **sizes)
+    saved_version = package_info.__version__
+    try:
+        cfg = _config(tp)
+        torch.manual_seed(0)
+        if case["name"] == "tied-embeddings-across-stages":
+            model = _Stage(TwoLayers(cfg).c, tanh=False)
+            model.layer.weight.shared_embedding = True  # what Megatron marks on a tied word embedding
+        else:
+            model = TwoLayers(cfg)
+        ddp = DistributedDataParallel(cfg, DistributedDataParallelConfig(grad_reduce_in_fp32=False,
+                                                                         use_distributed_optimizer=True), model)
+        ocfg = OptimizerConfig(optimizer="adam", lr=1e-2, use_distributed_optimizer=True)
+        name = "VRLamb"
+        for key, value in (change.items() if isinstance(change, dict) else ()):
+            target = {"model": ddp.config, "ddp": ddp.ddp_config, "optimizer": ocfg}.get(where)
+            if target is not None:
+                setattr(target, key, value)
+        if where == "name":
+            name = change
+        if where == "version":
+            package_info.__version__ = change
+        try:
+            opt = get_megatron_optimizer(ocfg, [ddp], optimizer=name)
+            if where == "checkpoint":
+                getattr(opt.chained_optimizers[0], change)({})
+        except Exception as e:  # noqa: BLE001 (the message is the result)
+            return {"type": type(e).__name__, "message": str(e)}
+        return {"type": None, "message": "not refused"}
+    finally:
+        package_info.__version__ = saved_version
+        ps.destroy_model_parallel()

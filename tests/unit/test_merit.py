@@ -159,6 +159,9 @@ class _CutLayout:
     def all_reduce(self, t, op):
         pass
 
+    def all_reduce_stages(self, t, op):
+        pass
+
 
 @pytest.mark.parametrize("fused", IMPLS)
 def test_a_tensor_cut_into_pieces_steps_as_the_whole(fused):

@@ -199,7 +199,7 @@ def get_megatron_optimizer(config: Any, model_chunks: list[Any], optimizer: str 
     tp_group = ps.get_tensor_model_parallel_group()
     tp = (tp_group, ps.get_tensor_model_parallel_rank(), ps.get_tensor_model_parallel_world_size())
     stages = ps.get_pipeline_model_parallel_group() if ps.get_pipeline_model_parallel_world_size() > 1 else None
-    source = attach(mopt, model_chunks, inner.kernels(), tp, stages)
+    source = attach(mopt, model_chunks, inner.kernels())
     names, keys, numel, shapes, duplicate = model_tensors(model_chunks, tp[2])
     distributed = config.use_distributed_optimizer and model_chunks[0].buffers[0].data_parallel_group.size() > 1
     if distributed and tp[2] > 1:

@@ -117,10 +117,10 @@ def model_tensors(chunks: list[Any], tp_size: int) -> tuple[list[str], dict[int,
     return names, keys, numel, shapes, duplicate
 
 
-def attach(mopt: Any, chunks: list[Any], kernels: Any, tp: tuple[Any, int, int], stages: Any | None) -> LocalStats:
-    """Feeds the inner optimizer of ``mopt`` (one Megatron optimizer over ``chunks``) with
-    statistics; ``tp`` = (tensor-parallel group, rank, size); ``stages``: the pipeline group or
-    None. Returns the source (its ``counters`` count the extra collectives and bytes)."""
+def attach(mopt: Any, chunks: list[Any], kernels: Any) -> LocalStats:
+    """The statistics source of the inner optimizer of ``mopt`` (one Megatron optimizer over
+    ``chunks``); its ``counters`` count the extra collectives and bytes, its ``begin_step`` runs
+    where Megatron's step begins."""
     for chunk in chunks:
         require(chunk, _CHUNK, "DistributedDataParallel")
     buffers = [b for chunk in chunks for b in chunk.buffers]
@@ -130,9 +130,7 @@ def attach(mopt: Any, chunks: list[Any], kernels: Any, tp: tuple[Any, int, int],
             require(bucket, _BUCKET, "_ParamAndGradBucket")
     distributed = type(mopt).__name__ == "DistributedOptimizer"
     both = pairs(mopt)
-    opt = mopt.optimizer
     dp = buffers[0].data_parallel_group.size() if buffers else 1
-    tp_group, tp_rank, tp_size = tp
     ddp_config = chunks[0].ddp_config
 
     def engine_factor() -> float:  # main_grad = e · Σ_ranks Σ_micro-batches x

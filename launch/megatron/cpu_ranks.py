@@ -1,0 +1,47 @@
+"""megatron-core 0.16.1 on CPU ranks (gloo): its three CUDA assumptions answered for this process.
+
+For tests and for trying the Megatron job without a GPU; never imported by the package, and
+not needed on GPUs. The three places: ``torch.cuda.current_device()`` (the grad buffers),
+``Tensor.type()`` (the distributed optimizer checks for a ``torch.cuda.*`` type) and tensor
+factories asked for ``device="cuda"`` (the optimizer wrappers and gradient clipping). A fourth
+for models from ``megatron.core.models``: the model-parallel RNG tracker's ``fork`` (dropout
+regions) runs on torch's CPU generator instead of a CUDA RNG state.
+"""
+from __future__ import annotations
+
+import contextlib
+import functools
+
+import torch
+
+_APPLIED = False
+
+
+def apply() -> None:
+    """Patches this process once (idempotent)."""
+    global _APPLIED
+    if _APPLIED or torch.cuda.is_available():
+        return
+    torch.cuda.current_device = lambda: "cpu"
+    original_type = torch.Tensor.type
+
+    def tensor_type(self, *args, **kwargs):
+        t = original_type(self, *args, **kwargs)
+        if not args and not kwargs and isinstance(t, str) and t.startswith("torch.") and ".cuda." not in t:
+            return "torch.cuda." + t[len("torch."):]
+        return t
+
+    torch.Tensor.type = tensor_type
+    for name in ("tensor", "zeros", "ones", "empty", "full"):
+        factory = getattr(torch, name)
+
+        def on_cpu(*args, _factory=factory, **kwargs):
+            if str(kwargs.get("device", "")).startswith("cuda"):
+                kwargs["device"] = "cpu"
+            return _factory(*args, **kwargs)
+
+        setattr(torch, name, functools.wraps(factory)(on_cpu))
+    from megatron.core.tensor_parallel import random as tp_random
+
+    tp_random.CudaRNGStatesTracker.fork = lambda self, name=None: contextlib.nullcontext()
+    _APPLIED = True
