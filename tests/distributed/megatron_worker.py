@@ -132,15 +132,7 @@ def equals_unsharded(case: dict) -> dict:
             "gsnr") else None
         oks = []
         for step in range(steps):
-            ddp.zero_grad_buffer()
-            opt.zero_grad()
-            for m in range(accumulation):
-                sync = contextlib.nullcontext() if m == accumulation - 1 else ddp.no_sync()
-                with sync:
-                    (ddp(_batch(dp_rank, m, step)).pow(2).sum() / accumulation).backward()
-            ddp.finish_grad_sync()
-            ok, _, _ = opt.step()
-            oks.append(bool(ok))
+            oks.append(megatron_step(ddp, opt, dp_rank, accumulation, step))
             for net, o in ((ref, ref_opt), (flat, flat_opt)):
                 if o is not None:
                     reference_step(net, o, dp, accumulation, step, ocfg.clip_grad)
@@ -161,6 +153,19 @@ def relative(got, want) -> float:
     got, want = list(got), list(want)
     diff = sum(float((a.double() - b.double()).pow(2).sum()) for a, b in zip(got, want))
     return (diff / sum(float(b.double().pow(2).sum()) for b in want)) ** 0.5
+
+
+def megatron_step(ddp, opt, dp_rank: int, accumulation: int, step: int) -> bool:
+    """One step through Megatron: a backward per micro-batch (the last one synchronised), the
+    gradient sync, the optimizer. Returns whether Megatron took the step."""
+    ddp.zero_grad_buffer()
+    opt.zero_grad()
+    for m in range(accumulation):
+        with contextlib.nullcontext() if m == accumulation - 1 else ddp.no_sync():
+            (ddp(_batch(dp_rank, m, step)).pow(2).sum() / accumulation).backward()
+    ddp.finish_grad_sync()
+    ok, _, _ = opt.step()
+    return bool(ok)
 
 
 def reference_step(net, opt, dp: int, accumulation: int, step: int, clip: float) -> None:
@@ -194,14 +199,7 @@ def _train(case: dict, optimizer: str, kwargs: dict, ps) -> list[torch.Tensor]:
                                  [ddp], optimizer=optimizer, optimizer_kwargs=kwargs)
     dp_rank = ps.get_data_parallel_rank()
     for step in range(3):
-        ddp.zero_grad_buffer()
-        opt.zero_grad()
-        for m in range(case["accumulation"]):
-            sync = contextlib.nullcontext() if m == case["accumulation"] - 1 else ddp.no_sync()
-            with sync:
-                (ddp(_batch(dp_rank, m, step)).pow(2).sum() / case["accumulation"]).backward()
-        ddp.finish_grad_sync()
-        opt.step()
+        megatron_step(ddp, opt, dp_rank, case["accumulation"], step)
     return _full(model, ps)
 
 

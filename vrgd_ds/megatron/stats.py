@@ -133,15 +133,15 @@ def attach(mopt: Any, chunks: list[Any], kernels: Any) -> LocalStats:
     dp = buffers[0].data_parallel_group.size() if buffers else 1
     ddp_config = chunks[0].ddp_config
 
-    def engine_factor() -> float:  # main_grad = e · Σ_ranks Σ_micro-batches x
-        e = buffers[0].gradient_scaling_factor / (dp if ddp_config.average_in_collective else 1)
-        return 1.0 / (e * scale())
+    # main_grad = e · Σ_ranks Σ_micro-batches x, with e fixed when Megatron built its buffers
+    e = buffers[0].gradient_scaling_factor / (dp if ddp_config.average_in_collective else 1) if buffers else 1.0
+    step_factor = [1.0]  # 1 / (e · S), read once per step in begin_step (S: a device scalar under fp16)
 
     def scale() -> float:
         return float(mopt.get_loss_scale())
 
     stats = LocalStats(dist, kernels, dp, [t for _, t in both], "engine", torch.float32, scale, lambda: 1,
-                       engine_factor=engine_factor)
+                       engine_factor=lambda: step_factor[0])
     shards: dict[tuple[int, int], Tensor] = {}  # (buffer id, bucket index) -> this rank's reduced shard
     flats: dict[int, Flat] = {}
     for b in buffers:
@@ -190,6 +190,7 @@ def attach(mopt: Any, chunks: list[Any], kernels: Any) -> LocalStats:
         """Before Megatron copies, unscales and clips the reduced gradients: launch the squares'
         reductions and read ``Σg`` from ``main_grad``."""
         stats.start()
+        step_factor[0] = 1.0 / (e * scale())
         for t, p, where in main_grads:
             stats.capture(t, p.main_grad.view(-1)[where])
 
