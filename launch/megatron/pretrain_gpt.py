@@ -31,14 +31,17 @@ HERE = Path(__file__).resolve().parent
 DEFAULT_CONFIG = HERE.parents[1] / "configs" / "megatron" / "gpt_tiny_cpu_vr_lamb.json"
 SECTIONS = {"model": ("num_layers", "hidden_size", "num_attention_heads", "seq_length", "vocab_size"),
             "parallel": ("tensor_model_parallel_size", "pipeline_model_parallel_size"),
-            "train": ("micro_batch_size", "global_batch_size", "steps", "seed", "log_every"),
+            "train": ("micro_batch_size", "global_batch_size", "steps", "seed", "log_every", "precision"),
             "optimizer": ("type", "params", "use_distributed_optimizer", "overlap_grad_reduce", "clip_grad",
                           "bucket_size"),
             "data": ("path",)}
 
 
+PRECISIONS = ("fp32", "bf16", "fp16")
+
+
 def load_config(path: Path) -> dict:
-    """The job's JSON; an unknown section or key is an error naming it."""
+    """The job's JSON; an unknown section, key or ``train.precision`` is an error naming it."""
     cfg = json.loads(Path(path).read_text())
     for section, body in cfg.items():
         if section not in SECTIONS:
@@ -47,6 +50,9 @@ def load_config(path: Path) -> dict:
         if unknown:
             raise SystemExit(f"{path}: unknown key(s) {sorted(unknown)} in {section!r} "
                              f"(known: {', '.join(SECTIONS[section])})")
+    precision = cfg.get("train", {}).get("precision", "fp32")
+    if precision not in PRECISIONS:
+        raise SystemExit(f"{path}: train.precision {precision!r} (known: {', '.join(PRECISIONS)})")
     return cfg
 
 
@@ -84,7 +90,9 @@ def tokens(cfg: dict, run_dir: Path) -> np.ndarray:
 
 
 def build(cfg: dict, device: str):
-    """The GPT chunk in Megatron's DDP and its VRGD optimizer."""
+    """The GPT chunk in Megatron's DDP and its VRGD optimizer. ``train.precision`` bf16/fp16: the
+    model in that dtype inside Megatron's ``Float16Module``, gradients reduced in fp32, fp32 main
+    parameters in the optimizer (fp16 with Megatron's dynamic loss scale), as Megatron trains."""
     from megatron.core import parallel_state as ps
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
     from megatron.core.models.gpt import GPTModel
@@ -94,23 +102,32 @@ def build(cfg: dict, device: str):
 
     from vrgd_ds.megatron import get_megatron_optimizer
 
+    from megatron.core.transformer.module import Float16Module
+
     m, par, opt = cfg["model"], cfg["parallel"], cfg["optimizer"]
+    precision = cfg["train"].get("precision", "fp32")
+    half = {"bf16": bool(precision == "bf16"), "fp16": bool(precision == "fp16")}
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(precision, torch.float32)
     ps.initialize_model_parallel(tensor_model_parallel_size=par.get("tensor_model_parallel_size", 1),
                                  pipeline_model_parallel_size=par.get("pipeline_model_parallel_size", 1))
     torch.manual_seed(cfg["train"].get("seed", 1))
     if device == "cuda":
-        from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
+        from megatron.core.tensor_parallel import get_cuda_rng_tracker, model_parallel_cuda_manual_seed
 
+        get_cuda_rng_tracker().reset()  # a second build in one process (the benchmark) seeds it again
         model_parallel_cuda_manual_seed(cfg["train"].get("seed", 1))
     config = TransformerConfig(num_layers=m["num_layers"], hidden_size=m["hidden_size"],
                                num_attention_heads=m["num_attention_heads"], use_cpu_initialization=device == "cpu",
                                tensor_model_parallel_size=par.get("tensor_model_parallel_size", 1),
-                               pipeline_model_parallel_size=par.get("pipeline_model_parallel_size", 1))
+                               pipeline_model_parallel_size=par.get("pipeline_model_parallel_size", 1),
+                               params_dtype=dtype, **half)
     model = GPTModel(config, get_gpt_layer_local_spec(), vocab_size=m["vocab_size"],
                      max_sequence_length=m["seq_length"], pre_process=ps.is_pipeline_first_stage(),
                      post_process=ps.is_pipeline_last_stage(), share_embeddings_and_output_weights=False)
     if device == "cuda":
         model.cuda()
+    if precision != "fp32":
+        model = Float16Module(config, model)
     ddp = DistributedDataParallel(config, DistributedDataParallelConfig(
         grad_reduce_in_fp32=True, overlap_grad_reduce=opt.get("overlap_grad_reduce", False),
         use_distributed_optimizer=opt.get("use_distributed_optimizer", True),
@@ -118,7 +135,8 @@ def build(cfg: dict, device: str):
     params = dict(opt.get("params", {}))
     ocfg = OptimizerConfig(optimizer="adam", lr=params.pop("lr", 1e-3), weight_decay=params.pop("weight_decay", 0.01),
                            clip_grad=opt.get("clip_grad", 1.0),
-                           use_distributed_optimizer=opt.get("use_distributed_optimizer", True))
+                           use_distributed_optimizer=opt.get("use_distributed_optimizer", True),
+                           params_dtype=dtype, **half)
     optimizer = get_megatron_optimizer(ocfg, [ddp], optimizer=opt.get("type", "VRLamb"), optimizer_kwargs=params)
     return config, ddp, optimizer
 
@@ -147,6 +165,7 @@ def train(cfg: dict, run_dir: Path, device: str, log=print) -> list[dict]:
     config, ddp, optimizer = build(cfg, device)
     config.finalize_model_grads_func = finalize_model_grads
     config.no_sync_func = ddp.no_sync
+    config.grad_scale_func = optimizer.scale_loss  # the schedule scales each micro-batch's loss (fp16)
     dp, dp_rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
     tr = cfg["train"]
     micro = tr["global_batch_size"] // (tr["micro_batch_size"] * dp)
@@ -181,7 +200,7 @@ def train(cfg: dict, run_dir: Path, device: str, log=print) -> list[dict]:
         source = optimizer.vrgd_sources[0]
         record = {"step": step + 1, "loss": round(loss, 5), "grad_norm": None if grad_norm is None else
                   round(float(grad_norm), 5), "ok": bool(ok), "gsnr/n": metrics.get("gsnr/n"),
-                  "gsnr/scale_mean": metrics.get("gsnr/scale_mean"),
+                  "gsnr/scale_mean": metrics.get("gsnr/scale_mean"), "loss_scale": float(optimizer.get_loss_scale()),
                   "extra_bytes_per_step": source.counters.bytes_sent // (step + 1),
                   "step_s": round(time.perf_counter() - start, 4)}
         records.append(record)

@@ -52,3 +52,38 @@ def test_gpt_job_config_error_names_the_key(tmp_path, corpus):
     res = launching.run([sys.executable, JOB, "--config", bad], timeout=60)
     assert res.returncode != 0
     assert "unknown key(s) ['global_batch'] in 'train'" in res.stderr, res.stderr[-2000:]
+
+
+def _train(tmp_path: Path, corpus: Path, **train) -> list[dict]:
+    run_dir = tmp_path / "run"
+    torchrun = Path(sys.executable).parent / "torchrun"
+    res = launching.run([torchrun, "--nproc_per_node", "2", "--master_port", str(launching.free_port()), JOB,
+                         "--config", _config(tmp_path, corpus, **train), "--run-dir", run_dir],
+                        timeout=420, marker=run_dir)
+    assert res.returncode == 0, res.stderr[-4000:]
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_gpt_job_in_bf16(tmp_path, corpus):
+    """bf16 as Megatron trains it: the model in bf16 inside ``Float16Module``, gradients reduced in
+    fp32, fp32 main parameters in the optimizer; the statistics read the same fp32 buffers."""
+    records = _train(tmp_path, corpus, steps=6, precision="bf16")
+    assert all(r["ok"] for r in records) and {r["gsnr/n"] for r in records} == {8.0}
+    assert all(0.0 < r["gsnr/scale_mean"] < 1.0 for r in records)
+    assert records[-1]["loss"] < records[0]["loss"]
+
+
+def test_gpt_job_in_fp16_scales_the_loss_and_skips_overflowing_steps(tmp_path, corpus):
+    """fp16 with Megatron's dynamic loss scale (initial 2^32): the first steps overflow, are skipped
+    (no GSNR statistics are consumed) and lower the scale; once it fits, steps are taken with the
+    statistics of all 8 groups, the loss scale taken out of them. Fails without the job handing the
+    optimizer's ``scale_loss`` to Megatron's schedule (``grad_scale_func``): the loss was then never
+    scaled, every gradient was divided by 2^32 on the way to the optimizer, nothing overflowed and
+    every step was taken with a zero gradient (grad norm 0.0)."""
+    records = _train(tmp_path, corpus, steps=20, precision="fp16")
+    taken = [r for r in records if r["ok"]]
+    skipped = [r for r in records if not r["ok"]]
+    assert skipped and taken and records.index(taken[0]) == len(skipped), [r["ok"] for r in records]
+    scales = [r["loss_scale"] for r in records]
+    assert scales[0] == 2.0**32 and scales[-1] < 2.0**32 and scales == sorted(scales, reverse=True)
+    assert all(r["gsnr/n"] == 8.0 and 0.0 < r["gsnr/scale_mean"] < 1.0 and r["grad_norm"] > 0.0 for r in taken)

@@ -66,6 +66,38 @@ def test_step_kernels_compile_for_a100_and_h100():
     assert out.stdout.strip() == "all compiled", out.stdout
 
 
+def test_compiling_ahead_hands_each_kernel_arguments_of_its_annotated_types():
+    """``Triton._compile`` compiles a kernel's specialization before the step writes anything, from
+    placeholders of its parameters' annotated types (on a GPU only: under the interpreter it
+    compiles nothing, which is why this runs in a subprocess without it). Fails on the old code:
+    its placeholder table was never defined, so the first step of any member on a CUDA GPU raised
+    NameError (seen on an H100), and no CPU test reached it. ``warmup`` is replaced by a recorder:
+    it needs a driver."""
+    script = textwrap.dedent("""
+        import json, torch
+        from vrgd_ds.optim import _triton as T
+        kernels, seen = T.Triton(), {}
+        for name, spec in T.LAUNCHES.items():
+            calls = []
+            spec.kernel.warmup = lambda *args, **kw: calls.append(args)
+            kernels._compile(name, torch.device("cpu"), {})
+            kernels._compile(name, torch.device("cpu"), {})  # once per specialization
+            runtime = [p.annotation_type for p in spec.kernel.params if not p.is_constexpr]
+            seen[name] = {"calls": len(calls), "types": runtime,
+                          "args": [str(a.dtype) if isinstance(a, torch.Tensor) else type(a).__name__
+                                   for a in calls[0]]}
+        print(json.dumps(seen))
+    """)
+    out = subprocess.run([sys.executable, "-c", script], env=_compiler_env(), capture_output=True, text=True,
+                         timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    expect = {"*fp32": "torch.float32", "*fp64": "torch.float64", "*i64": "torch.int64", "fp32": "float", "i64": "int"}
+    seen = json.loads(out.stdout.splitlines()[-1])
+    assert set(seen) == set(_triton.LAUNCHES)
+    for name, rec in seen.items():
+        assert rec["calls"] == 1, name
+        assert rec["args"] == [expect[t] for t in rec["types"]], name
+
 @pytest.fixture(scope="module")
 def aot(tmp_path_factory) -> dict:
     """Every specialization of ``LAUNCHES`` compiled for sm_80 and sm_90 (about 90 s on 2 cores)."""

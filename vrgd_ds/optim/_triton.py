@@ -42,7 +42,7 @@ import itertools
 import logging
 import os
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 import triton
@@ -736,6 +736,16 @@ def _phases(streams: Sequence[tuple[tuple[int, int], ...]], count: int) -> tuple
                 want = -1
         out.append(-1 if want is None else want)
     return tuple(out)
+
+
+#: an argument of each annotated parameter type, for ``Triton._compile``: the compiler reads types, not values
+_PLACEHOLDERS: dict[str, Callable[[torch.device], Any]] = {
+    "*fp32": lambda device: torch.empty(1, dtype=torch.float32, device=device),
+    "*fp64": lambda device: torch.empty(1, dtype=torch.float64, device=device),
+    "*i64": lambda device: torch.empty(1, dtype=torch.int64, device=device),
+    "fp32": lambda device: 0.0,
+    "i64": lambda device: 0,
+}
 
 
 class Triton:
