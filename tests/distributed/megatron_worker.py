@@ -289,12 +289,98 @@ def pipeline_equals_unsharded(case: dict) -> dict:
         return {"worst": max(o["rel"] for o in everyone), "ranks": everyone}
 
 
+class _Scaled(TwoLayers):
+    """``TwoLayers`` after an elementwise scale ``s`` that every tensor-parallel rank holds whole and
+    applies to its own rows (a sequence-parallel LayerNorm's weight, in small); under sequence
+    parallelism the row-parallel bias is added to each rank's rows too: both hold partial
+    gradients per rank, which Megatron sums over TP once per step."""
+
+    def __init__(self, cfg) -> None:
+        super().__init__(cfg)
+        self.s = torch.nn.Parameter(1.0 + 0.2 * torch.randn(8))
+        self.s.sequence_parallel = cfg.sequence_parallel  # as Megatron marks its LayerNorm weights
+
+    def forward(self, x):
+        return super().forward(x * self.s)
+
+
+class _ScaledRef(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.c, self.r = torch.nn.Linear(8, 16), torch.nn.Linear(16, 4)
+        self.s = torch.nn.Parameter(torch.ones(8))
+
+    def ordered(self) -> list[torch.Tensor]:
+        """In ``_full``'s order, then ``s`` (``parameters()`` yields a module's own first)."""
+        return [self.c.weight, self.c.bias, self.r.weight, self.r.bias, self.s]
+
+    def forward(self, x):
+        return self.r(torch.tanh(self.c(x * self.s)))
+
+
+def sequence_parallel_equals_unsharded(case: dict) -> dict:
+    """3 steps on TP2 with sequence parallelism (each rank holds half of every micro-batch's rows;
+    Megatron's ``finalize_model_grads`` sums the partial gradients over TP): the tensors with a
+    partial gradient step with GSNR off, the others with it, as the same member on the unsharded
+    model with those two tensors in ``gsnr=False`` groups. Returns the largest relative
+    difference, the distance to the reference with GSNR on for every tensor, and the names of
+    the tensors switched off."""
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
+    from megatron.core.optimizer import OptimizerConfig
+
+    from vrgd_ds.megatron import get_megatron_optimizer
+    from vrgd_ds.optim.registry import REGISTRY
+
+    accumulation = case["accumulation"]
+    with model_parallel(2) as ps:
+        tp_rank = ps.get_tensor_model_parallel_rank()
+        cfg = _config(2, sequence_parallel=True)
+        torch.manual_seed(0)
+        model = _Scaled(cfg)
+        ddp = DistributedDataParallel(cfg, DistributedDataParallelConfig(
+            grad_reduce_in_fp32=True, use_distributed_optimizer=case["distributed"], bucket_size=40), model)
+        ocfg = OptimizerConfig(optimizer="adam", lr=1e-2, weight_decay=0.1, clip_grad=1.0,
+                               use_distributed_optimizer=case["distributed"])
+        opt = get_megatron_optimizer(ocfg, [ddp], optimizer=case["optimizer"])
+        inner = opt.chained_optimizers[0].optimizer
+        names = {id(p): n for n, p in model.named_parameters()}
+        off = sorted(names[id(p)] for g in inner.param_groups if not g["gsnr"] for p in g["params"]
+                     if id(p) in names) if not case["distributed"] else None
+        defaults = {k: v for k, v in inner.defaults.items() if k in REGISTRY[case["optimizer"]].accepted_params()}
+        refs = {}
+        for label, partial_off in (("exact", True), ("all-on", False)):
+            ref = _ScaledRef()
+            with torch.no_grad():
+                for p, w in zip(ref.ordered(), _full(model, ps) + [model.s.data.clone()]):
+                    p.copy_(w)
+            # Megatron's groups carry wd_mult, which its LR scheduler applies (none here): the member's
+            # own weight decay applies to every group, as in equals_unsharded's reference
+            groups = [{"params": [ref.c.weight, ref.r.weight]}, {"params": [ref.c.bias]},
+                      {"params": [ref.r.bias, ref.s], "gsnr": not partial_off}]
+            refs[label] = (ref, REGISTRY[case["optimizer"]].cls(groups, **defaults))
+        for step in range(3):
+            ddp.zero_grad_buffer()
+            opt.zero_grad()
+            for m in range(accumulation):
+                rows = _batch(0, m, step).chunk(2)[tp_rank]
+                with contextlib.nullcontext() if m == accumulation - 1 else ddp.no_sync():
+                    (ddp(rows).pow(2).sum() / accumulation).backward()
+            finalize_model_grads([ddp])  # the DP sync, then the sequence-parallel gradients summed over TP
+            opt.step()
+            for ref, ref_opt in refs.values():
+                reference_step(ref, ref_opt, 1, accumulation, step, ocfg.clip_grad)
+        got = _full(model, ps) + [model.s.data.clone()]
+        out = {"rel": relative(got, refs["exact"][0].ordered()),
+               "all_on": relative(got, refs["all-on"][0].ordered()), "off": off, "n": opt.vrgd_sources[0].n}
+        everyone = [None] * dist.get_world_size()
+        dist.all_gather_object(everyone, out)
+        return {"worst": max(o["rel"] for o in everyone), "ranks": everyone}
+
+
 #: what each refused configuration changes, and the option its message must name
 REFUSED = {
     "gradient-accumulation-fusion": ("model", {"gradient_accumulation_fusion": True}, "gradient_accumulation_fusion"),
     "moe": ("model", {"num_moe_experts": 2}, "num_moe_experts"),
-    "sequence-parallel": ("model", {"sequence_parallel": True}, "sequence_parallel"),
-    "qk-layernorm": ("model", {"qk_layernorm": True}, "qk_layernorm"),
     "distributed-optimizer-instances": ("ddp", {"num_distributed_optimizer_instances": 2},
                                         "num_distributed_optimizer_instances"),
     "megatron-fsdp": ("ddp", {"use_megatron_fsdp": True}, "use_megatron_fsdp"),
@@ -322,7 +408,7 @@ def refused(case: dict) -> dict:
     from vrgd_ds.megatron import get_megatron_optimizer
 
     where, change, _ = REFUSED[case["name"]]
-    tp = 2 if case["name"] in ("sequence-parallel", "qk-layernorm", "merit-tensor-parallel") else 1
+    tp = 2 if case["name"] == "merit-tensor-parallel" else 1
     sizes = change if where == "parallel" else {}
     from megatron.core import parallel_state as ps
 

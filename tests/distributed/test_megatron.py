@@ -19,6 +19,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 HERE = Path(__file__).parent
 sys.path.insert(0, str(HERE))
@@ -124,3 +125,38 @@ def test_unsupported_configuration_is_refused_naming_the_option(megatron2, name)
     res = megatron2.run("megatron_worker", "refused", {"name": name})
     assert res["type"] is not None, res
     assert megatron_worker.REFUSED[name][2] in res["message"], res
+
+
+@pytest.mark.parametrize("distributed", [False, True])
+@pytest.mark.parametrize("optimizer", ["VRLamb", "VRAdam", "VRSGD"])
+def test_sequence_parallel_tensors_step_with_gsnr_off(megatron2, optimizer, distributed):
+    """TP2 with sequence parallelism: the tensors whose gradient of a micro-batch is partial per
+    rank (a sequence-parallel scale, the row-parallel bias) step with GSNR off, the others with
+    it, equal to the unsharded member with those two in ``gsnr=False`` groups; with GSNR on for
+    them the result is another one (the switch matters). Replaces the old refusal."""
+    res = megatron2.run("megatron_worker", "sequence_parallel_equals_unsharded",
+                        {"accumulation": 4, "distributed": distributed, "optimizer": optimizer})
+    assert res["worst"] <= TOL, res
+    for r in res["ranks"]:
+        assert r["n"] == 4 and r["all_on"] > 1e3 * max(r["rel"], 1e-9), res
+        assert r["off"] in (None, ["r.bias", "s"]), res
+
+
+def test_partial_gradient_tensors_follow_megatrons_rule():
+    """The tensors switched off are the ones Megatron sums over TP once per step: marked
+    ``sequence_parallel`` (under ``sequence_parallel``) and q/k LayerNorms by name (under
+    ``qk_layernorm``) — and no others."""
+    from types import SimpleNamespace
+
+    from vrgd_ds.megatron.optimizer import partial_gradient_tensors
+
+    chunk = torch.nn.Module()
+    chunk.norm, chunk.q_layernorm, chunk.k_layernorm, chunk.dense = (torch.nn.LayerNorm(4) for _ in range(4))
+    for p in chunk.norm.parameters():
+        p.sequence_parallel = True
+    names = lambda **cfg: sorted(partial_gradient_tensors([SimpleNamespace(  # noqa: E731
+        config=SimpleNamespace(**cfg), named_parameters=chunk.named_parameters)]).values())
+    assert names(sequence_parallel=False, qk_layernorm=False) == []
+    assert names(sequence_parallel=True, qk_layernorm=False) == ["norm.bias", "norm.weight"]
+    assert names(sequence_parallel=False, qk_layernorm=True) == ["k_layernorm.bias", "k_layernorm.weight",
+                                                                 "q_layernorm.bias", "q_layernorm.weight"]

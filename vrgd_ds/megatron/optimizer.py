@@ -1,7 +1,9 @@
 """``get_megatron_optimizer`` for the VRGD family: Megatron's param groups and process groups, our
 optimizer wrapped as Megatron wraps its own (``FP32Optimizer``, ``Float16OptimizerWithFloat16Params``
 or ``DistributedOptimizer``, in a ``ChainedOptimizer``), the statistics attached
-(``vrgd_ds/megatron/stats.py``). What is not covered yet is refused here, naming the option."""
+(``vrgd_ds/megatron/stats.py``). Tensors whose per-micro-batch gradient is partial per
+tensor-parallel rank step with GSNR off (``partial_gradient_tensors``); what is not covered yet is
+refused here, naming the option."""
 from __future__ import annotations
 
 import contextlib
@@ -69,13 +71,6 @@ def check_configuration(config: Any, chunks: list[Any], name: str) -> None:
     if not gsnr:
         return
     tp = ps.get_tensor_model_parallel_world_size()
-    if tp > 1 and getattr(model, "sequence_parallel", False):
-        _refuse("TransformerConfig.sequence_parallel", "its LayerNorm parameters hold a partial gradient per "
-                "tensor-parallel rank per micro-batch (the square of a partial is not a partial of the square)",
-                f"Set sequence_parallel=False, or use the base optimizer ({REGISTRY[name].base})")
-    if tp > 1 and getattr(model, "qk_layernorm", False):
-        _refuse("TransformerConfig.qk_layernorm with tensor parallelism", "the q/k LayerNorm parameters hold a "
-                "partial gradient per tensor-parallel rank", "Set qk_layernorm=False")
     if tp > 1 and REGISTRY[name].cls.__name__.endswith("Merit"):
         _refuse(f"{name} with tensor parallelism", "its row and column maxima would span tensor-parallel shards",
                 "Use tensor_model_parallel_size=1 or another member")
@@ -91,6 +86,42 @@ def check_configuration(config: Any, chunks: list[Any], name: str) -> None:
         _refuse("bf16/fp16 without DistributedDataParallelConfig.grad_reduce_in_fp32",
                 "the mean gradient would come from a low-precision reduction and meet fp32 squares in s - gbar²",
                 "Set grad_reduce_in_fp32=True")
+
+
+def partial_gradient_tensors(model_chunks: list[Any]) -> dict[int, str]:
+    """The parameters whose gradient of a micro-batch is partial on each tensor-parallel rank, by
+    id, with their names: sequence-parallel ones (LayerNorms, row-parallel biases) and the q/k
+    LayerNorms under ``qk_layernorm`` — Megatron's own rule for the tensors it sums over TP once
+    per step (``finalize_model_grads._allreduce_non_tensor_model_parallel_grads``). The square
+    of a partial is not a partial of the square, so no per-micro-batch statistic of theirs is
+    exact; they step with GSNR switched off (``_gsnr_off``)."""
+    config = model_chunks[0].config
+    out = {}
+    for chunk in model_chunks:
+        for name, p in chunk.named_parameters():
+            if (config.sequence_parallel and getattr(p, "sequence_parallel", False)) or (
+                    config.qk_layernorm and ("q_layernorm" in name or "k_layernorm" in name)):
+                out[id(p)] = name
+    return out
+
+
+def _gsnr_off(param_groups: list[dict], partial: dict[int, str]) -> list[dict]:
+    """Each Megatron param group with the ``partial`` tensors moved to a twin group (same LR and
+    weight decay) with ``gsnr=False``: they step as the base optimizer, on the mean gradient
+    Megatron completes over TP; the rest keep their GSNR. Logged once, naming the tensors."""
+    out, off = [], []
+    for g in param_groups:
+        keep = [p for p in g["params"] if id(p) not in partial]
+        moved = [p for p in g["params"] if id(p) in partial]
+        out += [{**g, "params": keep}] if keep else []
+        out += [{**g, "params": moved, "gsnr": False}] if moved else []
+        off += [partial[id(p)] for p in moved]
+    if off:
+        logger.warning("vrgd_ds.megatron: GSNR switched off for %d tensors (%s%s): under tensor parallelism "
+                       "their gradient of a micro-batch is partial on each rank (sequence parallelism, "
+                       "qk_layernorm), so their GSNR cannot be taken exactly; they step as the base optimizer",
+                       len(off), ", ".join(off[:4]), ", ..." if len(off) > 4 else "")
+    return out
 
 
 def _inner_kwargs(config: Any, name: str, given: dict[str, Any]) -> dict[str, Any]:
@@ -194,7 +225,10 @@ def get_megatron_optimizer(config: Any, model_chunks: list[Any], optimizer: str 
     param_groups = [g for g in param_groups if g["params"]]
     if not param_groups:
         raise ValueError("vrgd_ds.megatron: no trainable parameter in the model chunks of this rank")
-    inner = REGISTRY[optimizer].cls(param_groups, **_inner_kwargs(config, optimizer, optimizer_kwargs or {}))
+    kwargs = _inner_kwargs(config, optimizer, optimizer_kwargs or {})
+    if ps.get_tensor_model_parallel_world_size() > 1 and kwargs.get("gsnr", REGISTRY[optimizer].vr):
+        param_groups = _gsnr_off(param_groups, partial_gradient_tensors(model_chunks))
+    inner = REGISTRY[optimizer].cls(param_groups, **kwargs)
     mopt = _wrap(config, model_chunks, inner, groups)
     tp_group = ps.get_tensor_model_parallel_group()
     tp = (tp_group, ps.get_tensor_model_parallel_rank(), ps.get_tensor_model_parallel_world_size())
