@@ -166,6 +166,8 @@ class TelemetryConfig(_Strict):
 class JobConfig(_Strict):
     """The ``"job"`` block."""
 
+    comment: str = ""
+    """Free text: why the file's values are what they are (JSON has no comments); not read."""
     model: ModelConfig = Field(default_factory=ModelConfig)
     data: DataConfig = Field(default_factory=DataConfig)
     phases: list[PhaseConfig]
