@@ -19,7 +19,7 @@ from common import DOCS, ROOT
 
 TEMPLATE = ROOT / "docs" / "results.template.md"
 PAGE = ROOT / "docs" / "results.md"
-MARK = re.compile(r"^\{\{study:([a-z_]+)\}\}$", re.MULTILINE)
+MARK = re.compile(r"^\{\{study:([a-z0-9_]+)\}\}$", re.MULTILINE)
 
 
 def record(meta: dict) -> str:
