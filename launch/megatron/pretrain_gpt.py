@@ -98,15 +98,14 @@ def build(cfg: dict, device: str):
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.optimizer import OptimizerConfig
+    from megatron.core.transformer.module import Float16Module
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     from vrgd_ds.megatron import get_megatron_optimizer
 
-    from megatron.core.transformer.module import Float16Module
-
     m, par, opt = cfg["model"], cfg["parallel"], cfg["optimizer"]
     precision = cfg["train"].get("precision", "fp32")
-    half = {"bf16": bool(precision == "bf16"), "fp16": bool(precision == "fp16")}
+    half = {"bf16": precision == "bf16", "fp16": precision == "fp16"}
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(precision, torch.float32)
     ps.initialize_model_parallel(tensor_model_parallel_size=par.get("tensor_model_parallel_size", 1),
                                  pipeline_model_parallel_size=par.get("pipeline_model_parallel_size", 1))

@@ -155,15 +155,17 @@ def relative(got, want) -> float:
     return (diff / sum(float(b.double().pow(2).sum()) for b in want)) ** 0.5
 
 
-def megatron_step(ddp, opt, dp_rank: int, accumulation: int, step: int) -> bool:
+def megatron_step(ddp, opt, dp_rank: int, accumulation: int, step: int, rows=None, sync=None) -> bool:
     """One step through Megatron: a backward per micro-batch (the last one synchronised), the
-    gradient sync, the optimizer. Returns whether Megatron took the step."""
+    gradient sync (``sync``, default the DDP's own), the optimizer. ``rows`` picks this rank's
+    part of each micro-batch (sequence parallelism). Returns whether Megatron took the step."""
     ddp.zero_grad_buffer()
     opt.zero_grad()
     for m in range(accumulation):
+        x = _batch(dp_rank, m, step)
         with contextlib.nullcontext() if m == accumulation - 1 else ddp.no_sync():
-            (ddp(_batch(dp_rank, m, step)).pow(2).sum() / accumulation).backward()
-    ddp.finish_grad_sync()
+            (ddp(x if rows is None else rows(x)).pow(2).sum() / accumulation).backward()
+    (sync or ddp.finish_grad_sync)()
     ok, _, _ = opt.step()
     return bool(ok)
 
@@ -358,15 +360,9 @@ def sequence_parallel_equals_unsharded(case: dict) -> dict:
             groups = [{"params": [ref.c.weight, ref.r.weight]}, {"params": [ref.c.bias]},
                       {"params": [ref.r.bias, ref.s], "gsnr": not partial_off}]
             refs[label] = (ref, REGISTRY[case["optimizer"]].cls(groups, **defaults))
-        for step in range(3):
-            ddp.zero_grad_buffer()
-            opt.zero_grad()
-            for m in range(accumulation):
-                rows = _batch(0, m, step).chunk(2)[tp_rank]
-                with contextlib.nullcontext() if m == accumulation - 1 else ddp.no_sync():
-                    (ddp(rows).pow(2).sum() / accumulation).backward()
-            finalize_model_grads([ddp])  # the DP sync, then the sequence-parallel gradients summed over TP
-            opt.step()
+        for step in range(3):  # finalize: the DP sync, then the sequence-parallel gradients summed over TP
+            megatron_step(ddp, opt, 0, accumulation, step, rows=lambda x: x.chunk(2)[tp_rank],
+                          sync=lambda: finalize_model_grads([ddp]))
             for ref, ref_opt in refs.values():
                 reference_step(ref, ref_opt, 1, accumulation, step, ocfg.clip_grad)
         got = _full(model, ps) + [model.s.data.clone()]
