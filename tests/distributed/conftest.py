@@ -1,5 +1,6 @@
 """The session's rank pools (``pool.py``): one 2-rank group for every DeepSpeed and DDP case,
-a 1-rank group for the cases that need a single rank, 2- and 4-rank groups for megatron-core
+a 1-rank group for the cases that need a single rank, a 4-rank one for DeepSpeed pipelines with
+data parallelism inside each stage, 2- and 4-rank groups for megatron-core
 (their cases patch torch for CPU ranks, ``megatron_worker.prepare``: groups of their own).
 Started on first use, stopped after the last test of this directory (idle ranks would otherwise
 poll through the rest of the session)."""
@@ -29,6 +30,20 @@ def pool(tmp_path_factory):
 @pytest.fixture(scope="session")
 def pool1(tmp_path_factory):
     yield from _pool(tmp_path_factory, "pool1", 1)
+
+
+@pytest.fixture(scope="session")
+def _pool4(tmp_path_factory):
+    yield from _pool(tmp_path_factory, "pool4", 4)
+
+
+@pytest.fixture
+def pool4(_pool4, pool):
+    """The 4-rank DeepSpeed pool for one test, the 2-rank one stopped while it runs (started again by
+    its next case): 4 ranks on 2 cores need them all."""
+    pool.close(ask=False)
+    yield _pool4
+    _pool4.close(ask=False)
 
 
 @pytest.fixture(scope="session")

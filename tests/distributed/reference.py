@@ -36,11 +36,13 @@ class Reference:
     before clipping: n · ḡ in its dtype) or from the groups in fp32 (``gbar="local"``)."""
 
     def __init__(self, model: torch.nn.Module, make_opt, dtype: torch.dtype, stage: int, gas: int,
-                 world: int, clip: float, squares: str = "per_micro_step", gbar: str = "local") -> None:
+                 world: int, clip: float, squares: str = "per_micro_step", gbar: str = "local",
+                 clip_norm_of: set[int] | None = None) -> None:
         self.master = copy.deepcopy(model).float()
         self.low = copy.deepcopy(model).to(dtype)
         self.dtype, self.stage, self.gas, self.world, self.clip = dtype, stage, gas, world, clip
         self.squares, self.gbar = squares, gbar
+        self.clip_norm_of = clip_norm_of  # indices of the parameters the clipping norm counts (None: all)
         self.opt = make_opt(list(self.master.parameters()))
         self.stats = GivenStats()
         self.opt.set_statistics_source(self.stats)
@@ -101,7 +103,8 @@ class Reference:
                 sum_g = acc[i].float() * (n / loss_scale)  # DeepSpeed's reduced gradient, before clipping
             self.stats.sums[id(p)] = (sum_g, gs.square().sum(0))
             p.grad = acc[i].float() / loss_scale
-            total_sq += float(p.grad.double().square().sum())
+            if self.clip_norm_of is None or i in self.clip_norm_of:
+                total_sq += float(p.grad.double().square().sum())
         if self.clip > 0:
             coef = self.clip / (total_sq ** 0.5 + 1e-6)
             if coef < 1:

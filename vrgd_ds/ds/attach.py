@@ -6,7 +6,7 @@ from typing import Any
 
 import deepspeed.comm as dist
 
-from vrgd_ds.ds import local, paths, sources
+from vrgd_ds.ds import local, paths, pipeline, sources
 from vrgd_ds.ds.config import reduction_config
 from vrgd_ds.ds.internals import UnsupportedConfiguration
 from vrgd_ds.ds.layout import ModelTensors
@@ -43,6 +43,9 @@ def attach(engine: Any) -> sources.ReductionStats | None:
     path = paths.for_engine(engine, stage)  # checks the path's DeepSpeed internals
     path.configure(opt)
     layout = path.layout(ModelTensors.of(engine.module), next(engine.module.parameters()).device)
+    if pipeline.is_pipeline(engine):
+        pipeline.check_tied(engine, opt)
+        layout.stages = pipeline.stage_group(engine)
     stats = None
     if wants_stats:
         gbar = options.gbar_for(engine.get_data_types()[0])

@@ -22,6 +22,8 @@ from typing import Any
 
 import torch
 
+from vrgd_ds.ds import pipeline
+from vrgd_ds.ds.config import reduction_config
 from vrgd_ds.ds.internals import SUPPORTED_DEEPSPEED, UnsupportedConfiguration, check_version, require
 from vrgd_ds.ds.names import NAMES, accepted_params, check_optimizer_block, check_params, resolve
 from vrgd_ds.optim.base import GSNROptimizer
@@ -121,8 +123,8 @@ def check_engine(engine: Any) -> None:
     if engine.zero_offload_param() is not None and str(engine.zero_offload_param().device) not in (
             "none", "OffloadDeviceEnum.none"):
         no("zero_optimization.offload_param", "parameter offload is not covered by the hooks; remove the block")
-    if getattr(engine, "pipeline_parallelism", False):
-        no("PipelineModule", "pipeline parallelism is not covered; use data parallelism (ZeRO 0-3)")
+    if pipeline.is_pipeline(engine):
+        pipeline.check(engine, reduction_config(getattr(engine._config, "_param_dict", {}) or {}).scheme(stage))
     if engine.zero_quantized_gradients():
         no("zero_optimization.zero_quantized_gradients", "ZeRO++ quantised gradients bypass the fused "
            "reduction; set it to false")
@@ -167,8 +169,6 @@ def check_engine(engine: Any) -> None:
         no("data_types.grad_accum_dtype", "bf16 with ZeRO-1 and fp32 gradient accumulation uses BF16_Optimizer, "
            "which the hooks do not cover; use ZeRO-2, or drop grad_accum_dtype")
     if engine.communication_data_type not in (model_dtype, torch.float32):
-        from vrgd_ds.ds.config import reduction_config
-
         if reduction_config(getattr(engine._config, "_param_dict", {}) or {}).scheme(stage) == "per_micro_step":
             logger.warning("vrgd_ds: communication_data_type %s is ignored for gradients: the fused [g | g²] "
                            "reduction (\"squares\": \"per_micro_step\") is fp32", engine.communication_data_type)

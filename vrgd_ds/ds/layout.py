@@ -51,6 +51,7 @@ class Layout:
         self.device = torch.device(device)  # where the collective runs (NCCL: the GPU)
         self.numel = torch.tensor(numel, dtype=torch.float64)
         self.group = group  # None: every rank holds whole, identical tensors (no collective)
+        self.stages: Any | None = None  # PipelineEngine: this rank's group across pipeline stages
         self._pieces: dict[int, list[tuple[int, int, int]]] = {}
         self._offsets: dict[int, list[int]] = {}
         self.counters = CommCounters()  # the small per-tensor tables (they stand for no gradient)
@@ -101,4 +102,15 @@ class Layout:
         self.counters.add(0, t.numel() * t.element_size())
 
     def all_reduce_stages(self, t: Tensor, op: str) -> None:
-        """DeepSpeed's engines here have no pipeline stages: every value is complete already."""
+        """Under ``PipelineEngine`` a stage's value (complete over its data-parallel ranks) is
+        combined over the stages, as DeepSpeed's gradient norm is; nothing to do otherwise."""
+        if self.stages is None:
+            return
+        import deepspeed.comm as dist
+
+        red = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX}[op]
+        on_device = t if t.device == self.device else t.to(self.device)
+        dist.all_reduce(on_device, op=red, group=self.stages)
+        if on_device is not t:
+            t.copy_(on_device)
+        self.counters.add(0, t.numel() * t.element_size())

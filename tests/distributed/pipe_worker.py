@@ -1,0 +1,166 @@
+"""DeepSpeed ``PipelineEngine`` cases for the rank pool (``pool.py``): ``worker.py``'s tiny model
+cut into pipeline stages (``PipelineModule``), trained by ``engine.train_batch`` and compared
+with ``reference.py``'s single-process optimizer on the whole model, which sees every
+micro-batch of every data-parallel rank as one group (the per-step scheme: n = data-parallel
+ranks × micro-batches)."""
+from __future__ import annotations
+
+import os
+import sys
+
+import torch
+
+import vrgd_ds  # noqa: F401  (registers the names with DeepSpeed)
+import deepspeed
+import deepspeed.comm as dist
+from deepspeed.pipe import LayerSpec, PipelineModule, TiedLayerSpec
+
+sys.path.insert(0, os.path.dirname(__file__))
+from reference import Reference  # noqa: E402
+from worker import MICRO, OPT_KW, STEPS, batch, l2_err, tiny_model  # noqa: E402
+
+
+def mse(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    return torch.nn.functional.mse_loss(out.float(), y)
+
+
+def pipe_model(stages: int) -> PipelineModule:
+    """The tiny model's layers, uniformly over ``stages`` (2: Linear+Tanh | Linear+LayerNorm);
+    every rank builds the same seeded layers and keeps its stage's."""
+    return PipelineModule(layers=list(tiny_model()), num_stages=stages, loss_fn=mse, partition_method="uniform")
+
+
+def config(case: dict) -> dict:
+    cfg = {
+        "train_micro_batch_size_per_gpu": MICRO,
+        "gradient_accumulation_steps": case["gas"],
+        "gradient_clipping": case["clip"],
+        "steps_per_print": 10**9,
+        "optimizer": {"type": case["opt"], "params": opt_kw(case)},
+        "zero_optimization": {"stage": case["stage"], "reduce_bucket_size": 40},
+    }
+    if case.get("scheme"):
+        cfg["vrgd"] = {"squares": case["scheme"]}
+    return cfg
+
+
+def opt_kw(case: dict) -> dict:
+    return dict(OPT_KW[case["opt"]], **case.get("kw", {}))
+
+
+def _restore_groups():
+    """``PipelineModule`` sets deepspeed.utils.groups' module globals; the pool's next case needs them as
+    they were."""
+    from deepspeed.utils import groups
+
+    kept = groups.mpu, groups.mesh_device
+
+    def restore():
+        groups.mpu, groups.mesh_device = kept
+
+    return restore
+
+
+def run_pipe_case(case: dict) -> dict:
+    """Trains ``STEPS`` steps with ``train_batch`` on ``case['stages']`` stages × the remaining data-
+    parallel ranks and returns rank 0's comparison with the reference (and with the same reference
+    at gamma = 1, where the member has a GSNR)."""
+    restore = _restore_groups()
+    try:
+        return _run(case)
+    finally:
+        restore()
+
+
+def _run(case: dict) -> dict:
+    world = dist.get_world_size()
+    dp = world // case["stages"]
+    cls = vrgd_ds.REGISTRY[case["opt"]].cls
+    model = pipe_model(case["stages"])
+    engine, *_ = deepspeed.initialize(model=model, config=config(case),
+                                      model_parameters=[p for p in model.parameters() if p.requires_grad])
+    dp_rank = engine.grid.get_data_parallel_rank()
+    ns = []
+    for step in range(STEPS):
+        engine.train_batch(data_iter=iter([batch(step, dp_rank, j) for j in range(case["gas"])]))
+        ns.append(engine.basic_optimizer.gsnr_metrics().get("gsnr/n"))
+    got = {name: p.detach().clone() for name, p in model.named_parameters()}
+    # every rank's stage parameters on rank 0 (DP rank 0 of each stage: its copy is the stage's)
+    gathered: list[tuple | None] = [None] * world
+    dist.all_gather_object(gathered, (engine.grid.get_stage_id(), got if dp_rank == 0 else {}))
+    if dist.get_rank() != 0:
+        return {}
+    got = {k: v for _, part in gathered for k, v in part.items()}
+    # DeepSpeed 0.19.8's stage-0 clipping (clip_grad_norm_ with the grid as mpu) counts the
+    # gradients of model-parallel rank 0 only, which under PipelineEngine is the first stage
+    names = [k for k, _ in tiny_model().named_parameters()]
+    first = {k for stage, part in gathered if stage == 0 for k in part}
+    clip_norm_of = {i for i, k in enumerate(names) if k in first} if case["stage"] == 0 else None
+
+    def reference(gamma: float | None) -> Reference:
+        kw = dict(opt_kw(case), **({} if gamma is None else {"gamma": gamma}))
+        ref = Reference(tiny_model(), lambda ps: cls(ps, **kw), torch.float32, case["stage"], case["gas"], dp,
+                        case["clip"], squares="per_step", gbar="engine", clip_norm_of=clip_norm_of)
+        for step in range(STEPS):
+            ref.step([[batch(step, r, j) for j in range(case["gas"])] for r in range(dp)],
+                     lambda mod, b: mse(mod(b[0]), b[1]), 1.0)
+        return ref
+
+    want = dict(reference(None).master.named_parameters())
+    init = dict(tiny_model().named_parameters())
+    names = sorted(want)
+    if sorted(got) != names:
+        raise AssertionError(f"stage parameters {sorted(got)} are not the model's {names}")
+    out = dict(n=ns, l2=l2_err([got[k] for k in names], [want[k].detach() for k in names],
+                               [init[k].detach() for k in names]), contrast_l2=None)
+    if vrgd_ds.REGISTRY[case["opt"]].vr:
+        plain = dict(reference(1.0).master.named_parameters())
+        out["contrast_l2"] = l2_err([plain[k].detach() for k in names], [want[k].detach() for k in names],
+                                    [init[k].detach() for k in names])
+    return out
+
+
+class Embed(torch.nn.Module):
+    """A weight used by the first stage as a layer and by the last one as an output projection."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.randn(7, 5) * 0.1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x @ self.weight.t()
+
+
+def tied_model(stages: int) -> PipelineModule:
+    torch.manual_seed(0)
+    # stages: Embed, Linear, Tanh | Linear, Embed: each stage holds a tied and an untied tensor, so
+    # both have the same param groups (DeepSpeed's ZeRO-1 takes one grad-norm collective per group)
+    layers = [TiedLayerSpec("embed", Embed), LayerSpec(torch.nn.Linear, 7, 7), LayerSpec(torch.nn.Tanh),
+              LayerSpec(torch.nn.Linear, 7, 5), TiedLayerSpec("embed", Embed)]
+    return PipelineModule(layers=layers, num_stages=stages, loss_fn=mse, partition_method="uniform")
+
+
+def run_bad_pipe_case(case: dict) -> dict:
+    """``deepspeed.initialize`` of a refused pipeline configuration; the exception, or none. With
+    ``tied_gsnr_off`` the tied weights go to a param group with ``gsnr: false``, which is
+    accepted and trains one step."""
+    restore = _restore_groups()
+    try:
+        model = tied_model(2) if case.get("tied") else pipe_model(2)
+        params: list = [p for p in model.parameters() if p.requires_grad]
+        if case.get("tied_gsnr_off"):
+            tied = {id(w) for w, _ in model.get_tied_weights_and_groups()}
+            params = [{"params": [p for p in params if id(p) not in tied]},
+                      {"params": [p for p in params if id(p) in tied], "gsnr": False}]
+            params = [g for g in params if g["params"]]
+        try:
+            engine, *_ = deepspeed.initialize(model=model, config=config(case), model_parameters=params)
+        except Exception as e:
+            return dict(raised=type(e).__name__, message=str(e))
+        dp_rank = engine.grid.get_data_parallel_rank()
+        engine.train_batch(data_iter=iter([(torch.randn(MICRO, 5), torch.randn(MICRO, 7)) if case.get("tied")
+                                           else batch(0, dp_rank, j) for j in range(case["gas"])]))
+        n = engine.basic_optimizer.gsnr_metrics().get("gsnr/n")
+        return dict(raised=None, message="", n=n, parts=list(model.parts))
+    finally:
+        restore()

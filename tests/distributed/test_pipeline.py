@@ -1,0 +1,82 @@
+"""DeepSpeed's ``PipelineEngine`` on real CPU ranks (gloo): 2 pipeline stages × 1 data-parallel
+rank (2 ranks) and × 2 (4 ranks), ZeRO stage 0 and 1 (DeepSpeed refuses 2 and 3 with pipelines), the per-step scheme. After 3
+``train_batch`` steps the stages' parameters equal the single-process optimizer on the whole model
+(``reference.py``, n = micro-batches) to the DeepSpeed matrix's fp32 tolerance, and are far from the
+same reference without variance reduction. ``vrgd_ds/ds/pipeline.py`` says what the path does."""
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).parent))
+
+TOL = 1e-3  # as test_deepspeed.py's fp32 matrix: ‖θ − θ_ref‖ / ‖θ_ref − θ_0‖
+CONTRAST = 0.1
+
+#: (ZeRO stage, member, accumulation, clipping, optimizer arguments beyond worker.OPT_KW)
+CASES = {
+    "stage0-VRLamb-gas2-clip1": (0, "VRLamb", 2, 1.0, {}),
+    "stage1-VRLamb-gas4-clip0": (1, "VRLamb", 4, 0.0, {}),
+    # NVLAMB pre-normalisation by the global gradient norm: a per-stage norm would be another one
+    "stage0-VRLamb-gas4-prenorm": (0, "VRLamb", 4, 0.0, {"max_grad_norm": 0.05}),
+    "stage1-VRLamb-gas2-prenorm": (1, "VRLamb", 2, 1.0, {"max_grad_norm": 0.05}),
+    "stage0-VRAdam-gas4-clip1": (0, "VRAdam", 4, 1.0, {}),
+    "stage1-VRAdam-gas2-clip0": (1, "VRAdam", 2, 0.0, {}),
+    "stage0-VRSGD-gas2-clip0": (0, "VRSGD", 2, 0.0, {}),
+    "stage1-VRSGD-gas4-clip1": (1, "VRSGD", 4, 1.0, {}),
+    # the base optimizer (no statistics) through the same path
+    "stage1-Lamb-gas2-clip1": (1, "Lamb", 2, 1.0, {}),
+}
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_pipeline_stages_equal_the_unsharded_optimizer(pool, name):
+    stage, opt, gas, clip, kw = CASES[name]
+    res = pool.run("pipe_worker", "run_pipe_case", dict(stages=2, stage=stage, opt=opt, gas=gas, clip=clip, kw=kw))
+    assert res["l2"] <= TOL, res
+    if opt.startswith("VR"):
+        assert res["n"] == [gas] * 3, "n = data-parallel ranks (1) × micro-batches on every stage"
+        assert res["l2"] <= CONTRAST * res["contrast_l2"], res
+    else:
+        assert res["n"] == [None] * 3
+
+
+@pytest.mark.parametrize("stage", [0, 1])
+def test_pipeline_with_data_parallel_stages_equals_the_unsharded_optimizer(pool4, stage):
+    """PP2 × DP2: each stage's statistics reduced over its data-parallel pair (ZeRO-1: its partitions
+    completed per tensor), n = 2 ranks × 2 micro-batches, the pre-normalisation norm over both stages."""
+    res = pool4.run("pipe_worker", "run_pipe_case", dict(stages=2, stage=stage, opt="VRLamb", gas=2, clip=1.0,
+                                                         kw={"max_grad_norm": 0.05}))
+    assert res["n"] == [4] * 3
+    assert res["l2"] <= TOL and res["l2"] <= CONTRAST * res["contrast_l2"], res
+
+
+def test_gamma_one_equals_the_base_optimizer(pool):
+    """VRLamb at gamma = 1 through the pipeline: the reference's Lamb-equivalent run (its own gamma = 1
+    run), to the same tolerance."""
+    res = pool.run("pipe_worker", "run_pipe_case", dict(stages=2, stage=1, opt="VRLamb", gas=2, clip=1.0,
+                                                        kw={"gamma": 1.0}))
+    assert res["l2"] <= TOL and res["contrast_l2"] <= TOL, res
+
+
+def test_per_micro_step_squares_are_refused_naming_the_key(pool):
+    res = pool.run("pipe_worker", "run_bad_pipe_case", dict(stage=0, opt="VRLamb", gas=2, clip=0.0,
+                                                            scheme="per_micro_step"))
+    assert res["raised"] == "UnsupportedConfiguration", res
+    assert "'vrgd.squares': 'per_micro_step' is not supported with pipeline parallelism" in res["message"]
+
+
+def test_tied_module_across_stages_with_gsnr_is_refused_and_accepted_with_gsnr_off(pool):
+    """A ``TiedLayerSpec`` weight used on both stages holds a partial gradient per micro-batch on
+    each: GSNR on it is refused, naming the tied key; in a ``gsnr: false`` group the same model
+    trains, the other tensors keeping their GSNR (n = micro-batches)."""
+    res = pool.run("pipe_worker", "run_bad_pipe_case", dict(stage=1, opt="VRLamb", gas=2, clip=0.0, tied=True))
+    assert res["raised"] == "UnsupportedConfiguration", res
+    assert "the tied module 'embed' (TiedLayerSpec) is used on 2 pipeline stages" in res["message"]
+    assert "'gsnr': false" in res["message"]
+    res = pool.run("pipe_worker", "run_bad_pipe_case", dict(stage=1, opt="VRLamb", gas=2, clip=0.0, tied=True,
+                                                            tied_gsnr_off=True))
+    assert res["raised"] is None, res
+    assert res["parts"] == [0, 3, 5] and res["n"] == 2, res
