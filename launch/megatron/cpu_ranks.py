@@ -5,7 +5,9 @@ not needed on GPUs. The three places: ``torch.cuda.current_device()`` (the grad 
 ``Tensor.type()`` (the distributed optimizer checks for a ``torch.cuda.*`` type) and tensor
 factories asked for ``device="cuda"`` (the optimizer wrappers and gradient clipping). A fourth
 for models from ``megatron.core.models``: the model-parallel RNG tracker's ``fork`` (dropout
-regions) runs on torch's CPU generator instead of a CUDA RNG state.
+regions) runs on torch's CPU generator instead of a CUDA RNG state. A fifth for
+dist-checkpointing saves: its file writer calls ``torch.cuda.synchronize()`` (nothing to wait
+for on CPU ranks).
 """
 from __future__ import annotations
 
@@ -23,6 +25,7 @@ def apply() -> None:
     if _APPLIED or torch.cuda.is_available():
         return
     torch.cuda.current_device = lambda: "cpu"
+    torch.cuda.synchronize = lambda device=None: None
     original_type = torch.Tensor.type
 
     def tensor_type(self, *args, **kwargs):

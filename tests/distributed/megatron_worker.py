@@ -155,14 +155,15 @@ def relative(got, want) -> float:
     return (diff / sum(float(b.double().pow(2).sum()) for b in want)) ** 0.5
 
 
-def megatron_step(ddp, opt, dp_rank: int, accumulation: int, step: int, rows=None, sync=None) -> bool:
+def megatron_step(ddp, opt, dp_rank: int, accumulation: int, step: int, rows=None, sync=None,
+                  batch=_batch) -> bool:
     """One step through Megatron: a backward per micro-batch (the last one synchronised), the
     gradient sync (``sync``, default the DDP's own), the optimizer. ``rows`` picks this rank's
     part of each micro-batch (sequence parallelism). Returns whether Megatron took the step."""
     ddp.zero_grad_buffer()
     opt.zero_grad()
     for m in range(accumulation):
-        x = _batch(dp_rank, m, step)
+        x = batch(dp_rank, m, step)
         with contextlib.nullcontext() if m == accumulation - 1 else ddp.no_sync():
             (ddp(x if rows is None else rows(x)).pow(2).sum() / accumulation).backward()
     (sync or ddp.finish_grad_sync)()
@@ -373,6 +374,67 @@ def sequence_parallel_equals_unsharded(case: dict) -> dict:
         return {"worst": max(o["rel"] for o in everyone), "ranks": everyone}
 
 
+GLOBAL_MICRO_BATCHES = 4  # per step, whatever the data-parallel size: n = 4 on every layout
+
+
+def checkpoint_case(case: dict) -> dict:
+    """Megatron dist-checkpointing of a VRGD optimizer on this pool's layout (TP2 × the ranks left
+    for DP): builds the model and ``vrgd_ds.megatron`` optimizer, loads ``case["load"]`` (model and
+    optimizer, ``sharded_state_dict`` + ``dist_checkpointing.load``), trains ``case["steps"]``,
+    saves to ``case["save"]``, trains ``case["more"]``. Each step takes the same 4 micro-batches
+    on any data-parallel size (rank d's micro-batch m is global micro-batch d·acc + m), so the
+    statistics' groups match across layouts. Returns the unsharded weights after every step."""
+    from megatron.core import dist_checkpointing
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+    from megatron.core.optimizer import OptimizerConfig
+    from megatron.core.transformer.utils import sharded_state_dict_default
+
+    from vrgd_ds.megatron import get_megatron_optimizer
+
+    with model_parallel(case["tp"]) as ps:
+        dp, dp_rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
+        acc = GLOBAL_MICRO_BATCHES // dp
+        cfg = _config(case["tp"])
+        torch.manual_seed(0)
+        model = TwoLayers(cfg)
+        ddp = DistributedDataParallel(cfg, DistributedDataParallelConfig(
+            grad_reduce_in_fp32=True, use_distributed_optimizer=case["distributed"], bucket_size=40), model)
+        opt = get_megatron_optimizer(OptimizerConfig(optimizer="adam", lr=1e-2, weight_decay=0.1, clip_grad=1.0,
+                                                     use_distributed_optimizer=case["distributed"]),
+                                     [ddp], optimizer=case["optimizer"], optimizer_kwargs=case.get("kwargs"))
+
+        def state(is_loading: bool) -> dict:
+            meta = {"dp_cp_group": ps.get_data_parallel_group(with_context_parallel=True)}
+            model_sd = {}
+            for name, child in model.named_children():
+                model_sd.update(sharded_state_dict_default(child, f"{name}.", (), meta))
+            return {"model": model_sd, "optimizer": opt.sharded_state_dict(model_sd, is_loading)}
+
+        if case.get("load"):
+            loaded = dist_checkpointing.load(state(True), case["load"])
+            model.load_state_dict({k: v for k, v in loaded["model"].items()}, strict=False)
+            for mopt in opt.chained_optimizers:  # the fp32 main weights follow the model (the wrappers' own rule)
+                if hasattr(mopt, "reload_model_params"):
+                    mopt.reload_model_params()
+            opt.load_state_dict(loaded["optimizer"])
+        weights = []
+
+        def train(steps):
+            for step in steps:
+                megatron_step(ddp, opt, dp_rank, acc, step,
+                              batch=lambda d, m, s: _batch(0, d * acc + m, s))
+                weights.append([t.tolist() for t in _full(model, ps)])
+
+        train(case.get("steps", []))
+        if case.get("save"):
+            Path(case["save"]).mkdir(parents=True, exist_ok=True)
+            dist_checkpointing.save(state(False), case["save"])
+        train(case.get("more", []))
+        inner = opt.chained_optimizers[0].optimizer
+        keys = sorted({k for st in inner.state.values() for k in st})
+        return {"weights": weights, "dp": dp, "state_keys": keys}
+
+
 #: what each refused configuration changes, and the option its message must name
 REFUSED = {
     "gradient-accumulation-fusion": ("model", {"gradient_accumulation_fusion": True}, "gradient_accumulation_fusion"),
@@ -385,7 +447,8 @@ REFUSED = {
     "precision-aware": ("optimizer", {"use_precision_aware_optimizer": True}, "use_precision_aware_optimizer"),
     "merit-tensor-parallel": ("name", "VRMerit", "VRMerit with tensor parallelism"),
     "unknown-name": ("name", "VRAdamax", "unknown optimizer 'VRAdamax'"),
-    "adam-checkpoint": ("checkpoint", "sharded_state_dict", "DistributedOptimizer.sharded_state_dict"),
+    "adam-checkpoint": ("checkpoint", "save_parameter_state", "DistributedOptimizer.save_parameter_state"),
+    "adam-checkpoint-format": ("checkpoint-format", "fully_reshardable", "checkpoint format 'fully_reshardable'"),
     "context-parallel": ("parallel", {"context_parallel_size": 2}, "context_parallel_size"),
     "tied-embeddings-across-stages": ("parallel", {"pipeline_model_parallel_size": 2},
                                       "share_embeddings_and_output_weights"),
@@ -434,6 +497,8 @@ def refused(case: dict) -> dict:
             opt = get_megatron_optimizer(ocfg, [ddp], optimizer=name)
             if where == "checkpoint":
                 getattr(opt.chained_optimizers[0], change)({})
+            if where == "checkpoint-format":
+                opt.sharded_state_dict({}, metadata={"distrib_optim_sharding_type": change})
         except Exception as e:  # noqa: BLE001 (the message is the result)
             return {"type": type(e).__name__, "message": str(e)}
         return {"type": None, "message": "not refused"}

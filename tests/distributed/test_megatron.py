@@ -160,3 +160,34 @@ def test_partial_gradient_tensors_follow_megatrons_rule():
     assert names(sequence_parallel=True, qk_layernorm=False) == ["norm.bias", "norm.weight"]
     assert names(sequence_parallel=False, qk_layernorm=True) == ["k_layernorm.bias", "k_layernorm.weight",
                                                                  "q_layernorm.bias", "q_layernorm.weight"]
+
+
+def _max_diff(a, b) -> float:
+    return max((torch.tensor(x, dtype=torch.float64) - torch.tensor(y, dtype=torch.float64)).abs().max().item()
+               for x, y in zip(a, b))
+
+
+@pytest.mark.parametrize("optimizer", ["VRLamb", "VRMomentum"])
+@pytest.mark.parametrize("distributed", [True, False])
+def test_dist_checkpoint_resumes_on_another_data_parallel_size_and_back(megatron, tmp_path, distributed, optimizer):
+    """Megatron dist-checkpointing (``sharded_state_dict``) of the GSNR state: trained 2 steps on
+    TP2×DP2 and saved; resumed on TP2×DP1, one step, saved; resumed on TP2×DP2, one step. Each
+    resumed step equals the uninterrupted TP2×DP2 run's (same 4 micro-batches per step: n = 4 on
+    both layouts), so every state key (moments, GSNR momentum, momentum buffer, step) came back
+    where it belongs. Before loading, every key is allocated (``allocate_state``); the old code
+    refused ``sharded_state_dict`` on the distributed optimizer and had no ``init_state_fn``."""
+    kw = {"tp": 2, "distributed": distributed, "optimizer": optimizer, "kwargs": {"beta3": 0.9}}
+    first, second = tmp_path / "dp2", tmp_path / "dp1"
+    straight = megatron(4).run("megatron_worker", "checkpoint_case", {**kw, "steps": [0, 1], "save": str(first),
+                                                                      "more": [2, 3]})
+    mid = megatron(2).run("megatron_worker", "checkpoint_case", {**kw, "load": str(first), "steps": [2],
+                                                                 "save": str(second)})
+    back = megatron(4).run("megatron_worker", "checkpoint_case", {**kw, "load": str(second), "steps": [3]})
+    assert (straight["dp"], mid["dp"], back["dp"]) == (2, 1, 2)
+    want = {"VRLamb": ["exp_avg", "exp_avg_sq", "gsnr_avg", "step"], "VRMomentum": ["gsnr_avg", "momentum_buffer", "step"]}
+    assert mid["state_keys"] == back["state_keys"] == want[optimizer], (mid, back)
+    scale = max(abs(v) for t in straight["weights"][2] for v in torch.tensor(t).flatten().tolist())
+    assert _max_diff(mid["weights"][0], straight["weights"][2]) <= TOL * scale, "TP2×DP2 -> TP2×DP1"
+    assert _max_diff(back["weights"][0], straight["weights"][3]) <= TOL * scale, "TP2×DP1 -> TP2×DP2"
+    # the steps after a resume moved the weights (a resume that loaded nothing would be far off)
+    assert _max_diff(straight["weights"][2], straight["weights"][1]) > 100 * TOL * scale

@@ -12,6 +12,7 @@ from typing import Any, Iterator
 
 import torch
 
+from vrgd_ds.megatron import checkpoint
 from vrgd_ds.megatron.internals import UnsupportedMegatronConfiguration, check_version
 from vrgd_ds.megatron.stats import MegatronLayout, attach, model_tensors, pairs
 from vrgd_ds.optim.base import GSNROptimizer
@@ -21,7 +22,7 @@ logger = logging.getLogger(__name__)
 
 #: DistributedOptimizer methods that save or load its state in formats written for Adam's
 #: ``exp_avg``/``exp_avg_sq`` (megatron-core 0.16.1): refused on a VRGD inner optimizer
-_ADAM_CHECKPOINT_METHODS = ("sharded_state_dict", "save_parameter_state", "load_parameter_state",
+_ADAM_CHECKPOINT_METHODS = ("save_parameter_state", "load_parameter_state",
                             "get_parameter_state_dp_zero", "load_parameter_state_from_dp_zero")
 
 
@@ -173,7 +174,7 @@ def _wrap(config: Any, chunks: list[Any], inner: GSNROptimizer, groups: dict[str
     from megatron.core.optimizer.optimizer import Float16OptimizerWithFloat16Params, FP32Optimizer
 
     if not (config.fp16 or config.bf16 or config.use_distributed_optimizer):
-        mopt = FP32Optimizer(inner, config, None)
+        mopt = FP32Optimizer(inner, config, checkpoint.allocate)
         mopt.grad_stats_parallel_group = groups["mp_group"]
         return mopt
     scaler = None
@@ -184,7 +185,7 @@ def _wrap(config: Any, chunks: list[Any], inner: GSNROptimizer, groups: dict[str
                                    growth_factor=2.0, backoff_factor=0.5, growth_interval=config.loss_scale_window,
                                    hysteresis=config.hysteresis)
     if not config.use_distributed_optimizer:
-        mopt = Float16OptimizerWithFloat16Params(inner, config, scaler, None)
+        mopt = Float16OptimizerWithFloat16Params(inner, config, scaler, checkpoint.allocate)
         mopt.grad_stats_parallel_group = groups["mp_group"]
         return mopt
     buffers = {i: chunk.buffers for i, chunk in enumerate(chunks)}
@@ -196,6 +197,7 @@ def _wrap(config: Any, chunks: list[Any], inner: GSNROptimizer, groups: dict[str
                                     distributed_optimizer_instance_id=0)
     mopt.grad_stats_parallel_group = groups["intra_dist_opt_group"]
     _refuse_adam_checkpoints(mopt)
+    checkpoint.distributed(mopt, inner)
     return mopt
 
 

@@ -255,9 +255,18 @@ class GSNROptimizer(torch.optim.Optimizer):
         state saved by a member resumes in its base and back (VRLamb <-> Lamb, ``gsnr`` on/off).
         The shared state (moments) carries over; the GSNR momentum is dropped when the GSNR is
         off, and starts at p̂ = 1 (the base optimizer's step) when it was off (``_init_state``).
-        One warning says what changed."""
+        One warning says what changed. Each tensor's step counter is its own tensor afterwards: a
+        state dict may hand one step tensor to every parameter (Megatron's distributed optimizer
+        does), and the step adds 1 to each counter."""
         built = [{k: g[k] for k in self.wiring_keys if k in g} for g in self.param_groups]
         super().load_state_dict(state_dict)
+        seen: set[int] = set()
+        for st in self.state.values():
+            step = st.get("step")
+            if isinstance(step, Tensor):
+                if id(step) in seen:
+                    st["step"] = step.clone()
+                seen.add(id(st["step"]))
         changed: dict[str, tuple[Any, Any]] = {}
         for group, mine in zip(self.param_groups, built):
             for k, v in mine.items():
@@ -513,6 +522,29 @@ class GSNROptimizer(torch.optim.Optimizer):
             warn_once(logger, f"small-n-{n}-{self._serial}", "GSNR estimated from only n=%d gradient groups; the paper recommends "
                       "n >= %d (best 32-256)", n, RECOMMENDED_GROUPS)
         return n
+
+    def element_state_keys(self, group: dict[str, Any]) -> tuple[str, ...]:
+        """The state a parameter of ``group`` holds per element once it stepped (beside ``step``)."""
+        keys = list(self.state_keys)
+        if group.get("momentum", 0.0) != 0.0:
+            keys.append("momentum_buffer")  # the SGD family (sgd_update)
+        if group["gsnr"] and group["beta3"] > 0:
+            keys.append("gsnr_avg")
+        return tuple(keys)
+
+    @torch.no_grad()
+    def allocate_state(self) -> None:
+        """Creates every state key a step would create, as a fresh start has it (step 0, zeros):
+        what a sharded checkpoint loads into (Megatron's ``init_state_fn``). Keys present stay."""
+        for group in self.param_groups:
+            keys = self.element_state_keys(group)
+            for p in group["params"]:
+                st = self.state[p]
+                if "step" not in st:
+                    st["step"] = torch.tensor(0.0, dtype=torch.float32, device=p.device)
+                for key in keys:
+                    if key not in st:
+                        st[key] = torch.zeros(p.shape, dtype=torch.float32, device=p.device)
 
     def _init_state(self, plan: Plan) -> None:
         """Creates missing state lazily (also keys an older checkpoint lacks) and counts the step.
