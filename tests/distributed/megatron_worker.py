@@ -185,21 +185,27 @@ def reference_step(net, opt, dp: int, accumulation: int, step: int, clip: float)
     opt.step()
 
 
-def _train(case: dict, optimizer: str, kwargs: dict, ps) -> list[torch.Tensor]:
-    """3 steps of ``optimizer`` through ``vrgd_ds.megatron`` on the test model; the unsharded weights."""
+def _build(tp: int, distributed: bool, optimizer: str, kwargs: dict | None):
+    """The test model (seed 0) under Megatron's DDP and ``optimizer`` through ``vrgd_ds.megatron``."""
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
     from megatron.core.optimizer import OptimizerConfig
 
     from vrgd_ds.megatron import get_megatron_optimizer
 
-    cfg = _config(case["tp"])
+    cfg = _config(tp)
     torch.manual_seed(0)
     model = TwoLayers(cfg)
     ddp = DistributedDataParallel(cfg, DistributedDataParallelConfig(
-        grad_reduce_in_fp32=True, use_distributed_optimizer=case["distributed"], bucket_size=40), model)
+        grad_reduce_in_fp32=True, use_distributed_optimizer=distributed, bucket_size=40), model)
     opt = get_megatron_optimizer(OptimizerConfig(optimizer="adam", lr=1e-2, weight_decay=0.1, clip_grad=1.0,
-                                                 use_distributed_optimizer=case["distributed"]),
+                                                 use_distributed_optimizer=distributed),
                                  [ddp], optimizer=optimizer, optimizer_kwargs=kwargs)
+    return model, ddp, opt
+
+
+def _train(case: dict, optimizer: str, kwargs: dict, ps) -> list[torch.Tensor]:
+    """3 steps of ``optimizer`` through ``vrgd_ds.megatron`` on the test model; the unsharded weights."""
+    model, ddp, opt = _build(case["tp"], case["distributed"], optimizer, kwargs)
     dp_rank = ps.get_data_parallel_rank()
     for step in range(3):
         megatron_step(ddp, opt, dp_rank, case["accumulation"], step)
@@ -385,23 +391,12 @@ def checkpoint_case(case: dict) -> dict:
     on any data-parallel size (rank d's micro-batch m is global micro-batch d·acc + m), so the
     statistics' groups match across layouts. Returns the unsharded weights after every step."""
     from megatron.core import dist_checkpointing
-    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
-    from megatron.core.optimizer import OptimizerConfig
     from megatron.core.transformer.utils import sharded_state_dict_default
-
-    from vrgd_ds.megatron import get_megatron_optimizer
 
     with model_parallel(case["tp"]) as ps:
         dp, dp_rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
         acc = GLOBAL_MICRO_BATCHES // dp
-        cfg = _config(case["tp"])
-        torch.manual_seed(0)
-        model = TwoLayers(cfg)
-        ddp = DistributedDataParallel(cfg, DistributedDataParallelConfig(
-            grad_reduce_in_fp32=True, use_distributed_optimizer=case["distributed"], bucket_size=40), model)
-        opt = get_megatron_optimizer(OptimizerConfig(optimizer="adam", lr=1e-2, weight_decay=0.1, clip_grad=1.0,
-                                                     use_distributed_optimizer=case["distributed"]),
-                                     [ddp], optimizer=case["optimizer"], optimizer_kwargs=case.get("kwargs"))
+        model, ddp, opt = _build(case["tp"], case["distributed"], case["optimizer"], case.get("kwargs"))
 
         def state(is_loading: bool) -> dict:
             meta = {"dp_cp_group": ps.get_data_parallel_group(with_context_parallel=True)}

@@ -18,6 +18,7 @@ from deepspeed.pipe import LayerSpec, PipelineModule, TiedLayerSpec
 sys.path.insert(0, os.path.dirname(__file__))
 from reference import Reference  # noqa: E402
 from worker import MICRO, OPT_KW, STEPS, batch, l2_err, tiny_model  # noqa: E402
+from worker import config as worker_config  # noqa: E402
 
 
 def mse(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
@@ -31,16 +32,9 @@ def pipe_model(stages: int) -> PipelineModule:
 
 
 def config(case: dict) -> dict:
-    cfg = {
-        "train_micro_batch_size_per_gpu": MICRO,
-        "gradient_accumulation_steps": case["gas"],
-        "gradient_clipping": case["clip"],
-        "steps_per_print": 10**9,
-        "optimizer": {"type": case["opt"], "params": opt_kw(case)},
-        "zero_optimization": {"stage": case["stage"], "reduce_bucket_size": 40},
-    }
-    if case.get("scheme"):
-        cfg["vrgd"] = {"squares": case["scheme"]}
+    """``worker.config`` with the per-step scheme unless the case names one, and ``opt_kw``."""
+    cfg = worker_config(dict(case, bucket=40, dtype="fp32", scheme=case.get("scheme", "per_step")))
+    cfg["optimizer"]["params"] = opt_kw(case)
     return cfg
 
 
