@@ -197,6 +197,24 @@ def test_old_checkpoint_without_new_keys_loads():
     assert all("gsnr_avg" in opt2.state[p] for p in m.parameters())
 
 
+def test_a_step_tensor_shared_by_the_loaded_state_counts_each_tensor_once():
+    """Megatron's distributed optimizer loads one step tensor into every parameter's state. After
+    ``load_state_dict`` each tensor has its own counter, so the next step counts 1 for each. Fails
+    on the old code: the shared tensor was advanced once per tensor (6 tensors: 1 -> 7)."""
+    m = make_model()
+    opt = vrgd_ds.VRAdam(m.parameters())
+    run(m, opt, batches(1, 2))
+    sd = opt.state_dict()
+    shared = torch.tensor(1.0)
+    for st in sd["state"].values():
+        st["step"] = shared
+    opt2 = vrgd_ds.VRAdam(m.parameters())
+    opt2.load_state_dict(sd)
+    run(m, opt2, batches(1, 2))
+    assert len(sd["state"]) > 1
+    assert [float(opt2.state[p]["step"]) for p in m.parameters()] == [2.0] * len(list(m.parameters()))
+
+
 @pytest.mark.parametrize("name", ADAM_FAMILY)
 def test_checkpoint_keeps_its_placement(name, tmp_path):
     """The placement is a param-group option: saved in ``state_dict`` and restored by

@@ -88,29 +88,23 @@ class Layout:
         return self._offsets[id(p)]
 
     def all_reduce(self, t: Tensor, op: str) -> None:
-        if self.group is None:
-            return
-        import deepspeed.comm as dist
-
-        red = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX}[op]
-        if t.device == self.device:  # the sync-free kernels keep their tables here: no copies
-            dist.all_reduce(t, op=red, group=self.group)
-        else:  # host tables with an NCCL group: through the device and back (blocking)
-            on_device = t.to(self.device)
-            dist.all_reduce(on_device, op=red, group=self.group)
-            t.copy_(on_device)
-        self.counters.add(0, t.numel() * t.element_size())
+        if self.group is not None:
+            self._reduce(t, op, self.group)
 
     def all_reduce_stages(self, t: Tensor, op: str) -> None:
         """Under ``PipelineEngine`` a stage's value (complete over its data-parallel ranks) is
         combined over the stages, as DeepSpeed's gradient norm is; nothing to do otherwise."""
-        if self.stages is None:
-            return
+        if self.stages is not None:
+            self._reduce(t, op, self.stages)
+
+    def _reduce(self, t: Tensor, op: str, group: Any) -> None:
         import deepspeed.comm as dist
 
         red = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX}[op]
-        on_device = t if t.device == self.device else t.to(self.device)
-        dist.all_reduce(on_device, op=red, group=self.stages)
-        if on_device is not t:
+        if t.device == self.device:  # the sync-free kernels keep their tables here: no copies
+            dist.all_reduce(t, op=red, group=group)
+        else:  # host tables with an NCCL group: through the device and back (blocking)
+            on_device = t.to(self.device)
+            dist.all_reduce(on_device, op=red, group=group)
             t.copy_(on_device)
         self.counters.add(0, t.numel() * t.element_size())
