@@ -32,6 +32,7 @@ class Pool:
         self.proc: subprocess.Popen | None = None
         self.control: Path | None = None
         self.log: Path | None = None
+        self.port: int | None = None  # the current group's MASTER_PORT
         self._ids = itertools.count()
         self._starts = itertools.count()
         self.cases_run = 0
@@ -43,8 +44,9 @@ class Pool:
         self.control = self.root / f"pool{start}"
         self.control.mkdir(parents=True)
         self.log = self.control / "ranks.log"
+        self.port = launching.free_port()
         deepspeed = Path(sys.executable).parent / "deepspeed"
-        cmd = [str(deepspeed), "--num_gpus", str(self.ranks), "--master_port", str(launching.free_port()),
+        cmd = [str(deepspeed), "--num_gpus", str(self.ranks), "--master_port", str(self.port),
                str(HERE / "pool_worker.py"), "--control", str(self.control), "--owner", str(os.getpid())]
         env = dict(os.environ, PYTHONPATH=str(HERE.parent.parent) + os.pathsep + os.environ.get("PYTHONPATH", ""),
                    PYTHONUNBUFFERED="1")
