@@ -167,27 +167,31 @@ def _max_diff(a, b) -> float:
                for x, y in zip(a, b))
 
 
-@pytest.mark.parametrize("optimizer", ["VRLamb", "VRMomentum"])
 @pytest.mark.parametrize("distributed", [True, False])
-def test_dist_checkpoint_resumes_on_another_data_parallel_size_and_back(megatron, tmp_path, distributed, optimizer):
+@pytest.mark.parametrize("optimizer, mid_tp", [
+    ("VRLamb", 2), ("VRMomentum", 2), ("VRLamb", 1),
+    pytest.param("VRMomentum", 1, marks=pytest.mark.exhaustive)], ids=["VRLamb-TP2xDP1", "VRMomentum-TP2xDP1",
+                                                                       "VRLamb-TP1xDP2", "VRMomentum-TP1xDP2"])
+def test_dist_checkpoint_resumes_on_another_layout_and_back(megatron, tmp_path, distributed, optimizer, mid_tp):
     """Megatron dist-checkpointing (``sharded_state_dict``) of the GSNR state: trained 2 steps on
-    TP2×DP2 and saved; resumed on TP2×DP1, one step, saved; resumed on TP2×DP2, one step. Each
+    TP2×DP2 and saved; resumed on 2 ranks (TP2×DP1: another data-parallel size; TP1×DP2: another
+    tensor-parallel size, each weight whole), one step, saved; resumed on TP2×DP2, one step. Each
     resumed step equals the uninterrupted TP2×DP2 run's (same 4 micro-batches per step: n = 4 on
-    both layouts), so every state key (moments, GSNR momentum, momentum buffer, step) came back
+    every layout), so every state key (moments, GSNR momentum, momentum buffer, step) came back
     where it belongs. Before loading, every key is allocated (``allocate_state``); the old code
     refused ``sharded_state_dict`` on the distributed optimizer and had no ``init_state_fn``."""
-    kw = {"tp": 2, "distributed": distributed, "optimizer": optimizer, "kwargs": {"beta3": 0.9}}
-    first, second = tmp_path / "dp2", tmp_path / "dp1"
-    straight = megatron(4).run("megatron_worker", "checkpoint_case", {**kw, "steps": [0, 1], "save": str(first),
-                                                                      "more": [2, 3]})
-    mid = megatron(2).run("megatron_worker", "checkpoint_case", {**kw, "load": str(first), "steps": [2],
-                                                                 "save": str(second)})
-    back = megatron(4).run("megatron_worker", "checkpoint_case", {**kw, "load": str(second), "steps": [3]})
-    assert (straight["dp"], mid["dp"], back["dp"]) == (2, 1, 2)
+    kw = {"distributed": distributed, "optimizer": optimizer, "kwargs": {"beta3": 0.9}}
+    first, second = tmp_path / "tp2dp2", tmp_path / "mid"
+    straight = megatron(4).run("megatron_worker", "checkpoint_case", {**kw, "tp": 2, "steps": [0, 1],
+                                                                      "save": str(first), "more": [2, 3]})
+    mid = megatron(2).run("megatron_worker", "checkpoint_case", {**kw, "tp": mid_tp, "load": str(first),
+                                                                 "steps": [2], "save": str(second)})
+    back = megatron(4).run("megatron_worker", "checkpoint_case", {**kw, "tp": 2, "load": str(second), "steps": [3]})
+    assert (straight["dp"], mid["dp"], back["dp"]) == (2, 2 // mid_tp, 2)
     want = {"VRLamb": ["exp_avg", "exp_avg_sq", "gsnr_avg", "step"], "VRMomentum": ["gsnr_avg", "momentum_buffer", "step"]}
     assert mid["state_keys"] == back["state_keys"] == want[optimizer], (mid, back)
     scale = max(abs(v) for t in straight["weights"][2] for v in torch.tensor(t).flatten().tolist())
-    assert _max_diff(mid["weights"][0], straight["weights"][2]) <= TOL * scale, "TP2×DP2 -> TP2×DP1"
-    assert _max_diff(back["weights"][0], straight["weights"][3]) <= TOL * scale, "TP2×DP1 -> TP2×DP2"
+    assert _max_diff(mid["weights"][0], straight["weights"][2]) <= TOL * scale, f"TP2×DP2 -> TP{mid_tp}"
+    assert _max_diff(back["weights"][0], straight["weights"][3]) <= TOL * scale, f"TP{mid_tp} -> TP2×DP2"
     # the steps after a resume moved the weights (a resume that loaded nothing would be far off)
     assert _max_diff(straight["weights"][2], straight["weights"][1]) > 100 * TOL * scale
