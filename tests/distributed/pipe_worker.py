@@ -158,3 +158,61 @@ def run_bad_pipe_case(case: dict) -> dict:
         return dict(raised=None, message="", n=n, parts=list(model.parts))
     finally:
         restore()
+
+
+class TiedNet(torch.nn.Module):
+    """``tied_model``'s layers as one module, its tied weight one tensor used twice."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed, self.first, self.last = Embed(), torch.nn.Linear(7, 7), torch.nn.Linear(7, 5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.embed(self.last(torch.tanh(self.first(self.embed(x)))))
+
+
+#: ``tied_model``'s parameter names (either stage) -> ``TiedNet``'s
+TIED_NAMES = {"tied_modules.embed.weight": "embed.weight", "1.weight": "first.weight", "1.bias": "first.bias",
+              "3.weight": "last.weight", "3.bias": "last.bias"}
+
+
+def _whole(model: PipelineModule) -> dict[str, torch.Tensor]:
+    """Every stage's tensors, by ``TiedNet``'s names (the tied weight from the first stage)."""
+    parts: list = [None] * dist.get_world_size()
+    dist.all_gather_object(parts, {TIED_NAMES[k]: p.detach().clone() for k, p in model.named_parameters()})
+    whole: dict[str, torch.Tensor] = {}
+    for part in parts:
+        for k, v in part.items():
+            whole.setdefault(k, v)
+    return whole
+
+
+def tied_equals_unsharded(case: dict) -> dict:
+    """``tied_model`` on 2 stages, the base ``Lamb`` with NVLAMB pre-normalisation (a global
+    gradient norm over the stages), against the same optimizer on ``TiedNet`` in one process:
+    the tied weight's copy on the last stage must not count twice in the norm."""
+    restore = _restore_groups()
+    try:
+        model = tied_model(2)
+        init = _whole(model)
+        engine, *_ = deepspeed.initialize(model=model, config=config(case),
+                                          model_parameters=[p for p in model.parameters() if p.requires_grad])
+        gen = torch.Generator().manual_seed(7)
+        steps = [[(torch.randn(MICRO, 5, generator=gen), torch.randn(MICRO, 7, generator=gen))
+                  for _ in range(case["gas"])] for _ in range(STEPS)]
+        for micro in steps:
+            engine.train_batch(data_iter=iter(micro))
+        got = _whole(model)
+        ref = TiedNet()
+        ref.load_state_dict(init)
+        opt = vrgd_ds.REGISTRY[case["opt"]].cls(ref.parameters(), **opt_kw(case))
+        for micro in steps:
+            opt.zero_grad()
+            for x, y in micro:
+                (mse(ref(x), y) / case["gas"]).backward()
+            opt.step()
+        want = dict(ref.named_parameters())
+        names = sorted(want)
+        return dict(l2=l2_err([got[k] for k in names], [want[k].detach() for k in names], [init[k] for k in names]))
+    finally:
+        restore()

@@ -61,6 +61,18 @@ def test_gamma_one_equals_the_base_optimizer(pool):
     assert res["l2"] <= TOL and res["contrast_l2"] <= TOL, res
 
 
+@pytest.mark.parametrize("stage", [0, 1])
+def test_a_tied_weight_counts_once_in_the_global_norm_across_stages(pool, stage):
+    """A ``TiedLayerSpec`` weight on both stages, the base ``Lamb`` with NVLAMB pre-normalisation
+    (``max_grad_norm`` below the gradient norm, so the norm sets every step): 3 steps equal the
+    same optimizer on the untied model in one process. The old code summed the norm over the
+    stages with the last stage's copy of the tied weight in it (DeepSpeed marks that copy
+    ``ds_pipe_replicated`` and leaves it out of its own norm), and missed."""
+    res = pool.run("pipe_worker", "tied_equals_unsharded", dict(stages=2, stage=stage, opt="Lamb", gas=2, clip=0.0,
+                                                                kw={"max_grad_norm": 1e-3}))
+    assert res["l2"] <= TOL, res
+
+
 def test_per_micro_step_squares_are_refused_naming_the_key(pool):
     res = pool.run("pipe_worker", "run_bad_pipe_case", dict(stage=0, opt="VRLamb", gas=2, clip=0.0,
                                                             scheme="per_micro_step"))

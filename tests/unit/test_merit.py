@@ -145,6 +145,7 @@ class _CutLayout:
         self.shapes = [tuple(s) for s in shapes]
         self.numel = torch.tensor([float(torch.Size(s).numel()) for s in shapes], dtype=torch.float64)
         self._pieces = {id(f): c for f, c in zip(flats, cuts)}
+        self.replicated = None
 
     @property
     def num_keys(self):

@@ -42,10 +42,12 @@ def attach(engine: Any) -> sources.ReductionStats | None:
 
     path = paths.for_engine(engine, stage)  # checks the path's DeepSpeed internals
     path.configure(opt)
-    layout = path.layout(ModelTensors.of(engine.module), next(engine.module.parameters()).device)
+    tensors = ModelTensors.of(engine.module)
+    layout = path.layout(tensors, next(engine.module.parameters()).device)
     if pipeline.is_pipeline(engine):
         pipeline.check_tied(engine, opt)
         layout.stages = pipeline.stage_group(engine)
+        layout.replicated = pipeline.replicated(engine, tensors.keys, layout.num_keys)
     stats = None
     if wants_stats:
         gbar = options.gbar_for(engine.get_data_types()[0])

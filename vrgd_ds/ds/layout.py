@@ -9,7 +9,7 @@ split tensor equal the unsharded ones.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Iterable
 
 import torch
 from torch import Tensor
@@ -40,6 +40,16 @@ class ModelTensors:
         return out
 
 
+def key_mask(keys: dict[int, int], num_keys: int, params: Iterable[Tensor]) -> Tensor | None:
+    """A bool per key, true for the keys of ``params`` (``keys``: id(parameter) -> key); None if
+    none of them is a key."""
+    mask = torch.zeros(num_keys, dtype=torch.bool)
+    for p in params:
+        if id(p) in keys:
+            mask[keys[id(p)]] = True
+    return mask if bool(mask.any()) else None
+
+
 class Layout:
     """Pieces of model tensors in flat tensors, keyed by the model's parameter order."""
 
@@ -52,6 +62,9 @@ class Layout:
         self.numel = torch.tensor(numel, dtype=torch.float64)
         self.group = group  # None: every rank holds whole, identical tensors (no collective)
         self.stages: Any | None = None  # PipelineEngine: this rank's group across pipeline stages
+        #: bool per key, or None: a tied weight's copy that another pipeline stage counts, left out
+        #: of whole-model sums (as DeepSpeed's and Megatron's gradient norms leave it out)
+        self.replicated: Tensor | None = None
         self._pieces: dict[int, list[tuple[int, int, int]]] = {}
         self._offsets: dict[int, list[int]] = {}
         self.counters = CommCounters()  # the small per-tensor tables (they stand for no gradient)

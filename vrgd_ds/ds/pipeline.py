@@ -9,7 +9,7 @@ What the pipeline adds, and where it is handled:
   every stage; DeepSpeed's ``ReduceGrads`` instruction (``allreduce_gradients``) stays its own;
 * whole-model scalars (the pre-normalisation gradient norm, the non-finite skip flag): the
   layout's ``all_reduce_stages`` sums/maxes them over the grid's ``get_pipe_parallel_group()``, as
-  DeepSpeed's gradient norm spans stages;
+  DeepSpeed's gradient norm spans stages, a tied weight counted once (``replicated``);
 * tied modules (``TiedLayerSpec``) on several stages: each stage's micro-batch gradient is a
   partial one, summed over the stages only once per step (``_exec_reduce_tied_grads``); the
   square of a partial is not part of the square, so GSNR on them is refused, naming the module.
@@ -23,6 +23,7 @@ import logging
 from typing import Any
 
 from vrgd_ds.ds.internals import UnsupportedConfiguration, require
+from vrgd_ds.ds.layout import key_mask
 
 logger = logging.getLogger(__name__)
 
@@ -55,6 +56,13 @@ def stage_group(engine: Any) -> Any | None:
     if int(grid.get_pipe_parallel_world_size()) <= 1:
         return None
     return grid.get_pipe_parallel_group()
+
+
+def replicated(engine: Any, keys: dict[int, int], num_keys: int) -> Any | None:
+    """The keys of the tied weights' copies on stages after the first (``ds_pipe_replicated``,
+    set by ``PipelineModule``): each holds the whole, stage-summed gradient, which the first stage
+    already counts in whole-model sums."""
+    return key_mask(keys, num_keys, (p for p in engine.module.parameters() if getattr(p, "ds_pipe_replicated", False)))
 
 
 def check_tied(engine: Any, opt: Any) -> None:

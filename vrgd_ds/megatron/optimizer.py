@@ -12,6 +12,7 @@ from typing import Any, Iterator
 
 import torch
 
+from vrgd_ds.ds.layout import key_mask
 from vrgd_ds.megatron import checkpoint
 from vrgd_ds.megatron.internals import UnsupportedMegatronConfiguration, check_version
 from vrgd_ds.megatron.stats import MegatronLayout, attach, model_tensors, pairs
@@ -246,6 +247,9 @@ def get_megatron_optimizer(config: Any, model_chunks: list[Any], optimizer: str 
         group = tp_group if tp[2] > 1 else None
     device = model_chunks[0].buffers[0].grad_data.device
     layout = MegatronLayout(names, numel, shapes, group, duplicate, tp[1], stages, device)
+    if stages is not None:  # the last stage's copy of embeddings tied across stages (Megatron's grad norm skips it)
+        layout.replicated = key_mask(keys, layout.num_keys,
+                                     (p for c in model_chunks for p in c.parameters() if getattr(p, "shared", False)))
     for p, t in pairs(mopt):
         offset = mopt._get_model_param_range_map(p)["param"].start if config.use_distributed_optimizer else 0
         layout.add(t, [(0, t.numel(), keys[id(p)], offset)])

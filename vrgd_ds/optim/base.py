@@ -53,6 +53,7 @@ class Layout(Protocol):
     names: list[str]  # per key
     numel: Tensor  # float64 [num_keys]: element count of each whole model tensor
     shapes: list[tuple[int, ...]]  # per key: the whole model tensor's shape
+    replicated: Tensor | None  # bool [num_keys] or None: copies another pipeline stage counts
 
     @property
     def num_keys(self) -> int: ...
@@ -379,6 +380,8 @@ class GSNROptimizer(torch.optim.Optimizer):
         for plan, v in zip(plans, values):
             buf.index_add_(0, plan.keys, v.double().reshape(-1, 1))
         self._layout.all_reduce(buf, "sum")
+        if self._layout.replicated is not None:  # a tied weight's copy: the stage that owns it counts it
+            buf[self._layout.replicated.to(buf.device)] = 0
         total = buf.sum().reshape(1)
         self._layout.all_reduce_stages(total, "sum")
         return total[0]
