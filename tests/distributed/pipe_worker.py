@@ -32,8 +32,9 @@ def pipe_model(stages: int) -> PipelineModule:
 
 
 def config(case: dict) -> dict:
-    """``worker.config`` with the per-step scheme unless the case names one, and ``opt_kw``."""
-    cfg = worker_config(dict(case, bucket=40, dtype="fp32", scheme=case.get("scheme", "per_step")))
+    """``worker.config`` (fp32 unless the case names a dtype) with the per-step scheme unless the case
+    names one, and ``opt_kw``."""
+    cfg = worker_config(dict(case, bucket=40, dtype=case.get("dtype", "fp32"), scheme=case.get("scheme", "per_step")))
     cfg["optimizer"]["params"] = opt_kw(case)
     return cfg
 
@@ -152,8 +153,10 @@ def run_bad_pipe_case(case: dict) -> dict:
         except Exception as e:
             return dict(raised=type(e).__name__, message=str(e))
         dp_rank = engine.grid.get_data_parallel_rank()
-        engine.train_batch(data_iter=iter([(torch.randn(MICRO, 5), torch.randn(MICRO, 7)) if case.get("tied")
-                                           else batch(0, dp_rank, j) for j in range(case["gas"])]))
+        dtype = torch.bfloat16 if case.get("dtype") == "bf16" else torch.float32
+        micro = [(torch.randn(MICRO, 5), torch.randn(MICRO, 7)) if case.get("tied") else batch(0, dp_rank, j)
+                 for j in range(case["gas"])]
+        engine.train_batch(data_iter=iter([(x.to(dtype), y) for x, y in micro]))
         n = engine.basic_optimizer.gsnr_metrics().get("gsnr/n")
         return dict(raised=None, message="", n=n, parts=list(model.parts))
     finally:

@@ -73,6 +73,18 @@ def test_a_tied_weight_counts_once_in_the_global_norm_across_stages(pool, stage)
     assert res["l2"] <= TOL, res
 
 
+def test_bf16_on_stage_0_is_refused_naming_the_key_and_trains_on_zero_1(pool):
+    """bf16 pipelines on ZeRO stage 0 get DeepSpeed's ``BF16_Optimizer``, which no hook covers:
+    refused at ``initialize`` naming the key and the fix (the old code refused with a message
+    that said stage 0 supports bf16); on ZeRO-1 the same model trains, n = 2 micro-batches."""
+    res = pool.run("pipe_worker", "run_bad_pipe_case", dict(stage=0, opt="VRLamb", gas=2, clip=0.0, dtype="bf16"))
+    assert res["raised"] == "UnsupportedConfiguration", res
+    assert "'bf16 with zero_optimization.stage 0 under pipeline parallelism' is not supported" in res["message"]
+    assert "use ZeRO stage 1" in res["message"]
+    res = pool.run("pipe_worker", "run_bad_pipe_case", dict(stage=1, opt="VRLamb", gas=2, clip=0.0, dtype="bf16"))
+    assert res["raised"] is None and res["n"] == 2, res
+
+
 def test_per_micro_step_squares_are_refused_naming_the_key(pool):
     res = pool.run("pipe_worker", "run_bad_pipe_case", dict(stage=0, opt="VRLamb", gas=2, clip=0.0,
                                                             scheme="per_micro_step"))

@@ -165,6 +165,9 @@ def check_engine(engine: Any) -> None:
         no("fp16 with zero_optimization.stage 0", "DeepSpeed 0.19.8's engine.backward applies the fp16 loss scale "
            "only for ZeRO optimizers, while FP16_UnfusedOptimizer.step divides by it: gradients come out "
            "loss_scale times too small for any client optimizer. Use ZeRO stage >= 1 with fp16, or bf16")
+    if stage == 0 and model_dtype == torch.bfloat16 and pipeline.is_pipeline(engine):
+        no("bf16 with zero_optimization.stage 0 under pipeline parallelism", "DeepSpeed 0.19.8 wraps the optimizer "
+           "of a PipelineModule in BF16_Optimizer there, which the hooks do not cover; use ZeRO stage 1")
     if stage == 1 and model_dtype == torch.bfloat16 and accum_dtype == torch.float32:
         no("data_types.grad_accum_dtype", "bf16 with ZeRO-1 and fp32 gradient accumulation uses BF16_Optimizer, "
            "which the hooks do not cover; use ZeRO-2, or drop grad_accum_dtype")

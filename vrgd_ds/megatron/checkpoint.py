@@ -10,8 +10,8 @@ and ``fully_reshardable`` list ``exp_avg``/``exp_avg_sq`` by name, and ``fully_s
 (its default) builds ShardedTensors with ``flattened_range``, which 0.16.1's dist-checkpointing
 rejects. So the distributed optimizer gets ``vrgd_model_space`` here: per model tensor and state
 key (the fp32 main weight, the moments, the GSNR momentum, a momentum buffer) the data-parallel
-shards are summed into the tensor's model-space shape (one all-reduce each, at save time only)
-and saved with the model tensor's own sharding metadata (its tensor-parallel split and replica
+shards are summed into the tensor's model-space shape (one all-reduce each, at save time only;
+the summed copies are kept in host memory, one tensor at a time on the device) and saved with the model tensor's own sharding metadata (its tensor-parallel split and replica
 ids), as Megatron's ``fully_reshardable`` does for Adam. A load reads the whole tensor and keeps
 this rank's range, so a checkpoint resumes on another data-parallel size. The per-tensor step
 counters are one common step (every tensor steps together), saved as ``vrgd_step``.
@@ -103,14 +103,18 @@ def distributed(mopt: Any, inner: GSNROptimizer) -> None:
             mine = None if is_loading else local(p)
             entry = {}
             for key in keys():
-                full = torch.zeros(p.numel(), dtype=torch.float32, device=p.device)
-                if not is_loading:
+                if is_loading:  # in host memory, as the saved copies
+                    full = torch.zeros(p.numel(), dtype=torch.float32)
+                else:
+                    full = torch.zeros(p.numel(), dtype=torch.float32, device=p.device)
                     if mine is not None:
                         main, st, rng = mine
                         src = main if key == "fp32_param" else st.get(key)
                         if src is not None:
                             full[rng.start:rng.end] = src.detach().reshape(-1).float()
                     torch.distributed.all_reduce(full, group=self.data_parallel_group)  # the shards, summed
+                    # one model-space tensor at a time on the device: the copies wait in host memory
+                    full = full.cpu()
                 kw = dict(key=f"optimizer.state.{key}.{sh.key}", data=full.view(p.shape), dtype=full.dtype,
                           replica_id=sh.replica_id)
                 if isinstance(sh, ShardedTensorFactory):
