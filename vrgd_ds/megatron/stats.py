@@ -94,10 +94,6 @@ class MegatronLayout(Layout):
             t[self._drop.to(t.device)] = 0  # another tensor-parallel rank adds this tensor
         self._reduce(t, op, self.group)
 
-    def all_reduce_stages(self, t: Tensor, op: str) -> None:
-        if self.stages is not None:
-            self._reduce(t, op, self.stages)
-
 
 def model_tensors(chunks: list[Any], tp_size: int) -> tuple[list[str], dict[int, int], list[int],
                                                               list[tuple[int, ...]], list[bool]]:
