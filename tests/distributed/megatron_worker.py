@@ -387,7 +387,8 @@ def checkpoint_case(case: dict) -> dict:
     """Megatron dist-checkpointing of a VRGD optimizer on this pool's layout (TP2 × the ranks left
     for DP): builds the model and ``vrgd_ds.megatron`` optimizer, loads ``case["load"]`` (model and
     optimizer, ``sharded_state_dict`` + ``dist_checkpointing.load``), trains ``case["steps"]``,
-    saves to ``case["save"]``, trains ``case["more"]``. Each step takes the same 4 micro-batches
+    saves to ``case["save"]``, trains ``case["more"]`` (``case["strict"]``: Megatron's
+    ``StrictHandling`` value for the load). Each step takes the same 4 micro-batches
     on any data-parallel size (rank d's micro-batch m is global micro-batch d·acc + m), so the
     statistics' groups match across layouts. Returns the unsharded weights after every step."""
     from megatron.core import dist_checkpointing
@@ -406,7 +407,10 @@ def checkpoint_case(case: dict) -> dict:
             return {"model": model_sd, "optimizer": opt.sharded_state_dict(model_sd, is_loading)}
 
         if case.get("load"):
-            loaded = dist_checkpointing.load(state(True), case["load"])
+            from megatron.core.dist_checkpointing.validation import StrictHandling
+
+            loaded = dist_checkpointing.load(state(True), case["load"],
+                                             strict=StrictHandling(case.get("strict", "assume_ok_unexpected")))
             model.load_state_dict({k: v for k, v in loaded["model"].items()}, strict=False)
             for mopt in opt.chained_optimizers:  # the fp32 main weights follow the model (the wrappers' own rule)
                 if hasattr(mopt, "reload_model_params"):

@@ -195,3 +195,21 @@ def test_dist_checkpoint_resumes_on_another_layout_and_back(megatron, tmp_path, 
     assert _max_diff(back["weights"][0], straight["weights"][3]) <= TOL * scale, f"TP{mid_tp} -> TP2×DP2"
     # the steps after a resume moved the weights (a resume that loaded nothing would be far off)
     assert _max_diff(straight["weights"][2], straight["weights"][1]) > 100 * TOL * scale
+
+
+def test_a_base_optimizer_checkpoint_resumes_with_gsnr_momentum_at_its_prior(megatron, tmp_path):
+    """Lamb's checkpoint (no GSNR momentum in it) loaded non-strictly into VRLamb (``beta3 = 0.9``)
+    on TP2×DP1: with the distributed optimizer the first resumed step equals the one without it,
+    where torch's load leaves ``gsnr_avg`` out and the step builds it at p̂ = 1. Fails on the old
+    code, which kept the zeros allocated before the load (p̂ from 0.1·r in that step)."""
+    vr = {"tp": 2, "optimizer": "VRLamb", "kwargs": {"beta3": 0.9}, "strict": "log_unexpected", "steps": [2]}
+    resumed = {}
+    for distributed in (True, False):
+        saved = tmp_path / f"lamb-{distributed}"
+        megatron(2).run("megatron_worker", "checkpoint_case", {"tp": 2, "distributed": distributed, "optimizer": "Lamb",
+                                                               "steps": [0, 1], "save": str(saved)})
+        resumed[distributed] = megatron(2).run("megatron_worker", "checkpoint_case",
+                                               {**vr, "distributed": distributed, "load": str(saved)})
+    assert resumed[True]["state_keys"] == ["exp_avg", "exp_avg_sq", "gsnr_avg", "step"], resumed[True]
+    scale = max(abs(v) for t in resumed[False]["weights"][0] for v in torch.tensor(t).flatten().tolist())
+    assert _max_diff(resumed[True]["weights"][0], resumed[False]["weights"][0]) <= TOL * scale

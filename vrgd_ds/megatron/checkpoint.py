@@ -145,12 +145,18 @@ def distributed(mopt: Any, inner: GSNROptimizer) -> None:
             if mine is None:
                 continue
             main, st, rng = mine
-            for key, full in param_state[i].items():
+            loaded = param_state[i]
+            for key, full in loaded.items():
                 piece = full.reshape(-1)[rng.start:rng.end]
                 if key == "fp32_param":
                     main.copy_(piece)
                 elif key in st:
                     st[key].copy_(piece)
+            # a key the checkpoint lacks (a non-strict load, e.g. of the base optimizer's checkpoint)
+            # goes: the first step builds it as for any state without it (GSNR momentum at p̂ = 1),
+            # not from the zeros allocated above
+            for key in [k for k in st if k != "step" and k not in loaded]:
+                del st[key]
 
     for name, fn in (("state_dict", state_dict), ("sharded_state_dict", sharded_state_dict),
                      ("load_state_dict", load_state_dict)):
