@@ -723,9 +723,10 @@ def main(argv: list[str] | None = None) -> int:
     try:
         trainer = Trainer(raw, job, run_dir, args.backend)
         result = trainer.setup().train()
-    except RunDirBusy as e:
+    except RunDirBusy as e:  # agreed over the ranks (_take_run_dir, _max_over_ranks): all of them are here
         if first:
             print(f"vrgd-pretrain: error: {e}", file=sys.stderr, flush=True)
+        _leave_together()
         return EXIT_BUSY
     except (ConfigError, UnsupportedConfiguration) as e:
         if trainer is None or trainer.rank == 0:
@@ -739,9 +740,10 @@ def main(argv: list[str] | None = None) -> int:
         if trainer is None or trainer.rank == 0:
             print(f"vrgd-pretrain: error: {e}", file=sys.stderr, flush=True)
         return EXIT_NO_SPACE
-    except Preempted as e:
+    except Preempted as e:  # agreed over the ranks (_max_over_ranks)
         if trainer.rank == 0:
             print(f"vrgd-pretrain: {e}; exiting {EXIT_REQUEUE} to be requeued (it resumes from there)", flush=True)
+        _leave_together()
         return EXIT_REQUEUE
     finally:
         if trainer is not None:
@@ -762,6 +764,16 @@ def main(argv: list[str] | None = None) -> int:
             print(f"plots:      {plots[0].parent}")
         print(f"checkpoint: {run_dir / CHECKPOINTS} (latest: "
               f"{(run_dir / CHECKPOINTS / ckpt.LATEST).read_text().strip()})", flush=True)
-    trainer.dist.barrier()
-    trainer.dist.destroy_process_group()  # leave together: a rank exiting alone can die in gloo's teardown
+    _leave_together()
     return 0
+
+
+def _leave_together() -> None:
+    """Every rank leaves the process group together: a rank exiting alone can die in gloo's
+    teardown (SIGABRT, "terminate called without an active exception"), which replaces the exit
+    code the launcher and the batch script act on (seen for a refused second job: 250, not 6)."""
+    import deepspeed.comm as dist
+
+    if dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
