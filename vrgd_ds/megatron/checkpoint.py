@@ -11,8 +11,9 @@ and ``fully_reshardable`` list ``exp_avg``/``exp_avg_sq`` by name, and ``fully_s
 rejects. So the distributed optimizer gets ``vrgd_model_space`` here: per model tensor and state
 key (the fp32 main weight, the moments, the GSNR momentum, a momentum buffer) the data-parallel
 shards are summed into the tensor's model-space shape (one all-reduce each, at save time only;
-the summed copies are kept in host memory, one tensor at a time on the device) and saved with the model tensor's own sharding metadata (its tensor-parallel split and replica
-ids), as Megatron's ``fully_reshardable`` does for Adam. A load reads the whole tensor and keeps
+the summed copies are kept in host memory, one tensor at a time on the device) and saved with
+the model tensor's own sharding metadata (its tensor-parallel split and replica ids), as
+Megatron's ``fully_reshardable`` does for Adam. A load reads the whole tensor and keeps
 this rank's range, so a checkpoint resumes on another data-parallel size. The per-tensor step
 counters are one common step (every tensor steps together), saved as ``vrgd_step``.
 
