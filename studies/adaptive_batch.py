@@ -11,6 +11,9 @@ adaptive runs scale it with ``lr_rule`` as the batch moves.
 
     python studies/adaptive_batch.py --corpus embedded --corpus wikitext=WIKITEXT2_DIR
     python studies/adaptive_batch.py --quick       # 4 short runs on the embedded corpus
+
+Runs a committed record holds (``--reuse docs/studies/adaptive_batch``, checked to have the same
+settings) are read back, not run again: a second seed is ``--seed 1 --seed 2 --reuse ...``.
 """
 from __future__ import annotations
 
@@ -20,7 +23,7 @@ import json
 from pathlib import Path
 from statistics import mean, median
 
-from bert_batch import prepare, run_one
+from bert_batch import load_reused, prepare, run_one
 from common import DOCS, Output, plt, table
 
 VR = {"gamma": 0.1, "beta3": 0.9, "gsnr_placement": "first_moment"}
@@ -30,6 +33,9 @@ RUNS = {  # label -> (optimizer params, adaptive?)
     "LAMB adaptive": ({"gamma": 1.0}, True),
     "VR-LAMB adaptive": (VR, True),
 }
+#: the settings that make two runs with the same label, corpus and seed the same run (``--reuse`` checks them)
+SETTINGS = ("batch", "lr", "samples", "target_ratio", "min_batch", "max_batch", "every", "lr_rule", "seq_len",
+            "micro_batch", "ranks", "vocab_size", "quick")
 
 
 def main() -> None:
@@ -54,6 +60,9 @@ def main() -> None:
     ap.add_argument("--port", type=int, default=29691)
     ap.add_argument("--work", type=Path, default=Path("runs/studies/adaptive_batch"))
     ap.add_argument("--out", type=Path, default=None)
+    ap.add_argument("--reuse", type=Path, action="append", default=[], metavar="DIR",
+                    help="a committed record of this study whose runs are read, not run again (same settings, "
+                         "checked); repeatable")
     args = ap.parse_args()
     if args.quick:
         args.corpus, args.seed, args.samples, args.every = ["embedded"], [1], 512, 2
@@ -61,8 +70,11 @@ def main() -> None:
         args.work = args.work / "quick"
     specs = args.corpus or ["embedded"]
     seeds = args.seed or [1]
-    out = Output(args.out or (args.work if args.quick else DOCS / "adaptive_batch"), "adaptive_batch",
-                 {k: v for k, v in vars(args).items() if k not in ("work", "out", "port")} | {"corpora": specs})
+    config = {k: v for k, v in vars(args).items() if k not in ("work", "out", "port", "reuse")} | {"corpora": specs}
+    args.reused, sources, _ = load_reused(args.reuse, config, SETTINGS)  # before Output: --out may be one of them
+    out = Output(args.out or (args.work if args.quick else DOCS / "adaptive_batch"), "adaptive_batch", config)
+    if sources:
+        out.meta["reused"] = sources
     # bert_batch.run_one's knobs: the LR is base_lr at base_batch (factor 1, no rule: one batch)
     args.base_lr, args.base_batch, args.lr_rule_fixed = args.lr, args.batch, "linear"
     results = []
@@ -76,7 +88,8 @@ def main() -> None:
                                             "lr_rule": args.lr_rule}} if adaptive else None
                 r = run_one(label, name, data, args.batch, 1.0, seed, study_args(args),
                             params=params, phase_extra=extra)
-                r.update(trajectory(r["run_dir"]))
+                if "reused_from" not in r:  # a reused record holds its trajectory already
+                    r.update(trajectory(r["run_dir"]))
                 out.log_run(r)
                 results.append(r)
     rows = []

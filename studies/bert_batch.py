@@ -125,8 +125,9 @@ def steps_for(batch: int, samples: int, min_steps: int | None) -> int:
     return max(samples // batch, min_steps or 0)
 
 
-def load_reused(dirs: list[Path], config: dict) -> tuple[dict[RunKey, dict], list[dict], list[dict]]:
-    """The runs of committed studies whose settings match ``config`` (a study's ``meta.json``
+def load_reused(dirs: list[Path], config: dict, settings: tuple[str, ...] = RUN_SETTINGS
+                ) -> tuple[dict[RunKey, dict], list[dict], list[dict]]:
+    """The runs of committed studies whose ``settings`` match ``config`` (a study's ``meta.json``
     config), keyed by cell and seed, where each came from, and the runs left out because they
     took another number of steps than this study gives their batch (``steps_for``: e.g. 10-step
     cells recorded before ``--min-steps``). A setting or a corpus that differs, or one run
@@ -140,7 +141,7 @@ def load_reused(dirs: list[Path], config: dict) -> tuple[dict[RunKey, dict], lis
             raise SystemExit(f"--reuse {d}: needs meta.json and runs.jsonl there (a study's --out directory)")
         meta = json.loads(meta_path.read_text())
         theirs = meta["config"]
-        for key in RUN_SETTINGS:
+        for key in settings:
             if theirs.get(key) != config[key]:
                 raise SystemExit(f"--reuse {d}: its runs used {key}={theirs.get(key)!r}, this study {config[key]!r}: "
                                  "run with its settings or leave that directory out")

@@ -198,6 +198,29 @@ def test_adaptive_batch_quick(tmp_path, study_work):
         assert sum(r["batches"]) == 512 and math.isfinite(r["mlm_loss"])
         assert (r["changes"] > 0) == r["optimizer"].endswith("adaptive")
         assert (r["controller_ms"] is not None) == r["optimizer"].endswith("adaptive")
+    # a second seed grows the committed record: its runs are read back, not run again
+    run_study("adaptive_batch.py", "--quick", "--reuse", str(tmp_path / "out"), "--work", str(tmp_path / "elsewhere"),
+              "--out", str(tmp_path / "again"))
+    again = check_output(tmp_path / "again", ["batch_trajectory.png"])
+    assert [(r["mlm_loss"], r["batches"]) for r in again] == [(r["mlm_loss"], r["batches"]) for r in runs]
+    assert not (tmp_path / "elsewhere" / "quick" / "runs").exists()
+
+
+def test_adaptive_batch_reuses_only_a_record_with_its_settings(tmp_path):
+    """``adaptive_batch.py --reuse`` refuses a record whose runs used another controller setting,
+    naming the setting, before it prepares or runs anything."""
+    other = tmp_path / "other"
+    other.mkdir()
+    config = {"quick": False, "corpus": None, "seed": None, "batch": 64, "lr": 0.004, "samples": 10240,
+              "target_ratio": 4.0, "min_batch": 16, "max_batch": 1024, "every": 10, "lr_rule": "sqrt", "seq_len": 64,
+              "micro_batch": 8, "ranks": 1, "workers": 1, "vocab_size": 8000, "corpora": ["embedded"]}
+    (other / "meta.json").write_text(json.dumps({"config": config, "machine": {}, "started": "2026-11-24"}))
+    (other / "runs.jsonl").write_text("")
+    proc = subprocess.run([sys.executable, str(STUDIES / "adaptive_batch.py"), "--reuse", str(other),
+                           "--work", str(tmp_path / "work"), "--out", str(tmp_path / "out")],
+                          cwd=ROOT, capture_output=True, text=True, check=False)
+    assert proc.returncode != 0 and f"--reuse {other}: its runs used target_ratio=4.0, this study 2.0" in proc.stderr
+    assert not (tmp_path / "work").exists() and not (tmp_path / "out").exists()
 
 
 def test_results_page_is_generated_from_the_committed_outputs():
