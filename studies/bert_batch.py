@@ -51,6 +51,8 @@ OPTIMIZERS: dict[str, dict] = {
     "MERIT": {"type": "Merit"},
     "VR-MERIT": {"type": "VRMerit", "gamma": 0.1, "beta3": 0.9},
 }
+#: a VR optimizer label -> the optimizer it is with GSNR off (the plot's differences)
+BASELINE: dict[str, str] = {**{f"VR-LAMB {pl}": "LAMB" for pl in GSNR_PLACEMENTS}, "VR-MERIT": "MERIT"}
 
 
 def base_config(seq_len: int, micro_batch: int, ranks: int, workers: int, model: str = "tiny") -> dict:
@@ -237,22 +239,26 @@ def best_cells(results: list[dict]) -> dict[tuple[str, int, str], list[dict]]:
 def plot(out: Output, best: dict, corpora: list[str], batches: list[int],
          labels: list[str]) -> None:
     """Top: held-out loss at the best LR per batch. Bottom, the noise-scale view: each VR
-    placement's loss minus LAMB's (below 0: VR-LAMB helps) against the batch, with the mean
-    ``B_simple`` the VR runs measured at their best LR (it depends on the LR: the further
-    training got, the smaller ``|G|^2``)."""
+    optimizer's loss minus its baseline's (``BASELINE``; below 0: the GSNR scale helps) against
+    the batch, with the mean ``B_simple`` the VR runs measured at their best LR (it depends on
+    the LR: the further training got, the smaller ``|G|^2``). A corpus's panels show only the
+    optimizers run on it."""
     pyplot = plt()
     fig, axes = pyplot.subplots(2, len(corpora), figsize=(5 * len(corpora), 6.6), squeeze=False, sharex="col")
     for col, name in enumerate(corpora):
         ax, dax = axes[0][col], axes[1][col]
         for label in labels:
             cells = [(b, [r["mlm_loss"] for r in best[name, b, label]]) for b in batches if (name, b, label) in best]
+            if not cells:
+                continue
             bars = ax.errorbar([b for b, _ in cells], [mean(v) for _, v in cells],
                                yerr=[[mean(v) - min(v) for _, v in cells], [max(v) - mean(v) for _, v in cells]],
                                marker="o", capsize=3, label=label)
-            if label != "LAMB":
-                diff = [(b, mean(v) - mean(r["mlm_loss"] for r in best[name, b, "LAMB"]))
-                        for b, v in cells if (name, b, "LAMB") in best]
-                dax.plot([b for b, _ in diff], [d for _, d in diff], marker="o", label=label,
+            base = BASELINE.get(label)
+            diff = [(b, mean(v) - mean(r["mlm_loss"] for r in best[name, b, base]))
+                    for b, v in cells if (name, b, base) in best]
+            if diff:
+                dax.plot([b for b, _ in diff], [d for _, d in diff], marker="o", label=f"{label} − {base}",
                          color=bars[0].get_color())
         noise = [r["b_simple"] for (corpus, _, _), rs in best.items() if corpus == name  # at each cell's best LR
                  for r in rs if r.get("b_simple") is not None]
@@ -262,7 +268,7 @@ def plot(out: Output, best: dict, corpora: list[str], batches: list[int],
             a.legend(fontsize=7)
         dax.axhline(0.0, color="black", lw=0.6)
         ax.set(xscale="log", ylabel="held-out MLM loss (best LR)", title=name)
-        dax.set(xscale="log", xlabel="global batch", ylabel="VR-LAMB − LAMB loss (best LR each)")
+        dax.set(xscale="log", xlabel="global batch", ylabel="VR − baseline loss (best LR each)")
     out.savefig(fig, "bert_batch.png")
 
 
