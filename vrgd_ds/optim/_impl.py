@@ -20,8 +20,8 @@ import torch
 from torch import Tensor
 
 from vrgd_ds import gsnr as G
-from vrgd_ds.optim.columns import (BOTH_MOMENTS, COL, FIRST_MOMENT, PLACEMENTS, UPDATE, KernelFailure,  # noqa: F401 (re-exported)
-                                   Kernels, Tensors)
+from vrgd_ds.optim.columns import (BOTH_MOMENTS, COL, FIRST_MOMENT, PLACEMENTS, UPDATE, BucketTable,  # noqa: F401 (re-exported)
+                                   KernelFailure, Kernels, Tensors)
 from vrgd_ds.log import warn_once
 
 logger = logging.getLogger(__name__)
@@ -184,6 +184,23 @@ class Reference:
             g_out.copy_(x)
         torch.mul(w, w, out=sq_out)
 
+    def pack_bucket(self, src, table, out, c, with_g):
+        table.check(src, out, with_g)
+        flat = src.reshape(-1)
+        for s, g, q, n, acc in table.rows.tolist():
+            w = flat.narrow(0, s, n).float() * c
+            sq = out.narrow(0, q, n)
+            if acc:
+                sq.add_(w * w)
+            else:
+                torch.mul(w, w, out=sq)
+            if with_g:
+                dg = out.narrow(0, g, n)
+                if acc:
+                    dg.add_(w)
+                else:
+                    dg.copy_(w)
+
     def nonfinite(self, tensors, seg):
         return torch.tensor([0.0 if bool(torch.isfinite(_piece(tensors[t], start, length)).all()) else 1.0
                              for t, start, length in seg.tolist()], dtype=torch.float64)
@@ -224,6 +241,10 @@ class Fused:
     def pack_squares(self, src, g_out, sq_out, c, accumulate=False):
         self._k.pack_squares(src.contiguous().view(-1), g_out, sq_out, c, accumulate)
 
+    def pack_bucket(self, src, table, out, c, with_g):
+        table.check(src, out, with_g)
+        self._k.pack_bucket(src.reshape(-1), table.rows, out, c, with_g)
+
     def accumulate_moments(self, grad, sum_g, sum_sq, fresh, inv_n=0.0, eps=0.0):
         return self._k.accumulate_moments(grad.contiguous().view(-1), sum_g.view(-1), sum_sq.view(-1), fresh,
                                           inv_n, eps)  # None (an undefined tensor) when inv_n == 0
@@ -247,7 +268,7 @@ class WithFallback:
     parameter or state was written raises ``StepRetry`` (the optimizer runs the step again), and
     after that a ``RuntimeError`` naming the fix (nothing is silently half-applied)."""
 
-    _HOOKS = frozenset(("pack_squares", "accumulate_moments"))
+    _HOOKS = frozenset(("pack_squares", "pack_bucket", "accumulate_moments"))
 
     def __init__(self, kernels: Kernels, owner: str) -> None:
         self.primary, self.reference, self.owner = kernels, Reference(), owner
@@ -302,7 +323,7 @@ def _fallback_method(method: str):
 
 
 for _method in ("gsnr_moments", "scaled_grad_norms", "sgd_step", "adam_step", "lamb_apply", "nonfinite",
-                "pack_squares", "accumulate_moments"):  # the Kernels protocol, each through _call
+                "pack_squares", "pack_bucket", "accumulate_moments"):  # the Kernels protocol, each through _call
     setattr(WithFallback, _method, _fallback_method(_method))
 
 

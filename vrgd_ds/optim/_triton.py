@@ -50,7 +50,7 @@ import triton.language as tl
 from torch import Tensor
 
 from vrgd_ds.optim import columns
-from vrgd_ds.optim.columns import BOTH_MOMENTS, PLACEMENTS, UPDATE, KernelFailure
+from vrgd_ds.optim.columns import BOTH_MOMENTS, PLACEMENTS, UPDATE, BucketTable, KernelFailure
 
 logger = logging.getLogger(__name__)
 
@@ -83,6 +83,7 @@ HOOK_SPAN = 8 * BLOCK  # elements per program of the statistics hook (per tensor
 VEC = 4  # elements per aligned access group: 128 bits of fp32
 _VEC = tl.constexpr(VEC)
 _ROW = tl.constexpr(6)  # chunk table row: tensor, start, length, segment, head, body blocks
+_PACK_ROW = tl.constexpr(7)  # pack_bucket's chunk row: source, gradient, squares, length, accumulate, head, body
 INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") == "1"
 _DTYPES = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
 
@@ -589,6 +590,49 @@ def _pack_squares_kernel(x: tl.int64, G: "*fp32", SQ: "*fp32", numel: tl.int64, 
 
 
 @triton.jit
+def _pack_bucket_elems(X, G, Q, sidx, didx, m, c, acc, WITH_G: tl.constexpr, WIDE: tl.constexpr):
+    w = _ld(X, sidx, m, WIDE).to(tl.float32) * c
+    if acc:
+        _st(Q, didx, _ld(Q, didx, m, WIDE) + w * w, m, WIDE)
+        if WITH_G:
+            _st(G, didx, _ld(G, didx, m, WIDE) + w, m, WIDE)
+    else:
+        _st(Q, didx, w * w, m, WIDE)
+        if WITH_G:
+            _st(G, didx, w, m, WIDE)
+
+
+@_kernel
+def _pack_bucket_kernel(x: tl.int64, OUT: "*fp32", chunks: "*i64", c: tl.float32, XDT: tl.constexpr,
+                        WITH_G: tl.constexpr, ALIGNED: tl.constexpr, BLOCK: tl.constexpr):
+    """One chunk of one segment of a bucket (``Kernels.pack_bucket``): chunk rows (source start,
+    gradient start, squares start, length, accumulate, head, body blocks); the body is aligned in
+    the source and both destinations when ``ALIGNED`` (the bases are; the host put it there)."""
+    X = x.to(tl.pointer_type(XDT))
+    row = chunks + tl.program_id(0) * _PACK_ROW
+    s = tl.load(row + 0)
+    g = tl.load(row + 1)
+    q = tl.load(row + 2)
+    n = tl.load(row + 3)
+    acc = tl.load(row + 4) != 0
+    head = tl.load(row + 5)
+    nblk = tl.load(row + 6)
+    if not ALIGNED:
+        head = n
+        nblk = n * 0
+    G = OUT + g
+    Q = OUT + q
+    XS = X + s
+    for i in range(nblk):
+        off = head + i * BLOCK + tl.arange(0, BLOCK)
+        _pack_bucket_elems(XS, G, Q, off, off, None, c, acc, WITH_G, True)
+    for off in range(0, n - nblk * BLOCK, BLOCK):
+        rel = off + tl.arange(0, BLOCK)
+        rel = rel + tl.where(rel < head, 0, nblk * BLOCK)
+        _pack_bucket_elems(XS, G, Q, rel, rel, rel < n, c, acc, WITH_G, False)
+
+
+@triton.jit
 def _accumulate_elems(G, SG, SQ, idx, m, FRESH: tl.constexpr, WIDE: tl.constexpr):
     x = _ld(G, idx, m, WIDE).to(tl.float32)
     if FRESH:
@@ -694,6 +738,8 @@ LAUNCHES: dict[str, Launch] = {
                       num_warps=1),
     "pack_squares": Launch(_pack_squares_kernel, _cases(XDT=_PDTS, WITH_G=_BOOL, ACCUMULATE=_BOOL, ALIGNED=_BOOL,
                                                         BLOCK=(BLOCK,)), num_warps=4),
+    "pack_bucket": Launch(_pack_bucket_kernel, _cases(XDT=_PDTS, WITH_G=_BOOL, ALIGNED=_BOOL, BLOCK=(BLOCK,)),
+                          num_warps=4),
     "accumulate": Launch(_accumulate_kernel, _cases(GDT=_PDTS, FRESH=_BOOL, MOMENTS=_BOOL, ALIGNED=_BOOL,
                                                     BLOCK=(BLOCK,), SPAN=(HOOK_SPAN,)), num_warps=4),
 }
@@ -973,6 +1019,33 @@ class Triton:
             self._launch("pack_squares", (triton.cdiv(numel, BLOCK),), x.data_ptr(), g, sq_out, numel, float(c),
                          XDT=self._dtype([x]), WITH_G=g_out is not None, ACCUMULATE=bool(accumulate),
                          ALIGNED=_aligned(x, g, sq_out), BLOCK=BLOCK)
+
+    def pack_bucket(self, src, table, out, c, with_g):
+        table.check(src, out, with_g)
+        x = src.reshape(-1)
+        ch = self._bucket_chunks(table, x.device)
+        if ch.count:
+            self._fp32([out])
+            self._launch("pack_bucket", (ch.count,), x.data_ptr(), out, ch.table, float(c), XDT=self._dtype([x]),
+                         WITH_G=bool(with_g), ALIGNED=_aligned(x, out), BLOCK=BLOCK)
+
+    def _bucket_chunks(self, table: BucketTable, device: torch.device) -> _Chunks:
+        """The chunk table of a bucket table (cached in it): segments cut into ``CHUNK`` elements,
+        each with an aligned body where the source and both destinations agree modulo ``VEC``
+        (the bases' alignment is checked at each launch)."""
+        key = ("triton", device, CHUNK)
+        got = table.cache.get(key)
+        if got is None:
+            rows = []
+            for s, g, q, n, acc in table.rows.tolist():
+                for off in range(0, n, CHUNK):
+                    st, gt, qt, k = s + off, g + off, q + off, min(CHUNK, n - off)
+                    wide = (st - gt) % VEC == 0 and (st - qt) % VEC == 0
+                    head = min((-st) % VEC, k) if wide else k
+                    rows.append((st, gt, qt, k, acc, head, (k - head) // BLOCK))
+            host = torch.tensor(rows or [(0,) * 7], dtype=torch.long).reshape(-1, 7)
+            got = table.cache[key] = _Chunks(self._copy(host, device), host, len(rows), table.segments)
+        return got
 
     def accumulate_moments(self, grad, sum_g, sum_sq, fresh, inv_n=0.0, eps=0.0):
         g = grad.reshape(-1)

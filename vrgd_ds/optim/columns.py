@@ -9,7 +9,8 @@ schemas here. The first three columns of every schema are the GSNR scale's.
 """
 from __future__ import annotations
 
-from typing import Protocol, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol, Sequence
 
 import torch
 from torch import Tensor
@@ -30,6 +31,51 @@ SCHEMAS = {"norms": NORMS, "sgd": SGD, "adam": ADAM, "lamb_apply": LAMB_APPLY}
 #: both moments (cancels in m̂/√v̂ wherever p̂ is steady), or the final update m̂/(√v̂+eps).
 PLACEMENTS = ("first_moment", "both_moments", "update")
 FIRST_MOMENT, BOTH_MOMENTS, UPDATE = range(3)
+
+
+@dataclass(eq=False)
+class BucketTable:
+    """Where each segment of a flat local gradient (an engine's bucket, or one parameter's
+    gradient) goes in a statistics buffer: ``rows``, a host int64 ``[S, 5]`` of (start in the
+    source, start of its scaled gradient in the buffer, start of its squares in the buffer,
+    length, accumulate 1/0). A table is built once per bucket layout and reused every
+    micro-step; ``cache`` keeps what an implementation derives from it (the Triton kernels'
+    device chunk table), so a steady micro-step does no table work."""
+
+    rows: Tensor
+    cache: dict[Any, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.rows.dtype != torch.long or self.rows.dim() != 2 or self.rows.shape[1] != 5 \
+                or self.rows.device.type != "cpu":
+            raise ValueError("a bucket table is a host int64 [S, 5] tensor (source start, gradient start, squares "
+                             "start, length, accumulate)")
+        self.rows = self.rows.contiguous()
+
+    @property
+    def segments(self) -> int:
+        return self.rows.shape[0]
+
+    def check(self, src: Tensor, out: Tensor, with_g: bool) -> None:
+        """``Kernels.pack_bucket``'s arguments, from shapes alone (no device read): a contiguous
+        source the table stays inside, a contiguous fp32 buffer that holds every destination."""
+        if not src.is_contiguous() or out.dtype != torch.float32 or not out.is_contiguous():
+            raise ValueError("pack_bucket: a contiguous source and a contiguous fp32 buffer")
+        ends = self.cache.get("ends")
+        if ends is None:
+            r = self.rows
+            if self.segments:
+                lo = int(r[:, :3].min())
+                ends = (lo, int((r[:, 0] + r[:, 3]).max()), int((r[:, 1] + r[:, 3]).max()),
+                        int((r[:, 2] + r[:, 3]).max()))
+            else:
+                ends = (0, 0, 0, 0)
+            self.cache["ends"] = ends
+        if ends[0] < 0 or ends[1] > src.numel():
+            raise ValueError(f"pack_bucket: the table reads up to element {ends[1]} of a source of {src.numel()}")
+        if max(ends[2] if with_g else 0, ends[3]) > out.numel():
+            raise ValueError(f"pack_bucket: the table writes up to element {max(ends[2:])} of a buffer of "
+                             f"{out.numel()}")
 
 
 class KernelFailure(RuntimeError):
@@ -106,6 +152,12 @@ class Kernels(Protocol):
         """One pass over a flat local gradient: ``g_out = float(src)`` (when given) and
         ``sq_out = (c · float(src))²`` (fp32 squares after removing the loss scale); with
         ``accumulate`` both are added instead of written."""
+
+    def pack_bucket(self, src: Tensor, table: BucketTable, out: Tensor, c: float, with_g: bool) -> None:
+        """One pass over a flat local gradient for the statistics, every segment of ``table`` in
+        one launch: ``w = c · float(src[i])`` (the loss scale removed, in fp32); its square goes
+        to the segment's squares in ``out`` and, ``with_g``, ``w`` itself to its gradient there; a
+        segment with its accumulate flag set adds to what is there instead of writing."""
 
     def accumulate_moments(self, grad: Tensor, sum_g: Tensor, sum_sq: Tensor, fresh: bool, inv_n: float = 0.0,
                            eps: float = 0.0) -> Tensor | None:

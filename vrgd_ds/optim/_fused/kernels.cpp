@@ -678,6 +678,76 @@ void pack_squares(const at::Tensor& src, const c10::optional<at::Tensor>& g_out,
   });
 }
 
+// One pass over a flat local gradient (an engine's bucket, or one parameter's gradient) for the
+// statistics, every segment of the table in one call: table rows (source start, gradient start,
+// squares start, length, accumulate). w = c * float(x): the square goes to the squares and, with
+// with_g, w itself to the gradient; an accumulate row adds instead of writing. Segments are cut
+// into fixed chunks spread over the threads; each element is written by exactly one of them.
+template <typename T>
+__attribute__((noinline)) void pack_chunk(const T* __restrict__ x, float* __restrict__ g, float* __restrict__ q,
+                                          int64_t n, float c, bool acc) {
+  if (g != nullptr && acc) {
+    _Pragma("omp simd")
+    for (int64_t i = 0; i < n; ++i) {
+      const float w = float(x[i]) * c;
+      g[i] = g[i] + w;
+      q[i] = q[i] + w * w;
+    }
+  } else if (g != nullptr) {
+    _Pragma("omp simd")
+    for (int64_t i = 0; i < n; ++i) {
+      const float w = float(x[i]) * c;
+      g[i] = w;
+      q[i] = w * w;
+    }
+  } else if (acc) {
+    _Pragma("omp simd")
+    for (int64_t i = 0; i < n; ++i) {
+      const float w = float(x[i]) * c;
+      q[i] = q[i] + w * w;
+    }
+  } else {
+    _Pragma("omp simd")
+    for (int64_t i = 0; i < n; ++i) {
+      const float w = float(x[i]) * c;
+      q[i] = w * w;
+    }
+  }
+}
+
+void pack_bucket(const at::Tensor& src, const at::Tensor& table, const at::Tensor& out, double c, bool with_g) {
+  check_list({src}, 1, "src", false);
+  check_list({out}, 1, "out", true);
+  TORCH_CHECK(table.dtype() == at::kLong && table.dim() == 2 && table.size(1) == 5 && table.is_contiguous() &&
+                  table.device().is_cpu(),
+              "bucket table must be contiguous int64 [S, 5] (source, gradient, squares, length, accumulate)");
+  auto t = table.accessor<int64_t, 2>();
+  struct Piece {
+    int64_t src, g, q, n;
+    bool acc;
+  };
+  std::vector<Piece> pieces;
+  for (int64_t i = 0; i < table.size(0); ++i) {
+    const int64_t s = t[i][0], g = t[i][1], q = t[i][2], n = t[i][3];
+    TORCH_CHECK(s >= 0 && q >= 0 && n >= 0 && s + n <= src.numel() && q + n <= out.numel() &&
+                    (!with_g || (g >= 0 && g + n <= out.numel())),
+                "pack_bucket: segment ", i, " is outside the source or the buffer");
+    for (int64_t o = 0; o < n; o += kChunk)
+      pieces.push_back({s + o, g + o, q + o, std::min(kChunk, n - o), t[i][4] != 0});
+  }
+  const float fc = float(c);
+  float* base = out.data_ptr<float>();
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, src.scalar_type(), "pack_bucket", [&] {
+    const scalar_t* x = src.data_ptr<scalar_t>();
+    at::parallel_for(0, static_cast<int64_t>(pieces.size()), 1, [&](int64_t lo, int64_t hi) {
+      for (int64_t k = lo; k < hi; ++k) {
+        const Piece& p = pieces[k];
+        pack_chunk<scalar_t>(x + p.src, with_g ? base + p.g : nullptr, base + p.q, p.n, fc, p.acc);
+      }
+    });
+  });
+}
+
 // One backward's gradient into fp32 statistics: fresh: sum_g = g, sum_sq = g^2;
 // else sum_g += g, sum_sq += g^2. Squares are taken in fp32.
 //
@@ -740,6 +810,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         arg("weight_decay"));
   m.def("nonfinite", &nonfinite, arg("tensors"), arg("seg"));
   m.def("pack_squares", &pack_squares, arg("src"), arg("g_out"), arg("sq_out"), arg("c"), arg("accumulate") = false);
+  m.def("pack_bucket", &pack_bucket, arg("src"), arg("table"), arg("out"), arg("c"), arg("with_g"));
   m.def("accumulate_moments", &accumulate_moments, arg("grad"), arg("sum_g"), arg("sum_sq"), arg("fresh"),
         arg("inv_n") = 0.0, arg("eps") = 0.0);
 }
