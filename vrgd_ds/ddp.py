@@ -29,12 +29,13 @@ from typing import Any, Iterable
 import torch
 import torch.distributed as dist
 from torch import Tensor
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel
 
 from vrgd_ds.optim.base import MIN_GROUPS, GSNROptimizer
 from vrgd_ds.optim.registry import REGISTRY
 from vrgd_ds.stats.comm import CommCounters, fused_all_reduce
-from vrgd_ds.stats.local import Flat, LocalStats, reduce
+from vrgd_ds.stats.local import LocalStats
 
 # (parameter, Σg buffer, Σg² buffer, offset in the bucket, length) of every parameter of a bucket
 _Slice = tuple[Tensor, Tensor, Tensor, int, int]
@@ -132,7 +133,7 @@ def fused_allreduce_hook(stats: DDPStats, bucket: dist.GradBucket) -> torch.futu
 
 
 def attach(ddp_model: DistributedDataParallel, optimizer: GSNROptimizer,
-           squares: str = "per_step") -> "DDPStats | LocalStats":
+           squares: str = "per_step", micro_steps: str = "auto") -> "DDPStats | LocalStats":
     """Feeds ``optimizer`` with statistics of ``ddp_model``'s training.
 
     ``squares="per_step"`` (default): DDP's own reduction untouched; tensor hooks on the
@@ -141,7 +142,10 @@ def attach(ddp_model: DistributedDataParallel, optimizer: GSNROptimizer,
     (twice the fp32 gradient's bytes, whatever the accumulation) completes them: n = ranks ×
     backward passes per step (``vrgd_ds.stats.local``). ``"per_micro_step"``: a communication hook
     replaces DDP's all-reduce of every bucket by one fused fp32 ``[g | g²]`` (n = ranks; DDP
-    allows one hook, call before training). The optimizer's parameters must be those of
+    allows one hook, call before training). ``micro_steps`` (``"per_step"``): ``"auto"`` reads each
+    micro-step from DDP's buckets while every backward synchronises, from a tensor hook per
+    parameter in a step that accumulates under ``no_sync()``; ``"hooks"`` always from the hooks
+    (the same statistics bit for bit, one launch per tensor). The optimizer's parameters must be those of
     ``ddp_model``. Needs >= 2 ranks in the DDP process group when any param group has
     ``gsnr=True``.
 
@@ -177,33 +181,86 @@ def attach(ddp_model: DistributedDataParallel, optimizer: GSNROptimizer,
         return stats
     if squares != "per_step":
         raise ValueError(f"vrgd_ds.ddp.attach: squares={squares!r}: use 'per_step' or 'per_micro_step'")
-    return _attach_per_step(ddp_model, optimizer, group, world, gsnr_params)
+    if micro_steps not in ("auto", "hooks"):
+        raise ValueError(f"vrgd_ds.ddp.attach: micro_steps={micro_steps!r}: use 'auto' or 'hooks'")
+    return _attach_per_step(ddp_model, optimizer, group, world, gsnr_params, micro_steps == "hooks")
 
 
 def _attach_per_step(ddp_model: DistributedDataParallel, optimizer: GSNROptimizer, group: dist.ProcessGroup,
-                     world: int, params: list[Tensor]) -> LocalStats:
-    """Local sums of every backward's gradient and square, one fused all-reduce per step."""
+                     world: int, params: list[Tensor], hooks_only: bool = False) -> LocalStats:
+    """Local sums of every backward's gradient and square, one fused all-reduce per step. Where
+    every backward synchronises, DDP's own gradient buckets hold each micro-step's local
+    gradient when its communication hook runs: one ``pack_bucket`` launch per bucket, then
+    torch's default all-reduce of it (DDP's reduction unchanged). A step that accumulates under
+    ``no_sync()`` reduces the accumulated gradient, so its micro-steps are read by a tensor hook
+    per parameter, installed when a forward pass runs under ``no_sync()`` and removed when a step
+    synchronises every backward again (``_BucketPath``)."""
     params = [p for p in params if p.requires_grad]
     stats = LocalStats(dist, optimizer.kernels(), world, params, gbar="local", squares_dtype=torch.float32,
                        loss_scale=lambda: 1.0, accumulation=lambda: 1)
     stats.reset_ends_step = True  # no engine wraps the step: the optimizer's reset ends it
+    stats.hooks_only = hooks_only
     total = sum(p.numel() for p in params)
     device = params[0].device if params else torch.device("cpu")
-
-    def reduce_flat(flat: Flat) -> list:
-        works = reduce(stats, flat.both, flat.both, group, scatter=False, dtype=torch.float32)
-        stats.counters.grad_bytes_fp32 -= 4 * total  # [Σg | Σg²] stands for one fp32 gradient
-        return works
-
-    flat = stats.add_flat(total, device, reduce_flat)
+    bucket = stats.add_bucket(total, device, lambda b: b.all_reduce_in_place(group))
+    g, sq = bucket.halves()
     off = 0
     for p in params:
         n = p.numel()
-        stats.watch(p, flat, off, n)
-        stats.alias(p, flat.g.narrow(0, off, n), flat.sq.narrow(0, off, n))
+        stats.place(p, bucket, off, n)
+        stats.alias(p, g.narrow(0, off, n), sq.narrow(0, off, n))
         off += n
+    path = _BucketPath(stats, ddp_model, group, params)
+    ddp_model.register_comm_hook(path, _per_step_hook)
+    ddp_model.register_forward_pre_hook(path.before_forward)
     optimizer.set_statistics_source(stats)
     return stats
+
+
+class _BucketPath:
+    """Which micro-steps DDP's buckets hold: every one while each backward synchronises; none of a
+    step that accumulates under ``no_sync()`` (its last backward reduces the sum)."""
+
+    def __init__(self, stats: LocalStats, ddp_model: DistributedDataParallel, group: dist.ProcessGroup,
+                 params: list[Tensor]) -> None:
+        self.stats, self.ddp, self.group, self.params = stats, ddp_model, group, params
+        self.accumulating = False  # this step has had a backward under no_sync()
+        self.hooked = False
+        self._step = -1
+
+    def before_forward(self, module: Any, args: Any) -> None:
+        stats = self.stats
+        if stats.fresh_step() != self._step:  # the first forward of a step
+            self._step = stats.fresh_step()
+            self.accumulating = False
+        if not self.ddp.require_backward_grad_sync:
+            self.accumulating = True
+        want_hooks = self.accumulating or stats.hooks_only
+        if want_hooks != self.hooked:
+            for p in self.params:
+                if want_hooks:
+                    stats.hook(p)
+                else:
+                    stats.unhook(p)
+            self.hooked = want_hooks
+
+    def members(self, bucket: dist.GradBucket) -> list[tuple[int, int]]:
+        base = bucket.buffer().storage_offset()
+        return [(self.stats.index(p), grad.storage_offset() - base)
+                for p, grad in zip(bucket.parameters(), bucket.gradients())]
+
+
+def _per_step_hook(path: _BucketPath, bucket: dist.GradBucket) -> torch.futures.Future[Tensor]:
+    """DDP communication hook of the per-step scheme: the bucket's local gradients into the
+    statistics (one launch), then torch's default all-reduce of the bucket, unchanged."""
+    if not path.hooked:
+        flat = bucket.buffer()
+        if flat.is_sparse:
+            raise RuntimeError("VRGD statistics do not support sparse gradients under DDP; use a dense layer "
+                               "(e.g. nn.Embedding(sparse=False))")
+        params = bucket.parameters()
+        path.stats.record_bucket((bucket.index(), tuple(map(id, params))), flat, lambda: path.members(bucket))
+    return default_hooks.allreduce_hook(path.group, bucket)
 
 
 __all__ = ["attach", "DDPStats", "LocalStats", "fused_allreduce_hook"]

@@ -17,6 +17,7 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from vrgd_ds import VRAdam, VRSGD
+import vrgd_ds.ddp
 from vrgd_ds.ddp import DDPStats, LocalStats, attach
 
 sys.path.insert(0, os.path.dirname(__file__))
@@ -41,6 +42,18 @@ def _counting_all_reduce(*args, **kwargs):
 
 
 dist.all_reduce = _counting_all_reduce
+
+# DDP's own bucket reductions, which the per-step scheme hands to torch's default hook
+DDP_REDUCTIONS = [0]
+_default_allreduce_hook = vrgd_ds.ddp.default_hooks.allreduce_hook
+
+
+def _counting_allreduce_hook(*args, **kwargs):
+    DDP_REDUCTIONS[0] += 1
+    return _default_allreduce_hook(*args, **kwargs)
+
+
+vrgd_ds.ddp.default_hooks.allreduce_hook = _counting_allreduce_hook
 
 
 def tiny_model(dtype: torch.dtype = torch.float32) -> torch.nn.Module:
@@ -110,7 +123,8 @@ def rel(a: torch.Tensor, b: torch.Tensor, b0: torch.Tensor) -> float:
     return float((a - b).norm() / (b - b0).norm())
 
 
-def train_case(opt_name: str, micro_steps: int, squares: str = "per_step", **ddp_kw: Any) -> dict[str, Any]:
+def train_case(opt_name: str, micro_steps: int, squares: str = "per_step", record: str = "auto",
+               **ddp_kw: Any) -> dict[str, Any]:
     """3 steps of DDP + ``attach`` against the reference; ``micro_steps`` > 1 accumulates
     under ``no_sync()``."""
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -121,11 +135,21 @@ def train_case(opt_name: str, micro_steps: int, squares: str = "per_step", **ddp
     p0 = flat(model)
     ddp = DDP(model, bucket_cap_mb=BUCKET_CAP_MB, **ddp_kw)
     opt = cls(ddp.parameters(), **kw)
-    stats = attach(ddp, opt, squares=squares)
+    stats = attach(ddp, opt, squares=squares, **({"micro_steps": record} if squares == "per_step" else {}))
     counters = lambda: (stats.counters.collectives, stats.counters.bytes_sent)  # noqa: E731 (every source's)
-    steps = []
+    launches = lambda: getattr(stats, "stat_counters", None) and stats.stat_counters.launches  # noqa: E731
+    steps, seen = [], []
+    if squares == "per_step":
+        moments = stats.moments
+
+        def recording(params):
+            g, sq = moments(params)
+            seen.append(([x.detach().clone() for x in g], [x.detach().clone() for x in sq], stats.n))
+            return g, sq
+
+        stats.moments = recording
     for step in range(STEPS):
-        (collectives, sent), calls = counters(), ALL_REDUCE_CALLS[0]
+        (collectives, sent), calls, reductions, packs = counters(), ALL_REDUCE_CALLS[0], DDP_REDUCTIONS[0], launches()
         opt.zero_grad()
         for j in range(micro_steps - 1):
             with ddp.no_sync():
@@ -137,6 +161,9 @@ def train_case(opt_name: str, micro_steps: int, squares: str = "per_step", **ddp
             n=opt.gsnr_metrics()["gsnr/n"],
             collectives=now_collectives - collectives,
             all_reduce_calls=ALL_REDUCE_CALLS[0] - calls,
+            ddp_reductions=DDP_REDUCTIONS[0] - reductions,
+            launches=(launches() - packs) if packs is not None else None,
+            hooks=getattr(stats, "stat_counters", None) and stats.stat_counters.hooks,
             buckets=getattr(stats, "buckets", None),
             # DDP's own buckets, as its reducer holds them now (rebuilt after the first step)
             ddp_bucket_numels=[b.buffer().numel() for b in ddp.reducer._get_zeros_like_grad_buckets()],
@@ -147,7 +174,8 @@ def train_case(opt_name: str, micro_steps: int, squares: str = "per_step", **ddp
         plain.step(batches, per_micro=squares == "per_step")
     a, b, c = flat(model), flat(ref.model), flat(plain.model)
     return dict(err=rel(a, b, p0), contrast=rel(c, b, p0), moved=float((b - p0).norm()), steps=steps,
-                param_numels=[p.numel() for p in model.parameters()])
+                param_numels=[p.numel() for p in model.parameters()], params=a.tolist(),
+                moments=[[[x.tolist() for x in g], [x.tolist() for x in q], n] for g, q, n in seen])
 
 
 def low_precision_case(dtype: torch.dtype) -> dict[str, Any]:
@@ -213,6 +241,11 @@ def cases() -> dict[str, Callable[[], dict[str, Any]]]:
         "VRSGD_no_sync": lambda: train_case("VRSGD", 2),
         "VRAdam_no_sync": lambda: train_case("VRAdam", 3),
         "VRSGD_bucket_view": lambda: train_case("VRSGD", 1, gradient_as_bucket_view=True),
+        "hooks_VRSGD": lambda: train_case("VRSGD", 1, record="hooks"),
+        "hooks_VRAdam": lambda: train_case("VRAdam", 1, record="hooks"),
+        "hooks_VRSGD_no_sync": lambda: train_case("VRSGD", 2, record="hooks"),
+        "hooks_VRAdam_no_sync": lambda: train_case("VRAdam", 3, record="hooks"),
+        "hooks_VRSGD_bucket_view": lambda: train_case("VRSGD", 1, record="hooks", gradient_as_bucket_view=True),
         "fused_VRSGD": lambda: train_case("VRSGD", 1, squares="per_micro_step"),
         "fused_VRAdam": lambda: train_case("VRAdam", 1, squares="per_micro_step"),
         "fused_VRSGD_no_sync": lambda: train_case("VRSGD", 2, squares="per_micro_step"),

@@ -44,14 +44,30 @@ def test_training_equals_single_process_reference(pool, name):
 def test_per_step_groups_are_ranks_times_backward_passes(pool, name):
     """The default scheme: every backward of every rank is a group, no_sync() micro-steps
     included, and one all-reduce of [Σg | Σg²] per step (twice the fp32 gradient's bytes),
-    DDP's own reduction untouched."""
+    DDP's own reduction torch's default all-reduce of each bucket. Where every backward
+    synchronises the micro-steps are read from DDP's buckets: no parameter hook, one launch per
+    bucket; a step accumulating under no_sync() reads them by a hook per parameter."""
     micro = {"VRSGD_no_sync": 2, "VRAdam_no_sync": 3}.get(name, 1)
     for res in _case(pool, name):
         numel = sum(res["param_numels"])
         for s in res["steps"]:
             assert s["n"] == float(RANKS * micro)
-            assert s["collectives"] == s["all_reduce_calls"] == 1, s
+            assert s["collectives"] == 1 and s["all_reduce_calls"] == 1 + s["ddp_reductions"], s
             assert s["bytes_sent"] == 2 * 4 * numel, s
+            if micro == 1:
+                assert s["hooks"] == 0 and s["launches"] == s["ddp_reductions"] > 0, s
+            else:
+                assert s["hooks"] == len(res["param_numels"]) and s["launches"] == micro * s["hooks"], s
+
+
+@pytest.mark.parametrize("name", TRAIN_CASES)
+def test_statistics_from_ddps_buckets_equal_the_hooks_bit_for_bit(pool, name):
+    """``micro_steps="auto"`` (DDP's buckets where every backward synchronises) against
+    ``"hooks"`` (a tensor hook per parameter): every step's Σg, Σg², n and the trained parameters
+    are bit-equal."""
+    for auto, hooks in zip(_case(pool, name), _case(pool, "hooks_" + name)):
+        assert auto["moments"] == hooks["moments"] and len(auto["moments"]) == 3
+        assert auto["params"] == hooks["params"]
 
 
 @pytest.mark.parametrize("name", FUSED_CASES)

@@ -83,9 +83,11 @@ def test_per_step_squares_equal_the_reference_with_every_micro_step_a_group(pool
     """``"vrgd": {"squares": "per_step"}``: DeepSpeed's own reduction untouched, each rank's
     micro-step squares summed locally and reduced once per step, so n = ranks × micro-steps on
     every stage (stage 0/ZeRO-1 included), with exactly one statistics collective per step
-    (two with gbar="local" under ZeRO, where Σg and Σg² are reduce-scattered separately) whose
-    bytes are the fp32 gradient's (twice with gbar="local"). Fails on the old code for ZeRO-3,
-    which counted its padded reduce-scatter as sent but not as gradient (ratio 1.032 / 2.063)."""
+    (ZeRO-1/2 lay ``[Σg | Σg²]`` out per rank, so one reduce-scatter carries both with
+    gbar="local"; ZeRO-3's coalesced helper takes two) whose bytes are the fp32 gradient's (twice
+    with gbar="local"). Fails on the old code for ZeRO-3, which counted its padded reduce-scatter
+    as sent but not as gradient (ratio 1.032 / 2.063), and for ZeRO-1/2 with gbar="local", which
+    reduce-scattered Σg and Σg² in two collectives."""
     if case["stage"] == 0 and case["dtype"] == "fp16":
         res = run(pool, "run_bad_case", case)
         assert "'fp16 with zero_optimization.stage 0' is not supported" in res["message"], res
@@ -95,13 +97,67 @@ def test_per_step_squares_equal_the_reference_with_every_micro_step_a_group(pool
     assert res["n"] == [n] * 3
     assert res["skipped"] == 0
     local = case.get("gbar", "auto") == "local" or (case.get("gbar", "auto") == "auto" and case["dtype"] != "fp32")
-    # gbar="local": [Σg | Σg²] as one all-reduce on stage 0, two reduce-scatters on ZeRO-1/2/3
-    assert res["collectives"] == 3 * (2 if local and case["stage"] > 0 else 1)
+    # gbar="local": [Σg | Σg²] in one collective on stages 0-2, two coalesced reduce-scatters on ZeRO-3
+    assert res["collectives"] == 3 * (2 if local and case["stage"] == 3 else 1)
     assert res["bytes_ratio"] == (2.0 if local else 1.0)
     assert res["l2"] <= PERSTEP_TOL[case["dtype"]][0 if n == 2 else 1], res
     factor = CONTRAST[case["dtype"]]
     if factor is not None:
         assert res["l2"] <= factor * res["contrast_l2"], res
+
+
+@pytest.mark.parametrize("name, case", params(worker.record_cases(), worker.record_design()))
+def test_statistics_from_deepspeeds_buckets_equal_the_hooks_bit_for_bit(pool, name, case):
+    """The per-step scheme reads each micro-step's gradients from DeepSpeed's own flat bucket
+    (``average_tensor`` on ZeRO-2, and on ZeRO-1 and stage 0 without accumulation) with one launch
+    per bucket, and from a tensor hook per parameter otherwise: Σg, Σg² and n handed to the
+    optimizer at every step, and so the trained parameters, are bit-equal to the hooks' (the
+    path the matrix tests against the single-process reference). Where buckets are used, no
+    parameter hook is installed, one launch runs per reduced bucket, and the segment tables are
+    built in the first step only (at most two per bucket layout: first micro-step, later ones)."""
+    res = run(pool, "run_record_case", case)
+    assert res["checked"] > 0
+    assert res["n"][0] == res["n"][1] == [2 * case["gas"]] * 3
+    assert res["same_moments"] and res["same_params"], res
+    buckets = case["stage"] == 2 or (case["stage"] in (0, 1) and case["gas"] == 1)
+    if buckets:
+        assert res["hooks_auto"] == 0 and "no parameter hooks" in res["describe_auto"]
+        if case["stage"] != 0:  # stage 0's bucket is DeepSpeed's flattened gradient list at the boundary
+            assert res["launches_auto"] == res["reductions_auto"]
+    else:
+        assert res["hooks_auto"] == res["hooks_hooks"] > 0
+    assert res["hooks_hooks"] > 0 and res["launches_hooks"] > res["launches_auto"] if buckets else True
+
+
+COUNT_CASE = dict(stage=2, dtype="fp32", gas=2, bucket=2048)
+
+
+def test_bucket_path_counts_are_the_same_for_8_and_64_tensors(pool):
+    """The statistics on ZeRO-2's buckets, counted per micro-step of a steady step, for the same
+    8,192 parameters as 8 tensors and as 64 (a 2,048-element bucket holds 2 or 16 of them: 4
+    buckets either way): no parameter hook; one launch per bucket DeepSpeed reduces, so the same
+    number for both models; no segment table built after the first step; aten operations added
+    to the backward (against Lamb, which has no statistics, on the same model) at most 2 per
+    bucket plus a constant. The hook path did one launch, one hook and more aten operations
+    per tensor (seen: 8 and 64 launches per micro-step)."""
+    res = {t: run(pool, "run_counts_case", dict(COUNT_CASE, tensors=t)) for t in (8, 64)}
+    for t, r in res.items():
+        vr, lamb = r["vr"], r["lamb"]
+        assert vr["n"] == 4 and vr["hooks"] == 0 and "no parameter hooks" in vr["describe"], r
+        assert vr["reductions_per_micro_step"] == lamb["reductions_per_micro_step"] == 4, r
+        assert vr["launches_per_micro_step"] == vr["reductions_per_micro_step"], r
+        assert vr["tables_built"] == 0, r
+        assert vr["aten_per_micro_step"] - lamb["aten_per_micro_step"] <= 2 * vr["reductions_per_micro_step"] + 2, r
+    assert res[8]["vr"]["launches_per_micro_step"] == res[64]["vr"]["launches_per_micro_step"]
+
+
+def test_hook_path_counts_show_where_no_bucket_holds_a_micro_step(pool):
+    """ZeRO-1 with accumulation reduces the accumulated gradient at the boundary, so the
+    statistics keep a tensor hook per parameter: the counters say so (64 hooks, 64 launches per
+    micro-step), and the statistics are still n = ranks × micro-steps."""
+    r = run(pool, "run_counts_case", dict(COUNT_CASE, stage=1, tensors=64))["vr"]
+    assert r["hooks"] == 64 and r["launches_per_micro_step"] == 64 and r["n"] == 4, r
+    assert "64 parameter hooks" in r["describe"]
 
 
 def test_engine_mean_gradient_in_bf16_inflates_the_gsnr_local_does_not(pool):

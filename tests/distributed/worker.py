@@ -351,34 +351,45 @@ def bytes_cases():
 
 
 class CommCount:
-    """Every collective deepspeed.comm issues, by function: calls and input bytes."""
+    """Every collective deepspeed.comm issues, by function, and torch's own reduce-scatter (which the
+    statistics call by its current name, ``reduce_scatter_single``): calls and input bytes. A call
+    counts once, at the outermost wrapper (deepspeed.comm's reduce-scatter calls torch's)."""
 
     NAMES = ("all_reduce", "reduce_scatter_tensor", "reduce_scatter_fn", "reduce_scatter", "all_gather_into_tensor",
              "all_gather", "allgather_fn", "reduce_scatter_coalesced", "broadcast")
+    TORCH_NAMES = ("reduce_scatter_single",)
+    SECOND = ("reduce_scatter_tensor", "reduce_scatter_fn", "all_gather_into_tensor", "allgather_fn",
+              "reduce_scatter_single")
 
     def __init__(self) -> None:
         self.calls = self.bytes = 0
         self.originals = {}
-        for name in self.NAMES:
-            fn = getattr(dist, name, None)
+        self._depth = 0
+        modules = [(dist, n) for n in self.NAMES] + [(torch.distributed, n) for n in self.TORCH_NAMES]
+        for module, name in modules:
+            fn = getattr(module, name, None)
             if fn is None:
                 continue
-            self.originals[name] = fn
+            self.originals[(module, name)] = fn
 
             def counted(*args, _fn=fn, _name=name, **kwargs):
-                t = kwargs.get("tensor", kwargs.get("input_tensor", args[1] if _name in (
-                    "reduce_scatter_tensor", "reduce_scatter_fn", "all_gather_into_tensor", "allgather_fn")
-                    and len(args) > 1 else args[0] if args else None))
-                if torch.is_tensor(t):
+                t = kwargs.get("tensor", kwargs.get("input_tensor", kwargs.get("input", args[1] if _name in self.SECOND
+                                                                                and len(args) > 1 else
+                                                                                args[0] if args else None)))
+                if torch.is_tensor(t) and self._depth == 0:
                     self.calls += 1
                     self.bytes += t.numel() * t.element_size()
-                return _fn(*args, **kwargs)
+                self._depth += 1
+                try:
+                    return _fn(*args, **kwargs)
+                finally:
+                    self._depth -= 1
 
-            setattr(dist, name, counted)
+            setattr(module, name, counted)
 
     def restore(self) -> None:
-        for name, fn in self.originals.items():
-            setattr(dist, name, fn)
+        for (module, name), fn in self.originals.items():
+            setattr(module, name, fn)
 
 
 def run_bytes_case(case: dict) -> dict:
@@ -414,6 +425,163 @@ def run_bytes_case(case: dict) -> dict:
                          deepspeed_calls=count.calls - (layout.counters.collectives - before[3]) - ours_calls,
                          grad_bytes_fp32=4 * sum(getattr(p, "ds_numel", p.numel()) for p in engine.module.parameters()),
                          n=engine.basic_optimizer.gsnr_metrics().get("gsnr/n"))
+    return out
+
+
+RECORD_FACTORS = dict(stage=(0, 1, 2, 3), dtype=("fp32", "bf16", "fp16"), gas=(1, 2, 4), overlap=(False, True),
+                      bucket=(40, 500))
+
+
+def record_case(**c) -> tuple[str, dict]:
+    name = "record-stage{stage}-{dtype}-gas{gas}-{ov}-bucket{bucket}".format(ov="overlap" if c["overlap"] else "serial",
+                                                                            **c)
+    return name, dict(c, clip=1.0, opt="VRLamb", scheme="per_step")
+
+
+def record_cases():
+    """The per-step statistics read from DeepSpeed's buckets against the tensor hooks: every
+    stage, dtype, accumulation, overlap_comm, and a bucket (40 elements) smaller than two of the
+    model's weights (65 and 91 elements: DeepSpeed reduces each alone) or holding all of them."""
+    for levels in itertools.product(*RECORD_FACTORS.values()):
+        c = dict(zip(RECORD_FACTORS, levels))
+        if not (c["stage"] == 0 and c["dtype"] == "fp16"):
+            yield record_case(**c)
+
+
+def record_design() -> set[str]:
+    return {record_case(**c)[0] for c in covering(RECORD_FACTORS)}
+
+
+def run_record_case(case: dict) -> dict:
+    """Two engines on the same batches, the statistics read by ``"micro_steps": "auto"`` (buckets
+    where they hold a micro-step) and by ``"hooks"``: every step's Σg, Σg² and n as the optimizer
+    received them, the trained parameters, and each source's counters."""
+    dtype = DTYPES[case["dtype"]]
+    rank = dist.get_rank()
+    out = {}
+    for how in ("auto", "hooks"):
+        cfg = config(case)
+        cfg["vrgd"]["micro_steps"] = how
+        cfg["zero_optimization"]["overlap_comm"] = case["overlap"]
+        engine, *_ = deepspeed.initialize(model=tiny_model(), config=cfg)
+        stats = engine.vrgd_stats
+        seen = []
+        moments = stats.moments
+
+        def recording(params, moments=moments, seen=seen):
+            g, sq = moments(params)
+            seen.append(([x.detach().clone() for x in g], [x.detach().clone() for x in sq], stats.n))
+            return g, sq
+
+        stats.moments = recording
+        calls = {"reductions": 0}
+        zopt = engine.optimizer
+        if hasattr(zopt, "average_tensor"):
+            average = zopt.average_tensor
+
+            def counted(*a, _f=average, **k):
+                calls["reductions"] += 1
+                return _f(*a, **k)
+
+            zopt.average_tensor = counted
+        for step in range(STEPS):
+            for j in range(case["gas"]):
+                engine.backward(loss_fn(engine, batch(step, rank, j), dtype))
+                engine.step()
+        out[how] = dict(seen=seen, params=full_params(engine), launches=stats.stat_counters.launches,
+                        hooks=stats.stat_counters.hooks, tables=stats.stat_counters.tables_built,
+                        reductions=calls["reductions"], describe=stats.describe())
+    a, b = out["auto"], out["hooks"]
+    same = len(a["seen"]) == len(b["seen"]) and all(
+        na == nb and all(torch.equal(x, y) for x, y in zip(ga + qa, gb + qb))
+        for (ga, qa, na), (gb, qb, nb) in zip(a["seen"], b["seen"]))
+    return dict(same_moments=same, same_params=all(torch.equal(x, y) for x, y in zip(a["params"], b["params"])),
+                n=[[n for *_, n in x["seen"]] for x in (a, b)], checked=sum(len(g) for g, _, _ in a["seen"]),
+                **{f"{k}_{how}": out[how][k] for how in out for k in ("launches", "hooks", "tables", "reductions",
+                                                                      "describe")})
+
+
+class Tensors(torch.nn.Module):
+    """``count`` parameter tensors of ``total // count`` elements each, every one used: the same
+    model size cut into few or many tensors."""
+
+    def __init__(self, count: int, total: int = 8192) -> None:
+        super().__init__()
+        g = torch.Generator().manual_seed(0)
+        self.ps = torch.nn.ParameterList([torch.nn.Parameter(torch.randn(total // count, generator=g) * 0.1)
+                                          for _ in range(count)])
+
+    def forward(self, x):
+        out = x.new_zeros(())
+        for i, p in enumerate(self.ps):
+            z = x.flatten()[: p.numel()] if x.numel() >= p.numel() else x.flatten().repeat(-(-p.numel() // x.numel()))
+            out = out + ((p * z[: p.numel()]).sin() * (1 + 0.01 * i)).sum()
+        return out
+
+
+class AtenCount:
+    """Every aten operation dispatched while it is active (views included), by name."""
+
+    def __init__(self) -> None:
+        from torch.utils._python_dispatch import TorchDispatchMode
+
+        outer = self
+
+        class Mode(TorchDispatchMode):
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                outer.ops += 1
+                return func(*args, **(kwargs or {}))
+
+        self.ops, self.mode = 0, Mode()
+
+
+def run_counts_case(case: dict) -> dict:
+    """What the statistics cost on the backward path, counted: for ``VRLamb`` (per-step
+    statistics) and ``Lamb`` (no statistics) on the same model and batches, per micro-step of a
+    steady step, the aten operations dispatched during ``backward()`` (every kind, views too),
+    DeepSpeed's bucket reductions, the statistics' launches and table builds, and the parameter
+    hooks the statistics hold."""
+    rank = dist.get_rank()
+    out = {}
+    for name, extra in (("vr", {}), ("lamb", {"gsnr": False})):
+        cfg = config(dict(case, clip=1.0, opt="VRLamb", scheme="per_step"))
+        cfg["optimizer"]["params"].update(extra)
+        cfg["zero_optimization"]["overlap_comm"] = False
+        engine, *_ = deepspeed.initialize(model=Tensors(case["tensors"]), config=cfg)
+        zopt = engine.optimizer
+        calls = {"reductions": 0}
+        reducer = "average_tensor" if case["stage"] in (1, 2) else "allreduce_bucket"
+        owner = zopt if case["stage"] in (1, 2) else engine
+        original = getattr(owner, reducer)
+
+        def counted(*a, _f=original, **k):
+            calls["reductions"] += 1
+            return _f(*a, **k)
+
+        setattr(owner, reducer, counted)
+        stats = getattr(engine, "vrgd_stats", None)
+
+        def micro_steps(step: int, count: AtenCount | None) -> None:
+            for j in range(case["gas"]):
+                loss = engine(batch(step, rank, j)[0])
+                if count is not None:
+                    with count.mode:
+                        engine.backward(loss)
+                else:
+                    engine.backward(loss)
+                engine.step()
+
+        micro_steps(0, None)  # the first step: buffers, partitions and tables built
+        before = (stats.stat_counters.launches, stats.stat_counters.tables_built) if stats else (0, 0)
+        calls["reductions"] = 0
+        count = AtenCount()
+        micro_steps(1, count)
+        out[name] = dict(aten_per_micro_step=count.ops / case["gas"],
+                         reductions_per_micro_step=calls["reductions"] / case["gas"],
+                         launches_per_micro_step=((stats.stat_counters.launches - before[0]) / case["gas"]) if stats
+                         else 0, tables_built=(stats.stat_counters.tables_built - before[1]) if stats else 0,
+                         hooks=stats.stat_counters.hooks if stats else 0, n=engine.basic_optimizer.gsnr_metrics().get(
+                             "gsnr/n"), describe=stats.describe() if stats else "")
     return out
 
 

@@ -51,7 +51,8 @@ def attach(engine: Any) -> sources.ReductionStats | None:
     stats = None
     if wants_stats:
         gbar = options.gbar_for(engine.get_data_types()[0])
-        stats = (local.attach(engine, path, world, gbar, options.torch_squares_dtype, opt.kernels())
+        stats = (local.attach(engine, path, world, gbar, options.torch_squares_dtype, opt.kernels(),
+                              hooks_only=options.micro_steps == "hooks")
                  if scheme == "per_step" else sources.attach(engine, path, world, options.torch_squares_dtype))
     opt.set_statistics_source(stats, layout)
     # DeepSpeed skips a step when the gradients it checked are not finite: with an fp16 dynamic
@@ -61,6 +62,7 @@ def attach(engine: Any) -> sources.ReductionStats | None:
     logger.info("vrgd_ds: %s attached to DeepSpeed (stage %d, %s, %s)", type(opt).__name__, stage,
                 type(wrapper).__name__,
                 f"n={sources.expected_groups(world, gas, stage, scheme)} groups per step, squares {scheme}"
+                + (f", {stats.describe()}" if hasattr(stats, "describe") else "")
                 if stats else "no GSNR statistics")
     return stats
 

@@ -44,6 +44,14 @@ class ReductionConfig(BaseModel):
     gradient's fp32 bytes). ``bf16``: the squares in bf16 (1.5x), as a second collective per
     bucket, since one collective cannot mix dtypes; the statistics buffers stay fp32."""
 
+    micro_steps: Literal["auto", "hooks"] = "auto"
+    """Where ``per_step`` reads each micro-step's local gradient. ``auto``: from DeepSpeed's own
+    flat reduction bucket wherever one holds a micro-step (ZeRO-2; ZeRO-1 and stage 0 without
+    accumulation), one launch per bucket and no hook per parameter, else a tensor hook per
+    parameter (ZeRO-1 and stage 0 with accumulation, ZeRO-3). ``hooks``: a tensor hook per
+    parameter everywhere, which writes the same statistics bit for bit at one launch per tensor
+    (the path the buckets are tested against; for a DeepSpeed whose buckets are laid out otherwise)."""
+
     @property
     def torch_squares_dtype(self) -> torch.dtype:
         return torch.bfloat16 if self.squares_dtype == "bf16" else torch.float32

@@ -15,9 +15,13 @@ import deepspeed.comm as dist
 from vrgd_ds.stats.local import LocalStats
 
 
-def attach(engine: Any, path: Any, world: int, gbar: str, squares_dtype: torch.dtype, kernels: Any) -> LocalStats:
+def attach(engine: Any, path: Any, world: int, gbar: str, squares_dtype: torch.dtype, kernels: Any,
+           hooks_only: bool = False) -> LocalStats:
+    """``hooks_only`` (``"vrgd": {"micro_steps": "hooks"}``): a tensor hook per parameter even where
+    a DeepSpeed bucket holds each micro-step."""
     stats = LocalStats(dist, kernels, world, path.targets(), gbar, squares_dtype, path.loss_scale,
                        engine.gradient_accumulation_steps)
+    stats.hooks_only = hooks_only
     path.local_buffers(stats)
     if gbar == "engine":
         path.capture_engine_gradient(stats)

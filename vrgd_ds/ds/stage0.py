@@ -23,9 +23,10 @@ import deepspeed.comm as dist
 from vrgd_ds.ds.internals import UnsupportedConfiguration, require
 from vrgd_ds.ds.layout import Layout, ModelTensors
 from vrgd_ds.stats.comm import fused_all_reduce_sync
-from vrgd_ds.stats.local import Flat, LocalStats, reduce
+from vrgd_ds.stats.local import LocalStats
 
-_ENGINE = ("allreduce_bucket", "clip_fp32_gradients", "seq_data_parallel_group")
+_ENGINE = ("allreduce_bucket", "clip_fp32_gradients", "seq_data_parallel_group", "gradient_accumulation_steps",
+           "set_train_batch_size")
 _ENGINE_LATE = ("flatten",)  # set by the engine after it configured the optimizer: checked at the first use
 _FP16_UNFUSED = ("fp16_groups", "fp32_groups", "loss_scale", "unscale_and_clip_grads")
 
@@ -104,30 +105,68 @@ class Stage0:
     # -- the per-step scheme (vrgd_ds/ds/local.py) --------------------------------------------------
 
     def local_buffers(self, stats: LocalStats) -> None:
-        """One flat local buffer over all parameters, all-reduced once per step; the optimizer's
-        statistics are views of it."""
-        pairs, squares_dtype = self.pairs, stats.squares_dtype
+        """One statistics bucket over all parameters, ``[Σg | Σg²]``, all-reduced in place once per
+        step; the optimizer's statistics are views of it. Without accumulation the squares come
+        from the flat bucket DeepSpeed reduces at the boundary (``allreduce_bucket``): one launch
+        per bucket; with accumulation DeepSpeed reduces the accumulated gradient, so a tensor hook
+        per parameter records each micro-step."""
+        pairs = self.pairs
         group = self.engine.seq_data_parallel_group
         device = pairs[0][1].device if pairs else torch.device("cpu")
-
-        def reduce_flat(f: Flat) -> list[Any]:
-            if f.g is not None and squares_dtype == torch.float32:  # [Σg | Σg²]: one all-reduce, twice the bytes
-                works = reduce(stats, f.both, f.both, group, scatter=False, dtype=torch.float32)
-                stats.counters.grad_bytes_fp32 -= 4 * f.g.numel()  # it stands for one fp32 gradient
-                return works
-            works = reduce(stats, f.sq, f.sq, group, scatter=False, dtype=squares_dtype)
-            if f.g is not None:
-                works += reduce(stats, f.g, f.g, group, scatter=False, dtype=torch.float32, squares=False)
-            return works
-
-        flat = stats.add_flat(sum(p.numel() for p, _ in pairs), device, reduce_flat)
+        bucket = stats.add_bucket(sum(p.numel() for p, _ in pairs), device, lambda b: b.all_reduce_in_place(group))
         off = 0
         for p, m in pairs:
             n = p.numel()
-            stats.watch(p, flat, off, n)
-            g, _ = stats.target_bufs(m)  # the statistics of m are views of the reduced flat buffer
-            stats.alias(m, g if flat.g is None else flat.g.narrow(0, off, n), flat.sq.narrow(0, off, n))
+            stats.place(p, bucket, off, n)
+            g, sq = bucket.halves()
+            stats.alias(m, None if g is None else g.narrow(0, off, n), sq.narrow(0, off, n))
             off += n
+        self.record_micro_steps(stats)
+
+    def record_micro_steps(self, stats: LocalStats) -> None:
+        engine, pairs = self.engine, self.pairs
+        original = engine.allreduce_bucket
+        use_buckets = [False]
+
+        def allreduce_bucket(bucket, dp_group, dp_world_size=None):
+            if not use_buckets[0]:
+                return original(bucket, dp_group, dp_world_size)
+            require(engine, _ENGINE_LATE, "DeepSpeedEngine")
+            owner = {p.grad.data_ptr(): p for p, _ in pairs if p.grad is not None}
+            found = [owner.get(t.data_ptr()) for t in bucket]
+            if any(f is None for f in found):
+                raise RuntimeError("a gradient in DeepSpeed's reduction bucket belongs to no parameter of the "
+                                   "VRGD optimizer (stage 0); was a parameter left out of the optimizer?")
+            flat = engine.flatten(bucket)
+            stats.record_bucket(tuple(map(id, found)), flat, lambda: members(found))
+            # one tensor flattens to itself: DeepSpeed reduces the flat bucket just read, in place
+            return original([flat], dp_group, dp_world_size)
+
+        def members(found) -> list[tuple[int, int]]:
+            out, off = [], 0
+            for p in found:
+                out.append((stats.index(p), off))
+                off += p.numel()
+            return out
+
+        def choose() -> None:
+            use_buckets[0] = int(engine.gradient_accumulation_steps()) == 1 and not stats.hooks_only
+            for p, _ in pairs:
+                if use_buckets[0]:
+                    stats.unhook(p)
+                else:
+                    stats.hook(p)
+
+        engine.allreduce_bucket = allreduce_bucket
+        choose()
+        set_batch = engine.set_train_batch_size
+
+        def set_train_batch_size(*args, **kwargs):
+            out = set_batch(*args, **kwargs)
+            choose()
+            return out
+
+        engine.set_train_batch_size = set_train_batch_size
 
     def capture_engine_gradient(self, stats: LocalStats) -> None:
         """``gbar="engine"``: the reduced gradient, read just before DeepSpeed unscales and clips it."""

@@ -10,6 +10,9 @@ Everything this path reads or replaces in DeepSpeed 0.19.8 is here and checked a
   ``get_param_id``/``real_dp_process_group``: which piece of each parameter this rank owns;
 * ``single_partition_of_fp32_groups``: the tensors the basic optimizer updates;
   ``bit16_groups_flat``: the flat layout (padding included) the per-step local buffer copies;
+* ``average_tensor(tensor, communication_data_type)``: where an ipg bucket (``ipg_buckets[dtype]``,
+  its ``params`` of ``(group, index, id)`` in bucket order) holds one micro-step's gradients just
+  before DeepSpeed reduces it (per-step scheme);
 * ``unscale_and_clip_grads(grad_groups_flat, total_norm)``: where the reduced gradient is read
   for ``gbar="engine"``; ``loss_scale``; ``dp_process_group``.
 """
@@ -25,9 +28,9 @@ import deepspeed.comm as dist
 from vrgd_ds.ds.internals import UnsupportedConfiguration, require
 from vrgd_ds.ds.layout import Layout, ModelTensors
 from vrgd_ds.stats.comm import fused_all_reduce_sync
-from vrgd_ds.stats.local import Flat, LocalStats, reduce
+from vrgd_ds.stats.local import LocalStats
 
-_REQUIRED = ("gradient_reduction_w_predivide", "_add_full_reduction_to_compact_grad_partition", "grad_start_offset",
+_REQUIRED = ("gradient_reduction_w_predivide", "average_tensor", "grad_start_offset",
              "grad_partition_insertion_offset", "single_partition_of_fp32_groups", "bit16_groups",
              "bit16_groups_flat", "ipg_buckets", "partition_size", "real_dp_process_group", "dp_process_group",
              "loss_scale", "get_param_id", "unscale_and_clip_grads")
@@ -130,31 +133,82 @@ class Zero12:
     # -- the per-step scheme (vrgd_ds/ds/local.py) --------------------------------------------------
 
     def local_buffers(self, stats: LocalStats) -> None:
-        """A local buffer per param group laid out like DeepSpeed's flat ``bit16_groups_flat``
-        (padding included), reduce-scattered into this rank's partition once per step."""
-        zopt, targets, squares_dtype = self.zopt, self.flats, stats.squares_dtype
+        """A statistics bucket per param group laid out like DeepSpeed's flat ``bit16_groups_flat``
+        (padding included), one rank's ``[Σg | Σg²]`` after another, reduce-scattered into this
+        rank's partition once per step; each micro-step's squares from DeepSpeed's ipg buckets
+        (``record_micro_steps``)."""
+        zopt, targets = self.zopt, self.flats
         for i, flat16 in enumerate(zopt.bit16_groups_flat):
             group = zopt.real_dp_process_group[i]
-            gb, sb = stats.target_bufs(targets[i])
             k = dist.get_world_size(group=group)
             if flat16.numel() != k * targets[i].numel():
                 raise RuntimeError(f"DeepSpeed's flat group {i} holds {flat16.numel()} elements, not {k} partitions "
                                    f"of {targets[i].numel()}: a layout DeepSpeed 0.19.8 does not produce")
-
-            def reduce_flat(f: Flat, gb=gb, sb=sb, group=group) -> list[Any]:
-                works = reduce(stats, f.sq, sb, group, scatter=True, dtype=squares_dtype)
-                if f.g is not None:
-                    works += reduce(stats, f.g, gb, group, scatter=True, dtype=torch.float32, squares=False)
-                return works
-
-            flat = stats.add_flat(flat16.numel(), flat16.device, reduce_flat)
+            bucket = stats.add_bucket(flat16.numel(), flat16.device, lambda b, group=group: b.reduce_scatter(group),
+                                      ranks=k)
+            stats.alias(targets[i], *bucket.scatter_outputs())
             base, size = flat16.data_ptr(), flat16.element_size()
             for p in zopt.bit16_groups[i]:
                 off = (p.data_ptr() - base) // size
                 if not 0 <= off <= flat16.numel() - p.numel():
                     raise RuntimeError("a parameter of a ZeRO-1/2 group is not a view of DeepSpeed's flat buffer "
                                        "(bit16_groups_flat): a layout DeepSpeed 0.19.8 does not produce")
-                stats.watch(p, flat, off, p.numel())
+                stats.place(p, bucket, off, p.numel())
+        self.record_micro_steps(stats)
+
+    def bucket_holds_micro_step(self) -> bool:
+        """Whether DeepSpeed's ipg bucket holds one micro-step's local gradient when it is reduced:
+        ZeRO-2 reduces every micro-step; ZeRO-1 reduces the accumulated gradient at the boundary,
+        which is one micro-step's only without accumulation."""
+        return self.per_micro_step or int(self.engine.gradient_accumulation_steps()) == 1
+
+    def record_micro_steps(self, stats: LocalStats) -> None:
+        """Each micro-step's gradients into the statistics: one ``pack_bucket`` launch per ipg
+        bucket, queued on the current stream just before DeepSpeed's ``average_tensor`` reduces
+        the bucket in place (with ``overlap_comm`` the reduction stream waits for it); where no
+        bucket holds one micro-step (ZeRO-1 with accumulation), a tensor hook per parameter.
+        ``set_train_batch_size`` changes the accumulation: the choice is made again there."""
+        zopt, engine = self.zopt, self.engine
+        groups = zopt.bit16_groups
+        params = [p for g in groups for p in g]
+        original = zopt.average_tensor
+        use_buckets = [False]
+
+        def members(entries) -> list[tuple[int, int]]:
+            out, off = [], 0
+            for i, j, _ in entries:
+                p = groups[i][j]
+                out.append((stats.index(p), off))
+                off += p.numel()
+            return out
+
+        def average_tensor(tensor, communication_data_type):
+            if use_buckets[0]:
+                bucket = zopt.ipg_buckets[communication_data_type]
+                entries = bucket.params
+                for stream in getattr(bucket, "copy_streams", ()):  # producers on other streams (torch.compile)
+                    torch.cuda.current_stream().wait_stream(stream)
+                stats.record_bucket(tuple(entries), tensor, lambda: members(entries))
+            return original(tensor, communication_data_type)
+
+        def choose() -> None:
+            use_buckets[0] = self.bucket_holds_micro_step() and not stats.hooks_only
+            for p in params:
+                if use_buckets[0]:
+                    stats.unhook(p)
+                else:
+                    stats.hook(p)
+
+        zopt.average_tensor = average_tensor
+        choose()
+        set_batch = engine.set_train_batch_size
+
+        def set_train_batch_size(*args, **kwargs):
+            out = set_batch(*args, **kwargs)
+            choose()
+            return out
+
+        engine.set_train_batch_size = set_train_batch_size
 
     def capture_engine_gradient(self, stats: LocalStats) -> None:
         """``gbar="engine"``: each group's reduced partition gradient, read just before DeepSpeed

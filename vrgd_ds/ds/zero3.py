@@ -27,7 +27,7 @@ import deepspeed.comm as dist
 
 from vrgd_ds.ds.internals import UnsupportedConfiguration, require
 from vrgd_ds.ds.layout import Layout, ModelTensors
-from vrgd_ds.stats.local import Flat, LocalStats
+from vrgd_ds.stats.local import LocalStats, StatsBucket
 
 AVG_SCATTER = "_DeepSpeedZeroOptimizer_Stage3__avg_scatter_grads"
 _REQUIRED = (AVG_SCATTER, "fp32_partitioned_groups_flat", "fp16_groups", "grad_position", "get_param_id",
@@ -140,8 +140,8 @@ class Zero3:
     # -- the per-step scheme (vrgd_ds/ds/local.py) --------------------------------------------------
 
     def local_buffers(self, stats: LocalStats) -> None:
-        """One full-size local buffer per parameter, reduce-scattered once per step with
-        DeepSpeed's own coalesced reduce-scatter (its partitioning of each parameter)."""
+        """One full-size statistics bucket over every parameter, reduce-scattered once per step
+        with DeepSpeed's own coalesced reduce-scatter (its partitioning of each parameter)."""
         reduce_scatter_coalesced = _reduce_scatter_coalesced()
         zopt, targets, where, squares_dtype = self.zopt, self.flats, self.where, stats.squares_dtype
         params = [p for group in zopt.fp16_groups for p in group]
@@ -152,6 +152,9 @@ class Zero3:
         for n in sizes:
             offsets.append(off)
             off += n
+        for t in targets:
+            stats.alias(t, torch.zeros(t.numel(), dtype=torch.float32, device=t.device) if stats.gbar == "local"
+                        else None, torch.zeros(t.numel(), dtype=torch.float32, device=t.device))
 
         def scatter(views: list[Tensor], dtype: torch.dtype, squares: bool) -> list[Tensor]:
             # the helper pads every tensor to a multiple of k, as it does for DeepSpeed's own fp32
@@ -164,23 +167,25 @@ class Zero3:
             stats.counters.add(sent if squares else 0, sent * 4)
             return reduce_scatter_coalesced(views, group)
 
-        def reduce_flat(f: Flat) -> list[Any]:
-            parts = scatter([f.sq.narrow(0, o, n) for o, n in zip(offsets, sizes)], squares_dtype, True)
+        def reduce_bucket(b: StatsBucket) -> list[Any]:
+            g_local, sq_local = b.halves()
+            parts = scatter([sq_local.narrow(0, o, n) for o, n in zip(offsets, sizes)], squares_dtype, True)
             gparts = None
-            if f.g is not None:
-                gparts = scatter([f.g.narrow(0, o, n) for o, n in zip(offsets, sizes)], torch.float32, False)
+            if g_local is not None:
+                gparts = scatter([g_local.narrow(0, o, n) for o, n in zip(offsets, sizes)], torch.float32, False)
             for j, p in enumerate(params):
                 sub, dst, valid = where[id(p)]
                 if valid:
-                    gb, sb = stats.target_bufs(targets[sub])
+                    gb, sb = stats.moments_of(targets[sub])
                     sb.narrow(0, dst, valid).copy_(parts[j].view(-1)[:valid]).mul_(k)  # the helper averages over k
                     if gparts is not None:
                         gb.narrow(0, dst, valid).copy_(gparts[j].view(-1)[:valid]).mul_(k)
             return []
 
-        flat = stats.add_flat(off, targets[0].device if targets else torch.device("cpu"), reduce_flat)
+        bucket = stats.add_bucket(off, targets[0].device if targets else torch.device("cpu"), reduce_bucket)
         for p, o, n in zip(params, offsets, sizes):
-            stats.watch(p, flat, o, n)
+            stats.place(p, bucket, o, n)
+            stats.hook(p)
 
     def capture_engine_gradient(self, stats: LocalStats) -> None:
         """``gbar="engine"``: each sub-group's reduced partition gradient, read just before

@@ -32,7 +32,7 @@ from torch import Tensor
 
 from vrgd_ds.ds.layout import Layout
 from vrgd_ds.megatron.internals import require
-from vrgd_ds.stats.local import Flat, LocalStats, reduce
+from vrgd_ds.stats.local import LocalStats, StatsBucket
 
 _CHUNK = ("buffers", "ddp_config")
 _BUFFER = ("grad_data", "param_index_map", "buckets", "data_parallel_group", "gradient_scaling_factor")
@@ -139,24 +139,27 @@ def attach(mopt: Any, chunks: list[Any], kernels: Any) -> LocalStats:
     stats = LocalStats(dist, kernels, dp, [t for _, t in both], "engine", torch.float32, scale, lambda: 1,
                        engine_factor=lambda: step_factor[0])
     shards: dict[tuple[int, int], Tensor] = {}  # (buffer id, bucket index) -> this rank's reduced shard
-    flats: dict[int, Flat] = {}
+    buckets: dict[int, StatsBucket] = {}
     for b in buffers:
-        def reduce_buffer(flat: Flat, b=b) -> list:
+        def reduce_buffer(sb: StatsBucket, b=b) -> list:
             works = []
+            _, squares = sb.halves()
             for i, bucket in enumerate(b.buckets):
-                local = flat.sq.narrow(0, bucket.offset, bucket.grad_data.numel())
+                local = squares.narrow(0, bucket.offset, bucket.grad_data.numel())
                 out = shards.get((id(b), i), local)
-                works += reduce(stats, local, out, b.data_parallel_group, scatter=distributed, dtype=torch.float32)
+                works += stats.launch(local, out, b.data_parallel_group, scatter=distributed, dtype=torch.float32,
+                                      grad_elems=local.numel())
             return works
 
-        flat = flats[id(b)] = stats.add_flat(b.grad_data.numel(), b.grad_data.device, reduce_buffer)
+        buckets[id(b)] = stats.add_bucket(b.grad_data.numel(), b.grad_data.device, reduce_buffer)
         if distributed:
             for i, bucket in enumerate(b.buckets):
                 shards[(id(b), i)] = torch.zeros(bucket.grad_data.numel() // dp, dtype=torch.float32,
                                                  device=b.grad_data.device)
         for p, (start, end, _) in b.param_index_map.items():
             if p.requires_grad:
-                stats.watch(p, flat, start, end - start)
+                stats.place(p, buckets[id(b)], start, end - start)
+                stats.hook(p)
 
     owner = {id(p): b for b in buffers for p in b.param_index_map}
     main_grads: list[tuple[Tensor, Any, Tensor]] = []  # (target, model parameter, range in its main_grad)
@@ -166,7 +169,6 @@ def attach(mopt: Any, chunks: list[Any], kernels: Any) -> LocalStats:
             raise RuntimeError(f"vrgd_ds.megatron: a parameter of shape {tuple(p.shape)} the optimizer updates is in "
                                "no gradient buffer of the model chunks given (build the optimizer on the chunks the "
                                "Megatron DistributedDataParallel wraps)")
-        sum_g = stats.target_bufs(t)[0]
         if distributed:
             gbuf, _, bucket_index = mopt.model_param_gbuf_map[p]
             ranges = mopt._get_model_param_range_map(p)
@@ -178,9 +180,9 @@ def attach(mopt: Any, chunks: list[Any], kernels: Any) -> LocalStats:
             main_grads.append((t, p, slice(inside.start, inside.end)))
         else:
             start, end, _ = b.param_index_map[p]
-            sq = flats[id(b)].sq[start:end]
+            sq = buckets[id(b)].halves()[1][start:end]
             main_grads.append((t, p, slice(0, p.numel())))
-        stats.alias(t, sum_g, sq)
+        stats.alias(t, None, sq)
 
     def begin_step() -> None:
         """Before Megatron copies, unscales and clips the reduced gradients: launch the squares'

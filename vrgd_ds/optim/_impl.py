@@ -184,22 +184,23 @@ class Reference:
             g_out.copy_(x)
         torch.mul(w, w, out=sq_out)
 
-    def pack_bucket(self, src, table, out, c, with_g):
-        table.check(src, out, with_g)
+    def pack_bucket(self, src, table, out, c, g_scale):
+        table.check(src, out, g_scale is not None)
         flat = src.reshape(-1)
         for s, g, q, n, acc in table.rows.tolist():
-            w = flat.narrow(0, s, n).float() * c
+            x = flat.narrow(0, s, n).float()
+            w = x * c
             sq = out.narrow(0, q, n)
             if acc:
                 sq.add_(w * w)
             else:
                 torch.mul(w, w, out=sq)
-            if with_g:
+            if g_scale is not None:
                 dg = out.narrow(0, g, n)
                 if acc:
-                    dg.add_(w)
+                    dg.add_(x * g_scale)
                 else:
-                    dg.copy_(w)
+                    torch.mul(x, g_scale, out=dg)
 
     def nonfinite(self, tensors, seg):
         return torch.tensor([0.0 if bool(torch.isfinite(_piece(tensors[t], start, length)).all()) else 1.0
@@ -241,9 +242,9 @@ class Fused:
     def pack_squares(self, src, g_out, sq_out, c, accumulate=False):
         self._k.pack_squares(src.contiguous().view(-1), g_out, sq_out, c, accumulate)
 
-    def pack_bucket(self, src, table, out, c, with_g):
-        table.check(src, out, with_g)
-        self._k.pack_bucket(src.reshape(-1), table.rows, out, c, with_g)
+    def pack_bucket(self, src, table, out, c, g_scale):
+        table.check(src, out, g_scale is not None)
+        self._k.pack_bucket(src.reshape(-1), table.rows, out, c, g_scale)
 
     def accumulate_moments(self, grad, sum_g, sum_sq, fresh, inv_n=0.0, eps=0.0):
         return self._k.accumulate_moments(grad.contiguous().view(-1), sum_g.view(-1), sum_sq.view(-1), fresh,

@@ -40,10 +40,12 @@ import functools
 import inspect
 import itertools
 import logging
+import operator
 import os
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
+import numpy as np
 import torch
 import triton
 import triton.language as tl
@@ -590,20 +592,21 @@ def _pack_squares_kernel(x: tl.int64, G: "*fp32", SQ: "*fp32", numel: tl.int64, 
 
 
 @triton.jit
-def _pack_bucket_elems(X, G, Q, sidx, didx, m, c, acc, WITH_G: tl.constexpr, WIDE: tl.constexpr):
-    w = _ld(X, sidx, m, WIDE).to(tl.float32) * c
+def _pack_bucket_elems(X, G, Q, sidx, didx, m, c, gs, acc, WITH_G: tl.constexpr, WIDE: tl.constexpr):
+    x = _ld(X, sidx, m, WIDE).to(tl.float32)
+    w = x * c
     if acc:
         _st(Q, didx, _ld(Q, didx, m, WIDE) + w * w, m, WIDE)
         if WITH_G:
-            _st(G, didx, _ld(G, didx, m, WIDE) + w, m, WIDE)
+            _st(G, didx, _ld(G, didx, m, WIDE) + x * gs, m, WIDE)
     else:
         _st(Q, didx, w * w, m, WIDE)
         if WITH_G:
-            _st(G, didx, w, m, WIDE)
+            _st(G, didx, x * gs, m, WIDE)
 
 
 @_kernel
-def _pack_bucket_kernel(x: tl.int64, OUT: "*fp32", chunks: "*i64", c: tl.float32, XDT: tl.constexpr,
+def _pack_bucket_kernel(x: tl.int64, OUT: "*fp32", chunks: "*i64", c: tl.float32, gs: tl.float32, XDT: tl.constexpr,
                         WITH_G: tl.constexpr, ALIGNED: tl.constexpr, BLOCK: tl.constexpr):
     """One chunk of one segment of a bucket (``Kernels.pack_bucket``): chunk rows (source start,
     gradient start, squares start, length, accumulate, head, body blocks); the body is aligned in
@@ -625,11 +628,11 @@ def _pack_bucket_kernel(x: tl.int64, OUT: "*fp32", chunks: "*i64", c: tl.float32
     XS = X + s
     for i in range(nblk):
         off = head + i * BLOCK + tl.arange(0, BLOCK)
-        _pack_bucket_elems(XS, G, Q, off, off, None, c, acc, WITH_G, True)
+        _pack_bucket_elems(XS, G, Q, off, off, None, c, gs, acc, WITH_G, True)
     for off in range(0, n - nblk * BLOCK, BLOCK):
         rel = off + tl.arange(0, BLOCK)
         rel = rel + tl.where(rel < head, 0, nblk * BLOCK)
-        _pack_bucket_elems(XS, G, Q, rel, rel, rel < n, c, acc, WITH_G, False)
+        _pack_bucket_elems(XS, G, Q, rel, rel, rel < n, c, gs, acc, WITH_G, False)
 
 
 @triton.jit
@@ -762,26 +765,31 @@ def _to_device(host: Tensor, device: torch.device) -> Tensor:
     return host.pin_memory().to(device, non_blocking=True)
 
 
-def _addresses(tensors: Tensors) -> tuple[tuple[int, int], ...]:
-    """(address, element size) of each tensor: all a launch's tables are built from (host metadata)."""
-    return tuple((t.data_ptr(), t.element_size()) for t in tensors)
+_DATA_PTR = torch.Tensor.data_ptr
+_DTYPE_OF = operator.attrgetter("dtype")
+_FP32 = {torch.float32}
 
 
-def _phases(streams: Sequence[tuple[tuple[int, int], ...]], count: int) -> tuple[int, ...]:
-    """Per tensor index: the element offset (mod ``VEC``) at which every one of its streams is
-    aligned to ``VEC`` elements, or -1 when they disagree (that tensor gets no wide body)."""
-    out = []
-    for t in range(count):
-        want = None
-        for addrs in streams:
-            ptr, es = addrs[t]
-            q = (-(ptr // es)) % VEC if ptr % es == 0 else -1
-            if want is None:
-                want = q
-            elif q != want:
-                want = -1
-        out.append(-1 if want is None else want)
-    return tuple(out)
+def _addresses(tensors: Tensors) -> tuple[tuple[int, ...], int]:
+    """(the tensors' addresses, their element size): all a launch's tables are built from (host
+    metadata). One list holds one dtype (``_dtype``/``_fp32`` check it); ``map`` reads the
+    addresses in C, so the host cost per tensor is a pointer read, not a Python call."""
+    if not tensors:
+        return (), 0
+    return tuple(map(_DATA_PTR, tensors)), tensors[0].element_size()
+
+
+def _phases(streams: Sequence[tuple[tuple[int, ...], int]], count: int) -> bytes:
+    """Per tensor index (int8): the element offset (mod ``VEC``) at which every one of its streams
+    is aligned to ``VEC`` elements, or -1 when they disagree (that tensor gets no wide body)."""
+    want = None
+    for ptrs, es in streams:
+        a = np.asarray(ptrs, dtype=np.int64)
+        q = np.where(a % es == 0, (-(a // es)) % VEC, -1)
+        want = q if want is None else np.where(want == q, want, -1)
+    if want is None:
+        want = np.full(count, -1, dtype=np.int64)
+    return want.astype(np.int8).tobytes()
 
 
 #: an argument of each annotated parameter type, for ``Triton._compile``: the compiler reads types, not values
@@ -862,14 +870,15 @@ class Triton:
 
     def _chunk_table(self, seg: Tensor, device: torch.device, streams: Sequence[tuple]) -> _Chunks:
         """The chunk table of a host segment table ``[S, 3]``, with each chunk's aligned body for
-        the streams' addresses."""
+        the streams' addresses (cached by the table's bytes and the streams' alignment)."""
         if seg.device.type != "cpu":
             raise ValueError("the segment table must be a host (CPU) tensor: it is built from shapes")
         host = seg.numpy()  # host memory: reading it never waits for a device
-        phases = _phases([a for a in streams if a], int(host[:, 0].max()) + 1 if host.shape[0] else 0)
-        key = (device, CHUNK, host.shape, host.tobytes(), phases)
+        phases_key = _phases([a for a in streams if a[0]], int(host[:, 0].max()) + 1 if host.shape[0] else 0)
+        key = (device, CHUNK, host.shape, host.tobytes(), phases_key)
         got = self._chunks.get(key)
         if got is None:
+            phases = np.frombuffer(phases_key, dtype=np.int8).tolist()
             rows, bounds = [], [0]
             for s, (t, start, length) in enumerate(host.tolist()):
                 for off in range(0, length, CHUNK):
@@ -885,12 +894,12 @@ class Triton:
             self._chunks[key] = got
         return got
 
-    def _ptr_table(self, addrs: tuple[tuple[int, int], ...], device: torch.device) -> Tensor:
+    def _ptr_table(self, addrs: tuple[tuple[int, ...], int], device: torch.device) -> Tensor:
         """The device table of the addresses (cached by them)."""
-        key = (device, addrs)
+        key = (device, addrs[0])
         got = self._ptrs.get(key)
         if got is None:
-            got = self._copy(torch.tensor([a for a, _ in addrs] or [0], dtype=torch.long), device)
+            got = self._copy(torch.tensor(addrs[0] or [0], dtype=torch.long), device)
             if len(self._ptrs) > 256:
                 self._ptrs.clear()
             self._ptrs[key] = got
@@ -913,7 +922,7 @@ class Triton:
     @staticmethod
     def _dtype(tensors: Tensors) -> tl.dtype:
         dt = tensors[0].dtype
-        if any(t.dtype != dt for t in tensors) or dt not in _DTYPES:
+        if len(set(map(_DTYPE_OF, tensors))) != 1 or dt not in _DTYPES:
             raise TypeError(f"Triton VRGD kernels take fp32/bf16/fp16 tensors of one dtype per call, got "
                             f"{sorted({str(t.dtype) for t in tensors})}")
         return _DTYPES[dt]
@@ -921,7 +930,7 @@ class Triton:
     @staticmethod
     def _fp32(*lists: Tensors) -> None:
         for tensors in lists:
-            if any(t.dtype != torch.float32 for t in tensors):
+            if tensors and set(map(_DTYPE_OF, tensors)) != _FP32:
                 raise TypeError("Triton VRGD kernels keep optimizer state and statistics in fp32")
 
     @staticmethod
@@ -1020,14 +1029,15 @@ class Triton:
                          XDT=self._dtype([x]), WITH_G=g_out is not None, ACCUMULATE=bool(accumulate),
                          ALIGNED=_aligned(x, g, sq_out), BLOCK=BLOCK)
 
-    def pack_bucket(self, src, table, out, c, with_g):
-        table.check(src, out, with_g)
+    def pack_bucket(self, src, table, out, c, g_scale):
+        table.check(src, out, g_scale is not None)
         x = src.reshape(-1)
         ch = self._bucket_chunks(table, x.device)
         if ch.count:
             self._fp32([out])
-            self._launch("pack_bucket", (ch.count,), x.data_ptr(), out, ch.table, float(c), XDT=self._dtype([x]),
-                         WITH_G=bool(with_g), ALIGNED=_aligned(x, out), BLOCK=BLOCK)
+            self._launch("pack_bucket", (ch.count,), x.data_ptr(), out, ch.table, float(c),
+                         float(0.0 if g_scale is None else g_scale), XDT=self._dtype([x]), WITH_G=g_scale is not None,
+                         ALIGNED=_aligned(x, out), BLOCK=BLOCK)
 
     def _bucket_chunks(self, table: BucketTable, device: torch.device) -> _Chunks:
         """The chunk table of a bucket table (cached in it): segments cut into ``CHUNK`` elements,

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import operator
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Protocol
 
@@ -131,6 +132,7 @@ class Plan:
     moments: Tensor | None = None  # float64 [S, 6] from pass 1
     grad_norms: Tensor | None = None  # float64 [S, 3] (groups without GSNR)
     scales: G.SegmentScales | None = None
+    shape: PlanShape | None = None
 
     @property
     def gsnr(self) -> bool:
@@ -168,6 +170,29 @@ class Plan:
     def skip_args(self) -> dict[str, Any]:
         """``found_inf`` for the sync-free kernels (which skip on the device), else nothing."""
         return {} if self.found is None else {"found_inf": self.found}
+
+
+@dataclass
+class PlanShape:
+    """What a plan derives from its tensors' shapes and the layout alone, built once and reused
+    while the group holds the same tensors with gradients (``GSNROptimizer._plan``): the segment
+    table, its device columns and the metrics' per-tensor names. ``ready`` is the optimizer's
+    state epoch at which every state tensor of the plan was last found complete."""
+
+    seg: Tensor
+    numel: Tensor
+    keys: Tensor
+    tensor_of: Tensor
+    length: Tensor  # float64 [S] on tdev: each segment's length
+    shapes: dict[int, tuple[int, ...]]
+    rows: list[list[int]]
+    names: list[str]
+    ready: int = -1
+
+
+_IS_SPARSE = operator.attrgetter("is_sparse")
+_IS_CONTIGUOUS = torch.Tensor.is_contiguous
+_NUMEL = torch.Tensor.numel
 
 
 def gsnr_switch(saved: bool, built: bool) -> str:
@@ -223,6 +248,10 @@ class GSNROptimizer(torch.optim.Optimizer):
         self._skipped_device: Tensor | None = None  # steps the sync-free kernels skipped (read lazily)
         self.step_calls = 0
         self._counted: list[tuple[list[Tensor], Any]] = []  # step counters the current step added to
+        #: bumped whenever the state or the groups may have been replaced (load_state_dict, new groups):
+        #: a plan shape's ``ready`` mark is valid for one epoch
+        self._epoch = 0
+        self._shapes: dict[tuple, PlanShape] = {}
         super().__init__(params, defaults)
         for group in self.param_groups:
             self._check_group(group)
@@ -237,6 +266,8 @@ class GSNROptimizer(torch.optim.Optimizer):
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         super().__setstate__(state)
+        self._epoch = getattr(self, "_epoch", 0) + 1
+        self._shapes = {}
         missing: dict[str, Any] = {}
         for group in self.param_groups:  # groups saved before a key existed get its default
             for k in getattr(self, "_own_keys", self.defaults):
@@ -261,6 +292,7 @@ class GSNROptimizer(torch.optim.Optimizer):
         does), and the step adds 1 to each counter."""
         built = [{k: g[k] for k in self.wiring_keys if k in g} for g in self.param_groups]
         super().load_state_dict(state_dict)
+        self._epoch += 1
         seen: set[int] = set()
         for st in self.state.values():
             step = st.get("step")
@@ -290,6 +322,7 @@ class GSNROptimizer(torch.optim.Optimizer):
         group = self.param_groups[-1]
         if getattr(self, "_metrics", None) is None:  # called from torch's __init__
             return
+        self._epoch += 1
         self._check_group(group)
         if group["gsnr"]:
             if self._hook_stats is None and self._stats is None:
@@ -405,35 +438,58 @@ class GSNROptimizer(torch.optim.Optimizer):
                 self._stats.reset()
         return loss
 
-    def _plan(self, index: int, group: dict[str, Any], key_base: int, tdev: torch.device) -> Plan:
-        params, grads, states = [], [], []
-        for p in group["params"]:
-            if p.grad is None:
-                continue
-            if p.grad.is_sparse:
-                raise RuntimeError(f"{type(self).__name__} does not support sparse gradients; "
-                                   "use a dense layer (e.g. nn.Embedding(sparse=False))")
-            if not p.is_contiguous() or not p.grad.is_contiguous():
+    def _gather(self, group: dict[str, Any]) -> tuple[list[Tensor], list[Tensor]]:
+        """The group's parameters with a gradient, and their gradients (``map`` does the per-tensor
+        checks in C: the host cost of a steady step hardly grows with the number of tensors)."""
+        params = [p for p in group["params"] if p.grad is not None]
+        grads = [p.grad for p in params]
+        if grads and (any(map(_IS_SPARSE, grads)) or not all(map(_IS_CONTIGUOUS, grads))):
+            for p, gr in zip(params, grads):
+                if gr.is_sparse:
+                    raise RuntimeError(f"{type(self).__name__} does not support sparse gradients; "
+                                       "use a dense layer (e.g. nn.Embedding(sparse=False))")
+                if not gr.is_contiguous():
+                    raise RuntimeError(f"{type(self).__name__} needs contiguous parameters and gradients "
+                                       f"(the gradient of a parameter of shape {tuple(p.shape)} is not)")
+        return params, grads
+
+    def _plan(self, index: int, group: dict[str, Any], params: list[Tensor], grads: list[Tensor], key_base: int,
+              tdev: torch.device) -> Plan:
+        key = (index, key_base, tdev, id(self._layout), tuple(map(id, params)), tuple(map(_NUMEL, params)))
+        shape = self._shapes.get(key)
+        if shape is None:
+            shape = self._plan_shape(index, group, params, key_base, tdev)
+            if len(self._shapes) > 64:
+                self._shapes.clear()
+            self._shapes[key] = shape
+        states = [self.state[p] for p in params]
+        plan = Plan(index, group, params, grads, states, shape.seg, shape.numel, shape.keys, tdev, key_base)
+        plan.tensor_of, plan.shapes, plan.rows, plan.shape = shape.tensor_of, shape.shapes, shape.rows, shape
+        return plan
+
+    def _plan_shape(self, index: int, group: dict[str, Any], params: list[Tensor], key_base: int,
+                    tdev: torch.device) -> PlanShape:
+        """The segment table of a group's tensors (built when they change, not every step)."""
+        for p in params:
+            if not p.is_contiguous():
                 raise RuntimeError(f"{type(self).__name__} needs contiguous parameters and gradients "
                                    f"(a parameter of shape {tuple(p.shape)} is not)")
-            params.append(p)
-            grads.append(p.grad)
-            states.append(self.state[p])
         if self._layout is None:  # every tensor is a whole model tensor
             rows = [[i, 0, p.numel(), key_base + i, p.numel(), 0] for i, p in enumerate(params)]
             shapes = {key_base + i: tuple(p.shape) for i, p in enumerate(params)}
+            given = group.get("param_names")
+            name_of = {id(q): nm for q, nm in zip(group["params"], given)} if given else {}
+            names = [name_of.get(id(p), f"group{index}.param{j}") for j, p in enumerate(params)]
         else:
             rows = [[i, start, length, key, 0, offset] for i, p in enumerate(params)
                     for (start, length, key), offset in zip(self._layout.segments(p), self._layout.offsets(p))]
             shapes = {row[3]: self._layout.shapes[row[3]] for row in rows}
+            names = []
         t = torch.tensor(rows, dtype=torch.long).reshape(-1, 6)
         seg, keys = t[:, :3].contiguous(), t[:, 3].contiguous()
         numel = t[:, 4].double() if self._layout is None else self._layout.numel.index_select(0, keys)
-        plan = Plan(index, group, params, grads, states, seg, to_device(numel, tdev), to_device(keys, tdev), tdev,
-                    key_base)
-        plan.tensor_of = to_device(seg[:, 0].contiguous(), tdev)
-        plan.shapes, plan.rows = shapes, rows
-        return plan
+        return PlanShape(seg, to_device(numel, tdev), to_device(keys, tdev), to_device(seg[:, 0].contiguous(), tdev),
+                         to_device(seg[:, 2].double(), tdev), shapes, rows, names)
 
     def _undo_step_counts(self) -> None:
         """What ``_step`` counted before its kernels failed (the step is run again)."""
@@ -451,16 +507,16 @@ class GSNROptimizer(torch.optim.Optimizer):
         if isinstance(kernels, _impl.WithFallback):
             kernels.new_step()
         sync_free = kernels.sync_free
-        groups = [g for g in self.param_groups if any(p.grad is not None for p in g["params"])]
-        if not groups and self._layout is None:
+        gathered = [self._gather(g) for g in self.param_groups]
+        if not any(ps for ps, _ in gathered) and self._layout is None:
             return
-        device = next((p.device for g in groups for p in g["params"] if p.grad is not None), None)
+        device = next((ps[0].device for ps, _ in gathered if ps), None)
         if device is None:  # this rank holds no piece of any group (Megatron's distributed optimizer)
             device = self._layout.device
         tdev = device if sync_free else torch.device("cpu")
         plans, key_base = [], 0
-        for i, g in enumerate(self.param_groups):
-            plan = self._plan(i, g, key_base, tdev)
+        for i, (g, (ps, gs)) in enumerate(zip(self.param_groups, gathered)):
+            plan = self._plan(i, g, ps, gs, key_base, tdev)
             key_base += len(plan.params)
             # Under a layout every rank takes part in every group's collectives, also in a group
             # of which it holds no piece (Megatron's distributed optimizer can leave it none).
@@ -539,6 +595,7 @@ class GSNROptimizer(torch.optim.Optimizer):
     def allocate_state(self) -> None:
         """Creates every state key a step would create, as a fresh start has it (step 0, zeros):
         what a sharded checkpoint loads into (Megatron's ``init_state_fn``). Keys present stay."""
+        self._epoch += 1
         for group in self.param_groups:
             keys = self.element_state_keys(group)
             for p in group["params"]:
@@ -556,6 +613,31 @@ class GSNROptimizer(torch.optim.Optimizer):
         parameters' device for the sync-free kernels, where a skipped step (``plan.found``)
         does not count."""
         beta3 = plan.group["beta3"] if plan.gsnr else 0.0
+        counters = None
+        if plan.shape is not None and plan.shape.ready == self._epoch:
+            try:  # the same state as at the last complete check (nothing replaced it since: same epoch)
+                counters = [st["step"] for st in plan.states]
+                if beta3 > 0:
+                    plan.avg = [st["gsnr_avg"] for st in plan.states]
+            except KeyError:
+                counters, plan.avg = None, []
+        if counters is None:
+            counters = self._complete_state(plan, beta3)
+            if plan.shape is not None:
+                plan.shape.ready = self._epoch
+        if not counters:  # no piece of this group here (a layout's collectives only)
+            plan.step_t = torch.ones(0, dtype=torch.float64, device=plan.tdev)
+            return
+        # a device scalar per counter (a list): the 0-d-tensor overload reads the scalar on the host
+        added = 1.0 if plan.found is None else [(1.0 - plan.found).float()] * len(counters)
+        torch._foreach_add_(counters, added)
+        self._counted.append((counters, added))
+        # A skipped step's bias corrections must stay finite (its kernels store nothing).
+        steps = torch.stack(counters).double().clamp_min(1.0)
+        plan.step_t = steps.index_select(0, plan.tensor_of)
+
+    def _complete_state(self, plan: Plan, beta3: float) -> list[Tensor]:
+        """Every state tensor of the plan, created where missing; returns the step counters."""
         counters = []
         for p, st in zip(plan.params, plan.states):
             if "step" not in st:
@@ -574,16 +656,7 @@ class GSNROptimizer(torch.optim.Optimizer):
             counters.append(st["step"])
             if beta3 > 0:
                 plan.avg.append(st["gsnr_avg"])
-        if not counters:  # no piece of this group here (a layout's collectives only)
-            plan.step_t = torch.ones(0, dtype=torch.float64, device=plan.tdev)
-            return
-        # a device scalar per counter (a list): the 0-d-tensor overload reads the scalar on the host
-        added = 1.0 if plan.found is None else [(1.0 - plan.found).float()] * len(counters)
-        torch._foreach_add_(counters, added)
-        self._counted.append((counters, added))
-        # A skipped step's bias corrections must stay finite (its kernels store nothing).
-        steps = torch.stack(counters).double().clamp_min(1.0)
-        plan.step_t = steps.index_select(0, plan.tensor_of)
+        return counters
 
     def _needs_grad_norms(self, group: dict[str, Any]) -> bool:
         """Whether a group without GSNR uses ‖θ‖² and ‖g‖² per tensor (``plan.grad_norms``):
@@ -648,7 +721,7 @@ class GSNROptimizer(torch.optim.Optimizer):
             top[:, M_["present"]] = 1.0
             top[:, M_["gsnr"]] = float(plan.gsnr)
             if plan.gsnr:
-                length = to_device(plan.seg[:, 2].double(), tdev)
+                length = plan.shape.length if plan.shape is not None else to_device(plan.seg[:, 2].double(), tdev)
                 cols[:, S_["sum_r"]] = plan.moments[:, 0]
                 cols[:, S_["sum_s"]] = plan.moments[:, 3]
                 cols[:, S_["sum_gbar_sq"]] = plan.moments[:, 4]
@@ -672,10 +745,7 @@ class GSNROptimizer(torch.optim.Optimizer):
         else:
             names = [""] * num_keys
             for plan in plans:
-                given = plan.group.get("param_names")
-                name_of = {id(q): nm for q, nm in zip(plan.group["params"], given)} if given else {}
-                for j, p in enumerate(plan.params):
-                    names[plan.key_base + j] = name_of.get(id(p), f"group{plan.index}.param{j}")
+                names[plan.key_base:plan.key_base + len(plan.params)] = plan.shape.names
         return M.StepRecord(sums, maxs, names, n, found)
 
     def gsnr_metrics(self, per_tensor: bool = False, samples_per_group: int | None = None) -> dict[str, float]:

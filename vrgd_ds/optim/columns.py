@@ -56,7 +56,7 @@ class BucketTable:
     def segments(self) -> int:
         return self.rows.shape[0]
 
-    def check(self, src: Tensor, out: Tensor, with_g: bool) -> None:
+    def check(self, src: Tensor, out: Tensor, with_g: bool) -> None:  # with_g: a gradient is written too
         """``Kernels.pack_bucket``'s arguments, from shapes alone (no device read): a contiguous
         source the table stays inside, a contiguous fp32 buffer that holds every destination."""
         if not src.is_contiguous() or out.dtype != torch.float32 or not out.is_contiguous():
@@ -153,11 +153,12 @@ class Kernels(Protocol):
         ``sq_out = (c · float(src))²`` (fp32 squares after removing the loss scale); with
         ``accumulate`` both are added instead of written."""
 
-    def pack_bucket(self, src: Tensor, table: BucketTable, out: Tensor, c: float, with_g: bool) -> None:
+    def pack_bucket(self, src: Tensor, table: BucketTable, out: Tensor, c: float, g_scale: float | None) -> None:
         """One pass over a flat local gradient for the statistics, every segment of ``table`` in
-        one launch: ``w = c · float(src[i])`` (the loss scale removed, in fp32); its square goes
-        to the segment's squares in ``out`` and, ``with_g``, ``w`` itself to its gradient there; a
-        segment with its accumulate flag set adds to what is there instead of writing."""
+        one launch: ``w = c · float(src[i])`` (the loss scale removed, in fp32); ``w²`` goes to the
+        segment's squares in ``out`` and, unless ``g_scale`` is None, ``g_scale · float(src[i])``
+        to its gradient there (``g_scale = c``: ``w`` itself); a segment with its accumulate flag
+        set adds to what is there instead of writing."""
 
     def accumulate_moments(self, grad: Tensor, sum_g: Tensor, sum_sq: Tensor, fresh: bool, inv_n: float = 0.0,
                            eps: float = 0.0) -> Tensor | None:

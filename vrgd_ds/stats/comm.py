@@ -97,21 +97,36 @@ def fused_all_reduce_sync(comm: Any, flat: Tensor, c: float, group: Any, counter
     return g, sq if sq.dtype == torch.float32 else sq.float()
 
 
+def reduce_scatter(comm: Any, out: Tensor, inp: Tensor, group: Any, async_op: bool = True) -> Any:
+    """``out`` = this rank's part of the sum of ``inp`` over ``group``. torch 2.13 names it
+    ``reduce_scatter_single`` and deprecates ``reduce_scatter_tensor`` (a FutureWarning per call
+    site, which deepspeed.comm 0.19.8 still calls): the current name wherever torch has it."""
+    fn = getattr(comm, "reduce_scatter_single", None) or getattr(torch.distributed, "reduce_scatter_single", None)
+    if fn is None:
+        fn = comm.reduce_scatter_tensor
+    return fn(out, inp, group=group, async_op=async_op)
+
+
+def all_reduce(comm: Any, t: Tensor, group: Any, async_op: bool = True) -> Any:
+    return comm.all_reduce(t, group=group, async_op=async_op)
+
+
 def launch(comm: Any, counters: CommCounters, local: Tensor, out: Tensor, group: Any, scatter: bool,
-           dtype: torch.dtype, squares: bool = True) -> list[Any]:
+           dtype: torch.dtype, grad_elems: int) -> list[Any]:
     """Launches the sum of ``local`` over the group into ``out``: this rank's part of it when
     ``scatter`` (a reduce-scatter), else all of it (an all-reduce; ``out`` may be ``local``),
     travelling in ``dtype``. Returns what the caller waits on or runs, in order. The counters
-    measure bytes against the fp32 gradient, whose size the squares' call stands for."""
+    measure bytes against the fp32 gradient, ``grad_elems`` elements of which the call stands for."""
     wire = local if dtype == local.dtype else local.to(dtype)
     if scatter:
         dest = out if wire.dtype == out.dtype else torch.empty(out.numel(), dtype=wire.dtype, device=out.device)
-        work = comm.reduce_scatter_tensor(dest, wire, group=group, async_op=True)
+        work = reduce_scatter(comm, dest, wire, group)
     else:
         dest = wire
-        work = comm.all_reduce(wire, group=group, async_op=True)
-    counters.add(wire.numel() if squares else 0, wire.numel() * wire.element_size())
+        work = all_reduce(comm, wire, group)
+    counters.add(grad_elems, wire.numel() * wire.element_size())
     return [work] if dest is out else [work, lambda: out.copy_(dest)]
 
 
-__all__ = ["CommCounters", "Scratch", "SCRATCH", "fused_all_reduce", "fused_all_reduce_sync", "launch"]
+__all__ = ["CommCounters", "Scratch", "SCRATCH", "all_reduce", "fused_all_reduce", "fused_all_reduce_sync", "launch",
+           "reduce_scatter"]

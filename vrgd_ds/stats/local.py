@@ -1,29 +1,33 @@
-"""Gradient statistics with the engine's own gradient reduction untouched (DeepSpeed, torch
-DDP): each rank sums its micro-steps' squares locally, and one collective per optimizer step
-brings the sums into the partition this rank's optimizer owns (docs/design.md §3; DeepSpeed:
-``"vrgd": {"squares": "per_step"}``, each engine path's set-up in ``vrgd_ds/ds/stage0.py``,
-``zero12.py`` and ``zero3.py``; DDP: ``vrgd_ds.ddp.attach``). The collectives go through the
-``comm`` module given (``deepspeed.comm`` or ``torch.distributed``) and
-``vrgd_ds/stats/comm.py``.
+"""Gradient statistics with the engine's own gradient reduction untouched (DeepSpeed, torch DDP,
+megatron-core): each rank sums its micro-steps' gradients and squares locally, and one
+collective per statistics bucket per optimizer step brings the sums into the partition this
+rank's optimizer owns (docs/design.md §3; DeepSpeed: ``"vrgd": {"squares": "per_step"}``, each
+engine path's set-up in ``vrgd_ds/ds/stage0.py``, ``zero12.py`` and ``zero3.py``; DDP:
+``vrgd_ds.ddp.attach``; Megatron: ``vrgd_ds/megatron/stats.py``).
 
 Why it is exact: Σ over ranks and micro-steps of g² equals the sum over ranks of each rank's
-local Σ over its micro-steps (associativity), so ``n = ranks × micro-steps`` on every ZeRO stage.
+local Σ over its micro-steps (associativity), so ``n = ranks × micro-steps`` on every path.
 
-* **Squares, locally.** A tensor hook on every model parameter sees each micro-step's local
-  gradient ``x = S·g/GAS`` before DeepSpeed accumulates or reduces it; one pass
-  (``Kernels.pack_squares``) adds ``(c·x)²`` with ``c = GAS/S`` (the loss scale removed before
-  squaring, in fp32) into a full-size fp32 buffer laid out like the rank's flat gradient
-  buffers: 4 bytes per parameter per rank. The first micro-step after a step writes.
-* **One collective per optimizer step**, when the engine's step begins: a reduce-scatter of
-  each flat buffer into this rank's partition (ZeRO-1/2: DeepSpeed's ``bit16_groups_flat``
-  layout, padding included; ZeRO-3: a coalesced reduce-scatter of per-parameter buffers, as
-  DeepSpeed partitions them), an all-reduce on stage 0. It runs asynchronously; the optimizer
-  waits for it when it asks for the moments.
-* **The mean gradient ḡ** (``gbar``): ``"engine"`` takes the gradient DeepSpeed reduced and hands
-  the optimizer, read *before* DeepSpeed unscales and clips it (so it carries the same scale
-  as the squares): no extra bytes, but in bf16/fp16 training it went through DeepSpeed's
-  low-precision reduction and accumulation; ``"local"`` sums ``c·x`` in fp32 beside the squares
-  and reduces both in the same collective (twice the bytes).
+* **Where a micro-step's gradient is read.** Where the engine holds one micro-step's local
+  gradient in a flat bucket (DeepSpeed ZeRO-2's ipg buckets, ZeRO-1 and stage 0 without
+  accumulation, DDP's comm-hook buckets, ZeRO-3's ipg buckets), the engine path calls
+  ``record_bucket`` there: **one** ``Kernels.pack_bucket`` launch per bucket per micro-step, its
+  segment table (bucket offsets -> statistics offsets) built once per bucket layout and cached
+  by the bucket's parameters. Where no bucket holds one micro-step (ZeRO-1 and stage 0 with
+  accumulation, DDP under ``no_sync()``), a tensor hook per parameter records each backward's
+  gradient with the same kernel and table machinery (``hook``): the two paths write the same
+  numbers, bit for bit.
+* **Scaling, once.** A local micro-batch gradient is ``x = S·g/A`` under DeepSpeed (the engine
+  divides the loss by the accumulation A, the loss scaler multiplies by S): the kernel takes
+  ``w = c·x`` with ``c = A/S`` in fp32 and adds ``w²`` and, with ``gbar="local"``, ``w`` itself.
+  The collective sums; nothing else rescales (DDP and Megatron pass their own ``c``).
+* **Statistics buckets** (``StatsBucket``, after Megatron's ``_ParamAndGradBucket``): one flat
+  fp32 local buffer per reduction with its layout, its collective started and finished in
+  pairs (``start``/``finish``), and its counters. A ZeRO-1/2 param group's buffer is laid out
+  per rank as ``[Σg_r | Σg²_r]``, so **one** reduce-scatter hands each rank both halves of its
+  partition (bf16 squares travel in their own collective: one call cannot mix dtypes). All
+  buckets of a source are views of one allocation, so one launch covers an engine bucket that
+  spans param groups.
 
 Extra traffic per optimizer step, whatever the accumulation: the fp32 gradient's bytes
 (``gbar="engine"``), half of them with bf16 squares, twice with ``gbar="local"``.
@@ -33,20 +37,16 @@ from __future__ import annotations
 import logging
 import weakref
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any, Callable, Hashable, Iterable
 
+import numpy as np
 import torch
 from torch import Tensor
 
+from vrgd_ds.optim.columns import BucketTable
 from vrgd_ds.stats.comm import CommCounters, launch
 
 logger = logging.getLogger(__name__)
-
-
-def moment_buffers(targets: list[Tensor]) -> dict[int, tuple[Tensor, Tensor]]:
-    """The ``(Σg, Σg²)`` fp32 buffers of each flat tensor the basic optimizer updates, by id."""
-    return {id(t): (torch.zeros(t.numel(), dtype=torch.float32, device=t.device),
-                    torch.zeros(t.numel(), dtype=torch.float32, device=t.device)) for t in targets}
 
 
 def moment_views(bufs: dict[int, tuple[Tensor, Tensor]], params) -> tuple[list[Tensor], list[Tensor]]:
@@ -57,37 +57,180 @@ def moment_views(bufs: dict[int, tuple[Tensor, Tensor]], params) -> tuple[list[T
         pair = bufs.get(id(p))
         if pair is None:
             raise RuntimeError(f"no VRGD statistics for a flat tensor of shape {tuple(p.shape)}: it was not "
-                               "in the optimizer when DeepSpeed built its partitions")
+                               "in the optimizer when the engine built its partitions")
         sum_g.append(pair[0].view(p.shape))
         sum_sq.append(pair[1].view(p.shape))
     return sum_g, sum_sq
 
 
-@dataclass
-class Flat:
-    """One flat local buffer and where its reduction goes."""
+def moment_buffers(targets: list[Tensor]) -> dict[int, tuple[Tensor, Tensor]]:
+    """The ``(Σg, Σg²)`` fp32 buffers of each flat tensor the basic optimizer updates, by id."""
+    return {id(t): (torch.zeros(t.numel(), dtype=torch.float32, device=t.device),
+                    torch.zeros(t.numel(), dtype=torch.float32, device=t.device)) for t in targets}
 
-    sq: Tensor  # fp32, the local Σ (c·x)², full size
-    g: Tensor | None  # fp32, the local Σ x (gbar="local")
-    reduce: Callable[["Flat"], list[Any]]  # launches the collective(s), returns their work handles
-    pieces: list[tuple[int, int, int]] = field(default_factory=list)  # (param id, start, length) in sq
-    both: Tensor | None = None  # [g | sq] as one tensor (g present) or sq
+
+@dataclass
+class StatCounters:
+    """What a statistics source did on the backward path, to check its cost on any machine:
+    ``pack_bucket`` launches, tensor hooks installed, segment tables built (host table work)."""
+
+    launches: int = 0
+    hooks: int = 0
+    tables_built: int = 0
+
+
+class StatsBucket:
+    """One flat fp32 buffer of local statistics and its collective (one per optimizer step).
+
+    Element ``e`` of the flat layout it mirrors (``numel = ranks · part``; rank ``r`` owns
+    ``[r·part, (r+1)·part)``) keeps its local ``Σ w`` and ``Σ w²`` at
+
+    * ``[Σg_r | Σg²_r]`` blocks (fp32 squares with ``Σg``): ``Σg`` at ``r·2·part + j``, ``Σg²``
+      ``part`` further: a reduce-scatter of the whole buffer gives each rank both halves;
+    * ``[Σg | Σg²]`` halves (bf16 squares with ``Σg``): ``Σg`` at ``e``, ``Σg²`` at
+      ``numel + e``: each half has its own collective and dtype;
+    * squares only (``gbar="engine"``): ``Σg²`` at ``e``;
+
+    with ``j = e - r·part``. ``reduce`` launches the collective(s) and returns what ``finish``
+    waits on or runs, in order.
+    """
+
+    def __init__(self, owner: "LocalStats", base: int, numel: int, ranks: int, device: torch.device,
+                 reduce: Callable[["StatsBucket"], list[Any]] | None) -> None:
+        if numel % ranks:
+            raise ValueError(f"a statistics bucket of {numel} elements cannot be split over {ranks} ranks")
+        self._owner = owner
+        self.base, self.numel, self.ranks, self.part = base, numel, ranks, numel // ranks
+        self.device = device
+        self.with_g = owner.gbar == "local"
+        self.fused = self.with_g and owner.squares_dtype == torch.float32
+        self.width = (2 if self.fused else 1) * self.part  # one rank's block
+        self.size = (2 if self.with_g else 1) * numel
+        self.reduce = reduce
+        self.members: list[int] = []  # parameter indices placed here
+        self._works: list[Any] = []
+        self._out: tuple[Tensor | None, Tensor | None, Tensor] | None = None
+
+    # -- layout -----------------------------------------------------------------------------------
+
+    @property
+    def local(self) -> Tensor:
+        """The bucket's local buffer (a view of its source's one allocation)."""
+        return self._owner.arena.narrow(0, self.base, self.size)
+
+    def dests(self, offset: int, length: int) -> list[tuple[int, int, int, int]]:
+        """``(start in the piece, Σg start, Σg² start, length)`` in the source's allocation of the
+        flat elements ``[offset, offset + length)``, cut where a rank's part ends."""
+        out, e, end = [], offset, offset + length
+        while e < end:
+            r, j = divmod(e, self.part)
+            n = min(end, (r + 1) * self.part) - e
+            if self.fused:
+                g = self.base + r * self.width + j
+                q = g + self.part
+            elif self.with_g:
+                g = self.base + e
+                q = g + self.numel
+            else:
+                g = q = self.base + e
+            out.append((e - offset, g, q, n))
+            e += n
+        return out
+
+    def halves(self, rank: int | None = None) -> tuple[Tensor | None, Tensor]:
+        """``(Σg, Σg²)`` local views of rank ``rank``'s part (all of it when ``None``, one rank)."""
+        if rank is None:
+            if self.ranks != 1:
+                raise ValueError("halves(): name the rank of a bucket split over ranks")
+            rank = 0
+        local, P = self.local, self.part
+        if self.fused:
+            g = local.narrow(0, rank * self.width, P)
+            return g, local.narrow(0, rank * self.width + P, P)
+        if self.with_g:
+            return local.narrow(0, rank * P, P), local.narrow(0, self.numel + rank * P, P)
+        return None, local.narrow(0, rank * P, P)
+
+    # -- the collective ---------------------------------------------------------------------------
+
+    def start(self) -> None:
+        if self.reduce is not None:
+            self._works = self.reduce(self)
+
+    def finish(self) -> None:
+        for w in self._works:
+            if callable(w):
+                w()  # a completion step (e.g. bf16 squares back to fp32)
+            elif w is not None:
+                w.wait()
+        self._works = []
+
+    def all_reduce_in_place(self, group: Any) -> list[Any]:
+        """Stage 0, DDP: the sums over ``group`` land in the local buffer itself (one rank's
+        layout): one collective for fp32 squares, two with bf16 squares beside the fp32 ``Σg``."""
+        owner, local = self._owner, self.local
+        if self.with_g and owner.squares_dtype == torch.float32:
+            works = owner.launch(local, local, group, scatter=False, dtype=torch.float32, grad_elems=self.numel)
+            return works
+        g, sq = self.halves()
+        works = owner.launch(sq, sq, group, scatter=False, dtype=owner.squares_dtype, grad_elems=self.numel)
+        if g is not None:
+            works += owner.launch(g, g, group, scatter=False, dtype=torch.float32, grad_elems=0)
+        return works
+
+    def scatter_outputs(self) -> tuple[Tensor | None, Tensor]:
+        """``(Σg, Σg²)`` of this rank's part, which ``reduce_scatter`` fills (allocated here once;
+        for fused buckets two halves of one tensor, so one collective fills both)."""
+        if self._out is None:
+            P = self.part
+            if self.fused:
+                both = torch.zeros(2 * P, dtype=torch.float32, device=self.device)
+                self._out = (both, both[:P], both[P:])
+            else:
+                g = torch.zeros(P, dtype=torch.float32, device=self.device) if self.with_g else None
+                self._out = (None, g, torch.zeros(P, dtype=torch.float32, device=self.device))
+        return self._out[1], self._out[2]
+
+    def reduce_scatter(self, group: Any) -> list[Any]:
+        """ZeRO-1/2: this rank's part of the sums over ``group`` into ``scatter_outputs()``: one
+        collective, two with bf16 squares beside the fp32 ``Σg``."""
+        owner, local = self._owner, self.local
+        self.scatter_outputs()
+        both, out_g, out_sq = self._out
+        if self.fused:
+            return owner.launch(local, both, group, scatter=True, dtype=torch.float32, grad_elems=self.numel)
+        if self.with_g:
+            g, sq = local.narrow(0, 0, self.numel), local.narrow(0, self.numel, self.numel)
+            works = owner.launch(sq, out_sq, group, scatter=True, dtype=owner.squares_dtype, grad_elems=self.numel)
+            return works + owner.launch(g, out_g, group, scatter=True, dtype=torch.float32, grad_elems=0)
+        return owner.launch(local, out_sq, group, scatter=True, dtype=owner.squares_dtype, grad_elems=self.numel)
+
+
+@dataclass
+class _Plan:
+    """A cached bucket layout: every segment's rows and parameter, the parameters it covers,
+    and its tables by accumulate flags (at most two in steady training: first micro-step, later)."""
+
+    rows: np.ndarray  # int64 [S, 4]: source start, Σg start, Σg² start, length
+    seg_param: np.ndarray  # int64 [S]: the parameter index of each segment
+    params: np.ndarray  # int64 [P]: the parameters (unique)
+    tables: dict[bytes, BucketTable] = field(default_factory=dict)
 
 
 class LocalStats:
-    """``Σg`` and ``Σg²`` per flat tensor the basic optimizer updates, from per-rank local sums
-    reduced once per step (a ``StatisticsSource``).
+    """``Σg`` and ``Σg²`` per flat tensor the optimizer updates, from per-rank local sums reduced
+    once per step (a ``StatisticsSource``).
 
-    ``targets``: the optimizer's flat tensors; ``sum_sq``/``sum_g`` buffers shaped like them
-    receive the reductions. The path-specific parts (the local layout, the collective, where
-    the engine's gradient is read) are set up by each engine path: ``vrgd_ds/ds/stage0.py``,
-    ``zero12.py``, ``zero3.py`` and ``vrgd_ds/ddp.py``.
+    ``targets``: the optimizer's tensors; the engine path aliases their statistics to views of
+    the reduced buckets (``alias``), or ``gbar="engine"`` captures ``Σg`` from the engine's
+    reduced gradient (``capture``). The path-specific parts (the buckets, where the engine's
+    gradient is read) are set up by each engine path.
     """
 
     def __init__(self, comm: Any, kernels: Any, world: int, targets: list[Tensor], gbar: str,
                  squares_dtype: torch.dtype, loss_scale: Callable[[], float],
                  accumulation: Callable[[], int], engine_factor: Callable[[], float] | None = None) -> None:
-        self.comm = comm  # deepspeed.comm or torch.distributed: all_reduce, reduce_scatter_tensor
+        self.comm = comm  # deepspeed.comm or torch.distributed
         self._accumulation = accumulation
         #: ``gbar="engine"``: Σg = factor · engine gradient; default n / loss scale (DeepSpeed: the
         #: engine's gradient is the mean over ranks and micro-steps, loss-scaled)
@@ -97,118 +240,207 @@ class LocalStats:
         self.gbar = gbar
         self.squares_dtype = squares_dtype
         self._loss_scale = loss_scale
-        self._bufs = moment_buffers(targets)
         self._targets = {id(t): t for t in targets}
-        self.flats: list[Flat] = []
-        self._where: dict[int, tuple[Flat, int]] = {}  # param id -> (flat, offset)
-        self._counts: dict[int, int] = {}
+        self._bufs: dict[int, tuple[Tensor, Tensor]] = {}
+        self.stat_buckets: list[StatsBucket] = []
+        self._size = 0
+        self._arena: Tensor | None = None
+        self._device: torch.device | None = None
+        # parameters, by index: their placement (rows in the allocation) and micro-step counts
+        self._index: dict[int, int] = {}  # id(param) -> index
+        self._dests: list[list[tuple[int, int, int, int]]] = []
+        self._counts = np.zeros(0, dtype=np.int64)
+        self._plans: dict[Hashable, _Plan] = {}
         self._stale = False
-        self._works: list[Any] = []
         self._started = False
         self._finished = False
         self._captured: set[int] = set()
         self._c = 1.0
         self._scale = 1.0
         self._n_local = 0
-        self._handles: list[Any] = []
+        self._handles: dict[int, Any] = {}
+        self._steps_ended = 0
         self.counters = CommCounters()
+        self.stat_counters = StatCounters()
 
-    # -- set-up --------------------------------------------------------------------------------
+    # -- set-up ----------------------------------------------------------------------------------
 
-    def add_flat(self, numel: int, device: torch.device, reduce: Callable[[Flat], list[Any]]) -> Flat:
-        """A local buffer; with ``gbar="local"`` ``[Σx | Σ(c x)²]`` in one tensor (``Flat.both``), so an
-        all-reduce of both is one collective."""
-        local = self.gbar == "local"
-        both = torch.zeros((2 if local else 1) * numel, dtype=torch.float32, device=device)
-        flat = Flat(both[numel:] if local else both, both[:numel] if local else None, reduce, both=both)
-        self.flats.append(flat)
-        return flat
+    def add_bucket(self, numel: int, device: torch.device, reduce: Callable[[StatsBucket], list[Any]] | None,
+                   ranks: int = 1) -> StatsBucket:
+        """A statistics bucket mirroring ``numel`` flat elements split over ``ranks`` (the layout of
+        ``StatsBucket``); ``reduce`` is its collective. Buckets are added before training."""
+        if self._arena is not None:
+            raise RuntimeError("statistics buckets are added before the first micro-step")
+        if self._device is not None and device != self._device:
+            raise ValueError(f"statistics buckets on {self._device} and {device}: one device per rank")
+        self._device = device
+        bucket = StatsBucket(self, self._size, numel, ranks, device, reduce)
+        self._size += bucket.size
+        self.stat_buckets.append(bucket)
+        return bucket
 
-    def watch(self, p: Tensor, flat: Flat, offset: int, numel: int) -> None:
-        """Adds ``p``'s micro-step squares at ``offset`` of ``flat``."""
-        self._where[id(p)] = (flat, offset)
-        flat.pieces.append((id(p), offset, numel))
-        me, pid = weakref.ref(self), id(p)
+    @property
+    def arena(self) -> Tensor:
+        """The one fp32 allocation every bucket is a view of (made at first use)."""
+        if self._arena is None:
+            self._arena = torch.zeros(self._size, dtype=torch.float32, device=self._device or "cpu")
+        return self._arena
 
-        def hook(grad: Tensor, me=me, pid=pid) -> None:
+    def place(self, p: Tensor, bucket: StatsBucket, offset: int, numel: int) -> int:
+        """Where parameter ``p``'s statistics live: the flat elements ``[offset, offset + numel)``
+        of ``bucket``'s layout. Returns its index."""
+        if id(p) in self._index:
+            raise ValueError(f"a parameter of shape {tuple(p.shape)} is placed twice in the statistics")
+        idx = len(self._dests)
+        self._index[id(p)] = idx
+        self._dests.append(bucket.dests(offset, numel))
+        self._counts = np.append(self._counts, 0)
+        bucket.members.append(idx)
+        return idx
+
+    def hook(self, p: Tensor) -> None:
+        """The hook path: a tensor hook records each backward's gradient of ``p`` (placed)."""
+        idx = self._index[id(p)]
+        if idx in self._handles:
+            return
+        me = weakref.ref(self)
+
+        def hook(grad: Tensor, me=me, idx=idx) -> None:
             stats = me()
             if stats is not None:
-                stats._record(pid, grad)
+                stats.record_bucket(("param", idx), grad.detach(), lambda: [(idx, 0)])
 
-        self._handles.append(p.register_hook(hook))
+        self._handles[idx] = p.register_hook(hook)
+        self.stat_counters.hooks = len(self._handles)
 
-    # -- hooks -----------------------------------------------------------------------------------
+    def unhook(self, p: Tensor | None = None) -> None:
+        """Removes the tensor hook of ``p`` (every hook when ``None``): a bucket records it now."""
+        keys = list(self._handles) if p is None else [self._index[id(p)]]
+        for k in keys:
+            h = self._handles.pop(k, None)
+            if h is not None:
+                h.remove()
+        self.stat_counters.hooks = len(self._handles)
 
-    def _record(self, pid: int, grad: Tensor) -> None:
-        if self._stale:  # the first backward after a step
-            self._counts.clear()
+    def index(self, p: Tensor) -> int:
+        return self._index[id(p)]
+
+    # -- recording -------------------------------------------------------------------------------
+
+    def record_bucket(self, key: Hashable, src: Tensor, members: Callable[[], list[tuple[int, int]]]) -> None:
+        """One micro-step's local gradients of a bucket: ``src`` flat, holding the parameters that
+        ``members()`` lists as ``(index, start in src)`` (called once per ``key``: the bucket's
+        layout, e.g. its parameters). One launch, whatever the number of parameters."""
+        if self._stale:  # the first record after a step
+            self._counts[:] = 0
             self._stale = False
             self._started = self._finished = False
             self._captured.clear()
-        flat, off = self._where[pid]
-        count = self._counts.get(pid, 0)
-        if count == 0:
+        plan = self._plans.get(key)
+        if plan is None:
+            plan = self._plans[key] = self._plan(members())
+        counts = self._counts
+        if not counts.any():  # the step's first micro-step: the loss scale is fixed until the step
             self._scale = float(self._loss_scale())
             self._c = float(self._accumulation()) / self._scale
-        n = grad.numel()
-        self.kernels.pack_squares(grad.detach().reshape(-1), None if flat.g is None else flat.g.narrow(0, off, n),
-                                  flat.sq.narrow(0, off, n), self._c, accumulate=count > 0)
-        self._counts[pid] = count + 1
+        seen = counts[plan.seg_param] > 0
+        flags = b"\x01" if seen.all() else b"\x00" if not seen.any() else seen.tobytes()
+        table = plan.tables.get(flags)
+        if table is None:
+            acc = np.broadcast_to(seen, (len(plan.rows),)).astype(np.int64)
+            table = plan.tables[flags] = BucketTable(torch.from_numpy(np.column_stack([plan.rows, acc])))
+            self.stat_counters.tables_built += 1
+        if not src.is_contiguous():
+            src = src.contiguous()
+        self.kernels.pack_bucket(src.reshape(-1), table, self.arena, self._c, self._c if self.gbar == "local" else None)
+        counts[plan.params] += 1
+        self.stat_counters.launches += 1
+
+    def _plan(self, members: list[tuple[int, int]]) -> _Plan:
+        rows, seg_param = [], []
+        for idx, start in members:
+            for rel, g, q, n in self._dests[idx]:
+                rows.append((start + rel, g, q, n))
+                seg_param.append(idx)
+        params = np.unique(np.asarray([i for i, _ in members], dtype=np.int64))
+        if len(params) != len(members):
+            raise RuntimeError("a bucket lists a parameter twice")
+        return _Plan(np.asarray(rows, dtype=np.int64).reshape(-1, 4), np.asarray(seg_param, dtype=np.int64), params)
 
     # -- engine side -----------------------------------------------------------------------------
 
     @property
     def n(self) -> int:
-        return self.world * (self._n_local if self._started else max(self._counts.values(), default=0))
+        local = self._n_local if self._started else (int(self._counts.max()) if len(self._counts) else 0)
+        return self.world * local
 
     def start(self) -> None:
         """The engine's step begins: every micro-step is in; launch the step's collective(s)."""
         if self._started or self._stale:
             return
-        self._n_local = max(self._counts.values(), default=0)
-        for flat in self.flats:
-            for pid, off, num in flat.pieces:  # a parameter no backward reached: its old sums must not count
-                if pid not in self._counts:
-                    flat.sq.narrow(0, off, num).zero_()
-                    if flat.g is not None:
-                        flat.g.narrow(0, off, num).zero_()
-        self._works = [w for flat in self.flats for w in flat.reduce(flat)]
+        self._n_local = int(self._counts.max()) if len(self._counts) else 0
+        arena = self.arena
+        for idx in np.flatnonzero(self._counts == 0).tolist():  # no gradient this step: old sums must not count
+            for _, g, q, n in self._dests[idx]:
+                arena.narrow(0, q, n).zero_()
+                if self.gbar == "local":
+                    arena.narrow(0, g, n).zero_()
+        for bucket in self.stat_buckets:
+            bucket.start()
         self._started = True
 
+    def launch(self, local: Tensor, out: Tensor, group: Any, scatter: bool, dtype: torch.dtype,
+               grad_elems: int) -> list[Any]:
+        """A bucket's collective through this source's communication module and counters."""
+        return launch(self.comm, self.counters, local, out, group, scatter, dtype, grad_elems)
+
     def capture(self, target: Tensor, grad: Tensor) -> None:
-        """``gbar="engine"``: the gradient DeepSpeed reduced for ``target``, still loss-scaled and
-        unclipped (read just before DeepSpeed unscales and clips it), as ``Σg = n · g / S`` (or
+        """``gbar="engine"``: the gradient the engine reduced for ``target``, still loss-scaled and
+        unclipped (read just before the engine unscales and clips it), as ``Σg = n · g / S`` (or
         ``engine_factor() · g`` where the engine's gradient is another multiple of the sum)."""
-        if self.gbar != "engine" or id(target) not in self._bufs:
+        if self.gbar != "engine" or id(target) not in self._targets:
             return
         if self._engine_factor is not None:
             factor = self._engine_factor()
         else:
-            factor = self.world * max(self._counts.values(), default=0) / self._scale
-        torch.mul(grad.reshape(-1), factor, out=self._bufs[id(target)][0])
+            factor = self.n / self._scale
+        g, sq = self._bufs.get(id(target), (None, None))
+        if g is None or g.numel() != target.numel() or g is sq:
+            g = torch.empty(target.numel(), dtype=torch.float32, device=target.device)
+            self._bufs[id(target)] = (g, sq)
+        torch.mul(grad.reshape(-1), factor, out=g)
         self._captured.add(id(target))
 
     def moments(self, params) -> tuple[list[Tensor], list[Tensor]]:
         self.start()  # a caller that steps the optimizer directly
         if not self._finished:
-            for w in self._works:
-                if callable(w):
-                    w()  # a completion step of the reduce function (e.g. bf16 squares back to fp32)
-                elif w is not None:
-                    w.wait()
-            self._works = []
-            if self.gbar == "local":
-                for gb, _ in self._bufs.values():
-                    gb.mul_(self._c)  # the local sums were of x; the squares already carry c
+            for bucket in self.stat_buckets:
+                bucket.finish()
             self._finished = True
-        if self.gbar == "engine":
-            for p in params:  # DeepSpeed did not unscale or clip (loss scale 1, no clipping): as reduced
-                if id(p) not in self._captured:
-                    self.capture(p, p.grad)
+        params = list(params)
+        for p in params:
+            if id(p) in self._targets and id(p) not in self._bufs:  # no bucket covers it: nothing was recorded
+                self._bufs[id(p)] = (torch.zeros(p.numel(), dtype=torch.float32, device=p.device),
+                                     torch.zeros(p.numel(), dtype=torch.float32, device=p.device))
+            if self.gbar == "engine" and id(p) not in self._captured:
+                # the engine did not unscale or clip (loss scale 1, no clipping): as reduced
+                self.capture(p, p.grad)
         return moment_views(self._bufs, params)
 
     #: True where no engine wraps the step (DDP): the optimizer's reset ends the step
     reset_ends_step = False
+    #: a tensor hook per parameter even where an engine bucket holds each micro-step (the
+    #: engine paths read it when they choose)
+    hooks_only = False
+
+    def describe(self) -> str:
+        """Where the micro-steps are read now, for the attach log line."""
+        hooked = self.stat_counters.hooks
+        if hooked == 0:
+            return "micro-steps from the engine's buckets (no parameter hooks)"
+        if hooked == len(self._dests):
+            return f"micro-steps from {hooked} parameter hooks"
+        return f"micro-steps from the engine's buckets and {hooked} parameter hooks"
 
     def reset(self) -> None:
         """The optimizer's end of step (and ``zero_grad``). Under DeepSpeed nothing (ZeRO calls it
@@ -217,29 +449,42 @@ class LocalStats:
             self.end_step()
 
     def end_step(self) -> None:
-        """The engine's step is over (taken or skipped): the next backward starts afresh."""
+        """The engine's step is over (taken or skipped): the next micro-step starts afresh."""
         self._stale = True
         self._started = self._finished = False
+        self._steps_ended += 1
 
-    def target_bufs(self, target: Tensor) -> tuple[Tensor, Tensor]:
-        return self._bufs[id(target)]
+    def fresh_step(self) -> int:
+        """How many steps have ended: a value that changes when a new step begins."""
+        return self._steps_ended
 
-    def alias(self, target: Tensor, sum_g: Tensor, sum_sq: Tensor) -> None:
-        """The statistics of ``target`` are these views (stage 0: of the reduced local buffer)."""
+    def alias(self, target: Tensor, sum_g: Tensor | None, sum_sq: Tensor) -> None:
+        """The statistics of ``target`` are these views (of a reduced bucket); ``sum_g=None``:
+        captured from the engine (``gbar="engine"``)."""
+        if sum_g is None:
+            sum_g = torch.zeros(target.numel(), dtype=torch.float32, device=sum_sq.device)
         self._bufs[id(target)] = (sum_g, sum_sq)
 
+    def moments_of(self, target: Tensor) -> tuple[Tensor, Tensor]:
+        """``(Σg, Σg²)`` of ``target`` (flat), as ``alias`` set them."""
+        return self._bufs[id(target)]
+
     def buffer_bytes(self) -> int:
-        local = sum(f.sq.numel() * 4 + (f.g.numel() * 4 if f.g is not None else 0) for f in self.flats)
-        return local + sum(2 * g.numel() * 4 for g, _ in self._bufs.values())
+        """Bytes of every buffer the statistics hold on this rank: the local buckets and the
+        reduced sums the optimizer reads (views of the buckets count once)."""
+        seen, total = set(), self._size * 4
+        arena = self._arena
+        for g, sq in self._bufs.values():
+            for t in (g, sq):
+                if t is None or id(t) in seen:
+                    continue
+                seen.add(id(t))
+                if arena is None or t.untyped_storage().data_ptr() != arena.untyped_storage().data_ptr():
+                    total += t.numel() * t.element_size()
+        return total
 
     def remove(self) -> None:
-        for h in self._handles:
-            h.remove()
-        self._handles.clear()
+        self.unhook()
 
 
-def reduce(stats: LocalStats, local: Tensor, out: Tensor, group: Any, scatter: bool, dtype: torch.dtype,
-           squares: bool = True) -> list[Any]:
-    """``vrgd_ds.stats.comm.launch`` through ``stats``' communication module and counters: what
-    ``moments()`` waits on or runs, in order."""
-    return launch(stats.comm, stats.counters, local, out, group, scatter, dtype, squares)
+__all__ = ["LocalStats", "StatsBucket", "StatCounters", "moment_buffers", "moment_views"]

@@ -680,24 +680,26 @@ void pack_squares(const at::Tensor& src, const c10::optional<at::Tensor>& g_out,
 
 // One pass over a flat local gradient (an engine's bucket, or one parameter's gradient) for the
 // statistics, every segment of the table in one call: table rows (source start, gradient start,
-// squares start, length, accumulate). w = c * float(x): the square goes to the squares and, with
-// with_g, w itself to the gradient; an accumulate row adds instead of writing. Segments are cut
+// squares start, length, accumulate). w = c * float(x): w^2 goes to the squares and, with a
+// g_scale, g_scale * float(x) to the gradient; an accumulate row adds instead of writing. Segments are cut
 // into fixed chunks spread over the threads; each element is written by exactly one of them.
 template <typename T>
 __attribute__((noinline)) void pack_chunk(const T* __restrict__ x, float* __restrict__ g, float* __restrict__ q,
-                                          int64_t n, float c, bool acc) {
+                                          int64_t n, float c, float gs, bool acc) {
   if (g != nullptr && acc) {
     _Pragma("omp simd")
     for (int64_t i = 0; i < n; ++i) {
-      const float w = float(x[i]) * c;
-      g[i] = g[i] + w;
+      const float v = float(x[i]);
+      const float w = v * c;
+      g[i] = g[i] + v * gs;
       q[i] = q[i] + w * w;
     }
   } else if (g != nullptr) {
     _Pragma("omp simd")
     for (int64_t i = 0; i < n; ++i) {
-      const float w = float(x[i]) * c;
-      g[i] = w;
+      const float v = float(x[i]);
+      const float w = v * c;
+      g[i] = v * gs;
       q[i] = w * w;
     }
   } else if (acc) {
@@ -715,7 +717,9 @@ __attribute__((noinline)) void pack_chunk(const T* __restrict__ x, float* __rest
   }
 }
 
-void pack_bucket(const at::Tensor& src, const at::Tensor& table, const at::Tensor& out, double c, bool with_g) {
+void pack_bucket(const at::Tensor& src, const at::Tensor& table, const at::Tensor& out, double c,
+                 c10::optional<double> g_scale) {
+  const bool with_g = g_scale.has_value();
   check_list({src}, 1, "src", false);
   check_list({out}, 1, "out", true);
   TORCH_CHECK(table.dtype() == at::kLong && table.dim() == 2 && table.size(1) == 5 && table.is_contiguous() &&
@@ -736,13 +740,14 @@ void pack_bucket(const at::Tensor& src, const at::Tensor& table, const at::Tenso
       pieces.push_back({s + o, g + o, q + o, std::min(kChunk, n - o), t[i][4] != 0});
   }
   const float fc = float(c);
+  const float gs = with_g ? float(*g_scale) : 0.f;
   float* base = out.data_ptr<float>();
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, src.scalar_type(), "pack_bucket", [&] {
     const scalar_t* x = src.data_ptr<scalar_t>();
     at::parallel_for(0, static_cast<int64_t>(pieces.size()), 1, [&](int64_t lo, int64_t hi) {
       for (int64_t k = lo; k < hi; ++k) {
         const Piece& p = pieces[k];
-        pack_chunk<scalar_t>(x + p.src, with_g ? base + p.g : nullptr, base + p.q, p.n, fc, p.acc);
+        pack_chunk<scalar_t>(x + p.src, with_g ? base + p.g : nullptr, base + p.q, p.n, fc, gs, p.acc);
       }
     });
   });
@@ -810,7 +815,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         arg("weight_decay"));
   m.def("nonfinite", &nonfinite, arg("tensors"), arg("seg"));
   m.def("pack_squares", &pack_squares, arg("src"), arg("g_out"), arg("sq_out"), arg("c"), arg("accumulate") = false);
-  m.def("pack_bucket", &pack_bucket, arg("src"), arg("table"), arg("out"), arg("c"), arg("with_g"));
+  m.def("pack_bucket", &pack_bucket, arg("src"), arg("table"), arg("out"), arg("c"), arg("g_scale"));
   m.def("accumulate_moments", &accumulate_moments, arg("grad"), arg("sum_g"), arg("sum_sq"), arg("fresh"),
         arg("inv_n") = 0.0, arg("eps") = 0.0);
 }
