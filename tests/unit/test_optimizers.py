@@ -664,6 +664,44 @@ def test_pack_squares_writes_both_halves_in_one_call(impl, dtype):
     torch.testing.assert_close(sq, want * want + want * want, rtol=0, atol=0)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_pack_bucket_cpp_equals_reference_and_the_hook_formula(dtype):
+    """The bucket path's one launch (``pack_bucket``) on the C++ kernels writes what the reference
+    writes, bit for bit: per segment ``Σg = g_scale·x`` and ``Σg² = (c·x)²`` in fp32, added where
+    the segment's accumulate flag is set; squares only without ``g_scale``."""
+    from vrgd_ds.optim import _impl
+    from vrgd_ds.optim.columns import BucketTable
+
+    if not _fused.available():
+        pytest.skip("no C++ toolchain")
+    x = (torch.randn(70_000) * 300).to(dtype)
+    # an extra-large piece (over the C++ chunk), small ones, a gradient and its squares far apart
+    table = BucketTable(torch.tensor([[0, 0, 200_000, 40_000, 0], [40_000, 50_000, 250_000, 7, 1],
+                                      [40_007, 60_001, 260_001, 29_993, 1]]))
+    for g_scale in (1 / 64, 1.0, None):
+        start = torch.randn(300_000)
+        want, got = start.clone(), start.clone()
+        _impl.Reference().pack_bucket(x, table, want, 1 / 64, g_scale)
+        _impl.Fused().pack_bucket(x, table, got, 1 / 64, g_scale)
+        assert torch.equal(got, want)
+        w = x[:40_000].float() * (1 / 64)
+        assert torch.equal(got[200_000:240_000], w * w)  # written, not added
+        if g_scale is not None:
+            assert torch.equal(got[:40_000], x[:40_000].float() * g_scale)
+            assert torch.equal(got[50_000:50_007], start[50_000:50_007] + x[40_000:40_007].float() * g_scale)
+
+
+def test_a_bucket_table_that_leaves_its_buffer_is_refused():
+    from vrgd_ds.optim import _impl
+    from vrgd_ds.optim.columns import BucketTable
+
+    table = BucketTable(torch.tensor([[0, 0, 10, 10, 0]]))
+    with pytest.raises(ValueError, match="writes up to element 20 of a buffer of 15"):
+        _impl.Reference().pack_bucket(torch.zeros(10), table, torch.zeros(15), 1.0, 1.0)
+    with pytest.raises(ValueError, match="reads up to element 10 of a source of 8"):
+        _impl.Reference().pack_bucket(torch.zeros(8), table, torch.zeros(30), 1.0, 1.0)
+
+
 def test_reduction_statistics_are_written_fresh_and_never_left_stale():
     """The DeepSpeed hooks' buffers are not zeroed every step: a piece's first reduction after a
     step writes ``Σg = c·g`` and ``Σg²``, later ones add; a piece that no reduction reached this

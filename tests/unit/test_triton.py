@@ -255,6 +255,58 @@ def test_cuda_step_does_not_synchronise(name):
     opt.gsnr_metrics()
 
 
+def _bucket_table(src_numel: int, dst_base: int):
+    """Segments of a bucket, as an engine's bucket cuts parameters: lengths of 1, 7, a block plus
+    one, a chunk plus three (two chunks); starts in the source and the buffer that agree modulo
+    VEC (an aligned body), that do not (no body), gradient and squares far apart; accumulate
+    flags mixed."""
+    from vrgd_ds.optim.columns import BucketTable
+
+    lengths = [1, 7, _triton.BLOCK + 1, _triton.CHUNK + 3, 40]
+    rows, s, d = [], 3, dst_base
+    for i, n in enumerate(lengths):
+        shift = 0 if i % 2 == 0 else 1  # odd rows: the buffer's start out of step with the source's
+        rows.append([s, d + shift, d + shift + 4 * src_numel, n, i % 3 == 2])
+        s += n
+        d += n + 8
+    return BucketTable(torch.tensor(rows, dtype=torch.long)), s
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("g_scale", [None, 0.25, 1.0])
+def test_pack_bucket_triton_equals_reference_bit_for_bit(dtype, g_scale):
+    """``pack_bucket``: one launch writes or adds ``(c·x)²`` and ``g_scale·x`` for every segment of a
+    bucket table, as the reference's torch ops do, on the GPU when there is one (the interpreter
+    otherwise); the buffer outside the segments is untouched."""
+    from vrgd_ds.optim import _impl
+
+    g = torch.Generator().manual_seed(3)
+    table, used = _bucket_table(_triton.CHUNK + 64, 16)
+    src = (torch.randn(used + 5, generator=g) * 300).to(dtype)
+    start = torch.randn(8 * (_triton.CHUNK + 64), generator=g)
+    want, got = start.clone(), start.clone().to(DEVICE)
+    _impl.Reference().pack_bucket(src, table, want, 0.25, g_scale)
+    _triton.Triton().pack_bucket(src.to(DEVICE), table, got, 0.25, g_scale)
+    assert torch.equal(got.cpu(), want)
+    assert not torch.equal(want, start)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_cuda_pack_bucket_does_not_synchronise():
+    table, used = _bucket_table(4096, 0)
+    src = torch.randn(used, device="cuda").bfloat16()
+    out = torch.zeros(8 * 4096 + 2 * _triton.CHUNK, device="cuda")
+    kernels = _triton.Triton()
+    kernels.pack_bucket(src, table, out, 0.5, 0.5)  # compiles, copies the table once
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        kernels.pack_bucket(src, table, out, 0.5, 0.5)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+
+
 # ---- a kernel that fails to compile: fused=None falls back, fused="triton" raises --------------------
 
 

@@ -1,0 +1,51 @@
+#!/usr/bin/env bash
+# Every GPU measurement the open work asks for, in one run of under 8 minutes on one H100/H200:
+#   the Triton kernels on CUDA tensors (pack_bucket included), the optimizer step against torch's
+#   fused AdamW and DeepSpeed's FusedLamb (per tensor and one flat partition), the whole ZeRO-2
+#   BERT-large bf16 step at seq 128 and 512 with the anchors and a profile, and megatron-core.
+#
+#   bash benchmarks/gpu_suite.sh [OUTDIR]          (default: $OUT, else ./gpu_out)
+#
+# Python packages the GPU image lacks (DeepSpeed 0.19.8, megatron-core 0.16.1, pydantic, hjson)
+# are installed from wheels in WHEELS (default .whl) when that folder exists. Each part has its
+# own time limit and log; a part that fails or runs out of time does not stop the others.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUTDIR=${1:-${OUT:-gpu_out}}
+WHEELS=${WHEELS:-.whl}
+mkdir -p "$OUTDIR"
+if [[ -d $WHEELS ]] && compgen -G "$WHEELS/*.whl" >/dev/null; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
+        "$WHEELS"/*.whl || exit 1
+    export PYTHONPATH=/tmp/site:${PYTHONPATH:-}
+fi
+export PYTHONPATH=$PWD:${PYTHONPATH:-} PYTHONUNBUFFERED=1 PYTHONWARNINGS=ignore::FutureWarning
+# DeepSpeed 0.19.8 cannot parse "9.0a" (deepspeedai/DeepSpeed#8619)
+cc=$(python3 -c "import torch; print('%d.%d' % torch.cuda.get_device_capability())")
+export TORCH_CUDA_ARCH_LIST=$cc
+
+part() {  # name, seconds, command...
+    local name=$1 limit=$2; shift 2
+    local t0=$SECONDS
+    echo "== $name (limit ${limit}s)" | tee -a "$OUTDIR/summary.log"
+    timeout "$limit" "$@" >"$OUTDIR/$name.log" 2>&1
+    local rc=$?
+    echo "   rc=$rc in $((SECONDS - t0))s" | tee -a "$OUTDIR/summary.log"
+    tail -n 40 "$OUTDIR/$name.log" >>"$OUTDIR/summary.log"
+}
+
+{ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
+  python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"; } \
+    >>"$OUTDIR/summary.log" 2>&1
+part fusedlamb_build 90 python3 -c "from deepspeed.ops.op_builder import FusedLambBuilder as B; B().load()"
+part triton_cuda 60 python3 -m pytest -q -x -p no:cacheprovider tests/unit/test_triton.py -k "pack_bucket or cuda"
+part opt_step 80 python3 benchmarks/gpu_optimizer_step.py --model large --kernels --iters 10
+part opt_step_flat 50 python3 benchmarks/gpu_optimizer_step.py --model large --flat --kernels --iters 10
+one_rank=(env RANK=0 LOCAL_RANK=0 WORLD_SIZE=1 MASTER_ADDR=127.0.0.1 MASTER_PORT=29631)
+for seq in 128 512; do
+    part "zero2_seq$seq" 115 "${one_rank[@]}" python3 benchmarks/zero2_step.py --worker --ranks 1 --gas 4 \
+        --micro-batch 32 --seq "$seq" --model large --dtype bf16 --anchors --profile --hooks --repeats 4 --warmup 2
+done
+part megatron 45 torchrun --nproc_per_node 1 --master_port 29641 benchmarks/megatron_step.py --accumulation 2 16 \
+    --steps 10
+echo "== done in ${SECONDS}s" | tee -a "$OUTDIR/summary.log"
