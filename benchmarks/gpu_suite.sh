@@ -5,6 +5,7 @@
 #   BERT-large bf16 step at seq 128 and 512 with the anchors and a profile, and megatron-core.
 #
 #   bash benchmarks/gpu_suite.sh [OUTDIR]          (default: $OUT, else ./gpu_out)
+#   PARTS="fusedlamb_build zero2_seq512" bash benchmarks/gpu_suite.sh    (only those parts)
 #
 # Python packages the GPU image lacks (DeepSpeed 0.19.8, megatron-core 0.16.1, pydantic, hjson)
 # are installed from wheels in WHEELS (default .whl) when that folder exists. Each part has its
@@ -24,8 +25,10 @@ export PYTHONPATH=$PWD:${PYTHONPATH:-} PYTHONUNBUFFERED=1 PYTHONWARNINGS=ignore:
 cc=$(python3 -c "import torch; print('%d.%d' % torch.cuda.get_device_capability())")
 export TORCH_CUDA_ARCH_LIST=$cc
 
+PARTS=${PARTS:-}
 part() {  # name, seconds, command...
     local name=$1 limit=$2; shift 2
+    if [[ -n $PARTS && " $PARTS " != *" $name "* ]]; then return; fi
     local t0=$SECONDS
     echo "== $name (limit ${limit}s)" | tee -a "$OUTDIR/summary.log"
     timeout "$limit" "$@" >"$OUTDIR/$name.log" 2>&1
@@ -46,6 +49,10 @@ for seq in 128 512; do
     part "zero2_seq$seq" 115 "${one_rank[@]}" python3 benchmarks/zero2_step.py --worker --ranks 1 --gas 4 \
         --micro-batch 32 --seq "$seq" --model large --dtype bf16 --anchors --profile --hooks --repeats 4 --warmup 2
 done
+part zero2_seq128_noprofile 100 "${one_rank[@]}" python3 benchmarks/zero2_step.py --worker --ranks 1 --gas 4 \
+    --micro-batch 32 --seq 128 --model large --dtype bf16 --anchors --hooks --repeats 6 --warmup 2
+part opt_step_adam 40 python3 benchmarks/gpu_optimizer_step.py --model large --iters 10 \
+    --only "AdamW(fused)" VRAdam Lamb VRLamb "DS FusedLamb"
 part megatron 45 torchrun --nproc_per_node 1 --master_port 29641 benchmarks/megatron_step.py --accumulation 2 16 \
     --steps 10
 echo "== done in ${SECONDS}s" | tee -a "$OUTDIR/summary.log"

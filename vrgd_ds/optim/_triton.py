@@ -85,7 +85,8 @@ HOOK_SPAN = 8 * BLOCK  # elements per program of the statistics hook (per tensor
 VEC = 4  # elements per aligned access group: 128 bits of fp32
 _VEC = tl.constexpr(VEC)
 _ROW = tl.constexpr(6)  # chunk table row: tensor, start, length, segment, head, body blocks
-_PACK_ROW = tl.constexpr(7)  # pack_bucket's chunk row: source, gradient, squares, length, accumulate, head, body
+_PACK_ROW = tl.constexpr(8)  # pack_bucket's chunk row: source, gradient, squares, length, accumulate, head, body,
+#                              source aligned
 INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") == "1"
 _DTYPES = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
 
@@ -592,8 +593,15 @@ def _pack_squares_kernel(x: tl.int64, G: "*fp32", SQ: "*fp32", numel: tl.int64, 
 
 
 @triton.jit
-def _pack_bucket_elems(X, G, Q, sidx, didx, m, c, gs, acc, WITH_G: tl.constexpr, WIDE: tl.constexpr):
-    x = _ld(X, sidx, m, WIDE).to(tl.float32)
+def _pack_bucket_elems(X, G, Q, sidx, didx, m, c, gs, acc, WITH_G: tl.constexpr, WIDE: tl.constexpr,
+                       SRC_WIDE: tl.constexpr):
+    """``SRC_WIDE``: the source is aligned like the destinations (hinted); else, in the body, read
+    unhinted and unmasked (an engine's bucket packs tensors in another order than the flat layout
+    the statistics mirror, so a segment's source and destinations rarely agree modulo VEC)."""
+    if WIDE and not SRC_WIDE:
+        x = tl.load(X + sidx).to(tl.float32)
+    else:
+        x = _ld(X, sidx, m, WIDE).to(tl.float32)
     w = x * c
     if acc:
         _st(Q, didx, _ld(Q, didx, m, WIDE) + w * w, m, WIDE)
@@ -609,8 +617,9 @@ def _pack_bucket_elems(X, G, Q, sidx, didx, m, c, gs, acc, WITH_G: tl.constexpr,
 def _pack_bucket_kernel(x: tl.int64, OUT: "*fp32", chunks: "*i64", c: tl.float32, gs: tl.float32, XDT: tl.constexpr,
                         WITH_G: tl.constexpr, ALIGNED: tl.constexpr, BLOCK: tl.constexpr):
     """One chunk of one segment of a bucket (``Kernels.pack_bucket``): chunk rows (source start,
-    gradient start, squares start, length, accumulate, head, body blocks); the body is aligned in
-    the source and both destinations when ``ALIGNED`` (the bases are; the host put it there)."""
+    gradient start, squares start, length, accumulate, head, body blocks, source aligned); the
+    body is aligned in both destinations when ``ALIGNED`` (the bases are; the host put it there),
+    and in the source too where the row says so."""
     X = x.to(tl.pointer_type(XDT))
     row = chunks + tl.program_id(0) * _PACK_ROW
     s = tl.load(row + 0)
@@ -620,19 +629,25 @@ def _pack_bucket_kernel(x: tl.int64, OUT: "*fp32", chunks: "*i64", c: tl.float32
     acc = tl.load(row + 4) != 0
     head = tl.load(row + 5)
     nblk = tl.load(row + 6)
+    src_wide = tl.load(row + 7) != 0
     if not ALIGNED:
         head = n
         nblk = n * 0
     G = OUT + g
     Q = OUT + q
     XS = X + s
-    for i in range(nblk):
-        off = head + i * BLOCK + tl.arange(0, BLOCK)
-        _pack_bucket_elems(XS, G, Q, off, off, None, c, gs, acc, WITH_G, True)
+    if src_wide:
+        for i in range(nblk):
+            off = head + i * BLOCK + tl.arange(0, BLOCK)
+            _pack_bucket_elems(XS, G, Q, off, off, None, c, gs, acc, WITH_G, True, True)
+    else:
+        for i in range(nblk):
+            off = head + i * BLOCK + tl.arange(0, BLOCK)
+            _pack_bucket_elems(XS, G, Q, off, off, None, c, gs, acc, WITH_G, True, False)
     for off in range(0, n - nblk * BLOCK, BLOCK):
         rel = off + tl.arange(0, BLOCK)
         rel = rel + tl.where(rel < head, 0, nblk * BLOCK)
-        _pack_bucket_elems(XS, G, Q, rel, rel, rel < n, c, gs, acc, WITH_G, False)
+        _pack_bucket_elems(XS, G, Q, rel, rel, rel < n, c, gs, acc, WITH_G, False, False)
 
 
 @triton.jit
@@ -1041,8 +1056,9 @@ class Triton:
 
     def _bucket_chunks(self, table: BucketTable, device: torch.device) -> _Chunks:
         """The chunk table of a bucket table (cached in it): segments cut into ``CHUNK`` elements,
-        each with an aligned body where the source and both destinations agree modulo ``VEC``
-        (the bases' alignment is checked at each launch)."""
+        each with a body aligned in both destinations where they agree modulo ``VEC`` (the
+        statistics buffers are laid out so that they do), and read aligned from the source where
+        it agrees too (the bases' alignment is checked at each launch)."""
         key = ("triton", device, CHUNK)
         got = table.cache.get(key)
         if got is None:
@@ -1050,10 +1066,10 @@ class Triton:
             for s, g, q, n, acc in table.rows.tolist():
                 for off in range(0, n, CHUNK):
                     st, gt, qt, k = s + off, g + off, q + off, min(CHUNK, n - off)
-                    wide = (st - gt) % VEC == 0 and (st - qt) % VEC == 0
-                    head = min((-st) % VEC, k) if wide else k
-                    rows.append((st, gt, qt, k, acc, head, (k - head) // BLOCK))
-            host = torch.tensor(rows or [(0,) * 7], dtype=torch.long).reshape(-1, 7)
+                    wide = (gt - qt) % VEC == 0
+                    head = min((-qt) % VEC, k) if wide else k
+                    rows.append((st, gt, qt, k, acc, head, (k - head) // BLOCK, int((st - qt) % VEC == 0)))
+            host = torch.tensor(rows or [(0,) * 8], dtype=torch.long).reshape(-1, 8)
             got = table.cache[key] = _Chunks(self._copy(host, device), host, len(rows), table.segments)
         return got
 

@@ -116,7 +116,7 @@ def _wide_ok(streams: dict[str, Counter], widths: Counter) -> bool | None:
     hinted, masked = streams["hinted"], streams["masked"]
     if not hinted:
         return None
-    if hinted != masked:  # a stream the body reaches without the hint, or that the rest does not have
+    if set(hinted) != set(masked):  # a stream the body reaches without the hint, or that the rest does not have
         return False
     for kind, op in (("load", "LDG.E"), ("store", "STG.E")):
         need128 = sum(n for (k, t), n in hinted.items() if k == kind and t == "f32")

@@ -79,20 +79,25 @@ class StatCounters:
     tables_built: int = 0
 
 
+#: each rank's part of a statistics bucket is padded to this many elements (16 bytes), so that a
+#: segment's gradient and squares agree modulo the kernels' vector width (128-bit accesses)
+PAD = 4
+
+
 class StatsBucket:
     """One flat fp32 buffer of local statistics and its collective (one per optimizer step).
 
     Element ``e`` of the flat layout it mirrors (``numel = ranks · part``; rank ``r`` owns
-    ``[r·part, (r+1)·part)``) keeps its local ``Σ w`` and ``Σ w²`` at
+    ``[r·part, (r+1)·part)``, ``j = e - r·part``; ``P`` is ``part`` rounded up to ``PAD``) keeps
+    its local ``Σ w`` and ``Σ w²`` at
 
-    * ``[Σg_r | Σg²_r]`` blocks (fp32 squares with ``Σg``): ``Σg`` at ``r·2·part + j``, ``Σg²``
-      ``part`` further: a reduce-scatter of the whole buffer gives each rank both halves;
-    * ``[Σg | Σg²]`` halves (bf16 squares with ``Σg``): ``Σg`` at ``e``, ``Σg²`` at
-      ``numel + e``: each half has its own collective and dtype;
-    * squares only (``gbar="engine"``): ``Σg²`` at ``e``;
+    * ``[Σg_r | Σg²_r]`` blocks (fp32 squares with ``Σg``): ``Σg`` at ``r·2P + j``, ``Σg²`` ``P``
+      further: a reduce-scatter of the whole buffer gives each rank both halves of its part;
+    * ``[Σg | Σg²]`` halves (bf16 squares with ``Σg``): ``Σg`` at ``r·P + j``, ``Σg²``
+      ``ranks·P`` further: each half has its own collective and dtype;
+    * squares only (``gbar="engine"``): ``Σg²`` at ``r·P + j``.
 
-    with ``j = e - r·part``. ``reduce`` launches the collective(s) and returns what ``finish``
-    waits on or runs, in order.
+    ``reduce`` launches the collective(s) and returns what ``finish`` waits on or runs, in order.
     """
 
     def __init__(self, owner: "LocalStats", base: int, numel: int, ranks: int, device: torch.device,
@@ -101,11 +106,13 @@ class StatsBucket:
             raise ValueError(f"a statistics bucket of {numel} elements cannot be split over {ranks} ranks")
         self._owner = owner
         self.base, self.numel, self.ranks, self.part = base, numel, ranks, numel // ranks
+        self.padded = -(-self.part // PAD) * PAD
         self.device = device
         self.with_g = owner.gbar == "local"
         self.fused = self.with_g and owner.squares_dtype == torch.float32
-        self.width = (2 if self.fused else 1) * self.part  # one rank's block
-        self.size = (2 if self.with_g else 1) * numel
+        self.width = (2 if self.fused else 1) * self.padded  # one rank's block
+        self.shift = self.padded if self.fused else ranks * self.padded if self.with_g else 0  # Σg -> Σg²
+        self.size = (2 if self.with_g else 1) * ranks * self.padded
         self.reduce = reduce
         self.members: list[int] = []  # parameter indices placed here
         self._works: list[Any] = []
@@ -125,15 +132,8 @@ class StatsBucket:
         while e < end:
             r, j = divmod(e, self.part)
             n = min(end, (r + 1) * self.part) - e
-            if self.fused:
-                g = self.base + r * self.width + j
-                q = g + self.part
-            elif self.with_g:
-                g = self.base + e
-                q = g + self.numel
-            else:
-                g = q = self.base + e
-            out.append((e - offset, g, q, n))
+            g = self.base + r * self.width + j
+            out.append((e - offset, g, g + self.shift, n))
             e += n
         return out
 
@@ -143,13 +143,15 @@ class StatsBucket:
             if self.ranks != 1:
                 raise ValueError("halves(): name the rank of a bucket split over ranks")
             rank = 0
-        local, P = self.local, self.part
-        if self.fused:
-            g = local.narrow(0, rank * self.width, P)
-            return g, local.narrow(0, rank * self.width + P, P)
-        if self.with_g:
-            return local.narrow(0, rank * P, P), local.narrow(0, self.numel + rank * P, P)
-        return None, local.narrow(0, rank * P, P)
+        local, start = self.local, rank * self.width
+        sq = local.narrow(0, start + self.shift, self.part)
+        return (local.narrow(0, start, self.part) if self.with_g else None), sq
+
+    @property
+    def _grad_elems(self) -> int:
+        """The fp32 gradient one collective of the squares stands for: the buffer it reduces (the
+        mirrored flat layout, each rank's part padded to ``PAD``)."""
+        return self.ranks * self.padded
 
     # -- the collective ---------------------------------------------------------------------------
 
@@ -168,42 +170,45 @@ class StatsBucket:
     def all_reduce_in_place(self, group: Any) -> list[Any]:
         """Stage 0, DDP: the sums over ``group`` land in the local buffer itself (one rank's
         layout): one collective for fp32 squares, two with bf16 squares beside the fp32 ``Σg``."""
-        owner, local = self._owner, self.local
-        if self.with_g and owner.squares_dtype == torch.float32:
-            works = owner.launch(local, local, group, scatter=False, dtype=torch.float32, grad_elems=self.numel)
-            return works
-        g, sq = self.halves()
-        works = owner.launch(sq, sq, group, scatter=False, dtype=owner.squares_dtype, grad_elems=self.numel)
-        if g is not None:
-            works += owner.launch(g, g, group, scatter=False, dtype=torch.float32, grad_elems=0)
-        return works
+        owner, local, P = self._owner, self.local, self.padded
+        if self.fused or not self.with_g:
+            return owner.launch(local, local, group, scatter=False, dtype=owner.squares_dtype if not self.with_g
+                                else torch.float32, grad_elems=self._grad_elems)
+        g, sq = local.narrow(0, 0, P), local.narrow(0, P, P)
+        works = owner.launch(sq, sq, group, scatter=False, dtype=owner.squares_dtype, grad_elems=self._grad_elems)
+        return works + owner.launch(g, g, group, scatter=False, dtype=torch.float32, grad_elems=0)
 
     def scatter_outputs(self) -> tuple[Tensor | None, Tensor]:
         """``(Σg, Σg²)`` of this rank's part, which ``reduce_scatter`` fills (allocated here once;
         for fused buckets two halves of one tensor, so one collective fills both)."""
         if self._out is None:
-            P = self.part
+            P, n = self.padded, self.part
             if self.fused:
                 both = torch.zeros(2 * P, dtype=torch.float32, device=self.device)
-                self._out = (both, both[:P], both[P:])
+                self._out = (both, both[:n], both[P:P + n])
             else:
                 g = torch.zeros(P, dtype=torch.float32, device=self.device) if self.with_g else None
-                self._out = (None, g, torch.zeros(P, dtype=torch.float32, device=self.device))
-        return self._out[1], self._out[2]
+                self._out = (g, None, torch.zeros(P, dtype=torch.float32, device=self.device))
+        if self.fused:
+            return self._out[1], self._out[2]
+        g, sq = self._out[0], self._out[2]
+        return (None if g is None else g[:self.part]), sq[:self.part]
 
     def reduce_scatter(self, group: Any) -> list[Any]:
         """ZeRO-1/2: this rank's part of the sums over ``group`` into ``scatter_outputs()``: one
         collective, two with bf16 squares beside the fp32 ``Σg``."""
         owner, local = self._owner, self.local
         self.scatter_outputs()
-        both, out_g, out_sq = self._out
+        first, _, out_sq = self._out
         if self.fused:
-            return owner.launch(local, both, group, scatter=True, dtype=torch.float32, grad_elems=self.numel)
+            return owner.launch(local, first, group, scatter=True, dtype=torch.float32, grad_elems=self._grad_elems)
         if self.with_g:
-            g, sq = local.narrow(0, 0, self.numel), local.narrow(0, self.numel, self.numel)
-            works = owner.launch(sq, out_sq, group, scatter=True, dtype=owner.squares_dtype, grad_elems=self.numel)
-            return works + owner.launch(g, out_g, group, scatter=True, dtype=torch.float32, grad_elems=0)
-        return owner.launch(local, out_sq, group, scatter=True, dtype=owner.squares_dtype, grad_elems=self.numel)
+            half = self.ranks * self.padded
+            g, sq = local.narrow(0, 0, half), local.narrow(0, half, half)
+            works = owner.launch(sq, out_sq, group, scatter=True, dtype=owner.squares_dtype,
+                                 grad_elems=self._grad_elems)
+            return works + owner.launch(g, first, group, scatter=True, dtype=torch.float32, grad_elems=0)
+        return owner.launch(local, out_sq, group, scatter=True, dtype=owner.squares_dtype, grad_elems=self._grad_elems)
 
 
 @dataclass
@@ -275,7 +280,7 @@ class LocalStats:
             raise ValueError(f"statistics buckets on {self._device} and {device}: one device per rank")
         self._device = device
         bucket = StatsBucket(self, self._size, numel, ranks, device, reduce)
-        self._size += bucket.size
+        self._size += -(-bucket.size // PAD) * PAD
         self.stat_buckets.append(bucket)
         return bucket
 
@@ -487,4 +492,4 @@ class LocalStats:
         self.unhook()
 
 
-__all__ = ["LocalStats", "StatsBucket", "StatCounters", "moment_buffers", "moment_views"]
+__all__ = ["LocalStats", "PAD", "StatsBucket", "StatCounters", "moment_buffers", "moment_views"]
