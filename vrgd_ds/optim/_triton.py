@@ -82,6 +82,10 @@ _LAMB_W = tl.constexpr(len(columns.LAMB_APPLY) + 1)
 CHUNK = 1 << 16  # elements per program
 BLOCK = 512  # elements per iteration inside a program: 4 per thread of 4 warps, one 128-bit access
 HOOK_SPAN = 8 * BLOCK  # elements per program of the statistics hook (per tensor: enough programs to fill a GPU)
+#: elements per program of ``pack_bucket``: an engine's bucket (DeepSpeed's default 5M elements) is
+#: a launch of its own, so its programs must fill the GPU alone (1,221 of 4,096 elements, where
+#: CHUNK would give 77 programs for 132 SMs)
+PACK_CHUNK = 8 * BLOCK
 VEC = 4  # elements per aligned access group: 128 bits of fp32
 _VEC = tl.constexpr(VEC)
 _ROW = tl.constexpr(6)  # chunk table row: tensor, start, length, segment, head, body blocks
@@ -1055,17 +1059,17 @@ class Triton:
                          ALIGNED=_aligned(x, out), BLOCK=BLOCK)
 
     def _bucket_chunks(self, table: BucketTable, device: torch.device) -> _Chunks:
-        """The chunk table of a bucket table (cached in it): segments cut into ``CHUNK`` elements,
+        """The chunk table of a bucket table (cached in it): segments cut into ``PACK_CHUNK`` elements,
         each with a body aligned in both destinations where they agree modulo ``VEC`` (the
         statistics buffers are laid out so that they do), and read aligned from the source where
         it agrees too (the bases' alignment is checked at each launch)."""
-        key = ("triton", device, CHUNK)
+        key = ("triton", device, PACK_CHUNK)
         got = table.cache.get(key)
         if got is None:
             rows = []
             for s, g, q, n, acc in table.rows.tolist():
-                for off in range(0, n, CHUNK):
-                    st, gt, qt, k = s + off, g + off, q + off, min(CHUNK, n - off)
+                for off in range(0, n, PACK_CHUNK):
+                    st, gt, qt, k = s + off, g + off, q + off, min(PACK_CHUNK, n - off)
                     wide = (gt - qt) % VEC == 0
                     head = min((-qt) % VEC, k) if wide else k
                     rows.append((st, gt, qt, k, acc, head, (k - head) // BLOCK, int((st - qt) % VEC == 0)))
