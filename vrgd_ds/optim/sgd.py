@@ -24,16 +24,19 @@ def sgd_update(opt: GSNROptimizer, plan: Plan, kernels: Any, n: int, lr_mult: to
     """One (VR-)SGD/momentum step of a plan; ``lr_mult`` per segment (LARS), default 1."""
     g = plan.group
     momentum = g["momentum"]
-    # The buffer's first applied step copies d: a buffer created now, or the first counted step
-    # (a step the sync-free kernels skipped on the device leaves the new buffer at zero).
-    first = torch.maximum(plan.per_segment([0.0 if "momentum_buffer" in st else 1.0 for st in plan.states]),
-                          (plan.step_t <= 1).double())
-    bufs = []
+    bufs: list[torch.Tensor] = []
+    first = plan.ones() * 0.0  # read with a momentum buffer only
     if momentum != 0.0:
-        for p, st in zip(plan.params, plan.states):
-            if "momentum_buffer" not in st:
-                st["momentum_buffer"] = torch.zeros(p.shape, dtype=torch.float32, device=p.device)
-            bufs.append(st["momentum_buffer"])
+        # The buffer's first applied step copies d: a buffer created now, or the first counted step
+        # (a step the sync-free kernels skipped on the device leaves the new buffer at zero).
+        first = (plan.step_t <= 1).double()
+        created = [0.0 if "momentum_buffer" in st else 1.0 for st in plan.states]
+        if any(created):  # a host table only when a buffer is new (a steady step copies nothing)
+            for p, st in zip(plan.params, plan.states):
+                if "momentum_buffer" not in st:
+                    st["momentum_buffer"] = torch.zeros(p.shape, dtype=torch.float32, device=p.device)
+            first = torch.maximum(plan.per_segment(created), first)
+        bufs = [st["momentum_buffer"] for st in plan.states]
     segf = columns.build(columns.SGD, **plan.gsnr_columns(), lr_mult=plan.ones() if lr_mult is None else lr_mult,
                          first=first)
     return kernels.sgd_step(plan.params, plan.grads, bufs, seg=plan.seg, segf=segf, lr=g["lr"],
