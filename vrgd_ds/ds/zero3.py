@@ -6,6 +6,11 @@ Everything this path reads or replaces in DeepSpeed 0.19.8 is here and checked a
 * ``__avg_scatter_grads(params, communication_data_type)`` (name-mangled): replaced by one
   coalesced reduce-scatter of the gradients and their squares (per-micro-step scheme);
   ``reduce_scatter`` is set to True so every bucket goes through it;
+* ``__reduce_and_partition_ipg_grads(communication_data_type)`` (name-mangled) and
+  ``ipg_buckets[dtype]`` (``buffer``, ``params`` in the order they were copied in, ``elements``),
+  ``contiguous_gradients``, ``reduce_bucket_size``: where a bucket holds one micro-step's local
+  gradients just before DeepSpeed reduces them on ``reduce_and_partition_stream`` (the per-step
+  scheme reads them there in one launch, on that stream);
 * ``grad_position[param id] = (sub-group, offset, partition numel)``, ``get_param_id``,
   ``_get_param_partition_group``, ``fp16_groups``: which piece of each parameter this rank owns
   and where it lies in its flat partition; ``p.ds_numel``: the whole parameter's size;
@@ -24,15 +29,18 @@ import torch
 from torch import Tensor
 
 import deepspeed.comm as dist
+from deepspeed.accelerator import get_accelerator
 
 from vrgd_ds.ds.internals import UnsupportedConfiguration, require
 from vrgd_ds.ds.layout import Layout, ModelTensors
 from vrgd_ds.stats.local import LocalStats, StatsBucket
 
 AVG_SCATTER = "_DeepSpeedZeroOptimizer_Stage3__avg_scatter_grads"
-_REQUIRED = (AVG_SCATTER, "fp32_partitioned_groups_flat", "fp16_groups", "grad_position", "get_param_id",
+REDUCE_IPG = "_DeepSpeedZeroOptimizer_Stage3__reduce_and_partition_ipg_grads"
+_REQUIRED = (AVG_SCATTER, REDUCE_IPG, "fp32_partitioned_groups_flat", "fp16_groups", "grad_position", "get_param_id",
              "_get_param_partition_group", "gradient_accumulation_dtype", "loss_scale", "dp_process_group",
-             "unscale_and_clip_grads")
+             "unscale_and_clip_grads", "ipg_buckets", "contiguous_gradients", "reduce_bucket_size",
+             "reduce_and_partition_stream")
 
 
 def pieces(zopt: Any, i: int) -> list[tuple[Tensor, int, int]]:
@@ -111,12 +119,7 @@ class Zero3:
             k = dist.get_world_size(group=group)
             stats.begin_round(params)
             c = stats.multiplier()
-            grads = [p.grad.float() for p in params]
-            squares = []
-            for g in grads:  # one pass each: (c g)² in fp32
-                sq = torch.empty(g.shape, dtype=torch.float32, device=g.device)
-                stats.kernels.pack_squares(g, None, sq.view(-1), c)
-                squares.append(sq)
+            grads, squares = self._packed(params, communication_data_type, stats, c)
             t = len(params)
             numel = sum(g.numel() for g in grads)
             if stats.squares_dtype == torch.float32:
@@ -136,6 +139,32 @@ class Zero3:
             return [gp.to(zopt.gradient_accumulation_dtype) for gp in g_parts]
 
         setattr(zopt, AVG_SCATTER, avg_scatter_grads)
+
+    def _packed(self, params: list[Tensor], communication_data_type: torch.dtype, stats: Any,
+                c: float) -> tuple[list[Tensor], list[Tensor]]:
+        """The bucket's gradients in fp32 and their squares ``(c·g)²``, one tensor each in the order
+        of ``params``: one ``pack_squares`` launch over DeepSpeed's contiguous bucket, or one per
+        gradient where the bucket holds the one gradient too large for its buffer."""
+        got = self.bucket_source(communication_data_type)
+        if got is None or len(got[1]) != len(params):
+            grads = [p.grad.float() for p in params]
+            squares = []
+            for g in grads:  # one pass each: (c g)² in fp32
+                sq = torch.empty(g.shape, dtype=torch.float32, device=g.device)
+                stats.kernels.pack_squares(g, None, sq.view(-1), c)
+                squares.append(sq)
+            return grads, squares
+        src = got[0]
+        total = src.numel()
+        both = torch.empty(2 * total, dtype=torch.float32, device=src.device)
+        stats.kernels.pack_squares(src, both[:total], both[total:], c)  # [x | (c x)²], bucket order
+        base, size = src.data_ptr(), src.element_size()
+        grads, squares = [], []
+        for p in params:  # DeepSpeed sorted the bucket's parameters: find each in the buffer
+            off, n = (p.grad.data_ptr() - base) // size, p.grad.numel()
+            grads.append(both.narrow(0, off, n))
+            squares.append(both.narrow(0, total + off, n))
+        return grads, squares
 
     # -- the per-step scheme (vrgd_ds/ds/local.py) --------------------------------------------------
 
@@ -185,7 +214,55 @@ class Zero3:
         bucket = stats.add_bucket(off, targets[0].device if targets else torch.device("cpu"), reduce_bucket)
         for p, o, n in zip(params, offsets, sizes):
             stats.place(p, bucket, o, n)
-            stats.hook(p)
+        self.record_micro_steps(stats)
+
+    def bucket_source(self, communication_data_type: torch.dtype) -> tuple[Tensor, list[Tensor]] | None:
+        """``(flat local gradients, their parameters in order)`` of the ipg bucket about to be
+        reduced: DeepSpeed's contiguous buffer, or the one gradient too large for it, which it
+        reduces alone; None when the bucket is empty."""
+        zopt = self.zopt
+        bucket = zopt.ipg_buckets[communication_data_type]
+        params = list(bucket.params)
+        if not params:
+            return None
+        if zopt.contiguous_gradients and bucket.elements <= zopt.reduce_bucket_size and bucket.buffer is not None:
+            return bucket.buffer.narrow(0, 0, bucket.elements), params
+        if len(params) != 1:
+            raise RuntimeError("DeepSpeed's ZeRO-3 bucket holds several gradients outside its contiguous buffer: a "
+                               "layout DeepSpeed 0.19.8 does not produce")
+        return params[0].grad.reshape(-1), params
+
+    def record_micro_steps(self, stats: LocalStats) -> None:
+        """Each micro-step's gradients from DeepSpeed's ipg bucket, one ``pack_bucket`` launch per
+        bucket just before DeepSpeed reduces it (ZeRO-3 reduces every micro-step); a tensor hook per
+        parameter with ``"micro_steps": "hooks"``."""
+        zopt = self.zopt
+        if stats.hooks_only:
+            for group in zopt.fp16_groups:
+                for p in group:
+                    stats.hook(p)
+            return
+        original = getattr(zopt, REDUCE_IPG)
+
+        def members(params) -> list[tuple[int, int]]:
+            out, off = [], 0
+            for p in params:
+                out.append((stats.index(p), off))
+                off += p.grad.numel()
+            return out
+
+        accelerator = get_accelerator()
+
+        def reduce_and_partition_ipg_grads(communication_data_type):
+            got = self.bucket_source(communication_data_type)
+            if got is not None:
+                src, params = got
+                # on the stream DeepSpeed copied the gradients into the bucket on, and reduces it on
+                with accelerator.stream(zopt.reduce_and_partition_stream):
+                    stats.record_bucket(tuple(map(id, params)), src, lambda: members(params))
+            return original(communication_data_type)
+
+        setattr(zopt, REDUCE_IPG, reduce_and_partition_ipg_grads)
 
     def capture_engine_gradient(self, stats: LocalStats) -> None:
         """``gbar="engine"``: each sub-group's reduced partition gradient, read just before
