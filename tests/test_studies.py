@@ -252,3 +252,22 @@ def test_noise_scale_read_back_survives_a_step_without_one(tmp_path):
     assert last["eval/mlm_loss"] == 7.0
     half = steps[2:]  # the second half: 8 samples per group x mean trace / mean |G|^2
     assert b_simple == pytest.approx(8 * 4.0 / (sum(g for _, g in half) / len(half)))
+
+
+def test_bf16_moments_study_tells_the_exact_choice_from_the_cancelling_ones():
+    """``studies/bf16_moments.py``'s comparison on gradients whose GSNR is high (a mean 50 times
+    the spread): fp32 sums of the bf16 gradients (``local``) give the exact scale; DeepSpeed's
+    bf16-rounded mean against fp32 squares (``engine``) cancels in ``s - ḡ²`` and moves the scale
+    of most elements; a second moment shifted around the last step's mean still takes DeepSpeed's
+    bf16 mean, whose rounding it meets in ``(ḡ - c)²``: not exact either."""
+    sys.path.insert(0, str(STUDIES))
+    import bf16_moments
+
+    g = torch.Generator().manual_seed(0)
+    mean = torch.randn(4096, generator=g)
+    prev = mean + 0.01 * torch.randn(4096, generator=g)  # the last step's mean: close to this one
+    grads = [[(mean + 0.02 * torch.randn(4096, generator=g)).bfloat16()] for _ in range(8)]
+    res = bf16_moments.statistics(grads, [prev], ranks=2, gamma=0.1)
+    assert res["local"]["max_err"] < 1e-5
+    assert res["engine"]["share_over_1pct"] > 0.3
+    assert res["shifted"]["share_over_1pct"] > 0.01 and res["shifted, bf16 squares"]["max_err"] > 0.1

@@ -243,26 +243,56 @@ def _seg_f(segf, s, j, K: tl.constexpr):
 
 
 @_kernel
-def _combine(part: "*fp64", bounds: "*i64", out: "*fp64", K: tl.constexpr, NSUM: tl.constexpr, MINMAX: tl.constexpr):
+def _combine(part: "*fp64", bounds: "*i64", out: "*fp64", K: tl.constexpr, NSUM: tl.constexpr, MINMAX: tl.constexpr,
+             FORM: tl.constexpr):
     """Per segment ``s``: the partial rows of its chunks ``bounds[s]..bounds[s+1]`` combined in
     chunk order, in float64. Columns ``0..NSUM-1`` are summed; with ``MINMAX`` the next two are
-    a minimum and a maximum."""
+    a minimum and a maximum. ``FORM`` writes the row as its caller reads it: 0 as combined;
+    1 (pass 1's five columns) as ``gsnr_moments``' six, ``[Σr, min r, max r, Σs, Σḡ², non-finite]``;
+    2 (one summed count) as a flag, 1.0 where it is positive."""
     s = tl.program_id(0)
     c0 = tl.load(bounds + s)
     c1 = tl.load(bounds + s + 1)
-    for j in tl.static_range(NSUM):
-        acc = tl.zeros((), tl.float64)
-        for c in range(c0, c1):
-            acc += tl.load(part + c * K + j)
-        tl.store(out + s * K + j, acc)
-    if MINMAX:
+    if FORM == 1:
+        sr = tl.zeros((), tl.float64)
+        ss = tl.zeros((), tl.float64)
+        sg = tl.zeros((), tl.float64)
         lo = tl.full((), float("inf"), tl.float64)
         hi = tl.full((), float("-inf"), tl.float64)
         for c in range(c0, c1):
-            lo = tl.minimum(lo, tl.load(part + c * K + NSUM))
-            hi = tl.maximum(hi, tl.load(part + c * K + NSUM + 1))
-        tl.store(out + s * K + NSUM, lo)
-        tl.store(out + s * K + NSUM + 1, hi)
+            row = part + c * K
+            sr += tl.load(row + 0)
+            ss += tl.load(row + 1)
+            sg += tl.load(row + 2)
+            lo = tl.minimum(lo, tl.load(row + 3))
+            hi = tl.maximum(hi, tl.load(row + 4))
+        bad = (ss != ss) | (tl.abs(ss) == float("inf")) | (sg != sg) | (tl.abs(sg) == float("inf"))
+        o = out + s * 6
+        tl.store(o + 0, sr)
+        tl.store(o + 1, lo)
+        tl.store(o + 2, hi)
+        tl.store(o + 3, ss)
+        tl.store(o + 4, sg)
+        tl.store(o + 5, tl.where(bad, 1.0, 0.0).to(tl.float64))
+    elif FORM == 2:
+        acc = tl.zeros((), tl.float64)
+        for c in range(c0, c1):
+            acc += tl.load(part + c * K)
+        tl.store(out + s, tl.where(acc > 0, 1.0, 0.0).to(tl.float64))
+    else:
+        for j in tl.static_range(NSUM):
+            acc = tl.zeros((), tl.float64)
+            for c in range(c0, c1):
+                acc += tl.load(part + c * K + j)
+            tl.store(out + s * K + j, acc)
+        if MINMAX:
+            lo = tl.full((), float("inf"), tl.float64)
+            hi = tl.full((), float("-inf"), tl.float64)
+            for c in range(c0, c1):
+                lo = tl.minimum(lo, tl.load(part + c * K + NSUM))
+                hi = tl.maximum(hi, tl.load(part + c * K + NSUM + 1))
+            tl.store(out + s * K + NSUM, lo)
+            tl.store(out + s * K + NSUM + 1, hi)
 
 
 # ---- kernels: per element (one block of indices), then the chunk loops -----------------------------
@@ -755,8 +785,9 @@ LAUNCHES: dict[str, Launch] = {
                          num_warps=4, mutates=True),
     "nonfinite": Launch(_nonfinite_kernel, _cases(XDT=_PDTS, BLOCK=(BLOCK,)), num_warps=4),
     # the reductions' (columns, summed, min/max) of the call sites above
-    "combine": Launch(_combine, tuple(dict(K=k, NSUM=s, MINMAX=mm) for k, s, mm in
-                                      ((5, 3, True), (2, 2, False), (3, 3, False), (5, 5, False), (1, 1, False))),
+    "combine": Launch(_combine, tuple(dict(K=k, NSUM=s, MINMAX=mm, FORM=f) for k, s, mm, f in
+                                      ((5, 3, True, 1), (2, 2, False, 0), (3, 3, False, 0), (5, 5, False, 0),
+                                       (1, 1, False, 2))),
                       num_warps=1),
     "pack_squares": Launch(_pack_squares_kernel, _cases(XDT=_PDTS, WITH_G=_BOOL, ACCUMULATE=_BOOL, ALIGNED=_BOOL,
                                                         BLOCK=(BLOCK,)), num_warps=4),
@@ -928,10 +959,11 @@ class Triton:
         self.counts["table_copies"] += 1
         return _to_device(host, device)
 
-    def _combined(self, ch: _Chunks, part: Tensor, k: int, nsum: int, minmax: bool) -> Tensor:
-        out = torch.empty(ch.segments, k, dtype=torch.float64, device=part.device)
+    def _combined(self, ch: _Chunks, part: Tensor, k: int, nsum: int, minmax: bool, form: int = 0) -> Tensor:
+        width = {0: k, 1: 6, 2: 1}[form]
+        out = torch.empty(ch.segments, width, dtype=torch.float64, device=part.device)
         if ch.segments:
-            self._launch("combine", (ch.segments,), part, ch.bounds, out, K=k, NSUM=nsum, MINMAX=minmax)
+            self._launch("combine", (ch.segments,), part, ch.bounds, out, K=k, NSUM=nsum, MINMAX=minmax, FORM=form)
         return out
 
     @staticmethod
@@ -966,7 +998,7 @@ class Triton:
         if ch.count:
             self._launch("moments", (ch.count,), *ptrs, ch.table, part,
                          float(inv_n), float(eps), BLOCK=BLOCK)
-        return _moment_rows(self._combined(ch, part, 5, 3, True))
+        return self._combined(ch, part, 5, 3, True, form=1)
 
     def scaled_grad_norms(self, params, grads, sum_g, sum_sq, avg, seg, segf, inv_n, eps, beta3):
         dev = self._device(params)
@@ -1036,7 +1068,7 @@ class Triton:
         if ch.count:
             self._launch("nonfinite", (ch.count,), *ptrs, ch.table, part,
                          XDT=self._dtype(tensors), BLOCK=BLOCK)
-        return (self._combined(ch, part, 1, 1, False)[:, 0] > 0).double()
+        return self._combined(ch, part, 1, 1, False, form=2)[:, 0]
 
     def pack_squares(self, src, g_out, sq_out, c, accumulate=False):
         x = src.reshape(-1)
@@ -1094,7 +1126,7 @@ class Triton:
                      BLOCK=BLOCK, SPAN=HOOK_SPAN)
         if not moments:
             return None
-        return _moment_rows(self._combined(self._one_segment(programs, g.device), part, 5, 3, True))[0]
+        return self._combined(self._one_segment(programs, g.device), part, 5, 3, True, form=1)[0]
 
     def _one_segment(self, chunks: int, device: torch.device) -> _Chunks:
         """The combine table of one segment made of ``chunks`` partial rows (cached)."""
@@ -1106,20 +1138,13 @@ class Triton:
         return got
 
 
-def _moment_rows(c: Tensor) -> Tensor:
-    """``gsnr_moments``' rows [Σr, min r, max r, Σs, Σḡ², non-finite] from the combined
-    partial sums [Σr, Σs, Σḡ², min r, max r]."""
-    flag = (~torch.isfinite(c[:, 1]) | ~torch.isfinite(c[:, 2])).double()
-    return torch.stack([c[:, 0], c[:, 3], c[:, 4], c[:, 1], c[:, 2], flag], dim=1)
-
-
 def _aligned(*tensors: Tensor) -> bool:
     """Every tensor starts on a ``VEC``-element boundary (the hook kernels' wide blocks)."""
     return all(t.data_ptr() % (VEC * t.element_size()) == 0 for t in tensors)
 
 
-def _combine_flags(k: int, nsum: int, minmax: bool) -> tuple[str, dict[str, Any]]:
-    return "combine", dict(K=k, NSUM=nsum, MINMAX=minmax)
+def _combine_flags(k: int, nsum: int, minmax: bool, form: int = 0) -> tuple[str, dict[str, Any]]:
+    return "combine", dict(K=k, NSUM=nsum, MINMAX=minmax, FORM=form)
 
 
 def _lamb_apply_flags(pdt: tl.dtype, on: bool, ema: bool) -> tuple[str, dict[str, Any]]:
