@@ -185,7 +185,8 @@ def reference_step(net, opt, dp: int, accumulation: int, step: int, clip: float)
     opt.step()
 
 
-def _build(tp: int, distributed: bool, optimizer: str, kwargs: dict | None):
+def _build(tp: int, distributed: bool, optimizer: str, kwargs: dict | None, micro_steps: str = "auto",
+           overlap: bool = False):
     """The test model (seed 0) under Megatron's DDP and ``optimizer`` through ``vrgd_ds.megatron``."""
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
     from megatron.core.optimizer import OptimizerConfig
@@ -196,11 +197,52 @@ def _build(tp: int, distributed: bool, optimizer: str, kwargs: dict | None):
     torch.manual_seed(0)
     model = TwoLayers(cfg)
     ddp = DistributedDataParallel(cfg, DistributedDataParallelConfig(
-        grad_reduce_in_fp32=True, use_distributed_optimizer=distributed, bucket_size=40), model)
+        grad_reduce_in_fp32=True, use_distributed_optimizer=distributed, bucket_size=40,
+        overlap_grad_reduce=overlap), model)
     opt = get_megatron_optimizer(OptimizerConfig(optimizer="adam", lr=1e-2, weight_decay=0.1, clip_grad=1.0,
                                                  use_distributed_optimizer=distributed),
-                                 [ddp], optimizer=optimizer, optimizer_kwargs=kwargs)
+                                 [ddp], optimizer=optimizer, optimizer_kwargs=kwargs, micro_steps=micro_steps)
     return model, ddp, opt
+
+
+def fold_equals_hooks(case: dict) -> dict:
+    """The statistics folded into Megatron's ``main_grad`` accumulation (one launch per tensor,
+    Megatron's add skipped) against a separate hook beside Megatron's add: every step's Σg, Σg²,
+    n and ``main_grad``, and the trained weights, bit for bit; and the launches per micro-batch."""
+    with model_parallel(case["tp"]) as ps:
+        out = {}
+        for how in ("auto", "hooks"):
+            model, ddp, opt = _build(case["tp"], case["distributed"], "VRLamb", {}, micro_steps=how,
+                                     overlap=case.get("overlap", False))
+            source = opt.vrgd_sources[0]
+            seen, moments = [], source.moments
+
+            def recording(params, moments=moments, seen=seen):
+                g, sq = moments(params)
+                seen.append(([x.detach().clone() for x in g], [x.detach().clone() for x in sq], source.n))
+                return g, sq
+
+            source.moments = recording
+            mains = []
+            for step in range(3):
+                megatron_step(ddp, opt, ps.get_data_parallel_rank(), case["accumulation"], step,
+                              sync=lambda ddp=ddp: (ddp.finish_grad_sync(), mains.append(
+                                  [p.main_grad.detach().clone() for p in model.parameters()])))
+            out[how] = dict(seen=seen, mains=mains, weights=[p.detach().clone() for p in model.parameters()],
+                            launches=source.stat_counters.launches, hooks=source.stat_counters.hooks,
+                            folded=source.stat_counters.folded)
+        a, b = out["auto"], out["hooks"]
+        same = all(na == nb and all(torch.equal(x, y) for x, y in zip(ga + qa, gb + qb))
+                   for (ga, qa, na), (gb, qb, nb) in zip(a["seen"], b["seen"])) and len(a["seen"]) == len(b["seen"]) >= 3
+        res = {"same_moments": same, "seen": [len(a["seen"]), len(b["seen"])],
+               "same_main_grad": all(torch.equal(x, y) for ma, mb in zip(a["mains"], b["mains"]) for x, y in zip(ma, mb)),
+               "same_weights": all(torch.equal(x, y) for x, y in zip(a["weights"], b["weights"])),
+               "launches": [a["launches"], b["launches"]], "hooks": [a["hooks"], b["hooks"]],
+               "folded": [a["folded"], b["folded"]],
+               "tensors": sum(1 for p in model.parameters() if p.requires_grad)}
+        everyone = [None] * dist.get_world_size()
+        dist.all_gather_object(everyone, res)
+        return {"ranks": everyone}
 
 
 def _train(case: dict, optimizer: str, kwargs: dict, ps) -> list[torch.Tensor]:

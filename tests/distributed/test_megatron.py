@@ -99,6 +99,23 @@ def test_matrix_equals_the_unsharded_optimizer(megatron, row):
     assert contrast > 1e-3 and res["worst"] <= share * contrast, res
 
 
+@pytest.mark.parametrize("overlap", [False, True])
+@pytest.mark.parametrize("distributed", [False, True])
+def test_statistics_folded_into_main_grad_equal_a_separate_hook_bit_for_bit(megatron2, distributed, overlap):
+    """No bucket of Megatron's holds one micro-batch (``main_grad`` accumulates them), so the
+    statistics fold their square into Megatron's accumulation: one launch per tensor does
+    ``main_grad += x`` and the squares, and Megatron's own ``add_`` is skipped. Against the
+    separate hook beside Megatron's add (``micro_steps="hooks"``), TP2, accumulation 2: Σg, Σg²,
+    n and ``main_grad`` at every step and the trained weights are bit-equal, with the same number
+    of statistics launches (one per tensor per micro-batch: Megatron's add is the launch saved)."""
+    res = megatron2.run("megatron_worker", "fold_equals_hooks",
+                        {"tp": 2, "distributed": distributed, "accumulation": 2, "overlap": overlap})
+    for r in res["ranks"]:
+        assert r["same_moments"] and r["same_main_grad"] and r["same_weights"], r
+        assert r["launches"][0] == r["launches"][1] == 3 * 2 * r["tensors"], r
+        assert r["folded"] == [r["launches"][0], 0], r  # every launch of "auto" did Megatron's add
+
+
 @pytest.mark.parametrize("distributed", [False, True])
 @pytest.mark.parametrize("optimizer", ["VRLamb", "VRAdam", "VRSGD"])
 def test_gamma_one_is_the_base_optimizer_bit_for_bit(megatron2, optimizer, distributed):

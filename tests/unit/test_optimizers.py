@@ -691,6 +691,31 @@ def test_pack_bucket_cpp_equals_reference_and_the_hook_formula(dtype):
             assert torch.equal(got[50_000:50_007], start[50_000:50_007] + x[40_000:40_007].float() * g_scale)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("main_fp32", [True, False])
+def test_pack_bucket_folds_the_engines_accumulation_as_add_does(dtype, main_fp32):
+    """With ``main`` (Megatron's ``main_grad``), the same launch does the engine's accumulation:
+    ``main += x`` rounded as ``Tensor.add_`` rounds it (fp32, or the gradient's dtype), in the C++
+    kernels as in the reference, beside the statistics."""
+    from vrgd_ds.optim import _impl
+    from vrgd_ds.optim.columns import BucketTable
+
+    if not _fused.available():
+        pytest.skip("no C++ toolchain")
+    g = torch.Generator().manual_seed(2)
+    x = (torch.randn(50_000, generator=g) * 3).to(dtype)
+    main0 = torch.randn(50_000, generator=g).to(torch.float32 if main_fp32 else dtype)
+    table = BucketTable(torch.tensor([[0, 0, 100_000, 40_000, 0], [40_000, 40_000, 140_000, 10_000, 1]]))
+    want = main0.clone()
+    want.add_(x)
+    for impl in (_impl.Reference(), _impl.Fused()):
+        main, out = main0.clone(), torch.zeros(200_000)
+        impl.pack_bucket(x, table, out, 0.5, None, main)
+        assert torch.equal(main, want), type(impl).__name__
+        w = x[:40_000].float() * 0.5
+        assert torch.equal(out[100_000:140_000], w * w)
+
+
 def test_a_bucket_table_that_leaves_its_buffer_is_refused():
     from vrgd_ds.optim import _impl
     from vrgd_ds.optim.columns import BucketTable

@@ -291,6 +291,29 @@ def test_pack_bucket_triton_equals_reference_bit_for_bit(dtype, g_scale):
     assert not torch.equal(want, start)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_pack_bucket_triton_folds_the_engines_accumulation(dtype):
+    """``main`` accumulates the source in the same launch: an fp32 ``main`` bit for bit as the
+    reference (``Tensor.add_``); a bf16 one rounds to nearest even on the GPU, by truncation
+    under the interpreter (its documented difference), so within one bf16 unit there."""
+    from vrgd_ds.optim import _impl
+
+    g = torch.Generator().manual_seed(5)
+    table, used = _bucket_table(_triton.CHUNK + 64, 16)
+    src = (torch.randn(used, generator=g) * 3).to(dtype)
+    for main_dtype in {torch.float32, dtype}:
+        main0 = torch.randn(used, generator=g).to(main_dtype)
+        want, got = main0.clone(), main0.clone().to(DEVICE)
+        out_w, out_g = torch.zeros(8 * (_triton.CHUNK + 64)), torch.zeros(8 * (_triton.CHUNK + 64), device=DEVICE)
+        _impl.Reference().pack_bucket(src, table, out_w, 0.25, 0.25, want)
+        _triton.Triton().pack_bucket(src.to(DEVICE), table, out_g, 0.25, 0.25, got)
+        assert torch.equal(out_g.cpu(), out_w)
+        if main_dtype == torch.float32 or DEVICE == "cuda":
+            assert torch.equal(got.cpu(), want)
+        else:
+            assert float((got.float() - want.float()).abs().max()) <= float(want.float().abs().max()) * 2 ** -7
+
+
 def test_pack_bucket_fills_the_gpu_from_one_bucket(monkeypatch):
     """Each engine bucket is a launch of its own, so its programs must fill an H100 (132 SMs) on
     their own: DeepSpeed's default 5M-element bucket of BERT-large's tensors is cut into over a

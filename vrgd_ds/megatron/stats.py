@@ -4,7 +4,11 @@
 * **Squares, locally.** A tensor hook on every parameter sees each micro-batch's local gradient
   ``x`` before Megatron's grad-accumulator hook adds it into ``main_grad``; ``(x/S)²`` (``S`` the
   loss scale, 1 without fp16) is summed in fp32 into a local buffer laid out like each of
-  Megatron's grad buffers (``param_index_map`` offsets, padding included).
+  Megatron's grad buffers (``param_index_map`` offsets, padding included). No bucket of Megatron's
+  holds one micro-batch (``main_grad`` accumulates them), so the square is folded into Megatron's
+  accumulation instead: the hook's one launch also does ``main_grad += x`` and sets
+  ``grad_added_to_main_grad``, which Megatron's hook reads to skip its own ``add_`` (a parameter
+  with ``zero_out_wgrad`` keeps Megatron's add).
 * **One reduction per bucket per optimizer step**, on the buffer's own data-parallel group,
   when the optimizer's ``prepare_grads`` begins: a reduce-scatter into this rank's shard with the
   distributed optimizer (each parameter's piece lands at its ``gbuf_local`` range, as Megatron's
@@ -113,10 +117,12 @@ def model_tensors(chunks: list[Any], tp_size: int) -> tuple[list[str], dict[int,
     return names, keys, numel, shapes, duplicate
 
 
-def attach(mopt: Any, chunks: list[Any], kernels: Any) -> LocalStats:
+def attach(mopt: Any, chunks: list[Any], kernels: Any, fold: bool = True) -> LocalStats:
     """The statistics source of the inner optimizer of ``mopt`` (one Megatron optimizer over
     ``chunks``); its ``counters`` count the extra collectives and bytes, its ``begin_step`` runs
-    where Megatron's step begins."""
+    where Megatron's step begins. ``fold``: each parameter's hook also adds the micro-batch's
+    gradient into ``main_grad`` in its one launch and marks it added, so Megatron's own
+    accumulation hook skips its ``main_grad.add_`` (one launch per tensor instead of two)."""
     for chunk in chunks:
         require(chunk, _CHUNK, "DistributedDataParallel")
     buffers = [b for chunk in chunks for b in chunk.buffers]
@@ -159,7 +165,10 @@ def attach(mopt: Any, chunks: list[Any], kernels: Any) -> LocalStats:
         for p, (start, end, _) in b.param_index_map.items():
             if p.requires_grad:
                 stats.place(p, buckets[id(b)], start, end - start)
-                stats.hook(p)
+                if fold and hasattr(p, "grad_added_to_main_grad") and not getattr(p, "zero_out_wgrad", False):
+                    stats.hook(p, fold=lambda p=p: p.main_grad)
+                else:
+                    stats.hook(p)
 
     owner = {id(p): b for b in buffers for p in b.param_index_map}
     main_grads: list[tuple[Tensor, Any, Tensor]] = []  # (target, model parameter, range in its main_grad)

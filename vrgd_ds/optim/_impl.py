@@ -184,10 +184,12 @@ class Reference:
             g_out.copy_(x)
         torch.mul(w, w, out=sq_out)
 
-    def pack_bucket(self, src, table, out, c, g_scale):
-        table.check(src, out, g_scale is not None)
+    def pack_bucket(self, src, table, out, c, g_scale, main=None):
+        table.check(src, out, g_scale is not None, main)
         flat = src.reshape(-1)
         for s, g, q, n, acc in table.rows.tolist():
+            if main is not None:
+                main.view(-1).narrow(0, s, n).add_(flat.narrow(0, s, n))
             x = flat.narrow(0, s, n).float()
             w = x * c
             sq = out.narrow(0, q, n)
@@ -242,9 +244,9 @@ class Fused:
     def pack_squares(self, src, g_out, sq_out, c, accumulate=False):
         self._k.pack_squares(src.contiguous().view(-1), g_out, sq_out, c, accumulate)
 
-    def pack_bucket(self, src, table, out, c, g_scale):
-        table.check(src, out, g_scale is not None)
-        self._k.pack_bucket(src.reshape(-1), table.rows, out, c, g_scale)
+    def pack_bucket(self, src, table, out, c, g_scale, main=None):
+        table.check(src, out, g_scale is not None, main)
+        self._k.pack_bucket(src.reshape(-1), table.rows, out, c, g_scale, None if main is None else main.view(-1))
 
     def accumulate_moments(self, grad, sum_g, sum_sq, fresh, inv_n=0.0, eps=0.0):
         return self._k.accumulate_moments(grad.contiguous().view(-1), sum_g.view(-1), sum_sq.view(-1), fresh,

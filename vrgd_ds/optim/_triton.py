@@ -627,15 +627,24 @@ def _pack_squares_kernel(x: tl.int64, G: "*fp32", SQ: "*fp32", numel: tl.int64, 
 
 
 @triton.jit
-def _pack_bucket_elems(X, G, Q, sidx, didx, m, c, gs, acc, WITH_G: tl.constexpr, WIDE: tl.constexpr,
-                       SRC_WIDE: tl.constexpr):
+def _pack_bucket_elems(X, MN, G, Q, sidx, didx, m, c, gs, acc, WITH_G: tl.constexpr, MAIN: tl.constexpr,
+                       WIDE: tl.constexpr, SRC_WIDE: tl.constexpr):
     """``SRC_WIDE``: the source is aligned like the destinations (hinted); else, in the body, read
     unhinted and unmasked (an engine's bucket packs tensors in another order than the flat layout
-    the statistics mirror, so a segment's source and destinations rarely agree modulo VEC)."""
+    the statistics mirror, so a segment's source and destinations rarely agree modulo VEC).
+    ``MAIN``: ``MN`` (laid out like the source) accumulates the source as ``Tensor.add_`` does."""
     if WIDE and not SRC_WIDE:
-        x = tl.load(X + sidx).to(tl.float32)
+        xr = tl.load(X + sidx)
     else:
-        x = _ld(X, sidx, m, WIDE).to(tl.float32)
+        xr = _ld(X, sidx, m, WIDE)
+    x = xr.to(tl.float32)
+    if MAIN:
+        if WIDE and not SRC_WIDE:
+            mv = tl.load(MN + sidx).to(tl.float32) + x
+            tl.store(MN + sidx, mv.to(MN.dtype.element_ty, fp_downcast_rounding="rtne"))
+        else:
+            mv = _ld(MN, sidx, m, WIDE).to(tl.float32) + x
+            _st(MN, sidx, mv.to(MN.dtype.element_ty, fp_downcast_rounding="rtne"), m, WIDE)
     w = x * c
     if acc:
         _st(Q, didx, _ld(Q, didx, m, WIDE) + w * w, m, WIDE)
@@ -648,13 +657,15 @@ def _pack_bucket_elems(X, G, Q, sidx, didx, m, c, gs, acc, WITH_G: tl.constexpr,
 
 
 @_kernel
-def _pack_bucket_kernel(x: tl.int64, OUT: "*fp32", chunks: "*i64", c: tl.float32, gs: tl.float32, XDT: tl.constexpr,
-                        WITH_G: tl.constexpr, ALIGNED: tl.constexpr, BLOCK: tl.constexpr):
+def _pack_bucket_kernel(x: tl.int64, mn: tl.int64, OUT: "*fp32", chunks: "*i64", c: tl.float32, gs: tl.float32,
+                        XDT: tl.constexpr, MDT: tl.constexpr, WITH_G: tl.constexpr, MAIN: tl.constexpr,
+                        ALIGNED: tl.constexpr, BLOCK: tl.constexpr):
     """One chunk of one segment of a bucket (``Kernels.pack_bucket``): chunk rows (source start,
     gradient start, squares start, length, accumulate, head, body blocks, source aligned); the
     body is aligned in both destinations when ``ALIGNED`` (the bases are; the host put it there),
-    and in the source too where the row says so."""
+    and in the source (and ``main``) too where the row says so."""
     X = x.to(tl.pointer_type(XDT))
+    M = mn.to(tl.pointer_type(MDT))
     row = chunks + tl.program_id(0) * _PACK_ROW
     s = tl.load(row + 0)
     g = tl.load(row + 1)
@@ -670,18 +681,19 @@ def _pack_bucket_kernel(x: tl.int64, OUT: "*fp32", chunks: "*i64", c: tl.float32
     G = OUT + g
     Q = OUT + q
     XS = X + s
+    MS = M + s
     if src_wide:
         for i in range(nblk):
             off = head + i * BLOCK + tl.arange(0, BLOCK)
-            _pack_bucket_elems(XS, G, Q, off, off, None, c, gs, acc, WITH_G, True, True)
+            _pack_bucket_elems(XS, MS, G, Q, off, off, None, c, gs, acc, WITH_G, MAIN, True, True)
     else:
         for i in range(nblk):
             off = head + i * BLOCK + tl.arange(0, BLOCK)
-            _pack_bucket_elems(XS, G, Q, off, off, None, c, gs, acc, WITH_G, True, False)
+            _pack_bucket_elems(XS, MS, G, Q, off, off, None, c, gs, acc, WITH_G, MAIN, True, False)
     for off in range(0, n - nblk * BLOCK, BLOCK):
         rel = off + tl.arange(0, BLOCK)
         rel = rel + tl.where(rel < head, 0, nblk * BLOCK)
-        _pack_bucket_elems(XS, G, Q, rel, rel, rel < n, c, gs, acc, WITH_G, False, False)
+        _pack_bucket_elems(XS, MS, G, Q, rel, rel, rel < n, c, gs, acc, WITH_G, MAIN, False, False)
 
 
 @triton.jit
@@ -791,8 +803,9 @@ LAUNCHES: dict[str, Launch] = {
                       num_warps=1),
     "pack_squares": Launch(_pack_squares_kernel, _cases(XDT=_PDTS, WITH_G=_BOOL, ACCUMULATE=_BOOL, ALIGNED=_BOOL,
                                                         BLOCK=(BLOCK,)), num_warps=4),
-    "pack_bucket": Launch(_pack_bucket_kernel, _cases(XDT=_PDTS, WITH_G=_BOOL, ALIGNED=_BOOL, BLOCK=(BLOCK,)),
-                          num_warps=4),
+    "pack_bucket": Launch(_pack_bucket_kernel, _cases(lambda c: c["MAIN"] or c["MDT"] == c["XDT"], XDT=_PDTS,
+                                                      MDT=_PDTS, WITH_G=_BOOL, MAIN=_BOOL, ALIGNED=_BOOL,
+                                                      BLOCK=(BLOCK,)), num_warps=4),
     "accumulate": Launch(_accumulate_kernel, _cases(GDT=_PDTS, FRESH=_BOOL, MOMENTS=_BOOL, ALIGNED=_BOOL,
                                                     BLOCK=(BLOCK,), SPAN=(HOOK_SPAN,)), num_warps=4),
 }
@@ -1080,15 +1093,18 @@ class Triton:
                          XDT=self._dtype([x]), WITH_G=g_out is not None, ACCUMULATE=bool(accumulate),
                          ALIGNED=_aligned(x, g, sq_out), BLOCK=BLOCK)
 
-    def pack_bucket(self, src, table, out, c, g_scale):
-        table.check(src, out, g_scale is not None)
+    def pack_bucket(self, src, table, out, c, g_scale, main=None):
+        table.check(src, out, g_scale is not None, main)
         x = src.reshape(-1)
         ch = self._bucket_chunks(table, x.device)
         if ch.count:
             self._fp32([out])
-            self._launch("pack_bucket", (ch.count,), x.data_ptr(), out, ch.table, float(c),
-                         float(0.0 if g_scale is None else g_scale), XDT=self._dtype([x]), WITH_G=g_scale is not None,
-                         ALIGNED=_aligned(x, out), BLOCK=BLOCK)
+            xdt = self._dtype([x])
+            m = x if main is None else main.view(-1)  # without main: a placeholder the kernel never reads
+            aligned = _aligned(x, out) and (main is None or _aligned(m))
+            self._launch("pack_bucket", (ch.count,), x.data_ptr(), m.data_ptr(), out, ch.table, float(c),
+                         float(0.0 if g_scale is None else g_scale), XDT=xdt, MDT=self._dtype([m]),
+                         WITH_G=g_scale is not None, MAIN=main is not None, ALIGNED=aligned, BLOCK=BLOCK)
 
     def _bucket_chunks(self, table: BucketTable, device: torch.device) -> _Chunks:
         """The chunk table of a bucket table (cached in it): segments cut into ``PACK_CHUNK`` elements,

@@ -56,11 +56,15 @@ class BucketTable:
     def segments(self) -> int:
         return self.rows.shape[0]
 
-    def check(self, src: Tensor, out: Tensor, with_g: bool) -> None:  # with_g: a gradient is written too
+    def check(self, src: Tensor, out: Tensor, with_g: bool, main: Tensor | None = None) -> None:
         """``Kernels.pack_bucket``'s arguments, from shapes alone (no device read): a contiguous
-        source the table stays inside, a contiguous fp32 buffer that holds every destination."""
+        source the table stays inside, a contiguous fp32 buffer that holds every destination
+        (``with_g``: a gradient is written too), a ``main`` shaped like the source."""
         if not src.is_contiguous() or out.dtype != torch.float32 or not out.is_contiguous():
             raise ValueError("pack_bucket: a contiguous source and a contiguous fp32 buffer")
+        if main is not None and (not main.is_contiguous() or main.numel() != src.numel()
+                                 or main.dtype not in (torch.float32, src.dtype)):
+            raise ValueError("pack_bucket: main must be contiguous, as long as the source, fp32 or the source's dtype")
         ends = self.cache.get("ends")
         if ends is None:
             r = self.rows
@@ -153,12 +157,15 @@ class Kernels(Protocol):
         ``sq_out = (c · float(src))²`` (fp32 squares after removing the loss scale); with
         ``accumulate`` both are added instead of written."""
 
-    def pack_bucket(self, src: Tensor, table: BucketTable, out: Tensor, c: float, g_scale: float | None) -> None:
+    def pack_bucket(self, src: Tensor, table: BucketTable, out: Tensor, c: float, g_scale: float | None,
+                    main: Tensor | None = None) -> None:
         """One pass over a flat local gradient for the statistics, every segment of ``table`` in
         one launch: ``w = c · float(src[i])`` (the loss scale removed, in fp32); ``w²`` goes to the
         segment's squares in ``out`` and, unless ``g_scale`` is None, ``g_scale · float(src[i])``
         to its gradient there (``g_scale = c``: ``w`` itself); a segment with its accumulate flag
-        set adds to what is there instead of writing."""
+        set adds to what is there instead of writing. ``main`` (laid out like ``src``, fp32 or
+        ``src``'s dtype): the engine's gradient accumulation in the same pass, ``main[i] +=
+        src[i]`` rounded as ``Tensor.add_`` rounds it (Megatron's ``main_grad``)."""
 
     def accumulate_moments(self, grad: Tensor, sum_g: Tensor, sum_sq: Tensor, fresh: bool, inv_n: float = 0.0,
                            eps: float = 0.0) -> Tensor | None:

@@ -72,11 +72,13 @@ def moment_buffers(targets: list[Tensor]) -> dict[int, tuple[Tensor, Tensor]]:
 @dataclass
 class StatCounters:
     """What a statistics source did on the backward path, to check its cost on any machine:
-    ``pack_bucket`` launches, tensor hooks installed, segment tables built (host table work)."""
+    ``pack_bucket`` launches, tensor hooks installed, segment tables built (host table work), and
+    the launches that did the engine's own accumulation too."""
 
     launches: int = 0
     hooks: int = 0
     tables_built: int = 0
+    folded: int = 0  # launches that also did the engine's accumulation (Megatron's main_grad)
 
 
 #: each rank's part of a statistics bucket is padded to this many elements (16 bytes), so that a
@@ -303,17 +305,23 @@ class LocalStats:
         bucket.members.append(idx)
         return idx
 
-    def hook(self, p: Tensor) -> None:
-        """The hook path: a tensor hook records each backward's gradient of ``p`` (placed)."""
+    def hook(self, p: Tensor, fold: Callable[[], Tensor | None] | None = None) -> None:
+        """The hook path: a tensor hook records each backward's gradient of ``p`` (placed).
+        ``fold``: the engine's accumulation buffer of ``p`` (Megatron's ``main_grad``), which the
+        same launch adds the gradient into; the engine is told so (``grad_added_to_main_grad``)."""
         idx = self._index[id(p)]
         if idx in self._handles:
             return
-        me = weakref.ref(self)
+        me, p_ref = weakref.ref(self), weakref.ref(p)
 
         def hook(grad: Tensor, me=me, idx=idx) -> None:
             stats = me()
-            if stats is not None:
-                stats.record_bucket(("param", idx), grad.detach(), lambda: [(idx, 0)])
+            if stats is None:
+                return
+            main = fold() if fold is not None else None
+            stats.record_bucket(("param", idx), grad.detach(), lambda: [(idx, 0)], main=main)
+            if main is not None:
+                p_ref().grad_added_to_main_grad = True
 
         self._handles[idx] = p.register_hook(hook)
         self.stat_counters.hooks = len(self._handles)
@@ -332,10 +340,12 @@ class LocalStats:
 
     # -- recording -------------------------------------------------------------------------------
 
-    def record_bucket(self, key: Hashable, src: Tensor, members: Callable[[], list[tuple[int, int]]]) -> None:
+    def record_bucket(self, key: Hashable, src: Tensor, members: Callable[[], list[tuple[int, int]]],
+                      main: Tensor | None = None) -> None:
         """One micro-step's local gradients of a bucket: ``src`` flat, holding the parameters that
         ``members()`` lists as ``(index, start in src)`` (called once per ``key``: the bucket's
-        layout, e.g. its parameters). One launch, whatever the number of parameters."""
+        layout, e.g. its parameters). One launch, whatever the number of parameters; ``main``
+        (laid out like ``src``) accumulates ``src`` in the same launch."""
         if self._stale:  # the first record after a step
             self._counts[:] = 0
             self._stale = False
@@ -357,9 +367,11 @@ class LocalStats:
             self.stat_counters.tables_built += 1
         if not src.is_contiguous():
             src = src.contiguous()
-        self.kernels.pack_bucket(src.reshape(-1), table, self.arena, self._c, self._c if self.gbar == "local" else None)
+        self.kernels.pack_bucket(src.reshape(-1), table, self.arena, self._c, self._c if self.gbar == "local" else None,
+                                 main=main)
         counts[plan.params] += 1
         self.stat_counters.launches += 1
+        self.stat_counters.folded += main is not None
 
     def _plan(self, members: list[tuple[int, int]]) -> _Plan:
         rows, seg_param = [], []

@@ -717,9 +717,23 @@ __attribute__((noinline)) void pack_chunk(const T* __restrict__ x, float* __rest
   }
 }
 
+// main[i] += x[i] as Tensor.add_ rounds it: in fp32, then to main's dtype (round to nearest even).
+template <typename T, typename M>
+__attribute__((noinline)) void main_chunk(const T* __restrict__ x, M* __restrict__ m, int64_t n) {
+  _Pragma("omp simd")
+  for (int64_t i = 0; i < n; ++i) m[i] = M(float(m[i]) + float(x[i]));
+}
+
 void pack_bucket(const at::Tensor& src, const at::Tensor& table, const at::Tensor& out, double c,
-                 c10::optional<double> g_scale) {
+                 c10::optional<double> g_scale, const c10::optional<at::Tensor>& main) {
   const bool with_g = g_scale.has_value();
+  const bool with_main = main.has_value() && main->defined();
+  if (with_main) {
+    check_list({*main}, 1, "main", false);
+    TORCH_CHECK(main->numel() == src.numel() &&
+                    (main->scalar_type() == at::kFloat || main->scalar_type() == src.scalar_type()),
+                "pack_bucket: main must be as long as the source, fp32 or the source's dtype");
+  }
   check_list({src}, 1, "src", false);
   check_list({out}, 1, "out", true);
   TORCH_CHECK(table.dtype() == at::kLong && table.dim() == 2 && table.size(1) == 5 && table.is_contiguous() &&
@@ -742,11 +756,16 @@ void pack_bucket(const at::Tensor& src, const at::Tensor& table, const at::Tenso
   const float fc = float(c);
   const float gs = with_g ? float(*g_scale) : 0.f;
   float* base = out.data_ptr<float>();
+  const bool main_fp32 = with_main && main->scalar_type() == at::kFloat;
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, src.scalar_type(), "pack_bucket", [&] {
     const scalar_t* x = src.data_ptr<scalar_t>();
+    float* mf = main_fp32 ? main->data_ptr<float>() : nullptr;
+    scalar_t* mx = with_main && !main_fp32 ? main->data_ptr<scalar_t>() : nullptr;
     at::parallel_for(0, static_cast<int64_t>(pieces.size()), 1, [&](int64_t lo, int64_t hi) {
       for (int64_t k = lo; k < hi; ++k) {
         const Piece& p = pieces[k];
+        if (mf != nullptr) main_chunk<scalar_t, float>(x + p.src, mf + p.src, p.n);
+        if (mx != nullptr) main_chunk<scalar_t, scalar_t>(x + p.src, mx + p.src, p.n);
         pack_chunk<scalar_t>(x + p.src, with_g ? base + p.g : nullptr, base + p.q, p.n, fc, gs, p.acc);
       }
     });
@@ -815,7 +834,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         arg("weight_decay"));
   m.def("nonfinite", &nonfinite, arg("tensors"), arg("seg"));
   m.def("pack_squares", &pack_squares, arg("src"), arg("g_out"), arg("sq_out"), arg("c"), arg("accumulate") = false);
-  m.def("pack_bucket", &pack_bucket, arg("src"), arg("table"), arg("out"), arg("c"), arg("g_scale"));
+  m.def("pack_bucket", &pack_bucket, arg("src"), arg("table"), arg("out"), arg("c"), arg("g_scale"),
+        arg("main") = py::none());
   m.def("accumulate_moments", &accumulate_moments, arg("grad"), arg("sum_g"), arg("sum_sq"), arg("fresh"),
         arg("inv_n") = 0.0, arg("eps") = 0.0);
 }
