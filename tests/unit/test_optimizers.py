@@ -846,3 +846,78 @@ def test_the_gsnr_switched_on_at_a_resume_starts_from_the_base_optimizers_step()
     switched = run(m2, vr, more)
     for a, b in zip(straight, switched):
         torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-7)
+
+
+class _GivenSums:
+    """A statistics source holding fixed sums, found by one dict lookup per step (no per-tensor
+    Python of its own: what is counted below is the optimizer's)."""
+
+    def __init__(self, params, n: int = 4) -> None:
+        self.n = n
+        self._sums = ([p.grad * n for p in params], [p.grad.square() * n + 1e-6 for p in params])
+
+    def moments(self, params):
+        return self._sums
+
+    def reset(self) -> None:
+        pass
+
+
+def _python_calls_of_a_steady_step(name: str, tensors: int, flat: bool, triton: bool, monkeypatch) -> int:
+    import sys
+
+    from vrgd_ds.ds.layout import Layout
+
+    sizes = [64 + i % 7 for i in range(tensors)]
+    params = ([nn.Parameter(torch.randn(sum(sizes)))] if flat else [nn.Parameter(torch.randn(n)) for n in sizes])
+    info = REGISTRY[name]
+    opt = info.cls(params, **{**info.test_kwargs, "fused": "triton" if triton else None})
+    layout = None
+    if flat:
+        layout = Layout([str(i) for i in range(tensors)], sizes, group=None)
+        layout.add(params[0], [(sum(sizes[:i]), sizes[i], i) for i in range(tensors)])
+    for p in params:
+        p.grad = torch.randn(p.shape)
+    opt.set_statistics_source(_GivenSums(params) if info.vr else None, layout)
+    if triton:  # the kernels' own host side is counted, not the interpreter running them
+        from vrgd_ds.optim import _triton
+
+        def launch(self, name, grid, *args, then=(), **flags):
+            self.counts["launches"] += 1
+
+        monkeypatch.setattr(_triton.Triton, "_launch", launch)
+    opt.step()
+    opt.step()
+    calls = [0]
+
+    def count(frame, event, arg):
+        if event in ("call", "c_call"):
+            calls[0] += 1
+
+    sys.setprofile(count)
+    try:
+        opt.step()
+    finally:
+        sys.setprofile(None)
+    return calls[0]
+
+
+@pytest.mark.parametrize("triton", [False, True])
+@pytest.mark.parametrize("flat", [False, True])
+@pytest.mark.parametrize("name", [n for n, i in REGISTRY.items() if i.fused])  # MERIT: per-tensor torch ops
+def test_a_steady_steps_python_work_does_not_grow_with_the_tensors(name, flat, triton, monkeypatch):
+    """The host's work of a steady step (tensors and state unchanged since the last one), counted
+    as Python calls (functions and builtins called from Python), is the same for 8 tensors and
+    for 64: the segment tables, device columns, address and chunk tables, state lookups and
+    metric names are built once and cached; what is per tensor runs in C (``map`` over the
+    tensors, torch's multi-tensor ops). Fails on the old code, which built every table at every
+    step (VRLamb per tensor: 375 calls for 8 tensors and 1,103 for 64 with the C++ kernels, 1,135
+    and 5,447 with the Triton kernels' host side). MERIT's row and column ratios are torch ops per tensor (the
+    registry says its update is not wholly fused): left out."""
+    if triton:
+        pytest.importorskip("triton")
+    elif not _fused.available():
+        pytest.skip("no C++ toolchain")
+    few = _python_calls_of_a_steady_step(name, 8, flat, triton, monkeypatch)
+    many = _python_calls_of_a_steady_step(name, 64, flat, triton, monkeypatch)
+    assert few == many, (few, many)

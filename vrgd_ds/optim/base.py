@@ -188,6 +188,7 @@ class PlanShape:
     rows: list[list[int]]
     names: list[str]
     ready: int = -1
+    states: list[dict[str, Any]] | None = None  # the tensors' state dicts, valid for the epoch ``ready``
 
 
 _IS_SPARSE = operator.attrgetter("is_sparse")
@@ -462,8 +463,9 @@ class GSNROptimizer(torch.optim.Optimizer):
             if len(self._shapes) > 64:
                 self._shapes.clear()
             self._shapes[key] = shape
-        states = [self.state[p] for p in params]
-        plan = Plan(index, group, params, grads, states, shape.seg, shape.numel, shape.keys, tdev, key_base)
+        if shape.states is None or shape.ready != self._epoch:  # the state dicts, looked up once per epoch
+            shape.states = [self.state[p] for p in params]
+        plan = Plan(index, group, params, grads, shape.states, shape.seg, shape.numel, shape.keys, tdev, key_base)
         plan.tensor_of, plan.shapes, plan.rows, plan.shape = shape.tensor_of, shape.shapes, shape.rows, shape
         return plan
 
