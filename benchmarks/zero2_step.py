@@ -160,6 +160,29 @@ def worker(args: argparse.Namespace) -> None:
     counted = {k: (e.vrgd_stats.stat_counters.hooks, e.vrgd_stats.stat_counters.launches,
                    e.vrgd_stats.stat_counters.tables_built, e.vrgd_stats.describe())
                for k, e in engines.items() if hasattr(getattr(e, "vrgd_stats", None), "stat_counters")}
+    # aten operations one steady micro-step's backward dispatches (every kind, views too), per engine:
+    # what the statistics add is the difference to Lamb's (the device's kernels are a subset)
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class _Count(TorchDispatchMode):
+        ops = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            _Count.ops += 1
+            return func(*args, **(kwargs or {}))
+
+    aten = {}
+    for name, engine in engines.items():
+        for j, ids in enumerate(batches):
+            loss = engine(input_ids=ids, labels=ids).loss
+            if j == 0:
+                _Count.ops = 0
+                with _Count():
+                    engine.backward(loss)
+                aten[name] = _Count.ops
+            else:
+                engine.backward(loss)
+            engine.step()
     if rank != 0:
         return
     med = {k: statistics.median(v) for k, v in times.items()}
@@ -257,6 +280,8 @@ def worker(args: argparse.Namespace) -> None:
     for k, (hooks, launches, tables, how) in counted.items():
         print(f"{k:13s} statistics on the backward path: {hooks} parameter hooks, {launches / micro:.1f} launches per "
               f"micro-step, {tables} segment tables built in {micro} micro-steps ({how})")
+    print("aten operations in one micro-step's backward: " + ", ".join(
+        f"{k} {n} ({n - aten['Lamb']:+d} against Lamb)" for k, n in aten.items()))
     for k, e in engines.items():
         m = e.basic_optimizer.gsnr_metrics() if hasattr(e.basic_optimizer, "gsnr_metrics") else {}
         shown = {key: round(m[key], 4) for key in ("gsnr/n", "gsnr/mean", "gsnr/clip_low_frac", "trust_ratio/mean",

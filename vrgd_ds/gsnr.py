@@ -63,8 +63,9 @@ def segment_scales(sum_r: Tensor, numel: Tensor, gamma: float) -> SegmentScales:
         raise ValueError(f"gamma must be in (0, 1], got {gamma}")
     mean = sum_r.double() / numel.double()
     informative = mean > 0
-    inv_mean = torch.where(informative, 1.0 / mean, torch.zeros_like(mean))
-    lo = torch.where(informative, torch.full_like(mean, gamma), torch.ones_like(mean))
+    # a scalar operand beside a float64 tensor stays float64 (two Python scalars would give fp32)
+    inv_mean = torch.where(informative, mean.reciprocal(), 0.0)
+    lo = torch.where(informative, torch.full_like(mean, gamma), 1.0)
     return SegmentScales(inv_mean=inv_mean, lo=lo, informative=informative)
 
 
@@ -92,7 +93,7 @@ def p_hat(avg: Tensor, bc3: float, lo: float) -> Tensor:
 def gsnr_ema_bias_correction(beta3: float, step: Tensor) -> Tensor:
     """``1 - beta3**t`` per segment (float64 step counts): the bias correction of the GSNR
     momentum ``p_t`` (docs/design.md §1.3), and of Adam's moments with their betas."""
-    return 1.0 - torch.pow(torch.tensor(beta3, dtype=torch.float64), step)
+    return 1.0 - torch.pow(float(beta3), step.double())  # a float base: the same float64 pow, one op fewer
 
 
 @dataclass(frozen=True)
