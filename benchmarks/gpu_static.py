@@ -244,8 +244,8 @@ def measure_step(name: str, over: dict[str, Any], tensors: int = 5, micro: int =
 def measure_hooks() -> dict[str, dict[str, float]]:
     """Words per parameter per micro-step of the statistics hooks' kernels, first and later
     micro-steps: the one-process tensor hook (``accumulate_moments``; the last backward also
-    takes pass 1) and the ZeRO ``per_step`` hook (``pack_squares`` from an fp16 gradient, with
-    ḡ summed locally or taken from the engine)."""
+    takes pass 1) and the ZeRO ``per_step`` statistics from an engine bucket (``pack_bucket`` over an
+    fp16 bucket of three tensors, with ḡ summed locally or taken from the engine)."""
     k = _triton.Triton()
     n = 3 * _triton.HOOK_SPAN + 5
     out = {}
@@ -256,14 +256,19 @@ def measure_hooks() -> dict[str, dict[str, float]]:
             with Tally() as t:
                 k.accumulate_moments(grad, sg, sq, fresh, inv_n, 1e-12)
             out[f"tensor hook, {str(gdt)[6:]} gradient, {label}"] = t.words(n)
+    from vrgd_ds.optim.columns import BucketTable
+
     x = torch.randn(n).half()
-    g, sq = torch.zeros(n), torch.zeros(n)
+    both = torch.zeros(2 * n + 8)
     for with_g in (False, True):
         for label, acc in (("first", False), ("later", True)):
+            # one engine bucket of three tensors, written fresh or added to: its [Σg | Σg²] layout
+            cuts = [0, n // 3, 2 * n // 3, n]
+            table = BucketTable(torch.tensor([[a, a, n + 4 + a, b - a, int(acc)] for a, b in zip(cuts, cuts[1:])]))
             with Tally() as t:
-                k.pack_squares(x, g if with_g else None, sq, 0.5, accumulate=acc)
+                k.pack_bucket(x, table, both, 0.5, 0.5 if with_g else None)
             gbar = "local" if with_g else "engine"
-            out[f"ZeRO per_step hook, fp16 gradient, gbar={gbar}, {label}"] = t.words(n)
+            out[f"ZeRO per_step bucket, fp16 gradient, gbar={gbar}, {label}"] = t.words(n)
     return out
 
 
@@ -334,8 +339,8 @@ def report(args: argparse.Namespace) -> dict[str, Any]:
     hooks = measure_hooks()
     shapes = bert_shapes(pathlib.Path(args.config))
     # ZeRO-2 in fp16 (the config): the per_step hook with ḡ summed locally (gbar "auto" in fp16)
-    zero_hook = {"first": hooks["ZeRO per_step hook, fp16 gradient, gbar=local, first"]["total"],
-                 "later": hooks["ZeRO per_step hook, fp16 gradient, gbar=local, later"]["total"]}
+    zero_hook = {"first": hooks["ZeRO per_step bucket, fp16 gradient, gbar=local, first"]["total"],
+                 "later": hooks["ZeRO per_step bucket, fp16 gradient, gbar=local, later"]["total"]}
     # under ZeRO the statistics arrive by collective, so the step runs its own GSNR pass: the
     # words of a step whose hooks did not take it (measured with the pass, see measure_step)
     zero_step = {label: r["zero_step_words"] for label, r in steps.items()}

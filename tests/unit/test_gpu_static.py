@@ -55,14 +55,17 @@ def test_launches_per_step_do_not_grow_with_the_number_of_tensors(lamb):
 def test_hooks_words_per_micro_step():
     """The one-process hook writes Σg, Σg² from a fp32 gradient (3 words) on the first
     micro-step and adds to them later (5), taking the GSNR pass in the same pass; the ZeRO
-    per_step hook reads an fp16 gradient (half a word) and writes its fp32 square (and Σg with
-    gbar=local)."""
+    per_step statistics read an engine's fp16 bucket (half a word) and write its fp32 squares (and
+    Σg with gbar=local), reading them back to add on later micro-steps; the segment table's
+    reads are scalars, outside these words."""
     h = {k: v["total"] for k, v in gpu_static.measure_hooks().items()}
     assert h["tensor hook, float32 gradient, first"] == 3.0
     assert h["tensor hook, float32 gradient, later"] == h["tensor hook, float32 gradient, last (+pass 1)"] == 5.0
     assert h["tensor hook, bfloat16 gradient, first"] == 2.5
-    assert h["ZeRO per_step hook, fp16 gradient, gbar=engine, first"] == 1.5
-    assert h["ZeRO per_step hook, fp16 gradient, gbar=local, later"] == 4.5
+    assert h["ZeRO per_step bucket, fp16 gradient, gbar=engine, first"] == 1.5
+    assert h["ZeRO per_step bucket, fp16 gradient, gbar=engine, later"] == 2.5
+    assert h["ZeRO per_step bucket, fp16 gradient, gbar=local, first"] == 2.5
+    assert h["ZeRO per_step bucket, fp16 gradient, gbar=local, later"] == 4.5
 
 
 def test_roofline_model_adds_up():
