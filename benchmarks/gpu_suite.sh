@@ -41,13 +41,13 @@ part() {  # name, seconds, command...
 { nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
   python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"; } \
     >>"$OUTDIR/summary.log" 2>&1
-part fusedlamb_build 90 python3 -c "from deepspeed.ops.op_builder import FusedLambBuilder as B; B().load()"
+part fusedlamb_build 60 python3 -c "from deepspeed.ops.op_builder import FusedLambBuilder as B; B().load()"
 part triton_cuda 60 python3 -m pytest -q -x -p no:cacheprovider tests/unit/test_triton.py -k "pack_bucket or cuda"
-part opt_step 80 python3 benchmarks/gpu_optimizer_step.py --model large --kernels --iters 10
-part opt_step_flat 50 python3 benchmarks/gpu_optimizer_step.py --model large --flat --kernels --iters 10
+part opt_step 60 python3 benchmarks/gpu_optimizer_step.py --model large --kernels --iters 10
+part opt_step_flat 40 python3 benchmarks/gpu_optimizer_step.py --model large --flat --kernels --iters 10
 one_rank=(env RANK=0 LOCAL_RANK=0 WORLD_SIZE=1 MASTER_ADDR=127.0.0.1 MASTER_PORT=29631)
 for seq in 128 512; do
-    part "zero2_seq$seq" 115 "${one_rank[@]}" python3 benchmarks/zero2_step.py --worker --ranks 1 --gas 4 \
+    part "zero2_seq$seq" 140 "${one_rank[@]}" python3 benchmarks/zero2_step.py --worker --ranks 1 --gas 4 \
         --micro-batch 32 --seq "$seq" --model large --dtype bf16 --anchors --profile --hooks --repeats 4 --warmup 2
 done
 part zero2_seq128_noprofile 100 "${one_rank[@]}" python3 benchmarks/zero2_step.py --worker --ranks 1 --gas 4 \

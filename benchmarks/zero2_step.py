@@ -317,6 +317,11 @@ def main() -> None:
     args = ap.parse_args()
     if args.worker or os.environ.get("RANK") is not None:  # launched (deepspeed, torchrun), or one rank by hand
         worker(args)
+        import torch.distributed
+
+        if torch.distributed.is_initialized():  # every rank leaves together (NCCL's teardown otherwise waits)
+            torch.distributed.barrier()
+            torch.distributed.destroy_process_group()
     else:
         argv = [a for a in sys.argv[1:]]
         sys.exit(launch(argv))
