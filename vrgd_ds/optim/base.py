@@ -189,6 +189,23 @@ class PlanShape:
     names: list[str]
     ready: int = -1
     states: list[dict[str, Any]] | None = None  # the tensors' state dicts, valid for the epoch ``ready``
+    length_share: Tensor | None = None  # float64 [S] on tdev: each segment's share of its whole tensor
+    _constants: dict[bool, dict[str, Tensor]] = field(default_factory=dict)
+
+    def constants(self, gsnr: bool) -> dict[str, Tensor]:
+        """The metric tables' constant columns for this plan (made once)."""
+        got = self._constants.get(gsnr)
+        if got is None:
+            got = self._constants[gsnr] = _constants(self.length.numel(), self.length.device, gsnr)
+        return got
+
+
+def _constants(segments: int, device: torch.device, gsnr: bool) -> dict[str, Tensor]:
+    """Constant columns of the metric tables: absent extremes and trust (-inf), and the gsnr and
+    present flags."""
+    absent = torch.full((segments, 2), -torch.inf, dtype=torch.float64, device=device)
+    flags = torch.tensor([[float(gsnr), 1.0]], dtype=torch.float64).expand(segments, 2).contiguous()
+    return {"extremes": absent, "untrusted": absent, "flags": flags.to(device)}
 
 
 _IS_SPARSE = operator.attrgetter("is_sparse")
@@ -395,10 +412,11 @@ class GSNROptimizer(torch.optim.Optimizer):
 
     def reduce_segments(self, plan: Plan, values: Tensor) -> Tensor:
         """Per-segment sums ``[S, k]`` -> sums over each segment's whole model tensor."""
-        if self._layout is None:
-            return values
         # Per rank a model tensor is at most one segment (one piece of one flat partition), so
-        # index_add_ has no colliding rows here: deterministic also with CUDA atomics.
+        # index_add_ has no colliding rows here (deterministic also with CUDA atomics), and with no
+        # other rank to add (a layout without a group) the sums are the values themselves.
+        if self._layout is None or getattr(self._layout, "group", False) is None:
+            return values.double()
         buf = torch.zeros(self._layout.num_keys, values.shape[1], dtype=torch.float64, device=values.device)
         buf.index_add_(0, plan.keys, values.double())
         self._layout.all_reduce(buf, "sum")
@@ -490,8 +508,10 @@ class GSNROptimizer(torch.optim.Optimizer):
         t = torch.tensor(rows, dtype=torch.long).reshape(-1, 6)
         seg, keys = t[:, :3].contiguous(), t[:, 3].contiguous()
         numel = t[:, 4].double() if self._layout is None else self._layout.numel.index_select(0, keys)
+        length = seg[:, 2].double()
         return PlanShape(seg, to_device(numel, tdev), to_device(keys, tdev), to_device(seg[:, 0].contiguous(), tdev),
-                         to_device(seg[:, 2].double(), tdev), shapes, rows, names)
+                         to_device(length, tdev), shapes, rows, names,
+                         length_share=to_device(length / numel.clamp_min(1), tdev))
 
     def _undo_step_counts(self) -> None:
         """What ``_step`` counted before its kernels failed (the step is run again)."""
@@ -546,8 +566,11 @@ class GSNROptimizer(torch.optim.Optimizer):
                 flags.append(plan.grad_norms[:, 2])
             else:  # reads the gradient only (one word per parameter, the norms' pass reads two)
                 flags.append(kernels.nonfinite(plan.grads, plan.seg))
-        none = torch.zeros(1, dtype=torch.float64, device=tdev)  # a rank holding no piece finds nothing
-        found = torch.cat([none] + [f.reshape(-1).to(tdev, torch.float64) for f in flags]).amax().reshape(1)
+        found = torch.cat([f.reshape(-1).to(tdev, torch.float64) for f in flags]) if flags else None
+        if found is None or found.numel() == 0:  # a rank holding no piece finds nothing
+            found = torch.zeros(1, dtype=torch.float64, device=tdev)
+        else:
+            found = found.amax().reshape(1)
         if self._layout is not None:
             self._layout.all_reduce(found, "max")
             self._layout.all_reduce_stages(found, "max")
@@ -713,32 +736,27 @@ class GSNROptimizer(torch.optim.Optimizer):
         else:
             num_keys = self._layout.num_keys
         sums, maxs = M.empty_tables(num_keys, tdev)
-        S_, M_ = M.S, M.M
         for plan, res in zip(plans, results):
             k = plan.keys
             if k.numel() == 0:
                 continue
-            cols = torch.zeros(k.numel(), len(M.SUM_COLS), dtype=torch.float64, device=tdev)
-            top = torch.full((k.numel(), len(M.MAX_COLS)), -torch.inf, dtype=torch.float64, device=tdev)
-            top[:, M_["present"]] = 1.0
-            top[:, M_["gsnr"]] = float(plan.gsnr)
+            const = plan.shape.constants(plan.gsnr) if plan.shape is not None else _constants(k.numel(), tdev, plan.gsnr)
+            # columns in M.SUM_COLS / M.MAX_COLS order, each table one cat of views and the few
+            # columns computed here
             if plan.gsnr:
+                mom, cnt = plan.moments, res["gsnr_counts"]
                 length = plan.shape.length if plan.shape is not None else to_device(plan.seg[:, 2].double(), tdev)
-                cols[:, S_["sum_r"]] = plan.moments[:, 0]
-                cols[:, S_["sum_s"]] = plan.moments[:, 3]
-                cols[:, S_["sum_gbar_sq"]] = plan.moments[:, 4]
-                cols[:, S_["clip_low"]] = res["gsnr_counts"][:, 0]
-                cols[:, S_["clip_high"]] = res["gsnr_counts"][:, 1]
-                cols[:, S_["sum_scale"]] = res["gsnr_counts"][:, 2]
-                cols[:, S_["numel"]] = length
-                top[:, M_["neg_min_r"]] = -plan.moments[:, 1]
-                top[:, M_["max_r"]] = plan.moments[:, 2]
-                zero_info = (~plan.scales.informative).double()
-                cols[:, S_["zero_info"]] = zero_info * length / plan.numel.clamp_min(1)
-            if "trust" in res:
-                top[:, M_["trust"]] = res["trust"]
-                top[:, M_["adapted"]] = res["adapted"].double()
-            sums.index_add_(0, k, cols)
+                zero_info = torch.where(plan.scales.informative, 0.0, plan.shape.length_share
+                                        if plan.shape is not None else length / plan.numel.clamp_min(1))
+                cols = torch.cat([mom[:, 0:1], length[:, None], mom[:, 3:5], cnt[:, 0:2], zero_info[:, None],
+                                  cnt[:, 2:3]], dim=1)
+                sums.index_add_(0, k, cols)
+                extremes = torch.cat([-mom[:, 1:2], mom[:, 2:3]], dim=1)
+            else:
+                extremes = const["extremes"]
+            trust = ([res["trust"][:, None], res["adapted"][:, None].double()] if "trust" in res
+                     else [const["untrusted"]])
+            top = torch.cat([extremes, *trust, const["flags"]], dim=1)
             maxs.scatter_reduce_(0, k.unsqueeze(1).expand_as(top), top, "amax")
         if self._layout is not None:
             self._layout.all_reduce(sums, "sum")

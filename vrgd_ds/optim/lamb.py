@@ -48,16 +48,17 @@ from vrgd_ds.optim import columns
 from vrgd_ds.optim.base import GSNROptimizer, Plan, check_arg
 
 
-def trust_ratios(plan: Plan, sq_norms: torch.Tensor, coeff: torch.Tensor, min_coeff: float,
+def trust_ratios(plan: Plan, sq_norms: torch.Tensor, min_coeff: float,
                  max_coeff: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """``clamp(coeff · ‖θ‖/‖u‖, min, max)`` per segment from whole-tensor ``[‖θ‖², ‖u‖²]``,
-    guarded to 1 where a norm is 0 or adaptation is off. Returns (trust, adapted mask)."""
+    """``clamp(‖θ‖/‖u‖, min, max)`` per segment from whole-tensor ``[‖θ‖², ‖u‖²]``, guarded to 1
+    where a norm is 0 or adaptation is off (a few vectorised ops on the ``[S, 2]`` table; a ratio
+    the guard replaces may be inf or NaN, never read). Returns (trust, adapted mask)."""
     g = plan.group
-    w, u = sq_norms[:, 0].sqrt(), sq_norms[:, 1].sqrt()
+    norms = sq_norms[:, :2].sqrt()
     on = bool(g["trust_ratio"]) and bool(g.get("use_nvlamb", True) or g["weight_decay"] != 0)
-    adapted = torch.full_like(w, on, dtype=torch.bool) & (w > 0) & (u > 0)
-    ratio = (coeff * w / torch.where(adapted, u, torch.ones_like(u))).clamp(min_coeff, max_coeff)
-    return torch.where(adapted, ratio, torch.ones_like(ratio)), adapted
+    adapted = (norms > 0).all(dim=1) if on else torch.zeros(norms.shape[0], dtype=torch.bool, device=norms.device)
+    ratio = (norms[:, 0] / norms[:, 1]).clamp(min_coeff, max_coeff)
+    return torch.where(adapted, ratio, 1.0), adapted
 
 
 class VRLamb(GSNROptimizer):
@@ -156,7 +157,7 @@ class VRLamb(GSNROptimizer):
                                 weight_decay=decay, apply=False, placement=placement,
                                 eps_gsnr=g["gsnr_eps"], **gsnr_args, **plan.skip_args())
         norms = self.reduce_segments(plan, out[:, :2])
-        trust, adapted = trust_ratios(plan, norms, plan.ones(), g["min_coeff"], g["max_coeff"])
+        trust, adapted = trust_ratios(plan, norms, g["min_coeff"], g["max_coeff"])
         if placement != UPDATE_PLACEMENT or not plan.gsnr:  # only the update placement reads p̂ again
             gsnr_args.update(sum_g=[], sum_sq=[], avg=[])
         apply_cols = dict({k: cols[k] for k in columns.LAMB_APPLY if k != "trust"}, trust=trust)
