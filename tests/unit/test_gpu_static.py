@@ -78,3 +78,57 @@ def test_roofline_model_adds_up():
     assert r["step_gb"] == pytest.approx(17 * 4 * -(-shapes["params"] // 8) / 1e9)
     assert r["hook_gb"] == pytest.approx((2.5 + 127 * 4.5) * 4 * shapes["params"] / 1e9)
     assert r["step_ms"] == pytest.approx(r["step_gb"] / 2.0)
+
+
+def _flat_step_launches(segments: int) -> tuple[int, int]:
+    """(Triton launches, torch operations) of a steady VRLamb step on one flat partition of
+    ``segments`` tensors (a ZeRO-1/2 rank's view), on one rank."""
+    import torch
+
+    import vrgd_ds
+    from vrgd_ds.ds.layout import Layout
+
+    sizes = [100 + i for i in range(segments)]
+    p = torch.nn.Parameter(torch.randn(sum(sizes)) * 0.02)
+    p.grad = torch.randn(p.shape) * 1e-3
+    opt = vrgd_ds.VRLamb([p], lr=1e-3, weight_decay=0.01, fused="triton")
+    layout = Layout([str(i) for i in range(segments)], sizes, group=None)
+    layout.add(p, [(sum(sizes[:i]), sizes[i], i) for i in range(segments)])
+
+    class Given:
+        n = 4
+        sums = ([p.grad * 4], [p.grad.square() * 4 + 1e-6])
+
+        def moments(self, params):
+            return self.sums
+
+        def reset(self):
+            pass
+
+    opt.set_statistics_source(Given(), layout)
+    opt.step()
+    opt.step()
+    kernels = opt.kernels()
+    before = kernels.counts["launches"]
+    launch = kernels._launch
+
+    def launch_uncounted(*args, **kwargs):  # the interpreter's own torch ops are no GPU kernels
+        with ops.paused():
+            return launch(*args, **kwargs)
+
+    kernels._launch = launch_uncounted
+    with gpu_static.OpCount() as ops:
+        opt.step()
+    kernels._launch = launch
+    return kernels.counts["launches"] - before, sum(ops.ops.values())
+
+
+def test_a_flat_partitions_step_launches_do_not_grow_with_its_tensors(monkeypatch):
+    """VRLamb on one flat ZeRO partition: the same launches for 8 and 64 tensors in it, and at
+    most 64 in all (7 Triton launches, 57 torch operations on the per-segment tables; the step
+    ran 116 before the combine wrote its rows and the tables were built from views: the target
+    of 10 would need the table arithmetic in kernels of its own)."""
+    monkeypatch.setattr(_triton, "CHUNK", 4 * _triton.BLOCK)
+    few, many = _flat_step_launches(8), _flat_step_launches(64)
+    assert few == many
+    assert few[0] == 7 and sum(few) <= 64
