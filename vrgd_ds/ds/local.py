@@ -6,7 +6,7 @@ and why it is exact: ``vrgd_ds/stats/local.py``.
 """
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -26,3 +26,30 @@ def attach(engine: Any, path: Any, world: int, gbar: str, squares_dtype: torch.d
     if gbar == "engine":
         path.capture_engine_gradient(stats)
     return stats
+
+
+def buckets_or_hooks(engine: Any, stats: LocalStats, params: list, holds_micro_step: Callable[[], bool]) -> list[bool]:
+    """Where each micro-step is read, chosen now and again whenever ``set_train_batch_size``
+    changes the accumulation: DeepSpeed's bucket when ``holds_micro_step()`` (and the config does
+    not ask for hooks), else a tensor hook per parameter. Returns a one-element list the engine
+    path's reduction wrapper reads (True: record the bucket)."""
+    use_buckets = [False]
+
+    def choose() -> None:
+        use_buckets[0] = holds_micro_step() and not stats.hooks_only
+        for p in params:
+            if use_buckets[0]:
+                stats.unhook(p)
+            else:
+                stats.hook(p)
+
+    choose()
+    set_batch = engine.set_train_batch_size
+
+    def set_train_batch_size(*args, **kwargs):
+        out = set_batch(*args, **kwargs)
+        choose()
+        return out
+
+    engine.set_train_batch_size = set_train_batch_size
+    return use_buckets

@@ -22,6 +22,7 @@ import deepspeed.comm as dist
 
 from vrgd_ds.ds.internals import UnsupportedConfiguration, require
 from vrgd_ds.ds.layout import Layout, ModelTensors
+from vrgd_ds.ds.local import buckets_or_hooks
 from vrgd_ds.stats.comm import fused_all_reduce_sync
 from vrgd_ds.stats.local import LocalStats
 
@@ -126,7 +127,6 @@ class Stage0:
     def record_micro_steps(self, stats: LocalStats) -> None:
         engine, pairs = self.engine, self.pairs
         original = engine.allreduce_bucket
-        use_buckets = [False]
 
         def allreduce_bucket(bucket, dp_group, dp_world_size=None):
             if not use_buckets[0]:
@@ -149,24 +149,9 @@ class Stage0:
                 off += p.numel()
             return out
 
-        def choose() -> None:
-            use_buckets[0] = int(engine.gradient_accumulation_steps()) == 1 and not stats.hooks_only
-            for p, _ in pairs:
-                if use_buckets[0]:
-                    stats.unhook(p)
-                else:
-                    stats.hook(p)
-
         engine.allreduce_bucket = allreduce_bucket
-        choose()
-        set_batch = engine.set_train_batch_size
-
-        def set_train_batch_size(*args, **kwargs):
-            out = set_batch(*args, **kwargs)
-            choose()
-            return out
-
-        engine.set_train_batch_size = set_train_batch_size
+        use_buckets = buckets_or_hooks(engine, stats, [p for p, _ in pairs],
+                                       lambda: int(engine.gradient_accumulation_steps()) == 1)
 
     def capture_engine_gradient(self, stats: LocalStats) -> None:
         """``gbar="engine"``: the reduced gradient, read just before DeepSpeed unscales and clips it."""

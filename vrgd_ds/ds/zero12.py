@@ -27,6 +27,7 @@ import deepspeed.comm as dist
 
 from vrgd_ds.ds.internals import UnsupportedConfiguration, require
 from vrgd_ds.ds.layout import Layout, ModelTensors
+from vrgd_ds.ds.local import buckets_or_hooks
 from vrgd_ds.stats.comm import fused_all_reduce_sync
 from vrgd_ds.stats.local import LocalStats
 
@@ -172,7 +173,6 @@ class Zero12:
         groups = zopt.bit16_groups
         params = [p for g in groups for p in g]
         original = zopt.average_tensor
-        use_buckets = [False]
 
         def members(entries) -> list[tuple[int, int]]:
             out, off = [], 0
@@ -191,24 +191,8 @@ class Zero12:
                 stats.record_bucket(tuple(entries), tensor, lambda: members(entries))
             return original(tensor, communication_data_type)
 
-        def choose() -> None:
-            use_buckets[0] = self.bucket_holds_micro_step() and not stats.hooks_only
-            for p in params:
-                if use_buckets[0]:
-                    stats.unhook(p)
-                else:
-                    stats.hook(p)
-
         zopt.average_tensor = average_tensor
-        choose()
-        set_batch = engine.set_train_batch_size
-
-        def set_train_batch_size(*args, **kwargs):
-            out = set_batch(*args, **kwargs)
-            choose()
-            return out
-
-        engine.set_train_batch_size = set_train_batch_size
+        use_buckets = buckets_or_hooks(engine, stats, params, self.bucket_holds_micro_step)
 
     def capture_engine_gradient(self, stats: LocalStats) -> None:
         """``gbar="engine"``: each group's reduced partition gradient, read just before DeepSpeed
