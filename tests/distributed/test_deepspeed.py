@@ -160,6 +160,45 @@ def test_hook_path_counts_show_where_no_bucket_holds_a_micro_step(pool):
     assert "64 parameter hooks" in r["describe"]
 
 
+@pytest.mark.parametrize("name, case", params(worker.hierarchical_cases()))
+def test_hierarchical_statistics_on_two_nodes_equal_the_reference(pool4, name, case):
+    """``"squares": "hierarchical"`` on 4 ranks grouped as 2 nodes × 2: each bucket reduce-scattered
+    within the node every micro-step, across nodes once per step; n = ranks × micro-steps and the
+    trained parameters within the per-step scheme's tolerances of the single-process reference
+    fed every rank's micro-batches (the same statistics: in bf16 the distance is the per-step
+    scheme's to the last digit), one collective per step across nodes."""
+    res = run(pool4, "run_matrix_case", case)
+    n = 4 * case["gas"]
+    assert res["n"] == [n] * 3 and res["skipped"] == 0
+    assert res["collectives"] == 3  # across nodes: one per param group per step (one group here)
+    assert res["l2"] <= PERSTEP_TOL[case["dtype"]][1], res
+    if case["dtype"] == "fp32":
+        assert res["l2"] <= CONTRAST["fp32"] * res["contrast_l2"], res
+
+
+@pytest.mark.parametrize("gbar", ["engine", "local"])
+def test_hierarchical_statistics_hold_a_node_share_of_per_steps_memory(pool4, gbar):
+    """4 ranks as 2 nodes × 2, ZeRO-2, accumulation 2, a bucket of 40 elements: the buffers that
+    mirror the model's gradients hold half of the per-step scheme's full-size one (÷ ranks per
+    node); the partition's sums are the same; the transient buffers hold one bucket's chunks (the
+    largest: the 91-element weight DeepSpeed reduces alone); across nodes one reduce-scatter per
+    step of half the per-step scheme's bytes per rank, so each node sends what per_step's one
+    collective does; within the node one reduce-scatter per bucket per micro-step."""
+    res = run(pool4, "run_scheme_costs", dict(stage=2, dtype="fp32", gas=2, clip=1.0, opt="VRLamb", bucket=40,
+                                              node_size=2, gbar=gbar))
+    flat, hier = res["per_step"], res["hierarchical"]
+    assert flat["n"] == hier["n"] == 8
+    assert hier["step_collectives"] == flat["step_collectives"] == 1
+    assert hier["inter_bytes"] * 2 == flat["inter_bytes"]
+    assert hier["intra_bytes"] > 0 and flat["intra_bytes"] == 0
+    words = 2 if gbar == "local" else 1
+    assert flat["memory"]["local"] >= 4 * words * flat["numel"]  # full size (DeepSpeed's padding included)
+    assert hier["memory"]["local"] * 2 == flat["memory"]["local"], (hier, flat)
+    assert hier["memory"]["partition"] == flat["memory"]["partition"]
+    assert 0 < hier["memory"]["transient"] <= 4 * words * 3 * (91 // 2 + 4) and flat["memory"]["transient"] == 0
+    assert "hierarchical over 2 node(s) of 2 rank(s)" in hier["describe"]
+
+
 def test_engine_mean_gradient_in_bf16_inflates_the_gsnr_local_does_not(pool):
     """The measurement behind gbar="auto": in bf16 training DeepSpeed's bf16-reduced ḡ meets the
     fp32 squares in s - ḡ²; its rounding inflates the first step's mean GSNR (seen 4.46 against
@@ -289,6 +328,9 @@ BAD = {
     "bad-moe": "'MoE layers' is not supported",
     "bad-tensor-parallel-mpu": "'mpu (tensor model parallelism)' is not supported with VRGD optimizers: the model is "
                                "sharded over 2 tensor-parallel ranks",
+    "bad-node-size": "vrgd.node_size: 3 does not divide the 2 data-parallel ranks",
+    "bad-hierarchical-stage3": "vrgd.squares: 'hierarchical' runs on ZeRO stages 1 and 2",
+    "bad-hierarchical-bf16-squares": "vrgd.squares_dtype: 'hierarchical' reduces [Σg | Σg²] chunks in one dtype",
 }
 
 

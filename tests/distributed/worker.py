@@ -68,6 +68,8 @@ def config(case: dict) -> dict:
                               "stage3_param_persistence_threshold": 0},
     }
     cfg["vrgd"] = {"squares": case.get("scheme", "per_micro_step"), "gbar": case.get("gbar", "auto")}
+    if case.get("node_size"):
+        cfg["vrgd"]["node_size"] = case["node_size"]
     if case.get("sq_dtype"):
         cfg["vrgd"]["squares_dtype"] = case["sq_dtype"]
     if case["dtype"] == "bf16":
@@ -93,7 +95,9 @@ def run_matrix_case(case: dict) -> dict:
     gbar = case.get("gbar", "auto")
     if gbar == "auto":
         gbar = "engine" if dtype == torch.float32 else "local"
-    scheme = dict(squares=case.get("scheme", "per_micro_step"), gbar=gbar)
+    # the hierarchical scheme reduces the per-step scheme's sums, the same statistics
+    squares = case.get("scheme", "per_micro_step")
+    scheme = dict(squares="per_step" if squares == "hierarchical" else squares, gbar=gbar)
     first = rank == 0  # the references run once, on rank 0
     ref = Reference(model, lambda ps: cls(ps, **OPT_KW[case["opt"]]), dtype, case["stage"], case["gas"], world,
                     case["clip"], **scheme) if first else None
@@ -585,6 +589,44 @@ def run_counts_case(case: dict) -> dict:
     return out
 
 
+HIER_FACTORS = dict(stage=(1, 2), dtype=("fp32", "bf16"), gas=(1, 4))
+
+
+def hierarchical_cases():
+    """The hierarchical scheme on 4 ranks as 2 nodes × 2 (``node_size``), against the reference."""
+    for levels in itertools.product(*HIER_FACTORS.values()):
+        c = dict(zip(HIER_FACTORS, levels))
+        yield ("hier-stage{stage}-{dtype}-gas{gas}".format(**c),
+               dict(c, clip=1.0, opt="VRLamb", bucket=40, scheme="hierarchical", node_size=2))
+
+
+def run_scheme_costs(case: dict) -> dict:
+    """The same engine with ``per_step`` and ``hierarchical`` statistics: per rank, the bytes the
+    statistics hold (live buffers) and, per optimizer step, the collectives and bytes within the
+    node and across nodes."""
+    rank = dist.get_rank()
+    out = {}
+    for scheme in ("per_step", "hierarchical"):
+        c = dict(case, scheme=scheme, node_size=case["node_size"] if scheme == "hierarchical" else None)
+        engine, *_ = deepspeed.initialize(model=tiny_model(), config=config(c))
+        stats = engine.vrgd_stats
+        for j in range(case["gas"]):
+            engine.backward(loss_fn(engine, batch(0, rank, j), DTYPES[case["dtype"]]))
+            engine.step()
+        intra = getattr(stats, "intra_bytes", 0)
+        inter, calls = stats.counters.bytes_sent, stats.counters.collectives
+        for j in range(case["gas"]):  # the second step, counted
+            engine.backward(loss_fn(engine, batch(1, rank, j), DTYPES[case["dtype"]]))
+            engine.step()
+        numel = sum(p.numel() for p in engine.module.parameters())
+        out[scheme] = dict(buffer_bytes=stats.buffer_bytes(), memory=stats.memory(), numel=numel,
+                           intra_bytes=getattr(stats, "intra_bytes", 0) - intra,
+                           inter_bytes=stats.counters.bytes_sent - inter, step_collectives=stats.counters.collectives - calls,
+                           launches=stats.stat_counters.launches, grad_bytes=stats.counters.grad_bytes_fp32,
+                           n=engine.basic_optimizer.gsnr_metrics().get("gsnr/n"), describe=stats.describe())
+    return out
+
+
 def checkpoint_cases(tmp: str):
     for stage in (0, 1, 2, 3):
         yield f"checkpoint-stage{stage}", dict(stage=stage, dtype="fp32", gas=2, clip=1.0, opt="VRLamb", bucket=40,
@@ -673,6 +715,9 @@ def bad_cases():
     yield "bad-autotp", dict(base, bert=True, set={"tensor_parallel.autotp_size": 2})
     yield "bad-moe", dict(base, moe=True)
     yield "bad-tensor-parallel-mpu", dict(base, mpu=True)
+    yield "bad-node-size", dict(base, set={"vrgd.squares": "hierarchical", "vrgd.node_size": 3})
+    yield "bad-hierarchical-stage3", dict(base, stage=3, set={"vrgd.squares": "hierarchical"})
+    yield "bad-hierarchical-bf16-squares", dict(base, set={"vrgd.squares": "hierarchical", "vrgd.squares_dtype": "bf16"})
 
 
 def full_state(engine, key: str) -> dict[str, torch.Tensor]:

@@ -35,8 +35,8 @@ def attach(engine: Any) -> sources.ReductionStats | None:
             raise UnsupportedConfiguration(
                 f"{type(opt).__name__}: GSNR needs >= {MIN_GROUPS} gradient groups per step, this run has n={n} "
                 f"({world} data-parallel rank(s), gradient_accumulation_steps={gas}, ZeRO stage {stage}: groups are "
-                + ("ranks x micro-steps" if stage >= 2 or scheme == "per_step" else "ranks") + "). Use more ranks"
-                + (", or gradient_accumulation_steps >= 2" if stage >= 2 or scheme == "per_step"
+                + ("ranks x micro-steps" if stage >= 2 or scheme != "per_micro_step" else "ranks") + "). Use more ranks"
+                + (", or gradient_accumulation_steps >= 2" if stage >= 2 or scheme != "per_micro_step"
                    else ", or \"vrgd\": {\"squares\": \"per_step\"} with gradient_accumulation_steps >= 2")
                 + ", or set 'gsnr': false.")
 
@@ -51,9 +51,19 @@ def attach(engine: Any) -> sources.ReductionStats | None:
     stats = None
     if wants_stats:
         gbar = options.gbar_for(engine.get_data_types()[0])
-        stats = (local.attach(engine, path, world, gbar, options.torch_squares_dtype, opt.kernels(),
-                              hooks_only=options.micro_steps == "hooks")
-                 if scheme == "per_step" else sources.attach(engine, path, world, options.torch_squares_dtype))
+        hooks_only = options.micro_steps == "hooks"
+        if scheme == "hierarchical":
+            if not hasattr(path, "node_buffers") or pipeline.is_pipeline(engine):
+                raise UnsupportedConfiguration(
+                    f"vrgd.squares: 'hierarchical' runs on ZeRO stages 1 and 2 without pipeline parallelism (this "
+                    f"engine: stage {stage}{', a PipelineEngine' if pipeline.is_pipeline(engine) else ''}); use "
+                    "'per_step' or 'per_micro_step'")
+            stats = local.attach_hierarchical(engine, path, world, gbar, opt.kernels(), options.node_size, hooks_only)
+        elif scheme == "per_step":
+            stats = local.attach(engine, path, world, gbar, options.torch_squares_dtype, opt.kernels(),
+                                 hooks_only=hooks_only)
+        else:
+            stats = sources.attach(engine, path, world, options.torch_squares_dtype)
     opt.set_statistics_source(stats, layout)
     # DeepSpeed skips a step when the gradients it checked are not finite: with an fp16 dynamic
     # loss scaler that is an overflow (the scale drops), otherwise the gradients are non-finite.

@@ -9,7 +9,7 @@ from __future__ import annotations
 from typing import Any, Literal
 
 import torch
-from pydantic import BaseModel, ConfigDict, ValidationError
+from pydantic import BaseModel, ConfigDict, ValidationError, model_validator
 
 from vrgd_ds.ds.internals import UnsupportedConfiguration
 from vrgd_ds.ds.names import check_optimizer_block
@@ -22,7 +22,7 @@ class ReductionConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    squares: Literal["per_step", "per_micro_step"] | None = None
+    squares: Literal["per_step", "per_micro_step", "hierarchical"] | None = None
     """``per_step``: DeepSpeed's own gradient reduction untouched; each rank sums its micro-steps'
     squares locally (a full-size fp32 buffer, 4 B/param per rank) and one collective per
     optimizer step reduces them; n = ranks × micro-steps on every stage. ``per_micro_step``:
@@ -30,7 +30,10 @@ class ReductionConfig(BaseModel):
     full-size buffer; n = ranks on stage 0/ZeRO-1, where DeepSpeed reduces once per step).
     Default (null): ``per_step`` on stages 0-2, whose ranks already hold a full-size gradient
     (2-4 B/param) and parameters, ``per_micro_step`` on ZeRO-3, which exists to avoid full-size
-    buffers per rank."""
+    buffers per rank. ``hierarchical`` (ZeRO-1/2): each bucket's statistics reduce-scattered within
+    the node every micro-step into buffers partitioned over the node's ranks, then across nodes
+    once per step: ``1/node_size`` of ``per_step``'s memory per rank, the same bytes between nodes
+    (``vrgd_ds/stats/hierarchical.py``)."""
     gbar: Literal["auto", "engine", "local"] = "auto"
     """``per_step``'s mean gradient ḡ. ``engine``: DeepSpeed's reduced gradient, read before it
     is unscaled and clipped (no extra bytes). ``local``: summed in fp32 beside the squares and
@@ -52,6 +55,22 @@ class ReductionConfig(BaseModel):
     parameter everywhere, which writes the same statistics bit for bit at one launch per tensor
     (the path the buckets are tested against; for a DeepSpeed whose buckets are laid out otherwise)."""
 
+    node_size: int | None = None
+    """``hierarchical``: the ranks per node (consecutive ranks form a node). Default (null): the
+    ranks that share a host, found at attach; set it to group ranks otherwise (tests on one
+    machine). It must divide the data-parallel ranks."""
+
+    @model_validator(mode="after")
+    def _together(self) -> "ReductionConfig":
+        if self.node_size is not None and self.node_size < 1:
+            raise ValueError("vrgd.node_size must be a positive number of ranks")
+        if self.squares == "hierarchical" and self.squares_dtype != "fp32":
+            raise ValueError("vrgd.squares_dtype: 'hierarchical' reduces [Σg | Σg²] chunks in one dtype, fp32; "
+                             "remove squares_dtype or use squares 'per_step'")
+        if self.node_size is not None and self.squares != "hierarchical":
+            raise ValueError("vrgd.node_size applies to squares 'hierarchical' only")
+        return self
+
     @property
     def torch_squares_dtype(self) -> torch.dtype:
         return torch.bfloat16 if self.squares_dtype == "bf16" else torch.float32
@@ -62,7 +81,7 @@ class ReductionConfig(BaseModel):
         return "engine" if model_dtype == torch.float32 else "local"
 
     def scheme(self, stage: int) -> str:
-        """``per_step`` or ``per_micro_step`` for a ZeRO stage (the default rule above)."""
+        """The scheme for a ZeRO stage: the one configured, else the default rule above."""
         return self.squares or ("per_micro_step" if stage == 3 else "per_step")
 
 
@@ -73,6 +92,8 @@ def reduction_config(raw_config: dict[str, Any]) -> ReductionConfig:
         return ReductionConfig.model_validate(block)
     except ValidationError as e:
         err = e.errors()[0]
+        if not err["loc"]:  # a check of several keys together: its message names them
+            raise UnsupportedConfiguration(str(err["msg"]).removeprefix("Value error, ")) from None
         key = ".".join([KEY, *map(str, err["loc"])])
         raise UnsupportedConfiguration(f"{key}: {err['msg']} (accepted keys: "
                                        f"{', '.join(ReductionConfig.model_fields)})") from None

@@ -12,6 +12,8 @@ import torch
 
 import deepspeed.comm as dist
 
+from vrgd_ds.ds.internals import UnsupportedConfiguration
+from vrgd_ds.stats.hierarchical import NodeStats, node_groups
 from vrgd_ds.stats.local import LocalStats
 
 
@@ -53,3 +55,41 @@ def buckets_or_hooks(engine: Any, stats: LocalStats, params: list, holds_micro_s
 
     engine.set_train_batch_size = set_train_batch_size
     return use_buckets
+
+
+def host_node_size(group: Any, world: int) -> int:
+    """The ranks per node: those that share a host, which must be consecutive and as many on every
+    host (one gather of the host names at attach)."""
+    import socket
+
+    import torch.distributed
+
+    hosts: list[Any] = [None] * world
+    torch.distributed.all_gather_object(hosts, socket.gethostname(), group=group)
+    size = hosts.count(hosts[0])
+    if world % size or any(hosts[r] != hosts[(r // size) * size] for r in range(world)):
+        raise UnsupportedConfiguration(
+            "vrgd.node_size: the ranks of each host are not consecutive and equally many "
+            f"({', '.join(hosts)}); set \"vrgd\": {{\"node_size\": N}} to say which ranks form a node")
+    return size
+
+
+def attach_hierarchical(engine: Any, path: Any, world: int, gbar: str, kernels: Any, node_size: int | None,
+                        hooks_only: bool = False) -> NodeStats:
+    """The hierarchical scheme on an engine path that supports it (``path.node_buffers``)."""
+    group = engine.seq_data_parallel_group
+    if dist.get_world_size(group=group) != dist.get_world_size():
+        raise UnsupportedConfiguration(
+            "vrgd.squares: 'hierarchical' needs the data-parallel group to be every rank (no model parallelism "
+            "beside it); use 'per_step'")
+    size = node_size if node_size is not None else host_node_size(group, world)
+    if world % size:
+        raise UnsupportedConfiguration(f"vrgd.node_size: {size} does not divide the {world} data-parallel ranks")
+    nodes = node_groups(dist, world, dist.get_rank(), size)
+    stats = NodeStats(dist, kernels, world, path.targets(), gbar, path.loss_scale,
+                      engine.gradient_accumulation_steps, nodes)
+    stats.hooks_only = hooks_only
+    path.node_buffers(stats)
+    if gbar == "engine":
+        path.capture_engine_gradient(stats)
+    return stats

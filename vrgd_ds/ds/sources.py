@@ -142,7 +142,7 @@ def attach(engine: Any, path: Any, world: int, squares_dtype: torch.dtype) -> Re
 def expected_groups(world: int, gas: int, stage: int, scheme: str = "per_micro_step") -> int:
     """n at every step of a run (docs/design.md §3): ranks × micro-steps, but only ranks on stage 0 /
     ZeRO-1 with the per-micro-step fused reduction (DeepSpeed reduces there once per step)."""
-    return world * (gas if stage >= 2 or scheme == "per_step" else 1)
+    return world * (gas if stage >= 2 or scheme != "per_micro_step" else 1)
 
 
 __all__ = ["ReductionStats", "attach", "expected_groups"]

@@ -157,6 +157,23 @@ class Zero12:
                 stats.place(p, bucket, off, p.numel())
         self.record_micro_steps(stats)
 
+    def node_buffers(self, stats: Any) -> None:
+        """The hierarchical scheme (``vrgd_ds/stats/hierarchical.py``): per param group a node buffer
+        of this rank's local index, reduced across nodes into this rank's partition once per step;
+        each micro-step read from DeepSpeed's ipg buckets as ``local_buffers`` does."""
+        zopt, targets = self.zopt, self.flats
+        for i, flat16 in enumerate(zopt.bit16_groups_flat):
+            k = dist.get_world_size(group=zopt.real_dp_process_group[i])
+            if k != stats.world or flat16.numel() != k * targets[i].numel():
+                raise RuntimeError(f"DeepSpeed's flat group {i} holds {flat16.numel()} elements, not {stats.world} "
+                                   f"partitions of {targets[i].numel()}: a layout DeepSpeed 0.19.8 does not produce")
+            b = stats.add_node_bucket(flat16.numel(), flat16.device)
+            stats.alias(targets[i], *stats.halves(b))
+            base, size = flat16.data_ptr(), flat16.element_size()
+            for p in zopt.bit16_groups[i]:
+                stats.place_flat(p, b, (p.data_ptr() - base) // size, p.numel())
+        self.record_micro_steps(stats)
+
     def bucket_holds_micro_step(self) -> bool:
         """Whether DeepSpeed's ipg bucket holds one micro-step's local gradient when it is reduced:
         ZeRO-2 reduces every micro-step; ZeRO-1 reduces the accumulated gradient at the boundary,

@@ -204,6 +204,20 @@ class Reference:
                 else:
                     torch.mul(x, g_scale, out=dg)
 
+    def unpack_bucket(self, src, table, out, src_sq, with_g):
+        table.check(src, out, with_g)
+        if src.dtype != torch.float32 or table.cache["ends"][1] + src_sq > src.numel():
+            raise ValueError("unpack_bucket: an fp32 source that holds every row's squares")
+        flat = src.reshape(-1)
+        for s, g, q, n, acc in table.rows.tolist():
+            pairs = [(q, s + src_sq)] + ([(g, s)] if with_g else [])
+            for dst, start in pairs:
+                d, x = out.narrow(0, dst, n), flat.narrow(0, start, n)
+                if acc:
+                    d.add_(x)
+                else:
+                    d.copy_(x)
+
     def nonfinite(self, tensors, seg):
         return torch.tensor([0.0 if bool(torch.isfinite(_piece(tensors[t], start, length)).all()) else 1.0
                              for t, start, length in seg.tolist()], dtype=torch.float64)
@@ -248,6 +262,12 @@ class Fused:
         table.check(src, out, g_scale is not None, main)
         self._k.pack_bucket(src.reshape(-1), table.rows, out, c, g_scale, None if main is None else main.view(-1))
 
+    def unpack_bucket(self, src, table, out, src_sq, with_g):
+        table.check(src, out, with_g)
+        if src.dtype != torch.float32 or table.cache["ends"][1] + src_sq > src.numel():
+            raise ValueError("unpack_bucket: an fp32 source that holds every row's squares")
+        self._k.unpack_bucket(src.reshape(-1), table.rows, out, src_sq, with_g)
+
     def accumulate_moments(self, grad, sum_g, sum_sq, fresh, inv_n=0.0, eps=0.0):
         return self._k.accumulate_moments(grad.contiguous().view(-1), sum_g.view(-1), sum_sq.view(-1), fresh,
                                           inv_n, eps)  # None (an undefined tensor) when inv_n == 0
@@ -271,7 +291,7 @@ class WithFallback:
     parameter or state was written raises ``StepRetry`` (the optimizer runs the step again), and
     after that a ``RuntimeError`` naming the fix (nothing is silently half-applied)."""
 
-    _HOOKS = frozenset(("pack_squares", "pack_bucket", "accumulate_moments"))
+    _HOOKS = frozenset(("pack_squares", "pack_bucket", "unpack_bucket", "accumulate_moments"))
 
     def __init__(self, kernels: Kernels, owner: str) -> None:
         self.primary, self.reference, self.owner = kernels, Reference(), owner
@@ -326,7 +346,7 @@ def _fallback_method(method: str):
 
 
 for _method in ("gsnr_moments", "scaled_grad_norms", "sgd_step", "adam_step", "lamb_apply", "nonfinite",
-                "pack_squares", "pack_bucket", "accumulate_moments"):  # the Kernels protocol, each through _call
+                "pack_squares", "pack_bucket", "unpack_bucket", "accumulate_moments"):  # the Kernels protocol
     setattr(WithFallback, _method, _fallback_method(_method))
 
 

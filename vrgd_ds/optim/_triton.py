@@ -697,6 +697,60 @@ def _pack_bucket_kernel(x: tl.int64, mn: tl.int64, OUT: "*fp32", chunks: "*i64",
 
 
 @triton.jit
+def _unpack_elems(XG, XQ, G, Q, idx, m, acc, WITH_G: tl.constexpr, WIDE: tl.constexpr, SRC_WIDE: tl.constexpr):
+    if WIDE and not SRC_WIDE:
+        xq = tl.load(XQ + idx)
+    else:
+        xq = _ld(XQ, idx, m, WIDE)
+    if acc:
+        xq = xq + _ld(Q, idx, m, WIDE)
+    _st(Q, idx, xq, m, WIDE)
+    if WITH_G:
+        if WIDE and not SRC_WIDE:
+            xg = tl.load(XG + idx)
+        else:
+            xg = _ld(XG, idx, m, WIDE)
+        if acc:
+            xg = xg + _ld(G, idx, m, WIDE)
+        _st(G, idx, xg, m, WIDE)
+
+
+@_kernel
+def _unpack_bucket_kernel(SRC: "*fp32", OUT: "*fp32", chunks: "*i64", src_sq: tl.int64, WITH_G: tl.constexpr,
+                          ALIGNED: tl.constexpr, BLOCK: tl.constexpr):
+    """One chunk of one row of ``Kernels.unpack_bucket``: the chunk rows of ``pack_bucket``
+    (source, gradient, squares, length, accumulate, head, body blocks, source aligned)."""
+    row = chunks + tl.program_id(0) * _PACK_ROW
+    s = tl.load(row + 0)
+    g = tl.load(row + 1)
+    q = tl.load(row + 2)
+    n = tl.load(row + 3)
+    acc = tl.load(row + 4) != 0
+    head = tl.load(row + 5)
+    nblk = tl.load(row + 6)
+    src_wide = tl.load(row + 7) != 0
+    if not ALIGNED:
+        head = n
+        nblk = n * 0
+    XG = SRC + s
+    XQ = SRC + s + src_sq
+    G = OUT + g
+    Q = OUT + q
+    if src_wide:
+        for i in range(nblk):
+            off = head + i * BLOCK + tl.arange(0, BLOCK)
+            _unpack_elems(XG, XQ, G, Q, off, None, acc, WITH_G, True, True)
+    else:
+        for i in range(nblk):
+            off = head + i * BLOCK + tl.arange(0, BLOCK)
+            _unpack_elems(XG, XQ, G, Q, off, None, acc, WITH_G, True, False)
+    for off in range(0, n - nblk * BLOCK, BLOCK):
+        rel = off + tl.arange(0, BLOCK)
+        rel = rel + tl.where(rel < head, 0, nblk * BLOCK)
+        _unpack_elems(XG, XQ, G, Q, rel, rel < n, acc, WITH_G, False, False)
+
+
+@triton.jit
 def _accumulate_elems(G, SG, SQ, idx, m, FRESH: tl.constexpr, WIDE: tl.constexpr):
     x = _ld(G, idx, m, WIDE).to(tl.float32)
     if FRESH:
@@ -806,6 +860,7 @@ LAUNCHES: dict[str, Launch] = {
     "pack_bucket": Launch(_pack_bucket_kernel, _cases(lambda c: c["MAIN"] or c["MDT"] == c["XDT"], XDT=_PDTS,
                                                       MDT=_PDTS, WITH_G=_BOOL, MAIN=_BOOL, ALIGNED=_BOOL,
                                                       BLOCK=(BLOCK,)), num_warps=4),
+    "unpack_bucket": Launch(_unpack_bucket_kernel, _cases(WITH_G=_BOOL, ALIGNED=_BOOL, BLOCK=(BLOCK,)), num_warps=4),
     "accumulate": Launch(_accumulate_kernel, _cases(GDT=_PDTS, FRESH=_BOOL, MOMENTS=_BOOL, ALIGNED=_BOOL,
                                                     BLOCK=(BLOCK,), SPAN=(HOOK_SPAN,)), num_warps=4),
 }
@@ -1106,12 +1161,26 @@ class Triton:
                          float(0.0 if g_scale is None else g_scale), XDT=xdt, MDT=self._dtype([m]),
                          WITH_G=g_scale is not None, MAIN=main is not None, ALIGNED=aligned, BLOCK=BLOCK)
 
-    def _bucket_chunks(self, table: BucketTable, device: torch.device) -> _Chunks:
+    def unpack_bucket(self, src, table, out, src_sq, with_g):
+        table.check(src, out, with_g)
+        if src.dtype != torch.float32 or table.cache["ends"][1] + src_sq > src.numel():
+            raise ValueError("unpack_bucket: an fp32 source that holds every row's squares")
+        # the chunk rows say whether a row's source agrees with its destinations modulo VEC; the
+        # squares, src_sq further, agree too only when src_sq does
+        ch = self._bucket_chunks(table, src.device, src_shift=src_sq)
+        if ch.count:
+            self._fp32([out])
+            self._launch("unpack_bucket", (ch.count,), src, out, ch.table, int(src_sq), WITH_G=bool(with_g),
+                         ALIGNED=_aligned(src, out), BLOCK=BLOCK)
+
+    def _bucket_chunks(self, table: BucketTable, device: torch.device, src_shift: int | None = None) -> _Chunks:
         """The chunk table of a bucket table (cached in it): segments cut into ``PACK_CHUNK`` elements,
         each with a body aligned in both destinations where they agree modulo ``VEC`` (the
         statistics buffers are laid out so that they do), and read aligned from the source where
-        it agrees too (the bases' alignment is checked at each launch)."""
-        key = ("triton", device, PACK_CHUNK)
+        it agrees too (the bases' alignment is checked at each launch). ``src_shift``
+        (``unpack_bucket``): the squares are read that far past the row's source, which must
+        agree as well."""
+        key = ("triton", device, PACK_CHUNK, src_shift)
         got = table.cache.get(key)
         if got is None:
             rows = []
@@ -1120,7 +1189,9 @@ class Triton:
                     st, gt, qt, k = s + off, g + off, q + off, min(PACK_CHUNK, n - off)
                     wide = (gt - qt) % VEC == 0
                     head = min((-qt) % VEC, k) if wide else k
-                    rows.append((st, gt, qt, k, acc, head, (k - head) // BLOCK, int((st - qt) % VEC == 0)))
+                    src_wide = (st - qt) % VEC == 0 if src_shift is None else (
+                        (st - gt) % VEC == 0 and (st + src_shift - qt) % VEC == 0)
+                    rows.append((st, gt, qt, k, acc, head, (k - head) // BLOCK, int(src_wide)))
             host = torch.tensor(rows or [(0,) * 8], dtype=torch.long).reshape(-1, 8)
             got = table.cache[key] = _Chunks(self._copy(host, device), host, len(rows), table.segments)
         return got

@@ -167,6 +167,12 @@ class Kernels(Protocol):
         ``src``'s dtype): the engine's gradient accumulation in the same pass, ``main[i] +=
         src[i]`` rounded as ``Tensor.add_`` rounds it (Megatron's ``main_grad``)."""
 
+    def unpack_bucket(self, src: Tensor, table: BucketTable, out: Tensor, src_sq: int, with_g: bool) -> None:
+        """The reverse move of a reduced statistics bucket (fp32 ``src``: its ``Σg`` at a row's
+        source start, its ``Σg²`` ``src_sq`` further) into the buffer the step reads: per row
+        ``out[Σg² start + i] = src[start + src_sq + i]`` and, ``with_g``, ``out[Σg start + i] =
+        src[start + i]``; a row with its accumulate flag set adds instead. One launch."""
+
     def accumulate_moments(self, grad: Tensor, sum_g: Tensor, sum_sq: Tensor, fresh: bool, inv_n: float = 0.0,
                            eps: float = 0.0) -> Tensor | None:
         """Adds one backward's gradient to the statistics; with ``inv_n > 0`` an implementation

@@ -214,7 +214,7 @@ class StatsBucket:
 
 
 @dataclass
-class _Plan:
+class BucketPlan:
     """A cached bucket layout: every segment's rows and parameter, the parameters it covers,
     and its tables by accumulate flags (at most two in steady training: first micro-step, later)."""
 
@@ -257,7 +257,7 @@ class LocalStats:
         self._index: dict[int, int] = {}  # id(param) -> index
         self._dests: list[list[tuple[int, int, int, int]]] = []
         self._counts = np.zeros(0, dtype=np.int64)
-        self._plans: dict[Hashable, _Plan] = {}
+        self._plans: dict[Hashable, BucketPlan] = {}
         self._stale = False
         self._started = False
         self._finished = False
@@ -373,7 +373,7 @@ class LocalStats:
         self.stat_counters.launches += 1
         self.stat_counters.folded += main is not None
 
-    def _plan(self, members: list[tuple[int, int]]) -> _Plan:
+    def _plan(self, members: list[tuple[int, int]]) -> BucketPlan:
         rows, seg_param = [], []
         for idx, start in members:
             for rel, g, q, n in self._dests[idx]:
@@ -382,7 +382,7 @@ class LocalStats:
         params = np.unique(np.asarray([i for i, _ in members], dtype=np.int64))
         if len(params) != len(members):
             raise RuntimeError("a bucket lists a parameter twice")
-        return _Plan(np.asarray(rows, dtype=np.int64).reshape(-1, 4), np.asarray(seg_param, dtype=np.int64), params)
+        return BucketPlan(np.asarray(rows, dtype=np.int64).reshape(-1, 4), np.asarray(seg_param, dtype=np.int64), params)
 
     # -- engine side -----------------------------------------------------------------------------
 
@@ -486,19 +486,22 @@ class LocalStats:
         """``(Σg, Σg²)`` of ``target`` (flat), as ``alias`` set them."""
         return self._bufs[id(target)]
 
-    def buffer_bytes(self) -> int:
-        """Bytes of every buffer the statistics hold on this rank: the local buckets and the
-        reduced sums the optimizer reads (views of the buckets count once)."""
-        seen, total = set(), self._size * 4
-        arena = self._arena
+    def memory(self) -> dict[str, int]:
+        """Bytes the statistics hold on this rank, by kind: ``local`` the buffers that mirror the
+        model's gradients (full size), ``partition`` the sums the optimizer reads (shaped like its
+        partition), ``transient`` the buffers one bucket at a time uses."""
+        storages = {}  # the allocations behind the views the optimizer reads, each once
         for g, sq in self._bufs.values():
             for t in (g, sq):
-                if t is None or id(t) in seen:
-                    continue
-                seen.add(id(t))
-                if arena is None or t.untyped_storage().data_ptr() != arena.untyped_storage().data_ptr():
-                    total += t.numel() * t.element_size()
-        return total
+                if t is not None and t.numel():
+                    storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        if self._arena is not None:
+            storages.pop(self._arena.untyped_storage().data_ptr(), None)  # counted as local
+        return {"local": self._size * 4, "partition": sum(storages.values()), "transient": 0}
+
+    def buffer_bytes(self) -> int:
+        """Bytes of every buffer the statistics hold on this rank (``memory()``'s sum)."""
+        return sum(self.memory().values())
 
     def remove(self) -> None:
         self.unhook()

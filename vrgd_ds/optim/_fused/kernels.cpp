@@ -772,6 +772,48 @@ void pack_bucket(const at::Tensor& src, const at::Tensor& table, const at::Tenso
   });
 }
 
+// The reverse move of a reduced statistics bucket: rows (source start, gradient start, squares
+// start, length, accumulate); the squares are read src_sq past the row's source start.
+__attribute__((noinline)) void move_chunk(const float* __restrict__ x, float* __restrict__ y, int64_t n, bool acc) {
+  if (acc) {
+    _Pragma("omp simd")
+    for (int64_t i = 0; i < n; ++i) y[i] = y[i] + x[i];
+  } else {
+    _Pragma("omp simd")
+    for (int64_t i = 0; i < n; ++i) y[i] = x[i];
+  }
+}
+
+void unpack_bucket(const at::Tensor& src, const at::Tensor& table, const at::Tensor& out, int64_t src_sq,
+                   bool with_g) {
+  check_list({src, out}, 2, "unpack_bucket", true);
+  TORCH_CHECK(table.dtype() == at::kLong && table.dim() == 2 && table.size(1) == 5 && table.is_contiguous() &&
+                  table.device().is_cpu(),
+              "bucket table must be contiguous int64 [S, 5] (source, gradient, squares, length, accumulate)");
+  auto t = table.accessor<int64_t, 2>();
+  struct Piece {
+    int64_t src, dst, n;
+    bool acc;
+  };
+  std::vector<Piece> pieces;
+  for (int64_t i = 0; i < table.size(0); ++i) {
+    const int64_t s = t[i][0], g = t[i][1], q = t[i][2], n = t[i][3];
+    TORCH_CHECK(s >= 0 && n >= 0 && s + src_sq + n <= src.numel() && q >= 0 && q + n <= out.numel() &&
+                    (!with_g || (g >= 0 && g + n <= out.numel())),
+                "unpack_bucket: segment ", i, " is outside the source or the buffer");
+    for (int64_t o = 0; o < n; o += kChunk) {
+      const int64_t m = std::min(kChunk, n - o);
+      pieces.push_back({s + src_sq + o, q + o, m, t[i][4] != 0});
+      if (with_g) pieces.push_back({s + o, g + o, m, t[i][4] != 0});
+    }
+  }
+  const float* x = src.data_ptr<float>();
+  float* y = out.data_ptr<float>();
+  at::parallel_for(0, static_cast<int64_t>(pieces.size()), 1, [&](int64_t lo, int64_t hi) {
+    for (int64_t k = lo; k < hi; ++k) move_chunk(x + pieces[k].src, y + pieces[k].dst, pieces[k].n, pieces[k].acc);
+  });
+}
+
 // One backward's gradient into fp32 statistics: fresh: sum_g = g, sum_sq = g^2;
 // else sum_g += g, sum_sq += g^2. Squares are taken in fp32.
 //
@@ -836,6 +878,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("pack_squares", &pack_squares, arg("src"), arg("g_out"), arg("sq_out"), arg("c"), arg("accumulate") = false);
   m.def("pack_bucket", &pack_bucket, arg("src"), arg("table"), arg("out"), arg("c"), arg("g_scale"),
         arg("main") = py::none());
+  m.def("unpack_bucket", &unpack_bucket, arg("src"), arg("table"), arg("out"), arg("src_sq"), arg("with_g"));
   m.def("accumulate_moments", &accumulate_moments, arg("grad"), arg("sum_g"), arg("sum_sq"), arg("fresh"),
         arg("inv_n") = 0.0, arg("eps") = 0.0);
 }

@@ -1,0 +1,294 @@
+"""The hierarchical scheme of the per-step statistics (``"vrgd": {"squares": "hierarchical"}``):
+reduced within the node at every micro-step, across nodes once per step, so that no rank holds a
+full-size buffer (docs/design.md §3).
+
+Ranks are grouped into nodes of ``L`` consecutive ranks (those that share a host; ``k = N·L``
+ranks in all). A ZeRO-1/2 param group's flat gradient is cut into ``k`` partitions, rank
+``r = j·L + l`` (node ``j``, local rank ``l``) owning partition ``P_r``. Local rank ``l`` of every
+node keeps the node's sums for the partitions its cross-node peers own, ``S_l = P_l ∪ P_{L+l} ∪
+… ∪ P_{(N-1)·L+l}``: ``1/L`` of the flat group, laid out as ``N`` blocks (``[Σg | Σg²]`` per
+block with ``gbar`` local, so one collective carries both).
+
+* **Every micro-step, per engine bucket**: one ``pack_bucket`` launch writes the bucket's scaled
+  gradients and squares into a transient buffer cut into ``L`` equal chunks, chunk ``l`` holding
+  the bucket's elements of ``S_l``; one reduce-scatter over the node's ranks (NVLink on a real
+  node) hands local rank ``l`` the node's sum of chunk ``l``; one ``unpack_bucket`` launch adds it
+  into the node buffer. Three launches and one intra-node collective per bucket, whatever the
+  number of tensors in it (the bucket's tables are built once per bucket layout).
+* **Once per step**: one reduce-scatter of each node buffer over the ranks with the same local
+  rank (one per node: the InfiniBand part) leaves each rank the sums over all ranks of its own
+  partition, ``[Σg | Σg²]``, shaped like the flat partition its optimizer updates.
+
+``n`` = ranks × micro-steps, as with ``per_step``. Memory per rank: the node buffers (``1/L`` of
+``per_step``'s full-size buffer), the transient bucket buffer (the largest bucket, twice with
+``gbar`` local), and the reduced partition. Bytes into collectives per rank: per micro-step about
+one bucket's fp32 statistics within the node, per step ``1/L`` of the flat group's across nodes;
+what leaves a node per step equals ``per_step``'s (``(N − 1)/N`` of the flat group's statistics per
+node, the bandwidth-optimal volume of both).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable, Hashable
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from vrgd_ds.optim.columns import BucketTable
+from vrgd_ds.stats.comm import reduce_scatter
+from vrgd_ds.stats.local import PAD, BucketPlan, LocalStats
+
+
+def _pad(n: int) -> int:
+    return -(-n // PAD) * PAD
+
+
+@dataclass(frozen=True)
+class Nodes:
+    """This rank's place among the nodes and the two kinds of groups the scheme reduces over."""
+
+    size: int  # ranks per node, L
+    count: int  # nodes, N
+    node: int  # this rank's node, j
+    local: int  # this rank's index in its node, l
+    intra: Any  # the group of this node's ranks
+    cross: Any  # the group of the ranks with this local index, one per node
+
+
+def node_groups(comm: Any, world: int, rank: int, size: int) -> Nodes:
+    """The groups of a world of ``world`` ranks in nodes of ``size`` consecutive ranks. Every rank
+    creates every group (``new_group`` is collective), in the same order."""
+    if size < 1 or world % size:
+        raise ValueError(f"a node size of {size} does not divide the {world} ranks")
+    count = world // size
+    intra = cross = None
+    for j in range(count):
+        g = comm.new_group(list(range(j * size, (j + 1) * size)))
+        if j == rank // size:
+            intra = g
+    for local in range(size):
+        g = comm.new_group(list(range(local, world, size)))
+        if local == rank % size:
+            cross = g
+    return Nodes(size, count, rank // size, rank % size, intra, cross)
+
+
+@dataclass
+class NodeBucket:
+    """One reduction of the hierarchical scheme (a ZeRO-1/2 param group): the node buffer of this
+    rank's local index, in ``N`` blocks of ``[Σg | Σg²]`` (or ``Σg²``), and the reduced partition."""
+
+    base: int  # offset of the node buffer in the source's allocation
+    numel: int  # the flat group, k partitions
+    part: int  # one partition, P
+    padded: int  # P rounded up to PAD
+    with_g: bool
+    group: Any = None  # the cross-node group
+    out: Tensor | None = None  # [Σg | Σg²] (or Σg²) of this rank's partition
+    members: list[int] = field(default_factory=list)
+
+    @property
+    def width(self) -> int:
+        return (2 if self.with_g else 1) * self.padded
+
+    @property
+    def shift(self) -> int:
+        return self.padded if self.with_g else 0
+
+
+class NodeStats(LocalStats):
+    """The statistics of the hierarchical scheme (a ``StatisticsSource``): ``LocalStats``' counts,
+    ``n``, ``gbar`` capture and step protocol, with the node buffers and the two-level reduction
+    of the module docstring in place of full-size buffers. fp32 squares only (the
+    intra-node reduce-scatter carries ``[Σg | Σg²]`` chunks in one dtype)."""
+
+    def __init__(self, comm: Any, kernels: Any, world: int, targets: list[Tensor], gbar: str,
+                 loss_scale: Callable[[], float], accumulation: Callable[[], int], nodes: Nodes) -> None:
+        super().__init__(comm, kernels, world, targets, gbar, torch.float32, loss_scale, accumulation)
+        self.nodes = nodes
+        self.node_buckets: list[NodeBucket] = []
+        self._where: list[tuple[NodeBucket, int, int]] = []  # per parameter: bucket, flat offset, numel
+        self._unpacked = np.zeros(0, dtype=np.int64)  # per parameter: reductions unpacked this step
+        self._scratch: Tensor | None = None
+        self._recv: Tensor | None = None
+        self.intra_bytes = 0
+        self.inter_bytes = 0
+
+    # -- set-up ------------------------------------------------------------------------------------
+
+    def add_node_bucket(self, numel: int, device: torch.device) -> NodeBucket:
+        """The reduction of one flat group of ``numel`` elements (k partitions); returns it with
+        ``out`` allocated, whose halves the optimizer's statistics alias."""
+        if self._arena is not None:
+            raise RuntimeError("statistics buckets are added before the first micro-step")
+        k = self.world
+        if numel % k:
+            raise ValueError(f"a flat group of {numel} elements is not {k} equal partitions")
+        self._device = device
+        part = numel // k
+        b = NodeBucket(self._size, numel, part, _pad(part), self.gbar == "local", group=self.nodes.cross)
+        self._size += self.nodes.count * b.width
+        b.out = torch.zeros(b.width, dtype=torch.float32, device=device)
+        self.node_buckets.append(b)
+        return b
+
+    def halves(self, b: NodeBucket) -> tuple[Tensor | None, Tensor]:
+        """``(Σg, Σg²)`` of this rank's partition, once the step's reduction is done."""
+        g = b.out.narrow(0, 0, b.part) if b.with_g else None
+        return g, b.out.narrow(0, b.shift, b.part)
+
+    def place_flat(self, p: Tensor, b: NodeBucket, offset: int, numel: int) -> int:
+        """``p`` is the flat elements ``[offset, offset + numel)`` of ``b``'s group."""
+        if id(p) in self._index:
+            raise ValueError(f"a parameter of shape {tuple(p.shape)} is placed twice in the statistics")
+        idx = len(self._where)
+        self._index[id(p)] = idx
+        self._where.append((b, offset, numel))
+        self._dests.append([])  # LocalStats' per-parameter rows: unused here
+        self._counts = np.append(self._counts, 0)
+        self._unpacked = np.append(self._unpacked, 0)
+        b.members.append(idx)
+        return idx
+
+    # -- every micro-step ---------------------------------------------------------------------------
+
+    def record_bucket(self, key: Hashable, src: Tensor, members: Callable[[], list[tuple[int, int]]],
+                      main: Tensor | None = None) -> None:
+        if main is not None:
+            raise ValueError("the hierarchical scheme does not fold into an engine's accumulation")
+        if self._stale:
+            self._counts[:] = 0
+            self._unpacked[:] = 0
+            self._stale = False
+            self._started = self._finished = False
+            self._captured.clear()
+        plan = self._plans.get(key)
+        if plan is None:
+            plan = self._plans[key] = self._node_plan(members())
+        counts = self._counts
+        if not counts.any():
+            self._scale = float(self._loss_scale())
+            self._c = float(self._accumulation()) / self._scale
+        L, chunk = self.nodes.size, plan.chunk
+        need = L * chunk
+        if self._scratch is None or self._scratch.numel() < need or self._scratch.device != src.device:
+            self._scratch = torch.empty(need, dtype=torch.float32, device=src.device)
+            self._recv = torch.empty(need // L, dtype=torch.float32, device=src.device)
+        if not src.is_contiguous():
+            src = src.contiguous()
+        scratch, recv = self._scratch.narrow(0, 0, need), self._recv.narrow(0, 0, chunk)
+        with_g = self.gbar == "local"
+        self.kernels.pack_bucket(src.reshape(-1), plan.pack, scratch, self._c, self._c if with_g else None)
+        reduce_scatter(self.comm, recv, scratch, self.nodes.intra, async_op=False)
+        self.intra_bytes += need * 4
+        seen = self._unpacked[plan.seg_param] > 0
+        flags = b"\x01" if seen.all() else b"\x00" if not seen.any() else seen.tobytes()
+        table = plan.tables.get(flags)
+        if table is None:
+            acc = np.broadcast_to(seen, (len(plan.rows),)).astype(np.int64)
+            table = plan.tables[flags] = BucketTable(torch.from_numpy(np.column_stack([plan.rows, acc])))
+            self.stat_counters.tables_built += 1
+        if plan.rows.shape[0]:
+            self.kernels.unpack_bucket(recv, table, self.arena, plan.half if with_g else 0, with_g)
+        counts[plan.params] += 1
+        self._unpacked[plan.params] += 1
+        self.stat_counters.launches += 2
+
+    def _node_plan(self, members: list[tuple[int, int]]) -> "_NodePlan":
+        """A bucket's chunks: its elements cut by partition, each partition's elements to the chunk
+        of the local index that owns it; this rank's chunk's elements to its node buffer."""
+        L, me = self.nodes.size, self.nodes.local
+        pieces, fill = [], [0] * L  # (source start, local index, position in its chunk, length, param, bucket, node, q)
+        for idx, start in members:
+            b, off, numel = self._where[idx]
+            e, end = off, off + numel
+            while e < end:
+                r, q = divmod(e, b.part)
+                n = min(end, (r + 1) * b.part) - e
+                node, local = divmod(r, L)
+                pieces.append((start + e - off, local, fill[local], n, idx, b, node, q))
+                fill[local] += n
+                e += n
+        with_g = self.gbar == "local"
+        half = _pad(max(fill, default=0))
+        chunk = (2 if with_g else 1) * half
+        pack = [(s, local * chunk + pos, local * chunk + (half if with_g else 0) + pos, n, 0)
+                for s, local, pos, n, *_ in pieces]
+        rows, seg_param = [], []
+        for s, local, pos, n, idx, b, node, q in pieces:
+            if local == me:
+                g = b.base + node * b.width + q
+                rows.append((pos, g, g + b.shift, n))
+                seg_param.append(idx)
+        params = np.unique(np.asarray([i for i, _ in members], dtype=np.int64))
+        pack_table = BucketTable(torch.tensor(pack, dtype=torch.long).reshape(-1, 5))
+        self.stat_counters.tables_built += 1
+        return _NodePlan(np.asarray(rows, dtype=np.int64).reshape(-1, 4), np.asarray(seg_param, dtype=np.int64),
+                         params, pack=pack_table, chunk=chunk, half=half)
+
+    # -- once per step ------------------------------------------------------------------------------
+
+    def start(self) -> None:
+        if self._started or self._stale:
+            return
+        self._n_local = int(self._counts.max()) if len(self._counts) else 0
+        arena, me = self.arena, self.nodes.local
+        for idx in np.flatnonzero(self._unpacked == 0).tolist():  # nothing reduced this step: old sums must not count
+            b, off, numel = self._where[idx]
+            e, end = off, off + numel
+            while e < end:
+                r, q = divmod(e, b.part)
+                n = min(end, (r + 1) * b.part) - e
+                node, local = divmod(r, self.nodes.size)
+                if local == me:
+                    g = b.base + node * b.width + q
+                    arena.narrow(0, g + b.shift, n).zero_()
+                    if b.with_g:
+                        arena.narrow(0, g, n).zero_()
+                e += n
+        self._works = []
+        for b in self.node_buckets:
+            local = arena.narrow(0, b.base, self.nodes.count * b.width)
+            self._works.append(reduce_scatter(self.comm, b.out, local, b.group))
+            self.inter_bytes += local.numel() * 4
+            self.counters.add(b.numel, local.numel() * 4)
+        self._started = True
+
+    def moments(self, params) -> tuple[list[Tensor], list[Tensor]]:
+        self.start()
+        if not self._finished:
+            for w in self._works:
+                if w is not None:
+                    w.wait()
+            self._works = []
+            self._finished = True
+        return super().moments(params)
+
+    def memory(self) -> dict[str, int]:
+        """``local``: the node buffers (``1/node_size`` of the per-step scheme's full-size ones);
+        ``partition``: the reduced partitions (and ``Σg`` captured from the engine); ``transient``:
+        the bucket buffers (the largest bucket's chunks)."""
+        part = sum(b.out.numel() * 4 for b in self.node_buckets)
+        if self.gbar == "engine":
+            part += sum(g.numel() * 4 for g, _ in self._bufs.values() if g is not None)
+        transient = sum(0 if t is None else t.numel() * 4 for t in (self._scratch, self._recv))
+        return {"local": self._size * 4, "partition": part, "transient": transient}
+
+    def describe(self) -> str:
+        n = self.nodes
+        return (f"hierarchical over {n.count} node(s) of {n.size} rank(s): " + super().describe())
+
+
+@dataclass
+class _NodePlan(BucketPlan):
+    """A bucket layout of the hierarchical scheme: ``BucketPlan``'s rows are this rank's unpack rows;
+    ``pack`` writes the whole bucket into ``L`` chunks of ``chunk`` elements (``half`` apart
+    between ``Σg`` and ``Σg²``)."""
+
+    pack: BucketTable | None = None
+    chunk: int = 0
+    half: int = 0
+
+
+__all__ = ["NodeBucket", "NodeStats", "Nodes", "node_groups"]
