@@ -73,3 +73,19 @@ def test_stage0_names_a_missing_engine_method():
 def test_an_unknown_stage_is_refused():
     with pytest.raises(internals.UnsupportedConfiguration, match="unknown ZeRO stage 4"):
         for_engine(types.SimpleNamespace(optimizer=None), 4)
+
+
+def test_the_auto_scheme_follows_the_memory_rule():
+    """``"squares": "auto"`` (vrgd_ds.ds.config.auto_scheme, the rule of benchmarks/comm_model.py):
+    ZeRO-3 per_micro_step; stage 0 and pipelines per_step; ZeRO-1/2 hierarchical on one node or
+    where per_step's full-size buffer takes more than half the free device memory, else per_step."""
+    from vrgd_ds.ds.config import auto_scheme
+
+    gb = 10**9
+    assert auto_scheme(3, False, 64, 8, 56 * gb, 40 * gb) == "per_micro_step"
+    assert auto_scheme(0, False, 8, 8, 56 * gb, 40 * gb) == "per_step"
+    assert auto_scheme(1, True, 8, 8, 56 * gb, 40 * gb) == "per_step"
+    assert auto_scheme(2, False, 8, 8, 1 * gb, 40 * gb) == "hierarchical"  # one node: nothing crosses InfiniBand
+    assert auto_scheme(2, False, 64, 8, 56 * gb, 40 * gb) == "hierarchical"  # 7B in bf16: does not fit
+    assert auto_scheme(2, False, 64, 8, 3 * gb, 40 * gb) == "per_step"  # BERT-large: fits
+    assert auto_scheme(2, False, 64, 8, 56 * gb, None) == "per_step"  # no device memory limit known

@@ -7,7 +7,7 @@ from typing import Any
 import deepspeed.comm as dist
 
 from vrgd_ds.ds import local, paths, pipeline, sources
-from vrgd_ds.ds.config import reduction_config
+from vrgd_ds.ds.config import auto_scheme, reduction_config
 from vrgd_ds.ds.internals import UnsupportedConfiguration
 from vrgd_ds.ds.layout import ModelTensors
 from vrgd_ds.optim.base import MIN_GROUPS, GSNROptimizer
@@ -28,6 +28,8 @@ def attach(engine: Any) -> sources.ReductionStats | None:
     gas = int(engine.gradient_accumulation_steps())
     options = reduction_config(getattr(engine._config, "_param_dict", {}) or {})
     scheme = options.scheme(stage)
+    if scheme == "auto" and any(g["gsnr"] for g in opt.param_groups):
+        scheme = _auto(engine, options, stage, world)
     wants_stats = any(g["gsnr"] for g in opt.param_groups)
     if wants_stats:  # fail before training, not at the first step
         n = sources.expected_groups(world, gas, stage, scheme)
@@ -73,8 +75,45 @@ def attach(engine: Any) -> sources.ReductionStats | None:
                 type(wrapper).__name__,
                 f"n={sources.expected_groups(world, gas, stage, scheme)} groups per step, squares {scheme}"
                 + (f", {stats.describe()}" if hasattr(stats, "describe") else "")
+                + f"; {cost_line(stats, scheme, options, tensors.numel, gas)}"
                 if stats else "no GSNR statistics")
     return stats
+
+
+def _auto(engine: Any, options: Any, stage: int, world: int) -> str:
+    """The scheme ``"squares": "auto"`` picks for this engine (``vrgd_ds.ds.config.auto_scheme``)."""
+    import torch
+
+    node_size = options.node_size
+    if node_size is None and stage in (1, 2) and not pipeline.is_pipeline(engine):
+        node_size = local.host_node_size(engine.seq_data_parallel_group, world)
+    params = sum(getattr(p, "ds_numel", p.numel()) for p in engine.module.parameters() if p.requires_grad)
+    words = 2 if options.gbar_for(engine.get_data_types()[0]) == "local" else 1
+    device = next(engine.module.parameters()).device
+    free = torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else None
+    scheme = auto_scheme(stage, pipeline.is_pipeline(engine), world, node_size or 0, 4 * words * params, free)
+    logger.info("vrgd_ds: \"squares\": \"auto\" chose %s (ZeRO stage %d, %d rank(s), node size %s, per_step's "
+                "buffer %.2f GB, free device memory %s)", scheme, stage, world, node_size, 4 * words * params / 1e9,
+                "n/a" if free is None else f"{free / 1e9:.1f} GB")
+    return scheme
+
+
+def cost_line(stats: Any, scheme: str, options: Any, numel: list[int], gas: int) -> str:
+    """What the statistics hold on this rank, from its live buffers, per model parameter, and the
+    bytes they send, in fp32 gradients (docs/deepspeed.md)."""
+    params = max(1, sum(numel))
+    memory = stats.memory() if hasattr(stats, "memory") else {"partition": stats.buffer_bytes()}
+    held = ", ".join(f"{k} {v / params:.2f}" for k, v in memory.items() if v)
+    local = getattr(stats, "gbar", "engine") == "local"
+    per_step = (0.5 if options.squares_dtype == "bf16" else 1.0) + (1.0 if local else 0.0)
+    if scheme == "per_micro_step":
+        sent = f"{2 * gas:.0f}x the fp32 gradient per step in place of DeepSpeed's reduction ({gas} micro-steps)"
+    elif scheme == "hierarchical":
+        sent = (f"{per_step:.1f}x across nodes per step (as per_step), about {2.0 if local else 1.0:.0f}x within the "
+                "node per micro-step")
+    else:
+        sent = f"{per_step:.1f}x per step"
+    return f"statistics hold {held} B/param on this rank (plus one bucket's while it is read), send {sent}"
 
 
 def _hook_step(wrapper: Any, opt: GSNROptimizer, stats: sources.ReductionStats | None, skip_reason: str) -> None:

@@ -22,7 +22,7 @@ class ReductionConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    squares: Literal["per_step", "per_micro_step", "hierarchical"] | None = None
+    squares: Literal["per_step", "per_micro_step", "hierarchical", "auto"] | None = None
     """``per_step``: DeepSpeed's own gradient reduction untouched; each rank sums its micro-steps'
     squares locally (a full-size fp32 buffer, 4 B/param per rank) and one collective per
     optimizer step reduces them; n = ranks × micro-steps on every stage. ``per_micro_step``:
@@ -33,7 +33,8 @@ class ReductionConfig(BaseModel):
     buffers per rank. ``hierarchical`` (ZeRO-1/2): each bucket's statistics reduce-scattered within
     the node every micro-step into buffers partitioned over the node's ranks, then across nodes
     once per step: ``1/node_size`` of ``per_step``'s memory per rank, the same bytes between nodes
-    (``vrgd_ds/stats/hierarchical.py``)."""
+    (``vrgd_ds/stats/hierarchical.py``). ``auto``: ``auto_scheme`` below (the rule of
+    ``benchmarks/comm_model.py``'s memory table)."""
     gbar: Literal["auto", "engine", "local"] = "auto"
     """``per_step``'s mean gradient ḡ. ``engine``: DeepSpeed's reduced gradient, read before it
     is unscaled and clipped (no extra bytes). ``local``: summed in fp32 beside the squares and
@@ -67,8 +68,8 @@ class ReductionConfig(BaseModel):
         if self.squares == "hierarchical" and self.squares_dtype != "fp32":
             raise ValueError("vrgd.squares_dtype: 'hierarchical' reduces [Σg | Σg²] chunks in one dtype, fp32; "
                              "remove squares_dtype or use squares 'per_step'")
-        if self.node_size is not None and self.squares != "hierarchical":
-            raise ValueError("vrgd.node_size applies to squares 'hierarchical' only")
+        if self.node_size is not None and self.squares not in ("hierarchical", "auto"):
+            raise ValueError("vrgd.node_size applies to squares 'hierarchical' (or 'auto') only")
         return self
 
     @property
@@ -83,6 +84,29 @@ class ReductionConfig(BaseModel):
     def scheme(self, stage: int) -> str:
         """The scheme for a ZeRO stage: the one configured, else the default rule above."""
         return self.squares or ("per_micro_step" if stage == 3 else "per_step")
+
+
+#: ``auto`` keeps the per-step scheme where its full-size buffer takes at most this share of the
+#: device memory free when the statistics attach (the model states are placed by then; the rest
+#: is left to activations)
+AUTO_FREE_SHARE = 0.5
+
+
+def auto_scheme(stage: int, pipeline: bool, world: int, node_size: int, full_bytes: int, free_bytes: int | None) -> str:
+    """``"squares": "auto"``: ZeRO-3 ``per_micro_step`` (no full-size buffer); stage 0 and pipelines
+    ``per_step``; ZeRO-1/2 ``hierarchical`` on a single node (nothing crosses InfiniBand) or where
+    the per-step scheme's full-size buffer (``full_bytes``) does not fit in ``AUTO_FREE_SHARE`` of
+    the free device memory, else ``per_step`` (``free_bytes`` None: a host without a device
+    memory limit)."""
+    if stage == 3:
+        return "per_micro_step"
+    if stage == 0 or pipeline:
+        return "per_step"
+    if world == node_size:
+        return "hierarchical"
+    if free_bytes is not None and full_bytes > AUTO_FREE_SHARE * free_bytes:
+        return "hierarchical"
+    return "per_step"
 
 
 def reduction_config(raw_config: dict[str, Any]) -> ReductionConfig:

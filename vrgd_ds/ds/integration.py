@@ -124,7 +124,8 @@ def check_engine(engine: Any) -> None:
             "none", "OffloadDeviceEnum.none"):
         no("zero_optimization.offload_param", "parameter offload is not covered by the hooks; remove the block")
     if pipeline.is_pipeline(engine):
-        pipeline.check(engine, reduction_config(getattr(engine._config, "_param_dict", {}) or {}).scheme(stage))
+        scheme = reduction_config(getattr(engine._config, "_param_dict", {}) or {}).scheme(stage)
+        pipeline.check(engine, "per_step" if scheme == "auto" else scheme)  # auto takes per_step on pipelines
     if engine.zero_quantized_gradients():
         no("zero_optimization.zero_quantized_gradients", "ZeRO++ quantised gradients bypass the fused "
            "reduction; set it to false")
