@@ -160,7 +160,7 @@ def test_hook_path_counts_show_where_no_bucket_holds_a_micro_step(pool):
     assert "64 parameter hooks" in r["describe"]
 
 
-@pytest.mark.parametrize("name, case", params(worker.hierarchical_cases()))
+@pytest.mark.parametrize("name, case", params(worker.hierarchical_cases(), worker.hierarchical_design()))
 def test_hierarchical_statistics_on_two_nodes_equal_the_reference(pool4, name, case):
     """``"squares": "hierarchical"`` on 4 ranks grouped as 2 nodes × 2: each bucket reduce-scattered
     within the node every micro-step, across nodes once per step; n = ranks × micro-steps and the
@@ -191,6 +191,8 @@ def test_hierarchical_statistics_hold_a_node_share_of_per_steps_memory(pool4, gb
     assert hier["step_collectives"] == flat["step_collectives"] == 1
     assert hier["inter_bytes"] * 2 == flat["inter_bytes"]
     assert hier["intra_bytes"] > 0 and flat["intra_bytes"] == 0
+    # within the node: one reduce-scatter per bucket DeepSpeed reduced, every micro-step
+    assert hier["intra_calls"] == hier["reductions"] == flat["reductions"] > 0, (hier, flat)
     words = 2 if gbar == "local" else 1
     assert flat["memory"]["local"] >= 4 * words * flat["numel"]  # full size (DeepSpeed's padding included)
     assert hier["memory"]["local"] * 2 == flat["memory"]["local"], (hier, flat)

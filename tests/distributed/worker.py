@@ -592,6 +592,10 @@ def run_counts_case(case: dict) -> dict:
 HIER_FACTORS = dict(stage=(1, 2), dtype=("fp32", "bf16"), gas=(1, 4))
 
 
+def hierarchical_design() -> set[str]:
+    return {"hier-stage{stage}-{dtype}-gas{gas}".format(**c) for c in covering(HIER_FACTORS)}
+
+
 def hierarchical_cases():
     """The hierarchical scheme on 4 ranks as 2 nodes × 2 (``node_size``), against the reference."""
     for levels in itertools.product(*HIER_FACTORS.values()):
@@ -610,17 +614,27 @@ def run_scheme_costs(case: dict) -> dict:
         c = dict(case, scheme=scheme, node_size=case["node_size"] if scheme == "hierarchical" else None)
         engine, *_ = deepspeed.initialize(model=tiny_model(), config=config(c))
         stats = engine.vrgd_stats
+        reductions = [0]
+        average = engine.optimizer.average_tensor
+
+        def counted(*a, _f=average, **k):
+            reductions[0] += 1
+            return _f(*a, **k)
+
+        engine.optimizer.average_tensor = counted
         for j in range(case["gas"]):
             engine.backward(loss_fn(engine, batch(0, rank, j), DTYPES[case["dtype"]]))
             engine.step()
-        intra = getattr(stats, "intra_bytes", 0)
+        intra, intra_calls = getattr(stats, "intra_bytes", 0), getattr(stats, "intra_calls", 0)
         inter, calls = stats.counters.bytes_sent, stats.counters.collectives
+        reductions[0] = 0
         for j in range(case["gas"]):  # the second step, counted
             engine.backward(loss_fn(engine, batch(1, rank, j), DTYPES[case["dtype"]]))
             engine.step()
         numel = sum(p.numel() for p in engine.module.parameters())
         out[scheme] = dict(buffer_bytes=stats.buffer_bytes(), memory=stats.memory(), numel=numel,
                            intra_bytes=getattr(stats, "intra_bytes", 0) - intra,
+                           intra_calls=getattr(stats, "intra_calls", 0) - intra_calls, reductions=reductions[0],
                            inter_bytes=stats.counters.bytes_sent - inter, step_collectives=stats.counters.collectives - calls,
                            launches=stats.stat_counters.launches, grad_bytes=stats.counters.grad_bytes_fp32,
                            n=engine.basic_optimizer.gsnr_metrics().get("gsnr/n"), describe=stats.describe())

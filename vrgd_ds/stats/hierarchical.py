@@ -112,7 +112,8 @@ class NodeStats(LocalStats):
         self._unpacked = np.zeros(0, dtype=np.int64)  # per parameter: reductions unpacked this step
         self._scratch: Tensor | None = None
         self._recv: Tensor | None = None
-        self.intra_bytes = 0
+        self.intra_bytes = 0  # input bytes of the collectives within the node, and their number
+        self.intra_calls = 0
         self.inter_bytes = 0
 
     # -- set-up ------------------------------------------------------------------------------------
@@ -182,6 +183,7 @@ class NodeStats(LocalStats):
         self.kernels.pack_bucket(src.reshape(-1), plan.pack, scratch, self._c, self._c if with_g else None)
         reduce_scatter(self.comm, recv, scratch, self.nodes.intra, async_op=False)
         self.intra_bytes += need * 4
+        self.intra_calls += 1
         seen = self._unpacked[plan.seg_param] > 0
         flags = b"\x01" if seen.all() else b"\x00" if not seen.any() else seen.tobytes()
         table = plan.tables.get(flags)
