@@ -32,7 +32,8 @@ def cpp(op: str) -> list[str]:
 
 
 def test_the_protocol_declares_the_step_operations_and_sync_free():
-    assert {"gsnr_moments", "scaled_grad_norms", "nonfinite", "pack_squares", "pack_bucket", "accumulate_moments",
+    assert {"gsnr_moments", "scaled_grad_norms", "nonfinite", "pack_squares", "pack_bucket", "unpack_bucket",
+            "accumulate_moments",
             *STEPS} == set(OPERATIONS)
     assert "sync_free" in columns.Kernels.__annotations__
     for op in STEPS:

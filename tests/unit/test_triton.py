@@ -314,6 +314,29 @@ def test_pack_bucket_triton_folds_the_engines_accumulation(dtype):
             assert float((got.float() - want.float()).abs().max()) <= float(want.float().abs().max()) * 2 ** -7
 
 
+@pytest.mark.parametrize("with_g", [False, True])
+def test_unpack_bucket_moves_a_reduced_chunk_as_the_reference_does(with_g):
+    """``unpack_bucket`` (the hierarchical scheme's move of a reduced chunk into a node buffer),
+    rows written and rows added, sources in and out of step with the destinations, in the
+    Triton kernels (on the GPU when there is one) and the C++ ones, bit for bit as the reference."""
+    from vrgd_ds.optim import _fused, _impl
+
+    g = torch.Generator().manual_seed(9)
+    table, used = _bucket_table(_triton.CHUNK + 64, 16)
+    src = torch.randn(used + 5 * (_triton.CHUNK + 64), generator=g)
+    start = torch.randn(8 * (_triton.CHUNK + 64), generator=g)
+    shift = 4 * (_triton.CHUNK + 64) + 1  # the squares' half, out of step by one element
+    want = start.clone()
+    _impl.Reference().unpack_bucket(src, table, want, shift, with_g)
+    got = start.clone().to(DEVICE)
+    _triton.Triton().unpack_bucket(src.to(DEVICE), table, got, shift, with_g)
+    assert torch.equal(got.cpu(), want) and not torch.equal(want, start)
+    if _fused.available():
+        cpp = start.clone()
+        _impl.Fused().unpack_bucket(src, table, cpp, shift, with_g)
+        assert torch.equal(cpp, want)
+
+
 def test_pack_bucket_fills_the_gpu_from_one_bucket(monkeypatch):
     """Each engine bucket is a launch of its own, so its programs must fill an H100 (132 SMs) on
     their own: DeepSpeed's default 5M-element bucket of BERT-large's tensors is cut into over a
