@@ -331,7 +331,7 @@ BAD = {
     "bad-tensor-parallel-mpu": "'mpu (tensor model parallelism)' is not supported with VRGD optimizers: the model is "
                                "sharded over 2 tensor-parallel ranks",
     "bad-node-size": "vrgd.node_size: 3 does not divide the 2 data-parallel ranks",
-    "bad-hierarchical-stage3": "vrgd.squares: 'hierarchical' runs on ZeRO stages 1 and 2",
+    "bad-hierarchical-stage0": "vrgd.squares: 'hierarchical' runs on ZeRO stages 1, 2 and 3",
     "bad-hierarchical-bf16-squares": "vrgd.squares_dtype: 'hierarchical' reduces [Σg | Σg²] chunks in one dtype",
 }
 

@@ -589,7 +589,7 @@ def run_counts_case(case: dict) -> dict:
     return out
 
 
-HIER_FACTORS = dict(stage=(1, 2), dtype=("fp32", "bf16"), gas=(1, 4))
+HIER_FACTORS = dict(stage=(1, 2, 3), dtype=("fp32", "bf16"), gas=(1, 4))
 
 
 def hierarchical_design() -> set[str]:
@@ -730,7 +730,7 @@ def bad_cases():
     yield "bad-moe", dict(base, moe=True)
     yield "bad-tensor-parallel-mpu", dict(base, mpu=True)
     yield "bad-node-size", dict(base, set={"vrgd.squares": "hierarchical", "vrgd.node_size": 3})
-    yield "bad-hierarchical-stage3", dict(base, stage=3, set={"vrgd.squares": "hierarchical"})
+    yield "bad-hierarchical-stage0", dict(base, stage=0, set={"vrgd.squares": "hierarchical"})
     yield "bad-hierarchical-bf16-squares", dict(base, set={"vrgd.squares": "hierarchical", "vrgd.squares_dtype": "bf16"})
 
 

@@ -57,7 +57,7 @@ def attach(engine: Any) -> sources.ReductionStats | None:
         if scheme == "hierarchical":
             if not hasattr(path, "node_buffers") or pipeline.is_pipeline(engine):
                 raise UnsupportedConfiguration(
-                    f"vrgd.squares: 'hierarchical' runs on ZeRO stages 1 and 2 without pipeline parallelism (this "
+                    f"vrgd.squares: 'hierarchical' runs on ZeRO stages 1, 2 and 3 without pipeline parallelism (this "
                     f"engine: stage {stage}{', a PipelineEngine' if pipeline.is_pipeline(engine) else ''}); use "
                     "'per_step' or 'per_micro_step'")
             stats = local.attach_hierarchical(engine, path, world, gbar, opt.kernels(), options.node_size, hooks_only)

@@ -98,12 +98,12 @@ def auto_scheme(stage: int, pipeline: bool, world: int, node_size: int, full_byt
     the per-step scheme's full-size buffer (``full_bytes``) does not fit in ``AUTO_FREE_SHARE`` of
     the free device memory, else ``per_step`` (``free_bytes`` None: a host without a device
     memory limit)."""
-    if stage == 3:
-        return "per_micro_step"
     if stage == 0 or pipeline:
         return "per_step"
     if world == node_size:
         return "hierarchical"
+    if stage == 3:  # its point: no full-size buffer per rank
+        return "per_micro_step"
     if free_bytes is not None and full_bytes > AUTO_FREE_SHARE * free_bytes:
         return "hierarchical"
     return "per_step"

@@ -13,6 +13,7 @@ import torch
 import deepspeed.comm as dist
 
 from vrgd_ds.ds.internals import UnsupportedConfiguration
+from vrgd_ds.stats import hierarchical
 from vrgd_ds.stats.hierarchical import NodeStats, node_groups
 from vrgd_ds.stats.local import LocalStats
 
@@ -58,20 +59,13 @@ def buckets_or_hooks(engine: Any, stats: LocalStats, params: list, holds_micro_s
 
 
 def host_node_size(group: Any, world: int) -> int:
-    """The ranks per node: those that share a host, which must be consecutive and as many on every
-    host (one gather of the host names at attach)."""
-    import socket
-
-    import torch.distributed
-
-    hosts: list[Any] = [None] * world
-    torch.distributed.all_gather_object(hosts, socket.gethostname(), group=group)
-    size = hosts.count(hosts[0])
-    if world % size or any(hosts[r] != hosts[(r // size) * size] for r in range(world)):
-        raise UnsupportedConfiguration(
-            "vrgd.node_size: the ranks of each host are not consecutive and equally many "
-            f"({', '.join(hosts)}); set \"vrgd\": {{\"node_size\": N}} to say which ranks form a node")
-    return size
+    """The ranks per node: those that share a host (``vrgd_ds.stats.hierarchical.host_node_size``),
+    refused naming ``vrgd.node_size`` where they are not consecutive."""
+    try:
+        return hierarchical.host_node_size(group, world)
+    except ValueError as exc:
+        raise UnsupportedConfiguration(f"vrgd.node_size: {exc}; set \"vrgd\": {{\"node_size\": N}} to say which ranks "
+                                       "form a node") from None
 
 
 def attach_hierarchical(engine: Any, path: Any, world: int, gbar: str, kernels: Any, node_size: int | None,

@@ -216,6 +216,24 @@ class Zero3:
             stats.place(p, bucket, o, n)
         self.record_micro_steps(stats)
 
+    def node_buffers(self, stats: Any) -> None:
+        """The hierarchical scheme (``vrgd_ds/stats/hierarchical.py``) on ZeRO-3's partitioning: a
+        sub-group's partition is every tensor's piece of this rank, one after another
+        (``grad_position``), so element ``e`` of a tensor cut into pieces of ``c`` lies in partition
+        ``e // c``, at the tensor's offset in a partition plus ``e % c``. Each micro-step read from
+        ZeRO-3's ipg buckets as ``local_buffers`` does."""
+        zopt, targets = self.zopt, self.flats
+        buckets = []
+        for t in targets:
+            b = stats.add_node_bucket(stats.world * t.numel(), t.device)
+            stats.alias(t, *stats.halves(b))
+            buckets.append(b)
+        for group in zopt.fp16_groups:
+            for p in group:
+                sub, offset, part_numel = zopt.grad_position[zopt.get_param_id(p)]
+                stats.place_flat(p, buckets[int(sub)], 0, int(p.ds_numel), period=int(part_numel), base=int(offset))
+        self.record_micro_steps(stats)
+
     def bucket_source(self, communication_data_type: torch.dtype) -> tuple[Tensor, list[Tensor]] | None:
         """``(flat local gradients, their parameters in order)`` of the ipg bucket about to be
         reduced: DeepSpeed's contiguous buffer, or the one gradient too large for it, which it

@@ -36,6 +36,7 @@ from torch import Tensor
 
 from vrgd_ds.ds.layout import Layout
 from vrgd_ds.megatron.internals import require
+from vrgd_ds.stats.hierarchical import NodeStats, host_node_size, node_groups
 from vrgd_ds.stats.local import LocalStats, StatsBucket
 
 _CHUNK = ("buffers", "ddp_config")
@@ -117,7 +118,8 @@ def model_tensors(chunks: list[Any], tp_size: int) -> tuple[list[str], dict[int,
     return names, keys, numel, shapes, duplicate
 
 
-def attach(mopt: Any, chunks: list[Any], kernels: Any, fold: bool = True) -> LocalStats:
+def attach(mopt: Any, chunks: list[Any], kernels: Any, fold: bool = True, squares: str = "per_step",
+           node_size: int | None = None) -> LocalStats:
     """The statistics source of the inner optimizer of ``mopt`` (one Megatron optimizer over
     ``chunks``); its ``counters`` count the extra collectives and bytes, its ``begin_step`` runs
     where Megatron's step begins. ``fold``: each parameter's hook also adds the micro-batch's
@@ -142,8 +144,72 @@ def attach(mopt: Any, chunks: list[Any], kernels: Any, fold: bool = True) -> Loc
     def scale() -> float:
         return float(mopt.get_loss_scale())
 
+    if squares == "hierarchical":
+        stats = _hierarchical(mopt, buffers, both, kernels, dp, scale, lambda: step_factor[0], node_size)
+    else:
+        stats = _per_step(mopt, buffers, both, kernels, dp, scale, lambda: step_factor[0], fold, distributed)
+
+    def begin_step() -> None:
+        """Before Megatron copies, unscales and clips the reduced gradients: launch the squares'
+        reductions and read ``Σg`` from ``main_grad``."""
+        stats.start()
+        step_factor[0] = 1.0 / (e * scale())
+        for t, p, where in stats.main_grads:
+            stats.capture(t, p.main_grad.view(-1)[where])
+
+    stats.begin_step = begin_step
+    return stats
+
+
+def _main_grad_range(mopt: Any, p: Any, distributed: bool) -> slice:
+    if distributed:
+        inside = mopt._get_model_param_range_map(p)["param"]
+        return slice(inside.start, inside.end)
+    return slice(0, p.numel())
+
+
+def _hierarchical(mopt: Any, buffers: list[Any], both: list, kernels: Any, dp: int, scale: Any, factor: Any,
+                  node_size: int | None) -> NodeStats:
+    """The hierarchical scheme (``vrgd_ds/stats/hierarchical.py``) on the distributed optimizer:
+    every Megatron bucket is cut into one shard per data-parallel rank, so each is a reduction of
+    its own, reduced within the node every micro-step and across nodes once per step into this
+    rank's shard. The micro-steps are read by the parameters' hooks (Megatron keeps its add)."""
+    if type(mopt).__name__ != "DistributedOptimizer":
+        raise ValueError("vrgd_ds.megatron: squares='hierarchical' needs the distributed optimizer "
+                         "(use_distributed_optimizer=True): without it every rank reads every sum")
+    group = buffers[0].data_parallel_group
+    if group.size() != dist.get_world_size() or any(b.data_parallel_group.size() != dp for b in buffers):
+        raise ValueError("vrgd_ds.megatron: squares='hierarchical' needs the data-parallel group to be every rank "
+                         "(tensor-parallel size 1, pipeline-parallel size 1); use squares='per_step'")
+    size = node_size if node_size is not None else host_node_size(group, dp)
+    if dp % size:
+        raise ValueError(f"vrgd_ds.megatron: node_size {size} does not divide the {dp} data-parallel ranks")
+    nodes = node_groups(dist, dp, dist.get_rank(group=group), size)
+    stats = NodeStats(dist, kernels, dp, [t for _, t in both], "engine", scale, lambda: 1, nodes,
+                      engine_factor=factor)
+    per_bucket = {}
+    for b in buffers:
+        for i, bucket in enumerate(b.buckets):
+            per_bucket[(id(b), i)] = (stats.add_node_bucket(bucket.grad_data.numel(), b.grad_data.device), bucket.offset)
+    stats.main_grads = []
+    for p, t in both:
+        gbuf, _, bucket_index = mopt.model_param_gbuf_map[p]
+        b = mopt.buffers[gbuf]
+        nb, offset = per_bucket[(id(b), bucket_index)]
+        start, end, _ = b.param_index_map[p]
+        stats.place_flat(p, nb, start - offset, end - start)
+        stats.hook(p)
+        local = mopt._get_model_param_range_map(p)["gbuf_local"]
+        stats.alias(t, None, stats.halves(nb)[1][local.start:local.end])
+        stats.main_grads.append((t, p, _main_grad_range(mopt, p, True)))
+    return stats
+
+
+def _per_step(mopt: Any, buffers: list[Any], both: list, kernels: Any, dp: int, scale: Any, factor: Any, fold: bool,
+              distributed: bool) -> LocalStats:
+    """The per-step scheme on Megatron's buffers (the module docstring)."""
     stats = LocalStats(dist, kernels, dp, [t for _, t in both], "engine", torch.float32, scale, lambda: 1,
-                       engine_factor=lambda: step_factor[0])
+                       engine_factor=factor)
     shards: dict[tuple[int, int], Tensor] = {}  # (buffer id, bucket index) -> this rank's reduced shard
     buckets: dict[int, StatsBucket] = {}
     for b in buffers:
@@ -171,7 +237,7 @@ def attach(mopt: Any, chunks: list[Any], kernels: Any, fold: bool = True) -> Loc
                     stats.hook(p)
 
     owner = {id(p): b for b in buffers for p in b.param_index_map}
-    main_grads: list[tuple[Tensor, Any, Tensor]] = []  # (target, model parameter, range in its main_grad)
+    stats.main_grads = []  # (target, model parameter, range in its main_grad)
     for p, t in both:
         b = owner.get(id(p))
         if b is None:
@@ -180,26 +246,14 @@ def attach(mopt: Any, chunks: list[Any], kernels: Any, fold: bool = True) -> Loc
                                "Megatron DistributedDataParallel wraps)")
         if distributed:
             gbuf, _, bucket_index = mopt.model_param_gbuf_map[p]
-            ranges = mopt._get_model_param_range_map(p)
-            local, inside = ranges["gbuf_local"], ranges["param"]
+            local = mopt._get_model_param_range_map(p)["gbuf_local"]
             if mopt.buffers[gbuf] is not b:
                 raise RuntimeError("vrgd_ds.megatron: the distributed optimizer's buffers are not the model chunks' "
                                    "(build it on the same chunks)")
             sq = shards[(id(b), bucket_index)][local.start:local.end]
-            main_grads.append((t, p, slice(inside.start, inside.end)))
         else:
             start, end, _ = b.param_index_map[p]
             sq = buckets[id(b)].halves()[1][start:end]
-            main_grads.append((t, p, slice(0, p.numel())))
+        stats.main_grads.append((t, p, _main_grad_range(mopt, p, distributed)))
         stats.alias(t, None, sq)
-
-    def begin_step() -> None:
-        """Before Megatron copies, unscales and clips the reduced gradients: launch the squares'
-        reductions and read ``Σg`` from ``main_grad``."""
-        stats.start()
-        step_factor[0] = 1.0 / (e * scale())
-        for t, p, where in main_grads:
-            stats.capture(t, p.main_grad.view(-1)[where])
-
-    stats.begin_step = begin_step
     return stats

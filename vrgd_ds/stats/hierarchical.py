@@ -56,6 +56,21 @@ class Nodes:
     cross: Any  # the group of the ranks with this local index, one per node
 
 
+def host_node_size(group: Any, world: int) -> int:
+    """The ranks per node of ``group`` (``world`` ranks): those that share a host, which must be
+    consecutive and as many on every host (one gather of the host names)."""
+    import socket
+
+    import torch.distributed
+
+    hosts: list[Any] = [None] * world
+    torch.distributed.all_gather_object(hosts, socket.gethostname(), group=group)
+    size = hosts.count(hosts[0])
+    if world % size or any(hosts[r] != hosts[(r // size) * size] for r in range(world)):
+        raise ValueError(f"the ranks of each host are not consecutive and equally many ({', '.join(hosts)})")
+    return size
+
+
 def node_groups(comm: Any, world: int, rank: int, size: int) -> Nodes:
     """The groups of a world of ``world`` ranks in nodes of ``size`` consecutive ranks. Every rank
     creates every group (``new_group`` is collective), in the same order."""
@@ -104,11 +119,14 @@ class NodeStats(LocalStats):
     intra-node reduce-scatter carries ``[Σg | Σg²]`` chunks in one dtype)."""
 
     def __init__(self, comm: Any, kernels: Any, world: int, targets: list[Tensor], gbar: str,
-                 loss_scale: Callable[[], float], accumulation: Callable[[], int], nodes: Nodes) -> None:
-        super().__init__(comm, kernels, world, targets, gbar, torch.float32, loss_scale, accumulation)
+                 loss_scale: Callable[[], float], accumulation: Callable[[], int], nodes: Nodes,
+                 engine_factor: Callable[[], float] | None = None) -> None:
+        super().__init__(comm, kernels, world, targets, gbar, torch.float32, loss_scale, accumulation, engine_factor)
         self.nodes = nodes
         self.node_buckets: list[NodeBucket] = []
-        self._where: list[tuple[NodeBucket, int, int]] = []  # per parameter: bucket, flat offset, numel
+        # per parameter: its bucket, and where its elements lie: element e is at x = start + e, in
+        # partition x // period at offset base + x % period of that partition
+        self._where: list[tuple[NodeBucket, int, int, int, int]] = []
         self._unpacked = np.zeros(0, dtype=np.int64)  # per parameter: reductions unpacked this step
         self._scratch: Tensor | None = None
         self._recv: Tensor | None = None
@@ -139,18 +157,33 @@ class NodeStats(LocalStats):
         g = b.out.narrow(0, 0, b.part) if b.with_g else None
         return g, b.out.narrow(0, b.shift, b.part)
 
-    def place_flat(self, p: Tensor, b: NodeBucket, offset: int, numel: int) -> int:
-        """``p`` is the flat elements ``[offset, offset + numel)`` of ``b``'s group."""
+    def place_flat(self, p: Tensor, b: NodeBucket, offset: int, numel: int, period: int | None = None,
+                   base: int = 0) -> int:
+        """``p`` is the flat elements ``[offset, offset + numel)`` of ``b``'s group (ZeRO-1/2: the
+        group is cut into equal partitions). ``period`` (ZeRO-3, which cuts every tensor itself):
+        element ``e`` of ``p`` lies in partition ``(offset + e) // period``, at ``base + (offset + e) %
+        period`` inside it."""
         if id(p) in self._index:
             raise ValueError(f"a parameter of shape {tuple(p.shape)} is placed twice in the statistics")
         idx = len(self._where)
         self._index[id(p)] = idx
-        self._where.append((b, offset, numel))
+        self._where.append((b, offset, numel, period or b.part, base))
         self._dests.append([])  # LocalStats' per-parameter rows: unused here
         self._counts = np.append(self._counts, 0)
         self._unpacked = np.append(self._unpacked, 0)
         b.members.append(idx)
         return idx
+
+    def _pieces(self, idx: int):
+        """``(start in the parameter, partition, offset in the partition, length)`` of each piece of
+        parameter ``idx``, cut where a partition ends."""
+        b, offset, numel, period, base = self._where[idx]
+        x, end = offset, offset + numel
+        while x < end:
+            r, q = divmod(x, period)
+            n = min(end, (r + 1) * period) - x
+            yield x - offset, r, base + q, n
+            x += n
 
     # -- every micro-step ---------------------------------------------------------------------------
 
@@ -203,15 +236,11 @@ class NodeStats(LocalStats):
         L, me = self.nodes.size, self.nodes.local
         pieces, fill = [], [0] * L  # (source start, local index, position in its chunk, length, param, bucket, node, q)
         for idx, start in members:
-            b, off, numel = self._where[idx]
-            e, end = off, off + numel
-            while e < end:
-                r, q = divmod(e, b.part)
-                n = min(end, (r + 1) * b.part) - e
+            b = self._where[idx][0]
+            for rel, r, q, n in self._pieces(idx):
                 node, local = divmod(r, L)
-                pieces.append((start + e - off, local, fill[local], n, idx, b, node, q))
+                pieces.append((start + rel, local, fill[local], n, idx, b, node, q))
                 fill[local] += n
-                e += n
         with_g = self.gbar == "local"
         half = _pad(max(fill, default=0))
         chunk = (2 if with_g else 1) * half
@@ -237,18 +266,14 @@ class NodeStats(LocalStats):
         self._n_local = int(self._counts.max()) if len(self._counts) else 0
         arena, me = self.arena, self.nodes.local
         for idx in np.flatnonzero(self._unpacked == 0).tolist():  # nothing reduced this step: old sums must not count
-            b, off, numel = self._where[idx]
-            e, end = off, off + numel
-            while e < end:
-                r, q = divmod(e, b.part)
-                n = min(end, (r + 1) * b.part) - e
+            b = self._where[idx][0]
+            for _, r, q, n in self._pieces(idx):
                 node, local = divmod(r, self.nodes.size)
                 if local == me:
                     g = b.base + node * b.width + q
                     arena.narrow(0, g + b.shift, n).zero_()
                     if b.with_g:
                         arena.narrow(0, g, n).zero_()
-                e += n
         self._works = []
         for b in self.node_buckets:
             local = arena.narrow(0, b.base, self.nodes.count * b.width)
@@ -293,4 +318,4 @@ class _NodePlan(BucketPlan):
     half: int = 0
 
 
-__all__ = ["NodeBucket", "NodeStats", "Nodes", "node_groups"]
+__all__ = ["NodeBucket", "NodeStats", "Nodes", "host_node_size", "node_groups"]
