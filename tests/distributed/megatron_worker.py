@@ -113,7 +113,8 @@ def equals_unsharded(case: dict) -> dict:
         ocfg = OptimizerConfig(optimizer="adam", lr=case.get("lr", 1e-2), weight_decay=0.1,
                                use_distributed_optimizer=case["distributed"], clip_grad=case.get("clip", 1.0))
         kwargs = dict(case.get("kwargs", {}))
-        opt = get_megatron_optimizer(ocfg, [ddp], optimizer=case["optimizer"], optimizer_kwargs=kwargs)
+        opt = get_megatron_optimizer(ocfg, [ddp], optimizer=case["optimizer"], optimizer_kwargs=kwargs,
+                                     squares=case.get("squares", "per_step"), node_size=case.get("node_size"))
         # the reference: the same member, groups and arguments on the unsharded model
         inner = opt.chained_optimizers[0].optimizer
         defaults = {k: v for k, v in inner.defaults.items() if k in REGISTRY[case["optimizer"]].accepted_params()}
@@ -142,7 +143,8 @@ def equals_unsharded(case: dict) -> dict:
         source = opt.vrgd_sources[0]
         out = {"rel": rel, "contrast": contrast, "ok": oks, "n": source.n,
                "collectives": source.counters.collectives, "bytes": source.counters.bytes_sent,
-               "grad_bytes": source.counters.grad_bytes_fp32, "dp": dp}
+               "grad_bytes": source.counters.grad_bytes_fp32, "dp": dp, "memory": source.memory(),
+               "intra_calls": getattr(source, "intra_calls", 0), "describe": source.describe()}
         everyone = [None] * dist.get_world_size()
         dist.all_gather_object(everyone, out)
         return {"worst": max(o["rel"] for o in everyone), "ranks": everyone}
@@ -494,6 +496,14 @@ REFUSED = {
     "tied-embeddings-across-stages": ("parallel", {"pipeline_model_parallel_size": 2},
                                       "share_embeddings_and_output_weights"),
     "megatron-core-version": ("version", "0.15.0", "supports megatron-core 0.16.1, found 0.15.0"),
+    "squares-unknown": ("squares", {"squares": "per_micro_step"}, "squares='per_micro_step': use 'per_step' or"),
+    "hierarchical-without-distributed-optimizer": ("squares", {"squares": "hierarchical", "distributed": False},
+                                                   "squares='hierarchical' needs the distributed optimizer"),
+    "hierarchical-tensor-parallel": ("squares", {"squares": "hierarchical"},
+                                     "squares='hierarchical' needs the data-parallel group to be every rank"),
+    "hierarchical-node-size": ("squares", {"squares": "hierarchical", "node_size": 3},
+                               "node_size 3 does not divide the 2 data-parallel ranks"),
+    "node-size-without-hierarchical": ("squares", {"node_size": 2}, "node_size applies to squares='hierarchical'"),
 }
 
 
@@ -508,7 +518,9 @@ def refused(case: dict) -> dict:
     from vrgd_ds.megatron import get_megatron_optimizer
 
     where, change, _ = REFUSED[case["name"]]
-    tp = 2 if case["name"] == "merit-tensor-parallel" else 1
+    tp = 2 if case["name"] in ("merit-tensor-parallel", "hierarchical-tensor-parallel") else 1
+    extra = {k: v for k, v in change.items() if k != "distributed"} if where == "squares" else {}
+    distributed = change.get("distributed", True) if where == "squares" else True
     sizes = change if where == "parallel" else {}
     from megatron.core import parallel_state as ps
 
@@ -522,9 +534,9 @@ def refused(case: dict) -> dict:
             model.layer.weight.shared_embedding = True  # what Megatron marks on a tied word embedding
         else:
             model = TwoLayers(cfg)
-        ddp = DistributedDataParallel(cfg, DistributedDataParallelConfig(grad_reduce_in_fp32=False,
-                                                                         use_distributed_optimizer=True), model)
-        ocfg = OptimizerConfig(optimizer="adam", lr=1e-2, use_distributed_optimizer=True)
+        ddp = DistributedDataParallel(cfg, DistributedDataParallelConfig(
+            grad_reduce_in_fp32=where == "squares", use_distributed_optimizer=distributed), model)
+        ocfg = OptimizerConfig(optimizer="adam", lr=1e-2, use_distributed_optimizer=distributed)
         name = "VRLamb"
         for key, value in (change.items() if isinstance(change, dict) else ()):
             target = {"model": ddp.config, "ddp": ddp.ddp_config, "optimizer": ocfg}.get(where)
@@ -535,7 +547,7 @@ def refused(case: dict) -> dict:
         if where == "version":
             package_info.__version__ = change
         try:
-            opt = get_megatron_optimizer(ocfg, [ddp], optimizer=name)
+            opt = get_megatron_optimizer(ocfg, [ddp], optimizer=name, **extra)
             if where == "checkpoint":
                 getattr(opt.chained_optimizers[0], change)({})
             if where == "checkpoint-format":

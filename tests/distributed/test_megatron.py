@@ -99,6 +99,26 @@ def test_matrix_equals_the_unsharded_optimizer(megatron, row):
     assert contrast > 1e-3 and res["worst"] <= share * contrast, res
 
 
+@pytest.mark.parametrize("optimizer, accumulation", [("VRLamb", 1), ("VRAdam", 4)])
+def test_hierarchical_statistics_on_two_nodes_equal_the_unsharded_optimizer(megatron, optimizer, accumulation):
+    """``squares="hierarchical"`` on TP1×DP4 as 2 nodes × 2 (``node_size=2``), the distributed
+    optimizer: equals the unsharded optimizer as ``per_step`` does, holding half of its statistics
+    buffer, with one within-node collective per parameter per micro-step (the hooks)."""
+    base = dict(tp=1, distributed=True, overlap=False, accumulation=accumulation, optimizer=optimizer,
+                kwargs=KWARGS[optimizer])
+    flat = megatron(4).run("megatron_worker", "equals_unsharded", base)
+    hier = megatron(4).run("megatron_worker", "equals_unsharded", dict(base, squares="hierarchical", node_size=2))
+    n = 4 * accumulation
+    for res in (flat, hier):
+        assert all(r["ok"] == [True, True, True] and r["n"] == n for r in res["ranks"]), res
+        assert res["worst"] <= TOL and res["ranks"][0]["contrast"] > 1e-3, res
+    for f, h in zip(flat["ranks"], hier["ranks"]):
+        assert "hierarchical over 2 node(s) of 2 rank(s)" in h["describe"], h
+        assert h["memory"]["local"] * 2 <= f["memory"]["local"] + 4 * 4 * 2 * 8, (f, h)  # + each bucket's padding
+        assert h["bytes"] * 2 <= f["bytes"] + 4 * 4 * 2 * 8, (f, h)  # across nodes: half of per_step's
+        assert h["intra_calls"] == 4 * 3 * accumulation and f["intra_calls"] == 0, (f, h)  # 4 tensors, 3 steps
+
+
 @pytest.mark.parametrize("overlap", [False, True])
 @pytest.mark.parametrize("distributed", [False, True])
 def test_statistics_folded_into_main_grad_equal_a_separate_hook_bit_for_bit(megatron2, distributed, overlap):

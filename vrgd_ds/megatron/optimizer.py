@@ -204,7 +204,8 @@ def _wrap(config: Any, chunks: list[Any], inner: GSNROptimizer, groups: dict[str
 
 def get_megatron_optimizer(config: Any, model_chunks: list[Any], optimizer: str = "VRLamb",
                            optimizer_kwargs: dict[str, Any] | None = None, config_overrides: Any = None,
-                           use_gloo_process_groups: bool = True, micro_steps: str = "auto") -> Any:
+                           use_gloo_process_groups: bool = True, micro_steps: str = "auto",
+                           squares: str = "per_step", node_size: int | None = None) -> Any:
     """Megatron's ``get_megatron_optimizer`` with a VRGD member as the inner optimizer.
 
     ``config`` (``OptimizerConfig``: lr, weight decay, Adam betas/eps, clipping, precision,
@@ -217,10 +218,18 @@ def get_megatron_optimizer(config: Any, model_chunks: list[Any], optimizer: str 
     ``micro_steps``: ``"auto"`` folds each micro-batch's square into Megatron's ``main_grad``
     accumulation (one launch per tensor, Megatron's own add skipped); ``"hooks"`` keeps Megatron's
     add and launches the statistics beside it (the same statistics and gradients, bit for bit).
+    ``squares``: ``"per_step"`` (full-size buffers, one reduction per step) or ``"hierarchical"``
+    (the distributed optimizer over every rank: each micro-step's statistics reduce-scattered
+    within nodes of ``node_size`` ranks, default those sharing a host, then once per step across
+    nodes; ``vrgd_ds/stats/hierarchical.py``).
     """
     check_version()
     if micro_steps not in ("auto", "hooks"):
         raise ValueError(f"vrgd_ds.megatron: micro_steps={micro_steps!r}: use 'auto' or 'hooks'")
+    if squares not in ("per_step", "hierarchical"):
+        raise ValueError(f"vrgd_ds.megatron: squares={squares!r}: use 'per_step' or 'hierarchical'")
+    if node_size is not None and squares != "hierarchical":
+        raise ValueError("vrgd_ds.megatron: node_size applies to squares='hierarchical' only")
     from megatron.core import parallel_state as ps
     from megatron.core.optimizer import _get_param_groups_and_buffers
     from megatron.core.optimizer.optimizer import ChainedOptimizer
@@ -241,7 +250,8 @@ def get_megatron_optimizer(config: Any, model_chunks: list[Any], optimizer: str 
     tp_group = ps.get_tensor_model_parallel_group()
     tp = (tp_group, ps.get_tensor_model_parallel_rank(), ps.get_tensor_model_parallel_world_size())
     stages = ps.get_pipeline_model_parallel_group() if ps.get_pipeline_model_parallel_world_size() > 1 else None
-    source = attach(mopt, model_chunks, inner.kernels(), fold=micro_steps == "auto")
+    source = attach(mopt, model_chunks, inner.kernels(), fold=micro_steps == "auto", squares=squares,
+                    node_size=node_size)
     names, keys, numel, shapes, duplicate = model_tensors(model_chunks, tp[2])
     distributed = config.use_distributed_optimizer and model_chunks[0].buffers[0].data_parallel_group.size() > 1
     if distributed and tp[2] > 1:

@@ -187,21 +187,18 @@ def _hierarchical(mopt: Any, buffers: list[Any], both: list, kernels: Any, dp: i
     nodes = node_groups(dist, dp, dist.get_rank(group=group), size)
     stats = NodeStats(dist, kernels, dp, [t for _, t in both], "engine", scale, lambda: 1, nodes,
                       engine_factor=factor)
-    per_bucket = {}
-    for b in buffers:
-        for i, bucket in enumerate(b.buckets):
-            per_bucket[(id(b), i)] = (stats.add_node_bucket(bucket.grad_data.numel(), b.grad_data.device), bucket.offset)
     stats.main_grads = []
-    for p, t in both:
-        gbuf, _, bucket_index = mopt.model_param_gbuf_map[p]
-        b = mopt.buffers[gbuf]
-        nb, offset = per_bucket[(id(b), bucket_index)]
-        start, end, _ = b.param_index_map[p]
-        stats.place_flat(p, nb, start - offset, end - start)
-        stats.hook(p)
-        local = mopt._get_model_param_range_map(p)["gbuf_local"]
-        stats.alias(t, None, stats.halves(nb)[1][local.start:local.end])
-        stats.main_grads.append((t, p, _main_grad_range(mopt, p, True)))
+    owned = dict(both)
+    for b in buffers:  # every parameter: each rank packs the whole bucket, its own shard or not
+        nbs = [stats.add_node_bucket(bucket.grad_data.numel(), b.grad_data.device) for bucket in b.buckets]
+        for p, (start, end, i) in b.param_index_map.items():
+            stats.place_flat(p, nbs[i], start - b.buckets[i].offset, end - start)
+            stats.hook(p)
+            t = owned.get(p)
+            if t is not None:
+                local = mopt._get_model_param_range_map(p)["gbuf_local"]
+                stats.alias(t, None, stats.halves(nbs[i])[1][local.start:local.end])
+                stats.main_grads.append((t, p, _main_grad_range(mopt, p, True)))
     return stats
 
 
