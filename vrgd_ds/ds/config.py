@@ -30,7 +30,7 @@ class ReductionConfig(BaseModel):
     full-size buffer; n = ranks on stage 0/ZeRO-1, where DeepSpeed reduces once per step).
     Default (null): ``per_step`` on stages 0-2, whose ranks already hold a full-size gradient
     (2-4 B/param) and parameters, ``per_micro_step`` on ZeRO-3, which exists to avoid full-size
-    buffers per rank. ``hierarchical`` (ZeRO-1/2): each bucket's statistics reduce-scattered within
+    buffers per rank. ``hierarchical`` (ZeRO-1/2/3): each bucket's statistics reduce-scattered within
     the node every micro-step into buffers partitioned over the node's ranks, then across nodes
     once per step: ``1/node_size`` of ``per_step``'s memory per rank, the same bytes between nodes
     (``vrgd_ds/stats/hierarchical.py``). ``auto``: ``auto_scheme`` below (the rule of
@@ -100,10 +100,10 @@ def auto_scheme(stage: int, pipeline: bool, world: int, node_size: int, full_byt
     memory limit)."""
     if stage == 0 or pipeline:
         return "per_step"
-    if world == node_size:
-        return "hierarchical"
     if stage == 3:  # its point: no full-size buffer per rank
         return "per_micro_step"
+    if world == node_size:
+        return "hierarchical"
     if free_bytes is not None and full_bytes > AUTO_FREE_SHARE * free_bytes:
         return "hierarchical"
     return "per_step"

@@ -3,7 +3,8 @@ reduced within the node at every micro-step, across nodes once per step, so that
 full-size buffer (docs/design.md §3).
 
 Ranks are grouped into nodes of ``L`` consecutive ranks (those that share a host; ``k = N·L``
-ranks in all). A ZeRO-1/2 param group's flat gradient is cut into ``k`` partitions, rank
+ranks in all). A ZeRO-1/2 param group's flat gradient is cut into ``k`` partitions (ZeRO-3 cuts
+each tensor into ``k`` pieces instead: ``NodeStats.place_flat``'s ``period``), rank
 ``r = j·L + l`` (node ``j``, local rank ``l``) owning partition ``P_r``. Local rank ``l`` of every
 node keeps the node's sums for the partitions its cross-node peers own, ``S_l = P_l ∪ P_{L+l} ∪
 … ∪ P_{(N-1)·L+l}``: ``1/L`` of the flat group, laid out as ``N`` blocks (``[Σg | Σg²]`` per
@@ -91,8 +92,9 @@ def node_groups(comm: Any, world: int, rank: int, size: int) -> Nodes:
 
 @dataclass
 class NodeBucket:
-    """One reduction of the hierarchical scheme (a ZeRO-1/2 param group): the node buffer of this
-    rank's local index, in ``N`` blocks of ``[Σg | Σg²]`` (or ``Σg²``), and the reduced partition."""
+    """One reduction of the hierarchical scheme (a ZeRO-1/2 param group, a ZeRO-3 sub-group, a
+    Megatron bucket): the node buffer of this rank's local index, in ``N`` blocks of ``[Σg | Σg²]``
+    (or ``Σg²``), and the reduced partition."""
 
     base: int  # offset of the node buffer in the source's allocation
     numel: int  # the flat group, k partitions
