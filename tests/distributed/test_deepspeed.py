@@ -201,6 +201,27 @@ def test_hierarchical_statistics_hold_a_node_share_of_per_steps_memory(pool4, gb
     assert "hierarchical over 2 node(s) of 2 rank(s)" in hier["describe"]
 
 
+@pytest.mark.parametrize("gbar", ["engine", "local"])
+def test_hierarchical_statistics_on_stage_0_gather_the_whole_sums_at_the_step(pool4, gbar):
+    """Stage 0, where every rank steps every parameter: 4 ranks as 2 nodes × 2, no accumulation
+    (DeepSpeed's one bucket read). During the micro-steps the node buffer is half of the per-step
+    scheme's; at the step one all-reduce across nodes (half the bytes per rank) and one all-gather
+    within the node per half ([Σg | Σg²] or Σg²) leave every rank the whole model's sums, which the
+    per-step scheme holds in place of its buffer (so the partition sums are its whole buffer)."""
+    res = run(pool4, "run_scheme_costs", dict(stage=0, dtype="fp32", gas=1, clip=1.0, opt="VRLamb", bucket=40,
+                                              node_size=2, gbar=gbar))
+    flat, hier = res["per_step"], res["hierarchical"]
+    words = 2 if gbar == "local" else 1
+    assert flat["n"] == hier["n"] == 4 and hier["step_collectives"] == flat["step_collectives"] == 1
+    assert hier["inter_bytes"] * 2 == flat["inter_bytes"], (hier, flat)
+    padded = -(-flat["numel"] // 8) * 8  # node_size · PAD
+    assert flat["memory"]["local"] >= 4 * words * flat["numel"]  # full size (padding included)
+    assert hier["memory"]["local"] * 2 == 4 * words * padded and padded - flat["numel"] < 8, (hier, flat)
+    assert hier["memory"]["partition"] == 4 * words * padded + flat["memory"]["partition"], (hier, flat)
+    assert hier["reductions"] == flat["reductions"] == 1
+    assert hier["intra_calls"] == 1 + words, hier  # the bucket's reduce-scatter, then one gather per half
+
+
 def test_engine_mean_gradient_in_bf16_inflates_the_gsnr_local_does_not(pool):
     """The measurement behind gbar="auto": in bf16 training DeepSpeed's bf16-reduced ḡ meets the
     fp32 squares in s - ḡ²; its rounding inflates the first step's mean GSNR (seen 4.46 against
@@ -331,7 +352,6 @@ BAD = {
     "bad-tensor-parallel-mpu": "'mpu (tensor model parallelism)' is not supported with VRGD optimizers: the model is "
                                "sharded over 2 tensor-parallel ranks",
     "bad-node-size": "vrgd.node_size: 3 does not divide the 2 data-parallel ranks",
-    "bad-hierarchical-stage0": "vrgd.squares: 'hierarchical' runs on ZeRO stages 1, 2 and 3",
     "bad-hierarchical-bf16-squares": "vrgd.squares_dtype: 'hierarchical' reduces [Σg | Σg²] chunks in one dtype",
 }
 

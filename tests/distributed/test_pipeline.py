@@ -85,11 +85,13 @@ def test_bf16_on_stage_0_is_refused_naming_the_key_and_trains_on_zero_1(pool):
     assert res["raised"] is None and res["n"] == 2, res
 
 
-def test_per_micro_step_squares_are_refused_naming_the_key(pool):
-    res = pool.run("pipe_worker", "run_bad_pipe_case", dict(stage=0, opt="VRLamb", gas=2, clip=0.0,
-                                                            scheme="per_micro_step"))
+@pytest.mark.parametrize("scheme", ["per_micro_step", "hierarchical"])
+def test_squares_schemes_other_than_per_step_are_refused_naming_the_key(pool, scheme):
+    """Also the fix of the refusal's message, which named 'per_micro_step' whatever scheme the
+    config set (seen with 'hierarchical')."""
+    res = pool.run("pipe_worker", "run_bad_pipe_case", dict(stage=1, opt="VRLamb", gas=2, clip=0.0, scheme=scheme))
     assert res["raised"] == "UnsupportedConfiguration", res
-    assert "'vrgd.squares': 'per_micro_step' is not supported with pipeline parallelism" in res["message"]
+    assert f"'vrgd.squares': '{scheme}' is not supported with pipeline parallelism" in res["message"], res
 
 
 def test_tied_module_across_stages_with_gsnr_is_refused_and_accepted_with_gsnr_off(pool):

@@ -54,12 +54,7 @@ def attach(engine: Any) -> sources.ReductionStats | None:
     if wants_stats:
         gbar = options.gbar_for(engine.get_data_types()[0])
         hooks_only = options.micro_steps == "hooks"
-        if scheme == "hierarchical":
-            if not hasattr(path, "node_buffers") or pipeline.is_pipeline(engine):
-                raise UnsupportedConfiguration(
-                    f"vrgd.squares: 'hierarchical' runs on ZeRO stages 1, 2 and 3 without pipeline parallelism (this "
-                    f"engine: stage {stage}{', a PipelineEngine' if pipeline.is_pipeline(engine) else ''}); use "
-                    "'per_step' or 'per_micro_step'")
+        if scheme == "hierarchical":  # every engine path has node_buffers; pipelines are refused in pipeline.check
             stats = local.attach_hierarchical(engine, path, world, gbar, opt.kernels(), options.node_size, hooks_only)
         elif scheme == "per_step":
             stats = local.attach(engine, path, world, gbar, options.torch_squares_dtype, opt.kernels(),

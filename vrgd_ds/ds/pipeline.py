@@ -44,7 +44,7 @@ def check(engine: Any, scheme: str) -> None:
                        "all stages")
     if scheme != "per_step":
         raise UnsupportedConfiguration(
-            "vrgd_ds: 'vrgd.squares': 'per_micro_step' is not supported with pipeline parallelism "
+            f"vrgd_ds: 'vrgd.squares': '{scheme}' is not supported with pipeline parallelism "
             "(PipelineModule): DeepSpeed reduces a stage's gradients once per step, after the tied-module sum; use "
             "\"vrgd\": {\"squares\": \"per_step\"} (the default on ZeRO stages 0 and 1)")
 

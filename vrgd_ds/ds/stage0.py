@@ -24,7 +24,7 @@ from vrgd_ds.ds.internals import UnsupportedConfiguration, require
 from vrgd_ds.ds.layout import Layout, ModelTensors
 from vrgd_ds.ds.local import buckets_or_hooks
 from vrgd_ds.stats.comm import fused_all_reduce_sync
-from vrgd_ds.stats.local import LocalStats
+from vrgd_ds.stats.local import PAD, LocalStats
 
 _ENGINE = ("allreduce_bucket", "clip_fp32_gradients", "seq_data_parallel_group", "gradient_accumulation_steps",
            "set_train_batch_size")
@@ -120,6 +120,26 @@ class Stage0:
             n = p.numel()
             stats.place(p, bucket, off, n)
             g, sq = bucket.halves()
+            stats.alias(m, None if g is None else g.narrow(0, off, n), sq.narrow(0, off, n))
+            off += n
+        self.record_micro_steps(stats)
+
+    def node_buffers(self, stats: Any) -> None:
+        """The hierarchical scheme (``vrgd_ds/stats/hierarchical.py``) where every rank steps every
+        parameter: all parameters as one flat group (padded to ``node_size · PAD``), cut into one
+        partition per local rank; the node buffers reduced across nodes and gathered within the
+        node at the step into the whole group's sums, which the optimizer's statistics view.
+        Micro-steps recorded as ``local_buffers`` records them."""
+        pairs = self.pairs
+        device = pairs[0][1].device if pairs else torch.device("cpu")
+        quantum = stats.nodes.size * PAD
+        total = sum(p.numel() for p, _ in pairs)
+        bucket = stats.add_node_bucket(-(-total // quantum) * quantum, device, replicated=True)
+        g, sq = stats.halves(bucket)
+        off = 0
+        for p, m in pairs:
+            n = p.numel()
+            stats.place_flat(p, bucket, off, n)
             stats.alias(m, None if g is None else g.narrow(0, off, n), sq.narrow(0, off, n))
             off += n
         self.record_micro_steps(stats)

@@ -107,6 +107,15 @@ def reduce_scatter(comm: Any, out: Tensor, inp: Tensor, group: Any, async_op: bo
     return fn(out, inp, group=group, async_op=async_op)
 
 
+def all_gather(comm: Any, out: Tensor, inp: Tensor, group: Any, async_op: bool = False) -> Any:
+    """``out`` = ``inp`` of every rank of ``group``, in rank order (``all_gather_single`` where
+    torch has it, as ``reduce_scatter`` above)."""
+    fn = getattr(comm, "all_gather_single", None) or getattr(torch.distributed, "all_gather_single", None)
+    if fn is None:
+        fn = comm.all_gather_into_tensor
+    return fn(out, inp, group=group, async_op=async_op)
+
+
 def all_reduce(comm: Any, t: Tensor, group: Any, async_op: bool = True) -> Any:
     return comm.all_reduce(t, group=group, async_op=async_op)
 

@@ -37,7 +37,7 @@ import torch
 from torch import Tensor
 
 from vrgd_ds.optim.columns import BucketTable
-from vrgd_ds.stats.comm import reduce_scatter
+from vrgd_ds.stats.comm import all_gather, all_reduce, reduce_scatter
 from vrgd_ds.stats.local import PAD, BucketPlan, LocalStats
 
 
@@ -104,6 +104,9 @@ class NodeBucket:
     group: Any = None  # the cross-node group
     out: Tensor | None = None  # [Σg | Σg²] (or Σg²) of this rank's partition
     members: list[int] = field(default_factory=list)
+    blocks: int = 1  # N blocks in the node buffer; 1 when replicated
+    replicated: bool = False  # stage 0: every rank reads every sum (below)
+    intra: Any = None  # replicated: the node's group, which gathers the node buffers
 
     @property
     def width(self) -> int:
@@ -138,26 +141,40 @@ class NodeStats(LocalStats):
 
     # -- set-up ------------------------------------------------------------------------------------
 
-    def add_node_bucket(self, numel: int, device: torch.device) -> NodeBucket:
+    def add_node_bucket(self, numel: int, device: torch.device, replicated: bool = False) -> NodeBucket:
         """The reduction of one flat group of ``numel`` elements (k partitions); returns it with
-        ``out`` allocated, whose halves the optimizer's statistics alias."""
+        ``out`` allocated, whose halves the optimizer's statistics alias. ``replicated`` (stage 0,
+        where every rank steps every parameter): the group is cut into ``L`` partitions, one per
+        local rank, each kept whole by that local rank of every node (one block); at the step an
+        all-reduce across nodes, then an all-gather within the node (NVLink) of each half, so
+        ``out`` is the whole group's ``[Σg | Σg²]`` on every rank. ``numel`` a multiple of
+        ``L · PAD`` then, so the gathered halves have no gaps."""
         if self._arena is not None:
             raise RuntimeError("statistics buckets are added before the first micro-step")
-        k = self.world
-        if numel % k:
-            raise ValueError(f"a flat group of {numel} elements is not {k} equal partitions")
+        L = self.nodes.size
+        k = L if replicated else self.world
+        if numel % k or (replicated and (numel // k) % PAD):
+            raise ValueError(f"a flat group of {numel} elements is not {k} equal partitions"
+                             + (f" of a multiple of {PAD}" if replicated else ""))
         self._device = device
         part = numel // k
-        b = NodeBucket(self._size, numel, part, _pad(part), self.gbar == "local", group=self.nodes.cross)
-        self._size += self.nodes.count * b.width
-        b.out = torch.zeros(b.width, dtype=torch.float32, device=device)
+        b = NodeBucket(self._size, numel, part, _pad(part), self.gbar == "local", group=self.nodes.cross,
+                       blocks=1 if replicated else self.nodes.count, replicated=replicated, intra=self.nodes.intra)
+        self._size += b.blocks * b.width
+        b.out = torch.zeros((2 if b.with_g else 1) * numel if replicated else b.width, dtype=torch.float32,
+                            device=device)
         self.node_buckets.append(b)
         return b
 
     def halves(self, b: NodeBucket) -> tuple[Tensor | None, Tensor]:
-        """``(Σg, Σg²)`` of this rank's partition, once the step's reduction is done."""
-        g = b.out.narrow(0, 0, b.part) if b.with_g else None
-        return g, b.out.narrow(0, b.shift, b.part)
+        """``(Σg, Σg²)`` of this rank's partition (replicated: of the whole group), once the
+        step's reduction is done."""
+        if b.replicated:  # out: [Σg | Σg²] over the group (padded == part there)
+            n, shift = b.numel, b.numel if b.with_g else 0
+        else:
+            n, shift = b.part, b.shift
+        g = b.out.narrow(0, 0, n) if b.with_g else None
+        return g, b.out.narrow(0, shift, n)
 
     def place_flat(self, p: Tensor, b: NodeBucket, offset: int, numel: int, period: int | None = None,
                    base: int = 0) -> int:
@@ -278,11 +295,27 @@ class NodeStats(LocalStats):
                         arena.narrow(0, g, n).zero_()
         self._works = []
         for b in self.node_buckets:
-            local = arena.narrow(0, b.base, self.nodes.count * b.width)
-            self._works.append(reduce_scatter(self.comm, b.out, local, b.group))
+            local = arena.narrow(0, b.base, b.blocks * b.width)
+            if b.replicated:
+                self._works.append(all_reduce(self.comm, local, b.group))
+            else:
+                self._works.append(reduce_scatter(self.comm, b.out, local, b.group))
             self.inter_bytes += local.numel() * 4
             self.counters.add(b.numel, local.numel() * 4)
         self._started = True
+
+    def _gather(self) -> None:
+        """Replicated buckets: each half of this rank's reduced node buffer gathered over the node
+        into ``out`` (two collectives with ``Σg``: ``out`` is ``[Σg | Σg²]`` over the group)."""
+        for b in self.node_buckets:
+            if not b.replicated:
+                continue
+            local = self.arena.narrow(0, b.base, b.width)
+            for h in range(2 if b.with_g else 1):
+                all_gather(self.comm, b.out.narrow(0, h * b.numel, b.numel), local.narrow(0, h * b.part, b.part),
+                           b.intra)
+                self.intra_bytes += b.part * 4
+                self.intra_calls += 1
 
     def moments(self, params) -> tuple[list[Tensor], list[Tensor]]:
         self.start()
@@ -291,6 +324,7 @@ class NodeStats(LocalStats):
                 if w is not None:
                     w.wait()
             self._works = []
+            self._gather()
             self._finished = True
         return super().moments(params)
 
