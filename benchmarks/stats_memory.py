@@ -5,7 +5,7 @@ sums the optimizer reads, the transient bucket buffers), next to the bytes their
 take per optimizer step, within a node and across nodes, in fp32 gradients.
 
 A BERT (``--model tiny``: hidden 128, 2 layers, 30,522-token vocabulary, 4.4M parameters) under
-DeepSpeed ZeRO-2 and ZeRO-3, two optimizer steps per engine, the second
+DeepSpeed stage 0, ZeRO-2 and ZeRO-3, two optimizer steps per engine, the second
 counted. ``per_step``'s collective spans the nodes; ``hierarchical``'s intra-node reductions run
 every micro-step, its cross-node one once per step; ``per_micro_step``'s replaces DeepSpeed's own
 reduction at every micro-step.
@@ -22,8 +22,8 @@ from pathlib import Path
 
 MODELS = {"tiny": dict(hidden_size=128, num_hidden_layers=2, num_attention_heads=2, intermediate_size=512),
           "small": dict(hidden_size=512, num_hidden_layers=4, num_attention_heads=8, intermediate_size=2048)}
-CASES = [(2, "per_step"), (2, "hierarchical"), (2, "per_micro_step"), (3, "per_step"), (3, "hierarchical"),
-         (3, "per_micro_step")]
+CASES = [(0, "per_step"), (0, "hierarchical"), (2, "per_step"), (2, "hierarchical"), (2, "per_micro_step"),
+         (3, "per_step"), (3, "hierarchical"), (3, "per_micro_step")]
 
 
 def worker(args: argparse.Namespace) -> None:

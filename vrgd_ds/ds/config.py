@@ -30,7 +30,7 @@ class ReductionConfig(BaseModel):
     full-size buffer; n = ranks on stage 0/ZeRO-1, where DeepSpeed reduces once per step).
     Default (null): ``per_step`` on stages 0-2, whose ranks already hold a full-size gradient
     (2-4 B/param) and parameters, ``per_micro_step`` on ZeRO-3, which exists to avoid full-size
-    buffers per rank. ``hierarchical`` (ZeRO-1/2/3): each bucket's statistics reduce-scattered within
+    buffers per rank. ``hierarchical`` (stage 0, ZeRO-1/2/3): each bucket's statistics reduce-scattered within
     the node every micro-step into buffers partitioned over the node's ranks, then across nodes
     once per step: ``1/node_size`` of ``per_step``'s memory per rank, the same bytes between nodes
     (``vrgd_ds/stats/hierarchical.py``). ``auto``: ``auto_scheme`` below (the rule of
@@ -93,8 +93,8 @@ AUTO_FREE_SHARE = 0.5
 
 
 def auto_scheme(stage: int, pipeline: bool, world: int, node_size: int, full_bytes: int, free_bytes: int | None) -> str:
-    """``"squares": "auto"``: ZeRO-3 ``per_micro_step`` (no full-size buffer); stage 0 and pipelines
-    ``per_step``; ZeRO-1/2 ``hierarchical`` on a single node (nothing crosses InfiniBand) or where
+    """``"squares": "auto"``: ZeRO-3 ``per_micro_step`` (no full-size buffer); stage 0 (whose ranks
+    hold the whole model's sums at the step whatever the scheme) and pipelines ``per_step``; ZeRO-1/2 ``hierarchical`` on a single node (nothing crosses InfiniBand) or where
     the per-step scheme's full-size buffer (``full_bytes``) does not fit in ``AUTO_FREE_SHARE`` of
     the free device memory, else ``per_step`` (``free_bytes`` None: a host without a device
     memory limit)."""
