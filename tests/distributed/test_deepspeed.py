@@ -352,8 +352,19 @@ BAD = {
     "bad-tensor-parallel-mpu": "'mpu (tensor model parallelism)' is not supported with VRGD optimizers: the model is "
                                "sharded over 2 tensor-parallel ranks",
     "bad-node-size": "vrgd.node_size: 3 does not divide the 2 data-parallel ranks",
+    "bad-launcher-local-size": "vrgd.node_size: the launcher's LOCAL_WORLD_SIZE=1 disagrees with the 2 rank(s) found "
+                               "on each host",
     "bad-hierarchical-bf16-squares": "vrgd.squares_dtype: 'hierarchical' reduces [Σg | Σg²] chunks in one dtype",
 }
+
+
+def test_auto_squares_on_one_host_reduce_within_it(pool):
+    """``"squares": "auto"`` on ZeRO-2 with both ranks on this host (the launcher's local world
+    size and the host names agree): the hierarchical scheme over one node, nothing across nodes."""
+    res = run(pool, "run_bad_case", dict(stage=2, dtype="fp32", gas=1, clip=0.0, opt="VRLamb", bucket=500,
+                                         set={"vrgd.squares": "auto"}))
+    assert res["raised"] is None, res
+    assert res["describe"].startswith("hierarchical over 1 node(s) of 2 rank(s)"), res
 
 
 @pytest.mark.parametrize("name, case", params(worker.bad_cases()))

@@ -666,13 +666,21 @@ def run_bad_case(case: dict) -> dict:
     from deepspeed.utils import groups
 
     kept = groups.mpu, groups.mesh_device  # module globals an mpu or AutoTP sets: the pool's next case needs them
+    env = {k: os.environ.get(k) for k in case.get("env", {})}
+    os.environ.update(case.get("env", {}))
     try:
-        deepspeed.initialize(model=model, config=cfg, **kwargs)
+        engine, *_ = deepspeed.initialize(model=model, config=cfg, **kwargs)
     except Exception as e:
         return dict(raised=type(e).__name__, message=str(e))
     finally:
         groups.mpu, groups.mesh_device = kept
-    return dict(raised=None, message="")
+        for k, v in env.items():
+            if v is None:
+                os.environ.pop(k)
+            else:
+                os.environ[k] = v
+    stats = getattr(engine, "vrgd_stats", None)
+    return dict(raised=None, message="", describe=stats.describe() if hasattr(stats, "describe") else "")
 
 
 def bert_model() -> torch.nn.Module:
@@ -730,6 +738,7 @@ def bad_cases():
     yield "bad-moe", dict(base, moe=True)
     yield "bad-tensor-parallel-mpu", dict(base, mpu=True)
     yield "bad-node-size", dict(base, set={"vrgd.squares": "hierarchical", "vrgd.node_size": 3})
+    yield "bad-launcher-local-size", dict(base, set={"vrgd.squares": "hierarchical"}, env={"LOCAL_WORLD_SIZE": "1"})
     yield "bad-hierarchical-bf16-squares", dict(base, set={"vrgd.squares": "hierarchical", "vrgd.squares_dtype": "bf16"})
 
 

@@ -57,9 +57,15 @@ class Nodes:
     cross: Any  # the group of the ranks with this local index, one per node
 
 
+#: the launchers' ranks-per-host variables: torchrun, DeepSpeed's launcher, Open MPI's mpirun
+LOCAL_SIZE_ENV = ("LOCAL_WORLD_SIZE", "LOCAL_SIZE", "OMPI_COMM_WORLD_LOCAL_SIZE")
+
+
 def host_node_size(group: Any, world: int) -> int:
     """The ranks per node of ``group`` (``world`` ranks): those that share a host, which must be
-    consecutive and as many on every host (one gather of the host names)."""
+    consecutive and as many on every host (one gather of the host names), checked against the
+    launcher's local world size where it sets one (``LOCAL_SIZE_ENV``)."""
+    import os
     import socket
 
     import torch.distributed
@@ -69,6 +75,12 @@ def host_node_size(group: Any, world: int) -> int:
     size = hosts.count(hosts[0])
     if world % size or any(hosts[r] != hosts[(r // size) * size] for r in range(world)):
         raise ValueError(f"the ranks of each host are not consecutive and equally many ({', '.join(hosts)})")
+    for name in LOCAL_SIZE_ENV:
+        value = os.environ.get(name)
+        if value is not None and int(value) != size:
+            raise ValueError(f"the launcher's {name}={value} disagrees with the {size} rank(s) found on each host")
+        if value is not None:
+            break
     return size
 
 
