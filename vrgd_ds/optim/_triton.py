@@ -656,6 +656,21 @@ def _pack_bucket_elems(X, MN, G, Q, sidx, didx, m, c, gs, acc, WITH_G: tl.conste
             _st(G, didx, x * gs, m, WIDE)
 
 
+@triton.jit
+def _chunk_row(chunks, ALIGNED: tl.constexpr):
+    """This program's chunk row of ``pack_bucket``/``unpack_bucket``: (source, gradient, squares,
+    length, accumulate, head, body blocks, source aligned); no aligned body unless ``ALIGNED``."""
+    row = chunks + tl.program_id(0) * _PACK_ROW
+    n = tl.load(row + 3)
+    head = tl.load(row + 5)
+    nblk = tl.load(row + 6)
+    if not ALIGNED:
+        head = n
+        nblk = n * 0
+    return (tl.load(row + 0), tl.load(row + 1), tl.load(row + 2), n, tl.load(row + 4) != 0, head, nblk,
+            tl.load(row + 7) != 0)
+
+
 @_kernel
 def _pack_bucket_kernel(x: tl.int64, mn: tl.int64, OUT: "*fp32", chunks: "*i64", c: tl.float32, gs: tl.float32,
                         XDT: tl.constexpr, MDT: tl.constexpr, WITH_G: tl.constexpr, MAIN: tl.constexpr,
@@ -666,18 +681,7 @@ def _pack_bucket_kernel(x: tl.int64, mn: tl.int64, OUT: "*fp32", chunks: "*i64",
     and in the source (and ``main``) too where the row says so."""
     X = x.to(tl.pointer_type(XDT))
     M = mn.to(tl.pointer_type(MDT))
-    row = chunks + tl.program_id(0) * _PACK_ROW
-    s = tl.load(row + 0)
-    g = tl.load(row + 1)
-    q = tl.load(row + 2)
-    n = tl.load(row + 3)
-    acc = tl.load(row + 4) != 0
-    head = tl.load(row + 5)
-    nblk = tl.load(row + 6)
-    src_wide = tl.load(row + 7) != 0
-    if not ALIGNED:
-        head = n
-        nblk = n * 0
+    s, g, q, n, acc, head, nblk, src_wide = _chunk_row(chunks, ALIGNED)
     G = OUT + g
     Q = OUT + q
     XS = X + s
@@ -720,18 +724,7 @@ def _unpack_bucket_kernel(SRC: "*fp32", OUT: "*fp32", chunks: "*i64", src_sq: tl
                           ALIGNED: tl.constexpr, BLOCK: tl.constexpr):
     """One chunk of one row of ``Kernels.unpack_bucket``: the chunk rows of ``pack_bucket``
     (source, gradient, squares, length, accumulate, head, body blocks, source aligned)."""
-    row = chunks + tl.program_id(0) * _PACK_ROW
-    s = tl.load(row + 0)
-    g = tl.load(row + 1)
-    q = tl.load(row + 2)
-    n = tl.load(row + 3)
-    acc = tl.load(row + 4) != 0
-    head = tl.load(row + 5)
-    nblk = tl.load(row + 6)
-    src_wide = tl.load(row + 7) != 0
-    if not ALIGNED:
-        head = n
-        nblk = n * 0
+    s, g, q, n, acc, head, nblk, src_wide = _chunk_row(chunks, ALIGNED)
     XG = SRC + s
     XQ = SRC + s + src_sq
     G = OUT + g

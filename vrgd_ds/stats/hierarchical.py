@@ -222,19 +222,7 @@ class NodeStats(LocalStats):
                       main: Tensor | None = None) -> None:
         if main is not None:
             raise ValueError("the hierarchical scheme does not fold into an engine's accumulation")
-        if self._stale:
-            self._counts[:] = 0
-            self._unpacked[:] = 0
-            self._stale = False
-            self._started = self._finished = False
-            self._captured.clear()
-        plan = self._plans.get(key)
-        if plan is None:
-            plan = self._plans[key] = self._node_plan(members())
-        counts = self._counts
-        if not counts.any():
-            self._scale = float(self._loss_scale())
-            self._c = float(self._accumulation()) / self._scale
+        plan = self._plan_for(key, members, self._node_plan)
         L, chunk = self.nodes.size, plan.chunk
         need = L * chunk
         if self._scratch is None or self._scratch.numel() < need or self._scratch.device != src.device:
@@ -248,18 +236,16 @@ class NodeStats(LocalStats):
         reduce_scatter(self.comm, recv, scratch, self.nodes.intra, async_op=False)
         self.intra_bytes += need * 4
         self.intra_calls += 1
-        seen = self._unpacked[plan.seg_param] > 0
-        flags = b"\x01" if seen.all() else b"\x00" if not seen.any() else seen.tobytes()
-        table = plan.tables.get(flags)
-        if table is None:
-            acc = np.broadcast_to(seen, (len(plan.rows),)).astype(np.int64)
-            table = plan.tables[flags] = BucketTable(torch.from_numpy(np.column_stack([plan.rows, acc])))
-            self.stat_counters.tables_built += 1
         if plan.rows.shape[0]:
+            table = self._table(plan, self._unpacked)
             self.kernels.unpack_bucket(recv, table, self.arena, plan.half if with_g else 0, with_g)
-        counts[plan.params] += 1
+        self._counts[plan.params] += 1
         self._unpacked[plan.params] += 1
         self.stat_counters.launches += 2
+
+    def _new_step(self) -> None:
+        super()._new_step()
+        self._unpacked[:] = 0
 
     def _node_plan(self, members: list[tuple[int, int]]) -> "_NodePlan":
         """A bucket's chunks: its elements cut by partition, each partition's elements to the chunk

@@ -346,18 +346,40 @@ class LocalStats:
         ``members()`` lists as ``(index, start in src)`` (called once per ``key``: the bucket's
         layout, e.g. its parameters). One launch, whatever the number of parameters; ``main``
         (laid out like ``src``) accumulates ``src`` in the same launch."""
-        if self._stale:  # the first record after a step
-            self._counts[:] = 0
-            self._stale = False
-            self._started = self._finished = False
-            self._captured.clear()
+        plan = self._plan_for(key, members, self._plan)
+        table = self._table(plan, self._counts)
+        if not src.is_contiguous():
+            src = src.contiguous()
+        self.kernels.pack_bucket(src.reshape(-1), table, self.arena, self._c, self._c if self.gbar == "local" else None,
+                                 main=main)
+        self._counts[plan.params] += 1
+        self.stat_counters.launches += 1
+        self.stat_counters.folded += main is not None
+
+    def _new_step(self) -> None:
+        """The first record after a step: nothing recorded yet."""
+        self._counts[:] = 0
+        self._stale = False
+        self._started = self._finished = False
+        self._captured.clear()
+
+    def _plan_for(self, key: Hashable, members: Callable[[], list[tuple[int, int]]],
+                  build: Callable[[list[tuple[int, int]]], BucketPlan]) -> BucketPlan:
+        """The plan of bucket layout ``key`` (built once); at the step's first micro-step the loss
+        scale, fixed until the step, and ``c``."""
+        if self._stale:
+            self._new_step()
         plan = self._plans.get(key)
         if plan is None:
-            plan = self._plans[key] = self._plan(members())
-        counts = self._counts
-        if not counts.any():  # the step's first micro-step: the loss scale is fixed until the step
+            plan = self._plans[key] = build(members())
+        if not self._counts.any():
             self._scale = float(self._loss_scale())
             self._c = float(self._accumulation()) / self._scale
+        return plan
+
+    def _table(self, plan: BucketPlan, counts: np.ndarray) -> BucketTable:
+        """``plan``'s rows with each segment's accumulate flag: whether ``counts`` says its parameter
+        was recorded this step (one table per pattern of flags, built once)."""
         seen = counts[plan.seg_param] > 0
         flags = b"\x01" if seen.all() else b"\x00" if not seen.any() else seen.tobytes()
         table = plan.tables.get(flags)
@@ -365,13 +387,7 @@ class LocalStats:
             acc = np.broadcast_to(seen, (len(plan.rows),)).astype(np.int64)
             table = plan.tables[flags] = BucketTable(torch.from_numpy(np.column_stack([plan.rows, acc])))
             self.stat_counters.tables_built += 1
-        if not src.is_contiguous():
-            src = src.contiguous()
-        self.kernels.pack_bucket(src.reshape(-1), table, self.arena, self._c, self._c if self.gbar == "local" else None,
-                                 main=main)
-        counts[plan.params] += 1
-        self.stat_counters.launches += 1
-        self.stat_counters.folded += main is not None
+        return table
 
     def _plan(self, members: list[tuple[int, int]]) -> BucketPlan:
         rows, seg_param = [], []
