@@ -36,7 +36,7 @@ def run_main(capsys, *args: str, config: Path = TEST_CONFIG, run_dir: Path | Non
     ('zero_optimization.offload_optimizer={"device": "cpu"}', "zero_optimization.offload_optimizer: CPU/NVMe offload "
                                                               "is not supported"),
     ('vrgd={"squares_dtype": "fp8"}', "vrgd.squares_dtype: Input should be 'fp32' or 'bf16'"),
-    ('vrgd={"squares": "per_batch"}', "vrgd.squares: Input should be 'per_step' or 'per_micro_step'"),
+    ('vrgd={"squares": "per_batch"}', "vrgd.squares: Input should be 'per_step', 'per_micro_step', 'hierarchical' or 'auto'"),
     ('vrgd={"gbar": "mean"}', "vrgd.gbar: Input should be 'auto', 'engine' or 'local'"),
     ("job.phases.5.lr=1", "--set job.phases.5.lr: 'job.phases' has 2 entries (0..1); there is no job.phases.5"),
     ("job.phases.x.lr=1", "--set job.phases.x.lr: 'job.phases' is a list; 'x' is not an index (0..1)"),
