@@ -121,3 +121,17 @@ class Layout:
             dist.all_reduce(on_device, op=red, group=group)
             t.copy_(on_device)
         self.counters.add(0, t.numel() * t.element_size())
+
+
+class TorchLayout(Layout):
+    """A ``Layout`` whose per-key sums travel through ``torch.distributed`` (megatron-core, FSDP2)."""
+
+    def _reduce(self, t: Tensor, op: str, group: Any) -> None:
+        import torch.distributed as dist
+
+        red = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX}[op]
+        on = t if t.device == self.device else t.to(self.device)
+        dist.all_reduce(on, op=red, group=group)
+        if on is not t:
+            t.copy_(on)
+        self.counters.add(0, t.numel() * t.element_size())

@@ -34,7 +34,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from vrgd_ds.ds.layout import Layout
+from vrgd_ds.ds.layout import TorchLayout
 from vrgd_ds.megatron.internals import require
 from vrgd_ds.stats.hierarchical import NodeStats, host_node_size, node_groups
 from vrgd_ds.stats.local import LocalStats, StatsBucket
@@ -69,7 +69,7 @@ def pairs(mopt: Any) -> list[tuple[Tensor, Tensor]]:
     return [(p, t) for models, targets in groups for mg, tg in zip(models, targets) for p, t in zip(mg, tg)]
 
 
-class MegatronLayout(Layout):
+class MegatronLayout(TorchLayout):
     """Pieces of this pipeline stage's model tensors in what the inner optimizer updates, with
     per-key sums over ``group`` (tensor-parallel, and data-parallel with the distributed
     optimizer) and global values over ``stages``.
@@ -83,14 +83,6 @@ class MegatronLayout(Layout):
         super().__init__(names, numel, group, device=device, shapes=shapes)
         self._drop = torch.tensor(duplicate, dtype=torch.bool) if tp_rank != 0 and any(duplicate) else None
         self.stages = stages
-
-    def _reduce(self, t: Tensor, op: str, group: Any) -> None:
-        red = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX}[op]
-        on = t if t.device == self.device else t.to(self.device)
-        dist.all_reduce(on, op=red, group=group)
-        if on is not t:
-            t.copy_(on)
-        self.counters.add(0, t.numel() * t.element_size())
 
     def all_reduce(self, t: Tensor, op: str) -> None:
         if self.group is None:

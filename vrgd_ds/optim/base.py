@@ -18,8 +18,9 @@ from __future__ import annotations
 import itertools
 import logging
 import operator
+from collections.abc import MutableMapping
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterable, Protocol
+from typing import Any, Callable, Iterable, Iterator, Protocol
 
 import torch
 from torch import Tensor
@@ -208,6 +209,57 @@ def _constants(segments: int, device: torch.device, gsnr: bool) -> dict[str, Ten
     return {"extremes": absent, "untrusted": absent, "flags": flags.to(device)}
 
 
+def _dtensor_type() -> type | None:
+    try:
+        from torch.distributed.tensor import DTensor
+    except ImportError:  # a torch built without distributed support
+        return None
+    return DTensor
+
+
+_DTENSOR = _dtensor_type()
+
+
+class LocalState(MutableMapping):
+    """The state of a DTensor parameter (FSDP2, ``vrgd_ds/fsdp``) as the kernels see it: each
+    state tensor read as its local shard (a view: the kernels update the DTensor in place), and
+    a local tensor shaped like the parameter's shard stored as a DTensor with the parameter's
+    mesh and placements, so a checkpoint (DCP) holds sharded state. Scalars (``step``) stay
+    plain tensors, as torch's optimizers keep them."""
+
+    def __init__(self, state: dict[str, Any], param: Tensor) -> None:
+        self._state, self._param = state, param
+        self._local_shape = param._local_tensor.shape
+
+    def __getitem__(self, key: str) -> Any:
+        v = self._state[key]
+        return v._local_tensor if isinstance(v, _DTENSOR) else v
+
+    def __setitem__(self, key: str, value: Any) -> None:
+        if isinstance(value, Tensor) and not isinstance(value, _DTENSOR) and value.dim() > 0:
+            if value.shape != self._local_shape:
+                raise ValueError(f"state {key!r} of shape {tuple(value.shape)} for a parameter whose shard is "
+                                 f"{tuple(self._local_shape)}")
+            p = self._param
+            value = _DTENSOR.from_local(value, p.device_mesh, p.placements, run_check=False, shape=p.shape,
+                                        stride=p.stride())
+        self._state[key] = value
+
+    def __delitem__(self, key: str) -> None:
+        del self._state[key]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._state)
+
+    def __len__(self) -> int:
+        return len(self._state)
+
+
+def local_tensor(p: Tensor) -> Tensor:
+    """``p`` itself, or its local shard when it is a DTensor (a view of the same storage)."""
+    return p._local_tensor if _DTENSOR is not None and isinstance(p, _DTENSOR) else p
+
+
 _IS_SPARSE = operator.attrgetter("is_sparse")
 _IS_CONTIGUOUS = torch.Tensor.is_contiguous
 _NUMEL = torch.Tensor.numel
@@ -270,6 +322,7 @@ class GSNROptimizer(torch.optim.Optimizer):
         #: a plan shape's ``ready`` mark is valid for one epoch
         self._epoch = 0
         self._shapes: dict[tuple, PlanShape] = {}
+        self._sharded: dict[int, Tensor] = {}  # id(local shard) -> its DTensor parameter (FSDP2)
         super().__init__(params, defaults)
         for group in self.param_groups:
             self._check_group(group)
@@ -462,6 +515,12 @@ class GSNROptimizer(torch.optim.Optimizer):
         checks in C: the host cost of a steady step hardly grows with the number of tensors)."""
         params = [p for p in group["params"] if p.grad is not None]
         grads = [p.grad for p in params]
+        if params and _DTENSOR is not None and any(isinstance(p, _DTENSOR) for p in params):
+            # FSDP2 (vrgd_ds/fsdp): the kernels work on the local shards; the state stays keyed by
+            # the DTensor parameters (``_plan``)
+            for p in params:
+                self._sharded[id(p._local_tensor)] = p
+            params, grads = list(map(local_tensor, params)), list(map(local_tensor, grads))
         if grads and (any(map(_IS_SPARSE, grads)) or not all(map(_IS_CONTIGUOUS, grads))):
             for p, gr in zip(params, grads):
                 if gr.is_sparse:
@@ -482,10 +541,17 @@ class GSNROptimizer(torch.optim.Optimizer):
                 self._shapes.clear()
             self._shapes[key] = shape
         if shape.states is None or shape.ready != self._epoch:  # the state dicts, looked up once per epoch
-            shape.states = [self.state[p] for p in params]
+            shape.states = [self._state_of(p) for p in params]
         plan = Plan(index, group, params, grads, shape.states, shape.seg, shape.numel, shape.keys, tdev, key_base)
         plan.tensor_of, plan.shapes, plan.rows, plan.shape = shape.tensor_of, shape.shapes, shape.rows, shape
         return plan
+
+    def _state_of(self, p: Tensor) -> dict[str, Any]:
+        """The state dict of ``p``; of its DTensor parameter when ``p`` is a local shard."""
+        owner = self._sharded.get(id(p))
+        if owner is None:
+            return self.state[p]
+        return LocalState(self.state[owner], owner)
 
     def _plan_shape(self, index: int, group: dict[str, Any], params: list[Tensor], key_base: int,
                     tdev: torch.device) -> PlanShape:
@@ -628,8 +694,8 @@ class GSNROptimizer(torch.optim.Optimizer):
                 if "step" not in st:
                     st["step"] = torch.tensor(0.0, dtype=torch.float32, device=p.device)
                 for key in keys:
-                    if key not in st:
-                        st[key] = torch.zeros(p.shape, dtype=torch.float32, device=p.device)
+                    if key not in st:  # a DTensor parameter gets DTensor state, sharded like it
+                        st[key] = torch.zeros_like(p, dtype=torch.float32, memory_format=torch.contiguous_format)
 
     def _init_state(self, plan: Plan) -> None:
         """Creates missing state lazily (also keys an older checkpoint lacks) and counts the step.

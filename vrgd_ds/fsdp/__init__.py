@@ -1,0 +1,186 @@
+"""The VRGD family under PyTorch FSDP2 (``torch.distributed.fsdp.fully_shard``; docs/fsdp.md)::
+
+    for block in model.layers:
+        fully_shard(block, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    optimizer = VRLamb(model.parameters(), lr=1e-3)
+    vrgd_ds.fsdp.attach(model, optimizer)
+
+A sharded parameter is a DTensor outside the autograd graph, so a tensor hook on it never fires;
+the statistics are taken at FSDP's own reduce-scatter instead (``vrgd_ds/fsdp/stats.py``), sharded
+like the parameters. The optimizer steps the local shards and keeps its state as DTensors
+(``GSNROptimizer``'s ``LocalState``), which DCP saves and reshards. Per-tensor quantities (the
+GSNR mean, LAMB/LARS trust ratios, MERIT's row and column maxima) are completed over the shard
+group by one small batched collective per use (``TorchLayout``), each tensor counted once.
+"""
+from __future__ import annotations
+
+import logging
+import math
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from vrgd_ds.ds.layout import ModelTensors, TorchLayout
+from vrgd_ds.fsdp.internals import SUPPORTED_TORCH, UnsupportedFSDPConfiguration, check_version, require
+from vrgd_ds.fsdp.stats import FSDPStats, reduce_scatter_with_squares
+from vrgd_ds.optim.base import MIN_GROUPS, GSNROptimizer
+from vrgd_ds.optim.registry import REGISTRY
+
+logger = logging.getLogger(__name__)
+
+#: what attach reads of torch 2.13's FSDP2 (``torch/distributed/fsdp/_fully_shard/``)
+_STATE = ("_fsdp_param_groups",)
+_GROUP = ("fsdp_params", "mesh_info", "post_backward", "reduce_grads", "reduce_scatter_unused_params",
+          "force_sum_reduction_for_comms", "gradient_divide_factor", "_reduce_scatter_comm", "_all_reduce_hook",
+          "_reduce_scatter_process_group")
+_PARAM = ("sharded_param", "padded_sharded_param_size", "fsdp_placement", "offload_to_cpu",
+          "unsharded_accumulated_grad")
+_SQUARES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+
+
+def _refuse(option: str, why: str) -> UnsupportedFSDPConfiguration:
+    return UnsupportedFSDPConfiguration(f"vrgd_ds.fsdp: {option} is not supported: {why}")
+
+
+def _fsdp_groups(model: torch.nn.Module) -> list[tuple[torch.nn.Module, Any]]:
+    from torch.distributed.fsdp import FSDPModule
+
+    out = []
+    for module in model.modules():
+        if not isinstance(module, FSDPModule):
+            continue
+        state = module._get_fsdp_state()
+        require(state, _STATE, "FSDPState")
+        groups = state._fsdp_param_groups
+        if len(groups) > 1:
+            raise _refuse("a module with several FSDP parameter groups (shard_placement_fn with per-parameter "
+                          "meshes)", "FSDP's custom reduce-scatter, where the statistics are taken, takes one group")
+        for group in groups:
+            require(group, _GROUP, "FSDPParamGroup")
+            for fp in group.fsdp_params:
+                require(fp, _PARAM, "FSDPParam")
+            out.append((module, group))
+    if not out:
+        raise TypeError("vrgd_ds.fsdp.attach needs a model sharded with torch.distributed.fsdp.fully_shard (no "
+                        "FSDPModule holding parameters was found)")
+    return out
+
+
+def _check_group(group: Any, merit: bool) -> tuple[Any, Any | None]:
+    """The shard and (HSDP) replicate process groups of an FSDP parameter group, after the checks
+    that it reduces where the statistics see it."""
+    from torch.distributed.fsdp._fully_shard._fsdp_common import FSDPMeshInfo, HSDPMeshInfo
+    from torch.distributed.tensor import Shard
+
+    info = group.mesh_info
+    if not isinstance(info, FSDPMeshInfo) or info.shard_mesh_size < 2:
+        raise _refuse("a parameter group that is not sharded over >= 2 ranks", "FSDP does not reduce-scatter it, "
+                      "so no statistics are taken there; shard over >= 2 ranks, or use vrgd_ds.ddp for replication")
+    if type(group._reduce_scatter_comm).__name__ != "DefaultReduceScatter":
+        raise _refuse(f"FSDP's reduce-scatter replaced by {type(group._reduce_scatter_comm).__name__} "
+                      "(set_custom_reduce_scatter, set_symm_mem_for_comm, allocation from the process group)",
+                      "the statistics replace it themselves; leave FSDP's default reduce-scatter in place")
+    if group._all_reduce_hook is not None:
+        raise _refuse("set_all_reduce_hook", "it changes the reduced gradient after the statistics read it")
+    for fp in group.fsdp_params:
+        if fp.offload_to_cpu:
+            raise _refuse("CPU offload (offload_policy=CPUOffloadPolicy())",
+                          "the optimizer and its statistics step on the parameters' device; drop the offload policy")
+        if fp.sharded_param.device_mesh.ndim != info.mesh.ndim:
+            raise _refuse("FSDP combined with tensor parallelism (a parameter on a mesh of more dimensions than "
+                          "FSDP's)", f"this release of vrgd_ds.fsdp covers FSDP and HSDP on torch "
+                          f"{', '.join(SUPPORTED_TORCH)}; shard the model with fully_shard only")
+        if merit and not (isinstance(fp.fsdp_placement, Shard) and fp.fsdp_placement.dim == 0):
+            raise _refuse(f"MERIT with FSDP placement {fp.fsdp_placement}", "its row and column maxima read each "
+                          "shard as a contiguous range of the model tensor (Shard(0)); use the default placement")
+    backend = dist.get_backend(info.shard_process_group)
+    if backend == "gloo" and not group.force_sum_reduction_for_comms:
+        raise _refuse("FSDP's averaging reduce-scatter on gloo", "gloo's reduce-scatter sums where FSDP asks it to "
+                      "average (pytorch issue #162338), so the gradients would be wrong; call "
+                      "set_force_sum_reduction_for_comms(True) on every FSDP module (FSDP then divides once itself)")
+    replicate = info.replicate_process_group if isinstance(info, HSDPMeshInfo) else None
+    return info.shard_process_group, replicate
+
+
+def _flat_offset(p: Any) -> int:
+    """Where a DTensor's local shard starts in its whole tensor, flat (a Shard(0) shard is one
+    contiguous range of it)."""
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    _, offset = compute_local_shape_and_global_offset(p.shape, p.device_mesh, p.placements)
+    inner = math.prod(p.shape[1:]) if len(p.shape) > 1 else 1
+    return int(offset[0]) * inner if len(offset) else 0
+
+
+def attach(model: torch.nn.Module, optimizer: GSNROptimizer, squares_dtype: str = "fp32") -> FSDPStats:
+    """Feeds ``optimizer`` (built on ``model.parameters()``, after ``fully_shard``) with statistics
+    of ``model``'s training under FSDP2 or HSDP; call once, before the first backward.
+
+    Every micro-step must reduce (the default; ``set_requires_gradient_sync(False)`` is refused at
+    its backward): n = shard ranks × replicate ranks × reductions per step. On gloo, FSDP needs
+    ``set_force_sum_reduction_for_comms(True)`` on every module. ``squares_dtype``: ``"fp32"``
+    (default) or ``"bf16"``, the dtype the squares travel in. Returns the statistics source
+    (``counters``: the extra collectives and bytes; ``stat_counters``: launches)."""
+    check_version()
+    if not isinstance(optimizer, GSNROptimizer):
+        raise TypeError(f"vrgd_ds.fsdp.attach needs a VRGD optimizer ({', '.join(REGISTRY)}), got "
+                        f"{type(optimizer).__name__}")
+    if squares_dtype not in _SQUARES:
+        raise ValueError(f"vrgd_ds.fsdp.attach: squares_dtype={squares_dtype!r}: use 'fp32' or 'bf16'")
+    for group in optimizer.param_groups:
+        if group.get("fused") or group.get("foreach"):
+            raise _refuse(f"fused={group.get('fused')!r}/foreach={group.get('foreach')!r} in a param group (as "
+                          "torchtitan injects)", "the VRGD optimizers select their own kernels (the optimizer's "
+                          "fused= argument); drop the keys from the param groups")
+    groups = _fsdp_groups(model)
+    merit = "Merit" in type(optimizer).__name__
+    checked = [_check_group(g, merit) for _, g in groups]
+    shard_groups = {tuple(dist.get_process_group_ranks(s)) for s, _ in checked}
+    if len(shard_groups) != 1:
+        raise _refuse("FSDP modules sharded over different meshes", "the per-tensor sums run over one shard group")
+    shard, replicate = checked[0]
+    world = shard.size() * (1 if replicate is None else replicate.size())
+    if any(g["gsnr"] for g in optimizer.param_groups) and world < MIN_GROUPS:
+        raise ValueError(f"{type(optimizer).__name__} with gsnr=True under FSDP needs >= {MIN_GROUPS} data-parallel "
+                         f"ranks, got {world}")
+
+    managed = {id(fp.sharded_param): fp for _, g in groups for fp in g.fsdp_params}
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            if id(p) not in managed:
+                raise ValueError(f"{type(optimizer).__name__} updates a parameter of shape {tuple(p.shape)} that FSDP "
+                                 "does not shard: build the optimizer on model.parameters() after fully_shard")
+    tensors = ModelTensors.of(model)
+    device = groups[0][1].fsdp_params[0].sharded_param.device
+    layout = TorchLayout(tensors.names, tensors.numel, group=shard, device=device, shapes=tensors.shapes)
+    locals_ = []
+    for _, group in groups:
+        for fp in group.fsdp_params:
+            p = fp.sharded_param
+            if id(p) not in tensors.keys:
+                continue  # frozen: no optimizer sees it
+            local = p._local_tensor
+            layout.add(local, [(0, local.numel(), tensors.keys[id(p)], _flat_offset(p))])
+            locals_.append(local)
+    stats = FSDPStats(optimizer.kernels(), world, locals_, _SQUARES[squares_dtype])
+    for gi, (module, group) in enumerate(groups):
+        gi = stats.add_group(group, replicate)
+        module.set_custom_reduce_scatter(reduce_scatter_with_squares(stats, gi))
+        original = group.post_backward
+
+        def post_backward(*unused: Any, gi: int = gi, original: Any = original) -> Any:
+            stats.about_to_reduce(gi)
+            return original(*unused)
+
+        group.post_backward = post_backward
+    stats.alias_all()
+    optimizer.set_statistics_source(stats, layout)
+    logger.info("vrgd_ds.fsdp: statistics at FSDP's reduce-scatter of %d parameter groups (n = %d ranks x reductions; "
+                "%s squares; %.0f bytes of statistics per rank)", len(groups), world, squares_dtype,
+                stats.buffer_bytes())
+    return stats
+
+
+__all__ = ["FSDPStats", "UnsupportedFSDPConfiguration", "attach"]

@@ -1,0 +1,161 @@
+"""Gradient statistics taken at FSDP2's own reduction (``vrgd_ds.fsdp.attach``; docs/fsdp.md).
+
+FSDP2 packs each parameter group's unsharded micro-step gradients into one flat, rank-major
+buffer (dim 0 of every tensor padded to the shard count) and reduce-scatters it over the shard
+group; each rank's output is its shard of every tensor, one after another, each padded. The
+reduce-scatter is ``FSDPModule.set_custom_reduce_scatter``'s to replace: ``ReduceScatterWithSquares``
+runs FSDP's own reduce-scatter unchanged (so ``gamma = 1`` is the base optimizer bit for bit) and,
+from the same input, one ``pack_squares`` launch writes the fp32 squares, one reduce-scatter (sum)
+hands this rank its shard of their sum over the shard group, and one ``unpack_bucket`` launch
+adds ``[Σg | Σg²]`` of the shard into the group's statistics bucket (``StatsBucket``, laid out
+like FSDP's output, so the statistics are sharded like the parameters: no full-size buffer).
+
+``Σg`` is FSDP's reduced output itself, read before FSDP divides it and, under HSDP, before the
+replicas' all-reduce (times the shard count when the collective averaged): no second reduction of
+the gradient. Under HSDP the buckets are all-reduced over the replicate group once per step.
+``n`` = shard ranks × replicate ranks × reductions of a parameter in the step. A micro-step is a
+group's gradient as the loop weights its loss (the GSNR does not depend on that weight).
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from vrgd_ds.fsdp.internals import UnsupportedFSDPConfiguration
+from vrgd_ds.stats.local import LocalStats
+
+
+def _default_reduce_scatter() -> type:
+    from torch.distributed.fsdp._fully_shard._fsdp_collectives import DefaultReduceScatter
+
+    return DefaultReduceScatter
+
+
+def reduced_by_fsdp(group: Any) -> list[int]:
+    """Indices of the parameters of FSDP parameter group ``group`` that its ``post_backward`` is
+    about to reduce, in order: FSDP2's own rule (``FSDPParamGroup.post_backward``, torch 2.13)."""
+    out = []
+    for i, fp in enumerate(group.fsdp_params):
+        if not hasattr(fp, "_unsharded_param"):
+            continue
+        if (fp.unsharded_accumulated_grad is not None or fp.unsharded_param.grad is not None
+                or (group.reduce_scatter_unused_params and fp.unsharded_param.requires_grad)):
+            out.append(i)
+    return out
+
+
+class FSDPStats(LocalStats):
+    """``Σg`` and ``Σg²`` of every sharded parameter, from FSDP2's reductions (a
+    ``StatisticsSource``); one statistics bucket per FSDP parameter group, laid out like its
+    reduce-scatter output. ``reductions`` counts the reductions seen, ``counters`` the extra
+    collectives and their bytes."""
+
+    reset_ends_step = True  # no engine wraps the step: the optimizer's reset ends it
+
+    def __init__(self, kernels: Any, world: int, targets: list[Tensor], squares_dtype: torch.dtype) -> None:
+        super().__init__(dist, kernels, world, targets, gbar="local", squares_dtype=squares_dtype,
+                         loss_scale=lambda: 1.0, accumulation=lambda: 1)
+        self._groups: list[tuple[Any, Any, list[int], list[int]]] = []  # (fsdp group, bucket, indices, offsets)
+        self._pending: dict[int, list[int]] = {}
+        self.reductions = 0
+
+    def add_group(self, group: Any, replicate: Any | None) -> int:
+        """Places the sharded parameters of FSDP parameter group ``group`` in a bucket of their own;
+        ``replicate``: HSDP's replicate group, over which the bucket is summed once per step."""
+        sizes = [fp.padded_sharded_param_size.numel() for fp in group.fsdp_params]
+        device = group.fsdp_params[0].sharded_param.device
+        reduce = None if replicate is None else (lambda b, g=replicate: b.all_reduce_in_place(g))
+        bucket = self.add_bucket(sum(sizes), device, reduce)
+        indices, offsets, off = [], [], 0
+        for fp, size in zip(group.fsdp_params, sizes):
+            local = fp.sharded_param._local_tensor
+            indices.append(self.place(local, bucket, off, local.numel()))
+            offsets.append(off)
+            off += size
+        self._groups.append((group, bucket, indices, offsets))
+        return len(self._groups) - 1
+
+    def alias_all(self) -> None:
+        """The optimizer reads each shard's statistics as views of its bucket (after every
+        ``add_group``: the buckets share one allocation, made here)."""
+        for group, bucket, _, offsets in self._groups:
+            g, sq = bucket.halves()
+            for fp, off in zip(group.fsdp_params, offsets):
+                local = fp.sharded_param._local_tensor
+                n = local.numel()
+                self.alias(local, g.narrow(0, off, n), sq.narrow(0, off, n))
+
+    # -- FSDP's side -----------------------------------------------------------------------------
+
+    def about_to_reduce(self, gi: int) -> None:
+        """Called where FSDP's ``post_backward`` of group ``gi`` begins: which parameters it reduces."""
+        group = self._groups[gi][0]
+        if not group.reduce_grads:
+            raise UnsupportedFSDPConfiguration(
+                "vrgd_ds.fsdp: set_requires_gradient_sync(False) accumulates micro-steps without reducing them, so "
+                "the statistics would see only the last one: keep gradient sync on for every backward (FSDP "
+                "reduce-scatters each micro-step; n counts them)")
+        self._pending[gi] = reduced_by_fsdp(group)
+
+    def record_reduction(self, gi: int, inp: Tensor, out: Tensor, op: Any, rs_group: Any) -> None:
+        """One FSDP reduce-scatter of group ``gi`` has put this rank's shard of the sum over
+        ``rs_group`` of ``inp`` into ``out`` (averaged when ``op`` is AVG)."""
+        group, bucket, indices, offsets = self._groups[gi]
+        chosen = self._pending.pop(gi, None)
+        if chosen is None:
+            raise RuntimeError("vrgd_ds.fsdp: an FSDP reduce-scatter ran outside FSDP's post_backward")
+        ranks = rs_group.size()
+        starts, start = [], 0
+        for i in chosen:
+            starts.append(start)
+            start += group.fsdp_params[i].padded_sharded_param_size.numel()
+        if start != out.numel() or start * ranks != inp.numel():
+            raise RuntimeError(f"vrgd_ds.fsdp: FSDP reduced {inp.numel()} elements into {out.numel()} for parameters "
+                               f"whose padded shards hold {start}: an FSDP layout this release does not know")
+        members = [(indices[i], s) for i, s in zip(chosen, starts)]
+        plan = self._plan_for(("fsdp", gi, tuple(chosen)), lambda: members, self._plan)
+        both = torch.empty(2 * start, dtype=torch.float32, device=out.device)  # [Σg | Σg²] of this shard
+        squares = torch.empty(inp.numel(), dtype=torch.float32, device=inp.device)
+        self.kernels.pack_squares(inp, None, squares, 1.0)
+        works = self.launch(squares, both.narrow(0, start, start), rs_group, scatter=True, dtype=self.squares_dtype,
+                            grad_elems=inp.numel())
+        both.narrow(0, 0, start).copy_(out).mul_(self._undo_average(group, op, ranks))
+        for w in works:
+            w() if callable(w) else w.wait()
+        table = self._table(plan, self._counts)
+        self.kernels.unpack_bucket(both, table, self.arena, start, True)
+        self._counts[plan.params] += 1
+        self.stat_counters.launches += 3
+        self.reductions += 1
+
+    @staticmethod
+    def _undo_average(group: Any, op: Any, ranks: int) -> float:
+        """What turns FSDP's reduced output into the sum of its input over the shard group."""
+        if op == dist.ReduceOp.AVG:
+            return float(ranks)
+        if op == dist.ReduceOp.SUM:
+            return 1.0
+        return float(group.gradient_divide_factor)  # PREMUL_SUM(1 / factor)
+
+
+def reduce_scatter_with_squares(stats: FSDPStats, gi: int) -> Any:
+    """FSDP's default reduce-scatter (``DefaultReduceScatter``: its allocation and collective),
+    followed by the statistics of what it reduced."""
+    base = _default_reduce_scatter()
+
+    class ReduceScatterWithSquares(base):
+        def __call__(self, output_tensor: Tensor, input_tensor: Tensor, group: Any, op: Any,
+                     async_op: bool = False) -> Any:
+            work = super().__call__(output_tensor, input_tensor, group, op, async_op)
+            if async_op and work is not None:
+                work.wait()
+            stats.record_reduction(gi, input_tensor, output_tensor, op, group)
+            return work
+
+    return ReduceScatterWithSquares()
+
+
+__all__ = ["FSDPStats", "reduce_scatter_with_squares", "reduced_by_fsdp"]
