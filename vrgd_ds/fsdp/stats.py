@@ -12,7 +12,8 @@ like FSDP's output, so the statistics are sharded like the parameters: no full-s
 
 ``Σg`` is FSDP's reduced output itself, read before FSDP divides it and, under HSDP, before the
 replicas' all-reduce (times the shard count when the collective averaged): no second reduction of
-the gradient. Under HSDP the buckets are all-reduced over the replicate group once per step.
+the gradient. Under HSDP one all-reduce of every bucket (one allocation) over the replicate
+group per step, in fp32.
 ``n`` = shard ranks × replicate ranks × reductions of a parameter in the step. A micro-step is a
 group's gradient as the loop weights its loss (the GSNR does not depend on that weight).
 """
@@ -67,7 +68,9 @@ class FSDPStats(LocalStats):
         ``replicate``: HSDP's replicate group, over which the bucket is summed once per step."""
         sizes = [fp.padded_sharded_param_size.numel() for fp in group.fsdp_params]
         device = group.fsdp_params[0].sharded_param.device
-        reduce = None if replicate is None else (lambda b, g=replicate: b.all_reduce_in_place(g))
+        # HSDP: the first bucket's collective sums the whole allocation (every bucket is a view of
+        # it) over the replicas in fp32: one collective per step
+        reduce = None if replicate is None or self._groups else (lambda b, g=replicate: self._replicas(g))
         bucket = self.add_bucket(sum(sizes), device, reduce)
         indices, offsets, off = [], [], 0
         for fp, size in zip(group.fsdp_params, sizes):
@@ -77,6 +80,10 @@ class FSDPStats(LocalStats):
             off += size
         self._groups.append((group, bucket, indices, offsets))
         return len(self._groups) - 1
+
+    def _replicas(self, replicate: Any) -> list[Any]:
+        arena = self.arena
+        return self.launch(arena, arena, replicate, scatter=False, dtype=torch.float32, grad_elems=arena.numel() // 2)
 
     def alias_all(self) -> None:
         """The optimizer reads each shard's statistics as views of its bucket (after every

@@ -499,6 +499,11 @@ class GSNROptimizer(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        if self._is_state_init():
+            self.allocate_state()
+            if self._stats is not None:
+                self._stats.reset()
+            return loss
         try:
             try:
                 self._step()
@@ -510,6 +515,18 @@ class GSNROptimizer(torch.optim.Optimizer):
                 self._stats.reset()
         return loss
 
+    def _is_state_init(self) -> bool:
+        """The step ``torch.distributed.checkpoint.state_dict`` (and torchtitan before a load) runs
+        on a fresh optimizer to create its state: every gradient zero, every ``lr`` 0, no
+        statistics recorded. It creates the state as a fresh start has it (``allocate_state``) and
+        advances nothing: no step count, no GSNR momentum (a real step would need n >= 2 groups)."""
+        if self.state or any(float(g["lr"]) != 0.0 for g in self.param_groups):
+            return False
+        if self._stats is not None and self._stats.n != 0:
+            return False
+        grads = [p.grad for g in self.param_groups for p in g["params"] if p.grad is not None]
+        return bool(grads) and not any(bool(local_tensor(x).any()) for x in grads)
+
     def _gather(self, group: dict[str, Any]) -> tuple[list[Tensor], list[Tensor]]:
         """The group's parameters with a gradient, and their gradients (``map`` does the per-tensor
         checks in C: the host cost of a steady step hardly grows with the number of tensors)."""
@@ -518,6 +535,10 @@ class GSNROptimizer(torch.optim.Optimizer):
         if params and _DTENSOR is not None and any(isinstance(p, _DTENSOR) for p in params):
             # FSDP2 (vrgd_ds/fsdp): the kernels work on the local shards; the state stays keyed by
             # the DTensor parameters (``_plan``)
+            if self._layout is None:
+                raise RuntimeError(f"{type(self).__name__} steps DTensor (sharded) parameters: call "
+                                   "vrgd_ds.fsdp.attach(model, optimizer) first (its per-tensor sums and statistics "
+                                   "span the shards)")
             for p in params:
                 self._sharded[id(p._local_tensor)] = p
             params, grads = list(map(local_tensor, params)), list(map(local_tensor, grads))

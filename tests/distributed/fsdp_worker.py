@@ -1,0 +1,255 @@
+"""FSDP2 cases for the rank pools (``pool.py``), on CPU ranks (gloo): ``vrgd_ds.fsdp.attach`` on a
+model sharded with ``fully_shard`` against the same optimizer class on the unsharded model in one
+process, which sees every rank's micro-batches.
+
+The reference is the single-process optimizer as users run it (its tensor hooks: every
+``backward()`` one gradient group), fed each rank's micro-batches in turn with the loss weighted
+as the loop weights it (``/ accumulation``, and ``/ chunks`` for a loss taken in chunks), its
+``.grad`` then divided by the data-parallel size, as FSDP's reduction averages. Every rank's
+micro-batches are generated from (step, rank, micro-step), so each rank runs the reference too.
+"""
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+import vrgd_ds
+import vrgd_ds.fsdp
+from vrgd_ds.optim.registry import REGISTRY
+
+STEPS = 3
+ROWS = 4
+OPTS: dict[str, dict[str, Any]] = {
+    "VRLamb": dict(lr=0.05),
+    "VRAdam": dict(lr=1e-2),
+    "VRSGD": dict(lr=0.05, momentum=0.9),
+    "VRLars": dict(lr=0.05),
+    "VRMerit": dict(lr=0.05),
+}
+
+
+class Net(torch.nn.Module):
+    """Three linear blocks; the last has fewer rows than 4 ranks (uneven dim 0, and an empty shard
+    on 4 ranks), and ``spare``, a parameter of the first block that no forward uses, when asked."""
+
+    def __init__(self, unused: bool) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.a = torch.nn.Linear(6, 7)
+        self.b = torch.nn.Linear(7, 5)
+        self.c = torch.nn.Linear(5, 3)
+        if unused:
+            self.a.spare = torch.nn.Parameter(torch.randn(3, 2))
+
+    def body(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(self.b(torch.tanh(self.a(x))))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.c(self.body(x))
+
+
+def batch(step: int, rank: int, micro: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(1000 * step + 10 * rank + micro)
+    return torch.randn(ROWS, 6, generator=g), torch.randn(ROWS, 3, generator=g)
+
+
+def backward(model: torch.nn.Module, b: tuple[torch.Tensor, torch.Tensor], weight: float, chunks: int) -> None:
+    """One micro-batch's backward; with ``chunks`` > 1 the loss in chunks of the rows, one
+    backward each (the body's graph kept for the next chunk)."""
+    x, y = b
+    dtype = next(model.parameters()).dtype
+    if chunks == 1:
+        (torch.nn.functional.mse_loss(model(x.to(dtype)).float(), y) * weight).backward()
+        return
+    h = model.body(x.to(dtype))
+    for i, (hc, yc) in enumerate(zip(h.chunk(chunks), y.chunk(chunks))):
+        loss = torch.nn.functional.mse_loss(model.c(hc).float(), yc) * (weight / chunks)
+        loss.backward(retain_graph=i < chunks - 1)
+
+
+def shard(model: Net, layout: str, world: int) -> Any:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    if layout == "hsdp":
+        mesh = init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("replicate", "shard"))
+    else:
+        mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("shard",))
+    for block in (model.a, model.b, model.c):
+        fully_shard(block, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    for m in model.modules():
+        if hasattr(m, "set_force_sum_reduction_for_comms"):
+            m.set_force_sum_reduction_for_comms(True)  # gloo's reduce-scatter does not average
+    return mesh
+
+
+def _fsdp_params(model: torch.nn.Module):
+    """(name, FSDPParam) of every sharded parameter."""
+    names = {id(p): n for n, p in model.named_parameters()}
+    for m in model.modules():
+        if hasattr(m, "_get_fsdp_state"):
+            for group in m._get_fsdp_state()._fsdp_param_groups:
+                for fp in group.fsdp_params:
+                    yield names[id(fp.sharded_param)], fp
+
+
+def flat(params) -> torch.Tensor:
+    return torch.cat([p.detach().double().reshape(-1) for p in params])
+
+
+def every_rank(result: dict[str, Any]) -> list[dict[str, Any]]:
+    out: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(out, result)
+    return out
+
+
+def train_case(case: dict) -> list[dict[str, Any]]:
+    """Every rank's result: ``case``: opt, layout ("fsdp" | "hsdp"), acc (micro-steps per step),
+    chunks, unused."""
+    return every_rank(_train(case))
+
+
+def _train(case: dict) -> dict[str, Any]:
+    rank, world = dist.get_rank(), dist.get_world_size()
+    name, acc, chunks = case["opt"], case["acc"], case.get("chunks", 1)
+    cls = REGISTRY[name].cls
+    kw = OPTS[name]
+    model = Net(case.get("unused", False))
+    ref, plain = copy.deepcopy(model), copy.deepcopy(model)
+    p0 = flat(ref.parameters())
+    shard(model, case["layout"], world)
+    opt = cls(model.parameters(), **kw)
+    stats = vrgd_ds.fsdp.attach(model, opt, squares_dtype=case.get("squares", "fp32"))
+    ref_opt, plain_opt = cls(ref.parameters(), **kw), cls(plain.parameters(), **{**kw, "gamma": 1.0})
+    steps = []
+    for step in range(STEPS):
+        sent, calls, reductions = stats.counters.bytes_sent, stats.counters.collectives, stats.reductions
+        layout_calls = opt._layout.counters.collectives
+        for j in range(acc):
+            backward(model, batch(step, rank, j), 1.0 / acc, chunks)
+        opt.step()
+        metrics = opt.gsnr_metrics()
+        opt.zero_grad()
+        steps.append(dict(n=metrics["gsnr/n"], bytes=stats.counters.bytes_sent - sent,
+                          collectives=stats.counters.collectives - calls, reductions=stats.reductions - reductions,
+                          layout_collectives=opt._layout.counters.collectives - layout_calls,
+                          launches=stats.stat_counters.launches, hooks=stats.stat_counters.hooks))
+        for net, o in ((ref, ref_opt), (plain, plain_opt)):
+            for r in range(world):
+                for j in range(acc):
+                    backward(net, batch(step, r, j), 1.0 / acc, chunks)
+            for p in net.parameters():
+                if p.grad is not None:
+                    p.grad.div_(world)
+            o.step()
+            o.zero_grad()
+    full = flat(p.full_tensor() for p in model.parameters())
+    want, base = flat(ref.parameters()), flat(plain.parameters())
+    local_numel = sum(p._local_tensor.numel() for p in model.parameters())
+    padded = {name: fp.padded_sharded_param_size.numel() for name, fp in _fsdp_params(model)}
+    return dict(padded=sum(padded.values()), spare_padded=padded.get("a.spare", 0), arena=stats.arena.numel(),
+                shard=world // (2 if case["layout"] == "hsdp" else 1), err=float((full - want).norm() / (want - p0).norm()),
+                contrast=float((base - want).norm() / (want - p0).norm()),
+                steps=steps, buffer_bytes=stats.buffer_bytes(), local_numel=local_numel,
+                numel=sum(p.numel() for p in model.parameters()),
+                state_types=sorted({type(v).__name__ for st in opt.state.values() for k, v in st.items()
+                                    if k != "step"}))
+
+
+def refusal_case(case: dict) -> list[dict[str, Any]]:
+    """What attach says to a set-up it does not cover (``case["what"]``), on every rank."""
+    return every_rank(_refusal(case))
+
+
+def _refusal(case: dict) -> dict[str, Any]:
+    world = dist.get_world_size()
+    model = Net(False)
+    what = case["what"]
+    shard(model, "fsdp", world)
+    if what == "offload":  # CPUOffloadPolicy needs an accelerator to offload from: its flag, as FSDP sets it
+        next(fp for _, fp in _fsdp_params(model)).offload_to_cpu = True
+    if what == "gloo_average":
+        model.b.set_force_sum_reduction_for_comms(False)
+    opt = vrgd_ds.VRLamb(model.parameters(), lr=0.1)
+    if what == "fused_group":
+        opt.param_groups[0]["fused"] = True
+    try:
+        stats = vrgd_ds.fsdp.attach(model, opt)
+    except Exception as e:  # noqa: BLE001 (the message is the result)
+        return dict(type=type(e).__name__, message=str(e))
+    if what == "no_sync":
+        model.set_requires_gradient_sync(False)
+        try:
+            backward(model, batch(0, dist.get_rank(), 0), 1.0, 1)
+        except Exception as e:  # noqa: BLE001
+            return dict(type=type(e).__name__, message=str(e), reductions=stats.reductions)
+    return dict(type=None, message="")
+
+
+__all__ = ["train_case", "refusal_case"]
+
+
+def _steps(model: Net, opt: Any, steps: range, acc: int) -> None:
+    """Training steps where rank r's micro-step j reads the micro-batch of global index r·acc + j:
+    2 ranks × acc 2 read what 4 ranks × acc 1 read (the loss weight 1/(ranks·acc) alike)."""
+    rank = dist.get_rank()
+    for step in steps:
+        for j in range(acc):
+            backward(model, batch(step, rank * acc + j, 0), 1.0 / acc, 1)
+        opt.step()
+        opt.zero_grad()
+
+
+def _full(model: Net) -> list[torch.Tensor]:
+    return [p.full_tensor().detach().clone() for p in model.parameters()]
+
+
+def dcp_case(case: dict) -> list[dict[str, Any]]:
+    """``phase="save"`` (4 ranks): 2 steps of VRLamb, a DCP checkpoint of model and optimizer
+    (``torch.distributed.checkpoint.state_dict``), then the uninterrupted third step's parameters
+    saved beside it. ``phase="load"`` (any ranks): a fresh model and optimizer, the state-only
+    init step that ``get_state_dict`` runs on a fresh optimizer, the checkpoint loaded, the third
+    step taken; its parameters against the uninterrupted ones."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    world, root = dist.get_world_size(), case["dir"]
+    acc = 4 // world
+    model = Net(False)
+    shard(model, "fsdp", world)
+    opt = vrgd_ds.VRLamb(model.parameters(), lr=0.05, beta3=0.9)
+    stats = vrgd_ds.fsdp.attach(model, opt)
+    out: dict[str, Any] = {}
+    if case["phase"] == "save":
+        _steps(model, opt, range(2), acc)
+        msd, osd = get_state_dict(model, opt)
+        dcp.save({"model": msd, "optim": osd}, checkpoint_id=f"{root}/ckpt")
+        _steps(model, opt, range(2, 3), acc)
+        full = _full(model)
+        if dist.get_rank() == 0:
+            torch.save(full, f"{root}/expected.pt")
+        dist.barrier()
+        return every_rank(out)
+    before = _full(model)
+    msd, osd = get_state_dict(model, opt)  # a fresh optimizer: the state-only init step runs here
+    out["init_steps"] = sorted({float(st["step"]) for st in opt.state.values()})
+    out["init_state_types"] = sorted({type(v).__name__ for st in opt.state.values() for k, v in st.items()
+                                      if k != "step"})
+    out["init_gsnr_avg_zero"] = all(not bool(st["gsnr_avg"].to_local().any()) for st in opt.state.values())
+    out["init_moved"] = any(bool((a != b).any()) for a, b in zip(before, _full(model)))
+    out["init_reductions"] = stats.reductions
+    state = {"model": msd, "optim": osd}
+    dcp.load(state, checkpoint_id=f"{root}/ckpt")
+    set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    out["loaded_steps"] = sorted({float(st["step"]) for st in opt.state.values()})
+    _steps(model, opt, range(2, 3), acc)
+    want = torch.load(f"{root}/expected.pt")
+    got = _full(model)
+    out["bit_equal"] = all(torch.equal(a, b) for a, b in zip(got, want))
+    out["max_diff"] = max(float((a - b).abs().max()) for a, b in zip(got, want))
+    out["moved"] = max(float((a - b).abs().max()) for a, b in zip(before, got))
+    return every_rank(out)

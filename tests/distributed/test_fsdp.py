@@ -1,0 +1,103 @@
+"""``vrgd_ds.fsdp`` on 2 and 4 CPU ranks (gloo): models sharded with FSDP2's ``fully_shard`` (FSDP,
+and HSDP 2×2 on 4 ranks) against the same optimizer class on the unsharded model in one process
+fed every rank's micro-batches (``fsdp_worker.py``).
+
+The model has a tensor of fewer rows than 4 ranks (uneven dim 0, and an empty shard on 4 ranks);
+cases add a parameter no forward uses (FSDP leaves it out of its reduce-scatter) and a loss taken
+in chunks with one backward per chunk (each backward is a reduction, so a gradient group). Error
+as ``‖θ − θ_ref‖ / ‖θ_ref − θ_0‖`` after 3 steps: at most 1e-5 (fp32; seen 2e-7 to 2e-6), and the
+same distance to the run at ``gamma = 1`` at least 1e4 times larger, so statistics that were wrong
+would not pass unseen.
+"""
+from __future__ import annotations
+
+import pytest
+
+TOL = 1e-5
+CONTRAST = 1e4
+
+CASES2 = {
+    "fsdp-VRLamb-acc2": dict(opt="VRLamb", layout="fsdp", acc=2),
+    "fsdp-VRAdam-acc1-unused": dict(opt="VRAdam", layout="fsdp", acc=1, unused=True),
+    "fsdp-VRLamb-acc1-chunks2": dict(opt="VRLamb", layout="fsdp", acc=1, chunks=2),
+    "fsdp-VRLars-acc2-unused": dict(opt="VRLars", layout="fsdp", acc=2, unused=True),
+}
+CASES4 = {
+    "hsdp-VRLamb-acc2": dict(opt="VRLamb", layout="hsdp", acc=2),
+    "fsdp-VRMerit-acc1-unused": dict(opt="VRMerit", layout="fsdp", acc=1, unused=True),
+    "hsdp-VRAdam-acc1-chunks2": dict(opt="VRAdam", layout="hsdp", acc=1, chunks=2),
+}
+_RUN: dict[str, list[dict]] = {}
+
+
+def _run(pool, name: str, case: dict) -> list[dict]:
+    if name not in _RUN:
+        _RUN[name] = pool.run("fsdp_worker", "train_case", case)
+    for rank, res in enumerate(_RUN[name]):
+        assert "error" not in res, f"{name} (rank {rank}): {res['error']}\n{res.get('trace', '')}"
+    return _RUN[name]
+
+
+def _check(per_rank: list[dict], case: dict) -> None:
+    acc, chunks, world = case["acc"], case.get("chunks", 1), len(per_rank)
+    for res in per_rank:
+        assert res["err"] <= TOL, res
+        assert res["contrast"] >= CONTRAST * res["err"] and res["contrast"] > 0.1, res
+        # DCP-ready state: every state tensor a DTensor sharded like its parameter
+        assert res["state_types"] == ["DTensor"], res
+        # sharded statistics: [Σg | Σg²] of this rank's padded shards, no full-size buffer
+        assert res["arena"] < 2 * res["numel"] and res["buffer_bytes"] == 4 * res["arena"], res
+        for s in res["steps"]:
+            assert s["n"] == world * acc * chunks, s  # shard × replicate × reductions
+            assert s["reductions"] == 3 * acc * chunks and s["hooks"] == 0, s
+            hsdp = case["layout"] == "hsdp"
+            assert s["collectives"] == s["reductions"] + hsdp, s
+            sent = acc * chunks * res["shard"] * (res["padded"] - res["spare_padded"]) * 4  # the fp32 squares
+            assert s["bytes"] == sent + (4 * res["arena"] if hsdp else 0), s
+            assert s["layout_collectives"] <= 5, s  # batched per-tensor tables, not one per tensor
+
+
+@pytest.mark.parametrize("name", CASES2)
+def test_fsdp_on_2_ranks_equals_the_single_process_optimizer(pool, name):
+    _check(_run(pool, name, CASES2[name]), CASES2[name])
+
+
+@pytest.mark.parametrize("name", CASES4)
+def test_fsdp_and_hsdp_on_4_ranks_equal_the_single_process_optimizer(pool4, name):
+    _check(_run(pool4, name, CASES4[name]), CASES4[name])
+
+
+REFUSALS = {
+    "offload": ("UnsupportedFSDPConfiguration", "CPU offload"),
+    "gloo_average": ("UnsupportedFSDPConfiguration", "set_force_sum_reduction_for_comms(True)"),
+    "fused_group": ("UnsupportedFSDPConfiguration", "fused=True/foreach=None in a param group"),
+    "no_sync": ("UnsupportedFSDPConfiguration", "set_requires_gradient_sync(False)"),
+}
+
+
+@pytest.mark.parametrize("what", REFUSALS)
+def test_set_ups_the_statistics_cannot_see_are_refused_naming_the_option(pool, what):
+    kind, words = REFUSALS[what]
+    for res in pool.run("fsdp_worker", "refusal_case", {"what": what}):
+        assert res["type"] == kind and words in res["message"], res
+
+
+def test_dcp_checkpoint_resumes_on_the_same_and_on_another_world_size(pool4, pool, tmp_path):
+    """The optimizer state is DTensors sharded like the parameters: a DCP checkpoint saved on 4
+    ranks resumes on 4 bit for bit and on 2 (the same micro-batches as 2 × accumulation 2: the
+    same sums in another order) to fp32 rounding. ``get_state_dict`` on the fresh optimizer runs
+    torch's zero-gradient, lr = 0 step to create the state: it creates it at step 0 with the GSNR
+    momentum at zero and moves no parameter (a real step there raised n = 0 < 2)."""
+    pool4.run("fsdp_worker", "dcp_case", {"phase": "save", "dir": str(tmp_path)})
+    for ranks, p in ((4, pool4), (2, pool)):
+        if ranks == 2:
+            pool4.close(ask=False)
+        for res in p.run("fsdp_worker", "dcp_case", {"phase": "load", "dir": str(tmp_path)}):
+            assert res["init_steps"] == [0.0] and res["init_state_types"] == ["DTensor"], res
+            assert res["init_gsnr_avg_zero"] and not res["init_moved"] and res["init_reductions"] == 0, res
+            assert res["loaded_steps"] == [2.0], res
+            assert res["moved"] > 1e-3, res
+            if ranks == 4:
+                assert res["bit_equal"], res
+            else:
+                assert res["max_diff"] <= 1e-6, res
