@@ -253,3 +253,114 @@ def dcp_case(case: dict) -> list[dict[str, Any]]:
     out["max_diff"] = max(float((a - b).abs().max()) for a, b in zip(got, want))
     out["moved"] = max(float((a - b).abs().max()) for a, b in zip(before, got))
     return every_rank(out)
+
+
+def base_case(case: dict) -> list[dict[str, Any]]:
+    """FSDP's reduction is untouched: the gradients with the statistics attached are bit-equal to
+    plain FSDP's, and VRLamb at ``gamma = 1`` trains bit-equal to Lamb (both attached: Lamb's
+    trust ratios need the per-tensor sums across shards too)."""
+    world, rank = dist.get_world_size(), dist.get_rank()
+    nets = [Net(False) for _ in range(3)]
+    for net in nets:
+        shard(net, "fsdp", world)
+    vr = vrgd_ds.VRLamb(nets[0].parameters(), lr=0.05, gamma=1.0, beta3=0.0)
+    base = vrgd_ds.Lamb(nets[1].parameters(), lr=0.05)
+    vrgd_ds.fsdp.attach(nets[0], vr)
+    vrgd_ds.fsdp.attach(nets[1], base)
+    grads_equal = False
+    for step in range(STEPS):
+        for j in range(2):
+            for net in nets:
+                backward(net, batch(step, rank, j), 0.5, 1)
+        if step == 0:  # the plain model (no optimizer) has the same parameters until the first step
+            grads_equal = all(torch.equal(a.grad.to_local(), c.grad.to_local())
+                              for a, c in zip(nets[0].parameters(), nets[2].parameters()))
+        for opt in (vr, base):
+            opt.step()
+            opt.zero_grad()
+        nets[2].zero_grad()
+    return every_rank(dict(grads_equal=grads_equal, params_equal=all(
+        torch.equal(a.to_local(), b.to_local()) for a, b in zip(nets[0].parameters(), nets[1].parameters()))))
+
+
+class TPNet(torch.nn.Module):
+    """A block as torchtitan parallelises a transformer's: a norm (sequence parallel), a colwise
+    and a rowwise linear layer, and a colwise head whose output is replicated."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.norm = torch.nn.LayerNorm(6)
+        self.a = torch.nn.Linear(6, 8)
+        self.b = torch.nn.Linear(8, 6)
+        self.c = torch.nn.Linear(6, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.c(self.b(torch.tanh(self.a(self.norm(x)))))
+
+
+def tp_batch(step: int, dp_rank: int, micro: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(1000 * step + 10 * dp_rank + micro)
+    return torch.randn(2, 4, 6, generator=g), torch.randn(2, 4, 4, generator=g)
+
+
+def tp_case(case: dict) -> list[dict[str, Any]]:
+    """FSDP + tensor parallelism on a 2 × 2 mesh (data, tensor): every rank of a data-parallel
+    rank's tensor-parallel pair reads the same micro-batch, its half of the sequence entering the
+    sequence-parallel norm."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import (ColwiseParallel, RowwiseParallel, SequenceParallel,
+                                                   parallelize_module)
+
+    name, acc = case["opt"], case["acc"]
+    cls, kw = REGISTRY[name].cls, OPTS[name]
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    dp, tp = mesh["dp"].get_local_rank(), mesh["tp"].get_local_rank()
+    model = TPNet()
+    ref, plain = copy.deepcopy(model), copy.deepcopy(model)
+    p0 = flat(ref.parameters())
+    parallelize_module(model, mesh["tp"], {
+        "norm": SequenceParallel(), "a": ColwiseParallel(input_layouts=Shard(1)),
+        "b": RowwiseParallel(output_layouts=Shard(1)),
+        "c": ColwiseParallel(input_layouts=Shard(1), output_layouts=Replicate())})
+    for m in (model.norm, model.a, model.b, model.c):
+        fully_shard(m, mesh=mesh["dp"])
+    fully_shard(model, mesh=mesh["dp"])
+    for m in model.modules():
+        if hasattr(m, "set_force_sum_reduction_for_comms"):
+            m.set_force_sum_reduction_for_comms(True)
+    opt = cls(model.parameters(), **kw)
+    try:
+        stats = vrgd_ds.fsdp.attach(model, opt)
+    except vrgd_ds.fsdp.UnsupportedFSDPConfiguration as e:
+        return every_rank(dict(refused=str(e)))
+
+    def loss(net: torch.nn.Module, b: tuple[torch.Tensor, torch.Tensor], x: torch.Tensor | None = None) -> torch.Tensor:
+        return torch.nn.functional.mse_loss(net(b[0] if x is None else x), b[1]) / acc
+
+    ref_opt, plain_opt = cls(ref.parameters(), **kw), cls(plain.parameters(), **{**kw, "gamma": 1.0})
+    ns = []
+    for step in range(STEPS):
+        for j in range(acc):
+            b = tp_batch(step, dp, j)
+            loss(model, b, b[0].chunk(2, dim=1)[tp]).backward()
+        opt.step()
+        ns.append(opt.gsnr_metrics()["gsnr/n"])
+        opt.zero_grad()
+        for net, o in ((ref, ref_opt), (plain, plain_opt)):
+            for d in range(2):
+                for j in range(acc):
+                    loss(net, tp_batch(step, d, j)).backward()
+            for p in net.parameters():
+                p.grad.div_(2)
+            o.step()
+            o.zero_grad()
+    full = flat(p.full_tensor() for p in model.parameters())
+    want, base = flat(ref.parameters()), flat(plain.parameters())
+    return every_rank(dict(err=float((full - want).norm() / (want - p0).norm()),
+                           contrast=float((base - want).norm() / (want - p0).norm()), n=ns,
+                           dropped=int(opt._layout._drop.sum()) if opt._layout._drop is not None else 0,
+                           placements={n: str(p.placements) for n, p in model.named_parameters()},
+                           reductions=stats.reductions))

@@ -101,3 +101,28 @@ def test_dcp_checkpoint_resumes_on_the_same_and_on_another_world_size(pool4, poo
                 assert res["bit_equal"], res
             else:
                 assert res["max_diff"] <= 1e-6, res
+
+
+def test_fsdps_reduction_is_untouched_and_gamma_1_is_the_base_optimizer_bit_for_bit(pool):
+    for res in pool.run("fsdp_worker", "base_case", {}):
+        assert res["grads_equal"] and res["params_equal"], res
+
+
+@pytest.mark.parametrize("opt", ["VRLamb", "VRAdam", "VRLars"])
+def test_fsdp_with_tensor_parallelism_equals_the_single_process_optimizer(pool4, opt):
+    """FSDP + tensor parallelism on 2 × 2 (data, tensor): a sequence-parallel norm (replicated over
+    the tensor dimension: counted once in the per-tensor sums), colwise layers (FSDP's shard of a
+    tensor-parallel shard: ``_StridedShard``) and a rowwise one (``Shard(1)``). n = data-parallel
+    ranks × micro-steps (4): the tensor-parallel ranks of a pair read one micro-batch. At n = 2 the
+    tensor-parallel matmuls' summation order is amplified as in the Megatron tests (seen 4e-5 and
+    7e-5 for VRAdam and VRLamb), so the cases accumulate 2 micro-steps."""
+    for rank, res in enumerate(pool4.run("fsdp_worker", "tp_case", {"opt": opt, "acc": 2})):
+        assert res["err"] <= TOL and res["contrast"] >= CONTRAST * res["err"], res
+        assert res["n"] == [4.0] * 3, res
+        # the norm's weight and bias and the rowwise bias are copies on tensor-parallel rank 1
+        assert res["dropped"] == (3 if rank % 2 else 0), res
+
+
+def test_merit_on_a_rowwise_layer_is_refused_naming_the_placement(pool4):
+    for res in pool4.run("fsdp_worker", "tp_case", {"opt": "VRMerit", "acc": 2}):
+        assert "MERIT on a parameter placed (Shard(dim=0), Shard(dim=1))" in res["refused"], res

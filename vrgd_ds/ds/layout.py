@@ -124,7 +124,22 @@ class Layout:
 
 
 class TorchLayout(Layout):
-    """A ``Layout`` whose per-key sums travel through ``torch.distributed`` (megatron-core, FSDP2)."""
+    """A ``Layout`` whose per-key sums travel through ``torch.distributed`` (megatron-core, FSDP2).
+
+    ``drop[key]``: this rank holds a copy of the tensor that another rank of ``group`` counts
+    (tensor-parallel replication, HSDP replicas): its rows stay out of every sum."""
+
+    def __init__(self, names: list[str], numel: list[int], group: Any | None, device: torch.device | str = "cpu",
+                 shapes: list[tuple[int, ...]] | None = None, drop: list[bool] | None = None) -> None:
+        super().__init__(names, numel, group, device=device, shapes=shapes)
+        self._drop = torch.tensor(drop, dtype=torch.bool) if drop is not None and any(drop) else None
+
+    def all_reduce(self, t: Tensor, op: str) -> None:
+        if self.group is None:
+            return
+        if op == "sum" and self._drop is not None:
+            t[self._drop.to(t.device)] = 0  # another rank adds this tensor
+        self._reduce(t, op, self.group)
 
     def _reduce(self, t: Tensor, op: str, group: Any) -> None:
         import torch.distributed as dist

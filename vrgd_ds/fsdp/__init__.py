@@ -10,8 +10,11 @@ A sharded parameter is a DTensor outside the autograd graph, so a tensor hook on
 the statistics are taken at FSDP's own reduce-scatter instead (``vrgd_ds/fsdp/stats.py``), sharded
 like the parameters. The optimizer steps the local shards and keeps its state as DTensors
 (``GSNROptimizer``'s ``LocalState``), which DCP saves and reshards. Per-tensor quantities (the
-GSNR mean, LAMB/LARS trust ratios, MERIT's row and column maxima) are completed over the shard
-group by one small batched collective per use (``TorchLayout``), each tensor counted once.
+GSNR mean, LAMB/LARS trust ratios, MERIT's row and column maxima) are completed over every rank by
+one small batched collective per use (``TorchLayout``): shards over data and tensor parallelism
+add up, and a copy (a tensor replicated over a tensor-parallel dimension, HSDP's replicas) is
+counted once, on the lowest rank that holds it. Every rank of the default process group trains
+the model (FSDP, HSDP, FSDP + tensor parallelism; no pipeline stages).
 """
 from __future__ import annotations
 
@@ -23,7 +26,7 @@ import torch
 import torch.distributed as dist
 
 from vrgd_ds.ds.layout import ModelTensors, TorchLayout
-from vrgd_ds.fsdp.internals import SUPPORTED_TORCH, UnsupportedFSDPConfiguration, check_version, require
+from vrgd_ds.fsdp.internals import UnsupportedFSDPConfiguration, check_version, require
 from vrgd_ds.fsdp.stats import FSDPStats, reduce_scatter_with_squares
 from vrgd_ds.optim.base import MIN_GROUPS, GSNROptimizer
 from vrgd_ds.optim.registry import REGISTRY
@@ -72,7 +75,6 @@ def _check_group(group: Any, merit: bool) -> tuple[Any, Any | None]:
     """The shard and (HSDP) replicate process groups of an FSDP parameter group, after the checks
     that it reduces where the statistics see it."""
     from torch.distributed.fsdp._fully_shard._fsdp_common import FSDPMeshInfo, HSDPMeshInfo
-    from torch.distributed.tensor import Shard
 
     info = group.mesh_info
     if not isinstance(info, FSDPMeshInfo) or info.shard_mesh_size < 2:
@@ -88,13 +90,10 @@ def _check_group(group: Any, merit: bool) -> tuple[Any, Any | None]:
         if fp.offload_to_cpu:
             raise _refuse("CPU offload (offload_policy=CPUOffloadPolicy())",
                           "the optimizer and its statistics step on the parameters' device; drop the offload policy")
-        if fp.sharded_param.device_mesh.ndim != info.mesh.ndim:
-            raise _refuse("FSDP combined with tensor parallelism (a parameter on a mesh of more dimensions than "
-                          "FSDP's)", f"this release of vrgd_ds.fsdp covers FSDP and HSDP on torch "
-                          f"{', '.join(SUPPORTED_TORCH)}; shard the model with fully_shard only")
-        if merit and not (isinstance(fp.fsdp_placement, Shard) and fp.fsdp_placement.dim == 0):
-            raise _refuse(f"MERIT with FSDP placement {fp.fsdp_placement}", "its row and column maxima read each "
-                          "shard as a contiguous range of the model tensor (Shard(0)); use the default placement")
+        if merit and not _contiguous(fp.sharded_param):
+            raise _refuse(f"MERIT on a parameter placed {tuple(fp.sharded_param.placements)}", "its row and column "
+                          "maxima read each shard as a contiguous range of the model tensor (every placement on "
+                          "dim 0: FSDP's default, colwise tensor parallelism)")
     backend = dist.get_backend(info.shard_process_group)
     if backend == "gloo" and not group.force_sum_reduction_for_comms:
         raise _refuse("FSDP's averaging reduce-scatter on gloo", "gloo's reduce-scatter sums where FSDP asks it to "
@@ -104,14 +103,35 @@ def _check_group(group: Any, merit: bool) -> tuple[Any, Any | None]:
     return info.shard_process_group, replicate
 
 
-def _flat_offset(p: Any) -> int:
-    """Where a DTensor's local shard starts in its whole tensor, flat (a Shard(0) shard is one
-    contiguous range of it)."""
+def _contiguous(p: Any) -> bool:
+    """Whether a DTensor's local shard is one contiguous range of its whole tensor: every
+    placement that shards it shards dim 0 (FSDP's default; colwise tensor parallelism)."""
+    return all(getattr(pl, "dim", 0) == 0 for pl in p.placements)
+
+
+def _piece(p: Any) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """(global offset, local shape) of a DTensor's local shard."""
     from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
-    _, offset = compute_local_shape_and_global_offset(p.shape, p.device_mesh, p.placements)
-    inner = math.prod(p.shape[1:]) if len(p.shape) > 1 else 1
-    return int(offset[0]) * inner if len(offset) else 0
+    shape, offset = compute_local_shape_and_global_offset(p.shape, p.device_mesh, p.placements)
+    return tuple(int(o) for o in offset), tuple(int(s) for s in shape)
+
+
+def _flat_offset(p: Any, offset: tuple[int, ...]) -> int:
+    """Where the first element of a shard at ``offset`` lies in its whole tensor, flat."""
+    strides = [math.prod(p.shape[i + 1:]) for i in range(len(p.shape))]
+    return sum(o * s for o, s in zip(offset, strides))
+
+
+def _copies(pieces: list[tuple[int, tuple, tuple]]) -> list[bool]:
+    """For each of this rank's ``(key, offset, shape)``, whether a lower rank holds the same piece
+    (a copy: tensor-parallel replication, HSDP replicas), which then counts it. One gather of
+    the ranks' piece lists at attach: every rank of the default group trains the model."""
+    everyone: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, pieces)
+    me = dist.get_rank()
+    seen = {piece for rank in range(me) for piece in everyone[rank]}
+    return [piece in seen for piece in pieces]
 
 
 def attach(model: torch.nn.Module, optimizer: GSNROptimizer, squares_dtype: str = "fp32") -> FSDPStats:
@@ -137,9 +157,10 @@ def attach(model: torch.nn.Module, optimizer: GSNROptimizer, squares_dtype: str 
     groups = _fsdp_groups(model)
     merit = "Merit" in type(optimizer).__name__
     checked = [_check_group(g, merit) for _, g in groups]
-    shard_groups = {tuple(dist.get_process_group_ranks(s)) for s, _ in checked}
-    if len(shard_groups) != 1:
-        raise _refuse("FSDP modules sharded over different meshes", "the per-tensor sums run over one shard group")
+    dp_groups = {tuple(dist.get_process_group_ranks(s)) + (() if r is None else tuple(dist.get_process_group_ranks(r)))
+                 for s, r in checked}
+    if len(dp_groups) != 1:
+        raise _refuse("FSDP modules sharded over different meshes", "n counts the ranks of one data-parallel mesh")
     shard, replicate = checked[0]
     world = shard.size() * (1 if replicate is None else replicate.size())
     if any(g["gsnr"] for g in optimizer.param_groups) and world < MIN_GROUPS:
@@ -154,16 +175,22 @@ def attach(model: torch.nn.Module, optimizer: GSNROptimizer, squares_dtype: str 
                                  "does not shard: build the optimizer on model.parameters() after fully_shard")
     tensors = ModelTensors.of(model)
     device = groups[0][1].fsdp_params[0].sharded_param.device
-    layout = TorchLayout(tensors.names, tensors.numel, group=shard, device=device, shapes=tensors.shapes)
+    trained = [fp.sharded_param for _, g in groups for fp in g.fsdp_params if id(fp.sharded_param) in tensors.keys]
+    pieces = [(tensors.keys[id(p)], *_piece(p)) for p in trained]
+    copies = _copies([piece for piece in pieces if math.prod(piece[2])])
+    drop = [False] * len(tensors.names)
+    held = iter(copies)
+    for key, _, shape in pieces:
+        if math.prod(shape):
+            drop[key] = next(held)
+    # per-tensor sums over every rank (shards over data and tensor parallelism), each copy once
+    layout = TorchLayout(tensors.names, tensors.numel, group=dist.group.WORLD, device=device, shapes=tensors.shapes,
+                         drop=drop)
     locals_ = []
-    for _, group in groups:
-        for fp in group.fsdp_params:
-            p = fp.sharded_param
-            if id(p) not in tensors.keys:
-                continue  # frozen: no optimizer sees it
-            local = p._local_tensor
-            layout.add(local, [(0, local.numel(), tensors.keys[id(p)], _flat_offset(p))])
-            locals_.append(local)
+    for p, (key, offset, _) in zip(trained, pieces):
+        local = p._local_tensor
+        layout.add(local, [(0, local.numel(), key, _flat_offset(p, offset))])
+        locals_.append(local)
     stats = FSDPStats(optimizer.kernels(), world, locals_, _SQUARES[squares_dtype])
     for gi, (module, group) in enumerate(groups):
         gi = stats.add_group(group, replicate)

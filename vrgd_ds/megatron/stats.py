@@ -80,16 +80,9 @@ class MegatronLayout(TorchLayout):
 
     def __init__(self, names: list[str], numel: list[int], shapes: list[tuple[int, ...]], group: Any | None,
                  duplicate: list[bool], tp_rank: int, stages: Any | None, device: torch.device) -> None:
-        super().__init__(names, numel, group, device=device, shapes=shapes)
-        self._drop = torch.tensor(duplicate, dtype=torch.bool) if tp_rank != 0 and any(duplicate) else None
+        super().__init__(names, numel, group, device=device, shapes=shapes,
+                         drop=[d and tp_rank != 0 for d in duplicate])
         self.stages = stages
-
-    def all_reduce(self, t: Tensor, op: str) -> None:
-        if self.group is None:
-            return
-        if op == "sum" and self._drop is not None:
-            t[self._drop.to(t.device)] = 0  # another tensor-parallel rank adds this tensor
-        self._reduce(t, op, self.group)
 
 
 def model_tensors(chunks: list[Any], tp_size: int) -> tuple[list[str], dict[int, int], list[int],
