@@ -134,7 +134,7 @@ def _copies(pieces: list[tuple[int, tuple, tuple]]) -> list[bool]:
     return [piece in seen for piece in pieces]
 
 
-def attach(model: torch.nn.Module, optimizer: GSNROptimizer, squares_dtype: str = "fp32") -> FSDPStats:
+def attach(model: torch.nn.Module, optimizer: GSNROptimizer, squares_dtype: str = "fp32") -> FSDPStats | None:
     """Feeds ``optimizer`` (built on ``model.parameters()``, after ``fully_shard``) with statistics
     of ``model``'s training under FSDP2 or HSDP; call once, before the first backward.
 
@@ -142,7 +142,9 @@ def attach(model: torch.nn.Module, optimizer: GSNROptimizer, squares_dtype: str 
     its backward): n = shard ranks × replicate ranks × reductions per step. On gloo, FSDP needs
     ``set_force_sum_reduction_for_comms(True)`` on every module. ``squares_dtype``: ``"fp32"``
     (default) or ``"bf16"``, the dtype the squares travel in. Returns the statistics source
-    (``counters``: the extra collectives and bytes; ``stat_counters``: launches)."""
+    (``counters``: the extra collectives and bytes; ``stat_counters``: launches), or None for an
+    optimizer without GSNR (``Lamb``, ``Lars``, ``Merit``: they need the per-tensor sums across
+    shards only, and FSDP's reduce-scatter stays its own)."""
     check_version()
     if not isinstance(optimizer, GSNROptimizer):
         raise TypeError(f"vrgd_ds.fsdp.attach needs a VRGD optimizer ({', '.join(REGISTRY)}), got "
@@ -191,6 +193,11 @@ def attach(model: torch.nn.Module, optimizer: GSNROptimizer, squares_dtype: str 
         local = p._local_tensor
         layout.add(local, [(0, local.numel(), key, _flat_offset(p, offset))])
         locals_.append(local)
+    if not any(g["gsnr"] for g in optimizer.param_groups):  # the base optimizers: per-tensor sums only
+        optimizer.set_statistics_source(None, layout)
+        logger.info("vrgd_ds.fsdp: %s without GSNR: per-tensor sums over the shards, FSDP's reduction untouched",
+                    type(optimizer).__name__)
+        return None
     stats = FSDPStats(optimizer.kernels(), world, locals_, _SQUARES[squares_dtype])
     for gi, (module, group) in enumerate(groups):
         gi = stats.add_group(group, replicate)
