@@ -130,6 +130,8 @@ def _train(case: dict) -> dict[str, Any]:
         sent, calls, reductions = stats.counters.bytes_sent, stats.counters.collectives, stats.reductions
         layout_calls = opt._layout.counters.collectives
         for j in range(acc):
+            if case.get("no_sync"):  # accumulate unreduced until the last micro-step
+                model.set_requires_gradient_sync(j == acc - 1)
             backward(model, batch(step, rank, j), 1.0 / acc, chunks)
         opt.step()
         metrics = opt.gsnr_metrics()
@@ -140,6 +142,10 @@ def _train(case: dict) -> dict[str, Any]:
                           launches=stats.stat_counters.launches, hooks=stats.stat_counters.hooks))
         for net, o in ((ref, ref_opt), (plain, plain_opt)):
             for r in range(world):
+                if case.get("no_sync"):  # a rank's accumulated gradient is one group: one backward of its sum
+                    sum(torch.nn.functional.mse_loss(net(b[0]), b[1]) / acc
+                        for b in (batch(step, r, j) for j in range(acc))).backward()
+                    continue
                 for j in range(acc):
                     backward(net, batch(step, r, j), 1.0 / acc, chunks)
             for p in net.parameters():
@@ -181,10 +187,13 @@ def _refusal(case: dict) -> dict[str, Any]:
         stats = vrgd_ds.fsdp.attach(model, opt)
     except Exception as e:  # noqa: BLE001 (the message is the result)
         return dict(type=type(e).__name__, message=str(e))
-    if what == "no_sync":
-        model.set_requires_gradient_sync(False)
+    if what == "uneven_sync":  # one module accumulates its first micro-step unreduced, the others do not
+        rank = dist.get_rank()
         try:
-            backward(model, batch(0, dist.get_rank(), 0), 1.0, 1)
+            for j in range(2):
+                model.b.set_requires_gradient_sync(j == 1, recurse=False)
+                backward(model, batch(0, rank, j), 0.5, 1)
+            opt.step()
         except Exception as e:  # noqa: BLE001
             return dict(type=type(e).__name__, message=str(e), reductions=stats.reductions)
     return dict(type=None, message="")

@@ -138,8 +138,9 @@ def attach(model: torch.nn.Module, optimizer: GSNROptimizer, squares_dtype: str 
     """Feeds ``optimizer`` (built on ``model.parameters()``, after ``fully_shard``) with statistics
     of ``model``'s training under FSDP2 or HSDP; call once, before the first backward.
 
-    Every micro-step must reduce (the default; ``set_requires_gradient_sync(False)`` is refused at
-    its backward): n = shard ranks × replicate ranks × reductions per step. On gloo, FSDP needs
+    n = shard ranks × replicate ranks × reductions per step: every backward reduces by default;
+    under ``set_requires_gradient_sync(False)`` a rank's accumulated gradient is one group. Every
+    parameter must be reduced equally often in a step (refused at ``step()`` otherwise). On gloo, FSDP needs
     ``set_force_sum_reduction_for_comms(True)`` on every module. ``squares_dtype``: ``"fp32"``
     (default) or ``"bf16"``, the dtype the squares travel in. Returns the statistics source
     (``counters``: the extra collectives and bytes; ``stat_counters``: launches), or None for an

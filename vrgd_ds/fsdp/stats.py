@@ -14,8 +14,11 @@ like FSDP's output, so the statistics are sharded like the parameters: no full-s
 replicas' all-reduce (times the shard count when the collective averaged): no second reduction of
 the gradient. Under HSDP one all-reduce of every bucket (one allocation) over the replicate
 group per step, in fp32.
-``n`` = shard ranks × replicate ranks × reductions of a parameter in the step. A micro-step is a
-group's gradient as the loop weights its loss (the GSNR does not depend on that weight).
+``n`` = shard ranks × replicate ranks × reductions of a parameter in the step; a group is what one
+reduction carries: one micro-step's gradient when every backward reduces (FSDP's default), a
+rank's accumulated gradient when ``set_requires_gradient_sync(False)`` defers the reduction to the
+last micro-step (then ``n`` = ranks), as the loop weights its loss (the GSNR does not depend on
+that weight). Every parameter must be reduced equally often in a step.
 """
 from __future__ import annotations
 
@@ -98,14 +101,25 @@ class FSDPStats(LocalStats):
     # -- FSDP's side -----------------------------------------------------------------------------
 
     def about_to_reduce(self, gi: int) -> None:
-        """Called where FSDP's ``post_backward`` of group ``gi`` begins: which parameters it reduces."""
+        """Called where FSDP's ``post_backward`` of group ``gi`` begins: which parameters it reduces
+        (none while ``set_requires_gradient_sync(False)`` accumulates: the gradient reduced later is
+        then one group)."""
         group = self._groups[gi][0]
-        if not group.reduce_grads:
-            raise UnsupportedFSDPConfiguration(
-                "vrgd_ds.fsdp: set_requires_gradient_sync(False) accumulates micro-steps without reducing them, so "
-                "the statistics would see only the last one: keep gradient sync on for every backward (FSDP "
-                "reduce-scatters each micro-step; n counts them)")
-        self._pending[gi] = reduced_by_fsdp(group)
+        if group.reduce_grads:
+            self._pending[gi] = reduced_by_fsdp(group)
+
+    def start(self) -> None:
+        """The step begins: every parameter with statistics was reduced equally often (a group is
+        what one reduction carries, so ``n`` must be one number)."""
+        if not (self._started or self._stale):
+            seen = self._counts[self._counts > 0]
+            if seen.size and seen.min() != seen.max():
+                raise UnsupportedFSDPConfiguration(
+                    f"vrgd_ds.fsdp: in this step FSDP reduced some parameters {int(seen.min())} times and others "
+                    f"{int(seen.max())} times (set_requires_gradient_sync(False) on some modules only, or a module "
+                    "left out of some micro-steps), so the number of gradient groups n would differ between "
+                    "tensors: reduce every module equally often in a step")
+        super().start()
 
     def record_reduction(self, gi: int, inp: Tensor, out: Tensor, op: Any, rs_group: Any) -> None:
         """One FSDP reduce-scatter of group ``gi`` has put this rank's shard of the sum over
