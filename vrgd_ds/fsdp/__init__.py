@@ -50,11 +50,14 @@ def _refuse(option: str, why: str) -> UnsupportedFSDPConfiguration:
 def _fsdp_groups(model: torch.nn.Module) -> list[tuple[torch.nn.Module, Any]]:
     from torch.distributed.fsdp import FSDPModule
 
-    out = []
+    out, seen = [], set()
     for module in model.modules():
         if not isinstance(module, FSDPModule):
             continue
         state = module._get_fsdp_state()
+        if id(state) in seen:  # fully_shard([a, b]): the modules share one state and its groups
+            continue
+        seen.add(id(state))
         require(state, _STATE, "FSDPState")
         groups = state._fsdp_param_groups
         if len(groups) > 1:

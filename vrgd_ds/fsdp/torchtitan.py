@@ -1,0 +1,140 @@
+"""torchtitan 0.3.0: any member of the VRGD family selected by name, without a fork of torchtitan.
+
+torchtitan's trainer takes its configuration from a function named by ``--config`` in the module
+named by ``--module`` (a fully qualified import path works), and builds its optimizer container
+from ``config.optimizer`` after parallelising the model. This module gives both::
+
+    torchrun --nproc_per_node 8 -m torchtitan.train --module vrgd_ds.fsdp.torchtitan \\
+        --config llama3_debugmodel_vr_lamb
+
+or, in a config registry of one's own::
+
+    from vrgd_ds.fsdp.torchtitan import vrgd_optimizer
+    config.optimizer = vrgd_optimizer("VRLamb", lr=2e-3, gamma=0.1, beta3=0.9, weight_decay=0.1)
+
+``VRGDOptimizersContainer`` resolves the family's names (``vrgd_ds.optim.registry``) beside
+torchtitan's own (AdamW, ...) and attaches each VRGD optimizer to the FSDP model it updates
+(``vrgd_ds.fsdp.attach``). Its ``implementation`` defaults to ``"for-loop"``: torchtitan's
+default ``"fused"`` injects ``fused=True`` into every param group, which the VRGD optimizers
+refuse (they choose their kernels themselves); ``"fused_opt_states_bf16"`` is refused here
+(bf16 optimizer states are not supported). Checkpoints are torchtitan's own (DCP, state keyed
+by parameter name): the zero-gradient, lr = 0 step it runs before a load creates the VRGD state
+without advancing it (``GSNROptimizer._is_state_init``).
+
+torchtitan 0.3.0 calls ``torch.distributed.set_timeout``, which torch 2.13 (the release
+``vrgd_ds.fsdp`` supports) does not have: importing this module aliases it to torch's
+``distributed_c10d._set_pg_timeout`` where it is missing, and says so in the log.
+"""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+from torch.distributed.fsdp import FSDPModule
+from torchtitan.components.optimizer import OptimizersContainer, ParamGroupConfig
+
+import vrgd_ds.fsdp
+from vrgd_ds.fsdp.internals import UnsupportedFSDPConfiguration
+from vrgd_ds.optim.base import GSNROptimizer
+from vrgd_ds.optim.registry import REGISTRY
+
+logger = logging.getLogger(__name__)
+
+#: the torchtitan release this module was written against
+SUPPORTED_TORCHTITAN = ("0.3.0",)
+
+if not hasattr(torch.distributed, "set_timeout"):
+    from torch.distributed.distributed_c10d import _set_pg_timeout
+
+    torch.distributed.set_timeout = _set_pg_timeout
+    logger.info("vrgd_ds.fsdp.torchtitan: torch %s has no torch.distributed.set_timeout, which torchtitan 0.3.0 "
+                "calls after the first step; aliased to distributed_c10d._set_pg_timeout", torch.__version__)
+
+
+def _check_version() -> None:
+    from importlib.metadata import version
+
+    found = version("torchtitan")
+    if found not in SUPPORTED_TORCHTITAN:
+        raise RuntimeError(f"vrgd_ds.fsdp.torchtitan supports torchtitan {', '.join(SUPPORTED_TORCHTITAN)}, found "
+                           f"{found}: it subclasses torchtitan's OptimizersContainer. Install: pip install "
+                           f"torchtitan=={SUPPORTED_TORCHTITAN[-1]}")
+
+
+class VRGDOptimizersContainer(OptimizersContainer):
+    """torchtitan's optimizer container with the VRGD names, each VRGD optimizer attached to the
+    FSDP model part it updates."""
+
+    @dataclass(kw_only=True, slots=True)
+    class Config(OptimizersContainer.Config):
+        implementation: str = "for-loop"
+        """torchtitan's kernel choice for its own optimizers; the VRGD ones choose theirs (no
+        ``fused``/``foreach`` in their param groups)."""
+
+        force_sum_reduction_for_comms: bool = False
+        """Set FSDP's ``set_force_sum_reduction_for_comms(True)`` on every FSDP module (needed on
+        gloo, whose reduce-scatter cannot average or pre-multiply)."""
+
+        squares_dtype: str = "fp32"
+        """The dtype the statistics' squares travel in ("fp32" or "bf16")."""
+
+    @staticmethod
+    def _resolve_optimizer_factory(name: str) -> Callable[..., torch.optim.Optimizer]:
+        info = REGISTRY.get(name)
+        if info is not None:
+            return info.cls
+        return OptimizersContainer._resolve_optimizer_factory(name)
+
+    def __init__(self, config: Config, *, model_parts: list[torch.nn.Module]) -> None:
+        _check_version()
+        uses_vrgd = any(pg.optimizer_name in REGISTRY for pg in config.param_groups)
+        if uses_vrgd and config.implementation == "fused_opt_states_bf16":
+            raise UnsupportedFSDPConfiguration(
+                "vrgd_ds.fsdp.torchtitan: optimizer.implementation='fused_opt_states_bf16' is not supported with a "
+                "VRGD optimizer: its state is fp32; use 'for-loop' (the VRGD optimizers pick their own kernels)")
+        if uses_vrgd and len(model_parts) != 1:
+            raise UnsupportedFSDPConfiguration(
+                f"vrgd_ds.fsdp.torchtitan: pipeline parallelism ({len(model_parts)} model parts on this rank) is not "
+                "supported: the statistics' per-tensor sums run over every rank of one model")
+        if config.force_sum_reduction_for_comms:
+            for part in model_parts:
+                for module in part.modules():
+                    if isinstance(module, FSDPModule):
+                        module.set_force_sum_reduction_for_comms(True)
+        super().__init__(config, model_parts=model_parts)
+        self.statistics: list[Any] = []
+        for optimizer in self.optimizers:
+            if isinstance(optimizer, GSNROptimizer):
+                self.statistics.append(vrgd_ds.fsdp.attach(model_parts[0], optimizer,
+                                                           squares_dtype=config.squares_dtype))
+
+    def gsnr_metrics(self) -> dict[str, float]:
+        """The VRGD optimizers' metrics of the last step (``GSNROptimizer.gsnr_metrics``)."""
+        out: dict[str, float] = {}
+        for optimizer in self.optimizers:
+            if isinstance(optimizer, GSNROptimizer):
+                out.update(optimizer.gsnr_metrics())
+        return out
+
+
+def vrgd_optimizer(name: str = "VRLamb", pattern: str = r".*", **optimizer_kwargs: Any) -> VRGDOptimizersContainer.Config:
+    """A torchtitan optimizer configuration with one catch-all param group of family member
+    ``name`` (``optimizer_kwargs`` include ``lr``)."""
+    if name not in REGISTRY:
+        raise ValueError(f"vrgd_optimizer: {name!r} is not a VRGD optimizer; registered: {', '.join(REGISTRY)}")
+    return VRGDOptimizersContainer.Config(
+        param_groups=[ParamGroupConfig(pattern=pattern, optimizer_name=name, optimizer_kwargs=optimizer_kwargs)])
+
+
+def llama3_debugmodel_vr_lamb() -> Any:
+    """torchtitan's llama3 debug model trained with VRLamb (its AdamW's learning rate and decay)."""
+    from torchtitan.models.llama3.config_registry import llama3_debugmodel
+
+    config = llama3_debugmodel()
+    config.optimizer = vrgd_optimizer("VRLamb", lr=8e-4, weight_decay=0.1, gamma=0.1, beta3=0.9)
+    return config
+
+
+__all__ = ["VRGDOptimizersContainer", "llama3_debugmodel_vr_lamb", "vrgd_optimizer"]
