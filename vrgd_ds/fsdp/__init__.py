@@ -18,6 +18,7 @@ the model (FSDP, HSDP, FSDP + tensor parallelism; no pipeline stages).
 """
 from __future__ import annotations
 
+import itertools
 import logging
 import math
 from typing import Any
@@ -74,7 +75,7 @@ def _fsdp_groups(model: torch.nn.Module) -> list[tuple[torch.nn.Module, Any]]:
     return out
 
 
-def _check_group(group: Any, merit: bool) -> tuple[Any, Any | None]:
+def _check_group(group: Any) -> tuple[Any, Any | None]:
     """The shard and (HSDP) replicate process groups of an FSDP parameter group, after the checks
     that it reduces where the statistics see it."""
     from torch.distributed.fsdp._fully_shard._fsdp_common import FSDPMeshInfo, HSDPMeshInfo
@@ -93,10 +94,6 @@ def _check_group(group: Any, merit: bool) -> tuple[Any, Any | None]:
         if fp.offload_to_cpu:
             raise _refuse("CPU offload (offload_policy=CPUOffloadPolicy())",
                           "the optimizer and its statistics step on the parameters' device; drop the offload policy")
-        if merit and not _contiguous(fp.sharded_param):
-            raise _refuse(f"MERIT on a parameter placed {tuple(fp.sharded_param.placements)}", "its row and column "
-                          "maxima read each shard as a contiguous range of the model tensor (every placement on "
-                          "dim 0: FSDP's default, colwise tensor parallelism)")
     backend = dist.get_backend(info.shard_process_group)
     if backend == "gloo" and not group.force_sum_reduction_for_comms:
         raise _refuse("FSDP's averaging reduce-scatter on gloo", "gloo's reduce-scatter sums where FSDP asks it to "
@@ -124,6 +121,20 @@ def _flat_offset(p: Any, offset: tuple[int, ...]) -> int:
     """Where the first element of a shard at ``offset`` lies in its whole tensor, flat."""
     strides = [math.prod(p.shape[i + 1:]) for i in range(len(p.shape))]
     return sum(o * s for o, s in zip(offset, strides))
+
+
+def _runs(p: Any, offset: tuple[int, ...], shape: tuple[int, ...]) -> list[tuple[int, int, int]]:
+    """``(start in the shard, length, start in the whole tensor)`` of each contiguous run of a
+    shard at ``offset`` (a ``Shard(1)`` shard of a matrix: one run per row). The dims after the
+    last one the shard cuts are whole, so a run spans them."""
+    cut = max((d for d in range(len(shape)) if shape[d] != p.shape[d]), default=0)
+    strides = [math.prod(p.shape[d + 1:]) for d in range(len(p.shape))]
+    length = shape[cut] * strides[cut] if shape else 1
+    out = []
+    for i, index in enumerate(itertools.product(*(range(n) for n in shape[:cut]))):
+        start = sum((o + j) * st for o, j, st in zip(offset, index, strides)) + offset[cut] * strides[cut]
+        out.append((i * length, length, start))
+    return out
 
 
 def _copies(pieces: list[tuple[int, tuple, tuple]]) -> list[bool]:
@@ -162,7 +173,7 @@ def attach(model: torch.nn.Module, optimizer: GSNROptimizer, squares_dtype: str 
                           "fused= argument); drop the keys from the param groups")
     groups = _fsdp_groups(model)
     merit = "Merit" in type(optimizer).__name__
-    checked = [_check_group(g, merit) for _, g in groups]
+    checked = [_check_group(g) for _, g in groups]
     dp_groups = {tuple(dist.get_process_group_ranks(s)) + (() if r is None else tuple(dist.get_process_group_ranks(r)))
                  for s, r in checked}
     if len(dp_groups) != 1:
@@ -193,9 +204,12 @@ def attach(model: torch.nn.Module, optimizer: GSNROptimizer, squares_dtype: str 
     layout = TorchLayout(tensors.names, tensors.numel, group=dist.group.WORLD, device=device, shapes=tensors.shapes,
                          drop=drop)
     locals_ = []
-    for p, (key, offset, _) in zip(trained, pieces):
+    for p, (key, offset, shape) in zip(trained, pieces):
         local = p._local_tensor
-        layout.add(local, [(0, local.numel(), key, _flat_offset(p, offset))])
+        if merit and not _contiguous(p):  # MERIT's row and column maxima read contiguous runs of the tensor
+            layout.add(local, [(start, length, key, at) for start, length, at in _runs(p, offset, shape)])
+        else:
+            layout.add(local, [(0, local.numel(), key, _flat_offset(p, offset))])
         locals_.append(local)
     if not any(g["gsnr"] for g in optimizer.param_groups):  # the base optimizers: per-tensor sums only
         optimizer.set_statistics_source(None, layout)
