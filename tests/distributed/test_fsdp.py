@@ -22,6 +22,13 @@ CASES2 = {
     "fsdp-VRLamb-acc1-chunks2": dict(opt="VRLamb", layout="fsdp", acc=1, chunks=2),
     "fsdp-VRLars-acc2-unused": dict(opt="VRLars", layout="fsdp", acc=2, unused=True),
 }
+# make test runs the rest: every layout, member and feature at least once (make test-all: all)
+EXHAUSTIVE = {"fsdp-VRLars-acc2-unused", "hsdp-VRAdam-acc1-chunks2"}
+TP_EXHAUSTIVE = {"VRAdam", "VRLars"}
+
+
+def _tier(names, exhaustive):
+    return [pytest.param(n, marks=pytest.mark.exhaustive) if n in exhaustive else n for n in names]
 CASES4 = {
     "hsdp-VRLamb-acc2": dict(opt="VRLamb", layout="hsdp", acc=2),
     "fsdp-VRMerit-acc1-unused": dict(opt="VRMerit", layout="fsdp", acc=1, unused=True),
@@ -65,12 +72,12 @@ def _check(per_rank: list[dict], case: dict) -> None:
             assert s["layout_collectives"] <= 5, s  # batched per-tensor tables, not one per tensor
 
 
-@pytest.mark.parametrize("name", CASES2)
+@pytest.mark.parametrize("name", _tier(CASES2, EXHAUSTIVE))
 def test_fsdp_on_2_ranks_equals_the_single_process_optimizer(pool, name):
     _check(_run(pool, name, CASES2[name]), CASES2[name])
 
 
-@pytest.mark.parametrize("name", CASES4)
+@pytest.mark.parametrize("name", _tier(CASES4, EXHAUSTIVE))
 def test_fsdp_and_hsdp_on_4_ranks_equal_the_single_process_optimizer(pool4, name):
     _check(_run(pool4, name, CASES4[name]), CASES4[name])
 
@@ -116,7 +123,7 @@ def test_fsdps_reduction_is_untouched_and_gamma_1_is_the_base_optimizer_bit_for_
         assert res["grads_equal"] and res["params_equal"], res
 
 
-@pytest.mark.parametrize("opt", ["VRLamb", "VRAdam", "VRLars"])
+@pytest.mark.parametrize("opt", _tier(["VRLamb", "VRAdam", "VRLars"], TP_EXHAUSTIVE))
 def test_fsdp_with_tensor_parallelism_equals_the_single_process_optimizer(pool4, opt):
     """FSDP + tensor parallelism on 2 × 2 (data, tensor): a sequence-parallel norm (replicated over
     the tensor dimension: counted once in the per-tensor sums), colwise layers (FSDP's shard of a
