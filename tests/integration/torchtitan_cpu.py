@@ -25,7 +25,7 @@ import torch
 
 from torchtitan.components.optimizer import ParamGroupConfig
 
-from vrgd_ds.fsdp.torchtitan import VRGDOptimizersContainer, vrgd_optimizer
+from vrgd_ds.fsdp.torchtitan import VRGDOptimizersContainer, with_vrgd
 
 
 def _device_stand_in() -> types.SimpleNamespace:
@@ -92,9 +92,9 @@ def llama3_debugmodel_vr_lamb_cpu():
     from torchtitan.models.llama3.config_registry import llama3_debugmodel
 
     on_cpu()
-    config = llama3_debugmodel()
-    base = vrgd_optimizer("VRLamb", lr=8e-4, weight_decay=0.1, gamma=0.1, beta3=0.9)
-    config.optimizer = LoggedContainer.Config(param_groups=base.param_groups, force_sum_reduction_for_comms=True)
+    config = with_vrgd(llama3_debugmodel(), "VRLamb", lr=8e-4, weight_decay=0.1, gamma=0.1, beta3=0.9)
+    config.optimizer = LoggedContainer.Config(param_groups=config.optimizer.param_groups,
+                                              force_sum_reduction_for_comms=True)
     return config
 
 

@@ -177,7 +177,9 @@ def attach(model: torch.nn.Module, optimizer: GSNROptimizer, squares_dtype: str 
     dp_groups = {tuple(dist.get_process_group_ranks(s)) + (() if r is None else tuple(dist.get_process_group_ranks(r)))
                  for s, r in checked}
     if len(dp_groups) != 1:
-        raise _refuse("FSDP modules sharded over different meshes", "n counts the ranks of one data-parallel mesh")
+        raise _refuse("FSDP modules sharded over different meshes (expert parallelism shards the experts on a mesh "
+                      "of their own)", "n counts the gradient groups of one data-parallel mesh; shard every module "
+                      "over the same mesh")
     shard, replicate = checked[0]
     world = shard.size() * (1 if replicate is None else replicate.size())
     if any(g["gsnr"] for g in optimizer.param_groups) and world < MIN_GROUPS:

@@ -9,8 +9,10 @@ from ``config.optimizer`` after parallelising the model. This module gives both:
 
 or, in a config registry of one's own::
 
-    from vrgd_ds.fsdp.torchtitan import vrgd_optimizer
-    config.optimizer = vrgd_optimizer("VRLamb", lr=2e-3, gamma=0.1, beta3=0.9, weight_decay=0.1)
+    from vrgd_ds.fsdp.torchtitan import with_vrgd
+    config = with_vrgd(config, "VRLamb", lr=2e-3, gamma=0.1, beta3=0.9, weight_decay=0.1)
+
+(``with_vrgd`` also refuses context and expert parallelism once the run's parallelism is known.)
 
 ``VRGDOptimizersContainer`` resolves the family's names (``vrgd_ds.optim.registry``) beside
 torchtitan's own (AdamW, ...) and attaches each VRGD optimizer to the FSDP model it updates
@@ -27,6 +29,7 @@ torchtitan 0.3.0 calls ``torch.distributed.set_timeout``, which torch 2.13 (the 
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 from dataclasses import dataclass
 from typing import Any, Callable
@@ -121,20 +124,52 @@ class VRGDOptimizersContainer(OptimizersContainer):
 
 def vrgd_optimizer(name: str = "VRLamb", pattern: str = r".*", **optimizer_kwargs: Any) -> VRGDOptimizersContainer.Config:
     """A torchtitan optimizer configuration with one catch-all param group of family member
-    ``name`` (``optimizer_kwargs`` include ``lr``)."""
+    ``name`` (``optimizer_kwargs`` include ``lr``). ``with_vrgd`` also checks the parallelism."""
     if name not in REGISTRY:
         raise ValueError(f"vrgd_optimizer: {name!r} is not a VRGD optimizer; registered: {', '.join(REGISTRY)}")
     return VRGDOptimizersContainer.Config(
         param_groups=[ParamGroupConfig(pattern=pattern, optimizer_name=name, optimizer_kwargs=optimizer_kwargs)])
 
 
+def check_parallelism(parallel_dims: Any) -> None:
+    """Refuses the parallelisms whose reductions the statistics do not see as micro-batch groups
+    (torchtitan's ``ParallelDims``, once the run's command line is applied): context parallelism
+    (a reduction then sums the sequence chunks of one sample) and expert parallelism (experts on
+    a mesh of their own)."""
+    for degree, option, why in (
+            ("cp", "parallelism.context_parallel_degree", "each FSDP reduction would also sum a sample's sequence "
+             "chunks, so the gradient groups would be chunks, not micro-batches"),
+            ("ep", "parallelism.expert_parallel_degree", "the experts are sharded and reduced on a mesh of their "
+             "own, over which the statistics count no groups")):
+        if getattr(parallel_dims, degree, 1) > 1:
+            raise UnsupportedFSDPConfiguration(f"vrgd_ds.fsdp.torchtitan: {option}={getattr(parallel_dims, degree)} is "
+                                               f"not supported with a VRGD optimizer: {why}; set it to 1")
+
+
+def with_vrgd(config: Any, name: str = "VRLamb", **optimizer_kwargs: Any) -> Any:
+    """``config`` (a torchtitan ``Trainer.Config``) trained with family member ``name``: its
+    optimizer replaced by ``vrgd_optimizer``, and the run's parallelism checked right after the
+    optimizer is built (``check_parallelism``, through the model spec's post-optimizer hook, which
+    runs first what the model had there)."""
+    config.optimizer = vrgd_optimizer(name, **optimizer_kwargs)
+    spec = config.model_spec
+    if spec is not None:
+        before = spec.post_optimizer_build_fn
+
+        def post_optimizer_build(optimizers: Any, model_parts: Any, parallel_dims: Any) -> None:
+            check_parallelism(parallel_dims)
+            if before is not None:
+                before(optimizers, model_parts, parallel_dims)
+
+        config.model_spec = dataclasses.replace(spec, post_optimizer_build_fn=post_optimizer_build)
+    return config
+
+
 def llama3_debugmodel_vr_lamb() -> Any:
     """torchtitan's llama3 debug model trained with VRLamb (its AdamW's learning rate and decay)."""
     from torchtitan.models.llama3.config_registry import llama3_debugmodel
 
-    config = llama3_debugmodel()
-    config.optimizer = vrgd_optimizer("VRLamb", lr=8e-4, weight_decay=0.1, gamma=0.1, beta3=0.9)
-    return config
+    return with_vrgd(llama3_debugmodel(), "VRLamb", lr=8e-4, weight_decay=0.1, gamma=0.1, beta3=0.9)
 
 
-__all__ = ["VRGDOptimizersContainer", "llama3_debugmodel_vr_lamb", "vrgd_optimizer"]
+__all__ = ["VRGDOptimizersContainer", "check_parallelism", "llama3_debugmodel_vr_lamb", "vrgd_optimizer", "with_vrgd"]
