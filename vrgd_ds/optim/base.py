@@ -532,7 +532,7 @@ class GSNROptimizer(torch.optim.Optimizer):
         checks in C: the host cost of a steady step hardly grows with the number of tensors)."""
         params = [p for p in group["params"] if p.grad is not None]
         grads = [p.grad for p in params]
-        if params and _DTENSOR is not None and any(isinstance(p, _DTENSOR) for p in params):
+        if params and _DTENSOR is not None and any(map(isinstance, params, itertools.repeat(_DTENSOR))):
             # FSDP2 (vrgd_ds/fsdp): the kernels work on the local shards; the state stays keyed by
             # the DTensor parameters (``_plan``)
             if self._layout is None:
