@@ -30,7 +30,7 @@ import warnings
 import torch
 
 import vrgd_ds
-from vrgd_ds.ds.layout import Layout
+from vrgd_ds.stats.layout import Layout
 
 SHAPES = {"base": (768, 12, 3072), "large": (1024, 24, 4096)}
 #: fp32 words read + written per parameter by a fused step (the memory floor)

@@ -86,7 +86,7 @@ def _flat_step_launches(segments: int) -> tuple[int, int]:
     import torch
 
     import vrgd_ds
-    from vrgd_ds.ds.layout import Layout
+    from vrgd_ds.stats.layout import Layout
 
     sizes = [100 + i for i in range(segments)]
     p = torch.nn.Parameter(torch.randn(sum(sizes)) * 0.02)

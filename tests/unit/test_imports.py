@@ -111,3 +111,23 @@ def test_the_walker_finds_a_circle_dodged_inside_a_function(tmp_path):
     graph = {name: imports(path, name, known) for name, path in known.items()}
     assert circles(graph) == [["vrgd_ds.a", "vrgd_ds.b"]]
     assert graph["vrgd_ds.c"] == set()
+
+
+ENGINES = ("vrgd_ds.ds", "vrgd_ds.megatron", "vrgd_ds.fsdp")
+
+
+def test_no_engine_package_imports_another():
+    """DeepSpeed, megatron-core and FSDP2 share what lies below them (``vrgd_ds/stats``: layouts,
+    buckets, collectives); none imports another. Megatron's and FSDP2's imports of
+    ``vrgd_ds/ds/layout.py`` failed this."""
+    known = modules()
+    crossing = []
+    for name, path in known.items():
+        own = next((e for e in ENGINES if name == e or name.startswith(e + ".")), None)
+        if own is None:
+            continue
+        for target in imports(path, name, known):
+            other = next((e for e in ENGINES if target == e or target.startswith(e + ".")), None)
+            if other is not None and other != own:
+                crossing.append(f"{name} -> {target}")
+    assert not crossing, crossing

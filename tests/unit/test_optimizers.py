@@ -866,7 +866,7 @@ class _GivenSums:
 def _python_calls_of_a_steady_step(name: str, tensors: int, flat: bool, triton: bool, monkeypatch) -> int:
     import sys
 
-    from vrgd_ds.ds.layout import Layout
+    from vrgd_ds.stats.layout import Layout
 
     sizes = [64 + i % 7 for i in range(tensors)]
     params = ([nn.Parameter(torch.randn(sum(sizes)))] if flat else [nn.Parameter(torch.randn(n)) for n in sizes])

@@ -151,7 +151,7 @@ def test_triton_flat_partition_cut_mid_tensor(name):
     """What ZeRO hands the optimizer: one flat tensor holding pieces of model tensors, cut in the
     middle of a tensor (its other part on another rank, absent here). Per-tensor sums (GSNR
     mean, trust norms) come from the layout; both implementations see the same pieces."""
-    from vrgd_ds.ds.layout import Layout
+    from vrgd_ds.stats.layout import Layout
 
     g = torch.Generator().manual_seed(2)
     n = 3

@@ -9,8 +9,8 @@ import deepspeed.comm as dist
 from vrgd_ds.ds import local, paths, pipeline, sources
 from vrgd_ds.ds.config import auto_scheme, reduction_config
 from vrgd_ds.ds.internals import UnsupportedConfiguration
-from vrgd_ds.ds.layout import ModelTensors
 from vrgd_ds.optim.base import MIN_GROUPS, GSNROptimizer
+from vrgd_ds.stats.layout import ModelTensors
 
 logger = logging.getLogger(__name__)
 

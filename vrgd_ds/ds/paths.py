@@ -21,10 +21,10 @@ import torch
 from torch import Tensor
 
 from vrgd_ds.ds.internals import UnsupportedConfiguration
-from vrgd_ds.ds.layout import Layout, ModelTensors
 from vrgd_ds.ds.stage0 import Stage0
-from vrgd_ds.ds.zero3 import Zero3
 from vrgd_ds.ds.zero12 import Zero12
+from vrgd_ds.ds.zero3 import Zero3
+from vrgd_ds.stats.layout import Layout, ModelTensors
 
 
 class EnginePath(Protocol):

@@ -23,7 +23,7 @@ import logging
 from typing import Any
 
 from vrgd_ds.ds.internals import UnsupportedConfiguration, require
-from vrgd_ds.ds.layout import key_mask
+from vrgd_ds.stats.layout import key_mask
 
 logger = logging.getLogger(__name__)
 

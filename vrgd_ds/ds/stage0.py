@@ -21,9 +21,9 @@ from torch import Tensor
 import deepspeed.comm as dist
 
 from vrgd_ds.ds.internals import UnsupportedConfiguration, require
-from vrgd_ds.ds.layout import Layout, ModelTensors
 from vrgd_ds.ds.local import buckets_or_hooks
 from vrgd_ds.stats.comm import fused_all_reduce_sync
+from vrgd_ds.stats.layout import Layout, ModelTensors
 from vrgd_ds.stats.local import PAD, LocalStats
 
 _ENGINE = ("allreduce_bucket", "clip_fp32_gradients", "seq_data_parallel_group", "gradient_accumulation_steps",
@@ -62,7 +62,7 @@ class Stage0:
         return self.wrapper.loss_scale if self.unfused else 1.0
 
     def layout(self, model: ModelTensors, device: torch.device) -> Layout:
-        layout = Layout(model.names, model.numel, group=None, device=device, shapes=model.shapes)
+        layout = Layout(model.names, model.numel, group=None, device=device, shapes=model.shapes, comm=dist)
         for p, m in self.pairs:
             layout.add(m, [(0, m.numel(), model.keys[id(p)])])
         return layout

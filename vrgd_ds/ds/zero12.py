@@ -26,9 +26,9 @@ from torch import Tensor
 import deepspeed.comm as dist
 
 from vrgd_ds.ds.internals import UnsupportedConfiguration, require
-from vrgd_ds.ds.layout import Layout, ModelTensors
 from vrgd_ds.ds.local import buckets_or_hooks
 from vrgd_ds.stats.comm import fused_all_reduce_sync
+from vrgd_ds.stats.layout import Layout, ModelTensors
 from vrgd_ds.stats.local import LocalStats
 
 _REQUIRED = ("gradient_reduction_w_predivide", "average_tensor", "grad_start_offset",
@@ -73,7 +73,7 @@ class Zero12:
 
     def layout(self, model: ModelTensors, device: torch.device) -> Layout:
         layout = Layout(model.names, model.numel, group=self.zopt.dp_process_group, device=device,
-                        shapes=model.shapes)
+                        shapes=model.shapes, comm=dist)
         for flat, owned in zip(self.flats, self.pieces):
             layout.add(flat, [(dst, num, model.keys[id(p)], src) for p, src, dst, num in owned])
         return layout

@@ -32,7 +32,7 @@ import deepspeed.comm as dist
 from deepspeed.accelerator import get_accelerator
 
 from vrgd_ds.ds.internals import UnsupportedConfiguration, require
-from vrgd_ds.ds.layout import Layout, ModelTensors
+from vrgd_ds.stats.layout import Layout, ModelTensors
 from vrgd_ds.stats.local import LocalStats, StatsBucket
 
 AVG_SCATTER = "_DeepSpeedZeroOptimizer_Stage3__avg_scatter_grads"
@@ -89,7 +89,8 @@ class Zero3:
 
     def layout(self, model: ModelTensors, device: torch.device) -> Layout:
         zopt = self.zopt
-        layout = Layout(model.names, model.numel, group=zopt.dp_process_group, device=device, shapes=model.shapes)
+        layout = Layout(model.names, model.numel, group=zopt.dp_process_group, device=device, shapes=model.shapes,
+                        comm=dist)
         for flat, ps in zip(self.flats, self.pieces):
             layout.add(flat, [(off, valid, model.keys[id(p)], tensor_offset(zopt, p)) for p, off, valid in ps])
         return layout

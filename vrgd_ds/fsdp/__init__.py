@@ -11,7 +11,7 @@ the statistics are taken at FSDP's own reduce-scatter instead (``vrgd_ds/fsdp/st
 like the parameters. The optimizer steps the local shards and keeps its state as DTensors
 (``GSNROptimizer``'s ``LocalState``), which DCP saves and reshards. Per-tensor quantities (the
 GSNR mean, LAMB/LARS trust ratios, MERIT's row and column maxima) are completed over every rank by
-one small batched collective per use (``TorchLayout``): shards over data and tensor parallelism
+one small batched collective per use (``vrgd_ds/stats/layout.py``): shards over data and tensor parallelism
 add up, and a copy (a tensor replicated over a tensor-parallel dimension, HSDP's replicas) is
 counted once, on the lowest rank that holds it. Every rank of the default process group trains
 the model (FSDP, HSDP, FSDP + tensor parallelism; no pipeline stages).
@@ -26,11 +26,11 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from vrgd_ds.ds.layout import ModelTensors, TorchLayout
 from vrgd_ds.fsdp.internals import UnsupportedFSDPConfiguration, check_version, require
 from vrgd_ds.fsdp.stats import FSDPStats, reduce_scatter_with_squares
 from vrgd_ds.optim.base import MIN_GROUPS, GSNROptimizer
 from vrgd_ds.optim.registry import REGISTRY
+from vrgd_ds.stats.layout import Layout, ModelTensors
 
 logger = logging.getLogger(__name__)
 
@@ -203,7 +203,7 @@ def attach(model: torch.nn.Module, optimizer: GSNROptimizer, squares_dtype: str 
         if math.prod(shape):
             drop[key] = next(held)
     # per-tensor sums over every rank (shards over data and tensor parallelism), each copy once
-    layout = TorchLayout(tensors.names, tensors.numel, group=dist.group.WORLD, device=device, shapes=tensors.shapes,
+    layout = Layout(tensors.names, tensors.numel, group=dist.group.WORLD, device=device, shapes=tensors.shapes,
                          drop=drop)
     locals_ = []
     for p, (key, offset, shape) in zip(trained, pieces):

@@ -12,12 +12,12 @@ from typing import Any, Iterator
 
 import torch
 
-from vrgd_ds.ds.layout import key_mask
 from vrgd_ds.megatron import checkpoint
 from vrgd_ds.megatron.internals import UnsupportedMegatronConfiguration, check_version
 from vrgd_ds.megatron.stats import MegatronLayout, attach, model_tensors, pairs
 from vrgd_ds.optim.base import GSNROptimizer
 from vrgd_ds.optim.registry import REGISTRY
+from vrgd_ds.stats.layout import key_mask
 
 logger = logging.getLogger(__name__)
 

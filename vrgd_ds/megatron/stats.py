@@ -34,9 +34,9 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from vrgd_ds.ds.layout import TorchLayout
 from vrgd_ds.megatron.internals import require
 from vrgd_ds.stats.hierarchical import NodeStats, host_node_size, node_groups
+from vrgd_ds.stats.layout import Layout
 from vrgd_ds.stats.local import LocalStats, StatsBucket
 
 _CHUNK = ("buffers", "ddp_config")
@@ -69,7 +69,7 @@ def pairs(mopt: Any) -> list[tuple[Tensor, Tensor]]:
     return [(p, t) for models, targets in groups for mg, tg in zip(models, targets) for p, t in zip(mg, tg)]
 
 
-class MegatronLayout(TorchLayout):
+class MegatronLayout(Layout):
     """Pieces of this pipeline stage's model tensors in what the inner optimizer updates, with
     per-key sums over ``group`` (tensor-parallel, and data-parallel with the distributed
     optimizer) and global values over ``stages``.

@@ -1,9 +1,13 @@
-"""Where each model tensor lives inside the flat tensors the optimizer updates (docs/design.md §3).
+"""Where each model tensor lives inside the tensors the optimizer updates (docs/design.md §3),
+and the per-tensor sums across the ranks that hold its pieces: shared by every engine that
+shards tensors (DeepSpeed ZeRO, megatron-core, FSDP2), below all of them.
 
-Under ZeRO-1/2/3 the optimizer sees one flat fp32 partition per group; a model tensor can be
-split between ranks. The layout lists, per flat tensor, the pieces ``(start, length, key)``
-it holds, and completes per-tensor sums over the data-parallel group in one small
-collective (``[num_tensors, k]`` float64), so LAMB/LARS trust ratios and the GSNR mean of a
+Under ZeRO-1/2/3 the optimizer sees one flat fp32 partition per group, under Megatron's
+distributed optimizer a range of its buffer, under FSDP2 each tensor's local shard; a model
+tensor can be split between ranks. The layout lists, per tensor the optimizer updates, the
+pieces ``(start, length, key)`` it holds, and completes per-tensor sums over the ranks in one
+small collective (``[num_tensors, k]`` float64) through the engine's communication module
+(``deepspeed.comm`` or ``torch.distributed``), so LAMB/LARS trust ratios and the GSNR mean of a
 split tensor equal the unsharded ones.
 """
 from __future__ import annotations
@@ -54,7 +58,14 @@ class Layout:
     """Pieces of model tensors in flat tensors, keyed by the model's parameter order."""
 
     def __init__(self, names: list[str], numel: list[int], group: Any | None,
-                 device: torch.device | str = "cpu", shapes: list[tuple[int, ...]] | None = None) -> None:
+                 device: torch.device | str = "cpu", shapes: list[tuple[int, ...]] | None = None,
+                 comm: Any | None = None, drop: list[bool] | None = None) -> None:
+        """``comm``: the module the sums travel through (``deepspeed.comm``; default
+        ``torch.distributed``). ``drop[key]``: this rank holds a copy of the tensor that another
+        rank of ``group`` counts (tensor-parallel replication, HSDP replicas): its rows stay out of
+        every sum."""
+        self.comm = comm
+        self._drop = torch.tensor(drop, dtype=torch.bool) if drop is not None and any(drop) else None
         self.names = names
         #: per key, the whole model tensor's shape (row/column maxima of MERIT); flat if not given
         self.shapes = [tuple(s) for s in shapes] if shapes is not None else [(int(n),) for n in numel]
@@ -91,8 +102,9 @@ class Layout:
             return self._pieces[id(p)]
         except KeyError:
             raise RuntimeError(
-                f"the optimizer updates a tensor of shape {tuple(p.shape)} that the DeepSpeed layout does not "
-                "know; parameters were added to the optimizer after deepspeed.initialize (not supported)"
+                f"the optimizer updates a tensor of shape {tuple(p.shape)} that its layout does not know; "
+                "parameters were added to the optimizer after the engine laid them out (deepspeed.initialize, "
+                "get_megatron_optimizer, vrgd_ds.fsdp.attach): not supported"
             ) from None
 
     def offsets(self, p: Tensor) -> list[int]:
@@ -101,8 +113,11 @@ class Layout:
         return self._offsets[id(p)]
 
     def all_reduce(self, t: Tensor, op: str) -> None:
-        if self.group is not None:
-            self._reduce(t, op, self.group)
+        if self.group is None:
+            return
+        if op == "sum" and self._drop is not None:
+            t[self._drop.to(t.device)] = 0  # another rank adds this tensor
+        self._reduce(t, op, self.group)
 
     def all_reduce_stages(self, t: Tensor, op: str) -> None:
         """Under ``PipelineEngine`` a stage's value (complete over its data-parallel ranks) is
@@ -111,8 +126,9 @@ class Layout:
             self._reduce(t, op, self.stages)
 
     def _reduce(self, t: Tensor, op: str, group: Any) -> None:
-        import deepspeed.comm as dist
-
+        dist = self.comm
+        if dist is None:
+            import torch.distributed as dist
         red = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX}[op]
         if t.device == self.device:  # the sync-free kernels keep their tables here: no copies
             dist.all_reduce(t, op=red, group=group)
@@ -120,33 +136,4 @@ class Layout:
             on_device = t.to(self.device)
             dist.all_reduce(on_device, op=red, group=group)
             t.copy_(on_device)
-        self.counters.add(0, t.numel() * t.element_size())
-
-
-class TorchLayout(Layout):
-    """A ``Layout`` whose per-key sums travel through ``torch.distributed`` (megatron-core, FSDP2).
-
-    ``drop[key]``: this rank holds a copy of the tensor that another rank of ``group`` counts
-    (tensor-parallel replication, HSDP replicas): its rows stay out of every sum."""
-
-    def __init__(self, names: list[str], numel: list[int], group: Any | None, device: torch.device | str = "cpu",
-                 shapes: list[tuple[int, ...]] | None = None, drop: list[bool] | None = None) -> None:
-        super().__init__(names, numel, group, device=device, shapes=shapes)
-        self._drop = torch.tensor(drop, dtype=torch.bool) if drop is not None and any(drop) else None
-
-    def all_reduce(self, t: Tensor, op: str) -> None:
-        if self.group is None:
-            return
-        if op == "sum" and self._drop is not None:
-            t[self._drop.to(t.device)] = 0  # another rank adds this tensor
-        self._reduce(t, op, self.group)
-
-    def _reduce(self, t: Tensor, op: str, group: Any) -> None:
-        import torch.distributed as dist
-
-        red = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX}[op]
-        on = t if t.device == self.device else t.to(self.device)
-        dist.all_reduce(on, op=red, group=group)
-        if on is not t:
-            t.copy_(on)
         self.counters.add(0, t.numel() * t.element_size())
