@@ -185,6 +185,8 @@ def _refusal(case: dict) -> dict[str, Any]:
         opt.param_groups[0]["fused"] = True
     try:
         stats = vrgd_ds.fsdp.attach(model, opt)
+        if what == "twice":
+            vrgd_ds.fsdp.attach(model, vrgd_ds.VRAdam(model.parameters(), lr=0.1))
     except Exception as e:  # noqa: BLE001 (the message is the result)
         return dict(type=type(e).__name__, message=str(e))
     if what == "uneven_sync":  # one module accumulates its first micro-step unreduced, the others do not

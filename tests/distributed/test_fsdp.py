@@ -86,6 +86,7 @@ REFUSALS = {
     "offload": ("UnsupportedFSDPConfiguration", "CPU offload"),
     "gloo_average": ("UnsupportedFSDPConfiguration", "set_force_sum_reduction_for_comms(True)"),
     "fused_group": ("UnsupportedFSDPConfiguration", "fused=True/foreach=None in a param group"),
+    "twice": ("UnsupportedFSDPConfiguration", "a second attach to one model"),
     "uneven_sync": ("UnsupportedFSDPConfiguration", "reduced some parameters 1 times and others 2 times"),
 }
 

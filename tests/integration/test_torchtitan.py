@@ -42,7 +42,9 @@ def test_torchtitan_trains_the_debug_model_with_vr_lamb_and_resumes(tmp_path):
     """4 steps (checkpoints at 2 and 4), then a second run to 6 that torchtitan resumes from step
     4: every step a VRLamb step with n = 2 ranks × 2 micro-batches, nothing skipped, finite losses.
     (On CPU torchtitan's resumed losses differ from an uninterrupted run's with its own AdamW too,
-    so the resume is checked for continuing, not for equal losses.)"""
+    so the resume is checked for continuing, not for equal losses.) Fails on the first attach, which
+    placed the parameters of torchtitan's grouped ``fully_shard([norm, output])`` twice (the modules
+    share one FSDP state: "a parameter of shape (128,) is placed twice")."""
     import torchtitan_cpu
 
     assets = torchtitan_cpu.make_assets(tmp_path / "assets")

@@ -25,9 +25,10 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.distributed.fsdp._fully_shard._fsdp_collectives import DefaultReduceScatter
 
 from vrgd_ds.fsdp.internals import UnsupportedFSDPConfiguration, check_version, require
-from vrgd_ds.fsdp.stats import FSDPStats, reduce_scatter_with_squares
+from vrgd_ds.fsdp.stats import FSDPStats, ReduceScatterWithSquares
 from vrgd_ds.optim.base import MIN_GROUPS, GSNROptimizer
 from vrgd_ds.optim.registry import REGISTRY
 from vrgd_ds.stats.layout import Layout, ModelTensors
@@ -84,7 +85,10 @@ def _check_group(group: Any) -> tuple[Any, Any | None]:
     if not isinstance(info, FSDPMeshInfo) or info.shard_mesh_size < 2:
         raise _refuse("a parameter group that is not sharded over >= 2 ranks", "FSDP does not reduce-scatter it, "
                       "so no statistics are taken there; shard over >= 2 ranks, or use vrgd_ds.ddp for replication")
-    if type(group._reduce_scatter_comm).__name__ != "DefaultReduceScatter":
+    if isinstance(group._reduce_scatter_comm, ReduceScatterWithSquares):
+        raise _refuse("a second attach to one model", "its statistics are already taken at FSDP's reduce-scatter "
+                      "(one VRGD optimizer per FSDP model)")
+    if type(group._reduce_scatter_comm) is not DefaultReduceScatter:
         raise _refuse(f"FSDP's reduce-scatter replaced by {type(group._reduce_scatter_comm).__name__} "
                       "(set_custom_reduce_scatter, set_symm_mem_for_comm, allocation from the process group)",
                       "the statistics replace it themselves; leave FSDP's default reduce-scatter in place")
@@ -221,7 +225,7 @@ def attach(model: torch.nn.Module, optimizer: GSNROptimizer, squares_dtype: str 
     stats = FSDPStats(optimizer.kernels(), world, locals_, _SQUARES[squares_dtype])
     for gi, (module, group) in enumerate(groups):
         gi = stats.add_group(group, replicate)
-        module.set_custom_reduce_scatter(reduce_scatter_with_squares(stats, gi))
+        module.set_custom_reduce_scatter(ReduceScatterWithSquares(stats, gi))
         original = group.post_backward
 
         def post_backward(*unused: Any, gi: int = gi, original: Any = original) -> Any:

@@ -27,15 +27,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import Tensor
+from torch.distributed.fsdp._fully_shard._fsdp_collectives import DefaultReduceScatter
 
 from vrgd_ds.fsdp.internals import UnsupportedFSDPConfiguration
 from vrgd_ds.stats.local import LocalStats
-
-
-def _default_reduce_scatter() -> type:
-    from torch.distributed.fsdp._fully_shard._fsdp_collectives import DefaultReduceScatter
-
-    return DefaultReduceScatter
 
 
 def reduced_by_fsdp(group: Any) -> list[int]:
@@ -162,21 +157,21 @@ class FSDPStats(LocalStats):
         return float(group.gradient_divide_factor)  # PREMUL_SUM(1 / factor)
 
 
-def reduce_scatter_with_squares(stats: FSDPStats, gi: int) -> Any:
-    """FSDP's default reduce-scatter (``DefaultReduceScatter``: its allocation and collective),
-    followed by the statistics of what it reduced."""
-    base = _default_reduce_scatter()
+class ReduceScatterWithSquares(DefaultReduceScatter):
+    """FSDP's default reduce-scatter (its allocation and collective), followed by the statistics
+    of what it reduced, for FSDP parameter group ``gi`` of ``stats``."""
 
-    class ReduceScatterWithSquares(base):
-        def __call__(self, output_tensor: Tensor, input_tensor: Tensor, group: Any, op: Any,
-                     async_op: bool = False) -> Any:
-            work = super().__call__(output_tensor, input_tensor, group, op, async_op)
-            if async_op and work is not None:
-                work.wait()
-            stats.record_reduction(gi, input_tensor, output_tensor, op, group)
-            return work
+    def __init__(self, stats: FSDPStats, gi: int) -> None:
+        super().__init__()
+        self.stats, self.gi = stats, gi
 
-    return ReduceScatterWithSquares()
+    def __call__(self, output_tensor: Tensor, input_tensor: Tensor, group: Any, op: Any,
+                 async_op: bool = False) -> Any:
+        work = super().__call__(output_tensor, input_tensor, group, op, async_op)
+        if async_op and work is not None:
+            work.wait()
+        self.stats.record_reduction(self.gi, input_tensor, output_tensor, op, group)
+        return work
 
 
-__all__ = ["FSDPStats", "reduce_scatter_with_squares", "reduced_by_fsdp"]
+__all__ = ["FSDPStats", "ReduceScatterWithSquares", "reduced_by_fsdp"]

@@ -701,22 +701,22 @@ def _pack_bucket_kernel(x: tl.int64, mn: tl.int64, OUT: "*fp32", chunks: "*i64",
 
 
 @triton.jit
-def _unpack_elems(XG, XQ, G, Q, idx, m, acc, WITH_G: tl.constexpr, WIDE: tl.constexpr, SRC_WIDE: tl.constexpr):
+def _add_into(X, D, idx, m, acc, WIDE: tl.constexpr, SRC_WIDE: tl.constexpr):
+    """``D[idx] = X[idx]``, plus ``D[idx]`` when ``acc``; the source read wide only where aligned."""
     if WIDE and not SRC_WIDE:
-        xq = tl.load(XQ + idx)
+        x = tl.load(X + idx)
     else:
-        xq = _ld(XQ, idx, m, WIDE)
+        x = _ld(X, idx, m, WIDE)
     if acc:
-        xq = xq + _ld(Q, idx, m, WIDE)
-    _st(Q, idx, xq, m, WIDE)
+        x = x + _ld(D, idx, m, WIDE)
+    _st(D, idx, x, m, WIDE)
+
+
+@triton.jit
+def _unpack_elems(XG, XQ, G, Q, idx, m, acc, WITH_G: tl.constexpr, WIDE: tl.constexpr, SRC_WIDE: tl.constexpr):
+    _add_into(XQ, Q, idx, m, acc, WIDE, SRC_WIDE)
     if WITH_G:
-        if WIDE and not SRC_WIDE:
-            xg = tl.load(XG + idx)
-        else:
-            xg = _ld(XG, idx, m, WIDE)
-        if acc:
-            xg = xg + _ld(G, idx, m, WIDE)
-        _st(G, idx, xg, m, WIDE)
+        _add_into(XG, G, idx, m, acc, WIDE, SRC_WIDE)
 
 
 @_kernel
