@@ -1,10 +1,10 @@
 """vrgd_ds: variance-reduced gradient descent driven by the gradient signal-to-noise ratio
 (GSNR; Jiang et al., arXiv 2309.13681) for PyTorch and DeepSpeed."""
 from vrgd_ds import gsnr
-from vrgd_ds.optim import GSNROptimizer, VRFusedLAMB, param_groups
+from vrgd_ds.optim import GSNROptimizer, functional, param_groups
 from vrgd_ds.optim.registry import CLASSES, REGISTRY
 
-globals().update(CLASSES)  # every member by name: vrgd_ds.VRLamb, vrgd_ds.Merit, ...
+globals().update(CLASSES)  # every member and variant by name: vrgd_ds.VRLamb, vrgd_ds.Merit, ...
 
 __version__ = "0.1.0"
 
@@ -28,5 +28,5 @@ from vrgd_ds.ds.lazy import register_when_imported as _register_when_imported  #
 
 _register_when_imported()
 
-__all__ = ["gsnr", "GSNROptimizer", *CLASSES, "VRFusedLAMB", "param_groups", "REGISTRY", "register", "initialize",
+__all__ = ["gsnr", "GSNROptimizer", *CLASSES, "functional", "param_groups", "REGISTRY", "register", "initialize",
            "__version__"]

@@ -36,6 +36,7 @@ from vrgd_ds.optim.base import MIN_GROUPS, GSNROptimizer
 from vrgd_ds.optim.registry import REGISTRY
 from vrgd_ds.stats.comm import CommCounters, fused_all_reduce
 from vrgd_ds.stats.local import LocalStats
+from vrgd_ds.optim._impl import select_for
 
 # (parameter, Σg buffer, Σg² buffer, offset in the bucket, length) of every parameter of a bucket
 _Slice = tuple[Tensor, Tensor, Tensor, int, int]
@@ -175,7 +176,7 @@ def attach(ddp_model: DistributedDataParallel, optimizer: GSNROptimizer,
             raise ValueError(f"{missing} parameter(s) of a gsnr=True param group of {type(optimizer).__name__} are "
                              "not reduced by this DDP model: build the optimizer on ddp_model.parameters()")
     if squares == "per_micro_step":
-        stats = DDPStats(group, world, optimizer.kernels())
+        stats = DDPStats(group, world, select_for(optimizer))
         ddp_model.register_comm_hook(stats, fused_allreduce_hook)
         optimizer.set_statistics_source(stats)
         return stats
@@ -196,7 +197,7 @@ def _attach_per_step(ddp_model: DistributedDataParallel, optimizer: GSNROptimize
     per parameter, installed when a forward pass runs under ``no_sync()`` and removed when a step
     synchronises every backward again (``_BucketPath``)."""
     params = [p for p in params if p.requires_grad]
-    stats = LocalStats(dist, optimizer.kernels(), world, params, gbar="local", squares_dtype=torch.float32,
+    stats = LocalStats(dist, select_for(optimizer), world, params, gbar="local", squares_dtype=torch.float32,
                        loss_scale=lambda: 1.0, accumulation=lambda: 1)
     stats.reset_ends_step = True  # no engine wraps the step: the optimizer's reset ends it
     stats.hooks_only = hooks_only

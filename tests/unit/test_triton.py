@@ -398,10 +398,13 @@ def _broken(launch: str, tmp_path):
 
 
 def _with_fallback(opt):
-    """What ``select`` returns for ``fused=None`` on CUDA, on this CPU's interpreted kernels."""
+    """What ``select`` returns for ``fused=None`` on CUDA, on this CPU's interpreted kernels: one
+    object for the optimizer and the tensor hooks that built their statistics source."""
     from vrgd_ds.optim import _impl
 
     opt._kernels = _impl.WithFallback(_triton.Triton(), type(opt).__name__)
+    if opt.statistics_source is not None:
+        opt.statistics_source.kernels = opt._kernels
     return opt
 
 

@@ -11,6 +11,7 @@ from vrgd_ds.ds.config import auto_scheme, reduction_config
 from vrgd_ds.ds.internals import UnsupportedConfiguration
 from vrgd_ds.optim.base import MIN_GROUPS, GSNROptimizer
 from vrgd_ds.stats.layout import ModelTensors
+from vrgd_ds.optim._impl import select_for
 
 logger = logging.getLogger(__name__)
 
@@ -55,9 +56,9 @@ def attach(engine: Any) -> sources.ReductionStats | None:
         gbar = options.gbar_for(engine.get_data_types()[0])
         hooks_only = options.micro_steps == "hooks"
         if scheme == "hierarchical":  # every engine path has node_buffers; pipelines are refused in pipeline.check
-            stats = local.attach_hierarchical(engine, path, world, gbar, opt.kernels(), options.node_size, hooks_only)
+            stats = local.attach_hierarchical(engine, path, world, gbar, select_for(opt), options.node_size, hooks_only)
         elif scheme == "per_step":
-            stats = local.attach(engine, path, world, gbar, options.torch_squares_dtype, opt.kernels(),
+            stats = local.attach(engine, path, world, gbar, options.torch_squares_dtype, select_for(opt),
                                  hooks_only=hooks_only)
         else:
             stats = sources.attach(engine, path, world, options.torch_squares_dtype)

@@ -26,7 +26,7 @@ from vrgd_ds.ds import pipeline
 from vrgd_ds.ds.config import reduction_config
 from vrgd_ds.ds.internals import SUPPORTED_DEEPSPEED, UnsupportedConfiguration, check_version, require
 from vrgd_ds.ds.names import NAMES, accepted_params, check_optimizer_block, check_params, resolve
-from vrgd_ds.optim.base import GSNROptimizer
+from vrgd_ds.optim.base import GSNROptimizer, built_for_engine
 
 __all__ = ["SUPPORTED_DEEPSPEED", "UnsupportedConfiguration", "check_version", "require", "NAMES", "accepted_params",
            "check_optimizer_block", "check_params", "resolve", "register", "check_engine"]
@@ -63,7 +63,8 @@ def register() -> None:
             return configure_basic(self, model_parameters)
         params = dict(self.optimizer_params() or {})
         check_params(cls, self.optimizer_name(), params)
-        return cls(model_parameters, **params)
+        with built_for_engine():  # vrgd_ds.ds.attach feeds it from DeepSpeed's reduction
+            return cls(model_parameters, **params)
 
     def _configure_optimizer(self, client_optimizer, model_parameters):
         config_name = self._config.optimizer_name  # optimizer_name() reports the client's class instead

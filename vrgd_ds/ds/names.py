@@ -42,7 +42,7 @@ def _did_you_mean(word: str, choices: list[str]) -> str:
 
 def accepted_params(cls: type[GSNROptimizer]) -> list[str]:
     """The ``optimizer.params`` keys of a config ``"type"`` (a base variant fixes ``gsnr``)."""
-    return REGISTRY[cls.__name__].accepted_params()
+    return next(info for info in REGISTRY.values() if info.cls is cls).accepted_params()
 
 
 def check_params(cls: type[GSNROptimizer], type_name: str, params: dict[str, Any]) -> None:

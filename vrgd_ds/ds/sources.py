@@ -40,6 +40,7 @@ from torch import Tensor
 
 from vrgd_ds.stats.comm import CommCounters
 from vrgd_ds.stats.local import moment_buffers, moment_views
+from vrgd_ds.optim._impl import select_for
 
 
 class ReductionStats:
@@ -133,7 +134,7 @@ def attach(engine: Any, path: Any, world: int, squares_dtype: torch.dtype) -> Re
     """The per-micro-step scheme on one engine path (``vrgd_ds/ds/paths.py``): the path replaces
     DeepSpeed's bucket reduction and feeds the returned source."""
     stats = ReductionStats(engine, path.targets(), world, per_micro_step=path.per_micro_step,
-                           loss_scale=path.loss_scale, kernels=engine.basic_optimizer.kernels())
+                           loss_scale=path.loss_scale, kernels=select_for(engine.basic_optimizer))
     stats.squares_dtype = squares_dtype
     path.hook_reduction(stats)
     return stats

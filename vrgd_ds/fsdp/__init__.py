@@ -30,8 +30,9 @@ from torch.distributed.fsdp._fully_shard._fsdp_collectives import DefaultReduceS
 from vrgd_ds.fsdp.internals import UnsupportedFSDPConfiguration, check_version, require
 from vrgd_ds.fsdp.stats import FSDPStats, ReduceScatterWithSquares
 from vrgd_ds.optim.base import MIN_GROUPS, GSNROptimizer
-from vrgd_ds.optim.registry import REGISTRY
+from vrgd_ds.optim.registry import REGISTRY, info_of
 from vrgd_ds.stats.layout import Layout, ModelTensors
+from vrgd_ds.optim._impl import select_for
 
 logger = logging.getLogger(__name__)
 
@@ -176,7 +177,7 @@ def attach(model: torch.nn.Module, optimizer: GSNROptimizer, squares_dtype: str 
                           "torchtitan injects)", "the VRGD optimizers select their own kernels (the optimizer's "
                           "fused= argument); drop the keys from the param groups")
     groups = _fsdp_groups(model)
-    merit = "Merit" in type(optimizer).__name__
+    merit = info_of(optimizer).row_col_maxima
     checked = [_check_group(g) for _, g in groups]
     dp_groups = {tuple(dist.get_process_group_ranks(s)) + (() if r is None else tuple(dist.get_process_group_ranks(r)))
                  for s, r in checked}
@@ -222,7 +223,7 @@ def attach(model: torch.nn.Module, optimizer: GSNROptimizer, squares_dtype: str 
         logger.info("vrgd_ds.fsdp: %s without GSNR: per-tensor sums over the shards, FSDP's reduction untouched",
                     type(optimizer).__name__)
         return None
-    stats = FSDPStats(optimizer.kernels(), world, locals_, _SQUARES[squares_dtype])
+    stats = FSDPStats(select_for(optimizer), world, locals_, _SQUARES[squares_dtype])
     for gi, (module, group) in enumerate(groups):
         gi = stats.add_group(group, replicate)
         module.set_custom_reduce_scatter(ReduceScatterWithSquares(stats, gi))

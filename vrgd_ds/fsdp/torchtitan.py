@@ -40,7 +40,7 @@ from torchtitan.components.optimizer import OptimizersContainer, ParamGroupConfi
 
 import vrgd_ds.fsdp
 from vrgd_ds.fsdp.internals import UnsupportedFSDPConfiguration
-from vrgd_ds.optim.base import GSNROptimizer
+from vrgd_ds.optim.base import GSNROptimizer, built_for_engine
 from vrgd_ds.optim.registry import REGISTRY
 
 logger = logging.getLogger(__name__)
@@ -106,7 +106,8 @@ class VRGDOptimizersContainer(OptimizersContainer):
                 for module in part.modules():
                     if isinstance(module, FSDPModule):
                         module.set_force_sum_reduction_for_comms(True)
-        super().__init__(config, model_parts=model_parts)
+        with built_for_engine():  # each VRGD optimizer is fed by vrgd_ds.fsdp.attach below
+            super().__init__(config, model_parts=model_parts)
         self.statistics: list[Any] = []
         for optimizer in self.optimizers:
             if isinstance(optimizer, GSNROptimizer):

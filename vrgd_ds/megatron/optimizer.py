@@ -15,9 +15,10 @@ import torch
 from vrgd_ds.megatron import checkpoint
 from vrgd_ds.megatron.internals import UnsupportedMegatronConfiguration, check_version
 from vrgd_ds.megatron.stats import MegatronLayout, attach, model_tensors, pairs
-from vrgd_ds.optim.base import GSNROptimizer
+from vrgd_ds.optim.base import GSNROptimizer, built_for_engine
 from vrgd_ds.optim.registry import REGISTRY
 from vrgd_ds.stats.layout import key_mask
+from vrgd_ds.optim._impl import select_for
 
 logger = logging.getLogger(__name__)
 
@@ -73,7 +74,7 @@ def check_configuration(config: Any, chunks: list[Any], name: str) -> None:
     if not gsnr:
         return
     tp = ps.get_tensor_model_parallel_world_size()
-    if tp > 1 and REGISTRY[name].cls.__name__.endswith("Merit"):
+    if tp > 1 and REGISTRY[name].row_col_maxima:
         _refuse(f"{name} with tensor parallelism", "its row and column maxima would span tensor-parallel shards",
                 "Use tensor_model_parallel_size=1 or another member")
     if ps.get_pipeline_model_parallel_world_size() > 1:
@@ -245,12 +246,13 @@ def get_megatron_optimizer(config: Any, model_chunks: list[Any], optimizer: str 
     kwargs = _inner_kwargs(config, optimizer, optimizer_kwargs or {})
     if ps.get_tensor_model_parallel_world_size() > 1 and kwargs.get("gsnr", REGISTRY[optimizer].vr):
         param_groups = _gsnr_off(param_groups, partial_gradient_tensors(model_chunks))
-    inner = REGISTRY[optimizer].cls(param_groups, **kwargs)
+    with built_for_engine():  # fed from Megatron's grad buffers (attach below)
+        inner = REGISTRY[optimizer].cls(param_groups, **kwargs)
     mopt = _wrap(config, model_chunks, inner, groups)
     tp_group = ps.get_tensor_model_parallel_group()
     tp = (tp_group, ps.get_tensor_model_parallel_rank(), ps.get_tensor_model_parallel_world_size())
     stages = ps.get_pipeline_model_parallel_group() if ps.get_pipeline_model_parallel_world_size() > 1 else None
-    source = attach(mopt, model_chunks, inner.kernels(), fold=micro_steps == "auto", squares=squares,
+    source = attach(mopt, model_chunks, select_for(inner), fold=micro_steps == "auto", squares=squares,
                     node_size=node_size)
     names, keys, numel, shapes, duplicate = model_tensors(model_chunks, tp[2])
     distributed = config.use_distributed_optimizer and model_chunks[0].buffers[0].data_parallel_group.size() > 1

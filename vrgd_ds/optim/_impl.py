@@ -14,7 +14,7 @@ the kernels only sum in another order.
 from __future__ import annotations
 
 import logging
-from typing import Sequence
+from typing import Any, Sequence
 
 import torch
 from torch import Tensor
@@ -371,6 +371,13 @@ def _triton() -> tuple[Kernels | None, str | None]:
                   "hands over to the reference implementation with fused=None)", triton.__version__, lo, hi)
     why = _triton.available()
     return (_triton.Triton(), None) if why is None else (None, why)
+
+
+def select_for(optimizer: Any) -> Kernels:
+    """``select`` for an optimizer's tensors and kernel choice (its ``fused``): what an engine's
+    statistics source takes. The source gets an object of its own (a kernel failure there hands
+    over to the reference for the source only); it never borrows the optimizer's."""
+    return select(optimizer.fused, [p for g in optimizer.param_groups for p in g["params"]], optimizer.name)
 
 
 def select(fused: bool | str | None, params: Sequence[Tensor], owner: str) -> Kernels:

@@ -22,12 +22,15 @@ arithmetic. To change the reconstruction, change ``GsnrChunk``/``adam_chunk`` in
 """
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Sequence
 
 import torch
+from torch import Tensor
 
 from vrgd_ds.optim import _impl, columns
-from vrgd_ds.optim.base import GSNROptimizer, Plan, check_arg
+from vrgd_ds.optim.base import BUILDING, GSNROptimizer, check_arg, constructor_args
+from vrgd_ds.optim.functional import StepContext, functional_step
+from vrgd_ds.optim.plan import Plan
 
 #: the accepted ``gsnr_placement`` values (module docstring); the first is the default
 GSNR_PLACEMENTS = _impl.PLACEMENTS
@@ -38,6 +41,17 @@ def check_adam_args(owner: str, betas: tuple[float, float], eps: float) -> None:
     check_arg(owner, "betas[0]", 0.0 <= betas[0] < 1.0, betas[0], "in [0, 1)")
     check_arg(owner, "betas[1]", 0.0 <= betas[1] < 1.0, betas[1], "in [0, 1)")
     check_arg(owner, "eps", eps >= 0.0, eps, ">= 0")
+
+
+def adam_update(plan: Plan, ctx: StepContext) -> dict[str, torch.Tensor]:
+    """VR-Adam's update of one plan (module docstring), in one fused launch per segment table."""
+    g = plan.group
+    counts = ctx.kernels.adam_step(
+        plan.params, plan.grads, [st["exp_avg"] for st in plan.states], [st["exp_avg_sq"] for st in plan.states],
+        seg=plan.seg, segf=columns.build(columns.ADAM, **adam_columns(plan)), lr=g["lr"], beta1=g["betas"][0],
+        beta2=g["betas"][1], eps=g["eps"], weight_decay=g["weight_decay"], apply=True, placement=placement_index(plan),
+        eps_gsnr=g["gsnr_eps"], **{k: v for k, v in plan.gsnr_args(ctx.n).items() if k != "eps"}, **plan.skip_args())
+    return {"gsnr_counts": counts}
 
 
 def check_placement(owner: str, group: dict[str, Any]) -> None:
@@ -91,20 +105,22 @@ class VRAdam(GSNROptimizer):
                  weight_decay: float = 1e-2, bias_correction: bool = True, gamma: float = 0.1, beta3: float = 0.9,
                  gsnr_eps: float = 1e-12, gsnr_placement: str = GSNR_PLACEMENTS[0], gsnr: bool = True,
                  fused: bool | str | None = None) -> None:
-        check_adam_args(type(self).__name__, betas, eps)
-        defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay,
-                        bias_correction=bias_correction, gamma=gamma, beta3=beta3, gsnr_eps=gsnr_eps,
-                        gsnr_placement=gsnr_placement, gsnr=gsnr)
-        super().__init__(params, defaults, fused=fused)
+        super().__init__(params, self._group(constructor_args(locals())), fused=fused)
 
-    def _check_group(self, group: dict[str, Any]) -> None:
-        check_placement(type(self).__name__, group)
+    @classmethod
+    def _group(cls, args: dict[str, Any]) -> dict[str, Any]:
+        check_adam_args(BUILDING.get() or cls.__name__, args["betas"], args["eps"])
+        return dict(args, betas=tuple(args["betas"]))
 
-    def _update(self, plan, kernels, n, extras):
-        g = plan.group
-        counts = kernels.adam_step(
-            plan.params, plan.grads, [st["exp_avg"] for st in plan.states], [st["exp_avg_sq"] for st in plan.states],
-            seg=plan.seg, segf=columns.build(columns.ADAM, **adam_columns(plan)), lr=g["lr"], beta1=g["betas"][0], beta2=g["betas"][1],
-            eps=g["eps"], weight_decay=g["weight_decay"], apply=True, placement=placement_index(plan),
-            eps_gsnr=g["gsnr_eps"], **{k: v for k, v in plan.gsnr_args(n).items() if k != "eps"}, **plan.skip_args())
-        return {"gsnr_counts": counts}
+    _check_options = staticmethod(check_placement)
+    _update = staticmethod(adam_update)
+
+
+def vr_adam(params: Sequence[Tensor], grads: Sequence[Tensor], states: Sequence[dict[str, Any]],
+            sum_g: Sequence[Tensor] | None = None, sum_sq: Sequence[Tensor] | None = None, n: int = 0, *,
+            fused: bool | str | None = None, **options: Any) -> dict[str, float]:
+    """One VR-AdamW step of ``params`` in place (``functional.functional_step``): ``grads`` the
+    gradients, ``states`` one dict per parameter (created and updated as :class:`VRAdam` keeps
+    them), ``sum_g``/``sum_sq`` Σg and Σg² over ``n`` gradient groups (None with
+    ``gsnr=False``), ``options`` :class:`VRAdam`'s keyword arguments. Returns the step's metrics."""
+    return functional_step(VRAdam, params, grads, states, sum_g, sum_sq, n, fused=fused, **options)

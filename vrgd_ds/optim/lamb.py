@@ -32,20 +32,24 @@ apex's ``FusedLAMB`` (NVIDIA's BERT recipe builds it directly) takes arguments t
   (with ``gsnr=False`` only: the GSNR scales the data gradient, and L2 makes the decay part of it);
 * ``amsgrad=True`` refused, as apex does; ``set_grad_none``: the default of ``zero_grad``.
 
-apex's trust ratio is unclamped (``min_coeff=0, max_coeff=inf``). :class:`VRFusedLAMB` is
-:class:`VRLamb` with every default of ``FusedLAMB``: ``from vrgd_ds import VRFusedLAMB as FusedLAMB``
-switches a script written for apex.
+apex's trust ratio is unclamped (``min_coeff=0, max_coeff=inf``). ``VRFusedLAMB`` (a variant in
+``registry.py``: data, not a subclass) is :class:`VRLamb` with every default of ``FusedLAMB`` and
+its positional order: ``from vrgd_ds import VRFusedLAMB as FusedLAMB`` switches a script written
+for apex.
 """
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Sequence
 
 import torch
+from torch import Tensor
 
 from vrgd_ds.optim.adam import (GSNR_PLACEMENTS, UPDATE_PLACEMENT, adam_columns, check_adam_args, check_placement,
                                  placement_index)
 from vrgd_ds.optim import columns
-from vrgd_ds.optim.base import GSNROptimizer, Plan, check_arg
+from vrgd_ds.optim.base import BUILDING, GSNROptimizer, check_arg, constructor_args
+from vrgd_ds.optim.functional import StepContext, functional_step
+from vrgd_ds.optim.plan import Plan
 
 
 def trust_ratios(plan: Plan, sq_norms: torch.Tensor, min_coeff: float,
@@ -59,6 +63,57 @@ def trust_ratios(plan: Plan, sq_norms: torch.Tensor, min_coeff: float,
     adapted = (norms > 0).all(dim=1) if on else torch.zeros(norms.shape[0], dtype=torch.bool, device=norms.device)
     ratio = (norms[:, 0] / norms[:, 1]).clamp(min_coeff, max_coeff)
     return torch.where(adapted, ratio, 1.0), adapted
+
+
+def lamb_needs_grad_norms(group: dict[str, Any]) -> bool:
+    return bool(group["grad_pre_normalization"])  # the global gradient norm
+
+
+def lamb_prepare(plans: list[Plan], ctx: StepContext) -> dict[str, Any]:
+    """The global gradient norm for NVLAMB pre-normalisation, over every group that asks."""
+    wanted = [p for p in plans if p.group["grad_pre_normalization"]]
+    if not wanted:
+        return {}
+    sq = []
+    for plan in wanted:
+        norms = plan.grad_norms if plan.grad_norms is not None else ctx.kernels.scaled_grad_norms(
+            plan.params, plan.grads, [], [], [], plan.seg,
+            columns.build(columns.NORMS, inv_mean=plan.ones(), lo=plan.ones(), bc3=plan.ones()), 1.0, 0.0, 0.0)
+        sq.append(norms[:, 1])
+    return {"global_grad_norm": ctx.total(wanted, sq).sqrt()}  # float64, on the device
+
+
+def lamb_update(plan: Plan, ctx: StepContext) -> dict[str, torch.Tensor]:
+    """VR-LAMB's update of one plan: the moments and ‖θ‖², ‖u‖² in one pass, the norms completed
+    over each whole tensor, then the trust-ratio apply pass."""
+    g, kernels, n = plan.group, ctx.kernels, ctx.n
+    mult = None
+    if g["grad_pre_normalization"]:
+        norm = ctx.extras["global_grad_norm"]
+        mult = plan.ones() * (g["max_grad_norm"] / norm.clamp_min(g["max_grad_norm"]))
+    m = [st["exp_avg"] for st in plan.states]
+    v = [st["exp_avg_sq"] for st in plan.states]
+    grads, decay = plan.grads, g["weight_decay"]
+    if not g["adam_w_mode"]:  # apex's L2 mode: c · g + wd · θ into both moments, no decay in u
+        c = 1.0 if mult is None else mult[0]
+        grads = [(gr.float() * c + p.float() * decay).to(gr.dtype) for gr, p in zip(plan.grads, plan.params)]
+        mult, decay = None, 0.0
+    cols = adam_columns(plan, mult)
+    gsnr_args = {k: val for k, val in plan.gsnr_args(n).items() if k != "eps"}
+    placement = placement_index(plan)
+    out = kernels.adam_step(plan.params, grads, m, v, seg=plan.seg, segf=columns.build(columns.ADAM, **cols),
+                            lr=g["lr"], beta1=g["betas"][0], beta2=g["betas"][1], eps=g["eps"],
+                            weight_decay=decay, apply=False, placement=placement,
+                            eps_gsnr=g["gsnr_eps"], **gsnr_args, **plan.skip_args())
+    norms = ctx.complete(plan, out[:, :2])
+    trust, adapted = trust_ratios(plan, norms, g["min_coeff"], g["max_coeff"])
+    if placement != UPDATE_PLACEMENT or not plan.gsnr:  # only the update placement reads p̂ again
+        gsnr_args.update(sum_g=[], sum_sq=[], avg=[])
+    apply_cols = dict({k: cols[k] for k in columns.LAMB_APPLY if k != "trust"}, trust=trust)
+    kernels.lamb_apply(plan.params, m, v, seg=plan.seg, segf=columns.build(columns.LAMB_APPLY, **apply_cols),
+                       lr=g["lr"], eps=g["eps"], weight_decay=decay, eps_gsnr=g["gsnr_eps"],
+                       **gsnr_args, **plan.skip_args())
+    return {"gsnr_counts": out[:, 2:5], "trust": trust, "adapted": adapted}
 
 
 class VRLamb(GSNROptimizer):
@@ -93,93 +148,49 @@ class VRLamb(GSNROptimizer):
                  gamma: float = 0.1, beta3: float = 0.9, gsnr_eps: float = 1e-12,
                  gsnr_placement: str = GSNR_PLACEMENTS[0], gsnr: bool = True,
                  fused: bool | str | None = None) -> None:
-        owner = type(self).__name__
-        check_adam_args(owner, betas, eps)
-        check_arg(owner, "min_coeff", 0.0 <= min_coeff <= max_coeff, min_coeff, "in [0, max_coeff]")
-        check_arg(owner, "amsgrad", not amsgrad, amsgrad, "False (LAMB has no AMSGrad variant; apex refuses it too)")
-        if grad_pre_normalization is None:
-            grad_pre_normalization = max_grad_norm is not None
-        max_grad_norm = 1.0 if max_grad_norm is None else max_grad_norm
-        check_arg(owner, "max_grad_norm", max_grad_norm > 0, max_grad_norm, "> 0")
         self.set_grad_none = bool(set_grad_none)
-        defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay,
-                        bias_correction=bias_correction, min_coeff=min_coeff, max_coeff=max_coeff,
-                        grad_pre_normalization=bool(grad_pre_normalization), max_grad_norm=max_grad_norm,
-                        use_nvlamb=bool(use_nvlamb), grad_averaging=bool(grad_averaging),
-                        adam_w_mode=bool(adam_w_mode), trust_ratio=True, gamma=gamma, beta3=beta3,
-                        gsnr_eps=gsnr_eps, gsnr_placement=gsnr_placement, gsnr=gsnr)
-        super().__init__(params, defaults, fused=fused)
+        super().__init__(params, self._group(constructor_args(locals())), fused=fused)
 
-    def _check_group(self, group: dict[str, Any]) -> None:
-        check_placement(type(self).__name__, group)
+    @classmethod
+    def _group(cls, args: dict[str, Any]) -> dict[str, Any]:
+        owner = BUILDING.get() or cls.__name__
+        a = dict(args)
+        check_adam_args(owner, a["betas"], a["eps"])
+        check_arg(owner, "min_coeff", 0.0 <= a["min_coeff"] <= a["max_coeff"], a["min_coeff"], "in [0, max_coeff]")
+        amsgrad = a.pop("amsgrad")
+        check_arg(owner, "amsgrad", not amsgrad, amsgrad, "False (LAMB has no AMSGrad variant; apex refuses it too)")
+        a.pop("set_grad_none")
+        if a["grad_pre_normalization"] is None:
+            a["grad_pre_normalization"] = a["max_grad_norm"] is not None
+        a["max_grad_norm"] = 1.0 if a["max_grad_norm"] is None else a["max_grad_norm"]
+        check_arg(owner, "max_grad_norm", a["max_grad_norm"] > 0, a["max_grad_norm"], "> 0")
+        for flag in ("grad_pre_normalization", "use_nvlamb", "grad_averaging", "adam_w_mode"):
+            a[flag] = bool(a[flag])
+        gsnr_keys = ("gamma", "beta3", "gsnr_eps", "gsnr_placement", "gsnr")
+        return dict({k: v for k, v in a.items() if k not in gsnr_keys}, betas=tuple(a["betas"]), trust_ratio=True,
+                    **{k: a[k] for k in gsnr_keys})
+
+    @staticmethod
+    def _check_options(owner: str, group: dict[str, Any]) -> None:
+        check_placement(owner, group)
         if not group["adam_w_mode"] and group["gsnr"]:
-            raise ValueError(f"{type(self).__name__}: adam_w_mode=False (L2 regularisation inside the gradient) "
+            raise ValueError(f"{owner}: adam_w_mode=False (L2 regularisation inside the gradient) "
                              "works with gsnr=False only: the GSNR scales the data gradient, and L2 makes the "
                              "decay part of it. Use adam_w_mode=True (decoupled decay, apex's default) or Lamb")
 
     def zero_grad(self, set_to_none: bool | None = None) -> None:
         super().zero_grad(self.set_grad_none if set_to_none is None else set_to_none)
 
-    def _needs_grad_norms(self, group):
-        return bool(group["grad_pre_normalization"])  # the global gradient norm
-
-    def _prepare(self, plans, kernels):
-        """The global gradient norm for NVLAMB pre-normalisation, over every group that asks."""
-        wanted = [p for p in plans if p.group["grad_pre_normalization"]]
-        if not wanted:
-            return {}
-        sq = []
-        for plan in wanted:
-            norms = plan.grad_norms if plan.grad_norms is not None else kernels.scaled_grad_norms(
-                plan.params, plan.grads, [], [], [], plan.seg,
-                columns.build(columns.NORMS, inv_mean=plan.ones(), lo=plan.ones(), bc3=plan.ones()), 1.0, 0.0, 0.0)
-            sq.append(norms[:, 1])
-        return {"global_grad_norm": self.global_sum(wanted, sq).sqrt()}  # float64, on the device
-
-    def _update(self, plan, kernels, n, extras):
-        g = plan.group
-        mult = None
-        if g["grad_pre_normalization"]:
-            norm = extras["global_grad_norm"]
-            mult = plan.ones() * (g["max_grad_norm"] / norm.clamp_min(g["max_grad_norm"]))
-        m = [st["exp_avg"] for st in plan.states]
-        v = [st["exp_avg_sq"] for st in plan.states]
-        grads, decay = plan.grads, g["weight_decay"]
-        if not g["adam_w_mode"]:  # apex's L2 mode: c · g + wd · θ into both moments, no decay in u
-            c = 1.0 if mult is None else mult[0]
-            grads = [(gr.float() * c + p.float() * decay).to(gr.dtype) for gr, p in zip(plan.grads, plan.params)]
-            mult, decay = None, 0.0
-        cols = adam_columns(plan, mult)
-        gsnr_args = {k: val for k, val in plan.gsnr_args(n).items() if k != "eps"}
-        placement = placement_index(plan)
-        out = kernels.adam_step(plan.params, grads, m, v, seg=plan.seg, segf=columns.build(columns.ADAM, **cols),
-                                lr=g["lr"], beta1=g["betas"][0], beta2=g["betas"][1], eps=g["eps"],
-                                weight_decay=decay, apply=False, placement=placement,
-                                eps_gsnr=g["gsnr_eps"], **gsnr_args, **plan.skip_args())
-        norms = self.reduce_segments(plan, out[:, :2])
-        trust, adapted = trust_ratios(plan, norms, g["min_coeff"], g["max_coeff"])
-        if placement != UPDATE_PLACEMENT or not plan.gsnr:  # only the update placement reads p̂ again
-            gsnr_args.update(sum_g=[], sum_sq=[], avg=[])
-        apply_cols = dict({k: cols[k] for k in columns.LAMB_APPLY if k != "trust"}, trust=trust)
-        kernels.lamb_apply(plan.params, m, v, seg=plan.seg, segf=columns.build(columns.LAMB_APPLY, **apply_cols),
-                           lr=g["lr"], eps=g["eps"], weight_decay=decay, eps_gsnr=g["gsnr_eps"],
-                           **gsnr_args, **plan.skip_args())
-        return {"gsnr_counts": out[:, 2:5], "trust": trust, "adapted": adapted}
+    _needs_grad_norms = staticmethod(lamb_needs_grad_norms)
+    _prepare = staticmethod(lamb_prepare)
+    _update = staticmethod(lamb_update)
 
 
-class VRFusedLAMB(VRLamb):
-    """:class:`VRLamb` with apex ``FusedLAMB``'s defaults (module docstring): global gradient
-    clipping at ``max_grad_norm=1.0``, unclamped trust ratio, no adaptation of groups without
-    weight decay (``use_nvlamb=False``). ``gsnr=False`` gives apex's LAMB."""
-
-    def __init__(self, params: Any, lr: float = 1e-3, bias_correction: bool = True,
-                 betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-6, weight_decay: float = 0.01,
-                 amsgrad: bool = False, adam_w_mode: bool = True, grad_averaging: bool = True,
-                 set_grad_none: bool = True, max_grad_norm: float = 1.0, use_nvlamb: bool = False,
-                 **kwargs: Any) -> None:
-        kwargs.setdefault("min_coeff", 0.0)
-        kwargs.setdefault("max_coeff", float("inf"))
-        super().__init__(params, lr=lr, bias_correction=bias_correction, betas=betas, eps=eps,
-                         weight_decay=weight_decay, amsgrad=amsgrad, adam_w_mode=adam_w_mode,
-                         grad_averaging=grad_averaging, set_grad_none=set_grad_none, max_grad_norm=max_grad_norm,
-                         use_nvlamb=use_nvlamb, **kwargs)
+def vr_lamb(params: Sequence[Tensor], grads: Sequence[Tensor], states: Sequence[dict[str, Any]],
+            sum_g: Sequence[Tensor] | None = None, sum_sq: Sequence[Tensor] | None = None, n: int = 0, *,
+            fused: bool | str | None = None, **options: Any) -> dict[str, float]:
+    """One VR-LAMB step of ``params`` in place (``functional.functional_step``): ``grads`` the
+    gradients, ``states`` one dict per parameter (created and updated as :class:`VRLamb` keeps
+    them), ``sum_g``/``sum_sq`` Σg and Σg² over ``n`` gradient groups (None with
+    ``gsnr=False``), ``options`` :class:`VRLamb`'s keyword arguments. Returns the step's metrics."""
+    return functional_step(VRLamb, params, grads, states, sum_g, sum_sq, n, fused=fused, **options)

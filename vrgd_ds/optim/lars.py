@@ -11,13 +11,36 @@ Bias and norm parameters get neither adaptation nor decay through ``param_groups
 """
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Sequence
 
 import torch
+from torch import Tensor
 
 from vrgd_ds.optim import columns
-from vrgd_ds.optim.base import GSNROptimizer, check_arg
+from vrgd_ds.optim.base import BUILDING, GSNROptimizer, check_arg, constructor_args
+from vrgd_ds.optim.functional import StepContext, functional_step
+from vrgd_ds.optim.plan import Plan
 from vrgd_ds.optim.sgd import sgd_update
+
+
+def lars_update(plan: Plan, ctx: StepContext) -> dict[str, torch.Tensor]:
+    """VR-LARS's update of one plan: per-tensor norms of θ and p̂ ⊙ g completed over each whole
+    tensor, the local lr from them, then SGD momentum on the adapted direction."""
+    g, kernels, n = plan.group, ctx.kernels, ctx.n
+    norms = plan.grad_norms  # pass 1 of a group without GSNR computed exactly these
+    if plan.gsnr:
+        norms = kernels.scaled_grad_norms(plan.params, plan.grads, seg=plan.seg,
+                                          segf=columns.build(columns.NORMS, **plan.gsnr_columns()),
+                                          **plan.gsnr_args(n))
+    sq = ctx.complete(plan, norms[:, :2])
+    w, u = sq[:, 0].sqrt(), sq[:, 1].sqrt()
+    adapted = torch.full_like(w, bool(g["trust_ratio"]), dtype=torch.bool) & (w > 0) & (u > 0)
+    denom = torch.where(adapted, u + g["weight_decay"] * w + g["eps"], torch.ones_like(u))
+    local = torch.where(adapted, g["trust_coefficient"] * w / denom, torch.ones_like(w))
+    if g["clip"] and g["lr"] > 0:
+        local = torch.where(adapted, (local / g["lr"]).clamp(max=1.0), local)
+    counts = sgd_update(plan, kernels, n, lr_mult=local)
+    return {"gsnr_counts": counts, "trust": local, "adapted": adapted}
 
 
 class VRLars(GSNROptimizer):
@@ -41,32 +64,31 @@ class VRLars(GSNROptimizer):
                  weight_decay: float = 0.0, trust_coefficient: float = 0.001, clip: bool = False, eps: float = 0.0,
                  gamma: float = 0.1, beta3: float = 0.0, gsnr_eps: float = 1e-12, gsnr: bool = True,
                  fused: bool | str | None = None) -> None:
-        owner = type(self).__name__
-        check_arg(owner, "momentum", 0.0 <= momentum < 1.0, momentum, "in [0, 1)")
-        check_arg(owner, "trust_coefficient", trust_coefficient > 0, trust_coefficient, "> 0")
-        check_arg(owner, "eps", eps >= 0, eps, ">= 0")
-        defaults = dict(lr=lr, momentum=momentum, dampening=0.0, nesterov=nesterov, weight_decay=weight_decay,
-                        trust_coefficient=trust_coefficient, clip=clip, eps=eps, trust_ratio=True, gamma=gamma,
-                        beta3=beta3, gsnr_eps=gsnr_eps, gsnr=gsnr)
-        super().__init__(params, defaults, fused=fused)
+        super().__init__(params, self._group(constructor_args(locals())), fused=fused)
 
-    def _needs_grad_norms(self, group):
+    @classmethod
+    def _group(cls, args: dict[str, Any]) -> dict[str, Any]:
+        owner = BUILDING.get() or cls.__name__
+        check_arg(owner, "momentum", 0.0 <= args["momentum"] < 1.0, args["momentum"], "in [0, 1)")
+        check_arg(owner, "trust_coefficient", args["trust_coefficient"] > 0, args["trust_coefficient"], "> 0")
+        check_arg(owner, "eps", args["eps"] >= 0, args["eps"], ">= 0")
+        gsnr_keys = ("gamma", "beta3", "gsnr_eps", "gsnr")
+        return dict(lr=args["lr"], momentum=args["momentum"], dampening=0.0,
+                    **{k: v for k, v in args.items() if k not in ("lr", "momentum", *gsnr_keys)}, trust_ratio=True,
+                    **{k: args[k] for k in gsnr_keys})
+
+    @staticmethod
+    def _needs_grad_norms(group: dict[str, Any]) -> bool:
         return True
 
-    def _update(self, plan, kernels, n, extras):
-        g = plan.group
-        norms = plan.grad_norms  # pass 1 of a group without GSNR computed exactly these
-        if plan.gsnr:
-            norms = kernels.scaled_grad_norms(plan.params, plan.grads, seg=plan.seg,
-                                              segf=columns.build(columns.NORMS, **plan.gsnr_columns()),
-                                              **plan.gsnr_args(n))
-        sq = self.reduce_segments(plan, norms[:, :2])
-        w, u = sq[:, 0].sqrt(), sq[:, 1].sqrt()
-        adapted = torch.full_like(w, bool(g["trust_ratio"]), dtype=torch.bool) & (w > 0) & (u > 0)
-        denom = torch.where(adapted, u + g["weight_decay"] * w + g["eps"], torch.ones_like(u))
-        local = torch.where(adapted, g["trust_coefficient"] * w / denom, torch.ones_like(w))
-        if g["clip"] and g["lr"] > 0:
-            local = torch.where(adapted, (local / g["lr"]).clamp(max=1.0), local)
-        counts = sgd_update(self, plan, kernels, n, lr_mult=local)
-        return {"gsnr_counts": counts, "trust": local, "adapted": adapted}
+    _update = staticmethod(lars_update)
 
+
+def vr_lars(params: Sequence[Tensor], grads: Sequence[Tensor], states: Sequence[dict[str, Any]],
+            sum_g: Sequence[Tensor] | None = None, sum_sq: Sequence[Tensor] | None = None, n: int = 0, *,
+            fused: bool | str | None = None, **options: Any) -> dict[str, float]:
+    """One VR-LARS step of ``params`` in place (``functional.functional_step``): ``grads`` the
+    gradients, ``states`` one dict per parameter (created and updated as :class:`VRLars` keeps
+    them), ``sum_g``/``sum_sq`` Σg and Σg² over ``n`` gradient groups (None with
+    ``gsnr=False``), ``options`` :class:`VRLars`'s keyword arguments. Returns the step's metrics."""
+    return functional_step(VRLars, params, grads, states, sum_g, sum_sq, n, fused=fused, **options)

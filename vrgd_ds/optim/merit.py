@@ -44,16 +44,17 @@ from __future__ import annotations
 import functools
 import logging
 import math
-from typing import Any
+from typing import Any, Sequence
 
 import torch
 from torch import Tensor
 
-from vrgd_ds.log import warn_once
 from vrgd_ds.optim import _impl, columns
 from vrgd_ds.optim.adam import (GSNR_PLACEMENTS, UPDATE_PLACEMENT, adam_columns, check_adam_args, check_placement,
                                 placement_index)
-from vrgd_ds.optim.base import GSNROptimizer, Plan
+from vrgd_ds.optim.base import BUILDING, GSNROptimizer, constructor_args
+from vrgd_ds.optim.functional import StepContext, functional_step
+from vrgd_ds.optim.plan import Plan
 
 logger = logging.getLogger(__name__)
 
@@ -127,6 +128,108 @@ def element_ratio(w_row: Tensor, w_col: Tensor, u_row: Tensor, u_col: Tensor, b:
     return torch.where(zero, 1.0, s)
 
 
+def merit_update(plan: Plan, ctx: StepContext) -> dict[str, Tensor]:
+    """VR-MERIT's update of one plan: the moments in the kernels, then the max-norm and the
+    element-wise row/column ratios over each whole model tensor (maxima completed across ranks)
+    in torch ops, and the clipped apply."""
+    g, kernels, n, layout = plan.group, ctx.kernels, ctx.n, ctx.layout
+    ctx.warn_once("merit-torch", "%s: the max-norm and element-wise ratios run in torch ops (no fused kernel); "
+                  "the moments in the %s kernels", ctx.owner, kernels.name)
+    m = [st["exp_avg"] for st in plan.states]
+    v = [st["exp_avg_sq"] for st in plan.states]
+    cols = adam_columns(plan)
+    gsnr_args = {k: val for k, val in plan.gsnr_args(n).items() if k != "eps"}
+    placement = placement_index(plan)
+    segf = columns.build(columns.ADAM, **cols)
+    out = kernels.adam_step(plan.params, plan.grads, m, v, seg=plan.seg, segf=segf, lr=g["lr"],
+                            beta1=g["betas"][0], beta2=g["betas"][1], eps=g["eps"],
+                            weight_decay=g["weight_decay"], apply=False, placement=placement,
+                            eps_gsnr=g["gsnr_eps"], **gsnr_args, **plan.skip_args())
+    on_update = None
+    if plan.gsnr and placement == UPDATE_PLACEMENT:  # p̂ on u, read back as the kernels left it (syncs)
+        on_update = _impl._Gsnr(plan.sum_g, plan.sum_sq, plan.avg, gsnr_args["inv_n"], g["gsnr_eps"],
+                                gsnr_args["beta3"])
+        segf_host = segf.cpu()
+    # host ints from the plan, per-segment values as device scalars: nothing is read back
+    segs = [(t, start, length, key, offset) for t, start, length, key, _, offset in plan.rows]
+    bc1, bc2s = cols["bc1"], cols["bc2s"]
+
+    def update(i: int) -> tuple[Tensor, Tensor]:
+        t, start, length = segs[i][:3]
+        pv = plan.params[t].view(-1).narrow(0, start, length).float()
+        mi, vi = (x[t].view(-1).narrow(0, start, length) for x in (m, v))
+        if g["bias_correction"] or not g.get("grad_averaging", True):
+            u = mi / (bc1[i].float() * (vi.sqrt() / bc2s[i].float() + g["eps"]))
+        else:  # both corrections are 1 (MERIT's default): the same values, two passes fewer
+            u = mi / (vi.sqrt() + g["eps"])
+        if on_update is not None:
+            u = on_update.written(t, start, length, segf_host[i]) * u
+        return pv, (u + g["weight_decay"] * pv) if g["weight_decay"] else u
+
+    device = plan.params[0].device if plan.params else plan.tdev
+    # every rank builds the same table (all model tensors under ZeRO) for the collective
+    table = _table(tuple(sorted(plan.shapes.items() if layout is None else enumerate(layout.shapes))))
+    maxima = torch.zeros(table.size, dtype=torch.float32, device=device)
+    for i, (_, _, length, key, offset) in enumerate(segs):
+        pv, u = update(i)
+        w_abs, u_abs = pv.abs(), u.abs()
+        base = table.base[key]
+        if length:
+            maxima[base] = torch.maximum(maxima[base], w_abs.max())
+            maxima[base + 1] = torch.maximum(maxima[base + 1], u_abs.max())
+        if key not in table.dims:
+            continue
+        parts, rows = table.split(key, offset, length)
+        for s0, s1 in parts:  # partial rows: through index tensors
+            if s1 > s0:
+                idx = table.indices(key, offset + s0, s1 - s0, device)
+                for where, x in zip(idx, (w_abs[s0:s1], w_abs[s0:s1], u_abs[s0:s1], u_abs[s0:s1])):
+                    maxima.scatter_reduce_(0, where, x, "amax")
+        if rows is not None:  # whole rows: reductions over a [rows, b, R] view
+            s0, s1, r0, r1 = rows
+            w_row, w_col, u_row, u_col = table.views(maxima, key)
+            for x, row, col in ((w_abs, w_row, w_col), (u_abs, u_row, u_col)):
+                block = x[s0:s1].view(r1 - r0, *table.dims[key][1:])
+                row[r0:r1] = torch.maximum(row[r0:r1], block.amax(1))
+                col.copy_(torch.maximum(col, block.amax(0)))
+    if layout is not None:
+        layout.all_reduce(maxima, "max")
+
+    adapt = bool(g["trust_ratio"])
+    ratio = torch.ones(len(segs), dtype=torch.float64, device=device)
+    adapted = torch.zeros(len(segs), dtype=torch.bool, device=device)
+    for i, (t, start, length, key, offset) in enumerate(segs):
+        pv, u = update(i)
+        base = table.base[key]
+        w_max, u_max = maxima[base], maxima[base + 1]
+        whole = (w_max > 0) & (u_max > 0)
+        b = torch.where(whole, w_max / torch.where(whole, u_max, 1.0), 1.0)
+        ratio[i], adapted[i] = b.double(), whole & adapt
+        if not adapt:
+            s: Tensor | float = 1.0
+        elif key not in table.dims:  # under 2-D: the whole-tensor ratio (1 if either maximum is 0)
+            s = b
+        else:
+            s = torch.empty_like(u)
+            parts, rows = table.split(key, offset, length)
+            for s0, s1 in parts:
+                if s1 > s0:
+                    idx = table.indices(key, offset + s0, s1 - s0, device)
+                    s[s0:s1] = element_ratio(*(maxima.index_select(0, j) for j in idx), b)
+            if rows is not None:  # the ratios of the rows and columns first, then one broadcast
+                s0, s1, r0, r1 = rows
+                w_row, w_col, u_row, u_col = table.views(maxima, key)
+                r, r_zero = w_row[r0:r1] / u_row[r0:r1], (w_row[r0:r1] == 0) | (u_row[r0:r1] == 0)
+                c, c_zero = w_col / u_col, (w_col == 0) | (u_col == 0)
+                full = torch.maximum(r[:, None], c[None]).clamp_min_(b)
+                s[s0:s1] = torch.where(r_zero[:, None] | c_zero[None], 1.0, full).reshape(-1)
+        new = pv - g["lr"] * (u * s).clamp(-1.0, 1.0)
+        if plan.found is not None:  # the sync-free kernels skip on the device
+            new = torch.where(plan.found > 0, pv, new)
+        plan.params[t].view(-1).narrow(0, start, length).copy_(new)
+    return {"gsnr_counts": out[:, 2:5], "trust": ratio.to(plan.tdev), "adapted": adapted.to(plan.tdev)}
+
+
 class VRMerit(GSNROptimizer):
     r"""VR-MERIT; see the module docstring.
 
@@ -146,111 +249,24 @@ class VRMerit(GSNROptimizer):
                  weight_decay: float = 0.0, bias_correction: bool = False, gamma: float = 0.1, beta3: float = 0.9,
                  gsnr_eps: float = 1e-12, gsnr_placement: str = GSNR_PLACEMENTS[0], gsnr: bool = True,
                  fused: bool | str | None = None) -> None:
-        check_adam_args(type(self).__name__, betas, eps)
-        defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay,
-                        bias_correction=bias_correction, trust_ratio=True, gamma=gamma, beta3=beta3,
-                        gsnr_eps=gsnr_eps, gsnr_placement=gsnr_placement, gsnr=gsnr)
-        super().__init__(params, defaults, fused=fused)
+        super().__init__(params, self._group(constructor_args(locals())), fused=fused)
 
-    def _check_group(self, group: dict[str, Any]) -> None:
-        check_placement(type(self).__name__, group)
+    @classmethod
+    def _group(cls, args: dict[str, Any]) -> dict[str, Any]:
+        check_adam_args(BUILDING.get() or cls.__name__, args["betas"], args["eps"])
+        gsnr_keys = ("gamma", "beta3", "gsnr_eps", "gsnr_placement", "gsnr")
+        return dict({k: v for k, v in args.items() if k not in gsnr_keys}, betas=tuple(args["betas"]),
+                    trust_ratio=True, **{k: args[k] for k in gsnr_keys})
 
-    def _update(self, plan: Plan, kernels: _impl.Kernels, n: int, extras: dict[str, Any]) -> dict[str, Tensor]:
-        g = plan.group
-        warn_once(logger, f"merit-torch-{self._serial}", "%s: the max-norm and element-wise ratios run in "
-                  "torch ops (no fused kernel); the moments in the %s kernels", type(self).__name__, kernels.name)
-        m = [st["exp_avg"] for st in plan.states]
-        v = [st["exp_avg_sq"] for st in plan.states]
-        cols = adam_columns(plan)
-        gsnr_args = {k: val for k, val in plan.gsnr_args(n).items() if k != "eps"}
-        placement = placement_index(plan)
-        segf = columns.build(columns.ADAM, **cols)
-        out = kernels.adam_step(plan.params, plan.grads, m, v, seg=plan.seg, segf=segf, lr=g["lr"],
-                                beta1=g["betas"][0], beta2=g["betas"][1], eps=g["eps"],
-                                weight_decay=g["weight_decay"], apply=False, placement=placement,
-                                eps_gsnr=g["gsnr_eps"], **gsnr_args, **plan.skip_args())
-        on_update = None
-        if plan.gsnr and placement == UPDATE_PLACEMENT:  # p̂ on u, read back as the kernels left it (syncs)
-            on_update = _impl._Gsnr(plan.sum_g, plan.sum_sq, plan.avg, gsnr_args["inv_n"], g["gsnr_eps"],
-                                    gsnr_args["beta3"])
-            segf_host = segf.cpu()
-        # host ints from the plan, per-segment values as device scalars: nothing is read back
-        segs = [(t, start, length, key, offset) for t, start, length, key, _, offset in plan.rows]
-        bc1, bc2s = cols["bc1"], cols["bc2s"]
+    _check_options = staticmethod(check_placement)
+    _update = staticmethod(merit_update)
 
-        def update(i: int) -> tuple[Tensor, Tensor]:
-            t, start, length = segs[i][:3]
-            pv = plan.params[t].view(-1).narrow(0, start, length).float()
-            mi, vi = (x[t].view(-1).narrow(0, start, length) for x in (m, v))
-            if g["bias_correction"] or not g.get("grad_averaging", True):
-                u = mi / (bc1[i].float() * (vi.sqrt() / bc2s[i].float() + g["eps"]))
-            else:  # both corrections are 1 (MERIT's default): the same values, two passes fewer
-                u = mi / (vi.sqrt() + g["eps"])
-            if on_update is not None:
-                u = on_update.written(t, start, length, segf_host[i]) * u
-            return pv, (u + g["weight_decay"] * pv) if g["weight_decay"] else u
 
-        device = plan.params[0].device if plan.params else plan.tdev
-        # every rank builds the same table (all model tensors under ZeRO) for the collective
-        table = _table(tuple(sorted(plan.shapes.items() if self._layout is None
-                                    else enumerate(self._layout.shapes))))
-        maxima = torch.zeros(table.size, dtype=torch.float32, device=device)
-        for i, (_, _, length, key, offset) in enumerate(segs):
-            pv, u = update(i)
-            w_abs, u_abs = pv.abs(), u.abs()
-            base = table.base[key]
-            if length:
-                maxima[base] = torch.maximum(maxima[base], w_abs.max())
-                maxima[base + 1] = torch.maximum(maxima[base + 1], u_abs.max())
-            if key not in table.dims:
-                continue
-            parts, rows = table.split(key, offset, length)
-            for s0, s1 in parts:  # partial rows: through index tensors
-                if s1 > s0:
-                    idx = table.indices(key, offset + s0, s1 - s0, device)
-                    for where, x in zip(idx, (w_abs[s0:s1], w_abs[s0:s1], u_abs[s0:s1], u_abs[s0:s1])):
-                        maxima.scatter_reduce_(0, where, x, "amax")
-            if rows is not None:  # whole rows: reductions over a [rows, b, R] view
-                s0, s1, r0, r1 = rows
-                w_row, w_col, u_row, u_col = table.views(maxima, key)
-                for x, row, col in ((w_abs, w_row, w_col), (u_abs, u_row, u_col)):
-                    block = x[s0:s1].view(r1 - r0, *table.dims[key][1:])
-                    row[r0:r1] = torch.maximum(row[r0:r1], block.amax(1))
-                    col.copy_(torch.maximum(col, block.amax(0)))
-        if self._layout is not None:
-            self._layout.all_reduce(maxima, "max")
-
-        adapt = bool(g["trust_ratio"])
-        ratio = torch.ones(len(segs), dtype=torch.float64, device=device)
-        adapted = torch.zeros(len(segs), dtype=torch.bool, device=device)
-        for i, (t, start, length, key, offset) in enumerate(segs):
-            pv, u = update(i)
-            base = table.base[key]
-            w_max, u_max = maxima[base], maxima[base + 1]
-            whole = (w_max > 0) & (u_max > 0)
-            b = torch.where(whole, w_max / torch.where(whole, u_max, 1.0), 1.0)
-            ratio[i], adapted[i] = b.double(), whole & adapt
-            if not adapt:
-                s: Tensor | float = 1.0
-            elif key not in table.dims:  # under 2-D: the whole-tensor ratio (1 if either maximum is 0)
-                s = b
-            else:
-                s = torch.empty_like(u)
-                parts, rows = table.split(key, offset, length)
-                for s0, s1 in parts:
-                    if s1 > s0:
-                        idx = table.indices(key, offset + s0, s1 - s0, device)
-                        s[s0:s1] = element_ratio(*(maxima.index_select(0, j) for j in idx), b)
-                if rows is not None:  # the ratios of the rows and columns first, then one broadcast
-                    s0, s1, r0, r1 = rows
-                    w_row, w_col, u_row, u_col = table.views(maxima, key)
-                    r, r_zero = w_row[r0:r1] / u_row[r0:r1], (w_row[r0:r1] == 0) | (u_row[r0:r1] == 0)
-                    c, c_zero = w_col / u_col, (w_col == 0) | (u_col == 0)
-                    full = torch.maximum(r[:, None], c[None]).clamp_min_(b)
-                    s[s0:s1] = torch.where(r_zero[:, None] | c_zero[None], 1.0, full).reshape(-1)
-            new = pv - g["lr"] * (u * s).clamp(-1.0, 1.0)
-            if plan.found is not None:  # the sync-free kernels skip on the device
-                new = torch.where(plan.found > 0, pv, new)
-            plan.params[t].view(-1).narrow(0, start, length).copy_(new)
-        return {"gsnr_counts": out[:, 2:5], "trust": ratio.to(plan.tdev), "adapted": adapted.to(plan.tdev)}
-
+def vr_merit(params: Sequence[Tensor], grads: Sequence[Tensor], states: Sequence[dict[str, Any]],
+             sum_g: Sequence[Tensor] | None = None, sum_sq: Sequence[Tensor] | None = None, n: int = 0, *,
+             fused: bool | str | None = None, **options: Any) -> dict[str, float]:
+    """One VR-MERIT step of ``params`` in place (``functional.functional_step``): ``grads`` the
+    gradients, ``states`` one dict per parameter (created and updated as :class:`VRMerit` keeps
+    them), ``sum_g``/``sum_sq`` Σg and Σg² over ``n`` gradient groups (None with
+    ``gsnr=False``), ``options`` :class:`VRMerit`'s keyword arguments. Returns the step's metrics."""
+    return functional_step(VRMerit, params, grads, states, sum_g, sum_sq, n, fused=fused, **options)

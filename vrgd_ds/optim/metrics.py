@@ -1,4 +1,5 @@
-"""The metrics of a VRGD step (docs/design.md §5) as pure functions over small per-tensor tables.
+"""The metrics of a VRGD step (docs/design.md §5) over small per-tensor tables, and the
+``Recorder`` an optimizer keeps them in.
 
 A step leaves one ``StepRecord``: two float64 tables with a row per model tensor (sums, and
 maxima), complete across ranks, the number of gradient groups and the step's non-finite flag,
@@ -7,13 +8,18 @@ asked for (``gsnr_metrics()``), so the step itself never synchronises with the h
 """
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
-from typing import Iterable
+from typing import Any, Iterable
 
 import torch
 from torch import Tensor
 
 from vrgd_ds import gsnr as G
+from vrgd_ds.log import warn_once
+from vrgd_ds.optim.plan import Plan, constant_columns, to_device
+
+logger = logging.getLogger(__name__)
 
 #: the causes of a skipped step reported in gsnr_metrics() (``step/skipped`` counts them all)
 SKIP_REASONS = ("step/skipped_nonfinite", "step/skipped_overflow")
@@ -115,3 +121,105 @@ def skipped_summary(reason: str, n: int) -> dict[str, float]:
     if reason not in SKIP_REASONS:
         raise ValueError(f"unknown skip reason {reason!r}; one of {SKIP_REASONS}")
     return {"step/skipped": 1.0, **{r: float(r == reason) for r in SKIP_REASONS}, "gsnr/n": float(n)}
+
+
+def step_tables(plans: list[Plan], results: list[dict[str, Tensor]], n: int, found: Tensor | None,
+                layout: Any | None) -> StepRecord:
+    """Per-model-tensor tables of one step call, complete across ranks (two small collectives)."""
+    tdev = plans[0].tdev
+    num_keys = max(p.key_base + len(p.params) for p in plans) if layout is None else layout.num_keys
+    sums, maxs = empty_tables(num_keys, tdev)
+    for plan, res in zip(plans, results):
+        k = plan.keys
+        if k.numel() == 0:
+            continue
+        const = plan.shape.constants(plan.gsnr) if plan.shape is not None else constant_columns(k.numel(), tdev,
+                                                                                               plan.gsnr)
+        # columns in SUM_COLS / MAX_COLS order, each table one cat of views and the few columns computed here
+        if plan.gsnr:
+            mom, cnt = plan.moments, res["gsnr_counts"]
+            length = plan.shape.length if plan.shape is not None else to_device(plan.seg[:, 2].double(), tdev)
+            zero_info = torch.where(plan.scales.informative, 0.0, plan.shape.length_share
+                                    if plan.shape is not None else length / plan.numel.clamp_min(1))
+            cols = torch.cat([mom[:, 0:1], length[:, None], mom[:, 3:5], cnt[:, 0:2], zero_info[:, None],
+                              cnt[:, 2:3]], dim=1)
+            sums.index_add_(0, k, cols)
+            extremes = torch.cat([-mom[:, 1:2], mom[:, 2:3]], dim=1)
+        else:
+            extremes = const["extremes"]
+        trust = ([res["trust"][:, None], res["adapted"][:, None].double()] if "trust" in res
+                 else [const["untrusted"]])
+        top = torch.cat([extremes, *trust, const["flags"]], dim=1)
+        maxs.scatter_reduce_(0, k.unsqueeze(1).expand_as(top), top, "amax")
+    if layout is not None:
+        layout.all_reduce(sums, "sum")
+        layout.all_reduce(maxs, "max")
+        names = layout.names
+    else:
+        names = [""] * num_keys
+        for plan in plans:
+            names[plan.key_base:plan.key_base + len(plan.params)] = plan.shape.names
+    return StepRecord(sums, maxs, names, n, found)
+
+
+class Recorder:
+    """An optimizer's step metrics: the last step's tables (possibly on the device, read only
+    when asked for), the skip counts, and the metrics of a step skipped on the host.
+
+    ``merge``: set by an integration whose wrapper calls step() once per sub-group (ZeRO-3):
+    the tables then merge over the calls until ``begin()``."""
+
+    def __init__(self, owner: str, serial: int) -> None:
+        self.owner, self.serial = owner, serial
+        self.merge = False
+        self._metrics: dict[str, float] = {}  # a step skipped before any kernel ran (host-decided)
+        self._record: StepRecord | None = None
+        self._skipped_host = 0
+        self._skipped_device: Tensor | None = None  # steps the sync-free kernels skipped (read lazily)
+
+    def begin(self) -> None:
+        """Starts the metrics of a new step."""
+        self._record = None
+        self._metrics = {}
+
+    def record(self, record: StepRecord) -> None:
+        if record.found is not None:
+            skipped = record.found.reshape(1).double()
+            self._skipped_device = skipped if self._skipped_device is None else self._skipped_device + skipped
+        self._metrics = {}
+        if self._record is None:
+            self._record = record
+        else:
+            self._record.merge(record)
+
+    def skipped(self, reason: str, n: int) -> None:
+        """A skipped step: ``step/skipped`` 1 whatever the cause, and the cause,
+        ``step/skipped_nonfinite`` (non-finite gradients or statistics, seen here or by the
+        engine) or ``step/skipped_overflow`` (an fp16 dynamic loss scaler's overflow)."""
+        self._metrics = skipped_summary(reason, n)
+        self._skipped_host += 1
+        self._record = None
+        if reason == "step/skipped_nonfinite":
+            warn_once(logger, f"nonfinite-{self.serial}", "%s: non-finite gradients, step skipped (state untouched); "
+                      "see gsnr_metrics()['step/skipped_total'] for the count", self.owner)
+
+    @property
+    def skipped_steps(self) -> int:
+        """Steps skipped so far (reading it waits for the device when the kernels skip there)."""
+        device = 0 if self._skipped_device is None else int(self._skipped_device.item())
+        return self._skipped_host + device
+
+    def summary(self, per_tensor: bool = False, samples_per_group: int | None = None) -> dict[str, float]:
+        """The metrics of the last step (``GSNROptimizer.gsnr_metrics``)."""
+        out = dict(self._metrics)
+        if not out and self._record is not None:
+            out = self._record.summary()
+        if out:
+            out["step/skipped_total"] = float(self.skipped_steps)
+        if samples_per_group is not None and "noise_scale/b_simple_groups" in out:
+            out["noise_scale/b_simple"] = out["noise_scale/b_simple_groups"] * samples_per_group
+        if per_tensor and self._record is not None:
+            for name, row in self._record.tensor_rows():
+                for k, v in row.items():
+                    out[f"tensor/{name}/{k}"] = v
+        return out

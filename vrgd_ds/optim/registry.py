@@ -3,8 +3,9 @@ that lists the members — ``vrgd_ds.__all__``, the DeepSpeed names and their pa
 the DDP hook's message, the README's table (checked by ``tests/unit/test_registry.py``), the
 distributed test matrix and the unit tests that parametrise over ``REGISTRY``.
 
-A base variant is data too: ``Lamb`` is ``VRLamb`` with ``gsnr=False``, built here by
-:func:`without_gsnr`. Adding a member (``docs/design.md`` §1.1): its update (a module under
+A variant is data too (``Variant``): ``Lamb`` is ``VRLamb`` with ``gsnr=False``, ``VRFusedLAMB``
+is ``VRLamb`` with apex ``FusedLAMB``'s defaults. What a member needs is data as well: trust
+ratios completed across shards, row and column maxima (MERIT). Adding a member (``docs/design.md`` §1.1): its update (a module under
 ``vrgd_ds/optim/`` with its class), one entry below, and — if it wants them fused — its
 kernels in the three implementations (``columns.py`` lists them).
 """
@@ -12,39 +13,75 @@ from __future__ import annotations
 
 import inspect
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
-from vrgd_ds.optim.adam import VRAdam
-from vrgd_ds.optim.base import GSNROptimizer
-from vrgd_ds.optim.lamb import VRLamb
-from vrgd_ds.optim.lars import VRLars
-from vrgd_ds.optim.merit import VRMerit
-from vrgd_ds.optim.sgd import VRSGD, VRMomentum
+from vrgd_ds.optim.adam import VRAdam, vr_adam
+from vrgd_ds.optim.base import BUILDING, GSNROptimizer
+from vrgd_ds.optim.lamb import VRLamb, vr_lamb
+from vrgd_ds.optim.lars import VRLars, vr_lars
+from vrgd_ds.optim.merit import VRMerit, vr_merit
+from vrgd_ds.optim.sgd import VRSGD, VRMomentum, vr_momentum, vr_sgd
 
 
-def without_gsnr(cls: type[GSNROptimizer], name: str) -> type[GSNROptimizer]:
-    """``cls`` with ``gsnr=False`` fixed, under ``name`` (the same code, nothing else differs)."""
+class Variant:
+    """A member under another name with some arguments fixed or defaulted: data, not a subclass.
+    ``Lamb`` is ``VRLamb`` with ``gsnr=False``; ``VRFusedLAMB`` is ``VRLamb`` with apex
+    ``FusedLAMB``'s defaults and positional order. Calling it builds the member (its ``name`` is
+    the variant's); ``isinstance(opt, variant)`` holds for optimizers built through it."""
 
-    def __init__(self, params: Any, **kwargs: Any) -> None:
-        if kwargs.pop("gsnr", False):
-            raise ValueError(f"{name} is {cls.__name__} without GSNR; use {cls.__name__} for gsnr=True")
-        cls.__init__(self, params, gsnr=False, **kwargs)
+    def __init__(self, name: str, of: type[GSNROptimizer], summary: str, fixed: dict[str, Any] | None = None,
+                 defaults: dict[str, Any] | None = None, positional: tuple[str, ...] = ()) -> None:
+        self.__name__ = self.__qualname__ = self.name = name
+        self.of, self.fixed, self.defaults, self.positional = of, dict(fixed or {}), dict(defaults or {}), positional
+        self.__doc__ = f"{name}: {summary} (:class:`{of.__name__}` with {self._settings()})."
+        self.__module__ = __name__
 
-    doc = f"{name}: :class:`{cls.__name__}` with ``gsnr=False`` (same code, nothing else differs)."
-    return type(name, (cls,), {"__init__": __init__, "__doc__": doc, "__module__": __name__, "__qualname__": name})
+    def _settings(self) -> str:
+        return ", ".join(f"{k}={v!r}" for k, v in {**self.fixed, **self.defaults}.items())
+
+    def __repr__(self) -> str:
+        return f"<optimizer variant {self.name}: {self.of.__name__} with {self._settings()}>"
+
+    def __call__(self, params: Any, *args: Any, **kwargs: Any) -> GSNROptimizer:
+        if len(args) > len(self.positional):
+            raise TypeError(f"{self.name}() takes at most {len(self.positional) + 1} positional arguments")
+        for key, value in zip(self.positional, args):
+            if key in kwargs:
+                raise TypeError(f"{self.name}() got multiple values for argument {key!r}")
+            kwargs[key] = value
+        for key, value in self.fixed.items():
+            if key in kwargs and kwargs[key] != value:
+                raise ValueError(f"{self.name} is {self.of.__name__} with {key}={value!r}; use {self.of.__name__} "
+                                 f"for {key}={kwargs[key]!r}")
+        token = BUILDING.set(self.name)
+        try:
+            return self.of(params, **{**self.defaults, **kwargs, **self.fixed})
+        finally:
+            BUILDING.reset(token)
+
+    def __instancecheck__(self, obj: Any) -> bool:
+        return isinstance(obj, self.of) and getattr(obj, "name", None) == self.name
+
+    def accepted_params(self) -> list[str]:
+        """The constructor's keyword arguments: its member's, less those it fixes."""
+        return [n for n in inspect.signature(self.of.__init__).parameters
+                if n not in ("self", "params", "kwargs") and n not in self.fixed]
 
 
 @dataclass(frozen=True)
 class OptimInfo:
     """One member.
 
-    name: the class name and DeepSpeed ``"type"``; cls: the class (a base variant's is built by
-    :func:`without_gsnr`); base: the name with GSNR off; summary: the README table's line;
+    name: the class name and DeepSpeed ``"type"``; cls: the class, or the ``Variant`` that builds
+    it (a base variant); base: the name with GSNR off; summary: the README table's line;
     kernels: the ``Kernels`` operations its update calls; fused: whether the whole update runs
     in them (False: part of it in torch ops, logged once); trust_ratio: a per-tensor (or
-    element-wise) ratio completed across ZeRO partitions; torch_equivalent: the torch.optim class
+    element-wise) ratio completed across ZeRO partitions; row_col_maxima: per-row and per-column
+    maxima of each whole matrix (MERIT's element-wise ratios: a tensor-parallel shard cuts them, so
+    Megatron refuses TP > 1 for it); function: its step as a function (None: a variant, whose
+    member's function takes ``gsnr=False``); torch_equivalent: the torch.optim class
     the base equals (None: ours is the base); test_kwargs: arguments that exercise every option.
     """
 
@@ -55,6 +92,8 @@ class OptimInfo:
     kernels: tuple[str, ...]
     fused: bool = True
     trust_ratio: bool = False
+    row_col_maxima: bool = False
+    function: Callable[..., dict[str, float]] | None = None
     torch_equivalent: type[torch.optim.Optimizer] | None = None
     test_kwargs: dict[str, Any] = field(default_factory=dict)
 
@@ -66,18 +105,30 @@ class OptimInfo:
     @property
     def variant_of(self) -> type[GSNROptimizer] | None:
         """The class a base variant fixes ``gsnr=False`` on (None: a class of its own)."""
-        return self.cls.__mro__[1] if self.cls.__module__ == __name__ else None
+        return self.cls.of if isinstance(self.cls, Variant) else None
 
     def accepted_params(self) -> list[str]:
         """The constructor's keyword arguments (a base variant's are its class's, less ``gsnr``)."""
-        own = self.variant_of or self.cls
-        return [n for n in inspect.signature(own.__init__).parameters
-                if n not in ("self", "params", "kwargs") and not (n == "gsnr" and self.variant_of)]
+        if isinstance(self.cls, Variant):
+            return self.cls.accepted_params()
+        return [n for n in inspect.signature(self.cls.__init__).parameters if n not in ("self", "params", "kwargs")]
 
 
-Lamb = without_gsnr(VRLamb, "Lamb")
-Lars = without_gsnr(VRLars, "Lars")
-Merit = without_gsnr(VRMerit, "Merit")
+_OFF = {"gsnr": False}
+Lamb = Variant("Lamb", VRLamb, "LAMB, the same code with the GSNR off", fixed=_OFF)
+Lars = Variant("Lars", VRLars, "LARS, the same code with the GSNR off", fixed=_OFF)
+Merit = Variant("Merit", VRMerit, "MERIT, the same code with the GSNR off", fixed=_OFF)
+#: apex ``FusedLAMB``'s constructor (apex/optimizers/fused_lamb.py): its defaults and positional
+#: order; not a DeepSpeed name (DeepSpeed's ``Lamb``/``VRLamb`` take DeepSpeed's arguments)
+VRFusedLAMB = Variant("VRFusedLAMB", VRLamb, "apex FusedLAMB's defaults: clipping at 1.0, unclamped trust ratio, "
+                      "no adaptation of groups without weight decay",
+                      defaults=dict(lr=1e-3, bias_correction=True, betas=(0.9, 0.999), eps=1e-6, weight_decay=0.01,
+                                    amsgrad=False, adam_w_mode=True, grad_averaging=True, set_grad_none=True,
+                                    max_grad_norm=1.0, use_nvlamb=False, min_coeff=0.0, max_coeff=float("inf")),
+                      positional=("lr", "bias_correction", "betas", "eps", "weight_decay", "amsgrad", "adam_w_mode",
+                                  "grad_averaging", "set_grad_none", "max_grad_norm", "use_nvlamb"))
+#: every variant by name
+VARIANTS: dict[str, Variant] = {v.name: v for v in (Lamb, Lars, Merit, VRFusedLAMB)}
 
 _SGD, _ADAM = ("nonfinite", "sgd_step"), ("nonfinite", "adam_step")
 _LAMB = ("scaled_grad_norms", "adam_step", "lamb_apply")
@@ -85,31 +136,36 @@ _LAMB = ("scaled_grad_norms", "adam_step", "lamb_apply")
 REGISTRY: dict[str, OptimInfo] = {
     info.name: info
     for info in (
-        OptimInfo("VRSGD", VRSGD, "VRSGD", "SGD with the GSNR scale on the gradient", _SGD,
+        OptimInfo("VRSGD", VRSGD, "VRSGD", "SGD with the GSNR scale on the gradient", _SGD, function=vr_sgd,
                   torch_equivalent=torch.optim.SGD, test_kwargs=dict(lr=0.05, weight_decay=0.01)),
         OptimInfo("VRMomentum", VRMomentum, "VRMomentum", "SGD momentum (Nesterov optional), GSNR momentum", _SGD,
-                  torch_equivalent=torch.optim.SGD,
+                  function=vr_momentum, torch_equivalent=torch.optim.SGD,
                   test_kwargs=dict(lr=0.05, momentum=0.9, nesterov=True, weight_decay=0.01, beta3=0.5)),
         OptimInfo("VRAdam", VRAdam, "VRAdam", "AdamW with p̂ on the first moment (or both, or the update)", _ADAM,
-                  torch_equivalent=torch.optim.AdamW, test_kwargs=dict(lr=1e-2, weight_decay=0.1)),
+                  function=vr_adam, torch_equivalent=torch.optim.AdamW, test_kwargs=dict(lr=1e-2, weight_decay=0.1)),
         OptimInfo("VRLamb", VRLamb, "Lamb", "LAMB (NVLAMB pre-normalisation, apex FusedLAMB's arguments)", _LAMB,
-                  trust_ratio=True,
+                  trust_ratio=True, function=vr_lamb,
                   test_kwargs=dict(lr=1e-2, weight_decay=0.1, max_coeff=0.3, grad_pre_normalization=True)),
         OptimInfo("VRLars", VRLars, "Lars", "LARS / LARC clipping", ("scaled_grad_norms", "sgd_step"),
-                  trust_ratio=True, test_kwargs=dict(lr=0.5, weight_decay=1e-3, trust_coefficient=0.01, clip=True)),
+                  trust_ratio=True, function=vr_lars,
+                  test_kwargs=dict(lr=0.5, weight_decay=1e-3, trust_coefficient=0.01, clip=True)),
         OptimInfo("VRMerit", VRMerit, "Merit", "MERIT: max-norm, element-wise row/column ratios, clip at 1",
-                  _ADAM, fused=False, trust_ratio=True, test_kwargs=dict(lr=1e-2, weight_decay=0.1)),
+                  _ADAM, fused=False, trust_ratio=True, row_col_maxima=True, function=vr_merit,
+                  test_kwargs=dict(lr=1e-2, weight_decay=0.1)),
         OptimInfo("Lamb", Lamb, "Lamb", "LAMB without GSNR (DeepSpeed's name: ours serves it on CPU)", _LAMB,
                   trust_ratio=True, test_kwargs=dict(lr=1e-2, weight_decay=0.1)),
         OptimInfo("Lars", Lars, "Lars", "LARS without GSNR", ("scaled_grad_norms", "sgd_step"), trust_ratio=True,
                   test_kwargs=dict(lr=0.5, weight_decay=1e-3, trust_coefficient=0.01)),
         OptimInfo("Merit", Merit, "Merit", "MERIT without GSNR, exact under ZeRO 1/2/3", _ADAM, fused=False,
-                  trust_ratio=True, test_kwargs=dict(lr=1e-2, weight_decay=0.1)),
+                  trust_ratio=True, row_col_maxima=True, test_kwargs=dict(lr=1e-2, weight_decay=0.1)),
     )
 }
 
-#: every member's class by name (what ``vrgd_ds`` and ``vrgd_ds.optim`` export)
-CLASSES: dict[str, type[GSNROptimizer]] = {name: info.cls for name, info in REGISTRY.items()}
+#: each member's step as a function, by the function's name (``vr_lamb``)
+FUNCTIONS: dict[str, Callable[..., dict[str, float]]] = {
+    info.function.__name__: info.function for info in REGISTRY.values() if info.function is not None}
+#: every member's class (or variant) by name, and VRFusedLAMB: what ``vrgd_ds`` and ``vrgd_ds.optim`` export
+CLASSES: dict[str, Any] = {**{name: info.cls for name, info in REGISTRY.items()}, "VRFusedLAMB": VRFusedLAMB}
 
 
 def table() -> str:
@@ -119,3 +175,16 @@ def table() -> str:
         fused = "yes" if info.fused else "moments (ratios in torch ops)"
         rows.append(f"| `{info.name}` | {'on' if info.vr else 'off'} | `{info.base}` | {info.summary} | {fused} |")
     return "\n".join(rows)
+
+
+def info_of(optimizer: GSNROptimizer) -> OptimInfo:
+    """The registry entry an optimizer was built as: by its name, else by its class (a user's
+    subclass of a member)."""
+    info = REGISTRY.get(getattr(optimizer, "name", ""))
+    if info is not None:
+        return info
+    for cls in type(optimizer).__mro__:
+        for info in REGISTRY.values():
+            if info.cls is cls:
+                return info
+    raise TypeError(f"{type(optimizer).__name__} is not a member of the VRGD family ({', '.join(REGISTRY)})")

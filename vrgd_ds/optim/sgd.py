@@ -12,15 +12,18 @@ Heavy-ball momentum, optionally Nesterov, on the GSNR-scaled gradient::
 """
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Sequence
 
 import torch
+from torch import Tensor
 
 from vrgd_ds.optim import columns
-from vrgd_ds.optim.base import GSNROptimizer, Plan, check_arg
+from vrgd_ds.optim.base import GSNROptimizer, check_arg, constructor_args
+from vrgd_ds.optim.functional import StepContext, functional_step
+from vrgd_ds.optim.plan import Plan
 
 
-def sgd_update(opt: GSNROptimizer, plan: Plan, kernels: Any, n: int, lr_mult: torch.Tensor | None = None) -> torch.Tensor:
+def sgd_update(plan: Plan, kernels: Any, n: int, lr_mult: torch.Tensor | None = None) -> torch.Tensor:
     """One (VR-)SGD/momentum step of a plan; ``lr_mult`` per segment (LARS), default 1."""
     g = plan.group
     momentum = g["momentum"]
@@ -64,19 +67,22 @@ class VRMomentum(GSNROptimizer):
     def __init__(self, params: Any, lr: float = 0.1, momentum: float = 0.9, dampening: float = 0.0,
                  nesterov: bool = False, weight_decay: float = 0.0, gamma: float = 0.1, beta3: float = 0.0,
                  gsnr_eps: float = 1e-12, gsnr: bool = True, fused: bool | str | None = None) -> None:
-        defaults = dict(lr=lr, momentum=momentum, dampening=dampening, nesterov=nesterov,
-                        weight_decay=weight_decay, gamma=gamma, beta3=beta3, gsnr_eps=gsnr_eps, gsnr=gsnr)
-        super().__init__(params, defaults, fused=fused)
+        super().__init__(params, constructor_args(locals()), fused=fused)
 
-    def _check_group(self, group: dict[str, Any]) -> None:
-        owner = type(self).__name__
+    @classmethod
+    def _group(cls, args: dict[str, Any]) -> dict[str, Any]:
+        return dict(args)
+
+    @staticmethod
+    def _check_options(owner: str, group: dict[str, Any]) -> None:
         check_arg(owner, "momentum", 0.0 <= group["momentum"] < 1.0, group["momentum"], "in [0, 1)")
         check_arg(owner, "dampening", 0.0 <= group["dampening"] <= 1.0, group["dampening"], "in [0, 1]")
         check_arg(owner, "nesterov", not group["nesterov"] or (group["momentum"] > 0 and group["dampening"] == 0),
                   group["nesterov"], "False unless momentum > 0 and dampening = 0")
 
-    def _update(self, plan, kernels, n, extras):
-        return {"gsnr_counts": sgd_update(self, plan, kernels, n)}
+    @staticmethod
+    def _update(plan: Plan, ctx: StepContext) -> dict[str, torch.Tensor]:
+        return {"gsnr_counts": sgd_update(plan, ctx.kernels, ctx.n)}
 
 
 class VRSGD(VRMomentum):
@@ -89,3 +95,28 @@ class VRSGD(VRMomentum):
                  beta3: float = 0.0, gsnr_eps: float = 1e-12, gsnr: bool = True, fused: bool | str | None = None) -> None:
         super().__init__(params, lr=lr, momentum=0.0, weight_decay=weight_decay, gamma=gamma, beta3=beta3,
                          gsnr_eps=gsnr_eps, gsnr=gsnr, fused=fused)
+
+    @classmethod
+    def _group(cls, args: dict[str, Any]) -> dict[str, Any]:
+        return dict(lr=args["lr"], momentum=0.0, dampening=0.0, nesterov=False, **{k: v for k, v in args.items()
+                                                                               if k != "lr"})
+
+
+def vr_momentum(params: Sequence[Tensor], grads: Sequence[Tensor], states: Sequence[dict[str, Any]],
+                sum_g: Sequence[Tensor] | None = None, sum_sq: Sequence[Tensor] | None = None, n: int = 0, *,
+                fused: bool | str | None = None, **options: Any) -> dict[str, float]:
+    """One VR-Momentum step of ``params`` in place (``functional.functional_step``): ``grads`` the
+    gradients, ``states`` one dict per parameter (created and updated as :class:`VRMomentum` keeps
+    them), ``sum_g``/``sum_sq`` Σg and Σg² over ``n`` gradient groups (None with
+    ``gsnr=False``), ``options`` :class:`VRMomentum`'s keyword arguments. Returns the step's metrics."""
+    return functional_step(VRMomentum, params, grads, states, sum_g, sum_sq, n, fused=fused, **options)
+
+
+def vr_sgd(params: Sequence[Tensor], grads: Sequence[Tensor], states: Sequence[dict[str, Any]],
+           sum_g: Sequence[Tensor] | None = None, sum_sq: Sequence[Tensor] | None = None, n: int = 0, *,
+           fused: bool | str | None = None, **options: Any) -> dict[str, float]:
+    """One VR-SGD step of ``params`` in place (``functional.functional_step``): ``grads`` the
+    gradients, ``states`` one dict per parameter (created and updated as :class:`VRSGD` keeps
+    them), ``sum_g``/``sum_sq`` Σg and Σg² over ``n`` gradient groups (None with
+    ``gsnr=False``), ``options`` :class:`VRSGD`'s keyword arguments. Returns the step's metrics."""
+    return functional_step(VRSGD, params, grads, states, sum_g, sum_sq, n, fused=fused, **options)

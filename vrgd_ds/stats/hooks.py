@@ -7,19 +7,21 @@ the first backward after a reset *writes* them instead of adding, so a reset cos
 over memory. In the backward that is expected to be a step's last (the one that reaches the
 previous step's ``n``), the accumulate function may also return the step's pass 1 for the
 tensor (its GSNR moments at that ``n``), taken while the data is in cache; it is kept with
-the ``n`` it was taken at, and the step uses it when that backward was indeed the last.
+the ``n`` it was taken at, and the step uses it when that backward was indeed the last
+(``taken_moments``).
+
+The source takes its kernels through the selection rule (``_impl.select``) for the tensors of the
+groups it watches; the optimizer that built it steps with the same object (one fallback state).
 """
 from __future__ import annotations
 
 import weakref
-from typing import Callable, Iterable
+from typing import Any, Iterable
 
 import torch
 from torch import Tensor
 
-#: (param, grad, sum_g, sum_sq, fresh, n) -> the tensor's GSNR moments at n groups, or None;
-#: n = 0: do not take them (this backward is not expected to be the last)
-Accumulate = Callable[[Tensor, Tensor, Tensor, Tensor, bool, int], "Tensor | None"]
+from vrgd_ds.optim import _impl
 
 
 class TensorHookStats:
@@ -30,8 +32,12 @@ class TensorHookStats:
     backward contributed a zero gradient there, which its sums already reflect.
     """
 
-    def __init__(self, accumulate: Accumulate) -> None:
-        self._accumulate = accumulate
+    def __init__(self, groups: list[dict[str, Any]], fused: bool | str | None, owner: str) -> None:
+        """``groups``: the optimizer's param groups (read for ``gsnr`` and ``gsnr_eps``, which a
+        group may change between steps); ``fused``: the optimizer's kernel choice."""
+        self.groups, self._fused, self._owner = groups, fused, owner
+        self._kernels: _impl.Kernels | None = None
+        self._eps: dict[Tensor, float] = {}  # per watched parameter, as the hooks last used it
         self._buffers: dict[Tensor, tuple[Tensor, Tensor]] = {}
         self._counts: dict[Tensor, int] = {}
         self._moments: dict[Tensor, tuple[int, Tensor]] = {}
@@ -40,8 +46,27 @@ class TensorHookStats:
         self._handles: list[torch.utils.hooks.RemovableHandle] = []
         self._watched: set[int] = set()
 
-    def set_accumulate(self, accumulate: Accumulate) -> None:
-        self._accumulate = accumulate
+    @property
+    def kernels(self) -> _impl.Kernels:
+        """The implementation the selection rule picks for every tensor of the groups."""
+        if self._kernels is None:
+            self._kernels = _impl.select(self._fused, [p for g in self.groups for p in g["params"]], self._owner)
+        return self._kernels
+
+    @kernels.setter
+    def kernels(self, kernels: _impl.Kernels) -> None:
+        self._kernels = kernels
+
+    def _accumulate(self, p: Tensor, grad: Tensor, sum_g: Tensor, sum_sq: Tensor, fresh: bool,
+                    n: int) -> Tensor | None:
+        """One backward into ``p``'s statistics; with ``n`` > 0 also the tensor's pass 1 at ``n``
+        groups where the implementation can take it in the same pass."""
+        eps = self._eps.get(p)
+        if eps is None:  # a parameter added since, or not in a group with GSNR on
+            self._eps = {q: g["gsnr_eps"] for g in self.groups if g["gsnr"] for q in g["params"]}
+            eps = self._eps.get(p, 0.0)
+        return self.kernels.accumulate_moments(grad, sum_g, sum_sq, fresh,
+                                               1.0 / n if n and p in self._eps else 0.0, eps)
 
     def watch(self, params: Iterable[Tensor]) -> None:
         """Registers the hook on each parameter that requires grad (idempotent)."""
@@ -74,7 +99,7 @@ class TensorHookStats:
         row = self._accumulate(p, grad.detach(), bufs[0], bufs[1], count == 0,
                                count + 1 if count + 1 >= self._expect else 0)
         self._counts[p] = count + 1
-        if row is not None:  # an older row stays, but its n no longer matches (last_moments)
+        if row is not None:  # an older row stays, but its n no longer matches (taken_moments)
             self._moments[p] = (count + 1, row)
 
     @property
@@ -99,10 +124,14 @@ class TensorHookStats:
             sum_sq.append(self._buffers[p][1])
         return sum_g, sum_sq
 
-    def last_moments(self, params: Iterable[Tensor], n: int) -> list[Tensor] | None:
-        """The GSNR moments each parameter's latest backward returned, if every one of them was
-        taken with ``n`` groups (else ``None``: the step computes them)."""
+    def taken_moments(self, params: list[Tensor], n: int, eps: float) -> Tensor | None:
+        """The step's pass 1 as each parameter's latest backward took it, ``[len(params), 6]``,
+        when every row was taken at ``n`` groups with ``gsnr_eps=eps`` and the buffers are still
+        as then (else None: the step computes it)."""
         if self._handed_out:
+            return None
+        if any(self._eps.get(p) != eps for p in params):
+            self._eps = {}  # gsnr_eps changed: the next backward looks it up again
             return None
         rows = []
         for p in params:
@@ -110,7 +139,7 @@ class TensorHookStats:
             if got is None or got[0] != n:
                 return None
             rows.append(got[1])
-        return rows
+        return torch.stack(rows)
 
     def reset(self) -> None:
         """Starts a new step: the next backward overwrites the sums."""

@@ -137,3 +137,34 @@ class Layout:
             dist.all_reduce(on_device, op=red, group=group)
             t.copy_(on_device)
         self.counters.add(0, t.numel() * t.element_size())
+
+
+def complete(layout: Layout | None, keys: Tensor, values: Tensor) -> Tensor:
+    """Per-segment sums ``[S, k]`` -> sums over each segment's whole model tensor (float64).
+    ``keys``: the model tensor of each segment; no layout (or one without a group): the values
+    themselves, every segment being a whole tensor or held whole by every rank."""
+    # Per rank a model tensor is at most one segment (one piece of one flat partition), so
+    # index_add_ has no colliding rows here (deterministic also with CUDA atomics).
+    if layout is None or getattr(layout, "group", False) is None:
+        return values.double()
+    buf = torch.zeros(layout.num_keys, values.shape[1], dtype=torch.float64, device=values.device)
+    buf.index_add_(0, keys, values.double())
+    layout.all_reduce(buf, "sum")
+    return buf.index_select(0, keys)
+
+
+def total(layout: Layout | None, keys: list[Tensor], values: list[Tensor]) -> Tensor:
+    """A float64 sum of per-segment values (``[S]`` per plan, ``keys`` its model tensors) over
+    every model tensor the optimizer's model updates, each counted once: all ranks under ZeRO
+    and FSDP2, tensor-parallel shards and pipeline stages under Megatron."""
+    if layout is None:
+        return torch.stack([v.double().sum() for v in values]).sum()
+    buf = torch.zeros(layout.num_keys, 1, dtype=torch.float64, device=values[0].device)
+    for k, v in zip(keys, values):
+        buf.index_add_(0, k, v.double().reshape(-1, 1))
+    layout.all_reduce(buf, "sum")
+    if layout.replicated is not None:  # a tied weight's copy: the stage that owns it counts it
+        buf[layout.replicated.to(buf.device)] = 0
+    out = buf.sum().reshape(1)
+    layout.all_reduce_stages(out, "sum")
+    return out[0]

@@ -1,0 +1,201 @@
+"""The VRGD step as functions: what every member shares (pass 1 of the statistics, the
+non-finite check, the GSNR scales, state creation) around the member's own update, and
+``functional_step``, which each member's public function (``vr_sgd``, ``vr_momentum``,
+``vr_adam``, ``vr_lamb``, ``vr_lars``, ``vr_merit``, in its module, exported by
+``vrgd_ds.optim``) calls, for a reader or another framework that keeps its own state.
+
+A step, for every param group (docs/design.md §1)::
+
+    pass 1   per tensor: Σr, min r, max r, Σs, Σgbar² from the statistics (one read)
+    check    non-finite statistics or gradients -> the whole step is skipped, state untouched
+    scales   inv_mean and lo per tensor (normalisation, clamp, zero-information guard)
+    pass 2   the member's update with r (or its momentum p̂) applied to the gradient
+
+As in ``torch.optim``, the optimizer classes gather lists and call these functions; the kernels
+(reference, C++ multi-tensor, Triton fused) are chosen by the one rule of ``_impl.select``. A
+member is its class's data: ``state_keys``, and the static functions ``_update(plan, ctx)``,
+``_prepare(plans, ctx)`` (cross-group quantities, e.g. LAMB's global norm) and
+``_needs_grad_norms(group)``.
+"""
+from __future__ import annotations
+
+import inspect
+import logging
+from dataclasses import dataclass, field
+from typing import Any, Protocol, Sequence
+
+import torch
+from torch import Tensor
+
+from vrgd_ds import gsnr as G
+from vrgd_ds.log import warn_once
+from vrgd_ds.optim import _impl, columns
+from vrgd_ds.optim import metrics as M
+from vrgd_ds.optim import state as S
+from vrgd_ds.optim.plan import Plan, Planner
+from vrgd_ds.optim.retry import StepCounts
+from vrgd_ds.stats import layout as L
+from vrgd_ds.stats.source import GivenStatistics, StatisticsSource
+
+logger = logging.getLogger(__name__)
+
+MIN_GROUPS = 2
+RECOMMENDED_GROUPS = 8
+
+
+class Member(Protocol):
+    """What the shared step needs of a member (its class, read as data)."""
+
+    state_keys: tuple[str, ...]
+
+    @staticmethod
+    def _update(plan: Plan, ctx: "StepContext") -> dict[str, Tensor]: ...
+
+    @staticmethod
+    def _prepare(plans: list[Plan], ctx: "StepContext") -> dict[str, Any]: ...
+
+    @staticmethod
+    def _needs_grad_norms(group: dict[str, Any]) -> bool: ...
+
+
+@dataclass
+class StepContext:
+    """What a member's update reads besides its plan: the kernels, the number of gradient groups
+    ``n``, the layout that completes per-tensor sums across shards (None: one process), the
+    optimizer's name (messages) and ``extras`` from ``_prepare``."""
+
+    kernels: Any
+    n: int
+    layout: Any | None
+    owner: str
+    serial: int = 0
+    extras: dict[str, Any] = field(default_factory=dict)
+
+    def complete(self, plan: Plan, values: Tensor) -> Tensor:
+        """Per-segment sums ``[S, k]`` -> sums over each segment's whole model tensor."""
+        return L.complete(self.layout, plan.keys, values)
+
+    def total(self, plans: list[Plan], values: list[Tensor]) -> Tensor:
+        """A sum over every model tensor the optimizer updates, each counted once."""
+        return L.total(self.layout, [p.keys for p in plans], values)
+
+    def warn_once(self, what: str, msg: str, *args: Any) -> None:
+        warn_once(logger, f"{what}-{self.serial}", msg, *args)
+
+
+def groups_now(source: StatisticsSource | None, owner: str, serial: int = 0) -> int:
+    """The gradient groups of this step, refused below ``MIN_GROUPS`` with the fix."""
+    if source is None:
+        raise RuntimeError(f"{owner}: no statistics source is attached")
+    n = source.n
+    if n < MIN_GROUPS:
+        raise RuntimeError(
+            f"{owner}.step(): GSNR needs at least {MIN_GROUPS} gradient groups per step, got n={n}. "
+            "In one process every backward() between two step() calls is one group: split the batch into "
+            ">= 2 micro-batches and call backward() on each (gradient accumulation); under DeepSpeed/DDP use "
+            ">= 2 data-parallel ranks or gradient_accumulation_steps >= 2 (ZeRO-2/3). Or set gsnr=False."
+        )
+    if n < RECOMMENDED_GROUPS:
+        warn_once(logger, f"small-n-{n}-{serial}", "GSNR estimated from only n=%d gradient groups; the paper "
+                  "recommends n >= %d (best 32-256)", n, RECOMMENDED_GROUPS)
+    return n
+
+
+def step_plans(member: Member, plans: list[Plan], ctx: StepContext, source: StatisticsSource | None, epoch: int,
+               counts: StepCounts) -> tuple[list[dict[str, Tensor]], Tensor | None] | None:
+    """One step of ``plans``: pass 1, the non-finite check, state, scales and the member's update.
+    Returns each plan's results and the device's skip flag (sync-free kernels), or None when the
+    step was skipped on the host (nothing written)."""
+    kernels, n, layout = ctx.kernels, ctx.n, ctx.layout
+    sync_free = kernels.sync_free
+    tdev = plans[0].tdev
+    # Pass 1 everywhere before any state changes: a non-finite statistic or gradient (the
+    # gradient the update reads, which a hook may have rewritten after backward) skips the
+    # step, on every rank alike (each checks its own partition).
+    flags = []
+    for plan in plans:
+        if plan.gsnr:
+            plan.moments = None
+            taken = getattr(source, "taken_moments", None)
+            if taken is not None and layout is None and plan.seg.shape[0] == len(plan.params):  # whole tensors
+                plan.moments = taken(plan.params, n, plan.group["gsnr_eps"])  # before moments() hands out
+            plan.sum_g, plan.sum_sq = source.moments(plan.params)
+            if plan.moments is None:
+                plan.moments = kernels.gsnr_moments(plan.sum_g, plan.sum_sq, plan.seg, 1.0 / n, plan.group["gsnr_eps"])
+            flags += [plan.moments[:, 5], kernels.nonfinite(plan.grads, plan.seg)]
+        elif member._needs_grad_norms(plan.group):  # the norms' pass also answers the non-finite check
+            plan.grad_norms = kernels.scaled_grad_norms(
+                plan.params, plan.grads, [], [], [], plan.seg, columns.build(columns.NORMS, **plan.gsnr_columns()),
+                1.0, 0.0, 0.0)
+            flags.append(plan.grad_norms[:, 2])
+        else:  # reads the gradient only (one word per parameter, the norms' pass reads two)
+            flags.append(kernels.nonfinite(plan.grads, plan.seg))
+    found = torch.cat([f.reshape(-1).to(tdev, torch.float64) for f in flags]) if flags else None
+    if found is None or found.numel() == 0:  # a rank holding no piece finds nothing
+        found = torch.zeros(1, dtype=torch.float64, device=tdev)
+    else:
+        found = found.amax().reshape(1)
+    if layout is not None:
+        layout.all_reduce(found, "max")
+        layout.all_reduce_stages(found, "max")
+    found = found[0]
+    if not sync_free:
+        if bool(found > 0):  # host tables: the decision costs nothing here
+            return None
+    else:
+        for plan in plans:
+            plan.found = found
+    for plan in plans:
+        S.init_state(plan, member.state_keys, epoch, counts)
+        if plan.gsnr:
+            sum_r = ctx.complete(plan, plan.moments[:, :1])[:, 0]
+            plan.scales = G.segment_scales(sum_r, plan.numel, plan.group["gamma"])
+    ctx.extras = member._prepare(plans, ctx)
+    return [member._update(plan, ctx) for plan in plans], (found if sync_free else None)
+
+
+# ---- a member's step as a function ---------------------------------------------------------
+
+def options(cls: type, hyper: dict[str, Any]) -> dict[str, Any]:
+    """The group options ``cls(params, **hyper)`` would build (its ``_group`` of its
+    constructor's arguments with their defaults), without an optimizer."""
+    sig = inspect.signature(cls.__init__)
+    args = {k: p.default for k, p in sig.parameters.items()
+            if k not in ("self", "params", "fused") and p.default is not inspect.Parameter.empty}
+    unknown = sorted(set(hyper) - set(args))
+    if unknown:
+        raise TypeError(f"{cls.__name__}: unknown option {unknown[0]!r}; accepted: {', '.join(args)}")
+    args.update(hyper)
+    group = cls._group(args)
+    cls._check_options(cls.__name__, group)
+    return group
+
+
+def functional_step(cls: type, params: Sequence[Tensor], grads: Sequence[Tensor], states: Sequence[dict[str, Any]],
+                    sum_g: Sequence[Tensor] | None = None, sum_sq: Sequence[Tensor] | None = None, n: int = 0, *,
+                    fused: bool | str | None = None, **hyper: Any) -> dict[str, float]:
+    """One step of member ``cls`` on whole tensors in one process, from statistics the caller
+    accumulated (``sum_g``/``sum_sq``: Σg and Σg² over ``n`` gradient groups, fp32 and shaped like
+    each parameter; None with ``gsnr=False``). ``states``: one dict per parameter, created and
+    updated in place as the optimizer keeps it (``step``, the member's moments, ``gsnr_avg``).
+    Returns the step's metrics (``GSNROptimizer.gsnr_metrics``)."""
+    params, grads = list(params), list(grads)
+    group = dict(options(cls, hyper), params=params)
+    owner = cls.__name__
+    kernels = _impl.select(fused, params, owner)
+    if isinstance(kernels, _impl.WithFallback):
+        kernels.new_step()
+    source = GivenStatistics(params, sum_g or [], sum_sq or [], n) if group["gsnr"] else None
+    n = groups_now(source, owner) if group["gsnr"] else 0
+    tdev = params[0].device if kernels.sync_free else torch.device("cpu")
+    by_id = {id(p): st for p, st in zip(params, states)}
+    plan = Planner(owner).plan(0, group, params, grads, 0, tdev, None, 0, lambda p: by_id[id(p)])
+    ctx = StepContext(kernels, n, None, owner)
+    out = step_plans(cls, [plan], ctx, source, 0, StepCounts())
+    if out is None:
+        return M.skipped_summary("step/skipped_nonfinite", n)
+    results, found = out
+    return M.step_tables([plan], results, n, found, None).summary()
+
+
+__all__ = ["StepContext", "functional_step", "groups_now", "options", "step_plans", "MIN_GROUPS", "RECOMMENDED_GROUPS"]

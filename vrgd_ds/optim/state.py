@@ -1,0 +1,173 @@
+"""The optimizer state and checkpoint compatibility: the keys a member keeps per parameter, state
+created lazily as a fresh start has it, step counters, and what a resume does when the state was
+saved by another member or version (VRLamb <-> Lamb, ``gsnr`` on/off, options added since).
+"""
+from __future__ import annotations
+
+import logging
+from typing import Any, Iterable
+
+import torch
+from torch import Tensor
+
+from vrgd_ds.optim.plan import Plan
+from vrgd_ds.optim.retry import StepCounts
+from vrgd_ds.optim.sharded import local_tensor
+
+logger = logging.getLogger(__name__)
+
+
+def gsnr_switch(saved: bool, built: bool) -> str:
+    """What a resume does to the GSNR momentum when the state was saved with ``gsnr=saved`` and
+    the optimizer is built with ``gsnr=built`` (``GSNROptimizer.load_state_dict``)."""
+    if saved and not built:
+        return "the GSNR momentum is dropped"
+    if built and not saved:
+        return "the GSNR momentum starts at p̂ = 1 (the base optimizer's step)"
+    return "the GSNR momentum carries over"
+
+
+def element_state_keys(state_keys: tuple[str, ...], group: dict[str, Any]) -> tuple[str, ...]:
+    """The state a parameter of ``group`` holds per element once it stepped (beside ``step``)."""
+    keys = list(state_keys)
+    if group.get("momentum", 0.0) != 0.0:
+        keys.append("momentum_buffer")  # the SGD family (sgd_update)
+    if group["gsnr"] and group["beta3"] > 0:
+        keys.append("gsnr_avg")
+    return tuple(keys)
+
+
+def fill_missing_options(groups: list[dict[str, Any]], keys: Iterable[str], defaults: dict[str, Any],
+                         owner: str) -> None:
+    """Groups saved before an option existed get its default (``__setstate__``), said once."""
+    missing: dict[str, Any] = {}
+    for group in groups:
+        for k in keys:
+            if k not in group:
+                group[k] = missing[k] = defaults[k]
+    if missing:
+        logger.warning("%s: the loaded state has no %s (saved by an older version); using %s", owner,
+                       ", ".join(missing), ", ".join(f"{k}={v!r}" for k, v in missing.items()))
+    if "gsnr_placement" in missing:
+        logger.warning("%s: checkpoints without gsnr_placement were trained with p̂ on both Adam moments, where it "
+                       "cancels; they now continue with gsnr_placement=%r. To continue the saved trajectory "
+                       "exactly, construct the optimizer with gsnr_placement='both_moments' before loading",
+                       owner, missing["gsnr_placement"])
+
+
+def built_wiring(groups: list[dict[str, Any]], wiring_keys: tuple[str, ...]) -> list[dict[str, Any]]:
+    """The wiring options as built, per group, taken before a load replaces the groups."""
+    return [{k: g[k] for k in wiring_keys if k in g} for g in groups]
+
+
+def after_load(state: dict[Tensor, dict[str, Any]], groups: list[dict[str, Any]], built: list[dict[str, Any]],
+               owner: str, report: bool) -> None:
+    """What ``load_state_dict`` does after torch's: each tensor's step counter its own tensor (a
+    state dict may hand one step tensor to every parameter, as Megatron's distributed optimizer
+    does, and the step adds 1 to each counter); the wiring options as built; the GSNR momentum
+    dropped where the GSNR is off (it starts at p̂ = 1 where it was off: ``init_state``); one
+    warning saying what changed when ``report``."""
+    seen: set[int] = set()
+    for st in state.values():
+        step = st.get("step")
+        if isinstance(step, Tensor):
+            if id(step) in seen:
+                st["step"] = step.clone()
+            seen.add(id(st["step"]))
+    changed: dict[str, tuple[Any, Any]] = {}
+    for group, mine in zip(groups, built):
+        for k, v in mine.items():
+            if group.get(k) != v:
+                changed[k] = (group.get(k), v)
+                group[k] = v
+        if not (group["gsnr"] and group["beta3"] > 0):
+            for p in group["params"]:
+                if p in state:
+                    state[p].pop("gsnr_avg", None)
+    if changed and report:
+        saved = ", ".join(f"{k}={a!r}" for k, (a, _) in changed.items())
+        now = ", ".join(f"{k}={b!r}" for k, (_, b) in changed.items())
+        what = gsnr_switch(*changed.get("gsnr", (True, True)))
+        logger.warning("%s: resuming a state saved with %s as built (%s): the moments carry over, %s",
+                       owner, saved, now, what)
+
+
+def is_state_init(state: dict[Tensor, Any], groups: list[dict[str, Any]], recorded_groups: int) -> bool:
+    """Whether a step is the one ``torch.distributed.checkpoint.state_dict`` (and torchtitan
+    before a load) runs on a fresh optimizer to create its state: every gradient zero, every
+    ``lr`` 0, no statistics recorded (``recorded_groups`` 0). Such a step creates the state as a
+    fresh start has it (``allocate``) and advances nothing: no step count, no GSNR momentum (a
+    real step would need n >= 2 groups)."""
+    if state or any(float(g["lr"]) != 0.0 for g in groups) or recorded_groups != 0:
+        return False
+    grads = [p.grad for g in groups for p in g["params"] if p.grad is not None]
+    return bool(grads) and not any(bool(local_tensor(x).any()) for x in grads)
+
+
+@torch.no_grad()
+def allocate(state: dict[Tensor, dict[str, Any]], groups: list[dict[str, Any]], state_keys: tuple[str, ...]) -> None:
+    """Creates every state key a step would create, as a fresh start has it (step 0, zeros): what
+    a sharded checkpoint loads into (Megatron's ``init_state_fn``). Keys present stay."""
+    for group in groups:
+        keys = element_state_keys(state_keys, group)
+        for p in group["params"]:
+            st = state[p]
+            if "step" not in st:
+                st["step"] = torch.tensor(0.0, dtype=torch.float32, device=p.device)
+            for key in keys:
+                if key not in st:  # a DTensor parameter gets DTensor state, sharded like it
+                    st[key] = torch.zeros_like(p, dtype=torch.float32, memory_format=torch.contiguous_format)
+
+
+def init_state(plan: Plan, state_keys: tuple[str, ...], epoch: int, counts: StepCounts) -> None:
+    """Creates missing state lazily (also keys an older checkpoint lacks) and counts the step.
+
+    Step counters live on the table device: the host for the host-table kernels, the
+    parameters' device for the sync-free kernels, where a skipped step (``plan.found``)
+    does not count. ``epoch``: the optimizer's state epoch; a plan shape found complete in the
+    same epoch is not checked again."""
+    beta3 = plan.group["beta3"] if plan.gsnr else 0.0
+    counters = None
+    if plan.shape is not None and plan.shape.ready == epoch:
+        try:  # the same state as at the last complete check (nothing replaced it since: same epoch)
+            counters = [st["step"] for st in plan.states]
+            if beta3 > 0:
+                plan.avg = [st["gsnr_avg"] for st in plan.states]
+        except KeyError:
+            counters, plan.avg = None, []
+    if counters is None:
+        counters = _complete(plan, state_keys, beta3)
+        if plan.shape is not None:
+            plan.shape.ready = epoch
+    if not counters:  # no piece of this group here (a layout's collectives only)
+        plan.step_t = torch.ones(0, dtype=torch.float64, device=plan.tdev)
+        return
+    # a device scalar per counter (a list): the 0-d-tensor overload reads the scalar on the host
+    added = 1.0 if plan.found is None else [(1.0 - plan.found).float()] * len(counters)
+    counts.add(counters, added)
+    # A skipped step's bias corrections must stay finite (its kernels store nothing).
+    steps = torch.stack(counters).double().clamp_min(1.0)
+    plan.step_t = steps.index_select(0, plan.tensor_of)
+
+
+def _complete(plan: Plan, state_keys: tuple[str, ...], beta3: float) -> list[Tensor]:
+    """Every state tensor of the plan, created where missing; returns the step counters."""
+    counters = []
+    for p, st in zip(plan.params, plan.states):
+        if "step" not in st:
+            st["step"] = torch.tensor(0.0, dtype=torch.float32, device=plan.tdev)
+        elif st["step"].device != plan.tdev:
+            st["step"] = st["step"].to(plan.tdev)
+        for key in state_keys:
+            if key not in st:
+                st[key] = torch.zeros(p.shape, dtype=torch.float32, device=p.device)
+        if beta3 > 0 and "gsnr_avg" not in st:
+            # p̂ = 1 after the bias correction 1 - beta3**step: zeros on a fresh start; on a
+            # state without it (GSNR switched on at a resume) the base optimizer's step,
+            # which the measured GSNR then takes over from
+            prior = 1.0 - torch.pow(beta3, st["step"].to(device=p.device, dtype=torch.float32))
+            st["gsnr_avg"] = prior * torch.ones(p.shape, dtype=torch.float32, device=p.device)
+        counters.append(st["step"])
+        if beta3 > 0:
+            plan.avg.append(st["gsnr_avg"])
+    return counters
