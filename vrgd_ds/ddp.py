@@ -37,6 +37,7 @@ from vrgd_ds.optim.registry import REGISTRY
 from vrgd_ds.stats.comm import CommCounters, fused_all_reduce
 from vrgd_ds.stats.local import LocalStats
 from vrgd_ds.optim._impl import select_for
+from vrgd_ds.stats.scaling import Scaling
 
 # (parameter, Σg buffer, Σg² buffer, offset in the bucket, length) of every parameter of a bucket
 _Slice = tuple[Tensor, Tensor, Tensor, int, int]
@@ -197,8 +198,7 @@ def _attach_per_step(ddp_model: DistributedDataParallel, optimizer: GSNROptimize
     per parameter, installed when a forward pass runs under ``no_sync()`` and removed when a step
     synchronises every backward again (``_BucketPath``)."""
     params = [p for p in params if p.requires_grad]
-    stats = LocalStats(dist, select_for(optimizer), world, params, gbar="local", squares_dtype=torch.float32,
-                       loss_scale=lambda: 1.0, accumulation=lambda: 1)
+    stats = LocalStats(dist, select_for(optimizer), Scaling(world), params, gbar="local", squares_dtype=torch.float32)
     stats.reset_ends_step = True  # no engine wraps the step: the optimizer's reset ends it
     stats.hooks_only = hooks_only
     total = sum(p.numel() for p in params)

@@ -181,3 +181,17 @@ def test_readme_keeps_the_two_setup_commands():
         assert target in targets, f"the Makefile has no '{target}' target"
         assert f"make {target}" in commands, f"README.md has no code line running 'make {target}'"
     assert "make test" in (ROOT / ".ci" / "run").read_text(encoding="utf-8"), ".ci/run no longer runs make test"
+
+
+def test_readme_opens_with_the_switch_and_the_two_commands():
+    """The README's first screen (40 lines) says what the project is, shows the one-word switch in
+    a DeepSpeed config (a JSON code line naming ``"type": "VRLamb"``) and the two set-up commands."""
+    first = README.read_text(encoding="utf-8").splitlines()[:40]
+    fenced, code = False, []
+    for line in first:
+        if FENCE.match(line):
+            fenced = not fenced
+        elif fenced:
+            code.append(line.split("#")[0].strip())
+    assert any('"type": "VRLamb"' in line for line in code), "the first screen lacks the DeepSpeed switch"
+    assert {"make test", "make demo"} <= set(code), "the first screen lacks the two set-up commands"

@@ -733,11 +733,11 @@ def test_reduction_statistics_are_written_fresh_and_never_left_stale():
     step reads as zero, not as the previous step's values."""
     from vrgd_ds.ds.sources import ReductionStats
     from vrgd_ds.optim import _impl
+    from vrgd_ds.stats.scaling import Scaling
 
     flat = torch.zeros(10)
     a, b = torch.zeros(6), torch.zeros(4)  # two model tensors living in flat[0:6] and flat[6:10]
-    stats = ReductionStats(None, [flat], world=2, per_micro_step=True, loss_scale=lambda: 1.0,
-                           kernels=_impl.Reference())
+    stats = ReductionStats(None, [flat], Scaling(2), per_micro_step=True, kernels=_impl.Reference())
     stats.piece(a, flat, 0, 6)
     stats.piece(b, flat, 6, 4)
     for step, parts in enumerate([[a, b], [a]]):
@@ -762,11 +762,11 @@ def test_a_tensor_without_statistics_is_an_error_naming_it():
     from vrgd_ds.ds.sources import ReductionStats
     from vrgd_ds.optim import _impl
     from vrgd_ds.stats.local import LocalStats
+    from vrgd_ds.stats.scaling import Scaling
 
     known, added = torch.zeros(6), torch.zeros(3, 5)
-    sources = [ReductionStats(None, [known], world=1, per_micro_step=True, loss_scale=lambda: 1.0,
-                              kernels=_impl.Reference()),
-               LocalStats(None, _impl.Reference(), 1, [known], "local", torch.float32, lambda: 1.0, lambda: 1)]
+    sources = [ReductionStats(None, [known], Scaling(1), per_micro_step=True, kernels=_impl.Reference()),
+               LocalStats(None, _impl.Reference(), Scaling(1), [known], "local", torch.float32)]
     for stats in sources:
         sum_g, sum_sq = stats.moments([known])
         assert sum_g[0].shape == sum_sq[0].shape == (6,)

@@ -16,14 +16,23 @@ from vrgd_ds.ds.internals import UnsupportedConfiguration
 from vrgd_ds.stats import hierarchical
 from vrgd_ds.stats.hierarchical import NodeStats, node_groups
 from vrgd_ds.stats.local import LocalStats
+from vrgd_ds.stats.scaling import Scaling
+
+
+def scaling(engine: Any, path: Any, world: int, per_micro_step: bool = True) -> Scaling:
+    """DeepSpeed's scaling of the values the statistics read (``vrgd_ds/stats/scaling.py``): the
+    path's loss scale, and each micro-step's loss divided by the accumulation steps. A reduction
+    at the accumulation boundary (``per_micro_step=False``) reads the accumulated gradient, whose
+    average over the micro-steps is the one group."""
+    accumulation = engine.gradient_accumulation_steps if per_micro_step else Scaling(world).accumulation
+    return Scaling(world, path.loss_scale, accumulation)
 
 
 def attach(engine: Any, path: Any, world: int, gbar: str, squares_dtype: torch.dtype, kernels: Any,
            hooks_only: bool = False) -> LocalStats:
     """``hooks_only`` (``"vrgd": {"micro_steps": "hooks"}``): a tensor hook per parameter even where
     a DeepSpeed bucket holds each micro-step."""
-    stats = LocalStats(dist, kernels, world, path.targets(), gbar, squares_dtype, path.loss_scale,
-                       engine.gradient_accumulation_steps)
+    stats = LocalStats(dist, kernels, scaling(engine, path, world), path.targets(), gbar, squares_dtype)
     stats.hooks_only = hooks_only
     path.local_buffers(stats)
     if gbar == "engine":
@@ -80,8 +89,7 @@ def attach_hierarchical(engine: Any, path: Any, world: int, gbar: str, kernels: 
     if world % size:
         raise UnsupportedConfiguration(f"vrgd.node_size: {size} does not divide the {world} data-parallel ranks")
     nodes = node_groups(dist, world, dist.get_rank(), size)
-    stats = NodeStats(dist, kernels, world, path.targets(), gbar, path.loss_scale,
-                      engine.gradient_accumulation_steps, nodes)
+    stats = NodeStats(dist, kernels, scaling(engine, path, world), path.targets(), gbar, nodes)
     stats.hooks_only = hooks_only
     path.node_buffers(stats)
     if gbar == "engine":

@@ -33,12 +33,14 @@ step (fp16 overflow): the wrapper's ``step`` is wrapped, not the basic optimizer
 """
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import Any
 
 import torch
 from torch import Tensor
 
 from vrgd_ds.stats.comm import CommCounters
+from vrgd_ds.ds.local import scaling
+from vrgd_ds.stats.scaling import Scaling
 from vrgd_ds.stats.local import moment_buffers, moment_views
 from vrgd_ds.optim._impl import select_for
 
@@ -50,13 +52,12 @@ class ReductionStats:
     micro-step is a round (ZeRO-2/3) or only the accumulation boundary (stage 0, ZeRO-1).
     """
 
-    def __init__(self, engine: Any, flats: list[Tensor], world: int, per_micro_step: bool,
-                 loss_scale: Callable[[], float], kernels: Any) -> None:
+    def __init__(self, engine: Any, flats: list[Tensor], scaling: Scaling, per_micro_step: bool, kernels: Any) -> None:
         self.engine = engine
-        self.world = world
+        self.scaling = scaling
+        self.world = scaling.world
         self.per_micro_step = per_micro_step
-        self.kernels = kernels  # the optimizer's implementation: pack_squares
-        self._loss_scale = loss_scale
+        self.kernels = kernels  # pack_squares, through the selection rule
         self._bufs = moment_buffers(flats)
         self._shapes = {id(f): f.shape for f in flats}
         self._counts: dict[int, int] = {}  # reductions of each model tensor since the last step
@@ -98,9 +99,7 @@ class ReductionStats:
 
     def multiplier(self) -> float:
         """``c``: local reduced-bucket values -> one group's gradient."""
-        scale = float(self._loss_scale())
-        gas = self.engine.gradient_accumulation_steps() if self.per_micro_step else 1
-        return gas / scale
+        return self.scaling.group_multiplier(float(self.scaling.loss_scale()))
 
     def begin_round(self, tensors) -> None:
         """A bucket of ``tensors`` (model parameters) is about to be reduced."""
@@ -133,8 +132,8 @@ class ReductionStats:
 def attach(engine: Any, path: Any, world: int, squares_dtype: torch.dtype) -> ReductionStats:
     """The per-micro-step scheme on one engine path (``vrgd_ds/ds/paths.py``): the path replaces
     DeepSpeed's bucket reduction and feeds the returned source."""
-    stats = ReductionStats(engine, path.targets(), world, per_micro_step=path.per_micro_step,
-                           loss_scale=path.loss_scale, kernels=select_for(engine.basic_optimizer))
+    stats = ReductionStats(engine, path.targets(), scaling(engine, path, world, path.per_micro_step),
+                           per_micro_step=path.per_micro_step, kernels=select_for(engine.basic_optimizer))
     stats.squares_dtype = squares_dtype
     path.hook_reduction(stats)
     return stats

@@ -31,6 +31,7 @@ from torch.distributed.fsdp._fully_shard._fsdp_collectives import DefaultReduceS
 
 from vrgd_ds.fsdp.internals import UnsupportedFSDPConfiguration
 from vrgd_ds.stats.local import LocalStats
+from vrgd_ds.stats.scaling import Scaling
 
 
 def reduced_by_fsdp(group: Any) -> list[int]:
@@ -55,8 +56,7 @@ class FSDPStats(LocalStats):
     reset_ends_step = True  # no engine wraps the step: the optimizer's reset ends it
 
     def __init__(self, kernels: Any, world: int, targets: list[Tensor], squares_dtype: torch.dtype) -> None:
-        super().__init__(dist, kernels, world, targets, gbar="local", squares_dtype=squares_dtype,
-                         loss_scale=lambda: 1.0, accumulation=lambda: 1)
+        super().__init__(dist, kernels, Scaling(world), targets, gbar="local", squares_dtype=squares_dtype)
         self._groups: list[tuple[Any, Any, list[int], list[int]]] = []  # (fsdp group, bucket, indices, offsets)
         self._pending: dict[int, list[int]] = {}
         self.reductions = 0

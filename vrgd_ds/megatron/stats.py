@@ -38,6 +38,7 @@ from vrgd_ds.megatron.internals import require
 from vrgd_ds.stats.hierarchical import NodeStats, host_node_size, node_groups
 from vrgd_ds.stats.layout import Layout
 from vrgd_ds.stats.local import LocalStats, StatsBucket
+from vrgd_ds.stats.scaling import Scaling
 
 _CHUNK = ("buffers", "ddp_config")
 _BUFFER = ("grad_data", "param_index_map", "buckets", "data_parallel_group", "gradient_scaling_factor")
@@ -170,8 +171,8 @@ def _hierarchical(mopt: Any, buffers: list[Any], both: list, kernels: Any, dp: i
     if dp % size:
         raise ValueError(f"vrgd_ds.megatron: node_size {size} does not divide the {dp} data-parallel ranks")
     nodes = node_groups(dist, dp, dist.get_rank(group=group), size)
-    stats = NodeStats(dist, kernels, dp, [t for _, t in both], "engine", scale, lambda: 1, nodes,
-                      engine_factor=factor)
+    stats = NodeStats(dist, kernels, Scaling(dp, loss_scale=scale, engine_factor=factor), [t for _, t in both],
+                      "engine", nodes)
     stats.main_grads = []
     owned = dict(both)
     for b in buffers:  # every parameter: each rank packs the whole bucket, its own shard or not
@@ -190,8 +191,8 @@ def _hierarchical(mopt: Any, buffers: list[Any], both: list, kernels: Any, dp: i
 def _per_step(mopt: Any, buffers: list[Any], both: list, kernels: Any, dp: int, scale: Any, factor: Any, fold: bool,
               distributed: bool) -> LocalStats:
     """The per-step scheme on Megatron's buffers (the module docstring)."""
-    stats = LocalStats(dist, kernels, dp, [t for _, t in both], "engine", torch.float32, scale, lambda: 1,
-                       engine_factor=factor)
+    stats = LocalStats(dist, kernels, Scaling(dp, loss_scale=scale, engine_factor=factor), [t for _, t in both],
+                       "engine", torch.float32)
     shards: dict[tuple[int, int], Tensor] = {}  # (buffer id, bucket index) -> this rank's reduced shard
     buckets: dict[int, StatsBucket] = {}
     for b in buffers:

@@ -104,6 +104,9 @@ class GSNROptimizer(torch.optim.Optimizer):
         self._hook_stats: TensorHookStats | None = None
         self._layout: Any | None = None
         self.records = M.Recorder(self.name, self._serial)
+        #: set by an integration whose wrapper calls step() once per sub-group (ZeRO-3): metrics
+        #: then merge over the calls until ``begin_step_records()``
+        self.merge_step_records = False
         self.step_calls = 0
         self._counts = StepCounts()  # step counters the current step added to (undone on a retry)
         #: bumped whenever the state or the groups may have been replaced (load_state_dict, new
@@ -217,7 +220,7 @@ class GSNROptimizer(torch.optim.Optimizer):
     def _step(self) -> None:
         self.step_calls += 1
         self._counts.clear()
-        if not self.records.merge:
+        if not self.merge_step_records:
             self.records.begin()
         kernels = self.kernels()
         if isinstance(kernels, _impl.WithFallback):
@@ -281,16 +284,6 @@ class GSNROptimizer(torch.optim.Optimizer):
         """Every state key a step would create, as a fresh start has it (``state.allocate``)."""
         self._epoch += 1
         S.allocate(self.state, self.param_groups, self.state_keys)
-
-    @property
-    def merge_step_records(self) -> bool:
-        """Set by an integration whose wrapper calls step() once per sub-group (ZeRO-3): metrics
-        then merge over the calls until ``begin_step_records()``."""
-        return self.records.merge
-
-    @merge_step_records.setter
-    def merge_step_records(self, value: bool) -> None:
-        self.records.merge = value
 
     def begin_step_records(self) -> None:
         self.records.begin()

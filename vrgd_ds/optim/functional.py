@@ -171,6 +171,7 @@ def options(cls: type, hyper: dict[str, Any]) -> dict[str, Any]:
     return group
 
 
+@torch.no_grad()
 def functional_step(cls: type, params: Sequence[Tensor], grads: Sequence[Tensor], states: Sequence[dict[str, Any]],
                     sum_g: Sequence[Tensor] | None = None, sum_sq: Sequence[Tensor] | None = None, n: int = 0, *,
                     fused: bool | str | None = None, **hyper: Any) -> dict[str, float]:

@@ -164,14 +164,11 @@ def step_tables(plans: list[Plan], results: list[dict[str, Tensor]], n: int, fou
 
 class Recorder:
     """An optimizer's step metrics: the last step's tables (possibly on the device, read only
-    when asked for), the skip counts, and the metrics of a step skipped on the host.
-
-    ``merge``: set by an integration whose wrapper calls step() once per sub-group (ZeRO-3):
-    the tables then merge over the calls until ``begin()``."""
+    when asked for), the skip counts, and the metrics of a step skipped on the host. Tables
+    recorded before ``begin()`` merge (ZeRO-3 steps one sub-group per call)."""
 
     def __init__(self, owner: str, serial: int) -> None:
         self.owner, self.serial = owner, serial
-        self.merge = False
         self._metrics: dict[str, float] = {}  # a step skipped before any kernel ran (host-decided)
         self._record: StepRecord | None = None
         self._skipped_host = 0

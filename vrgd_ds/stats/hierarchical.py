@@ -39,6 +39,7 @@ from torch import Tensor
 from vrgd_ds.optim.columns import BucketTable
 from vrgd_ds.stats.comm import all_gather, all_reduce, reduce_scatter
 from vrgd_ds.stats.local import PAD, BucketPlan, LocalStats
+from vrgd_ds.stats.scaling import Scaling
 
 
 def _pad(n: int) -> int:
@@ -135,10 +136,9 @@ class NodeStats(LocalStats):
     of the module docstring in place of full-size buffers. fp32 squares only (the
     intra-node reduce-scatter carries ``[Σg | Σg²]`` chunks in one dtype)."""
 
-    def __init__(self, comm: Any, kernels: Any, world: int, targets: list[Tensor], gbar: str,
-                 loss_scale: Callable[[], float], accumulation: Callable[[], int], nodes: Nodes,
-                 engine_factor: Callable[[], float] | None = None) -> None:
-        super().__init__(comm, kernels, world, targets, gbar, torch.float32, loss_scale, accumulation, engine_factor)
+    def __init__(self, comm: Any, kernels: Any, scaling: Scaling, targets: list[Tensor], gbar: str,
+                 nodes: Nodes) -> None:
+        super().__init__(comm, kernels, scaling, targets, gbar, torch.float32)
         self.nodes = nodes
         self.node_buckets: list[NodeBucket] = []
         # per parameter: its bucket, and where its elements lie: element e is at x = start + e, in

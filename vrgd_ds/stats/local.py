@@ -37,7 +37,7 @@ from __future__ import annotations
 import logging
 import weakref
 from dataclasses import dataclass, field
-from typing import Any, Callable, Hashable, Iterable
+from typing import Any, Callable, Hashable
 
 import numpy as np
 import torch
@@ -45,6 +45,7 @@ from torch import Tensor
 
 from vrgd_ds.optim.columns import BucketTable
 from vrgd_ds.stats.comm import CommCounters, launch
+from vrgd_ds.stats.scaling import Scaling
 
 logger = logging.getLogger(__name__)
 
@@ -234,19 +235,15 @@ class LocalStats:
     gradient is read) are set up by each engine path.
     """
 
-    def __init__(self, comm: Any, kernels: Any, world: int, targets: list[Tensor], gbar: str,
-                 squares_dtype: torch.dtype, loss_scale: Callable[[], float],
-                 accumulation: Callable[[], int], engine_factor: Callable[[], float] | None = None) -> None:
+    def __init__(self, comm: Any, kernels: Any, scaling: Scaling, targets: list[Tensor], gbar: str,
+                 squares_dtype: torch.dtype) -> None:
         self.comm = comm  # deepspeed.comm or torch.distributed
-        self._accumulation = accumulation
-        #: ``gbar="engine"``: Σg = factor · engine gradient; default n / loss scale (DeepSpeed: the
-        #: engine's gradient is the mean over ranks and micro-steps, loss-scaled)
-        self._engine_factor = engine_factor
+        #: the engine's world size, loss scale, averaging and Σg factor (``gbar="engine"``)
+        self.scaling = scaling
         self.kernels = kernels
-        self.world = world
+        self.world = scaling.world
         self.gbar = gbar
         self.squares_dtype = squares_dtype
-        self._loss_scale = loss_scale
         self._targets = {id(t): t for t in targets}
         self._bufs: dict[int, tuple[Tensor, Tensor]] = {}
         self.stat_buckets: list[StatsBucket] = []
@@ -373,8 +370,8 @@ class LocalStats:
         if plan is None:
             plan = self._plans[key] = build(members())
         if not self._counts.any():
-            self._scale = float(self._loss_scale())
-            self._c = float(self._accumulation()) / self._scale
+            self._scale = float(self.scaling.loss_scale())
+            self._c = self.scaling.group_multiplier(self._scale)
         return plan
 
     def _table(self, plan: BucketPlan, counts: np.ndarray) -> BucketTable:
@@ -433,10 +430,7 @@ class LocalStats:
         ``engine_factor() · g`` where the engine's gradient is another multiple of the sum)."""
         if self.gbar != "engine" or id(target) not in self._targets:
             return
-        if self._engine_factor is not None:
-            factor = self._engine_factor()
-        else:
-            factor = self.n / self._scale
+        factor = self.scaling.sum_g_factor(self.n, self._scale)
         g, sq = self._bufs.get(id(target), (None, None))
         if g is None or g.numel() != target.numel() or g is sq:
             g = torch.empty(target.numel(), dtype=torch.float32, device=target.device)

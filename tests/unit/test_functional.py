@@ -1,0 +1,93 @@
+"""Each member's step as a public function (``vrgd_ds.optim.vr_lamb`` and the others): one
+process, whole tensors, statistics the caller accumulated. What it is for: a reader or another
+framework steps a member without the optimizer class, so it must be the class's step exactly."""
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+import vrgd_ds
+from vrgd_ds.optim import REGISTRY, functional
+from vrgd_ds.stats.source import GivenStatistics
+
+MEMBERS = [name for name, info in REGISTRY.items() if info.function is not None]
+
+
+def _statistics(params, n, seed):
+    """Σg and Σg² of ``n`` noisy gradient groups per parameter, and their mean (the gradient)."""
+    g = torch.Generator().manual_seed(seed)
+    groups = [[p.detach() * 0.1 + torch.randn(p.shape, generator=g) for p in params] for _ in range(n)]
+    sum_g = [sum(gs[i] for gs in groups) for i in range(len(params))]
+    sum_sq = [sum(gs[i].square() for gs in groups) for i in range(len(params))]
+    return sum_g, sum_sq, [s / n for s in sum_g]
+
+
+@pytest.mark.parametrize("gsnr", [True, False])
+@pytest.mark.parametrize("name", MEMBERS)
+def test_the_function_is_the_class_step_bit_for_bit(name, gsnr):
+    """Three steps of ``vr_<member>`` on states the caller keeps equal three steps of the class fed
+    the same statistics: parameters, every state tensor and the metrics, bit for bit."""
+    info = REGISTRY[name]
+    kwargs = {**info.test_kwargs, "gsnr": gsnr}
+    torch.manual_seed(1)
+    ours = [nn.Parameter(torch.randn(5, 4)), nn.Parameter(torch.randn(7))]
+    theirs = [nn.Parameter(p.detach().clone()) for p in ours]
+    opt = info.cls(theirs, **kwargs)
+    states = [{} for _ in ours]
+    for step in range(3):
+        sum_g, sum_sq, mean = _statistics(ours, 4, seed=step)
+        for p, gr in zip(theirs, mean):
+            p.grad = gr.clone()
+        opt.set_statistics_source(GivenStatistics(theirs, sum_g, sum_sq, 4) if gsnr else None)
+        opt.step()
+        got = info.function(ours, [m.clone() for m in mean], states, *((sum_g, sum_sq, 4) if gsnr else ()), **kwargs)
+        want = opt.gsnr_metrics()
+        assert got.keys() == {k for k in want if k != "step/skipped_total"}
+        assert all(got[k] == want[k] or (got[k] != got[k] and want[k] != want[k]) for k in got)
+    for p, q in zip(ours, theirs):
+        assert torch.equal(p, q)
+    for st, p in zip(states, theirs):
+        assert st.keys() == opt.state[p].keys()
+        assert all(torch.equal(st[k], opt.state[p][k]) for k in st)
+
+
+def test_the_function_damps_a_noisy_coordinate_against_its_base():
+    """What VR-LAMB is for, through the function: a coordinate whose gradient groups disagree moves
+    less, relative to a clean one, than under LAMB (``gsnr=False``) from the same start."""
+    n = 8
+    g = torch.Generator().manual_seed(0)
+    clean = torch.full((n, 1), 1.0)
+    noisy = 1.0 + 6.0 * torch.randn(n, 1, generator=g)
+    groups = torch.cat([clean, noisy], dim=1)  # [n groups, 2 coordinates]
+    moved = {}
+    for gsnr in (True, False):
+        p = torch.zeros(2)
+        p0 = p.clone()
+        stats = ([groups.sum(0)], [groups.square().sum(0)], n) if gsnr else ()
+        vrgd_ds.optim.vr_lamb([p], [groups.mean(0)], [{}], *stats, lr=0.1, weight_decay=0.0, gsnr=gsnr, beta3=0.0)
+        moved[gsnr] = (p - p0).abs()
+    assert moved[True][1] / moved[True][0] < 0.5 * (moved[False][1] / moved[False][0])
+
+
+def test_an_unknown_option_is_named():
+    p = torch.zeros(3)
+    with pytest.raises(TypeError, match="unknown option 'gama'"):
+        vrgd_ds.optim.vr_adam([p], [torch.ones(3)], [{}], gsnr=False, gama=0.1)
+
+
+def test_gsnr_without_statistics_is_refused_with_the_fix():
+    p = torch.zeros(3)
+    with pytest.raises(ValueError, match="pass Σg and Σg²"):
+        vrgd_ds.optim.vr_adam([p], [torch.ones(3)], [{}])
+    with pytest.raises(RuntimeError, match="at least 2 gradient groups"):
+        vrgd_ds.optim.vr_adam([p], [torch.ones(3)], [{}], [torch.ones(3)], [torch.ones(3)], 1)
+
+
+def test_options_are_the_classes_group_options():
+    """``functional.options`` builds the group a constructor builds (defaults, derived values)."""
+    for name in MEMBERS:
+        info = REGISTRY[name]
+        built = info.cls([nn.Parameter(torch.ones(2))], **info.test_kwargs).defaults
+        assert functional.options(info.cls, info.test_kwargs) == {k: v for k, v in built.items()
+                                                                  if k != "differentiable"}
