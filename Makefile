@@ -5,7 +5,7 @@ PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 
-.PHONY: install test test-all test-exhaustive demo demo-mlp bench
+.PHONY: install test test-unit test-all test-exhaustive demo demo-mlp bench
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -18,9 +18,13 @@ $(VENV)/.installed: pyproject.toml
 install: $(VENV)/.installed
 
 # make test: everything that guards correctness, the distributed matrices as covering designs
-# (every pair of factor levels); make test-all: also their full products (README "Tests")
+# (every pair of factor levels); make test-all: also their full products (docs/testing.md "Tiers")
 test: install
 	$(PY) -m pytest -q -m "not exhaustive" tests
+
+# the unit tier: tests/unit less what compiles, interprets kernels or starts processes (seconds)
+test-unit: install
+	$(PY) -m pytest -q -m "not slow and not exhaustive" tests/unit
 
 test-all: install
 	$(PY) -m pytest -q tests

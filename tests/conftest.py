@@ -34,11 +34,12 @@ def shared_data() -> pathlib.Path:
     return path
 
 
-def pytest_sessionstart(session):
+def pytest_collection_finish(session):
     """Builds the JIT extensions the launched ranks load (our fused kernels, DeepSpeed's CPU
     shared-memory all-reduce) once, here, before any launch: ranks then only load them, and a
     rank killed on a timeout can never leave a build lock that every later launch would wait
-    on. A build that fails here fails again, with its message, where it is used."""
+    on. A build that fails here fails again, with its message, where it is used. DeepSpeed's op
+    only when a collected test launches ranks (the unit tier, ``make test-unit``, starts none)."""
     import logging
 
     from vrgd_ds.optim import _fused
@@ -47,6 +48,9 @@ def pytest_sessionstart(session):
         _fused.load()
     except _fused.FusedKernelsUnavailable as exc:
         logging.getLogger(__name__).warning("%s", exc)
+    unit = pathlib.Path(__file__).resolve().parent / "unit"
+    if all(unit in pathlib.Path(str(item.path)).resolve().parents for item in session.items):
+        return
     try:
         from deepspeed.comm.torch import build_shm_op  # what TorchBackend calls in every rank
 

@@ -37,6 +37,7 @@ def check_output(out: Path, plots: list[str]) -> list[dict]:
     return [json.loads(line) for line in (out / "runs.jsonl").read_text().splitlines()]
 
 
+@pytest.mark.exhaustive
 def test_linreg_quick(tmp_path):
     run_study("linreg.py", "--quick", "--out", str(tmp_path))
     runs = check_output(tmp_path, ["loss.png", "gsnr.png", "gamma.png", "k.png"])
@@ -76,6 +77,7 @@ def test_linreg_group_gradients_equal_one_backward_per_group():
     assert not torch.equal(direct.detach(), torch.full((linreg.DIM,), 0.5))
 
 
+@pytest.mark.exhaustive
 def test_collapse_quick(tmp_path):
     run_study("collapse.py", "--quick", "--out", str(tmp_path))
     runs = check_output(tmp_path, ["collapse.png"])

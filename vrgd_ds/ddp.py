@@ -166,7 +166,7 @@ def attach(ddp_model: DistributedDataParallel, optimizer: GSNROptimizer,
     gsnr_params = [p for g in optimizer.param_groups if g["gsnr"] for p in g["params"]]
     if any(g["gsnr"] for g in optimizer.param_groups):
         if world < MIN_GROUPS:
-            raise ValueError(f"{type(optimizer).__name__} with gsnr=True under DDP needs >= {MIN_GROUPS} ranks in "
+            raise ValueError(f"{optimizer.name} with gsnr=True under DDP needs >= {MIN_GROUPS} ranks in "
                              f"the DDP process group (one gradient group per rank), got {world}: use >= 2 ranks "
                              "or gsnr=False")
         ignored = ddp_model.parameters_to_ignore
@@ -174,7 +174,7 @@ def attach(ddp_model: DistributedDataParallel, optimizer: GSNROptimizer,
                    if p.requires_grad and name not in ignored}
         missing = sum(1 for p in gsnr_params if p.requires_grad and id(p) not in reduced)
         if missing:
-            raise ValueError(f"{missing} parameter(s) of a gsnr=True param group of {type(optimizer).__name__} are "
+            raise ValueError(f"{missing} parameter(s) of a gsnr=True param group of {optimizer.name} are "
                              "not reduced by this DDP model: build the optimizer on ddp_model.parameters()")
     if squares == "per_micro_step":
         stats = DDPStats(group, world, select_for(optimizer))

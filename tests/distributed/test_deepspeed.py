@@ -176,7 +176,7 @@ def test_hierarchical_statistics_on_two_nodes_equal_the_reference(pool4, name, c
         assert res["l2"] <= CONTRAST["fp32"] * res["contrast_l2"], res
 
 
-@pytest.mark.parametrize("gbar", ["engine", "local"])
+@pytest.mark.parametrize("gbar", [pytest.param("engine", marks=pytest.mark.exhaustive), "local"])
 def test_hierarchical_statistics_hold_a_node_share_of_per_steps_memory(pool4, gbar):
     """4 ranks as 2 nodes × 2, ZeRO-2, accumulation 2, a bucket of 40 elements: the buffers that
     mirror the model's gradients hold half of the per-step scheme's full-size one (÷ ranks per
@@ -201,7 +201,7 @@ def test_hierarchical_statistics_hold_a_node_share_of_per_steps_memory(pool4, gb
     assert "hierarchical over 2 node(s) of 2 rank(s)" in hier["describe"]
 
 
-@pytest.mark.parametrize("gbar", ["engine", "local"])
+@pytest.mark.parametrize("gbar", [pytest.param("engine", marks=pytest.mark.exhaustive), "local"])
 def test_hierarchical_statistics_on_stage_0_gather_the_whole_sums_at_the_step(pool4, gbar):
     """Stage 0, where every rank steps every parameter: 4 ranks as 2 nodes × 2, no accumulation
     (DeepSpeed's one bucket read). During the micro-steps the node buffer is half of the per-step
@@ -222,6 +222,7 @@ def test_hierarchical_statistics_on_stage_0_gather_the_whole_sums_at_the_step(po
     assert hier["intra_calls"] == 1 + words, hier  # the bucket's reduce-scatter, then one gather per half
 
 
+@pytest.mark.exhaustive  # 14 s; make test checks the local ḡ in bf16 in the per-step covering design
 def test_engine_mean_gradient_in_bf16_inflates_the_gsnr_local_does_not(pool):
     """The measurement behind gbar="auto": in bf16 training DeepSpeed's bf16-reduced ḡ meets the
     fp32 squares in s - ḡ²; its rounding inflates the first step's mean GSNR (seen 4.46 against

@@ -106,6 +106,7 @@ def len_of(tmp: Path, index: int) -> int:
     return len(train)
 
 
+@pytest.mark.exhaustive
 def test_killed_mid_adaptation_resumes_on_the_same_trajectory(full):
     """SIGKILL after the step-4 checkpoint (the batch changed after steps 2 and 4), restart:
     the controller's state, the accumulation, the sampler position and the LR come back, and

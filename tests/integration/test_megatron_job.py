@@ -64,6 +64,7 @@ def _train(tmp_path: Path, corpus: Path, **train) -> list[dict]:
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
+@pytest.mark.exhaustive
 def test_gpt_job_in_bf16(tmp_path, corpus):
     """bf16 as Megatron trains it: the model in bf16 inside ``Float16Module``, gradients reduced in
     fp32, fp32 main parameters in the optimizer; the statistics read the same fp32 buffers."""

@@ -42,6 +42,7 @@ def config(corpus, tmp_path_factory) -> Path:
     return write_config(tmp_path_factory.mktemp("reliability"), CONFIG, corpus)
 
 
+@pytest.mark.exhaustive
 def test_diverged_run_stops_and_keeps_the_last_good_checkpoint(config, tmp_path):
     """LR 1e6: every step from the third on is non-finite and skipped. Before: a warning per step,
     the run went on to the end, reported a NaN held-out loss, saved and exited 0, and the rotation
@@ -67,6 +68,7 @@ def test_diverged_run_stops_and_keeps_the_last_good_checkpoint(config, tmp_path)
     assert max(rec) == skipped[-1]  # stopped there: no evaluation or checkpoint of the diverged state
 
 
+@pytest.mark.exhaustive
 def test_broken_newest_checkpoint_falls_back_to_the_previous(config, alone, tmp_path):
     """One rank's optimizer file of the newest checkpoint cut short (as a kill during torch.save
     leaves it). Before: the restart failed with "checkpoint file is corrupted" and no file named,
@@ -110,6 +112,7 @@ def test_stalled_rank_ends_the_job_naming_it(config, tmp_path):
     print(f"stall-to-exit {took:.1f} s (timeout 15 s)")
 
 
+@pytest.mark.exhaustive
 def test_killed_rank_ends_the_whole_job_quickly(config, tmp_path):
     """kill -9 of one rank: the launcher ends the other and exits non-zero within seconds."""
     run = tmp_path / "run"
@@ -249,6 +252,7 @@ def test_a_second_job_on_the_run_directory_is_refused_and_the_first_is_unharmed(
     print(f"second job refused after {took:.1f} s")
 
 
+@pytest.mark.exhaustive
 def test_a_killed_jobs_run_directory_is_taken_over(config, tmp_path):
     """kill -9 of the whole job (launcher and ranks) leaves its owner record; the next start on
     the same host sees the pid gone, takes the directory over with a log line and resumes."""
@@ -267,6 +271,7 @@ def test_a_killed_jobs_run_directory_is_taken_over(config, tmp_path):
     assert "resumed from" in out
 
 
+@pytest.mark.exhaustive
 def test_a_requeued_slurm_job_continues_in_its_run_directory(config, tmp_path):
     """The previous start of Slurm job 4711 ran on another node and left its record with a fresh
     heartbeat (the requeue came moments later): the same job id continues (another job id is
@@ -287,6 +292,7 @@ def test_a_requeued_slurm_job_continues_in_its_run_directory(config, tmp_path):
 # ---- resuming on other ranks, with another optimizer ---------------------------------------
 
 
+@pytest.mark.exhaustive
 def test_a_checkpoint_resumes_on_another_number_of_ranks_with_the_same_samples(config, alone, tmp_path):
     """Before: saved on 2 ranks and resumed on 1, every checkpoint "failed to load" and the job
     told the user to move the directory away. Now it is converted once to universal form (with
@@ -323,6 +329,7 @@ def test_a_checkpoint_resumes_on_another_number_of_ranks_with_the_same_samples(c
     print(f"2 -> 1 -> 2 ranks: largest relative loss difference {worst:.1e}")
 
 
+@pytest.mark.exhaustive
 def test_a_vr_lamb_run_resumes_as_lamb_and_back(config, alone, tmp_path):
     """Before: resumed with optimizer.type Lamb, both ranks crashed in step() with "Lamb: no
     statistics source is attached", after a warning that the state was "saved by an older
@@ -344,6 +351,7 @@ def test_a_vr_lamb_run_resumes_as_lamb_and_back(config, alone, tmp_path):
     assert all(math.isfinite(r["train/loss"]) for s, r in records(run).items() if s > 0)
 
 
+@pytest.mark.exhaustive
 def test_another_optimizer_family_stops_or_starts_fresh_as_configured(config, alone, tmp_path):
     """VRLamb -> VRSGD cannot carry its state: by default the job stops, naming
     checkpoint.optimizer_state; with "reset_if_incompatible" it continues from the saved weights

@@ -38,6 +38,7 @@ def _train(tmp: Path, assets: tuple[Path, Path], steps: int) -> str:
     return out
 
 
+@pytest.mark.exhaustive
 def test_torchtitan_trains_the_debug_model_with_vr_lamb_and_resumes(tmp_path):
     """4 steps (checkpoints at 2 and 4), then a second run to 6 that torchtitan resumes from step
     4: every step a VRLamb step with n = 2 ranks × 2 micro-batches, nothing skipped, finite losses.

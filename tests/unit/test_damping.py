@@ -9,6 +9,8 @@ from vrgd_ds.damping import noise_signal_ratio
 from vrgd_ds.optim import _fused
 from vrgd_ds.optim.adam import GSNR_PLACEMENTS
 
+pytestmark = pytest.mark.slow  # compiles, trains or starts processes: not in make test-unit
+
 IMPLS = [False, pytest.param(True, marks=pytest.mark.skipif(not _fused.available(), reason="no C++ toolchain"))]
 LR = {"VRSGD": 0.01, "VRMomentum": 0.01, "VRAdam": 1e-3, "VRLamb": 1e-3, "VRLars": 0.1, "VRMerit": 1e-3}
 PROBLEM = dict(steps=200, window=100)

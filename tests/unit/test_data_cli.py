@@ -16,6 +16,8 @@ from vrgd_ds.data_pipeline.prepare import prepare
 from vrgd_ds.data_pipeline.shards import ShardedCorpus
 from vrgd_ds.data_pipeline.tokenizer import Tokenizer
 
+pytestmark = pytest.mark.slow  # compiles, trains or starts processes: not in make test-unit
+
 REPO = Path(__file__).resolve().parents[2]
 
 

@@ -15,7 +15,8 @@ import gpu_static  # noqa: E402
 
 from vrgd_ds.optim import _triton  # noqa: E402
 
-pytestmark = pytest.mark.skipif(not _triton.INTERPRETED, reason="counts are taken under TRITON_INTERPRET=1")
+pytestmark = [pytest.mark.skipif(not _triton.INTERPRETED, reason="counts are taken under TRITON_INTERPRET=1"),
+              pytest.mark.slow]  # the kernels interpreted: not in make test-unit
 
 
 @pytest.fixture(scope="module")

@@ -17,7 +17,8 @@ from vrgd_ds.optim.adam import GSNR_PLACEMENTS
 triton = pytest.importorskip("triton", reason="pip install triton (the tests run its interpreter on CPU)")
 from vrgd_ds.optim import _triton  # noqa: E402
 
-pytestmark = pytest.mark.skipif(_triton.available() is not None, reason=str(_triton.available()))
+pytestmark = [pytest.mark.skipif(_triton.available() is not None, reason=str(_triton.available())),
+              pytest.mark.slow]  # the kernels interpreted: not in make test-unit
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 # the members with a GSNR placement (the Adam family), from the registry
 ADAM_FAMILY = [n for n, i in REGISTRY.items() if i.vr and "gsnr_placement" in i.accepted_params()]

@@ -19,6 +19,8 @@ import torch
 triton = pytest.importorskip("triton", reason="pip install triton (ships its own ptxas and cuobjdump)")
 from vrgd_ds.optim import _triton, triton_aot  # noqa: E402
 
+pytestmark = pytest.mark.slow  # compiles, trains or starts processes: not in make test-unit
+
 
 def _compiler_env() -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}

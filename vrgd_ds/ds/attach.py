@@ -36,7 +36,7 @@ def attach(engine: Any) -> sources.ReductionStats | None:
         n = sources.expected_groups(world, gas, stage, scheme)
         if n < MIN_GROUPS:
             raise UnsupportedConfiguration(
-                f"{type(opt).__name__}: GSNR needs >= {MIN_GROUPS} gradient groups per step, this run has n={n} "
+                f"{opt.name}: GSNR needs >= {MIN_GROUPS} gradient groups per step, this run has n={n} "
                 f"({world} data-parallel rank(s), gradient_accumulation_steps={gas}, ZeRO stage {stage}: groups are "
                 + ("ranks x micro-steps" if stage >= 2 or scheme != "per_micro_step" else "ranks") + "). Use more ranks"
                 + (", or gradient_accumulation_steps >= 2" if stage >= 2 or scheme != "per_micro_step"
@@ -67,7 +67,7 @@ def attach(engine: Any) -> sources.ReductionStats | None:
     # loss scaler that is an overflow (the scale drops), otherwise the gradients are non-finite.
     _hook_step(wrapper, opt, stats, "step/skipped_overflow" if engine.fp16_enabled() else "step/skipped_nonfinite")
     engine.vrgd_stats = stats
-    logger.info("vrgd_ds: %s attached to DeepSpeed (stage %d, %s, %s)", type(opt).__name__, stage,
+    logger.info("vrgd_ds: %s attached to DeepSpeed (stage %d, %s, %s)", opt.name, stage,
                 type(wrapper).__name__,
                 f"n={sources.expected_groups(world, gas, stage, scheme)} groups per step, squares {scheme}"
                 + (f", {stats.describe()}" if hasattr(stats, "describe") else "")

@@ -188,14 +188,14 @@ def attach(model: torch.nn.Module, optimizer: GSNROptimizer, squares_dtype: str 
     shard, replicate = checked[0]
     world = shard.size() * (1 if replicate is None else replicate.size())
     if any(g["gsnr"] for g in optimizer.param_groups) and world < MIN_GROUPS:
-        raise ValueError(f"{type(optimizer).__name__} with gsnr=True under FSDP needs >= {MIN_GROUPS} data-parallel "
+        raise ValueError(f"{optimizer.name} with gsnr=True under FSDP needs >= {MIN_GROUPS} data-parallel "
                          f"ranks, got {world}")
 
     managed = {id(fp.sharded_param): fp for _, g in groups for fp in g.fsdp_params}
     for group in optimizer.param_groups:
         for p in group["params"]:
             if id(p) not in managed:
-                raise ValueError(f"{type(optimizer).__name__} updates a parameter of shape {tuple(p.shape)} that FSDP "
+                raise ValueError(f"{optimizer.name} updates a parameter of shape {tuple(p.shape)} that FSDP "
                                  "does not shard: build the optimizer on model.parameters() after fully_shard")
     tensors = ModelTensors.of(model)
     device = groups[0][1].fsdp_params[0].sharded_param.device
@@ -221,7 +221,7 @@ def attach(model: torch.nn.Module, optimizer: GSNROptimizer, squares_dtype: str 
     if not any(g["gsnr"] for g in optimizer.param_groups):  # the base optimizers: per-tensor sums only
         optimizer.set_statistics_source(None, layout)
         logger.info("vrgd_ds.fsdp: %s without GSNR: per-tensor sums over the shards, FSDP's reduction untouched",
-                    type(optimizer).__name__)
+                    optimizer.name)
         return None
     stats = FSDPStats(select_for(optimizer), world, locals_, _SQUARES[squares_dtype])
     for gi, (module, group) in enumerate(groups):

@@ -53,7 +53,7 @@ def _refuse_format(fmt: Any) -> None:
 def _common_step(inner: GSNROptimizer) -> float:
     steps = {float(st["step"]) for st in inner.state.values() if "step" in st}
     if len(steps) > 1:
-        raise RuntimeError(f"{type(inner).__name__}: the tensors' step counters differ ({sorted(steps)}); a sharded "
+        raise RuntimeError(f"{inner.name}: the tensors' step counters differ ({sorted(steps)}); a sharded "
                            "checkpoint saves one common step")
     return steps.pop() if steps else 0.0
 

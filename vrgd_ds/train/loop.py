@@ -277,7 +277,8 @@ class Trainer:
 
     def optimizer_info(self) -> dict[str, Any]:
         groups = self.optimizer.param_groups
-        return {"type": type(self.optimizer).__name__, "gsnr": any(bool(g.get("gsnr")) for g in groups),
+        name = getattr(self.optimizer, "name", type(self.optimizer).__name__)  # Lamb: VRLamb with gsnr off
+        return {"type": name, "gsnr": any(bool(g.get("gsnr")) for g in groups),
                 "gsnr_placement": groups[0].get("gsnr_placement")}
 
     def resume_info(self) -> dict[str, Any]:
