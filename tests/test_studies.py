@@ -167,6 +167,7 @@ def test_bert_batch_assembles_committed_runs_of_several_studies(tmp_path):
     assert proc.returncode != 0 and "is recorded with loss 6.81" in proc.stderr
 
 
+@pytest.mark.exhaustive
 def test_bert_batch_uses_no_recorded_run_shorter_than_min_steps(tmp_path):
     """A run gets max(samples, min_steps x batch) samples: the 10-step runs at batch 1,024 that a
     study recorded at 10,240 samples before --min-steps are not this study's cells (the default

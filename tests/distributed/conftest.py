@@ -1,9 +1,10 @@
 """The session's rank pools (``pool.py``): one 2-rank group for every DeepSpeed and DDP case,
 a 1-rank group for the cases that need a single rank, a 4-rank one for DeepSpeed pipelines with
-data parallelism inside each stage, 2- and 4-rank groups for megatron-core
-(their cases patch torch for CPU ranks, ``megatron_worker.prepare``: groups of their own).
-Started on first use, stopped after the last test of this directory (idle ranks would otherwise
-poll through the rest of the session)."""
+data parallelism inside each stage (and the 4-rank FSDP2 and hierarchical cases), 2- and 4-rank
+groups for megatron-core (their cases patch torch for CPU ranks, ``megatron_worker.prepare``:
+groups of their own). One group runs at a time: a test's group is started on first use, the
+others stopped; all stop after the last test of this directory (idle ranks would otherwise poll
+through the rest of the session)."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -22,13 +23,22 @@ def _pool(tmp_path_factory, name: str, ranks: int):
     p.close()
 
 
+def _alone(p: Pool) -> Pool:
+    """``p``, every other group stopped first: idle ranks poll in their wait, and two groups at
+    once would take the cores the running one needs. Consecutive tests of one group keep it."""
+    for other in _OPEN:
+        if other is not p:
+            other.close(ask=False)
+    return p
+
+
 @pytest.fixture(scope="session")
-def pool(tmp_path_factory):
+def _pool2(tmp_path_factory):
     yield from _pool(tmp_path_factory, "pool2", 2)
 
 
 @pytest.fixture(scope="session")
-def pool1(tmp_path_factory):
+def _pool1(tmp_path_factory):
     yield from _pool(tmp_path_factory, "pool1", 1)
 
 
@@ -38,12 +48,19 @@ def _pool4(tmp_path_factory):
 
 
 @pytest.fixture
-def pool4(_pool4, pool):
-    """The 4-rank DeepSpeed pool for one test, the 2-rank one stopped while it runs (started again by
-    its next case): 4 ranks on 2 cores need them all."""
-    pool.close(ask=False)
-    yield _pool4
-    _pool4.close(ask=False)
+def pool(_pool2):
+    return _alone(_pool2)
+
+
+@pytest.fixture
+def pool1(_pool1):
+    return _alone(_pool1)
+
+
+@pytest.fixture
+def pool4(_pool4):
+    """The 4-rank DeepSpeed pool (4 ranks on 2 cores need them all: the others stopped)."""
+    return _alone(_pool4)
 
 
 @pytest.fixture(scope="session")
@@ -58,14 +75,10 @@ def _megatron_pools(tmp_path_factory):
 
 @pytest.fixture
 def megatron(_megatron_pools):
-    """``megatron(ranks)``: the 2- or 4-rank megatron-core pool, the other one stopped first (idle
-    ranks poll in their wait: two groups at once would take the cores the running one needs)."""
+    """``megatron(ranks)``: the 2- or 4-rank megatron-core pool, every other group stopped first."""
 
     def get(ranks: int) -> Pool:
-        for other, p in _megatron_pools.items():
-            if other != ranks:
-                p.close(ask=False)
-        return _megatron_pools[ranks]
+        return _alone(_megatron_pools[ranks])
 
     return get
 
@@ -73,6 +86,18 @@ def megatron(_megatron_pools):
 @pytest.fixture
 def megatron2(megatron):
     return megatron(2)
+
+
+_POOLS = {"pool", "pool1", "pool4", "megatron", "megatron2"}
+
+
+@pytest.fixture(autouse=True)
+def _no_idle_pool(request):
+    """A test that launches ranks of its own (HF Trainer, ``vrgd_ds.run``, the pool's own tests)
+    runs with no group idling beside it."""
+    if not _POOLS & set(request.fixturenames):
+        for p in _OPEN:
+            p.close(ask=False)
 
 
 def pytest_runtest_teardown(item, nextitem):
