@@ -134,6 +134,7 @@ def fake_study(directory: Path, runs: list[tuple[str, int, str, float, int, floa
     return directory
 
 
+@pytest.mark.exhaustive
 def test_bert_batch_assembles_committed_runs_of_several_studies(tmp_path):
     """``--reuse`` reads runs from committed outputs (two grids of one cell here) and
     ``--only-finished`` assembles them without running anything: the best factor is chosen among

@@ -375,6 +375,7 @@ def test_bad_configs_name_the_key(pool, name, case):
     assert BAD[name] in res["message"]
 
 
+@pytest.mark.exhaustive
 def test_universal_checkpoint_resumes_on_one_rank_with_gsnr_momentum(pool, pool1, tmp_path):
     case = worker.universal_case(str(tmp_path))
     assert run(pool, "run_universal_save", case)["kept"] == ["gsnr_avg"]  # beyond DeepSpeed's exp_avg/exp_avg_sq

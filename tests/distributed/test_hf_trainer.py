@@ -30,6 +30,8 @@ RANKS, GAS, STEPS = 2, 2, 6
 REGISTER = "lazy"
 
 
+pytestmark = pytest.mark.exhaustive  # one HF Trainer launch (20 s); make test-all
+
 def _env() -> dict:
     return dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
 

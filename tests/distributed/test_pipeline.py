@@ -53,6 +53,7 @@ def test_pipeline_with_data_parallel_stages_equals_the_unsharded_optimizer(pool4
     assert res["l2"] <= TOL and res["l2"] <= CONTRAST * res["contrast_l2"], res
 
 
+@pytest.mark.exhaustive
 def test_gamma_one_equals_the_base_optimizer(pool):
     """VRLamb at gamma = 1 through the pipeline: the reference's Lamb-equivalent run (its own gamma = 1
     run), to the same tolerance."""

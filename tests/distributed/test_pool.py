@@ -31,6 +31,7 @@ def test_a_raising_case_fails_with_its_traceback_and_the_group_goes_on(lone):
 
 @pytest.mark.parametrize("what, timeout, why", [("hang", 3.0, "no result after 3 s (a hang)"),
                                                 ("die", 120.0, "a rank died")])  # seen by the launcher's exit
+@pytest.mark.exhaustive
 def test_a_hung_or_dead_case_fails_with_the_ranks_output_and_the_next_gets_a_fresh_group(lone, what, timeout, why):
     lone.run("pool_cases", "ok", {})
     before = lone.proc

@@ -80,6 +80,7 @@ def test_unmodified_script_selects_vrlamb_by_its_json_through_the_module(job, tm
     assert all(x == x and abs(x) < 1e6 for x in res["losses"])
 
 
+@pytest.mark.exhaustive
 def test_the_same_script_started_directly_is_rejected_by_deepspeed(job, tmp_path):
     """The control: without the module, DeepSpeed does not know the name and the script fails."""
     script, cfg = job

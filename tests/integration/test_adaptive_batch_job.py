@@ -63,6 +63,7 @@ def full(corpus, tmp_path_factory):
     return tmp, path, run, trace
 
 
+@pytest.mark.exhaustive
 def test_batch_changes_between_steps_and_the_stream_is_read_exactly_once(full):
     tmp, _, run, trace = full
     rec = records(run)

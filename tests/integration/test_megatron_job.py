@@ -74,6 +74,7 @@ def test_gpt_job_in_bf16(tmp_path, corpus):
     assert records[-1]["loss"] < records[0]["loss"]
 
 
+@pytest.mark.exhaustive
 def test_gpt_job_in_fp16_scales_the_loss_and_skips_overflowing_steps(tmp_path, corpus):
     """fp16 with Megatron's dynamic loss scale (initial 2^32): the first steps overflow, are skipped
     (no GSNR statistics are consumed) and lower the scale; once it fits, steps are taken with the

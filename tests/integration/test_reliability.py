@@ -87,6 +87,7 @@ def test_broken_newest_checkpoint_falls_back_to_the_previous(config, alone, tmp_
     assert (run / "checkpoints" / "latest").read_text() == "step00000010"
 
 
+@pytest.mark.exhaustive
 def test_stalled_rank_ends_the_job_naming_it(config, tmp_path):
     """SIGSTOP on rank 1. Before: no progress and no exit (watched for 90 s). Now: after
     job.timeout_minutes (here 0.25 min) without progress the job ends, naming rank 1."""

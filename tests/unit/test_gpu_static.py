@@ -124,6 +124,7 @@ def _flat_step_launches(segments: int) -> tuple[int, int]:
     return kernels.counts["launches"] - before, sum(ops.ops.values())
 
 
+@pytest.mark.exhaustive
 def test_a_flat_partitions_step_launches_do_not_grow_with_its_tensors(monkeypatch):
     """VRLamb on one flat ZeRO partition: the same launches for 8 and 64 tensors in it, and at
     most 64 in all (7 Triton launches, 57 torch operations on the per-segment tables; the step

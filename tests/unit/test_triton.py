@@ -22,7 +22,10 @@ pytestmark = [pytest.mark.skipif(_triton.available() is not None, reason=str(_tr
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 # the members with a GSNR placement (the Adam family), from the registry
 ADAM_FAMILY = [n for n, i in REGISTRY.items() if i.vr and "gsnr_placement" in i.accepted_params()]
-CASES = [(n, {}) for n in REGISTRY if n not in ADAM_FAMILY] + [
+# the base variants (the same code with gsnr=False, which the gamma = 1 cases also check) in the exhaustive tier
+NAMES = [n if REGISTRY[n].vr else pytest.param(n, marks=pytest.mark.exhaustive) for n in REGISTRY]
+CASES = [(n, {}) if REGISTRY[n].vr else pytest.param(n, {}, marks=pytest.mark.exhaustive)
+         for n in REGISTRY if n not in ADAM_FAMILY] + [
     pytest.param(n, dict(gsnr_placement=pl), id=f"{n}-{pl}") for n in ADAM_FAMILY for pl in GSNR_PLACEMENTS]
 
 
@@ -95,7 +98,7 @@ def test_triton_equals_reference_fp32(name, over):
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("name", list(REGISTRY))
+@pytest.mark.parametrize("name", NAMES)
 def test_triton_low_precision_parameters(name, dtype):
     """bf16/fp16 parameters, fp32 state. Rounding to the parameter dtype may differ by one unit
     in the last place (Triton's interpreter truncates fp32 -> bf16)."""
@@ -108,6 +111,7 @@ def test_triton_low_precision_parameters(name, dtype):
         assert p2.dtype == dtype and all(v.dtype == torch.float32 for v in o2.state[p2].values())
 
 
+@pytest.mark.exhaustive
 def test_triton_many_tensors_in_one_launch():
     """Sixty-four tensors of different sizes in one call: one chunk table, one launch per stage."""
     g = torch.Generator().manual_seed(4)
@@ -212,7 +216,7 @@ def test_triton_state_dict_round_trip_continues_the_trajectory(name, tmp_path):
         assert torch.equal(a, b)
 
 
-@pytest.mark.parametrize("name", list(REGISTRY))
+@pytest.mark.parametrize("name", NAMES)
 def test_triton_step_reads_nothing_back_to_the_host(name, monkeypatch):
     """No host synchronisation in step(): on CPU tensors the same code path must not call
     ``.item()``, ``float()``, ``int()``, ``bool()`` or ``.tolist()`` on any tensor (on a GPU each
@@ -239,7 +243,7 @@ def test_triton_step_reads_nothing_back_to_the_host(name, monkeypatch):
 
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-@pytest.mark.parametrize("name", list(REGISTRY))
+@pytest.mark.parametrize("name", NAMES)
 def test_cuda_step_does_not_synchronise(name):
     m = Net().cuda()
     opt = build(name, m, None)
