@@ -13,7 +13,6 @@ from pathlib import Path
 import pytest
 
 from vrgd_ds.optim import REGISTRY
-from vrgd_ds.stats.source import StatisticsSource
 
 ROOT = Path(__file__).resolve().parents[2]
 PACKAGE = ROOT / "vrgd_ds"
