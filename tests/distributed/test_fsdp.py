@@ -24,7 +24,7 @@ CASES2 = {
 }
 # make test runs the rest: every layout, member and feature at least once (make test-all: all)
 EXHAUSTIVE = {"fsdp-VRLars-acc2-unused", "hsdp-VRAdam-acc1-chunks2"}
-TP_EXHAUSTIVE = {"VRAdam", "VRLars"}
+TP_EXHAUSTIVE = {"VRLamb", "VRAdam", "VRLars"}  # make test: FSDP + TP through the MERIT case below
 
 
 def _tier(names, exhaustive):

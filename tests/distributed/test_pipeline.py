@@ -43,7 +43,8 @@ def test_pipeline_stages_equal_the_unsharded_optimizer(pool, name):
         assert res["n"] == [None] * 3
 
 
-@pytest.mark.parametrize("stage", [0, pytest.param(1, marks=pytest.mark.exhaustive)])
+@pytest.mark.parametrize("stage", [pytest.param(0, marks=pytest.mark.exhaustive),
+                                   pytest.param(1, marks=pytest.mark.exhaustive)])
 def test_pipeline_with_data_parallel_stages_equals_the_unsharded_optimizer(pool4, stage):
     """PP2 × DP2: each stage's statistics reduced over its data-parallel pair (ZeRO-1: its partitions
     completed per tensor), n = 2 ranks × 2 micro-batches, the pre-normalisation norm over both stages."""

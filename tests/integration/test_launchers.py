@@ -57,6 +57,7 @@ def assert_finished(run_dir: Path) -> None:
     assert (run_dir / "checkpoints" / "latest").read_text().strip() == f"step{STEPS:08d}"
 
 
+@pytest.mark.exhaustive
 def test_torchrun(tmp_path):
     launch("torchrun.sh", tmp_path / "run", {"NPROC": "2", "MASTER_PORT": str(launching.free_port())})
     assert_finished(tmp_path / "run")

@@ -29,6 +29,7 @@ def lamb():
                 for t in (5, 40)}
 
 
+@pytest.mark.exhaustive
 def test_vr_lamb_moves_its_floor_plus_the_gradient_check(lamb):
     """VR-LAMB's step: 14 words with the GSNR pass taken by the statistics hook (read g, Σg,
     Σg², p, m, v, p̂; write p̂, m, v in the first pass; read p, m, v, write p in the second), 16
