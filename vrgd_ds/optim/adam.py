@@ -22,14 +22,13 @@ arithmetic. To change the reconstruction, change ``GsnrChunk``/``adam_chunk`` in
 """
 from __future__ import annotations
 
-from typing import Any, Sequence
+from typing import Any
 
 import torch
-from torch import Tensor
 
 from vrgd_ds.optim import _impl, columns
 from vrgd_ds.optim.base import BUILDING, GSNROptimizer, check_arg, constructor_args
-from vrgd_ds.optim.functional import StepContext, functional_step
+from vrgd_ds.optim.functional import StepContext, member_step
 from vrgd_ds.optim.plan import Plan
 
 #: the accepted ``gsnr_placement`` values (module docstring); the first is the default
@@ -116,11 +115,4 @@ class VRAdam(GSNROptimizer):
     _update = staticmethod(adam_update)
 
 
-def vr_adam(params: Sequence[Tensor], grads: Sequence[Tensor], states: Sequence[dict[str, Any]],
-            sum_g: Sequence[Tensor] | None = None, sum_sq: Sequence[Tensor] | None = None, n: int = 0, *,
-            fused: bool | str | None = None, **options: Any) -> dict[str, float]:
-    """One VR-AdamW step of ``params`` in place (``functional.functional_step``): ``grads`` the
-    gradients, ``states`` one dict per parameter (created and updated as :class:`VRAdam` keeps
-    them), ``sum_g``/``sum_sq`` Σg and Σg² over ``n`` gradient groups (None with
-    ``gsnr=False``), ``options`` :class:`VRAdam`'s keyword arguments. Returns the step's metrics."""
-    return functional_step(VRAdam, params, grads, states, sum_g, sum_sq, n, fused=fused, **options)
+vr_adam = member_step("vr_adam", VRAdam, "VR-AdamW")

@@ -22,7 +22,7 @@ from __future__ import annotations
 import inspect
 import logging
 from dataclasses import dataclass, field
-from typing import Any, Protocol, Sequence
+from typing import Any, Callable, Protocol, Sequence
 
 import torch
 from torch import Tensor
@@ -199,4 +199,20 @@ def functional_step(cls: type, params: Sequence[Tensor], grads: Sequence[Tensor]
     return M.step_tables([plan], results, n, found, None).summary()
 
 
-__all__ = ["StepContext", "functional_step", "groups_now", "options", "step_plans", "MIN_GROUPS", "RECOMMENDED_GROUPS"]
+def member_step(name: str, cls: type, what: str) -> Callable[..., dict[str, float]]:
+    """A member's public step function (``vr_adam`` and the others): ``functional_step`` with
+    ``cls``, documented as such."""
+    def step(params: Sequence[Tensor], grads: Sequence[Tensor], states: Sequence[dict[str, Any]],
+             sum_g: Sequence[Tensor] | None = None, sum_sq: Sequence[Tensor] | None = None, n: int = 0, *,
+             fused: bool | str | None = None, **options: Any) -> dict[str, float]:
+        return functional_step(cls, params, grads, states, sum_g, sum_sq, n, fused=fused, **options)
+
+    step.__name__ = step.__qualname__ = name
+    step.__doc__ = (f"One {what} step of ``params`` in place (``functional.functional_step``): ``grads`` the "
+                    f"gradients, ``states`` one dict per parameter (created and updated as {cls.__name__} keeps "
+                    "them), ``sum_g``/``sum_sq`` Σg and Σg² over ``n`` gradient groups (None with gsnr=False), "
+                    f"``options`` {cls.__name__}'s keyword arguments. Returns the step's metrics.")
+    return step
+
+
+__all__ = ["StepContext", "member_step", "functional_step", "groups_now", "options", "step_plans", "MIN_GROUPS", "RECOMMENDED_GROUPS"]

@@ -39,16 +39,15 @@ for apex.
 """
 from __future__ import annotations
 
-from typing import Any, Sequence
+from typing import Any
 
 import torch
-from torch import Tensor
 
 from vrgd_ds.optim.adam import (GSNR_PLACEMENTS, UPDATE_PLACEMENT, adam_columns, check_adam_args, check_placement,
                                  placement_index)
 from vrgd_ds.optim import columns
 from vrgd_ds.optim.base import BUILDING, GSNROptimizer, check_arg, constructor_args
-from vrgd_ds.optim.functional import StepContext, functional_step
+from vrgd_ds.optim.functional import StepContext, member_step
 from vrgd_ds.optim.plan import Plan
 
 
@@ -186,11 +185,4 @@ class VRLamb(GSNROptimizer):
     _update = staticmethod(lamb_update)
 
 
-def vr_lamb(params: Sequence[Tensor], grads: Sequence[Tensor], states: Sequence[dict[str, Any]],
-            sum_g: Sequence[Tensor] | None = None, sum_sq: Sequence[Tensor] | None = None, n: int = 0, *,
-            fused: bool | str | None = None, **options: Any) -> dict[str, float]:
-    """One VR-LAMB step of ``params`` in place (``functional.functional_step``): ``grads`` the
-    gradients, ``states`` one dict per parameter (created and updated as :class:`VRLamb` keeps
-    them), ``sum_g``/``sum_sq`` Σg and Σg² over ``n`` gradient groups (None with
-    ``gsnr=False``), ``options`` :class:`VRLamb`'s keyword arguments. Returns the step's metrics."""
-    return functional_step(VRLamb, params, grads, states, sum_g, sum_sq, n, fused=fused, **options)
+vr_lamb = member_step("vr_lamb", VRLamb, "VR-LAMB")

@@ -11,14 +11,13 @@ Bias and norm parameters get neither adaptation nor decay through ``param_groups
 """
 from __future__ import annotations
 
-from typing import Any, Sequence
+from typing import Any
 
 import torch
-from torch import Tensor
 
 from vrgd_ds.optim import columns
 from vrgd_ds.optim.base import BUILDING, GSNROptimizer, check_arg, constructor_args
-from vrgd_ds.optim.functional import StepContext, functional_step
+from vrgd_ds.optim.functional import StepContext, member_step
 from vrgd_ds.optim.plan import Plan
 from vrgd_ds.optim.sgd import sgd_update
 
@@ -84,11 +83,4 @@ class VRLars(GSNROptimizer):
     _update = staticmethod(lars_update)
 
 
-def vr_lars(params: Sequence[Tensor], grads: Sequence[Tensor], states: Sequence[dict[str, Any]],
-            sum_g: Sequence[Tensor] | None = None, sum_sq: Sequence[Tensor] | None = None, n: int = 0, *,
-            fused: bool | str | None = None, **options: Any) -> dict[str, float]:
-    """One VR-LARS step of ``params`` in place (``functional.functional_step``): ``grads`` the
-    gradients, ``states`` one dict per parameter (created and updated as :class:`VRLars` keeps
-    them), ``sum_g``/``sum_sq`` Σg and Σg² over ``n`` gradient groups (None with
-    ``gsnr=False``), ``options`` :class:`VRLars`'s keyword arguments. Returns the step's metrics."""
-    return functional_step(VRLars, params, grads, states, sum_g, sum_sq, n, fused=fused, **options)
+vr_lars = member_step("vr_lars", VRLars, "VR-LARS")

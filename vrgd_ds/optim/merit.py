@@ -44,7 +44,7 @@ from __future__ import annotations
 import functools
 import logging
 import math
-from typing import Any, Sequence
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -53,7 +53,7 @@ from vrgd_ds.optim import _impl, columns
 from vrgd_ds.optim.adam import (GSNR_PLACEMENTS, UPDATE_PLACEMENT, adam_columns, check_adam_args, check_placement,
                                 placement_index)
 from vrgd_ds.optim.base import BUILDING, GSNROptimizer, constructor_args
-from vrgd_ds.optim.functional import StepContext, functional_step
+from vrgd_ds.optim.functional import StepContext, member_step
 from vrgd_ds.optim.plan import Plan
 
 logger = logging.getLogger(__name__)
@@ -262,11 +262,4 @@ class VRMerit(GSNROptimizer):
     _update = staticmethod(merit_update)
 
 
-def vr_merit(params: Sequence[Tensor], grads: Sequence[Tensor], states: Sequence[dict[str, Any]],
-             sum_g: Sequence[Tensor] | None = None, sum_sq: Sequence[Tensor] | None = None, n: int = 0, *,
-             fused: bool | str | None = None, **options: Any) -> dict[str, float]:
-    """One VR-MERIT step of ``params`` in place (``functional.functional_step``): ``grads`` the
-    gradients, ``states`` one dict per parameter (created and updated as :class:`VRMerit` keeps
-    them), ``sum_g``/``sum_sq`` Σg and Σg² over ``n`` gradient groups (None with
-    ``gsnr=False``), ``options`` :class:`VRMerit`'s keyword arguments. Returns the step's metrics."""
-    return functional_step(VRMerit, params, grads, states, sum_g, sum_sq, n, fused=fused, **options)
+vr_merit = member_step("vr_merit", VRMerit, "VR-MERIT")

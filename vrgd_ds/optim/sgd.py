@@ -12,14 +12,13 @@ Heavy-ball momentum, optionally Nesterov, on the GSNR-scaled gradient::
 """
 from __future__ import annotations
 
-from typing import Any, Sequence
+from typing import Any
 
 import torch
-from torch import Tensor
 
 from vrgd_ds.optim import columns
 from vrgd_ds.optim.base import GSNROptimizer, check_arg, constructor_args
-from vrgd_ds.optim.functional import StepContext, functional_step
+from vrgd_ds.optim.functional import StepContext, member_step
 from vrgd_ds.optim.plan import Plan
 
 
@@ -102,21 +101,5 @@ class VRSGD(VRMomentum):
                                                                                if k != "lr"})
 
 
-def vr_momentum(params: Sequence[Tensor], grads: Sequence[Tensor], states: Sequence[dict[str, Any]],
-                sum_g: Sequence[Tensor] | None = None, sum_sq: Sequence[Tensor] | None = None, n: int = 0, *,
-                fused: bool | str | None = None, **options: Any) -> dict[str, float]:
-    """One VR-Momentum step of ``params`` in place (``functional.functional_step``): ``grads`` the
-    gradients, ``states`` one dict per parameter (created and updated as :class:`VRMomentum` keeps
-    them), ``sum_g``/``sum_sq`` Σg and Σg² over ``n`` gradient groups (None with
-    ``gsnr=False``), ``options`` :class:`VRMomentum`'s keyword arguments. Returns the step's metrics."""
-    return functional_step(VRMomentum, params, grads, states, sum_g, sum_sq, n, fused=fused, **options)
-
-
-def vr_sgd(params: Sequence[Tensor], grads: Sequence[Tensor], states: Sequence[dict[str, Any]],
-           sum_g: Sequence[Tensor] | None = None, sum_sq: Sequence[Tensor] | None = None, n: int = 0, *,
-           fused: bool | str | None = None, **options: Any) -> dict[str, float]:
-    """One VR-SGD step of ``params`` in place (``functional.functional_step``): ``grads`` the
-    gradients, ``states`` one dict per parameter (created and updated as :class:`VRSGD` keeps
-    them), ``sum_g``/``sum_sq`` Σg and Σg² over ``n`` gradient groups (None with
-    ``gsnr=False``), ``options`` :class:`VRSGD`'s keyword arguments. Returns the step's metrics."""
-    return functional_step(VRSGD, params, grads, states, sum_g, sum_sq, n, fused=fused, **options)
+vr_momentum = member_step("vr_momentum", VRMomentum, "VR-Momentum")
+vr_sgd = member_step("vr_sgd", VRSGD, "VR-SGD")
