@@ -2,13 +2,11 @@
 of its ``"params"``, from the registry (``vrgd_ds/optim/registry.py``)."""
 from __future__ import annotations
 
-import difflib
 from typing import Any
 
-import torch
-
 from vrgd_ds.ds.internals import UnsupportedConfiguration
-from vrgd_ds.optim.base import GSNROptimizer, InvalidArgument
+from vrgd_ds.optim.base import GSNROptimizer
+from vrgd_ds.optim import registry
 from vrgd_ds.optim.registry import REGISTRY
 
 #: our optimizer names accepted in ``"optimizer": {"type": ...}``
@@ -33,11 +31,7 @@ def resolve(name: str | None) -> type[GSNROptimizer] | None:
     return None
 
 
-def _did_you_mean(word: str, choices: list[str]) -> str:
-    close = difflib.get_close_matches(word, choices, n=1, cutoff=0.6)
-    if not close:
-        close = [c for c in choices if c.lower() == word.lower()]
-    return f"; did you mean {close[0]!r}?" if close else ""
+CLIPPING = "DeepSpeed's top-level 'gradient_clipping'"
 
 
 def accepted_params(cls: type[GSNROptimizer]) -> list[str]:
@@ -46,41 +40,18 @@ def accepted_params(cls: type[GSNROptimizer]) -> list[str]:
 
 
 def check_params(cls: type[GSNROptimizer], type_name: str, params: dict[str, Any]) -> None:
-    """Rejects ``optimizer.params`` keys the class does not take, naming the key."""
-    if "max_grad_norm" in params and "max_grad_norm" not in accepted_params(cls):
-        raise UnsupportedConfiguration(
-            "optimizer.params.max_grad_norm: use DeepSpeed's top-level 'gradient_clipping' instead")
-    accepted = accepted_params(cls)
-    unknown = sorted(set(params) - set(accepted))
-    if unknown:
-        raise UnsupportedConfiguration(
-            f"optimizer.params.{unknown[0]}: not a parameter of {cls.__name__} (type {type_name!r})"
-            f"{_did_you_mean(unknown[0], accepted)}; accepted: {', '.join(accepted)}")
+    """Rejects ``optimizer.params`` keys the class does not take, naming the key
+    (``registry.check_params``)."""
+    try:
+        registry.check_params(cls, type_name, params, CLIPPING)
+    except registry.OptimizerBlockError as e:
+        raise UnsupportedConfiguration(str(e)) from None
 
 
 def check_optimizer_block(raw_config: dict[str, Any]) -> type[GSNROptimizer]:
-    """Validates the ``"optimizer"`` block of a DeepSpeed config dict before any work: the type
-    is a VRGD optimizer, every parameter is one it takes, and every value passes its checks
-    (the class is built on a one-element dummy parameter). Errors name the key."""
-    block = raw_config.get("optimizer")
-    if not isinstance(block, dict) or "type" not in block:
-        raise UnsupportedConfiguration('optimizer: the config needs an "optimizer" block with a "type", e.g. '
-                                       '{"type": "VRLamb", "params": {"lr": 6e-3}}')
-    name = block["type"]
-    cls = resolve(name) if isinstance(name, str) else None
-    if cls is None:
-        raise UnsupportedConfiguration(
-            f"optimizer.type: {name!r} is not a VRGD optimizer{_did_you_mean(str(name), list(NAMES))}; "
-            f"registered: {', '.join(NAMES)}")
-    params = block.get("params") or {}
-    if not isinstance(params, dict):
-        raise UnsupportedConfiguration(f"optimizer.params: must be an object of {cls.__name__}'s arguments, "
-                                       f"got {type(params).__name__}")
-    check_params(cls, name, params)
+    """Validates the ``"optimizer"`` block of a DeepSpeed config dict before any work
+    (``registry.check_optimizer``, with DeepSpeed's spellings: ``resolve``). Errors name the key."""
     try:
-        cls([torch.zeros(1, requires_grad=True)], **params)
-    except InvalidArgument as e:
-        raise UnsupportedConfiguration(f"optimizer.params.{e.name.split('[')[0]}: {e}") from None
-    except (ValueError, TypeError) as e:
-        raise UnsupportedConfiguration(f"optimizer.params: {e}") from None
-    return cls
+        return registry.check_optimizer(raw_config.get("optimizer"), CLIPPING, resolve)
+    except registry.OptimizerBlockError as e:
+        raise UnsupportedConfiguration(str(e)) from None

@@ -188,3 +188,63 @@ def info_of(optimizer: GSNROptimizer) -> OptimInfo:
             if info.cls is cls:
                 return info
     raise TypeError(f"{type(optimizer).__name__} is not a member of the VRGD family ({', '.join(REGISTRY)})")
+
+
+class OptimizerBlockError(ValueError):
+    """An ``"optimizer"`` block of a job or engine config that names no member, a parameter the
+    member does not take, or a value it refuses; the message names the key (and a close match)."""
+
+
+def did_you_mean(word: str, choices: list[str]) -> str:
+    """``"; did you mean 'gamma'?"`` for the closest choice, or ``""``."""
+    import difflib
+
+    close = difflib.get_close_matches(word, choices, n=1, cutoff=0.6)
+    if not close:
+        close = [c for c in choices if c.lower() == word.lower()]
+    return f"; did you mean {close[0]!r}?" if close else ""
+
+
+def check_params(cls: Any, type_name: str, params: dict[str, Any], clipping: str) -> None:
+    """Rejects ``optimizer.params`` keys the member does not take, naming the key; ``clipping``
+    names the engine's own gradient clipping (what ``max_grad_norm`` should be instead)."""
+    info = next(i for i in REGISTRY.values() if i.cls is cls)
+    accepted = info.accepted_params()
+    if "max_grad_norm" in params and "max_grad_norm" not in accepted:
+        raise OptimizerBlockError(f"optimizer.params.max_grad_norm: use {clipping} instead")
+    unknown = sorted(set(params) - set(accepted))
+    if unknown:
+        raise OptimizerBlockError(
+            f"optimizer.params.{unknown[0]}: not a parameter of {info.name} (type {type_name!r})"
+            f"{did_you_mean(unknown[0], accepted)}; accepted: {', '.join(accepted)}")
+
+
+def check_optimizer(block: Any, clipping: str, resolve: Callable[[str], Any] | None = None) -> Any:
+    """Validates an ``"optimizer": {"type": ..., "params": {...}}`` block before any work: the type
+    is a member (``resolve`` maps an engine's own spelling, else the registry's names), every
+    parameter is one it takes, and every value passes its checks (the member is built on a
+    one-element dummy parameter). Returns the member's class (or variant)."""
+    from vrgd_ds.optim.base import InvalidArgument
+
+    if not isinstance(block, dict) or "type" not in block:
+        raise OptimizerBlockError('optimizer: the config needs an "optimizer" block with a "type", e.g. '
+                                  '{"type": "VRLamb", "params": {"lr": 6e-3}}')
+    name = block["type"]
+    cls = None
+    if isinstance(name, str):
+        cls = resolve(name) if resolve is not None else REGISTRY[name].cls if name in REGISTRY else None
+    if cls is None:
+        raise OptimizerBlockError(f"optimizer.type: {name!r} is not a VRGD optimizer{did_you_mean(str(name), list(REGISTRY))}; "
+                                  f"registered: {', '.join(REGISTRY)}")
+    params = block.get("params") or {}
+    if not isinstance(params, dict):
+        raise OptimizerBlockError(f"optimizer.params: must be an object of {name}'s arguments, got "
+                                  f"{type(params).__name__}")
+    check_params(cls, name, params, clipping)
+    try:
+        cls([torch.zeros(1, requires_grad=True)], **params)
+    except InvalidArgument as e:
+        raise OptimizerBlockError(f"optimizer.params.{e.name.split('[')[0]}: {e}") from None
+    except (ValueError, TypeError) as e:
+        raise OptimizerBlockError(f"optimizer.params: {e}") from None
+    return cls

@@ -168,6 +168,9 @@ class JobConfig(_Strict):
 
     comment: str = ""
     """Free text: why the file's values are what they are (JSON has no comments); not read."""
+    engine: Literal["deepspeed", "megatron"] = "deepspeed"
+    """Who trains: ``deepspeed`` (BERT, the file's other keys are DeepSpeed's config) or
+    ``megatron`` (GPT under Megatron-core, the ``"megatron"`` block; ``vrgd_ds/train/engines``)."""
     model: ModelConfig = Field(default_factory=ModelConfig)
     data: DataConfig = Field(default_factory=DataConfig)
     phases: list[PhaseConfig]

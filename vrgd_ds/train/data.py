@@ -162,13 +162,15 @@ def prepare_data(job: JobConfig, run_dir: Path, rank: int, barrier: Any, seq_len
     return JobData(tokenizer, corpus, samples, split, job.seed, cfg.next_sentence)
 
 
-def loader(dataset: Rows, sampler: PretrainingSampler, workers: int, pin_memory: bool) -> torch.utils.data.DataLoader:
-    return torch.utils.data.DataLoader(dataset, batch_sampler=sampler, collate_fn=collate, num_workers=workers,
+def loader(dataset: torch.utils.data.Dataset, sampler: PretrainingSampler, workers: int, pin_memory: bool,
+           collate_fn: Any = collate) -> torch.utils.data.DataLoader:
+    return torch.utils.data.DataLoader(dataset, batch_sampler=sampler, collate_fn=collate_fn, num_workers=workers,
                                        pin_memory=pin_memory, persistent_workers=False)
 
 
-def eval_batches(held: Rows, count: int, micro_batch: int, rank: int, world: int) -> list[dict[str, torch.Tensor]]:
+def eval_batches(held: torch.utils.data.Dataset, count: int, micro_batch: int, rank: int, world: int,
+                 collate_fn: Any = collate) -> list[dict[str, torch.Tensor]]:
     """This rank's share of the first ``count`` held-out samples (epoch 0 masks), batched."""
     idx = list(range(min(count, len(held))))[rank::world]
     items = [held[(0, i)] for i in idx]
-    return [collate(items[j:j + micro_batch]) for j in range(0, len(items), micro_batch)]
+    return [collate_fn(items[j:j + micro_batch]) for j in range(0, len(items), micro_batch)]

@@ -1,38 +1,33 @@
-"""The BERT pretraining loop under DeepSpeed: phases, accumulation, evaluation, checkpoints,
-automatic resume and telemetry.
+"""The pretraining job's spine: one run of ``job.total_steps`` optimizer steps through the phases,
+with whichever engine ``job.engine`` names (``vrgd_ds/train/engines``): DeepSpeed (BERT) or
+Megatron-core (GPT). Everything here holds for both; nothing here imports either.
 
-One engine serves both phases: at a phase boundary the micro-batch and the global batch of
-the next phase are set on it (``set_train_micro_batch_size`` / ``set_train_batch_size``), so
-the optimizer state, VRGD statistics hooks and loss scaler carry over. Accumulation
-boundaries are set explicitly each micro-step (``set_gradient_accumulation_boundary``):
-DeepSpeed's own count (``micro_steps % gradient_accumulation_steps``) would misalign once the
-accumulation changes between phases.
-
-Exact resume: the model, optimizer (with the VRGD state), loss scaler and LR position come
-from the DeepSpeed checkpoint; the data position is the per-phase ``consumed_samples`` in its
-client state (the sampler is rebuilt from it); the torch RNG (dropout) is re-seeded from
-``(seed, step, slot)`` before every micro-batch, where the slot is the micro-batch's place in
-the step's global batch (micro-step × ranks + rank), so no generator state has to be carried
-over. A run stopped after step N and resumed therefore repeats the uninterrupted run's losses
-(fp32); resumed on another number of ranks (same micro-batch), each slot holds the same
-samples with the same dropout, and only the summation order differs.
+Exact resume: the model, optimizer (with the VRGD state), loss scaler and data position come from
+the checkpoint (the engine's files and the job's state: steps, samples consumed per phase,
+evaluations); the sampler is rebuilt from the samples consumed; the torch RNG (dropout) is
+re-seeded from ``(seed, step, slot)`` before every micro-batch, where the slot is the
+micro-batch's place in the step's global batch (micro-step × data-parallel ranks + rank), so no
+generator state has to be carried over. A run stopped after step N and resumed therefore repeats
+the uninterrupted run's losses (fp32); resumed on another number of ranks or another
+model-parallel layout (same micro-batch), each slot holds the same samples with the same dropout,
+and only the summation order differs.
 
 Failure handling (each case ends the job with a message naming the key, file, rank or step):
 
 * a second job started on a run directory that a live job owns stops before touching it, naming
   the owner (``rundir``, exit ``EXIT_BUSY``); a dead owner's directory, or an earlier start of
   the same Slurm job, is taken over with a log line;
-* a bad config (optimizer block, ``--set`` path, data path) fails before any work, once, on the
-  first rank (exit ``EXIT_CONFIG``);
+* a bad config (optimizer block, engine block, ``--set`` path, data path, batch arithmetic) fails
+  before any work, once, on the first rank (exit ``EXIT_CONFIG``);
 * a checkpoint counts once every rank has written it (``checkpoints``): resuming takes the
   newest complete one and names the broken ones it passed over; a save first checks the free
-  space and names the path when the disk is full;
+  space and names the path when the disk is full (exit ``EXIT_NO_SPACE``);
 * ``job.stop_after_skipped_steps`` consecutive skipped steps (non-finite gradients, fp16
   overflow) stop the run (exit ``EXIT_DIVERGED``); the rotation keeps the last checkpoint
   taken before the skips began;
 * a rank without progress for ``job.timeout_minutes`` (``job.startup_timeout_minutes`` before the
-  first step) ends the job, naming the stalled rank
-  (``watchdog``, exit 3); collectives time out a little later, so that message comes first;
+  first step) ends the job, naming the stalled rank (``watchdog``, exit 3); collectives time out
+  a little later, so that message comes first;
 * ``SIGUSR1`` (Slurm's ``--signal=USR1@120`` before a time limit or pre-emption): every rank
   finishes its step, the job takes a checkpoint and exits ``EXIT_REQUEUE`` so the batch script
   requeues it; the requeued job resumes from that checkpoint.
@@ -45,7 +40,6 @@ import json
 import logging
 import math
 import os
-import shutil
 import signal
 import sys
 import time
@@ -53,16 +47,14 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
-import vrgd_ds
-from vrgd_ds.ds import shm
-from vrgd_ds.train import checkpoints as ckpt
 from vrgd_ds.adaptive_batch import BatchController, lr_factor
-from vrgd_ds.train.config import (ConfigError, JobConfig, controller_settings, deepspeed_config, gradient_accumulation,
-                                  load_config, optimizer_state_policy, phase_samples)
-from vrgd_ds.train.data import JobData, check_data_path, eval_batches, loader, prepare_data
-from vrgd_ds.train.model import build_model
-from vrgd_ds.train.resume import ResumePlan, convert_command, plan_resume
+from vrgd_ds.train import checkpoints as ckpt
+from vrgd_ds.train.config import (ConfigError, JobConfig, controller_settings, gradient_accumulation, load_config,
+                                  optimizer_state_policy, phase_samples)
+from vrgd_ds.train.data import check_data_path, eval_batches, loader
+from vrgd_ds.train.engines import Engine, engine_class
 from vrgd_ds.train.rundir import RunDirBusy, RunDirLock
 from vrgd_ds.train.schedule import PhaseSchedule
 from vrgd_ds.train.watchdog import Watchdog, collective_timeout
@@ -70,7 +62,6 @@ from vrgd_ds.train.watchdog import Watchdog, collective_timeout
 logger = logging.getLogger(__name__)
 
 CHECKPOINTS = "checkpoints"
-STATE_KEY = "vrgd_job"
 
 EXIT_CONFIG = 2  # a configuration or data error found before training
 EXIT_DIVERGED = 4  # job.stop_after_skipped_steps consecutive steps skipped
@@ -96,6 +87,23 @@ class _Recorder:
             yield keys
 
 
+class _Timed:
+    """An iterator that adds the time spent in ``next`` to ``seconds`` (the step's data time)."""
+
+    def __init__(self, it: Any) -> None:
+        self.it, self.seconds = it, 0.0
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        t0 = time.perf_counter()
+        try:
+            return next(self.it)
+        finally:
+            self.seconds += time.perf_counter() - t0
+
+
 class Diverged(RuntimeError):
     """Too many consecutive skipped steps."""
 
@@ -104,32 +112,20 @@ class Preempted(Exception):
     """The job took a checkpoint on ``PREEMPT_SIGNAL`` and should be requeued."""
 
 
-def _seed_micro_batch(seed: int, step: int, slot: int) -> None:
-    """Dropout of the micro-batch in ``slot`` of the step's global batch (its samples are
+def micro_batch_seed(seed: int, step: int, slot: int) -> int:
+    """The dropout seed of the micro-batch in ``slot`` of the step's global batch (its samples are
     ``slot × micro_batch`` onwards on any number of ranks: ``PretrainingSampler``)."""
-    torch.manual_seed((seed * 1_000_003 + step) * 4099 + slot)
+    return (seed * 1_000_003 + step) * 4099 + slot
 
 
-def _inputs(batch: dict[str, torch.Tensor], device: torch.device, next_sentence: bool) -> dict[str, torch.Tensor]:
-    keys = ("input_ids", "token_type_ids", "attention_mask", "labels") + (("next_sentence_label",) if next_sentence else ())
-    return {k: batch[k].to(device, non_blocking=True) for k in keys}
+class Job:
+    """One run of the job on this rank: ``Job(...).setup().train()``."""
 
-
-class Trainer:
     def __init__(self, raw: dict[str, Any], job: JobConfig, run_dir: Path, backend: str | None) -> None:
-        import deepspeed
-        import deepspeed.comm as dist
-
         self.raw, self.job, self.run_dir = raw, job, run_dir
-        cuda = torch.cuda.is_available()
-        deepspeed.init_distributed(dist_backend=backend or ("nccl" if cuda else "gloo"), auto_mpi_discovery=True,
-                                   timeout=datetime.timedelta(seconds=collective_timeout(max(job.timeout_minutes, job.startup_timeout_minutes) * 60)))
-        self.dist = dist
-        self.rank, self.world = dist.get_rank(), dist.get_world_size()
-        if cuda:
-            local = int(os.environ.get("LOCAL_RANK", self.rank % max(torch.cuda.device_count(), 1)))
-            torch.cuda.set_device(local)
-        self.device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
+        timeout = datetime.timedelta(seconds=collective_timeout(max(job.timeout_minutes, job.startup_timeout_minutes) * 60))
+        self.engine: Engine = engine_class(job.engine)(raw, job, backend, timeout)
+        self.rank, self.world, self.device = self.engine.rank, self.engine.world, self.engine.device
         self.watchdog: Watchdog | None = None
         self.lock = self._take_run_dir()  # before anything in the run directory is touched
 
@@ -156,12 +152,11 @@ class Trainer:
             self.watchdog.stop()
         if self.lock is not None:
             self.lock.release()
+        self.engine.close()
 
-    def setup(self) -> "Trainer":
-        """Everything after the run directory is taken: data, model, engine."""
-        import deepspeed
-
-        job, run_dir, raw, dist = self.job, self.run_dir, self.raw, self.dist
+    def setup(self) -> "Job":
+        """Everything after the run directory is taken: schedule, data, model, optimizer."""
+        job, run_dir, engine = self.job, self.run_dir, self.engine
         self.watchdog = Watchdog(run_dir, self.rank, self.world, job.timeout_minutes * 60,
                                  startup_s=job.startup_timeout_minutes * 60)
         if self.lock is not None:
@@ -169,38 +164,27 @@ class Trainer:
         self.watchdog.start()
         self.preempt_requested = False
         signal.signal(PREEMPT_SIGNAL, self._on_preempt_signal)
-        dist.barrier()  # every rank has mapped its peers' shared memory (CPU accelerator)
-        shm.unlink_own_segment(self.rank)
         self.schedule = PhaseSchedule(job)
         self.budget = phase_samples(job)
         self.controllers: dict[int, BatchController] = {}
         for i, p in enumerate(job.phases):
-            gradient_accumulation(p, self.world, i)  # fail before preparing data
+            gradient_accumulation(p, engine.data_world, i)  # fail before preparing data
             if p.adaptive_batch is not None:
-                self.controllers[i] = BatchController(controller_settings(p, self.world, i, self.schedule.steps[i]))
+                self.controllers[i] = BatchController(controller_settings(p, engine.data_world, i,
+                                                                          self.schedule.steps[i]))
         if self.rank == 0:
             run_dir.mkdir(parents=True, exist_ok=True)
-            (run_dir / "config.json").write_text(json.dumps(raw, indent=2))
+            (run_dir / "config.json").write_text(json.dumps(self.raw, indent=2))
             (run_dir / REQUEUE_MARKER).unlink(missing_ok=True)
-        self.data: JobData = prepare_data(job, run_dir, self.rank, dist.barrier, sorted({p.seq_len for p in job.phases}))
-        self.next_sentence = self.data.next_sentence is not None
-        self.data_fingerprint = self.data.fingerprint()
-        torch.manual_seed(job.seed)  # the same initial weights on every rank and every start
-        model = build_model(job.model, self.data.vocab_size, max(p.seq_len for p in job.phases), self.next_sentence)
-        ds_cfg = deepspeed_config(raw, job.phases[0], self.world, 0)
-        wd = float(ds_cfg.get("optimizer", {}).get("params", {}).get("weight_decay", 0.0))
-        groups = vrgd_ds.param_groups(model, weight_decay=wd)
-        self.engine, *_ = deepspeed.initialize(model=model, model_parameters=groups, config=ds_cfg)
-        self.optimizer = self.engine.basic_optimizer
+        engine.setup(run_dir, dist.barrier)
+        self.optimizer = engine.optimizer
         if self.controllers and not any(g.get("gsnr") for g in self.optimizer.param_groups):
             raise ConfigError("job.phases[*].adaptive_batch needs the gradient statistics: optimizer.params.gsnr is "
                               "false. For plain LAMB with an adaptive batch use VRLamb with \"gamma\": 1 (its step "
                               "equals LAMB's bit for bit; the statistics are still gathered)")
         self.cosine = None
         if any(p.adaptive_batch is not None and p.adaptive_batch.measure_cosine_every for p in job.phases):
-            from vrgd_ds.train.halves import HalfBatchCosine
-
-            self.cosine = HalfBatchCosine(self.engine, self.dist)
+            self.cosine = engine.half_batch_cosine()
         self.step = 0
         self.consumed = [0] * len(job.phases)
         self.evals: list[dict[str, float]] = []
@@ -217,8 +201,13 @@ class Trainer:
 
     def _max_over_ranks(self, value: int) -> int:
         t = torch.tensor([float(value)], device=self.device)
-        self.dist.all_reduce(t, op=self.dist.ReduceOp.MAX)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
         return int(t.item())
+
+    def _sum_over_ranks(self, values: list[float]) -> list[float]:
+        t = torch.tensor(values, dtype=torch.float64, device=self.device)
+        dist.all_reduce(t)
+        return t.tolist()
 
     # -- checkpoints ---------------------------------------------------------------------------
 
@@ -228,9 +217,9 @@ class Trainer:
 
     def resume(self) -> bool:
         """Loads the newest complete checkpoint (``checkpoints``); broken newer ones are named
-        and passed over. No checkpoint at all: a fresh start. A checkpoint of another number of
-        ranks is converted to universal form once (``_plan``); one of another optimizer
-        carries its state over, starts it fresh, or stops, per ``checkpoint.optimizer_state``."""
+        and passed over. No checkpoint at all: a fresh start. A checkpoint of another layout or
+        another optimizer loads as the engine's plan says (``Engine.plan``: converted, carried
+        over, started fresh, or refused, per ``checkpoint.optimizer_state``)."""
         if not ckpt.tags(self.ckpt_dir):
             return False
         failed: list[str] = []
@@ -245,17 +234,19 @@ class Trainer:
             if choice.tag is None:
                 raise ConfigError(f"{self.ckpt_dir}: no complete checkpoint to resume from ({'; '.join(choice.skipped)}). "
                                   "Move the directory away to start afresh (or restore the files)")
-            plan = self._plan(choice.tag)
+            self.watchdog.beat(self.step, "conversion")
+            plan = self.engine.plan(self.ckpt_dir, choice.tag, self.optimizer_info(), optimizer_state_policy(self.raw))
+            self.watchdog.beat(self.step, "conversion")
             try:
-                path, client = self._load(choice.tag, plan)
-                ok = path is not None and STATE_KEY in (client or {})
+                state = self.engine.load(self.ckpt_dir, choice.tag, plan)
+                ok = state is not None
             except Exception as e:  # a file that passed the size check but does not load
                 logger.warning("rank %d: checkpoint %s does not load: %s", self.rank, choice.tag, e)
                 ok = False
             if not self._any_rank(not ok):
                 break
             failed.append(choice.tag)
-        state = client[STATE_KEY]
+        path = self.ckpt_dir / choice.tag
         self.step, self.consumed, self.evals = state["step"], list(state["consumed"]), list(state["evals"])
         self.skip_streak_from = state.get("skip_streak_from")
         for key, saved in (state.get("adaptive") or {}).items():
@@ -283,50 +274,9 @@ class Trainer:
 
     def resume_info(self) -> dict[str, Any]:
         """What a resume from the next checkpoint will find (its marker; ``--check-resume``)."""
-        return {"optimizer": self.optimizer_info(), "zero_stage": self.engine.zero_optimization_stage(),
+        return {"engine": self.job.engine, "optimizer": self.optimizer_info(), **self.engine.layout(),
                 "total_steps": self.job.total_steps, "phases": [p.model_dump(mode="json") for p in self.job.phases],
-                "data": self.data_fingerprint, "consumed": list(self.consumed), "seed": self.job.seed}
-
-    def _plan(self, tag: str) -> ResumePlan:
-        """How to load ``tag`` (``resume.plan_resume``); converts it to universal form here,
-        once, if the number of ranks changed."""
-        plan = plan_resume(self.ckpt_dir, tag, self.optimizer_info(), self.world,
-                           self.engine.zero_optimization_stage(), optimizer_state_policy(self.raw))
-        if plan.switched:
-            self.optimizer.report_load = False  # the plan's line says it once
-        if not plan.universal or ckpt.converted(self.ckpt_dir, tag) is not None:
-            return plan
-        error = None
-        if self.rank == 0:
-            self.watchdog.beat(self.step, "conversion")
-            try:
-                from vrgd_ds.ds.universal import convert
-
-                out = self.ckpt_dir / ckpt.UNIVERSAL / tag
-                shutil.rmtree(out, ignore_errors=True)  # a conversion cut short
-                keys = convert(str(self.ckpt_dir / tag), str(out))
-                ckpt.record_conversion(self.ckpt_dir, tag, plan.saved_world, keys)
-            except Exception as e:  # noqa: BLE001 (reported on every rank below)
-                error = f"{type(e).__name__}: {e}"
-        if self._any_rank(error is not None):
-            raise ConfigError(f"{self.ckpt_dir / tag}: saved on {plan.saved_world} ranks, resumed on {self.world}; "
-                              f"converting it to a universal checkpoint failed ({error or 'see rank 0'}). Convert it "
-                              f"by hand to see why: {convert_command(self.ckpt_dir, tag)}; or resume it on "
-                              f"{plan.saved_world} ranks")
-        self.watchdog.beat(self.step, "conversion")
-        return plan
-
-    def _load(self, tag: str, plan: ResumePlan) -> tuple[str | None, dict | None]:
-        config = self.engine._config
-        before = config.load_universal_checkpoint
-        # DeepSpeed 0.19.8 reads the flag at load time (engine.load_universal_checkpoint())
-        config.load_universal_checkpoint = plan.universal
-        try:
-            load_dir = self.ckpt_dir / ckpt.UNIVERSAL if plan.universal else self.ckpt_dir
-            return self.engine.load_checkpoint(str(load_dir), tag=tag, load_optimizer_states=plan.optimizer_states,
-                                               load_lr_scheduler_states=plan.optimizer_states)
-        finally:
-            config.load_universal_checkpoint = before
+                "data": self.engine.fingerprint, "consumed": list(self.consumed), "seed": self.job.seed}
 
     def _apply_configured_options(self, built: list[dict[str, Any]]) -> list[str]:
         """A loaded optimizer state brings its param-group options (torch's rule); the ones the
@@ -343,17 +293,12 @@ class Trainer:
 
     def _checkpoint_bytes(self) -> int:
         """About how many bytes the next checkpoint needs: the last complete one's size, else
-        an estimate from the module and every rank's optimizer state (fp32 partitions + state)."""
+        the engine's estimate summed over the ranks."""
         done = [t for t in ckpt.tags(self.ckpt_dir) if ckpt.problem(self.ckpt_dir, t) is None]
         if done:
             return int(ckpt.size_of(self.ckpt_dir, done[-1]) * 1.05) + (1 << 20)
-        opt = self.optimizer
-        local = sum(t.numel() * t.element_size() for st in opt.state.values() for t in st.values() if torch.is_tensor(t))
-        local += sum(p.numel() * 4 for g in opt.param_groups for p in g["params"])  # fp32 master partitions
-        total = torch.tensor([float(local)], dtype=torch.float64, device=self.device)
-        self.dist.all_reduce(total)
-        module = sum(p.numel() * p.element_size() for p in self.engine.module.parameters())
-        return int((float(total[0]) + module) * 1.1) + (1 << 20)
+        total = self._sum_over_ranks([float(self.engine.checkpoint_bytes())])[0]
+        return int(total * 1.1) + (1 << 20)
 
     def save(self) -> None:
         tag = ckpt.tag_of(self.step)
@@ -371,14 +316,13 @@ class Trainer:
                  "skip_streak_from": self.skip_streak_from, "optimizer": self.optimizer_info(),
                  "adaptive": {str(i): c.state_dict() for i, c in self.controllers.items()}}
         try:
-            self.engine.save_checkpoint(str(self.ckpt_dir), tag=tag, client_state={STATE_KEY: state},
-                                        save_latest=False)
+            self.engine.save(self.ckpt_dir, tag, state)
         except Exception as e:
             if ckpt.is_disk_full(e):
                 raise ckpt.NoSpace(f"no space left on {self.ckpt_dir} while writing {tag} (need about "
                                    f"{need / 2**20:,.0f} MB); the previous checkpoint is intact") from e
             raise
-        self.dist.barrier()  # every rank's files are written (DeepSpeed's closing barrier too)
+        dist.barrier()  # every rank's files are written
         if self.rank == 0:
             ckpt.mark_complete(self.ckpt_dir, tag, self.step, self.world, self.resume_info())
             protect = None
@@ -391,33 +335,23 @@ class Trainer:
                 logger.warning("keeping checkpoint %s beyond keep_checkpoints=%d: it is the last one before the "
                                "skipped steps that began at step %d", protect, self.job.keep_checkpoints,
                                self.skip_streak_from + 1)
-        self.dist.barrier()
+        dist.barrier()
         self.watchdog.beat(self.step, "checkpoint")
 
     # -- evaluation ----------------------------------------------------------------------------
 
-    @torch.no_grad()
     def evaluate(self, held) -> dict[str, float]:
-        self.engine.eval()
+        """The held-out loss and accuracy: the first ``job.data.eval_samples`` samples, split over
+        the data-parallel ranks."""
         phase = self.job.phases[self.current_phase()]
-        sums = torch.zeros(3, dtype=torch.float64)  # loss sum, correct, predicted tokens
-        for batch in eval_batches(held, self.job.data.eval_samples, phase.micro_batch, self.rank, self.world):
-            inputs = _inputs(batch, self.device, self.next_sentence)
-            labels = inputs.pop("labels")
-            inputs.pop("next_sentence_label", None)
-            out = self.engine(**inputs)
-            logits = (out.prediction_logits if self.next_sentence else out.logits).float()
-            mask = labels != -100
-            sums[0] += float(torch.nn.functional.cross_entropy(logits[mask], labels[mask], reduction="sum"))
-            sums[1] += float((logits[mask].argmax(-1) == labels[mask]).sum())
-            sums[2] += float(mask.sum())
-        sums = sums.to(self.device)
-        self.dist.all_reduce(sums)
-        self.engine.train()
+        batches = eval_batches(held, self.job.data.eval_samples, phase.micro_batch, self.engine.data_rank,
+                               self.engine.data_world, self.engine.collate)
+        sums = self.engine.evaluate(batches) if self.engine.reporter else (0.0, 0.0, 0.0)
+        loss, correct, count = self._sum_over_ranks(list(sums))
         self.watchdog.beat(self.step, "evaluation")
-        count = max(float(sums[2]), 1.0)
-        return {"eval/mlm_loss": float(sums[0]) / count, "eval/mlm_acc": float(sums[1]) / count,
-                "eval/tokens": float(sums[2])}
+        count = max(count, 1.0)
+        task = self.engine.task
+        return {f"eval/{task}_loss": loss / count, f"eval/{task}_acc": correct / count, "eval/tokens": count}
 
     # -- training ------------------------------------------------------------------------------
 
@@ -429,9 +363,8 @@ class Trainer:
         """Sets the engine's micro-batch and global batch (between optimizer steps); returns the
         accumulation steps."""
         p = self.job.phases[index]
-        self.engine.set_train_micro_batch_size(p.micro_batch)
-        self.engine.set_train_batch_size(batch)
-        return batch // (p.micro_batch * self.world)
+        self.engine.set_batch(p.micro_batch, batch)
+        return batch // (p.micro_batch * self.engine.data_world)
 
     def train(self) -> dict[str, Any]:
         from tqdm import tqdm
@@ -442,7 +375,7 @@ class Trainer:
         sinks = telemetry.build_sinks(self.run_dir, jsonl=self.job.telemetry.jsonl,
                                       tensorboard=self.job.telemetry.tensorboard, wandb=self.job.telemetry.wandb,
                                       resume_step=self.step if resumed else None) if self.rank == 0 else None
-        self.splits = {p.seq_len: self.data.split(p.seq_len) for p in self.job.phases}
+        self.splits = {p.seq_len: self.engine.datasets(p.seq_len) for p in self.job.phases}
         helds = {n: held for n, (_, held) in self.splits.items()}
         final_held = helds[self.job.phases[-1].seq_len]
         if not self.evals:
@@ -467,7 +400,7 @@ class Trainer:
             self.save()
         if sinks:
             sinks.close()
-        return {"before": self.evals[0], "after": self.evals[-1], "steps": self.step}
+        return {"before": self.evals[0], "after": self.evals[-1], "steps": self.step, "task": self.engine.task}
 
     def _after_step(self, skipped: bool) -> None:
         """Counts consecutive skipped steps; stops a diverged run."""
@@ -504,8 +437,7 @@ class Trainer:
             if batch != engine_batch:
                 gas = self._set_batch(index, batch)
                 engine_batch = batch
-            for g in self.optimizer.param_groups:
-                g["lr"] = lr
+            self.engine.set_lr(lr)
             measure = bool(self.cosine is not None and ab is not None and ab.measure_cosine_every
                            and (self.step + 1) % ab.measure_cosine_every == 0)
             took = self._train_step(batches, gas, measure)
@@ -530,15 +462,15 @@ class Trainer:
 
         p = self.job.phases[index]
         train, _ = self.splits[p.seq_len]
-        sampler = PretrainingSampler(len(train), micro_batch_size=p.micro_batch, rank=self.rank,
-                                     world_size=self.world, seed=self.job.seed + index,
+        sampler = PretrainingSampler(len(train), micro_batch_size=p.micro_batch, rank=self.engine.data_rank,
+                                     world_size=self.engine.data_world, seed=self.job.seed + index,
                                      consumed_samples=self.consumed[index])
         trace = os.environ.get(TRACE_ENV)
         if trace:
             if self.job.data.workers:
                 raise ConfigError(f"{TRACE_ENV} needs job.data.workers = 0 (workers prefetch ahead of the steps)")
             sampler = _Recorder(sampler)
-        batches = iter(loader(train, sampler, self.job.data.workers, self.device.type == "cuda"))
+        batches = iter(loader(train, sampler, self.job.data.workers, self.device.type == "cuda", self.engine.collate))
         return sampler, batches, trace
 
     def _batch_and_lr(self, index: int, controller: BatchController | None) -> tuple[int, float]:
@@ -554,30 +486,15 @@ class Trainer:
     def _train_step(self, batches, gas: int, measure: bool) -> dict[str, Any]:
         """One optimizer step of ``gas`` micro-steps: the summed loss, tokens, data and step time,
         whether the optimizer skipped it, and the half-batch cosine when ``measure``."""
-        if measure:
-            self.cosine.start(gas)
+        engine = self.engine
+        seeds = [micro_batch_seed(self.job.seed, self.step, j * engine.data_world + engine.data_rank)
+                 for j in range(gas)]
+        timed = _Timed(batches)
         t0 = time.perf_counter()
-        data_time, loss_sum, tokens = 0.0, 0.0, 0
-        skipped_before = self.optimizer.skipped_steps
-        for j in range(gas):
-            td = time.perf_counter()
-            batch_data = next(batches)
-            data_time += time.perf_counter() - td
-            tokens += int(batch_data["attention_mask"].sum())
-            self.engine.set_gradient_accumulation_boundary(j == gas - 1)
-            _seed_micro_batch(self.job.seed, self.step, j * self.world + self.rank)
-            if measure:
-                self.cosine.micro_step(j)
-            loss = self.engine(**_inputs(batch_data, self.device, self.next_sentence)).loss
-            self.engine.backward(loss)
-            self.engine.step()
-            loss_sum += float(loss.detach())
-        skipped = self.optimizer.skipped_steps > skipped_before
-        measured = self.cosine.finish() if measure else None
+        took = engine.train_step(timed, gas, seeds, cosine=self.cosine if measure else None)
         if self.device.type == "cuda":
             torch.cuda.synchronize()
-        return dict(loss_sum=loss_sum, tokens=tokens, data_time=data_time, step_time=time.perf_counter() - t0,
-                    skipped=skipped, measured=measured)
+        return dict(took, data_time=timed.seconds, step_time=time.perf_counter() - t0)
 
     def _trace_samples(self, trace: str, sampler, index: int) -> None:
         with open(Path(trace) / f"samples.rank{self.rank}.jsonl", "a") as fh:
@@ -593,12 +510,13 @@ class Trainer:
 
         p = self.job.phases[index]
         step_time = took["step_time"]
-        red = torch.tensor([took["loss_sum"] / gas, float(took["tokens"]), took["data_time"]], dtype=torch.float64,
-                           device=self.device)
-        self.dist.all_reduce(red)
-        loss_mean, tok = float(red[0]) / self.world, float(red[1])
+        report = self.engine.reporter
+        loss_sum, tok, data_time, reporters = self._sum_over_ranks(
+            [took["loss_sum"] / gas if report else 0.0, float(took["tokens"]) if report else 0.0, took["data_time"],
+             1.0 if report else 0.0])
+        loss_mean = loss_sum / reporters
         record = {"phase": index, "train/loss": loss_mean, "train/lr": lr, "train/step_time_s": step_time,
-                  "train/data_time_s": float(red[2]) / self.world, "train/tokens_per_s": tok / step_time,
+                  "train/data_time_s": data_time / self.world, "train/tokens_per_s": tok / step_time,
                   "train/samples": float(sum(self.consumed)), "train/seq_len": p.seq_len,
                   "train/global_batch": float(batch), "train/accumulation": float(gas), **adaptive}
         m = self.optimizer.gsnr_metrics(per_tensor=self.job.telemetry.per_layer_group)
@@ -669,7 +587,6 @@ def _launch_rank() -> int:
 
 
 def _check_resume(args: argparse.Namespace) -> int:
-    from vrgd_ds.ds.integration import UnsupportedConfiguration
     from vrgd_ds.train.resume import check
 
     run_dir = Path(args.check_resume)
@@ -678,7 +595,7 @@ def _check_resume(args: argparse.Namespace) -> int:
         if args.config:
             raw, _ = load_config(args.config, args.set)
         report, ok = check(run_dir, raw, args.world_size)
-    except (ConfigError, UnsupportedConfiguration) as e:
+    except ConfigError as e:
         print(f"vrgd-pretrain: error: {args.config}: {e}", file=sys.stderr, flush=True)
         return EXIT_CONFIG
     print(report, flush=True)
@@ -686,12 +603,10 @@ def _check_resume(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from vrgd_ds.ds.config import check_config
-    from vrgd_ds.ds.integration import UnsupportedConfiguration
-
-    ap = argparse.ArgumentParser(prog="vrgd-pretrain", description="BERT pretraining with VRGD optimizers under "
-                                 "DeepSpeed (launch with deepspeed, torchrun, mpirun or srun).")
-    ap.add_argument("--config", help="DeepSpeed JSON config with a 'job' block (see configs/)")
+    ap = argparse.ArgumentParser(prog="vrgd-pretrain", description="Pretraining with VRGD optimizers: BERT under "
+                                 "DeepSpeed or GPT under Megatron-core, as the config's job.engine says (launch with "
+                                 "deepspeed, torchrun, mpirun or srun).")
+    ap.add_argument("--config", help="JSON config with a 'job' block (see configs/ and configs/megatron/)")
     ap.add_argument("--run-dir", help="metrics, TensorBoard, plots and checkpoints; the job resumes "
                     "from the latest checkpoint found here (one job at a time owns it)")
     ap.add_argument("--check-resume", metavar="RUN_DIR", help="report what a resume of RUN_DIR would load (step, "
@@ -711,45 +626,48 @@ def main(argv: list[str] | None = None) -> int:
     if not args.config or not args.run_dir:
         ap.error("--config and --run-dir are required (or --check-resume RUN_DIR)")
     first = _launch_rank() == 0
+    refused: tuple[type[Exception], ...] = (ConfigError,)
     try:  # everything that can be checked without a process group, before any work
         raw, job = load_config(args.config, args.set)
-        check_config(raw)
+        engine = engine_class(job.engine)
+        refused += engine.config_errors()
+        engine.check_config(raw, job)
         check_data_path(job)
-    except (ConfigError, UnsupportedConfiguration) as e:
+    except refused as e:
         if first:
             print(f"vrgd-pretrain: error: {args.config}: {e}", file=sys.stderr, flush=True)
         return EXIT_CONFIG
     run_dir = Path(args.run_dir)
-    trainer = None
+    run = None
     try:
-        trainer = Trainer(raw, job, run_dir, args.backend)
-        result = trainer.setup().train()
+        run = Job(raw, job, run_dir, args.backend)
+        result = run.setup().train()
     except RunDirBusy as e:  # agreed over the ranks (_take_run_dir, _max_over_ranks): all of them are here
         if first:
             print(f"vrgd-pretrain: error: {e}", file=sys.stderr, flush=True)
         _leave_together()
         return EXIT_BUSY
-    except (ConfigError, UnsupportedConfiguration) as e:
-        if trainer is None or trainer.rank == 0:
+    except refused as e:
+        if run is None or run.rank == 0:
             print(f"vrgd-pretrain: error: {e}", file=sys.stderr, flush=True)
         return EXIT_CONFIG
     except Diverged as e:
-        if trainer.rank == 0:
+        if run.rank == 0:
             print(f"vrgd-pretrain: error: {e}", file=sys.stderr, flush=True)
         return EXIT_DIVERGED
     except ckpt.NoSpace as e:
-        if trainer is None or trainer.rank == 0:
+        if run is None or run.rank == 0:
             print(f"vrgd-pretrain: error: {e}", file=sys.stderr, flush=True)
         return EXIT_NO_SPACE
     except Preempted as e:  # agreed over the ranks (_max_over_ranks)
-        if trainer.rank == 0:
+        if run.rank == 0:
             print(f"vrgd-pretrain: {e}; exiting {EXIT_REQUEUE} to be requeued (it resumes from there)", flush=True)
         _leave_together()
         return EXIT_REQUEUE
     finally:
-        if trainer is not None:
-            trainer.release()
-    if trainer.rank == 0:
+        if run is not None:
+            run.release()
+    if run.rank == 0:
         plots = []
         try:
             from vrgd_ds.train.plots import plot_run
@@ -757,9 +675,9 @@ def main(argv: list[str] | None = None) -> int:
             plots = plot_run(run_dir)
         except Exception as e:  # plotting must not fail a finished run
             logger.warning("plots were not written: %s", e)
-        b, a = result["before"], result["after"]
-        print(f"\nheld-out MLM loss {b['eval/mlm_loss']:.4f} -> {a['eval/mlm_loss']:.4f}, accuracy "
-              f"{b['eval/mlm_acc']:.4f} -> {a['eval/mlm_acc']:.4f} after {result['steps']} steps")
+        b, a, task = result["before"], result["after"], result["task"]
+        print(f"\nheld-out {task.upper()} loss {b[f'eval/{task}_loss']:.4f} -> {a[f'eval/{task}_loss']:.4f}, accuracy "
+              f"{b[f'eval/{task}_acc']:.4f} -> {a[f'eval/{task}_acc']:.4f} after {result['steps']} steps")
         print(f"metrics:    {run_dir / 'metrics.jsonl'}")
         if plots:
             print(f"plots:      {plots[0].parent}")
@@ -773,8 +691,6 @@ def _leave_together() -> None:
     """Every rank leaves the process group together: a rank exiting alone can die in gloo's
     teardown (SIGABRT, "terminate called without an active exception"), which replaces the exit
     code the launcher and the batch script act on (seen for a refused second job: 250, not 6)."""
-    import deepspeed.comm as dist
-
     if dist.is_initialized():
         dist.barrier()
         dist.destroy_process_group()

@@ -1,5 +1,5 @@
 """What a resume loads, decided from a checkpoint's marker and the configuration alone: the
-job (``loop.Trainer.resume``) and ``vrgd-pretrain --check-resume`` ask the same function.
+job (``loop.Job.resume``) and ``vrgd-pretrain --check-resume`` ask the same function.
 
 * Another **number of ranks**: ZeRO-1/2 checkpoints are converted once to DeepSpeed's universal
   form (``vrgd_ds.ds.universal``, keeping the GSNR momentum) and loaded that way; stage 0 loads
@@ -93,7 +93,7 @@ def check(run_dir: Path, raw: dict[str, Any] | None, world: int | None) -> tuple
     the resume would go ahead)."""
     import torch
 
-    from vrgd_ds.ds.integration import check_optimizer_block
+    from vrgd_ds.optim.registry import OptimizerBlockError, check_optimizer
     from vrgd_ds.train.config import optimizer_state_policy, parse_job
     from vrgd_ds.train.data import configured_fingerprint
 
@@ -125,7 +125,10 @@ def check(run_dir: Path, raw: dict[str, Any] | None, world: int | None) -> tuple
     if raw is None:
         return "\n".join(lines), True
     job = parse_job(raw)
-    cls = check_optimizer_block(raw)  # validated; built on a dummy parameter for its defaults
+    try:  # validated; built on a dummy parameter for its defaults
+        cls = check_optimizer(raw.get("optimizer"), "the engine's gradient clipping")
+    except OptimizerBlockError as e:
+        raise ConfigError(str(e)) from None
     group = cls([torch.nn.Parameter(torch.zeros(1))], **(raw["optimizer"].get("params") or {})).param_groups[0]
     now = {"type": cls.__name__, "gsnr": bool(group["gsnr"]), "gsnr_placement": group.get("gsnr_placement")}
     stage = int((raw.get("zero_optimization") or {}).get("stage", 0))

@@ -1,0 +1,213 @@
+"""The DeepSpeed engine of the job: BERT (``transformers``) under ``deepspeed.initialize`` with a
+VRGD optimizer from the config's ``"optimizer"`` block, ZeRO 0-3, fp16/bf16.
+
+One engine serves every phase: at a phase boundary (or an adaptive batch change) the micro-batch
+and the global batch are set on it (``set_train_micro_batch_size`` / ``set_train_batch_size``),
+so the optimizer state, VRGD statistics and loss scaler carry over. Accumulation boundaries are
+set explicitly each micro-step (``set_gradient_accumulation_boundary``): DeepSpeed's own count
+(``micro_steps % gradient_accumulation_steps``) would misalign once the accumulation changes.
+
+Checkpoints are DeepSpeed's (``save_checkpoint`` with the job's state as client state,
+``save_latest=False``: the spine writes ``latest`` once every rank is done). A checkpoint of
+another number of ranks is converted once to DeepSpeed's universal form
+(``vrgd_ds.ds.universal``, keeping the GSNR momentum) and loaded that way.
+"""
+from __future__ import annotations
+
+import datetime
+import logging
+import os
+import shutil
+from pathlib import Path
+from typing import Any, Callable, Iterator
+
+import torch
+
+import vrgd_ds
+from vrgd_ds.train import checkpoints as ckpt
+from vrgd_ds.train.config import ConfigError, JobConfig, deepspeed_config
+from vrgd_ds.train.data import JobData, prepare_data
+from vrgd_ds.train.engines.base import Engine
+from vrgd_ds.train.model import build_model
+from vrgd_ds.train.resume import ResumePlan, convert_command, plan_resume
+
+logger = logging.getLogger(__name__)
+
+STATE_KEY = "vrgd_job"  # the job's state in DeepSpeed's client state
+
+
+def _inputs(batch: dict[str, torch.Tensor], device: torch.device, next_sentence: bool) -> dict[str, torch.Tensor]:
+    keys = ("input_ids", "token_type_ids", "attention_mask", "labels") + (("next_sentence_label",) if next_sentence else ())
+    return {k: batch[k].to(device, non_blocking=True) for k in keys}
+
+
+class DeepSpeedEngine(Engine):
+    name = "deepspeed"
+    task = "mlm"
+    reporter = True  # every rank's loss counts
+
+    @staticmethod
+    def config_errors() -> tuple[type[Exception], ...]:
+        from vrgd_ds.ds.integration import UnsupportedConfiguration
+
+        return (UnsupportedConfiguration,)
+
+    @staticmethod
+    def check_config(raw: dict[str, Any], job: JobConfig) -> None:
+        from vrgd_ds.ds.config import check_config
+        from vrgd_ds.ds.integration import UnsupportedConfiguration
+
+        try:
+            check_config(raw)
+        except UnsupportedConfiguration as e:
+            raise ConfigError(str(e)) from None
+
+    def __init__(self, raw: dict[str, Any], job: JobConfig, backend: str | None,
+                 timeout: datetime.timedelta) -> None:
+        import deepspeed
+
+        self.raw, self.job = raw, job
+        cuda = torch.cuda.is_available()
+        deepspeed.init_distributed(dist_backend=backend or ("nccl" if cuda else "gloo"), auto_mpi_discovery=True,
+                                   timeout=timeout)
+        self.rank, self.world = torch.distributed.get_rank(), torch.distributed.get_world_size()
+        self.data_rank, self.data_world = self.rank, self.world
+        if cuda:
+            local = int(os.environ.get("LOCAL_RANK", self.rank % max(torch.cuda.device_count(), 1)))
+            torch.cuda.set_device(local)
+        self.device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
+
+    def setup(self, run_dir: Path, barrier: Callable[[], None]) -> None:
+        import deepspeed
+
+        from vrgd_ds.data_pipeline.samples import collate
+        from vrgd_ds.ds import shm
+
+        barrier()  # every rank has mapped its peers' shared memory (CPU accelerator)
+        shm.unlink_own_segment(self.rank)
+        job = self.job
+        self._collate = collate
+        self.data: JobData = prepare_data(job, run_dir, self.rank, barrier, sorted({p.seq_len for p in job.phases}))
+        self.next_sentence = self.data.next_sentence is not None
+        self.fingerprint = self.data.fingerprint()
+        torch.manual_seed(job.seed)  # the same initial weights on every rank and every start
+        model = build_model(job.model, self.data.vocab_size, max(p.seq_len for p in job.phases), self.next_sentence)
+        ds_cfg = deepspeed_config(self.raw, job.phases[0], self.world, 0)
+        wd = float(ds_cfg.get("optimizer", {}).get("params", {}).get("weight_decay", 0.0))
+        groups = vrgd_ds.param_groups(model, weight_decay=wd)
+        self.engine, *_ = deepspeed.initialize(model=model, model_parameters=groups, config=ds_cfg)
+        self.optimizer = self.engine.basic_optimizer
+
+    def datasets(self, seq_len: int):
+        return self.data.split(seq_len)
+
+    def collate(self, samples):
+        return self._collate(samples)
+
+    def set_batch(self, micro_batch: int, global_batch: int) -> None:
+        self.engine.set_train_micro_batch_size(micro_batch)
+        self.engine.set_train_batch_size(global_batch)
+
+    def half_batch_cosine(self):
+        from vrgd_ds.train.halves import HalfBatchCosine
+
+        return HalfBatchCosine(self.engine, torch.distributed)
+
+    def train_step(self, batches: Iterator[dict[str, torch.Tensor]], gas: int, seeds: list[int],
+                   cosine: Any = None) -> dict[str, Any]:
+        if cosine is not None:
+            cosine.start(gas)
+        loss_sum, tokens = 0.0, 0
+        skipped_before = self.optimizer.skipped_steps
+        for j in range(gas):
+            batch = next(batches)
+            tokens += int(batch["attention_mask"].sum())
+            self.engine.set_gradient_accumulation_boundary(j == gas - 1)
+            torch.manual_seed(seeds[j])
+            if cosine is not None:
+                cosine.micro_step(j)
+            loss = self.engine(**_inputs(batch, self.device, self.next_sentence)).loss
+            self.engine.backward(loss)
+            self.engine.step()
+            loss_sum += float(loss.detach())
+        return dict(loss_sum=loss_sum, tokens=tokens, skipped=self.optimizer.skipped_steps > skipped_before,
+                    measured=cosine.finish() if cosine is not None else None)
+
+    @torch.no_grad()
+    def evaluate(self, batches):
+        self.engine.eval()
+        loss, correct, count = 0.0, 0.0, 0.0
+        for batch in batches:
+            inputs = _inputs(batch, self.device, self.next_sentence)
+            labels = inputs.pop("labels")
+            inputs.pop("next_sentence_label", None)
+            out = self.engine(**inputs)
+            logits = (out.prediction_logits if self.next_sentence else out.logits).float()
+            mask = labels != -100
+            loss += float(torch.nn.functional.cross_entropy(logits[mask], labels[mask], reduction="sum"))
+            correct += float((logits[mask].argmax(-1) == labels[mask]).sum())
+            count += float(mask.sum())
+        self.engine.train()
+        return loss, correct, count
+
+    # -- checkpoints ---------------------------------------------------------------------------
+
+    def layout(self) -> dict[str, Any]:
+        return {"zero_stage": self.engine.zero_optimization_stage()}
+
+    def plan(self, ckpt_dir: Path, tag: str, optimizer: dict[str, Any], policy: str) -> ResumePlan:
+        """``resume.plan_resume``; converts ``tag`` to universal form here, once, if the number of
+        ranks changed."""
+        plan = plan_resume(ckpt_dir, tag, optimizer, self.world, self.engine.zero_optimization_stage(), policy)
+        if plan.switched:
+            self.optimizer.report_load = False  # the plan's line says it once
+        if not plan.universal or ckpt.converted(ckpt_dir, tag) is not None:
+            return plan
+        error = None
+        if self.rank == 0:
+            try:
+                from vrgd_ds.ds.universal import convert
+
+                out = ckpt_dir / ckpt.UNIVERSAL / tag
+                shutil.rmtree(out, ignore_errors=True)  # a conversion cut short
+                keys = convert(str(ckpt_dir / tag), str(out))
+                ckpt.record_conversion(ckpt_dir, tag, plan.saved_world, keys)
+            except Exception as e:  # noqa: BLE001 (reported on every rank below)
+                error = f"{type(e).__name__}: {e}"
+        flag = torch.tensor([1.0 if error else 0.0], device=self.device)
+        torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX)
+        if flag.item():
+            raise ConfigError(f"{ckpt_dir / tag}: saved on {plan.saved_world} ranks, resumed on {self.world}; "
+                              f"converting it to a universal checkpoint failed ({error or 'see rank 0'}). Convert it "
+                              f"by hand to see why: {convert_command(ckpt_dir, tag)}; or resume it on "
+                              f"{plan.saved_world} ranks")
+        return plan
+
+    def load(self, ckpt_dir: Path, tag: str, plan: ResumePlan) -> dict[str, Any] | None:
+        config = self.engine._config
+        before = config.load_universal_checkpoint
+        # DeepSpeed 0.19.8 reads the flag at load time (engine.load_universal_checkpoint())
+        config.load_universal_checkpoint = plan.universal
+        try:
+            load_dir = ckpt_dir / ckpt.UNIVERSAL if plan.universal else ckpt_dir
+            path, client = self.engine.load_checkpoint(str(load_dir), tag=tag,
+                                                       load_optimizer_states=plan.optimizer_states,
+                                                       load_lr_scheduler_states=plan.optimizer_states)
+        finally:
+            config.load_universal_checkpoint = before
+        return (client or {}).get(STATE_KEY) if path is not None else None
+
+    def save(self, ckpt_dir: Path, tag: str, state: dict[str, Any]) -> None:
+        self.engine.save_checkpoint(str(ckpt_dir), tag=tag, client_state={STATE_KEY: state}, save_latest=False)
+
+    def checkpoint_bytes(self) -> int:
+        """The optimizer state and fp32 master partitions of this rank, and rank 0's module."""
+        opt = self.optimizer
+        local = sum(t.numel() * t.element_size() for st in opt.state.values() for t in st.values() if torch.is_tensor(t))
+        local += sum(p.numel() * 4 for g in opt.param_groups for p in g["params"])
+        if self.rank == 0:
+            local += sum(p.numel() * p.element_size() for p in self.engine.module.parameters())
+        return local
+
+
+ENGINE = DeepSpeedEngine
