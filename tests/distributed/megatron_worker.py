@@ -3,8 +3,8 @@ own (``test_megatron.py``): Megatron's ``DistributedDataParallel`` over a tensor
 with and without the distributed optimizer and overlap, against the single-process optimizer on
 the unsharded model.
 
-megatron-core 0.16.1 assumes CUDA in three places; ``prepare`` patches them for these ranks only
-(never in the package): ``torch.cuda.current_device`` answers ``"cpu"``, ``Tensor.type()``
+megatron-core 0.16.1 assumes CUDA in three places; ``prepare`` patches them for these ranks
+(``vrgd_ds.megatron.cpu_ranks``, applied only where no GPU is): ``torch.cuda.current_device`` answers ``"cpu"``, ``Tensor.type()``
 reports a ``torch.cuda.*`` type (the distributed optimizer checks it), and tensor factories
 asked for ``device="cuda"`` build on the CPU.
 """
@@ -13,20 +13,16 @@ from __future__ import annotations
 import contextlib
 import copy
 import functools
-import sys
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
-ROOT = Path(__file__).resolve().parents[2]
-
 
 def prepare(case: dict) -> dict:
-    """Megatron's CUDA assumptions answered for these CPU ranks (``launch/megatron/cpu_ranks.py``,
-    the file the Megatron job uses too)."""
-    sys.path.insert(0, str(ROOT / "launch" / "megatron"))
-    import cpu_ranks
+    """Megatron's CUDA assumptions answered for these CPU ranks (``vrgd_ds/megatron/cpu_ranks.py``,
+    what the Megatron job applies on CPU ranks too)."""
+    from vrgd_ds.megatron import cpu_ranks
 
     cpu_ranks.apply()
     return {}

@@ -62,6 +62,26 @@ class JobData:
     def _dataset(self, seq_len: int) -> BertPretrainingDataset:
         return BertPretrainingDataset(self.corpus, self.samples[seq_len], seq_len, seed=self.seed)
 
+    def token_streams(self) -> tuple[np.ndarray, np.ndarray]:
+        """(training, held-out) documents' tokens, each concatenated in corpus order (held out:
+        the documents from ``split_document`` on, as for the BERT samples)."""
+        def stream(first: int, last: int) -> np.ndarray:
+            parts = [s for i in range(first, last) for s in self.corpus.document(i)]
+            return np.concatenate(parts) if parts else np.zeros(0, dtype=np.int64)
+
+        return stream(0, self.split_document), stream(self.split_document, self.corpus.num_documents)
+
+    def windows(self, seq_len: int) -> tuple[Windows, Windows]:
+        """(training, held-out) causal-LM windows of ``seq_len`` (``Windows``)."""
+        if not hasattr(self, "_streams"):
+            self._streams = self.token_streams()
+        train, held = (Windows(s, seq_len) for s in self._streams)
+        if len(train) == 0 or len(held) == 0:
+            raise ConfigError(f"job.data.heldout_fraction: the corpus ({self.corpus.num_documents} documents) leaves "
+                              f"no training or no held-out window of {seq_len + 1} tokens; use a larger corpus or "
+                              "change the fraction")
+        return train, held
+
     def split(self, seq_len: int) -> tuple[Rows, Rows]:
         """(training samples, held-out samples) of the ``seq_len`` index."""
         ds = self._dataset(seq_len)
@@ -72,6 +92,30 @@ class JobData:
                               f"{len(docs)} samples at seq {seq_len}) leaves no training or no held-out samples; "
                               "use a larger corpus or change the fraction")
         return Rows(ds, train), Rows(ds, held)
+
+
+class Windows(torch.utils.data.Dataset):
+    """Causal language-model samples: window ``i`` holds tokens ``[i·L, i·L + L + 1)`` of a token
+    stream (``L`` = ``seq_len``; consecutive windows share one token, as Megatron's GPT dataset
+    cuts them), as ``tokens`` (the first ``L``) and ``labels`` (the last ``L``). Keyed by
+    ``(epoch, i)`` like the BERT samples; a window is the same in every epoch (the sampler's
+    permutation changes the order)."""
+
+    def __init__(self, stream: np.ndarray, seq_len: int) -> None:
+        self.stream, self.seq_len = stream, seq_len
+
+    def __len__(self) -> int:
+        return max((len(self.stream) - 1) // self.seq_len, 0)
+
+    def __getitem__(self, key: tuple[int, int]) -> dict[str, torch.Tensor]:
+        _, i = key
+        window = torch.from_numpy(np.asarray(self.stream[i * self.seq_len:(i + 1) * self.seq_len + 1], dtype=np.int64))
+        return {"tokens": window[:-1], "labels": window[1:]}
+
+
+def stack(samples: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+    """A micro-batch of equal-length samples (``Windows``)."""
+    return {k: torch.stack([s[k] for s in samples]) for k in samples[0]}
 
 
 def fingerprint(tokenizer_sha256: str, manifest: Path, seed: int, split_document: int,

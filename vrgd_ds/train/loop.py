@@ -301,6 +301,8 @@ class Job:
         return int(total * 1.1) + (1 << 20)
 
     def save(self) -> None:
+        if getattr(self, "saved_step", None) == self.step:  # e.g. a pre-emption right after a periodic save
+            return
         tag = ckpt.tag_of(self.step)
         need = self._checkpoint_bytes()
         short = None
@@ -336,6 +338,7 @@ class Job:
                                "skipped steps that began at step %d", protect, self.job.keep_checkpoints,
                                self.skip_streak_from + 1)
         dist.barrier()
+        self.saved_step = self.step
         self.watchdog.beat(self.step, "checkpoint")
 
     # -- evaluation ----------------------------------------------------------------------------
@@ -346,7 +349,7 @@ class Job:
         phase = self.job.phases[self.current_phase()]
         batches = eval_batches(held, self.job.data.eval_samples, phase.micro_batch, self.engine.data_rank,
                                self.engine.data_world, self.engine.collate)
-        sums = self.engine.evaluate(batches) if self.engine.reporter else (0.0, 0.0, 0.0)
+        sums = self.engine.evaluate(batches)  # every rank runs it (model-parallel ranks run it together)
         loss, correct, count = self._sum_over_ranks(list(sums))
         self.watchdog.beat(self.step, "evaluation")
         count = max(count, 1.0)
@@ -363,7 +366,7 @@ class Job:
         """Sets the engine's micro-batch and global batch (between optimizer steps); returns the
         accumulation steps."""
         p = self.job.phases[index]
-        self.engine.set_batch(p.micro_batch, batch)
+        self.engine.set_batch(p.micro_batch, batch, p.seq_len)
         return batch // (p.micro_batch * self.engine.data_world)
 
     def train(self) -> dict[str, Any]:
@@ -518,7 +521,8 @@ class Job:
         record = {"phase": index, "train/loss": loss_mean, "train/lr": lr, "train/step_time_s": step_time,
                   "train/data_time_s": data_time / self.world, "train/tokens_per_s": tok / step_time,
                   "train/samples": float(sum(self.consumed)), "train/seq_len": p.seq_len,
-                  "train/global_batch": float(batch), "train/accumulation": float(gas), **adaptive}
+                  "train/global_batch": float(batch), "train/accumulation": float(gas), **adaptive,
+                  **took.get("metrics", {})}
         m = self.optimizer.gsnr_metrics(per_tensor=self.job.telemetry.per_layer_group)
         if gsnr_on and m.get("gsnr/n") and "noise_scale/b_simple_groups" in m:  # groups -> samples
             m["noise_scale/b_simple"] = m["noise_scale/b_simple_groups"] * batch / m["gsnr/n"]

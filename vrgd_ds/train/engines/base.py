@@ -71,8 +71,8 @@ class Engine(abc.ABC):
     def collate(self, samples: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
         """A micro-batch from samples."""
 
-    def set_batch(self, micro_batch: int, global_batch: int) -> None:  # noqa: B027 (optional)
-        """The next steps' batch (between optimizer steps; phases and the adaptive batch)."""
+    def set_batch(self, micro_batch: int, global_batch: int, seq_len: int) -> None:  # noqa: B027 (optional)
+        """The next steps' batch (between optimizer steps: a phase begins, the adaptive batch changes)."""
 
     def set_lr(self, lr: float) -> None:
         """The next step's learning rate on every param group."""
@@ -85,11 +85,13 @@ class Engine(abc.ABC):
         """One optimizer step of ``gas`` micro-batches from ``batches`` (``torch.manual_seed(seeds[j])``
         before micro-batch j's forward; ``cosine``: the half-batch cosine to measure). Returns
         ``loss_sum`` (the micro-batches' mean losses, summed), ``tokens``, ``skipped`` (the
-        optimizer skipped the step: non-finite gradients, fp16 overflow) and ``measured``."""
+        optimizer skipped the step: non-finite gradients, fp16 overflow), ``measured`` and
+        optionally ``metrics`` (the engine's own rows for the step's record)."""
 
     @abc.abstractmethod
     def evaluate(self, batches: list[dict[str, torch.Tensor]]) -> tuple[float, float, float]:
-        """This rank's (loss sum, correct predictions, predicted tokens) over ``batches``."""
+        """This rank's (loss sum, correct predictions, predicted tokens) over ``batches``; every rank
+        calls it, a rank that is not a ``reporter`` returns zeros (the spine sums over ranks)."""
 
     @abc.abstractmethod
     def plan(self, ckpt_dir: Path, tag: str, optimizer: dict[str, Any], policy: str) -> ResumePlan:

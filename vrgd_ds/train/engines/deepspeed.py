@@ -104,7 +104,7 @@ class DeepSpeedEngine(Engine):
     def collate(self, samples):
         return self._collate(samples)
 
-    def set_batch(self, micro_batch: int, global_batch: int) -> None:
+    def set_batch(self, micro_batch: int, global_batch: int, seq_len: int) -> None:
         self.engine.set_train_micro_batch_size(micro_batch)
         self.engine.set_train_batch_size(global_batch)
 

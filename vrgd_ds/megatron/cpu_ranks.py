@@ -1,7 +1,8 @@
 """megatron-core 0.16.1 on CPU ranks (gloo): its three CUDA assumptions answered for this process.
 
-For tests and for trying the Megatron job without a GPU; never imported by the package, and
-not needed on GPUs. The three places: ``torch.cuda.current_device()`` (the grad buffers),
+For tests and for the Megatron job on CPU ranks: the job's engine (``vrgd_ds/train/engines/
+megatron.py``) applies it, with a log line, only where no GPU is; nothing else in the package
+imports it. The three places: ``torch.cuda.current_device()`` (the grad buffers),
 ``Tensor.type()`` (the distributed optimizer checks for a ``torch.cuda.*`` type) and tensor
 factories asked for ``device="cuda"`` (the optimizer wrappers and gradient clipping). A fourth
 for models from ``megatron.core.models``: the model-parallel RNG tracker's ``fork`` (dropout

@@ -1,0 +1,438 @@
+"""The Megatron-core engine of the job: a GPT from ``megatron.core.models`` in Megatron's
+``DistributedDataParallel`` (its distributed optimizer by default), tensor, pipeline and data
+parallelism, Megatron's schedule (``get_forward_backward_func``) and gradient finalisation, and a
+VRGD optimizer through ``vrgd_ds.megatron.get_megatron_optimizer``.
+
+The config is the job's file with ``"job": {"engine": "megatron", ...}``, the ``"optimizer"``
+block (``type`` and ``params``, as in a DeepSpeed config) and a ``"megatron"`` block
+(``MegatronBlock``: the GPT's shape, the parallel sizes, precision, the DDP options)::
+
+    "megatron": {"model": {"num_layers": 24, "hidden_size": 2048, "num_attention_heads": 16},
+                 "tensor_model_parallel_size": 2, "pipeline_model_parallel_size": 1, "precision": "bf16"}
+
+Data: the job's prepared corpus (``job.data``, as for BERT), its training documents' tokens cut
+into windows of ``seq_len + 1`` (``data.Windows``); the ranks of one data-parallel rank read the
+same micro-batches. ``job.phases`` work as for BERT: ``global_batch`` = ``micro_batch`` ×
+accumulation × data-parallel ranks.
+
+Checkpoints are Megatron dist-checkpointing (``torch_dist``) directories: the model's
+``sharded_state_dict``, the optimizer's (``vrgd_ds.megatron.checkpoint``: ``vrgd_model_space``,
+every state key in model space) and the job's state, so a checkpoint resumes on another tensor-,
+pipeline- or data-parallel size. Without a GPU the ranks run on the CPU with gloo
+(``vrgd_ds.megatron.cpu_ranks`` answers Megatron's CUDA assumptions, with a log line).
+"""
+from __future__ import annotations
+
+import datetime
+import json
+import logging
+import os
+import shutil
+from pathlib import Path
+from typing import Any, Callable, Iterator, Literal
+
+import torch
+import torch.distributed as dist
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from vrgd_ds.optim.registry import OptimizerBlockError, check_optimizer
+from vrgd_ds.train.config import ConfigError, JobConfig, gradient_accumulation
+from vrgd_ds.train.data import JobData, prepare_data, stack
+from vrgd_ds.train.engines.base import Engine
+from vrgd_ds.train.resume import ResumePlan, plan_resume
+
+logger = logging.getLogger(__name__)
+
+BLOCK = "megatron"
+KEYS = ("job", "optimizer", BLOCK, "checkpoint")  # the file's top-level keys for this engine
+STATE_KEY = "vrgd_job"  # the job's state (JSON text) in the dist-checkpoint's common part
+CLIPPING = "megatron.clip_grad"
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class GPTShape(_Strict):
+    """``megatron.model``: the GPT (``TransformerConfig`` fields; local layer spec)."""
+
+    num_layers: int = Field(ge=1)
+    hidden_size: int = Field(ge=1)
+    num_attention_heads: int = Field(ge=1)
+    ffn_hidden_size: int | None = Field(None, ge=1)
+    """Default: 4 × hidden_size."""
+    hidden_dropout: float = Field(0.1, ge=0.0, lt=1.0)
+    attention_dropout: float = Field(0.1, ge=0.0, lt=1.0)
+    vocab_size: int | None = Field(None, ge=1)
+    """Default: the tokenizer's, padded to a multiple of 128 × tensor-parallel size (Megatron's
+    ``make_vocab_size_divisible_by``); given, it must hold every token id."""
+
+
+class MegatronBlock(_Strict):
+    """The ``"megatron"`` block."""
+
+    model: GPTShape
+    tensor_model_parallel_size: int = Field(1, ge=1)
+    pipeline_model_parallel_size: int = Field(1, ge=1)
+    precision: Literal["fp32", "bf16", "fp16"] = "fp32"
+    """bf16/fp16: the model in that dtype inside Megatron's ``Float16Module``, gradients reduced in
+    fp32, fp32 main parameters in the optimizer (fp16 with Megatron's dynamic loss scale)."""
+    use_distributed_optimizer: bool = True
+    overlap_grad_reduce: bool = False
+    bucket_size: int | None = Field(None, ge=1)
+    clip_grad: float = Field(1.0, ge=0.0)
+    """Global gradient-norm clipping (0: off)."""
+
+
+def _launch_world() -> int | None:
+    """The number of ranks as the launcher set it (before the process group exists)."""
+    for var in ("WORLD_SIZE", "OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "SLURM_NTASKS"):
+        if os.environ.get(var, "").isdigit():
+            return int(os.environ[var])
+    return None
+
+
+def parse_block(raw: dict[str, Any]) -> MegatronBlock:
+    """The validated ``"megatron"`` block; errors name the key."""
+    from vrgd_ds.optim.registry import did_you_mean
+
+    if not isinstance(raw.get(BLOCK), dict):
+        raise ConfigError(f'{BLOCK}: the megatron engine needs a "{BLOCK}" block, e.g. {{"model": {{"num_layers": 2, '
+                          '"hidden_size": 64, "num_attention_heads": 4}}}} (configs/megatron/)')
+    try:
+        return MegatronBlock.model_validate(raw[BLOCK])
+    except ValidationError as e:
+        lines = []
+        for err in e.errors():
+            key = ".".join([BLOCK, *map(str, err["loc"])])
+            hint = ""
+            if err["type"] == "extra_forbidden":
+                known = list((GPTShape if err["loc"][:1] == ("model",) else MegatronBlock).model_fields)
+                hint = did_you_mean(str(err["loc"][-1]), known) + f"; known: {', '.join(known)}"
+            lines.append(f"{key}: {err['msg'].removeprefix('Value error, ')}{hint}")
+        raise ConfigError("; ".join(lines)) from None
+
+
+def check(raw: dict[str, Any], job: JobConfig, world: int | None) -> MegatronBlock:
+    """Every check of a Megatron job's config that needs no process group; ``world``: the ranks
+    (None: not known yet, the layout's checks wait for the process group)."""
+    extra = [k for k in raw if k not in KEYS]
+    if extra:
+        raise ConfigError(f"{extra[0]}: not a key of a megatron-engine config (it has {', '.join(KEYS)}); "
+                          "DeepSpeed's keys (zero_optimization, fp16, bf16, gradient_clipping, ...) belong to "
+                          "job.engine \"deepspeed\": set precision and clipping in the megatron block")
+    block = parse_block(raw)
+    try:
+        check_optimizer(raw.get("optimizer"), CLIPPING)
+    except OptimizerBlockError as e:
+        raise ConfigError(str(e)) from None
+    if "model" in raw.get("job", {}):
+        raise ConfigError("job.model: describes the BERT of the deepspeed engine; the megatron engine's GPT is "
+                          f"{BLOCK}.model")
+    if job.data.next_sentence is not None:
+        raise ConfigError("job.data.next_sentence: a BERT task; the megatron engine trains a causal language model")
+    for i, p in enumerate(job.phases):
+        if p.adaptive_batch is not None:
+            raise ConfigError(f"job.phases[{i}].adaptive_batch: not supported by the megatron engine; use job.engine "
+                              "\"deepspeed\" for an adaptive batch, or a fixed global_batch")
+    tp, pp = block.tensor_model_parallel_size, block.pipeline_model_parallel_size
+    if block.model.num_attention_heads % tp:
+        raise ConfigError(f"{BLOCK}.model.num_attention_heads: {block.model.num_attention_heads} heads do not split "
+                          f"over tensor_model_parallel_size {tp}")
+    if block.model.hidden_size % block.model.num_attention_heads:
+        raise ConfigError(f"{BLOCK}.model.hidden_size: {block.model.hidden_size} is not a multiple of "
+                          f"num_attention_heads {block.model.num_attention_heads}")
+    if block.model.num_layers % pp:
+        raise ConfigError(f"{BLOCK}.model.num_layers: {block.model.num_layers} layers do not split into "
+                          f"pipeline_model_parallel_size {pp} stages")
+    if world is not None:
+        if world % (tp * pp):
+            raise ConfigError(f"{BLOCK}.tensor_model_parallel_size × pipeline_model_parallel_size = {tp} × {pp} does "
+                              f"not divide the {world} ranks; change the sizes or the number of ranks")
+        for i, p in enumerate(job.phases):
+            try:
+                gradient_accumulation(p, world // (tp * pp), i)
+            except ConfigError as e:
+                raise ConfigError(f"{e} (data-parallel ranks: {world} ranks / (TP {tp} × PP {pp}))") from None
+    return block
+
+
+def init_process_group(backend: str | None, timeout: datetime.timedelta) -> torch.device:
+    """NCCL on GPUs; gloo with ``cpu_ranks`` on CPU ranks. Returns this rank's device."""
+    if torch.cuda.is_available():
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+        dist.init_process_group(backend or "nccl", timeout=timeout)
+        return torch.device("cuda", torch.cuda.current_device())
+    from vrgd_ds.megatron import cpu_ranks
+
+    cpu_ranks.apply()
+    dist.init_process_group(backend or "gloo", timeout=timeout)
+    if dist.get_rank() == 0:
+        logger.info("no GPU: megatron-core runs on CPU ranks with gloo (vrgd_ds.megatron.cpu_ranks)")
+    return torch.device("cpu")
+
+
+def padded_vocab(vocab: int, tp: int, multiple: int = 128) -> int:
+    """Megatron's ``make_vocab_size_divisible_by``: a multiple of ``multiple`` × ``tp``."""
+    step = multiple * tp
+    return -(-vocab // step) * step
+
+
+def build_gpt(block: MegatronBlock, optimizer: dict[str, Any], vocab_size: int, max_seq: int, seed: int,
+              device: torch.device):
+    """The GPT chunk of this pipeline stage in Megatron's DDP and its VRGD optimizer (model-parallel
+    state initialised first). Returns ``(TransformerConfig, ddp, ChainedOptimizer)``."""
+    from megatron.core import parallel_state as ps
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.optimizer import OptimizerConfig
+    from megatron.core.transformer.module import Float16Module
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    from vrgd_ds.megatron import get_megatron_optimizer
+
+    m, tp, pp = block.model, block.tensor_model_parallel_size, block.pipeline_model_parallel_size
+    half = {"bf16": block.precision == "bf16", "fp16": block.precision == "fp16"}
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(block.precision, torch.float32)
+    if not ps.model_parallel_is_initialized():
+        ps.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)
+    torch.manual_seed(seed)  # the same initial weights on every start
+    if device.type == "cuda":
+        from megatron.core.tensor_parallel import get_cuda_rng_tracker, model_parallel_cuda_manual_seed
+
+        get_cuda_rng_tracker().reset()
+        model_parallel_cuda_manual_seed(seed)
+    config = TransformerConfig(num_layers=m.num_layers, hidden_size=m.hidden_size,
+                               num_attention_heads=m.num_attention_heads, ffn_hidden_size=m.ffn_hidden_size,
+                               hidden_dropout=m.hidden_dropout, attention_dropout=m.attention_dropout,
+                               use_cpu_initialization=device.type == "cpu", tensor_model_parallel_size=tp,
+                               pipeline_model_parallel_size=pp, params_dtype=dtype, **half)
+    model = GPTModel(config, get_gpt_layer_local_spec(), vocab_size=vocab_size, max_sequence_length=max_seq,
+                     pre_process=ps.is_pipeline_first_stage(), post_process=ps.is_pipeline_last_stage(),
+                     share_embeddings_and_output_weights=False)
+    if device.type == "cuda":
+        model.cuda()
+    if block.precision != "fp32":
+        model = Float16Module(config, model)
+    ddp = DistributedDataParallel(config, DistributedDataParallelConfig(
+        grad_reduce_in_fp32=True, overlap_grad_reduce=block.overlap_grad_reduce,
+        use_distributed_optimizer=block.use_distributed_optimizer, bucket_size=block.bucket_size), model)
+    params = dict(optimizer.get("params") or {})
+    ocfg = OptimizerConfig(optimizer="adam", lr=params.pop("lr", 1e-3), weight_decay=params.pop("weight_decay", 0.01),
+                           clip_grad=block.clip_grad, use_distributed_optimizer=block.use_distributed_optimizer,
+                           params_dtype=dtype, **half)
+    opt = get_megatron_optimizer(ocfg, [ddp], optimizer=optimizer["type"], optimizer_kwargs=params)
+    return config, ddp, opt
+
+
+def _attention_mask(seq: int, device: torch.device) -> torch.Tensor:
+    return torch.tril(torch.ones(1, 1, seq, seq, device=device)) < 0.5
+
+
+class MegatronEngine(Engine):
+    name = "megatron"
+    task = "lm"
+
+    @staticmethod
+    def config_errors() -> tuple[type[Exception], ...]:
+        from vrgd_ds.megatron.internals import UnsupportedMegatronConfiguration
+
+        return (UnsupportedMegatronConfiguration,)
+
+    @staticmethod
+    def check_config(raw: dict[str, Any], job: JobConfig) -> None:
+        check(raw, job, _launch_world())
+
+    def __init__(self, raw: dict[str, Any], job: JobConfig, backend: str | None,
+                 timeout: datetime.timedelta) -> None:
+        from megatron.core import parallel_state as ps
+
+        self.raw, self.job = raw, job
+        self.device = init_process_group(backend, timeout)
+        self.rank, self.world = dist.get_rank(), dist.get_world_size()
+        self.block = check(raw, job, self.world)
+        ps.initialize_model_parallel(tensor_model_parallel_size=self.block.tensor_model_parallel_size,
+                                     pipeline_model_parallel_size=self.block.pipeline_model_parallel_size)
+        self.ps = ps
+        self.data_rank, self.data_world = ps.get_data_parallel_rank(), ps.get_data_parallel_world_size()
+        self.reporter = ps.is_pipeline_last_stage() and ps.get_tensor_model_parallel_rank() == 0
+        self.micro_batch, self.seq_len = job.phases[0].micro_batch, job.phases[0].seq_len
+
+    def setup(self, run_dir: Path, barrier: Callable[[], None]) -> None:
+        from megatron.core.distributed import finalize_model_grads
+        from megatron.core.pipeline_parallel import get_forward_backward_func
+
+        job, block = self.job, self.block
+        # (the preparation's sample indices are BERT's; the windows need only its tokenizer and shards)
+        self.data: JobData = prepare_data(job, run_dir, self.rank, barrier, sorted({p.seq_len for p in job.phases}))
+        self.fingerprint = self.data.fingerprint()
+        vocab = self.data.vocab_size
+        if block.model.vocab_size is not None and block.model.vocab_size < vocab:
+            raise ConfigError(f"{BLOCK}.model.vocab_size: {block.model.vocab_size} is below the tokenizer's {vocab} "
+                              "pieces; raise it or remove the key (the tokenizer's, padded)")
+        size = block.model.vocab_size or padded_vocab(vocab, block.tensor_model_parallel_size)
+        self.config, self.ddp, self.megatron_optimizer = build_gpt(
+            block, self.raw["optimizer"], size, max(p.seq_len for p in job.phases), job.seed, self.device)
+        self.config.finalize_model_grads_func = finalize_model_grads
+        self.config.no_sync_func = self.ddp.no_sync
+        self.config.grad_scale_func = self.megatron_optimizer.scale_loss  # each micro-batch's loss (fp16)
+        self.optimizer = self.megatron_optimizer.chained_optimizers[0].optimizer
+        self.source = self.megatron_optimizer.vrgd_sources[0]
+        self.forward_backward = get_forward_backward_func()
+
+    def datasets(self, seq_len: int):
+        return self.data.windows(seq_len)
+
+    def collate(self, samples):
+        return stack(samples)
+
+    def set_batch(self, micro_batch: int, global_batch: int, seq_len: int) -> None:
+        self.micro_batch, self.seq_len = micro_batch, seq_len
+
+    def set_lr(self, lr: float) -> None:
+        for g in self.optimizer.param_groups:  # Megatron's per-group multiplier (its scheduler's rule)
+            g["lr"] = lr * g.get("lr_mult", 1.0)
+
+    def _run(self, batches: Iterator[dict[str, torch.Tensor]], count: int, forward_only: bool,
+             loss_of: Callable[[dict[str, torch.Tensor], torch.Tensor], tuple[torch.Tensor, dict]],
+             seeds: list[int] | None = None, with_labels: bool = True) -> list[dict]:
+        """Megatron's schedule over ``count`` micro-batches; returns the last stage's loss dicts."""
+        seq, device = self.seq_len, self.device
+        mask = _attention_mask(seq, device)
+        position = torch.arange(seq, device=device).expand(self.micro_batch, seq)
+        index = iter(range(count))
+
+        def forward_step(data: Iterator, model: Any):
+            b = next(data)
+            j = next(index)
+            if seeds is not None:
+                torch.manual_seed(seeds[j])
+                if device.type == "cuda":
+                    from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
+
+                    model_parallel_cuda_manual_seed(seeds[j])
+            tokens, labels = b["tokens"].to(device), b["labels"].to(device)
+            out = model(tokens, position[:len(tokens)], mask, labels=labels if with_labels else None)
+            return out, lambda output: loss_of(b, output)
+
+        return self.forward_backward(forward_step_func=forward_step, data_iterator=batches, model=self.ddp,
+                                     num_microbatches=count, seq_length=seq, micro_batch_size=self.micro_batch,
+                                     forward_only=forward_only)
+
+    def train_step(self, batches: Iterator[dict[str, torch.Tensor]], gas: int, seeds: list[int],
+                   cosine: Any = None) -> dict[str, Any]:
+        def loss_of(batch, output):
+            loss = output.float().mean()
+            return loss, {"lm loss": loss.detach().clone()}  # the schedule divides the loss in place
+
+        self.ddp.zero_grad_buffer()
+        self.megatron_optimizer.zero_grad()
+        skipped_before = self.optimizer.skipped_steps
+        out = self._run(batches, gas, False, loss_of, seeds)
+        ok, grad_norm, _ = self.megatron_optimizer.step()
+        loss_sum = float(sum(float(o["lm loss"]) for o in out)) if out else 0.0
+        metrics = {"train/loss_scale": float(self.megatron_optimizer.get_loss_scale())}
+        if grad_norm is not None:
+            metrics["train/grad_norm"] = float(grad_norm)
+        metrics["comm/vrgd_bytes_total"] = float(self.source.counters.bytes_sent)
+        return dict(loss_sum=loss_sum, tokens=gas * self.micro_batch * self.seq_len, measured=None,
+                    skipped=(not ok) or self.optimizer.skipped_steps > skipped_before, metrics=metrics)
+
+    @torch.no_grad()
+    def evaluate(self, batches):
+        from megatron.core import tensor_parallel
+
+        sums = [0.0, 0.0, 0.0]
+
+        def loss_of(batch, logits):
+            labels = batch["labels"].to(self.device)
+            if self.block.tensor_model_parallel_size > 1:
+                logits = tensor_parallel.gather_from_tensor_model_parallel_region(logits)
+            logits = logits.float()[..., :self.data.vocab_size]
+            sums[0] += float(torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]),
+                                                               labels.reshape(-1), reduction="sum"))
+            sums[1] += float((logits.argmax(-1) == labels).sum())
+            sums[2] += float(labels.numel())
+            return logits.new_zeros(()), {}
+
+        self.ddp.eval()
+        if batches:
+            micro, self.micro_batch = self.micro_batch, len(batches[0]["tokens"])
+            full = [b for b in batches if len(b["tokens"]) == self.micro_batch]  # the schedule's fixed shape
+            self._run(iter(full), len(full), True, loss_of, with_labels=False)
+            self.micro_batch = micro
+        self.ddp.train()
+        return tuple(sums) if self.reporter else (0.0, 0.0, 0.0)
+
+    # -- checkpoints ---------------------------------------------------------------------------
+
+    def layout(self) -> dict[str, Any]:
+        return {"tensor_model_parallel_size": self.block.tensor_model_parallel_size,
+                "pipeline_model_parallel_size": self.block.pipeline_model_parallel_size,
+                "data_parallel_size": self.data_world, "precision": self.block.precision}
+
+    def _state(self, is_loading: bool, with_optimizer: bool = True) -> dict[str, Any]:
+        model = self.ddp.module
+        model_sd = model.sharded_state_dict()
+        out = {"model": model_sd, STATE_KEY: ""}
+        if with_optimizer:
+            out["optimizer"] = self.megatron_optimizer.sharded_state_dict(model_sd, is_loading)
+        return out
+
+    def plan(self, ckpt_dir: Path, tag: str, optimizer: dict[str, Any], policy: str) -> ResumePlan:
+        from vrgd_ds.train import checkpoints as ckpt
+
+        plan = plan_resume(ckpt_dir, tag, optimizer, self.world, 0, policy)  # dist-checkpointing reshards
+        saved = ckpt.marker(ckpt_dir, tag).get("info") or {}
+        keys = ("tensor_model_parallel_size", "pipeline_model_parallel_size", "data_parallel_size")
+        was, now = [saved.get(k) for k in keys], [self.layout()[k] for k in keys]
+        if None not in was and was != now:
+            plan.notes.append(f"{ckpt_dir / tag} was saved on TP {was[0]} × PP {was[1]} × DP {was[2]}; resuming on TP "
+                              f"{now[0]} × PP {now[1]} × DP {now[2]} (dist-checkpointing reshards every tensor)")
+        if saved.get("precision") not in (None, self.block.precision):
+            plan.notes.append(f"{ckpt_dir / tag} was saved in {saved['precision']}; resuming in "
+                              f"{self.block.precision} (the fp32 main weights carry over)")
+        return plan
+
+    def save(self, ckpt_dir: Path, tag: str, state: dict[str, Any]) -> None:
+        from megatron.core import dist_checkpointing
+
+        sd = self._state(False)
+        sd[STATE_KEY] = json.dumps(state)
+        path = ckpt_dir / tag
+        if self.rank == 0:  # dist-checkpointing writes into an empty directory: clear a save cut short
+            shutil.rmtree(path, ignore_errors=True)
+            path.mkdir(parents=True)
+        dist.barrier()
+        dist_checkpointing.save(sd, str(path))
+
+    def load(self, ckpt_dir: Path, tag: str, plan: ResumePlan) -> dict[str, Any] | None:
+        from megatron.core import dist_checkpointing
+        from megatron.core.dist_checkpointing.validation import StrictHandling
+
+        loaded = dist_checkpointing.load(self._state(True, plan.optimizer_states), str(ckpt_dir / tag),
+                                         strict=StrictHandling.ASSUME_OK_UNEXPECTED)
+        self.ddp.module.load_state_dict(loaded["model"], strict=False)
+        for mopt in self.megatron_optimizer.chained_optimizers:  # the fp32 main weights follow the model
+            if hasattr(mopt, "reload_model_params"):
+                mopt.reload_model_params()
+        if plan.optimizer_states:
+            self.megatron_optimizer.load_state_dict(loaded["optimizer"])
+        text = loaded.get(STATE_KEY)
+        return json.loads(text) if text else None
+
+    def checkpoint_bytes(self) -> int:
+        """This rank's model shard, its optimizer state and fp32 main weights."""
+        opt = self.optimizer
+        local = sum(p.numel() * p.element_size() for p in self.ddp.module.parameters())
+        local += sum(t.numel() * t.element_size() for st in opt.state.values() for t in st.values() if torch.is_tensor(t))
+        local += sum(p.numel() * 4 for g in opt.param_groups for p in g["params"])
+        return local
+
+    def close(self) -> None:
+        if self.ps.model_parallel_is_initialized():
+            self.ps.destroy_model_parallel()
+
+
+ENGINE = MegatronEngine
