@@ -4,8 +4,8 @@ statistics send per optimizer step next to Megatron's own gradient reduction.
 
     torchrun --nproc_per_node 2 benchmarks/megatron_step.py [--accumulation 1 16] [--steps 12]
 
-Both optimizers train their own copy of the same GPT (``launch/megatron/pretrain_gpt.py``'s
-``build``, distributed optimizer on, data parallel over the ranks), their steps interleaved so
+Both optimizers train their own copy of the same GPT (the Megatron job's ``build_gpt``,
+``vrgd_ds/train/engines/megatron.py``; distributed optimizer on, data parallel over the ranks), their steps interleaved so
 that load on the machine falls on both alike; the first 2 steps of each are not timed. Tokens
 are random (time does not depend on them). Prints one table row per accumulation and, per
 optimizer, the median step time; the ratio VRLamb/Lamb is of medians measured in this run.
@@ -13,27 +13,34 @@ optimizer, the median step time; the ratio VRLamb/Lamb is of medians measured in
 from __future__ import annotations
 
 import argparse
-import copy
+import datetime
 import json
 import statistics
-import sys
 import time
-from pathlib import Path
 
 import numpy as np
+import torch
 import torch.distributed as dist
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "launch" / "megatron"))
-import pretrain_gpt  # noqa: E402
+from vrgd_ds.train.engines.megatron import MegatronBlock, build_gpt, init_process_group
 
-CONFIG = {
-    "model": {"num_layers": 4, "hidden_size": 128, "num_attention_heads": 4, "seq_length": 64, "vocab_size": 2000},
-    "parallel": {"tensor_model_parallel_size": 1, "pipeline_model_parallel_size": 1},
-    "train": {"micro_batch_size": 4, "seed": 1},
-    "optimizer": {"params": {"lr": 2e-3, "weight_decay": 0.01}, "use_distributed_optimizer": True,
-                  "clip_grad": 1.0},
-}
+BLOCK = MegatronBlock.model_validate({"model": {"num_layers": 4, "hidden_size": 128, "num_attention_heads": 4},
+                                      "use_distributed_optimizer": True, "clip_grad": 1.0})
+PARAMS = {"lr": 2e-3, "weight_decay": 0.01}
+SEQ, MICRO_BATCH, VOCAB, SEED = 64, 4, 2048, 1
+
+
+def micro_batches(data: np.ndarray, step: int, micro: int, dp_rank: int, dp: int, device: torch.device):
+    """This data-parallel rank's micro-batches of the step: windows of SEQ + 1 tokens."""
+    windows = (len(data) - 1) // (SEQ + 1)
+    causal = torch.tril(torch.ones(1, 1, SEQ, SEQ, device=device)) < 0.5
+    position = torch.arange(SEQ, device=device).expand(MICRO_BATCH, SEQ)
+    for i in range(micro):
+        first = ((step * micro + i) * dp + dp_rank) * MICRO_BATCH
+        rows = [(first + j) % windows for j in range(MICRO_BATCH)]
+        block = torch.from_numpy(np.stack([data[r * (SEQ + 1):(r + 1) * (SEQ + 1)] for r in rows]).astype(np.int64))
+        block = block.to(device)
+        yield {"tokens": block[:, :-1], "labels": block[:, 1:], "position_ids": position, "attention_mask": causal}
 
 
 def megatron_bytes(ddp) -> int:
@@ -46,19 +53,17 @@ def main() -> None:
     ap.add_argument("--accumulation", type=int, nargs="+", default=[1, 16])
     ap.add_argument("--steps", type=int, default=12)
     args = ap.parse_args()
-    device = pretrain_gpt.init_distributed()
+    device = init_process_group(None, datetime.timedelta(minutes=10))
     from megatron.core import parallel_state as ps
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
-    data = np.random.default_rng(0).integers(1, CONFIG["model"]["vocab_size"], 200_000).astype(np.uint16)
+    data = np.random.default_rng(0).integers(1, VOCAB, 200_000).astype(np.uint16)
     rows = []
     for accumulation in args.accumulation:
         built = {}
         for name in ("VRLamb", "Lamb"):
-            cfg = copy.deepcopy(CONFIG)
-            cfg["optimizer"]["type"] = name
-            built[name] = pretrain_gpt.build(cfg, device)
-            ps.destroy_model_parallel()  # build() initialises; both copies use the same groups layout
+            built[name] = build_gpt(BLOCK, {"type": name, "params": PARAMS}, VOCAB, SEQ, SEED, device)
+            ps.destroy_model_parallel()  # build_gpt() initialises; both copies use the same groups layout
         ps.initialize_model_parallel(1, 1)
         dp, dp_rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
         forward_backward = get_forward_backward_func()
@@ -77,10 +82,9 @@ def main() -> None:
                 ddp.zero_grad_buffer()
                 optimizer.zero_grad()
                 forward_backward(forward_step_func=forward_step,
-                                 data_iterator=pretrain_gpt.micro_batches(data, CONFIG, step, accumulation, dp_rank,
-                                                                          dp, device),
-                                 model=ddp, num_microbatches=accumulation, seq_length=CONFIG["model"]["seq_length"],
-                                 micro_batch_size=CONFIG["train"]["micro_batch_size"], forward_only=False)
+                                 data_iterator=micro_batches(data, step, accumulation, dp_rank, dp, device),
+                                 model=ddp, num_microbatches=accumulation, seq_length=SEQ,
+                                 micro_batch_size=MICRO_BATCH, forward_only=False)
                 ddp.finish_grad_sync()
                 before = time.perf_counter()
                 optimizer.step()
@@ -103,7 +107,7 @@ def main() -> None:
                      "optimizer_step_ms_lamb": round(1e3 * med_opt["Lamb"], 2)})
         ps.destroy_model_parallel()
     if dist.get_rank() == 0:
-        print(f"megatron-core, {device}, {dist.get_world_size()} ranks, GPT {CONFIG['model']}")
+        print(f"megatron-core, {device.type}, {dist.get_world_size()} ranks, GPT {BLOCK.model.model_dump()}")
         for r in rows:
             print(json.dumps(r))
     dist.destroy_process_group()

@@ -1,6 +1,9 @@
-"""The pretraining job under failures, on 2 real CPU ranks (``deepspeed --num_gpus 2``, gloo):
-a diverged run, a broken newest checkpoint, a stalled rank, a killed rank, and the pre-emption
-signal. Each test says what the code before these changes did."""
+"""The pretraining job under failures, on 2 real CPU ranks (gloo), for both engines where the
+case applies: DeepSpeed (``deepspeed --num_gpus 2``, BERT) and Megatron-core (``torchrun
+--nproc_per_node 2``, GPT), the same job spine and the same exit codes. A diverged run, a broken
+newest checkpoint, a stalled rank, a killed rank, the pre-emption signal, one job per run
+directory, resuming on another layout or optimizer. Each test says what the code before these
+changes did."""
 from __future__ import annotations
 
 import json
@@ -15,7 +18,7 @@ from pathlib import Path
 import jobs
 import launching
 import pytest
-from jobs import command, heartbeat, records, wait_for, write_config
+from jobs import EVAL_LOSS, command, engine_of, heartbeat, records, wait_for, write_config
 
 pytestmark = pytest.mark.slow
 
@@ -33,16 +36,30 @@ CONFIG = {
                     "warmup_fraction": 0.25}],
     },
 }
+#: the same job on the Megatron engine: a 2-layer GPT (hidden 64), windows of 32 tokens
+MEGATRON_CONFIG = {
+    "optimizer": {"type": "VRLamb", "params": {"lr": 1e-3, "weight_decay": 0.01}},
+    "megatron": {"model": {"num_layers": 2, "hidden_size": 64, "num_attention_heads": 4}, "clip_grad": 1.0},
+    "job": {**{k: v for k, v in CONFIG["job"].items() if k != "model"}, "engine": "megatron"},
+}
 TIMEOUT = jobs.TIMEOUT
+BOTH = ["deepspeed", "megatron"]
+#: make test runs the DeepSpeed case; the exhaustive tier both (the spine's code is the same)
+MEGATRON_EXHAUSTIVE = ["deepspeed", pytest.param("megatron", marks=pytest.mark.exhaustive)]
+NO_DROPOUT = ("megatron.model.hidden_dropout=0.0", "megatron.model.attention_dropout=0.0")
 
 
-@pytest.fixture(scope="module")
-def config(corpus, tmp_path_factory) -> Path:
-    """The config on the session's prepared corpus."""
-    return write_config(tmp_path_factory.mktemp("reliability"), CONFIG, corpus)
+@pytest.fixture(scope="module", params=BOTH)
+def config(request, corpus, tmp_path_factory) -> Path:
+    """The engine's config on the session's prepared corpus (a test parametrises ``config`` with
+    the engines it applies to)."""
+    engine = request.param
+    body = {"deepspeed": CONFIG, "megatron": MEGATRON_CONFIG}[engine]
+    return write_config(tmp_path_factory.mktemp(f"reliability_{engine}"), body, corpus)
 
 
 @pytest.mark.exhaustive
+@pytest.mark.parametrize("config", BOTH, indirect=True)
 def test_diverged_run_stops_and_keeps_the_last_good_checkpoint(config, tmp_path):
     """LR 1e6: every step from the third on is non-finite and skipped. Before: a warning per step,
     the run went on to the end, reported a NaN held-out loss, saved and exited 0, and the rotation
@@ -69,6 +86,7 @@ def test_diverged_run_stops_and_keeps_the_last_good_checkpoint(config, tmp_path)
 
 
 @pytest.mark.exhaustive
+@pytest.mark.parametrize("config", BOTH, indirect=True)
 def test_broken_newest_checkpoint_falls_back_to_the_previous(config, alone, tmp_path):
     """One rank's optimizer file of the newest checkpoint cut short (as a kill during torch.save
     leaves it). Before: the restart failed with "checkpoint file is corrupted" and no file named,
@@ -77,7 +95,9 @@ def test_broken_newest_checkpoint_falls_back_to_the_previous(config, alone, tmp_
     rotation kept steps 6 and 8.)"""
     run = tmp_path / "run"
     shutil.copytree(alone, run)
-    victim = next((run / "checkpoints" / "step00000008").glob("*rank_1*optim_states.pt"))
+    newest = run / "checkpoints" / "step00000008"
+    victim = {"deepspeed": lambda: next(newest.glob("*rank_1*optim_states.pt")),  # rank 1's ZeRO shard
+              "megatron": lambda: max(newest.glob("*.distcp"), key=lambda f: f.stat().st_size)}[engine_of(config)]()
     victim.write_bytes(victim.read_bytes()[: victim.stat().st_size // 2])
     again = launching.run(command(config, run, "job.total_steps=10"), timeout=TIMEOUT, marker=run)
     out = again.stdout + again.stderr
@@ -88,6 +108,7 @@ def test_broken_newest_checkpoint_falls_back_to_the_previous(config, alone, tmp_
 
 
 @pytest.mark.exhaustive
+@pytest.mark.parametrize("config", BOTH, indirect=True)
 def test_stalled_rank_ends_the_job_naming_it(config, tmp_path):
     """SIGSTOP on rank 1. Before: no progress and no exit (watched for 90 s). Now: after
     job.timeout_minutes (here 0.25 min) without progress the job ends, naming rank 1."""
@@ -114,6 +135,7 @@ def test_stalled_rank_ends_the_job_naming_it(config, tmp_path):
 
 
 @pytest.mark.exhaustive
+@pytest.mark.parametrize("config", BOTH, indirect=True)
 def test_killed_rank_ends_the_whole_job_quickly(config, tmp_path):
     """kill -9 of one rank: the launcher ends the other and exits non-zero within seconds."""
     run = tmp_path / "run"
@@ -155,14 +177,15 @@ def stream(*traces: Path) -> dict[int, list]:
     return {step: sorted(keys) for step, keys in out.items()}
 
 
-def preempt(config: Path, run: Path, trace: Path, ranks: int, at_step: int, output: list | None = None) -> None:
-    """Runs the config on ``ranks`` ranks and stops it with SIGUSR1 once ``at_step`` is done
-    (a checkpoint there, exit 75); ``output`` receives the job's output."""
+def preempt(config: Path, run: Path, trace: Path, ranks: int, at_step: int, output: list | None = None,
+            sets: tuple[str, ...] = ()) -> None:
+    """Runs the config (with ``sets``) on ``ranks`` ranks and stops it with SIGUSR1 once ``at_step``
+    is done (a checkpoint there, exit 75); ``output`` receives the job's output."""
     trace.mkdir()
     log = trace.parent / f"{trace.name}.log"
     before = (heartbeat(run, 0) or {}).get("pid")  # a previous part's heartbeat is not this job's
     with open(log, "w") as fh:
-        proc = subprocess.Popen(command(config, run, "job.checkpoint_every=0", ranks=ranks), stdin=subprocess.DEVNULL,
+        proc = subprocess.Popen(command(config, run, "job.checkpoint_every=0", *sets, ranks=ranks), stdin=subprocess.DEVNULL,
                                 stdout=fh, stderr=subprocess.STDOUT, start_new_session=True,
                                 env={**os.environ, "VRGD_TRACE_SAMPLES": str(trace)})
     try:
@@ -180,9 +203,11 @@ def assert_same_run(run: Path, full: Path) -> None:
     want, got = records(full), records(run)
     for step in range(1, 9):
         assert got[step]["train/loss"] == want[step]["train/loss"], step
-    assert got[8]["eval/mlm_loss"] == want[8]["eval/mlm_loss"]
+    key = next(k for k in EVAL_LOSS.values() if k in want[8])
+    assert got[8][key] == want[8][key]
 
 
+@pytest.mark.parametrize("config", BOTH, indirect=True)
 def test_preemption_signal_checkpoints_and_the_requeued_run_continues_exactly(config, alone, tmp_path):
     """SIGUSR1 (Slurm's --signal=USR1@T) to one rank mid-run: every rank finishes its step, the job
     takes a checkpoint and exits 75 (requeue); started again it resumes there and its losses equal
@@ -212,6 +237,7 @@ def rank_pids(run: Path) -> list[int]:
     return [heartbeat(run, r)["pid"] for r in (0, 1)]
 
 
+@pytest.mark.parametrize("config", MEGATRON_EXHAUSTIVE, indirect=True)
 def test_a_second_job_on_the_run_directory_is_refused_and_the_first_is_unharmed(config, alone, tmp_path):
     """Before: the second job's set-up recreated heartbeat/ and the first died in watchdog._write
     (FileNotFoundError), or both trained on, writing the same checkpoints. Now the second exits 6
@@ -254,6 +280,7 @@ def test_a_second_job_on_the_run_directory_is_refused_and_the_first_is_unharmed(
 
 
 @pytest.mark.exhaustive
+@pytest.mark.parametrize("config", BOTH, indirect=True)
 def test_a_killed_jobs_run_directory_is_taken_over(config, tmp_path):
     """kill -9 of the whole job (launcher and ranks) leaves its owner record; the next start on
     the same host sees the pid gone, takes the directory over with a log line and resumes."""
@@ -273,6 +300,7 @@ def test_a_killed_jobs_run_directory_is_taken_over(config, tmp_path):
 
 
 @pytest.mark.exhaustive
+@pytest.mark.parametrize("config", BOTH, indirect=True)
 def test_a_requeued_slurm_job_continues_in_its_run_directory(config, tmp_path):
     """The previous start of Slurm job 4711 ran on another node and left its record with a fresh
     heartbeat (the requeue came moments later): the same job id continues (another job id is
@@ -294,6 +322,7 @@ def test_a_requeued_slurm_job_continues_in_its_run_directory(config, tmp_path):
 
 
 @pytest.mark.exhaustive
+@pytest.mark.parametrize("config", ["deepspeed"], indirect=True)
 def test_a_checkpoint_resumes_on_another_number_of_ranks_with_the_same_samples(config, alone, tmp_path):
     """Before: saved on 2 ranks and resumed on 1, every checkpoint "failed to load" and the job
     told the user to move the directory away. Now it is converted once to universal form (with
@@ -330,7 +359,46 @@ def test_a_checkpoint_resumes_on_another_number_of_ranks_with_the_same_samples(c
     print(f"2 -> 1 -> 2 ranks: largest relative loss difference {worst:.1e}")
 
 
+@pytest.mark.parametrize("config", ["megatron"], indirect=True)
+def test_a_megatron_checkpoint_resumes_on_another_tensor_parallel_size(config, tmp_path):
+    """Megatron dist-checkpointing on another layout: stopped (SIGUSR1) at step 3 or later on TP 1 ×
+    DP 2, resumed on TP 2 × DP 1. The resumed steps read exactly the samples of the uninterrupted
+    TP 1 run (a data-parallel rank's micro-batches are slots of the global batch on any layout)
+    and the losses follow it to fp32 rounding (the split matmuls sum in another order); a wrong
+    optimizer state would show from the second resumed step on. Dropout is off: a tensor-parallel
+    split changes the shapes its masks are drawn for. Before the Megatron job ran through the job
+    spine it had no checkpoint at all and started again from step 0."""
+    full = tmp_path / "full"
+    (tmp_path / "trace_full").mkdir()
+    ref = launching.run(command(config, full, *NO_DROPOUT), timeout=TIMEOUT, marker=full,
+                        env={**os.environ, "VRGD_TRACE_SAMPLES": str(tmp_path / "trace_full")})
+    assert ref.returncode == 0, ref.stderr[-3000:]
+    run = tmp_path / "run"
+    preempt(config, run, tmp_path / "trace_a", 2, at_step=3, sets=NO_DROPOUT)
+    stopped = int((run / "checkpoints" / "latest").read_text()[4:])
+    (tmp_path / "trace_b").mkdir()
+    again = launching.run(command(config, run, "job.checkpoint_every=0", *NO_DROPOUT,
+                                  "megatron.tensor_model_parallel_size=2"), timeout=TIMEOUT, marker=run,
+                          env={**os.environ, "VRGD_TRACE_SAMPLES": str(tmp_path / "trace_b")})
+    out = again.stdout + again.stderr
+    assert again.returncode == 0, out[-3000:]
+    assert "was saved on TP 1 × PP 1 × DP 2; resuming on TP 2 × PP 1 × DP 1" in out, out[-3000:]
+    assert f"resumed from {run / 'checkpoints' / f'step{stopped:08d}'} at step {stopped}" in out
+    assert stream(tmp_path / "trace_a", tmp_path / "trace_b") == stream(tmp_path / "trace_full")
+    want, got = records(full), records(run)
+    for step in range(1, 9):
+        assert got[step]["gsnr/n"] == want[step]["gsnr/n"] == 4.0  # 4 micro-batches of 4 on either layout
+        if step <= stopped:
+            assert got[step]["train/loss"] == want[step]["train/loss"], step
+        else:
+            assert got[step]["train/loss"] == pytest.approx(want[step]["train/loss"], rel=1e-5), step
+    assert got[8]["eval/lm_loss"] == pytest.approx(want[8]["eval/lm_loss"], rel=1e-5)
+    worst = max(abs(got[s]["train/loss"] / want[s]["train/loss"] - 1) for s in range(stopped + 1, 9))
+    print(f"TP 1 -> TP 2 after step {stopped}: largest relative loss difference {worst:.1e}")
+
+
 @pytest.mark.exhaustive
+@pytest.mark.parametrize("config", ["deepspeed"], indirect=True)
 def test_a_vr_lamb_run_resumes_as_lamb_and_back(config, alone, tmp_path):
     """Before: resumed with optimizer.type Lamb, both ranks crashed in step() with "Lamb: no
     statistics source is attached", after a warning that the state was "saved by an older
@@ -353,6 +421,7 @@ def test_a_vr_lamb_run_resumes_as_lamb_and_back(config, alone, tmp_path):
 
 
 @pytest.mark.exhaustive
+@pytest.mark.parametrize("config", ["deepspeed"], indirect=True)
 def test_another_optimizer_family_stops_or_starts_fresh_as_configured(config, alone, tmp_path):
     """VRLamb -> VRSGD cannot carry its state: by default the job stops, naming
     checkpoint.optimizer_state; with "reset_if_incompatible" it continues from the saved weights

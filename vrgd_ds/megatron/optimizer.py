@@ -279,18 +279,26 @@ def get_megatron_optimizer(config: Any, model_chunks: list[Any], optimizer: str 
 
 def _hook_step(chained: Any, mopt: Any, source: Any) -> None:
     """The statistics' step begins where Megatron's does (``prepare_grads``: before it copies,
-    unscales and clips the reduced gradients) and ends after it, taken or skipped."""
-    prepare, step = mopt.prepare_grads, chained.step
+    unscales and clips the reduced gradients) and ends after it, taken or skipped. A step Megatron
+    skips before calling the inner optimizer (fp16 overflow; NaN in the gradients) is recorded as
+    skipped there, so its metrics are not the previous step's."""
+    prepare, step, inner = mopt.prepare_grads, chained.step, mopt.optimizer
+    reason = "step/skipped_overflow" if getattr(mopt.config, "fp16", False) else "step/skipped_nonfinite"
 
     def prepare_grads() -> bool:
         source.begin_step()
         return prepare()
 
     def stepped() -> Any:
+        inner.begin_step_records()
+        calls = inner.step_calls
         try:
             return step()
         finally:
+            n = source.n
             source.end_step()
+            if inner.step_calls == calls:
+                inner.record_skipped(reason, n)
 
     mopt.prepare_grads = prepare_grads
     chained.step = stepped

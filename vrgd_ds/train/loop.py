@@ -500,9 +500,12 @@ class Job:
         return dict(took, data_time=timed.seconds, step_time=time.perf_counter() - t0)
 
     def _trace_samples(self, trace: str, sampler, index: int) -> None:
-        with open(Path(trace) / f"samples.rank{self.rank}.jsonl", "a") as fh:
-            fh.write(json.dumps({"step": self.step, "phase": index, "keys": [list(map(int, k)) for k in
-                                                                           sampler.keys]}) + "\n")
+        """One line per step on each reporting rank (one per data-parallel rank: the model-parallel
+        ranks beside it read the same samples)."""
+        if self.engine.reporter:
+            with open(Path(trace) / f"samples.rank{self.rank}.jsonl", "a") as fh:
+                fh.write(json.dumps({"step": self.step, "phase": index, "keys": [list(map(int, k)) for k in
+                                                                               sampler.keys]}) + "\n")
         sampler.keys.clear()
 
     def _log_step(self, index: int, batch: int, gas: int, lr: float, took: dict[str, Any],

@@ -1,0 +1,121 @@
+"""The job spine and its two engines: the spine knows neither engine, and the Megatron engine's
+configuration is checked before any work with the messages and exit code of the DeepSpeed job."""
+from __future__ import annotations
+
+import ast
+import json
+from pathlib import Path
+
+import pytest
+
+from vrgd_ds.train import loop
+from vrgd_ds.train.config import ConfigError, parse_job
+from vrgd_ds.train.engines import MODULES, megatron
+
+ROOT = Path(__file__).resolve().parents[2]
+TRAIN = ROOT / "vrgd_ds" / "train"
+MEGATRON_CONFIG = ROOT / "configs" / "megatron" / "gpt_tiny_cpu_vr_lamb.json"
+ENGINE_FILES = {TRAIN / "engines" / f"{name}.py" for name in MODULES}
+FORBIDDEN = ("deepspeed", "megatron", "vrgd_ds.ds", "vrgd_ds.megatron")
+
+
+def _imports(path: Path) -> list[str]:
+    out = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            out += [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
+            out.append(node.module)
+    return out
+
+
+def test_the_spine_imports_no_engine_outside_the_two_engine_modules():
+    """Every module of ``vrgd_ds.train`` but ``engines/deepspeed.py`` and ``engines/megatron.py``,
+    at any depth (a lazy import inside a function counts): no DeepSpeed, Megatron, nor the
+    package's DeepSpeed or Megatron integration."""
+    offenders = {}
+    for path in sorted(TRAIN.rglob("*.py")):
+        if path in ENGINE_FILES:
+            continue
+        bad = [m for m in _imports(path) if any(m == f or m.startswith(f + ".") for f in FORBIDDEN)]
+        if bad:
+            offenders[str(path.relative_to(ROOT))] = bad
+    assert not offenders, offenders
+    # and the check itself sees the engines' imports
+    assert any(m.startswith("megatron.") for m in _imports(TRAIN / "engines" / "megatron.py"))
+    assert "deepspeed" in _imports(TRAIN / "engines" / "deepspeed.py")
+
+
+def _raw(**changes) -> dict:
+    raw = json.loads(MEGATRON_CONFIG.read_text())
+    for key, value in changes.items():
+        node = raw
+        *path, last = key.split("__")
+        for part in path:
+            node = node[part]
+        node[last] = value
+    return raw
+
+
+def _check(raw: dict, world: int | None = 2) -> None:
+    megatron.check(raw, parse_job(raw), world)
+
+
+def test_the_shipped_megatron_config_passes_its_checks():
+    _check(_raw())
+    assert parse_job(_raw()).engine == "megatron"
+
+
+@pytest.mark.parametrize("change, message", [
+    (dict(optimizer__params={"lr": 4e-3, "gama": 0.1}),
+     "optimizer.params.gama: not a parameter of VRLamb (type 'VRLamb'); did you mean 'gamma'?"),
+    (dict(optimizer__type="VRLam"), "optimizer.type: 'VRLam' is not a VRGD optimizer; did you mean 'VRLamb'?"),
+    (dict(megatron__model__num_layer=2), "megatron.model.num_layer: Extra inputs are not permitted; did you mean "
+                                         "'num_layers'?"),
+    (dict(megatron__tensor_parallel_size=2), "megatron.tensor_parallel_size: Extra inputs are not permitted; did you "
+                                             "mean 'tensor_model_parallel_size'?"),
+    (dict(megatron__precision="fp8"), "megatron.precision: Input should be 'fp32', 'bf16' or 'fp16'"),
+    (dict(zero_optimization={"stage": 2}), "zero_optimization: not a key of a megatron-engine config"),
+    (dict(job__model={"size": "tiny"}), "job.model: describes the BERT of the deepspeed engine"),
+    (dict(megatron__tensor_model_parallel_size=3), "megatron.model.num_attention_heads: 4 heads do not split over "
+                                                   "tensor_model_parallel_size 3"),
+    (dict(megatron__model__num_layers=3, megatron__pipeline_model_parallel_size=2),
+     "megatron.model.num_layers: 3 layers do not split into pipeline_model_parallel_size 2 stages"),
+])
+def test_a_megatron_config_error_names_the_key(change, message):
+    with pytest.raises(ConfigError) as e:
+        _check(_raw(**change))
+    assert message in str(e.value)
+
+
+def test_parallel_sizes_and_batch_arithmetic_are_checked_against_the_ranks():
+    with pytest.raises(ConfigError, match=r"megatron.tensor_model_parallel_size × pipeline_model_parallel_size = "
+                                          r"4 × 1 does not divide the 2 ranks"):
+        _check(_raw(megatron__tensor_model_parallel_size=4), world=2)
+    # 32 sequences = micro-batch 4 × accumulation × 3 data-parallel ranks cannot hold
+    with pytest.raises(ConfigError, match=r"job\.phases\[0\]\.global_batch: 32 is not divisible by micro_batch x "
+                                          r"ranks = 4 x 3.*data-parallel ranks: 6 ranks / \(TP 2 × PP 1\)"):
+        _check(_raw(megatron__tensor_model_parallel_size=2), world=6)
+    _check(_raw(megatron__tensor_model_parallel_size=2), world=4)  # DP 2: 32 = 4 × 4 × 2
+    _check(_raw(), world=None)  # ranks not known yet: the layout's checks wait for the process group
+
+
+def test_the_job_exits_2_on_a_megatron_config_error_before_any_work(tmp_path, capsys, monkeypatch):
+    """What a user sees for the typo the DeepSpeed job names: exit 2, the key, a close match, and
+    nothing made (no process group, no run directory). Before the Megatron job ran through the
+    spine it ended in ``TypeError: VRLamb.__init__() got an unexpected keyword argument 'gama'``
+    from every rank, exit 1."""
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    config = tmp_path / "gpt.json"
+    config.write_text(json.dumps(_raw(optimizer__params={"lr": 4e-3, "gama": 0.1})))
+    run_dir = tmp_path / "run"
+    assert loop.main(["--config", str(config), "--run-dir", str(run_dir)]) == loop.EXIT_CONFIG
+    err = capsys.readouterr().err
+    assert "optimizer.params.gama: not a parameter of VRLamb" in err and "did you mean 'gamma'?" in err
+    assert not run_dir.exists()
+
+
+def test_an_unknown_engine_is_named():
+    raw = _raw(job__engine="megatron-lm")
+    with pytest.raises(ConfigError, match=r"job\.engine: Input should be 'deepspeed' or 'megatron'"):
+        parse_job(raw)
