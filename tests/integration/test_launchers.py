@@ -146,8 +146,18 @@ def _job_state(job_id: str) -> dict[str, str]:
     return dict(kv.split("=", 1) for kv in out.split() if "=" in kv)
 
 
+#: per engine: its batch script, config, GSNR groups per step and the sequence length of each step
+SLURM_JOBS = {
+    "deepspeed": ("slurm.sbatch", CONFIG, 4.0, lambda steps: [32] * (steps // 2) + [64] * (steps // 2)),
+    # global batch 32 = micro-batch 4 × 4 micro-steps × 2 data-parallel ranks: n = 8
+    "megatron": ("megatron/gpt.sbatch", ROOT / "configs" / "megatron" / "gpt_tiny_cpu_vr_lamb.json", 8.0,
+                 lambda steps: [64] * steps),
+}
+
+
 @pytest.mark.skipif(_skip_slurm_reason() is not None, reason=str(_skip_slurm_reason()))
-def test_slurm_signal_checkpoints_requeues_and_finishes_exactly(tmp_path):
+@pytest.mark.parametrize("engine", ["deepspeed", pytest.param("megatron", marks=pytest.mark.exhaustive)])
+def test_slurm_signal_checkpoints_requeues_and_finishes_exactly(tmp_path, engine):
     """SIGUSR1 to the job's ranks mid-run (as --signal=USR1@120 sends before a time limit, here by
     ``scancel --signal=USR1``): the job checkpoints, exits 75, the batch script requeues it, the
     second start resumes from that checkpoint and finishes, and every step's loss equals an
@@ -158,27 +168,30 @@ def test_slurm_signal_checkpoints_requeues_and_finishes_exactly(tmp_path):
     SLURM_PROCID/NTASKS/LOCALID and the node list to the torch.distributed variables.
     Also failed before (2 runs in 3): it forced the requeued job to start at once, which slurmd
     refuses while the previous start's credential is revoked ("Job credential revoked"), and the
-    job ended FAILED; it now waits for Slurm to start it (setup_slurm.sh: cred_expire=10)."""
+    job ended FAILED; it now waits for Slurm to start it (setup_slurm.sh: cred_expire=10).
+    The Megatron engine's job goes through ``launch/megatron/gpt.sbatch``, the same script with its
+    config; before the job spine it had no checkpoint, so a signal lost the run."""
     steps = 30
-    env = {**os.environ, "PYTHON": sys.executable, "CONFIG": str(CONFIG),
+    script, config, groups, seq_lens = SLURM_JOBS[engine]
+    env = {**os.environ, "PYTHON": sys.executable, "CONFIG": str(config),
            "PATH": f"{BIN}{os.pathsep}{os.environ.get('PATH', '')}"}
     sets = ["--set", f"job.total_steps={steps}", "--set", "job.checkpoint_every=0", "--set", "job.eval_every=0"]
     sbatch = ["sbatch", "--time=10", "--nodes=1", "--ntasks-per-node=2", "--job-name=vrgd-requeue-test"]
     ref = tmp_path / "ref"
-    proc = launching.run([*sbatch, "--wait", f"--output={tmp_path / 'ref-%j.out'}", str(ROOT / "launch" / "slurm.sbatch"),
+    proc = launching.run([*sbatch, "--wait", f"--output={tmp_path / 'ref-%j.out'}", str(ROOT / "launch" / script),
                           *sets], timeout=TIMEOUT, marker=ref, cwd=ROOT, env={**env, "RUN_DIR": str(ref)})
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "2 tasks on" in next(tmp_path.glob("ref-*.out")).read_text()
     ref_train = [json.loads(line) for line in (ref / "metrics.jsonl").read_text().splitlines()]
     ref_train = [r for r in ref_train if "train/loss" in r]
     assert [r["step"] for r in ref_train] == list(range(1, steps + 1))
-    assert all(math.isfinite(r["train/loss"]) and r["gsnr/n"] == 4.0 for r in ref_train)  # 2 ranks x 2 micro-steps
-    assert [r["train/seq_len"] for r in ref_train] == [32] * (steps // 2) + [64] * (steps // 2)  # both phases
+    assert all(math.isfinite(r["train/loss"]) and r["gsnr/n"] == groups for r in ref_train)  # both ranks took part
+    assert [r["train/seq_len"] for r in ref_train] == seq_lens(steps)  # every phase
     assert (ref / "checkpoints" / "latest").read_text().strip() == f"step{steps:08d}"
 
     run = tmp_path / "run"
     out = tmp_path / "run.out"
-    job_id = subprocess.run([*sbatch, "--parsable", f"--output={out}", str(ROOT / "launch" / "slurm.sbatch"), *sets],
+    job_id = subprocess.run([*sbatch, "--parsable", f"--output={out}", str(ROOT / "launch" / script), *sets],
                             capture_output=True, text=True, cwd=ROOT, env={**env, "RUN_DIR": str(run)},
                             timeout=60, check=True).stdout.strip().split(";")[0]
     try:
