@@ -87,3 +87,31 @@ def test_zero3_on_other_ranks_is_refused_naming_both_world_sizes(run_dir):
 def test_a_run_directory_without_checkpoints_would_start_afresh(tmp_path):
     report, ok = check(tmp_path, None, None)
     assert ok and "start afresh" in report
+
+
+def test_a_megatron_checkpoint_reports_its_layout_and_the_configured_one(tmp_path):
+    """A Megatron engine's marker holds TP × PP × DP, not a ZeRO stage; the report names both
+    layouts when the configuration changes the tensor-parallel size (dist-checkpointing
+    reshards), and refuses an engine switch (the job stops on it too, exit 2)."""
+    from vrgd_ds.train.config import parse_job
+
+    raw = {"optimizer": {"type": "VRLamb", "params": {"lr": 1e-3}},
+           "megatron": {"model": {"num_layers": 2, "hidden_size": 64, "num_attention_heads": 4}},
+           "job": {"engine": "megatron", "total_steps": 8,
+                   "phases": [{"seq_len": 32, "fraction": 1.0, "global_batch": 16, "micro_batch": 4, "lr": 2e-3}]}}
+    ckpt_dir = tmp_path / "run" / "checkpoints"
+    (ckpt_dir / "step00000004").mkdir(parents=True)
+    (ckpt_dir / "step00000004" / "__0_0.distcp").write_bytes(b"x" * 10)
+    info = {k: v for k, v in INFO.items() if k != "zero_stage"}
+    info.update(engine="megatron", tensor_model_parallel_size=1, pipeline_model_parallel_size=1,
+                data_parallel_size=2, precision="fp32", phases=[p.model_dump(mode="json") for p in parse_job(raw).phases])
+    ckpt.mark_complete(ckpt_dir, "step00000004", 4, 2, info)
+    report, ok = check(tmp_path / "run", None, None)
+    assert ok and "saved on:    2 ranks, TP 1 × PP 1 × DP 2" in report
+    same, ok = check(tmp_path / "run", copy.deepcopy(raw), 2)
+    assert ok and "reshards" not in same
+    raw["megatron"]["tensor_model_parallel_size"] = 2
+    report, ok = check(tmp_path / "run", raw, 2)
+    assert ok and "TP 1 × PP 1 × DP 2 -> TP 2 × PP 1 × DP 1 (dist-checkpointing reshards every tensor)" in report
+    report, ok = check(tmp_path / "run", copy.deepcopy(RAW), 2)
+    assert not ok and "written by the megatron engine, the config has job.engine 'deepspeed'" in report

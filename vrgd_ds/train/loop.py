@@ -55,6 +55,7 @@ from vrgd_ds.train.config import (ConfigError, JobConfig, controller_settings, g
                                   optimizer_state_policy, phase_samples)
 from vrgd_ds.train.data import check_data_path, eval_batches, loader
 from vrgd_ds.train.engines import Engine, engine_class
+from vrgd_ds.train.resume import engine_switch
 from vrgd_ds.train.rundir import RunDirBusy, RunDirLock
 from vrgd_ds.train.schedule import PhaseSchedule
 from vrgd_ds.train.watchdog import Watchdog, collective_timeout
@@ -234,6 +235,9 @@ class Job:
             if choice.tag is None:
                 raise ConfigError(f"{self.ckpt_dir}: no complete checkpoint to resume from ({'; '.join(choice.skipped)}). "
                                   "Move the directory away to start afresh (or restore the files)")
+            saved_engine = (ckpt.marker(self.ckpt_dir, choice.tag).get("info") or {}).get("engine", "deepspeed")
+            if saved_engine != self.job.engine:
+                raise ConfigError(engine_switch(self.ckpt_dir / choice.tag, saved_engine, self.job.engine))
             self.watchdog.beat(self.step, "conversion")
             plan = self.engine.plan(self.ckpt_dir, choice.tag, self.optimizer_info(), optimizer_state_policy(self.raw))
             self.watchdog.beat(self.step, "conversion")

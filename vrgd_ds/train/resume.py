@@ -87,6 +87,20 @@ def plan_resume(ckpt_dir: Path, tag: str, optimizer: dict[str, Any], world: int,
     return plan
 
 
+def engine_switch(where: Path, saved: str, configured: str) -> str:
+    """The error for a checkpoint of one engine resumed by the other."""
+    return (f"{where}: written by the {saved} engine, the config has job.engine {configured!r}: the checkpoint does "
+            f"not load into the other engine's model. Resume with job.engine {saved!r}, or use another run directory")
+
+
+def _layout(info: dict[str, Any]) -> str:
+    """A marker's (or a configuration's) layout in words: the ZeRO stage, or Megatron's sizes."""
+    if "tensor_model_parallel_size" in info:
+        return (f"TP {info['tensor_model_parallel_size']} × PP {info.get('pipeline_model_parallel_size', '?')} × DP "
+                f"{info.get('data_parallel_size', '?')}")
+    return f"ZeRO stage {info.get('zero_stage', '?')}"
+
+
 def check(run_dir: Path, raw: dict[str, Any] | None, world: int | None) -> tuple[str, bool]:
     """The ``--check-resume`` report: what a resume of ``run_dir`` would load and, given the
     configuration ``raw`` and the number of ranks, what would change. Returns (report, whether
@@ -111,8 +125,7 @@ def check(run_dir: Path, raw: dict[str, Any] | None, world: int | None) -> tuple
     saved_world = ckpt.saved_world_size(ckpt_dir, choice.tag)
     opt = info.get("optimizer") or {}
     lines += [f"  checkpoint:  {ckpt_dir / choice.tag} (step {record.get('step')})",
-              f"  saved on:    {saved_world or record.get('world_size') or '?'} ranks, ZeRO stage "
-              f"{info.get('zero_stage', '?')}",
+              f"  saved on:    {saved_world or record.get('world_size') or '?'} ranks, {_layout(info)}",
               f"  optimizer:   {opt.get('type', '?')} (gsnr {opt.get('gsnr', '?')}, placement "
               f"{opt.get('gsnr_placement', '?')})",
               f"  data:        fingerprint {info.get('data', '?')}, samples consumed per phase {info.get('consumed', '?')}",
@@ -140,7 +153,17 @@ def check(run_dir: Path, raw: dict[str, Any] | None, world: int | None) -> tuple
     phases = [p.model_dump(mode="json") for p in job.phases]
     if info.get("phases") not in (None, phases):
         changes.append("job.phases differ from the saved run's (the data position is kept per phase)")
-    if info.get("zero_stage") not in (None, stage):
+    if job.engine != info.get("engine", "deepspeed"):
+        lines += [f"  would stop: {engine_switch(ckpt_dir / choice.tag, info.get('engine', 'deepspeed'), job.engine)}"]
+        return "\n".join(lines), False
+    if job.engine == "megatron":
+        block = raw.get("megatron") or {}
+        tp, pp = block.get("tensor_model_parallel_size", 1), block.get("pipeline_model_parallel_size", 1)
+        layout = {"tensor_model_parallel_size": tp, "pipeline_model_parallel_size": pp,
+                  "data_parallel_size": ranks // (tp * pp) if ranks % (tp * pp) == 0 else "?"}
+        if any(info.get(k) not in (None, v) for k, v in layout.items()):
+            changes.append(f"{_layout(info)} -> {_layout(layout)} (dist-checkpointing reshards every tensor)")
+    elif info.get("zero_stage") not in (None, stage):
         changes.append(f"ZeRO stage {info['zero_stage']} -> {stage}")
     data = configured_fingerprint(job, run_dir)
     if data is None:
