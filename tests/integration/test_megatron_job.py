@@ -71,8 +71,7 @@ def test_gpt_job_in_fp16_scales_the_loss_and_skips_overflowing_steps(tmp_path, c
     never scaled, every gradient was divided by 2^32 on the way to the optimizer, nothing
     overflowed and every step was taken with a zero gradient (grad norm 0.0). Fails too on the code
     before ``vrgd_ds.megatron``'s step hook recorded the steps Megatron skips: a skipped step's
-    record then had no ``step/skipped`` (the optimizer's metrics were the previous step's, or none),
-    so the job could not count the skips towards ``stop_after_skipped_steps``."""
+    record then carried the previous step's optimizer metrics (or none: no ``step/skipped``)."""
     rec = _train(tmp_path, corpus, "job.total_steps=20", 'megatron.precision="fp16"')
     steps = [r for s, r in sorted(rec.items()) if s > 0]
     taken, skipped = _taken(rec), [r for r in steps if r["step/skipped"] == 1.0]
