@@ -119,3 +119,20 @@ def test_an_unknown_engine_is_named():
     raw = _raw(job__engine="megatron-lm")
     with pytest.raises(ConfigError, match=r"job\.engine: Input should be 'deepspeed' or 'megatron'"):
         parse_job(raw)
+
+
+def test_the_megatron_engine_names_a_missing_or_other_megatron_core(monkeypatch):
+    """Without the ``megatron`` extra, or with another megatron-core release, the job stops before
+    any work naming the install (instead of an import traceback from every rank)."""
+    from vrgd_ds.megatron import internals
+
+    def absent():
+        raise ImportError("no megatron")
+
+    monkeypatch.setattr(internals, "version", absent)
+    with pytest.raises(ConfigError, match=r"job\.engine 'megatron': vrgd_ds\.megatron needs megatron-core: pip install "
+                                          r"'vrgd-ds\[megatron\]'"):
+        megatron.MegatronEngine.check_config(_raw(), parse_job(_raw()))
+    monkeypatch.setattr(internals, "version", lambda: "0.15.0")
+    with pytest.raises(ConfigError, match=r"supports megatron-core 0\.16\.1, found 0\.15\.0"):
+        megatron.MegatronEngine.check_config(_raw(), parse_job(_raw()))

@@ -242,6 +242,12 @@ class MegatronEngine(Engine):
 
     @staticmethod
     def check_config(raw: dict[str, Any], job: JobConfig) -> None:
+        from vrgd_ds.megatron.internals import check_version
+
+        try:  # megatron-core installed, at the release vrgd_ds.megatron reads
+            check_version()
+        except (ImportError, RuntimeError) as e:
+            raise ConfigError(f"job.engine 'megatron': {e}") from None
         check(raw, job, _launch_world())
 
     def __init__(self, raw: dict[str, Any], job: JobConfig, backend: str | None,
