@@ -156,7 +156,8 @@ SLURM_JOBS = {
 
 
 @pytest.mark.skipif(_skip_slurm_reason() is not None, reason=str(_skip_slurm_reason()))
-@pytest.mark.parametrize("engine", ["deepspeed", pytest.param("megatron", marks=pytest.mark.exhaustive)])
+@pytest.mark.exhaustive  # make test: SIGUSR1 -> checkpoint -> exit 75 -> exact resume (test_reliability.py)
+@pytest.mark.parametrize("engine", ["deepspeed", "megatron"])
 def test_slurm_signal_checkpoints_requeues_and_finishes_exactly(tmp_path, engine):
     """SIGUSR1 to the job's ranks mid-run (as --signal=USR1@120 sends before a time limit, here by
     ``scancel --signal=USR1``): the job checkpoints, exits 75, the batch script requeues it, the

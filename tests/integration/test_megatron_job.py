@@ -37,6 +37,7 @@ def _taken(rec: dict[int, dict]) -> list[dict]:
     return [r for s, r in sorted(rec.items()) if s > 0 and r.get("step/skipped") == 0.0]
 
 
+@pytest.mark.exhaustive  # make test trains the engine in test_reliability.py (another TP size)
 def test_gpt_job_trains_with_vr_lamb_on_two_ranks(tmp_path, corpus):
     rec = _train(tmp_path, corpus, "job.total_steps=6")
     steps = [r for s, r in sorted(rec.items()) if s > 0]
