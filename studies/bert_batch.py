@@ -33,6 +33,7 @@ import argparse
 import json
 import math
 import os
+import platform
 import shutil
 import subprocess
 import sys
@@ -127,6 +128,35 @@ def steps_for(batch: int, samples: int, min_steps: int | None) -> int:
     return max(samples // batch, min_steps or 0)
 
 
+def data_fingerprint(data: Path, seed: int) -> str | None:
+    """What decides a run's samples, masks and held-out set: the tokenizer, the shards, the seed
+    and the held-out split of the data prepared in ``data`` (``vrgd_ds.train.data``; the study's
+    runs use the job's default held-out share and no sentence-pair task)."""
+    from vrgd_ds.train.config import DataConfig
+    from vrgd_ds.train.data import prepared_fingerprint
+
+    return prepared_fingerprint(data, seed, DataConfig().heldout_fraction, None)
+
+
+def set_aside_other_data(reused: dict[RunKey, dict], corpus: str, fingerprint_of, python: str) -> list[dict]:
+    """Removes from ``reused`` the runs of ``corpus`` that read other data than this study's and
+    returns them: a recorded data fingerprint that differs from ``fingerprint_of(seed)`` (the
+    tokenizer, shards, seed or held-out split changed), or, for a run recorded without one, an
+    embedded corpus made by another Python release than ``python`` (the embedded corpus is the
+    running interpreter's documentation: another release, other documents, so another tokenizer,
+    other samples and another held-out set)."""
+    out = []
+    for key, r in list(reused.items()):
+        if r["corpus"] != corpus:
+            continue
+        recorded = r.get("data")
+        other = (recorded != fingerprint_of(r["seed"]) if recorded is not None else
+                 corpus == "embedded" and r.get("reused_python") not in (None, python))
+        if other:
+            out.append(reused.pop(key))
+    return out
+
+
 def load_reused(dirs: list[Path], config: dict, settings: tuple[str, ...] = RUN_SETTINGS
                 ) -> tuple[dict[RunKey, dict], list[dict], list[dict]]:
     """The runs of committed studies whose ``settings`` match ``config`` (a study's ``meta.json``
@@ -161,7 +191,7 @@ def load_reused(dirs: list[Path], config: dict, settings: tuple[str, ...] = RUN_
             if key in runs and runs[key]["mlm_loss"] != r["mlm_loss"]:
                 raise SystemExit(f"--reuse: {key} is recorded with loss {runs[key]['mlm_loss']} in "
                                  f"{runs[key]['reused_from']} and {r['mlm_loss']} in {d}")
-            runs.setdefault(key, r | {"reused_from": str(d)})
+            runs.setdefault(key, r | {"reused_from": str(d), "reused_python": meta["machine"].get("python")})
         m = meta["machine"]
         sources.append({"dir": str(d), "commit": m.get("commit"), "started": meta["started"],
                         "machine": m.get("cuda") or f"{m.get('processor')}, {m.get('cpus')} CPU cores"})
@@ -209,7 +239,8 @@ def run_one(label: str, corpus: str, data: Path, batch: int, factor: float, seed
         raise SystemExit(f"{run_dir / 'metrics.jsonl'}: no evaluation record")
     result = {"corpus": corpus, "batch": batch, "optimizer": label, "seed": seed, "steps": steps, "lr": lr,
               "factor": factor, "groups": batch // args.micro_batch, "ranks": args.ranks, "samples": steps * batch,
-              "mlm_loss": ev["eval/mlm_loss"], "mlm_acc": ev["eval/mlm_acc"], "b_simple": noise,
+              "mlm_loss": ev["eval/mlm_loss"], "mlm_acc": ev["eval/mlm_acc"], "eval_tokens": ev.get("eval/tokens"),
+              "data": data_fingerprint(data, seed), "b_simple": noise,
               "wall_s": round(time.perf_counter() - t0, 1), "run_dir": str(run_dir)}
     shutil.rmtree(run_dir / "checkpoints", ignore_errors=True)  # the figures are what the study keeps
     done.write_text(json.dumps(result))
@@ -342,6 +373,14 @@ def main() -> None:
     for spec, name in zip(specs, corpora):
         data = (args.work / "data" / name if args.only_finished
                 else prepare(name, spec.partition("=")[2] or None, args.work, args.seq_len, args.vocab_size))
+        other = set_aside_other_data(args.reused, name, lambda seed: data_fingerprint(data, seed),
+                                     platform.python_version())
+        if other:
+            out.meta.setdefault("not_reused_other_data", 0)
+            out.meta["not_reused_other_data"] += len(other)
+            print(f"--reuse: {len(other)} recorded run(s) of corpus {name!r} read other data than this study's (another "
+                  "tokenizer, shards, seed or held-out split; for the embedded corpus, another Python release); they "
+                  "stay in their records, unused here", flush=True)
         for batch in batches:
             for label in labels:
                 for factor in factors:

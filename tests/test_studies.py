@@ -275,3 +275,50 @@ def test_bf16_moments_study_tells_the_exact_choice_from_the_cancelling_ones():
     assert res["local"]["max_err"] < 1e-5
     assert res["engine"]["share_over_1pct"] > 0.3
     assert res["shifted"]["share_over_1pct"] > 0.01 and res["shifted, bf16 squares"]["max_err"] > 0.1
+
+
+def test_reused_runs_of_other_data_are_set_aside():
+    """The H100 cells of docs/results.md differed from the CPU cells of the same seed because they
+    read other data: the embedded corpus is the running interpreter's documentation (Python 3.12
+    there, 3.11.7 here), so the tokenizer, the samples and the held-out set all differed (their
+    evaluated-token counts differ on both seeds). A reused run is now kept only if it read this
+    study's data: its recorded data fingerprint equals this study's for its seed, or, recorded
+    before fingerprints, its embedded corpus came from the same Python release. Before, such runs
+    were merged into the same cells as if they were the same experiment."""
+    sys.path.insert(0, str(STUDIES))
+    from bert_batch import set_aside_other_data
+
+    def run(corpus, seed, **extra):
+        return {"corpus": corpus, "batch": 1024, "optimizer": "LAMB", "factor": 2.0, "seed": seed, **extra}
+
+    reused = {
+        ("embedded", 1): run("embedded", 1, data="aaaa"),  # this study's data: kept
+        ("embedded", 2): run("embedded", 2, data="zzzz"),  # another tokenizer/shards/split: set aside
+        ("embedded", 3): run("embedded", 3, reused_python="3.12.3"),  # no fingerprint, another release: aside
+        ("embedded", 4): run("embedded", 4, reused_python="3.11.7"),  # no fingerprint, same release: kept
+        ("wikitext", 3): run("wikitext", 3, reused_python="3.12.3"),  # a file corpus: the release does not matter
+    }
+    fingerprints = {1: "aaaa", 2: "bbbb", 3: "cccc", 4: "dddd"}
+    aside = set_aside_other_data(reused, "embedded", fingerprints.get, "3.11.7")
+    assert sorted(r["seed"] for r in aside) == [2, 3]
+    assert sorted(reused) == [("embedded", 1), ("embedded", 4), ("wikitext", 3)]
+    assert set_aside_other_data(reused, "wikitext", fingerprints.get, "3.11.7") == []
+
+
+def test_a_run_records_the_fingerprint_of_the_data_it_read(tmp_path):
+    """The study's fingerprint of prepared data is the job's (``vrgd_ds.train.data``): the same
+    files and seed give the same value, another seed or another tokenizer another one."""
+    sys.path.insert(0, str(STUDIES))
+    from bert_batch import data_fingerprint
+
+    from vrgd_ds.data_pipeline.prepare import SHARDS_DIR, TOKENIZER_FILE
+    from vrgd_ds.data_pipeline.shards import MANIFEST
+
+    assert data_fingerprint(tmp_path, 1) is None  # nothing prepared
+    (tmp_path / SHARDS_DIR).mkdir()
+    (tmp_path / SHARDS_DIR / MANIFEST).write_text(json.dumps({"num_documents": 100}))
+    (tmp_path / TOKENIZER_FILE).write_bytes(b"pieces")
+    one = data_fingerprint(tmp_path, 1)
+    assert one == data_fingerprint(tmp_path, 1) and one != data_fingerprint(tmp_path, 2)
+    (tmp_path / TOKENIZER_FILE).write_bytes(b"other pieces")
+    assert data_fingerprint(tmp_path, 1) != one

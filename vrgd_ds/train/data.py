@@ -139,21 +139,27 @@ def split_document(num_documents: int, heldout_fraction: float) -> int:
     return min(max(split, 1), num_documents - 1)
 
 
-def configured_fingerprint(job: JobConfig, run_dir: Path) -> str | None:
-    """``fingerprint`` of the data a job with this configuration would read, if it is prepared
-    (None if not: the job would prepare it)."""
+def prepared_fingerprint(out: Path, seed: int, heldout_fraction: float, next_sentence: str | None) -> str | None:
+    """``fingerprint`` of the data prepared in ``out`` as a job with this seed, held-out share and
+    sentence-pair task reads it (None if nothing is prepared there)."""
     import json
 
     from vrgd_ds.data_pipeline.shards import MANIFEST
     from vrgd_ds.data_pipeline.tokenizer import sha256_file
 
-    out = Path(job.data.path) if job.data.path else run_dir / "data"
     manifest = out / SHARDS_DIR / MANIFEST
     if not (out / TOKENIZER_FILE).is_file() or not manifest.is_file():
         return None
     documents = int(json.loads(manifest.read_text())["num_documents"])
-    return fingerprint(sha256_file(out / TOKENIZER_FILE), manifest, job.seed,
-                       split_document(documents, job.data.heldout_fraction), job.data.next_sentence)
+    return fingerprint(sha256_file(out / TOKENIZER_FILE), manifest, seed, split_document(documents, heldout_fraction),
+                       next_sentence)
+
+
+def configured_fingerprint(job: JobConfig, run_dir: Path) -> str | None:
+    """``fingerprint`` of the data a job with this configuration would read, if it is prepared
+    (None if not: the job would prepare it)."""
+    out = Path(job.data.path) if job.data.path else run_dir / "data"
+    return prepared_fingerprint(out, job.seed, job.data.heldout_fraction, job.data.next_sentence)
 
 
 def check_data_path(job: JobConfig) -> None:
