@@ -214,6 +214,10 @@ def run_one(label: str, corpus: str, data: Path, batch: int, factor: float, seed
         return json.loads(done.read_text()) | {"b_simple": read_metrics(run_dir)[1]}
     if getattr(args, "only_finished", False):
         return None
+    if getattr(args, "start_until", None) is not None and time.monotonic() > args.start_until:
+        args.only_finished = True  # the time to start runs is over: assemble what finished
+        print(f"--start-runs-for: no more runs started ({run_dir} and later ones are not run)", flush=True)
+        return None
     if run_dir.exists():  # an interrupted run: start it again from scratch
         shutil.rmtree(run_dir)
     run_dir.mkdir(parents=True)
@@ -247,6 +251,92 @@ def run_one(label: str, corpus: str, data: Path, batch: int, factor: float, seed
     print(f"[{corpus} b{batch} {label} lr x{factor:g} seed {seed}] loss {result['mlm_loss']:.4f} "
           f"acc {result['mlm_acc']:.4f} lr {lr:.3g} ({result['wall_s']:.0f} s)", flush=True)
     return result
+
+
+def noise_batches(multiples: list[float], noise_scale: float, granularity: int) -> list[int]:
+    """Global batches at ``multiples`` × ``noise_scale`` (``B_simple``, samples), each rounded to a
+    multiple of ``granularity`` (ranks × micro-batch; halves round up), at least one."""
+    return [max(granularity, int(m * noise_scale / granularity + 0.5) * granularity) for m in multiples]
+
+
+def measured_noise_scale(results: list[dict], batch: int) -> float | None:
+    """The mean ``B_simple`` the VR runs at ``batch`` measured (None: no such run yet)."""
+    noise = [r["b_simple"] for r in results if r["batch"] == batch and r.get("b_simple") is not None]
+    return mean(noise) if noise else None
+
+
+def unigram_loss(data: Path, seed: int, seq_len: int, count: int) -> float:
+    """The held-out MLM loss of the unigram model: every masked token predicted with its frequency
+    over the training documents (add-one smoothing). The early loss of every run sits there (the
+    decoder's bias learns the unigram distribution first); a run has learned something past it
+    only below it. Over the job's first ``count`` held-out samples with their epoch-0 masks, as
+    the job evaluates (``vrgd_ds.train.data``)."""
+    import numpy as np
+
+    from vrgd_ds.data_pipeline.prepare import SAMPLES_DIR, SHARDS_DIR, TOKENIZER_FILE
+    from vrgd_ds.data_pipeline.samples import build_sample_index, index_filename
+    from vrgd_ds.data_pipeline.shards import ShardedCorpus
+    from vrgd_ds.data_pipeline.tokenizer import Tokenizer
+    from vrgd_ds.train.config import DataConfig
+    from vrgd_ds.train.data import JobData, split_document
+
+    corpus = ShardedCorpus(data / SHARDS_DIR)
+    index = data / SAMPLES_DIR / index_filename(seq_len, seed, None)
+    if not index.is_file():
+        build_sample_index(corpus, seq_len, seed, data / SAMPLES_DIR)
+    job_data = JobData(Tokenizer.load(data / TOKENIZER_FILE), corpus, {seq_len: index},
+                       split_document(corpus.num_documents, DataConfig().heldout_fraction), seed, None)
+    train_tokens, _ = job_data.token_streams()
+    counts = np.bincount(np.asarray(train_tokens, dtype=np.int64), minlength=job_data.vocab_size) + 1.0
+    log_p = np.log(counts / counts.sum())
+    _, held = job_data.split(seq_len)
+    labels = np.concatenate([held[(0, i)]["labels"].numpy() for i in range(min(count, len(held)))])
+    return float(-log_p[labels[labels != -100]].mean())
+
+
+def verdicts(best: dict, corpus: str, batches: list[int], label: str, baseline: str,
+             unigram: float | None) -> list[tuple]:
+    """Per batch: ``label`` against ``baseline`` at each one's best LR. A verdict needs 2 seeds each
+    and the baseline's runs ending below the unigram level; it is "better" or "worse" only when
+    the seed ranges do not overlap. Then the baseline's degradation from the first batch to the
+    last and the share of it ``label`` recovers there."""
+    rows = []
+    for batch in batches:
+        vr, base = best.get((corpus, batch, label)), best.get((corpus, batch, baseline))
+        missing = [name for name, rs in ((baseline, base), (label, vr)) if rs is None or len(rs) < 2]
+        if missing:
+            rows.append((corpus, batch, "–", "–", "–", f"not decided: {' and '.join(missing)} lack 2 seeds"))
+            continue
+        lv, lb = [r["mlm_loss"] for r in vr], [r["mlm_loss"] for r in base]
+        diff = mean(lv) - mean(lb)
+        below = None if unigram is None else unigram - max(lb)
+        if below is not None and below <= 0:
+            verdict = f"not decided: {baseline} ends {-below:.3f} nats above the unigram level"
+        elif max(lv) < min(lb):
+            verdict = f"{label} better by {-diff:.3f} nats (seed ranges apart)"
+        elif min(lv) > max(lb):
+            verdict = f"{label} worse by {diff:.3f} nats (seed ranges apart)"
+        else:
+            verdict = f"no difference beyond the seeds ({diff:+.3f} nats)"
+        rows.append((corpus, batch, spread(lb, "{:.3f}"), spread(lv, "{:.3f}"),
+                     "–" if below is None else f"{below:.3f}", verdict))
+    first, last = best.get((corpus, batches[0], baseline)), best.get((corpus, batches[-1], baseline))
+    vr_last = best.get((corpus, batches[-1], label))
+    if first and last and vr_last:
+        lost = mean(r["mlm_loss"] for r in last) - mean(r["mlm_loss"] for r in first)
+        won = mean(r["mlm_loss"] for r in last) - mean(r["mlm_loss"] for r in vr_last)
+        share = f"{won / lost:.0%}" if lost > 0 else "– (no degradation)"
+        rows.append((corpus, f"{batches[0]} → {batches[-1]}", f"{baseline} loses {lost:+.3f}",
+                     f"{label} recovers {won:+.3f}", "", f"recovered share {share}"))
+    return rows
+
+
+def unrun_cells(results: list[dict], corpora: list[str], batches: list[int], labels: list[str],
+                factors: list[float], seeds: list[int]) -> list[str]:
+    """The grid's runs that neither ran nor were reused, one line each."""
+    done = {(r["corpus"], r["batch"], r["optimizer"], r["factor"], r["seed"]) for r in results}
+    return [f"{c} b{b} {lab} ×{f:g} seed {s}" for c in corpora for b in batches for lab in labels for f in factors
+            for s in seeds if (c, b, lab, f, s) not in done]
 
 
 def by_factor(results: list[dict]) -> dict[tuple[str, int, str], dict[float, list[dict]]]:
@@ -337,6 +427,14 @@ def main() -> None:
     ap.add_argument("--reuse", type=Path, action="append", default=[], metavar="DIR",
                     help="a committed study's --out directory whose runs are read, not run again (same "
                          "settings, checked); repeatable")
+    ap.add_argument("--noise-multiple", type=float, action="append", default=None, metavar="M",
+                    help="batches at M × the noise scale B_simple instead of --batch; repeatable (e.g. 1 4 16 64)")
+    ap.add_argument("--noise-scale", default="auto", metavar="SAMPLES|auto",
+                    help="with --noise-multiple: B_simple in samples, or 'auto': measured by the first VR optimizer's "
+                         "runs at --base-batch (×1 LR, every seed), which run first")
+    ap.add_argument("--start-runs-for", type=float, default=None, metavar="SECONDS",
+                    help="start no run after this many seconds; then assemble what finished, like --only-finished "
+                         "(a lent GPU's time: the record grows piecewise, the rest is listed as not run yet)")
     ap.add_argument("--only-finished", action="store_true",
                     help="run nothing: assemble from finished and --reuse runs, '–' for cells never run")
     args = ap.parse_args()
@@ -346,6 +444,7 @@ def main() -> None:
         args.min_steps = 1  # a smoke run: the budget alone
         args.vocab_size = min(args.vocab_size, 2000)  # a smoke run: the tokenizer trains in a few seconds
         args.work = args.work / "quick"
+    args.start_until = None if args.start_runs_for is None else time.monotonic() + args.start_runs_for
     specs = args.corpus or ["embedded"]
     corpora = [spec.partition("=")[0] for spec in specs]
     batches = args.batch or [64, 256, 1024]
@@ -355,10 +454,12 @@ def main() -> None:
     for batch in batches:
         if batch % (args.ranks * args.micro_batch):
             raise SystemExit(f"--batch {batch}: not a multiple of ranks x micro-batch = {args.ranks * args.micro_batch}")
+    granularity = args.ranks * args.micro_batch
     config = {"corpora": specs, "batches": batches, "seeds": seeds, "lr_factors": factors, "optimizers": labels,
               "samples": args.samples, "min_steps": args.min_steps, "seq_len": args.seq_len, "micro_batch": args.micro_batch,
               "ranks": args.ranks, "lr_rule": args.lr_rule, "base_lr": args.base_lr, "base_batch": args.base_batch,
-              "vocab_size": args.vocab_size, "model": args.model, "zero": 2, "quick": args.quick}
+              "vocab_size": args.vocab_size, "model": args.model, "zero": 2, "quick": args.quick,
+              **({"noise_multiples": args.noise_multiple, "noise_scale": args.noise_scale} if args.noise_multiple else {})}
     args.reused, sources, shorter = load_reused(args.reuse, config)  # before Output: --out may be one of them
     args.work.mkdir(parents=True, exist_ok=True)
     out = Output(args.out or (args.work if args.quick else DOCS / "bert_batch"), "bert_batch", config)
@@ -369,7 +470,7 @@ def main() -> None:
         print(f"--reuse: {len(shorter)} recorded run(s) took another number of steps than this study gives their "
               f"batch (--samples {args.samples}, --min-steps {args.min_steps}); they stay in their records, unused "
               "here", flush=True)
-    results = []
+    results, corpus_batches, unigram = [], {}, {}
     for spec, name in zip(specs, corpora):
         data = (args.work / "data" / name if args.only_finished
                 else prepare(name, spec.partition("=")[2] or None, args.work, args.seq_len, args.vocab_size))
@@ -381,7 +482,34 @@ def main() -> None:
             print(f"--reuse: {len(other)} recorded run(s) of corpus {name!r} read other data than this study's (another "
                   "tokenizer, shards, seed or held-out split; for the embedded corpus, another Python release); they "
                   "stay in their records, unused here", flush=True)
-        for batch in batches:
+        here = batches
+        if args.noise_multiple:  # batches at multiples of the noise scale measured at a small batch
+            scale = None if args.noise_scale == "auto" else float(args.noise_scale)
+            if scale is None:
+                probe = next((lab for lab in labels if lab in BASELINE), None)
+                if probe is None:
+                    raise SystemExit("--noise-scale auto: needs a VR optimizer among --optimizer to measure B_simple")
+                measured = []
+                for seed in seeds:
+                    r = run_one(probe, name, data, args.base_batch, 1.0, seed, args)
+                    if r is not None:
+                        out.log_run(r)
+                        measured.append(r)
+                scale = measured_noise_scale(measured, args.base_batch)
+            if scale is None:
+                print(f"[{name}] no B_simple measured at batch {args.base_batch} yet: its batches are unknown", flush=True)
+                here = []
+            else:
+                here = noise_batches(args.noise_multiple, scale, granularity)
+                out.meta.setdefault("noise_scale", {})[name] = scale
+                print(f"[{name}] B_simple {scale:.0f} samples at batch {args.base_batch}: batches {here}", flush=True)
+            if (data / "tokenizer.model").is_file():
+                unigram[name] = mean(unigram_loss(data, seed, args.seq_len, base_config(
+                    args.seq_len, args.micro_batch, args.ranks, args.workers)["job"]["data"]["eval_samples"])
+                    for seed in seeds)
+                out.meta.setdefault("unigram_loss", {})[name] = unigram[name]
+        corpus_batches[name] = here
+        for batch in here:
             for label in labels:
                 for factor in factors:
                     for seed in seeds:
@@ -389,6 +517,14 @@ def main() -> None:
                         if r is not None:
                             out.log_run(r)
                             results.append(r)
+    unrun = [line for name in corpora for line in unrun_cells(results, [name], corpus_batches[name], labels,
+                                                                factors, seeds)]
+    out.meta["unrun"] = unrun
+    if unrun:
+        print(f"{len(unrun)} run(s) of the grid not run yet: {'; '.join(unrun[:8])}{' ...' if len(unrun) > 8 else ''}",
+              flush=True)
+    if args.noise_multiple:
+        batches = sorted({b for bs in corpus_batches.values() for b in bs})
     if not results:
         raise SystemExit("--only-finished: no finished or reused run matches these corpora, batches and optimizers")
     cells = by_factor(results)  # every factor, to show how each optimizer's loss depends on the LR
@@ -412,6 +548,13 @@ def main() -> None:
             for name in corpora for batch in batches for label in labels if (name, batch, label) in cells]
     out.add_table(f"Held-out MLM loss at every LR factor ({len(seeds)} seeds, mean (min–max); – never run)",
                   table(["corpus", "batch", "optimizer", *(f"×{f:g}" for f in factors)], grid))
+    if args.noise_multiple:
+        rows = [row for name in corpora if corpus_batches[name] for label in labels if BASELINE.get(label) in labels
+                for row in verdicts(best, name, corpus_batches[name], label, BASELINE[label], unigram.get(name))]
+        levels = ", ".join(f"{name} {unigram[name]:.3f}" for name in corpora if name in unigram) or "not computed"
+        out.add_table(f"Verdict per batch (multiples {', '.join(f'×{m:g}' for m in args.noise_multiple)} of B_simple; "
+                      f"unigram level, nats: {levels}; {len(unrun)} run(s) of the grid not run yet)",
+                      table(["corpus", "batch", "baseline loss", "VR loss", "baseline below unigram", "verdict"], rows))
     plot(out, best, corpora, batches, labels)
     out.finish(results)
 

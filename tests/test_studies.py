@@ -322,3 +322,59 @@ def test_a_run_records_the_fingerprint_of_the_data_it_read(tmp_path):
     assert one == data_fingerprint(tmp_path, 1) and one != data_fingerprint(tmp_path, 2)
     (tmp_path / TOKENIZER_FILE).write_bytes(b"other pieces")
     assert data_fingerprint(tmp_path, 1) != one
+
+
+def test_batches_at_noise_multiples_get_a_verdict_each_and_the_unrun_cells_are_listed(tmp_path):
+    """The study past the plateau (``--noise-multiple``): batches at 1× and 4× a B_simple of 16
+    samples (16 and 64), LAMB against VR-LAMB at each one's best LR over 2 seeds. A verdict needs
+    both seeds on both sides; "better" only when the seed ranges are apart; LAMB's degradation
+    from the first batch to the last and the share VR-LAMB recovers; every run of the grid not
+    yet run is listed (the record grows piecewise)."""
+    sys.path.insert(0, str(STUDIES))
+    from bert_batch import measured_noise_scale, noise_batches
+
+    assert noise_batches([1, 4, 16, 64], 20.0, 8) == [24, 80, 320, 1280] and noise_batches([0.1], 20.0, 8) == [8]
+    assert measured_noise_scale([{"batch": 64, "b_simple": 10.0}, {"batch": 64, "b_simple": 30.0},
+                                 {"batch": 16, "b_simple": 99.0}, {"batch": 64, "b_simple": None}], 64) == 20.0
+    runs = [("embedded", 16, "LAMB", f, s, loss) for f, s, loss in ((1.0, 1, 6.50), (1.0, 2, 6.60), (2.0, 1, 6.70))]
+    runs += [("embedded", 16, "VR-LAMB first_moment", 1.0, s, loss) for s, loss in ((1, 6.55), (2, 6.58))]
+    runs += [("embedded", 64, "LAMB", 1.0, s, loss) for s, loss in ((1, 6.90), (2, 6.95))]
+    runs += [("embedded", 64, "VR-LAMB first_moment", 1.0, s, loss) for s, loss in ((1, 6.70), (2, 6.75))]
+    study = fake_study(tmp_path / "a", runs)
+    run_study("bert_batch.py", "--only-finished", "--corpus", "embedded", "--optimizer", "LAMB", "--optimizer",
+              "VR-LAMB first_moment", "--noise-multiple", "1", "--noise-multiple", "4", "--noise-scale", "16",
+              "--lr-factor", "1", "--lr-factor", "2", "--work", str(tmp_path / "work"), "--reuse", str(study),
+              "--out", str(tmp_path / "out"))
+    tables = (tmp_path / "out" / "tables.md").read_text()
+    assert "Verdict per batch (multiples ×1, ×4 of B_simple; unigram level, nats: not computed; 7 run(s)" in tables
+    assert "| embedded | 16 | 6.550 (6.500–6.600) | 6.565 (6.550–6.580) | – | no difference beyond the seeds " \
+           "(+0.015 nats) |" in tables
+    assert "| embedded | 64 | 6.925 (6.900–6.950) | 6.725 (6.700–6.750) | – | VR-LAMB first_moment better by " \
+           "0.200 nats (seed ranges apart) |" in tables
+    assert "| embedded | 16 → 64 | LAMB loses +0.375 | VR-LAMB first_moment recovers +0.200 |  | recovered share 53% |" \
+           in tables
+    meta = json.loads((tmp_path / "out" / "meta.json").read_text())
+    assert meta["unrun"] == ["embedded b16 LAMB ×2 seed 2", "embedded b16 VR-LAMB first_moment ×2 seed 1",
+                             "embedded b16 VR-LAMB first_moment ×2 seed 2", "embedded b64 LAMB ×2 seed 1",
+                             "embedded b64 LAMB ×2 seed 2", "embedded b64 VR-LAMB first_moment ×2 seed 1",
+                             "embedded b64 VR-LAMB first_moment ×2 seed 2"]
+    assert meta["noise_scale"] == {"embedded": 16.0}
+
+
+@pytest.mark.slow
+@pytest.mark.exhaustive  # the real job twice per optimizer (1 min): make test-all
+def test_bert_batch_quick_at_noise_multiples(tmp_path, study_work):
+    """``--noise-multiple`` through the real job: batches at 1× and 4× a given B_simple of 16, the
+    unigram level of the prepared corpus's held-out masks computed and named in the verdict table
+    (between a trained model's and the uniform distribution's), each run's data fingerprint
+    recorded, and every cell of one seed left undecided."""
+    run_study("bert_batch.py", "--quick", "--noise-multiple", "1", "--noise-multiple", "4", "--noise-scale", "16",
+              "--work", str(study_work), "--out", str(tmp_path / "out"), "--port", "29683", timeout=900)
+    runs = check_output(tmp_path / "out", ["bert_batch.png"])
+    assert sorted({r["batch"] for r in runs}) == [16, 64]
+    assert len({r["data"] for r in runs}) == 1 and all(len(r["data"]) == 16 for r in runs)
+    meta = json.loads((tmp_path / "out" / "meta.json").read_text())
+    assert 3.0 < meta["unigram_loss"]["embedded"] < math.log(2000)
+    tables = (tmp_path / "out" / "tables.md").read_text()
+    assert f"unigram level, nats: embedded {meta['unigram_loss']['embedded']:.3f}" in tables
+    assert "not decided: LAMB and VR-LAMB first_moment lack 2 seeds" in tables and meta["unrun"] == []
