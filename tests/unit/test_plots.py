@@ -146,3 +146,21 @@ def test_cli_errors_on_missing_or_empty_file(tmp_path, capsys):
     err = capsys.readouterr().err
     assert err.startswith("error: ") and "metrics.jsonl" in err and "no step record" in err
     assert not (tmp_path / "plots").exists()
+
+
+def test_the_loss_plot_draws_either_engines_held_out_metrics():
+    """A Megatron run logs ``eval/lm_loss``/``eval/lm_acc`` (causal LM), a DeepSpeed run
+    ``eval/mlm_*``: the loss plot draws whichever is there. Before, a GPT run's plot had its
+    training loss only."""
+    from matplotlib.figure import Figure
+
+    for task in ("lm", "mlm"):
+        records = [{"step": 0, f"eval/{task}_loss": 7.6, f"eval/{task}_acc": 0.01},
+                   {"step": 1, "train/loss": 7.5}, {"step": 2, "train/loss": 7.4, f"eval/{task}_loss": 7.3,
+                                                   f"eval/{task}_acc": 0.05}]
+        fig = Figure()
+        P._draw_loss(fig, records)
+        loss_ax, acc_ax = fig.axes
+        assert [line.get_label() for line in loss_ax.get_lines()] == ["train/loss", f"eval/{task}_loss"]
+        assert [line.get_label() for line in acc_ax.get_lines()] == [f"eval/{task}_acc"]
+        assert acc_ax.get_ylabel() == f"{task.upper()} accuracy"

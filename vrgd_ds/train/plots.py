@@ -137,15 +137,22 @@ def _finish(ax: Any, ylabel: str) -> None:
         ax.legend(fontsize="small")
 
 
+#: the held-out metrics of each engine's task: masked LM (DeepSpeed's BERT), causal LM (Megatron's GPT)
+EVAL_TASKS = (("mlm", "MLM"), ("lm", "LM"))
+
+
 def _draw_loss(fig: Figure, records: Sequence[dict[str, Any]]) -> None:
     ax = fig.add_subplot()
     _line(ax, records, "train/loss", alpha=0.8)
-    _line(ax, records, "eval/mlm_loss", color="C1")
+    for task, _ in EVAL_TASKS:
+        _line(ax, records, f"eval/{task}_loss", color="C1")
     _finish(ax, "loss")
-    if _present(records, "eval/mlm_acc"):
+    accuracy = [(task, name) for task, name in EVAL_TASKS if _present(records, f"eval/{task}_acc")]
+    if accuracy:
         acc = ax.twinx()
-        _line(acc, records, "eval/mlm_acc", color="C2", linestyle="--")
-        acc.set_ylabel("MLM accuracy")
+        for task, name in accuracy:
+            _line(acc, records, f"eval/{task}_acc", color="C2", linestyle="--")
+        acc.set_ylabel(f"{accuracy[0][1]} accuracy")
         # One legend for both axes, in the loss axis.
         h1, l1 = ax.get_legend_handles_labels()
         h2, l2 = acc.get_legend_handles_labels()
@@ -260,7 +267,7 @@ def _draw_batch(fig: Figure, records: Sequence[dict[str, Any]]) -> None:
 
 
 PLOTS = (
-    _Plot("loss.png", ("train/loss", "eval/mlm_loss"), _draw_loss),
+    _Plot("loss.png", ("train/loss", "eval/mlm_loss", "eval/lm_loss"), _draw_loss),
     _Plot("lr.png", ("train/lr",), _draw_lr),
     _Plot("gsnr.png", ("gsnr/mean", "gsnr/min", "gsnr/max", "group/*/gsnr_mean"), _draw_gsnr),
     _Plot("clip.png", ("gsnr/clip_low_frac", "gsnr/clip_high_frac"), _draw_clip),
