@@ -141,7 +141,8 @@ def data_fingerprint(data: Path, seed: int) -> str | None:
 def set_aside_other_data(reused: dict[RunKey, dict], corpus: str, fingerprint_of, python: str) -> list[dict]:
     """Removes from ``reused`` the runs of ``corpus`` that read other data than this study's and
     returns them: a recorded data fingerprint that differs from ``fingerprint_of(seed)`` (the
-    tokenizer, shards, seed or held-out split changed), or, for a run recorded without one, an
+    tokenizer, shards, seed or held-out split changed; None: nothing prepared here to compare
+    with), or, where either is missing, an
     embedded corpus made by another Python release than ``python`` (the embedded corpus is the
     running interpreter's documentation: another release, other documents, so another tokenizer,
     other samples and another held-out set)."""
@@ -149,9 +150,11 @@ def set_aside_other_data(reused: dict[RunKey, dict], corpus: str, fingerprint_of
     for key, r in list(reused.items()):
         if r["corpus"] != corpus:
             continue
-        recorded = r.get("data")
-        other = (recorded != fingerprint_of(r["seed"]) if recorded is not None else
-                 corpus == "embedded" and r.get("reused_python") not in (None, python))
+        recorded, here = r.get("data"), fingerprint_of(r["seed"])
+        if recorded is not None and here is not None:
+            other = recorded != here
+        else:  # no fingerprint on one side (recorded before them, or no data prepared here)
+            other = corpus == "embedded" and r.get("reused_python") not in (None, python)
         if other:
             out.append(reused.pop(key))
     return out
@@ -298,8 +301,8 @@ def verdicts(best: dict, corpus: str, batches: list[int], label: str, baseline: 
              unigram: float | None) -> list[tuple]:
     """Per batch: ``label`` against ``baseline`` at each one's best LR. A verdict needs 2 seeds each
     and the baseline's runs ending below the unigram level; it is "better" or "worse" only when
-    the seed ranges do not overlap. Then the baseline's degradation from the first batch to the
-    last and the share of it ``label`` recovers there."""
+    the seed ranges do not overlap. Then, with 2 seeds at both ends, the baseline's degradation
+    from the first batch to the last and the share of it ``label`` recovers there."""
     rows = []
     for batch in batches:
         vr, base = best.get((corpus, batch, label)), best.get((corpus, batch, baseline))
@@ -322,7 +325,7 @@ def verdicts(best: dict, corpus: str, batches: list[int], label: str, baseline: 
                      "–" if below is None else f"{below:.3f}", verdict))
     first, last = best.get((corpus, batches[0], baseline)), best.get((corpus, batches[-1], baseline))
     vr_last = best.get((corpus, batches[-1], label))
-    if first and last and vr_last:
+    if first and last and vr_last and min(len(first), len(last), len(vr_last)) >= 2:
         lost = mean(r["mlm_loss"] for r in last) - mean(r["mlm_loss"] for r in first)
         won = mean(r["mlm_loss"] for r in last) - mean(r["mlm_loss"] for r in vr_last)
         share = f"{won / lost:.0%}" if lost > 0 else "– (no degradation)"
@@ -445,6 +448,8 @@ def main() -> None:
         args.vocab_size = min(args.vocab_size, 2000)  # a smoke run: the tokenizer trains in a few seconds
         args.work = args.work / "quick"
     args.start_until = None if args.start_runs_for is None else time.monotonic() + args.start_runs_for
+    if args.noise_multiple:
+        args.noise_multiple = sorted(set(args.noise_multiple))
     specs = args.corpus or ["embedded"]
     corpora = [spec.partition("=")[0] for spec in specs]
     batches = args.batch or [64, 256, 1024]
@@ -499,8 +504,10 @@ def main() -> None:
             if scale is None:
                 print(f"[{name}] no B_simple measured at batch {args.base_batch} yet: its batches are unknown", flush=True)
                 here = []
+                out.meta.setdefault("unrun_probes", []).append(
+                    f"{name}: the B_simple probe at batch {args.base_batch}, then the whole grid of its batches")
             else:
-                here = noise_batches(args.noise_multiple, scale, granularity)
+                here = sorted(set(noise_batches(args.noise_multiple, scale, granularity)))
                 out.meta.setdefault("noise_scale", {})[name] = scale
                 print(f"[{name}] B_simple {scale:.0f} samples at batch {args.base_batch}: batches {here}", flush=True)
             if (data / "tokenizer.model").is_file():
@@ -519,6 +526,7 @@ def main() -> None:
                             results.append(r)
     unrun = [line for name in corpora for line in unrun_cells(results, [name], corpus_batches[name], labels,
                                                                 factors, seeds)]
+    unrun += out.meta.pop("unrun_probes", [])  # a corpus whose batches are not known yet
     out.meta["unrun"] = unrun
     if unrun:
         print(f"{len(unrun)} run(s) of the grid not run yet: {'; '.join(unrun[:8])}{' ...' if len(unrun) > 8 else ''}",

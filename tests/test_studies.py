@@ -303,6 +303,9 @@ def test_reused_runs_of_other_data_are_set_aside():
     assert sorted(r["seed"] for r in aside) == [2, 3]
     assert sorted(reused) == [("embedded", 1), ("embedded", 4), ("wikitext", 3)]
     assert set_aside_other_data(reused, "wikitext", fingerprints.get, "3.11.7") == []
+    # nothing prepared here to compare a fingerprint with (--only-finished elsewhere): kept
+    kept = {("embedded", 5): run("embedded", 5, data="eeee", reused_python="3.11.7")}
+    assert set_aside_other_data(kept, "embedded", lambda seed: None, "3.11.7") == [] and len(kept) == 1
 
 
 def test_a_run_records_the_fingerprint_of_the_data_it_read(tmp_path):
@@ -324,12 +327,43 @@ def test_a_run_records_the_fingerprint_of_the_data_it_read(tmp_path):
     assert data_fingerprint(tmp_path, 1) != one
 
 
+def test_verdicts_need_two_seeds_below_the_unigram_level_and_apart_ranges():
+    """``verdicts`` in-process (the end-to-end study below is in the exhaustive tier): a cell
+    with one seed, LAMB at or above the unigram level, overlapping and separate seed ranges, and
+    the degradation row."""
+    sys.path.insert(0, str(STUDIES))
+    from bert_batch import unrun_cells, verdicts
+
+    def cell(*losses):
+        return [{"mlm_loss": x} for x in losses]
+
+    best = {("c", 16, "LAMB"): cell(6.50, 6.60), ("c", 16, "VR"): cell(6.55, 6.58),
+            ("c", 64, "LAMB"): cell(6.90, 6.95), ("c", 64, "VR"): cell(6.70, 6.75),
+            ("c", 256, "LAMB"): cell(7.10, 7.20), ("c", 256, "VR"): cell(7.00)}
+    rows = verdicts(best, "c", [16, 64, 256], "VR", "LAMB", unigram=7.0)
+    assert [r[-1] for r in rows] == ["no difference beyond the seeds (+0.015 nats)",
+                                     "VR better by 0.200 nats (seed ranges apart)",
+                                     "not decided: VR lack 2 seeds"]  # no degradation row on one seed
+    assert rows[0][4] == "0.400" and rows[1][4] == "0.050"  # LAMB's margin below the unigram level
+    best["c", 256, "VR"] = cell(7.00, 7.04)
+    rows = verdicts(best, "c", [16, 64, 256], "VR", "LAMB", unigram=7.3)
+    assert rows[2][-1] == "VR better by 0.130 nats (seed ranges apart)"
+    assert rows[3][2:] == ("LAMB loses +0.600", "VR recovers +0.130", "", "recovered share 22%")
+    above = verdicts({k: v for k, v in best.items() if k[1] == 64}, "c", [64], "VR", "LAMB", unigram=6.92)
+    assert above[0][-1] == "not decided: LAMB ends 0.030 nats above the unigram level"
+    results = [{"corpus": "c", "batch": 16, "optimizer": "VR", "factor": 1.0, "seed": 1}]
+    assert unrun_cells(results, ["c"], [16], ["VR"], [1.0, 2.0], [1]) == ["c b16 VR ×2 seed 1"]
+
+
+@pytest.mark.slow
+@pytest.mark.exhaustive  # the study script end to end on recorded runs (10 s): make test-all
 def test_batches_at_noise_multiples_get_a_verdict_each_and_the_unrun_cells_are_listed(tmp_path):
     """The study past the plateau (``--noise-multiple``): batches at 1× and 4× a B_simple of 16
     samples (16 and 64), LAMB against VR-LAMB at each one's best LR over 2 seeds. A verdict needs
     both seeds on both sides; "better" only when the seed ranges are apart; LAMB's degradation
     from the first batch to the last and the share VR-LAMB recovers; every run of the grid not
-    yet run is listed (the record grows piecewise)."""
+    yet run is listed (the record grows piecewise). Multiples given in any order, or rounding to
+    the same batch, give each batch once (before, a batch given twice counted one seed twice)."""
     sys.path.insert(0, str(STUDIES))
     from bert_batch import measured_noise_scale, noise_batches
 
@@ -342,11 +376,13 @@ def test_batches_at_noise_multiples_get_a_verdict_each_and_the_unrun_cells_are_l
     runs += [("embedded", 64, "VR-LAMB first_moment", 1.0, s, loss) for s, loss in ((1, 6.70), (2, 6.75))]
     study = fake_study(tmp_path / "a", runs)
     run_study("bert_batch.py", "--only-finished", "--corpus", "embedded", "--optimizer", "LAMB", "--optimizer",
-              "VR-LAMB first_moment", "--noise-multiple", "1", "--noise-multiple", "4", "--noise-scale", "16",
+              "VR-LAMB first_moment", "--noise-multiple", "4", "--noise-multiple", "1", "--noise-multiple", "1.05",
+              "--noise-scale", "16",  # ×1.05 rounds to batch 16 again: one cell, not two
               "--lr-factor", "1", "--lr-factor", "2", "--work", str(tmp_path / "work"), "--reuse", str(study),
               "--out", str(tmp_path / "out"))
     tables = (tmp_path / "out" / "tables.md").read_text()
-    assert "Verdict per batch (multiples ×1, ×4 of B_simple; unigram level, nats: not computed; 7 run(s)" in tables
+    assert "Verdict per batch (multiples ×1, ×1.05, ×4 of B_simple; unigram level, nats: not computed; 7 run(s)" \
+        in tables
     assert "| embedded | 16 | 6.550 (6.500–6.600) | 6.565 (6.550–6.580) | – | no difference beyond the seeds " \
            "(+0.015 nats) |" in tables
     assert "| embedded | 64 | 6.925 (6.900–6.950) | 6.725 (6.700–6.750) | – | VR-LAMB first_moment better by " \

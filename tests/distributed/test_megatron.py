@@ -234,6 +234,7 @@ def test_dist_checkpoint_resumes_on_another_layout_and_back(megatron, tmp_path, 
     assert _max_diff(straight["weights"][2], straight["weights"][1]) > 100 * TOL * scale
 
 
+@pytest.mark.exhaustive  # make test resumes a dist checkpoint through the job (test_reliability.py, another TP size)
 def test_a_base_optimizer_checkpoint_resumes_with_gsnr_momentum_at_its_prior(megatron, tmp_path):
     """Lamb's checkpoint (no GSNR momentum in it) loaded non-strictly into VRLamb (``beta3 = 0.9``)
     on TP2×DP1: with the distributed optimizer the first resumed step equals the one without it,

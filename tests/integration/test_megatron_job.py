@@ -6,6 +6,7 @@ evaluation and checkpoints; bf16 and fp16. (The failure cases, for both engines:
 from __future__ import annotations
 
 import json
+import math
 import sys
 from pathlib import Path
 
@@ -80,3 +81,25 @@ def test_gpt_job_in_fp16_scales_the_loss_and_skips_overflowing_steps(tmp_path, c
     scales = [r["train/loss_scale"] for r in steps]
     assert scales[0] == 2.0**32 and scales[-1] < 2.0**32 and scales == sorted(scales, reverse=True)
     assert all(r["gsnr/n"] == 8.0 and 0.0 < r["gsnr/scale_mean"] < 1.0 and r["train/grad_norm"] > 0.0 for r in taken)
+
+
+@pytest.mark.exhaustive
+def test_gpt_job_on_other_layouts_and_phases(tmp_path, corpus):
+    """Pipeline parallelism (PP 2, two phases of seq 32 then 64, each evaluated on the last phase's
+    held-out windows) and tensor parallelism with a global batch that only the data-parallel ranks
+    divide (TP 2: 12 = 4 × 3 × 1 rank, not a multiple of 4 × 2 ranks). Before: PP 2 stopped in
+    megatron-core's config check (no ``pipeline_dtype``); the first evaluation of a two-phase run
+    used the first phase's sequence length for the last phase's windows; and the spine checked a
+    phase's batch against every rank, not the data-parallel ones (TP 2 with batch 12 stopped
+    with exit 2 at the phase's start)."""
+    phases = json.dumps([{"seq_len": 32, "fraction": 0.5, "global_batch": 16, "micro_batch": 4, "lr": 4e-3},
+                         {"seq_len": 64, "fraction": 0.5, "global_batch": 16, "micro_batch": 4, "lr": 2e-3}])
+    rec = _train(tmp_path / "pp", corpus, "job.total_steps=4", "megatron.pipeline_model_parallel_size=2",
+                 f"job.phases={phases}", "job.eval_every=2")
+    taken = _taken(rec)
+    assert len(taken) == 4 and [r["train/seq_len"] for r in taken] == [32, 32, 64, 64]
+    assert all(math.isfinite(r["train/loss"]) and r["gsnr/n"] == 4.0 for r in taken)  # 1 DP rank × 4 micro-batches
+    assert all(math.isfinite(rec[s]["eval/lm_loss"]) for s in (0, 2, 4))
+    rec = _train(tmp_path / "tp", corpus, "job.total_steps=2", "megatron.tensor_model_parallel_size=2",
+                 "job.phases.0.global_batch=12")
+    assert [r["gsnr/n"] for r in _taken(rec)] == [3.0, 3.0]

@@ -267,6 +267,7 @@ class Job:
             for note in notes:
                 logger.warning("%s", note)
             logger.info("resumed from %s at step %d", path, self.step)
+        self.saved_step = self.step  # the checkpoint it came from: not written again before a step
         self.watchdog.beat(self.step, "resume")
         return True
 
@@ -434,7 +435,7 @@ class Job:
         """Steps of phase ``index`` until its sample budget is consumed: the batch and LR of each
         step, the step itself, its record, and what follows a step (beat, checkpoint, signals)."""
         p = self.job.phases[index]
-        gradient_accumulation(p, self.world, index)
+        gradient_accumulation(p, self.engine.data_world, index)
         controller = self.controllers.get(index)
         ab = p.adaptive_batch
         sampler, batches, trace = self._phase_data(index)

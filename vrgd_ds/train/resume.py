@@ -145,7 +145,7 @@ def check(run_dir: Path, raw: dict[str, Any] | None, world: int | None) -> tuple
     group = cls([torch.nn.Parameter(torch.zeros(1))], **(raw["optimizer"].get("params") or {})).param_groups[0]
     now = {"type": cls.__name__, "gsnr": bool(group["gsnr"]), "gsnr_placement": group.get("gsnr_placement")}
     stage = int((raw.get("zero_optimization") or {}).get("stage", 0))
-    ranks = world if world is not None else saved_world or 1
+    ranks = world if world is not None else saved_world or record.get("world_size") or 1
     lines.append(f"with this configuration on {ranks} ranks:")
     changes = []
     if info.get("total_steps") not in (None, job.total_steps):

@@ -69,7 +69,8 @@ class Engine(abc.ABC):
 
     @abc.abstractmethod
     def collate(self, samples: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
-        """A micro-batch from samples."""
+        """A micro-batch from samples (a module-level function as a ``staticmethod``, so that
+        DataLoader workers pickle it by name, not the engine)."""
 
     def set_batch(self, micro_batch: int, global_batch: int, seq_len: int) -> None:  # noqa: B027 (optional)
         """The next steps' batch (between optimizer steps: a phase begins, the adaptive batch changes)."""

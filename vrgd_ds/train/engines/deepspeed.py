@@ -24,6 +24,7 @@ from typing import Any, Callable, Iterator
 import torch
 
 import vrgd_ds
+from vrgd_ds.data_pipeline.samples import collate
 from vrgd_ds.train import checkpoints as ckpt
 from vrgd_ds.train.config import ConfigError, JobConfig, deepspeed_config
 from vrgd_ds.train.data import JobData, prepare_data
@@ -80,13 +81,11 @@ class DeepSpeedEngine(Engine):
     def setup(self, run_dir: Path, barrier: Callable[[], None]) -> None:
         import deepspeed
 
-        from vrgd_ds.data_pipeline.samples import collate
         from vrgd_ds.ds import shm
 
         barrier()  # every rank has mapped its peers' shared memory (CPU accelerator)
         shm.unlink_own_segment(self.rank)
         job = self.job
-        self._collate = collate
         self.data: JobData = prepare_data(job, run_dir, self.rank, barrier, sorted({p.seq_len for p in job.phases}))
         self.next_sentence = self.data.next_sentence is not None
         self.fingerprint = self.data.fingerprint()
@@ -101,8 +100,7 @@ class DeepSpeedEngine(Engine):
     def datasets(self, seq_len: int):
         return self.data.split(seq_len)
 
-    def collate(self, samples):
-        return self._collate(samples)
+    collate = staticmethod(collate)  # a module-level function: DataLoader workers pickle it by name
 
     def set_batch(self, micro_batch: int, global_batch: int, seq_len: int) -> None:
         self.engine.set_train_micro_batch_size(micro_batch)

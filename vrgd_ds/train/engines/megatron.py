@@ -207,7 +207,7 @@ def build_gpt(block: MegatronBlock, optimizer: dict[str, Any], vocab_size: int, 
                                num_attention_heads=m.num_attention_heads, ffn_hidden_size=m.ffn_hidden_size,
                                hidden_dropout=m.hidden_dropout, attention_dropout=m.attention_dropout,
                                use_cpu_initialization=device.type == "cpu", tensor_model_parallel_size=tp,
-                               pipeline_model_parallel_size=pp, params_dtype=dtype, **half)
+                               pipeline_model_parallel_size=pp, params_dtype=dtype, pipeline_dtype=dtype, **half)
     model = GPTModel(config, get_gpt_layer_local_spec(), vocab_size=vocab_size, max_sequence_length=max_seq,
                      pre_process=ps.is_pipeline_first_stage(), post_process=ps.is_pipeline_last_stage(),
                      share_embeddings_and_output_weights=False)
@@ -285,13 +285,15 @@ class MegatronEngine(Engine):
         self.config.grad_scale_func = self.megatron_optimizer.scale_loss  # each micro-batch's loss (fp16)
         self.optimizer = self.megatron_optimizer.chained_optimizers[0].optimizer
         self.source = self.megatron_optimizer.vrgd_sources[0]
+        weight_decay = float((self.raw["optimizer"].get("params") or {}).get("weight_decay", 0.01))
+        for g in self.optimizer.param_groups:  # Megatron's per-group multiplier (its scheduler's rule): none on
+            g["weight_decay"] = weight_decay * g.get("wd_mult", 1.0)  # biases and norms
         self.forward_backward = get_forward_backward_func()
 
     def datasets(self, seq_len: int):
         return self.data.windows(seq_len)
 
-    def collate(self, samples):
-        return stack(samples)
+    collate = staticmethod(stack)  # a module-level function: DataLoader workers pickle it by name
 
     def set_batch(self, micro_batch: int, global_batch: int, seq_len: int) -> None:
         self.micro_batch, self.seq_len = micro_batch, seq_len
@@ -314,10 +316,10 @@ class MegatronEngine(Engine):
             j = next(index)
             if seeds is not None:
                 torch.manual_seed(seeds[j])
-                if device.type == "cuda":
+                if device.type == "cuda":  # its tensor-parallel stream is seed + 2718 + TP rank: apart per slot
                     from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 
-                    model_parallel_cuda_manual_seed(seeds[j])
+                    model_parallel_cuda_manual_seed(seeds[j] * 4096)
             tokens, labels = b["tokens"].to(device), b["labels"].to(device)
             out = model(tokens, position[:len(tokens)], mask, labels=labels if with_labels else None)
             return out, lambda output: loss_of(b, output)
@@ -363,11 +365,11 @@ class MegatronEngine(Engine):
             return logits.new_zeros(()), {}
 
         self.ddp.eval()
-        if batches:
-            micro, self.micro_batch = self.micro_batch, len(batches[0]["tokens"])
+        if batches:  # the held-out set's shape (the last phase's), then the training's again
+            shape, (self.micro_batch, self.seq_len) = (self.micro_batch, self.seq_len), batches[0]["tokens"].shape
             full = [b for b in batches if len(b["tokens"]) == self.micro_batch]  # the schedule's fixed shape
             self._run(iter(full), len(full), True, loss_of, with_labels=False)
-            self.micro_batch = micro
+            self.micro_batch, self.seq_len = shape
         self.ddp.train()
         return tuple(sums) if self.reporter else (0.0, 0.0, 0.0)
 
@@ -429,9 +431,10 @@ class MegatronEngine(Engine):
         return json.loads(text) if text else None
 
     def checkpoint_bytes(self) -> int:
-        """This rank's model shard, its optimizer state and fp32 main weights."""
+        """This rank's optimizer state and fp32 main weights, and its model shard on the first
+        data-parallel rank (the others hold copies of it)."""
         opt = self.optimizer
-        local = sum(p.numel() * p.element_size() for p in self.ddp.module.parameters())
+        local = 0 if self.data_rank else sum(p.numel() * p.element_size() for p in self.ddp.module.parameters())
         local += sum(t.numel() * t.element_size() for st in opt.state.values() for t in st.values() if torch.is_tensor(t))
         local += sum(p.numel() * 4 for g in opt.param_groups for p in g["params"])
         return local
