@@ -55,6 +55,7 @@ from vrgd_ds.train.config import (ConfigError, JobConfig, controller_settings, g
                                   optimizer_state_policy, phase_samples)
 from vrgd_ds.train.data import check_data_path, eval_batches, loader
 from vrgd_ds.train.engines import Engine, engine_class
+from vrgd_ds.train.engines.base import LAUNCHER_RANK, launcher_value
 from vrgd_ds.train.resume import engine_switch
 from vrgd_ds.train.rundir import RunDirBusy, RunDirLock
 from vrgd_ds.train.schedule import PhaseSchedule
@@ -590,14 +591,6 @@ class Job:
         return out
 
 
-def _launch_rank() -> int:
-    """This process's rank as the launcher set it (before the process group exists)."""
-    for var in ("RANK", "OMPI_COMM_WORLD_RANK", "PMI_RANK", "SLURM_PROCID"):
-        if os.environ.get(var, "").isdigit():
-            return int(os.environ[var])
-    return 0
-
-
 def _check_resume(args: argparse.Namespace) -> int:
     from vrgd_ds.train.resume import check
 
@@ -637,7 +630,7 @@ def main(argv: list[str] | None = None) -> int:
         return _check_resume(args)
     if not args.config or not args.run_dir:
         ap.error("--config and --run-dir are required (or --check-resume RUN_DIR)")
-    first = _launch_rank() == 0
+    first = (launcher_value(LAUNCHER_RANK) or 0) == 0
     refused: tuple[type[Exception], ...] = (ConfigError,)
     try:  # everything that can be checked without a process group, before any work
         raw, job = load_config(args.config, args.set)

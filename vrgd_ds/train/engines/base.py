@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import abc
 import datetime
+import os
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
@@ -20,6 +21,20 @@ import torch
 from vrgd_ds.optim.base import GSNROptimizer
 from vrgd_ds.train.config import JobConfig
 from vrgd_ds.train.resume import ResumePlan
+
+
+#: where launchers put this process's rank and the number of ranks, before a process group exists
+#: (torchrun/deepspeed, Open MPI, MPICH/Intel MPI, Slurm's srun)
+LAUNCHER_RANK = ("RANK", "OMPI_COMM_WORLD_RANK", "PMI_RANK", "SLURM_PROCID")
+LAUNCHER_WORLD = ("WORLD_SIZE", "OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "SLURM_NTASKS")
+
+
+def launcher_value(names: tuple[str, ...]) -> int | None:
+    """The first of ``names`` the launcher set to an integer (None: none is set)."""
+    for var in names:
+        if os.environ.get(var, "").isdigit():
+            return int(os.environ[var])
+    return None
 
 
 class Engine(abc.ABC):

@@ -38,7 +38,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from vrgd_ds.optim.registry import OptimizerBlockError, check_optimizer
 from vrgd_ds.train.config import ConfigError, JobConfig, gradient_accumulation
 from vrgd_ds.train.data import JobData, prepare_data, stack
-from vrgd_ds.train.engines.base import Engine
+from vrgd_ds.train.engines.base import LAUNCHER_WORLD, Engine, launcher_value
 from vrgd_ds.train.resume import ResumePlan, plan_resume
 
 logger = logging.getLogger(__name__)
@@ -82,14 +82,6 @@ class MegatronBlock(_Strict):
     bucket_size: int | None = Field(None, ge=1)
     clip_grad: float = Field(1.0, ge=0.0)
     """Global gradient-norm clipping (0: off)."""
-
-
-def _launch_world() -> int | None:
-    """The number of ranks as the launcher set it (before the process group exists)."""
-    for var in ("WORLD_SIZE", "OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "SLURM_NTASKS"):
-        if os.environ.get(var, "").isdigit():
-            return int(os.environ[var])
-    return None
 
 
 def parse_block(raw: dict[str, Any]) -> MegatronBlock:
@@ -248,7 +240,7 @@ class MegatronEngine(Engine):
             check_version()
         except (ImportError, RuntimeError) as e:
             raise ConfigError(f"job.engine 'megatron': {e}") from None
-        check(raw, job, _launch_world())
+        check(raw, job, launcher_value(LAUNCHER_WORLD))
 
     def __init__(self, raw: dict[str, Any], job: JobConfig, backend: str | None,
                  timeout: datetime.timedelta) -> None:
