@@ -113,5 +113,9 @@ def test_a_megatron_checkpoint_reports_its_layout_and_the_configured_one(tmp_pat
     raw["megatron"]["tensor_model_parallel_size"] = 2
     report, ok = check(tmp_path / "run", raw, 2)
     assert ok and "TP 1 × PP 1 × DP 2 -> TP 2 × PP 1 × DP 1 (dist-checkpointing reshards every tensor)" in report
+    # without --world-size: the marker's number of ranks (before, 1 rank was assumed: "DP ?", a
+    # layout change that was not there)
+    report, ok = check(tmp_path / "run", raw, None)
+    assert ok and "with this configuration on 2 ranks:" in report and "TP 2 × PP 1 × DP 1 (dist" in report
     report, ok = check(tmp_path / "run", copy.deepcopy(RAW), 2)
     assert not ok and "written by the megatron engine, the config has job.engine 'deepspeed'" in report
