@@ -13,6 +13,7 @@ from __future__ import annotations
 import itertools
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -67,6 +68,31 @@ class Pool:
         except OSError:
             return ""
 
+    def _stacks(self) -> str:
+        """The end of the ranks' output, then the Python stacks of every process of the group that
+        runs ``pool_worker.py`` (the ranks, and what they spawned: ``faulthandler`` on SIGUSR2):
+        where a hung case waits."""
+        before = self._tail(3000)
+        start = self.log.stat().st_size if self.log and self.log.exists() else 0
+        signalled = []
+        for pid, cmdline in _group(self.proc.pid):
+            launcher = pid == self.proc.pid or "deepspeed.launcher" in cmdline  # SIGUSR2 would end them
+            if not launcher and ("pool_worker.py" in cmdline or "multiprocessing" in cmdline):
+                try:
+                    os.kill(pid, signal.SIGUSR2)
+                    signalled.append(f"{pid} {cmdline[:120]}")
+                except OSError:
+                    pass
+        time.sleep(2.0)
+        try:
+            with open(self.log) as fh:
+                fh.seek(start)
+                stacks = fh.read()[-20000:]
+        except OSError:
+            stacks = ""
+        listed = "\n".join(signalled) or "none"
+        return f"{before}\n---- Python stacks of the group's processes:\n{listed}\n----\n{stacks}"
+
     def close(self, ask: bool = True) -> None:
         """Stops the ranks: asks them to leave (``ask``), then kills the group."""
         if self.proc is None:
@@ -103,7 +129,7 @@ class Pool:
         while not result.exists():
             code = self.proc.poll()
             if code is not None or time.time() > deadline:
-                tail = self._tail()
+                tail = self._tail() if code is not None else self._stacks()
                 self.close(ask=False)  # a hung or broken group cannot answer; the next case starts afresh
                 why = (f"a rank died (launcher exit {code})" if code is not None else
                        f"no result after {timeout:.0f} s (a hang)")
@@ -114,3 +140,17 @@ class Pool:
         if "error" in outcome:
             pytest.fail(f"{module}.{function}({case}) raised on {outcome['error']}\n{outcome['trace']}")
         return outcome["result"]
+
+
+def _group(pgid: int) -> list[tuple[int, str]]:
+    """``(pid, command line)`` of the live processes in process group ``pgid`` (Linux ``/proc``)."""
+    found = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+            if int(fields[2]) == pgid:
+                cmdline = (stat.parent / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+                found.append((int(stat.parent.name), cmdline.strip()))
+        except (OSError, IndexError, ValueError):
+            pass
+    return sorted(found)

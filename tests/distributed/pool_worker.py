@@ -4,20 +4,28 @@ Started once per pytest session by ``deepspeed --num_gpus 2 pool_worker.py --con
 Rank 0 waits for ``DIR/req-<id>.json`` (``{"module", "function", "case"}``), broadcasts it, every
 rank calls ``module.function(case)``, and rank 0 writes ``DIR/res-<id>.json``: rank 0's result,
 or the first error of any rank with its traceback. A case that hangs or kills a rank is the
-caller's to detect (it times out, kills this group and starts another one). Rank 0 leaves when
+caller's to detect (it times out, has every rank print its Python stacks (SIGUSR2), kills this
+group and starts another one). Rank 0 leaves when
 the pytest process that started it is gone, so no pool outlives its session.
 """
 from __future__ import annotations
 
 import argparse
 import datetime
+import faulthandler
 import importlib
 import json
 import os
+import signal
 import sys
 import time
 import traceback
 from pathlib import Path
+
+# a hung case: the caller sends SIGUSR2 to the group's processes and reads their stacks from the
+# log. Registered before the imports, and at module level so that the processes a rank spawns
+# (they import this module as ``__mp_main__``) print theirs too.
+faulthandler.register(signal.SIGUSR2, all_threads=True)
 
 import deepspeed
 import deepspeed.comm as dist

@@ -33,6 +33,11 @@ TOL = 1e-5
 # mean r, so the tensor-parallel matmuls' summation order is amplified (seen: 3e-5 for VRLamb at
 # TP2×DP2, accumulation 1; TP1 cases at n = 2 stay below 3e-7)
 TOL_N2 = 1e-4
+#: for a case that saves: a group's first dist-checkpointing save spawns megatron-core's write-results
+#: Manager, a fresh interpreter that imports the pool worker's modules (torch, DeepSpeed) again, the
+#: slowest step of these cases with 4 ranks on 2 busy cores. A real hang still fails, with the stacks
+#: of every process of the group (pool.py)
+SAVE_TIMEOUT_S = 420.0
 FACTORS = {
     "layout": ("tp1dp2", "tp2dp1", "tp2dp2"),
     "distributed": (False, True),
@@ -219,11 +224,11 @@ def test_dist_checkpoint_resumes_on_another_layout_and_back(megatron, tmp_path, 
     refused ``sharded_state_dict`` on the distributed optimizer and had no ``init_state_fn``."""
     kw = {"distributed": distributed, "optimizer": optimizer, "kwargs": {"beta3": 0.9}}
     first, second = tmp_path / "tp2dp2", tmp_path / "mid"
-    straight = megatron(4).run("megatron_worker", "checkpoint_case", {**kw, "tp": 2, "steps": [0, 1],
-                                                                      "save": str(first), "more": [2, 3]})
-    mid = megatron(2).run("megatron_worker", "checkpoint_case", {**kw, "tp": mid_tp, "load": str(first),
-                                                                 "steps": [2], "save": str(second)})
-    back = megatron(4).run("megatron_worker", "checkpoint_case", {**kw, "tp": 2, "load": str(second), "steps": [3]})
+    saving = lambda ranks, case: megatron(ranks).run("megatron_worker", "checkpoint_case",  # noqa: E731
+                                                     {**kw, **case}, SAVE_TIMEOUT_S)
+    straight = saving(4, {"tp": 2, "steps": [0, 1], "save": str(first), "more": [2, 3]})
+    mid = saving(2, {"tp": mid_tp, "load": str(first), "steps": [2], "save": str(second)})
+    back = saving(4, {"tp": 2, "load": str(second), "steps": [3]})
     assert (straight["dp"], mid["dp"], back["dp"]) == (2, 2 // mid_tp, 2)
     want = {"VRLamb": ["exp_avg", "exp_avg_sq", "gsnr_avg", "step"], "VRMomentum": ["gsnr_avg", "momentum_buffer", "step"]}
     assert mid["state_keys"] == back["state_keys"] == want[optimizer], (mid, back)
@@ -245,7 +250,8 @@ def test_a_base_optimizer_checkpoint_resumes_with_gsnr_momentum_at_its_prior(meg
     for distributed in (True, False):
         saved = tmp_path / f"lamb-{distributed}"
         megatron(2).run("megatron_worker", "checkpoint_case", {"tp": 2, "distributed": distributed, "optimizer": "Lamb",
-                                                               "steps": [0, 1], "save": str(saved)})
+                                                               "steps": [0, 1], "save": str(saved)},
+                            SAVE_TIMEOUT_S)
         resumed[distributed] = megatron(2).run("megatron_worker", "checkpoint_case",
                                                {**vr, "distributed": distributed, "load": str(saved)})
     assert resumed[True]["state_keys"] == ["exp_avg", "exp_avg_sq", "gsnr_avg", "step"], resumed[True]

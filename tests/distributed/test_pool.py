@@ -38,6 +38,8 @@ def test_a_hung_or_dead_case_fails_with_the_ranks_output_and_the_next_gets_a_fre
     with pytest.raises(pytest.fail.Exception, match=re.escape(why)) as e:
         lone.run("pool_cases", what, {}, timeout=timeout)
     assert "the ranks' output" in str(e.value)
+    if what == "hang":  # where each rank waits, from its own stacks
+        assert str(e.value).count("in hang") == lone.ranks, str(e.value)
     assert lone.run("pool_cases", "ok", {"echo": what})["echo"] == what
     assert lone.proc is not before
 
