@@ -554,3 +554,26 @@ def refused(case: dict) -> dict:
     finally:
         package_info.__version__ = saved_version
         ps.destroy_model_parallel()
+
+
+def gpt_weight_decay(case: dict) -> dict:
+    """The Megatron job's GPT and optimizer (``build_gpt``) on this pool's ranks: each param group's
+    ``wd_mult`` and weight decay, and the names of the model's tensors in it (the non-distributed
+    optimizer's groups hold the model's tensors; the distributed one's hold fp32 shards)."""
+    import torch
+
+    from megatron.core import parallel_state as ps
+
+    from vrgd_ds.train.engines.megatron import MegatronBlock, build_gpt
+
+    block = MegatronBlock(model={"num_layers": 1, "hidden_size": 8, "num_attention_heads": 2},
+                          tensor_model_parallel_size=case["tp"], use_distributed_optimizer=case["distributed"])
+    try:
+        _, ddp, opt = build_gpt(block, {"type": "VRLamb", "params": {"weight_decay": case["weight_decay"]}},
+                                128, 16, 0, torch.device("cpu"))
+        names = {p: n for n, p in ddp.module.named_parameters()}
+        return {"groups": [{"wd_mult": g.get("wd_mult"), "weight_decay": g["weight_decay"],
+                            "names": sorted(names[p] for p in g["params"] if p in names)}
+                           for chained in opt.chained_optimizers for g in chained.optimizer.param_groups]}
+    finally:
+        ps.destroy_model_parallel()

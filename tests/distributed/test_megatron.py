@@ -184,6 +184,22 @@ def test_sequence_parallel_tensors_step_with_gsnr_off(megatron2, optimizer, dist
         assert r["off"] in (None, ["r.bias", "s"]), res
 
 
+@pytest.mark.parametrize("distributed", [True, False])
+def test_the_gpt_jobs_optimizer_decays_weights_but_not_biases_and_norms(megatron2, distributed):
+    """``build_gpt`` (the Megatron job and its benchmark): a param group decays by the configured
+    weight decay times Megatron's ``wd_mult``, so biases and norms (``wd_mult`` 0) are not decayed.
+    Megatron applies ``wd_mult`` in its own LR scheduler, which the job does not use; the old code
+    left every group at the configured 0.05 and decayed biases and norms (fails on it)."""
+    groups = megatron2.run("megatron_worker", "gpt_weight_decay",
+                           {"tp": 2, "distributed": distributed, "weight_decay": 0.05})["groups"]
+    assert {(g["wd_mult"], g["weight_decay"]) for g in groups} == {(1.0, 0.05), (0.0, 0.0)}, groups
+    if not distributed:  # the groups hold the model's own tensors: which ones are decayed
+        kept = [n for g in groups if g["weight_decay"] == 0.0 for n in g["names"]]
+        decayed = [n for g in groups if g["weight_decay"] > 0.0 for n in g["names"]]
+        assert kept and all(n.endswith("bias") or "norm" in n for n in kept), kept
+        assert decayed and all(n.endswith("weight") and "norm" not in n for n in decayed), decayed
+
+
 def test_partial_gradient_tensors_follow_megatrons_rule():
     """The tensors switched off are the ones Megatron sums over TP once per step: marked
     ``sequence_parallel`` (under ``sequence_parallel``) and q/k LayerNorms by name (under

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import sys
 from pathlib import Path
 
@@ -22,6 +23,11 @@ CONFIG = ROOT / "configs" / "megatron" / "gpt_tiny_cpu_vr_lamb.json"
 
 
 def _train(tmp_path: Path, corpus: Path, *sets: str) -> dict[int, dict]:
+    return _launch(tmp_path, corpus, *sets)[0]
+
+
+def _launch(tmp_path: Path, corpus: Path, *sets: str) -> tuple[dict[int, dict], str]:
+    """The job's records, and its output."""
     run_dir = tmp_path / "run"
     torchrun = Path(sys.executable).parent / "torchrun"
     res = launching.run([torchrun, "--nproc_per_node", "2", "--master_port", str(launching.free_port()), "-m",
@@ -31,7 +37,7 @@ def _train(tmp_path: Path, corpus: Path, *sets: str) -> dict[int, dict]:
     assert res.returncode == 0, res.stderr[-4000:]
     assert "held-out LM loss" in res.stdout and (run_dir / "checkpoints" / "latest").is_file()
     assert any((run_dir / "plots").glob("*.png"))
-    return records(run_dir)
+    return records(run_dir), res.stdout + res.stderr
 
 
 def _taken(rec: dict[int, dict]) -> list[dict]:
@@ -40,7 +46,7 @@ def _taken(rec: dict[int, dict]) -> list[dict]:
 
 @pytest.mark.exhaustive  # make test trains the engine in test_reliability.py (another TP size)
 def test_gpt_job_trains_with_vr_lamb_on_two_ranks(tmp_path, corpus):
-    rec = _train(tmp_path, corpus, "job.total_steps=6")
+    rec, out = _launch(tmp_path, corpus, "job.total_steps=6")
     steps = [r for s, r in sorted(rec.items()) if s > 0]
     assert [r["step"] for r in steps] == list(range(1, 7)) and _taken(rec) == steps
     # global batch 32 = 2 ranks × 4 micro-batches of 4: n = 8 gradient groups per step
@@ -51,6 +57,12 @@ def test_gpt_job_trains_with_vr_lamb_on_two_ranks(tmp_path, corpus):
     # the statistics' extra bytes: the same every step (one fp32 gradient with the buckets' padding)
     sent = [r["comm/vrgd_bytes_total"] for r in steps]
     assert len({b - a for a, b in zip([0.0] + sent, sent)}) == 1
+    # the first checkpoint's size, estimated before it was written (the free-space check): the model
+    # once (the old code counted it on every data-parallel rank: 1.15x here), the fp32 main weights
+    # and the optimizer state over the ranks
+    written, expected = map(float, re.search(r"checkpoint \S+: ([\d.]+) MB written \(expected ([\d.]+) MB: "
+                                             r"the engine's estimate\)", out).groups())
+    assert 0.9 < expected / written < 1.1, (written, expected)
 
 
 @pytest.mark.exhaustive

@@ -88,6 +88,26 @@ def test_diverged_run_stops_and_keeps_the_last_good_checkpoint(config, tmp_path)
 
 @pytest.mark.exhaustive
 @pytest.mark.parametrize("config", BOTH, indirect=True)
+def test_a_finished_run_started_again_leaves_its_checkpoint_untouched(config, alone, tmp_path):
+    """The finished 8-step run started again, checkpointing every 3 steps (so its end is not a
+    periodic checkpoint, and the job saves there): it resumes at step 8, has no step to take, and
+    exits 0 without writing step 8 again. The old code saved the step it had just resumed from
+    (the Megatron engine first clears the directory it writes: a kill then loses the checkpoint
+    the run resumed from); it fails on it."""
+    run = tmp_path / "run"
+    shutil.copytree(alone, run)
+    newest = run / "checkpoints" / "step00000008"
+    before = {f: f.stat().st_mtime_ns for f in newest.rglob("*") if f.is_file()}
+    again = launching.run(command(config, run, "job.checkpoint_every=3"), timeout=TIMEOUT, marker=run)
+    out = again.stdout + again.stderr
+    assert again.returncode == 0, out[-4000:]
+    assert "resumed from" in out and "at step 8" in out, out[-4000:]
+    assert {f: f.stat().st_mtime_ns for f in newest.rglob("*") if f.is_file()} == before
+    assert sorted(p.name for p in (run / "checkpoints").glob("step*")) == ["step00000006", "step00000008"]
+
+
+@pytest.mark.exhaustive
+@pytest.mark.parametrize("config", BOTH, indirect=True)
 def test_broken_newest_checkpoint_falls_back_to_the_previous(config, alone, tmp_path):
     """One rank's optimizer file of the newest checkpoint cut short (as a kill during torch.save
     leaves it). Before: the restart failed with "checkpoint file is corrupted" and no file named,

@@ -297,20 +297,22 @@ class Job:
         return [f"optimizer.params.{k}: the checkpoint has {a!r}, the config {b!r}; continuing with the config's"
                 for k, (a, b) in changed.items()]
 
-    def _checkpoint_bytes(self) -> int:
-        """About how many bytes the next checkpoint needs: the last complete one's size, else
-        the engine's estimate summed over the ranks."""
+    def _checkpoint_bytes(self) -> tuple[int, int, str]:
+        """About how many bytes the next checkpoint will take, the room to ask for it, and where
+        the figure comes from: the last complete checkpoint's size, else the engine's estimate
+        summed over the ranks."""
         done = [t for t in ckpt.tags(self.ckpt_dir) if ckpt.problem(self.ckpt_dir, t) is None]
         if done:
-            return int(ckpt.size_of(self.ckpt_dir, done[-1]) * 1.05) + (1 << 20)
-        total = self._sum_over_ranks([float(self.engine.checkpoint_bytes())])[0]
-        return int(total * 1.1) + (1 << 20)
+            size = ckpt.size_of(self.ckpt_dir, done[-1])
+            return size, int(size * 1.05) + (1 << 20), f"the size of {done[-1]}"
+        total = int(self._sum_over_ranks([float(self.engine.checkpoint_bytes())])[0])
+        return total, int(total * 1.1) + (1 << 20), "the engine's estimate"
 
     def save(self) -> None:
         if getattr(self, "saved_step", None) == self.step:  # e.g. a pre-emption right after a periodic save
             return
         tag = ckpt.tag_of(self.step)
-        need = self._checkpoint_bytes()
+        expected, need, basis = self._checkpoint_bytes()
         short = None
         if self.rank == 0:
             try:
@@ -333,6 +335,8 @@ class Job:
         dist.barrier()  # every rank's files are written
         if self.rank == 0:
             ckpt.mark_complete(self.ckpt_dir, tag, self.step, self.world, self.resume_info())
+            logger.info("checkpoint %s: %.2f MB written (expected %.2f MB: %s)", tag,
+                        ckpt.size_of(self.ckpt_dir, tag) / 2**20, expected / 2**20, basis)
             protect = None
             if self.skip_streak_from is not None:
                 before = [t for t in ckpt.tags(self.ckpt_dir) if ckpt.step_of(t) <= self.skip_streak_from

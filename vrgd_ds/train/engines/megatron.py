@@ -173,7 +173,9 @@ def padded_vocab(vocab: int, tp: int, multiple: int = 128) -> int:
 def build_gpt(block: MegatronBlock, optimizer: dict[str, Any], vocab_size: int, max_seq: int, seed: int,
               device: torch.device):
     """The GPT chunk of this pipeline stage in Megatron's DDP and its VRGD optimizer (model-parallel
-    state initialised first). Returns ``(TransformerConfig, ddp, ChainedOptimizer)``."""
+    state initialised first). Returns ``(TransformerConfig, ddp, ChainedOptimizer)``; each param
+    group decays by ``optimizer.params.weight_decay`` times Megatron's ``wd_mult`` (0 for biases
+    and norms)."""
     from megatron.core import parallel_state as ps
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
     from megatron.core.models.gpt import GPTModel
@@ -215,6 +217,9 @@ def build_gpt(block: MegatronBlock, optimizer: dict[str, Any], vocab_size: int, 
                            clip_grad=block.clip_grad, use_distributed_optimizer=block.use_distributed_optimizer,
                            params_dtype=dtype, **half)
     opt = get_megatron_optimizer(ocfg, [ddp], optimizer=optimizer["type"], optimizer_kwargs=params)
+    for chained in opt.chained_optimizers:  # Megatron's per-group multiplier, which its own scheduler applies
+        for g in chained.optimizer.param_groups:  # (this job sets the LR itself): no decay on biases and norms
+            g["weight_decay"] = ocfg.weight_decay * g.get("wd_mult", 1.0)
     return config, ddp, opt
 
 
@@ -277,9 +282,6 @@ class MegatronEngine(Engine):
         self.config.grad_scale_func = self.megatron_optimizer.scale_loss  # each micro-batch's loss (fp16)
         self.optimizer = self.megatron_optimizer.chained_optimizers[0].optimizer
         self.source = self.megatron_optimizer.vrgd_sources[0]
-        weight_decay = float((self.raw["optimizer"].get("params") or {}).get("weight_decay", 0.01))
-        for g in self.optimizer.param_groups:  # Megatron's per-group multiplier (its scheduler's rule): none on
-            g["weight_decay"] = weight_decay * g.get("wd_mult", 1.0)  # biases and norms
         self.forward_backward = get_forward_backward_func()
 
     def datasets(self, seq_len: int):
