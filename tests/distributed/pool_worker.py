@@ -4,9 +4,9 @@ Started once per pytest session by ``deepspeed --num_gpus 2 pool_worker.py --con
 Rank 0 waits for ``DIR/req-<id>.json`` (``{"module", "function", "case"}``), broadcasts it, every
 rank calls ``module.function(case)``, and rank 0 writes ``DIR/res-<id>.json``: rank 0's result,
 or the first error of any rank with its traceback. A case that hangs or kills a rank is the
-caller's to detect (it times out, has every rank print its Python stacks (SIGUSR2), kills this
-group and starts another one). Rank 0 leaves when
-the pytest process that started it is gone, so no pool outlives its session.
+caller's to detect (it times out, has every process of the group print its Python stacks on
+SIGUSR2, kills the group and starts another one). Rank 0 leaves when the pytest process that
+started it is gone, so no pool outlives its session.
 """
 from __future__ import annotations
 
