@@ -303,7 +303,8 @@ class Job:
         summed over the ranks."""
         done = [t for t in ckpt.tags(self.ckpt_dir) if ckpt.problem(self.ckpt_dir, t) is None]
         if done:
-            size = ckpt.size_of(self.ckpt_dir, done[-1])
+            written = getattr(self, "written", None)  # (tag, bytes) of this job's last save: no second walk
+            size = written[1] if written and written[0] == done[-1] else ckpt.size_of(self.ckpt_dir, done[-1])
             return size, int(size * 1.05) + (1 << 20), f"the size of {done[-1]}"
         total = int(self._sum_over_ranks([float(self.engine.checkpoint_bytes())])[0])
         return total, int(total * 1.1) + (1 << 20), "the engine's estimate"
@@ -335,8 +336,9 @@ class Job:
         dist.barrier()  # every rank's files are written
         if self.rank == 0:
             ckpt.mark_complete(self.ckpt_dir, tag, self.step, self.world, self.resume_info())
-            logger.info("checkpoint %s: %.2f MB written (expected %.2f MB: %s)", tag,
-                        ckpt.size_of(self.ckpt_dir, tag) / 2**20, expected / 2**20, basis)
+            self.written = (tag, ckpt.size_of(self.ckpt_dir, tag))
+            logger.info("checkpoint %s: %.2f MB written (expected %.2f MB: %s)", tag, self.written[1] / 2**20,
+                        expected / 2**20, basis)
             protect = None
             if self.skip_streak_from is not None:
                 before = [t for t in ckpt.tags(self.ckpt_dir) if ckpt.step_of(t) <= self.skip_streak_from
