@@ -20,7 +20,7 @@ import torch
 from torch import Tensor
 
 from vrgd_ds import gsnr as G
-from vrgd_ds.optim.columns import (BOTH_MOMENTS, COL, FIRST_MOMENT, PLACEMENTS, UPDATE, BucketTable,  # noqa: F401 (re-exported)
+from vrgd_ds.optim.columns import (BOTH_MOMENTS, COL, FIRST_MOMENT, PLACEMENTS, UPDATE, BucketTable, DeviceTables,  # noqa: F401 (re-exported)
                                    KernelFailure, Kernels, Tensors)
 from vrgd_ds.log import warn_once
 
@@ -336,18 +336,20 @@ class WithFallback:
         return getattr(self.reference, method)(*args, **kwargs)
 
 
-def _fallback_method(method: str):
+def _fallback_method(method: str, protocol: type = Kernels):
     def call(self: WithFallback, *args, **kwargs):
         return self._call(method, *args, **kwargs)
 
     call.__name__ = call.__qualname__ = method
-    call.__doc__ = getattr(Kernels, method).__doc__
+    call.__doc__ = getattr(protocol, method).__doc__
     return call
 
 
 for _method in ("gsnr_moments", "scaled_grad_norms", "sgd_step", "adam_step", "lamb_apply", "nonfinite",
                 "pack_squares", "pack_bucket", "unpack_bucket", "accumulate_moments"):  # the Kernels protocol
     setattr(WithFallback, _method, _fallback_method(_method))
+for _method in ("checked_moments", "adam_tables", "adam_finish"):  # sync-free only: called while Triton is active
+    setattr(WithFallback, _method, _fallback_method(_method, DeviceTables))
 
 
 #: Triton releases [from, to) whose compiler the kernels passed ``vrgd_ds.optim.triton_aot`` with

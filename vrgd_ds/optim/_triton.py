@@ -52,6 +52,7 @@ import triton.language as tl
 from torch import Tensor
 
 from vrgd_ds.optim import columns
+from vrgd_ds.optim import metrics as metric_columns
 from vrgd_ds.optim.columns import BOTH_MOMENTS, PLACEMENTS, UPDATE, BucketTable, KernelFailure
 
 logger = logging.getLogger(__name__)
@@ -78,6 +79,9 @@ _LAMB_BC2S = tl.constexpr(columns.index(columns.LAMB_APPLY, "bc2s"))
 _LAMB_TRUST = tl.constexpr(columns.index(columns.LAMB_APPLY, "trust"))
 _LAMB_STEP = tl.constexpr(len(columns.LAMB_APPLY))
 _LAMB_W = tl.constexpr(len(columns.LAMB_APPLY) + 1)
+_SUMS_W = tl.constexpr(len(metric_columns.SUM_COLS))
+_MAXS_W = tl.constexpr(len(metric_columns.MAX_COLS))
+_TABLE_BLOCK = 128  # segments per iteration of the single-program table kernels
 
 CHUNK = 1 << 16  # elements per program
 BLOCK = 512  # elements per iteration inside a program: 4 per thread of 4 warps, one 128-bit access
@@ -248,7 +252,8 @@ def _combine(part: "*fp64", bounds: "*i64", out: "*fp64", K: tl.constexpr, NSUM:
     """Per segment ``s``: the partial rows of its chunks ``bounds[s]..bounds[s+1]`` combined in
     chunk order, in float64. Columns ``0..NSUM-1`` are summed; with ``MINMAX`` the next two are
     a minimum and a maximum. ``FORM`` writes the row as its caller reads it: 0 as combined;
-    1 (pass 1's five columns) as ``gsnr_moments``' six, ``[Σr, min r, max r, Σs, Σḡ², non-finite]``;
+    1 (pass 1's five columns, or six with the gradient's non-finite count) as ``gsnr_moments``' six,
+    ``[Σr, min r, max r, Σs, Σḡ², non-finite]``;
     2 (one summed count) as a flag, 1.0 where it is positive."""
     s = tl.program_id(0)
     c0 = tl.load(bounds + s)
@@ -259,6 +264,7 @@ def _combine(part: "*fp64", bounds: "*i64", out: "*fp64", K: tl.constexpr, NSUM:
         sg = tl.zeros((), tl.float64)
         lo = tl.full((), float("inf"), tl.float64)
         hi = tl.full((), float("-inf"), tl.float64)
+        nb = tl.zeros((), tl.float64)
         for c in range(c0, c1):
             row = part + c * K
             sr += tl.load(row + 0)
@@ -266,7 +272,9 @@ def _combine(part: "*fp64", bounds: "*i64", out: "*fp64", K: tl.constexpr, NSUM:
             sg += tl.load(row + 2)
             lo = tl.minimum(lo, tl.load(row + 3))
             hi = tl.maximum(hi, tl.load(row + 4))
-        bad = (ss != ss) | (tl.abs(ss) == float("inf")) | (sg != sg) | (tl.abs(sg) == float("inf"))
+            if K == 6:
+                nb += tl.load(row + 5)
+        bad = (ss != ss) | (tl.abs(ss) == float("inf")) | (sg != sg) | (tl.abs(sg) == float("inf")) | (nb > 0)
         o = out + s * 6
         tl.store(o + 0, sr)
         tl.store(o + 1, lo)
@@ -295,7 +303,150 @@ def _combine(part: "*fp64", bounds: "*i64", out: "*fp64", K: tl.constexpr, NSUM:
             tl.store(out + s * K + NSUM + 1, hi)
 
 
+# ---- the step's per-segment tables: one program each, float64, the torch ops of the reference's ---
+# tables (``functional.DeviceTables``) in the same order and roundings, so that a steady step's
+# decision, counters, scales, bias corrections, trust ratios and metric rows cost two launches,
+# not fifty small torch operations
+
+
+@triton.jit
+def _seg_idx(b, nseg, BLOCK: tl.constexpr):
+    i = b + tl.arange(0, BLOCK)
+    return i, i < nseg
+
+
+@_kernel
+def _adam_tables_kernel(flags: "*fp64", nflags: tl.int64, fstride: tl.int64, found: "*fp64", skipped: "*fp64",
+                        counters: "*i64", ntensors: tl.int64, powers: "*fp64", pstride: tl.int64, tensor_of: "*i64",
+                        sum_r: "*fp64", rstride: tl.int64, numel: "*fp64", mult: "*fp64", out: "*fp64",
+                        nseg: tl.int64, gamma: tl.float64, lr: tl.float64, bc1_mult: tl.float64, ON: tl.constexpr,
+                        EMA: tl.constexpr, BIAS: tl.constexpr, MULT: tl.constexpr, COUNT: tl.constexpr,
+                        BLOCK: tl.constexpr):
+    """``Triton.adam_tables``; the torch expressions it follows are quoted beside each line."""
+    f = tl.zeros([BLOCK], tl.float64)
+    for b in range(0, nflags, BLOCK):
+        i, m = _seg_idx(b, nflags, BLOCK)
+        f = tl.maximum(f, tl.load(flags + i * fstride, mask=m, other=0.0))
+    fo = tl.max(f, axis=0)  # torch.cat(flags).amax()
+    tl.store(found, fo)
+    if COUNT:
+        tl.store(skipped, tl.load(skipped) + fo)  # Recorder: skipped_device + found
+    added = (1.0 - fo).to(tl.float32)  # (1.0 - found).float()
+    for b in range(0, ntensors, BLOCK):
+        i, m = _seg_idx(b, ntensors, BLOCK)
+        cp = tl.load(counters + i, mask=m, other=0).to(tl.pointer_type(tl.float32))
+        tl.store(cp, tl.load(cp, mask=m) + added, mask=m)  # torch._foreach_add_(counters, added)
+    for b in range(0, nseg, BLOCK):
+        i, m = _seg_idx(b, nseg, BLOCK)
+        t = tl.load(tensor_of + i, mask=m, other=0)
+        one = tl.full([BLOCK], 1.0, tl.float64)
+        if BIAS:
+            bc1 = 1.0 - tl.load(powers + t, mask=m, other=0.0)  # 1 - beta1 ** step
+            bc2s = tl.sqrt(1.0 - tl.load(powers + pstride + t, mask=m, other=0.0))  # (1 - beta2 ** step).sqrt()
+        else:
+            bc1 = one
+            bc2s = one
+        bc1 = bc1 * bc1_mult  # grad_averaging=False: bc1 * (1 - beta1), else 1.0 (exact)
+        if ON:
+            mean = tl.load(sum_r + i * rstride, mask=m, other=1.0) / tl.load(numel + i, mask=m, other=1.0)
+            informative = mean > 0
+            inv_mean = tl.where(informative, 1.0 / mean, 0.0)  # mean.reciprocal()
+            lo = tl.where(informative, gamma, 1.0)
+            if EMA:
+                bc3 = 1.0 - tl.load(powers + 2 * pstride + t, mask=m, other=0.0)
+            else:
+                bc3 = one
+        else:
+            inv_mean = one
+            lo = one
+            bc3 = one
+        if MULT:
+            gm = one * tl.load(mult)  # ones() * mult
+        else:
+            gm = one
+        row = out + i * _ADAM_W
+        tl.store(row + _INV_MEAN, inv_mean, mask=m)
+        tl.store(row + _LO, lo, mask=m)
+        tl.store(row + _BC3, bc3, mask=m)
+        tl.store(row + _ADAM_BC1, bc1, mask=m)
+        tl.store(row + _ADAM_BC2S, bc2s, mask=m)
+        tl.store(row + _ADAM_GRAD_MULT, gm, mask=m)
+        tl.store(row + _ADAM_STEP_SIZE, lr * (1.0 / bc1), mask=m)  # lr / bc1 is reciprocal, then mul
+
+
+@_kernel
+def _adam_finish_kernel(res: "*fp64", norms: "*fp64", nstride: tl.int64, table: "*fp64", sum_r: "*fp64",
+                        rstride: tl.int64, numel: "*fp64", moments: "*fp64", keys: "*i64", length: "*fp64",
+                        share: "*fp64", lamb: "*fp64", sums: "*fp64", maxs: "*fp64", nseg: tl.int64,
+                        lr: tl.float64, min_coeff: tl.float64, max_coeff: tl.float64, K: tl.constexpr,
+                        ON: tl.constexpr, TRUST: tl.constexpr, ADAPT: tl.constexpr, BLOCK: tl.constexpr):
+    """``Triton.adam_finish``: ``lamb.trust_ratios`` and the ``lamb_apply`` table (``TRUST``), and
+    ``metrics.step_tables``' rows of the plan."""
+    C: tl.constexpr = K - 3  # the clip counts and Σ p̂ are the last three columns of adam_step's rows
+    neg_inf = float("-inf")
+    for b in range(0, nseg, BLOCK):
+        i, m = _seg_idx(b, nseg, BLOCK)
+        row = table + i * _ADAM_W
+        if TRUST:
+            n0 = tl.sqrt(tl.load(norms + i * nstride, mask=m, other=1.0))  # sq_norms[:, :2].sqrt()
+            n1 = tl.sqrt(tl.load(norms + i * nstride + 1, mask=m, other=1.0))
+            if ADAPT:
+                adapted = (n0 > 0) & (n1 > 0)
+            else:
+                adapted = n0 != n0  # all False
+            ratio = n0 / n1
+            ratio = tl.where(ratio < min_coeff, min_coeff, ratio)  # .clamp(min_coeff, max_coeff): NaN stays NaN
+            ratio = tl.where(ratio > max_coeff, max_coeff, ratio)
+            trust = tl.where(adapted, ratio, 1.0)
+            out = lamb + i * _LAMB_W
+            tl.store(out + _INV_MEAN, tl.load(row + _INV_MEAN, mask=m), mask=m)
+            tl.store(out + _LO, tl.load(row + _LO, mask=m), mask=m)
+            tl.store(out + _BC3, tl.load(row + _BC3, mask=m), mask=m)
+            tl.store(out + _LAMB_BC1, tl.load(row + _ADAM_BC1, mask=m), mask=m)
+            tl.store(out + _LAMB_BC2S, tl.load(row + _ADAM_BC2S, mask=m), mask=m)
+            tl.store(out + _LAMB_TRUST, trust, mask=m)
+            tl.store(out + _LAMB_STEP, lr * trust, mask=m)
+            trust_col = trust
+            adapted_col = adapted.to(tl.float64)
+        else:
+            trust_col = tl.full([BLOCK], neg_inf, tl.float64)
+            adapted_col = trust_col
+        k = tl.load(keys + i, mask=m, other=0)
+        srow = sums + k * _SUMS_W
+        mrow = maxs + k * _MAXS_W
+        mom = moments + i * 6
+        zero = tl.zeros([BLOCK], tl.float64)
+        if ON:
+            mean = tl.load(sum_r + i * rstride, mask=m, other=1.0) / tl.load(numel + i, mask=m, other=1.0)
+            zero_info = tl.where(mean > 0, 0.0, tl.load(share + i, mask=m, other=0.0))
+            sums_cols = (tl.load(mom + 0, mask=m), tl.load(length + i, mask=m), tl.load(mom + 3, mask=m),
+                         tl.load(mom + 4, mask=m), tl.load(res + i * K + C, mask=m),
+                         tl.load(res + i * K + C + 1, mask=m), zero_info, tl.load(res + i * K + C + 2, mask=m))
+            neg_min = -tl.load(mom + 1, mask=m)
+            max_r = tl.load(mom + 2, mask=m)
+            flag = tl.full([BLOCK], 1.0, tl.float64)
+        else:
+            sums_cols = (zero, zero, zero, zero, zero, zero, zero, zero)
+            neg_min = tl.full([BLOCK], neg_inf, tl.float64)
+            max_r = neg_min
+            flag = zero
+        for j in tl.static_range(8):
+            tl.store(srow + j, sums_cols[j], mask=m)
+        tl.store(mrow + 0, neg_min, mask=m)
+        tl.store(mrow + 1, max_r, mask=m)
+        tl.store(mrow + 2, trust_col, mask=m)
+        tl.store(mrow + 3, adapted_col, mask=m)
+        tl.store(mrow + 4, flag, mask=m)
+        tl.store(mrow + 5, zero + 1.0, mask=m)
+
+
 # ---- kernels: per element (one block of indices), then the chunk loops -----------------------------
+
+
+@triton.jit
+def _bad(X, idx, m, WIDE: tl.constexpr):
+    x = _ld(X, idx, m, WIDE).to(tl.float32)
+    return _keep(tl.where(x == x, tl.where(tl.abs(x) < float("inf"), 0.0, 1.0), 1.0), m, WIDE)
 
 
 @triton.jit
@@ -322,8 +473,8 @@ def _moments_zero(BLOCK: tl.constexpr):
 
 
 @triton.jit
-def _moments_row(part, c, sr, ss, sgb, mn, mx):
-    row = part + c * 5
+def _moments_row(part, c, sr, ss, sgb, mn, mx, K: tl.constexpr = 5):
+    row = part + c * K
     tl.store(row + 0, tl.sum(sr, axis=0).to(tl.float64))
     tl.store(row + 1, tl.sum(ss, axis=0).to(tl.float64))
     tl.store(row + 2, tl.sum(sgb, axis=0).to(tl.float64))
@@ -332,22 +483,32 @@ def _moments_row(part, c, sr, ss, sgb, mn, mx):
 
 
 @_kernel
-def _moments_kernel(SG_T: "*i64", SQ_T: "*i64", chunks: "*i64", part: "*fp64", inv_n: tl.float32, eps: tl.float32,
-                    BLOCK: tl.constexpr):
+def _moments_kernel(SG_T: "*i64", SQ_T: "*i64", G_T: "*i64", chunks: "*i64", part: "*fp64", inv_n: tl.float32,
+                    eps: tl.float32, GDT: tl.constexpr, CHECK: tl.constexpr, BLOCK: tl.constexpr):
+    """Pass 1 over one chunk; with ``CHECK`` the same pass counts the gradient's non-finite
+    elements too (a sixth column): one launch answers pass 1 and the step's non-finite check."""
     c = tl.program_id(0)
     t, start, n, s, head, nblk = _chunk(chunks, c, None)
     SG = _ptr(SG_T, t, tl.float32)
     SQ = _ptr(SQ_T, t, tl.float32)
+    G = _ptr(G_T, t, GDT) if CHECK else SG
     sr, ss, sgb, mn, mx = _moments_zero(BLOCK)
+    bad = tl.zeros([BLOCK], tl.float32)
     for i in range(nblk):
         idx = _body_idx(start, head, i, BLOCK)
         sr, ss, sgb, mn, mx = _moments_add(_ld(SG, idx, None, True), _ld(SQ, idx, None, True), None, inv_n, eps,
                                            sr, ss, sgb, mn, mx, True)
+        if CHECK:
+            bad += _bad(G, idx, None, True)
     for off in range(0, n - nblk * BLOCK, BLOCK):
         idx, m = _rest_idx(start, n, head, nblk, off, BLOCK)
         sr, ss, sgb, mn, mx = _moments_add(_ld(SG, idx, m, False), _ld(SQ, idx, m, False), m, inv_n, eps,
                                            sr, ss, sgb, mn, mx, False)
-    _moments_row(part, c, sr, ss, sgb, mn, mx)
+        if CHECK:
+            bad += _bad(G, idx, m, False)
+    _moments_row(part, c, sr, ss, sgb, mn, mx, 6 if CHECK else 5)
+    if CHECK:
+        tl.store(part + c * 6 + 5, tl.sum(bad, axis=0).to(tl.float64))
 
 
 @triton.jit
@@ -572,12 +733,6 @@ def _lamb_apply_kernel(P_T: "*i64", M_T: "*i64", V_T: "*i64", SG_T: "*i64", SQ_T
         idx, m = _rest_idx(start, n, head, nblk, off, BLOCK)
         _lamb_apply_elems(P, M, V, SG, SQ, AVG, idx, m, inv_n, eps_gsnr, eps, wd, inv_mean, lo, bc3, bc1, bc2s,
                           step, PDT, ON, EMA, False)
-
-
-@triton.jit
-def _bad(X, idx, m, WIDE: tl.constexpr):
-    x = _ld(X, idx, m, WIDE).to(tl.float32)
-    return _keep(tl.where(x == x, tl.where(tl.abs(x) < float("inf"), 0.0, 1.0), 1.0), m, WIDE)
 
 
 @_kernel
@@ -830,7 +985,8 @@ def _stats_ok(c: dict[str, Any]) -> bool:
 #: (one 128-bit access each), which keeps every variant under 128 registers without spilling
 #: around the IEEE division's subroutine calls.
 LAUNCHES: dict[str, Launch] = {
-    "moments": Launch(_moments_kernel, _cases(BLOCK=(BLOCK,)), num_warps=4),
+    "moments": Launch(_moments_kernel, _cases(lambda c: c["CHECK"] or c["GDT"] == tl.float32, GDT=_PDTS, CHECK=_BOOL,
+                                              BLOCK=(BLOCK,)), num_warps=4),
     "grad_norms": Launch(_grad_norms_kernel, _cases(_stats_ok, PDT=_PDTS, ON=_BOOL, EMA=_BOOL, BLOCK=(BLOCK,)),
                          num_warps=4),
     "sgd": Launch(_sgd_kernel, _cases(lambda c: _stats_ok(c) and (c["BUF"] or not c["NESTEROV"]), PDT=_PDTS,
@@ -842,10 +998,17 @@ LAUNCHES: dict[str, Launch] = {
                    num_warps=4, mutates=True),
     "lamb_apply": Launch(_lamb_apply_kernel, _cases(_stats_ok, PDT=_PDTS, ON=_BOOL, EMA=_BOOL, BLOCK=(BLOCK,)),
                          num_warps=4, mutates=True),
+    "adam_tables": Launch(_adam_tables_kernel, _cases(lambda c: c["ON"] or not c["EMA"], ON=_BOOL, EMA=_BOOL,
+                                                      BIAS=_BOOL, MULT=_BOOL, COUNT=_BOOL, BLOCK=(_TABLE_BLOCK,)),
+                          num_warps=4),
+    "adam_finish": Launch(_adam_finish_kernel, _cases(lambda c: c["TRUST"] == (c["K"] == 5) and (c["TRUST"] or not c["ADAPT"]),
+                                                      K=(3, 5), ON=_BOOL,
+                                                      TRUST=_BOOL, ADAPT=_BOOL, BLOCK=(_TABLE_BLOCK,)),
+                          num_warps=4),
     "nonfinite": Launch(_nonfinite_kernel, _cases(XDT=_PDTS, BLOCK=(BLOCK,)), num_warps=4),
     # the reductions' (columns, summed, min/max) of the call sites above
     "combine": Launch(_combine, tuple(dict(K=k, NSUM=s, MINMAX=mm, FORM=f) for k, s, mm, f in
-                                      ((5, 3, True, 1), (2, 2, False, 0), (3, 3, False, 0), (5, 5, False, 0),
+                                      ((5, 3, True, 1), (6, 3, True, 1), (2, 2, False, 0), (3, 3, False, 0), (5, 5, False, 0),
                                        (1, 1, False, 2))),
                       num_warps=1),
     "pack_squares": Launch(_pack_squares_kernel, _cases(XDT=_PDTS, WITH_G=_BOOL, ACCUMULATE=_BOOL, ALIGNED=_BOOL,
@@ -1052,14 +1215,52 @@ class Triton:
 
     # -- kernels
     def gsnr_moments(self, sum_g, sum_sq, seg, inv_n, eps):
+        return self.checked_moments(sum_g, sum_sq, None, seg, inv_n, eps)
+
+    # -- the step's own operations (sync-free only): ``DeviceTables`` in functional.py
+
+    def checked_moments(self, sum_g, sum_sq, grads, seg, inv_n, eps):
+        """``gsnr_moments`` whose non-finite column also answers ``nonfinite(grads, seg)``, in the
+        same launch (``grads`` None: the statistics alone)."""
         dev = self._device(sum_g)
         self._fp32(sum_g, sum_sq)
-        ch, ptrs = self.tables(seg, dev, sum_g, sum_sq)
-        part = torch.empty(max(ch.count, 1), 5, dtype=torch.float64, device=dev)
+        streams = (sum_g, sum_sq) if grads is None else (sum_g, sum_sq, grads)
+        ch, ptrs = self.tables(seg, dev, *streams)
+        k = 5 if grads is None else 6
+        part = torch.empty(max(ch.count, 1), k, dtype=torch.float64, device=dev)
         if ch.count:
-            self._launch("moments", (ch.count,), *ptrs, ch.table, part,
-                         float(inv_n), float(eps), BLOCK=BLOCK)
-        return self._combined(ch, part, 5, 3, True, form=1)
+            self._launch("moments", (ch.count,), ptrs[0], ptrs[1], ptrs[-1], ch.table, part, float(inv_n), float(eps),
+                         GDT=tl.float32 if grads is None else self._dtype(grads), CHECK=grads is not None,
+                         BLOCK=BLOCK)
+        return self._combined(ch, part, k, 3, True, form=1)
+
+    def adam_tables(self, flags, found, skipped, counters, powers, tensor_of, sum_r, numel, mult, out, gamma, lr,
+                    bc1_mult, gsnr, ema, bias):
+        """The step's decision and the Adam family's kernel table in one single-program launch:
+        ``found`` = the largest of ``flags`` (a float64 vector, any stride); each step counter
+        (fp32 0-dim tensors) += 1 - found; ``skipped`` (float64 0-dim, or None) += found; and
+        ``out`` [S, len(ADAM) + 1], the ``adam_step`` table with its ``lr / bc1`` column, from
+        ``powers`` [3, T] (beta1, beta2, beta3 to the power of each tensor's step after a taken
+        step), whole-tensor ``sum_r`` (any row stride), ``numel`` and ``mult`` (a 0-dim
+        gradient multiplier, or None for 1)."""
+        dev = out.device
+        ptrs = self._ptr_table(_addresses(counters), dev)
+        self._launch("adam_tables", (1,), flags, flags.numel(), flags.stride(0) if flags.dim() else 1, found,
+                     found if skipped is None else skipped, ptrs, len(counters), powers, powers.stride(0), tensor_of,
+                     sum_r, sum_r.stride(0), numel, found if mult is None else mult, out, out.shape[0], float(gamma),
+                     float(lr), float(bc1_mult), ON=bool(gsnr), EMA=bool(ema), BIAS=bool(bias),
+                     MULT=mult is not None, COUNT=skipped is not None, BLOCK=_TABLE_BLOCK)
+
+    def adam_finish(self, res, norms, table, sum_r, numel, moments, keys, length, share, lamb, sums, maxs, lr,
+                    min_coeff, max_coeff, gsnr, trust, adapt):
+        """After ``adam_step``'s combine (``res``: its rows), in one single-program launch: with
+        ``trust`` (LAMB) the trust ratios from whole-tensor ``norms`` [‖θ‖², ‖u‖²] (any row
+        stride) and ``lamb``, the ``lamb_apply`` table with its ``lr · trust`` column; and the
+        step's metric rows written into ``sums``/``maxs`` at each segment's key (keys unique)."""
+        self._launch("adam_finish", (1,), res, norms, norms.stride(0), table, sum_r, sum_r.stride(0), numel, moments,
+                     keys, length, share, table if lamb is None else lamb, sums, maxs, table.shape[0], float(lr),
+                     float(min_coeff), float(max_coeff), K=res.shape[1], ON=bool(gsnr), TRUST=bool(trust),
+                     ADAPT=bool(adapt), BLOCK=_TABLE_BLOCK)
 
     def scaled_grad_norms(self, params, grads, sum_g, sum_sq, avg, seg, segf, inv_n, eps, beta3):
         dev = self._device(params)
@@ -1101,7 +1302,7 @@ class Triton:
         part = torch.empty(max(ch.count, 1), k, dtype=torch.float64, device=dev)
         if ch.count:
             on = bool(sum_g)
-            self._launch("adam", (ch.count,), *ptrs, ch.table, _with_column(segf, lr / segf[:, _ADAM_BC1.value]),
+            self._launch("adam", (ch.count,), *ptrs, ch.table, _with_column(segf, _ADAM_W.value, lambda t: lr / t[:, _ADAM_BC1.value]),
                          part, found_inf,
                          float(inv_n), float(eps_gsnr), float(beta3), float(beta1), float(1.0 - beta1), float(beta2),
                          float(1.0 - beta2), float(eps), float(weight_decay), float(1.0 - lr * weight_decay),
@@ -1118,7 +1319,8 @@ class Triton:
         self._fp32(exp_avg, exp_avg_sq, sum_g, sum_sq, avg)
         ch, ptrs = self.tables(seg, dev, params, exp_avg, exp_avg_sq, sum_g, sum_sq, avg)
         if ch.count:
-            self._launch("lamb_apply", (ch.count,), *ptrs, ch.table, _with_column(segf, lr * segf[:, _LAMB_TRUST.value]), found_inf,
+            self._launch("lamb_apply", (ch.count,), *ptrs, ch.table,
+                         _with_column(segf, _LAMB_W.value, lambda t: lr * t[:, _LAMB_TRUST.value]), found_inf,
                          float(inv_n), float(eps_gsnr), float(eps), float(weight_decay), PDT=self._dtype(params),
                          ON=bool(sum_g), EMA=bool(avg), BLOCK=BLOCK)
 
@@ -1233,10 +1435,13 @@ def _lamb_apply_flags(pdt: tl.dtype, on: bool, ema: bool) -> tuple[str, dict[str
     return "lamb_apply", dict(PDT=pdt, ON=on, EMA=ema, BLOCK=BLOCK)
 
 
-def _with_column(segf: Tensor, col: Tensor) -> Tensor:
+def _with_column(segf: Tensor, width: int, col: Callable[[Tensor], Tensor]) -> Tensor:
     """The table with one more float64 column computed on the device (a Python float would
-    reach the kernel as fp32; the C++ kernels round ``lr / bc1`` from float64 once)."""
-    return torch.cat([segf, col.unsqueeze(1)], dim=1).contiguous()
+    reach the kernel as fp32; the C++ kernels round ``lr / bc1`` from float64 once); a table
+    ``width`` wide has it already (``adam_tables``/``adam_finish`` wrote it)."""
+    if segf.shape[1] == width:
+        return segf
+    return torch.cat([segf, col(segf).unsqueeze(1)], dim=1).contiguous()
 
 
 def available() -> str | None:

@@ -229,12 +229,16 @@ class GSNROptimizer(torch.optim.Optimizer):
         if not plans:
             return
         n = F.groups_now(self._stats, self.name, self._serial) if any(p.gsnr for p in plans) else 0
-        ctx = F.StepContext(kernels, n, self._layout, self.name, self._serial)
+        ctx = F.StepContext(kernels, n, self._layout, self.name, self._serial, counts=self._counts)
+        if kernels.sync_free:
+            ctx.skipped = self.records.device_counter(plans[0].tdev)
         out = F.step_plans(type(self), plans, ctx, self._stats, self._epoch, self._counts)
         if out is None:
             return self.records.skipped("step/skipped_nonfinite", n)
         results, found = out
-        self.records.record(M.step_tables(plans, results, n, found, self._layout))
+        record = M.step_tables(plans, results, n, found, self._layout, ctx.metric_tables)
+        record.counted = ctx.counted
+        self.records.record(record)
 
     def _plans(self, sync_free: bool) -> list[Plan]:
         """The plan of every group with gradients here; under a layout, of every group (each rank

@@ -70,6 +70,15 @@ class StepContext:
     owner: str
     serial: int = 0
     extras: dict[str, Any] = field(default_factory=dict)
+    counts: StepCounts | None = None  # the step counters this attempt added to (undone on a retry)
+    #: the step's skip counter on the device (the optimizer's ``Recorder``), None: not counted
+    skipped: Tensor | None = None
+    #: set by ``step_plans``: whether the member builds its tables on the device, the flags its
+    #: first tables kernel reduces to the skip decision, and the metric tables its kernels write
+    device_tables: bool = False
+    flags: Tensor | None = None
+    metric_tables: tuple[Tensor, Tensor] | None = None
+    counted: bool = False  # a tables kernel has added the skip decision to ``skipped``
 
     def complete(self, plan: Plan, values: Tensor) -> Tensor:
         """Per-segment sums ``[S, k]`` -> sums over each segment's whole model tensor."""
@@ -101,13 +110,26 @@ def groups_now(source: StatisticsSource | None, owner: str, serial: int = 0) -> 
     return n
 
 
+def local_layout(layout: Any | None) -> bool:
+    """Whether per-tensor sums and the skip decision need no collective (one process, or a layout
+    whose every rank holds whole, identical tensors)."""
+    return layout is None or (getattr(layout, "group", False) is None and getattr(layout, "stages", None) is None)
+
+
 def step_plans(member: Member, plans: list[Plan], ctx: StepContext, source: StatisticsSource | None, epoch: int,
                counts: StepCounts) -> tuple[list[dict[str, Tensor]], Tensor | None] | None:
     """One step of ``plans``: pass 1, the non-finite check, state, scales and the member's update.
     Returns each plan's results and the device's skip flag (sync-free kernels), or None when the
-    step was skipped on the host (nothing written)."""
+    step was skipped on the host (nothing written).
+
+    With the sync-free kernels, pass 1 answers the non-finite check in the same launch; a member
+    with ``device_tables`` (the Adam family) then builds its kernel tables, the skip decision, the
+    step counters and its metric rows in kernels of their own (``DeviceTables``), reading what
+    pass 1 left on the device."""
     kernels, n, layout = ctx.kernels, ctx.n, ctx.layout
     sync_free = kernels.sync_free
+    ctx.device_tables = sync_free and getattr(member, "device_tables", False) and all(
+        p.shape is not None and p.shape.unique_keys for p in plans)
     tdev = plans[0].tdev
     # Pass 1 everywhere before any state changes: a non-finite statistic or gradient (the
     # gradient the update reads, which a hook may have rewritten after backward) skips the
@@ -120,6 +142,11 @@ def step_plans(member: Member, plans: list[Plan], ctx: StepContext, source: Stat
             if taken is not None and layout is None and plan.seg.shape[0] == len(plan.params):  # whole tensors
                 plan.moments = taken(plan.params, n, plan.group["gsnr_eps"])  # before moments() hands out
             plan.sum_g, plan.sum_sq = source.moments(plan.params)
+            if plan.moments is None and sync_free:  # the gradient's check in pass 1's launch
+                plan.moments = kernels.checked_moments(plan.sum_g, plan.sum_sq, plan.grads, plan.seg, 1.0 / n,
+                                                       plan.group["gsnr_eps"])
+                flags.append(plan.moments[:, 5])
+                continue
             if plan.moments is None:
                 plan.moments = kernels.gsnr_moments(plan.sum_g, plan.sum_sq, plan.seg, 1.0 / n, plan.group["gsnr_eps"])
             flags += [plan.moments[:, 5], kernels.nonfinite(plan.grads, plan.seg)]
@@ -130,26 +157,34 @@ def step_plans(member: Member, plans: list[Plan], ctx: StepContext, source: Stat
             flags.append(plan.grad_norms[:, 2])
         else:  # reads the gradient only (one word per parameter, the norms' pass reads two)
             flags.append(kernels.nonfinite(plan.grads, plan.seg))
-    found = torch.cat([f.reshape(-1).to(tdev, torch.float64) for f in flags]) if flags else None
-    if found is None or found.numel() == 0:  # a rank holding no piece finds nothing
-        found = torch.zeros(1, dtype=torch.float64, device=tdev)
+    if ctx.device_tables and len(flags) == 1 and flags[0].numel() and local_layout(layout):
+        ctx.flags = flags[0]  # the tables kernel takes the largest itself
     else:
-        found = found.amax().reshape(1)
-    if layout is not None:
-        layout.all_reduce(found, "max")
-        layout.all_reduce_stages(found, "max")
-    found = found[0]
-    if not sync_free:
-        if bool(found > 0):  # host tables: the decision costs nothing here
+        found = torch.cat([f.reshape(-1).to(tdev, torch.float64) for f in flags]) if flags else None
+        if found is None or found.numel() == 0:  # a rank holding no piece finds nothing
+            found = torch.zeros(1, dtype=torch.float64, device=tdev)
+        else:
+            found = found.amax().reshape(1)
+        if layout is not None:
+            layout.all_reduce(found, "max")
+            layout.all_reduce_stages(found, "max")
+        ctx.flags = found
+    if ctx.device_tables:
+        found = torch.empty((), dtype=torch.float64, device=tdev)  # written by the first plan's tables kernel
+    else:
+        found = ctx.flags[0]
+        if not sync_free and bool(found > 0):  # host tables: the decision costs nothing here
             return None
-    else:
+    if sync_free:
         for plan in plans:
             plan.found = found
     for plan in plans:
-        S.init_state(plan, member.state_keys, epoch, counts)
-        if plan.gsnr:
+        S.init_state(plan, member.state_keys, epoch, counts, count=not ctx.device_tables)
+        if plan.gsnr and not ctx.device_tables:
             sum_r = ctx.complete(plan, plan.moments[:, :1])[:, 0]
             plan.scales = G.segment_scales(sum_r, plan.numel, plan.group["gamma"])
+    if ctx.device_tables:
+        ctx.metric_tables = M.device_tables(plans, layout)
     ctx.extras = member._prepare(plans, ctx)
     return [member._update(plan, ctx) for plan in plans], (found if sync_free else None)
 
@@ -191,12 +226,12 @@ def functional_step(cls: type, params: Sequence[Tensor], grads: Sequence[Tensor]
     tdev = params[0].device if kernels.sync_free else torch.device("cpu")
     by_id = {id(p): st for p, st in zip(params, states)}
     plan = Planner(owner).plan(0, group, params, grads, 0, tdev, None, 0, lambda p: by_id[id(p)])
-    ctx = StepContext(kernels, n, None, owner)
-    out = step_plans(cls, [plan], ctx, source, 0, StepCounts())
+    ctx = StepContext(kernels, n, None, owner, counts=StepCounts())
+    out = step_plans(cls, [plan], ctx, source, 0, ctx.counts)
     if out is None:
         return M.skipped_summary("step/skipped_nonfinite", n)
     results, found = out
-    return M.step_tables([plan], results, n, found, None).summary()
+    return M.step_tables([plan], results, n, found, None, ctx.metric_tables).summary()
 
 
 def member_step(name: str, cls: type, what: str) -> Callable[..., dict[str, float]]:

@@ -44,7 +44,7 @@ from typing import Any
 import torch
 
 from vrgd_ds.optim.adam import (GSNR_PLACEMENTS, UPDATE_PLACEMENT, adam_columns, check_adam_args, check_placement,
-                                 placement_index)
+                                 device_adam_table, device_finish, placement_index)
 from vrgd_ds.optim import columns
 from vrgd_ds.optim.base import BUILDING, GSNROptimizer, check_arg, constructor_args
 from vrgd_ds.optim.functional import StepContext, member_step
@@ -58,10 +58,16 @@ def trust_ratios(plan: Plan, sq_norms: torch.Tensor, min_coeff: float,
     the guard replaces may be inf or NaN, never read). Returns (trust, adapted mask)."""
     g = plan.group
     norms = sq_norms[:, :2].sqrt()
-    on = bool(g["trust_ratio"]) and bool(g.get("use_nvlamb", True) or g["weight_decay"] != 0)
+    on = adapts(g)
     adapted = (norms > 0).all(dim=1) if on else torch.zeros(norms.shape[0], dtype=torch.bool, device=norms.device)
     ratio = (norms[:, 0] / norms[:, 1]).clamp(min_coeff, max_coeff)
     return torch.where(adapted, ratio, 1.0), adapted
+
+
+def adapts(group: dict[str, Any]) -> bool:
+    """Whether the group's trust ratios adapt (else 1): ``trust_ratio``, and apex's ``use_nvlamb``
+    rule for groups without weight decay."""
+    return bool(group["trust_ratio"]) and bool(group.get("use_nvlamb", True) or group["weight_decay"] != 0)
 
 
 def lamb_needs_grad_norms(group: dict[str, Any]) -> bool:
@@ -89,30 +95,41 @@ def lamb_update(plan: Plan, ctx: StepContext) -> dict[str, torch.Tensor]:
     mult = None
     if g["grad_pre_normalization"]:
         norm = ctx.extras["global_grad_norm"]
-        mult = plan.ones() * (g["max_grad_norm"] / norm.clamp_min(g["max_grad_norm"]))
+        mult = g["max_grad_norm"] / norm.clamp_min(g["max_grad_norm"])
     m = [st["exp_avg"] for st in plan.states]
     v = [st["exp_avg_sq"] for st in plan.states]
     grads, decay = plan.grads, g["weight_decay"]
     if not g["adam_w_mode"]:  # apex's L2 mode: c · g + wd · θ into both moments, no decay in u
-        c = 1.0 if mult is None else mult[0]
+        c = 1.0 if mult is None else mult.reshape(())
         grads = [(gr.float() * c + p.float() * decay).to(gr.dtype) for gr, p in zip(plan.grads, plan.params)]
         mult, decay = None, 0.0
-    cols = adam_columns(plan, mult)
+    device = ctx.device_tables
+    if device:
+        cols, table = None, device_adam_table(plan, ctx, None if mult is None else mult.reshape(()))
+    else:
+        cols = adam_columns(plan, None if mult is None else plan.ones() * mult)
+        table = columns.build(columns.ADAM, **cols)
     gsnr_args = {k: val for k, val in plan.gsnr_args(n).items() if k != "eps"}
     placement = placement_index(plan)
-    out = kernels.adam_step(plan.params, grads, m, v, seg=plan.seg, segf=columns.build(columns.ADAM, **cols),
+    out = kernels.adam_step(plan.params, grads, m, v, seg=plan.seg, segf=table,
                             lr=g["lr"], beta1=g["betas"][0], beta2=g["betas"][1], eps=g["eps"],
                             weight_decay=decay, apply=False, placement=placement,
                             eps_gsnr=g["gsnr_eps"], **gsnr_args, **plan.skip_args())
     norms = ctx.complete(plan, out[:, :2])
-    trust, adapted = trust_ratios(plan, norms, g["min_coeff"], g["max_coeff"])
+    if device:
+        apply_table = torch.empty(plan.num_segments, len(columns.LAMB_APPLY) + 1, dtype=torch.float64,
+                                  device=plan.tdev)
+        device_finish(plan, ctx, out, table, norms=norms, lamb=apply_table, adapt=adapts(g))
+    else:
+        trust, adapted = trust_ratios(plan, norms, g["min_coeff"], g["max_coeff"])
+        apply_cols = dict({k: cols[k] for k in columns.LAMB_APPLY if k != "trust"}, trust=trust)
+        apply_table = columns.build(columns.LAMB_APPLY, **apply_cols)
     if placement != UPDATE_PLACEMENT or not plan.gsnr:  # only the update placement reads p̂ again
         gsnr_args.update(sum_g=[], sum_sq=[], avg=[])
-    apply_cols = dict({k: cols[k] for k in columns.LAMB_APPLY if k != "trust"}, trust=trust)
-    kernels.lamb_apply(plan.params, m, v, seg=plan.seg, segf=columns.build(columns.LAMB_APPLY, **apply_cols),
+    kernels.lamb_apply(plan.params, m, v, seg=plan.seg, segf=apply_table,
                        lr=g["lr"], eps=g["eps"], weight_decay=decay, eps_gsnr=g["gsnr_eps"],
                        **gsnr_args, **plan.skip_args())
-    return {"gsnr_counts": out[:, 2:5], "trust": trust, "adapted": adapted}
+    return {} if device else {"gsnr_counts": out[:, 2:5], "trust": trust, "adapted": adapted}
 
 
 class VRLamb(GSNROptimizer):
@@ -138,6 +155,7 @@ class VRLamb(GSNROptimizer):
     """
 
     state_keys = ("exp_avg", "exp_avg_sq")
+    device_tables = True  # the sync-free kernels build its tables on the device (functional.step_plans)
 
     def __init__(self, params: Any, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-6,
                  weight_decay: float = 1e-2, bias_correction: bool = True, min_coeff: float = 0.01,

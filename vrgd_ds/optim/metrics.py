@@ -46,6 +46,7 @@ class StepRecord:
     names: list[str]
     n: int
     found: Tensor | None = None  # float64 0-dim: 1 when the step was skipped on the device
+    counted: bool = False  # ``found`` is in the recorder's skip count already (a tables kernel added it)
 
     def merge(self, other: "StepRecord") -> None:
         """Another call of the same engine step (ZeRO-3 steps sub-groups one at a time)."""
@@ -123,13 +124,46 @@ def skipped_summary(reason: str, n: int) -> dict[str, float]:
     return {"step/skipped": 1.0, **{r: float(r == reason) for r in SKIP_REASONS}, "gsnr/n": float(n)}
 
 
-def step_tables(plans: list[Plan], results: list[dict[str, Tensor]], n: int, found: Tensor | None,
-                layout: Any | None) -> StepRecord:
-    """Per-model-tensor tables of one step call, complete across ranks (two small collectives)."""
+def _num_keys(plans: list[Plan], layout: Any | None) -> int:
+    return max(p.key_base + len(p.params) for p in plans) if layout is None else layout.num_keys
+
+
+_COVERS: dict[tuple, tuple[tuple, bool]] = {}
+
+
+def _covers(plans: list[Plan], layout: Any, num_keys: int) -> bool:
+    """Whether the plans' segments hold each of the layout's keys once (cached by the plan shapes)."""
+    shapes = tuple(p.shape for p in plans)
+    key = (id(layout), num_keys, tuple(map(id, shapes)))
+    got = _COVERS.get(key)
+    if got is None or any(a is not b for a, b in zip(got[0], shapes)):  # an id reused by another shape
+        keys = frozenset().union(*(s.key_set for s in shapes))
+        got = (shapes, len(keys) == num_keys == sum(len(s.key_set) for s in shapes))
+        if len(_COVERS) > 64:
+            _COVERS.clear()
+        _COVERS[key] = got
+    return got[1]
+
+
+def device_tables(plans: list[Plan], layout: Any | None) -> tuple[Tensor, Tensor]:
+    """The step's tables for kernels that write each plan's rows at its keys (``Triton.adam_finish``):
+    left unset where the plans' segments hold every key once (one process always; a layout when
+    this rank holds a piece of every tensor), else the empty tables, whose rows no plan writes."""
     tdev = plans[0].tdev
-    num_keys = max(p.key_base + len(p.params) for p in plans) if layout is None else layout.num_keys
-    sums, maxs = empty_tables(num_keys, tdev)
-    for plan, res in zip(plans, results):
+    num_keys = _num_keys(plans, layout)
+    if layout is None or _covers(plans, layout, num_keys):
+        return (torch.empty(num_keys, len(SUM_COLS), dtype=torch.float64, device=tdev),
+                torch.empty(num_keys, len(MAX_COLS), dtype=torch.float64, device=tdev))
+    return empty_tables(num_keys, tdev)
+
+
+def step_tables(plans: list[Plan], results: list[dict[str, Tensor]], n: int, found: Tensor | None,
+                layout: Any | None, written: tuple[Tensor, Tensor] | None = None) -> StepRecord:
+    """Per-model-tensor tables of one step call, complete across ranks (two small collectives).
+    ``written``: tables whose rows the step's kernels wrote already (``device_tables``)."""
+    tdev = plans[0].tdev
+    sums, maxs = empty_tables(_num_keys(plans, layout), tdev) if written is None else written
+    for plan, res in zip(plans, results if written is None else ()):
         k = plan.keys
         if k.numel() == 0:
             continue
@@ -156,7 +190,7 @@ def step_tables(plans: list[Plan], results: list[dict[str, Tensor]], n: int, fou
         layout.all_reduce(maxs, "max")
         names = layout.names
     else:
-        names = [""] * num_keys
+        names = [""] * sums.shape[0]
         for plan in plans:
             names[plan.key_base:plan.key_base + len(plan.params)] = plan.shape.names
     return StepRecord(sums, maxs, names, n, found)
@@ -179,8 +213,16 @@ class Recorder:
         self._record = None
         self._metrics = {}
 
+    def device_counter(self, device: torch.device) -> Tensor:
+        """The device's skip count, for a tables kernel to add each step's decision to."""
+        if self._skipped_device is None:
+            self._skipped_device = torch.zeros(1, dtype=torch.float64, device=device)
+        elif self._skipped_device.device != device:
+            self._skipped_device = self._skipped_device.to(device)
+        return self._skipped_device
+
     def record(self, record: StepRecord) -> None:
-        if record.found is not None:
+        if record.found is not None and not record.counted:
             skipped = record.found.reshape(1).double()
             self._skipped_device = skipped if self._skipped_device is None else self._skipped_device + skipped
         self._metrics = {}

@@ -48,11 +48,13 @@ class Plan:
     rows: list[list[int]] = field(default_factory=list)  # per segment, host ints: tensor index, start, length,
     #                                                      key, numel (one process), offset in the model tensor
     step_t: Tensor | None = None  # float64 [S] on tdev: the step count after this step
+    counters: list[Tensor] = field(default_factory=list)  # the tensors' step counters (state["step"])
     found: Tensor | None = None  # float64 0-dim on tdev: 1 when the step is skipped (sync-free kernels)
     sum_g: list[Tensor] = field(default_factory=list)
     sum_sq: list[Tensor] = field(default_factory=list)
     avg: list[Tensor] = field(default_factory=list)
     moments: Tensor | None = None  # float64 [S, 6] from pass 1
+    whole_r: Tensor | None = None  # float64 [S, 1] on tdev: Σr of each segment's whole tensor (device tables)
     grad_norms: Tensor | None = None  # float64 [S, 3] (groups without GSNR)
     scales: G.SegmentScales | None = None
     shape: PlanShape | None = None
@@ -113,7 +115,21 @@ class PlanShape:
     ready: int = -1
     states: list[dict[str, Any]] | None = None  # the tensors' state dicts, valid for the epoch ``ready``
     length_share: Tensor | None = None  # float64 [S] on tdev: each segment's share of its whole tensor
-    _constants: dict[bool, dict[str, Tensor]] = field(default_factory=dict)
+    key_set: frozenset = frozenset()  # the model tensors the segments belong to
+    _constants: dict[Any, Any] = field(default_factory=dict)
+
+    @property
+    def unique_keys(self) -> bool:
+        """Whether no two segments belong to one model tensor (a kernel may write a row per key)."""
+        return len(self.key_set) == self.seg.shape[0]
+
+    def powers_base(self, betas: tuple[float, ...]) -> Tensor:
+        """``betas`` as a float64 ``[k, 1]`` column on the table device (made once per values)."""
+        got = self._constants.get(betas)
+        if got is None:
+            got = self._constants[betas] = to_device(torch.tensor(betas, dtype=torch.float64)[:, None],
+                                                     self.length.device)
+        return got
 
     def constants(self, gsnr: bool) -> dict[str, Tensor]:
         """The metric tables' constant columns for this plan (made once)."""
@@ -182,4 +198,5 @@ class Planner:
         length = seg[:, 2].double()
         return PlanShape(seg, to_device(numel, tdev), to_device(keys, tdev), to_device(seg[:, 0].contiguous(), tdev),
                          to_device(length, tdev), shapes, rows, names,
-                         length_share=to_device(length / numel.clamp_min(1), tdev))
+                         length_share=to_device(length / numel.clamp_min(1), tdev),
+                         key_set=frozenset(row[3] for row in rows))

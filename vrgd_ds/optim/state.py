@@ -119,8 +119,10 @@ def allocate(state: dict[Tensor, dict[str, Any]], groups: list[dict[str, Any]], 
                     st[key] = torch.zeros_like(p, dtype=torch.float32, memory_format=torch.contiguous_format)
 
 
-def init_state(plan: Plan, state_keys: tuple[str, ...], epoch: int, counts: StepCounts) -> None:
-    """Creates missing state lazily (also keys an older checkpoint lacks) and counts the step.
+def init_state(plan: Plan, state_keys: tuple[str, ...], epoch: int, counts: StepCounts, count: bool = True) -> None:
+    """Creates missing state lazily (also keys an older checkpoint lacks) and counts the step
+    (``count``; else ``plan.counters`` holds the counters for the member's tables kernel, which
+    counts them on the device).
 
     Step counters live on the table device: the host for the host-table kernels, the
     parameters' device for the sync-free kernels, where a skipped step (``plan.found``)
@@ -139,6 +141,9 @@ def init_state(plan: Plan, state_keys: tuple[str, ...], epoch: int, counts: Step
         counters = _complete(plan, state_keys, beta3)
         if plan.shape is not None:
             plan.shape.ready = epoch
+    plan.counters = counters
+    if not count:
+        return
     if not counters:  # no piece of this group here (a layout's collectives only)
         plan.step_t = torch.ones(0, dtype=torch.float64, device=plan.tdev)
         return
