@@ -87,20 +87,34 @@ def cases() -> list[tuple[str, str, dict[str, Any]]]:
 # ---- counting ---------------------------------------------------------------------------------------
 
 
+#: kernels that work on per-segment tables, not on elements: their accesses count with the scalars
+TABLE_KERNELS = frozenset(("_combine", "_adam_tables_kernel", "_adam_finish_kernel"))
+
+
 class Tally:
     """Bytes of every element access the interpreted Triton kernels make (unmasked lanes only),
-    apart from scalar accesses (chunk tables, partial sums, per-segment columns)."""
+    apart from scalar accesses (chunk tables, partial sums, per-segment columns) and the
+    accesses of the kernels that work on per-segment tables (``TABLE_KERNELS``)."""
 
     def __init__(self) -> None:
         self.bytes = collections.Counter()
+        self._kernel = ""
 
     def __enter__(self) -> "Tally":
         from triton.runtime import interpreter
 
         cls = interpreter.InterpreterBuilder
         self._cls, self._orig = cls, (cls.create_masked_load, cls.create_masked_store)
+        self._grid = interpreter.GridExecutor.__call__
         load, store = self._orig
         me = self
+
+        def named_call(executor, *args, **kwargs):
+            me._kernel = getattr(executor.fn, "__name__", "")
+            try:
+                return me._grid(executor, *args, **kwargs)
+            finally:
+                me._kernel = ""
 
         def counted_load(builder, ptrs, mask, *args):
             me._add("read", ptrs, mask)
@@ -111,14 +125,18 @@ class Tally:
             return store(builder, ptrs, value, mask, *args)
 
         cls.create_masked_load, cls.create_masked_store = counted_load, counted_store
+        interpreter.GridExecutor.__call__ = named_call
         return self
 
     def __exit__(self, *exc) -> None:
+        from triton.runtime import interpreter
+
         self._cls.create_masked_load, self._cls.create_masked_store = self._orig
+        interpreter.GridExecutor.__call__ = self._grid
 
     def _add(self, kind: str, ptrs, mask) -> None:
         size = ptrs.get_element_ty().primitive_bitwidth // 8
-        where = "elements" if ptrs.data.size > 1 else "scalars"
+        where = "elements" if ptrs.data.size > 1 and self._kernel not in TABLE_KERNELS else "scalars"
         self.bytes[(kind, where)] += int(mask.data.sum()) * size
 
     def words(self, numel: int, where: str = "elements") -> dict[str, float]:
@@ -131,7 +149,8 @@ class OpCount(TorchDispatchMode):
 
     _FREE = {"view", "_unsafe_view", "alias", "detach", "t", "expand", "select", "slice", "unsqueeze", "squeeze",
              "reshape", "as_strided", "permute", "transpose", "narrow", "empty", "empty_strided", "lift_fresh",
-             "_to_copy_meta"}
+             "_to_copy_meta",
+             "_record_function_enter_new", "_record_function_exit"}  # torch.optim's profiler marks: no device work
 
     def __init__(self) -> None:
         super().__init__()

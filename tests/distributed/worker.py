@@ -822,3 +822,61 @@ def prepare_process(case: dict) -> dict:
     if not native:
         accel.is_fp16_supported = lambda: True
     return dict(native_fp16=native)
+
+
+def run_device_tables_case(case: dict) -> dict:
+    """VRLamb on the Triton kernels (interpreted on CPU) over each rank's flat partition of three
+    model tensors, the middle one cut across the two ranks, per-tensor sums completed by the
+    layout's all-reduce: three steps with the tables built by the device kernels and three with
+    torch operations, the second step with a NaN on rank 1 only (both ranks skip it). Returns
+    whether the runs are equal bit for bit on every rank."""
+    from vrgd_ds.optim import _triton
+    from vrgd_ds.optim.lamb import VRLamb
+    from vrgd_ds.stats.layout import Layout
+
+    rank, sizes = dist.get_rank(), [1500, 1200, 900]
+    bounds = (0, 1800, 3600)
+    lo, hi = bounds[rank], bounds[rank + 1]
+    pieces, at = [], 0
+    for key, n in enumerate(sizes):
+        a, b = max(at, lo), min(at + n, hi)
+        if b > a:
+            pieces.append((a - lo, b - a, key, a - at))
+        at += n
+
+    class Given:
+        n = 3
+
+        def moments(self, params):
+            return [self.sums[0]], [self.sums[1]]
+
+        def reset(self):
+            pass
+
+    runs = []
+    for device_tables in (True, False):
+        VRLamb.device_tables = device_tables
+        flat = torch.nn.Parameter(torch.randn(3600, generator=torch.Generator().manual_seed(5))[lo:hi].clone())
+        layout = Layout(["a", "b", "c"], sizes, group=torch.distributed.group.WORLD)
+        layout.add(flat, pieces)
+        opt = VRLamb([flat], fused="triton", lr=0.05, weight_decay=0.01)
+        source = Given()
+        opt.set_statistics_source(source, layout)
+        metrics = []
+        for i in range(3):
+            gs = torch.randn(3, 3600, generator=torch.Generator().manual_seed(9 + i))[:, lo:hi] + 0.2
+            if i == 1 and rank == 1:
+                gs[0, 17] = float("nan")
+            source.sums = (gs.sum(0), gs.square().sum(0))
+            flat.grad = gs.mean(0)
+            opt.step()
+            metrics.append(opt.gsnr_metrics(per_tensor=True))
+        runs.append((flat.detach().clone(), opt.state_dict()["state"][0], metrics, opt.skipped_steps,
+                     opt.kernels().counts["launches"]))
+    VRLamb.device_tables = True
+    (p1, s1, m1, k1, l1), (p2, s2, m2, k2, l2) = runs
+    same = (torch.equal(p1, p2) and all(torch.equal(v, s2[k]) for k, v in s1.items())
+            and m1 == m2 and k1 == k2 == 1 and m1[1]["step/skipped"] == 1.0 and m1[2]["step/skipped"] == 0.0)
+    flag = torch.tensor([1.0 if same else 0.0])
+    torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MIN)
+    return {"same": bool(flag.item()), "launches": (l1, l2), "gsnr_mean": m1[2].get("gsnr/mean")}

@@ -175,6 +175,109 @@ def test_triton_flat_partition_cut_mid_tensor(name):
     assert results[0][1]["gsnr/mean"] == pytest.approx(results[1][1]["gsnr/mean"], rel=1e-5)
 
 
+def _same(a, b) -> bool:
+    """Bit-equal tensors or floats (NaN equal to NaN)."""
+    if isinstance(a, torch.Tensor):
+        return a.dtype == b.dtype and torch.equal(a.nan_to_num(7.25), b.nan_to_num(7.25)) and torch.equal(
+            a.isnan(), b.isnan())
+    return a == b or (a != a and b != b)
+
+
+def _steps_with_and_without_device_tables(name, over, monkeypatch, make):
+    """(parameters, state, metrics per step, skipped steps) of three Triton steps, the second on a
+    NaN gradient, with the member's tables built on the device and with torch operations."""
+    runs, launched = [], []
+    launch = _triton.Triton._launch
+
+    def recorded(self, name, *args, **kwargs):
+        launched.append(name)
+        return launch(self, name, *args, **kwargs)
+
+    monkeypatch.setattr(_triton.Triton, "_launch", recorded)
+    for device_tables in (True, False):
+        cls = REGISTRY[name].cls
+        monkeypatch.setattr(getattr(cls, "of", cls), "device_tables", device_tables)
+        launched.clear()
+        params, opt, step = make()
+        metrics = []
+        for i in range(3):
+            step(i)
+            opt.step()
+            opt.zero_grad()
+            metrics.append(opt.gsnr_metrics(per_tensor=True))
+        runs.append(([p.detach().clone() for p in params], opt.state_dict()["state"], metrics, opt.skipped_steps))
+        per_step = len(opt.param_groups) if device_tables else 0  # each group's step, the skipped one too
+        assert launched.count("adam_tables") == launched.count("adam_finish") == 3 * per_step
+    return runs
+
+
+def _assert_same_runs(runs):
+    (p1, s1, m1, k1), (p2, s2, m2, k2) = runs
+    assert all(_same(a, b) for a, b in zip(p1, p2))
+    assert s1.keys() == s2.keys() and all(_same(v, s2[i][k]) for i, st in s1.items() for k, v in st.items())
+    assert [sorted(m) for m in m1] == [sorted(m) for m in m2]
+    assert all(_same(a[k], b[k]) for a, b in zip(m1, m2) for k in a), [
+        (k, a[k], b[k]) for a, b in zip(m1, m2) for k in a if not _same(a[k], b[k])]
+    assert k1 == k2 == 1 and m1[1]["step/skipped"] == 1.0 and m1[2]["step/skipped"] == 0.0
+
+
+@pytest.mark.parametrize("name, over", [
+    ("VRLamb", {}), pytest.param("VRAdam", dict(gsnr_placement="update"), id="VRAdam-update"),
+    pytest.param("Lamb", dict(max_grad_norm=0.5, grad_averaging=False, min_coeff=0.9, max_coeff=1.05),
+                 id="Lamb-nvlamb-clamped", marks=pytest.mark.exhaustive),
+    pytest.param("VRLamb", dict(beta3=0.0, bias_correction=False, gsnr_placement="update"), id="VRLamb-no-momentum",
+                 marks=pytest.mark.exhaustive),
+    pytest.param("VRAdam", dict(gsnr=False), id="VRAdam-gsnr-off", marks=pytest.mark.exhaustive)])
+def test_the_adam_familys_device_tables_step_as_its_torch_tables(name, over, monkeypatch):
+    """The Adam family's per-segment tables, skip decision, step counters, trust ratios and metric
+    rows from two single-program kernels (``adam_tables``, ``adam_finish``) instead of about fifty
+    torch operations: parameters, state (step counters included), every metric and the skip count
+    bit for bit over three steps, the second skipped on a NaN gradient, with two param groups (the
+    second without weight decay or trust-ratio adaptation)."""
+    def make():
+        m = Net().to(DEVICE)
+        info = REGISTRY[name]
+        kw = {**info.test_kwargs, **over}
+        kw.pop("weight_decay", None)
+        ps = list(m.parameters())
+        opt = info.cls([{"params": ps[:3]}, {"params": ps[3:], "weight_decay": 0.0, "trust_ratio": False}],
+                       fused="triton", weight_decay=0.01, **kw)
+        batches = data(3, 2)
+
+        def step(i):
+            for z in batches[i]:
+                m.loss(z.to(DEVICE)).backward()
+            if i == 1:
+                m.w.grad[0, 0] = float("nan")
+        return ps, opt, step
+
+    _assert_same_runs(_steps_with_and_without_device_tables(name, over, monkeypatch, make))
+
+
+def test_device_tables_on_a_flat_partition_step_as_the_torch_tables(monkeypatch):
+    """The same on a ZeRO rank's view: one flat partition holding pieces of three model tensors
+    (two cut), per-tensor sums from the layout; the statistics arrive by collective."""
+    from vrgd_ds.stats.layout import Layout
+
+    def make():
+        flat = nn.Parameter(torch.randn(3000, generator=torch.Generator().manual_seed(5)).to(DEVICE))
+        layout = Layout(["a", "b", "c"], [1500, 1200, 900], group=None, device=DEVICE)
+        layout.add(flat, [(0, 1100, 0), (1100, 1200, 1), (2300, 700, 2)])
+        opt = vrgd_ds.VRLamb([flat], fused="triton", lr=0.05, weight_decay=0.01)
+        source = GivenStats({}, 3)
+        opt.set_statistics_source(source, layout)
+
+        def step(i):
+            gs = torch.randn(3, 3000, generator=torch.Generator().manual_seed(9 + i)).to(DEVICE) + 0.2
+            if i == 1:
+                gs[0, 17] = float("nan")
+            source.sums = {id(flat): (gs.sum(0), gs.square().sum(0))}
+            flat.grad = gs.mean(0)
+        return [flat], opt, step
+
+    _assert_same_runs(_steps_with_and_without_device_tables("VRLamb", {}, monkeypatch, make))
+
+
 @pytest.mark.parametrize("name", ["VRSGD", "VRAdam", "VRLamb", "Lamb"])
 def test_triton_skips_a_nonfinite_step_on_the_device(name):
     """NaN in a gradient: the decision is a device flag the kernels read; nothing changes, the

@@ -1309,7 +1309,8 @@ class Triton:
                          PDT=self._dtype(params), ON=on, EMA=bool(avg), APPLY=bool(apply),
                          PLACE=placement if on else BOTH_MOMENTS, BLOCK=BLOCK,
                          then=[_combine_flags(k, k, False)] + ([] if apply else [_lamb_apply_flags(
-                             self._dtype(params), on and placement == UPDATE, bool(avg) and placement == UPDATE)]))
+                             self._dtype(params), on and placement == UPDATE, bool(avg) and placement == UPDATE)])
+                         + (_finish_flags(k, on) if segf.shape[1] == _ADAM_W.value else []))
         return self._combined(ch, part, k, k, False)
 
     def lamb_apply(self, params, exp_avg, exp_avg_sq, sum_g, sum_sq, avg, seg, segf, inv_n, eps_gsnr, beta3, lr,
@@ -1427,6 +1428,13 @@ def _aligned(*tensors: Tensor) -> bool:
 
 def _combine_flags(k: int, nsum: int, minmax: bool, form: int = 0) -> tuple[str, dict[str, Any]]:
     return "combine", dict(K=k, NSUM=nsum, MINMAX=minmax, FORM=form)
+
+
+def _finish_flags(k: int, on: bool) -> list[tuple[str, dict[str, Any]]]:
+    """``adam_finish`` after an ``adam_step`` whose table ``adam_tables`` built (``k`` its row
+    width: 5 is LAMB's first pass, with trust ratios adapted or not)."""
+    return [("adam_finish", dict(K=k, ON=on, TRUST=k == 5, ADAPT=adapt, BLOCK=_TABLE_BLOCK))
+            for adapt in ((False, True) if k == 5 else (False,))]
 
 
 def _lamb_apply_flags(pdt: tl.dtype, on: bool, ema: bool) -> tuple[str, dict[str, Any]]:
