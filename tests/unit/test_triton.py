@@ -233,7 +233,9 @@ def test_the_adam_familys_device_tables_step_as_its_torch_tables(name, over, mon
     rows from two single-program kernels (``adam_tables``, ``adam_finish``) instead of about fifty
     torch operations: parameters, state (step counters included), every metric and the skip count
     bit for bit over three steps, the second skipped on a NaN gradient, with two param groups (the
-    second without weight decay or trust-ratio adaptation)."""
+    second without weight decay or trust-ratio adaptation). (The kernels' float64 square roots are
+    IEEE, as torch's on CUDA; torch's on this CPU may differ in the last bit, which does not reach
+    these steps' fp32 roundings.)"""
     def make():
         m = Net().to(DEVICE)
         info = REGISTRY[name]

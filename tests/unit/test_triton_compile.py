@@ -29,7 +29,8 @@ def _compiler_env() -> dict[str, str]:
 
 
 def test_step_kernels_compile_for_a100_and_h100():
-    """Regression: the four step kernels read module-level table columns that were annotated
+    """The step's kernels (the four update passes, pass 1 with the gradient check, the Adam
+    family's two table kernels), one specialization each. Regression: the four step kernels read module-level table columns that were annotated
     ``X: tl.constexpr = ...`` instead of wrapped in ``tl.constexpr(...)``; the interpreter ran
     them, the compiler raised ``NameError: Cannot access global variable _INV_MEAN`` for every
     specialization, so every member's first step on a GPU failed. Fails on that code.
@@ -42,7 +43,9 @@ def test_step_kernels_compile_for_a100_and_h100():
         from triton.compiler import ASTSource
         from vrgd_ds.optim import _triton as T
         FLAGS = dict(PDT=tl.float32, ON=True, EMA=True, APPLY=True, PLACE=0, BUF=True, NESTEROV=False,
-                     BLOCK=T.BLOCK)
+                     BLOCK=T.BLOCK, GDT=tl.bfloat16, CHECK=True, BIAS=True, MULT=True, COUNT=True, K=5, TRUST=True,
+                     ADAPT=True)
+        TABLE_BLOCK = dict(BLOCK=T._TABLE_BLOCK)
         def typ(p):
             if p.is_constexpr:
                 return "constexpr"
@@ -52,9 +55,12 @@ def test_step_kernels_compile_for_a100_and_h100():
                 return "*i64"
             return "*fp64" if p.name in ("segf", "part", "found") else "fp32"
         failed = []
-        for k in (T._sgd_kernel, T._adam_kernel, T._grad_norms_kernel, T._lamb_apply_kernel):
+        for k in (T._sgd_kernel, T._adam_kernel, T._grad_norms_kernel, T._lamb_apply_kernel, T._moments_kernel,
+                  T._adam_tables_kernel, T._adam_finish_kernel):
             sig = {p.name: typ(p) for p in k.params}
             flags = {n: FLAGS[n] for n, t in sig.items() if t == "constexpr"}
+            if k in (T._adam_tables_kernel, T._adam_finish_kernel):
+                flags.update(TABLE_BLOCK)
             for arch in (80, 90):
                 try:
                     triton.compile(ASTSource(k, sig, flags), target=GPUTarget("cuda", arch, 32))
@@ -93,7 +99,8 @@ def test_compiling_ahead_hands_each_kernel_arguments_of_its_annotated_types():
     out = subprocess.run([sys.executable, "-c", script], env=_compiler_env(), capture_output=True, text=True,
                          timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
-    expect = {"*fp32": "torch.float32", "*fp64": "torch.float64", "*i64": "torch.int64", "fp32": "float", "i64": "int"}
+    expect = {"*fp32": "torch.float32", "*fp64": "torch.float64", "*i64": "torch.int64", "fp32": "float",
+              "fp64": "float", "i64": "int"}
     seen = json.loads(out.stdout.splitlines()[-1])
     assert set(seen) == set(_triton.LAUNCHES)
     for name, rec in seen.items():

@@ -1001,15 +1001,15 @@ LAUNCHES: dict[str, Launch] = {
     "adam_tables": Launch(_adam_tables_kernel, _cases(lambda c: c["ON"] or not c["EMA"], ON=_BOOL, EMA=_BOOL,
                                                       BIAS=_BOOL, MULT=_BOOL, COUNT=_BOOL, BLOCK=(_TABLE_BLOCK,)),
                           num_warps=4),
-    "adam_finish": Launch(_adam_finish_kernel, _cases(lambda c: c["TRUST"] == (c["K"] == 5) and (c["TRUST"] or not c["ADAPT"]),
-                                                      K=(3, 5), ON=_BOOL,
-                                                      TRUST=_BOOL, ADAPT=_BOOL, BLOCK=(_TABLE_BLOCK,)),
+    # K: adam_step's row width, 5 for LAMB's first pass (trust ratios, adapted or not), 3 for Adam
+    "adam_finish": Launch(_adam_finish_kernel, _cases(lambda c: c["TRUST"] == (c["K"] == 5) and (
+        c["TRUST"] or not c["ADAPT"]), K=(3, 5), ON=_BOOL, TRUST=_BOOL, ADAPT=_BOOL, BLOCK=(_TABLE_BLOCK,)),
                           num_warps=4),
     "nonfinite": Launch(_nonfinite_kernel, _cases(XDT=_PDTS, BLOCK=(BLOCK,)), num_warps=4),
     # the reductions' (columns, summed, min/max) of the call sites above
     "combine": Launch(_combine, tuple(dict(K=k, NSUM=s, MINMAX=mm, FORM=f) for k, s, mm, f in
-                                      ((5, 3, True, 1), (6, 3, True, 1), (2, 2, False, 0), (3, 3, False, 0), (5, 5, False, 0),
-                                       (1, 1, False, 2))),
+                                      ((5, 3, True, 1), (6, 3, True, 1), (2, 2, False, 0), (3, 3, False, 0),
+                                       (5, 5, False, 0), (1, 1, False, 2))),
                       num_warps=1),
     "pack_squares": Launch(_pack_squares_kernel, _cases(XDT=_PDTS, WITH_G=_BOOL, ACCUMULATE=_BOOL, ALIGNED=_BOOL,
                                                         BLOCK=(BLOCK,)), num_warps=4),
@@ -1072,6 +1072,7 @@ _PLACEHOLDERS: dict[str, Callable[[torch.device], Any]] = {
     "*fp64": lambda device: torch.empty(1, dtype=torch.float64, device=device),
     "*i64": lambda device: torch.empty(1, dtype=torch.int64, device=device),
     "fp32": lambda device: 0.0,
+    "fp64": lambda device: 0.0,
     "i64": lambda device: 0,
 }
 
@@ -1217,7 +1218,7 @@ class Triton:
     def gsnr_moments(self, sum_g, sum_sq, seg, inv_n, eps):
         return self.checked_moments(sum_g, sum_sq, None, seg, inv_n, eps)
 
-    # -- the step's own operations (sync-free only): ``DeviceTables`` in functional.py
+    # -- the step's own operations (sync-free only): ``columns.DeviceTables``
 
     def checked_moments(self, sum_g, sum_sq, grads, seg, inv_n, eps):
         """``gsnr_moments`` whose non-finite column also answers ``nonfinite(grads, seg)``, in the
@@ -1302,7 +1303,8 @@ class Triton:
         part = torch.empty(max(ch.count, 1), k, dtype=torch.float64, device=dev)
         if ch.count:
             on = bool(sum_g)
-            self._launch("adam", (ch.count,), *ptrs, ch.table, _with_column(segf, _ADAM_W.value, lambda t: lr / t[:, _ADAM_BC1.value]),
+            self._launch("adam", (ch.count,), *ptrs, ch.table,
+                         _with_column(segf, _ADAM_W.value, lambda t: lr / t[:, _ADAM_BC1.value]),
                          part, found_inf,
                          float(inv_n), float(eps_gsnr), float(beta3), float(beta1), float(1.0 - beta1), float(beta2),
                          float(1.0 - beta2), float(eps), float(weight_decay), float(1.0 - lr * weight_decay),

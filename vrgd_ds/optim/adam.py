@@ -73,7 +73,7 @@ def device_adam_table(plan: Plan, ctx: StepContext, mult: torch.Tensor | None = 
         steps = (counters[0].reshape(1) if len(counters) == 1 else torch.stack(counters)) + 1.0
         powers = torch.pow(plan.shape.powers_base((beta1, beta2, beta3)), steps)
     skipped = None if ctx.counted else ctx.skipped
-    sum_r = plan.whole_r = ctx.complete(plan, plan.moments[:, :1]) if plan.gsnr else out
+    sum_r = plan.whole_r if plan.gsnr else out
     ctx.kernels.adam_tables(ctx.flags, plan.found, skipped, counters, powers, plan.tensor_of, sum_r, plan.numel, mult,
                             out, gamma=g["gamma"], lr=g["lr"],
                             bc1_mult=1.0 if g.get("grad_averaging", True) else 1.0 - beta1, gsnr=plan.gsnr, ema=ema,
@@ -93,8 +93,8 @@ def device_finish(plan: Plan, ctx: StepContext, res: torch.Tensor, table: torch.
     shape = plan.shape
     ctx.kernels.adam_finish(res, table if norms is None else norms, table, sum_r, plan.numel,
                             plan.moments if plan.gsnr else table, plan.keys, shape.length, shape.length_share, lamb,
-                            sums, maxs, lr=g["lr"], min_coeff=g.get("min_coeff", 0.0), max_coeff=g.get("max_coeff", 0.0),
-                            gsnr=plan.gsnr, trust=norms is not None, adapt=adapt)
+                            sums, maxs, lr=g["lr"], min_coeff=g.get("min_coeff", 0.0),
+                            max_coeff=g.get("max_coeff", 0.0), gsnr=plan.gsnr, trust=norms is not None, adapt=adapt)
 
 
 def check_placement(owner: str, group: dict[str, Any]) -> None:

@@ -178,11 +178,12 @@ def step_plans(member: Member, plans: list[Plan], ctx: StepContext, source: Stat
     if sync_free:
         for plan in plans:
             plan.found = found
-    for plan in plans:
+    for plan in plans:  # the same collectives in the same order on either route (a rank's route is its own)
         S.init_state(plan, member.state_keys, epoch, counts, count=not ctx.device_tables)
-        if plan.gsnr and not ctx.device_tables:
-            sum_r = ctx.complete(plan, plan.moments[:, :1])[:, 0]
-            plan.scales = G.segment_scales(sum_r, plan.numel, plan.group["gamma"])
+        if plan.gsnr:
+            plan.whole_r = ctx.complete(plan, plan.moments[:, :1])
+            if not ctx.device_tables:
+                plan.scales = G.segment_scales(plan.whole_r[:, 0], plan.numel, plan.group["gamma"])
     if ctx.device_tables:
         ctx.metric_tables = M.device_tables(plans, layout)
     ctx.extras = member._prepare(plans, ctx)

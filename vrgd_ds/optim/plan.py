@@ -54,7 +54,7 @@ class Plan:
     sum_sq: list[Tensor] = field(default_factory=list)
     avg: list[Tensor] = field(default_factory=list)
     moments: Tensor | None = None  # float64 [S, 6] from pass 1
-    whole_r: Tensor | None = None  # float64 [S, 1] on tdev: Σr of each segment's whole tensor (device tables)
+    whole_r: Tensor | None = None  # float64 [S, 1] on tdev: Σr of each segment's whole tensor
     grad_norms: Tensor | None = None  # float64 [S, 3] (groups without GSNR)
     scales: G.SegmentScales | None = None
     shape: PlanShape | None = None
