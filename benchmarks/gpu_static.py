@@ -260,6 +260,50 @@ def measure_step(name: str, over: dict[str, Any], tensors: int = 5, micro: int =
     return out
 
 
+def measure_flat_step(name: str, segments: int) -> dict[str, Any]:
+    """A steady step of ``name`` on one flat ZeRO partition of ``segments`` tensors (a rank's view:
+    the statistics arrive by collective, per-tensor sums through a ``Layout``), on one rank:
+    Triton launches, torch operations (by name) and host syncs."""
+    from vrgd_ds.stats.layout import Layout
+
+    sizes = [100 + i for i in range(segments)]
+    p = nn.Parameter(torch.randn(sum(sizes), generator=torch.Generator().manual_seed(0)) * 0.02)
+    p.grad = torch.randn(p.shape, generator=torch.Generator().manual_seed(1)) * 1e-3
+    info = REGISTRY[name]
+    opt = info.cls([p], fused="triton", lr=info.test_kwargs["lr"], weight_decay=0.01)
+    layout = Layout([str(i) for i in range(segments)], sizes, group=None)
+    layout.add(p, [(sum(sizes[:i]), sizes[i], i) for i in range(segments)])
+
+    sums = [p.grad * 4], [p.grad.square() * 4 + 1e-6]
+
+    class Reduced:  # statistics an engine's collective delivered: the same every step
+        n = 4
+
+        def moments(self, params):
+            return sums
+
+        def reset(self):
+            pass
+
+    opt.set_statistics_source(Reduced(), layout)
+    opt.step()
+    opt.step()
+    kernels = opt.kernels()
+    before = kernels.counts["launches"]
+    launch = kernels._launch
+
+    def launch_uncounted(*args, **kwargs):  # the interpreter's own torch ops are no GPU kernels
+        with ops.paused():
+            return launch(*args, **kwargs)
+
+    kernels._launch = launch_uncounted
+    with OpCount() as ops, SyncSpy() as syncs:
+        opt.step()
+    kernels._launch = launch
+    return {"triton_launches": kernels.counts["launches"] - before, "torch_ops": sum(ops.ops.values()),
+            "torch_ops_by_name": dict(ops.ops), "host_syncs": len(syncs.calls) + ops.syncs, "segments": segments}
+
+
 def measure_hooks() -> dict[str, dict[str, float]]:
     """Words per parameter per micro-step of the statistics hooks' kernels, first and later
     micro-steps: the one-process tensor hook (``accumulate_moments``; the last backward also
@@ -355,6 +399,7 @@ def report(args: argparse.Namespace) -> dict[str, Any]:
     steps = {label: measure_step(name, over) for label, name, over in cases()}
     many = {label: measure_step(name, over, tensors=40) for label, name, over in cases()
             if label in ("VRLamb first_moment", "VRAdam first_moment", "VRLars", "Lamb")}
+    flat = {(name, k): measure_flat_step(name, k) for name in ("VRLamb", "VRAdam", "Lamb") for k in (8, 64)}
     hooks = measure_hooks()
     shapes = bert_shapes(pathlib.Path(args.config))
     # ZeRO-2 in fp16 (the config): the per_step hook with ḡ summed locally (gbar "auto" in fp16)
@@ -364,7 +409,7 @@ def report(args: argparse.Namespace) -> dict[str, Any]:
     # words of a step whose hooks did not take it (measured with the pass, see measure_step)
     zero_step = {label: r["zero_step_words"] for label, r in steps.items()}
     rows = roofline(shapes, zero_step, zero_hook, args.mfu)
-    result = dict(steps=steps, many_tensors=many, hooks=hooks, bert=shapes, roofline=rows, mfu=args.mfu,
+    result = dict(steps=steps, many_tensors=many, flat=flat, hooks=hooks, bert=shapes, roofline=rows, mfu=args.mfu,
                   floors=FLOORS, targets=TARGETS, aot=_aot() if args.aot else None)
     _print(result)
     return result
@@ -394,6 +439,14 @@ def _print(r: dict[str, Any]) -> None:
         two = (lambda k: f"{s[k]} / {m[k]}") if m else (lambda k: f"{s[k]}")
         print(f"| {label} | {two('triton_launches')} | {two('torch_ops')} | {two('table_copies')} "
               f"| {two('host_syncs')} | {s['largest_torch_op_tensor']} |")
+    print("\n## One ZeRO flat partition, a steady step on one rank (8 tensors / 64 tensors in it; target for "
+          "VRLamb: at most 10 launches)\n")
+    print("| member | Triton launches | torch ops | launches in all | host syncs |\n|---|---|---|---|---|")
+    for name in dict.fromkeys(n for n, _ in r["flat"]):
+        few, many = r["flat"][(name, 8)], r["flat"][(name, 64)]
+        two = (lambda k: f"{few[k]} / {many[k]}")
+        total = f"{few['triton_launches'] + few['torch_ops']} / {many['triton_launches'] + many['torch_ops']}"
+        print(f"| {name} | {two('triton_launches')} | {two('torch_ops')} | {total} | {two('host_syncs')} |")
     b = r["bert"]
     print(f"\n## Roofline model: BERT-large ({b['params'] / 1e6:.1f}M parameters, {b['tensors']} tensors), ZeRO-2 "
           f"fp16, global batch {b['global_batch']}, micro-batch {b['micro_batch']}, seq {b['seq']}, MFU "

@@ -83,49 +83,6 @@ def test_roofline_model_adds_up():
     assert r["step_ms"] == pytest.approx(r["step_gb"] / 2.0)
 
 
-def _flat_step_launches(segments: int) -> tuple[int, int]:
-    """(Triton launches, torch operations) of a steady VRLamb step on one flat partition of
-    ``segments`` tensors (a ZeRO-1/2 rank's view), on one rank."""
-    import torch
-
-    import vrgd_ds
-    from vrgd_ds.stats.layout import Layout
-
-    sizes = [100 + i for i in range(segments)]
-    p = torch.nn.Parameter(torch.randn(sum(sizes)) * 0.02)
-    p.grad = torch.randn(p.shape) * 1e-3
-    opt = vrgd_ds.VRLamb([p], lr=1e-3, weight_decay=0.01, fused="triton")
-    layout = Layout([str(i) for i in range(segments)], sizes, group=None)
-    layout.add(p, [(sum(sizes[:i]), sizes[i], i) for i in range(segments)])
-
-    class Given:
-        n = 4
-        sums = ([p.grad * 4], [p.grad.square() * 4 + 1e-6])
-
-        def moments(self, params):
-            return self.sums
-
-        def reset(self):
-            pass
-
-    opt.set_statistics_source(Given(), layout)
-    opt.step()
-    opt.step()
-    kernels = opt.kernels()
-    before = kernels.counts["launches"]
-    launch = kernels._launch
-
-    def launch_uncounted(*args, **kwargs):  # the interpreter's own torch ops are no GPU kernels
-        with ops.paused():
-            return launch(*args, **kwargs)
-
-    kernels._launch = launch_uncounted
-    with gpu_static.OpCount() as ops:
-        opt.step()
-    kernels._launch = launch
-    return kernels.counts["launches"] - before, sum(ops.ops.values())
-
-
 def test_a_flat_partitions_step_launches_do_not_grow_with_its_tensors(monkeypatch):
     """VRLamb on one flat ZeRO partition: the same launches for 8 and 64 tensors in it, and at
     most 10 in all: 7 Triton launches (pass 1 with the gradient's check, its combine, the tables
@@ -133,6 +90,7 @@ def test_a_flat_partitions_step_launches_do_not_grow_with_its_tensors(monkeypatc
     operations (the betas' powers at the step). It ran 64 (7 and 57 torch operations on the
     per-segment tables) before the tables were built by kernels of their own, 116 before that."""
     monkeypatch.setattr(_triton, "CHUNK", 4 * _triton.BLOCK)
-    few, many = _flat_step_launches(8), _flat_step_launches(64)
-    assert few == many
-    assert few == (7, 2) and sum(few) <= 10
+    few, many = gpu_static.measure_flat_step("VRLamb", 8), gpu_static.measure_flat_step("VRLamb", 64)
+    counts = [(r["triton_launches"], r["torch_ops"], r["host_syncs"]) for r in (few, many)]
+    assert counts[0] == counts[1] == (7, 2, 0), few["torch_ops_by_name"]
+    assert few["triton_launches"] + few["torch_ops"] <= 10
