@@ -275,7 +275,8 @@ class GSNROptimizer(torch.optim.Optimizer):
     @staticmethod
     def _update(plan: Plan, ctx: F.StepContext) -> dict[str, Tensor]:
         """The member's update. Returns ``gsnr_counts`` [S, 3] (elements raised to gamma, cut to 1,
-        and the sum of the scale p̂ applied) and optionally ``trust`` [S] with ``adapted`` [S]."""
+        and the sum of the scale p̂ applied) and optionally ``trust`` [S] with ``adapted`` [S]; or
+        nothing when its kernels wrote the step's metric rows (``ctx.device_tables``)."""
         raise NotImplementedError
 
     # ---- state and metrics -------------------------------------------------------------------
