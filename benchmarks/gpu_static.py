@@ -88,7 +88,7 @@ def cases() -> list[tuple[str, str, dict[str, Any]]]:
 
 
 #: kernels that work on per-segment tables, not on elements: their accesses count with the scalars
-TABLE_KERNELS = frozenset(("_combine", "_adam_tables_kernel", "_adam_finish_kernel"))
+TABLE_KERNELS = frozenset(("_combine", "_adam_tables_kernel", "_finish_kernel"))
 
 
 class Tally:

@@ -207,7 +207,8 @@ def _steps_with_and_without_device_tables(name, over, monkeypatch, make):
             metrics.append(opt.gsnr_metrics(per_tensor=True))
         runs.append(([p.detach().clone() for p in params], opt.state_dict()["state"], metrics, opt.skipped_steps))
         per_step = len(opt.param_groups) if device_tables else 0  # each group's step, the skipped one too
-        assert launched.count("adam_tables") == launched.count("adam_finish") == 3 * per_step
+        tables = launched.count("adam_tables") + launched.count("sgd_tables")
+        assert tables == launched.count("finish") == 3 * per_step
     return runs
 
 
@@ -227,15 +228,19 @@ def _assert_same_runs(runs):
                  id="Lamb-nvlamb-clamped", marks=pytest.mark.exhaustive),
     pytest.param("VRLamb", dict(beta3=0.0, bias_correction=False, gsnr_placement="update"), id="VRLamb-no-momentum",
                  marks=pytest.mark.exhaustive),
-    pytest.param("VRAdam", dict(gsnr=False), id="VRAdam-gsnr-off", marks=pytest.mark.exhaustive)])
-def test_the_adam_familys_device_tables_step_as_its_torch_tables(name, over, monkeypatch):
-    """The Adam family's per-segment tables, skip decision, step counters, trust ratios and metric
-    rows from two single-program kernels (``adam_tables``, ``adam_finish``) instead of about fifty
-    torch operations: parameters, state (step counters included), every metric and the skip count
-    bit for bit over three steps, the second skipped on a NaN gradient, with two param groups (the
-    second without weight decay or trust-ratio adaptation). (The kernels' float64 square roots are
-    IEEE, as torch's on CUDA; torch's on this CPU may differ in the last bit, which does not reach
-    these steps' fp32 roundings.)"""
+    pytest.param("VRAdam", dict(gsnr=False), id="VRAdam-gsnr-off", marks=pytest.mark.exhaustive),
+    ("VRLars", dict(clip=True, beta3=0.5)), ("VRMomentum", dict(nesterov=True)),
+    pytest.param("VRSGD", {}, marks=pytest.mark.exhaustive),
+    pytest.param("Lars", dict(eps=1e-3), id="Lars-eps", marks=pytest.mark.exhaustive)])
+def test_device_tables_step_as_the_torch_tables(name, over, monkeypatch):
+    """The per-segment tables, skip decision, step counters, trust ratios and metric rows of the
+    Adam and SGD members from single-program kernels (``adam_tables`` or ``sgd_tables``, LARS's
+    ``lars_trust``, ``finish``) instead of 34 to 61 torch operations: parameters, state (step
+    counters and momentum buffers included), every metric and the skip count bit for bit over
+    three steps, the second skipped on a NaN gradient, with two param groups (the second without
+    weight decay or trust-ratio adaptation). (The kernels' float64 square roots are IEEE, as
+    torch's on CUDA; torch's on this CPU may differ in the last bit, which does not reach these
+    steps' fp32 roundings.)"""
     def make():
         m = Net().to(DEVICE)
         info = REGISTRY[name]

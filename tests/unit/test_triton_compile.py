@@ -29,8 +29,8 @@ def _compiler_env() -> dict[str, str]:
 
 
 def test_step_kernels_compile_for_a100_and_h100():
-    """The step's kernels (the four update passes, pass 1 with the gradient check, the Adam
-    family's two table kernels), one specialization each. Regression: the four step kernels read module-level table columns that were annotated
+    """The step's kernels (the four update passes, pass 1 with the gradient check, the table
+    kernels), one specialization each. Regression: the four step kernels read module-level table columns that were annotated
     ``X: tl.constexpr = ...`` instead of wrapped in ``tl.constexpr(...)``; the interpreter ran
     them, the compiler raised ``NameError: Cannot access global variable _INV_MEAN`` for every
     specialization, so every member's first step on a GPU failed. Fails on that code.
@@ -43,8 +43,8 @@ def test_step_kernels_compile_for_a100_and_h100():
         from triton.compiler import ASTSource
         from vrgd_ds.optim import _triton as T
         FLAGS = dict(PDT=tl.float32, ON=True, EMA=True, APPLY=True, PLACE=0, BUF=True, NESTEROV=False,
-                     BLOCK=T.BLOCK, GDT=tl.bfloat16, CHECK=True, BIAS=True, MULT=True, COUNT=True, K=5, TRUST=True,
-                     ADAPT=True)
+                     BLOCK=T.BLOCK, GDT=tl.bfloat16, CHECK=True, BIAS=True, MULT=True, COUNT=True, K=5, TRUST=1,
+                     ADAPT=True, MOM=True, CREATED=True, NORMS=True, CLIP=True)
         TABLE_BLOCK = dict(BLOCK=T._TABLE_BLOCK)
         def typ(p):
             if p.is_constexpr:
@@ -55,11 +55,12 @@ def test_step_kernels_compile_for_a100_and_h100():
                 return "*i64"
             return "*fp64" if p.name in ("segf", "part", "found") else "fp32"
         failed = []
+        tables = (T._adam_tables_kernel, T._sgd_tables_kernel, T._lars_trust_kernel, T._finish_kernel)
         for k in (T._sgd_kernel, T._adam_kernel, T._grad_norms_kernel, T._lamb_apply_kernel, T._moments_kernel,
-                  T._adam_tables_kernel, T._adam_finish_kernel):
+                  *tables):
             sig = {p.name: typ(p) for p in k.params}
             flags = {n: FLAGS[n] for n, t in sig.items() if t == "constexpr"}
-            if k in (T._adam_tables_kernel, T._adam_finish_kernel):
+            if k in tables:
                 flags.update(TABLE_BLOCK)
             for arch in (80, 90):
                 try:

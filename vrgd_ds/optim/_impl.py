@@ -348,7 +348,7 @@ def _fallback_method(method: str, protocol: type = Kernels):
 for _method in ("gsnr_moments", "scaled_grad_norms", "sgd_step", "adam_step", "lamb_apply", "nonfinite",
                 "pack_squares", "pack_bucket", "unpack_bucket", "accumulate_moments"):  # the Kernels protocol
     setattr(WithFallback, _method, _fallback_method(_method))
-for _method in ("checked_moments", "adam_tables", "adam_finish"):  # sync-free only: called while Triton is active
+for _method in ("checked_moments", "adam_tables", "finish", "sgd_tables", "lars_trust"):  # sync-free only: called while Triton is active
     setattr(WithFallback, _method, _fallback_method(_method, DeviceTables))
 
 

@@ -254,7 +254,8 @@ def _combine(part: "*fp64", bounds: "*i64", out: "*fp64", K: tl.constexpr, NSUM:
     a minimum and a maximum. ``FORM`` writes the row as its caller reads it: 0 as combined;
     1 (pass 1's five columns, or six with the gradient's non-finite count) as ``gsnr_moments``' six,
     ``[Σr, min r, max r, Σs, Σḡ², non-finite]``;
-    2 (one summed count) as a flag, 1.0 where it is positive."""
+    2 (one summed count) as a flag, 1.0 where it is positive; 3 (``scaled_grad_norms``' two sums)
+    with a third column, 1.0 where the second is not finite."""
     s = tl.program_id(0)
     c0 = tl.load(bounds + s)
     c1 = tl.load(bounds + s + 1)
@@ -287,6 +288,15 @@ def _combine(part: "*fp64", bounds: "*i64", out: "*fp64", K: tl.constexpr, NSUM:
         for c in range(c0, c1):
             acc += tl.load(part + c * K)
         tl.store(out + s, tl.where(acc > 0, 1.0, 0.0).to(tl.float64))
+    elif FORM == 3:
+        a0 = tl.zeros((), tl.float64)
+        a1 = tl.zeros((), tl.float64)
+        for c in range(c0, c1):
+            a0 += tl.load(part + c * K)
+            a1 += tl.load(part + c * K + 1)
+        tl.store(out + s * 3, a0)
+        tl.store(out + s * 3 + 1, a1)
+        tl.store(out + s * 3 + 2, tl.where((a1 != a1) | (tl.abs(a1) == float("inf")), 1.0, 0.0).to(tl.float64))
     else:
         for j in tl.static_range(NSUM):
             acc = tl.zeros((), tl.float64)
@@ -375,19 +385,23 @@ def _adam_tables_kernel(flags: "*fp64", nflags: tl.int64, fstride: tl.int64, fou
 
 
 @_kernel
-def _adam_finish_kernel(res: "*fp64", norms: "*fp64", nstride: tl.int64, table: "*fp64", sum_r: "*fp64",
+def _finish_kernel(res: "*fp64", norms: "*fp64", nstride: tl.int64, table: "*fp64", sum_r: "*fp64",
                         rstride: tl.int64, numel: "*fp64", moments: "*fp64", keys: "*i64", length: "*fp64",
                         share: "*fp64", lamb: "*fp64", sums: "*fp64", maxs: "*fp64", nseg: tl.int64,
                         lr: tl.float64, min_coeff: tl.float64, max_coeff: tl.float64, K: tl.constexpr,
                         ON: tl.constexpr, TRUST: tl.constexpr, ADAPT: tl.constexpr, BLOCK: tl.constexpr):
-    """``Triton.adam_finish``: ``lamb.trust_ratios`` and the ``lamb_apply`` table (``TRUST``), and
-    ``metrics.step_tables``' rows of the plan."""
+    """``Triton.finish``: ``metrics.step_tables``' rows of the plan; ``TRUST`` 1: first LAMB's trust
+    ratios (``lamb.trust_ratios``) and the ``lamb_apply`` table; 2: the trust ratios given as
+    ``[trust, adapted]`` rows in ``norms`` (LARS, ``lars_trust``); 0: none."""
     C: tl.constexpr = K - 3  # the clip counts and Σ p̂ are the last three columns of adam_step's rows
     neg_inf = float("-inf")
     for b in range(0, nseg, BLOCK):
         i, m = _seg_idx(b, nseg, BLOCK)
         row = table + i * _ADAM_W
-        if TRUST:
+        if TRUST == 2:
+            trust_col = tl.load(norms + i * nstride, mask=m, other=1.0)
+            adapted_col = tl.load(norms + i * nstride + 1, mask=m, other=0.0)
+        elif TRUST == 1:
             n0 = tl.sqrt(tl.load(norms + i * nstride, mask=m, other=1.0))  # sq_norms[:, :2].sqrt()
             n1 = tl.sqrt(tl.load(norms + i * nstride + 1, mask=m, other=1.0))
             if ADAPT:
@@ -438,6 +452,90 @@ def _adam_finish_kernel(res: "*fp64", norms: "*fp64", nstride: tl.int64, table: 
         tl.store(mrow + 3, adapted_col, mask=m)
         tl.store(mrow + 4, flag, mask=m)
         tl.store(mrow + 5, zero + 1.0, mask=m)
+
+
+@_kernel
+def _sgd_tables_kernel(flags: "*fp64", nflags: tl.int64, fstride: tl.int64, found: "*fp64", skipped: "*fp64",
+                       counters: "*i64", ntensors: tl.int64, powers: "*fp64", tensor_of: "*i64", sum_r: "*fp64",
+                       rstride: tl.int64, numel: "*fp64", created: "*fp64", out: "*fp64", norms_out: "*fp64",
+                       nseg: tl.int64, gamma: tl.float64, ON: tl.constexpr, EMA: tl.constexpr, MOM: tl.constexpr,
+                       CREATED: tl.constexpr, NORMS: tl.constexpr, COUNT: tl.constexpr, BLOCK: tl.constexpr):
+    """``Triton.sgd_tables``: as ``adam_tables`` for the SGD members (``sgd_step``'s table, with
+    ``lr_mult`` 1 and the momentum buffer's ``first`` flag; ``NORMS``: the GSNR columns again as
+    the ``scaled_grad_norms`` table LARS reads). ``first`` reads the counters before they are
+    advanced, so the advance waits behind a barrier."""
+    f = tl.zeros([BLOCK], tl.float64)
+    for b in range(0, nflags, BLOCK):
+        i, m = _seg_idx(b, nflags, BLOCK)
+        f = tl.maximum(f, tl.load(flags + i * fstride, mask=m, other=0.0))
+    fo = tl.max(f, axis=0)
+    tl.store(found, fo)
+    if COUNT:
+        tl.store(skipped, tl.load(skipped) + fo)
+    added = (1.0 - fo).to(tl.float32)
+    for b in range(0, nseg, BLOCK):
+        i, m = _seg_idx(b, nseg, BLOCK)
+        t = tl.load(tensor_of + i, mask=m, other=0)
+        one = tl.full([BLOCK], 1.0, tl.float64)
+        if ON:
+            mean = tl.load(sum_r + i * rstride, mask=m, other=1.0) / tl.load(numel + i, mask=m, other=1.0)
+            informative = mean > 0
+            inv_mean = tl.where(informative, 1.0 / mean, 0.0)
+            lo = tl.where(informative, gamma, 1.0)
+            if EMA:
+                bc3 = 1.0 - tl.load(powers + t, mask=m, other=0.0)
+            else:
+                bc3 = one
+        else:
+            inv_mean = one
+            lo = one
+            bc3 = one
+        if MOM:  # (step_t <= 1).double(), step_t the advanced counter clamped to 1
+            cp = tl.load(counters + t, mask=m, other=0).to(tl.pointer_type(tl.float32))
+            step = tl.maximum((tl.load(cp, mask=m, other=0.0) + added).to(tl.float64), 1.0)
+            first = tl.where(step <= 1.0, 1.0, 0.0)
+            if CREATED:
+                first = tl.maximum(tl.load(created + i, mask=m, other=0.0), first)
+        else:
+            first = one * 0.0
+        row = out + i * _SGD_W
+        tl.store(row + _INV_MEAN, inv_mean, mask=m)
+        tl.store(row + _LO, lo, mask=m)
+        tl.store(row + _BC3, bc3, mask=m)
+        tl.store(row + _SGD_LR_MULT, one, mask=m)
+        tl.store(row + _SGD_FIRST, first, mask=m)
+        if NORMS:
+            nrow = norms_out + i * _NORMS_W
+            tl.store(nrow + _INV_MEAN, inv_mean, mask=m)
+            tl.store(nrow + _LO, lo, mask=m)
+            tl.store(nrow + _BC3, bc3, mask=m)
+    tl.debug_barrier()  # every counter read above before any is advanced
+    for b in range(0, ntensors, BLOCK):
+        i, m = _seg_idx(b, ntensors, BLOCK)
+        cp = tl.load(counters + i, mask=m, other=0).to(tl.pointer_type(tl.float32))
+        tl.store(cp, tl.load(cp, mask=m) + added, mask=m)
+
+
+@_kernel
+def _lars_trust_kernel(norms: "*fp64", nstride: tl.int64, table: "*fp64", trust: "*fp64", nseg: tl.int64,
+                       weight_decay: tl.float64, eps: tl.float64, coefficient: tl.float64, lr: tl.float64,
+                       ADAPT: tl.constexpr, CLIP: tl.constexpr, BLOCK: tl.constexpr):
+    """``Triton.lars_trust``: LARS's local lr from whole-tensor ``[‖θ‖², ‖d‖²]`` rows into the
+    ``sgd_step`` table's ``lr_mult`` column and ``[trust, adapted]`` rows for the metrics, as
+    ``lars.lars_update`` computes them with torch operations."""
+    for b in range(0, nseg, BLOCK):
+        i, m = _seg_idx(b, nseg, BLOCK)
+        w = tl.sqrt(tl.load(norms + i * nstride, mask=m, other=1.0))
+        u = tl.sqrt(tl.load(norms + i * nstride + 1, mask=m, other=1.0))
+        adapted = (w > 0) & (u > 0) & ADAPT
+        denom = tl.where(adapted, u + weight_decay * w + eps, 1.0)
+        local = tl.where(adapted, coefficient * w / denom, 1.0)
+        if CLIP:
+            capped = local / lr
+            local = tl.where(adapted, tl.where(capped > 1.0, 1.0, capped), local)  # .clamp(max=1.0)
+        tl.store(table + i * _SGD_W + _SGD_LR_MULT, local, mask=m)
+        tl.store(trust + i * 2, local, mask=m)
+        tl.store(trust + i * 2 + 1, adapted.to(tl.float64), mask=m)
 
 
 # ---- kernels: per element (one block of indices), then the chunk loops -----------------------------
@@ -1001,14 +1099,19 @@ LAUNCHES: dict[str, Launch] = {
     "adam_tables": Launch(_adam_tables_kernel, _cases(lambda c: c["ON"] or not c["EMA"], ON=_BOOL, EMA=_BOOL,
                                                       BIAS=_BOOL, MULT=_BOOL, COUNT=_BOOL, BLOCK=(_TABLE_BLOCK,)),
                           num_warps=4),
-    # K: adam_step's row width, 5 for LAMB's first pass (trust ratios, adapted or not), 3 for Adam
-    "adam_finish": Launch(_adam_finish_kernel, _cases(lambda c: c["TRUST"] == (c["K"] == 5) and (
-        c["TRUST"] or not c["ADAPT"]), K=(3, 5), ON=_BOOL, TRUST=_BOOL, ADAPT=_BOOL, BLOCK=(_TABLE_BLOCK,)),
-                          num_warps=4),
+    # K: the step's row width, 5 for LAMB's first pass (trust ratios computed, adapted or not), 3 for
+    # Adam (no trust ratios) and the SGD members (LARS: trust ratios given)
+    "finish": Launch(_finish_kernel, _cases(lambda c: (c["TRUST"] == 1) == (c["K"] == 5) and (
+        c["TRUST"] == 1 or not c["ADAPT"]), K=(3, 5), ON=_BOOL, TRUST=(0, 1, 2), ADAPT=_BOOL,
+                                            BLOCK=(_TABLE_BLOCK,)), num_warps=4),
+    "sgd_tables": Launch(_sgd_tables_kernel, _cases(lambda c: (c["ON"] or not c["EMA"]) and (
+        c["MOM"] or not c["CREATED"]), ON=_BOOL, EMA=_BOOL, MOM=_BOOL, CREATED=_BOOL, NORMS=_BOOL, COUNT=_BOOL,
+                                                    BLOCK=(_TABLE_BLOCK,)), num_warps=4),
+    "lars_trust": Launch(_lars_trust_kernel, _cases(ADAPT=_BOOL, CLIP=_BOOL, BLOCK=(_TABLE_BLOCK,)), num_warps=4),
     "nonfinite": Launch(_nonfinite_kernel, _cases(XDT=_PDTS, BLOCK=(BLOCK,)), num_warps=4),
     # the reductions' (columns, summed, min/max) of the call sites above
     "combine": Launch(_combine, tuple(dict(K=k, NSUM=s, MINMAX=mm, FORM=f) for k, s, mm, f in
-                                      ((5, 3, True, 1), (6, 3, True, 1), (2, 2, False, 0), (3, 3, False, 0),
+                                      ((5, 3, True, 1), (6, 3, True, 1), (2, 2, False, 3), (3, 3, False, 0),
                                        (5, 5, False, 0), (1, 1, False, 2))),
                       num_warps=1),
     "pack_squares": Launch(_pack_squares_kernel, _cases(XDT=_PDTS, WITH_G=_BOOL, ACCUMULATE=_BOOL, ALIGNED=_BOOL,
@@ -1185,7 +1288,7 @@ class Triton:
         return _to_device(host, device)
 
     def _combined(self, ch: _Chunks, part: Tensor, k: int, nsum: int, minmax: bool, form: int = 0) -> Tensor:
-        width = {0: k, 1: 6, 2: 1}[form]
+        width = {0: k, 1: 6, 2: 1, 3: 3}[form]
         out = torch.empty(ch.segments, width, dtype=torch.float64, device=part.device)
         if ch.segments:
             self._launch("combine", (ch.segments,), part, ch.bounds, out, K=k, NSUM=nsum, MINMAX=minmax, FORM=form)
@@ -1252,16 +1355,38 @@ class Triton:
                      float(lr), float(bc1_mult), ON=bool(gsnr), EMA=bool(ema), BIAS=bool(bias),
                      MULT=mult is not None, COUNT=skipped is not None, BLOCK=_TABLE_BLOCK)
 
-    def adam_finish(self, res, norms, table, sum_r, numel, moments, keys, length, share, lamb, sums, maxs, lr,
-                    min_coeff, max_coeff, gsnr, trust, adapt):
-        """After ``adam_step``'s combine (``res``: its rows), in one single-program launch: with
-        ``trust`` (LAMB) the trust ratios from whole-tensor ``norms`` [‖θ‖², ‖u‖²] (any row
-        stride) and ``lamb``, the ``lamb_apply`` table with its ``lr · trust`` column; and the
-        step's metric rows written into ``sums``/``maxs`` at each segment's key (keys unique)."""
-        self._launch("adam_finish", (1,), res, norms, norms.stride(0), table, sum_r, sum_r.stride(0), numel, moments,
+    def finish(self, res, norms, table, sum_r, numel, moments, keys, length, share, lamb, sums, maxs, lr,
+               min_coeff, max_coeff, gsnr, trust, adapt):
+        """After the step's combine (``res``: its rows), in one single-program launch: the step's
+        metric rows written into ``sums``/``maxs`` at each segment's key (keys unique); before
+        them, ``trust`` 1 (LAMB): the trust ratios from whole-tensor ``norms`` [‖θ‖², ‖u‖²] (any
+        row stride) and ``lamb``, the ``lamb_apply`` table with its ``lr · trust`` column, from the
+        ``adam_step`` table; ``trust`` 2: ``norms`` holds ``[trust, adapted]`` rows (LARS); 0: none."""
+        self._launch("finish", (1,), res, norms, norms.stride(0), table, sum_r, sum_r.stride(0), numel, moments,
                      keys, length, share, table if lamb is None else lamb, sums, maxs, table.shape[0], float(lr),
-                     float(min_coeff), float(max_coeff), K=res.shape[1], ON=bool(gsnr), TRUST=bool(trust),
+                     float(min_coeff), float(max_coeff), K=res.shape[1], ON=bool(gsnr), TRUST=int(trust),
                      ADAPT=bool(adapt), BLOCK=_TABLE_BLOCK)
+
+    def sgd_tables(self, flags, found, skipped, counters, powers, tensor_of, sum_r, numel, created, out, norms_out,
+                   gamma, gsnr, ema, momentum):
+        """``adam_tables`` for the SGD members: ``out`` the ``sgd_step`` table (``lr_mult`` 1, ``first``
+        from the advanced counters and ``created``, a per-segment float64 vector of new momentum
+        buffers or None), ``norms_out`` (or None) the ``scaled_grad_norms`` table; ``powers`` [1, T]:
+        beta3 to the power of each tensor's step after a taken step."""
+        ptrs = self._ptr_table(_addresses(counters), out.device)
+        self._launch("sgd_tables", (1,), flags, flags.numel(), flags.stride(0) if flags.dim() else 1, found,
+                     found if skipped is None else skipped, ptrs, len(counters), powers, tensor_of, sum_r,
+                     sum_r.stride(0), numel, found if created is None else created, out,
+                     out if norms_out is None else norms_out, out.shape[0], float(gamma), ON=bool(gsnr),
+                     EMA=bool(ema), MOM=bool(momentum), CREATED=created is not None, NORMS=norms_out is not None,
+                     COUNT=skipped is not None, BLOCK=_TABLE_BLOCK)
+
+    def lars_trust(self, norms, table, trust, weight_decay, eps, coefficient, lr, adapt, clip):
+        """LARS's local lr from whole-tensor ``norms`` [‖θ‖², ‖d‖²] (any row stride) into ``table``'s
+        ``lr_mult`` column (the ``sgd_step`` table) and ``trust`` [S, 2] (local lr, adapted)."""
+        self._launch("lars_trust", (1,), norms, norms.stride(0), table, trust, table.shape[0], float(weight_decay),
+                     float(eps), float(coefficient), float(lr), ADAPT=bool(adapt), CLIP=bool(clip),
+                     BLOCK=_TABLE_BLOCK)
 
     def scaled_grad_norms(self, params, grads, sum_g, sum_sq, avg, seg, segf, inv_n, eps, beta3):
         dev = self._device(params)
@@ -1272,8 +1397,7 @@ class Triton:
             self._launch("grad_norms", (ch.count,), *ptrs, ch.table,
                          segf.contiguous(), part, float(inv_n), float(eps), float(beta3),
                          PDT=self._dtype(params), ON=bool(sum_g), EMA=bool(avg), BLOCK=BLOCK)
-        c = self._combined(ch, part, 2, 2, False)
-        return torch.cat([c, (~torch.isfinite(c[:, 1:2])).double()], dim=1)
+        return self._combined(ch, part, 2, 2, False, form=3)
 
     def sgd_step(self, params, grads, bufs, sum_g, sum_sq, avg, seg, segf, inv_n, eps, beta3, lr, weight_decay,
                  momentum, dampening, nesterov, found_inf=None):
@@ -1433,9 +1557,9 @@ def _combine_flags(k: int, nsum: int, minmax: bool, form: int = 0) -> tuple[str,
 
 
 def _finish_flags(k: int, on: bool) -> list[tuple[str, dict[str, Any]]]:
-    """``adam_finish`` after an ``adam_step`` whose table ``adam_tables`` built (``k`` its row
+    """``finish`` after an ``adam_step`` whose table ``adam_tables`` built (``k`` its row
     width: 5 is LAMB's first pass, with trust ratios adapted or not)."""
-    return [("adam_finish", dict(K=k, ON=on, TRUST=k == 5, ADAPT=adapt, BLOCK=_TABLE_BLOCK))
+    return [("finish", dict(K=k, ON=on, TRUST=int(k == 5), ADAPT=adapt, BLOCK=_TABLE_BLOCK))
             for adapt in ((False, True) if k == 5 else (False,))]
 
 
@@ -1448,7 +1572,7 @@ def _lamb_apply_flags(pdt: tl.dtype, on: bool, ema: bool) -> tuple[str, dict[str
 def _with_column(segf: Tensor, width: int, col: Callable[[Tensor], Tensor]) -> Tensor:
     """The table with one more float64 column computed on the device (a Python float would
     reach the kernel as fp32; the C++ kernels round ``lr / bc1`` from float64 once); a table
-    ``width`` wide has it already (``adam_tables``/``adam_finish`` wrote it)."""
+    ``width`` wide has it already (``adam_tables``/``finish`` wrote it)."""
     if segf.shape[1] == width:
         return segf
     return torch.cat([segf, col(segf).unsqueeze(1)], dim=1).contiguous()

@@ -28,7 +28,7 @@ import torch
 
 from vrgd_ds.optim import _impl, columns
 from vrgd_ds.optim.base import BUILDING, GSNROptimizer, check_arg, constructor_args
-from vrgd_ds.optim.functional import StepContext, member_step
+from vrgd_ds.optim.functional import StepContext, counted_by, finish_rows, member_step, step_powers
 from vrgd_ds.optim.plan import Plan
 
 #: the accepted ``gsnr_placement`` values (module docstring); the first is the default
@@ -52,7 +52,7 @@ def adam_update(plan: Plan, ctx: StepContext) -> dict[str, torch.Tensor]:
         beta2=g["betas"][1], eps=g["eps"], weight_decay=g["weight_decay"], apply=True, placement=placement_index(plan),
         eps_gsnr=g["gsnr_eps"], **{k: v for k, v in plan.gsnr_args(ctx.n).items() if k != "eps"}, **plan.skip_args())
     if ctx.device_tables:
-        device_finish(plan, ctx, counts, table)
+        finish_rows(plan, ctx, counts, table)
         return {}
     return {"gsnr_counts": counts}
 
@@ -61,40 +61,21 @@ def device_adam_table(plan: Plan, ctx: StepContext, mult: torch.Tensor | None = 
     """``columns.ADAM``'s table with its ``lr / bc1`` column, built on the device by one kernel
     (``Triton.adam_tables``) that also takes the step's skip decision and counts the step: what
     ``adam_columns``, ``state.init_state`` and ``functional.step_plans`` compute with torch
-    operations otherwise. The powers of the betas at the counted step are one torch ``pow``."""
+    operations otherwise."""
     g = plan.group
     beta1, beta2 = g["betas"]
     beta3 = g["beta3"] if plan.gsnr else 0.0
     out = torch.empty(plan.num_segments, len(columns.ADAM) + 1, dtype=torch.float64, device=plan.tdev)
-    counters = plan.counters
     bias, ema = bool(g["bias_correction"]), plan.gsnr and beta3 > 0
-    powers = out
-    if counters and (bias or ema):  # the step a taken step counts: a skipped one writes nothing
-        steps = (counters[0].reshape(1) if len(counters) == 1 else torch.stack(counters)) + 1.0
-        powers = torch.pow(plan.shape.powers_base((beta1, beta2, beta3)), steps)
-    skipped = None if ctx.counted else ctx.skipped
-    sum_r = plan.whole_r if plan.gsnr else out
-    ctx.kernels.adam_tables(ctx.flags, plan.found, skipped, counters, powers, plan.tensor_of, sum_r, plan.numel, mult,
-                            out, gamma=g["gamma"], lr=g["lr"],
+    powers = step_powers(plan, (beta1, beta2, beta3)) if bias or ema else None
+    skipped = counted_by(ctx)
+    ctx.kernels.adam_tables(ctx.flags, plan.found, skipped, plan.counters, out if powers is None else powers,
+                            plan.tensor_of, plan.whole_r if plan.gsnr else out, plan.numel, mult, out,
+                            gamma=g["gamma"], lr=g["lr"],
                             bc1_mult=1.0 if g.get("grad_averaging", True) else 1.0 - beta1, gsnr=plan.gsnr, ema=ema,
                             bias=bias)
-    ctx.counts.added_on_device(counters, plan.found, skipped)
-    ctx.counted = ctx.counted or skipped is not None
+    ctx.counts.added_on_device(plan.counters, plan.found, skipped)
     return out
-
-
-def device_finish(plan: Plan, ctx: StepContext, res: torch.Tensor, table: torch.Tensor,
-                  norms: torch.Tensor | None = None, lamb: torch.Tensor | None = None, adapt: bool = False) -> None:
-    """The plan's metric rows (and with ``norms``, LAMB's trust ratios into ``lamb``) in one kernel
-    (``Triton.adam_finish``), from what ``adam_step`` and pass 1 left on the device."""
-    g = plan.group
-    sums, maxs = ctx.metric_tables
-    sum_r = plan.whole_r if plan.gsnr else table
-    shape = plan.shape
-    ctx.kernels.adam_finish(res, table if norms is None else norms, table, sum_r, plan.numel,
-                            plan.moments if plan.gsnr else table, plan.keys, shape.length, shape.length_share, lamb,
-                            sums, maxs, lr=g["lr"], min_coeff=g.get("min_coeff", 0.0),
-                            max_coeff=g.get("max_coeff", 0.0), gsnr=plan.gsnr, trust=norms is not None, adapt=adapt)
 
 
 def check_placement(owner: str, group: dict[str, Any]) -> None:

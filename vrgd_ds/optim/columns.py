@@ -182,9 +182,10 @@ class Kernels(Protocol):
 
 class DeviceTables(Protocol):
     """What a ``sync_free`` implementation adds for the step itself (``functional.step_plans``):
-    pass 1 with the gradient's non-finite check in one launch, and the Adam family's per-segment
-    tables, skip decision, step counters and metric rows in kernels of their own, so a steady
-    step runs no torch operations on them (``_triton.Triton`` documents each)."""
+    pass 1 with the gradient's non-finite check in one launch, and the per-segment tables, skip
+    decision, step counters, trust ratios and metric rows of the Adam and SGD members in kernels
+    of their own, so a steady step runs no torch operations on them (``_triton.Triton``
+    documents each)."""
 
     def checked_moments(self, sum_g: Tensors, sum_sq: Tensors, grads: Tensors | None, seg: Tensor, inv_n: float,
                         eps: float) -> Tensor: ...
@@ -193,6 +194,13 @@ class DeviceTables(Protocol):
                     tensor_of: Tensor, sum_r: Tensor, numel: Tensor, mult: Tensor | None, out: Tensor, gamma: float,
                     lr: float, bc1_mult: float, gsnr: bool, ema: bool, bias: bool) -> None: ...
 
-    def adam_finish(self, res: Tensor, norms: Tensor, table: Tensor, sum_r: Tensor, numel: Tensor, moments: Tensor,
-                    keys: Tensor, length: Tensor, share: Tensor, lamb: Tensor | None, sums: Tensor, maxs: Tensor,
-                    lr: float, min_coeff: float, max_coeff: float, gsnr: bool, trust: bool, adapt: bool) -> None: ...
+    def finish(self, res: Tensor, norms: Tensor, table: Tensor, sum_r: Tensor, numel: Tensor, moments: Tensor,
+               keys: Tensor, length: Tensor, share: Tensor, lamb: Tensor | None, sums: Tensor, maxs: Tensor,
+               lr: float, min_coeff: float, max_coeff: float, gsnr: bool, trust: int, adapt: bool) -> None: ...
+
+    def sgd_tables(self, flags: Tensor, found: Tensor, skipped: Tensor | None, counters: Tensors, powers: Tensor,
+                   tensor_of: Tensor, sum_r: Tensor, numel: Tensor, created: Tensor | None, out: Tensor,
+                   norms_out: Tensor | None, gamma: float, gsnr: bool, ema: bool, momentum: bool) -> None: ...
+
+    def lars_trust(self, norms: Tensor, table: Tensor, trust: Tensor, weight_decay: float, eps: float,
+                   coefficient: float, lr: float, adapt: bool, clip: bool) -> None: ...

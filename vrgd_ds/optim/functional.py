@@ -152,8 +152,7 @@ def step_plans(member: Member, plans: list[Plan], ctx: StepContext, source: Stat
             flags += [plan.moments[:, 5], kernels.nonfinite(plan.grads, plan.seg)]
         elif member._needs_grad_norms(plan.group):  # the norms' pass also answers the non-finite check
             plan.grad_norms = kernels.scaled_grad_norms(
-                plan.params, plan.grads, [], [], [], plan.seg, columns.build(columns.NORMS, **plan.gsnr_columns()),
-                1.0, 0.0, 0.0)
+                plan.params, plan.grads, [], [], [], plan.seg, plan.shape.ones_table(len(columns.NORMS)), 1.0, 0.0, 0.0)
             flags.append(plan.grad_norms[:, 2])
         else:  # reads the gradient only (one word per parameter, the norms' pass reads two)
             flags.append(kernels.nonfinite(plan.grads, plan.seg))
@@ -188,6 +187,38 @@ def step_plans(member: Member, plans: list[Plan], ctx: StepContext, source: Stat
         ctx.metric_tables = M.device_tables(plans, layout)
     ctx.extras = member._prepare(plans, ctx)
     return [member._update(plan, ctx) for plan in plans], (found if sync_free else None)
+
+
+def step_powers(plan: Plan, betas: tuple[float, ...]) -> Tensor | None:
+    """``betas`` to the power of each tensor's step count after a taken step, ``[k, T]`` on the
+    device (a skipped step writes nothing, so its count does not matter): one torch ``pow`` beside
+    the tables kernels, which take it. None for a rank holding no piece of the group."""
+    counters = plan.counters
+    if not counters:
+        return None
+    steps = (counters[0].reshape(1) if len(counters) == 1 else torch.stack(counters)) + 1.0
+    return torch.pow(plan.shape.powers_base(betas), steps)
+
+
+def counted_by(ctx: StepContext) -> Tensor | None:
+    """The skip counter for the step's first tables kernel to add the decision to (None after it)."""
+    skipped = None if ctx.counted else ctx.skipped
+    ctx.counted = ctx.counted or skipped is not None
+    return skipped
+
+
+def finish_rows(plan: Plan, ctx: StepContext, res: Tensor, table: Tensor, norms: Tensor | None = None,
+                lamb: Tensor | None = None, trust: int = 0, adapt: bool = False) -> None:
+    """The plan's metric rows in one kernel (``Triton.finish``), from what the step's pass and pass
+    1 left on the device; ``trust`` 1: LAMB's trust ratios from ``norms`` into ``lamb`` first, 2:
+    ``norms`` holds LARS's ``[trust, adapted]`` rows."""
+    g = plan.group
+    sums, maxs = ctx.metric_tables
+    shape = plan.shape
+    ctx.kernels.finish(res, table if norms is None else norms, table, plan.whole_r if plan.gsnr else table,
+                       plan.numel, plan.moments if plan.gsnr else table, plan.keys, shape.length, shape.length_share,
+                       lamb, sums, maxs, lr=g["lr"], min_coeff=g.get("min_coeff", 0.0),
+                       max_coeff=g.get("max_coeff", 0.0), gsnr=plan.gsnr, trust=trust, adapt=adapt)
 
 
 # ---- a member's step as a function ---------------------------------------------------------

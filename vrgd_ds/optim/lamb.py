@@ -44,10 +44,10 @@ from typing import Any
 import torch
 
 from vrgd_ds.optim.adam import (GSNR_PLACEMENTS, UPDATE_PLACEMENT, adam_columns, check_adam_args, check_placement,
-                                 device_adam_table, device_finish, placement_index)
+                                 device_adam_table, placement_index)
 from vrgd_ds.optim import columns
 from vrgd_ds.optim.base import BUILDING, GSNROptimizer, check_arg, constructor_args
-from vrgd_ds.optim.functional import StepContext, member_step
+from vrgd_ds.optim.functional import StepContext, finish_rows, member_step
 from vrgd_ds.optim.plan import Plan
 
 
@@ -119,7 +119,7 @@ def lamb_update(plan: Plan, ctx: StepContext) -> dict[str, torch.Tensor]:
     if device:
         apply_table = torch.empty(plan.num_segments, len(columns.LAMB_APPLY) + 1, dtype=torch.float64,
                                   device=plan.tdev)
-        device_finish(plan, ctx, out, table, norms=norms, lamb=apply_table, adapt=adapts(g))
+        finish_rows(plan, ctx, out, table, norms, lamb=apply_table, trust=1, adapt=adapts(g))
     else:
         trust, adapted = trust_ratios(plan, norms, g["min_coeff"], g["max_coeff"])
         apply_cols = dict({k: cols[k] for k in columns.LAMB_APPLY if k != "trust"}, trust=trust)

@@ -17,21 +17,30 @@ import torch
 
 from vrgd_ds.optim import columns
 from vrgd_ds.optim.base import BUILDING, GSNROptimizer, check_arg, constructor_args
-from vrgd_ds.optim.functional import StepContext, member_step
+from vrgd_ds.optim.functional import StepContext, finish_rows, member_step
 from vrgd_ds.optim.plan import Plan
-from vrgd_ds.optim.sgd import sgd_update
+from vrgd_ds.optim.sgd import device_sgd_table, sgd_update
 
 
 def lars_update(plan: Plan, ctx: StepContext) -> dict[str, torch.Tensor]:
     """VR-LARS's update of one plan: per-tensor norms of θ and p̂ ⊙ g completed over each whole
     tensor, the local lr from them, then SGD momentum on the adapted direction."""
     g, kernels, n = plan.group, ctx.kernels, ctx.n
+    if ctx.device_tables:
+        table, norms_table = device_sgd_table(plan, ctx, norms_table=plan.gsnr)
     norms = plan.grad_norms  # pass 1 of a group without GSNR computed exactly these
     if plan.gsnr:
-        norms = kernels.scaled_grad_norms(plan.params, plan.grads, seg=plan.seg,
-                                          segf=columns.build(columns.NORMS, **plan.gsnr_columns()),
+        norms = kernels.scaled_grad_norms(plan.params, plan.grads, seg=plan.seg, segf=norms_table
+                                          if ctx.device_tables else columns.build(columns.NORMS,
+                                                                                  **plan.gsnr_columns()),
                                           **plan.gsnr_args(n))
     sq = ctx.complete(plan, norms[:, :2])
+    if ctx.device_tables:  # the local lr into the table's lr_mult column, then the step and its rows
+        trust = torch.empty(plan.num_segments, 2, dtype=torch.float64, device=plan.tdev)
+        kernels.lars_trust(sq, table, trust, g["weight_decay"], g["eps"], g["trust_coefficient"], g["lr"],
+                           adapt=bool(g["trust_ratio"]), clip=bool(g["clip"] and g["lr"] > 0))
+        finish_rows(plan, ctx, sgd_update(plan, kernels, n, table=table), table, trust, trust=2)
+        return {}
     w, u = sq[:, 0].sqrt(), sq[:, 1].sqrt()
     adapted = torch.full_like(w, bool(g["trust_ratio"]), dtype=torch.bool) & (w > 0) & (u > 0)
     denom = torch.where(adapted, u + g["weight_decay"] * w + g["eps"], torch.ones_like(u))
@@ -58,6 +67,7 @@ class VRLars(GSNROptimizer):
     """
 
     state_keys = ()
+    device_tables = True  # the sync-free kernels build its tables on the device (functional.step_plans)
 
     def __init__(self, params: Any, lr: float = 1.0, momentum: float = 0.9, nesterov: bool = False,
                  weight_decay: float = 0.0, trust_coefficient: float = 0.001, clip: bool = False, eps: float = 0.0,

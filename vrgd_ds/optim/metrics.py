@@ -146,7 +146,7 @@ def _covers(plans: list[Plan], layout: Any, num_keys: int) -> bool:
 
 
 def device_tables(plans: list[Plan], layout: Any | None) -> tuple[Tensor, Tensor]:
-    """The step's tables for kernels that write each plan's rows at its keys (``Triton.adam_finish``):
+    """The step's tables for kernels that write each plan's rows at its keys (``Triton.finish``):
     left unset where the plans' segments hold every key once (one process always; a layout when
     this rank holds a piece of every tensor), else the empty tables, whose rows no plan writes."""
     tdev = plans[0].tdev

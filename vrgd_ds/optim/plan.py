@@ -123,6 +123,15 @@ class PlanShape:
         """Whether no two segments belong to one model tensor (a kernel may write a row per key)."""
         return len(self.key_set) == self.seg.shape[0]
 
+    def ones_table(self, width: int) -> Tensor:
+        """A float64 ``[S, width]`` table of ones on the table device (the GSNR columns of a group
+        without GSNR; made once)."""
+        got = self._constants.get(("ones", width))
+        if got is None:
+            got = self._constants[("ones", width)] = torch.ones(self.length.numel(), width, dtype=torch.float64,
+                                                                device=self.length.device)
+        return got
+
     def powers_base(self, betas: tuple[float, ...]) -> Tensor:
         """``betas`` as a float64 ``[k, 1]`` column on the table device (made once per values)."""
         got = self._constants.get(betas)

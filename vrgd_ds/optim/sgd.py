@@ -18,32 +18,66 @@ import torch
 
 from vrgd_ds.optim import columns
 from vrgd_ds.optim.base import GSNROptimizer, check_arg, constructor_args
-from vrgd_ds.optim.functional import StepContext, member_step
+from vrgd_ds.optim.functional import StepContext, counted_by, finish_rows, member_step, step_powers
 from vrgd_ds.optim.plan import Plan
 
 
-def sgd_update(plan: Plan, kernels: Any, n: int, lr_mult: torch.Tensor | None = None) -> torch.Tensor:
-    """One (VR-)SGD/momentum step of a plan; ``lr_mult`` per segment (LARS), default 1."""
+def sgd_update(plan: Plan, kernels: Any, n: int, lr_mult: torch.Tensor | None = None,
+               table: torch.Tensor | None = None) -> torch.Tensor:
+    """One (VR-)SGD/momentum step of a plan; ``lr_mult`` per segment (LARS), default 1; ``table``:
+    the ``sgd_step`` table built on the device (``device_sgd_table``), buffers created there."""
     g = plan.group
     momentum = g["momentum"]
     bufs: list[torch.Tensor] = []
-    first = plan.ones() * 0.0  # read with a momentum buffer only
-    if momentum != 0.0:
+    first = plan.ones() * 0.0 if table is None else None  # read with a momentum buffer only
+    if momentum != 0.0 and table is None:
         # The buffer's first applied step copies d: a buffer created now, or the first counted step
         # (a step the sync-free kernels skipped on the device leaves the new buffer at zero).
         first = (plan.step_t <= 1).double()
-        created = [0.0 if "momentum_buffer" in st else 1.0 for st in plan.states]
-        if any(created):  # a host table only when a buffer is new (a steady step copies nothing)
-            for p, st in zip(plan.params, plan.states):
-                if "momentum_buffer" not in st:
-                    st["momentum_buffer"] = torch.zeros(p.shape, dtype=torch.float32, device=p.device)
-            first = torch.maximum(plan.per_segment(created), first)
+        created = _create_buffers(plan)
+        if created is not None:  # a host table only when a buffer is new (a steady step copies nothing)
+            first = torch.maximum(created, first)
+    if momentum != 0.0:
         bufs = [st["momentum_buffer"] for st in plan.states]
-    segf = columns.build(columns.SGD, **plan.gsnr_columns(), lr_mult=plan.ones() if lr_mult is None else lr_mult,
-                         first=first)
+    segf = table if table is not None else columns.build(
+        columns.SGD, **plan.gsnr_columns(), lr_mult=plan.ones() if lr_mult is None else lr_mult, first=first)
     return kernels.sgd_step(plan.params, plan.grads, bufs, seg=plan.seg, segf=segf, lr=g["lr"],
                             weight_decay=g["weight_decay"], momentum=momentum, dampening=g["dampening"],
                             nesterov=g["nesterov"], **plan.gsnr_args(n), **plan.skip_args())
+
+
+def _create_buffers(plan: Plan) -> torch.Tensor | None:
+    """Creates the momentum buffers the plan's tensors lack; per segment 1.0 where one was created
+    (None: none was)."""
+    created = [0.0 if "momentum_buffer" in st else 1.0 for st in plan.states]
+    if not any(created):
+        return None
+    for p, st in zip(plan.params, plan.states):
+        if "momentum_buffer" not in st:
+            st["momentum_buffer"] = torch.zeros(p.shape, dtype=torch.float32, device=p.device)
+    return plan.per_segment(created)
+
+
+def device_sgd_table(plan: Plan, ctx: StepContext, norms_table: bool = False) -> tuple[torch.Tensor,
+                                                                                        torch.Tensor | None]:
+    """``columns.SGD``'s table (``lr_mult`` 1) and, with ``norms_table``, the ``scaled_grad_norms``
+    table, built on the device by one kernel (``Triton.sgd_tables``) that also takes the step's skip
+    decision and counts the step; buffers the plan lacks are created first."""
+    g = plan.group
+    momentum = g["momentum"] != 0.0
+    created = _create_buffers(plan) if momentum else None
+    beta3 = g["beta3"] if plan.gsnr else 0.0
+    ema = plan.gsnr and beta3 > 0
+    powers = step_powers(plan, (beta3,)) if ema else None
+    out = torch.empty(plan.num_segments, len(columns.SGD), dtype=torch.float64, device=plan.tdev)
+    norms = torch.empty(plan.num_segments, len(columns.NORMS), dtype=torch.float64,
+                        device=plan.tdev) if norms_table else None
+    skipped = counted_by(ctx)
+    ctx.kernels.sgd_tables(ctx.flags, plan.found, skipped, plan.counters, out if powers is None else powers,
+                           plan.tensor_of, plan.whole_r if plan.gsnr else out, plan.numel, created, out, norms,
+                           gamma=g["gamma"], gsnr=plan.gsnr, ema=ema, momentum=momentum)
+    ctx.counts.added_on_device(plan.counters, plan.found, skipped)
+    return out, norms
 
 
 class VRMomentum(GSNROptimizer):
@@ -63,6 +97,8 @@ class VRMomentum(GSNROptimizer):
         fused: as :class:`vrgd_ds.VRAdam` (None: the fused kernels of the parameters' device).
     """
 
+    device_tables = True  # the sync-free kernels build its tables on the device (functional.step_plans)
+
     def __init__(self, params: Any, lr: float = 0.1, momentum: float = 0.9, dampening: float = 0.0,
                  nesterov: bool = False, weight_decay: float = 0.0, gamma: float = 0.1, beta3: float = 0.0,
                  gsnr_eps: float = 1e-12, gsnr: bool = True, fused: bool | str | None = None) -> None:
@@ -81,7 +117,11 @@ class VRMomentum(GSNROptimizer):
 
     @staticmethod
     def _update(plan: Plan, ctx: StepContext) -> dict[str, torch.Tensor]:
-        return {"gsnr_counts": sgd_update(plan, ctx.kernels, ctx.n)}
+        if not ctx.device_tables:
+            return {"gsnr_counts": sgd_update(plan, ctx.kernels, ctx.n)}
+        table, _ = device_sgd_table(plan, ctx)
+        finish_rows(plan, ctx, sgd_update(plan, ctx.kernels, ctx.n, table=table), table)
+        return {}
 
 
 class VRSGD(VRMomentum):
