@@ -399,7 +399,8 @@ def report(args: argparse.Namespace) -> dict[str, Any]:
     steps = {label: measure_step(name, over) for label, name, over in cases()}
     many = {label: measure_step(name, over, tensors=40) for label, name, over in cases()
             if label in ("VRLamb first_moment", "VRAdam first_moment", "VRLars", "Lamb")}
-    flat = {(name, k): measure_flat_step(name, k) for name in ("VRLamb", "VRAdam", "Lamb") for k in (8, 64)}
+    flat = {(name, k): measure_flat_step(name, k) for name in ("VRLamb", "VRAdam", "Lamb", "VRMomentum", "VRLars")
+            for k in (8, 64)}
     hooks = measure_hooks()
     shapes = bert_shapes(pathlib.Path(args.config))
     # ZeRO-2 in fp16 (the config): the per_step hook with ḡ summed locally (gbar "auto" in fp16)

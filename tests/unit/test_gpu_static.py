@@ -88,9 +88,12 @@ def test_a_flat_partitions_step_launches_do_not_grow_with_its_tensors(monkeypatc
     most 10 in all: 7 Triton launches (pass 1 with the gradient's check, its combine, the tables
     kernel, the Adam pass, its combine, the trust and metrics kernel, the apply pass) and 2 torch
     operations (the betas' powers at the step). It ran 64 (7 and 57 torch operations on the
-    per-segment tables) before the tables were built by kernels of their own, 116 before that."""
+    per-segment tables) before the tables were built by kernels of their own, 116 before that.
+    VRLars (with its norms pass and local lr): 9 Triton launches and no torch operation."""
     monkeypatch.setattr(_triton, "CHUNK", 4 * _triton.BLOCK)
     few, many = gpu_static.measure_flat_step("VRLamb", 8), gpu_static.measure_flat_step("VRLamb", 64)
     counts = [(r["triton_launches"], r["torch_ops"], r["host_syncs"]) for r in (few, many)]
     assert counts[0] == counts[1] == (7, 2, 0), few["torch_ops_by_name"]
     assert few["triton_launches"] + few["torch_ops"] <= 10
+    lars = gpu_static.measure_flat_step("VRLars", 8)  # the SGD members' tables on the device too
+    assert (lars["triton_launches"], lars["torch_ops"], lars["host_syncs"]) == (9, 0, 0), lars["torch_ops_by_name"]

@@ -522,7 +522,8 @@ def _lars_trust_kernel(norms: "*fp64", nstride: tl.int64, table: "*fp64", trust:
                        ADAPT: tl.constexpr, CLIP: tl.constexpr, BLOCK: tl.constexpr):
     """``Triton.lars_trust``: LARS's local lr from whole-tensor ``[‖θ‖², ‖d‖²]`` rows into the
     ``sgd_step`` table's ``lr_mult`` column and ``[trust, adapted]`` rows for the metrics, as
-    ``lars.lars_update`` computes them with torch operations."""
+    ``lars.lars_update`` computes them with torch operations (``local / lr`` a true division, as
+    torch's on the CPU; torch on CUDA multiplies by the reciprocal of a Python scalar divisor)."""
     for b in range(0, nseg, BLOCK):
         i, m = _seg_idx(b, nseg, BLOCK)
         w = tl.sqrt(tl.load(norms + i * nstride, mask=m, other=1.0))
