@@ -391,11 +391,13 @@ def test_single_rank_without_enough_groups_is_an_error(pool1, tmp_path):
     assert "gradient_accumulation_steps >= 2" in res["message"]
 
 
-def test_device_tables_across_ranks_step_as_the_torch_tables(pool):
-    """The Triton step's tables, skip decision and metric rows built by its kernels, with the
-    per-tensor sums and the decision completed across 2 ranks (a NaN on one rank skips both):
-    bit for bit the torch operations' run on every rank (worker.run_device_tables_case)."""
-    res = pool.run("worker", "run_device_tables_case", {})
+@pytest.mark.parametrize("opt, launches", [("VRLamb", (7, 5)), ("VRLars", (9, 6))])
+def test_device_tables_across_ranks_step_as_the_torch_tables(pool, opt, launches):
+    """The Triton step's tables, skip decision, trust ratios and metric rows built by its kernels,
+    with the per-tensor sums (GSNR mean, trust norms) and the decision completed across 2 ranks (a
+    NaN on one rank skips both): bit for bit the torch operations' run on every rank
+    (worker.run_device_tables_case). Launches per step: the table kernels beside the step's own."""
+    res = pool.run("worker", "run_device_tables_case", {"opt": opt})
     assert "error" not in res, res.get("trace", res)
     assert res["same"] and res["gsnr_mean"] > 0, res
-    assert res["launches"] == [3 * 7, 3 * 5]  # per step: the tables' two kernels beside the step's five
+    assert res["launches"] == [3 * launches[0], 3 * launches[1]]

@@ -825,14 +825,16 @@ def prepare_process(case: dict) -> dict:
 
 
 def run_device_tables_case(case: dict) -> dict:
-    """VRLamb on the Triton kernels (interpreted on CPU) over each rank's flat partition of three
+    """``case["opt"]`` (VRLamb, VRLars) on the Triton kernels (interpreted on CPU) over each rank's flat partition of three
     model tensors, the middle one cut across the two ranks, per-tensor sums completed by the
     layout's all-reduce: three steps with the tables built by the device kernels and three with
     torch operations, the second step with a NaN on rank 1 only (both ranks skip it). Returns
     whether the runs are equal bit for bit on every rank."""
-    from vrgd_ds.optim import _triton
-    from vrgd_ds.optim.lamb import VRLamb
     from vrgd_ds.stats.layout import Layout
+
+    cls = vrgd_ds.REGISTRY[case["opt"]].cls
+    kwargs = {"VRLamb": dict(lr=0.05, weight_decay=0.01),
+              "VRLars": dict(lr=0.5, weight_decay=0.01, clip=True, beta3=0.5)}[case["opt"]]
 
     rank, sizes = dist.get_rank(), [1500, 1200, 900]
     bounds = (0, 1800, 3600)
@@ -855,11 +857,11 @@ def run_device_tables_case(case: dict) -> dict:
 
     runs = []
     for device_tables in (True, False):
-        VRLamb.device_tables = device_tables
+        cls.device_tables = device_tables
         flat = torch.nn.Parameter(torch.randn(3600, generator=torch.Generator().manual_seed(5))[lo:hi].clone())
         layout = Layout(["a", "b", "c"], sizes, group=torch.distributed.group.WORLD)
         layout.add(flat, pieces)
-        opt = VRLamb([flat], fused="triton", lr=0.05, weight_decay=0.01)
+        opt = cls([flat], fused="triton", **kwargs)
         source = Given()
         opt.set_statistics_source(source, layout)
         metrics = []
@@ -871,9 +873,9 @@ def run_device_tables_case(case: dict) -> dict:
             flat.grad = gs.mean(0)
             opt.step()
             metrics.append(opt.gsnr_metrics(per_tensor=True))
-        runs.append((flat.detach().clone(), opt.state_dict()["state"][0], metrics, opt.skipped_steps,
+        runs.append((flat.detach().clone(), opt.state_dict()["state"].get(0, {}), metrics, opt.skipped_steps,
                      opt.kernels().counts["launches"]))
-    VRLamb.device_tables = True
+    cls.device_tables = True
     (p1, s1, m1, k1, l1), (p2, s2, m2, k2, l2) = runs
     same = (torch.equal(p1, p2) and all(torch.equal(v, s2[k]) for k, v in s1.items())
             and m1 == m2 and k1 == k2 == 1 and m1[1]["step/skipped"] == 1.0 and m1[2]["step/skipped"] == 0.0)
