@@ -229,7 +229,8 @@ def _assert_same_runs(runs):
     pytest.param("VRLamb", dict(beta3=0.0, bias_correction=False, gsnr_placement="update"), id="VRLamb-no-momentum",
                  marks=pytest.mark.exhaustive),
     pytest.param("VRAdam", dict(gsnr=False), id="VRAdam-gsnr-off", marks=pytest.mark.exhaustive),
-    ("VRLars", dict(clip=True, beta3=0.5)), ("VRMomentum", dict(nesterov=True)),
+    ("VRLars", dict(clip=True, beta3=0.5)),
+    pytest.param("VRMomentum", dict(nesterov=True), id="VRMomentum-nesterov", marks=pytest.mark.exhaustive),
     pytest.param("VRSGD", {}, marks=pytest.mark.exhaustive),
     pytest.param("Lars", dict(eps=1e-3), id="Lars-eps", marks=pytest.mark.exhaustive)])
 def test_device_tables_step_as_the_torch_tables(name, over, monkeypatch):

@@ -123,9 +123,9 @@ def step_plans(member: Member, plans: list[Plan], ctx: StepContext, source: Stat
     step was skipped on the host (nothing written).
 
     With the sync-free kernels, pass 1 answers the non-finite check in the same launch; a member
-    with ``device_tables`` (the Adam family) then builds its kernel tables, the skip decision, the
-    step counters and its metric rows in kernels of their own (``DeviceTables``), reading what
-    pass 1 left on the device."""
+    with ``device_tables`` (every one but MERIT) then builds its kernel tables, the skip decision,
+    the step counters, its trust ratios and its metric rows in kernels of their own
+    (``columns.DeviceTables``), reading what pass 1 left on the device."""
     kernels, n, layout = ctx.kernels, ctx.n, ctx.layout
     sync_free = kernels.sync_free
     ctx.device_tables = sync_free and getattr(member, "device_tables", False) and all(

@@ -30,10 +30,8 @@ def lars_update(plan: Plan, ctx: StepContext) -> dict[str, torch.Tensor]:
         table, norms_table = device_sgd_table(plan, ctx, norms_table=plan.gsnr)
     norms = plan.grad_norms  # pass 1 of a group without GSNR computed exactly these
     if plan.gsnr:
-        norms = kernels.scaled_grad_norms(plan.params, plan.grads, seg=plan.seg, segf=norms_table
-                                          if ctx.device_tables else columns.build(columns.NORMS,
-                                                                                  **plan.gsnr_columns()),
-                                          **plan.gsnr_args(n))
+        segf = norms_table if ctx.device_tables else columns.build(columns.NORMS, **plan.gsnr_columns())
+        norms = kernels.scaled_grad_norms(plan.params, plan.grads, seg=plan.seg, segf=segf, **plan.gsnr_args(n))
     sq = ctx.complete(plan, norms[:, :2])
     if ctx.device_tables:  # the local lr into the table's lr_mult column, then the step and its rows
         trust = torch.empty(plan.num_segments, 2, dtype=torch.float64, device=plan.tdev)
