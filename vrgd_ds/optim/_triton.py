@@ -325,6 +325,52 @@ def _seg_idx(b, nseg, BLOCK: tl.constexpr):
     return i, i < nseg
 
 
+@triton.jit
+def _decide(flags, nflags, fstride, found, skipped, COUNT: tl.constexpr, BLOCK: tl.constexpr):
+    """The step's skip decision, the largest of the flags (``torch.cat(flags).amax()``), stored in
+    ``found`` and added to ``skipped`` (``COUNT``); returns what a counter advances by,
+    ``(1.0 - found).float()``."""
+    f = tl.zeros([BLOCK], tl.float64)
+    for b in range(0, nflags, BLOCK):
+        i, m = _seg_idx(b, nflags, BLOCK)
+        f = tl.maximum(f, tl.load(flags + i * fstride, mask=m, other=0.0))
+    fo = tl.max(f, axis=0)
+    tl.store(found, fo)
+    if COUNT:
+        tl.store(skipped, tl.load(skipped) + fo)  # Recorder: skipped_device + found
+    return (1.0 - fo).to(tl.float32)
+
+
+@triton.jit
+def _scales(sum_r, rstride, numel, bc3_powers, i, t, m, gamma, ON: tl.constexpr, EMA: tl.constexpr,
+            BLOCK: tl.constexpr):
+    """The GSNR columns of segments ``i`` (``gsnr.segment_scales`` and 1 - beta3 ** step from
+    ``bc3_powers``, indexed by tensor ``t``): (inv_mean, lo, bc3), ones without GSNR."""
+    one = tl.full([BLOCK], 1.0, tl.float64)
+    if ON:
+        mean = tl.load(sum_r + i * rstride, mask=m, other=1.0) / tl.load(numel + i, mask=m, other=1.0)
+        informative = mean > 0
+        inv_mean = tl.where(informative, 1.0 / mean, 0.0)  # mean.reciprocal()
+        lo = tl.where(informative, gamma, 1.0)
+        if EMA:
+            bc3 = 1.0 - tl.load(bc3_powers + t, mask=m, other=0.0)
+        else:
+            bc3 = one
+    else:
+        inv_mean = one
+        lo = one
+        bc3 = one
+    return inv_mean, lo, bc3
+
+
+@triton.jit
+def _store_gsnr(row, inv_mean, lo, bc3, m):
+    """The three GSNR columns every kernel table starts with (``columns.GSNR``)."""
+    tl.store(row + _INV_MEAN, inv_mean, mask=m)
+    tl.store(row + _LO, lo, mask=m)
+    tl.store(row + _BC3, bc3, mask=m)
+
+
 @_kernel
 def _adam_tables_kernel(flags: "*fp64", nflags: tl.int64, fstride: tl.int64, found: "*fp64", skipped: "*fp64",
                         counters: "*i64", ntensors: tl.int64, powers: "*fp64", pstride: tl.int64, tensor_of: "*i64",
@@ -333,15 +379,7 @@ def _adam_tables_kernel(flags: "*fp64", nflags: tl.int64, fstride: tl.int64, fou
                         EMA: tl.constexpr, BIAS: tl.constexpr, MULT: tl.constexpr, COUNT: tl.constexpr,
                         BLOCK: tl.constexpr):
     """``Triton.adam_tables``; the torch expressions it follows are quoted beside each line."""
-    f = tl.zeros([BLOCK], tl.float64)
-    for b in range(0, nflags, BLOCK):
-        i, m = _seg_idx(b, nflags, BLOCK)
-        f = tl.maximum(f, tl.load(flags + i * fstride, mask=m, other=0.0))
-    fo = tl.max(f, axis=0)  # torch.cat(flags).amax()
-    tl.store(found, fo)
-    if COUNT:
-        tl.store(skipped, tl.load(skipped) + fo)  # Recorder: skipped_device + found
-    added = (1.0 - fo).to(tl.float32)  # (1.0 - found).float()
+    added = _decide(flags, nflags, fstride, found, skipped, COUNT, BLOCK)
     for b in range(0, ntensors, BLOCK):
         i, m = _seg_idx(b, ntensors, BLOCK)
         cp = tl.load(counters + i, mask=m, other=0).to(tl.pointer_type(tl.float32))
@@ -357,27 +395,13 @@ def _adam_tables_kernel(flags: "*fp64", nflags: tl.int64, fstride: tl.int64, fou
             bc1 = one
             bc2s = one
         bc1 = bc1 * bc1_mult  # grad_averaging=False: bc1 * (1 - beta1), else 1.0 (exact)
-        if ON:
-            mean = tl.load(sum_r + i * rstride, mask=m, other=1.0) / tl.load(numel + i, mask=m, other=1.0)
-            informative = mean > 0
-            inv_mean = tl.where(informative, 1.0 / mean, 0.0)  # mean.reciprocal()
-            lo = tl.where(informative, gamma, 1.0)
-            if EMA:
-                bc3 = 1.0 - tl.load(powers + 2 * pstride + t, mask=m, other=0.0)
-            else:
-                bc3 = one
-        else:
-            inv_mean = one
-            lo = one
-            bc3 = one
+        inv_mean, lo, bc3 = _scales(sum_r, rstride, numel, powers + 2 * pstride, i, t, m, gamma, ON, EMA, BLOCK)
         if MULT:
             gm = one * tl.load(mult)  # ones() * mult
         else:
             gm = one
         row = out + i * _ADAM_W
-        tl.store(row + _INV_MEAN, inv_mean, mask=m)
-        tl.store(row + _LO, lo, mask=m)
-        tl.store(row + _BC3, bc3, mask=m)
+        _store_gsnr(row, inv_mean, lo, bc3, m)
         tl.store(row + _ADAM_BC1, bc1, mask=m)
         tl.store(row + _ADAM_BC2S, bc2s, mask=m)
         tl.store(row + _ADAM_GRAD_MULT, gm, mask=m)
@@ -413,9 +437,8 @@ def _finish_kernel(res: "*fp64", norms: "*fp64", nstride: tl.int64, table: "*fp6
             ratio = tl.where(ratio > max_coeff, max_coeff, ratio)
             trust = tl.where(adapted, ratio, 1.0)
             out = lamb + i * _LAMB_W
-            tl.store(out + _INV_MEAN, tl.load(row + _INV_MEAN, mask=m), mask=m)
-            tl.store(out + _LO, tl.load(row + _LO, mask=m), mask=m)
-            tl.store(out + _BC3, tl.load(row + _BC3, mask=m), mask=m)
+            _store_gsnr(out, tl.load(row + _INV_MEAN, mask=m), tl.load(row + _LO, mask=m), tl.load(row + _BC3, mask=m),
+                        m)
             tl.store(out + _LAMB_BC1, tl.load(row + _ADAM_BC1, mask=m), mask=m)
             tl.store(out + _LAMB_BC2S, tl.load(row + _ADAM_BC2S, mask=m), mask=m)
             tl.store(out + _LAMB_TRUST, trust, mask=m)
@@ -464,32 +487,12 @@ def _sgd_tables_kernel(flags: "*fp64", nflags: tl.int64, fstride: tl.int64, foun
     ``lr_mult`` 1 and the momentum buffer's ``first`` flag; ``NORMS``: the GSNR columns again as
     the ``scaled_grad_norms`` table LARS reads). ``first`` reads the counters before they are
     advanced, so the advance waits behind a barrier."""
-    f = tl.zeros([BLOCK], tl.float64)
-    for b in range(0, nflags, BLOCK):
-        i, m = _seg_idx(b, nflags, BLOCK)
-        f = tl.maximum(f, tl.load(flags + i * fstride, mask=m, other=0.0))
-    fo = tl.max(f, axis=0)
-    tl.store(found, fo)
-    if COUNT:
-        tl.store(skipped, tl.load(skipped) + fo)
-    added = (1.0 - fo).to(tl.float32)
+    added = _decide(flags, nflags, fstride, found, skipped, COUNT, BLOCK)
     for b in range(0, nseg, BLOCK):
         i, m = _seg_idx(b, nseg, BLOCK)
         t = tl.load(tensor_of + i, mask=m, other=0)
         one = tl.full([BLOCK], 1.0, tl.float64)
-        if ON:
-            mean = tl.load(sum_r + i * rstride, mask=m, other=1.0) / tl.load(numel + i, mask=m, other=1.0)
-            informative = mean > 0
-            inv_mean = tl.where(informative, 1.0 / mean, 0.0)
-            lo = tl.where(informative, gamma, 1.0)
-            if EMA:
-                bc3 = 1.0 - tl.load(powers + t, mask=m, other=0.0)
-            else:
-                bc3 = one
-        else:
-            inv_mean = one
-            lo = one
-            bc3 = one
+        inv_mean, lo, bc3 = _scales(sum_r, rstride, numel, powers, i, t, m, gamma, ON, EMA, BLOCK)
         if MOM:  # (step_t <= 1).double(), step_t the advanced counter clamped to 1
             cp = tl.load(counters + t, mask=m, other=0).to(tl.pointer_type(tl.float32))
             step = tl.maximum((tl.load(cp, mask=m, other=0.0) + added).to(tl.float64), 1.0)
@@ -499,16 +502,11 @@ def _sgd_tables_kernel(flags: "*fp64", nflags: tl.int64, fstride: tl.int64, foun
         else:
             first = one * 0.0
         row = out + i * _SGD_W
-        tl.store(row + _INV_MEAN, inv_mean, mask=m)
-        tl.store(row + _LO, lo, mask=m)
-        tl.store(row + _BC3, bc3, mask=m)
+        _store_gsnr(row, inv_mean, lo, bc3, m)
         tl.store(row + _SGD_LR_MULT, one, mask=m)
         tl.store(row + _SGD_FIRST, first, mask=m)
         if NORMS:
-            nrow = norms_out + i * _NORMS_W
-            tl.store(nrow + _INV_MEAN, inv_mean, mask=m)
-            tl.store(nrow + _LO, lo, mask=m)
-            tl.store(nrow + _BC3, bc3, mask=m)
+            _store_gsnr(norms_out + i * _NORMS_W, inv_mean, lo, bc3, m)
     tl.debug_barrier()  # every counter read above before any is advanced
     for b in range(0, ntensors, BLOCK):
         i, m = _seg_idx(b, ntensors, BLOCK)
