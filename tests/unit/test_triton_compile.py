@@ -80,8 +80,9 @@ def test_compiling_ahead_hands_each_kernel_arguments_of_its_annotated_types():
     placeholders of its parameters' annotated types (on a GPU only: under the interpreter it
     compiles nothing, which is why this runs in a subprocess without it). Fails on the old code:
     its placeholder table was never defined, so the first step of any member on a CUDA GPU raised
-    NameError (seen on an H100), and no CPU test reached it. ``warmup`` is replaced by a recorder:
-    it needs a driver."""
+    NameError (seen on an H100), and no CPU test reached it. Fails again on the commit that first
+    added the table kernels (760b696): their fp64 scalars had no placeholder (``KeyError: 'fp64'``).
+    ``warmup`` is replaced by a recorder: it needs a driver."""
     script = textwrap.dedent("""
         import json, torch
         from vrgd_ds.optim import _triton as T
