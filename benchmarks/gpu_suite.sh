@@ -2,14 +2,20 @@
 # Every GPU measurement the open work asks for, in one run of under 8 minutes on one H100/H200:
 #   the Triton kernels on CUDA tensors (pack_bucket included), the optimizer step against torch's
 #   fused AdamW and DeepSpeed's FusedLamb (per tensor and one flat partition), the whole ZeRO-2
-#   BERT-large bf16 step at seq 128 and 512 with the anchors and a profile, and megatron-core; then,
-#   in the time left, cells of the BERT study past the unigram plateau (studies/bert_batch.py
-#   --noise-multiple: LAMB against VR-LAMB at 1x-64x the noise scale, 2 seeds, a bracketed LR grid),
-#   whose record grows with each lease (--reuse docs/studies/bert_plateau once committed).
+#   BERT-large bf16 step at seq 128 and 512 with the anchors and a profile, and megatron-core, each
+#   within the time left before the last PLATEAU_S seconds (default 240), which go to cells of the
+#   BERT study past the unigram plateau (studies/bert_batch.py --noise-multiple: LAMB against VR-LAMB
+#   at 1x-64x the noise scale, 2 seeds, a bracketed LR grid), whose record grows with each lease
+#   (--reuse docs/studies/bert_plateau: the B_simple probe measured there, and the cells run before).
 #
 #   bash benchmarks/gpu_suite.sh [OUTDIR]          (default: $OUT, else ./gpu_out)
 #   PARTS="fusedlamb_build zero2_seq512" bash benchmarks/gpu_suite.sh    (only those parts; also the
 #   shorter zero2_seq128_noprofile and opt_step_adam, which the default set leaves out)
+#   PARTS=plateau PLATEAU_S=450 bash benchmarks/gpu_suite.sh              (a lease for the study alone)
+#
+# The study reads WikiText-2 (valid.txt and test.txt) from $WIKITEXT, else ../shared/data/wikitext-2
+# beside the checkout, else .data/wikitext-2 in it (git-ignored: a link to the folder holding it, or
+# a copy, carried to a machine that has neither).
 #
 # Python packages the GPU image lacks (DeepSpeed 0.19.8, megatron-core 0.16.1, pydantic, hjson)
 # are installed from wheels in WHEELS (default .whl) when that folder exists. Each part has its
@@ -29,11 +35,20 @@ export PYTHONPATH=$PWD:${PYTHONPATH:-} PYTHONUNBUFFERED=1 PYTHONWARNINGS=ignore:
 cc=$(python3 -c "import torch; print('%d.%d' % torch.cuda.get_device_capability())")
 export TORCH_CUDA_ARCH_LIST=$cc
 
-PARTS=${PARTS:-fusedlamb_build triton_cuda opt_step opt_step_flat zero2_seq128 zero2_seq512 megatron plateau}
+PARTS=${PARTS:-fusedlamb_build triton_cuda opt_step_flat opt_step zero2_seq128 megatron zero2_seq512 plateau}
 BUDGET_S=${BUDGET_S:-470}  # the whole script: under 8 minutes
-part() {  # name, seconds, command...
+PLATEAU_S=${PLATEAU_S:-240}  # kept for the study when it is among the parts
+reserve=0
+[[ " $PARTS " == *" plateau "* ]] && reserve=$PLATEAU_S
+part() {  # name, seconds, command... (capped by the time left before the study's reserve)
     local name=$1 limit=$2; shift 2
     if [[ " $PARTS " != *" $name "* ]]; then return; fi
+    local room=$((BUDGET_S - reserve - SECONDS))
+    if (( room < 20 )); then
+        echo "== $name: not started, ${room}s left before the study's ${reserve}s" | tee -a "$OUTDIR/summary.log"
+        return
+    fi
+    (( limit > room )) && limit=$room
     local t0=$SECONDS
     echo "== $name (limit ${limit}s)" | tee -a "$OUTDIR/summary.log"
     timeout "$limit" "$@" >"$OUTDIR/$name.log" 2>&1
@@ -47,33 +62,51 @@ part() {  # name, seconds, command...
     >>"$OUTDIR/summary.log" 2>&1
 part fusedlamb_build 60 python3 -c "from deepspeed.ops.op_builder import FusedLambBuilder as B; B().load()"
 part triton_cuda 60 python3 -m pytest -q -x -p no:cacheprovider tests/unit/test_triton.py -k "pack_bucket or cuda"
-part opt_step 60 python3 benchmarks/gpu_optimizer_step.py --model large --kernels --iters 10
 part opt_step_flat 40 python3 benchmarks/gpu_optimizer_step.py --model large --flat --kernels --iters 10
+part opt_step 60 python3 benchmarks/gpu_optimizer_step.py --model large --kernels --iters 10
 one_rank=(env RANK=0 LOCAL_RANK=0 WORLD_SIZE=1 MASTER_ADDR=127.0.0.1 MASTER_PORT=29631)
-for seq in 128 512; do
-    part "zero2_seq$seq" 140 "${one_rank[@]}" python3 benchmarks/zero2_step.py --worker --ranks 1 --gas 4 \
-        --micro-batch 32 --seq "$seq" --model large --dtype bf16 --anchors --profile --hooks --repeats 4 --warmup 2
-done
-part zero2_seq128_noprofile 100 "${one_rank[@]}" python3 benchmarks/zero2_step.py --worker --ranks 1 --gas 4 \
-    --micro-batch 32 --seq 128 --model large --dtype bf16 --anchors --hooks --repeats 6 --warmup 2
-part opt_step_adam 40 python3 benchmarks/gpu_optimizer_step.py --model large --iters 10 \
-    --only "AdamW(fused)" VRAdam Lamb VRLamb "DS FusedLamb"
+zero2() {  # part name, seq, extra options
+    local name=$1 seq=$2; shift 2
+    part "$name" 140 "${one_rank[@]}" python3 benchmarks/zero2_step.py --worker --ranks 1 --gas 4 \
+        --micro-batch 32 --seq "$seq" --model large --dtype bf16 --anchors --hooks --warmup 2 "$@"
+}
+zero2 zero2_seq128 128 --profile --repeats 4
 part megatron 45 torchrun --nproc_per_node 1 --master_port 29641 benchmarks/megatron_step.py --accumulation 2 16 \
     --steps 10
-# The study past the plateau: BERT-mini on the embedded corpus (the whole study runs on the GPU, so its
-# cells compare among themselves; each run records its data fingerprint), batches at 1x, 4x, 16x and
-# 64x the B_simple its VR-LAMB runs measure at batch 64, LRs x0.5-x4 around the square-root rule, 2
-# seeds. It starts no run after the time left less a minute, and assembles what finished.
-left=$((BUDGET_S - SECONDS))
-if (( left > 120 )); then
-    reuse=()
-    [[ -f docs/studies/bert_plateau/meta.json ]] && reuse=(--reuse docs/studies/bert_plateau)
-    part plateau "$left" python3 studies/bert_batch.py --model mini --corpus embedded --seed 1 --seed 2 \
-        --noise-multiple 1 --noise-multiple 4 --noise-multiple 16 --noise-multiple 64 --noise-scale auto \
-        --optimizer LAMB --optimizer "VR-LAMB first_moment" --optimizer "VR-LAMB update" \
-        --lr-factor 0.5 --lr-factor 1 --lr-factor 2 --lr-factor 4 --samples 262144 --min-steps 50 \
-        --start-runs-for $((left - 60)) "${reuse[@]}" --work /tmp/bert_plateau --out "$OUTDIR/bert_plateau"
-else
-    echo "== plateau: ${left}s left of ${BUDGET_S}s, not started" | tee -a "$OUTDIR/summary.log"
+zero2 zero2_seq512 512 --profile --repeats 4
+zero2 zero2_seq128_noprofile 128 --repeats 6
+part opt_step_adam 40 python3 benchmarks/gpu_optimizer_step.py --model large --iters 10 \
+    --only "AdamW(fused)" VRAdam Lamb VRLamb "DS FusedLamb"
+# The study past the plateau: tiny BERT on WikiText-2 (a file corpus: the same data on every machine,
+# checked by each run's data fingerprint), 102,400 samples per run (at least 50 steps), 8 GSNR groups
+# per step whatever the batch, 10% of the documents held out, batches at 1x, 4x, 16x and 64x the
+# B_simple that the probe in docs/studies/bert_plateau measured at batch 64 (VR-LAMB, 2 seeds, on a
+# CPU: its record is reused here, and its settings are these), LRs x0.5-x4 around the square-root
+# rule, 2 seeds, 8 runs side by side on the GPU. It starts a run only while the time left holds it,
+# stops the rest at the limit, and assembles what finished (the rest is listed as not run yet).
+if [[ " $PARTS " == *" plateau "* ]]; then
+    wikitext=${WIKITEXT:-}
+    for candidate in ../shared/data/wikitext-2 .data/wikitext-2; do
+        [[ -z $wikitext && -f $candidate/valid.txt ]] && wikitext=$candidate
+    done
+    left=$((BUDGET_S - SECONDS))
+    if [[ -z $wikitext ]]; then
+        echo "== plateau: not started, WikiText-2 not found (set WIKITEXT, or link .data to the folder holding" \
+            "wikitext-2 and carry .data/wikitext-2)" | tee -a "$OUTDIR/summary.log"
+    elif (( left > 60 )); then
+        reuse=()
+        [[ -f docs/studies/bert_plateau/meta.json ]] && reuse=(--reuse docs/studies/bert_plateau)
+        part_reserve=$reserve; reserve=0  # the study's own time
+        part plateau "$left" python3 studies/bert_batch.py --model tiny --corpus "wikitext=$wikitext" \
+            --seed 1 --seed 2 --noise-multiple 1 --noise-multiple 4 --noise-multiple 16 --noise-multiple 64 \
+            --noise-scale auto --optimizer LAMB --optimizer "VR-LAMB first_moment" --optimizer "VR-LAMB update" \
+            --lr-factor 0.5 --lr-factor 1 --lr-factor 2 --lr-factor 4 --samples 102400 --min-steps 50 --groups 8 \
+            --heldout-fraction 0.1 --eval-points 16 --parallel "${PLATEAU_PARALLEL:-8}" --port 29651 \
+            --time-limit $((left - 10)) \
+            "${reuse[@]}" --work /tmp/bert_plateau --out "$OUTDIR/bert_plateau"
+        reserve=$part_reserve
+    else
+        echo "== plateau: ${left}s left of ${BUDGET_S}s, not started" | tee -a "$OUTDIR/summary.log"
+    fi
 fi
 echo "== done in ${SECONDS}s" | tee -a "$OUTDIR/summary.log"

@@ -22,6 +22,14 @@ from its ``runs.jsonl``, so a grid can grow piecewise and on other machines;
 ``--only-finished`` assembles the tables from those alone, with "–" for cells never run and,
 for each best cell, the factors it was chosen from.
 
+Past the unigram plateau (``--noise-multiple``): the batches are multiples of the noise scale
+that a VR optimizer's runs measure at ``--base-batch`` (the probe; its baseline runs beside it, to
+show the budget's margin below the unigram level there), with ``--groups`` GSNR groups per step
+at every batch, ``--eval-points`` evaluations along each run (the record keeps the loss and the
+noise scale as they evolve) and a larger ``--heldout-fraction`` for a small corpus. On a lent GPU,
+``--parallel`` runs cells side by side and ``--time-limit`` keeps the study within the lease;
+``--probe-only`` runs the probe alone (on one machine, the grid then on another).
+
     python studies/bert_batch.py --corpus embedded --corpus wikitext=WIKITEXT2_DIR
     python studies/bert_batch.py --quick     # LAMB and VR-LAMB, 2 tiny runs each (CI)
 
@@ -35,11 +43,14 @@ import math
 import os
 import platform
 import shutil
+import signal
 import subprocess
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from statistics import mean
+from typing import Any, Callable
 
 from common import DOCS, Output, plt, spread, table
 
@@ -115,9 +126,30 @@ def read_metrics(run_dir: Path) -> tuple[dict | None, float | None]:
     return last, (per_group * mean(t for t, _ in half) / grad_sq if grad_sq > 0 else None)
 
 
+def trajectory(run_dir: Path) -> list[dict]:
+    """Each held-out evaluation of a run: its step, training samples so far and loss, with the
+    noise scale ``B_simple`` (samples) over the steps since the one before (as ``read_metrics``
+    derives it; None where those steps logged no statistics), to show how it evolves."""
+    points, moments, per_group, samples = [], [], None, 0.0
+    for line in (run_dir / "metrics.jsonl").read_text().splitlines():
+        rec = json.loads(line)
+        samples = rec.get("train/samples", samples)
+        if rec.get("noise_scale/trace_cov") is not None:
+            moments.append((rec["noise_scale/trace_cov"], rec["noise_scale/grad_sq"]))
+        if rec.get("noise_scale/b_simple") is not None:
+            per_group = rec["noise_scale/b_simple"] / rec["noise_scale/b_simple_groups"]
+        if "eval/mlm_loss" in rec:
+            grad_sq = mean(g for _, g in moments) if moments else 0.0
+            noise = per_group * mean(t for t, _ in moments) / grad_sq if per_group and grad_sq > 0 else None
+            points.append({"step": rec.get("step"), "samples": samples, "mlm_loss": rec["eval/mlm_loss"],
+                           "b_simple": noise})
+            moments = []
+    return points
+
+
 #: the settings that make two runs of the same cell the same run (``--reuse`` checks them)
-RUN_SETTINGS = ("samples", "seq_len", "micro_batch", "ranks", "lr_rule", "base_lr", "base_batch", "vocab_size",
-                "model", "zero", "quick")
+RUN_SETTINGS = ("samples", "seq_len", "micro_batch", "groups", "ranks", "lr_rule", "base_lr", "base_batch",
+                "vocab_size", "model", "zero", "quick", "heldout_fraction", "eval_points")
 
 RunKey = tuple[str, int, str, float, int]  # corpus, batch, optimizer, LR factor, seed
 
@@ -128,14 +160,20 @@ def steps_for(batch: int, samples: int, min_steps: int | None) -> int:
     return max(samples // batch, min_steps or 0)
 
 
-def data_fingerprint(data: Path, seed: int) -> str | None:
+def heldout_share(heldout_fraction: float | None) -> float:
+    """The held-out share of the documents a run uses: the study's ``--heldout-fraction``, else the job's default."""
+    from vrgd_ds.train.config import DataConfig
+
+    return DataConfig().heldout_fraction if heldout_fraction is None else heldout_fraction
+
+
+def data_fingerprint(data: Path, seed: int, heldout_fraction: float | None = None) -> str | None:
     """What decides a run's samples, masks and held-out set: the tokenizer, the shards, the seed
     and the held-out split of the data prepared in ``data`` (``vrgd_ds.train.data``; the study's
-    runs use the job's default held-out share and no sentence-pair task)."""
-    from vrgd_ds.train.config import DataConfig
+    runs use ``heldout_share(heldout_fraction)`` and no sentence-pair task)."""
     from vrgd_ds.train.data import prepared_fingerprint
 
-    return prepared_fingerprint(data, seed, DataConfig().heldout_fraction, None)
+    return prepared_fingerprint(data, seed, heldout_share(heldout_fraction), None)
 
 
 def set_aside_other_data(reused: dict[RunKey, dict], corpus: str, fingerprint_of, python: str) -> list[dict]:
@@ -181,12 +219,15 @@ def load_reused(dirs: list[Path], config: dict, settings: tuple[str, ...] = RUN_
                 raise SystemExit(f"--reuse {d}: its runs used {key}={theirs.get(key)!r}, this study {config[key]!r}: "
                                  "run with its settings or leave that directory out")
         their_specs = dict(spec.partition("=")[::2] for spec in theirs["corpora"])
+        records = [json.loads(line) for line in runs_path.read_text().splitlines()]
         for name, source in their_specs.items():
-            if name in specs and specs[name] != source:
+            # a file corpus found elsewhere on another machine is the same corpus when every run of it
+            # recorded its data fingerprint (set_aside_other_data compares them); else the paths decide
+            fingerprinted = all(r.get("data") for r in records if r["corpus"] == name)
+            if name in specs and specs[name] != source and not (source and specs[name] and fingerprinted):
                 raise SystemExit(f"--reuse {d}: corpus {name!r} was {source or 'embedded'!r} there, "
                                  f"{specs[name] or 'embedded'!r} here")
-        for line in runs_path.read_text().splitlines():
-            r = json.loads(line)
+        for r in records:
             if r["steps"] != steps_for(r["batch"], config["samples"], config.get("min_steps")):
                 shorter.append(r | {"reused_from": str(d)})  # another budget: kept in its record, not used here
                 continue
@@ -201,59 +242,193 @@ def load_reused(dirs: list[Path], config: dict, settings: tuple[str, ...] = RUN_
     return runs, sources, shorter
 
 
-def run_one(label: str, corpus: str, data: Path, batch: int, factor: float, seed: int,
-            args: argparse.Namespace, params: dict | None = None, phase_extra: dict | None = None) -> dict | None:
-    """One job run (read back when it finished before, or from ``args.reused``); ``params``
+def micro_batch_for(batch: int, args: argparse.Namespace) -> int:
+    """The micro-batch of a run at ``batch``: ``--micro-batch``, or with ``--groups N`` the batch
+    split into N GSNR groups (``batch / N`` samples each: N = ranks × accumulation, fixed as the
+    batch grows, as on a fixed cluster whose per-rank batch grows)."""
+    groups = getattr(args, "groups", None)
+    if groups is None:
+        return args.micro_batch
+    if batch % groups:
+        raise SystemExit(f"batch {batch}: not a multiple of --groups {groups}")
+    return batch // groups
+
+
+@dataclass
+class Launch:
+    """A run to start: its directory, its command, and what its result records besides the metrics."""
+    run_dir: Path
+    cmd: list[str]
+    record: dict
+    data: Path
+    heldout_fraction: float | None = None
+
+    def result(self, wall_s: float) -> dict:
+        ev, noise = read_metrics(self.run_dir)
+        if ev is None:
+            raise SystemExit(f"{self.run_dir / 'metrics.jsonl'}: no evaluation record")
+        r = self.record | {"mlm_loss": ev["eval/mlm_loss"], "mlm_acc": ev["eval/mlm_acc"], "eval_tokens":
+                           ev.get("eval/tokens"), "b_simple": noise, "wall_s": round(wall_s, 1),
+                           "data": data_fingerprint(self.data, self.record["seed"], self.heldout_fraction),
+                           "run_dir": str(self.run_dir)}
+        curve = trajectory(self.run_dir)
+        if len(curve) > 2:  # evaluated along the way (--eval-points)
+            r["trajectory"] = curve
+        shutil.rmtree(self.run_dir / "checkpoints", ignore_errors=True)  # the figures are what the study keeps
+        (self.run_dir / "result.json").write_text(json.dumps(r))
+        print(f"[{r['corpus']} b{r['batch']} {r['optimizer']} lr x{r['factor']:g} seed {r['seed']}] loss "
+              f"{r['mlm_loss']:.4f} acc {r['mlm_acc']:.4f} lr {r['lr']:.3g} ({r['wall_s']:.0f} s)", flush=True)
+        return r
+
+
+def plan_run(label: str, corpus: str, data: Path, batch: int, factor: float, seed: int, args: argparse.Namespace,
+             params: dict | None = None, phase_extra: dict | None = None) -> dict | Launch | None:
+    """One job run: its result when it finished before (here, or in ``args.reused``), else the
+    ``Launch`` that runs it; None when it never ran and ``args.only_finished`` is set. ``params``
     replace the label's optimizer parameters, ``phase_extra`` is merged into the phase (e.g.
-    ``adaptive_batch``). None when it never ran and ``args.only_finished`` is set."""
+    ``adaptive_batch``)."""
     reused = getattr(args, "reused", {}).get((corpus, batch, label, factor, seed))
     if reused is not None:
         return reused
     steps = steps_for(batch, args.samples, getattr(args, "min_steps", None))
     run_dir = args.work / "runs" / corpus / f"b{batch}" / label.replace(" ", "_") / f"lr{factor:g}" / (
         f"seed{seed}" if steps == args.samples // batch else f"seed{seed}-steps{steps}")  # a raised budget: its own
+    micro = micro_batch_for(batch, args)
+    if getattr(args, "groups", None) is not None:  # another split of the same batch: another run
+        run_dir = run_dir.with_name(f"{run_dir.name}-groups{args.groups}")
     done = run_dir / "result.json"
     if done.is_file():  # the noise scale is derived again: its definition here may be newer than the run
         return json.loads(done.read_text()) | {"b_simple": read_metrics(run_dir)[1]}
     if getattr(args, "only_finished", False):
         return None
-    if getattr(args, "start_until", None) is not None and time.monotonic() > args.start_until:
-        args.only_finished = True  # the time to start runs is over: assemble what finished
-        print(f"--start-runs-for: no more runs started ({run_dir} and later ones are not run)", flush=True)
-        return None
-    if run_dir.exists():  # an interrupted run: start it again from scratch
-        shutil.rmtree(run_dir)
-    run_dir.mkdir(parents=True)
-    cfg = base_config(args.seq_len, args.micro_batch, args.ranks, args.workers, getattr(args, "model", "tiny"))
+    cfg = base_config(args.seq_len, micro, args.ranks, args.workers, getattr(args, "model", "tiny"))
     lr = lr_for(batch, args) * factor
     chosen = dict(OPTIMIZERS[label] if params is None else params)
     cfg["optimizer"]["type"] = chosen.pop("type", cfg["optimizer"]["type"])
     cfg["optimizer"]["params"].update(chosen)
     cfg["job"].update(seed=seed, total_steps=steps)
+    if getattr(args, "eval_points", None):
+        cfg["job"]["eval_every"] = max(1, steps // args.eval_points)
     cfg["job"]["data"]["path"] = str(data)
+    if getattr(args, "heldout_fraction", None) is not None:
+        cfg["job"]["data"]["heldout_fraction"] = args.heldout_fraction
     cfg["job"]["phases"][0].update(global_batch=batch, lr=lr, **(phase_extra or {}))
-    (run_dir / "study_config.json").write_text(json.dumps(cfg, indent=2))
     cmd = [str(Path(sys.executable).with_name("deepspeed")), "--num_gpus", str(args.ranks), "--master_port",
-           str(args.port), "--module", "vrgd_ds.train", "--config", str(run_dir / "study_config.json"),
+           "PORT", "--module", "vrgd_ds.train", "--config", str(run_dir / "study_config.json"),
            "--run-dir", str(run_dir)]
-    t0 = time.perf_counter()
-    with open(run_dir / "log.txt", "w") as log:
-        proc = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, env=os.environ, check=False)
-    if proc.returncode != 0:
-        raise SystemExit(f"run failed ({proc.returncode}): see {run_dir / 'log.txt'}")
-    ev, noise = read_metrics(run_dir)
-    if ev is None:
-        raise SystemExit(f"{run_dir / 'metrics.jsonl'}: no evaluation record")
-    result = {"corpus": corpus, "batch": batch, "optimizer": label, "seed": seed, "steps": steps, "lr": lr,
-              "factor": factor, "groups": batch // args.micro_batch, "ranks": args.ranks, "samples": steps * batch,
-              "mlm_loss": ev["eval/mlm_loss"], "mlm_acc": ev["eval/mlm_acc"], "eval_tokens": ev.get("eval/tokens"),
-              "data": data_fingerprint(data, seed), "b_simple": noise,
-              "wall_s": round(time.perf_counter() - t0, 1), "run_dir": str(run_dir)}
-    shutil.rmtree(run_dir / "checkpoints", ignore_errors=True)  # the figures are what the study keeps
-    done.write_text(json.dumps(result))
-    print(f"[{corpus} b{batch} {label} lr x{factor:g} seed {seed}] loss {result['mlm_loss']:.4f} "
-          f"acc {result['mlm_acc']:.4f} lr {lr:.3g} ({result['wall_s']:.0f} s)", flush=True)
-    return result
+    record = {"corpus": corpus, "batch": batch, "optimizer": label, "seed": seed, "steps": steps, "lr": lr,
+              "factor": factor, "groups": batch // micro, "ranks": args.ranks, "samples": steps * batch,
+              "config": cfg}
+    return Launch(run_dir, cmd, record, data, getattr(args, "heldout_fraction", None))
+
+
+class Runner:
+    """Runs planned ``Launch``es, up to ``--parallel`` at a time (each on its own master port; on
+    CPUs, each with an equal share of the cores unless ``OMP_NUM_THREADS`` is set), within the
+    study's ``--time-limit``: a run starts only while the time left holds it at the slowest rate
+    (samples/s) of the runs finished so far, and runs still going when the limit comes are stopped
+    and removed, so the study always assembles what finished and lists the rest as not run. A
+    failed run stops the study, naming its log."""
+
+    #: seconds of the time limit kept for assembling the tables and the record
+    ASSEMBLY_S = 15.0
+
+    def __init__(self, args: argparse.Namespace) -> None:
+        self.args = args
+        self.parallel = max(1, getattr(args, "parallel", 1))
+        limit = getattr(args, "time_limit", None)
+        self.stop_at = None if limit is None else args.started + limit - self.ASSEMBLY_S
+        self.rates: list[float] = []
+        self.not_started: list[Path] = []
+        self.env = dict(os.environ)
+        if self.parallel > 1 and "OMP_NUM_THREADS" not in self.env:
+            self.env["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // (self.parallel * args.ranks)))
+
+    def fits(self, launch: Launch) -> bool:
+        if self.stop_at is None:
+            return True
+        left = self.stop_at - time.monotonic()
+        return left > 0 and (not self.rates or launch.record["samples"] / min(self.rates) < left)
+
+    def run(self, launches: list[Launch], record: Callable[[dict], None] | None = None) -> list[dict | None]:
+        """The results in the order of ``launches`` (each also handed to ``record`` as it finishes);
+        None for a run the time limit left out."""
+        results: list[dict | None] = [None] * len(launches)
+        pending = list(range(len(launches)))
+        active: dict[int, tuple[int, subprocess.Popen, float, Any]] = {}  # slot -> (index, process, start, log)
+        try:
+            while pending or active:
+                for slot in range(self.parallel):
+                    if slot in active or not pending:
+                        continue
+                    while pending and not self.fits(launches[pending[0]]):
+                        self.not_started.append(launches[pending.pop(0)].run_dir)
+                    if pending:
+                        i = pending.pop(0)
+                        active[slot] = (i, *self.start(launches[i], slot))
+                time.sleep(0.2)
+                for slot, (i, proc, t0, log) in list(active.items()):
+                    if proc.poll() is None:
+                        continue
+                    log.close()
+                    del active[slot]
+                    if proc.returncode != 0:
+                        raise SystemExit(f"run failed ({proc.returncode}): see {launches[i].run_dir / 'log.txt'}")
+                    results[i] = launches[i].result(time.monotonic() - t0)
+                    if record is not None:
+                        record(results[i])
+                    self.rates.append(results[i]["samples"] / max(results[i]["wall_s"], 1e-3))
+                if self.stop_at is not None and time.monotonic() > self.stop_at and active:
+                    for i, proc, _, log in active.values():
+                        print(f"--time-limit: {launches[i].run_dir} stopped unfinished", flush=True)
+                    break
+        finally:
+            for i, proc, _, log in active.values():  # a failure elsewhere or the time limit: stop the rest
+                if proc.poll() is None:
+                    os.killpg(proc.pid, signal.SIGTERM)
+                    try:
+                        proc.wait(timeout=20)
+                    except subprocess.TimeoutExpired:
+                        os.killpg(proc.pid, signal.SIGKILL)
+                        proc.wait()
+                log.close()
+                shutil.rmtree(launches[i].run_dir, ignore_errors=True)
+        if self.not_started:
+            print(f"--time-limit: {len(self.not_started)} run(s) not started, the time left would not hold them "
+                  f"(the first: {self.not_started[0]})", flush=True)
+        if self.stop_at is not None and time.monotonic() > self.stop_at:
+            self.args.only_finished = True  # the time is over: later cells assemble from what finished
+        return results
+
+    def start(self, launch: Launch, slot: int) -> tuple[subprocess.Popen, float, Any]:
+        if launch.run_dir.exists():  # an interrupted run: start it again from scratch
+            shutil.rmtree(launch.run_dir)
+        launch.run_dir.mkdir(parents=True)
+        (launch.run_dir / "study_config.json").write_text(json.dumps(launch.record["config"], indent=2))
+        launch.record.pop("config")
+        cmd = [str(self.args.port + slot) if part == "PORT" else part for part in launch.cmd]
+        log = open(launch.run_dir / "log.txt", "w")
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=self.env, start_new_session=True)
+        return proc, time.monotonic(), log
+
+
+def run_one(label: str, corpus: str, data: Path, batch: int, factor: float, seed: int,
+            args: argparse.Namespace, params: dict | None = None, phase_extra: dict | None = None) -> dict | None:
+    """``plan_run``, and the run itself when it has not finished before (alone, in this process)."""
+    planned = plan_run(label, corpus, data, batch, factor, seed, args, params, phase_extra)
+    return Runner(args).run([planned])[0] if isinstance(planned, Launch) else planned
+
+
+def run_all(cells: list[tuple], args: argparse.Namespace, record: Callable[[dict], None]) -> list[dict]:
+    """``plan_run`` for each cell's arguments (label, corpus, data, batch, factor, seed), the new
+    runs through one ``Runner`` (``--parallel`` at a time): the results there are, each handed to
+    ``record`` as soon as it is there (a study stopped from outside keeps the runs that finished)."""
+    planned = [plan_run(*cell, args) for cell in cells]
+    done = [p for p in planned if isinstance(p, dict)]
+    for r in done:
+        record(r)
+    launches = [p for p in planned if isinstance(p, Launch)]
+    return done + [r for r in (Runner(args).run(launches, record) if launches else []) if r is not None]
 
 
 def noise_batches(multiples: list[float], noise_scale: float, granularity: int) -> list[int]:
@@ -268,7 +443,7 @@ def measured_noise_scale(results: list[dict], batch: int) -> float | None:
     return mean(noise) if noise else None
 
 
-def unigram_loss(data: Path, seed: int, seq_len: int, count: int) -> float:
+def unigram_loss(data: Path, seed: int, seq_len: int, count: int, heldout_fraction: float | None = None) -> float:
     """The held-out MLM loss of the unigram model: every masked token predicted with its frequency
     over the training documents (add-one smoothing). The early loss of every run sits there (the
     decoder's bias learns the unigram distribution first); a run has learned something past it
@@ -280,7 +455,6 @@ def unigram_loss(data: Path, seed: int, seq_len: int, count: int) -> float:
     from vrgd_ds.data_pipeline.samples import build_sample_index, index_filename
     from vrgd_ds.data_pipeline.shards import ShardedCorpus
     from vrgd_ds.data_pipeline.tokenizer import Tokenizer
-    from vrgd_ds.train.config import DataConfig
     from vrgd_ds.train.data import JobData, split_document
 
     corpus = ShardedCorpus(data / SHARDS_DIR)
@@ -288,7 +462,7 @@ def unigram_loss(data: Path, seed: int, seq_len: int, count: int) -> float:
     if not index.is_file():
         build_sample_index(corpus, seq_len, seed, data / SAMPLES_DIR)
     job_data = JobData(Tokenizer.load(data / TOKENIZER_FILE), corpus, {seq_len: index},
-                       split_document(corpus.num_documents, DataConfig().heldout_fraction), seed, None)
+                       split_document(corpus.num_documents, heldout_share(heldout_fraction)), seed, None)
     train_tokens, _ = job_data.token_streams()
     counts = np.bincount(np.asarray(train_tokens, dtype=np.int64), minlength=job_data.vocab_size) + 1.0
     log_p = np.log(counts / counts.sum())
@@ -396,6 +570,35 @@ def plot(out: Output, best: dict, corpora: list[str], batches: list[int],
     out.savefig(fig, "bert_batch.png")
 
 
+def quarters(curve: list[dict]) -> list[str]:
+    """``loss (B_simple)`` at the evaluations nearest a quarter, half, three quarters and all of
+    the run's samples."""
+    total = curve[-1]["samples"]
+    cells = []
+    for q in (0.25, 0.5, 0.75, 1.0):
+        point = min(curve, key=lambda c: abs(c["samples"] - q * total))
+        noise = "–" if point["b_simple"] is None else f"{point['b_simple']:.0f}"
+        cells.append(f"{point['mlm_loss']:.3f} ({noise})")
+    return cells
+
+
+def plot_trajectories(out: Output, runs: list[dict]) -> None:
+    """Held-out loss (top) and ``B_simple`` (bottom) against the samples seen, one line per run."""
+    pyplot = plt()
+    fig, (ax, nax) = pyplot.subplots(2, 1, figsize=(6.5, 6.6), sharex=True)
+    for r in runs:
+        label = f"{r['corpus']} b{r['batch']} {r['optimizer']} ×{r['factor']:g} s{r['seed']}"
+        curve = r["trajectory"]
+        lines = ax.plot([c["samples"] for c in curve], [c["mlm_loss"] for c in curve], label=label)
+        noisy = [c for c in curve if c["b_simple"] is not None]
+        if noisy:
+            nax.plot([c["samples"] for c in noisy], [c["b_simple"] for c in noisy], color=lines[0].get_color())
+    ax.set(ylabel="held-out MLM loss")
+    ax.legend(fontsize=6)
+    nax.set(xlabel="training samples", ylabel="B_simple (samples)", yscale="log")
+    out.savefig(fig, "trajectories.png")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="embedded corpus, batches 16 and 64, 256 samples, "
@@ -435,9 +638,27 @@ def main() -> None:
     ap.add_argument("--noise-scale", default="auto", metavar="SAMPLES|auto",
                     help="with --noise-multiple: B_simple in samples, or 'auto': measured by the first VR optimizer's "
                          "runs at --base-batch (×1 LR, every seed), which run first")
-    ap.add_argument("--start-runs-for", type=float, default=None, metavar="SECONDS",
-                    help="start no run after this many seconds; then assemble what finished, like --only-finished "
-                         "(a lent GPU's time: the record grows piecewise, the rest is listed as not run yet)")
+    ap.add_argument("--probe-only", action="store_true",
+                    help="with --noise-scale auto: run the B_simple probe (and its baseline) at --base-batch, then "
+                         "only assemble: the grid's batches are named and listed as not run (a probe on one machine, "
+                         "the grid on another)")
+    ap.add_argument("--time-limit", type=float, default=None, metavar="SECONDS",
+                    help="end within this many seconds: start a run only while the time left holds it at the slowest "
+                         "rate of the runs finished so far, stop the runs still going at the limit, then assemble what "
+                         "finished, like --only-finished (a lent GPU's time: the record grows piecewise, the rest is "
+                         "listed as not run yet)")
+    ap.add_argument("--parallel", type=int, default=1, metavar="N",
+                    help="runs at a time (one GPU runs several small ones side by side; on CPUs each gets "
+                         "cores / N threads unless OMP_NUM_THREADS is set)")
+    ap.add_argument("--heldout-fraction", type=float, default=None, metavar="F",
+                    help="the documents held out for evaluation (default: the job's, 0.02; a small corpus needs more "
+                         "for a held-out loss that separates the optimizers)")
+    ap.add_argument("--eval-points", type=int, default=None, metavar="N",
+                    help="evaluate about N times along each run: the record keeps each run's held-out loss and noise "
+                         "scale as they evolve (default: at the end only)")
+    ap.add_argument("--groups", type=int, default=None, metavar="N",
+                    help="GSNR groups per step fixed at N as the batch grows (micro-batch = batch / N, "
+                         "accumulation N / ranks) instead of a fixed --micro-batch")
     ap.add_argument("--only-finished", action="store_true",
                     help="run nothing: assemble from finished and --reuse runs, '–' for cells never run")
     args = ap.parse_args()
@@ -447,23 +668,31 @@ def main() -> None:
         args.min_steps = 1  # a smoke run: the budget alone
         args.vocab_size = min(args.vocab_size, 2000)  # a smoke run: the tokenizer trains in a few seconds
         args.work = args.work / "quick"
-    args.start_until = None if args.start_runs_for is None else time.monotonic() + args.start_runs_for
+    args.started = time.monotonic()
     if args.noise_multiple:
         args.noise_multiple = sorted(set(args.noise_multiple))
+    if args.probe_only and not (args.noise_multiple and args.noise_scale == "auto"):
+        raise SystemExit("--probe-only: needs --noise-multiple and --noise-scale auto (the probe measures B_simple)")
     specs = args.corpus or ["embedded"]
     corpora = [spec.partition("=")[0] for spec in specs]
     batches = args.batch or [64, 256, 1024]
     seeds = args.seed or [1, 2]
     factors = args.lr_factor or [0.5, 1.0, 2.0]
     labels = args.optimizer or list(OPTIMIZERS)
+    if args.groups is not None and (args.groups < 2 or args.groups % args.ranks):
+        raise SystemExit(f"--groups {args.groups}: needs at least 2 groups (the GSNR's variance) and a multiple of "
+                         f"--ranks {args.ranks}")
+    granularity = args.groups or args.ranks * args.micro_batch
     for batch in batches:
-        if batch % (args.ranks * args.micro_batch):
-            raise SystemExit(f"--batch {batch}: not a multiple of ranks x micro-batch = {args.ranks * args.micro_batch}")
-    granularity = args.ranks * args.micro_batch
+        if batch % granularity:
+            raise SystemExit(f"--batch {batch}: not a multiple of " + (
+                f"--groups {args.groups}" if args.groups else f"ranks x micro-batch = {granularity}"))
     config = {"corpora": specs, "batches": batches, "seeds": seeds, "lr_factors": factors, "optimizers": labels,
-              "samples": args.samples, "min_steps": args.min_steps, "seq_len": args.seq_len, "micro_batch": args.micro_batch,
-              "ranks": args.ranks, "lr_rule": args.lr_rule, "base_lr": args.base_lr, "base_batch": args.base_batch,
+              "samples": args.samples, "min_steps": args.min_steps, "seq_len": args.seq_len,
+              "micro_batch": None if args.groups else args.micro_batch, "groups": args.groups, "ranks": args.ranks,
+              "lr_rule": args.lr_rule, "base_lr": args.base_lr, "base_batch": args.base_batch,
               "vocab_size": args.vocab_size, "model": args.model, "zero": 2, "quick": args.quick,
+              "heldout_fraction": args.heldout_fraction, "eval_points": args.eval_points,
               **({"noise_multiples": args.noise_multiple, "noise_scale": args.noise_scale} if args.noise_multiple else {})}
     args.reused, sources, shorter = load_reused(args.reuse, config)  # before Output: --out may be one of them
     args.work.mkdir(parents=True, exist_ok=True)
@@ -475,11 +704,12 @@ def main() -> None:
         print(f"--reuse: {len(shorter)} recorded run(s) took another number of steps than this study gives their "
               f"batch (--samples {args.samples}, --min-steps {args.min_steps}); they stay in their records, unused "
               "here", flush=True)
-    results, corpus_batches, unigram = [], {}, {}
+    results, corpus_batches, unigram, unigram_by_seed, probe_runs = [], {}, {}, {}, []
     for spec, name in zip(specs, corpora):
         data = (args.work / "data" / name if args.only_finished
                 else prepare(name, spec.partition("=")[2] or None, args.work, args.seq_len, args.vocab_size))
-        other = set_aside_other_data(args.reused, name, lambda seed: data_fingerprint(data, seed),
+        other = set_aside_other_data(args.reused, name,
+                                     lambda seed: data_fingerprint(data, seed, args.heldout_fraction),
                                      platform.python_version())
         if other:
             out.meta.setdefault("not_reused_other_data", 0)
@@ -494,12 +724,11 @@ def main() -> None:
                 probe = next((lab for lab in labels if lab in BASELINE), None)
                 if probe is None:
                     raise SystemExit("--noise-scale auto: needs a VR optimizer among --optimizer to measure B_simple")
-                measured = []
-                for seed in seeds:
-                    r = run_one(probe, name, data, args.base_batch, 1.0, seed, args)
-                    if r is not None:
-                        out.log_run(r)
-                        measured.append(r)
+                # the probe's baseline beside it: the budget's margin below the unigram level at a small batch
+                probes = [lab for lab in (probe, BASELINE[probe]) if lab in labels]
+                measured = run_all([(lab, name, data, args.base_batch, 1.0, seed) for lab in probes for seed in seeds],
+                                   args, out.log_run)
+                probe_runs += measured
                 scale = measured_noise_scale(measured, args.base_batch)
             if scale is None:
                 print(f"[{name}] no B_simple measured at batch {args.base_batch} yet: its batches are unknown", flush=True)
@@ -510,20 +739,19 @@ def main() -> None:
                 here = sorted(set(noise_batches(args.noise_multiple, scale, granularity)))
                 out.meta.setdefault("noise_scale", {})[name] = scale
                 print(f"[{name}] B_simple {scale:.0f} samples at batch {args.base_batch}: batches {here}", flush=True)
+            if args.probe_only:
+                args.only_finished = True  # the grid is another machine's
             if (data / "tokenizer.model").is_file():
-                unigram[name] = mean(unigram_loss(data, seed, args.seq_len, base_config(
-                    args.seq_len, args.micro_batch, args.ranks, args.workers)["job"]["data"]["eval_samples"])
-                    for seed in seeds)
+                per_seed = {seed: unigram_loss(data, seed, args.seq_len, base_config(
+                    args.seq_len, args.micro_batch, args.ranks, args.workers)["job"]["data"]["eval_samples"],
+                    args.heldout_fraction) for seed in seeds}
+                unigram[name] = mean(per_seed.values())
+                unigram_by_seed[name] = per_seed
                 out.meta.setdefault("unigram_loss", {})[name] = unigram[name]
         corpus_batches[name] = here
-        for batch in here:
-            for label in labels:
-                for factor in factors:
-                    for seed in seeds:
-                        r = run_one(label, name, data, batch, factor, seed, args)
-                        if r is not None:
-                            out.log_run(r)
-                            results.append(r)
+        cells = [(label, name, data, batch, factor, seed) for batch in here for label in labels for factor in factors
+                 for seed in seeds]
+        results += run_all(cells, args, out.log_run)
     unrun = [line for name in corpora for line in unrun_cells(results, [name], corpus_batches[name], labels,
                                                                 factors, seeds)]
     unrun += out.meta.pop("unrun_probes", [])  # a corpus whose batches are not known yet
@@ -533,38 +761,60 @@ def main() -> None:
               flush=True)
     if args.noise_multiple:
         batches = sorted({b for bs in corpus_batches.values() for b in bs})
-    if not results:
-        raise SystemExit("--only-finished: no finished or reused run matches these corpora, batches and optimizers")
-    cells = by_factor(results)  # every factor, to show how each optimizer's loss depends on the LR
-    best = best_cells(results)
-    rows = []
-    for (corpus, batch, label), rs in sorted(best.items(), key=lambda kv: (corpora.index(kv[0][0]), kv[0][1],
-                                                                           labels.index(kv[0][2]))):
-        noise = [r["b_simple"] for r in rs if r.get("b_simple") is not None]
-        tried = sorted(cells[corpus, batch, label])
-        rows.append((corpus, batch, rs[0]["steps"], rs[0]["samples"], rs[0]["groups"], label,
-                     f"{rs[0]['lr']:.3g} (×{rs[0]['factor']:g})", f"×{tried[0]:g}–×{tried[-1]:g} ({len(tried)})",
-                     spread([r["mlm_loss"] for r in rs]), spread([r["mlm_acc"] for r in rs]),
-                     spread(noise, "{:.0f}") if noise else "–"))
-    out.add_table(f"Held-out MLM loss and accuracy at the best LR factor ({len(seeds)} seeds, mean (min–max); "
-                  f"max({args.samples}, {args.min_steps} steps × batch) samples per run, seq {args.seq_len}, LR {args.lr_rule} rule from {args.base_lr:g} "
-                  f"at batch {args.base_batch} × the factors tried)",
-                  table(["corpus", "batch", "steps", "samples", "groups n", "optimizer", "LR (factor)", "factors tried",
-                         "MLM loss", "MLM accuracy", "B_simple (samples)"], rows))
-    grid = [(name, batch, label, *(spread([r["mlm_loss"] for r in cells[name, batch, label][f]], "{:.3f}")
-                                   if f in cells.get((name, batch, label), {}) else "–" for f in factors))
-            for name in corpora for batch in batches for label in labels if (name, batch, label) in cells]
-    out.add_table(f"Held-out MLM loss at every LR factor ({len(seeds)} seeds, mean (min–max); – never run)",
-                  table(["corpus", "batch", "optimizer", *(f"×{f:g}" for f in factors)], grid))
-    if args.noise_multiple:
-        rows = [row for name in corpora if corpus_batches[name] for label in labels if BASELINE.get(label) in labels
-                for row in verdicts(best, name, corpus_batches[name], label, BASELINE[label], unigram.get(name))]
-        levels = ", ".join(f"{name} {unigram[name]:.3f}" for name in corpora if name in unigram) or "not computed"
-        out.add_table(f"Verdict per batch (multiples {', '.join(f'×{m:g}' for m in args.noise_multiple)} of B_simple; "
-                      f"unigram level, nats: {levels}; {len(unrun)} run(s) of the grid not run yet)",
-                      table(["corpus", "batch", "baseline loss", "VR loss", "baseline below unigram", "verdict"], rows))
-    plot(out, best, corpora, batches, labels)
-    out.finish(results)
+    if not results and not probe_runs:
+        if args.time_limit is None:
+            raise SystemExit("--only-finished: no finished or reused run matches these corpora, batches and optimizers")
+        print("--time-limit: no run finished in the time; the record lists the runs not run yet", flush=True)
+    if probe_runs:
+        rows = [(r["corpus"], r["batch"], r["optimizer"], r["seed"], r["steps"], r["samples"], f"{r['mlm_loss']:.4f}",
+                 *((f"{unigram_by_seed[r['corpus']][r['seed']]:.4f}",
+                    f"{unigram_by_seed[r['corpus']][r['seed']] - r['mlm_loss']:+.4f}")
+                   if r["seed"] in unigram_by_seed.get(r["corpus"], {}) else ("–", "–")),
+                 "–" if r.get("b_simple") is None else f"{r['b_simple']:.0f}")
+                for r in sorted(probe_runs, key=lambda r: (r["corpus"], r["optimizer"], r["seed"]))]
+        out.add_table(f"The budget at a small batch: each run at batch {args.base_batch} (×1 LR) against the unigram "
+                      "level of its held-out masks (below it by: unigram − loss)",
+                      table(["corpus", "batch", "optimizer", "seed", "steps", "samples", "MLM loss", "unigram level",
+                             "below it by", "B_simple (samples)"], rows))
+    traced = [r for r in probe_runs + results if r.get("trajectory")]
+    if traced:
+        out.add_table("Held-out loss and the noise scale as training goes: MLM loss (B_simple over the steps since the "
+                      "evaluation before) at each quarter of a run's samples",
+                      table(["corpus", "batch", "optimizer", "LR (factor)", "seed", "¼", "½", "¾", "end"],
+                            [(r["corpus"], r["batch"], r["optimizer"], f"×{r['factor']:g}", r["seed"],
+                              *quarters(r["trajectory"])) for r in traced]))
+        plot_trajectories(out, traced)
+    if results:
+        cells = by_factor(results)  # every factor, to show how each optimizer's loss depends on the LR
+        best = best_cells(results)
+        rows = []
+        for (corpus, batch, label), rs in sorted(best.items(), key=lambda kv: (corpora.index(kv[0][0]), kv[0][1],
+                                                                               labels.index(kv[0][2]))):
+            noise = [r["b_simple"] for r in rs if r.get("b_simple") is not None]
+            tried = sorted(cells[corpus, batch, label])
+            rows.append((corpus, batch, rs[0]["steps"], rs[0]["samples"], rs[0]["groups"], label,
+                         f"{rs[0]['lr']:.3g} (×{rs[0]['factor']:g})", f"×{tried[0]:g}–×{tried[-1]:g} ({len(tried)})",
+                         spread([r["mlm_loss"] for r in rs]), spread([r["mlm_acc"] for r in rs]),
+                         spread(noise, "{:.0f}") if noise else "–"))
+        out.add_table(f"Held-out MLM loss and accuracy at the best LR factor ({len(seeds)} seeds, mean (min–max); "
+                      f"max({args.samples}, {args.min_steps} steps × batch) samples per run, seq {args.seq_len}, LR {args.lr_rule} rule from {args.base_lr:g} "
+                      f"at batch {args.base_batch} × the factors tried)",
+                      table(["corpus", "batch", "steps", "samples", "groups n", "optimizer", "LR (factor)", "factors tried",
+                             "MLM loss", "MLM accuracy", "B_simple (samples)"], rows))
+        grid = [(name, batch, label, *(spread([r["mlm_loss"] for r in cells[name, batch, label][f]], "{:.3f}")
+                                       if f in cells.get((name, batch, label), {}) else "–" for f in factors))
+                for name in corpora for batch in batches for label in labels if (name, batch, label) in cells]
+        out.add_table(f"Held-out MLM loss at every LR factor ({len(seeds)} seeds, mean (min–max); – never run)",
+                      table(["corpus", "batch", "optimizer", *(f"×{f:g}" for f in factors)], grid))
+        if args.noise_multiple:
+            rows = [row for name in corpora if corpus_batches[name] for label in labels if BASELINE.get(label) in labels
+                    for row in verdicts(best, name, corpus_batches[name], label, BASELINE[label], unigram.get(name))]
+            levels = ", ".join(f"{name} {unigram[name]:.3f}" for name in corpora if name in unigram) or "not computed"
+            out.add_table(f"Verdict per batch (multiples {', '.join(f'×{m:g}' for m in args.noise_multiple)} of B_simple; "
+                          f"unigram level, nats: {levels}; {len(unrun)} run(s) of the grid not run yet)",
+                          table(["corpus", "batch", "baseline loss", "VR loss", "baseline below unigram", "verdict"], rows))
+        plot(out, best, corpora, batches, labels)
+    out.finish(probe_runs + results)
 
 
 if __name__ == "__main__":

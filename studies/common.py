@@ -101,6 +101,7 @@ class Output:
         """Writes the record and the tables. ``runs`` with a ``wall_s`` each: runs read back from
         an earlier invocation or output took their time there, and the record gives it too."""
         self.meta["wall_s"] = round(time.time() - self.t0, 1)
+        self.runs_path.touch()  # a record with no run yet is still one --reuse reads
         if runs:
             self.meta["run_wall_s"] = round(sum(r["wall_s"] for r in runs), 1)
         (self.dir / "meta.json").write_text(json.dumps(self.meta, indent=2) + "\n")

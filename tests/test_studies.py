@@ -169,6 +169,27 @@ def test_bert_batch_assembles_committed_runs_of_several_studies(tmp_path):
 
 
 @pytest.mark.exhaustive
+def test_a_file_corpus_found_elsewhere_is_reused_when_its_runs_carry_their_data_fingerprint(tmp_path):
+    """A study grown on two machines finds WikiText-2 at two paths: ``--reuse`` accepts the other
+    path when every run of that corpus recorded its data fingerprint (which then decides), and
+    still refuses it for runs recorded without one (before, any other path was refused)."""
+    runs = [("wikitext", 64, "LAMB", 1.0, s, 6.0 + s / 100) for s in (1, 2)]
+    bare = fake_study(tmp_path / "bare", runs, corpora=["wikitext=/elsewhere/wikitext-2"])
+    printed = fake_study(tmp_path / "printed", runs, corpora=["wikitext=/elsewhere/wikitext-2"])
+    lines = (printed / "runs.jsonl").read_text().splitlines()
+    (printed / "runs.jsonl").write_text("".join(json.dumps(json.loads(line) | {"data": "0123456789abcdef"}) + "\n"
+                                                for line in lines))
+    args = ["--only-finished", "--corpus", f"wikitext={tmp_path / 'here'}", "--batch", "64", "--optimizer", "LAMB",
+            "--lr-factor", "1", "--work", str(tmp_path / "work")]
+    proc = subprocess.run([sys.executable, str(STUDIES / "bert_batch.py"), *args, "--reuse", str(bare), "--out",
+                           str(tmp_path / "out1")], cwd=ROOT, capture_output=True, text=True, check=False)
+    assert proc.returncode != 0 and "corpus 'wikitext' was '/elsewhere/wikitext-2' there" in proc.stderr
+    run_study("bert_batch.py", *args, "--reuse", str(printed), "--out", str(tmp_path / "out2"))
+    assert "| wikitext | 64 | 160 | 10240 | 8 | LAMB | 0.004 (×1) | ×1–×1 (1) | 6.0150 (6.0100–6.0200) |" in (
+        tmp_path / "out2" / "tables.md").read_text()
+
+
+@pytest.mark.exhaustive
 def test_bert_batch_uses_no_recorded_run_shorter_than_min_steps(tmp_path):
     """A run gets max(samples, min_steps x batch) samples: the 10-step runs at batch 1,024 that a
     study recorded at 10,240 samples before --min-steps are not this study's cells (the default
@@ -397,6 +418,51 @@ def test_batches_at_noise_multiples_get_a_verdict_each_and_the_unrun_cells_are_l
     assert meta["noise_scale"] == {"embedded": 16.0}
 
 
+#: a stand-in for one job run: notes its start, port and end, sleeps, writes an evaluation record
+FAKE_RUN = """
+import json, sys, time
+run_dir, port, sleep = sys.argv[1], sys.argv[2], float(sys.argv[3])
+t0 = time.time()
+time.sleep(sleep)
+with open(run_dir + "/metrics.jsonl", "w") as fh:
+    fh.write(json.dumps({"eval/mlm_loss": 6.0, "eval/mlm_acc": 0.1, "span": [t0, time.time()], "port": port}))
+"""
+
+
+def test_study_runner_runs_side_by_side_within_its_time_limit(tmp_path):
+    """``--parallel 2`` runs two runs at once, each on its own master port; ``--time-limit`` stops
+    a run still going at the limit (its directory removed, not recorded), does not start a run
+    the time left cannot hold at the rate of the runs finished so far, and leaves the study to
+    assemble what finished (``only_finished``), each finished run recorded as it finished."""
+    import argparse
+    import time
+
+    sys.path.insert(0, str(STUDIES))
+    from bert_batch import Launch, Runner
+
+    def launch(name: str, sleep: float, samples: int) -> Launch:
+        run_dir = tmp_path / name
+        return Launch(run_dir, [sys.executable, "-c", FAKE_RUN, str(run_dir), "PORT", str(sleep)],
+                      {"corpus": "c", "batch": 8, "optimizer": name, "seed": 1, "lr": 1e-3, "factor": 1.0,
+                       "samples": samples, "config": {}}, tmp_path / "no-data")
+
+    args = argparse.Namespace(parallel=2, time_limit=Runner.ASSEMBLY_S + 8, started=time.monotonic(), ranks=1,
+                              port=29900)
+    recorded = []
+    t0 = time.monotonic()
+    a, b, c, d = Runner(args).run([launch("a", 1.5, 100), launch("b", 1.5, 100), launch("c", 120, 100),
+                                   launch("d", 0, 10**9)], recorded.append)
+    assert time.monotonic() - t0 < 60  # c was stopped, not waited for
+    assert sorted(r["optimizer"] for r in recorded) == ["a", "b"]
+    spans = [json.loads((tmp_path / n / "metrics.jsonl").read_text()) for n in ("a", "b")]
+    assert spans[0]["span"][0] < spans[1]["span"][1] and spans[1]["span"][0] < spans[0]["span"][1]  # at once
+    assert {spans[0]["port"], spans[1]["port"]} == {"29900", "29901"}
+    assert a["mlm_loss"] == b["mlm_loss"] == 6.0 and (tmp_path / "a" / "result.json").is_file()
+    assert c is None and not (tmp_path / "c").exists()  # stopped unfinished, removed
+    assert d is None and not (tmp_path / "d").exists()  # 10^9 samples: never started
+    assert args.only_finished is True
+
+
 @pytest.mark.slow
 @pytest.mark.exhaustive  # the real job twice per optimizer (1 min): make test-all
 def test_bert_batch_quick_at_noise_multiples(tmp_path, study_work):
@@ -405,9 +471,13 @@ def test_bert_batch_quick_at_noise_multiples(tmp_path, study_work):
     (between a trained model's and the uniform distribution's), each run's data fingerprint
     recorded, and every cell of one seed left undecided."""
     run_study("bert_batch.py", "--quick", "--noise-multiple", "1", "--noise-multiple", "4", "--noise-scale", "16",
-              "--work", str(study_work), "--out", str(tmp_path / "out"), "--port", "29683", timeout=900)
+              "--groups", "2", "--parallel", "2", "--work", str(study_work), "--out", str(tmp_path / "out"),
+              "--port", "29683", timeout=900)
     runs = check_output(tmp_path / "out", ["bert_batch.png"])
-    assert sorted({r["batch"] for r in runs}) == [16, 64]
+    assert sorted({r["batch"] for r in runs}) == [16, 64] and {r["groups"] for r in runs} == {2}
+    for r in runs:  # --groups 2: two micro-batches of batch / 2, at every batch
+        phase = json.loads((Path(r["run_dir"]) / "study_config.json").read_text())["job"]["phases"][0]
+        assert phase["micro_batch"] * 2 == phase["global_batch"] == r["batch"]
     assert len({r["data"] for r in runs}) == 1 and all(len(r["data"]) == 16 for r in runs)
     meta = json.loads((tmp_path / "out" / "meta.json").read_text())
     assert 3.0 < meta["unigram_loss"]["embedded"] < math.log(2000)
