@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
 # Every GPU measurement the open work asks for, in one run of under 8 minutes on one H100/H200:
+#   the same 50-step BERT job, seeds and data as a CPU's record (docs/studies/bert_seed_check),
 #   the Triton kernels on CUDA tensors (pack_bucket included), the optimizer step against torch's
 #   fused AdamW and DeepSpeed's FusedLamb (per tensor and one flat partition), the whole ZeRO-2
 #   BERT-large bf16 step at seq 128 and 512 with the anchors and a profile, and megatron-core, each
@@ -35,7 +36,7 @@ export PYTHONPATH=$PWD:${PYTHONPATH:-} PYTHONUNBUFFERED=1 PYTHONWARNINGS=ignore:
 cc=$(python3 -c "import torch; print('%d.%d' % torch.cuda.get_device_capability())")
 export TORCH_CUDA_ARCH_LIST=$cc
 
-PARTS=${PARTS:-fusedlamb_build triton_cuda opt_step_flat opt_step zero2_seq128 megatron zero2_seq512 plateau}
+PARTS=${PARTS:-fusedlamb_build triton_cuda seed_check opt_step_flat opt_step zero2_seq128 megatron zero2_seq512 plateau}
 BUDGET_S=${BUDGET_S:-470}  # the whole script: under 8 minutes
 PLATEAU_S=${PLATEAU_S:-240}  # kept for the study when it is among the parts
 reserve=0
@@ -62,6 +63,21 @@ part() {  # name, seconds, command... (capped by the time left before the study'
     >>"$OUTDIR/summary.log" 2>&1
 part fusedlamb_build 60 python3 -c "from deepspeed.ops.op_builder import FusedLambBuilder as B; B().load()"
 part triton_cuda 60 python3 -m pytest -q -x -p no:cacheprovider tests/unit/test_triton.py -k "pack_bucket or cuda"
+wikitext=${WIKITEXT:-}
+for candidate in ../shared/data/wikitext-2 .data/wikitext-2; do
+    [[ -z $wikitext && -f $candidate/valid.txt ]] && wikitext=$candidate
+done
+no_wikitext="WikiText-2 not found (set WIKITEXT, or link .data to the folder holding wikitext-2 and carry .data/wikitext-2)"
+# The same job, seed and data as on the CPU: 50 steps of LAMB and VR-LAMB at batch 64, fp32, set beside
+# the runs of docs/studies/bert_seed_check (a CPU's), loss by loss, with the data fingerprints.
+if [[ -n $wikitext ]]; then
+    part seed_check 120 python3 studies/bert_batch.py --model tiny --corpus "wikitext=$wikitext" --batch 64 \
+        --samples 3200 --min-steps 50 --groups 8 --heldout-fraction 0.1 --eval-points 5 --optimizer LAMB \
+        --optimizer "VR-LAMB first_moment" --lr-factor 1 --seed 1 --seed 2 --parallel 4 --port 29661 \
+        --work /tmp/bert_seed_check --out "$OUTDIR/bert_seed_check" --compare docs/studies/bert_seed_check
+elif [[ " $PARTS " == *" seed_check "* ]]; then
+    echo "== seed_check: not started, $no_wikitext" | tee -a "$OUTDIR/summary.log"
+fi
 part opt_step_flat 40 python3 benchmarks/gpu_optimizer_step.py --model large --flat --kernels --iters 10
 part opt_step 60 python3 benchmarks/gpu_optimizer_step.py --model large --kernels --iters 10
 one_rank=(env RANK=0 LOCAL_RANK=0 WORLD_SIZE=1 MASTER_ADDR=127.0.0.1 MASTER_PORT=29631)
@@ -85,14 +101,9 @@ part opt_step_adam 40 python3 benchmarks/gpu_optimizer_step.py --model large --i
 # rule, 2 seeds, 8 runs side by side on the GPU. It starts a run only while the time left holds it,
 # stops the rest at the limit, and assembles what finished (the rest is listed as not run yet).
 if [[ " $PARTS " == *" plateau "* ]]; then
-    wikitext=${WIKITEXT:-}
-    for candidate in ../shared/data/wikitext-2 .data/wikitext-2; do
-        [[ -z $wikitext && -f $candidate/valid.txt ]] && wikitext=$candidate
-    done
     left=$((BUDGET_S - SECONDS))
     if [[ -z $wikitext ]]; then
-        echo "== plateau: not started, WikiText-2 not found (set WIKITEXT, or link .data to the folder holding" \
-            "wikitext-2 and carry .data/wikitext-2)" | tee -a "$OUTDIR/summary.log"
+        echo "== plateau: not started, $no_wikitext" | tee -a "$OUTDIR/summary.log"
     elif (( left > 60 )); then
         reuse=()
         [[ -f docs/studies/bert_plateau/meta.json ]] && reuse=(--reuse docs/studies/bert_plateau)

@@ -570,6 +570,29 @@ def plot(out: Output, best: dict, corpora: list[str], batches: list[int],
     out.savefig(fig, "bert_batch.png")
 
 
+def compared(runs: list[dict], other: Path) -> list[dict]:
+    """Each of ``runs`` that ran here against the run of the same cell and seed that ``other`` (a
+    study's output, e.g. from another machine) holds: both losses, their difference, and whether
+    it is within 1e-3 of the loss the run trained away (its held-out loss at step 0 less its
+    last: the GPU-vs-CPU test's tolerance, 1e-3 of the distance trained, carried to the loss), and
+    whether both read the same data (fingerprints)."""
+    theirs = {(r["corpus"], r["batch"], r["optimizer"], r["factor"], r["seed"]): r
+              for r in map(json.loads, (other / "runs.jsonl").read_text().splitlines())}
+    rows = []
+    for r in runs:
+        o = theirs.get((r["corpus"], r["batch"], r["optimizer"], r["factor"], r["seed"]))
+        if o is None or "reused_from" in r:
+            continue
+        drop = [c["mlm_loss"] for c in r.get("trajectory", []) if c["step"] == 0]
+        tol = 1e-3 * (drop[0] - r["mlm_loss"]) if drop else None
+        diff = r["mlm_loss"] - o["mlm_loss"]
+        rows.append({"cell": f"{r['corpus']} b{r['batch']} {r['optimizer']} ×{r['factor']:g} seed {r['seed']}",
+                     "here": r["mlm_loss"], "there": o["mlm_loss"], "difference": diff, "tolerance": tol,
+                     "within": None if tol is None else abs(diff) <= tol,
+                     "same_data": r.get("data") is not None and r.get("data") == o.get("data")})
+    return rows
+
+
 def quarters(curve: list[dict]) -> list[str]:
     """``loss (B_simple)`` at the evaluations nearest a quarter, half, three quarters and all of
     the run's samples."""
@@ -642,6 +665,9 @@ def main() -> None:
                     help="with --noise-scale auto: run the B_simple probe (and its baseline) at --base-batch, then "
                          "only assemble: the grid's batches are named and listed as not run (a probe on one machine, "
                          "the grid on another)")
+    ap.add_argument("--compare", type=Path, default=None, metavar="DIR",
+                    help="set the runs made here beside the same cells of DIR (a study's output from another machine): "
+                         "losses, difference, the tolerance, the data fingerprints")
     ap.add_argument("--time-limit", type=float, default=None, metavar="SECONDS",
                     help="end within this many seconds: start a run only while the time left holds it at the slowest "
                          "rate of the runs finished so far, stop the runs still going at the limit, then assemble what "
@@ -814,6 +840,15 @@ def main() -> None:
                           f"unigram level, nats: {levels}; {len(unrun)} run(s) of the grid not run yet)",
                           table(["corpus", "batch", "baseline loss", "VR loss", "baseline below unigram", "verdict"], rows))
         plot(out, best, corpora, batches, labels)
+    if args.compare is not None:
+        rows = compared(probe_runs + results, args.compare)
+        out.meta["compared"] = {"with": str(args.compare), "runs": rows}
+        out.add_table(f"Against the same cells of {args.compare} (tolerance: 1e-3 of the loss each run trained away)",
+                      table(["run", "loss here", "loss there", "difference", "tolerance", "within", "same data"],
+                            [(c["cell"], f"{c['here']:.5f}", f"{c['there']:.5f}", f"{c['difference']:+.2e}",
+                              "–" if c["tolerance"] is None else f"{c['tolerance']:.2e}",
+                              {True: "yes", False: "no", None: "–"}[c["within"]], "yes" if c["same_data"] else "no")
+                             for c in rows]))
     out.finish(probe_runs + results)
 
 

@@ -418,6 +418,30 @@ def test_batches_at_noise_multiples_get_a_verdict_each_and_the_unrun_cells_are_l
     assert meta["noise_scale"] == {"embedded": 16.0}
 
 
+def test_runs_set_beside_another_machines_runs_of_the_same_cells(tmp_path):
+    """``--compare``: each run made here against the same cell and seed of another output, with the
+    tolerance of 1e-3 of the loss the run trained away (from its step-0 evaluation), and whether
+    both read the same data; reused runs and cells the other output lacks are left out."""
+    sys.path.insert(0, str(STUDIES))
+    from bert_batch import compared
+
+    other = fake_study(tmp_path / "cpu", [("wikitext", 64, "LAMB", 1.0, s, loss) for s, loss in ((1, 7.0), (2, 7.1))])
+    lines = (other / "runs.jsonl").read_text().splitlines()
+    (other / "runs.jsonl").write_text("".join(json.dumps(json.loads(line) | {"data": "fp"}) + "\n" for line in lines))
+    start = [{"step": 0, "mlm_loss": 9.0}, {"step": 50, "mlm_loss": 7.0}]
+    here = [{"corpus": "wikitext", "batch": 64, "optimizer": "LAMB", "factor": 1.0, "seed": 1, "mlm_loss": 7.001,
+             "data": "fp", "trajectory": start},
+            {"corpus": "wikitext", "batch": 64, "optimizer": "LAMB", "factor": 1.0, "seed": 2, "mlm_loss": 7.15,
+             "data": "other", "trajectory": start},
+            {"corpus": "wikitext", "batch": 64, "optimizer": "LAMB", "factor": 2.0, "seed": 1, "mlm_loss": 6.0},
+            {"corpus": "wikitext", "batch": 64, "optimizer": "LAMB", "factor": 1.0, "seed": 1, "mlm_loss": 7.0,
+             "reused_from": "x"}]
+    rows = compared(here, other)
+    assert [(r["cell"], r["within"], r["same_data"]) for r in rows] == [
+        ("wikitext b64 LAMB ×1 seed 1", True, True), ("wikitext b64 LAMB ×1 seed 2", False, False)]
+    assert rows[0]["tolerance"] == pytest.approx(1e-3 * (9.0 - 7.001)) and rows[1]["difference"] == pytest.approx(0.05)
+
+
 #: a stand-in for one job run: notes its start, port and end, sleeps, writes an evaluation record
 FAKE_RUN = """
 import json, sys, time
