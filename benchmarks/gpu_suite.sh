@@ -31,7 +31,9 @@ if [[ -d $WHEELS ]] && compgen -G "$WHEELS/*.whl" >/dev/null; then
         "$WHEELS"/*.whl || exit 1
     export PYTHONPATH=/tmp/site:${PYTHONPATH:-}
 fi
-export PYTHONPATH=$PWD:${PYTHONPATH:-} PYTHONUNBUFFERED=1 PYTHONWARNINGS=ignore::FutureWarning
+# the checkout as the installed package (vrgd_ds.data_pipeline included), then the checkout itself
+export PYTHONPATH=$(bash benchmarks/source_tree.sh):$PWD:${PYTHONPATH:-} PYTHONUNBUFFERED=1 \
+    PYTHONWARNINGS=ignore::FutureWarning
 # DeepSpeed 0.19.8 cannot parse "9.0a" (deepspeedai/DeepSpeed#8619)
 cc=$(python3 -c "import torch; print('%d.%d' % torch.cuda.get_device_capability())")
 export TORCH_CUDA_ARCH_LIST=$cc

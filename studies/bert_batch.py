@@ -84,16 +84,17 @@ def base_config(seq_len: int, micro_batch: int, ranks: int, workers: int, model:
 
 def prepare(name: str, source: str | None, out: Path, seq_len: int, vocab: int) -> Path:
     data = out / "data" / name  # vrgd-data prepare is idempotent: a second call checks and reuses
-    cmd = [sys.executable, "-m", "vrgd_ds.data_pipeline", "prepare", str(data)]  # the inputs right after it
+    cmd = [sys.executable, "-m", "vrgd_ds.data_pipeline", "prepare", str(data.resolve())]  # the inputs after it
     if source:
         src = Path(source)
         files = sorted(src.glob("*.txt")) if src.is_dir() else [src]
         if not files:
             raise SystemExit(f"--corpus {name}={source}: no .txt files there")
-        cmd += [str(f) for f in files] + ["--format", "wikitext" if "wikitext" in name else "auto"]
+        cmd += [str(f.resolve()) for f in files] + ["--format", "wikitext" if "wikitext" in name else "auto"]
     cmd += ["--vocab-size", str(vocab), "--seq-len", str(seq_len), "--seed", "1", "--no-progress"]
     print(f"[prepare] {name}: {' '.join(cmd[3:])}", flush=True)
-    subprocess.run(cmd, check=True)
+    out.mkdir(parents=True, exist_ok=True)
+    subprocess.run(cmd, check=True, cwd=out)  # outside the checkout: see Runner.start
     return data
 
 
@@ -309,13 +310,15 @@ def plan_run(label: str, corpus: str, data: Path, batch: int, factor: float, see
     cfg["job"].update(seed=seed, total_steps=steps)
     if getattr(args, "eval_points", None):
         cfg["job"]["eval_every"] = max(1, steps // args.eval_points)
-    cfg["job"]["data"]["path"] = str(data)
+    cfg["job"]["data"]["path"] = str(data.resolve())
     if getattr(args, "heldout_fraction", None) is not None:
         cfg["job"]["data"]["heldout_fraction"] = args.heldout_fraction
     cfg["job"]["phases"][0].update(global_batch=batch, lr=lr, **(phase_extra or {}))
-    cmd = [str(Path(sys.executable).with_name("deepspeed")), "--num_gpus", str(args.ranks), "--master_port",
-           "PORT", "--module", "vrgd_ds.train", "--config", str(run_dir / "study_config.json"),
-           "--run-dir", str(run_dir)]
+    # the launcher through this interpreter: a DeepSpeed installed with ``pip --target`` (a GPU image's
+    # packages on PYTHONPATH) has no ``deepspeed`` script beside it
+    cmd = [sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", str(args.ranks), "--master_port",
+           "PORT", "--module", "vrgd_ds.train", "--config", str(run_dir.resolve() / "study_config.json"),
+           "--run-dir", str(run_dir.resolve())]
     record = {"corpus": corpus, "batch": batch, "optimizer": label, "seed": seed, "steps": steps, "lr": lr,
               "factor": factor, "groups": batch // micro, "ranks": args.ranks, "samples": steps * batch,
               "config": cfg}
@@ -408,7 +411,11 @@ class Runner:
         launch.record.pop("config")
         cmd = [str(self.args.port + slot) if part == "PORT" else part for part in launch.cmd]
         log = open(launch.run_dir / "log.txt", "w")
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=self.env, start_new_session=True)
+        # in the run's directory: ``python -m`` puts the working directory first on sys.path, and in a
+        # checkout that is not installed (a GPU image: benchmarks/source_tree.sh on PYTHONPATH) the
+        # checkout's own vrgd_ds/ would shadow the laid-out package, whose data_pipeline it lacks
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=self.env, start_new_session=True,
+                                cwd=launch.run_dir)
         return proc, time.monotonic(), log
 
 

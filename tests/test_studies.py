@@ -329,6 +329,38 @@ def test_reused_runs_of_other_data_are_set_aside():
     assert set_aside_other_data(kept, "embedded", lambda seed: None, "3.11.7") == [] and len(kept) == 1
 
 
+@pytest.mark.slow
+@pytest.mark.exhaustive  # two preparations of a small corpus (10-30 s): make test-all
+def test_the_same_corpus_prepared_from_another_folder_into_another_has_the_same_fingerprint(tmp_path):
+    """Two machines prepare WikiText-2 from their own folders into their own work directories: the
+    manifests differ only in ``source`` and ``tokenizer_path``, and the data fingerprint is the
+    same (the job's resume report and the studies' ``--reuse`` compare it). Fails on the code
+    before: it hashed the manifest file, paths included, so a run on another machine was set aside
+    as other data, and a moved data directory read as changed data."""
+    from vrgd_ds.data_pipeline.prepare import SHARDS_DIR, TOKENIZER_FILE
+    from vrgd_ds.data_pipeline.shards import MANIFEST
+    from vrgd_ds.train.data import prepared_fingerprint
+
+    words = ["".join("abcdefghij"[int(d)] for d in str(i * 7919 % 1009)) for i in range(600)]
+    text = "".join(f" = Part {k} = \n\n" + "".join(" " + " ".join(words[(k * 31 + j * 7 + n) % 600] for n in range(12))
+                                                  + " .\n" for j in range(40)) for k in range(6))
+    prints = []
+    for where in ("one", "two"):
+        src = tmp_path / where / "corpus"
+        src.mkdir(parents=True)
+        (src / "valid.txt").write_text(text)
+        out = tmp_path / where / "prepared"
+        subprocess.run([sys.executable, "-m", "vrgd_ds.data_pipeline", "prepare", str(out), str(src / "valid.txt"),
+                        "--format", "wikitext", "--vocab-size", "100", "--seq-len", "32", "--seed", "1",
+                        "--no-progress"], check=True, capture_output=True, timeout=300)
+        prints.append(prepared_fingerprint(out, 1, 0.1, None))
+        manifest = json.loads((out / SHARDS_DIR / MANIFEST).read_text())
+        assert str(tmp_path / where) in manifest["source"] + manifest["tokenizer_path"]
+    assert (tmp_path / "one" / "prepared" / TOKENIZER_FILE).read_bytes() == \
+        (tmp_path / "two" / "prepared" / TOKENIZER_FILE).read_bytes()
+    assert prints[0] is not None and prints[0] == prints[1]
+
+
 def test_a_run_records_the_fingerprint_of_the_data_it_read(tmp_path):
     """The study's fingerprint of prepared data is the job's (``vrgd_ds.train.data``): the same
     files and seed give the same value, another seed or another tokenizer another one."""
@@ -485,6 +517,35 @@ def test_study_runner_runs_side_by_side_within_its_time_limit(tmp_path):
     assert c is None and not (tmp_path / "c").exists()  # stopped unfinished, removed
     assert d is None and not (tmp_path / "d").exists()  # 10^9 samples: never started
     assert args.only_finished is True
+
+
+@pytest.mark.slow
+@pytest.mark.exhaustive  # one real run of 4 steps (30 s): make test-all
+def test_bert_batch_runs_from_a_checkout_on_an_interpreter_with_packages_on_pythonpath(tmp_path):
+    """The GPU suite's layout: DeepSpeed and the rest installed with ``pip --target`` and put on
+    PYTHONPATH (no ``deepspeed`` script beside the interpreter), the project not installed but
+    laid out by ``benchmarks/source_tree.sh`` (``vrgd_ds.data_pipeline`` is the top-level
+    ``data_pipeline/``). Here: the base interpreter of this virtual environment, with the
+    environment's packages on PYTHONPATH after the laid-out checkout. Fails on the code before in
+    two ways: the study started ``<interpreter's folder>/deepspeed`` (FileNotFoundError; now
+    ``-m deepspeed.launcher.runner``), and the suite put only the checkout on PYTHONPATH, where
+    ``vrgd_ds.data_pipeline`` does not import."""
+    import os
+    import sysconfig
+
+    base = Path(sys.base_prefix) / "bin" / "python3"
+    if sys.prefix == sys.base_prefix or not base.is_file() or (base.parent / "deepspeed").exists():
+        pytest.skip("needs a virtual environment whose base interpreter has no deepspeed script")
+    tree = subprocess.run(["bash", str(ROOT / "benchmarks" / "source_tree.sh"), str(tmp_path / "src")],
+                          capture_output=True, text=True, check=True).stdout.strip()
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([tree, str(ROOT), sysconfig.get_paths()["purelib"]]))
+    proc = subprocess.run([str(base), str(STUDIES / "bert_batch.py"), "--corpus", "embedded", "--batch", "16",
+                           "--optimizer", "LAMB", "--lr-factor", "1", "--seed", "1", "--samples", "64", "--min-steps",
+                           "1", "--vocab-size", "2000", "--work", str(tmp_path / "work"), "--out", str(tmp_path / "out"),
+                           "--port", "29685"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    (run,) = [json.loads(line) for line in (tmp_path / "out" / "runs.jsonl").read_text().splitlines()]
+    assert run["steps"] == 4 and math.isfinite(run["mlm_loss"])
 
 
 @pytest.mark.slow

@@ -118,16 +118,22 @@ def stack(samples: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
     return {k: torch.stack([s[k] for s in samples]) for k in samples[0]}
 
 
+#: the manifest's entries that say where the data was prepared from and to, not what it is
+WHERE_KEYS = ("source", "tokenizer_path")
+
+
 def fingerprint(tokenizer_sha256: str, manifest: Path, seed: int, split_document: int,
                 next_sentence: str | None) -> str:
     """What decides the sample stream, in 16 hex digits: the tokenizer, the shards (their
-    manifest's hash), the seed, the held-out split and the sentence-pair task."""
+    manifest, whose entries hash each shard's files, less ``WHERE_KEYS``: the same corpus prepared
+    from another folder, or moved, is the same data), the seed, the held-out split and the
+    sentence-pair task."""
     import hashlib
     import json
 
-    from vrgd_ds.data_pipeline.tokenizer import sha256_file
-
-    parts = {"tokenizer": tokenizer_sha256, "shards": sha256_file(manifest), "seed": seed,
+    content = {k: v for k, v in json.loads(manifest.read_text()).items() if k not in WHERE_KEYS}
+    shards = hashlib.sha256(json.dumps(content, sort_keys=True).encode()).hexdigest()
+    parts = {"tokenizer": tokenizer_sha256, "shards": shards, "seed": seed,
              "split_document": split_document, "next_sentence": next_sentence}
     return hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()[:16]
 
