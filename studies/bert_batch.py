@@ -120,11 +120,16 @@ def read_metrics(run_dir: Path) -> tuple[dict | None, float | None]:
             moments.append((rec["noise_scale/trace_cov"], rec["noise_scale/grad_sq"]))
         if rec.get("noise_scale/b_simple") is not None:  # samples per statistics group
             per_group = rec["noise_scale/b_simple"] / rec["noise_scale/b_simple_groups"]
-    half = moments[len(moments) // 2:]
-    if not half or per_group is None:
-        return last, None
-    grad_sq = mean(g for _, g in half)
-    return last, (per_group * mean(t for t, _ in half) / grad_sq if grad_sq > 0 else None)
+    return last, noise_scale(moments[len(moments) // 2:], per_group)
+
+
+def noise_scale(moments: list[tuple[float, float]], per_group: float | None) -> float | None:
+    """``B_simple`` in samples from logged ``(trace_cov, grad_sq)`` pairs: the ratio of their means
+    times the samples per group (None without pairs, groups, or a positive mean ``grad_sq``)."""
+    if not moments or per_group is None:
+        return None
+    grad_sq = mean(g for _, g in moments)
+    return per_group * mean(t for t, _ in moments) / grad_sq if grad_sq > 0 else None
 
 
 def trajectory(run_dir: Path) -> list[dict]:
@@ -140,10 +145,8 @@ def trajectory(run_dir: Path) -> list[dict]:
         if rec.get("noise_scale/b_simple") is not None:
             per_group = rec["noise_scale/b_simple"] / rec["noise_scale/b_simple_groups"]
         if "eval/mlm_loss" in rec:
-            grad_sq = mean(g for _, g in moments) if moments else 0.0
-            noise = per_group * mean(t for t, _ in moments) / grad_sq if per_group and grad_sq > 0 else None
             points.append({"step": rec.get("step"), "samples": samples, "mlm_loss": rec["eval/mlm_loss"],
-                           "b_simple": noise})
+                           "b_simple": noise_scale(moments, per_group)})
             moments = []
     return points
 
