@@ -109,7 +109,7 @@ if [[ " $PARTS " == *" plateau "* ]]; then
     elif (( left > 60 )); then
         reuse=()
         [[ -f docs/studies/bert_plateau/meta.json ]] && reuse=(--reuse docs/studies/bert_plateau)
-        part_reserve=$reserve; reserve=0  # the study's own time
+        reserve=0  # the study's own time: nothing runs after it
         part plateau "$left" python3 studies/bert_batch.py --model tiny --corpus "wikitext=$wikitext" \
             --seed 1 --seed 2 --noise-multiple 1 --noise-multiple 4 --noise-multiple 16 --noise-multiple 64 \
             --noise-scale auto --optimizer LAMB --optimizer "VR-LAMB first_moment" --optimizer "VR-LAMB update" \
@@ -117,7 +117,6 @@ if [[ " $PARTS " == *" plateau "* ]]; then
             --heldout-fraction 0.1 --eval-points 16 --parallel "${PLATEAU_PARALLEL:-8}" --port 29651 \
             --time-limit $((left - 10)) \
             "${reuse[@]}" --work /tmp/bert_plateau --out "$OUTDIR/bert_plateau"
-        reserve=$part_reserve
     else
         echo "== plateau: ${left}s left of ${BUDGET_S}s, not started" | tee -a "$OUTDIR/summary.log"
     fi

@@ -260,9 +260,11 @@ def micro_batch_for(batch: int, args: argparse.Namespace) -> int:
 
 @dataclass
 class Launch:
-    """A run to start: its directory, its command, and what its result records besides the metrics."""
+    """A run to start: its directory, its command and job configuration, and what its result records
+    besides the metrics."""
     run_dir: Path
     cmd: list[str]
+    config: dict
     record: dict
     data: Path
     heldout_fraction: float | None = None
@@ -323,9 +325,8 @@ def plan_run(label: str, corpus: str, data: Path, batch: int, factor: float, see
            "PORT", "--module", "vrgd_ds.train", "--config", str(run_dir.resolve() / "study_config.json"),
            "--run-dir", str(run_dir.resolve())]
     record = {"corpus": corpus, "batch": batch, "optimizer": label, "seed": seed, "steps": steps, "lr": lr,
-              "factor": factor, "groups": batch // micro, "ranks": args.ranks, "samples": steps * batch,
-              "config": cfg}
-    return Launch(run_dir, cmd, record, data, getattr(args, "heldout_fraction", None))
+              "factor": factor, "groups": batch // micro, "ranks": args.ranks, "samples": steps * batch}
+    return Launch(run_dir, cmd, cfg, record, data, getattr(args, "heldout_fraction", None))
 
 
 class Runner:
@@ -410,8 +411,7 @@ class Runner:
         if launch.run_dir.exists():  # an interrupted run: start it again from scratch
             shutil.rmtree(launch.run_dir)
         launch.run_dir.mkdir(parents=True)
-        (launch.run_dir / "study_config.json").write_text(json.dumps(launch.record["config"], indent=2))
-        launch.record.pop("config")
+        (launch.run_dir / "study_config.json").write_text(json.dumps(launch.config, indent=2))
         cmd = [str(self.args.port + slot) if part == "PORT" else part for part in launch.cmd]
         log = open(launch.run_dir / "log.txt", "w")
         # in the run's directory: ``python -m`` puts the working directory first on sys.path, and in a

@@ -474,6 +474,21 @@ def test_runs_set_beside_another_machines_runs_of_the_same_cells(tmp_path):
     assert rows[0]["tolerance"] == pytest.approx(1e-3 * (9.0 - 7.001)) and rows[1]["difference"] == pytest.approx(0.05)
 
 
+@pytest.mark.exhaustive
+def test_a_lease_in_which_no_run_finished_still_leaves_a_record_the_next_one_reuses(tmp_path):
+    """With ``--time-limit`` and no run finished (a lease spent on set-up), the study still writes
+    its record: the cells listed as not run, an empty ``runs.jsonl``, and a directory that
+    ``--reuse`` reads. Fails on the code before: it stopped ("no finished or reused run") and left
+    no ``meta.json``, so the next lease's ``--reuse`` stopped too."""
+    args = ["--only-finished", "--time-limit", "300", "--corpus", "embedded", "--batch", "64", "--optimizer", "LAMB",
+            "--lr-factor", "1", "--seed", "1", "--work", str(tmp_path / "work")]
+    run_study("bert_batch.py", *args, "--out", str(tmp_path / "first"))
+    meta = json.loads((tmp_path / "first" / "meta.json").read_text())
+    assert meta["unrun"] == ["embedded b64 LAMB ×1 seed 1"] and (tmp_path / "first" / "runs.jsonl").read_text() == ""
+    run_study("bert_batch.py", *args, "--reuse", str(tmp_path / "first"), "--out", str(tmp_path / "second"))
+    assert json.loads((tmp_path / "second" / "meta.json").read_text())["unrun"] == meta["unrun"]
+
+
 #: a stand-in for one job run: notes its start, port and end, sleeps, writes an evaluation record
 FAKE_RUN = """
 import json, sys, time
@@ -498,9 +513,9 @@ def test_study_runner_runs_side_by_side_within_its_time_limit(tmp_path):
 
     def launch(name: str, sleep: float, samples: int) -> Launch:
         run_dir = tmp_path / name
-        return Launch(run_dir, [sys.executable, "-c", FAKE_RUN, str(run_dir), "PORT", str(sleep)],
+        return Launch(run_dir, [sys.executable, "-c", FAKE_RUN, str(run_dir), "PORT", str(sleep)], {},
                       {"corpus": "c", "batch": 8, "optimizer": name, "seed": 1, "lr": 1e-3, "factor": 1.0,
-                       "samples": samples, "config": {}}, tmp_path / "no-data")
+                       "samples": samples}, tmp_path / "no-data")
 
     args = argparse.Namespace(parallel=2, time_limit=Runner.ASSEMBLY_S + 8, started=time.monotonic(), ranks=1,
                               port=29900)
