@@ -89,7 +89,7 @@ def main() -> None:
                 r = run_one(label, name, data, args.batch, 1.0, seed, study_args(args),
                             params=params, phase_extra=extra)
                 if "reused_from" not in r:  # a reused record holds its trajectory already
-                    r.update(trajectory(r["run_dir"]))
+                    r.update(trajectory(args.work / r["run_dir"]))  # recorded under --work
                 out.log_run(r)
                 results.append(r)
     rows = []
@@ -123,7 +123,7 @@ def study_args(args: argparse.Namespace) -> argparse.Namespace:
     return ns
 
 
-def trajectory(run_dir: str) -> dict:
+def trajectory(run_dir: Path) -> dict:
     """Per-step global batch, the samples before each step, the controller's time share."""
     batches, at, ctrl, step_s, done = [], [], [], [], 0
     for line in (Path(run_dir) / "metrics.jsonl").read_text().splitlines():

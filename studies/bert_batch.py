@@ -38,6 +38,7 @@ writes the tables, plots and record to ``--out`` (default ``docs/studies/bert_ba
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import math
 import os
@@ -52,7 +53,7 @@ from pathlib import Path
 from statistics import mean
 from typing import Any, Callable
 
-from common import DOCS, Output, plt, spread, table
+from common import DOCS, Output, hardware, machine, plt, spread, table
 
 from vrgd_ds.optim.adam import GSNR_PLACEMENTS
 
@@ -153,7 +154,7 @@ def trajectory(run_dir: Path) -> list[dict]:
 
 #: the settings that make two runs of the same cell the same run (``--reuse`` checks them)
 RUN_SETTINGS = ("samples", "seq_len", "micro_batch", "groups", "ranks", "lr_rule", "base_lr", "base_batch",
-                "vocab_size", "model", "zero", "quick", "heldout_fraction", "eval_points")
+                "vocab_size", "model", "zero", "quick", "heldout_fraction", "eval_points", "dropout")
 
 RunKey = tuple[str, int, str, float, int]  # corpus, batch, optimizer, LR factor, seed
 
@@ -239,10 +240,12 @@ def load_reused(dirs: list[Path], config: dict, settings: tuple[str, ...] = RUN_
             if key in runs and runs[key]["mlm_loss"] != r["mlm_loss"]:
                 raise SystemExit(f"--reuse: {key} is recorded with loss {runs[key]['mlm_loss']} in "
                                  f"{runs[key]['reused_from']} and {r['mlm_loss']} in {d}")
-            runs.setdefault(key, r | {"reused_from": str(d), "reused_python": meta["machine"].get("python")})
+            # the machine a run came from: its own record, else its study's (runs recorded before each kept it)
+            runs.setdefault(key, {"machine": hardware(meta["machine"])} | r
+                            | {"reused_from": str(d), "reused_python": meta["machine"].get("python")})
         m = meta["machine"]
         sources.append({"dir": str(d), "commit": m.get("commit"), "started": meta["started"],
-                        "machine": m.get("cuda") or f"{m.get('processor')}, {m.get('cpus')} CPU cores"})
+                        "machine": hardware(m)})
     return runs, sources, shorter
 
 
@@ -256,6 +259,13 @@ def micro_batch_for(batch: int, args: argparse.Namespace) -> int:
     if batch % groups:
         raise SystemExit(f"batch {batch}: not a multiple of --groups {groups}")
     return batch // groups
+
+
+@functools.cache
+def this_machine() -> str:
+    """``hardware`` of the machine this study runs on, recorded with each run it makes (a grid that
+    grows piecewise mixes machines; the page says which ran each cell)."""
+    return hardware(machine())
 
 
 @dataclass
@@ -276,7 +286,7 @@ class Launch:
         r = self.record | {"mlm_loss": ev["eval/mlm_loss"], "mlm_acc": ev["eval/mlm_acc"], "eval_tokens":
                            ev.get("eval/tokens"), "b_simple": noise, "wall_s": round(wall_s, 1),
                            "data": data_fingerprint(self.data, self.record["seed"], self.heldout_fraction),
-                           "run_dir": str(self.run_dir)}
+                           "machine": this_machine()}
         curve = trajectory(self.run_dir)
         if len(curve) > 2:  # evaluated along the way (--eval-points)
             r["trajectory"] = curve
@@ -302,9 +312,13 @@ def plan_run(label: str, corpus: str, data: Path, batch: int, factor: float, see
     micro = micro_batch_for(batch, args)
     if getattr(args, "groups", None) is not None:  # another split of the same batch: another run
         run_dir = run_dir.with_name(f"{run_dir.name}-groups{args.groups}")
+    dropout = getattr(args, "dropout", None)
+    if dropout is not None:
+        run_dir = run_dir.with_name(f"{run_dir.name}-dropout{dropout:g}")
     done = run_dir / "result.json"
     if done.is_file():  # the noise scale is derived again: its definition here may be newer than the run
-        return json.loads(done.read_text()) | {"b_simple": read_metrics(run_dir)[1]}
+        return json.loads(done.read_text()) | {"b_simple": read_metrics(run_dir)[1],
+                                               "run_dir": str(run_dir.relative_to(args.work))}
     if getattr(args, "only_finished", False):
         return None
     cfg = base_config(args.seq_len, micro, args.ranks, args.workers, getattr(args, "model", "tiny"))
@@ -316,6 +330,8 @@ def plan_run(label: str, corpus: str, data: Path, batch: int, factor: float, see
     if getattr(args, "eval_points", None):
         cfg["job"]["eval_every"] = max(1, steps // args.eval_points)
     cfg["job"]["data"]["path"] = str(data.resolve())
+    if dropout is not None:
+        cfg["job"]["model"]["overrides"] = {"hidden_dropout_prob": dropout, "attention_probs_dropout_prob": dropout}
     if getattr(args, "heldout_fraction", None) is not None:
         cfg["job"]["data"]["heldout_fraction"] = args.heldout_fraction
     cfg["job"]["phases"][0].update(global_batch=batch, lr=lr, **(phase_extra or {}))
@@ -325,7 +341,8 @@ def plan_run(label: str, corpus: str, data: Path, batch: int, factor: float, see
            "PORT", "--module", "vrgd_ds.train", "--config", str(run_dir.resolve() / "study_config.json"),
            "--run-dir", str(run_dir.resolve())]
     record = {"corpus": corpus, "batch": batch, "optimizer": label, "seed": seed, "steps": steps, "lr": lr,
-              "factor": factor, "groups": batch // micro, "ranks": args.ranks, "samples": steps * batch}
+              "factor": factor, "groups": batch // micro, "ranks": args.ranks, "samples": steps * batch,
+              "run_dir": str(run_dir.relative_to(args.work))}  # under --work: no machine's path in the record
     return Launch(run_dir, cmd, cfg, record, data, getattr(args, "heldout_fraction", None))
 
 
@@ -580,12 +597,21 @@ def plot(out: Output, best: dict, corpora: list[str], batches: list[int],
     out.savefig(fig, "bert_batch.png")
 
 
-def compared(runs: list[dict], other: Path) -> list[dict]:
+def compared(runs: list[dict], other: Path, config: dict) -> list[dict]:
     """Each of ``runs`` that ran here against the run of the same cell and seed that ``other`` (a
     study's output, e.g. from another machine) holds: both losses, their difference, and whether
     it is within 1e-3 of the loss the run trained away (its held-out loss at step 0 less its
     last: the GPU-vs-CPU test's tolerance, 1e-3 of the distance trained, carried to the loss), and
-    whether both read the same data (fingerprints)."""
+    whether both read the same data (fingerprints). ``other``'s runs must have this study's
+    ``config`` settings (e.g. ``dropout``): an error names the one that differs."""
+    meta = other / "meta.json"
+    if not meta.is_file():
+        raise SystemExit(f"--compare {other}: needs meta.json and runs.jsonl there (a study's --out directory)")
+    their_config = json.loads(meta.read_text())["config"]
+    for key in RUN_SETTINGS:
+        if their_config.get(key) != config.get(key):
+            raise SystemExit(f"--compare {other}: its runs used {key}={their_config.get(key)!r}, this study "
+                             f"{config.get(key)!r}: run with its settings to compare")
     theirs = {(r["corpus"], r["batch"], r["optimizer"], r["factor"], r["seed"]): r
               for r in map(json.loads, (other / "runs.jsonl").read_text().splitlines())}
     rows = []
@@ -695,6 +721,10 @@ def main() -> None:
     ap.add_argument("--groups", type=int, default=None, metavar="N",
                     help="GSNR groups per step fixed at N as the batch grows (micro-batch = batch / N, "
                          "accumulation N / ranks) instead of a fixed --micro-batch")
+    ap.add_argument("--dropout", type=float, default=None, metavar="P",
+                    help="BERT's hidden and attention dropout (default: the model's, 0.1). At 0 a run uses no "
+                         "torch RNG after its initial weights: a GPU and a CPU then run the same samples, masks and "
+                         "weights and differ in arithmetic only (their dropout streams differ: docs/results.md)")
     ap.add_argument("--only-finished", action="store_true",
                     help="run nothing: assemble from finished and --reuse runs, '–' for cells never run")
     args = ap.parse_args()
@@ -728,7 +758,7 @@ def main() -> None:
               "micro_batch": None if args.groups else args.micro_batch, "groups": args.groups, "ranks": args.ranks,
               "lr_rule": args.lr_rule, "base_lr": args.base_lr, "base_batch": args.base_batch,
               "vocab_size": args.vocab_size, "model": args.model, "zero": 2, "quick": args.quick,
-              "heldout_fraction": args.heldout_fraction, "eval_points": args.eval_points,
+              "heldout_fraction": args.heldout_fraction, "eval_points": args.eval_points, "dropout": args.dropout,
               **({"noise_multiples": args.noise_multiple, "noise_scale": args.noise_scale} if args.noise_multiple else {})}
     args.reused, sources, shorter = load_reused(args.reuse, config)  # before Output: --out may be one of them
     args.work.mkdir(parents=True, exist_ok=True)
@@ -851,7 +881,7 @@ def main() -> None:
                           table(["corpus", "batch", "baseline loss", "VR loss", "baseline below unigram", "verdict"], rows))
         plot(out, best, corpora, batches, labels)
     if args.compare is not None:
-        rows = compared(probe_runs + results, args.compare)
+        rows = compared(probe_runs + results, args.compare, config)
         out.meta["compared"] = {"with": str(args.compare), "runs": rows}
         out.add_table(f"Against the same cells of {args.compare} (tolerance: 1e-3 of the loss each run trained away)",
                       table(["run", "loss here", "loss there", "difference", "tolerance", "within", "same data"],

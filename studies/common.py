@@ -19,6 +19,11 @@ ROOT = Path(__file__).resolve().parents[1]
 DOCS = ROOT / "docs" / "studies"
 
 
+def hardware(m: dict[str, Any]) -> str:
+    """A ``machine()`` record in a few words: the GPU, else the processor and its cores."""
+    return m.get("cuda") or f"{m.get('processor')}, {m.get('cpus')} CPU cores"
+
+
 def machine() -> dict[str, Any]:
     """Versions and hardware the numbers came from."""
     import torch
@@ -63,6 +68,21 @@ def spread(values: Sequence[float], fmt: str = "{:.4f}") -> str:
     return f"{fmt.format(mean(values))} ({fmt.format(min(values))}–{fmt.format(max(values))})"
 
 
+def portable(arg: str) -> str:
+    """A command-line argument as a committed record keeps it: an absolute path (also after
+    ``NAME=``) relative to the checkout when inside it, else ``.../`` and its last part (a
+    scratch directory of the machine that ran it)."""
+    name, eq, value = arg.rpartition("=") if "=" in arg and not arg.startswith("-") else ("", "", arg)
+    path = Path(value)
+    if not path.is_absolute():
+        return arg
+    try:
+        value = str(path.resolve().relative_to(ROOT))
+    except ValueError:
+        value = f".../{path.name}"
+    return f"{name}{eq}{value}"
+
+
 class Output:
     """A study's output directory: ``runs.jsonl``, ``tables.md``, ``meta.json``, plots."""
 
@@ -73,7 +93,7 @@ class Output:
             self.runs_path.unlink(missing_ok=True)
         self.study = study
         self.t0 = time.time()
-        self.meta = {"study": study, "command": " ".join([Path(sys.argv[0]).name, *sys.argv[1:]]),
+        self.meta = {"study": study, "command": " ".join([Path(sys.argv[0]).name, *map(portable, sys.argv[1:])]),
                      "config": config, "machine": machine(), "started": time.strftime("%Y-%m-%d %H:%M:%S %Z")}
         self.sections: list[tuple[str, str]] = []
 

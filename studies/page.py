@@ -15,7 +15,7 @@ import json
 import re
 import sys
 
-from common import DOCS, ROOT
+from common import DOCS, ROOT, hardware
 
 TEMPLATE = ROOT / "docs" / "results.template.md"
 PAGE = ROOT / "docs" / "results.md"
@@ -26,7 +26,7 @@ def record(meta: dict) -> str:
     m = meta["machine"]
     versions = ", ".join(f"{k} {m[k]}" for k in ("python", "torch", "deepspeed", "transformers", "sklearn")
                          if m.get(k))
-    hw = m["cuda"] or f"{m['processor']}, {m['cpus']} CPU cores"
+    hw = hardware(m)
     cfg = ", ".join(f"{k}={v}" for k, v in meta["config"].items())
     runs = f" (the runs themselves: {meta['run_wall_s']:.0f} s)" if "run_wall_s" in meta else ""
     reused = "; ".join(f"`{r['dir']}` (commit {r['commit'] or 'unknown'}, {r['started']}, {r['machine']})"

@@ -117,6 +117,19 @@ def test_bert_batch_quick(tmp_path, study_work):
     assert not (tmp_path / "elsewhere" / "quick" / "runs").exists()
 
 
+def test_a_record_keeps_no_machine_path_of_the_command():
+    """``meta.json``'s command: absolute paths inside the checkout relative to it, scratch paths
+    outside it as ``.../`` and their last part, also after ``NAME=``; the rest as typed."""
+    sys.path.insert(0, str(STUDIES))
+    from common import ROOT, portable
+
+    assert portable(str(ROOT / "docs" / "studies" / "bert_plateau")) == "docs/studies/bert_plateau"
+    assert portable("/tmp/scratch/bert_plateau") == ".../bert_plateau"
+    assert portable("wikitext=/data/corpora/wikitext-2") == "wikitext=.../wikitext-2"
+    assert [portable(a) for a in ("--work", "runs/x", "wikitext=../shared/data/wikitext-2", "--lr-factor", "0.5")] == [
+        "--work", "runs/x", "wikitext=../shared/data/wikitext-2", "--lr-factor", "0.5"]
+
+
 def fake_study(directory: Path, runs: list[tuple[str, int, str, float, int, float]], **settings) -> Path:
     """A bert_batch output directory holding the given (corpus, batch, optimizer, factor, seed, loss) runs."""
     config = {"corpora": ["embedded"], "samples": 10240, "seq_len": 64, "micro_batch": 8, "ranks": 1,
@@ -468,10 +481,14 @@ def test_runs_set_beside_another_machines_runs_of_the_same_cells(tmp_path):
             {"corpus": "wikitext", "batch": 64, "optimizer": "LAMB", "factor": 2.0, "seed": 1, "mlm_loss": 6.0},
             {"corpus": "wikitext", "batch": 64, "optimizer": "LAMB", "factor": 1.0, "seed": 1, "mlm_loss": 7.0,
              "reused_from": "x"}]
-    rows = compared(here, other)
+    config = json.loads((other / "meta.json").read_text())["config"]
+    rows = compared(here, other, config)
     assert [(r["cell"], r["within"], r["same_data"]) for r in rows] == [
         ("wikitext b64 LAMB ×1 seed 1", True, True), ("wikitext b64 LAMB ×1 seed 2", False, False)]
     assert rows[0]["tolerance"] == pytest.approx(1e-3 * (9.0 - 7.001)) and rows[1]["difference"] == pytest.approx(0.05)
+    # runs of another setting are not the same job: dropout on there, off here
+    with pytest.raises(SystemExit, match="--compare .*: its runs used dropout=None, this study 0.0"):
+        compared(here, other, config | {"dropout": 0.0})
 
 
 @pytest.mark.exhaustive
@@ -575,8 +592,9 @@ def test_bert_batch_quick_at_noise_multiples(tmp_path, study_work):
               "--port", "29683", timeout=900)
     runs = check_output(tmp_path / "out", ["bert_batch.png"])
     assert sorted({r["batch"] for r in runs}) == [16, 64] and {r["groups"] for r in runs} == {2}
+    assert not any(Path(r["run_dir"]).is_absolute() for r in runs)  # under --work: no scratch path recorded
     for r in runs:  # --groups 2: two micro-batches of batch / 2, at every batch
-        phase = json.loads((Path(r["run_dir"]) / "study_config.json").read_text())["job"]["phases"][0]
+        phase = json.loads((study_work / r["run_dir"] / "study_config.json").read_text())["job"]["phases"][0]
         assert phase["micro_batch"] * 2 == phase["global_batch"] == r["batch"]
     assert len({r["data"] for r in runs}) == 1 and all(len(r["data"]) == 16 for r in runs)
     meta = json.loads((tmp_path / "out" / "meta.json").read_text())

@@ -1,6 +1,7 @@
 """BERT for pretraining, built from a ``transformers.BertConfig`` (nothing from a hub)."""
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 from torch import nn
@@ -27,8 +28,49 @@ def bert_config(cfg: ModelConfig, vocab_size: int, max_seq_len: int) -> Any:
 
 
 def build_model(cfg: ModelConfig, vocab_size: int, max_seq_len: int, next_sentence: bool) -> nn.Module:
-    """``BertForPreTraining`` (MLM + NSP/SOP head) or ``BertForMaskedLM``."""
-    import transformers
-
+    """``BertForPreTraining`` (MLM + NSP/SOP head) or ``BertForMaskedLM``, predicting at the masked
+    positions only (``masked_positions_model``)."""
     config = bert_config(cfg, vocab_size, max_seq_len)
-    return transformers.BertForPreTraining(config) if next_sentence else transformers.BertForMaskedLM(config)
+    return masked_positions_model(next_sentence)(config)
+
+
+@functools.cache  # one class per head: instances of the same model are of the same type
+def masked_positions_model(next_sentence: bool) -> type:
+    """``transformers.BertForPreTraining`` or ``BertForMaskedLM`` whose forward, given ``labels``,
+    runs the MLM head (transform and vocabulary decoder) on the masked positions only, as the
+    reference BERT pretraining does (Devlin et al. 2019, ``masked_lm_positions``): the loss is the
+    library's (mean cross-entropy over the labels that are not -100, plus the next-sentence loss),
+    and ``logits`` / ``prediction_logits`` hold the masked positions' rows in row-major order
+    (``labels[labels != -100]`` is their order). The head's cost falls by the share of positions
+    masked (15%): at a small model with a large vocabulary it is most of a step (tiny BERT with
+    8,000 pieces: a training step about half as long; ``benchmarks/masked_head.py``). Without
+    ``labels`` the forward is the library's. Same modules and parameter names: checkpoints and
+    state dicts are the library model's."""
+    import torch.nn.functional as F
+    import transformers
+    from transformers.models.bert.modeling_bert import BertForPreTrainingOutput, MaskedLMOutput
+
+    base = transformers.BertForPreTraining if next_sentence else transformers.BertForMaskedLM
+
+    class MaskedPositions(base):  # type: ignore[misc, valid-type]
+        def forward(self, input_ids=None, attention_mask=None, token_type_ids=None, labels=None,
+                    next_sentence_label=None, **kwargs):
+            extra = {"next_sentence_label": next_sentence_label} if next_sentence else {}
+            if labels is None:
+                return super().forward(input_ids=input_ids, attention_mask=attention_mask,
+                                       token_type_ids=token_type_ids, **extra, **kwargs)
+            out = self.bert(input_ids, attention_mask=attention_mask, token_type_ids=token_type_ids,
+                            return_dict=True, **kwargs)
+            masked = labels != -100
+            head = self.cls.predictions if next_sentence else self.cls
+            logits = head(out.last_hidden_state[masked])
+            loss = F.cross_entropy(logits, labels[masked])
+            if not next_sentence:
+                return MaskedLMOutput(loss=loss, logits=logits)
+            order = self.cls.seq_relationship(out.pooler_output)
+            total = None if next_sentence_label is None else loss + F.cross_entropy(
+                order.view(-1, 2), next_sentence_label.view(-1))
+            return BertForPreTrainingOutput(loss=total, prediction_logits=logits, seq_relationship_logits=order)
+
+    MaskedPositions.__name__ = MaskedPositions.__qualname__ = base.__name__
+    return MaskedPositions

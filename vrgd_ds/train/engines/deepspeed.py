@@ -137,14 +137,13 @@ class DeepSpeedEngine(Engine):
         loss, correct, count = 0.0, 0.0, 0.0
         for batch in batches:
             inputs = _inputs(batch, self.device, self.next_sentence)
-            labels = inputs.pop("labels")
             inputs.pop("next_sentence_label", None)
-            out = self.engine(**inputs)
+            out = self.engine(**inputs)  # the logits of the masked positions (model.masked_positions_model)
             logits = (out.prediction_logits if self.next_sentence else out.logits).float()
-            mask = labels != -100
-            loss += float(torch.nn.functional.cross_entropy(logits[mask], labels[mask], reduction="sum"))
-            correct += float((logits[mask].argmax(-1) == labels[mask]).sum())
-            count += float(mask.sum())
+            labels = inputs["labels"][inputs["labels"] != -100]
+            loss += float(torch.nn.functional.cross_entropy(logits, labels, reduction="sum"))
+            correct += float((logits.argmax(-1) == labels).sum())
+            count += float(labels.numel())
         self.engine.train()
         return loss, correct, count
 

@@ -1,0 +1,76 @@
+"""The job's BERT predicts at the masked positions only (``model.masked_positions_model``): the
+same loss, gradients and masked-position logits as the library model with the same weights,
+for less compute in the head, counted exactly."""
+from __future__ import annotations
+
+import pytest
+import torch
+import transformers
+from torch.utils.flop_counter import FlopCounterMode
+
+from vrgd_ds.train.config import ModelConfig
+from vrgd_ds.train.model import bert_config, build_model
+
+VOCAB, SEQ, BATCH = 500, 32, 6
+
+
+def inputs(next_sentence: bool) -> dict[str, torch.Tensor]:
+    gen = torch.Generator().manual_seed(3)
+    ids = torch.randint(5, VOCAB, (BATCH, SEQ), generator=gen)
+    labels = torch.full_like(ids, -100)
+    chosen = torch.rand(BATCH, SEQ, generator=gen) < 0.15
+    labels[chosen] = ids[chosen]
+    attention = torch.ones_like(ids)
+    attention[0, SEQ - 5:] = 0  # a padded sample
+    out = dict(input_ids=ids, token_type_ids=(torch.arange(SEQ) >= SEQ // 2).long().expand(BATCH, SEQ),
+               attention_mask=attention, labels=labels)
+    if next_sentence:
+        out["next_sentence_label"] = torch.randint(0, 2, (BATCH,), generator=gen)
+    return out
+
+
+def pair(next_sentence: bool) -> tuple[torch.nn.Module, torch.nn.Module]:
+    """The job's model and the library's, same weights, dropout off (one forward each compared)."""
+    cfg = ModelConfig(size="tiny", overrides={"hidden_dropout_prob": 0.0, "attention_probs_dropout_prob": 0.0})
+    torch.manual_seed(0)
+    ours = build_model(cfg, VOCAB, SEQ, next_sentence)
+    library = (transformers.BertForPreTraining if next_sentence else transformers.BertForMaskedLM)(
+        bert_config(cfg, VOCAB, SEQ))
+    library.load_state_dict(ours.state_dict())
+    return ours, library
+
+
+@pytest.mark.parametrize("next_sentence", [False, True])
+def test_the_masked_positions_model_trains_as_the_library_model(next_sentence):
+    """Loss, every gradient, and the logits at the masked positions, against the library model's
+    full-sequence head; the parameter names (checkpoints) are the library's."""
+    ours, library = pair(next_sentence)
+    batch = inputs(next_sentence)
+    assert isinstance(ours, type(library)) and list(ours.state_dict()) == list(library.state_dict())
+    mine, theirs = ours(**batch), library(**batch)
+    torch.testing.assert_close(mine.loss, theirs.loss, rtol=1e-6, atol=1e-6)
+    mask = batch["labels"] != -100
+    key = "prediction_logits" if next_sentence else "logits"
+    torch.testing.assert_close(mine[key], theirs[key][mask], rtol=1e-5, atol=1e-5)
+    mine.loss.backward()
+    theirs.loss.backward()
+    for (name, a), b in zip(ours.named_parameters(), library.parameters()):
+        torch.testing.assert_close(a.grad, b.grad, rtol=1e-4, atol=1e-6, msg=name)
+    without = ours(**{k: v for k, v in batch.items() if k not in ("labels", "next_sentence_label")})
+    assert without.loss is None and without[key].shape == (BATCH, SEQ, VOCAB)  # no labels: the library's forward
+
+
+def test_the_head_runs_on_the_masked_rows_only():
+    """Training FLOPs (forward and backward, every matmul counted): the library's less the head's
+    on each position that is not masked, 6 (h² + h V) per row (the transform's h × h and the
+    decoder's h × V, each once forward and twice backward), exactly."""
+    ours, library = pair(False)
+    batch = inputs(False)
+    counts = []
+    for model in (ours, library):
+        with FlopCounterMode(display=False) as counter:
+            model(**batch).loss.backward()
+        counts.append(counter.get_total_flops())
+    hidden = ours.config.hidden_size
+    unmasked = int((batch["labels"] == -100).sum())
+    assert counts[1] - counts[0] == 6 * (hidden * hidden + hidden * VOCAB) * unmasked
