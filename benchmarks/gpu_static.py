@@ -352,15 +352,21 @@ def bert_shapes(config: pathlib.Path) -> dict[str, Any]:
     params = [p for p in model.parameters() if p.requires_grad]
     size = dict(MODEL_SIZES[cfg.size], **cfg.overrides)
     return dict(params=sum(p.numel() for p in params), tensors=len(params), layers=size["num_hidden_layers"],
-                hidden=size["hidden_size"], seq=phase["seq_len"], global_batch=phase["global_batch"],
+                hidden=size["hidden_size"], vocab=job["data"]["vocab_size"], seq=phase["seq_len"],
+                global_batch=phase["global_batch"],
                 micro_batch=phase["micro_batch"], optimizer=raw["optimizer"]["type"])
+
+
+MASKED_SHARE = 0.15  # positions the MLM head predicts: the data pipeline's mlm_probability (BERT's)
 
 
 def roofline(shapes: dict[str, Any], step_words: dict[str, float], hook: dict[str, float], mfu: float) -> list[dict]:
     """Per member, ranks and GPU: the optimizer step's and the hooks' bytes and roofline time
     per rank, against the training step's compute time at ``mfu``."""
-    P, L, d, s = shapes["params"], shapes["layers"], shapes["hidden"], shapes["seq"]
-    flops_per_token = 6 * P + 12 * L * s * d
+    P, L, d, s, V = shapes["params"], shapes["layers"], shapes["hidden"], shapes["seq"], shapes["vocab"]
+    # 6·P counts the MLM head's transform (d × d) and tied decoder (d × V) at every position; the
+    # job's model runs them at the masked ones only (vrgd_ds/train/model.py)
+    flops_per_token = 6 * P + 12 * L * s * d - 6 * (1 - MASKED_SHARE) * (d * d + d * V)
     rows = []
     for ranks in RANKS:
         micro = max(1, shapes["global_batch"] // (ranks * shapes["micro_batch"]))

@@ -81,6 +81,10 @@ def test_roofline_model_adds_up():
     assert r["step_gb"] == pytest.approx(17 * 4 * -(-shapes["params"] // 8) / 1e9)
     assert r["hook_gb"] == pytest.approx((2.5 + 127 * 4.5) * 4 * shapes["params"] / 1e9)
     assert r["step_ms"] == pytest.approx(r["step_gb"] / 2.0)
+    # compute: 6·P + 12·L·s·d FLOPs per token, less the MLM head's on the 85% of positions not masked
+    P, d, V = shapes["params"], 1024, shapes["vocab"]
+    per_token = 6 * P + 12 * 24 * 128 * d - 6 * 0.85 * (d * d + d * V)
+    assert r["compute_ms"] == pytest.approx(per_token * 65536 * 128 / 8 / (312e12 * 0.4) * 1e3)
 
 
 def test_a_flat_partitions_step_launches_do_not_grow_with_its_tensors(monkeypatch):

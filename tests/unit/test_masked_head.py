@@ -6,10 +6,11 @@ from __future__ import annotations
 import pytest
 import torch
 import transformers
+from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import FlopCounterMode
 
 from vrgd_ds.train.config import ModelConfig
-from vrgd_ds.train.model import bert_config, build_model
+from vrgd_ds.train.model import bert_config, build_model, masked_positions_of
 
 VOCAB, SEQ, BATCH = 500, 32, 6
 
@@ -74,3 +75,32 @@ def test_the_head_runs_on_the_masked_rows_only():
     hidden = ours.config.hidden_size
     unmasked = int((batch["labels"] == -100).sum())
     assert counts[1] - counts[0] == 6 * (hidden * hidden + hidden * VOCAB) * unmasked
+
+
+class Ops(TorchDispatchMode):
+    """The aten operations a block runs, by name."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.names: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.names.append(func.__name__)
+        return func(*args, **(kwargs or {}))
+
+
+def test_positions_found_on_the_host_leave_the_device_nothing_to_sync():
+    """Given ``masked_positions`` (the job finds them on the host, where the collated labels are:
+    engines/deepspeed.py), a training micro-step runs no ``nonzero`` (on a GPU the host waits for
+    it to learn the count); found from the labels on their device, one. Same loss either way."""
+    ours, _ = pair(False)
+    batch = inputs(False)
+    losses, nonzero = [], []
+    for given in (True, False):
+        extra = {"masked_positions": masked_positions_of(batch["labels"])} if given else {}
+        with Ops() as ops:
+            loss = ours(**batch, **extra).loss
+            loss.backward()
+        losses.append(loss.detach())
+        nonzero.append(sum(name.startswith("nonzero") for name in ops.names))
+    assert nonzero == [0, 1] and torch.equal(losses[0], losses[1])

@@ -29,7 +29,7 @@ from vrgd_ds.train import checkpoints as ckpt
 from vrgd_ds.train.config import ConfigError, JobConfig, deepspeed_config
 from vrgd_ds.train.data import JobData, prepare_data
 from vrgd_ds.train.engines.base import Engine
-from vrgd_ds.train.model import build_model
+from vrgd_ds.train.model import build_model, masked_positions_of
 from vrgd_ds.train.resume import ResumePlan, convert_command, plan_resume
 
 logger = logging.getLogger(__name__)
@@ -38,8 +38,12 @@ STATE_KEY = "vrgd_job"  # the job's state in DeepSpeed's client state
 
 
 def _inputs(batch: dict[str, torch.Tensor], device: torch.device, next_sentence: bool) -> dict[str, torch.Tensor]:
+    """The model's inputs on ``device``, with the masked positions found here, on the host, so that
+    the model's head gathers them without a device sync (``model.masked_positions_model``)."""
     keys = ("input_ids", "token_type_ids", "attention_mask", "labels") + (("next_sentence_label",) if next_sentence else ())
-    return {k: batch[k].to(device, non_blocking=True) for k in keys}
+    inputs = {k: batch[k].to(device, non_blocking=True) for k in keys}
+    inputs["masked_positions"] = masked_positions_of(batch["labels"]).to(device, non_blocking=True)
+    return inputs
 
 
 class DeepSpeedEngine(Engine):
@@ -140,7 +144,7 @@ class DeepSpeedEngine(Engine):
             inputs.pop("next_sentence_label", None)
             out = self.engine(**inputs)  # the logits of the masked positions (model.masked_positions_model)
             logits = (out.prediction_logits if self.next_sentence else out.logits).float()
-            labels = inputs["labels"][inputs["labels"] != -100]
+            labels = inputs["labels"].flatten().index_select(0, inputs["masked_positions"])
             loss += float(torch.nn.functional.cross_entropy(logits, labels, reduction="sum"))
             correct += float((logits.argmax(-1) == labels).sum())
             count += float(labels.numel())
