@@ -498,18 +498,38 @@ def unigram_loss(data: Path, seed: int, seq_len: int, count: int, heldout_fracti
     return float(-log_p[labels[labels != -100]].mean())
 
 
+def unbracketed(cells: dict, key: tuple[str, int, str], best: list[dict]) -> str | None:
+    """Why the best LR factor of ``key`` (its runs ``best``) is not bracketed, or None: it must have
+    a factor below and one above it run on as many seeds (``cells``: ``by_factor``)."""
+    factor = best[0]["factor"]
+    full = sorted(f for f, rs in cells.get(key, {}).items() if len(rs) >= len(best))
+    side = "lowest" if factor == full[0] else "highest" if factor == full[-1] else None
+    if side is None:
+        return None
+    return f"{key[2]}'s best LR ×{factor:g} is the {side} factor run on {len(best)} seeds (×{full[0]:g}–×{full[-1]:g})"
+
+
 def verdicts(best: dict, corpus: str, batches: list[int], label: str, baseline: str,
-             unigram: float | None) -> list[tuple]:
-    """Per batch: ``label`` against ``baseline`` at each one's best LR. A verdict needs 2 seeds each
-    and the baseline's runs ending below the unigram level; it is "better" or "worse" only when
-    the seed ranges do not overlap. Then, with 2 seeds at both ends, the baseline's degradation
-    from the first batch to the last and the share of it ``label`` recovers there."""
+             unigram: float | None, cells: dict | None = None) -> list[tuple]:
+    """Per batch: ``label`` against ``baseline`` at each one's best LR. A verdict needs 2 seeds each,
+    each one's best LR bracketed by the factors run (when ``cells``, ``by_factor``, is given:
+    ``unbracketed``) and the baseline's runs ending below the unigram level; it is "better" or
+    "worse" only when the seed ranges do not overlap. Then, with 2 seeds at both ends, the
+    baseline's degradation from the first batch to the last and the share of it ``label``
+    recovers there."""
     rows = []
     for batch in batches:
         vr, base = best.get((corpus, batch, label)), best.get((corpus, batch, baseline))
         missing = [name for name, rs in ((baseline, base), (label, vr)) if rs is None or len(rs) < 2]
         if missing:
             rows.append((corpus, batch, "–", "–", "–", f"not decided: {' and '.join(missing)} lack 2 seeds"))
+            continue
+        edges = [] if cells is None else [why for name, rs in ((baseline, base), (label, vr))
+                                          if (why := unbracketed(cells, (corpus, batch, name), rs))]
+        if edges:
+            rows.append((corpus, batch, spread([r["mlm_loss"] for r in base], "{:.3f}"),
+                         spread([r["mlm_loss"] for r in vr], "{:.3f}"), "–",
+                         f"not decided: {'; '.join(edges)}"))
             continue
         lv, lb = [r["mlm_loss"] for r in vr], [r["mlm_loss"] for r in base]
         diff = mean(lv) - mean(lb)
@@ -874,7 +894,8 @@ def main() -> None:
                       table(["corpus", "batch", "optimizer", *(f"×{f:g}" for f in factors)], grid))
         if args.noise_multiple:
             rows = [row for name in corpora if corpus_batches[name] for label in labels if BASELINE.get(label) in labels
-                    for row in verdicts(best, name, corpus_batches[name], label, BASELINE[label], unigram.get(name))]
+                    for row in verdicts(best, name, corpus_batches[name], label, BASELINE[label], unigram.get(name),
+                                        cells)]
             levels = ", ".join(f"{name} {unigram[name]:.3f}" for name in corpora if name in unigram) or "not computed"
             out.add_table(f"Verdict per batch (multiples {', '.join(f'×{m:g}' for m in args.noise_multiple)} of B_simple; "
                           f"unigram level, nats: {levels}; {len(unrun)} run(s) of the grid not run yet)",

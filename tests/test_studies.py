@@ -395,10 +395,10 @@ def test_a_run_records_the_fingerprint_of_the_data_it_read(tmp_path):
 
 def test_verdicts_need_two_seeds_below_the_unigram_level_and_apart_ranges():
     """``verdicts`` in-process (the end-to-end study below is in the exhaustive tier): a cell
-    with one seed, LAMB at or above the unigram level, overlapping and separate seed ranges, and
-    the degradation row."""
+    with one seed, LAMB at or above the unigram level, overlapping and separate seed ranges, the
+    degradation row, and a best LR at the edge of the factors run (not bracketed: no verdict)."""
     sys.path.insert(0, str(STUDIES))
-    from bert_batch import unrun_cells, verdicts
+    from bert_batch import best_cells, by_factor, unrun_cells, verdicts
 
     def cell(*losses):
         return [{"mlm_loss": x} for x in losses]
@@ -417,6 +417,16 @@ def test_verdicts_need_two_seeds_below_the_unigram_level_and_apart_ranges():
     assert rows[3][2:] == ("LAMB loses +0.600", "VR recovers +0.130", "", "recovered share 22%")
     above = verdicts({k: v for k, v in best.items() if k[1] == 64}, "c", [64], "VR", "LAMB", unigram=6.92)
     assert above[0][-1] == "not decided: LAMB ends 0.030 nats above the unigram level"
+    # the best LR must be bracketed by factors run on as many seeds: at an edge, no verdict
+    runs = [{"corpus": "c", "batch": 64, "optimizer": name, "factor": f, "seed": seed, "mlm_loss": loss + 0.01 * seed}
+            for name, losses in (("LAMB", {1.0: 6.9, 2.0: 6.8, 4.0: 6.95}), ("VR", {1.0: 6.9, 2.0: 6.8, 4.0: 6.7}))
+            for f, loss in losses.items() for seed in (1, 2)]
+    runs.append({"corpus": "c", "batch": 64, "optimizer": "VR", "factor": 8.0, "seed": 1, "mlm_loss": 6.9})
+    rows = verdicts(best_cells(runs), "c", [64], "VR", "LAMB", unigram=7.0, cells=by_factor(runs))
+    assert rows[0][-1] == "not decided: VR's best LR ×4 is the highest factor run on 2 seeds (×1–×4)"
+    runs.append({"corpus": "c", "batch": 64, "optimizer": "VR", "factor": 8.0, "seed": 2, "mlm_loss": 6.9})
+    rows = verdicts(best_cells(runs), "c", [64], "VR", "LAMB", unigram=7.0, cells=by_factor(runs))
+    assert rows[0][-1] == "VR better by 0.100 nats (seed ranges apart)"
     results = [{"corpus": "c", "batch": 16, "optimizer": "VR", "factor": 1.0, "seed": 1}]
     assert unrun_cells(results, ["c"], [16], ["VR"], [1.0, 2.0], [1]) == ["c b16 VR ×2 seed 1"]
 
@@ -426,7 +436,7 @@ def test_verdicts_need_two_seeds_below_the_unigram_level_and_apart_ranges():
 def test_batches_at_noise_multiples_get_a_verdict_each_and_the_unrun_cells_are_listed(tmp_path):
     """The study past the plateau (``--noise-multiple``): batches at 1× and 4× a B_simple of 16
     samples (16 and 64), LAMB against VR-LAMB at each one's best LR over 2 seeds. A verdict needs
-    both seeds on both sides; "better" only when the seed ranges are apart; LAMB's degradation
+    both seeds on both sides and the best LR bracketed; "better" only when the seed ranges are apart; LAMB's degradation
     from the first batch to the last and the share VR-LAMB recovers; every run of the grid not
     yet run is listed (the record grows piecewise). Multiples given in any order, or rounding to
     the same batch, give each batch once (before, a batch given twice counted one seed twice)."""
@@ -436,16 +446,18 @@ def test_batches_at_noise_multiples_get_a_verdict_each_and_the_unrun_cells_are_l
     assert noise_batches([1, 4, 16, 64], 20.0, 8) == [24, 80, 320, 1280] and noise_batches([0.1], 20.0, 8) == [8]
     assert measured_noise_scale([{"batch": 64, "b_simple": 10.0}, {"batch": 64, "b_simple": 30.0},
                                  {"batch": 16, "b_simple": 99.0}, {"batch": 64, "b_simple": None}], 64) == 20.0
-    runs = [("embedded", 16, "LAMB", f, s, loss) for f, s, loss in ((1.0, 1, 6.50), (1.0, 2, 6.60), (2.0, 1, 6.70))]
-    runs += [("embedded", 16, "VR-LAMB first_moment", 1.0, s, loss) for s, loss in ((1, 6.55), (2, 6.58))]
-    runs += [("embedded", 64, "LAMB", 1.0, s, loss) for s, loss in ((1, 6.90), (2, 6.95))]
-    runs += [("embedded", 64, "VR-LAMB first_moment", 1.0, s, loss) for s, loss in ((1, 6.70), (2, 6.75))]
+    best_runs = {(16, "LAMB"): (6.50, 6.60), (16, "VR-LAMB first_moment"): (6.55, 6.58),
+                 (64, "LAMB"): (6.90, 6.95), (64, "VR-LAMB first_moment"): (6.70, 6.75)}
+    # ×1 best, bracketed by ×0.5 and ×2 on both seeds; ×4 run once (LAMB at 16, seed 1), the rest not yet
+    runs = [("embedded", batch, label, f, s, loss + worse) for (batch, label), losses in best_runs.items()
+            for f, worse in ((0.5, 0.3), (1.0, 0.0), (2.0, 0.2)) for s, loss in zip((1, 2), losses)]
+    runs.append(("embedded", 16, "LAMB", 4.0, 1, 6.70))
     study = fake_study(tmp_path / "a", runs)
     run_study("bert_batch.py", "--only-finished", "--corpus", "embedded", "--optimizer", "LAMB", "--optimizer",
               "VR-LAMB first_moment", "--noise-multiple", "4", "--noise-multiple", "1", "--noise-multiple", "1.05",
               "--noise-scale", "16",  # ×1.05 rounds to batch 16 again: one cell, not two
-              "--lr-factor", "1", "--lr-factor", "2", "--work", str(tmp_path / "work"), "--reuse", str(study),
-              "--out", str(tmp_path / "out"))
+              "--lr-factor", "0.5", "--lr-factor", "1", "--lr-factor", "2", "--lr-factor", "4",
+              "--work", str(tmp_path / "work"), "--reuse", str(study), "--out", str(tmp_path / "out"))
     tables = (tmp_path / "out" / "tables.md").read_text()
     assert "Verdict per batch (multiples ×1, ×1.05, ×4 of B_simple; unigram level, nats: not computed; 7 run(s)" \
         in tables
@@ -456,10 +468,10 @@ def test_batches_at_noise_multiples_get_a_verdict_each_and_the_unrun_cells_are_l
     assert "| embedded | 16 → 64 | LAMB loses +0.375 | VR-LAMB first_moment recovers +0.200 |  | recovered share 53% |" \
            in tables
     meta = json.loads((tmp_path / "out" / "meta.json").read_text())
-    assert meta["unrun"] == ["embedded b16 LAMB ×2 seed 2", "embedded b16 VR-LAMB first_moment ×2 seed 1",
-                             "embedded b16 VR-LAMB first_moment ×2 seed 2", "embedded b64 LAMB ×2 seed 1",
-                             "embedded b64 LAMB ×2 seed 2", "embedded b64 VR-LAMB first_moment ×2 seed 1",
-                             "embedded b64 VR-LAMB first_moment ×2 seed 2"]
+    assert meta["unrun"] == ["embedded b16 LAMB ×4 seed 2", "embedded b16 VR-LAMB first_moment ×4 seed 1",
+                             "embedded b16 VR-LAMB first_moment ×4 seed 2", "embedded b64 LAMB ×4 seed 1",
+                             "embedded b64 LAMB ×4 seed 2", "embedded b64 VR-LAMB first_moment ×4 seed 1",
+                             "embedded b64 VR-LAMB first_moment ×4 seed 2"]
     assert meta["noise_scale"] == {"embedded": 16.0}
 
 
