@@ -484,6 +484,17 @@ def _print(r: dict[str, Any]) -> None:
                   f"| {f'{sum(wide)}/{len(wide)}' if wide else '-'} |")
 
 
+def write_json(path: pathlib.Path, result: dict[str, Any]) -> None:
+    """``report``'s figures as JSON: keys that are tuples (the flat steps' ``(member, tensors)``)
+    joined by a space."""
+    def keyed(obj: Any) -> Any:
+        if isinstance(obj, dict):
+            return {" ".join(map(str, k)) if isinstance(k, tuple) else k: keyed(v) for k, v in obj.items()}
+        return [keyed(v) for v in obj] if isinstance(obj, list) else obj
+
+    path.write_text(json.dumps(keyed(result), indent=1, default=str))
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--config", default=str(ROOT / "configs" / "bert_large_64k_32k_vr_lamb.json"))
@@ -496,7 +507,7 @@ def main(argv: list[str] | None = None) -> int:
         ap.error("TRITON_INTERPRET must be 1: the counts are taken from the interpreted kernels")
     result = report(args)
     if args.json:
-        pathlib.Path(args.json).write_text(json.dumps(result, indent=1, default=str))
+        write_json(pathlib.Path(args.json), result)
     return 0
 
 

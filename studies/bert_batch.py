@@ -881,12 +881,13 @@ def main() -> None:
             rows.append((corpus, batch, rs[0]["steps"], rs[0]["samples"], rs[0]["groups"], label,
                          f"{rs[0]['lr']:.3g} (×{rs[0]['factor']:g})", f"×{tried[0]:g}–×{tried[-1]:g} ({len(tried)})",
                          spread([r["mlm_loss"] for r in rs]), spread([r["mlm_acc"] for r in rs]),
-                         spread(noise, "{:.0f}") if noise else "–"))
+                         spread(noise, "{:.0f}") if noise else "–",
+                         ", ".join(sorted({r.get("machine", "–") for r in rs}))))
         out.add_table(f"Held-out MLM loss and accuracy at the best LR factor ({len(seeds)} seeds, mean (min–max); "
                       f"max({args.samples}, {args.min_steps} steps × batch) samples per run, seq {args.seq_len}, LR {args.lr_rule} rule from {args.base_lr:g} "
                       f"at batch {args.base_batch} × the factors tried)",
                       table(["corpus", "batch", "steps", "samples", "groups n", "optimizer", "LR (factor)", "factors tried",
-                             "MLM loss", "MLM accuracy", "B_simple (samples)"], rows))
+                             "MLM loss", "MLM accuracy", "B_simple (samples)", "machine"], rows))
         grid = [(name, batch, label, *(spread([r["mlm_loss"] for r in cells[name, batch, label][f]], "{:.3f}")
                                        if f in cells.get((name, batch, label), {}) else "–" for f in factors))
                 for name in corpora for batch in batches for label in labels if (name, batch, label) in cells]

@@ -4,6 +4,7 @@ interpreter, the launches and table copies of a steady step, and the host synchr
 The numbers asserted are exact counts (words are whole or half fp32 words per parameter)."""
 from __future__ import annotations
 
+import json
 import pathlib
 import sys
 
@@ -101,3 +102,13 @@ def test_a_flat_partitions_step_launches_do_not_grow_with_its_tensors(monkeypatc
     assert few["triton_launches"] + few["torch_ops"] <= 10
     lars = gpu_static.measure_flat_step("VRLars", 8)  # the SGD members' tables on the device too
     assert (lars["triton_launches"], lars["torch_ops"], lars["host_syncs"]) == (9, 0, 0), lars["torch_ops_by_name"]
+
+
+def test_the_figures_are_written_as_json(tmp_path):
+    """``--json``: the flat steps are keyed by (member, tensors) tuples, which ``json`` refuses.
+    Fails on the code before: ``--json`` ended in "keys must be str, int, float, bool or None, not
+    tuple" after the whole report had run."""
+    result = {"flat": {("VRLamb", 8): {"triton_launches": 7}}, "roofline": [{"member": "VRLamb", "share": 0.02}]}
+    gpu_static.write_json(tmp_path / "figures.json", result)
+    assert json.loads((tmp_path / "figures.json").read_text()) == {
+        "flat": {"VRLamb 8": {"triton_launches": 7}}, "roofline": [{"member": "VRLamb", "share": 0.02}]}
