@@ -38,7 +38,6 @@ writes the tables, plots and record to ``--out`` (default ``docs/studies/bert_ba
 from __future__ import annotations
 
 import argparse
-import functools
 import json
 import math
 import os
@@ -261,13 +260,6 @@ def micro_batch_for(batch: int, args: argparse.Namespace) -> int:
     return batch // groups
 
 
-@functools.cache
-def this_machine() -> str:
-    """``hardware`` of the machine this study runs on, recorded with each run it makes (a grid that
-    grows piecewise mixes machines; the page says which ran each cell)."""
-    return hardware(machine())
-
-
 @dataclass
 class Launch:
     """A run to start: its directory, its command and job configuration, and what its result records
@@ -279,14 +271,16 @@ class Launch:
     data: Path
     heldout_fraction: float | None = None
 
-    def result(self, wall_s: float) -> dict:
+    def result(self, wall_s: float, machine: str) -> dict:
+        """The run's record, with the ``machine`` it ran on (a grid that grows piecewise mixes
+        machines; the page names each cell's)."""
         ev, noise = read_metrics(self.run_dir)
         if ev is None:
             raise SystemExit(f"{self.run_dir / 'metrics.jsonl'}: no evaluation record")
         r = self.record | {"mlm_loss": ev["eval/mlm_loss"], "mlm_acc": ev["eval/mlm_acc"], "eval_tokens":
                            ev.get("eval/tokens"), "b_simple": noise, "wall_s": round(wall_s, 1),
                            "data": data_fingerprint(self.data, self.record["seed"], self.heldout_fraction),
-                           "machine": this_machine()}
+                           "machine": machine}
         curve = trajectory(self.run_dir)
         if len(curve) > 2:  # evaluated along the way (--eval-points)
             r["trajectory"] = curve
@@ -364,6 +358,9 @@ class Runner:
         self.stop_at = None if limit is None else args.started + limit - self.ASSEMBLY_S
         self.rates: list[float] = []
         self.not_started: list[Path] = []
+        # before any run starts: the versions' imports take seconds, which would otherwise fall
+        # between a run's end and the time taken of the runs finishing beside it
+        self.machine = hardware(machine())
         self.env = dict(os.environ)
         if self.parallel > 1 and "OMP_NUM_THREADS" not in self.env:
             self.env["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // (self.parallel * args.ranks)))
@@ -398,7 +395,7 @@ class Runner:
                     del active[slot]
                     if proc.returncode != 0:
                         raise SystemExit(f"run failed ({proc.returncode}): see {launches[i].run_dir / 'log.txt'}")
-                    results[i] = launches[i].result(time.monotonic() - t0)
+                    results[i] = launches[i].result(time.monotonic() - t0, self.machine)
                     if record is not None:
                         record(results[i])
                     self.rates.append(results[i]["samples"] / max(results[i]["wall_s"], 1e-3))

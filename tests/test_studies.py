@@ -606,7 +606,7 @@ def test_bert_batch_quick_at_noise_multiples(tmp_path, study_work):
     assert sorted({r["batch"] for r in runs}) == [16, 64] and {r["groups"] for r in runs} == {2}
     assert not any(Path(r["run_dir"]).is_absolute() for r in runs)  # under --work: no scratch path recorded
     for r in runs:  # --groups 2: two micro-batches of batch / 2, at every batch
-        phase = json.loads((study_work / r["run_dir"] / "study_config.json").read_text())["job"]["phases"][0]
+        phase = json.loads((study_work / "quick" / r["run_dir"] / "study_config.json").read_text())["job"]["phases"][0]
         assert phase["micro_batch"] * 2 == phase["global_batch"] == r["batch"]
     assert len({r["data"] for r in runs}) == 1 and all(len(r["data"]) == 16 for r in runs)
     meta = json.loads((tmp_path / "out" / "meta.json").read_text())
