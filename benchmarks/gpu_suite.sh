@@ -10,6 +10,10 @@
 #   (--reuse docs/studies/bert_plateau: the B_simple probe measured there, and the cells run before).
 #
 #   bash benchmarks/gpu_suite.sh [OUTDIR]          (default: $OUT, else ./gpu_out)
+#
+# OUTDIR receives two files, summary.log and gpu_suite.tgz (every part's log and study record,
+# packed again after each part, so a run stopped at any point still returns what finished): a
+# lent machine returns at most 8 files from its output folder.
 #   PARTS="fusedlamb_build zero2_seq512" bash benchmarks/gpu_suite.sh    (only those parts; also the
 #   shorter zero2_seq128_noprofile and opt_step_adam, which the default set leaves out)
 #   PARTS=plateau PLATEAU_S=450 bash benchmarks/gpu_suite.sh              (a lease for the study alone)
@@ -18,14 +22,19 @@
 # beside the checkout, else .data/wikitext-2 in it (git-ignored: a link to the folder holding it, or
 # a copy, carried to a machine that has neither).
 #
-# Python packages the GPU image lacks (DeepSpeed 0.19.8, megatron-core 0.16.1, pydantic, hjson)
-# are installed from wheels in WHEELS (default .whl) when that folder exists. Each part has its
-# own time limit and log; a part that fails or runs out of time does not stop the others.
+# Python packages the GPU image lacks (DeepSpeed 0.19.8, megatron-core 0.16.1, pydantic, hjson) or
+# holds at another release (sentencepiece, whose release decides the tokenizer the studies train:
+# pyproject.toml pins it) are installed from wheels in WHEELS (default .whl) when that folder exists
+# (benchmarks/gpu_wheels.sh fills it). Each part has its own time limit and log; a part that fails
+# or runs out of time does not stop the others. The study parts do not start with another
+# sentencepiece than the pinned one: they would read other data than the records they compare with.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-OUTDIR=${1:-${OUT:-gpu_out}}
+OUTDIR=$(mkdir -p "${1:-${OUT:-gpu_out}}" && cd "${1:-${OUT:-gpu_out}}" && pwd)
+WORK=${GPU_SUITE_WORK:-/tmp/gpu_suite}  # the parts' logs and records, packed into OUTDIR
 WHEELS=${WHEELS:-.whl}
-mkdir -p "$OUTDIR"
+rm -rf "$WORK" && mkdir -p "$WORK"
+pack() { tar czf "$OUTDIR/gpu_suite.tgz" -C "$WORK" . && cp "$WORK/summary.log" "$OUTDIR/summary.log"; }
 if [[ -d $WHEELS ]] && compgen -G "$WHEELS/*.whl" >/dev/null; then
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
         "$WHEELS"/*.whl || exit 1
@@ -48,28 +57,39 @@ part() {  # name, seconds, command... (capped by the time left before the study'
     if [[ " $PARTS " != *" $name "* ]]; then return; fi
     local room=$((BUDGET_S - reserve - SECONDS))
     if (( room < 20 )); then
-        echo "== $name: not started, ${room}s left before the study's ${reserve}s" | tee -a "$OUTDIR/summary.log"
+        echo "== $name: not started, ${room}s left before the study's ${reserve}s" | tee -a "$WORK/summary.log"
         return
     fi
     (( limit > room )) && limit=$room
     local t0=$SECONDS
-    echo "== $name (limit ${limit}s)" | tee -a "$OUTDIR/summary.log"
-    timeout "$limit" "$@" >"$OUTDIR/$name.log" 2>&1
+    echo "== $name (limit ${limit}s)" | tee -a "$WORK/summary.log"
+    timeout "$limit" "$@" >"$WORK/$name.log" 2>&1
     local rc=$?
-    echo "   rc=$rc in $((SECONDS - t0))s" | tee -a "$OUTDIR/summary.log"
-    tail -n 40 "$OUTDIR/$name.log" >>"$OUTDIR/summary.log"
+    echo "   rc=$rc in $((SECONDS - t0))s" | tee -a "$WORK/summary.log"
+    tail -n 40 "$WORK/$name.log" >>"$WORK/summary.log"
+    pack
 }
 
 { nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
   python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"; } \
-    >>"$OUTDIR/summary.log" 2>&1
+    >>"$WORK/summary.log" 2>&1
 part fusedlamb_build 60 python3 -c "from deepspeed.ops.op_builder import FusedLambBuilder as B; B().load()"
-part triton_cuda 60 python3 -m pytest -q -x -p no:cacheprovider tests/unit/test_triton.py -k "pack_bucket or cuda"
+part triton_cuda 120 python3 -m pytest -q -x -p no:cacheprovider tests/unit/test_triton.py -k "pack_bucket or cuda"
 wikitext=${WIKITEXT:-}
 for candidate in ../shared/data/wikitext-2 .data/wikitext-2; do
     [[ -z $wikitext && -f $candidate/valid.txt ]] && wikitext=$candidate
 done
 no_wikitext="WikiText-2 not found (set WIKITEXT, or link .data to the folder holding wikitext-2 and carry .data/wikitext-2)"
+if ! trainer=$(python3 - 2>&1 <<'PY'
+import sentencepiece
+from vrgd_ds.data_pipeline.tokenizer import TRAINER_RELEASE
+if sentencepiece.__version__ != TRAINER_RELEASE:
+    raise SystemExit(f"sentencepiece {sentencepiece.__version__} here, {TRAINER_RELEASE} pinned: it trains another "
+                     "tokenizer, so the studies would read other data than their records (benchmarks/gpu_wheels.sh)")
+PY
+); then
+    wikitext="" no_wikitext=$(tail -n 1 <<<"$trainer")
+fi
 # The same job, seed and data as on the CPU: 50 steps of LAMB and VR-LAMB at batch 64, fp32, dropout off
 # (a GPU's dropout stream is not a CPU's: with it on the two would differ by as much as the tolerance),
 # set beside the runs of docs/studies/bert_seed_check (a CPU's), loss by loss, with the data fingerprints.
@@ -77,9 +97,9 @@ if [[ -n $wikitext ]]; then
     part seed_check 120 python3 studies/bert_batch.py --model tiny --corpus "wikitext=$wikitext" --batch 64 \
         --samples 3200 --min-steps 50 --groups 8 --heldout-fraction 0.1 --eval-points 5 --optimizer LAMB \
         --optimizer "VR-LAMB first_moment" --lr-factor 1 --seed 1 --seed 2 --dropout 0 --parallel 4 --port 29661 \
-        --work /tmp/bert_seed_check --out "$OUTDIR/bert_seed_check" --compare docs/studies/bert_seed_check
+        --work /tmp/bert_seed_check --out "$WORK/bert_seed_check" --compare docs/studies/bert_seed_check
 elif [[ " $PARTS " == *" seed_check "* ]]; then
-    echo "== seed_check: not started, $no_wikitext" | tee -a "$OUTDIR/summary.log"
+    echo "== seed_check: not started, $no_wikitext" | tee -a "$WORK/summary.log"
 fi
 part opt_step_flat 40 python3 benchmarks/gpu_optimizer_step.py --model large --flat --kernels --iters 10
 part opt_step 60 python3 benchmarks/gpu_optimizer_step.py --model large --kernels --iters 10
@@ -106,7 +126,7 @@ part opt_step_adam 40 python3 benchmarks/gpu_optimizer_step.py --model large --i
 if [[ " $PARTS " == *" plateau "* ]]; then
     left=$((BUDGET_S - SECONDS))
     if [[ -z $wikitext ]]; then
-        echo "== plateau: not started, $no_wikitext" | tee -a "$OUTDIR/summary.log"
+        echo "== plateau: not started, $no_wikitext" | tee -a "$WORK/summary.log"
     elif (( left > 60 )); then
         reuse=()
         [[ -f docs/studies/bert_plateau/meta.json ]] && reuse=(--reuse docs/studies/bert_plateau)
@@ -117,9 +137,10 @@ if [[ " $PARTS " == *" plateau "* ]]; then
             --lr-factor 0.5 --lr-factor 1 --lr-factor 2 --lr-factor 4 --samples 102400 --min-steps 50 --groups 8 \
             --heldout-fraction 0.1 --eval-points 16 --parallel "${PLATEAU_PARALLEL:-8}" --port 29651 \
             --time-limit $((left - 10)) \
-            "${reuse[@]}" --work /tmp/bert_plateau --out "$OUTDIR/bert_plateau"
+            "${reuse[@]}" --work /tmp/bert_plateau --out "$WORK/bert_plateau"
     else
-        echo "== plateau: ${left}s left of ${BUDGET_S}s, not started" | tee -a "$OUTDIR/summary.log"
+        echo "== plateau: ${left}s left of ${BUDGET_S}s, not started" | tee -a "$WORK/summary.log"
     fi
 fi
-echo "== done in ${SECONDS}s" | tee -a "$OUTDIR/summary.log"
+echo "== done in ${SECONDS}s" | tee -a "$WORK/summary.log"
+pack

@@ -35,7 +35,7 @@ from pathlib import Path
 from vrgd_ds.data_pipeline.corpus import Corpus, EmbeddedCorpus, PathLike, embedded_corpus
 from vrgd_ds.data_pipeline.errors import DataError
 from vrgd_ds.data_pipeline.shards import DEFAULT_SHARD_TOKENS, MANIFEST, ShardedCorpus, write_shards
-from vrgd_ds.data_pipeline.tokenizer import Tokenizer, sha256_file, train_tokenizer, write_atomic
+from vrgd_ds.data_pipeline.tokenizer import Tokenizer, sha256_file, train_tokenizer, trainer, write_atomic
 
 logger = logging.getLogger(__name__)
 
@@ -171,8 +171,10 @@ def prepare(
             num_threads=tokenizer_threads,
         )
         built.append("tokenizer")
-        # the source is recorded, not compared; later steps are stale now
-        record = {"tokenizer": {**wanted, "source": corpus.description, "sha256": tokenizer.sha256}}
+        # the source and the trainer's release are recorded, not compared (a tokenizer trained by another
+        # release is still the data the shards were made from); later steps are stale now
+        record = {"tokenizer": {**wanted, "source": corpus.description, "trainer": trainer(),
+                                "sha256": tokenizer.sha256}}
         _write_record(record_path, record)
 
     # 2. shards

@@ -20,6 +20,12 @@ of the result, like the seed, and defaults to a fixed 8 rather than the CPU coun
 sampling of ``input_sentence_size`` sentences uses sentencepiece's generator seeded with
 ``seed``, and the model file is written atomically (temporary file, fsync, rename).
 
+The sentencepiece release is an input too: from the same WikiText-2 text, seed and threads,
+0.2.2 and 0.2.3 train other models (another normalization table and other pieces, so other
+token counts and samples). pyproject.toml pins ``TRAINER_RELEASE``, the release the committed
+study records were prepared with; training with another logs a warning naming both, and
+``prepare`` records the release that trained each tokenizer (``trainer`` in ``prepare.json``).
+
 :attr:`Tokenizer.sha256` (of the model file's bytes) is recorded in shard manifests so that a
 training job can refuse shards tokenised with a different vocabulary.
 """
@@ -37,6 +43,14 @@ from typing import IO
 import sentencepiece as spm
 
 from vrgd_ds.data_pipeline.errors import DataError
+
+#: the sentencepiece release pyproject.toml pins: the one whose tokenizers the records carry
+TRAINER_RELEASE = "0.2.3"
+
+
+def trainer() -> str:
+    """The tokenizer trainer that is installed, as ``prepare.json`` records it."""
+    return f"sentencepiece {spm.__version__}"
 
 logger = logging.getLogger(__name__)
 
@@ -235,6 +249,11 @@ def train_tokenizer(
         raise DataError(f"vocab_size={vocab_size} leaves no room next to the {len(SPECIAL_IDS)} special tokens; use a larger --vocab-size")
     out_path = Path(out_path)
     out_path.parent.mkdir(parents=True, exist_ok=True)
+    if spm.__version__ != TRAINER_RELEASE:
+        logger.warning("training the tokenizer with sentencepiece %s, not %s (pyproject.toml's pin): another release "
+                       "trains another model from the same text, so these samples will differ from those of a machine "
+                       "with %s; pip install sentencepiece==%s for the same data", spm.__version__, TRAINER_RELEASE,
+                       TRAINER_RELEASE, TRAINER_RELEASE)
     spm.set_random_generator_seed(seed)
     model = io.BytesIO()
     count = 0

@@ -123,3 +123,33 @@ def test_input_files_may_follow_the_options(corpus_file, tmp_path, capsys):
 def test_prepare_rejects_empty_seq_lens(corpus_file, tmp_path):
     with pytest.raises(DataError, match="seq_lens is empty"):
         prepare(tmp_path / "p", corpus_file, vocab_size=400, seq_lens=(), progress=False)
+
+
+def test_prepare_records_the_sentencepiece_release_that_trained_its_tokenizer(corpus_file, tmp_path, caplog,
+                                                                               monkeypatch):
+    """From the same WikiText-2 files, seed and trainer threads, sentencepiece 0.2.2 and 0.2.3
+    train different tokenizers (552,533 tokens and 6,769 samples of 64 against 636,666 and
+    7,498), so the release is an input of the data. ``prepare.json`` now records the release that trained each tokenizer
+    (the old code recorded none and fails here). Training with a release other than
+    pyproject.toml's pin warns, naming both. A tokenizer already prepared is reused under
+    another release."""
+    import logging
+    import tomllib
+
+    import sentencepiece as spm
+
+    from vrgd_ds.data_pipeline.tokenizer import TRAINER_RELEASE
+
+    extras = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+    assert f"sentencepiece=={TRAINER_RELEASE}" in extras["train"]
+    options = dict(vocab_size=400, seq_lens=(64,), workers=1, progress=False, tokenizer_threads=1, shard_tokens=10000)
+    out = tmp_path / "prepared"
+    prepare(out, corpus_file, **options)
+    assert json.loads((out / "prepare.json").read_text())["tokenizer"]["trainer"] == f"sentencepiece {spm.__version__}"
+    monkeypatch.setattr(spm, "__version__", "0.0.1")
+    with caplog.at_level(logging.WARNING, logger="vrgd_ds.data_pipeline"):
+        assert prepare(out, corpus_file, **options).built == ()
+        assert "sentencepiece" not in caplog.text
+        assert prepare(tmp_path / "other", corpus_file, **options).built == ("tokenizer", "shards")
+    assert f"training the tokenizer with sentencepiece 0.0.1, not {TRAINER_RELEASE}" in caplog.text
+    assert json.loads((tmp_path / "other" / "prepare.json").read_text())["tokenizer"]["trainer"] == "sentencepiece 0.0.1"
