@@ -36,7 +36,7 @@ def machine() -> dict[str, Any]:
         "cpus": os.cpu_count(),
         "cuda": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
     }
-    for mod in ("deepspeed", "transformers", "sklearn", "numpy"):
+    for mod in ("deepspeed", "transformers", "sklearn", "numpy", "sentencepiece"):
         try:
             out[mod] = __import__(mod).__version__
         except ImportError:  # not installed: not used by this study
