@@ -48,8 +48,20 @@ def section(name: str) -> str:
     return f"{tables}\n\n{plots}\n\n{record(meta)}"
 
 
-def render() -> str:
-    text = TEMPLATE.read_text()
+def repeated(text: str) -> list[str]:
+    """The headings and study marks that ``text`` holds more than once (a section pasted twice)."""
+    seen: dict[str, int] = {}
+    for line in text.splitlines():
+        if line.startswith("#") or MARK.match(line):
+            seen[line] = seen.get(line, 0) + 1
+    return [line for line, n in seen.items() if n > 1]
+
+
+def render(text: str | None = None) -> str:
+    text = TEMPLATE.read_text() if text is None else text
+    twice = repeated(text)
+    if twice:
+        raise SystemExit(f"{TEMPLATE.relative_to(ROOT)} repeats {'; '.join(twice)}: keep one of each")
     head = "<!-- written by studies/page.py from docs/results.template.md and docs/studies/; do not edit -->\n"
     return head + MARK.sub(lambda mt: section(mt.group(1)), text)
 

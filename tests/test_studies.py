@@ -269,6 +269,20 @@ def test_results_page_is_generated_from_the_committed_outputs():
     assert proc.returncode == 0, proc.stdout + proc.stderr
 
 
+def test_the_page_refuses_a_template_that_repeats_a_section():
+    """An edit pasted sections 2 and 3 of docs/results.template.md a second time, with the
+    seed-check paragraph new in one copy and old in the other, and the page was generated from
+    it. ``render`` now refuses a template whose headings or study marks repeat, naming them (on
+    the old template, test_results_page_is_generated_from_the_committed_outputs fails so)."""
+    sys.path.insert(0, str(STUDIES))
+    from page import render
+
+    text = "# Results\n\n## 2. Collapse\n\nprose\n\n## 3. BERT\n\n## 2. Collapse\n\nprose again\n"
+    with pytest.raises(SystemExit, match="repeats ## 2. Collapse: keep one of each"):
+        render(text)
+    assert render(text.replace("## 2. Collapse\n\nprose again", "## 4. Other")).count("## 2. Collapse") == 1
+
+
 def test_noise_scale_read_back_survives_a_step_without_one(tmp_path):
     """A step whose unbiased |G|^2 estimate is <= 0 logs ``noise_scale/b_simple: null``. The old
     ``read_metrics`` averaged the per-step ``b_simple`` values: it raised TypeError on the null
