@@ -9,6 +9,7 @@ import pathlib
 import sys
 
 import pytest
+import torch
 
 pytest.importorskip("triton", reason="pip install triton (the interpreter runs the kernels on CPU)")
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[2] / "benchmarks"))
@@ -112,3 +113,22 @@ def test_the_figures_are_written_as_json(tmp_path):
     gpu_static.write_json(tmp_path / "figures.json", result)
     assert json.loads((tmp_path / "figures.json").read_text()) == {
         "flat": {"VRLamb 8": {"triton_launches": 7}}, "roofline": [{"member": "VRLamb", "share": 0.02}]}
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="times the interpreter's launcher: CPU tensors only")
+def test_the_host_benchmark_times_the_step_without_running_a_kernel():
+    """``benchmarks/host_step.py`` makes every Triton launch a no-op and counts it: a flat VRLamb
+    step launches the 7 kernels ``gpu_static`` counts, and VRLars's 9, and the parameters are
+    left as they were (no kernel ran). Leaving the block restores the launcher."""
+    import host_step
+    import triton.runtime.interpreter as interpreter
+
+    run = interpreter.InterpretedFunction.run
+    with host_step.NoLaunch() as launches:
+        opt = host_step.build("VRLamb", 8, flat=True)
+        before = opt.param_groups[0]["params"][0].detach().clone()
+        ms, count = host_step.host_ms(opt, 1, launches)
+        assert count == 7 and ms > 0
+        assert host_step.host_ms(host_step.build("VRLars", 8, flat=True), 1, launches)[1] == 9
+        assert torch.equal(opt.param_groups[0]["params"][0], before)
+    assert interpreter.InterpretedFunction.run is run
