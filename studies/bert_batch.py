@@ -456,6 +456,20 @@ def run_all(cells: list[tuple], args: argparse.Namespace, record: Callable[[dict
     return done + [r for r in (Runner(args).run(launches, record) if launches else []) if r is not None]
 
 
+def recorded(reused: dict[RunKey, dict], corpus: str, batch: int, label: str, seeds: list[int]) -> bool:
+    """Whether ``reused`` holds ``label``'s run at ``batch`` and the ×1 LR for every seed."""
+    return all((corpus, batch, label, 1.0, seed) in reused for seed in seeds)
+
+
+def probe_label(labels: list[str], reused: dict[RunKey, dict], corpus: str, batch: int, seeds: list[int]) -> str | None:
+    """The VR optimizer whose runs at ``batch`` measure ``B_simple``: one whose probe runs are
+    recorded already (among ``labels`` first, then any), else the first VR optimizer in ``labels``.
+    A study that runs some of a record's optimizers reuses its probe rather than starting another."""
+    vr = [lab for lab in labels if lab in BASELINE] + [lab for lab in BASELINE if lab not in labels]
+    done = next((lab for lab in vr if recorded(reused, corpus, batch, lab, seeds)), None)
+    return done or next((lab for lab in labels if lab in BASELINE), None)
+
+
 def noise_batches(multiples: list[float], noise_scale: float, granularity: int) -> list[int]:
     """Global batches at ``multiples`` × ``noise_scale`` (``B_simple``, samples), each rounded to a
     multiple of ``granularity`` (ranks × micro-batch; halves round up), at least one."""
@@ -808,11 +822,12 @@ def main() -> None:
         if args.noise_multiple:  # batches at multiples of the noise scale measured at a small batch
             scale = None if args.noise_scale == "auto" else float(args.noise_scale)
             if scale is None:
-                probe = next((lab for lab in labels if lab in BASELINE), None)
+                probe = probe_label(labels, args.reused, name, args.base_batch, seeds)
                 if probe is None:
                     raise SystemExit("--noise-scale auto: needs a VR optimizer among --optimizer to measure B_simple")
                 # the probe's baseline beside it: the budget's margin below the unigram level at a small batch
-                probes = [lab for lab in (probe, BASELINE[probe]) if lab in labels]
+                probes = [probe] + [BASELINE[probe]] * (BASELINE[probe] in labels or recorded(
+                    args.reused, name, args.base_batch, BASELINE[probe], seeds))
                 measured = run_all([(lab, name, data, args.base_batch, 1.0, seed) for lab in probes for seed in seeds],
                                    args, out.log_run)
                 probe_runs += measured

@@ -269,6 +269,28 @@ def test_results_page_is_generated_from_the_committed_outputs():
     assert proc.returncode == 0, proc.stdout + proc.stderr
 
 
+def test_a_study_of_some_optimizers_reuses_the_recorded_noise_scale_probe():
+    """The plateau record measured ``B_simple`` with VR-LAMB ``first_moment`` at batch 64. Run
+    again with ``--optimizer "VR-LAMB update"`` alone (the 1× cells left), the old code took the
+    first VR optimizer among ``--optimizer`` as the probe and started 1,600-step runs of
+    ``update`` at batch 64 before any cell. The probe is now one whose runs are recorded, else the
+    first VR optimizer asked for."""
+    sys.path.insert(0, str(STUDIES))
+    from bert_batch import probe_label
+
+    def runs(label, seeds=(1, 2)):
+        return {("wikitext", 64, label, 1.0, s): {} for s in seeds}
+
+    recorded = runs("VR-LAMB first_moment") | runs("LAMB")
+    assert probe_label(["VR-LAMB update"], recorded, "wikitext", 64, [1, 2]) == "VR-LAMB first_moment"
+    assert probe_label(["LAMB", "VR-LAMB update"], {}, "wikitext", 64, [1, 2]) == "VR-LAMB update"
+    assert probe_label(["VR-LAMB update", "VR-LAMB first_moment"], recorded | runs("VR-LAMB update"), "wikitext", 64,
+                       [1, 2]) == "VR-LAMB update"  # among those asked for first
+    one_seed = runs("VR-LAMB first_moment", (1,))
+    assert probe_label(["VR-LAMB update"], one_seed, "wikitext", 64, [1, 2]) == "VR-LAMB update"
+    assert probe_label(["LAMB"], recorded, "embedded", 64, [1, 2]) is None
+
+
 def test_the_page_refuses_a_template_that_repeats_a_section():
     """An edit pasted sections 2 and 3 of docs/results.template.md a second time, with the
     seed-check paragraph new in one copy and old in the other, and the page was generated from
