@@ -54,7 +54,7 @@ from typing import Any, Callable
 
 from common import DOCS, Output, hardware, machine, plt, spread, table
 
-from vrgd_ds.data_pipeline.tokenizer import TRAINER_RELEASE
+from vrgd_ds.data_pipeline.tokenizer import TRAINER_RELEASE, trainer
 from vrgd_ds.optim.adam import GSNR_PLACEMENTS
 
 #: optimizer label -> the job's ``optimizer.params`` besides lr (``"type"``: another member than VRLamb)
@@ -812,12 +812,10 @@ def main() -> None:
         if other:
             out.meta.setdefault("not_reused_other_data", 0)
             out.meta["not_reused_other_data"] += len(other)
-            import sentencepiece
-
             print(f"--reuse: {len(other)} recorded run(s) of corpus {name!r} read other data than this study's (another "
                   "tokenizer, shards, seed or held-out split; for the embedded corpus, another Python release; the "
-                  f"tokenizer also depends on the sentencepiece release, {sentencepiece.__version__} here, "
-                  f"{TRAINER_RELEASE} pinned); they stay in their records, unused here", flush=True)
+                  f"tokenizer also depends on its trainer's release: {trainer()} here, {TRAINER_RELEASE} pinned); they "
+                  "stay in their records, unused here", flush=True)
         here = batches
         if args.noise_multiple:  # batches at multiples of the noise scale measured at a small batch
             scale = None if args.noise_scale == "auto" else float(args.noise_scale)
