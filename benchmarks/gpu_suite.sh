@@ -16,6 +16,8 @@
 #   PARTS="fusedlamb_build opt_step_flat opt_step zero2_seq128 megatron zero2_seq512" \
 #       bash benchmarks/gpu_suite.sh                                      (the performance checks)
 #   PARTS=plateau PLATEAU_S=520 bash benchmarks/gpu_suite.sh              (a lease for the study alone)
+#   PARTS=plateau BUDGET_S=200 bash benchmarks/gpu_suite.sh    (a second call on the machine, still
+#       warm: the study goes on from the record the first call wrote, kept in GPU_SUITE_WORK.prev)
 #
 # OUTDIR receives two files, summary.log and gpu_suite.tgz (every part's log and study record,
 # packed again after each part, so a run stopped at any point still returns what finished): a
@@ -36,7 +38,9 @@ cd "$(dirname "$0")/.."
 OUTDIR=$(mkdir -p "${1:-${OUT:-gpu_out}}" && cd "${1:-${OUT:-gpu_out}}" && pwd)
 WORK=${GPU_SUITE_WORK:-/tmp/gpu_suite}  # the parts' logs and records, packed into OUTDIR
 WHEELS=${WHEELS:-.whl}
-rm -rf "$WORK" && mkdir -p "$WORK"
+# an earlier call's parts on this machine (a second call while it is still warm): kept beside, so
+# the study goes on from the record that call wrote
+rm -rf "$WORK.prev" && { [[ -d $WORK ]] && mv "$WORK" "$WORK.prev"; mkdir -p "$WORK"; }
 pack() { tar czf "$OUTDIR/gpu_suite.tgz" -C "$WORK" . && cp "$WORK/summary.log" "$OUTDIR/summary.log"; }
 if [[ -d $WHEELS ]] && compgen -G "$WHEELS/*.whl" >/dev/null; then
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
@@ -133,6 +137,7 @@ if [[ " $PARTS " == *" plateau "* ]]; then
     elif (( left > 60 )); then
         reuse=()
         [[ -f docs/studies/bert_plateau/meta.json ]] && reuse=(--reuse docs/studies/bert_plateau)
+        [[ -f $WORK.prev/bert_plateau/meta.json ]] && reuse+=(--reuse "$WORK.prev/bert_plateau")
         reserve=0  # the study's own time: nothing runs after it
         part plateau "$left" python3 studies/bert_batch.py --model tiny --corpus "wikitext=$wikitext" \
             --seed 1 --seed 2 --noise-multiple 1 --noise-multiple 4 --noise-multiple 16 --noise-multiple 64 \
