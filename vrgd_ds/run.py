@@ -11,7 +11,9 @@ picks ``"optimizer": {"type": "VRLamb"}`` by its JSON alone when started through
 It imports :mod:`vrgd_ds` (which registers the names as soon as the script imports DeepSpeed),
 then runs the script as ``__main__`` with the arguments it would have had: ``sys.argv[0]`` is the
 script, the launcher's ``--local_rank=N`` (placed before the script by ``deepspeed --module``)
-moves after it, and the script's directory heads ``sys.path`` as with ``python SCRIPT``.
+moves after it, and the script's directory heads ``sys.path`` as with ``python SCRIPT``. When the
+script ends on a rank, that rank leaves the process group with the others (``leave_together``):
+a script that ends without ``destroy_process_group`` can otherwise die in gloo's teardown.
 """
 from __future__ import annotations
 
@@ -21,6 +23,17 @@ import sys
 from collections.abc import Sequence
 
 USAGE = "usage: python -m vrgd_ds.run [--local_rank=N] (SCRIPT | -m MODULE) [ARGS ...]"
+
+
+def leave_together() -> None:
+    """Every rank leaves the process group together: a rank exiting alone can die in gloo's
+    teardown (SIGABRT, "terminate called without an active exception"), which replaces the exit
+    code the launcher and the batch script act on (seen for a refused second job: 250, not 6)."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
 
 
 def _split(argv: list[str]) -> tuple[list[str], list[str]]:
@@ -60,6 +73,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     else:
         sys.path[0] = os.path.dirname(os.path.abspath(target))
         runpy.run_path(target, run_name="__main__")
+    leave_together()  # the script ended here: not after a failure, where a barrier would wait forever
 
 
 if __name__ == "__main__":

@@ -99,3 +99,27 @@ def test_launcher_arguments_move_after_the_script_and_errors_name_the_fix(tmp_pa
     with pytest.raises(SystemExit) as exc:
         run_module.main([])
     assert exc.value.code == 2 and "usage: python -m vrgd_ds.run" in capsys.readouterr().err
+
+
+def test_the_module_leaves_the_process_group_after_the_script(tmp_path, monkeypatch):
+    """A script run through the module that ends without ``destroy_process_group`` leaves the
+    group when it ends: ``main`` returns with no group initialized. The old module left it to the
+    interpreter's exit; once, in a fresh-clone ``make test``, both ranks of
+    test_unmodified_script_selects_vrlamb_by_its_json_through_the_module died there in gloo's
+    teardown ("terminate called without an active exception", rc 250) after training."""
+    import torch.distributed as dist
+
+    script = tmp_path / "script.py"
+    script.write_text("import torch.distributed as dist\n"
+                      "dist.init_process_group('gloo', rank=0, world_size=1)\n"
+                      "dist.barrier()\n")
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", str(launching.free_port()))
+    monkeypatch.setattr(sys, "argv", list(sys.argv))
+    monkeypatch.setattr(sys, "path", list(sys.path))
+    try:
+        run_module.main([str(script)])
+        assert not dist.is_initialized()
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()

@@ -50,6 +50,7 @@ import torch
 import torch.distributed as dist
 
 from vrgd_ds.adaptive_batch import BatchController, lr_factor
+from vrgd_ds.run import leave_together
 from vrgd_ds.train import checkpoints as ckpt
 from vrgd_ds.train.config import (ConfigError, JobConfig, controller_settings, gradient_accumulation, load_config,
                                   optimizer_state_policy, phase_samples)
@@ -656,7 +657,7 @@ def main(argv: list[str] | None = None) -> int:
     except RunDirBusy as e:  # agreed over the ranks (_take_run_dir, _max_over_ranks): all of them are here
         if first:
             print(f"vrgd-pretrain: error: {e}", file=sys.stderr, flush=True)
-        _leave_together()
+        leave_together()
         return EXIT_BUSY
     except refused as e:
         if run is None or run.rank == 0:
@@ -673,7 +674,7 @@ def main(argv: list[str] | None = None) -> int:
     except Preempted as e:  # agreed over the ranks (_max_over_ranks)
         if run.rank == 0:
             print(f"vrgd-pretrain: {e}; exiting {EXIT_REQUEUE} to be requeued (it resumes from there)", flush=True)
-        _leave_together()
+        leave_together()
         return EXIT_REQUEUE
     finally:
         if run is not None:
@@ -694,14 +695,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"plots:      {plots[0].parent}")
         print(f"checkpoint: {run_dir / CHECKPOINTS} (latest: "
               f"{(run_dir / CHECKPOINTS / ckpt.LATEST).read_text().strip()})", flush=True)
-    _leave_together()
+    leave_together()
     return 0
 
 
-def _leave_together() -> None:
-    """Every rank leaves the process group together: a rank exiting alone can die in gloo's
-    teardown (SIGABRT, "terminate called without an active exception"), which replaces the exit
-    code the launcher and the batch script act on (seen for a refused second job: 250, not 6)."""
-    if dist.is_initialized():
-        dist.barrier()
-        dist.destroy_process_group()
