@@ -10,7 +10,7 @@ factor levels), ``make test-all`` the product. Tolerance: ``‖θ − θ_ref‖ 
 model's parameters after 3 steps ≤ 1e-5 (fp32: the tensor-parallel layers sum partial products
 in another order than the whole matmul), and ≤ 1e-3 of the same distance between the reference
 and the reference at ``gamma = 1``, so statistics that were wrong would not pass unseen. At
-n = 2 gradient groups (``TOL_N2``) 1e-4 and 1e-2 of that distance.
+n = 2 gradient groups (``TOL_N2``) 3e-4 and 1e-2 of that distance.
 """
 from __future__ import annotations
 
@@ -31,8 +31,10 @@ TOL = 1e-5
 # n = 2 (below the paper's minimum of 8, warned): an element whose two gradients agree to
 # rounding has var = s - ḡ² from a cancellation and r ≈ ḡ²/gsnr_eps, and alone sets its tensor's
 # mean r, so the tensor-parallel matmuls' summation order is amplified (seen: 3e-5 for VRLamb at
-# TP2×DP2, accumulation 1; TP1 cases at n = 2 stay below 3e-7)
-TOL_N2 = 1e-4
+# TP2×DP2, accumulation 1; TP1 cases at n = 2 stay below 3e-7; 1.6e-4 and 1.7e-4 for VRAdam at TP2×DP1,
+# accumulation 2, on a 2-core AVX-512 Xeon, 2026-11-27, the code of a day before included: 1/400 of
+# the distance to gamma = 1, which the share below bounds)
+TOL_N2 = 3e-4
 #: for a case that saves: a group's first dist-checkpointing save spawns megatron-core's write-results
 #: Manager, a fresh interpreter that imports the pool worker's modules (torch, DeepSpeed) again, the
 #: slowest step of these cases with 4 ranks on 2 busy cores. A real hang still fails, with the stacks
