@@ -52,7 +52,7 @@ from pathlib import Path
 from statistics import mean
 from typing import Any, Callable
 
-from common import DOCS, Output, hardware, machine, plt, spread, table
+from common import DOCS, Output, hardware, machine, plt, portable, spread, table
 
 from vrgd_ds.data_pipeline.tokenizer import TRAINER_RELEASE, trainer
 from vrgd_ds.optim.adam import GSNR_PLACEMENTS
@@ -225,6 +225,7 @@ def load_reused(dirs: list[Path], config: dict, settings: tuple[str, ...] = RUN_
                                  "run with its settings or leave that directory out")
         their_specs = dict(spec.partition("=")[::2] for spec in theirs["corpora"])
         records = [json.loads(line) for line in runs_path.read_text().splitlines()]
+        where = portable(str(d))  # as the record keeps it: no scratch path of this machine
         for name, source in their_specs.items():
             # a file corpus found elsewhere on another machine is the same corpus when every run of it
             # recorded its data fingerprint (set_aside_other_data compares them); else the paths decide
@@ -234,7 +235,7 @@ def load_reused(dirs: list[Path], config: dict, settings: tuple[str, ...] = RUN_
                                  f"{specs[name] or 'embedded'!r} here")
         for r in records:
             if r["steps"] != steps_for(r["batch"], config["samples"], config.get("min_steps")):
-                shorter.append(r | {"reused_from": str(d)})  # another budget: kept in its record, not used here
+                shorter.append(r | {"reused_from": where})  # another budget: kept in its record, not used here
                 continue
             key = (r["corpus"], r["batch"], r["optimizer"], r["factor"], r["seed"])
             if key in runs and runs[key]["mlm_loss"] != r["mlm_loss"]:
@@ -242,9 +243,9 @@ def load_reused(dirs: list[Path], config: dict, settings: tuple[str, ...] = RUN_
                                  f"{runs[key]['reused_from']} and {r['mlm_loss']} in {d}")
             # the machine a run came from: its own record, else its study's (runs recorded before each kept it)
             runs.setdefault(key, {"machine": hardware(meta["machine"])} | r
-                            | {"reused_from": str(d), "reused_python": meta["machine"].get("python")})
+                            | {"reused_from": where, "reused_python": meta["machine"].get("python")})
         m = meta["machine"]
-        sources.append({"dir": str(d), "commit": m.get("commit"), "started": meta["started"],
+        sources.append({"dir": where, "commit": m.get("commit"), "started": meta["started"],
                         "machine": hardware(m)})
     return runs, sources, shorter
 

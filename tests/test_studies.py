@@ -167,8 +167,8 @@ def test_bert_batch_assembles_committed_runs_of_several_studies(tmp_path):
         in tables
     assert "VR-LAMB update |" not in tables  # never run: no row
     meta = json.loads((tmp_path / "out" / "meta.json").read_text())
-    assert [(r["dir"], r["machine"]) for r in meta["reused"]] == [(str(a), "x86_64, 2 CPU cores"),
-                                                                  (str(b), "x86_64, 2 CPU cores")]
+    assert [(r["dir"], r["machine"]) for r in meta["reused"]] == [(".../a", "x86_64, 2 CPU cores"),
+                                                                  (".../b", "x86_64, 2 CPU cores")]
     assert not (tmp_path / "work" / "runs").exists()
 
     other = fake_study(tmp_path / "c", [("embedded", 64, "LAMB", 2.0, 1, 6.9)], seq_len=128)
@@ -267,6 +267,26 @@ def test_results_page_is_generated_from_the_committed_outputs():
     proc = subprocess.run([sys.executable, str(STUDIES / "page.py"), "--check"], cwd=ROOT, capture_output=True,
                           text=True, check=False)
     assert proc.returncode == 0, proc.stdout + proc.stderr
+
+
+def test_a_reused_records_directory_is_kept_as_a_committed_record_keeps_paths(tmp_path):
+    """Runs read with ``--reuse`` from a scratch directory carried its absolute path into the
+    assembled record (``reused_from`` of each run, ``reused[].dir`` in meta.json: the plateau
+    record named /tmp/...). ``load_reused`` now keeps it as ``portable`` does the command: relative
+    inside the checkout, else ``.../`` and its last part. Fails on the old code."""
+    sys.path.insert(0, str(STUDIES))
+    from bert_batch import RUN_SETTINGS, load_reused
+
+    rec = fake_study(tmp_path / "scratch_out", [("embedded", 64, "LAMB", 1.0, 1, 7.0),
+                                                ("embedded", 256, "LAMB", 1.0, 1, 7.1)])
+    config = json.loads((rec / "meta.json").read_text())["config"] | {"min_steps": 50}
+    runs, sources, shorter = load_reused([rec], config, tuple(k for k in RUN_SETTINGS if k in config))
+    assert [r["reused_from"] for r in runs.values()] == [".../scratch_out"]  # 160 steps at 64
+    assert [r["reused_from"] for r in shorter] == [".../scratch_out"]  # 40 steps at 256, 50 asked: another budget
+    assert [src["dir"] for src in sources] == [".../scratch_out"]
+    committed = ROOT / "docs" / "studies" / "bert_plateau"
+    assert load_reused([committed], json.loads((committed / "meta.json").read_text())["config"])[1][0]["dir"] == (
+        "docs/studies/bert_plateau")
 
 
 def test_a_study_of_some_optimizers_reuses_the_recorded_noise_scale_probe():
