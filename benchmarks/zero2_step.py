@@ -317,11 +317,9 @@ def main() -> None:
     args = ap.parse_args()
     if args.worker or os.environ.get("RANK") is not None:  # launched (deepspeed, torchrun), or one rank by hand
         worker(args)
-        import torch.distributed
+        from vrgd_ds.run import leave_together
 
-        if torch.distributed.is_initialized():  # every rank leaves together (NCCL's teardown otherwise waits)
-            torch.distributed.barrier()
-            torch.distributed.destroy_process_group()
+        leave_together()  # NCCL's teardown otherwise waits, gloo's can abort
     else:
         argv = [a for a in sys.argv[1:]]
         sys.exit(launch(argv))

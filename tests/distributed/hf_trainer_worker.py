@@ -143,12 +143,10 @@ def main() -> None:
         }
         with open(args.out, "w") as f:
             json.dump(result, f, indent=1, default=str)
-    # Leave together: a rank that exits while its peer still writes can die in gloo's teardown
-    # ("terminate called without an active exception", rc 250; seen once under load).
-    import torch.distributed as dist
+    # a rank that exits while its peer still writes can die in gloo's teardown (seen once under load)
+    from vrgd_ds.run import leave_together
 
-    dist.barrier()
-    dist.destroy_process_group()
+    leave_together()
 
 
 if __name__ == "__main__":
