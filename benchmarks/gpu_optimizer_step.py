@@ -106,12 +106,18 @@ def build(name: str, params, shapes, flat: bool, groups: int):
     check_triton(opt, name)
     layout = None
     if flat:
-        sizes = [torch.Size(s).numel() for _, s in shapes]
-        layout = Layout([n for n, _ in shapes], sizes, group=None, device="cuda")
-        starts = [sum(sizes[:i]) for i in range(len(sizes))]
-        layout.add(params[0], [(starts[i], sizes[i], i) for i in range(len(sizes))])
+        layout = flat_layout(params[0], [n for n, _ in shapes], [torch.Size(s).numel() for _, s in shapes])
     opt.set_statistics_source(ReducedStats(params, groups) if vrgd_ds.REGISTRY[name].vr else None, layout)
     return opt
+
+
+def flat_layout(flat: torch.Tensor, names: list[str], sizes: list[int]) -> Layout:
+    """The ``Layout`` of one flat partition holding the named tensors back to back, as ZeRO's
+    flat fp32 partition holds them: each tensor its own segment (per-tensor trust ratios)."""
+    layout = Layout(names, sizes, group=None, device=flat.device.type)
+    starts = [sum(sizes[:i]) for i in range(len(sizes))]
+    layout.add(flat, [(starts[i], sizes[i], i) for i in range(len(sizes))])
+    return layout
 
 
 def measure(opt, warmup: int, iters: int) -> dict[str, float]:

@@ -26,10 +26,9 @@ import torch  # noqa: E402
 import triton.runtime.interpreter as interpreter  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from gpu_optimizer_step import ReducedStats, bert_shapes  # noqa: E402
+from gpu_optimizer_step import ReducedStats, bert_shapes, flat_layout  # noqa: E402
 
 import vrgd_ds  # noqa: E402
-from vrgd_ds.stats.layout import Layout  # noqa: E402
 
 MEMBERS = ["VRAdam", "Lamb", "VRLamb", "VRSGD", "VRMomentum", "VRLars", "Lars"]
 
@@ -61,10 +60,7 @@ def build(name: str, count: int, flat: bool):
     for p in params:
         p.grad = torch.randn_like(p)
     opt = vrgd_ds.REGISTRY[name].cls(params, lr=1e-3, weight_decay=0.01, fused="triton")
-    layout = None
-    if flat:
-        layout = Layout([f"t{i}" for i in range(count)], [2] * count, group=None, device="cpu")
-        layout.add(params[0], [(2 * i, 2, i) for i in range(count)])
+    layout = flat_layout(params[0], [f"t{i}" for i in range(count)], [2] * count) if flat else None
     opt.set_statistics_source(ReducedStats(params, 4) if vrgd_ds.REGISTRY[name].vr else None, layout)
     return opt
 
