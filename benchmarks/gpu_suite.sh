@@ -127,9 +127,11 @@ part opt_step_adam 40 python3 benchmarks/gpu_optimizer_step.py --model large --i
 # checked by each run's data fingerprint), 102,400 samples per run (at least 50 steps), 8 GSNR groups
 # per step whatever the batch, 10% of the documents held out, batches at 1x, 4x, 16x and 64x the
 # B_simple that the probe in docs/studies/bert_plateau measured at batch 64 (VR-LAMB, 2 seeds, on a
-# CPU: its record is reused here, and its settings are these), LRs x0.5-x4 around the square-root
-# rule, 2 seeds, 8 runs side by side on the GPU. It starts a run only while the time left holds it,
-# stops the rest at the limit, and assembles what finished (the rest is listed as not run yet).
+# CPU: its record is reused here, and its settings are these), 2 seeds, LRs on the grid x1/8-x4
+# around the square-root rule, of which only the part that brackets each optimum runs (--bracket 1:
+# x1 first, then a neighbour while an optimizer's best is at an end), 8 runs side by side on the
+# GPU. It starts a run only while the time left holds it, stops the rest at the limit, and
+# assembles what finished (the runs needed next are listed as not run yet).
 if [[ " $PARTS " == *" plateau "* ]]; then
     left=$((BUDGET_S - SECONDS))
     if [[ -z $wikitext ]]; then
@@ -142,7 +144,8 @@ if [[ " $PARTS " == *" plateau "* ]]; then
         part plateau "$left" python3 studies/bert_batch.py --model tiny --corpus "wikitext=$wikitext" \
             --seed 1 --seed 2 --noise-multiple 1 --noise-multiple 4 --noise-multiple 16 --noise-multiple 64 \
             --noise-scale auto --optimizer LAMB --optimizer "VR-LAMB first_moment" --optimizer "VR-LAMB update" \
-            --lr-factor 0.5 --lr-factor 1 --lr-factor 2 --lr-factor 4 --samples 102400 --min-steps 50 --groups 8 \
+            --lr-factor 0.125 --lr-factor 0.25 --lr-factor 0.5 --lr-factor 1 --lr-factor 2 --lr-factor 4 \
+            --bracket 1 --samples 102400 --min-steps 50 --groups 8 \
             --heldout-fraction 0.1 --eval-points 16 --parallel "${PLATEAU_PARALLEL:-8}" --port 29651 \
             --time-limit $((left - 10)) \
             "${reuse[@]}" --work /tmp/bert_plateau --out "$WORK/bert_plateau"

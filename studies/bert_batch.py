@@ -28,7 +28,10 @@ show the budget's margin below the unigram level there), with ``--groups`` GSNR 
 at every batch, ``--eval-points`` evaluations along each run (the record keeps the loss and the
 noise scale as they evolve) and a larger ``--heldout-fraction`` for a small corpus. On a lent GPU,
 ``--parallel`` runs cells side by side and ``--time-limit`` keeps the study within the lease;
-``--probe-only`` runs the probe alone (on one machine, the grid then on another).
+``--probe-only`` runs the probe alone (on one machine, the grid then on another). ``--bracket F``
+runs only the part of the ``--lr-factor`` grid that brackets each optimum: every batch starts at
+×F, and a round adds the grid's next factor below or above while some optimizer's best is the
+lowest or highest factor run (``bracket_plan``), so a lease's runs go where a verdict needs them.
 
     python studies/bert_batch.py --corpus embedded --corpus wikitext=WIKITEXT2_DIR
     python studies/bert_batch.py --quick     # LAMB and VR-LAMB, 2 tiny runs each (CI)
@@ -358,7 +361,7 @@ class Runner:
         self.parallel = max(1, getattr(args, "parallel", 1))
         limit = getattr(args, "time_limit", None)
         self.stop_at = None if limit is None else args.started + limit - self.ASSEMBLY_S
-        self.rates: list[float] = []
+        self.rates: list[float] = vars(args).setdefault("run_rates", [])  # shared by a study's Runners (rounds)
         self.not_started: list[Path] = []
         # before any run starts: the versions' imports take seconds, which would otherwise fall
         # between a run's end and the time taken of the runs finishing beside it
@@ -576,6 +579,57 @@ def unrun_cells(results: list[dict], corpora: list[str], batches: list[int], lab
             for s in seeds if (c, b, lab, f, s) not in done]
 
 
+def bracket_plan(cells: dict[tuple[str, int, str], dict[float, list[dict]]], corpus: str, batch: int,
+                 labels: list[str], seeds: list[int], grid: list[float], start: float) -> list[tuple[str, float, int]]:
+    """The runs (optimizer, LR factor, seed) ``--bracket`` needs next at ``batch`` (``cells``:
+    ``by_factor``), [] when every optimizer's best factor is bracketed or at the grid's edge.
+    The factors in play are ``start`` and every factor of ``grid`` run there, for every optimizer
+    alike (the same grid for all); first each of them on every seed, then, for an optimizer whose
+    best mean loss is the lowest (highest) factor in play, the grid's factor below (above) it."""
+    here = {label: cells.get((corpus, batch, label), {}) for label in labels}
+    in_play = sorted({start} | {f for runs in here.values() for f in runs if f in grid})
+    missing = [(label, f, seed) for label in labels for f in in_play for seed in seeds
+               if seed not in {r["seed"] for r in here[label].get(f, [])}]
+    if missing:
+        return missing
+    grow = set()
+    for label in labels:
+        best = min(in_play, key=lambda f: mean(r["mlm_loss"] for r in here[label][f] if r["seed"] in seeds))
+        i = grid.index(best)
+        if best == in_play[0] and i > 0:
+            grow.add(grid[i - 1])
+        if best == in_play[-1] and i + 1 < len(grid):
+            grow.add(grid[i + 1])
+    return [(label, f, seed) for label in labels for f in sorted(grow) for seed in seeds]
+
+
+def run_bracketed(name: str, data: Path, batches: list[int], labels: list[str], seeds: list[int],
+                  grid: list[float], args: argparse.Namespace, record: Callable[[dict], None]) -> tuple[list[dict], list[str]]:
+    """``--bracket``: every run of the grid that finished before (here or reused), then rounds of
+    the runs ``bracket_plan`` asks for at each batch, each round through one ``Runner``, until it
+    asks for none, asks again for runs the time limit left out, or the time is over. Returns the
+    results and the runs needed next, one line each (the record's "unrun")."""
+    only = getattr(args, "only_finished", False)
+    args.only_finished = True  # gather what finished: nothing runs yet
+    planned = [plan_run(label, name, data, batch, f, seed, args) for batch in batches for label in labels
+               for f in grid for seed in seeds]
+    args.only_finished = only
+    results = [p for p in planned if isinstance(p, dict)]
+    for r in results:
+        record(r)
+
+    def needed() -> list[tuple]:
+        cells = by_factor(results)
+        return [(label, name, data, batch, f, seed) for batch in batches
+                for label, f, seed in bracket_plan(cells, name, batch, labels, seeds, grid, args.bracket)]
+
+    tried: set[tuple] = set()
+    while not args.only_finished and (cells := [c for c in needed() if c[3:] + c[:1] not in tried]):
+        tried |= {c[3:] + c[:1] for c in cells}
+        results += run_all(cells, args, record)
+    return results, [f"{name} b{batch} {label} ×{f:g} seed {seed}" for label, _, _, batch, f, seed in needed()]
+
+
 def by_factor(results: list[dict]) -> dict[tuple[str, int, str], dict[float, list[dict]]]:
     """(corpus, batch, optimizer) -> LR factor -> the runs (one per seed)."""
     cells: dict[tuple[str, int, str], dict[float, list[dict]]] = {}
@@ -703,6 +757,11 @@ def main() -> None:
     ap.add_argument("--optimizer", action="append", default=None, choices=list(OPTIMIZERS))
     ap.add_argument("--lr-factor", type=float, action="append", default=None,
                     help="grid around the rule's LR; repeatable (default 0.5 1 2)")
+    ap.add_argument("--bracket", type=float, default=None, metavar="F",
+                    help="run only the part of the --lr-factor grid that brackets each optimum: each batch starts at "
+                         "factor F, then adds the grid's next factor below or above while some optimizer's best is the "
+                         "lowest or highest run (the same factors for every optimizer at a batch); the record lists "
+                         "the runs needed next as not run")
     ap.add_argument("--samples", type=int, default=10240, help="training samples per run (fixed budget)")
     ap.add_argument("--min-steps", type=int, default=50,
                     help="optimizer steps per run at least: a run gets max(samples, min_steps x batch) samples")
@@ -778,6 +837,11 @@ def main() -> None:
     seeds = args.seed or [1, 2]
     factors = args.lr_factor or [0.5, 1.0, 2.0]
     labels = args.optimizer or list(OPTIMIZERS)
+    if args.bracket is not None:
+        factors = sorted(set(factors))  # a ladder: each factor's neighbours on it
+    if args.bracket is not None and args.bracket not in factors:
+        raise SystemExit(f"--bracket {args.bracket:g}: not among the --lr-factor grid "
+                         f"({', '.join(f'{f:g}' for f in factors)}); the bracket starts on the grid")
     if args.groups is not None and (args.groups < 2 or args.groups % args.ranks):
         raise SystemExit(f"--groups {args.groups}: needs at least 2 groups (the GSNR's variance) and a multiple of "
                          f"--ranks {args.ranks}")
@@ -792,7 +856,8 @@ def main() -> None:
               "lr_rule": args.lr_rule, "base_lr": args.base_lr, "base_batch": args.base_batch,
               "vocab_size": args.vocab_size, "model": args.model, "zero": 2, "quick": args.quick,
               "heldout_fraction": args.heldout_fraction, "eval_points": args.eval_points, "dropout": args.dropout,
-              **({"noise_multiples": args.noise_multiple, "noise_scale": args.noise_scale} if args.noise_multiple else {})}
+              **({"noise_multiples": args.noise_multiple, "noise_scale": args.noise_scale} if args.noise_multiple else {}),
+              **({"bracket": args.bracket} if args.bracket is not None else {})}
     args.reused, sources, shorter = load_reused(args.reuse, config)  # before Output: --out may be one of them
     args.work.mkdir(parents=True, exist_ok=True)
     out = Output(args.out or (args.work if args.quick else DOCS / "bert_batch"), "bert_batch", config)
@@ -803,7 +868,7 @@ def main() -> None:
         print(f"--reuse: {len(shorter)} recorded run(s) took another number of steps than this study gives their "
               f"batch (--samples {args.samples}, --min-steps {args.min_steps}); they stay in their records, unused "
               "here", flush=True)
-    results, corpus_batches, unigram, unigram_by_seed, probe_runs = [], {}, {}, {}, []
+    results, corpus_batches, unigram, unigram_by_seed, probe_runs, unrun = [], {}, {}, {}, [], []
     for spec, name in zip(specs, corpora):
         data = (args.work / "data" / name if args.only_finished
                 else prepare(name, spec.partition("=")[2] or None, args.work, args.seq_len, args.vocab_size))
@@ -850,11 +915,15 @@ def main() -> None:
                 unigram_by_seed[name] = per_seed
                 out.meta.setdefault("unigram_loss", {})[name] = unigram[name]
         corpus_batches[name] = here
+        if args.bracket is not None:
+            ran, next_runs = run_bracketed(name, data, here, labels, seeds, factors, args, out.log_run)
+            results += ran
+            unrun += next_runs
+            continue
         cells = [(label, name, data, batch, factor, seed) for batch in here for label in labels for factor in factors
                  for seed in seeds]
         results += run_all(cells, args, out.log_run)
-    unrun = [line for name in corpora for line in unrun_cells(results, [name], corpus_batches[name], labels,
-                                                                factors, seeds)]
+        unrun += unrun_cells(results, [name], here, labels, factors, seeds)
     unrun += out.meta.pop("unrun_probes", [])  # a corpus whose batches are not known yet
     out.meta["unrun"] = unrun
     if unrun:

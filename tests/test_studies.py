@@ -507,6 +507,93 @@ def test_verdicts_need_two_seeds_below_the_unigram_level_and_apart_ranges():
     assert unrun_cells(results, ["c"], [16], ["VR"], [1.0, 2.0], [1]) == ["c b16 VR ×2 seed 1"]
 
 
+def bowl(optimum: float, seed: int, factor: float) -> float:
+    """A loss over the LR factor with its minimum at ``optimum`` (seeds shift it alike)."""
+    return 6.0 + 0.1 * math.log2(factor / optimum) ** 2 + 0.01 * seed
+
+
+def test_bracket_runs_the_grid_only_where_an_optimum_needs_it():
+    """``--bracket 1`` on the grid ×1/8–×4, round by round (``bracket_plan``): ×1 first, then
+    its neighbours, then further down only while an optimizer's best is still the lowest factor
+    run, and every factor for every optimizer (the same grid for all). LAMB's optimum at ×1/4 and
+    VR's at ×1 take 5 rounds and never ×4; an optimum below the grid stops at its edge (no
+    verdict there: ``unbracketed``); a seed not run yet comes before any new factor."""
+    sys.path.insert(0, str(STUDIES))
+    from bert_batch import best_cells, bracket_plan, by_factor, unbracketed
+
+    grid, labels, seeds = [0.125, 0.25, 0.5, 1.0, 2.0, 4.0], ["LAMB", "VR"], [1, 2]
+
+    def rounds(optima: dict[str, float]) -> tuple[list[list[float]], list[dict]]:
+        runs, factors = [], []
+        while plan := bracket_plan(by_factor(runs), "c", 64, labels, seeds, grid, 1.0):
+            assert {(lab, s) for lab, _, s in plan} == {(lab, s) for lab in labels for s in seeds}
+            factors.append(sorted({f for _, f, _ in plan}))
+            runs += [{"corpus": "c", "batch": 64, "optimizer": lab, "factor": f, "seed": s,
+                      "mlm_loss": bowl(optima[lab], s, f)} for lab, f, s in plan]
+        return factors, runs
+
+    factors, runs = rounds({"LAMB": 0.25, "VR": 1.0})
+    assert factors == [[1.0], [0.5, 2.0], [0.25], [0.125]]
+    best = best_cells(runs)
+    assert best["c", 64, "LAMB"][0]["factor"] == 0.25 and best["c", 64, "VR"][0]["factor"] == 1.0
+    assert all(unbracketed(by_factor(runs), ("c", 64, lab), best["c", 64, lab]) is None for lab in labels)
+    factors, runs = rounds({"LAMB": 0.01, "VR": 1.0})
+    assert factors == [[1.0], [0.5, 2.0], [0.25], [0.125]]  # the grid's lowest: no further
+    assert "is the lowest factor run" in unbracketed(by_factor(runs), ("c", 64, "LAMB"), best_cells(runs)["c", 64, "LAMB"])
+    one_seed = [r for r in runs if not (r["optimizer"] == "VR" and r["factor"] == 0.5 and r["seed"] == 2)]
+    assert bracket_plan(by_factor(one_seed), "c", 64, labels, seeds, grid, 1.0) == [("VR", 0.5, 2)]
+    assert bracket_plan(by_factor(runs), "c", 256, labels, [1], grid, 1.0) == [("LAMB", 1.0, 1), ("VR", 1.0, 1)]
+
+
+def test_bracket_rounds_gather_what_finished_and_list_what_is_needed_next(monkeypatch):
+    """``run_bracketed``: the runs of the grid that finished before are read first (none run
+    again, and they count: a factor run before is in play), then rounds of what the bracket
+    needs, at every batch; when the time is over (the runner sets ``only_finished``) the study
+    stops and lists the runs needed next, not the whole grid."""
+    sys.path.insert(0, str(STUDIES))
+    import argparse
+
+    import bert_batch
+
+    optima = {("LAMB", 16): 0.5, ("VR", 16): 0.5, ("LAMB", 64): 0.25, ("VR", 64): 1.0}
+
+    def result(label, corpus, data, batch, f, seed):
+        return {"corpus": corpus, "batch": batch, "optimizer": label, "factor": f, "seed": seed,
+                "mlm_loss": bowl(optima[label, batch], seed, f)}
+
+    finished = {(16, lab, f, s) for lab in ("LAMB", "VR") for f in (0.5, 1.0) for s in (1, 2)}
+    monkeypatch.setattr(bert_batch, "plan_run", lambda label, corpus, data, batch, f, seed, args: (
+        result(label, corpus, data, batch, f, seed) if (batch, label, f, seed) in finished
+        else None if args.only_finished else "launch"))
+    ran: list[list[tuple]] = []
+
+    def run_all(cells, args, record, finish=None):  # the time runs out after 3 rounds, or as ``finish`` says
+        ran.append([(c[3], c[0], c[4], c[5]) for c in cells])
+        args.only_finished = len(ran) == 3 if finish is None else True
+        done = [result(*c) for c in cells[:finish]]
+        for r in done:
+            record(r)
+        return done
+
+    monkeypatch.setattr(bert_batch, "run_all", run_all)
+    recorded = []
+    args = argparse.Namespace(only_finished=False, bracket=1.0)
+    results, unrun = bert_batch.run_bracketed("c", Path("data"), [16, 64], ["LAMB", "VR"], [1, 2],
+                                              [0.25, 0.5, 1.0, 2.0], args, recorded.append)
+    assert len(recorded) == len(results) == 8 + sum(map(len, ran))
+    assert not {(b, lab, f, s) for cells in ran for b, lab, f, s in cells} & finished
+    assert [sorted({(b, f) for b, _, f, _ in cells}) for cells in ran] == [
+        [(16, 0.25), (64, 1.0)], [(64, 0.5), (64, 2.0)], [(64, 0.25)]]
+    assert unrun == []  # ×1/4 is the grid's edge at 64; 16 bracketed by ×1/4 and ×1
+    ran.clear()
+    args = argparse.Namespace(only_finished=False, bracket=1.0)
+    monkeypatch.setattr(bert_batch, "run_all", lambda cells, args, record: run_all(cells, args, record, finish=4))
+    results, unrun = bert_batch.run_bracketed("c", Path("data"), [16, 64], ["LAMB", "VR"], [1, 2],
+                                              [0.25, 0.5, 1.0, 2.0], args, recorded.append)
+    assert len(ran) == 1 and unrun == ["c b64 LAMB ×1 seed 1", "c b64 LAMB ×1 seed 2", "c b64 VR ×1 seed 1",
+                                       "c b64 VR ×1 seed 2"]  # ×1/4 at 16 finished; 64 not started
+
+
 @pytest.mark.slow
 @pytest.mark.exhaustive  # the study script end to end on recorded runs (10 s): make test-all
 def test_batches_at_noise_multiples_get_a_verdict_each_and_the_unrun_cells_are_listed(tmp_path):
@@ -549,6 +636,18 @@ def test_batches_at_noise_multiples_get_a_verdict_each_and_the_unrun_cells_are_l
                              "embedded b64 LAMB ×4 seed 2", "embedded b64 VR-LAMB first_moment ×4 seed 1",
                              "embedded b64 VR-LAMB first_moment ×4 seed 2"]
     assert meta["noise_scale"] == {"embedded": 16.0}
+    # --bracket 1: the same runs, and only what a bracket needs is listed: the factor ×4 run once at
+    # 16 on both seeds of both optimizers (the same grid for all), nothing at 64 (bracketed)
+    run_study("bert_batch.py", "--only-finished", "--bracket", "1", "--corpus", "embedded", "--optimizer", "LAMB",
+              "--optimizer", "VR-LAMB first_moment", "--noise-multiple", "1", "--noise-multiple", "4",
+              "--noise-scale", "16", "--lr-factor", "4", "--lr-factor", "2", "--lr-factor", "1", "--lr-factor", "0.5",
+              "--work", str(tmp_path / "work"), "--reuse", str(study), "--out", str(tmp_path / "bracket"))
+    meta = json.loads((tmp_path / "bracket" / "meta.json").read_text())
+    assert meta["config"]["bracket"] == 1.0 and meta["config"]["lr_factors"] == [0.5, 1.0, 2.0, 4.0]
+    assert meta["unrun"] == ["embedded b16 LAMB ×4 seed 2", "embedded b16 VR-LAMB first_moment ×4 seed 1",
+                             "embedded b16 VR-LAMB first_moment ×4 seed 2"]
+    assert "| embedded | 64 | 6.925 (6.900–6.950) | 6.725 (6.700–6.750) | – | VR-LAMB first_moment better by " \
+           "0.200 nats (seed ranges apart) |" in (tmp_path / "bracket" / "tables.md").read_text()
 
 
 def test_runs_set_beside_another_machines_runs_of_the_same_cells(tmp_path):
@@ -637,6 +736,9 @@ def test_study_runner_runs_side_by_side_within_its_time_limit(tmp_path):
     assert c is None and not (tmp_path / "c").exists()  # stopped unfinished, removed
     assert d is None and not (tmp_path / "d").exists()  # 10^9 samples: never started
     assert args.only_finished is True
+    # the next Runner of the study (a --bracket round) knows the rates: 10^9 samples would not fit either
+    args.time_limit, args.only_finished = 10**6, False
+    assert Runner(args).rates == Runner(args).rates != [] and not Runner(args).fits(launch("e", 0, 10**9))
 
 
 @pytest.mark.slow
