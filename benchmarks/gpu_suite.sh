@@ -129,7 +129,7 @@ part opt_step_adam 40 python3 benchmarks/gpu_optimizer_step.py --model large --i
 # B_simple that the probe in docs/studies/bert_plateau measured at batch 64 (VR-LAMB, 2 seeds, on a
 # CPU: its record is reused here, and its settings are these), 2 seeds, LRs on the grid x1/8-x4
 # around the square-root rule, of which only the part that brackets each optimum runs (--bracket 1:
-# x1 first, then a neighbour while an optimizer's best is at an end), 8 runs side by side on the
+# x1 first, then a neighbour for each optimizer while its best is at an end), 8 runs side by side on the
 # GPU. It starts a run only while the time left holds it, stops the rest at the limit, and
 # assembles what finished (the runs needed next are listed as not run yet).
 if [[ " $PARTS " == *" plateau "* ]]; then

@@ -30,8 +30,8 @@ noise scale as they evolve) and a larger ``--heldout-fraction`` for a small corp
 ``--parallel`` runs cells side by side and ``--time-limit`` keeps the study within the lease;
 ``--probe-only`` runs the probe alone (on one machine, the grid then on another). ``--bracket F``
 runs only the part of the ``--lr-factor`` grid that brackets each optimum: every batch starts at
-×F, and a round adds the grid's next factor below or above while some optimizer's best is the
-lowest or highest factor run (``bracket_plan``), so a lease's runs go where a verdict needs them.
+×F, and a round adds the grid's next factor below or above for an optimizer whose best is the
+lowest or highest factor it ran (``bracket_plan``), so a lease's runs go where a verdict needs them.
 
     python studies/bert_batch.py --corpus embedded --corpus wikitext=WIKITEXT2_DIR
     python studies/bert_batch.py --quick     # LAMB and VR-LAMB, 2 tiny runs each (CI)
@@ -583,24 +583,24 @@ def bracket_plan(cells: dict[tuple[str, int, str], dict[float, list[dict]]], cor
                  labels: list[str], seeds: list[int], grid: list[float], start: float) -> list[tuple[str, float, int]]:
     """The runs (optimizer, LR factor, seed) ``--bracket`` needs next at ``batch`` (``cells``:
     ``by_factor``), [] when every optimizer's best factor is bracketed or at the grid's edge.
-    The factors in play are ``start`` and every factor of ``grid`` run there, for every optimizer
-    alike (the same grid for all); first each of them on every seed, then, for an optimizer whose
+    Each optimizer on the same grid, each bracketed on its own: its factors in play are ``start``
+    and every factor of ``grid`` it ran there; first each of them on every seed, then, when its
     best mean loss is the lowest (highest) factor in play, the grid's factor below (above) it."""
-    here = {label: cells.get((corpus, batch, label), {}) for label in labels}
-    in_play = sorted({start} | {f for runs in here.values() for f in runs if f in grid})
-    missing = [(label, f, seed) for label in labels for f in in_play for seed in seeds
-               if seed not in {r["seed"] for r in here[label].get(f, [])}]
-    if missing:
-        return missing
-    grow = set()
+    plan = []
     for label in labels:
-        best = min(in_play, key=lambda f: mean(r["mlm_loss"] for r in here[label][f] if r["seed"] in seeds))
+        runs = cells.get((corpus, batch, label), {})
+        in_play = sorted({start} | {f for f in runs if f in grid})
+        missing = [(label, f, seed) for f in in_play for seed in seeds
+                   if seed not in {r["seed"] for r in runs.get(f, [])}]
+        if missing:
+            plan += missing
+            continue
+        best = min(in_play, key=lambda f: mean(r["mlm_loss"] for r in runs[f] if r["seed"] in seeds))
         i = grid.index(best)
-        if best == in_play[0] and i > 0:
-            grow.add(grid[i - 1])
-        if best == in_play[-1] and i + 1 < len(grid):
-            grow.add(grid[i + 1])
-    return [(label, f, seed) for label in labels for f in sorted(grow) for seed in seeds]
+        grow = ([grid[i - 1]] if best == in_play[0] and i > 0 else []) + (
+            [grid[i + 1]] if best == in_play[-1] and i + 1 < len(grid) else [])
+        plan += [(label, f, seed) for f in grow for seed in seeds]
+    return plan
 
 
 def run_bracketed(name: str, data: Path, batches: list[int], labels: list[str], seeds: list[int],
@@ -759,9 +759,9 @@ def main() -> None:
                     help="grid around the rule's LR; repeatable (default 0.5 1 2)")
     ap.add_argument("--bracket", type=float, default=None, metavar="F",
                     help="run only the part of the --lr-factor grid that brackets each optimum: each batch starts at "
-                         "factor F, then adds the grid's next factor below or above while some optimizer's best is the "
-                         "lowest or highest run (the same factors for every optimizer at a batch); the record lists "
-                         "the runs needed next as not run")
+                         "factor F, then adds the grid's next factor below or above for an optimizer whose best is the "
+                         "lowest or highest factor it ran (each optimizer on the same grid); the record lists the runs "
+                         "needed next as not run")
     ap.add_argument("--samples", type=int, default=10240, help="training samples per run (fixed budget)")
     ap.add_argument("--min-steps", type=int, default=50,
                     help="optimizer steps per run at least: a run gets max(samples, min_steps x batch) samples")

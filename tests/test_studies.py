@@ -514,31 +514,32 @@ def bowl(optimum: float, seed: int, factor: float) -> float:
 
 def test_bracket_runs_the_grid_only_where_an_optimum_needs_it():
     """``--bracket 1`` on the grid ×1/8–×4, round by round (``bracket_plan``): ×1 first, then
-    its neighbours, then further down only while an optimizer's best is still the lowest factor
-    run, and every factor for every optimizer (the same grid for all). LAMB's optimum at ×1/4 and
-    VR's at ×1 take 5 rounds and never ×4; an optimum below the grid stops at its edge (no
-    verdict there: ``unbracketed``); a seed not run yet comes before any new factor."""
+    its neighbours, then further down only for an optimizer whose best is still the lowest factor
+    it ran. LAMB's optimum at ×1/4 and VR's at ×1 take 5 rounds, VR stops at ×1/2–×2 and neither
+    runs ×4; an optimum below the grid stops at its edge (no verdict there: ``unbracketed``); a
+    seed not run yet comes before any new factor of that optimizer."""
     sys.path.insert(0, str(STUDIES))
     from bert_batch import best_cells, bracket_plan, by_factor, unbracketed
 
     grid, labels, seeds = [0.125, 0.25, 0.5, 1.0, 2.0, 4.0], ["LAMB", "VR"], [1, 2]
 
-    def rounds(optima: dict[str, float]) -> tuple[list[list[float]], list[dict]]:
+    def rounds(optima: dict[str, float]) -> tuple[list[list[tuple[str, float]]], list[dict]]:
         runs, factors = [], []
         while plan := bracket_plan(by_factor(runs), "c", 64, labels, seeds, grid, 1.0):
-            assert {(lab, s) for lab, _, s in plan} == {(lab, s) for lab in labels for s in seeds}
-            factors.append(sorted({f for _, f, _ in plan}))
+            assert len(plan) == len(set(plan)) and {s for _, _, s in plan} == set(seeds)
+            factors.append(sorted({(lab, f) for lab, f, _ in plan}))
             runs += [{"corpus": "c", "batch": 64, "optimizer": lab, "factor": f, "seed": s,
                       "mlm_loss": bowl(optima[lab], s, f)} for lab, f, s in plan]
         return factors, runs
 
+    both = [[("LAMB", 1.0), ("VR", 1.0)], [("LAMB", 0.5), ("LAMB", 2.0), ("VR", 0.5), ("VR", 2.0)]]
     factors, runs = rounds({"LAMB": 0.25, "VR": 1.0})
-    assert factors == [[1.0], [0.5, 2.0], [0.25], [0.125]]
+    assert factors == both + [[("LAMB", 0.25)], [("LAMB", 0.125)]]
     best = best_cells(runs)
     assert best["c", 64, "LAMB"][0]["factor"] == 0.25 and best["c", 64, "VR"][0]["factor"] == 1.0
     assert all(unbracketed(by_factor(runs), ("c", 64, lab), best["c", 64, lab]) is None for lab in labels)
     factors, runs = rounds({"LAMB": 0.01, "VR": 1.0})
-    assert factors == [[1.0], [0.5, 2.0], [0.25], [0.125]]  # the grid's lowest: no further
+    assert factors == both + [[("LAMB", 0.25)], [("LAMB", 0.125)]]  # the grid's lowest: no further
     assert "is the lowest factor run" in unbracketed(by_factor(runs), ("c", 64, "LAMB"), best_cells(runs)["c", 64, "LAMB"])
     one_seed = [r for r in runs if not (r["optimizer"] == "VR" and r["factor"] == 0.5 and r["seed"] == 2)]
     assert bracket_plan(by_factor(one_seed), "c", 64, labels, seeds, grid, 1.0) == [("VR", 0.5, 2)]
@@ -636,16 +637,15 @@ def test_batches_at_noise_multiples_get_a_verdict_each_and_the_unrun_cells_are_l
                              "embedded b64 LAMB ×4 seed 2", "embedded b64 VR-LAMB first_moment ×4 seed 1",
                              "embedded b64 VR-LAMB first_moment ×4 seed 2"]
     assert meta["noise_scale"] == {"embedded": 16.0}
-    # --bracket 1: the same runs, and only what a bracket needs is listed: the factor ×4 run once at
-    # 16 on both seeds of both optimizers (the same grid for all), nothing at 64 (bracketed)
+    # --bracket 1: the same runs, and only what a bracket needs is listed: LAMB's ×4 at 16, run on
+    # one seed, on the other; nothing for VR-LAMB (bracketed by ×0.5 and ×2) nor at 64
     run_study("bert_batch.py", "--only-finished", "--bracket", "1", "--corpus", "embedded", "--optimizer", "LAMB",
               "--optimizer", "VR-LAMB first_moment", "--noise-multiple", "1", "--noise-multiple", "4",
               "--noise-scale", "16", "--lr-factor", "4", "--lr-factor", "2", "--lr-factor", "1", "--lr-factor", "0.5",
               "--work", str(tmp_path / "work"), "--reuse", str(study), "--out", str(tmp_path / "bracket"))
     meta = json.loads((tmp_path / "bracket" / "meta.json").read_text())
     assert meta["config"]["bracket"] == 1.0 and meta["config"]["lr_factors"] == [0.5, 1.0, 2.0, 4.0]
-    assert meta["unrun"] == ["embedded b16 LAMB ×4 seed 2", "embedded b16 VR-LAMB first_moment ×4 seed 1",
-                             "embedded b16 VR-LAMB first_moment ×4 seed 2"]
+    assert meta["unrun"] == ["embedded b16 LAMB ×4 seed 2"]
     assert "| embedded | 64 | 6.925 (6.900–6.950) | 6.725 (6.700–6.750) | – | VR-LAMB first_moment better by " \
            "0.200 nats (seed ranges apart) |" in (tmp_path / "bracket" / "tables.md").read_text()
 
