@@ -926,8 +926,9 @@ def main() -> None:
         unrun += unrun_cells(results, [name], here, labels, factors, seeds)
     unrun += out.meta.pop("unrun_probes", [])  # a corpus whose batches are not known yet
     out.meta["unrun"] = unrun
+    unrun_what = "the bracket needs next" if args.bracket is not None else "of the grid not run yet"
     if unrun:
-        print(f"{len(unrun)} run(s) of the grid not run yet: {'; '.join(unrun[:8])}{' ...' if len(unrun) > 8 else ''}",
+        print(f"{len(unrun)} run(s) {unrun_what}: {'; '.join(unrun[:8])}{' ...' if len(unrun) > 8 else ''}",
               flush=True)
     if args.noise_multiple:
         batches = sorted({b for bs in corpus_batches.values() for b in bs})
@@ -983,7 +984,7 @@ def main() -> None:
                                         cells)]
             levels = ", ".join(f"{name} {unigram[name]:.3f}" for name in corpora if name in unigram) or "not computed"
             out.add_table(f"Verdict per batch (multiples {', '.join(f'×{m:g}' for m in args.noise_multiple)} of B_simple; "
-                          f"unigram level, nats: {levels}; {len(unrun)} run(s) of the grid not run yet)",
+                          f"unigram level, nats: {levels}; {len(unrun)} run(s) {unrun_what})",
                           table(["corpus", "batch", "baseline loss", "VR loss", "baseline below unigram", "verdict"], rows))
         plot(out, best, corpora, batches, labels)
     if args.compare is not None:

@@ -646,6 +646,8 @@ def test_batches_at_noise_multiples_get_a_verdict_each_and_the_unrun_cells_are_l
     meta = json.loads((tmp_path / "bracket" / "meta.json").read_text())
     assert meta["config"]["bracket"] == 1.0 and meta["config"]["lr_factors"] == [0.5, 1.0, 2.0, 4.0]
     assert meta["unrun"] == ["embedded b16 LAMB ×4 seed 2"]
+    assert "unigram level, nats: not computed; 1 run(s) the bracket needs next)" in (tmp_path / "bracket" /
+                                                                                    "tables.md").read_text()
     assert "| embedded | 64 | 6.925 (6.900–6.950) | 6.725 (6.700–6.750) | – | VR-LAMB first_moment better by " \
            "0.200 nats (seed ranges apart) |" in (tmp_path / "bracket" / "tables.md").read_text()
 
