@@ -79,6 +79,22 @@ def test_a_command_without_its_extra_names_it(monkeypatch, capsys):
     commands.require("vrgd-plots")  # matplotlib is there
 
 
+def test_the_virtual_environment_is_ignored_also_as_a_link(tmp_path):
+    """``.venv`` is ignored whether it is the environment's folder or a link to one (a second
+    checkout of the repository sharing the first one's environment). Fails on the old
+    ``.gitignore``, whose ``.venv/`` matched folders only: ``git add -A`` then committed the
+    link, and checking that commit out replaced the folder it stood for."""
+    repo = tmp_path / "repo"
+    repo.mkdir()
+    (repo / ".gitignore").write_text((ROOT / ".gitignore").read_text())
+    (repo / ".venv").symlink_to(tmp_path)
+    git = ["git", "-C", str(repo)]
+    subprocess.run([*git, "init", "-q"], check=True)
+    subprocess.run([*git, "add", "-A"], check=True)
+    staged = subprocess.run([*git, "diff", "--cached", "--name-only"], capture_output=True, text=True, check=True)
+    assert staged.stdout.split() == [".gitignore"]
+
+
 def _run(args: list[str], **kw) -> subprocess.CompletedProcess:
     return subprocess.run(args, capture_output=True, text=True, timeout=600, **kw)
 
