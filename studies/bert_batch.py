@@ -624,8 +624,8 @@ def run_bracketed(name: str, data: Path, batches: list[int], labels: list[str], 
                 for label, f, seed in bracket_plan(cells, name, batch, labels, seeds, grid, args.bracket)]
 
     tried: set[tuple] = set()
-    while not args.only_finished and (cells := [c for c in needed() if c[3:] + c[:1] not in tried]):
-        tried |= {c[3:] + c[:1] for c in cells}
+    while not args.only_finished and (cells := [c for c in needed() if c not in tried]):
+        tried |= set(cells)
         results += run_all(cells, args, record)
     return results, [f"{name} b{batch} {label} ×{f:g} seed {seed}" for label, _, _, batch, f, seed in needed()]
 
