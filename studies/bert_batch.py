@@ -495,15 +495,13 @@ def unigram_loss(data: Path, seed: int, seq_len: int, count: int, heldout_fracti
     import numpy as np
 
     from vrgd_ds.data_pipeline.prepare import SAMPLES_DIR, SHARDS_DIR, TOKENIZER_FILE
-    from vrgd_ds.data_pipeline.samples import build_sample_index, index_filename
+    from vrgd_ds.data_pipeline.samples import build_sample_index
     from vrgd_ds.data_pipeline.shards import ShardedCorpus
     from vrgd_ds.data_pipeline.tokenizer import Tokenizer
     from vrgd_ds.train.data import JobData, split_document
 
     corpus = ShardedCorpus(data / SHARDS_DIR)
-    index = data / SAMPLES_DIR / index_filename(seq_len, seed, None)
-    if not index.is_file():
-        build_sample_index(corpus, seq_len, seed, data / SAMPLES_DIR)
+    index = build_sample_index(corpus, seq_len, seed, data / SAMPLES_DIR)  # reuses a matching index, replaces a stale one
     job_data = JobData(Tokenizer.load(data / TOKENIZER_FILE), corpus, {seq_len: index},
                        split_document(corpus.num_documents, heldout_share(heldout_fraction)), seed, None)
     train_tokens, _ = job_data.token_streams()
