@@ -507,6 +507,34 @@ def test_verdicts_need_two_seeds_below_the_unigram_level_and_apart_ranges():
     assert unrun_cells(results, ["c"], [16], ["VR"], [1.0, 2.0], [1]) == ["c b16 VR ×2 seed 1"]
 
 
+def test_the_unigram_level_rebuilds_a_stale_sample_index(tmp_path):
+    """Data prepared again (an edited input, or inputs whose modification time changed) gets new
+    shards, and the sample index of a seed other than ``prepare``'s own is left stale. The study's
+    unigram level rebuilds it, as the training job does. Fails on the old code, which built the
+    index only when the file was missing and so stopped on the stale one (a ``DataError``)."""
+    from pydoc_data.topics import topics
+
+    from vrgd_ds.data_pipeline.prepare import prepare
+
+    sys.path.insert(0, str(STUDIES))
+    from bert_batch import unigram_loss
+
+    text = tmp_path / "corpus.txt"
+    options = dict(vocab_size=400, seq_lens=(64,), seed=1, workers=1, progress=False, tokenizer_threads=1)
+
+    def prepared(out: Path, documents: list[str]) -> Path:
+        text.write_text("\n\n".join(" ".join(topics[k].split()) for k in documents) + "\n")
+        prepare(out, text, **options)
+        return out
+
+    names = sorted(topics)
+    data = prepared(tmp_path / "data", names[:30])
+    unigram_loss(data, 2, 64, 16, 0.2)  # builds seed 2's index beside the shards
+    prepared(data, names[10:40])  # the shards are rewritten; seed 2's index now names the old ones
+    level = unigram_loss(data, 2, 64, 16, 0.2)
+    assert level == unigram_loss(prepared(tmp_path / "fresh", names[10:40]), 2, 64, 16, 0.2)
+
+
 def bowl(optimum: float, seed: int, factor: float) -> float:
     """A loss over the LR factor with its minimum at ``optimum`` (seeds shift it alike)."""
     return 6.0 + 0.1 * math.log2(factor / optimum) ** 2 + 0.01 * seed
