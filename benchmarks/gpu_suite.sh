@@ -4,8 +4,9 @@
 # job, seeds and data as a CPU's record (docs/studies/bert_seed_check), each within the time left
 # before the last PLATEAU_S seconds (default 300), which go to cells of the BERT study past the
 # unigram plateau (studies/bert_batch.py --noise-multiple: LAMB against VR-LAMB at 1x-64x the noise
-# scale, 2 seeds, a bracketed LR grid), whose record grows with each lease (--reuse
-# docs/studies/bert_plateau: the B_simple probe measured there, and the cells run before). The
+# scale, 2 seeds, a bracketed LR grid, at least 128 steps a run), whose record grows with each lease
+# (--reuse docs/studies/bert_plateau_steps128 and docs/studies/bert_plateau: the B_simple probe
+# measured there, the 1x cells, and the cells run before). The
 # performance parts, measured on 2026-11-26 and 2026-11-27 (docs/benchmarks.md), run when PARTS
 # names them: FusedLamb's build (fusedlamb_build), the optimizer step against torch's fused AdamW
 # and DeepSpeed's FusedLamb (opt_step_flat, opt_step, opt_step_adam), the whole ZeRO-2 BERT-large
@@ -124,7 +125,8 @@ zero2 zero2_seq128_noprofile 128 --repeats 6
 part opt_step_adam 40 python3 benchmarks/gpu_optimizer_step.py --model large --iters 10 \
     --only "AdamW(fused)" VRAdam Lamb VRLamb "DS FusedLamb"
 # The study past the plateau: tiny BERT on WikiText-2 (a file corpus: the same data on every machine,
-# checked by each run's data fingerprint), 102,400 samples per run (at least 50 steps), 8 GSNR groups
+# checked by each run's data fingerprint), 102,400 samples per run (at least 128 steps, the 1x cells'
+# own count: at 50 steps every 4x run ended at the unigram level), 8 GSNR groups
 # per step whatever the batch, 10% of the documents held out, batches at 1x, 4x, 16x and 64x the
 # B_simple that the probe in docs/studies/bert_plateau measured at batch 64 (VR-LAMB, 2 seeds, on a
 # CPU: its record is reused here, and its settings are these), 2 seeds, LRs on the grid x1/8-x4
@@ -138,14 +140,16 @@ if [[ " $PARTS " == *" plateau "* ]]; then
         echo "== plateau: not started, $no_wikitext" | tee -a "$WORK/summary.log"
     elif (( left > 60 )); then
         reuse=()
-        [[ -f docs/studies/bert_plateau/meta.json ]] && reuse=(--reuse docs/studies/bert_plateau)
+        for record in docs/studies/bert_plateau docs/studies/bert_plateau_steps128; do
+            [[ -f $record/meta.json ]] && reuse+=(--reuse "$record")
+        done
         [[ -f $WORK.prev/bert_plateau/meta.json ]] && reuse+=(--reuse "$WORK.prev/bert_plateau")
         reserve=0  # the study's own time: nothing runs after it
         part plateau "$left" python3 studies/bert_batch.py --model tiny --corpus "wikitext=$wikitext" \
             --seed 1 --seed 2 --noise-multiple 1 --noise-multiple 4 --noise-multiple 16 --noise-multiple 64 \
             --noise-scale auto --optimizer LAMB --optimizer "VR-LAMB first_moment" --optimizer "VR-LAMB update" \
             --lr-factor 0.125 --lr-factor 0.25 --lr-factor 0.5 --lr-factor 1 --lr-factor 2 --lr-factor 4 \
-            --bracket 1 --samples 102400 --min-steps 50 --groups 8 \
+            --bracket 1 --samples 102400 --min-steps 128 --groups 8 \
             --heldout-fraction 0.1 --eval-points 16 --parallel "${PLATEAU_PARALLEL:-8}" --port 29651 \
             --time-limit $((left - 10)) \
             "${reuse[@]}" --work /tmp/bert_plateau --out "$WORK/bert_plateau"
