@@ -88,7 +88,9 @@ for candidate in ../shared/data/wikitext-2 .data/wikitext-2; do
     [[ -z $wikitext && -f $candidate/valid.txt ]] && wikitext=$candidate
 done
 no_wikitext="WikiText-2 not found (set WIKITEXT, or link .data to the folder holding wikitext-2 and carry .data/wikitext-2)"
-if ! trainer=$(python3 - 2>&1 <<'PY'
+# (from /: a script read from stdin puts the working directory first on sys.path, and this checkout's
+# vrgd_ds/ has no data_pipeline/ in it; the laid-out tree on PYTHONPATH has)
+if ! trainer=$(cd / && python3 - 2>&1 <<'PY'
 import sentencepiece
 from vrgd_ds.data_pipeline.tokenizer import TRAINER_RELEASE
 if sentencepiece.__version__ != TRAINER_RELEASE:
