@@ -1,4 +1,5 @@
-"""Throughput of the data pipeline on WikiText-2: corpus reading, tokenizer training, sharding.
+"""Throughput of the data pipeline on WikiText-2: corpus reading, tokenizer training, sharding,
+and the masked BERT samples a DataLoader worker makes.
 
 What is measured, in MB/s of input text (file bytes on disk) and wall time:
 
@@ -8,7 +9,12 @@ What is measured, in MB/s of input text (file bytes on disk) and wall time:
   with 1 and 2 trainer threads, reading the corpus inside the timed region;
 * ``shard``: :func:`vrgd_ds.data_pipeline.shards.write_shards` with 1 and 2 worker processes, reading the
   corpus, encoding, writing and fsyncing the shards and manifest; the 2-worker time includes
-  spawning the workers and loading the tokenizer in each.
+  spawning the workers and loading the tokenizer in each;
+* ``samples``: masked BERT samples per second in one process (what one DataLoader worker makes),
+  batched by ``collate`` in micro-batches of 398 (the plateau study's 4x runs), at seq 64 and
+  128, reading each sample's sentences as one view of its shard (``ShardedCorpus.span``, what
+  ``BertPretrainingDataset`` does) and, side by side, as the per-sentence views of its whole
+  document joined (``document(i)[begin:end]``, what it did before), with the ratio.
 
 Each figure is the median of ``--repeats`` runs, taken round-robin over the configurations.
 ``--copies K`` streams the corpus K times over, so that the fixed cost of starting worker
@@ -26,9 +32,11 @@ Measured (WikiText-2 valid+test, 2.38 MB, vocab 8000, median of 3):
                                        shard       5.81 MB/s         2.35 MB/s
 
 The 2-worker shards were byte-identical to the 1-worker ones in every run. On a host whose CPUs
-are already busy, extra trainer threads and workers only add contention.
+are already busy, extra trainer threads and workers only add contention. The samples stage's
+figures are in docs/benchmarks.md.
 
 Run:  python benchmarks/data_throughput.py [--data DIR] [--vocab-size 8000] [--repeats 3] [--copies 1]
+          [--stages read tokenizer shard samples]
 """
 from __future__ import annotations
 
@@ -40,11 +48,55 @@ import tempfile
 import time
 from pathlib import Path
 
+import numpy as np
+import torch
+
 from vrgd_ds.data_pipeline.corpus import Corpus
+from vrgd_ds.data_pipeline.samples import BertPretrainingDataset, build_sample_index, collate
 from vrgd_ds.data_pipeline.shards import ShardedCorpus, default_workers, write_shards
 from vrgd_ds.data_pipeline.tokenizer import train_tokenizer
 
+STAGES = ("read", "tokenizer", "shard", "samples")
 DEFAULT_DATA = Path(__file__).resolve().parents[1].parent / "shared" / "data" / "wikitext-2"
+
+
+class PerSentence:
+    """``corpus`` with ``span`` made of the per-sentence views of the whole document, joined: the
+    samples stage's reference."""
+
+    def __init__(self, corpus: ShardedCorpus):
+        self.corpus = corpus
+
+    def __getattr__(self, name: str):
+        return getattr(self.corpus, name)
+
+    def span(self, i: int, begin: int, end: int) -> np.ndarray:
+        parts = self.corpus.document(i)[begin:end]
+        return np.concatenate(parts) if parts else np.zeros(0, self.corpus.dtype)
+
+
+def sample_rates(shards: Path, seq_lens: tuple[int, ...], micro_batch: int, seconds: float,
+                 repeats: int) -> list[tuple[int, float, float, bool]]:
+    """(seq, samples/s by span, samples/s by joined sentence views, same samples) per seq len,
+    each rate the median of ``repeats`` round-robin stretches of ``seconds``."""
+    corpus = ShardedCorpus(shards)
+    out = []
+    for seq in seq_lens:
+        index = build_sample_index(corpus, seq, 1)
+        sets = [BertPretrainingDataset(c, index, seq, seed=1) for c in (corpus, PerSentence(corpus))]
+        n = len(sets[0])
+        first = [collate([ds[(0, j % n)] for j in range(micro_batch)]) for ds in sets]
+        same = all(torch.equal(first[0][k], first[1][k]) for k in first[0])
+        rates: list[list[float]] = [[], []]
+        for _ in range(repeats):
+            for which, ds in enumerate(sets):
+                start, made = time.perf_counter(), 0
+                while time.perf_counter() - start < seconds:
+                    collate([ds[(0, (made + j) % n)] for j in range(micro_batch)])
+                    made += micro_batch
+                rates[which].append(made / (time.perf_counter() - start))
+        out.append((seq, statistics.median(rates[0]), statistics.median(rates[1]), same))
+    return out
 
 
 class Repeated:
@@ -66,6 +118,7 @@ def main() -> int:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--copies", type=int, default=1,
                         help="stream the corpus this many times over (amortises process start-up)")
+    parser.add_argument("--stages", nargs="+", choices=STAGES, default=list(STAGES))
     args = parser.parse_args()
 
     files = [args.data / n for n in ("train.txt", "valid.txt", "test.txt") if (args.data / n).is_file()]
@@ -84,12 +137,12 @@ def main() -> int:
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
         train_tokenizer(source, tmp / "tok.model", vocab_size=args.vocab_size, num_threads=1)  # for sharding
-        configs = [("read", "-", lambda: sum(1 for _ in source))]
-        for threads in (1, 2):
+        configs = [("read", "-", lambda: sum(1 for _ in source))] if "read" in args.stages else []
+        for threads in (1, 2) if "tokenizer" in args.stages else ():
             configs.append((f"tokenizer (vocab {args.vocab_size})", f"{threads} threads",
                             lambda t=threads: train_tokenizer(source, tmp / f"tok{t}.model",
                                                               vocab_size=args.vocab_size, num_threads=t)))
-        for workers in (1, 2):
+        for workers in (1, 2) if "shard" in args.stages else ():
             configs.append(("shard", f"{workers} workers",
                             lambda w=workers: write_shards(source, tmp / "tok.model", tmp / f"shards{w}",
                                                            workers=w, progress=False)))
@@ -103,15 +156,26 @@ def main() -> int:
                 fn()
                 times[i].append(time.perf_counter() - start)
         rows = [(stage, parallel, statistics.median(times[i])) for i, (stage, parallel, _) in enumerate(configs)]
-        tokens = ShardedCorpus(tmp / "shards1").num_tokens
-        same = all((tmp / "shards1" / p.name).read_bytes() == p.read_bytes()
-                   for p in (tmp / "shards2").iterdir() if p.name != "manifest.json")
+        if "shard" in args.stages:
+            tokens = ShardedCorpus(tmp / "shards1").num_tokens
+            same = all((tmp / "shards1" / p.name).read_bytes() == p.read_bytes()
+                       for p in (tmp / "shards2").iterdir() if p.name != "manifest.json")
+        if "samples" in args.stages:
+            if "shard" not in args.stages:
+                write_shards(corpus, tmp / "tok.model", tmp / "shards1", workers=1, progress=False)
+            samples = sample_rates(tmp / "shards1", (64, 128), 398, 2.0, args.repeats)
 
-    print(f"\n{'stage':<24} {'parallel':<12} {'seconds':>8} {'MB/s':>8}")
+    if rows:
+        print(f"\n{'stage':<24} {'parallel':<12} {'seconds':>8} {'MB/s':>8}")
     for stage, parallel, seconds in rows:
         print(f"{stage:<24} {parallel:<12} {seconds:>8.2f} {megabytes / seconds:>8.2f}")
+    if "samples" in args.stages:
+        print(f"\n{'samples (1 process)':<24} {'span /s':>10} {'joined /s':>10} {'ratio':>7}  same samples")
+        for seq, span, joined, equal in samples:
+            print(f"{'seq ' + str(seq):<24} {span:>10,.0f} {joined:>10,.0f} {span / joined:>7.2f}  {equal}")
     print(f"\nload average (1 min) before/after: {load_before:.2f}/{os.getloadavg()[0]:.2f}")
-    print(f"shards: {tokens} tokens; 1-worker and 2-worker shards byte-identical: {same}")
+    if "shard" in args.stages:
+        print(f"shards: {tokens} tokens; 1-worker and 2-worker shards byte-identical: {same}")
     return 0
 
 

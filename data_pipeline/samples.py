@@ -91,6 +91,8 @@ class TokenCorpus(Protocol):
 
     def document(self, i: int) -> list[np.ndarray]: ...
 
+    def span(self, i: int, begin: int, end: int) -> np.ndarray: ...
+
     def sentence_lengths(self, i: int) -> np.ndarray: ...
 
 
@@ -418,8 +420,7 @@ class BertPretrainingDataset(torch.utils.data.Dataset):
     def _segment(self, doc: int, begin: int, end: int) -> np.ndarray:
         if begin == end:
             return np.empty(0, dtype=np.int64)
-        sentences = self.corpus.document(int(doc))[int(begin):int(end)]
-        return np.concatenate(sentences).astype(np.int64, copy=False)
+        return np.array(self.corpus.span(int(doc), int(begin), int(end)), dtype=np.int64)
 
     def tokens(self, sample_index: int) -> tuple[np.ndarray, np.ndarray, int]:
         """Unmasked ``input_ids``, ``token_type_ids`` and next-sentence label of a sample."""

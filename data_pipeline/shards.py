@@ -534,6 +534,17 @@ class ShardedCorpus:
         offsets = sentences[s0:s1 + 1].tolist()
         return [tokens[a:b] for a, b in zip(offsets[:-1], offsets[1:])]
 
+    def span(self, i: int, begin: int, end: int) -> np.ndarray:
+        """The tokens of document ``i``'s sentences ``begin:end``, concatenated: one memmap view
+        (a document's sentences lie end to end in its shard), where ``document(i)[begin:end]``
+        makes a view per sentence of the whole document."""
+        tokens, sentences, s0, s1 = self._locate(i)
+        n = s1 - s0
+        begin, end = max(0, min(int(begin), n)), max(0, min(int(end), n))
+        if end <= begin:
+            return tokens[:0]
+        return tokens[int(sentences[s0 + begin]):int(sentences[s0 + end])]
+
     def sentence_lengths(self, i: int) -> np.ndarray:
         """Token counts (int64) of document ``i``'s sentences."""
         _, sentences, s0, s1 = self._locate(i)

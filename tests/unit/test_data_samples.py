@@ -38,6 +38,9 @@ class FakeCorpus:
     def document(self, i):
         return list(self.docs[i])
 
+    def span(self, i, begin, end):
+        return np.concatenate(self.docs[i][begin:end] or [np.zeros(0, np.uint16)])
+
     def sentence_lengths(self, i):
         return np.array([len(s) for s in self.docs[i]], dtype=np.int64)
 

@@ -58,6 +58,21 @@ def test_round_trip_equals_direct_encoding(written, tokenizer):
         corpus.document(len(want))
 
 
+def test_a_span_is_the_sentences_joined_as_one_view(written, tokenizer):
+    """``span(i, begin, end)`` is ``document(i)[begin:end]`` joined, as one view of the shard's
+    tokens (no copy), for every range of every document, the empty and out-of-range ones included:
+    the BERT samples read their sentences through it."""
+    want = expected(tokenizer)
+    corpus = ShardedCorpus(written.path)
+    for i, doc in enumerate(want):
+        n = len(doc)
+        for begin in range(n + 1):
+            for end in sorted({begin, begin + 1, (begin + n) // 2 + 1, n, n + 3}):
+                got = corpus.span(i, begin, end)
+                assert got.tolist() == [t for s in doc[begin:end] for t in s], (i, begin, end)
+                assert got.dtype == corpus.dtype and (got.size == 0 or isinstance(got, np.memmap)), (i, begin, end)
+
+
 def test_layout_and_checksums(written):
     manifest = json.loads((written.path / MANIFEST).read_text())
     assert manifest == written.manifest
