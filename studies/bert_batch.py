@@ -296,6 +296,33 @@ class Launch:
         return r
 
 
+    def progress(self, wall_s: float) -> dict:
+        """How far a run the time limit stopped got in its ``wall_s``: its last logged step and
+        samples, the seconds before its first step (start-up: interpreter, DeepSpeed, data) and
+        its rate from its first logged step to its last, which is what a later lease can plan
+        with when none of its runs finished."""
+        rows = []
+        metrics = self.run_dir / "metrics.jsonl"
+        for line in metrics.read_text().splitlines() if metrics.is_file() else []:
+            try:
+                rec = json.loads(line)
+            except json.JSONDecodeError:  # the line the stop cut
+                continue
+            if "train/samples" in rec and "time" in rec:
+                rows.append(rec)
+        r = self.record
+        out = {"run": f"{r['corpus']} b{r['batch']} {r['optimizer']} ×{r['factor']:g} seed {r['seed']}",
+               "steps": r["steps"], "step": rows[-1]["step"] if rows else 0,
+               "samples": rows[-1]["train/samples"] if rows else 0.0, "wall_s": round(wall_s, 1),
+               "setup_s": None, "samples_per_s": None}
+        if rows:
+            out["setup_s"] = round(rows[0]["time"] - (time.time() - wall_s), 1)
+        if len(rows) > 1 and rows[-1]["time"] > rows[0]["time"]:
+            out["samples_per_s"] = round((rows[-1]["train/samples"] - rows[0]["train/samples"])
+                                         / (rows[-1]["time"] - rows[0]["time"]), 1)
+        return out
+
+
 def plan_run(label: str, corpus: str, data: Path, batch: int, factor: float, seed: int, args: argparse.Namespace,
              params: dict | None = None, phase_extra: dict | None = None) -> dict | Launch | None:
     """One job run: its result when it finished before (here, or in ``args.reused``), else the
@@ -363,6 +390,7 @@ class Runner:
         self.stop_at = None if limit is None else args.started + limit - self.ASSEMBLY_S
         self.rates: list[float] = vars(args).setdefault("run_rates", [])  # shared by a study's Runners (rounds)
         self.not_started: list[Path] = []
+        self.stopped: list[dict] = vars(args).setdefault("stopped", [])  # Launch.progress of each run stopped
         # before any run starts: the versions' imports take seconds, which would otherwise fall
         # between a run's end and the time taken of the runs finishing beside it
         self.machine = hardware(machine())
@@ -405,8 +433,13 @@ class Runner:
                         record(results[i])
                     self.rates.append(results[i]["samples"] / max(results[i]["wall_s"], 1e-3))
                 if self.stop_at is not None and time.monotonic() > self.stop_at and active:
-                    for i, proc, _, log in active.values():
-                        print(f"--time-limit: {launches[i].run_dir} stopped unfinished", flush=True)
+                    for i, proc, t0, log in active.values():
+                        got = launches[i].progress(time.monotonic() - t0)
+                        self.stopped.append(got)
+                        rate = "–" if got["samples_per_s"] is None else f"{got['samples_per_s']:,.0f} samples/s"
+                        print(f"--time-limit: {launches[i].run_dir} stopped unfinished at step {got['step']} of "
+                              f"{got['steps']} after {got['wall_s']:.0f} s (start-up {got['setup_s']} s, then {rate})",
+                              flush=True)
                     break
         finally:
             for i, proc, _, log in active.values():  # a failure elsewhere or the time limit: stop the rest
@@ -924,6 +957,15 @@ def main() -> None:
         unrun += unrun_cells(results, [name], here, labels, factors, seeds)
     unrun += out.meta.pop("unrun_probes", [])  # a corpus whose batches are not known yet
     out.meta["unrun"] = unrun
+    if getattr(args, "stopped", None):
+        out.meta["stopped"] = args.stopped
+        out.add_table("Runs the time limit stopped unfinished (removed; their rate after start-up is what the next "
+                      "lease can plan with)",
+                      table(["run", "step", "samples", "seconds", "start-up (s)", "samples/s after"],
+                            [(g["run"], f"{g['step']} of {g['steps']}", f"{g['samples']:,.0f}", f"{g['wall_s']:.0f}",
+                              "–" if g["setup_s"] is None else f"{g['setup_s']:.0f}",
+                              "–" if g["samples_per_s"] is None else f"{g['samples_per_s']:,.0f}")
+                             for g in args.stopped]))
     unrun_what = "the bracket needs next" if args.bracket is not None else "of the grid not run yet"
     if unrun:
         print(f"{len(unrun)} run(s) {unrun_what}: {'; '.join(unrun[:8])}{' ...' if len(unrun) > 8 else ''}",

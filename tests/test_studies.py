@@ -728,8 +728,13 @@ FAKE_RUN = """
 import json, sys, time
 run_dir, port, sleep = sys.argv[1], sys.argv[2], float(sys.argv[3])
 t0 = time.time()
-time.sleep(sleep)
 with open(run_dir + "/metrics.jsonl", "w") as fh:
+    step = 0
+    while time.time() - t0 < sleep:  # a step of 8 samples every 0.5 s, logged as the job logs it
+        time.sleep(min(0.5, max(0.0, sleep - (time.time() - t0))))
+        step += 1
+        fh.write(json.dumps({"step": step, "time": time.time(), "train/samples": 8.0 * step}) + "\\n")
+        fh.flush()
     fh.write(json.dumps({"eval/mlm_loss": 6.0, "eval/mlm_acc": 0.1, "span": [t0, time.time()], "port": port}))
 """
 
@@ -748,7 +753,7 @@ def test_study_runner_runs_side_by_side_within_its_time_limit(tmp_path):
     def launch(name: str, sleep: float, samples: int) -> Launch:
         run_dir = tmp_path / name
         return Launch(run_dir, [sys.executable, "-c", FAKE_RUN, str(run_dir), "PORT", str(sleep)], {},
-                      {"corpus": "c", "batch": 8, "optimizer": name, "seed": 1, "lr": 1e-3, "factor": 1.0,
+                      {"corpus": "c", "batch": 8, "optimizer": name, "seed": 1, "lr": 1e-3, "factor": 1.0, "steps": 1000,
                        "samples": samples}, tmp_path / "no-data")
 
     args = argparse.Namespace(parallel=2, time_limit=Runner.ASSEMBLY_S + 8, started=time.monotonic(), ranks=1,
@@ -759,11 +764,14 @@ def test_study_runner_runs_side_by_side_within_its_time_limit(tmp_path):
                                    launch("d", 0, 10**9)], recorded.append)
     assert time.monotonic() - t0 < 60  # c was stopped, not waited for
     assert sorted(r["optimizer"] for r in recorded) == ["a", "b"]
-    spans = [json.loads((tmp_path / n / "metrics.jsonl").read_text()) for n in ("a", "b")]
+    spans = [json.loads((tmp_path / n / "metrics.jsonl").read_text().splitlines()[-1]) for n in ("a", "b")]
     assert spans[0]["span"][0] < spans[1]["span"][1] and spans[1]["span"][0] < spans[0]["span"][1]  # at once
     assert {spans[0]["port"], spans[1]["port"]} == {"29900", "29901"}
     assert a["mlm_loss"] == b["mlm_loss"] == 6.0 and (tmp_path / "a" / "result.json").is_file()
     assert c is None and not (tmp_path / "c").exists()  # stopped unfinished, removed
+    (stopped,) = args.stopped  # how far c got, for the next lease to plan with
+    assert stopped["run"] == "c b8 c ×1 seed 1" and stopped["step"] >= 2 and stopped["samples"] == 8.0 * stopped["step"]
+    assert 0 < stopped["samples_per_s"] <= 16.0 and 0 <= stopped["setup_s"] < stopped["wall_s"]
     assert d is None and not (tmp_path / "d").exists()  # 10^9 samples: never started
     assert args.only_finished is True
     # the next Runner of the study (a --bracket round) knows the rates: 10^9 samples would not fit either
