@@ -400,9 +400,10 @@ def test_reused_runs_of_other_data_are_set_aside():
 
 def test_wikitext_prepared_here_is_the_data_the_committed_records_read(shared_data, tmp_path):
     """WikiText-2 as the BERT study prepares it (vocabulary 8,000, seq 64, held-out 0.1) has the
-    data fingerprints that every run of docs/studies/bert_plateau, docs/studies/bert_plateau_steps128
-    and docs/studies/bert_seed_check recorded, so a machine that passes this reuses those records
-    and its seed check compares the same samples and masks. The H100's image has sentencepiece 0.2.2, which trains another
+    data fingerprints that every run of docs/studies/bert_plateau, docs/studies/bert_plateau_steps128,
+    docs/studies/bert_seed_check and docs/studies/bert_seed_check_h200 (the same runs on a GPU)
+    recorded, so a machine that passes this reuses those records and its seed check compares the
+    same samples and masks. The H100's image has sentencepiece 0.2.2, which trains another
     tokenizer from the same files: there all 22 runs of the plateau record were set aside and the
     seed check compared other data. Under sentencepiece 0.2.2 this test fails; the pinned release
     (pyproject.toml) passes."""
@@ -410,7 +411,7 @@ def test_wikitext_prepared_here_is_the_data_the_committed_records_read(shared_da
     from bert_batch import data_fingerprint, prepare
 
     data = prepare("wikitext", str(shared_data), tmp_path, 64, 8000)
-    for name in ("bert_plateau", "bert_plateau_steps128", "bert_seed_check"):
+    for name in ("bert_plateau", "bert_plateau_steps128", "bert_seed_check", "bert_seed_check_h200"):
         record = ROOT / "docs" / "studies" / name
         assert json.loads((record / "meta.json").read_text())["config"]["heldout_fraction"] == 0.1
         runs = [json.loads(line) for line in (record / "runs.jsonl").read_text().splitlines()]
