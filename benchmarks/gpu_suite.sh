@@ -1,24 +1,27 @@
 #!/usr/bin/env bash
 # Every GPU measurement the open work asks for, in one run of under 9 minutes on one H100/H200.
-# By default: cells of the BERT study past the unigram plateau (studies/bert_batch.py
-# --noise-multiple: LAMB against VR-LAMB at 1x-64x the noise scale, 2 seeds, a bracketed LR grid,
-# at least 128 steps a run), whose record grows with each lease (--reuse
-# docs/studies/bert_plateau_steps128 and docs/studies/bert_plateau: the B_simple probe measured
-# there, the 1x cells, and the cells run before). When PARTS names them, the parts before the
-# study keep its last PLATEAU_S seconds (default 300) for it: the Triton kernels on CUDA tensors,
-# pack_bucket included (triton_cuda: 25 of 25 passed on one H200, 2026-11-28), and the same 50-step
-# BERT job, seeds and data as a CPU's record (seed_check, against docs/studies/bert_seed_check: the
-# same losses to 1.4e-7 nats on that H200, docs/studies/bert_seed_check_h200). The performance
-# parts, measured on 2026-11-26 and 2026-11-27 (docs/benchmarks.md), run when PARTS names them: FusedLamb's build (fusedlamb_build), the optimizer step against torch's fused AdamW
-# and DeepSpeed's FusedLamb (opt_step_flat, opt_step, opt_step_adam), the whole ZeRO-2 BERT-large
-# bf16 step at seq 128 and 512 with the anchors and a profile (zero2_seq128, zero2_seq512,
-# zero2_seq128_noprofile), and megatron-core (megatron).
+# By default: the performance check still unmeasured since the bucket packing (zero2_seq128: the
+# whole ZeRO-2 BERT-large bf16 step at seq 128, VRLamb against Lamb and FusedLamb, with a profile),
+# then cells of the BERT study past the unigram plateau (studies/bert_batch.py --noise-multiple:
+# LAMB against VR-LAMB at 1x-64x the noise scale, 2 seeds, a bracketed LR grid, at least 128 steps
+# a run), whose record grows with each lease (--reuse docs/studies/bert_plateau_steps128 and
+# docs/studies/bert_plateau: the B_simple probe measured there, the 1x cells, and the cells run
+# before). The parts before the study keep its last PLATEAU_S seconds (default 300) for it; when
+# the study is the only part, it has the whole call. Further parts run when PARTS names them: the
+# Triton kernels on CUDA tensors, pack_bucket included (triton_cuda: 25 of 25 passed on one H200,
+# 2026-11-28), the same 50-step BERT job, seeds and data as a CPU's record (seed_check, against
+# docs/studies/bert_seed_check: the same losses to 1.4e-7 nats on that H200,
+# docs/studies/bert_seed_check_h200), and the performance parts measured on 2026-11-26 and
+# 2026-11-27 (docs/benchmarks.md): FusedLamb's build (fusedlamb_build), the optimizer step against
+# torch's fused AdamW and DeepSpeed's FusedLamb (opt_step_flat, opt_step, opt_step_adam), the
+# ZeRO-2 step at seq 512 and without the profile (zero2_seq512, zero2_seq128_noprofile), and
+# megatron-core (megatron).
 #
 #   bash benchmarks/gpu_suite.sh [OUTDIR]          (default: $OUT, else ./gpu_out)
 #   PARTS="fusedlamb_build opt_step_flat opt_step zero2_seq128 megatron zero2_seq512" \
 #       bash benchmarks/gpu_suite.sh                                      (the performance checks)
 #   PARTS="triton_cuda seed_check plateau" bash benchmarks/gpu_suite.sh   (the checks, then the study)
-#   BUDGET_S=200 bash benchmarks/gpu_suite.sh                  (a second call on the machine, still
+#   PARTS=plateau BUDGET_S=200 bash benchmarks/gpu_suite.sh    (a second call on the machine, still
 #       warm: the study goes on from the record the first call wrote, kept in GPU_SUITE_WORK.prev)
 #
 # OUTDIR receives two files, summary.log and gpu_suite.tgz (every part's log and study record,
@@ -56,7 +59,7 @@ export PYTHONPATH=$(bash benchmarks/source_tree.sh):$PWD:${PYTHONPATH:-} PYTHONU
 cc=$(python3 -c "import torch; print('%d.%d' % torch.cuda.get_device_capability())")
 export TORCH_CUDA_ARCH_LIST=$cc
 
-PARTS=${PARTS:-plateau}
+PARTS=${PARTS:-zero2_seq128 plateau}
 BUDGET_S=${BUDGET_S:-540}  # the whole script: one call of at most 10 minutes
 PLATEAU_S=${PLATEAU_S:-300}  # kept for the study when it is among the parts
 reserve=0
