@@ -92,16 +92,7 @@ for candidate in ../shared/data/wikitext-2 .data/wikitext-2; do
     [[ -z $wikitext && -f $candidate/valid.txt ]] && wikitext=$candidate
 done
 no_wikitext="WikiText-2 not found (set WIKITEXT, or link .data to the folder holding wikitext-2 and carry .data/wikitext-2)"
-# (from /: a script read from stdin puts the working directory first on sys.path, and this checkout's
-# vrgd_ds/ has no data_pipeline/ in it; the laid-out tree on PYTHONPATH has)
-if ! trainer=$(cd / && python3 - 2>&1 <<'PY'
-import sentencepiece
-from vrgd_ds.data_pipeline.tokenizer import TRAINER_RELEASE
-if sentencepiece.__version__ != TRAINER_RELEASE:
-    raise SystemExit(f"sentencepiece {sentencepiece.__version__} here, {TRAINER_RELEASE} pinned: it trains another "
-                     "tokenizer, so the studies would read other data than their records (benchmarks/gpu_wheels.sh)")
-PY
-); then
+if ! trainer=$(python3 benchmarks/pinned_release.py 2>&1); then
     wikitext="" no_wikitext=$(tail -n 1 <<<"$trainer")
 fi
 # The same job, seed and data as on the CPU: 50 steps of LAMB and VR-LAMB at batch 64, fp32, dropout off

@@ -780,6 +780,33 @@ def test_study_runner_runs_side_by_side_within_its_time_limit(tmp_path):
     assert Runner(args).rates == Runner(args).rates != [] and not Runner(args).fits(launch("e", 0, 10**9))
 
 
+def test_the_suites_release_check_runs_on_an_interpreter_with_packages_on_pythonpath(tmp_path):
+    """The GPU suite checks the sentencepiece release before its studies, in the layout of a GPU
+    image: packages on PYTHONPATH, the project laid out by ``benchmarks/source_tree.sh`` and not
+    installed (here: this virtual environment's base interpreter, its packages on PYTHONPATH after
+    the laid-out checkout). ``benchmarks/pinned_release.py`` passes there. Fails on the code before:
+    the suite read the check from stdin in the checkout, where the working directory comes first on
+    sys.path and the checkout's ``vrgd_ds/``, which has no ``data_pipeline/``, shadows the laid-out
+    tree (``ModuleNotFoundError: No module named 'vrgd_ds.data_pipeline'``, as on an H200 lease,
+    which then started no study); the same check read from stdin fails here so too."""
+    import os
+    import sysconfig
+
+    base = Path(sys.base_prefix) / "bin" / "python3"
+    if sys.prefix == sys.base_prefix or not base.is_file():
+        pytest.skip("needs a virtual environment and its base interpreter")
+    tree = subprocess.run(["bash", str(ROOT / "benchmarks" / "source_tree.sh"), str(tmp_path / "src")],
+                          capture_output=True, text=True, check=True).stdout.strip()
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([tree, str(ROOT), sysconfig.get_paths()["purelib"]]))
+    script = ROOT / "benchmarks" / "pinned_release.py"
+    proc = subprocess.run([str(base), str(script.relative_to(ROOT))], cwd=ROOT, env=env, capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    old = subprocess.run([str(base), "-"], input=script.read_text(), cwd=ROOT, env=env, capture_output=True,
+                         text=True, timeout=120)
+    assert old.returncode != 0 and "No module named 'vrgd_ds.data_pipeline'" in old.stderr
+
+
 @pytest.mark.slow
 @pytest.mark.exhaustive  # one real run of 4 steps (30 s): make test-all
 def test_bert_batch_runs_from_a_checkout_on_an_interpreter_with_packages_on_pythonpath(tmp_path):
