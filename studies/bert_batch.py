@@ -295,12 +295,11 @@ class Launch:
               f"{r['mlm_loss']:.4f} acc {r['mlm_acc']:.4f} lr {r['lr']:.3g} ({r['wall_s']:.0f} s)", flush=True)
         return r
 
-
     def progress(self, wall_s: float) -> dict:
         """How far a run the time limit stopped got in its ``wall_s``: its last logged step and
-        samples, the seconds before its first step (start-up: interpreter, DeepSpeed, data) and
-        its rate from its first logged step to its last, which is what a later lease can plan
-        with when none of its runs finished."""
+        samples, the seconds until its first step was logged (start-up: interpreter, DeepSpeed,
+        data, and that step) and its rate from its first logged step to its last, which is what
+        a later lease can plan with when none of its runs finished."""
         rows = []
         metrics = self.run_dir / "metrics.jsonl"
         for line in metrics.read_text().splitlines() if metrics.is_file() else []:
