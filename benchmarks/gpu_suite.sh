@@ -22,7 +22,8 @@
 #       bash benchmarks/gpu_suite.sh                                      (the performance checks)
 #   PARTS="triton_cuda seed_check plateau" bash benchmarks/gpu_suite.sh   (the checks, then the study)
 #   PARTS=plateau BUDGET_S=200 bash benchmarks/gpu_suite.sh    (a second call on the machine, still
-#       warm: the study goes on from the record the first call wrote, kept in GPU_SUITE_WORK.prev)
+#       warm: the study goes on from the record the first call wrote, kept in GPU_SUITE_WORK.prev, and
+#       resumes the runs whose checkpoints the first call's time limit left in /tmp/bert_plateau)
 #
 # OUTDIR receives two files, summary.log and gpu_suite.tgz (every part's log and study record,
 # packed again after each part, so a run stopped at any point still returns what finished): a

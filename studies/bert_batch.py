@@ -27,8 +27,9 @@ that a VR optimizer's runs measure at ``--base-batch`` (the probe; its baseline 
 show the budget's margin below the unigram level there), with ``--groups`` GSNR groups per step
 at every batch, ``--eval-points`` evaluations along each run (the record keeps the loss and the
 noise scale as they evolve) and a larger ``--heldout-fraction`` for a small corpus. On a lent GPU,
-``--parallel`` runs cells side by side and ``--time-limit`` keeps the study within the lease;
-``--probe-only`` runs the probe alone (on one machine, the grid then on another). ``--bracket F``
+``--parallel`` runs cells side by side and ``--time-limit`` keeps the study within the lease,
+pausing the runs still going at the limit (checkpointed: the next start in the same ``--work``
+resumes them, to the loss an uninterrupted run reaches); ``--probe-only`` runs the probe alone (on one machine, the grid then on another). ``--bracket F``
 runs only the part of the ``--lr-factor`` grid that brackets each optimum: every batch starts at
 ×F, and a round adds the grid's next factor below or above for an optimizer whose best is the
 lowest or highest factor it ran (``bracket_plan``), so a lease's runs go where a verdict needs them.
@@ -85,6 +86,7 @@ def base_config(seq_len: int, micro_batch: int, ranks: int, workers: int, model:
                         "micro_batch": micro_batch, "lr": 1e-3, "warmup_fraction": 0.1}],
         },
     }
+
 
 def prepare(name: str, source: str | None, out: Path, seq_len: int, vocab: int) -> Path:
     data = out / "data" / name  # vrgd-data prepare is idempotent: a second call checks and reuses
@@ -265,6 +267,32 @@ def micro_batch_for(batch: int, args: argparse.Namespace) -> int:
     return batch // groups
 
 
+#: ``<run dir>/study_paused.json``: the segments of a run the time limit paused, each {"machine",
+#: "wall_s", "step", "samples"}; the next start of the same run resumes from its checkpoint
+PAUSED = "study_paused.json"
+
+
+def rank_pids(group: int) -> list[int]:
+    """The training ranks among the processes of the launcher's process group ``group`` (read from
+    Linux's /proc; none elsewhere): each ``python -m vrgd_ds.train`` whose parent is not one (a
+    DataLoader worker is a copy of its rank). The launcher's own processes do not handle SIGUSR1."""
+    def is_rank(argv: list[bytes]) -> bool:
+        return any(a == b"-m" and b == b"vrgd_ds.train" for a, b in zip(argv, argv[1:]))
+
+    procs: dict[int, tuple[int, bool]] = {}
+    for entry in Path("/proc").iterdir() if Path("/proc").is_dir() else []:
+        if not entry.name.isdigit():
+            continue
+        try:
+            fields = (entry / "stat").read_text().rpartition(")")[2].split()
+            argv = (entry / "cmdline").read_bytes().split(b"\0")
+        except OSError:  # gone meanwhile
+            continue
+        if int(fields[2]) == group:
+            procs[int(entry.name)] = (int(fields[1]), is_rank(argv))
+    return [pid for pid, (parent, rank) in procs.items() if rank and not procs.get(parent, (0, False))[1]]
+
+
 @dataclass
 class Launch:
     """A run to start: its directory, its command and job configuration, and what its result records
@@ -282,10 +310,16 @@ class Launch:
         ev, noise = read_metrics(self.run_dir)
         if ev is None:
             raise SystemExit(f"{self.run_dir / 'metrics.jsonl'}: no evaluation record")
+        before = self.segments()  # a run paused and resumed: its earlier segments' time counts too
         r = self.record | {"mlm_loss": ev["eval/mlm_loss"], "mlm_acc": ev["eval/mlm_acc"], "eval_tokens":
-                           ev.get("eval/tokens"), "b_simple": noise, "wall_s": round(wall_s, 1),
+                           ev.get("eval/tokens"), "b_simple": noise,
+                           "wall_s": round(wall_s + sum(g["wall_s"] for g in before), 1),
                            "data": data_fingerprint(self.data, self.record["seed"], self.heldout_fraction),
                            "machine": machine}
+        if before:
+            r["segments"] = before + [{"machine": machine, "wall_s": round(wall_s, 1), "step": r["steps"],
+                                       "samples": r["samples"]}]
+            (self.run_dir / PAUSED).unlink()
         curve = trajectory(self.run_dir)
         if len(curve) > 2:  # evaluated along the way (--eval-points)
             r["trajectory"] = curve
@@ -295,12 +329,23 @@ class Launch:
               f"{r['mlm_loss']:.4f} acc {r['mlm_acc']:.4f} lr {r['lr']:.3g} ({r['wall_s']:.0f} s)", flush=True)
         return r
 
+    def segments(self) -> list[dict]:
+        """The segments this run ran before it was paused (``PAUSED``), oldest first; [] for none."""
+        paused = self.run_dir / PAUSED
+        return json.loads(paused.read_text()) if paused.is_file() else []
+
+    def samples_left(self) -> int:
+        """The samples still to train: all of them, less what a paused run's segments trained."""
+        done = self.segments()
+        return self.record["samples"] - int(done[-1]["samples"]) if done else self.record["samples"]
+
     def progress(self, wall_s: float) -> dict:
         """How far a run the time limit stopped got in its ``wall_s``: its last logged step and
         samples, the seconds until its first step was logged (start-up: interpreter, DeepSpeed,
         data, and that step) and its rate from its first logged step to its last, which is what
-        a later lease can plan with when none of its runs finished."""
-        rows = []
+        a later lease can plan with when none of its runs finished (a resumed run: over this
+        segment's steps)."""
+        rows, began = [], time.time() - wall_s
         metrics = self.run_dir / "metrics.jsonl"
         for line in metrics.read_text().splitlines() if metrics.is_file() else []:
             try:
@@ -313,7 +358,8 @@ class Launch:
         out = {"run": f"{r['corpus']} b{r['batch']} {r['optimizer']} ×{r['factor']:g} seed {r['seed']}",
                "steps": r["steps"], "step": rows[-1]["step"] if rows else 0,
                "samples": rows[-1]["train/samples"] if rows else 0.0, "wall_s": round(wall_s, 1),
-               "setup_s": None, "samples_per_s": None}
+               "setup_s": None, "samples_per_s": None, "paused": False}
+        rows = [rec for rec in rows if rec["time"] >= began]
         if rows:
             out["setup_s"] = round(rows[0]["time"] - (time.time() - wall_s), 1)
         if len(rows) > 1 and rows[-1]["time"] > rows[0]["time"]:
@@ -375,18 +421,24 @@ class Runner:
     """Runs planned ``Launch``es, up to ``--parallel`` at a time (each on its own master port; on
     CPUs, each with an equal share of the cores unless ``OMP_NUM_THREADS`` is set), within the
     study's ``--time-limit``: a run starts only while the time left holds it at the slowest rate
-    (samples/s) of the runs finished so far, and runs still going when the limit comes are stopped
-    and removed, so the study always assembles what finished and lists the rest as not run. A
-    failed run stops the study, naming its log."""
+    (samples/s) of the runs finished so far, and runs still going when the limit comes are paused
+    (SIGUSR1 to their ranks: each finishes its step, the job checkpoints and exits, as before a
+    Slurm time limit), their directories kept; the next start of the same run in the same work
+    directory (another call of a lease, the next lease or session) resumes it from there, and its
+    record sums its segments. A run that does not pause within ``PAUSE_S`` is stopped and removed.
+    The study always assembles what finished and lists the rest as not run. A failed run stops the
+    study, naming its log."""
 
     #: seconds of the time limit kept for assembling the tables and the record
     ASSEMBLY_S = 15.0
+    #: seconds of the time limit kept for pausing the runs still going (a step and a checkpoint)
+    PAUSE_S = 45.0
 
     def __init__(self, args: argparse.Namespace) -> None:
         self.args = args
         self.parallel = max(1, getattr(args, "parallel", 1))
         limit = getattr(args, "time_limit", None)
-        self.stop_at = None if limit is None else args.started + limit - self.ASSEMBLY_S
+        self.stop_at = None if limit is None else args.started + limit - self.ASSEMBLY_S - self.PAUSE_S
         self.rates: list[float] = vars(args).setdefault("run_rates", [])  # shared by a study's Runners (rounds)
         self.not_started: list[Path] = []
         self.stopped: list[dict] = vars(args).setdefault("stopped", [])  # Launch.progress of each run stopped
@@ -401,7 +453,7 @@ class Runner:
         if self.stop_at is None:
             return True
         left = self.stop_at - time.monotonic()
-        return left > 0 and (not self.rates or launch.record["samples"] / min(self.rates) < left)
+        return left > 0 and (not self.rates or launch.samples_left() / min(self.rates) < left)
 
     def run(self, launches: list[Launch], record: Callable[[dict], None] | None = None) -> list[dict | None]:
         """The results in the order of ``launches`` (each also handed to ``record`` as it finishes);
@@ -432,13 +484,8 @@ class Runner:
                         record(results[i])
                     self.rates.append(results[i]["samples"] / max(results[i]["wall_s"], 1e-3))
                 if self.stop_at is not None and time.monotonic() > self.stop_at and active:
-                    for i, proc, t0, log in active.values():
-                        got = launches[i].progress(time.monotonic() - t0)
-                        self.stopped.append(got)
-                        rate = "–" if got["samples_per_s"] is None else f"{got['samples_per_s']:,.0f} samples/s"
-                        print(f"--time-limit: {launches[i].run_dir} stopped unfinished at step {got['step']} of "
-                              f"{got['steps']} after {got['wall_s']:.0f} s (start-up {got['setup_s']} s, then {rate})",
-                              flush=True)
+                    for slot in self.pause(launches, active):
+                        del active[slot]
                     break
         finally:
             for i, proc, _, log in active.values():  # a failure elsewhere or the time limit: stop the rest
@@ -458,13 +505,55 @@ class Runner:
             self.args.only_finished = True  # the time is over: later cells assemble from what finished
         return results
 
+    def pause(self, launches: list[Launch], active: dict) -> list[int]:
+        """At the time limit: SIGUSR1 to every active run's ranks, then up to ``PAUSE_S`` for each
+        job to checkpoint and exit (``requeue.json`` in its directory). A paused run's segment is
+        added to its ``PAUSED`` file. Every active run's progress goes to ``self.stopped``, and
+        is printed. Returns the slots of the runs paused (the rest are stopped by the caller)."""
+        signalled = set()
+        for slot, (i, proc, _, _) in active.items():
+            ranks = rank_pids(proc.pid)
+            for pid in ranks:
+                try:
+                    os.kill(pid, signal.SIGUSR1)
+                except ProcessLookupError:
+                    continue
+            if ranks:
+                signalled.add(slot)
+        deadline, paused = time.monotonic() + self.PAUSE_S, []
+        for slot, (i, proc, t0, log) in active.items():
+            launch = launches[i]
+            if slot in signalled:
+                try:
+                    proc.wait(timeout=max(0.0, deadline - time.monotonic()))
+                except subprocess.TimeoutExpired:
+                    pass
+            got = launch.progress(time.monotonic() - t0)
+            if proc.poll() is not None and (launch.run_dir / "requeue.json").is_file():
+                got["paused"] = True
+                log.close()
+                segment = {"machine": self.machine, "wall_s": got["wall_s"], "step": got["step"],
+                           "samples": got["samples"]}
+                (launch.run_dir / PAUSED).write_text(json.dumps(launch.segments() + [segment]))
+                paused.append(slot)
+            self.stopped.append(got)
+            rate = "–" if got["samples_per_s"] is None else f"{got['samples_per_s']:,.0f} samples/s"
+            what = "paused (checkpoint kept: the next start resumes it)" if got["paused"] else "stopped, removed"
+            print(f"--time-limit: {launch.run_dir} {what} at step {got['step']} of {got['steps']} after "
+                  f"{got['wall_s']:.0f} s (start-up {got['setup_s']} s, then {rate})", flush=True)
+        return paused
+
     def start(self, launch: Launch, slot: int) -> tuple[subprocess.Popen, float, Any]:
-        if launch.run_dir.exists():  # an interrupted run: start it again from scratch
+        resume = launch.segments() and (launch.run_dir / "study_config.json").is_file() and json.loads(
+            (launch.run_dir / "study_config.json").read_text()) == launch.config
+        if resume:  # paused at a time limit: the job resumes from its checkpoint
+            print(f"resuming {launch.run_dir} from step {launch.segments()[-1]['step']}", flush=True)
+        elif launch.run_dir.exists():  # an interrupted run: start it again from scratch
             shutil.rmtree(launch.run_dir)
-        launch.run_dir.mkdir(parents=True)
+        launch.run_dir.mkdir(parents=True, exist_ok=True)
         (launch.run_dir / "study_config.json").write_text(json.dumps(launch.config, indent=2))
         cmd = [str(self.args.port + slot) if part == "PORT" else part for part in launch.cmd]
-        log = open(launch.run_dir / "log.txt", "w")
+        log = open(launch.run_dir / "log.txt", "a" if resume else "w")
         # in the run's directory: ``python -m`` puts the working directory first on sys.path, and in a
         # checkout that is not installed (a GPU image: benchmarks/source_tree.sh on PYTHONPATH) the
         # checkout's own vrgd_ds/ would shadow the laid-out package, whose data_pipeline it lacks
@@ -828,9 +917,10 @@ def main() -> None:
                          "losses, difference, the tolerance, the data fingerprints")
     ap.add_argument("--time-limit", type=float, default=None, metavar="SECONDS",
                     help="end within this many seconds: start a run only while the time left holds it at the slowest "
-                         "rate of the runs finished so far, stop the runs still going at the limit, then assemble what "
-                         "finished, like --only-finished (a lent GPU's time: the record grows piecewise, the rest is "
-                         "listed as not run yet)")
+                         "rate of the runs finished so far, pause the runs still going at the limit (each checkpoints; "
+                         "the next start in the same --work resumes it), then assemble what finished, like "
+                         "--only-finished (a lent GPU's time: the record grows piecewise, the rest is listed as not "
+                         "run yet)")
     ap.add_argument("--parallel", type=int, default=1, metavar="N",
                     help="runs at a time (one GPU runs several small ones side by side; on CPUs each gets "
                          "cores / N threads unless OMP_NUM_THREADS is set)")
@@ -958,12 +1048,13 @@ def main() -> None:
     out.meta["unrun"] = unrun
     if getattr(args, "stopped", None):
         out.meta["stopped"] = args.stopped
-        out.add_table("Runs the time limit stopped unfinished (removed; their rate after start-up is what the next "
-                      "lease can plan with)",
-                      table(["run", "step", "samples", "seconds", "start-up (s)", "samples/s after"],
+        out.add_table("Runs the time limit stopped unfinished (paused: checkpointed, the next start in this work "
+                      "directory resumes them; their rate after start-up is what the next lease can plan with)",
+                      table(["run", "step", "samples", "seconds", "start-up (s)", "samples/s after", "kept"],
                             [(g["run"], f"{g['step']} of {g['steps']}", f"{g['samples']:,.0f}", f"{g['wall_s']:.0f}",
                               "–" if g["setup_s"] is None else f"{g['setup_s']:.0f}",
-                              "–" if g["samples_per_s"] is None else f"{g['samples_per_s']:,.0f}")
+                              "–" if g["samples_per_s"] is None else f"{g['samples_per_s']:,.0f}",
+                              "paused" if g["paused"] else "removed")
                              for g in args.stopped]))
     unrun_what = "the bracket needs next" if args.bracket is not None else "of the grid not run yet"
     if unrun:

@@ -757,8 +757,8 @@ def test_study_runner_runs_side_by_side_within_its_time_limit(tmp_path):
                       {"corpus": "c", "batch": 8, "optimizer": name, "seed": 1, "lr": 1e-3, "factor": 1.0, "steps": 1000,
                        "samples": samples}, tmp_path / "no-data")
 
-    args = argparse.Namespace(parallel=2, time_limit=Runner.ASSEMBLY_S + 8, started=time.monotonic(), ranks=1,
-                              port=29900)
+    args = argparse.Namespace(parallel=2, time_limit=Runner.ASSEMBLY_S + Runner.PAUSE_S + 8, started=time.monotonic(),
+                              ranks=1, port=29900)
     recorded = []
     t0 = time.monotonic()
     a, b, c, d = Runner(args).run([launch("a", 1.5, 100), launch("b", 1.5, 100), launch("c", 120, 100),
@@ -769,15 +769,64 @@ def test_study_runner_runs_side_by_side_within_its_time_limit(tmp_path):
     assert spans[0]["span"][0] < spans[1]["span"][1] and spans[1]["span"][0] < spans[0]["span"][1]  # at once
     assert {spans[0]["port"], spans[1]["port"]} == {"29900", "29901"}
     assert a["mlm_loss"] == b["mlm_loss"] == 6.0 and (tmp_path / "a" / "result.json").is_file()
-    assert c is None and not (tmp_path / "c").exists()  # stopped unfinished, removed
+    assert c is None and not (tmp_path / "c").exists()  # stopped unfinished, removed (not a job: no pause)
     (stopped,) = args.stopped  # how far c got, for the next lease to plan with
     assert stopped["run"] == "c b8 c ×1 seed 1" and stopped["step"] >= 2 and stopped["samples"] == 8.0 * stopped["step"]
     assert 0 < stopped["samples_per_s"] <= 16.0 and 0 <= stopped["setup_s"] < stopped["wall_s"]
+    assert stopped["paused"] is False
     assert d is None and not (tmp_path / "d").exists()  # 10^9 samples: never started
     assert args.only_finished is True
     # the next Runner of the study (a --bracket round) knows the rates: 10^9 samples would not fit either
     args.time_limit, args.only_finished = 10**6, False
     assert Runner(args).rates == Runner(args).rates != [] and not Runner(args).fits(launch("e", 0, 10**9))
+
+
+@pytest.mark.slow
+@pytest.mark.exhaustive  # three real runs of 24 steps (about 2 minutes): make test-all
+def test_a_run_the_time_limit_pauses_resumes_to_the_uninterrupted_runs_loss(tmp_path):
+    """At the time limit the runner pauses a real run (SIGUSR1 to its rank, not to the DeepSpeed
+    launcher's processes, which do not handle it; the DataLoader worker is left alone): the job
+    checkpoints and exits, its directory is kept with the segment, and the next start of the same
+    run resumes it. The resumed run logs each step once, its record sums both segments' time, and
+    its held-out loss is the uninterrupted run's exactly, so a record may hold runs that went on
+    across calls, leases or sessions."""
+    import argparse
+    import time
+
+    sys.path.insert(0, str(STUDIES))
+    from bert_batch import PAUSED, Runner, plan_run, prepare
+
+    data = prepare("embedded", None, tmp_path / "data", 64, 2000)
+
+    def args_for(work: Path) -> argparse.Namespace:
+        return argparse.Namespace(work=work, samples=16 * 24, min_steps=24, seq_len=64, ranks=1, workers=1,
+                                  micro_batch=8, groups=None, base_lr=4e-3, base_batch=64, lr_rule="sqrt",
+                                  model="tiny", port=29693, parallel=1, started=time.monotonic(), time_limit=None)
+
+    args = args_for(tmp_path / "paused")
+    launch = plan_run("VR-LAMB first_moment", "embedded", data, 16, 1.0, 1, args)
+    runner = Runner(args)
+    proc, t0, log = runner.start(launch, 0)
+    metrics, deadline = launch.run_dir / "metrics.jsonl", time.monotonic() + 300
+    while not (metrics.is_file() and metrics.read_text().count('"train/samples"') >= 3):
+        assert proc.poll() is None and time.monotonic() < deadline, (launch.run_dir / "log.txt").read_text()[-3000:]
+        time.sleep(0.2)
+    assert runner.pause([launch], {0: (0, proc, t0, log)}) == [0]
+    assert proc.returncode == 75 and (launch.run_dir / "checkpoints").is_dir()
+    (segment,) = launch.segments()
+    assert 3 <= segment["step"] < 24 and args.stopped[0]["paused"] is True
+    assert launch.samples_left() == 16 * (24 - segment["step"])
+
+    (resumed,) = Runner(args).run([launch])
+    steps = [json.loads(line)["step"] for line in metrics.read_text().splitlines() if '"train/samples"' in line]
+    assert steps == list(range(1, 25))  # each step once: the resume went on from the checkpoint
+    assert [g["step"] for g in resumed["segments"]] == [segment["step"], 24]
+    assert resumed["wall_s"] == round(sum(g["wall_s"] for g in resumed["segments"]), 1)
+    assert not (launch.run_dir / PAUSED).exists()
+
+    other = args_for(tmp_path / "uninterrupted")
+    (whole,) = Runner(other).run([plan_run("VR-LAMB first_moment", "embedded", data, 16, 1.0, 1, other)])
+    assert "segments" not in whole and resumed["mlm_loss"] == whole["mlm_loss"]
 
 
 def test_the_suites_release_check_runs_on_an_interpreter_with_packages_on_pythonpath(tmp_path):
