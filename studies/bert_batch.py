@@ -472,20 +472,11 @@ class Runner:
                         i = pending.pop(0)
                         active[slot] = (i, *self.start(launches[i], slot))
                 time.sleep(0.2)
-                for slot, (i, proc, t0, log) in list(active.items()):
-                    if proc.poll() is None:
-                        continue
-                    log.close()
-                    del active[slot]
-                    if proc.returncode != 0:
-                        raise SystemExit(f"run failed ({proc.returncode}): see {launches[i].run_dir / 'log.txt'}")
-                    results[i] = launches[i].result(time.monotonic() - t0, self.machine)
-                    if record is not None:
-                        record(results[i])
-                    self.rates.append(results[i]["samples"] / max(results[i]["wall_s"], 1e-3))
+                self.collect(launches, active, results, record)
                 if self.stop_at is not None and time.monotonic() > self.stop_at and active:
                     for slot in self.pause(launches, active):
                         del active[slot]
+                    self.collect(launches, active, results, record, finished_only=True)  # done while pausing
                     break
         finally:
             for i, proc, _, log in active.values():  # a failure elsewhere or the time limit: stop the rest
@@ -504,6 +495,23 @@ class Runner:
         if self.stop_at is not None and time.monotonic() > self.stop_at:
             self.args.only_finished = True  # the time is over: later cells assemble from what finished
         return results
+
+    def collect(self, launches: list[Launch], active: dict, results: list[dict | None],
+                record: Callable[[dict], None] | None, finished_only: bool = False) -> None:
+        """Takes the runs that ended out of ``active``: each result into ``results`` (and to
+        ``record``), its rate into ``self.rates``. A failed run stops the study, naming its log;
+        with ``finished_only`` (after a pause) the runs that did not end well are left."""
+        for slot, (i, proc, t0, log) in list(active.items()):
+            if proc.poll() is None or (finished_only and proc.returncode != 0):
+                continue
+            log.close()
+            del active[slot]
+            if proc.returncode != 0:
+                raise SystemExit(f"run failed ({proc.returncode}): see {launches[i].run_dir / 'log.txt'}")
+            results[i] = launches[i].result(time.monotonic() - t0, self.machine)
+            if record is not None:
+                record(results[i])
+            self.rates.append(results[i]["samples"] / max(results[i]["wall_s"], 1e-3))
 
     def pause(self, launches: list[Launch], active: dict) -> list[int]:
         """At the time limit: SIGUSR1 to every active run's ranks, then up to ``PAUSE_S`` for each
@@ -528,6 +536,8 @@ class Runner:
                     proc.wait(timeout=max(0.0, deadline - time.monotonic()))
                 except subprocess.TimeoutExpired:
                     pass
+            if proc.poll() == 0 and not (launch.run_dir / "requeue.json").is_file():
+                continue  # it finished its last step meanwhile: the caller records it
             got = launch.progress(time.monotonic() - t0)
             if proc.poll() is not None and (launch.run_dir / "requeue.json").is_file():
                 got["paused"] = True
