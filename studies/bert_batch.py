@@ -29,9 +29,9 @@ at every batch, ``--eval-points`` evaluations along each run (the record keeps t
 noise scale as they evolve) and a larger ``--heldout-fraction`` for a small corpus. On a lent GPU,
 ``--parallel`` runs cells side by side and ``--time-limit`` keeps the study within the lease,
 pausing the runs still going at the limit (checkpointed: the next start in the same ``--work``
-resumes them, to the loss an uninterrupted run reaches); ``--probe-only`` runs the probe alone (on one machine, the grid then on another). ``--bracket F``
-runs only the part of the ``--lr-factor`` grid that brackets each optimum: every batch starts at
-×F, and a round adds the grid's next factor below or above for an optimizer whose best is the
+resumes them, to the loss an uninterrupted run reaches); ``--probe-only`` runs the probe alone
+(on one machine, the grid then on another). ``--bracket F`` runs only the part of the
+``--lr-factor`` grid that brackets each optimum: every batch starts at ×F, and a round adds the grid's next factor below or above for an optimizer whose best is the
 lowest or highest factor it ran (``bracket_plan``), so a lease's runs go where a verdict needs them.
 
     python studies/bert_batch.py --corpus embedded --corpus wikitext=WIKITEXT2_DIR

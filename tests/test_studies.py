@@ -754,8 +754,8 @@ def test_study_runner_runs_side_by_side_within_its_time_limit(tmp_path):
     def launch(name: str, sleep: float, samples: int) -> Launch:
         run_dir = tmp_path / name
         return Launch(run_dir, [sys.executable, "-c", FAKE_RUN, str(run_dir), "PORT", str(sleep)], {},
-                      {"corpus": "c", "batch": 8, "optimizer": name, "seed": 1, "lr": 1e-3, "factor": 1.0, "steps": 1000,
-                       "samples": samples}, tmp_path / "no-data")
+                      {"corpus": "c", "batch": 8, "optimizer": name, "seed": 1, "lr": 1e-3, "factor": 1.0,
+                       "steps": 1000, "samples": samples}, tmp_path / "no-data")
 
     args = argparse.Namespace(parallel=2, time_limit=Runner.ASSEMBLY_S + Runner.PAUSE_S + 8, started=time.monotonic(),
                               ranks=1, port=29900)
@@ -771,7 +771,8 @@ def test_study_runner_runs_side_by_side_within_its_time_limit(tmp_path):
     assert a["mlm_loss"] == b["mlm_loss"] == 6.0 and (tmp_path / "a" / "result.json").is_file()
     assert c is None and not (tmp_path / "c").exists()  # stopped unfinished, removed (not a job: no pause)
     (stopped,) = args.stopped  # how far c got, for the next lease to plan with
-    assert stopped["run"] == "c b8 c ×1 seed 1" and stopped["step"] >= 2 and stopped["samples"] == 8.0 * stopped["step"]
+    assert stopped["run"] == "c b8 c ×1 seed 1" and stopped["step"] >= 2
+    assert stopped["samples"] == 8.0 * stopped["step"]
     assert 0 < stopped["samples_per_s"] <= 16.0 and 0 <= stopped["setup_s"] < stopped["wall_s"]
     assert stopped["paused"] is False
     assert d is None and not (tmp_path / "d").exists()  # 10^9 samples: never started
@@ -837,7 +838,7 @@ def test_the_suites_release_check_runs_on_an_interpreter_with_packages_on_python
     the suite read the check from stdin in the checkout, where the working directory comes first on
     sys.path and the checkout's ``vrgd_ds/``, which has no ``data_pipeline/``, shadows the laid-out
     tree (``ModuleNotFoundError: No module named 'vrgd_ds.data_pipeline'``, as on an H200 lease,
-    which then started no study); the same check read from stdin fails here so too."""
+    which then started no study); the same check read from stdin fails here too."""
     import os
     import sysconfig
 
