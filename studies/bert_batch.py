@@ -554,10 +554,10 @@ class Runner:
         return paused
 
     def start(self, launch: Launch, slot: int) -> tuple[subprocess.Popen, float, Any]:
-        resume = launch.segments() and (launch.run_dir / "study_config.json").is_file() and json.loads(
-            (launch.run_dir / "study_config.json").read_text()) == launch.config
+        done, recorded = launch.segments(), launch.run_dir / "study_config.json"
+        resume = bool(done) and recorded.is_file() and json.loads(recorded.read_text()) == launch.config
         if resume:  # paused at a time limit: the job resumes from its checkpoint
-            print(f"resuming {launch.run_dir} from step {launch.segments()[-1]['step']}", flush=True)
+            print(f"resuming {launch.run_dir} from step {done[-1]['step']}", flush=True)
         elif launch.run_dir.exists():  # an interrupted run: start it again from scratch
             shutil.rmtree(launch.run_dir)
         launch.run_dir.mkdir(parents=True, exist_ok=True)
