@@ -830,6 +830,7 @@ def test_a_run_the_time_limit_pauses_resumes_to_the_uninterrupted_runs_loss(tmp_
     assert "segments" not in whole and resumed["mlm_loss"] == whole["mlm_loss"]
 
 
+@pytest.mark.exhaustive  # two interpreter starts importing the package (3-7 s): make test-all
 def test_the_suites_release_check_runs_on_an_interpreter_with_packages_on_pythonpath(tmp_path):
     """The GPU suite checks the sentencepiece release before its studies, in the layout of a GPU
     image: packages on PYTHONPATH, the project laid out by ``benchmarks/source_tree.sh`` and not
