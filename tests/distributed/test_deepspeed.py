@@ -384,7 +384,10 @@ def test_universal_checkpoint_resumes_on_one_rank_with_gsnr_momentum(pool, pool1
     assert res["step"] == 3 and res["n_after"] == 2.0  # one rank x gradient_accumulation_steps 2 (ZeRO-2)
 
 
+@pytest.mark.exhaustive  # make test: the refusal's rule and wording (tests/unit/test_engine_paths.py)
 def test_single_rank_without_enough_groups_is_an_error(pool1, tmp_path):
+    """``deepspeed.initialize`` on one rank (ZeRO-1, 4 micro-steps: n=1) refuses before training.
+    Its own group of one rank starts for it alone (about 20-35 s)."""
     res = run(pool1, "run_single_rank_n1", worker.universal_case(str(tmp_path)))
     assert res["raised"] == "UnsupportedConfiguration"
     assert "GSNR needs >= 2 gradient groups per step, this run has n=1" in res["message"]

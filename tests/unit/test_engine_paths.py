@@ -14,6 +14,7 @@ pytest.importorskip("deepspeed")
 
 from vrgd_ds.ds import internals, stage0, zero3, zero12  # noqa: E402
 from vrgd_ds.ds.paths import for_engine  # noqa: E402
+from vrgd_ds.ds.sources import check_groups, expected_groups  # noqa: E402
 
 # module, the name its code gives DeepSpeed's optimizer wrapper, the list checked at attach
 WRAPPER_LISTS = [(zero12, "zopt", zero12._REQUIRED), (zero3, "zopt", zero3._REQUIRED),
@@ -89,3 +90,27 @@ def test_the_auto_scheme_follows_the_memory_rule():
     assert auto_scheme(2, False, 64, 8, 56 * gb, 40 * gb) == "hierarchical"  # 7B in bf16: does not fit
     assert auto_scheme(2, False, 64, 8, 3 * gb, 40 * gb) == "per_step"  # BERT-large: fits
     assert auto_scheme(2, False, 64, 8, 56 * gb, None) == "per_step"  # no device memory limit known
+
+
+@pytest.mark.parametrize("world,gas,stage,scheme,fix", [
+    (1, 4, 1, "per_micro_step", '"vrgd": {"squares": "per_step"} with gradient_accumulation_steps >= 2'),
+    (1, 1, 0, "per_step", "or gradient_accumulation_steps >= 2"),
+    (1, 1, 2, "per_micro_step", "or gradient_accumulation_steps >= 2"),
+    (1, 1, 3, "hierarchical", "or gradient_accumulation_steps >= 2"),
+])
+def test_a_run_with_one_group_per_step_is_refused_naming_the_fix(world, gas, stage, scheme, fix):
+    """A single rank on ZeRO-1's per-micro-step reduction has n=1 whatever its accumulation (the
+    reduction runs once per step): the refusal points at per-step squares, not at more micro-steps,
+    which would not help there. On the others n counts micro-steps. (The refusal at
+    ``deepspeed.initialize``: tests/distributed/test_deepspeed.py, the exhaustive tier.)"""
+    with pytest.raises(internals.UnsupportedConfiguration) as e:
+        check_groups("VRLamb", world, gas, stage, scheme)
+    assert "VRLamb: GSNR needs >= 2 gradient groups per step, this run has n=1" in str(e.value)
+    assert fix in str(e.value) and "or set 'gsnr': false" in str(e.value)
+
+
+@pytest.mark.parametrize("world,gas,stage,scheme", [(2, 1, 1, "per_micro_step"), (1, 2, 1, "per_step"),
+                                                    (1, 2, 2, "per_micro_step"), (2, 1, 3, "per_micro_step")])
+def test_two_groups_per_step_are_accepted(world, gas, stage, scheme):
+    check_groups("VRLamb", world, gas, stage, scheme)
+    assert expected_groups(world, gas, stage, scheme) == 2

@@ -8,8 +8,7 @@ import deepspeed.comm as dist
 
 from vrgd_ds.ds import local, paths, pipeline, sources
 from vrgd_ds.ds.config import auto_scheme, reduction_config
-from vrgd_ds.ds.internals import UnsupportedConfiguration
-from vrgd_ds.optim.base import MIN_GROUPS, GSNROptimizer
+from vrgd_ds.optim.base import GSNROptimizer
 from vrgd_ds.stats.layout import ModelTensors
 from vrgd_ds.optim._impl import select_for
 
@@ -33,15 +32,7 @@ def attach(engine: Any) -> sources.ReductionStats | None:
         scheme = _auto(engine, options, stage, world)
     wants_stats = any(g["gsnr"] for g in opt.param_groups)
     if wants_stats:  # fail before training, not at the first step
-        n = sources.expected_groups(world, gas, stage, scheme)
-        if n < MIN_GROUPS:
-            raise UnsupportedConfiguration(
-                f"{opt.name}: GSNR needs >= {MIN_GROUPS} gradient groups per step, this run has n={n} "
-                f"({world} data-parallel rank(s), gradient_accumulation_steps={gas}, ZeRO stage {stage}: groups are "
-                + ("ranks x micro-steps" if stage >= 2 or scheme != "per_micro_step" else "ranks") + "). Use more ranks"
-                + (", or gradient_accumulation_steps >= 2" if stage >= 2 or scheme != "per_micro_step"
-                   else ", or \"vrgd\": {\"squares\": \"per_step\"} with gradient_accumulation_steps >= 2")
-                + ", or set 'gsnr': false.")
+        sources.check_groups(opt.name, world, gas, stage, scheme)
 
     path = paths.for_engine(engine, stage)  # checks the path's DeepSpeed internals
     path.configure(opt)

@@ -38,6 +38,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from vrgd_ds.ds.internals import UnsupportedConfiguration
+from vrgd_ds.optim.base import MIN_GROUPS
 from vrgd_ds.stats.comm import CommCounters
 from vrgd_ds.ds.local import scaling
 from vrgd_ds.stats.scaling import Scaling
@@ -145,4 +147,20 @@ def expected_groups(world: int, gas: int, stage: int, scheme: str = "per_micro_s
     return world * (gas if stage >= 2 or scheme != "per_micro_step" else 1)
 
 
-__all__ = ["ReductionStats", "attach", "expected_groups"]
+def check_groups(name: str, world: int, gas: int, stage: int, scheme: str = "per_micro_step") -> None:
+    """Refuses, before training, a run whose steps would have fewer than ``MIN_GROUPS`` groups
+    (``expected_groups``), naming the setting that gives it more."""
+    n = expected_groups(world, gas, stage, scheme)
+    if n >= MIN_GROUPS:
+        return
+    micro = stage >= 2 or scheme != "per_micro_step"
+    raise UnsupportedConfiguration(
+        f"{name}: GSNR needs >= {MIN_GROUPS} gradient groups per step, this run has n={n} "
+        f"({world} data-parallel rank(s), gradient_accumulation_steps={gas}, ZeRO stage {stage}: groups are "
+        + ("ranks x micro-steps" if micro else "ranks") + "). Use more ranks"
+        + (", or gradient_accumulation_steps >= 2" if micro
+           else ", or \"vrgd\": {\"squares\": \"per_step\"} with gradient_accumulation_steps >= 2")
+        + ", or set 'gsnr': false.")
+
+
+__all__ = ["ReductionStats", "attach", "check_groups", "expected_groups"]
