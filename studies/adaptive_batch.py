@@ -19,11 +19,10 @@ from __future__ import annotations
 
 import argparse
 import itertools
-import json
 from pathlib import Path
 from statistics import mean, median
 
-from bert_batch import load_reused, prepare, run_one
+from bert_batch import load_reused, prepare, run_one, steps
 from common import DOCS, Output, plt, table
 
 VR = {"gamma": 0.1, "beta3": 0.9, "gsnr_placement": "first_moment"}
@@ -126,8 +125,7 @@ def study_args(args: argparse.Namespace) -> argparse.Namespace:
 def trajectory(run_dir: Path) -> dict:
     """Per-step global batch, the samples before each step, the controller's time share."""
     batches, at, ctrl, step_s, done = [], [], [], [], 0
-    for line in (Path(run_dir) / "metrics.jsonl").read_text().splitlines():
-        rec = json.loads(line)
+    for rec in steps(Path(run_dir)):
         if "train/global_batch" not in rec:
             continue
         batches.append(rec["train/global_batch"])

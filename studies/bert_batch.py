@@ -60,6 +60,7 @@ from common import DOCS, Output, hardware, machine, plt, portable, spread, table
 
 from vrgd_ds.data_pipeline.tokenizer import TRAINER_RELEASE, trainer
 from vrgd_ds.optim.adam import GSNR_PLACEMENTS
+from vrgd_ds.train.plots import METRICS_FILE, read_metrics as read_steps
 
 #: optimizer label -> the job's ``optimizer.params`` besides lr (``"type"``: another member than VRLamb)
 OPTIMIZERS: dict[str, dict] = {
@@ -109,17 +110,20 @@ def lr_for(batch: int, args: argparse.Namespace) -> float:
     return args.base_lr * (ratio if args.lr_rule == "linear" else math.sqrt(ratio))
 
 
+def steps(run_dir: Path) -> list[dict]:
+    """The run's logged steps (``vrgd_ds.train.plots.read_metrics``: one record per step, an
+    evaluation merged into its step's record, a line a stop cut skipped); none before it logged."""
+    metrics = run_dir / METRICS_FILE
+    return read_steps(metrics) if metrics.is_file() else []
+
+
 def read_metrics(run_dir: Path) -> tuple[dict | None, float | None]:
     """The last evaluation record, and the noise scale ``B_simple`` (samples) over the second half
     of training: the ratio of the mean ``noise_scale/trace_cov`` to the mean
     ``noise_scale/grad_sq`` (as the batch controller smooths them), not the mean of the per-step
     ratios, which a step whose unbiased ``|G|^2`` estimate is near or below 0 throws off."""
-    metrics = run_dir / "metrics.jsonl"
-    if not metrics.is_file():
-        return None, None
     last, moments, per_group = None, [], None
-    for line in metrics.read_text().splitlines():
-        rec = json.loads(line)
+    for rec in steps(run_dir):
         if "eval/mlm_loss" in rec:
             last = rec
         if rec.get("noise_scale/trace_cov") is not None:
@@ -143,8 +147,7 @@ def trajectory(run_dir: Path) -> list[dict]:
     noise scale ``B_simple`` (samples) over the steps since the one before (as ``read_metrics``
     derives it; None where those steps logged no statistics), to show how it evolves."""
     points, moments, per_group, samples = [], [], None, 0.0
-    for line in (run_dir / "metrics.jsonl").read_text().splitlines():
-        rec = json.loads(line)
+    for rec in steps(run_dir):
         samples = rec.get("train/samples", samples)
         if rec.get("noise_scale/trace_cov") is not None:
             moments.append((rec["noise_scale/trace_cov"], rec["noise_scale/grad_sq"]))
@@ -309,7 +312,7 @@ class Launch:
         machines; the page names each cell's)."""
         ev, noise = read_metrics(self.run_dir)
         if ev is None:
-            raise SystemExit(f"{self.run_dir / 'metrics.jsonl'}: no evaluation record")
+            raise SystemExit(f"{self.run_dir / METRICS_FILE}: no evaluation record")
         before = self.segments()  # a run paused and resumed: its earlier segments' time counts too
         r = self.record | {"mlm_loss": ev["eval/mlm_loss"], "mlm_acc": ev["eval/mlm_acc"], "eval_tokens":
                            ev.get("eval/tokens"), "b_simple": noise,
@@ -345,15 +348,8 @@ class Launch:
         data, and that step) and its rate from its first logged step to its last, which is what
         a later lease can plan with when none of its runs finished (a resumed run: over this
         segment's steps)."""
-        rows, began = [], time.time() - wall_s
-        metrics = self.run_dir / "metrics.jsonl"
-        for line in metrics.read_text().splitlines() if metrics.is_file() else []:
-            try:
-                rec = json.loads(line)
-            except json.JSONDecodeError:  # the line the stop cut
-                continue
-            if "train/samples" in rec and "time" in rec:
-                rows.append(rec)
+        began = time.time() - wall_s
+        rows = [rec for rec in steps(self.run_dir) if "train/samples" in rec and "time" in rec]
         r = self.record
         out = {"run": f"{r['corpus']} b{r['batch']} {r['optimizer']} ×{r['factor']:g} seed {r['seed']}",
                "steps": r["steps"], "step": rows[-1]["step"] if rows else 0,

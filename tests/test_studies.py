@@ -736,7 +736,8 @@ with open(run_dir + "/metrics.jsonl", "w") as fh:
         step += 1
         fh.write(json.dumps({"step": step, "time": time.time(), "train/samples": 8.0 * step}) + "\\n")
         fh.flush()
-    fh.write(json.dumps({"eval/mlm_loss": 6.0, "eval/mlm_acc": 0.1, "span": [t0, time.time()], "port": port}))
+    fh.write(json.dumps({"step": step, "eval/mlm_loss": 6.0, "eval/mlm_acc": 0.1, "span": [t0, time.time()],
+                         "port": port}))
 """
 
 
