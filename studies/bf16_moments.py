@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import sys
 import time
 from pathlib import Path
@@ -39,7 +38,6 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common  # noqa: E402
 
-from vrgd_ds import gsnr as G  # noqa: E402
 
 CHOICES = {  # name: (extra bytes per step in fp32 gradients, extra memory per rank in B/param)
     "local": (2.0, 8),
