@@ -258,7 +258,8 @@ def rank_pids(run: Path) -> list[int]:
     return [heartbeat(run, r)["pid"] for r in (0, 1)]
 
 
-@pytest.mark.parametrize("config", MEGATRON_EXHAUSTIVE, indirect=True)
+@pytest.mark.exhaustive  # make test: the owner record's rules in-process (tests/unit/test_rundir.py)
+@pytest.mark.parametrize("config", BOTH, indirect=True)
 def test_a_second_job_on_the_run_directory_is_refused_and_the_first_is_unharmed(config, alone, tmp_path):
     """Before: the second job's set-up recreated heartbeat/ and the first died in watchdog._write
     (FileNotFoundError), or both trained on, writing the same checkpoints. Now the second exits 6

@@ -28,7 +28,7 @@ def lamb():
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(_triton, "CHUNK", 4 * _triton.BLOCK)
         return {t: gpu_static.measure_step("VRLamb", dict(gsnr_placement="first_moment"), tensors=t)
-                for t in (5, 40)}
+                for t in (5, 12)}
 
 
 @pytest.mark.exhaustive
@@ -42,13 +42,13 @@ def test_vr_lamb_moves_its_floor_plus_the_gradient_check(lamb):
 
 
 def test_launches_per_step_do_not_grow_with_the_number_of_tensors(lamb):
-    """5 and 40 tensors: the same Triton launches and torch operations; tables copied only
+    """5 and 12 tensors: the same Triton launches and torch operations; tables copied only
     where a tensor changed (the .grad tensors zero_grad() freed and reallocated), never read
     back; no torch operation over more elements than a table. Host syncs include torch's own
     reads of a value (``aten._local_scalar_dense``): fails on the code before, which advanced
     the step counters with ``_foreach_add_(counters, 0-d tensor)``, an overload that reads the
     scalar on the host."""
-    few, many = lamb[5], lamb[40]
+    few, many = lamb[5], lamb[12]
     assert few["triton_launches"] == many["triton_launches"] <= 7
     assert few["torch_ops"] <= 6  # 54 before the Adam family's tables were built by kernels of their own
     assert few["torch_ops"] == many["torch_ops"]
@@ -90,14 +90,14 @@ def test_roofline_model_adds_up():
 
 
 def test_a_flat_partitions_step_launches_do_not_grow_with_its_tensors(monkeypatch):
-    """VRLamb on one flat ZeRO partition: the same launches for 8 and 64 tensors in it, and at
+    """VRLamb on one flat ZeRO partition: the same launches for 8 and 16 tensors in it, and at
     most 10 in all: 7 Triton launches (pass 1 with the gradient's check, its combine, the tables
     kernel, the Adam pass, its combine, the trust and metrics kernel, the apply pass) and 2 torch
-    operations (the betas' powers at the step). It ran 64 (7 and 57 torch operations on the
+    operations (the betas' powers at the step). With 64 tensors it ran 64 (7 and 57 torch operations on the
     per-segment tables) before the tables were built by kernels of their own, 116 before that.
     VRLars (with its norms pass and local lr): 9 Triton launches and no torch operation."""
     monkeypatch.setattr(_triton, "CHUNK", 4 * _triton.BLOCK)
-    few, many = gpu_static.measure_flat_step("VRLamb", 8), gpu_static.measure_flat_step("VRLamb", 64)
+    few, many = gpu_static.measure_flat_step("VRLamb", 8), gpu_static.measure_flat_step("VRLamb", 16)
     counts = [(r["triton_launches"], r["torch_ops"], r["host_syncs"]) for r in (few, many)]
     assert counts[0] == counts[1] == (7, 2, 0), few["torch_ops_by_name"]
     assert few["triton_launches"] + few["torch_ops"] <= 10

@@ -1,6 +1,6 @@
 """The run directory's owner record (``vrgd_ds.train.rundir``): one job at a time, dead owners
 taken over, a requeued Slurm job continuing. The jobs themselves are in
-``tests/integration/test_run_dir.py``."""
+``tests/integration/test_reliability.py``."""
 from __future__ import annotations
 
 import json
