@@ -17,10 +17,12 @@ def lone(tmp_path_factory):
     p.close()
 
 
+@pytest.mark.exhaustive  # a group of its own: every distributed case runs through the pool
 def test_a_case_runs_and_answers(lone):
     assert lone.run("pool_cases", "ok", {"echo": 7}) == {"rank": 0, "world": 1, "echo": 7}
 
 
+@pytest.mark.exhaustive  # a group of its own: every distributed case runs through the pool
 def test_a_raising_case_fails_with_its_traceback_and_the_group_goes_on(lone):
     proc = lone.proc
     with pytest.raises(pytest.fail.Exception, match=r"raised on rank 0: ValueError: broken on purpose \(x\)"):
