@@ -93,8 +93,9 @@ def test_a_flat_partitions_step_launches_do_not_grow_with_its_tensors(monkeypatc
     """VRLamb on one flat ZeRO partition: the same launches for 8 and 16 tensors in it, and at
     most 10 in all: 7 Triton launches (pass 1 with the gradient's check, its combine, the tables
     kernel, the Adam pass, its combine, the trust and metrics kernel, the apply pass) and 2 torch
-    operations (the betas' powers at the step). With 64 tensors it ran 64 (7 and 57 torch operations on the
-    per-segment tables) before the tables were built by kernels of their own, 116 before that.
+    operations (the betas' powers at the step). With 64 tensors it ran 64 (7 and 57 torch
+    operations on the per-segment tables) before the tables were built by kernels of their own,
+    116 before that.
     VRLars (with its norms pass and local lr): 9 Triton launches and no torch operation."""
     monkeypatch.setattr(_triton, "CHUNK", 4 * _triton.BLOCK)
     few, many = gpu_static.measure_flat_step("VRLamb", 8), gpu_static.measure_flat_step("VRLamb", 16)
