@@ -342,6 +342,12 @@ class Launch:
         done = self.segments()
         return self.record["samples"] - int(done[-1]["samples"]) if done else self.record["samples"]
 
+    def step_s(self) -> float | None:
+        """The longest of the run's last three step times (None before two steps are logged): how
+        long a pause signal may wait for the step in flight to end before the job checkpoints."""
+        times = [rec["time"] for rec in steps(self.run_dir) if "train/samples" in rec and "time" in rec][-4:]
+        return max((b - a for a, b in zip(times, times[1:])), default=None)
+
     def progress(self, wall_s: float) -> dict:
         """How far a run the time limit stopped got in its ``wall_s``: its last logged step and
         samples, the seconds until its first step was logged (start-up: interpreter, DeepSpeed,
@@ -421,13 +427,14 @@ class Runner:
     (SIGUSR1 to their ranks: each finishes its step, the job checkpoints and exits, as before a
     Slurm time limit), their directories kept; the next start of the same run in the same work
     directory (another call of a lease, the next lease or session) resumes it from there, and its
-    record sums its segments. A run that does not pause within ``PAUSE_S`` is stopped and removed.
+    record sums its segments. A run that does not pause in time (``lead``) is stopped and removed.
     The study always assembles what finished and lists the rest as not run. A failed run stops the
     study, naming its log."""
 
     #: seconds of the time limit kept for assembling the tables and the record
     ASSEMBLY_S = 15.0
-    #: seconds of the time limit kept for pausing the runs still going (a step and a checkpoint)
+    #: seconds of the time limit kept for pausing the runs still going (a step and a checkpoint); a run
+    #: whose steps take longer is signalled earlier (``lead``)
     PAUSE_S = 45.0
 
     def __init__(self, args: argparse.Namespace) -> None:
@@ -445,6 +452,13 @@ class Runner:
         if self.parallel > 1 and "OMP_NUM_THREADS" not in self.env:
             self.env["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // (self.parallel * args.ranks)))
 
+    def lead(self, launches: list[Launch], active: dict) -> float:
+        """Seconds before the end of the pause window to signal the active runs: ``PAUSE_S``, or twice
+        the slowest run's step and 15 s for the checkpoint when that is longer (a signal waits for
+        the step in flight: a 16× CPU step of about 70 s never paused within 45 s)."""
+        worst = max((launches[i].step_s() or 0.0 for i, *_ in active.values()), default=0.0)
+        return max(self.PAUSE_S, 2 * worst + 15.0)
+
     def fits(self, launch: Launch) -> bool:
         if self.stop_at is None:
             return True
@@ -457,6 +471,7 @@ class Runner:
         results: list[dict | None] = [None] * len(launches)
         pending = list(range(len(launches)))
         active: dict[int, tuple[int, subprocess.Popen, float, Any]] = {}  # slot -> (index, process, start, log)
+        lead, lead_at = self.PAUSE_S, 0.0
         try:
             while pending or active:
                 for slot in range(self.parallel):
@@ -469,8 +484,10 @@ class Runner:
                         active[slot] = (i, *self.start(launches[i], slot))
                 time.sleep(0.2)
                 self.collect(launches, active, results, record)
-                if self.stop_at is not None and time.monotonic() > self.stop_at and active:
-                    for slot in self.pause(launches, active):
+                if self.stop_at is not None and active and time.monotonic() - lead_at > 10.0:
+                    lead, lead_at = self.lead(launches, active), time.monotonic()
+                if self.stop_at is not None and active and time.monotonic() > self.stop_at + self.PAUSE_S - lead:
+                    for slot in self.pause(launches, active, self.stop_at + self.PAUSE_S - time.monotonic()):
                         del active[slot]
                     self.collect(launches, active, results, record, finished_only=True)  # done while pausing
                     break
@@ -509,8 +526,8 @@ class Runner:
                 record(results[i])
             self.rates.append(results[i]["samples"] / max(results[i]["wall_s"], 1e-3))
 
-    def pause(self, launches: list[Launch], active: dict) -> list[int]:
-        """At the time limit: SIGUSR1 to every active run's ranks, then up to ``PAUSE_S`` for each
+    def pause(self, launches: list[Launch], active: dict, wait_s: float) -> list[int]:
+        """At the time limit: SIGUSR1 to every active run's ranks, then up to ``wait_s`` for each
         job to checkpoint and exit (``requeue.json`` in its directory). A paused run's segment is
         added to its ``PAUSED`` file. Every active run's progress goes to ``self.stopped``, and
         is printed. Returns the slots of the runs paused (the rest are stopped by the caller)."""
@@ -524,7 +541,7 @@ class Runner:
                     continue
             if ranks:
                 signalled.add(slot)
-        deadline, paused = time.monotonic() + self.PAUSE_S, []
+        deadline, paused = time.monotonic() + max(wait_s, 0.0), []
         for slot, (i, proc, t0, log) in active.items():
             launch = launches[i]
             if slot in signalled:

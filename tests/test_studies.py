@@ -783,6 +783,30 @@ def test_study_runner_runs_side_by_side_within_its_time_limit(tmp_path):
     assert Runner(args).rates == Runner(args).rates != [] and not Runner(args).fits(launch("e", 0, 10**9))
 
 
+def test_a_run_with_slow_steps_is_signalled_earlier_than_the_pause_window(tmp_path):
+    """A pause signal waits for the step in flight, so a run whose steps take longer than the pause
+    window is signalled twice its slowest recent step (and 15 s for the checkpoint) before the
+    limit. Fails on the code before: every run was signalled ``PAUSE_S`` (45 s) before it, and two
+    16× CPU runs of about 68 s a step were stopped and removed, not paused."""
+    import argparse
+
+    sys.path.insert(0, str(STUDIES))
+    from bert_batch import Launch, Runner
+
+    def launch(name: str, times: list[float]) -> Launch:
+        run_dir = tmp_path / name
+        run_dir.mkdir()
+        rows = [{"step": k + 1, "time": 1000.0 + t, "train/samples": 8.0 * (k + 1)} for k, t in enumerate(times)]
+        (run_dir / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+        return Launch(run_dir, [], {}, {"samples": 8 * 128}, tmp_path / "no-data")
+
+    fast, slow, one = launch("fast", [0, 2, 4, 6]), launch("slow", [0, 60, 128, 196, 260]), launch("one", [0])
+    assert (fast.step_s(), slow.step_s(), one.step_s()) == (2.0, 68.0, None)
+    runner = Runner(argparse.Namespace(parallel=2, time_limit=600, started=0.0, ranks=1, port=29900))
+    assert runner.lead([fast, one], {0: (0,), 1: (1,)}) == Runner.PAUSE_S
+    assert runner.lead([fast, slow], {0: (0,), 1: (1,)}) == 2 * 68.0 + 15.0
+
+
 @pytest.mark.slow
 @pytest.mark.exhaustive  # three real runs of 24 steps (about 2 minutes): make test-all
 def test_a_run_the_time_limit_pauses_resumes_to_the_uninterrupted_runs_loss(tmp_path):
@@ -813,7 +837,7 @@ def test_a_run_the_time_limit_pauses_resumes_to_the_uninterrupted_runs_loss(tmp_
     while not (metrics.is_file() and metrics.read_text().count('"train/samples"') >= 3):
         assert proc.poll() is None and time.monotonic() < deadline, (launch.run_dir / "log.txt").read_text()[-3000:]
         time.sleep(0.2)
-    assert runner.pause([launch], {0: (0, proc, t0, log)}) == [0]
+    assert runner.pause([launch], {0: (0, proc, t0, log)}, Runner.PAUSE_S) == [0]
     assert proc.returncode == 75 and (launch.run_dir / "checkpoints").is_dir()
     (segment,) = launch.segments()
     assert 3 <= segment["step"] < 24 and args.stopped[0]["paused"] is True
