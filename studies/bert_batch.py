@@ -342,10 +342,14 @@ class Launch:
         done = self.segments()
         return self.record["samples"] - int(done[-1]["samples"]) if done else self.record["samples"]
 
+    def trained(self) -> list[dict]:
+        """The run's logged training steps (those with their samples and time)."""
+        return [rec for rec in steps(self.run_dir) if "train/samples" in rec and "time" in rec]
+
     def step_s(self) -> float | None:
         """The longest of the run's last three step times (None before two steps are logged): how
         long a pause signal may wait for the step in flight to end before the job checkpoints."""
-        times = [rec["time"] for rec in steps(self.run_dir) if "train/samples" in rec and "time" in rec][-4:]
+        times = [rec["time"] for rec in self.trained()[-4:]]
         return max((b - a for a, b in zip(times, times[1:])), default=None)
 
     def progress(self, wall_s: float) -> dict:
@@ -355,7 +359,7 @@ class Launch:
         a later lease can plan with when none of its runs finished (a resumed run: over this
         segment's steps)."""
         began = time.time() - wall_s
-        rows = [rec for rec in steps(self.run_dir) if "train/samples" in rec and "time" in rec]
+        rows = self.trained()
         r = self.record
         out = {"run": f"{r['corpus']} b{r['batch']} {r['optimizer']} ×{r['factor']:g} seed {r['seed']}",
                "steps": r["steps"], "step": rows[-1]["step"] if rows else 0,
