@@ -485,6 +485,10 @@ REFUSED = {
     "cpu-offload": ("optimizer", {"optimizer_cpu_offload": True}, "optimizer_cpu_offload"),
     "precision-aware": ("optimizer", {"use_precision_aware_optimizer": True}, "use_precision_aware_optimizer"),
     "merit-tensor-parallel": ("name", "VRMerit", "VRMerit with tensor parallelism"),
+    # before: Merit (GSNR off) returned before this check and stepped row/column maxima of TP shards
+    "merit-base-tensor-parallel": ("name", "Merit", "Merit with tensor parallelism"),
+    "overlap-param-gather-with-step": ("optimizer", {"overlap_param_gather_with_optimizer_step": True},
+                                       "overlap_param_gather_with_optimizer_step"),
     "unknown-name": ("name", "VRAdamax", "unknown optimizer 'VRAdamax'"),
     "adam-checkpoint": ("checkpoint", "save_parameter_state", "DistributedOptimizer.save_parameter_state"),
     "adam-checkpoint-format": ("checkpoint-format", "fully_reshardable", "checkpoint format 'fully_reshardable'"),
@@ -514,7 +518,8 @@ def refused(case: dict) -> dict:
     from vrgd_ds.megatron import get_megatron_optimizer
 
     where, change, _ = REFUSED[case["name"]]
-    tp = 2 if case["name"] in ("merit-tensor-parallel", "hierarchical-tensor-parallel") else 1
+    tp = 2 if case["name"] in ("merit-tensor-parallel", "merit-base-tensor-parallel",
+                               "hierarchical-tensor-parallel") else 1
     extra = {k: v for k, v in change.items() if k != "distributed"} if where == "squares" else {}
     distributed = change.get("distributed", True) if where == "squares" else True
     sizes = change if where == "parallel" else {}

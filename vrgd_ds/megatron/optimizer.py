@@ -71,12 +71,11 @@ def check_configuration(config: Any, chunks: list[Any], name: str) -> None:
     if getattr(model, "num_moe_experts", None) or any(getattr(c, "expert_parallel_buffers", None) for c in chunks):
         _refuse("MoE experts (num_moe_experts)", "expert parameters are reduced over the expert data-parallel group",
                 "Use a dense model")
-    if not gsnr:
-        return
-    tp = ps.get_tensor_model_parallel_world_size()
-    if tp > 1 and REGISTRY[name].row_col_maxima:
+    if ps.get_tensor_model_parallel_world_size() > 1 and REGISTRY[name].row_col_maxima:  # GSNR on or off
         _refuse(f"{name} with tensor parallelism", "its row and column maxima would span tensor-parallel shards",
                 "Use tensor_model_parallel_size=1 or another member")
+    if not gsnr:
+        return
     if ps.get_pipeline_model_parallel_world_size() > 1:
         shared = [n for c in chunks for n, p in c.named_parameters() if getattr(p, "shared_embedding", False)
                   or getattr(p, "shared", False)]
