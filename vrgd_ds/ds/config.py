@@ -20,7 +20,7 @@ KEY = "vrgd"
 class ReductionConfig(BaseModel):
     """Options of the statistics' reduction (docs/design.md §3)."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True)
 
     squares: Literal["per_step", "per_micro_step", "hierarchical", "auto"] | None = None
     """``per_step``: DeepSpeed's own gradient reduction untouched; each rank sums its micro-steps'
@@ -50,9 +50,9 @@ class ReductionConfig(BaseModel):
 
     micro_steps: Literal["auto", "hooks"] = "auto"
     """Where ``per_step`` reads each micro-step's local gradient. ``auto``: from DeepSpeed's own
-    flat reduction bucket wherever one holds a micro-step (ZeRO-2; ZeRO-1 and stage 0 without
-    accumulation), one launch per bucket and no hook per parameter, else a tensor hook per
-    parameter (ZeRO-1 and stage 0 with accumulation, ZeRO-3). ``hooks``: a tensor hook per
+    flat reduction bucket wherever one holds a micro-step (ZeRO-2 and ZeRO-3; ZeRO-1 and stage 0
+    without accumulation), one launch per bucket and no hook per parameter, else a tensor hook per
+    parameter (ZeRO-1 and stage 0 with accumulation). ``hooks``: a tensor hook per
     parameter everywhere, which writes the same statistics bit for bit at one launch per tensor
     (the path the buckets are tested against; for a DeepSpeed whose buckets are laid out otherwise)."""
 

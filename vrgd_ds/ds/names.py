@@ -17,7 +17,8 @@ def resolve(name: str | None) -> type[GSNROptimizer] | None:
     """Our class for a config ``"type"`` (DeepSpeed lower-cases its own names, e.g. ``lamb``).
 
     ``Lamb`` is also DeepSpeed's (FusedLamb, CUDA only): ours serves it on the CPU accelerator,
-    DeepSpeed's on GPUs. Use ``VRLamb`` with ``gamma: 1`` for our exact-under-ZeRO LAMB anywhere.
+    DeepSpeed's on GPUs. Use ``VRLamb`` with ``gsnr: false`` for our exact-under-ZeRO LAMB anywhere
+    (``gamma: 1`` gives the same step but still gathers the statistics).
     """
     if name is None:
         return None

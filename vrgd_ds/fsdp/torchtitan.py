@@ -21,7 +21,7 @@ default ``"fused"`` injects ``fused=True`` into every param group, which the VRG
 refuse (they choose their kernels themselves); ``"fused_opt_states_bf16"`` is refused here
 (bf16 optimizer states are not supported). Checkpoints are torchtitan's own (DCP, state keyed
 by parameter name): the zero-gradient, lr = 0 step it runs before a load creates the VRGD state
-without advancing it (``GSNROptimizer._is_state_init``).
+without advancing it (``vrgd_ds.optim.state.is_state_init``).
 
 torchtitan 0.3.0 calls ``torch.distributed.set_timeout``, which torch 2.13 (the release
 ``vrgd_ds.fsdp`` supports) does not have: importing this module aliases it to torch's

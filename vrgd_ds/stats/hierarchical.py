@@ -14,7 +14,7 @@ block with ``gbar`` local, so one collective carries both).
   gradients and squares into a transient buffer cut into ``L`` equal chunks, chunk ``l`` holding
   the bucket's elements of ``S_l``; one reduce-scatter over the node's ranks (NVLink on a real
   node) hands local rank ``l`` the node's sum of chunk ``l``; one ``unpack_bucket`` launch adds it
-  into the node buffer. Three launches and one intra-node collective per bucket, whatever the
+  into the node buffer. Two launches and one intra-node collective per bucket, whatever the
   number of tensors in it (the bucket's tables are built once per bucket layout).
 * **Once per step**: one reduce-scatter of each node buffer over the ranks with the same local
   rank (one per node: the InfiniBand part) leaves each rank the sums over all ranks of its own

@@ -42,7 +42,7 @@ class ConfigError(ValueError):
 
 
 class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, use_attribute_docstrings=True)
 
 
 MODEL_SIZES: dict[str, dict[str, int]] = {
@@ -81,6 +81,8 @@ class DataConfig(_Strict):
     """Raw corpora (files or globs: plain text, WikiText, JSONL) to prepare when ``path`` is null.
     Empty: the embedded default corpus (Python's own documentation; no download)."""
     format: Literal["auto", "text", "wikitext", "jsonl"] = "auto"
+    """How ``inputs`` are read: each file by its suffix and first lines (auto), or all as one format
+    (``data_pipeline/corpus.py``)."""
     vocab_size: int = Field(8000, ge=64)
     """Vocabulary of the sentencepiece tokenizer trained when preparing."""
     heldout_fraction: float = Field(0.02, gt=0.0, lt=0.5)
@@ -108,7 +110,9 @@ class AdaptiveBatchConfig(_Strict):
     target_ratio: float | None = Field(None, gt=0.0)
     """Or a target batch / B_simple (1: the batch at the noise scale, similarity 1/3)."""
     min_batch: int = Field(ge=1)
+    """The smallest global batch the controller sets (the phase's ``global_batch`` lies within)."""
     max_batch: int = Field(ge=1)
+    """The largest global batch the controller sets."""
     every: int = Field(10, ge=1)
     """Steps between adjustments."""
     smoothing: float = Field(0.9, ge=0.0, lt=1.0)
@@ -138,6 +142,7 @@ class PhaseConfig(_Strict):
     """One phase of the recipe."""
 
     seq_len: int = Field(ge=8, le=512)
+    """Tokens per sequence in this phase (BERT's recipe: 128, then 512)."""
     fraction: float = Field(gt=0.0, le=1.0)
     """Share of ``total_steps`` in this phase; the fractions sum to 1."""
     global_batch: int = Field(ge=1)
@@ -155,8 +160,12 @@ class PhaseConfig(_Strict):
 
 
 class TelemetryConfig(_Strict):
+    """Where each step's metrics go, from the first rank (``vrgd_ds/train/telemetry.py``)."""
+
     jsonl: bool = True
+    """``<run dir>/metrics.jsonl``, one record per logged step (what the plots read)."""
     tensorboard: bool = True
+    """TensorBoard event files under ``<run dir>/tensorboard``."""
     wandb: dict[str, Any] | None = None
     """``WandbSink`` arguments (``project``, ``mode`` = offline by default, ``name``); null: off."""
     per_layer_group: bool = True
@@ -172,12 +181,17 @@ class JobConfig(_Strict):
     """Who trains: ``deepspeed`` (BERT, the file's other keys are DeepSpeed's config) or
     ``megatron`` (GPT under Megatron-core, the ``"megatron"`` block; ``vrgd_ds/train/engines``)."""
     model: ModelConfig = Field(default_factory=ModelConfig)
+    """The BERT to train (``engine: deepspeed``; the ``"megatron"`` block shapes the GPT)."""
     data: DataConfig = Field(default_factory=DataConfig)
+    """The corpus, its preparation and the held-out split."""
     phases: list[PhaseConfig]
+    """The recipe's phases in order (e.g. seq 128 for 90% of the steps, then 512)."""
     total_steps: int = Field(ge=1)
     """Optimizer steps over both phases."""
     seed: int = 1234
+    """Fixes the initial weights, the sample order and masks, and each micro-batch's dropout seed."""
     log_every: int = Field(1, ge=1)
+    """Metrics are logged every N optimizer steps."""
     eval_every: int = Field(0, ge=0)
     """Held-out evaluation every N steps (0: only before training and at the end)."""
     checkpoint_every: int = Field(0, ge=0)
@@ -199,6 +213,7 @@ class JobConfig(_Strict):
     """The same limit until the first step finishes (set-up, kernels built on first use, a
     resume or a checkpoint conversion), when it is longer than ``timeout_minutes``."""
     telemetry: TelemetryConfig = Field(default_factory=TelemetryConfig)
+    """Where the metrics go."""
 
     @model_validator(mode="after")
     def _phases_fit(self) -> "JobConfig":

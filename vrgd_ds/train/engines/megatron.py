@@ -50,19 +50,24 @@ CLIPPING = "megatron.clip_grad"
 
 
 class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, use_attribute_docstrings=True)
 
 
 class GPTShape(_Strict):
     """``megatron.model``: the GPT (``TransformerConfig`` fields; local layer spec)."""
 
     num_layers: int = Field(ge=1)
+    """Transformer layers (split over the pipeline stages)."""
     hidden_size: int = Field(ge=1)
+    """Width of the residual stream."""
     num_attention_heads: int = Field(ge=1)
+    """Attention heads (split over the tensor-parallel ranks)."""
     ffn_hidden_size: int | None = Field(None, ge=1)
     """Default: 4 × hidden_size."""
     hidden_dropout: float = Field(0.1, ge=0.0, lt=1.0)
+    """Dropout after the attention and MLP blocks."""
     attention_dropout: float = Field(0.1, ge=0.0, lt=1.0)
+    """Dropout of the attention probabilities."""
     vocab_size: int | None = Field(None, ge=1)
     """Default: the tokenizer's, padded to a multiple of 128 × tensor-parallel size (Megatron's
     ``make_vocab_size_divisible_by``); given, it must hold every token id."""
@@ -72,14 +77,20 @@ class MegatronBlock(_Strict):
     """The ``"megatron"`` block."""
 
     model: GPTShape
+    """The GPT's shape."""
     tensor_model_parallel_size: int = Field(1, ge=1)
+    """Ranks each layer's weights are split over (TP × PP divides the ranks; the rest is DP)."""
     pipeline_model_parallel_size: int = Field(1, ge=1)
+    """Pipeline stages the layers are split over."""
     precision: Literal["fp32", "bf16", "fp16"] = "fp32"
     """bf16/fp16: the model in that dtype inside Megatron's ``Float16Module``, gradients reduced in
     fp32, fp32 main parameters in the optimizer (fp16 with Megatron's dynamic loss scale)."""
     use_distributed_optimizer: bool = True
+    """Megatron's distributed optimizer: the optimizer state sharded over the data-parallel ranks."""
     overlap_grad_reduce: bool = False
+    """Reduce each gradient bucket while the backward goes on (Megatron's overlap)."""
     bucket_size: int | None = Field(None, ge=1)
+    """Elements per gradient bucket (default: Megatron's)."""
     clip_grad: float = Field(1.0, ge=0.0)
     """Global gradient-norm clipping (0: off)."""
 
