@@ -7,14 +7,18 @@
 #   HOSTFILE=/etc/vrgd/loopback.hostfile launch/deepspeed_hostfile.sh ...   # then
 #
 # Environment (defaults): NODES ("vrgd-node1 vrgd-node2"), ADDRS ("127.0.0.2 127.0.0.3", loopback
-# addresses, one per node), SLOTS (1, ranks per node), HOSTFILE (/etc/vrgd/loopback.hostfile).
+# addresses, one per node), SLOTS (1, ranks per node), HOSTFILE (/etc/vrgd/loopback.hostfile),
+# PORT (22; where a system sshd already listens on every address, port 22 is taken: PORT=2222,
+# which root's ~/.ssh/config then gives the nodes).
 set -euo pipefail
 
 read -r -a NODES <<< "${NODES:-vrgd-node1 vrgd-node2}"
 read -r -a ADDRS <<< "${ADDRS:-127.0.0.2 127.0.0.3}"
 SLOTS=${SLOTS:-1}
+PORT=${PORT:-22}
 HOSTFILE=${HOSTFILE:-/etc/vrgd/loopback.hostfile}
 PIDFILE=/run/sshd_vrgd_loopback.pid
+SSHD_LOG=/run/sshd_vrgd_loopback.log
 [[ $(id -u) -eq 0 ]] || { echo "error: run as root" >&2; exit 1; }
 [[ ${#NODES[@]} -eq ${#ADDRS[@]} ]] || { echo "error: NODES and ADDRS differ in length" >&2; exit 2; }
 
@@ -34,19 +38,30 @@ for i in "${!NODES[@]}"; do
     fi
 done
 
-# sshd on the loopback aliases only (a separate instance: any system sshd is left alone).
+# sshd on the loopback aliases only (a separate instance: any system sshd is left alone, but one
+# listening on every address holds its port there too).
 mkdir -p /run/sshd
 chmod 755 /run/sshd
 ssh-keygen -A >/dev/null
 if ! { [[ -s $PIDFILE ]] && kill -0 "$(cat "$PIDFILE")" 2>/dev/null; }; then
     log "starting sshd on ${ADDRS[*]}"
     listen=()
-    for a in "${ADDRS[@]}"; do listen+=(-o "ListenAddress=$a"); done
+    for a in "${ADDRS[@]}"; do listen+=(-o "ListenAddress=$a:$PORT"); done
     /usr/sbin/sshd "${listen[@]}" -o PidFile="$PIDFILE" -o PermitRootLogin=prohibit-password \
-        -o PasswordAuthentication=no
+        -o PasswordAuthentication=no -E "$SSHD_LOG"
+    for _ in $(seq 20); do [[ -s $PIDFILE ]] && break; sleep 0.1; done
+    # a daemonising sshd exits 0 even when it cannot bind: its pid file and log tell
+    if ! { [[ -s $PIDFILE ]] && kill -0 "$(cat "$PIDFILE")" 2>/dev/null; }; then
+        echo "setup_pdsh: sshd did not start on ${ADDRS[*]} port $PORT: $(tail -n 2 "$SSHD_LOG" | tr '\n' ' ')" \
+             "(a system sshd listening on every address holds the port: run again with PORT=2222)" >&2
+        exit 1
+    fi
 fi
 
 mkdir -p ~/.ssh
+if [[ $PORT != 22 ]] && ! grep -qxF "Host ${NODES[*]}" ~/.ssh/config 2>/dev/null; then
+    printf 'Host %s\n    Port %s\n' "${NODES[*]}" "$PORT" >> ~/.ssh/config
+fi
 chmod 700 ~/.ssh
 [[ -f ~/.ssh/id_ed25519 ]] || ssh-keygen -q -t ed25519 -N "" -f ~/.ssh/id_ed25519
 touch ~/.ssh/authorized_keys

@@ -58,6 +58,11 @@ def test_image_checks_apex_and_torch_and_builds_the_deepspeed_anchors():
     assert '--config-settings "--build-option=--cpp_ext" --config-settings "--build-option=--cuda_ext" ./apex' in runs
     assert "import amp_C" in runs  # apex's fused kernels, or the build fails
     assert "DS_BUILD_FUSED_LAMB=1" in runs and "pip install --no-deps -e ." in runs
+    # DeepSpeed's setup.py asserts torch is importable before it compiles an op, and pip builds
+    # its sdist in an isolated environment without torch unless told not to. Fails on the
+    # Dockerfile before, which built the ops inside `pip install -r` (build isolation on).
+    (build,) = [cmd for cmd in runs.split("&&") if "DS_BUILD_FUSED_LAMB=1" in cmd]
+    assert "--no-build-isolation" in build and "deepspeed" in build and "-r " not in build, build
     assert "assert torch.__version__ == sys.argv[1]" in runs  # the base image's torch is kept
     args = dict(a.split("=", 1) for op, a in instructions() if op == "ARG" and "=" in a)
     assert args["BASE_IMAGE"].startswith("nvcr.io/nvidia/pytorch:")
