@@ -368,6 +368,19 @@ def test_auto_squares_on_one_host_reduce_within_it(pool):
     assert res["describe"].startswith("hierarchical over 1 node(s) of 2 rank(s)"), res
 
 
+@pytest.mark.exhaustive  # make test: the warning's rule in-process (tests/unit/test_engine_paths.py)
+@pytest.mark.parametrize("stage, squares, warned", [(3, "auto", True), (2, "per_step", False)])
+def test_communication_dtype_the_fused_reduction_ignores_is_warned_of(pool, stage, squares, warned):
+    """``communication_data_type`` bf16 with an fp32 model: ignored for gradients when the fused
+    fp32 ``[g | g²]`` reduction replaces DeepSpeed's, which ``"squares": "auto"`` picks on ZeRO-3,
+    and said so; kept (no warning) under the per-step scheme. Fails on the code before, which
+    read the configured scheme ("auto") and so never warned on ZeRO-3 under auto."""
+    res = run(pool, "run_bad_case", dict(stage=stage, dtype="fp32", gas=1, clip=0.0, opt="VRLamb", bucket=500,
+                                         set={"communication_data_type": "bf16", "vrgd.squares": squares}))
+    assert res["raised"] is None, res
+    assert any("communication_data_type" in w and "is ignored" in w for w in res["warnings"]) == warned, res
+
+
 @pytest.mark.parametrize("name, case", params(worker.bad_cases()))
 def test_bad_configs_name_the_key(pool, name, case):
     res = run(pool, "run_bad_case", case)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import logging
 import os
 import sys
 
@@ -672,11 +673,16 @@ def run_bad_case(case: dict) -> dict:
     kept = groups.mpu, groups.mesh_device  # module globals an mpu or AutoTP sets: the pool's next case needs them
     env = {k: os.environ.get(k) for k in case.get("env", {})}
     os.environ.update(case.get("env", {}))
+    warned: list[str] = []
+    catch = logging.Handler(logging.WARNING)
+    catch.emit = lambda record: warned.append(record.getMessage())
+    logging.getLogger("vrgd_ds").addHandler(catch)
     try:
         engine, *_ = deepspeed.initialize(model=model, config=cfg, **kwargs)
     except Exception as e:
-        return dict(raised=type(e).__name__, message=str(e))
+        return dict(raised=type(e).__name__, message=str(e), warnings=warned)
     finally:
+        logging.getLogger("vrgd_ds").removeHandler(catch)
         groups.mpu, groups.mesh_device = kept
         for k, v in env.items():
             if v is None:
@@ -684,7 +690,8 @@ def run_bad_case(case: dict) -> dict:
             else:
                 os.environ[k] = v
     stats = getattr(engine, "vrgd_stats", None)
-    return dict(raised=None, message="", describe=stats.describe() if hasattr(stats, "describe") else "")
+    return dict(raised=None, message="", describe=stats.describe() if hasattr(stats, "describe") else "",
+                warnings=warned)
 
 
 def bert_model() -> torch.nn.Module:

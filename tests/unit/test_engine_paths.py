@@ -114,3 +114,23 @@ def test_a_run_with_one_group_per_step_is_refused_naming_the_fix(world, gas, sta
 def test_two_groups_per_step_are_accepted(world, gas, stage, scheme):
     check_groups("VRLamb", world, gas, stage, scheme)
     assert expected_groups(world, gas, stage, scheme) == 2
+
+
+@pytest.mark.parametrize("scheme, comm, model, warned", [
+    ("per_micro_step", "bfloat16", "float32", True),   # the fused fp32 reduction replaces DeepSpeed's
+    ("per_step", "bfloat16", "float32", False),        # DeepSpeed's reduction, in its dtype, untouched
+    ("per_micro_step", "float32", "float32", False),
+    ("per_micro_step", "bfloat16", "bfloat16", False),  # the model's dtype: nothing is lost
+])
+def test_an_ignored_communication_dtype_is_warned_of_under_the_scheme_in_use(scheme, comm, model, warned, caplog):
+    """The warning reads the scheme ``attach`` uses, ``"auto"`` resolved (ZeRO-3: per-micro-step).
+    The same through ``deepspeed.initialize``: tests/distributed/test_deepspeed.py, exhaustive."""
+    import torch
+
+    from vrgd_ds.ds.attach import warn_ignored_comm_dtype
+
+    engine = types.SimpleNamespace(communication_data_type=getattr(torch, comm),
+                                   get_data_types=lambda: (getattr(torch, model), getattr(torch, model)))
+    with caplog.at_level("WARNING", logger="vrgd_ds"):
+        assert warn_ignored_comm_dtype(engine, scheme) is warned
+    assert ("is ignored for gradients" in caplog.text) is warned

@@ -33,6 +33,7 @@ def attach(engine: Any) -> sources.ReductionStats | None:
     wants_stats = any(g["gsnr"] for g in opt.param_groups)
     if wants_stats:  # fail before training, not at the first step
         sources.check_groups(opt.name, world, gas, stage, scheme)
+        warn_ignored_comm_dtype(engine, scheme)
 
     path = paths.for_engine(engine, stage)  # checks the path's DeepSpeed internals
     path.configure(opt)
@@ -65,6 +66,20 @@ def attach(engine: Any) -> sources.ReductionStats | None:
                 + f"; {cost_line(stats, scheme, options, tensors.numel, gas)}"
                 if stats else "no GSNR statistics")
     return stats
+
+
+def warn_ignored_comm_dtype(engine: Any, scheme: str) -> bool:
+    """Warns when the scheme in use (``"auto"`` resolved) replaces DeepSpeed's gradient reduction
+    by the fused fp32 ``[g | g²]`` one, so that a ``communication_data_type`` other than fp32 and
+    the model's dtype is not what the gradients travel in. Returns whether it warned."""
+    import torch
+
+    comm = engine.communication_data_type
+    if scheme != "per_micro_step" or comm in (engine.get_data_types()[0], torch.float32):
+        return False
+    logger.warning("vrgd_ds: communication_data_type %s is ignored for gradients: the fused [g | g²] reduction "
+                   "(\"squares\": \"per_micro_step\") is fp32", comm)
+    return True
 
 
 def _auto(engine: Any, options: Any, stage: int, world: int) -> str:

@@ -173,7 +173,3 @@ def check_engine(engine: Any) -> None:
     if stage == 1 and model_dtype == torch.bfloat16 and accum_dtype == torch.float32:
         no("data_types.grad_accum_dtype", "bf16 with ZeRO-1 and fp32 gradient accumulation uses BF16_Optimizer, "
            "which the hooks do not cover; use ZeRO-2, or drop grad_accum_dtype")
-    if engine.communication_data_type not in (model_dtype, torch.float32):
-        if reduction_config(getattr(engine._config, "_param_dict", {}) or {}).scheme(stage) == "per_micro_step":
-            logger.warning("vrgd_ds: communication_data_type %s is ignored for gradients: the fused [g | g²] "
-                           "reduction (\"squares\": \"per_micro_step\") is fp32", engine.communication_data_type)
