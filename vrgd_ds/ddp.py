@@ -246,9 +246,11 @@ class _BucketPath:
             self.hooked = want_hooks
 
     def members(self, bucket: dist.GradBucket) -> list[tuple[int, int]]:
+        """The bucket's parameters that have statistics, with their offsets in its buffer (DDP's
+        buckets also hold the parameters of ``gsnr=False`` groups)."""
         base = bucket.buffer().storage_offset()
         return [(self.stats.index(p), grad.storage_offset() - base)
-                for p, grad in zip(bucket.parameters(), bucket.gradients())]
+                for p, grad in zip(bucket.parameters(), bucket.gradients()) if self.stats.holds(p)]
 
 
 def _per_step_hook(path: _BucketPath, bucket: dist.GradBucket) -> torch.futures.Future[Tensor]:

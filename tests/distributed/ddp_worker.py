@@ -124,17 +124,26 @@ def rel(a: torch.Tensor, b: torch.Tensor, b0: torch.Tensor) -> float:
 
 
 def train_case(opt_name: str, micro_steps: int, squares: str = "per_step", record: str = "auto",
-               **ddp_kw: Any) -> dict[str, Any]:
+               gsnr: str = "on", **ddp_kw: Any) -> dict[str, Any]:
     """3 steps of DDP + ``attach`` against the reference; ``micro_steps`` > 1 accumulates
-    under ``no_sync()``."""
+    under ``no_sync()``. ``gsnr``: ``on`` for every parameter, ``weights`` (the biases in a
+    ``gsnr=False`` group) or ``off``."""
     rank, world = dist.get_rank(), dist.get_world_size()
     cls, kw = OPTS[opt_name]
+
+    def build(params, **extra):
+        params = list(params)
+        if gsnr == "weights":
+            return cls([{"params": [p for p in params if p.dim() > 1]},
+                        {"params": [p for p in params if p.dim() == 1], "gsnr": False}], **kw, **extra)
+        return cls(params, **kw, **extra, **({"gsnr": False} if gsnr == "off" else {}))
+
     model = tiny_model()
-    ref = Reference(copy.deepcopy(model), lambda ps: cls(ps, **kw))
-    plain = Reference(copy.deepcopy(model), lambda ps: cls(ps, **{**kw, "gamma": 1.0}))  # no variance reduction
+    ref = Reference(copy.deepcopy(model), build)
+    plain = Reference(copy.deepcopy(model), lambda ps: build(ps, gamma=1.0))  # no variance reduction
     p0 = flat(model)
     ddp = DDP(model, bucket_cap_mb=BUCKET_CAP_MB, **ddp_kw)
-    opt = cls(ddp.parameters(), **kw)
+    opt = build(ddp.parameters())
     stats = attach(ddp, opt, squares=squares, **({"micro_steps": record} if squares == "per_step" else {}))
     counters = lambda: (stats.counters.collectives, stats.counters.bytes_sent)  # noqa: E731 (every source's)
     launches = lambda: getattr(stats, "stat_counters", None) and stats.stat_counters.launches  # noqa: E731
@@ -158,7 +167,7 @@ def train_case(opt_name: str, micro_steps: int, squares: str = "per_step", recor
         opt.step()
         now_collectives, now_sent = counters()
         steps.append(dict(
-            n=opt.gsnr_metrics()["gsnr/n"],
+            n=opt.gsnr_metrics().get("gsnr/n"),  # none with GSNR off everywhere
             collectives=now_collectives - collectives,
             all_reduce_calls=ALL_REDUCE_CALLS[0] - calls,
             ddp_reductions=DDP_REDUCTIONS[0] - reductions,
@@ -246,6 +255,9 @@ def cases() -> dict[str, Callable[[], dict[str, Any]]]:
         "hooks_VRSGD_no_sync": lambda: train_case("VRSGD", 2, record="hooks"),
         "hooks_VRAdam_no_sync": lambda: train_case("VRAdam", 3, record="hooks"),
         "hooks_VRSGD_bucket_view": lambda: train_case("VRSGD", 1, record="hooks", gradient_as_bucket_view=True),
+        "VRAdam_gsnr_weights": lambda: train_case("VRAdam", 1, gsnr="weights"),
+        "VRAdam_gsnr_weights_no_sync": lambda: train_case("VRAdam", 2, gsnr="weights"),
+        "VRSGD_gsnr_off": lambda: train_case("VRSGD", 1, gsnr="off"),
         "fused_VRSGD": lambda: train_case("VRSGD", 1, squares="per_micro_step"),
         "fused_VRAdam": lambda: train_case("VRAdam", 1, squares="per_micro_step"),
         "fused_VRSGD_no_sync": lambda: train_case("VRSGD", 2, squares="per_micro_step"),

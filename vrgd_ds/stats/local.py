@@ -335,6 +335,10 @@ class LocalStats:
     def index(self, p: Tensor) -> int:
         return self._index[id(p)]
 
+    def holds(self, p: Tensor) -> bool:
+        """Whether ``p`` has statistics here (a parameter of a ``gsnr=False`` group has none)."""
+        return id(p) in self._index
+
     # -- recording -------------------------------------------------------------------------------
 
     def record_bucket(self, key: Hashable, src: Tensor, members: Callable[[], list[tuple[int, int]]],
@@ -344,6 +348,8 @@ class LocalStats:
         layout, e.g. its parameters). One launch, whatever the number of parameters; ``main``
         (laid out like ``src``) accumulates ``src`` in the same launch."""
         plan = self._plan_for(key, members, self._plan)
+        if not len(plan.params):  # a bucket of parameters without statistics
+            return
         table = self._table(plan, self._counts)
         if not src.is_contiguous():
             src = src.contiguous()
