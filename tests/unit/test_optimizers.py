@@ -486,6 +486,37 @@ def test_invalid_placement_in_an_added_group_is_rejected():
         opt.add_param_group({"params": list(m.parameters())[2:], "gsnr_placement": "last"})
 
 
+@pytest.mark.parametrize("key, value", [("beta3", 1.0), ("gamma", 0.0), ("gsnr_eps", -1e-8), ("lr", -1.0),
+                                        ("weight_decay", -0.1)])
+def test_a_param_group_s_own_option_out_of_range_is_rejected_naming_it(key, value):
+    """A group's options are checked as the constructor's are, given in the constructor's groups,
+    added later, or loaded from a state. Fails on the code before, which checked the constructor's
+    defaults only: a group with ``beta3=1`` built and stepped to NaN parameters."""
+    m = make_model()
+    params = list(m.parameters())
+    with pytest.raises(ValueError, match=f"param group 1.*invalid {key}="):
+        vrgd_ds.VRLamb([{"params": params[:2]}, {"params": params[2:], key: value}])
+    opt = vrgd_ds.VRLamb(params[:2])
+    with pytest.raises(ValueError, match=f"param group 1.*invalid {key}="):
+        opt.add_param_group({"params": params[2:], key: value})
+    opt = vrgd_ds.VRLamb(params)
+    saved = opt.state_dict()
+    saved["param_groups"][0][key] = value
+    with pytest.raises(ValueError, match=f"param group 0 as loaded.*invalid {key}="):
+        vrgd_ds.VRLamb(params).load_state_dict(saved)
+
+
+def test_a_loaded_state_s_options_are_checked_with_this_optimizer_s_wiring():
+    """A ``Lamb(adam_w_mode=False)`` state loaded into ``VRLamb`` keeps VRLamb's ``gsnr=True``
+    (a wiring key) and the saved ``adam_w_mode=False``: a pair the constructor refuses, refused
+    here too. Fails on the code before, which loaded it and stepped L2 inside the GSNR-scaled
+    gradient."""
+    m = make_model()
+    saved = vrgd_ds.Lamb(m.parameters(), adam_w_mode=False).state_dict()
+    with pytest.raises(ValueError, match="adam_w_mode=False"):
+        vrgd_ds.VRLamb(m.parameters()).load_state_dict(saved)
+
+
 @pytest.mark.parametrize("fused", IMPLS)
 @pytest.mark.parametrize("name", list(REGISTRY))
 def test_nonfinite_gradient_skips_step_and_keeps_state(name, fused):

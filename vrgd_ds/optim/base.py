@@ -63,6 +63,17 @@ def check_arg(owner: str, name: str, ok: bool, value: Any, want: str) -> None:
         raise InvalidArgument(owner, name, value, want)
 
 
+def check_common(owner: str, options: dict[str, Any]) -> None:
+    """The ranges of the options every member has: the constructor's defaults, and each param
+    group's own (a group's ``beta3=1`` would make p̂ = 0/0)."""
+    lr = options["lr"]
+    check_arg(owner, "lr", isinstance(lr, (int, float)) and lr >= 0, lr, ">= 0")
+    check_arg(owner, "gamma", 0.0 < options["gamma"] <= 1.0, options["gamma"], "in (0, 1]")
+    check_arg(owner, "beta3", 0.0 <= options["beta3"] < 1.0, options["beta3"], "in [0, 1)")
+    check_arg(owner, "gsnr_eps", options["gsnr_eps"] >= 0.0, options["gsnr_eps"], ">= 0")
+    check_arg(owner, "weight_decay", options["weight_decay"] >= 0.0, options["weight_decay"], ">= 0")
+
+
 def constructor_args(frame_locals: dict[str, Any]) -> dict[str, Any]:
     """A member constructor's arguments (its ``locals()`` on entry), less ``self``, ``params`` and
     ``fused``: what its ``_group`` turns into the group options."""
@@ -89,11 +100,7 @@ class GSNROptimizer(torch.optim.Optimizer):
     def __init__(self, params: Any, defaults: dict[str, Any], fused: bool | str | None = None) -> None:
         self.name = BUILDING.get() or type(self).__name__
         owner = self.name
-        check_arg(owner, "lr", isinstance(defaults["lr"], (int, float)) and defaults["lr"] >= 0, defaults["lr"], ">= 0")
-        check_arg(owner, "gamma", 0.0 < defaults["gamma"] <= 1.0, defaults["gamma"], "in (0, 1]")
-        check_arg(owner, "beta3", 0.0 <= defaults["beta3"] < 1.0, defaults["beta3"], "in [0, 1)")
-        check_arg(owner, "gsnr_eps", defaults["gsnr_eps"] >= 0.0, defaults["gsnr_eps"], ">= 0")
-        check_arg(owner, "weight_decay", defaults["weight_decay"] >= 0.0, defaults["weight_decay"], ">= 0")
+        check_common(owner, defaults)
         check_arg(owner, "fused", fused in _impl.FUSED_CHOICES, fused, " or ".join(map(repr, _impl.FUSED_CHOICES)))
         #: the kernel choice (``_impl.select``); an engine's statistics source takes the same
         self.fused = fused
@@ -136,6 +143,9 @@ class GSNROptimizer(torch.optim.Optimizer):
         super().load_state_dict(state_dict)
         self._epoch += 1
         S.after_load(self.state, self.param_groups, built, self.name, self.report_load)
+        for i, group in enumerate(self.param_groups):  # the saved options with this optimizer's wiring
+            check_common(f"{self.name} (param group {i} as loaded)", group)
+            type(self)._check_options(self.name, group)
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         super().add_param_group(param_group)
@@ -149,6 +159,7 @@ class GSNROptimizer(torch.optim.Optimizer):
             self._stats.reset()  # a step the caller skipped must not leak into the next one
 
     def _check_group(self, group: dict[str, Any]) -> None:
+        check_common(f"{self.name} (param group {len(self.param_groups) - 1})", group)
         type(self)._check_options(self.name, group)
 
     @staticmethod
