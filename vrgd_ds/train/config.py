@@ -191,7 +191,7 @@ class JobConfig(_Strict):
     seed: int = 1234
     """Fixes the initial weights, the sample order and masks, and each micro-batch's dropout seed."""
     log_every: int = Field(1, ge=1)
-    """Metrics are logged every N optimizer steps."""
+    """Metrics are logged every N optimizer steps, and at a phase's last step and every evaluation."""
     eval_every: int = Field(0, ge=0)
     """Held-out evaluation every N steps (0: only before training and at the end)."""
     checkpoint_every: int = Field(0, ge=0)

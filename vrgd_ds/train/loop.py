@@ -78,6 +78,12 @@ PREEMPT_SIGNAL = signal.SIGUSR1
 TRACE_ENV = "VRGD_TRACE_SAMPLES"
 
 
+def record_due(job: JobConfig, step: int, phase_end: bool) -> bool:
+    """Whether ``step`` writes a metrics record: a log step (``log_every``), a phase's last step,
+    or an evaluation's (``eval_every``, whatever ``log_every`` is)."""
+    return step % job.log_every == 0 or phase_end or bool(job.eval_every and step % job.eval_every == 0)
+
+
 class _Recorder:
     """A batch sampler that remembers the keys it handed out (``TRACE_ENV``)."""
 
@@ -466,7 +472,7 @@ class Job:
                 ta = time.perf_counter()
                 adaptive = self._adapt(controller, batch, took["measured"])
                 adaptive["adaptive/controller_s"] = time.perf_counter() - ta  # metrics read + controller
-            if self.step % self.job.log_every == 0 or self.consumed[index] >= self.budget[index]:
+            if record_due(self.job, self.step, self.consumed[index] >= self.budget[index]):
                 self._log_step(index, batch, gas, lr, took, adaptive, gsnr_on, held, sinks, bar)
             bar.update(1)
             self._after_training_step(took)
