@@ -179,6 +179,29 @@ def test_state_dict_round_trip_continues_trajectory(name, fused, tmp_path):
         assert torch.equal(a, b)
 
 
+@pytest.mark.parametrize("fused", IMPLS)
+@pytest.mark.parametrize("name", ["VRAdam", "VRLamb"])
+def test_a_bf16_model_s_fp32_state_resumes_as_saved(name, fused):
+    """torch's ``load_state_dict`` casts state to the parameter's dtype; the VRGD state stays fp32
+    (docs/design.md §1.2) and the resumed run is the uninterrupted one to the bit. Fails on the
+    code before: the moments came back in bf16 (rounded), which the C++ kernels refuse and the
+    reference stepped with."""
+    data = batches(4, 2, dtype=torch.bfloat16)
+    m1 = make_model(torch.bfloat16)
+    o1 = build(name, m1, fused)
+    run(m1, o1, data[:2])
+    saved = copy.deepcopy((m1.state_dict(), o1.state_dict()))
+    straight = run(m1, o1, data[2:])
+    m2 = make_model(torch.bfloat16)
+    m2.load_state_dict(saved[0])
+    o2 = build(name, m2, fused)
+    o2.load_state_dict(saved[1])
+    assert {v.dtype for st in o2.state.values() for k, v in st.items() if k != "step"} == {torch.float32}
+    resumed = run(m2, o2, data[2:])
+    for a, b in zip(straight, resumed):
+        assert torch.equal(a, b)
+
+
 def test_old_checkpoint_without_new_keys_loads():
     """A checkpoint missing a group option and the GSNR momentum still loads: the option
     takes its default, the state is created at the next step."""

@@ -141,6 +141,7 @@ class GSNROptimizer(torch.optim.Optimizer):
         what changed (``state.after_load``)."""
         built = S.built_wiring(self.param_groups, self.wiring_keys)
         super().load_state_dict(state_dict)
+        S.keep_fp32_state(self.state, self.param_groups, state_dict)
         self._epoch += 1
         S.after_load(self.state, self.param_groups, built, self.name, self.report_load)
         for i, group in enumerate(self.param_groups):  # the saved options with this optimizer's wiring

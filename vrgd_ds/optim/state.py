@@ -60,6 +60,21 @@ def built_wiring(groups: list[dict[str, Any]], wiring_keys: tuple[str, ...]) -> 
     return [{k: g[k] for k in wiring_keys if k in g} for g in groups]
 
 
+def keep_fp32_state(state: dict[Tensor, dict[str, Any]], groups: list[dict[str, Any]],
+                    saved: dict[str, Any]) -> None:
+    """torch's ``load_state_dict`` casts every state tensor but ``step`` to its parameter's dtype;
+    the VRGD state is fp32 for bf16 and fp16 parameters too (docs/design.md §1.2), so each fp32
+    tensor of the saved state is put back as saved, not rounded to the parameter's dtype."""
+    ids = (i for g in saved["param_groups"] for i in g["params"])
+    params = (p for g in groups for p in g["params"])
+    for i, p in zip(ids, params):
+        if p.dtype == torch.float32 or p not in state:
+            continue
+        for key, value in saved["state"].get(i, {}).items():
+            if key != "step" and isinstance(value, Tensor) and value.dtype == torch.float32:
+                state[p][key] = value.to(device=p.device, copy=True)
+
+
 def after_load(state: dict[Tensor, dict[str, Any]], groups: list[dict[str, Any]], built: list[dict[str, Any]],
                owner: str, report: bool) -> None:
     """What ``load_state_dict`` does after torch's: each tensor's step counter its own tensor (a
