@@ -150,12 +150,13 @@ def test_vrsgd_step_equals_algorithm_1_by_hand(k, fused):
 
 @pytest.mark.parametrize("fused", IMPLS)
 def test_scale_invariance_of_the_step(fused):
-    """Scaling every group gradient by 2^k (a loss scale) leaves r unchanged exactly (eps=0):
-    VR-SGD, linear in the gradient, with lr / 2^k then takes the identical step."""
+    """Scaling every group gradient by 2^k (a loss scale) leaves r unchanged exactly (eps far
+    below every variance's last bit): VR-SGD, linear in the gradient, with lr / 2^k then takes
+    the identical step."""
     data = batches(3, 4)
     m1, m2 = make_model(), make_model()
-    a = run(m1, vrgd_ds.VRSGD(m1.parameters(), lr=0.05, gsnr_eps=0.0, fused=fused), data)
-    b = run(m2, vrgd_ds.VRSGD(m2.parameters(), lr=0.05 / 1024, gsnr_eps=0.0, fused=fused), data, scale=1024.0)
+    a = run(m1, vrgd_ds.VRSGD(m1.parameters(), lr=0.05, gsnr_eps=1e-30, fused=fused), data)
+    b = run(m2, vrgd_ds.VRSGD(m2.parameters(), lr=0.05 / 1024, gsnr_eps=1e-30, fused=fused), data, scale=1024.0)
     for x, y in zip(a, b):
         assert torch.equal(x, y)
 
@@ -509,8 +510,8 @@ def test_invalid_placement_in_an_added_group_is_rejected():
         opt.add_param_group({"params": list(m.parameters())[2:], "gsnr_placement": "last"})
 
 
-@pytest.mark.parametrize("key, value", [("beta3", 1.0), ("gamma", 0.0), ("gsnr_eps", -1e-8), ("lr", -1.0),
-                                        ("weight_decay", -0.1)])
+@pytest.mark.parametrize("key, value", [("beta3", 1.0), ("gamma", 0.0), ("gsnr_eps", -1e-8), ("gsnr_eps", 0.0),
+                                        ("lr", -1.0), ("weight_decay", -0.1)])
 def test_a_param_group_s_own_option_out_of_range_is_rejected_naming_it(key, value):
     """A group's options are checked as the constructor's are, given in the constructor's groups,
     added later, or loaded from a state. Fails on the code before, which checked the constructor's

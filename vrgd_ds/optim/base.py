@@ -70,7 +70,9 @@ def check_common(owner: str, options: dict[str, Any]) -> None:
     check_arg(owner, "lr", isinstance(lr, (int, float)) and lr >= 0, lr, ">= 0")
     check_arg(owner, "gamma", 0.0 < options["gamma"] <= 1.0, options["gamma"], "in (0, 1]")
     check_arg(owner, "beta3", 0.0 <= options["beta3"] < 1.0, options["beta3"], "in [0, 1)")
-    check_arg(owner, "gsnr_eps", options["gsnr_eps"] >= 0.0, options["gsnr_eps"], ">= 0")
+    # 0 would make r = 0/0 where every group's gradient is 0 (an embedding row no sample used)
+    check_arg(owner, "gsnr_eps", options["gsnr_eps"] > 0.0, options["gsnr_eps"],
+              "> 0 (an element whose gradients are all equal, e.g. all zero, has variance 0)")
     check_arg(owner, "weight_decay", options["weight_decay"] >= 0.0, options["weight_decay"], ">= 0")
 
 
