@@ -76,6 +76,14 @@ def test_an_unknown_option_is_named():
         vrgd_ds.optim.vr_adam([p], [torch.ones(3)], [{}], gsnr=False, gama=0.1)
 
 
+def test_an_option_out_of_range_is_refused_as_the_class_refuses_it():
+    """The step functions check the ranges the constructors check. Fails on the code before,
+    which checked only the members' own options: ``beta3=1`` stepped to NaN."""
+    p = torch.zeros(3)
+    with pytest.raises(ValueError, match="invalid beta3=1.0"):
+        vrgd_ds.optim.vr_adam([p], [torch.ones(3)], [{}], [torch.ones(3)], [torch.ones(3)], 2, beta3=1.0)
+
+
 def test_gsnr_without_statistics_is_refused_with_the_fix():
     p = torch.zeros(3)
     with pytest.raises(ValueError, match="pass Σg and Σg²"):

@@ -234,6 +234,9 @@ def options(cls: type, hyper: dict[str, Any]) -> dict[str, Any]:
         raise TypeError(f"{cls.__name__}: unknown option {unknown[0]!r}; accepted: {', '.join(args)}")
     args.update(hyper)
     group = cls._group(args)
+    from vrgd_ds.optim.base import check_common  # base builds on this module
+
+    check_common(cls.__name__, group)
     cls._check_options(cls.__name__, group)
     return group
 
