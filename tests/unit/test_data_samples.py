@@ -431,3 +431,23 @@ def test_on_real_shards_and_stale_after_resharding(tmp_path):
             S.BertPretrainingDataset(resharded, path, 32, seed=0)
     rebuilt = S.build_sample_index(resharded, 32, 0, None, next_sentence="nsp")
     assert len(S.BertPretrainingDataset(resharded, rebuilt, 32, seed=0)) > 0
+
+
+def test_the_job_s_held_out_split_keeps_each_pair_on_one_side(tmp_path):
+    """With ``next_sentence="nsp"`` a random-next pair's B comes from any document: the job's
+    split (``vrgd_ds.train.data.JobData.split``) keeps a sample only on the side both its
+    documents are on, so no held-out sentence is trained on and no training sentence is
+    evaluated. Fails on the code before, which split by A's document alone."""
+    from vrgd_ds.train.data import JobData
+
+    corpus = FakeCorpus(random_docs(np.random.default_rng(5)), tmp_path / "corpus")
+    path = S.build_sample_index(corpus, 64, 1, tmp_path / "idx", next_sentence="nsp")
+    cut = 30
+    data = JobData(None, corpus, {64: path}, cut, 1, "nsp")
+    train, held = data.split(64)
+    rows = np.load(path)
+    crossing = int(np.sum((rows[:, S.DOC_A] < cut) != (rows[:, S.DOC_B] < cut)))
+    assert crossing > 0  # the case exists in this corpus
+    assert (rows[train.rows][:, [S.DOC_A, S.DOC_B]] < cut).all()
+    assert (rows[held.rows][:, [S.DOC_A, S.DOC_B]] >= cut).all()
+    assert len(train) + len(held) + crossing == len(rows)

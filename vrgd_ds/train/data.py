@@ -19,7 +19,7 @@ import numpy as np
 import torch
 
 from vrgd_ds.data_pipeline.sampler import PretrainingSampler
-from vrgd_ds.data_pipeline.samples import DOC_A, BertPretrainingDataset, collate, index_filename
+from vrgd_ds.data_pipeline.samples import DOC_A, DOC_B, BertPretrainingDataset, collate, index_filename
 from vrgd_ds.data_pipeline.shards import ShardedCorpus
 from vrgd_ds.data_pipeline.prepare import SHARDS_DIR, TOKENIZER_FILE
 from vrgd_ds.data_pipeline.tokenizer import Tokenizer
@@ -83,13 +83,16 @@ class JobData:
         return train, held
 
     def split(self, seq_len: int) -> tuple[Rows, Rows]:
-        """(training samples, held-out samples) of the ``seq_len`` index."""
+        """(training samples, held-out samples) of the ``seq_len`` index: a sample is on the side
+        of the split both its segments' documents are on. A next-sentence pair whose random B
+        comes from the other side is in neither, so no held-out text is trained on."""
         ds = self._dataset(seq_len)
-        docs = np.asarray(ds._rows[:, DOC_A])
-        train, held = np.flatnonzero(docs < self.split_document), np.flatnonzero(docs >= self.split_document)
+        a, b = np.asarray(ds._rows[:, DOC_A]), np.asarray(ds._rows[:, DOC_B])
+        cut = self.split_document
+        train, held = np.flatnonzero((a < cut) & (b < cut)), np.flatnonzero((a >= cut) & (b >= cut))
         if len(train) == 0 or len(held) == 0:
             raise ConfigError(f"job.data.heldout_fraction: the corpus ({self.corpus.num_documents} documents, "
-                              f"{len(docs)} samples at seq {seq_len}) leaves no training or no held-out samples; "
+                              f"{len(a)} samples at seq {seq_len}) leaves no training or no held-out samples; "
                               "use a larger corpus or change the fraction")
         return Rows(ds, train), Rows(ds, held)
 
