@@ -451,3 +451,27 @@ def test_the_job_s_held_out_split_keeps_each_pair_on_one_side(tmp_path):
     assert (rows[train.rows][:, [S.DOC_A, S.DOC_B]] < cut).all()
     assert (rows[held.rows][:, [S.DOC_A, S.DOC_B]] >= cut).all()
     assert len(train) + len(held) + crossing == len(rows)
+
+
+@pytest.mark.parametrize("count, world, micro", [(256, 6, 2), (256, 24, 2), (10, 3, 4), (7, 7, 1), (64, 2, 8)])
+def test_every_rank_evaluates_as_many_batches(count, world, micro):
+    """``vrgd_ds.train.data.eval_batches``: each data-parallel rank gets the same number of
+    held-out samples and batches, distinct samples over the ranks, ``count`` rounded down to a
+    multiple of the ranks. Fails on the code before: 256 samples on 6 ranks at micro-batch 2
+    gave ranks 0-3 22 batches and ranks 4-5 21, and a ZeRO-3 evaluation (whose forward gathers
+    parameters over the ranks) hung."""
+    from vrgd_ds.train.data import eval_batches
+
+    held = {(0, i): i for i in range(1000)}  # (epoch, index) -> sample, as the held-out set is read
+    per_rank = [eval_batches(held, count, micro, r, world, collate_fn=list) for r in range(world)]
+    assert len({len(b) for b in per_rank}) == 1
+    seen = [i for b in per_rank for batch in b for i in batch]
+    assert sorted(seen) == list(range(count // world * world))
+
+
+def test_fewer_held_out_samples_than_ranks_is_a_config_error():
+    from vrgd_ds.train.config import ConfigError
+    from vrgd_ds.train.data import eval_batches
+
+    with pytest.raises(ConfigError, match="job.data.eval_samples: 3 held-out sample"):
+        eval_batches({(0, i): i for i in range(3)}, 256, 2, 0, 4, collate_fn=list)

@@ -89,7 +89,8 @@ class DataConfig(_Strict):
     """Share of documents (the last ones of the corpus) kept out of training for the held-out
     MLM loss/accuracy."""
     eval_samples: int = Field(256, ge=1)
-    """Held-out samples evaluated (fixed masks, so evaluations are comparable)."""
+    """Held-out samples evaluated (fixed masks, so evaluations are comparable), rounded down to a
+    multiple of the data-parallel ranks: every rank evaluates as many."""
     next_sentence: Literal["nsp", "sop"] | None = None
     """Second pre-training task: next-sentence (BERT) or sentence-order (ALBERT) prediction."""
     workers: int = Field(0, ge=0)

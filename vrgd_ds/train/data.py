@@ -229,7 +229,14 @@ def loader(dataset: torch.utils.data.Dataset, sampler: PretrainingSampler, worke
 
 def eval_batches(held: torch.utils.data.Dataset, count: int, micro_batch: int, rank: int, world: int,
                  collate_fn: Any = collate) -> list[dict[str, torch.Tensor]]:
-    """This rank's share of the first ``count`` held-out samples (epoch 0 masks), batched."""
-    idx = list(range(min(count, len(held))))[rank::world]
+    """This rank's share of the first ``count`` held-out samples (epoch 0 masks), batched. Every
+    rank gets as many samples, so as many batches: the count is rounded down to a multiple of
+    ``world`` (a ZeRO-3 forward gathers parameters over the ranks, and a rank with one batch
+    more would wait for the others forever)."""
+    total = min(count, len(held)) // world * world
+    if total == 0:
+        raise ConfigError(f"job.data.eval_samples: {min(count, len(held))} held-out sample(s) for {world} "
+                          f"data-parallel ranks; evaluate at least {world} (one per rank)")
+    idx = list(range(total))[rank::world]
     items = [held[(0, i)] for i in idx]
     return [collate_fn(items[j:j + micro_batch]) for j in range(0, len(items), micro_batch)]
