@@ -97,8 +97,8 @@ def test_gpt_job_in_fp16_scales_the_loss_and_skips_overflowing_steps(tmp_path, c
 
 @pytest.mark.exhaustive
 def test_gpt_job_on_other_layouts_and_phases(tmp_path, corpus):
-    """Pipeline parallelism (PP 2, two phases of seq 32 then 64, each evaluated on the last phase's
-    held-out windows) and tensor parallelism with a global batch that only the data-parallel ranks
+    """Pipeline parallelism (PP 2, two phases of seq 32 then 64; the evaluations before
+    training and at the end on the last phase's held-out windows) and tensor parallelism with a global batch that only the data-parallel ranks
     divide (TP 2: 12 = 4 × 3 × 1 rank, not a multiple of 4 × 2 ranks). Before: PP 2 stopped in
     megatron-core's config check (no ``pipeline_dtype``); the first evaluation of a two-phase run
     used the first phase's sequence length for the last phase's windows; and the spine checked a

@@ -362,9 +362,11 @@ class Job:
 
     # -- evaluation ----------------------------------------------------------------------------
 
-    def evaluate(self, held) -> dict[str, float]:
-        """The held-out loss and accuracy: the first ``job.data.eval_samples`` samples, split over
-        the data-parallel ranks."""
+    def evaluate(self, held, seq_len: int) -> dict[str, float]:
+        """The held-out loss and accuracy: the first ``job.data.eval_samples`` samples of ``held``
+        (the held-out samples of ``seq_len``, recorded as ``eval/seq_len``), split over the
+        data-parallel ranks. Before training and at the end: the last phase's; between: the
+        current phase's."""
         phase = self.job.phases[self.current_phase()]
         batches = eval_batches(held, self.job.data.eval_samples, phase.micro_batch, self.engine.data_rank,
                                self.engine.data_world, self.engine.collate)
@@ -373,7 +375,8 @@ class Job:
         self.watchdog.beat(self.step, "evaluation")
         count = max(count, 1.0)
         task = self.engine.task
-        return {f"eval/{task}_loss": loss / count, f"eval/{task}_acc": correct / count, "eval/tokens": count}
+        return {f"eval/{task}_loss": loss / count, f"eval/{task}_acc": correct / count, "eval/tokens": count,
+                "eval/seq_len": float(seq_len)}
 
     # -- training ------------------------------------------------------------------------------
 
@@ -401,7 +404,7 @@ class Job:
         helds = {n: held for n, (_, held) in self.splits.items()}
         final_held = helds[self.job.phases[-1].seq_len]
         if not self.evals:
-            self.evals.append({"step": 0, **self.evaluate(final_held)})
+            self.evals.append({"step": 0, **self.evaluate(final_held, self.job.phases[-1].seq_len)})
             if sinks:
                 sinks.write(0, {k: v for k, v in self.evals[-1].items() if k != "step"})
         bar = tqdm(total=self.job.total_steps, initial=self.step, disable=self.rank != 0, dynamic_ncols=True,
@@ -415,7 +418,7 @@ class Job:
             bar.close()
         last = self.evals[-1]
         if last["step"] != self.step:
-            self.evals.append({"step": self.step, **self.evaluate(final_held)})
+            self.evals.append({"step": self.step, **self.evaluate(final_held, self.job.phases[-1].seq_len)})
             if sinks:
                 sinks.write(self.step, {k: v for k, v in self.evals[-1].items() if k != "step"})
         if self.job.checkpoint_every == 0 or self.step % self.job.checkpoint_every:
@@ -554,7 +557,7 @@ class Job:
             record.update(telemetry.group_summary(per_tensor))
         done = all(c >= b for c, b in zip(self.consumed, self.budget))
         if self.job.eval_every and self.step % self.job.eval_every == 0 and not done:
-            ev = self.evaluate(held)
+            ev = self.evaluate(held, self.job.phases[index].seq_len)
             self.evals.append({"step": self.step, **ev})
             record.update(ev)
         if sinks:
