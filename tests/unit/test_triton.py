@@ -616,3 +616,14 @@ def test_an_untested_triton_release_is_named(monkeypatch, caplog):
         kernels, why = _impl._triton()
     assert kernels is not None and why is None
     assert any("Triton 3.2.0" in r.getMessage() and "triton_aot" in r.getMessage() for r in caplog.records)
+
+
+def test_a_rank_holding_no_piece_of_a_group_gets_empty_tables():
+    """Under a layout a rank may hold no piece of a param group (Megatron's distributed optimizer
+    with a small bias group), and its plan is empty: the kernels answer with empty tables, as
+    the C++ kernels do. Fails on the code before: IndexError (the device of an empty list)."""
+    k = _triton.Triton()
+    seg = torch.zeros((0, 3), dtype=torch.int64)
+    assert k.nonfinite([], seg).numel() == 0
+    moments = k.checked_moments([], [], [], seg, 0.5, 1e-12)
+    assert moments.shape[0] == 0

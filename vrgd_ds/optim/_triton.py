@@ -1295,7 +1295,12 @@ class Triton:
 
     @staticmethod
     def _device(tensors: Tensors) -> torch.device:
-        return tensors[0].device
+        """The tensors' device; for none (a rank holding no piece of a param group, whose empty
+        tables still join the group's reductions) this process's CUDA device (the CPU under the
+        interpreter, without one)."""
+        if len(tensors):
+            return tensors[0].device
+        return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
 
     @staticmethod
     def _dtype(tensors: Tensors) -> tl.dtype:
