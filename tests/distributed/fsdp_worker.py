@@ -294,6 +294,33 @@ def base_case(case: dict) -> list[dict[str, Any]]:
         torch.equal(a.to_local(), b.to_local()) for a, b in zip(nets[0].parameters(), nets[1].parameters()))))
 
 
+def zero_shard_case(case: dict) -> list[dict[str, Any]]:
+    """An embedding of 8 rows on 2 ranks (rank 0's shard rows 0-3, rank 1's rows 4-7) read at
+    rows 0-3 only, so that rank 1's whole shard has a zero gradient, stepped by Lamb (GSNR off)
+    at lr 0, as a warmup from 0 takes its first step, then at lr 0.1: every rank takes both steps
+    (one step count), and nobody waits in a collective the other skipped."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    torch.manual_seed(0)
+    net = torch.nn.Embedding(8, 4)
+    fully_shard(net, mesh=init_device_mesh("cpu", (world,), mesh_dim_names=("shard",)))
+    net.set_force_sum_reduction_for_comms(True)
+    opt = vrgd_ds.Lamb(net.parameters(), lr=0.0)
+    vrgd_ds.fsdp.attach(net, opt)
+    rows = torch.tensor([0, 1, 2, 3])
+    for lr in (0.0, 0.1):
+        for g in opt.param_groups:
+            g["lr"] = lr
+        net(rows).pow(2).sum().backward()
+        local_zero = not bool(net.weight.grad.to_local().any())
+        opt.step()
+        opt.zero_grad()
+    steps = sorted({int(st["step"].max()) for st in opt.state.values()})
+    return every_rank(dict(rank=rank, local_zero=local_zero, steps=steps))
+
+
 class TPNet(torch.nn.Module):
     """A block as torchtitan parallelises a transformer's: a norm (sequence parallel), a colwise
     and a rowwise linear layer, and a colwise head whose output is replicated."""

@@ -119,6 +119,17 @@ def test_dcp_checkpoint_resumes_on_the_same_and_on_another_world_size(pool4, poo
                 assert res["max_diff"] <= 1e-6, res
 
 
+@pytest.mark.exhaustive  # make test: the rule in-process (tests/unit/test_optimizers.py)
+def test_a_first_step_at_lr_0_is_taken_by_every_rank_whatever_its_shard_holds(pool):
+    """A real first step at lr 0 whose gradient is zero on one rank's shard: the state-init
+    decision (``vrgd_ds.optim.state.is_state_init``) is every rank's, so both ranks step twice.
+    Fails on the code before: rank 1 took the step for DCP's state-creating one and returned,
+    while rank 0 stepped into the layout's collectives (a hang, or mismatched sums)."""
+    res = pool.run("fsdp_worker", "zero_shard_case", {})
+    assert [r["local_zero"] for r in res] == [False, True], res  # the case holds
+    assert all(r["steps"] == [2] for r in res), res
+
+
 def test_fsdps_reduction_is_untouched_and_gamma_1_is_the_base_optimizer_bit_for_bit(pool):
     for res in pool.run("fsdp_worker", "base_case", {}):
         assert res["grads_equal"] and res["params_equal"], res

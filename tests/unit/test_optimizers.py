@@ -976,3 +976,20 @@ def test_a_steady_steps_python_work_does_not_grow_with_the_tensors(name, flat, t
     few = _python_calls_of_a_steady_step(name, 8, flat, triton, monkeypatch)
     many = _python_calls_of_a_steady_step(name, 64, flat, triton, monkeypatch)
     assert few == many, (few, many)
+
+
+def test_the_state_creating_step_is_decided_alike_on_every_rank():
+    """A step at lr 0 with zero gradients creates the state and advances nothing (DCP's and
+    torchtitan's step before a load), but only if no rank holding a piece of the step has a
+    gradient or a state: ``agree`` ORs each flag over them. (Two FSDP ranks, one with a zero
+    shard at a real first step at lr 0: tests/distributed/test_fsdp.py, exhaustive.)"""
+    from vrgd_ds.optim import state as S
+
+    p = torch.zeros(3, requires_grad=True)
+    p.grad = torch.zeros(3)
+    groups = [{"params": [p], "lr": 0.0}]
+    assert S.is_state_init({}, groups, 0)
+    assert S.is_state_init({}, groups, 0, agree=lambda flags: flags)
+    assert not S.is_state_init({}, groups, 0, agree=lambda f: [f[0], f[1], True])  # another rank's gradient
+    assert not S.is_state_init({}, groups, 0, agree=lambda f: [True, f[1], f[2]])  # another rank's state
+    assert not S.is_state_init({}, [{"params": [p], "lr": 0.1}], 0)

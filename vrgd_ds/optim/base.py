@@ -218,7 +218,8 @@ class GSNROptimizer(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         try:
-            if S.is_state_init(self.state, self.param_groups, 0 if self._stats is None else self._stats.n):
+            if S.is_state_init(self.state, self.param_groups, 0 if self._stats is None else self._stats.n,
+                               None if self._layout is None else self._any_rank):
                 self.allocate_state()
             else:
                 run_with_retry(self._step, self._undo)
@@ -226,6 +227,13 @@ class GSNROptimizer(torch.optim.Optimizer):
             if self._stats is not None:
                 self._stats.reset()
         return loss
+
+    def _any_rank(self, flags: list[bool]) -> list[bool]:
+        """Each flag OR-ed over the ranks that step together (the layout's group and stages)."""
+        t = torch.tensor([float(f) for f in flags], dtype=torch.float64, device=self._layout.device)
+        self._layout.all_reduce(t, "max")
+        self._layout.all_reduce_stages(t, "max")
+        return [bool(x) for x in t.tolist()]
 
     def _undo(self) -> None:
         self.step_calls -= 1

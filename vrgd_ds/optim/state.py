@@ -5,7 +5,7 @@ saved by another member or version (VRLamb <-> Lamb, ``gsnr`` on/off, options ad
 from __future__ import annotations
 
 import logging
-from typing import Any, Iterable
+from typing import Any, Callable, Iterable
 
 import torch
 from torch import Tensor
@@ -107,16 +107,23 @@ def after_load(state: dict[Tensor, dict[str, Any]], groups: list[dict[str, Any]]
                        owner, saved, now, what)
 
 
-def is_state_init(state: dict[Tensor, Any], groups: list[dict[str, Any]], recorded_groups: int) -> bool:
+def is_state_init(state: dict[Tensor, Any], groups: list[dict[str, Any]], recorded_groups: int,
+                  agree: Callable[[list[bool]], list[bool]] | None = None) -> bool:
     """Whether a step is the one ``torch.distributed.checkpoint.state_dict`` (and torchtitan
-    before a load) runs on a fresh optimizer to create its state: every gradient zero, every
-    ``lr`` 0, no statistics recorded (``recorded_groups`` 0). Such a step creates the state as a
-    fresh start has it (``allocate``) and advances nothing: no step count, no GSNR momentum (a
-    real step would need n >= 2 groups)."""
-    if state or any(float(g["lr"]) != 0.0 for g in groups) or recorded_groups != 0:
+    before a load) runs on a fresh optimizer to create its state: no state yet, every gradient
+    zero, every ``lr`` 0, no statistics recorded (``recorded_groups`` 0). Such a step creates the
+    state as a fresh start has it (``allocate``) and advances nothing: no step count, no GSNR
+    momentum (a real step would need n >= 2 groups). ``agree`` (an OR over the ranks that share
+    the step) makes the answer every rank's: a rank's own shard may hold only zero gradients in a
+    real first step at lr 0 (a warmup from 0), and stepping alone would leave the others waiting
+    in the step's collectives. It is called on every rank alike: the ``lr`` and the recorded
+    groups are the same on every rank."""
+    if any(float(g["lr"]) != 0.0 for g in groups) or recorded_groups != 0:
         return False
     grads = [p.grad for g in groups for p in g["params"] if p.grad is not None]
-    return bool(grads) and not any(bool(local_tensor(x).any()) for x in grads)
+    flags = [bool(state), bool(grads), any(bool(local_tensor(x).any()) for x in grads)]
+    has_state, has_grads, nonzero = agree(flags) if agree is not None else flags
+    return not has_state and has_grads and not nonzero
 
 
 @torch.no_grad()
