@@ -993,3 +993,24 @@ def test_the_state_creating_step_is_decided_alike_on_every_rank():
     assert not S.is_state_init({}, groups, 0, agree=lambda f: [f[0], f[1], True])  # another rank's gradient
     assert not S.is_state_init({}, groups, 0, agree=lambda f: [True, f[1], f[2]])  # another rank's state
     assert not S.is_state_init({}, [{"params": [p], "lr": 0.1}], 0)
+
+
+@pytest.mark.skipif(not _fused.available(), reason="no C++ toolchain")
+def test_a_group_of_two_dtypes_is_refused_and_param_groups_splits_them():
+    """bf16 weights with fp32 LayerNorms: ``vrgd_ds.param_groups`` gives each dtype its groups
+    and the fused kernels step them; a group mixing them is refused at construction, naming the
+    fix. Fails on the code before: param_groups mixed them and the first step raised in the
+    kernels ("tensors must be of one dtype")."""
+    m = make_model(torch.bfloat16)
+    m[1].float()  # the LayerNorm in fp32
+    groups = vrgd_ds.param_groups(m, 0.01)
+    assert [len({p.dtype for p in g["params"]}) for g in groups] == [1] * len(groups)
+    assert {p.dtype for g in groups for p in g["params"]} == {torch.bfloat16, torch.float32}
+    opt = vrgd_ds.VRLamb(groups, fused=True)
+    x, y = batches(1, 2, dtype=torch.bfloat16)[0][0]
+    for _ in range(2):
+        (m[3](m[2](m[1](m[0](x).float()).bfloat16())) - y).float().pow(2).mean().backward()
+    opt.step()
+    with pytest.raises(ValueError, match=r"param group 0\): the group mixes bfloat16 and float32"):
+        vrgd_ds.VRLamb(m.parameters(), fused=True)
+    vrgd_ds.VRLamb(m.parameters(), fused=False)  # the reference takes any mix

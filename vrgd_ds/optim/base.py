@@ -162,7 +162,13 @@ class GSNROptimizer(torch.optim.Optimizer):
             self._stats.reset()  # a step the caller skipped must not leak into the next one
 
     def _check_group(self, group: dict[str, Any]) -> None:
-        check_common(f"{self.name} (param group {len(self.param_groups) - 1})", group)
+        where = f"{self.name} (param group {len(self.param_groups) - 1})"
+        check_common(where, group)
+        dtypes = sorted({str(p.dtype).removeprefix("torch.") for p in group["params"]})
+        if len(dtypes) > 1 and self.fused is not False:
+            raise ValueError(f"{where}: the group mixes {' and '.join(dtypes)} tensors, and the fused kernels step "
+                             "one dtype per group: give each dtype its group (vrgd_ds.param_groups does), or "
+                             "fused=False")
         type(self)._check_options(self.name, group)
 
     @staticmethod

@@ -24,7 +24,8 @@ def param_groups(model: nn.Module, weight_decay: float, **decay_group_options: A
 
     The excluded group has ``weight_decay=0`` and ``trust_ratio=False``; extra keyword
     options go to the decayed group only. Groups carry ``param_names`` for per-tensor
-    metrics. Shared parameters appear once.
+    metrics. Shared parameters appear once. A model of several dtypes (bf16 weights, fp32
+    norms) gets each group once per dtype: the fused kernels step one dtype per group.
     """
     decay: list[tuple[str, nn.Parameter]] = []
     skip: list[tuple[str, nn.Parameter]] = []
@@ -37,10 +38,9 @@ def param_groups(model: nn.Module, weight_decay: float, **decay_group_options: A
             full = f"{mod_name}.{name}" if mod_name else name
             (skip if is_excluded(module, name, p) else decay).append((full, p))
     groups = []
-    if decay:
-        groups.append({"params": [p for _, p in decay], "param_names": [n for n, _ in decay],
-                       "weight_decay": weight_decay, **decay_group_options})
-    if skip:
-        groups.append({"params": [p for _, p in skip], "param_names": [n for n, _ in skip],
-                       "weight_decay": 0.0, "trust_ratio": False})
+    for members, options in ((decay, {"weight_decay": weight_decay, **decay_group_options}),
+                             (skip, {"weight_decay": 0.0, "trust_ratio": False})):
+        for dtype in dict.fromkeys(p.dtype for _, p in members):  # in order of first appearance
+            of = [(n, p) for n, p in members if p.dtype == dtype]
+            groups.append({"params": [p for _, p in of], "param_names": [n for n, _ in of], **options})
     return groups
