@@ -125,6 +125,17 @@ def test_rotation_keeps_the_newest_and_the_protected_and_never_an_incomplete_one
     assert ckpt.tags(tmp_path) == [ckpt.tag_of(s) for s in (2, 6, 8, 10)]
 
 
+def test_rotation_never_deletes_the_checkpoint_just_written_for_one_passed_over(tmp_path):
+    """A later checkpoint that passed the size check but did not load (the resume passed it over)
+    stays on disk; the job goes on from an earlier one and writes step 6. Rotation counts only
+    checkpoints up to the one just written. Fails on the code before: with keep_checkpoints 1
+    it counted step 8 as the newest and deleted step 6, the one just written."""
+    for s in (4, 6, 8):
+        fake_checkpoint(tmp_path, s)
+    assert ckpt.rotate(tmp_path, keep=1, newest=ckpt.tag_of(6)) == [ckpt.tag_of(4)]
+    assert ckpt.tags(tmp_path) == [ckpt.tag_of(6), ckpt.tag_of(8)]
+
+
 def test_free_space_check_names_the_path_and_the_sizes(tmp_path):
     import shutil
 

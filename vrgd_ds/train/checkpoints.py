@@ -147,11 +147,14 @@ def choose(ckpt_dir: Path, exclude: tuple[str, ...] = ()) -> Choice:
     return Choice(None, skipped)
 
 
-def rotate(ckpt_dir: Path, keep: int, protect: str | None = None) -> list[str]:
+def rotate(ckpt_dir: Path, keep: int, protect: str | None = None, newest: str | None = None) -> list[str]:
     """Deletes complete checkpoints beyond the newest ``keep``, never ``protect`` (the last one
     before a run of skipped steps) and never an incomplete one (kept for inspection, and not
-    counted). Returns the deleted tags."""
-    complete = [t for t in tags(ckpt_dir) if problem(ckpt_dir, t) is None]
+    counted). ``newest``: the checkpoint just written; a later one is one the resume passed over
+    (it did not load), kept for inspection and not counted either, so that the one just written
+    is never the one deleted. Returns the deleted tags."""
+    last = step_of(newest) if newest is not None else None
+    complete = [t for t in tags(ckpt_dir) if problem(ckpt_dir, t) is None and (last is None or step_of(t) <= last)]
     deleted = []
     for tag in complete[:-keep] if keep > 0 else complete:
         if tag == protect:

@@ -351,7 +351,7 @@ class Job:
                 before = [t for t in ckpt.tags(self.ckpt_dir) if ckpt.step_of(t) <= self.skip_streak_from
                           and ckpt.problem(self.ckpt_dir, t) is None]
                 protect = before[-1] if before else None
-            deleted = ckpt.rotate(self.ckpt_dir, self.job.keep_checkpoints, protect)
+            deleted = ckpt.rotate(self.ckpt_dir, self.job.keep_checkpoints, protect, newest=tag)
             if protect is not None and protect not in deleted and (self.ckpt_dir / protect).exists():
                 logger.warning("keeping checkpoint %s beyond keep_checkpoints=%d: it is the last one before the "
                                "skipped steps that began at step %d", protect, self.job.keep_checkpoints,
