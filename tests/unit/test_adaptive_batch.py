@@ -188,3 +188,22 @@ def test_noise_scale_predicts_the_half_batch_cosine_of_a_small_model():
 
 
 
+
+
+@pytest.mark.parametrize("world", [1, 3])
+def test_the_half_batch_cosine_on_an_odd_number_of_ranks_is_refused_at_set_up(world):
+    """``measure_cosine_every`` splits a measured step's micro-steps, or its ranks, into halves;
+    the controller picks odd numbers of micro-steps too, so an odd number of ranks would stop the
+    job at the first such step. Refused when the measurement is built, naming the key. Fails on
+    the code before, which stopped mid-run (exit 2 at the first odd step)."""
+    import types
+
+    from vrgd_ds.train.config import ConfigError
+    from vrgd_ds.train.halves import HalfBatchCosine
+
+    engine = types.SimpleNamespace(zero_optimization_stage=lambda: 2, module=torch.nn.Linear(2, 2))
+    dist = types.SimpleNamespace(get_world_size=lambda: world, get_rank=lambda: 0)
+    with pytest.raises(ConfigError, match=f"measure_cosine_every: .* this job has {world} rank"):
+        HalfBatchCosine(engine, dist)
+    dist.get_world_size = lambda: 2
+    HalfBatchCosine(engine, dist)

@@ -24,6 +24,11 @@ class HalfBatchCosine:
         if engine.zero_optimization_stage() == 3:
             raise ConfigError("job.phases[*].adaptive_batch.measure_cosine_every: not available under ZeRO-3 "
                               "(parameters are partitioned, their hooks see pieces); use stage 0-2 or set it to 0")
+        if dist.get_world_size() % 2:  # found at set-up, not at the first step of odd micro-steps
+            raise ConfigError(f"job.phases[*].adaptive_batch.measure_cosine_every: the half batches need an even "
+                              f"number of micro-steps or of ranks, and the controller also picks odd numbers of "
+                              f"micro-steps; this job has {dist.get_world_size()} rank(s). Use an even number of "
+                              "ranks, or set it to 0")
         self.dist = dist
         self.params = [p for p in engine.module.parameters() if p.requires_grad]
         device = self.params[0].device
