@@ -1014,3 +1014,19 @@ def test_a_group_of_two_dtypes_is_refused_and_param_groups_splits_them():
     with pytest.raises(ValueError, match=r"param group 0\): the group mixes bfloat16 and float32"):
         vrgd_ds.VRLamb(m.parameters(), fused=True)
     vrgd_ds.VRLamb(m.parameters(), fused=False)  # the reference takes any mix
+
+
+@pytest.mark.filterwarnings("ignore:Initializing zero-element tensors is a no-op")
+@pytest.mark.parametrize("fused", IMPLS)
+def test_merit_steps_a_model_with_an_empty_weight(fused):
+    """An ``nn.Linear(0, k)`` weight (shape (k, 0)) has no rows or columns to take maxima of: it
+    steps as an under-2-D tensor does, and the other tensors as without it. Fails on the code
+    before: ZeroDivisionError in ``MaxTable.split``."""
+    torch.manual_seed(0)
+    m = nn.Sequential(nn.Linear(6, 4), nn.Linear(0, 3, bias=False))
+    opt = vrgd_ds.Merit(m.parameters(), lr=0.01, fused=fused)
+    x = torch.randn(5, 6)
+    (m[0](x).pow(2).mean() + m[1](x[:, :0]).pow(2).mean()).backward()
+    before = m[0].weight.detach().clone()
+    opt.step()
+    assert not torch.equal(before, m[0].weight) and m[1].weight.shape == (3, 0)

@@ -70,7 +70,7 @@ class MaxTable:
         for key in sorted(shapes):
             shape = shapes[key]
             self.base[key] = size
-            if len(shape) >= 2:
+            if len(shape) >= 2 and math.prod(shape):  # an empty tensor has no rows to take maxima of
                 a, b, r = shape[0], shape[1], math.prod(shape[2:])
                 self.dims[key] = (a, b, r)
                 size += 2 + 2 * (a + b) * r
