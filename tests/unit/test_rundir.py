@@ -4,6 +4,7 @@ taken over, a requeued Slurm job continuing. The jobs themselves are in
 from __future__ import annotations
 
 import json
+import socket
 import os
 import subprocess
 import sys
@@ -78,6 +79,28 @@ def test_a_requeued_slurm_job_continues_and_another_job_is_refused(tmp_path, mon
     else:
         with pytest.raises(RunDirBusy, match="scancel 778"):
             lock.acquire()
+
+
+def test_an_owner_in_another_container_on_this_host_is_alive_while_its_heartbeat_is(tmp_path):
+    """Containers with the host's network (``docker run --network host``) share its host name but
+    not its pids: a record from another pid namespace is judged by its heartbeat, not by a pid
+    that means another process here. Fails on the code before, which found pid 4242 not running
+    and took the directory from a live job."""
+    _record(tmp_path, host=socket.gethostname(), pid_ns="pid:[4026531836-elsewhere]")
+    with pytest.raises(RunDirBusy, match="pid 4242"):
+        RunDirLock(tmp_path).acquire()
+
+
+def test_another_training_in_the_same_slurm_allocation_is_refused(tmp_path, monkeypatch):
+    """Two trainings started in one allocation (``salloc``, two ``srun`` steps) share the job id
+    and its restart count: the second is no requeue of the first, whose heartbeat is fresh on
+    another node, and is refused. Fails on the code before, which took over any record of the
+    same job id."""
+    _record(tmp_path, slurm_job_id="777", slurm_restart=1)
+    monkeypatch.setenv("SLURM_JOB_ID", "777")
+    monkeypatch.setenv("SLURM_RESTART_COUNT", "1")
+    with pytest.raises(RunDirBusy, match="scancel 777"):
+        RunDirLock(tmp_path).acquire()
 
 
 def test_the_heartbeat_refreshes_and_a_taken_over_owner_knows(tmp_path):

@@ -5,7 +5,7 @@ without lockd, Lustre mounted without ``flock``), and they vanish with the holde
 a trace of who held them. The run directory is instead owned through a record,
 ``<run dir>/owner.json``::
 
-    {"host", "pid", "proc_start", "slurm_job_id", "slurm_restart", "token", "started",
+    {"host", "pid", "pid_ns", "proc_start", "slurm_job_id", "slurm_restart", "token", "started",
      "heartbeat", "command"}
 
 * **Taking it.** The record is written to a private temporary file and hard-linked to
@@ -17,9 +17,11 @@ a trace of who held them. The run directory is instead owned through a record,
   checking that the record is still its own (same ``token``); if another job took it over (this
   one was stopped for longer than ``STALE_S``), ``lost`` is set and the job stops.
 * **Dead owners.** A record is taken over, with a log line saying why, when its owner is gone:
-  on this host, its pid no longer runs (or runs a different process: the start time differs);
-  anywhere, its heartbeat is older than ``STALE_S`` (a node that died); or it is an earlier
-  start of this same Slurm job (``SLURM_JOB_ID``: a requeued job continues). Taking over is a
+  on this host and in this pid namespace (not another container's), its pid no longer runs (or
+  runs a different process: the start time differs); anywhere, its heartbeat is older than
+  ``STALE_S`` (a node that died); or it is an earlier start of this same Slurm job
+  (``SLURM_JOB_ID`` with a lower ``SLURM_RESTART_COUNT``: a requeued job continues, another
+  training in the same allocation does not). Taking over is a
   ``rename`` of the dead record to a name of one's own (only one contender's rename succeeds)
   followed by a fresh ``link``.
 * **Leaving.** The owner removes the record when the job ends, whatever the exit.
@@ -61,6 +63,15 @@ def _proc_start(pid: int) -> str | None:
     return stat.rsplit(")", 1)[1].split()[19]
 
 
+def _pid_namespace() -> str | None:
+    """This process's pid namespace (``/proc/self/ns/pid``): containers on one host that share
+    its network, and so its host name, each have their own, where a pid means another process."""
+    try:
+        return os.readlink("/proc/self/ns/pid")
+    except OSError:
+        return None
+
+
 def _pid_runs(pid: int) -> bool:
     try:
         os.kill(pid, 0)
@@ -90,7 +101,8 @@ class RunDirLock:
         self.refresh_s, self.stale_s = refresh_s, stale_s
         self.token = uuid.uuid4().hex
         self.record = {
-            "host": socket.gethostname(), "pid": os.getpid(), "proc_start": _proc_start(os.getpid()),
+            "host": socket.gethostname(), "pid": os.getpid(), "pid_ns": _pid_namespace(),
+            "proc_start": _proc_start(os.getpid()),
             "slurm_job_id": os.environ.get("SLURM_JOB_ID") or None,
             "slurm_restart": int(os.environ.get("SLURM_RESTART_COUNT", "0") or 0),
             "token": self.token, "started": time.time(), "heartbeat": time.time(),
@@ -170,11 +182,13 @@ class RunDirLock:
     def dead_because(self, record: dict[str, Any]) -> str | None:
         """Why the owner of ``record`` is gone, or None if it may be alive."""
         me = self.record
-        if me["slurm_job_id"] and record.get("slurm_job_id") == me["slurm_job_id"]:
+        earlier = int(record.get("slurm_restart", -1) or 0) < me["slurm_restart"]  # a requeue counts up
+        if me["slurm_job_id"] and record.get("slurm_job_id") == me["slurm_job_id"] and earlier:
             return (f"it is an earlier start of this Slurm job {me['slurm_job_id']} (now restart "
                     f"{me['slurm_restart']}): the requeued job continues")
         age = time.time() - float(record.get("heartbeat", 0.0))
-        if record.get("host") == me["host"] and isinstance(record.get("pid"), int):
+        same_pids = record.get("pid_ns", me["pid_ns"]) == me["pid_ns"]  # not another container's
+        if record.get("host") == me["host"] and same_pids and isinstance(record.get("pid"), int):
             pid = record["pid"]
             if not _pid_runs(pid):
                 return f"pid {pid} no longer runs on this host"
