@@ -30,6 +30,10 @@ from vrgd_ds.train import telemetry as T
     ("bias", "bias"),
     # "encoder.layers" (another naming) is not HF BERT's "encoder.layer.<i>".
     ("encoder.layers.1.weight", "encoder.layers"),
+    # megatron-core's GPT: one group per layer (before: every layer in "decoder.layers")
+    ("module.decoder.layers.3.self_attention.linear_qkv.weight", "decoder.layers.3"),
+    ("decoder.layers.11.mlp.linear_fc2.bias", "decoder.layers.11"),
+    ("decoder.final_layernorm.weight", "decoder.final_layernorm"),
 ])
 def test_layer_group(name, group):
     assert T.layer_group(name) == group

@@ -48,13 +48,15 @@ __all__ = [
 # ("_orig_mod."). They may stack, e.g. a compiled model inside an engine.
 _WRAPPER_PREFIXES = ("module.", "_orig_mod.")
 _ENCODER_LAYER = re.compile(r"^encoder\.layer\.(\d+)\.")
+_DECODER_LAYER = re.compile(r"^decoder\.layers\.(\d+)\.")  # megatron-core's GPT
 
 
 def layer_group(param_name: str) -> str:
     """The layer group of a HuggingFace BERT parameter name.
 
     ``embeddings`` (``bert.embeddings.*``), ``encoder.layer.<i>``, ``pooler``, ``head``
-    (``cls.*``: the MLM and NSP heads); any other name maps to its first two dotted
+    (``cls.*``: the MLM and NSP heads), and megatron-core's GPT layers ``decoder.layers.<i>``
+    (its transformer layers would otherwise be one group); any other name maps to its first two dotted
     components (the whole name when it has fewer). Wrapper prefixes (``module.``,
     ``_orig_mod.``) and the ``bert.`` model prefix are ignored, so a name from a bare
     ``BertModel`` and one from a DeepSpeed engine around ``BertForPreTraining`` agree.
@@ -74,6 +76,9 @@ def layer_group(param_name: str) -> str:
     m = _ENCODER_LAYER.match(name)
     if m:
         return f"encoder.layer.{int(m.group(1))}"
+    m = _DECODER_LAYER.match(name)
+    if m:
+        return f"decoder.layers.{int(m.group(1))}"
     if name.startswith("pooler."):
         return "pooler"
     if name.startswith("cls."):
