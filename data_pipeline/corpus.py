@@ -56,6 +56,7 @@ import pkgutil
 import re
 import sys
 import warnings
+import zlib
 from collections.abc import Iterable, Iterator
 from functools import lru_cache
 from pathlib import Path
@@ -191,6 +192,8 @@ def _jsonl_documents(path: Path, lines: Iterable[str], field: str) -> Iterator[D
 
 
 _OPENERS = {".gz": gzip.open, ".bz2": bz2.open, ".xz": lzma.open}
+#: what a truncated or corrupt compressed file raises while it is read
+_CORRUPT = (EOFError, gzip.BadGzipFile, lzma.LZMAError, zlib.error, OSError)
 
 
 def _open_text(path: Path) -> TextIO:
@@ -213,6 +216,9 @@ def detect_format(path: PathLike) -> str:
             head = fh.read(1 << 16)
     except UnicodeDecodeError:
         raise DataError(f"{path}: not UTF-8 text; convert it to UTF-8 or leave it out of the inputs") from None
+    except _CORRUPT as e:
+        raise DataError(f"{path}: cannot be read ({type(e).__name__}: {e}); a truncated or corrupt "
+                        "compressed file? Fetch it again or leave it out of the inputs") from None
     first = next((line for line in head.splitlines() if line.strip()), "")
     if first.lstrip().startswith("{"):
         return "jsonl"
@@ -289,6 +295,9 @@ def read_file(path: PathLike, format: str = "auto", field: str = "text") -> Iter
             raise DataError(
                 f"{path}:{lineno + 1}: not UTF-8 text; convert the file to UTF-8 or leave it out of the inputs"
             ) from None
+        except _CORRUPT as e:
+            raise DataError(f"{path}:{lineno + 1}: cannot be read ({type(e).__name__}: {e}); a truncated or "
+                            "corrupt compressed file? Fetch it again or leave it out of the inputs") from None
 
 
 class Corpus:

@@ -184,3 +184,18 @@ def test_embedded_corpus_nonempty_and_deterministic():
     # no document is repeated (shared docstrings are used once)
     assert len({tuple(d) for d in docs}) == len(docs)
     assert list(EmbeddedCorpus()) == docs
+
+
+@pytest.mark.parametrize("suffix", [".txt.gz", ".txt.xz"])
+def test_a_truncated_compressed_file_is_a_data_error_naming_it(tmp_path, suffix):
+    """A download cut short: the reader's EOFError (or the codec's error) becomes a DataError
+    naming the file, which the CLI prints as one line with exit 2. Fails on the code before,
+    where it escaped as a traceback."""
+    import lzma
+
+    text = ("A first sentence of the document. " * 200 + "\n\n").encode() * 5
+    whole = gzip.compress(text) if suffix.endswith(".gz") else lzma.compress(text)
+    path = tmp_path / f"cut{suffix}"
+    path.write_bytes(whole[: len(whole) // 2])
+    with pytest.raises(DataError, match=rf"cut\{suffix}.*cannot be read.*truncated or corrupt"):
+        list(read_documents(path, format="text"))
