@@ -341,6 +341,7 @@ def test_checkpoint_resume_continues_identically(pool, tmp_path, name, case):
 BAD = {
     "bad-offload": "'zero_optimization.offload_optimizer' is not supported",
     "bad-contiguous": "'zero_optimization.contiguous_gradients' is not supported",
+    "bad-contiguous-zero3": "'zero_optimization.contiguous_gradients' is not supported",
     "bad-quantized-gradients": "'zero_optimization.zero_quantized_gradients' is not supported",
     "bad-predivide": "'gradient_predivide_factor' is not supported",
     "bad-fp16-stage0": "'fp16 with zero_optimization.stage 0' is not supported",
@@ -379,6 +380,16 @@ def test_communication_dtype_the_fused_reduction_ignores_is_warned_of(pool, stag
                                          set={"communication_data_type": "bf16", "vrgd.squares": squares}))
     assert res["raised"] is None, res
     assert any("communication_data_type" in w and "is ignored" in w for w in res["warnings"]) == warned, res
+
+
+def test_a_frozen_parameter_is_left_out_on_stage_0(pool):
+    """Stage 0 with accumulation (a hook per parameter) and a parameter with requires_grad False,
+    which DeepSpeed hands the optimizer as it hands every parameter: the statistics leave it out,
+    as DeepSpeed's reduction does. Fails on the code before: KeyError at initialize (the layout
+    has trainable tensors only)."""
+    res = run(pool, "run_bad_case", dict(stage=0, dtype="fp32", gas=2, clip=0.0, opt="VRLamb", bucket=500,
+                                         frozen=True, set={"vrgd.squares": "per_step"}))
+    assert res["raised"] is None, res
 
 
 @pytest.mark.parametrize("name, case", params(worker.bad_cases()))

@@ -666,6 +666,8 @@ def run_bad_case(case: dict) -> dict:
     if case.get("client"):
         kwargs["optimizer"] = vrgd_ds.VRSGD(tiny_model().parameters(), lr=0.1)
     model = moe_model() if case.get("moe") else bert_model() if case.get("bert") else tiny_model()
+    if case.get("frozen"):  # a frozen first layer, in the optimizer's params as DeepSpeed passes them
+        model[0].weight.requires_grad_(False)
     if case.get("mpu"):
         kwargs["mpu"] = TensorParallelMpu()
     from deepspeed.utils import groups
@@ -738,6 +740,8 @@ def bad_cases():
     base = dict(stage=2, dtype="fp32", gas=1, clip=0.0, opt="VRLamb", bucket=500)
     yield "bad-offload", dict(base, set={"zero_optimization.offload_optimizer": {"device": "cpu"}})
     yield "bad-contiguous", dict(base, set={"zero_optimization.contiguous_gradients": False})
+    # before: accepted, then the first backward raised in the ZeRO-3 bucket path
+    yield "bad-contiguous-zero3", dict(base, stage=3, set={"zero_optimization.contiguous_gradients": False})
     yield "bad-quantized-gradients", dict(base, set={"zero_optimization.zero_quantized_gradients": True})
     yield "bad-predivide", dict(base, set={"gradient_predivide_factor": 2.0})
     yield "bad-fp16-stage0", dict(base, stage=0, dtype="fp16")

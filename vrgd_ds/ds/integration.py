@@ -132,7 +132,7 @@ def check_engine(engine: Any) -> None:
            "reduction; set it to false")
     if engine.zero_hpz_partition_size() > 1:
         no("zero_optimization.zero_hpz_partition_size", "ZeRO++ hierarchical partitioning is not covered; set it to 1")
-    if stage in (1, 2) and not engine.zero_contiguous_gradients():
+    if stage >= 1 and not engine.zero_contiguous_gradients():  # ZeRO-3's buckets then hold several gradients
         no("zero_optimization.contiguous_gradients", "false reduces through a path without the hooks; set it to true")
     if getattr(engine, "sequence_parallel_size", 1) > 1:
         no("sequence_parallel_size", "sequence parallelism is not covered")

@@ -46,9 +46,9 @@ class Stage0:
         if self.unfused:
             require(self.wrapper, _FP16_UNFUSED, "FP16_UnfusedOptimizer")
             self.pairs = [(p, m) for lp, hp in zip(self.wrapper.fp16_groups, self.wrapper.fp32_groups)
-                          for p, m in zip(lp, hp)]
-        elif self.wrapper is opt:
-            self.pairs = [(p, p) for g in opt.param_groups for p in g["params"]]
+                          for p, m in zip(lp, hp) if p.requires_grad]
+        elif self.wrapper is opt:  # frozen parameters have no gradient to read (DeepSpeed skips them too)
+            self.pairs = [(p, p) for g in opt.param_groups for p in g["params"] if p.requires_grad]
         else:
             raise UnsupportedConfiguration(
                 f"vrgd_ds: DeepSpeed wrapped the VRGD optimizer in {type(self.wrapper).__name__}, which the hooks "
