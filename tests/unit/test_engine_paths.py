@@ -134,3 +134,15 @@ def test_an_ignored_communication_dtype_is_warned_of_under_the_scheme_in_use(sch
     with caplog.at_level("WARNING", logger="vrgd_ds"):
         assert warn_ignored_comm_dtype(engine, scheme) is warned
     assert ("is ignored for gradients" in caplog.text) is warned
+
+
+def test_bf16_squares_with_the_automatic_scheme_are_refused_naming_both_keys():
+    """``"squares": "auto"`` may pick the hierarchical scheme, which reduces ``[Σg | Σg²]`` in
+    fp32 only: ``squares_dtype`` bf16 with it is refused as with ``hierarchical`` itself. Fails
+    on the code before, which accepted it and ran fp32 when auto picked hierarchical (the cost
+    line still reporting bf16's bytes)."""
+    from vrgd_ds.ds.config import reduction_config
+
+    with pytest.raises(internals.UnsupportedConfiguration, match="squares_dtype.*'auto' may pick it"):
+        reduction_config({"vrgd": {"squares": "auto", "squares_dtype": "bf16"}})
+    assert reduction_config({"vrgd": {"squares": "per_step", "squares_dtype": "bf16"}}).squares_dtype == "bf16"
