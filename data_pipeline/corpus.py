@@ -192,8 +192,14 @@ def _jsonl_documents(path: Path, lines: Iterable[str], field: str) -> Iterator[D
 
 
 _OPENERS = {".gz": gzip.open, ".bz2": bz2.open, ".xz": lzma.open}
-#: what a truncated or corrupt compressed file raises while it is read
-_CORRUPT = (EOFError, gzip.BadGzipFile, lzma.LZMAError, zlib.error, OSError)
+#: what a truncated or corrupt compressed file raises while it is read (gzip's BadGzipFile is an
+#: OSError: an OSError counts as one only from a compressed file, see ``_corrupt``)
+_CORRUPT = (EOFError, lzma.LZMAError, zlib.error, OSError)
+
+
+def _corrupt(path: Path, e: BaseException) -> bool:
+    return not isinstance(e, OSError) or (path.suffix.lower() in _OPENERS and not isinstance(
+        e, (FileNotFoundError, PermissionError, IsADirectoryError)))
 
 
 def _open_text(path: Path) -> TextIO:
@@ -217,6 +223,8 @@ def detect_format(path: PathLike) -> str:
     except UnicodeDecodeError:
         raise DataError(f"{path}: not UTF-8 text; convert it to UTF-8 or leave it out of the inputs") from None
     except _CORRUPT as e:
+        if not _corrupt(path, e):
+            raise
         raise DataError(f"{path}: cannot be read ({type(e).__name__}: {e}); a truncated or corrupt "
                         "compressed file? Fetch it again or leave it out of the inputs") from None
     first = next((line for line in head.splitlines() if line.strip()), "")
@@ -296,6 +304,8 @@ def read_file(path: PathLike, format: str = "auto", field: str = "text") -> Iter
                 f"{path}:{lineno + 1}: not UTF-8 text; convert the file to UTF-8 or leave it out of the inputs"
             ) from None
         except _CORRUPT as e:
+            if not _corrupt(path, e):
+                raise
             raise DataError(f"{path}:{lineno + 1}: cannot be read ({type(e).__name__}: {e}); a truncated or "
                             "corrupt compressed file? Fetch it again or leave it out of the inputs") from None
 

@@ -47,6 +47,8 @@ if ! { [[ -s $PIDFILE ]] && kill -0 "$(cat "$PIDFILE")" 2>/dev/null; }; then
     log "starting sshd on ${ADDRS[*]}"
     listen=()
     for a in "${ADDRS[@]}"; do listen+=(-o "ListenAddress=$a:$PORT"); done
+    rm -f "$PIDFILE"  # a stale one would pass the check below
+    : > "$SSHD_LOG"
     /usr/sbin/sshd "${listen[@]}" -o PidFile="$PIDFILE" -o PermitRootLogin=prohibit-password \
         -o PasswordAuthentication=no -E "$SSHD_LOG"
     for _ in $(seq 20); do [[ -s $PIDFILE ]] && break; sleep 0.1; done

@@ -473,5 +473,7 @@ def test_fewer_held_out_samples_than_ranks_is_a_config_error():
     from vrgd_ds.train.config import ConfigError
     from vrgd_ds.train.data import eval_batches
 
-    with pytest.raises(ConfigError, match="job.data.eval_samples: 3 held-out sample"):
+    with pytest.raises(ConfigError, match="job.data.heldout_fraction: 3 held-out sample"):
         eval_batches({(0, i): i for i in range(3)}, 256, 2, 0, 4, collate_fn=list)
+    with pytest.raises(ConfigError, match="job.data.eval_samples: 3 for 4 data-parallel ranks"):
+        eval_batches({(0, i): i for i in range(100)}, 3, 2, 0, 4, collate_fn=list)

@@ -523,11 +523,27 @@ def test_a_param_group_s_own_option_out_of_range_is_rejected_naming_it(key, valu
     opt = vrgd_ds.VRLamb(params[:2])
     with pytest.raises(ValueError, match=f"param group 1.*invalid {key}="):
         opt.add_param_group({"params": params[2:], key: value})
+    if (key, value) == ("gsnr_eps", 0.0):
+        return  # a saved 0 resumes with the optimizer's value (the next test)
     opt = vrgd_ds.VRLamb(params)
     saved = opt.state_dict()
     saved["param_groups"][0][key] = value
+    loading = vrgd_ds.VRLamb(params, lr=0.5)
     with pytest.raises(ValueError, match=f"param group 0 as loaded.*invalid {key}="):
-        vrgd_ds.VRLamb(params).load_state_dict(saved)
+        loading.load_state_dict(saved)
+    assert loading.param_groups[0]["lr"] == 0.5  # refused before anything was loaded
+
+
+def test_a_state_saved_with_gsnr_eps_0_resumes_with_the_optimizers_value(caplog):
+    """Earlier releases accepted ``gsnr_eps=0``: such a state still loads, with this optimizer's
+    ``gsnr_eps`` and a warning saying so, rather than failing the resume."""
+    m = make_model()
+    saved = vrgd_ds.VRLamb(m.parameters()).state_dict()
+    saved["param_groups"][0]["gsnr_eps"] = 0.0
+    opt = vrgd_ds.VRLamb(m.parameters(), gsnr_eps=1e-10)
+    with caplog.at_level("WARNING"):
+        opt.load_state_dict(saved)
+    assert opt.param_groups[0]["gsnr_eps"] == 1e-10 and "saved with gsnr_eps=0" in caplog.text
 
 
 def test_a_loaded_state_s_options_are_checked_with_this_optimizer_s_wiring():
@@ -990,8 +1006,10 @@ def test_the_state_creating_step_is_decided_alike_on_every_rank():
     groups = [{"params": [p], "lr": 0.0}]
     assert S.is_state_init({}, groups, 0)
     assert S.is_state_init({}, groups, 0, agree=lambda flags: flags)
-    assert not S.is_state_init({}, groups, 0, agree=lambda f: [f[0], f[1], True])  # another rank's gradient
-    assert not S.is_state_init({}, groups, 0, agree=lambda f: [True, f[1], f[2]])  # another rank's state
+    # flags: [has state, lr set, has gradients, a gradient not zero], each OR-ed over the ranks
+    assert not S.is_state_init({}, groups, 0, agree=lambda f: [f[0], f[1], f[2], True])  # another rank's gradient
+    assert not S.is_state_init({}, groups, 0, agree=lambda f: [True, f[1], f[2], f[3]])  # another rank's state
+    assert not S.is_state_init({}, groups, 0, agree=lambda f: [f[0], True, f[2], f[3]])  # another stage's lr
     assert not S.is_state_init({}, [{"params": [p], "lr": 0.1}], 0)
 
 
@@ -1024,9 +1042,12 @@ def test_merit_steps_a_model_with_an_empty_weight(fused):
     before: ZeroDivisionError in ``MaxTable.split``."""
     torch.manual_seed(0)
     m = nn.Sequential(nn.Linear(6, 4), nn.Linear(0, 3, bias=False))
-    opt = vrgd_ds.Merit(m.parameters(), lr=0.01, fused=fused)
+    alone = copy.deepcopy(m[0])
     x = torch.randn(5, 6)
-    (m[0](x).pow(2).mean() + m[1](x[:, :0]).pow(2).mean()).backward()
-    before = m[0].weight.detach().clone()
-    opt.step()
-    assert not torch.equal(before, m[0].weight) and m[1].weight.shape == (3, 0)
+    for model, params in ((m, m.parameters()), (alone, alone.parameters())):
+        opt = vrgd_ds.Merit(params, lr=0.01, fused=fused)
+        loss = model[0](x).pow(2).mean() + model[1](x[:, :0]).pow(2).mean() if model is m else model(x).pow(2).mean()
+        loss.backward()
+        opt.step()
+    assert m[1].weight.shape == (3, 0)
+    assert torch.equal(m[0].weight, alone.weight) and torch.equal(m[0].bias, alone.bias)

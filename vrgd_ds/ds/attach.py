@@ -8,6 +8,7 @@ import deepspeed.comm as dist
 
 from vrgd_ds.ds import local, paths, pipeline, sources
 from vrgd_ds.ds.config import auto_scheme, reduction_config
+from vrgd_ds.ds.internals import UnsupportedConfiguration
 from vrgd_ds.optim.base import GSNROptimizer
 from vrgd_ds.stats.layout import ModelTensors
 from vrgd_ds.optim._impl import select_for
@@ -33,6 +34,11 @@ def attach(engine: Any) -> sources.ReductionStats | None:
     wants_stats = any(g["gsnr"] for g in opt.param_groups)
     if wants_stats:  # fail before training, not at the first step
         sources.check_groups(opt.name, world, gas, stage, scheme)
+        if stage == 3 and not engine.zero_contiguous_gradients():
+            raise UnsupportedConfiguration(
+                "vrgd_ds: 'zero_optimization.contiguous_gradients' is not supported with VRGD optimizers: false "
+                "makes ZeRO-3 reduce buckets of several gradients outside its contiguous buffer, which the "
+                "statistics do not read; set it to true (or 'gsnr': false)")
         warn_ignored_comm_dtype(engine, scheme)
 
     path = paths.for_engine(engine, stage)  # checks the path's DeepSpeed internals

@@ -17,7 +17,6 @@ optimizer once on zero gradients: VRGD state is created at the first real step i
 """
 from __future__ import annotations
 
-import logging
 from typing import Any
 
 import torch
@@ -31,7 +30,6 @@ from vrgd_ds.optim.base import GSNROptimizer, built_for_engine
 __all__ = ["SUPPORTED_DEEPSPEED", "UnsupportedConfiguration", "check_version", "require", "NAMES", "accepted_params",
            "check_optimizer_block", "check_params", "resolve", "register", "check_engine"]
 
-logger = logging.getLogger(__name__)
 
 _registered = False
 
@@ -132,8 +130,9 @@ def check_engine(engine: Any) -> None:
            "reduction; set it to false")
     if engine.zero_hpz_partition_size() > 1:
         no("zero_optimization.zero_hpz_partition_size", "ZeRO++ hierarchical partitioning is not covered; set it to 1")
-    if stage >= 1 and not engine.zero_contiguous_gradients():  # ZeRO-3's buckets then hold several gradients
+    if stage in (1, 2) and not engine.zero_contiguous_gradients():
         no("zero_optimization.contiguous_gradients", "false reduces through a path without the hooks; set it to true")
+    # ZeRO-3 without contiguous gradients: refused by attach, where whether statistics are read is known
     if getattr(engine, "sequence_parallel_size", 1) > 1:
         no("sequence_parallel_size", "sequence parallelism is not covered")
     require(engine, ("autotp_size", "mpu", "has_moe_layers"), "DeepSpeedEngine")

@@ -16,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import itertools
+import logging
 from typing import Any, Callable, Iterator
 
 import torch
@@ -30,6 +31,8 @@ from vrgd_ds.optim.retry import StepCounts, run_with_retry
 from vrgd_ds.optim.sharded import gather, state_of
 from vrgd_ds.stats.hooks import TensorHookStats
 from vrgd_ds.stats.source import StatisticsSource
+
+logger = logging.getLogger(__name__)
 
 MIN_GROUPS, RECOMMENDED_GROUPS = F.MIN_GROUPS, F.RECOMMENDED_GROUPS
 gsnr_switch = S.gsnr_switch
@@ -142,13 +145,29 @@ class GSNROptimizer(torch.optim.Optimizer):
         off, and starts at p̂ = 1 (the base optimizer's step) when it was off. One warning says
         what changed (``state.after_load``)."""
         built = S.built_wiring(self.param_groups, self.wiring_keys)
+        state_dict = self._checked_groups(state_dict, built)
         super().load_state_dict(state_dict)
         S.keep_fp32_state(self.state, self.param_groups, state_dict)
         self._epoch += 1
         S.after_load(self.state, self.param_groups, built, self.name, self.report_load)
-        for i, group in enumerate(self.param_groups):  # the saved options with this optimizer's wiring
-            check_common(f"{self.name} (param group {i} as loaded)", group)
-            type(self)._check_options(self.name, group)
+
+    def _checked_groups(self, state_dict: dict[str, Any], built: list[dict[str, Any]]) -> dict[str, Any]:
+        """The saved groups' options checked as this optimizer will hold them (its wiring; defaults
+        for keys an older state lacks), before anything is loaded. A saved ``gsnr_eps`` of 0, which
+        earlier releases accepted, resumes with this optimizer's value, with a warning."""
+        groups = []
+        for i, saved in enumerate(state_dict["param_groups"]):
+            saved = dict(saved)
+            if saved.get("gsnr_eps") == 0.0 and i < len(self.param_groups):
+                logger.warning("%s: param group %d was saved with gsnr_eps=0, which turns r into 0/0 where every "
+                               "gradient is equal; it resumes with gsnr_eps=%g", self.name, i,
+                               self.param_groups[i]["gsnr_eps"])
+                saved["gsnr_eps"] = self.param_groups[i]["gsnr_eps"]
+            options = {**self.defaults, **saved, **(built[i] if i < len(built) else {})}
+            check_common(f"{self.name} (param group {i} as loaded)", options)
+            type(self)._check_options(self.name, options)
+            groups.append(saved)
+        return {**state_dict, "param_groups": groups}
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         super().add_param_group(param_group)
@@ -224,8 +243,9 @@ class GSNROptimizer(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         try:
+            first = self._layout is not None and self.step_calls == 0  # every rank's first step alike
             if S.is_state_init(self.state, self.param_groups, 0 if self._stats is None else self._stats.n,
-                               None if self._layout is None else self._any_rank):
+                               self._any_rank if first else None):
                 self.allocate_state()
             else:
                 run_with_retry(self._step, self._undo)

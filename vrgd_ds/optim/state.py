@@ -116,14 +116,18 @@ def is_state_init(state: dict[Tensor, Any], groups: list[dict[str, Any]], record
     momentum (a real step would need n >= 2 groups). ``agree`` (an OR over the ranks that share
     the step) makes the answer every rank's: a rank's own shard may hold only zero gradients in a
     real first step at lr 0 (a warmup from 0), and stepping alone would leave the others waiting
-    in the step's collectives. It is called on every rank alike: the ``lr`` and the recorded
-    groups are the same on every rank."""
-    if any(float(g["lr"]) != 0.0 for g in groups) or recorded_groups != 0:
+    in the step's collectives. The caller passes it at the first step of every rank alike (the
+    recorded groups are the same on every rank; the state and the ``lr`` are among the flags
+    agreed, since a pipeline stage's param groups are its own)."""
+    if recorded_groups != 0:
+        return False
+    lr_set = any(float(g["lr"]) != 0.0 for g in groups)
+    if agree is None and (state or lr_set):
         return False
     grads = [p.grad for g in groups for p in g["params"] if p.grad is not None]
-    flags = [bool(state), bool(grads), any(bool(local_tensor(x).any()) for x in grads)]
-    has_state, has_grads, nonzero = agree(flags) if agree is not None else flags
-    return not has_state and has_grads and not nonzero
+    flags = [bool(state), lr_set, bool(grads), any(bool(local_tensor(x).any()) for x in grads)]
+    has_state, lr_set, has_grads, nonzero = agree(flags) if agree is not None else flags
+    return not has_state and not lr_set and has_grads and not nonzero
 
 
 @torch.no_grad()

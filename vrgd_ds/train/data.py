@@ -138,6 +138,8 @@ def fingerprint(tokenizer_sha256: str, manifest: Path, seed: int, split_document
     shards = hashlib.sha256(json.dumps(content, sort_keys=True).encode()).hexdigest()
     parts = {"tokenizer": tokenizer_sha256, "shards": shards, "seed": seed,
              "split_document": split_document, "next_sentence": next_sentence}
+    if next_sentence == "nsp":  # pairs split by both segments' documents (JobData.split)
+        parts["split"] = "both segments"
     return hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()[:16]
 
 
@@ -235,8 +237,11 @@ def eval_batches(held: torch.utils.data.Dataset, count: int, micro_batch: int, r
     more would wait for the others forever)."""
     total = min(count, len(held)) // world * world
     if total == 0:
-        raise ConfigError(f"job.data.eval_samples: {min(count, len(held))} held-out sample(s) for {world} "
-                          f"data-parallel ranks; evaluate at least {world} (one per rank)")
+        if len(held) < world:
+            raise ConfigError(f"job.data.heldout_fraction: {len(held)} held-out sample(s) for {world} data-parallel "
+                              "ranks, one at least for each; hold out more documents, or use a larger corpus")
+        raise ConfigError(f"job.data.eval_samples: {count} for {world} data-parallel ranks; evaluate at least "
+                          f"{world} (one per rank)")
     idx = list(range(total))[rank::world]
     items = [held[(0, i)] for i in idx]
     return [collate_fn(items[j:j + micro_batch]) for j in range(0, len(items), micro_batch)]

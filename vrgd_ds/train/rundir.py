@@ -205,8 +205,8 @@ class RunDirLock:
                 "in one run directory overwrite each other's checkpoints, so this one stops before touching it. Wait "
                 f"for that job to end, or stop it ({stop}) and start again: this job then resumes from its last "
                 f"checkpoint; or pass another --run-dir. A job that died without cleaning up is taken over "
-                f"automatically once its heartbeat is {self.stale_s:.0f} s old (at once on the same host); after "
-                f"making sure it is gone, deleting {self.path} frees the directory at once")
+                f"automatically once its heartbeat is {self.stale_s:.0f} s old (at once on the same host, in the "
+                f"same container); after making sure it is gone, deleting {self.path} frees the directory at once")
 
     def release(self) -> None:
         """Gives the directory back (only if the record is still ours)."""

@@ -52,7 +52,7 @@ _DECODER_LAYER = re.compile(r"^decoder\.layers\.(\d+)\.")  # megatron-core's GPT
 
 
 def layer_group(param_name: str) -> str:
-    """The layer group of a HuggingFace BERT parameter name.
+    """The layer group of a parameter name (HuggingFace BERT's, megatron-core GPT's, or another).
 
     ``embeddings`` (``bert.embeddings.*``), ``encoder.layer.<i>``, ``pooler``, ``head``
     (``cls.*``: the MLM and NSP heads), and megatron-core's GPT layers ``decoder.layers.<i>``
