@@ -381,6 +381,7 @@ def test_a_checkpoint_resumes_on_another_number_of_ranks_with_the_same_samples(c
     print(f"2 -> 1 -> 2 ranks: largest relative loss difference {worst:.1e}")
 
 
+@pytest.mark.exhaustive  # make test: a base optimizer's dist checkpoint resumed in the pool (test_megatron.py)
 @pytest.mark.parametrize("config", ["megatron"], indirect=True)
 def test_a_megatron_checkpoint_resumes_on_another_tensor_parallel_size(config, tmp_path):
     """Megatron dist-checkpointing on another layout: the step-3 checkpoint of a run on TP 1 × DP 2,

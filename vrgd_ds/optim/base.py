@@ -26,6 +26,7 @@ from vrgd_ds.optim import _impl
 from vrgd_ds.optim import functional as F
 from vrgd_ds.optim import metrics as M
 from vrgd_ds.optim import state as S
+from vrgd_ds.optim.checks import InvalidArgument, check_arg, check_common  # noqa: F401 (their home before)
 from vrgd_ds.optim.plan import Plan, Planner
 from vrgd_ds.optim.retry import StepCounts, run_with_retry
 from vrgd_ds.optim.sharded import gather, state_of
@@ -51,32 +52,6 @@ def built_for_engine() -> Iterator[None]:
         yield
     finally:
         _FOR_ENGINE.reset(token)
-
-
-class InvalidArgument(ValueError):
-    """A hyper-parameter out of range; ``name`` is the argument."""
-
-    def __init__(self, owner: str, name: str, value: Any, want: str) -> None:
-        super().__init__(f"{owner}: invalid {name}={value!r}: must be {want}")
-        self.name = name
-
-
-def check_arg(owner: str, name: str, ok: bool, value: Any, want: str) -> None:
-    if not ok:
-        raise InvalidArgument(owner, name, value, want)
-
-
-def check_common(owner: str, options: dict[str, Any]) -> None:
-    """The ranges of the options every member has: the constructor's defaults, and each param
-    group's own (a group's ``beta3=1`` would make p̂ = 0/0)."""
-    lr = options["lr"]
-    check_arg(owner, "lr", isinstance(lr, (int, float)) and lr >= 0, lr, ">= 0")
-    check_arg(owner, "gamma", 0.0 < options["gamma"] <= 1.0, options["gamma"], "in (0, 1]")
-    check_arg(owner, "beta3", 0.0 <= options["beta3"] < 1.0, options["beta3"], "in [0, 1)")
-    # 0 would make r = 0/0 where every group's gradient is 0 (an embedding row no sample used)
-    check_arg(owner, "gsnr_eps", options["gsnr_eps"] > 0.0, options["gsnr_eps"],
-              "> 0 (an element whose gradients are all equal, e.g. all zero, has variance 0)")
-    check_arg(owner, "weight_decay", options["weight_decay"] >= 0.0, options["weight_decay"], ">= 0")
 
 
 def constructor_args(frame_locals: dict[str, Any]) -> dict[str, Any]:
@@ -256,7 +231,8 @@ class GSNROptimizer(torch.optim.Optimizer):
 
     def _any_rank(self, flags: list[bool]) -> list[bool]:
         """Each flag OR-ed over the ranks that step together (the layout's group and stages)."""
-        t = torch.tensor([float(f) for f in flags], dtype=torch.float64, device=self._layout.device)
+        device = getattr(self._layout, "device", None) or torch.device("cpu")
+        t = torch.tensor([float(f) for f in flags], dtype=torch.float64, device=device)
         self._layout.all_reduce(t, "max")
         self._layout.all_reduce_stages(t, "max")
         return [bool(x) for x in t.tolist()]

@@ -30,6 +30,7 @@ from torch import Tensor
 from vrgd_ds import gsnr as G
 from vrgd_ds.log import warn_once
 from vrgd_ds.optim import _impl, columns
+from vrgd_ds.optim.checks import check_common
 from vrgd_ds.optim import metrics as M
 from vrgd_ds.optim import state as S
 from vrgd_ds.optim.plan import Plan, Planner
@@ -234,8 +235,6 @@ def options(cls: type, hyper: dict[str, Any]) -> dict[str, Any]:
         raise TypeError(f"{cls.__name__}: unknown option {unknown[0]!r}; accepted: {', '.join(args)}")
     args.update(hyper)
     group = cls._group(args)
-    from vrgd_ds.optim.base import check_common  # base builds on this module
-
     check_common(cls.__name__, group)
     cls._check_options(cls.__name__, group)
     return group
