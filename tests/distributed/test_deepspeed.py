@@ -113,7 +113,8 @@ def test_statistics_from_deepspeeds_buckets_equal_the_hooks_bit_for_bit(pool, na
     accumulation) with one launch per bucket, and from a tensor hook per parameter otherwise: Σg, Σg² and n handed to the
     optimizer at every step, and so the trained parameters, are bit-equal to the hooks' (the
     path the matrix tests against the single-process reference). Where buckets are used, no
-    parameter hook is installed, one launch runs per reduced bucket, and the segment tables are
+    parameter hook is installed, one launch runs per reduced bucket that holds gradients (none for
+    the empty bucket ZeRO-1 flushes at each step without accumulation), and the segment tables are
     built in the first step only (at most two per bucket layout: first micro-step, later ones)."""
     res = run(pool, "run_record_case", case)
     assert res["checked"] > 0
