@@ -346,10 +346,12 @@ class Launch:
         """The run's logged training steps (those with their samples and time)."""
         return [rec for rec in steps(self.run_dir) if "train/samples" in rec and "time" in rec]
 
-    def step_s(self) -> float | None:
+    def step_s(self, since: float = 0.0) -> float | None:
         """The longest of the run's last three step times (None before two steps are logged): how
-        long a pause signal may wait for the step in flight to end before the job checkpoints."""
-        times = [rec["time"] for rec in self.trained()[-4:]]
+        long a pause signal may wait for the step in flight to end before the job checkpoints.
+        ``since`` (unix seconds): the start of this segment; a resumed run's steps logged before it
+        are left out, as the gap between its last paused step and its first resumed one is none."""
+        times = [rec["time"] for rec in self.trained() if rec["time"] >= since][-4:]
         return max((b - a for a, b in zip(times, times[1:])), default=None)
 
     def progress(self, wall_s: float) -> dict:
@@ -460,7 +462,9 @@ class Runner:
         """Seconds before the end of the pause window to signal the active runs: ``PAUSE_S``, or twice
         the slowest run's step and 15 s for the checkpoint when that is longer (a signal waits for
         the step in flight: a 16× CPU step of about 70 s never paused within 45 s)."""
-        worst = max((launches[i].step_s() or 0.0 for i, *_ in active.values()), default=0.0)
+        now, mono = time.time(), time.monotonic()
+        worst = max((launches[i].step_s(since=now - (mono - t0)) or 0.0 for i, _, t0, *_ in active.values()),
+                    default=0.0)
         return max(self.PAUSE_S, 2 * worst + 15.0)
 
     def fits(self, launch: Launch) -> bool:

@@ -7,6 +7,7 @@ import json
 import math
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -803,8 +804,31 @@ def test_a_run_with_slow_steps_is_signalled_earlier_than_the_pause_window(tmp_pa
     fast, slow, one = launch("fast", [0, 2, 4, 6]), launch("slow", [0, 60, 128, 196, 260]), launch("one", [0])
     assert (fast.step_s(), slow.step_s(), one.step_s()) == (2.0, 68.0, None)
     runner = Runner(argparse.Namespace(parallel=2, time_limit=600, started=0.0, ranks=1, port=29900))
-    assert runner.lead([fast, one], {0: (0,), 1: (1,)}) == Runner.PAUSE_S
-    assert runner.lead([fast, slow], {0: (0,), 1: (1,)}) == 2 * 68.0 + 15.0
+    started = time.monotonic() - (time.time() - 1000.0)  # each run's start: its first step's time
+    assert runner.lead([fast, one], {0: (0, None, started), 1: (1, None, started)}) == Runner.PAUSE_S
+    assert runner.lead([fast, slow], {0: (0, None, started), 1: (1, None, started)}) == 2 * 68.0 + 15.0
+
+
+def test_a_resumed_runs_pause_lead_counts_its_own_steps_only(tmp_path):
+    """A run paused at step 3 and resumed two days later: the gap between its last step before the
+    pause and its first one after is no step time. Fails on the code before, which took it for
+    one (172,800 s) and signalled the resumed 16× runs to pause again after two steps."""
+    import argparse
+
+    sys.path.insert(0, str(STUDIES))
+    from bert_batch import Launch, Runner
+
+    run_dir = tmp_path / "resumed"
+    run_dir.mkdir()
+    now = time.time()
+    times = [now - 172_900.0, now - 172_870.0, now - 172_840.0, now - 100.0, now - 70.0, now - 40.0]
+    rows = [{"step": k + 1, "time": t, "train/samples": 8.0 * (k + 1)} for k, t in enumerate(times)]
+    (run_dir / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    resumed = Launch(run_dir, [], {}, {"samples": 8 * 128}, tmp_path / "no-data")
+    runner = Runner(argparse.Namespace(parallel=1, time_limit=6000, started=0.0, ranks=1, port=29900))
+    started = time.monotonic() - 150.0  # this segment began 150 s ago
+    assert runner.lead([resumed], {0: (0, None, started)}) == 2 * 30.0 + 15.0
+    assert resumed.step_s(since=now - 150.0) == 30.0
 
 
 @pytest.mark.slow
