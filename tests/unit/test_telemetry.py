@@ -248,3 +248,48 @@ def test_tensorboard_resume_hides_later_steps(tmp_path):
     acc = EventAccumulator(str(tmp_path))
     acc.Reload()
     assert [(e.step, e.value) for e in acc.Scalars("train/loss")] == [(1, 1.0), (2, 20.0)]
+
+
+def test_a_fresh_start_replaces_an_earlier_starts_records_and_any_exit_closes_the_sinks(tmp_path, monkeypatch):
+    """``Job.train`` in a run directory where an earlier start logged steps 0-3 and was killed
+    before its first checkpoint: the fresh start's records replace those (before: appended, so
+    steps 0-1 were in ``metrics.jsonl`` twice), and a ``Preempted`` (as a ``Diverged`` or any
+    failure) still closes the sinks, so TensorBoard's queued events reach the file (before:
+    closed only at the normal end). Both fail on the old code."""
+    from types import SimpleNamespace
+
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    from vrgd_ds.train import loop
+
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "metrics.jsonl").write_text("".join(json.dumps({"step": s, "time": 0.0, "train/loss": 9.0}) + "\n"
+                                               for s in range(4)))
+    job = object.__new__(loop.Job)
+    job.run_dir, job.rank, job.step, job.evals, job.consumed, job.budget = run, 0, 0, [], [0], [2]
+    job.job = SimpleNamespace(telemetry=SimpleNamespace(jsonl=True, tensorboard=True, wandb=None),
+                              phases=[SimpleNamespace(seq_len=8)], total_steps=2)
+    job.resume = lambda: False
+    job.engine = SimpleNamespace(datasets=lambda seq_len: (None, None))
+    job.evaluate = lambda held, seq_len: {"eval/mlm_loss": 5.0}
+    job.optimizer = SimpleNamespace(param_groups=[{"gsnr": True}])
+    job.current_phase = lambda: 0
+
+    def run_phase(index, sinks, bar, held, gsnr_on):
+        job.step = 1
+        sinks.write(1, {"train/loss": 4.0})
+        raise loop.Preempted("checkpoint step00000001 taken on SIGUSR1")
+
+    job._run_phase = run_phase
+    closed = []
+    close = T.MultiSink.close
+    monkeypatch.setattr(T.MultiSink, "close", lambda self: (closed.append(len(self.sinks)), close(self)))
+    with pytest.raises(loop.Preempted):
+        job.train()
+    assert closed == [2]
+    assert [(r["step"], r.get("train/loss"), r.get("eval/mlm_loss")) for r in _lines(run / "metrics.jsonl")] == [
+        (0, None, 5.0), (1, 4.0, None)]
+    acc = EventAccumulator(str(run / "tensorboard"))
+    acc.Reload()
+    assert [(e.step, e.value) for e in acc.Scalars("train/loss")] == [(1, 4.0)]

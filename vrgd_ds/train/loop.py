@@ -392,14 +392,26 @@ class Job:
         return batch // (p.micro_batch * self.engine.data_world)
 
     def train(self) -> dict[str, Any]:
-        from tqdm import tqdm
-
+        """Resumes (or starts), trains every phase's budget, evaluates and checkpoints at the end;
+        the telemetry sinks are closed however it ends."""
         from vrgd_ds.train import telemetry
 
         resumed = self.resume()
+        # A fresh start drops what an earlier start of this run directory logged before it was
+        # killed without a checkpoint (-1: every step), as a resume drops the steps after its checkpoint
         sinks = telemetry.build_sinks(self.run_dir, jsonl=self.job.telemetry.jsonl,
                                       tensorboard=self.job.telemetry.tensorboard, wandb=self.job.telemetry.wandb,
-                                      resume_step=self.step if resumed else None) if self.rank == 0 else None
+                                      resume_step=self.step if resumed else -1) if self.rank == 0 else None
+        try:
+            return self._train(sinks)
+        finally:  # also on Preempted, Diverged or a failure: the sinks' buffered records are written
+            if sinks:
+                sinks.close()
+
+    def _train(self, sinks) -> dict[str, Any]:
+        """``train`` from its first evaluation on, with the sinks open."""
+        from tqdm import tqdm
+
         self.splits = {p.seq_len: self.engine.datasets(p.seq_len) for p in self.job.phases}
         helds = {n: held for n, (_, held) in self.splits.items()}
         final_held = helds[self.job.phases[-1].seq_len]
@@ -423,8 +435,6 @@ class Job:
                 sinks.write(self.step, {k: v for k, v in self.evals[-1].items() if k != "step"})
         if self.job.checkpoint_every == 0 or self.step % self.job.checkpoint_every:
             self.save()
-        if sinks:
-            sinks.close()
         return {"before": self.evals[0], "after": self.evals[-1], "steps": self.step, "task": self.engine.task}
 
     def _after_step(self, skipped: bool) -> None:

@@ -189,7 +189,8 @@ class JsonlSink(MetricSink):
 
     Args:
         path: the JSONL file; its directory is created.
-        resume_step: the step the run resumes from; records with a larger step are removed.
+        resume_step: the step the run resumes from; records with a larger step are removed
+            (-1 for a fresh start in a directory an earlier, checkpoint-less start wrote to).
     """
 
     def __init__(self, path: str | os.PathLike[str], resume_step: int | None = None):
@@ -229,7 +230,11 @@ class JsonlSink(MetricSink):
                 kept.append(line)
         if dropped == 0 and not partial:
             return
-        logger.info("%s: resuming at step %d, dropping %d later records", self.path, resume_step, dropped)
+        if resume_step < 0:
+            logger.warning("%s: a fresh start, dropping the %d records of an earlier start that left no checkpoint",
+                           self.path, dropped)
+        else:
+            logger.info("%s: resuming at step %d, dropping %d later records", self.path, resume_step, dropped)
         fd, tmp = tempfile.mkstemp(prefix=self.path.name + ".", suffix=".tmp", dir=self.path.parent)
         try:
             with os.fdopen(fd, "wb") as f:
@@ -264,7 +269,8 @@ class TensorBoardSink(MetricSink):
 
     Args:
         log_dir: the event file directory.
-        resume_step: the step the run resumes from; events with a larger step are hidden.
+        resume_step: the step the run resumes from; events with a larger step are hidden
+            (-1: all of them).
     """
 
     def __init__(self, log_dir: str | os.PathLike[str], resume_step: int | None = None):
@@ -394,7 +400,8 @@ def build_sinks(
         tensorboard: write event files under ``run_dir/tensorboard/``.
         wandb: keyword arguments of :class:`WandbSink` other than ``run_dir``
             (``project`` required; ``mode``, ``name``, ``config``); None for no wandb.
-        resume_step: the step a resumed run restarts from; later records are dropped.
+        resume_step: the step a resumed run restarts from; later records are dropped (-1: a
+            fresh start, every earlier record dropped; None: appended to).
     """
     run_dir = Path(run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
