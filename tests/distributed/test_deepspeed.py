@@ -358,7 +358,28 @@ BAD = {
     "bad-launcher-local-size": "vrgd.node_size: the launcher's LOCAL_WORLD_SIZE=1 disagrees with the 2 rank(s) found "
                                "on each host",
     "bad-hierarchical-bf16-squares": "vrgd.squares_dtype: 'hierarchical' reduces [Σg | Σg²] chunks in one dtype",
+    "bad-unmanaged-accumulation": "'managed_gradient_accumulation' false is not supported with VRGD optimizers",
 }
+
+
+@pytest.mark.parametrize("how, stage, gas, refused", [
+    ("no_sync", 1, 1, "engine.no_sync() with gradient_accumulation_steps 1 is not supported"),
+    ("no_sync", 1, 2, None),
+    ("coalesce", 2, 2, "engine.coalesce_grad_reduction() is not supported"),
+])
+def test_backward_passes_summed_into_one_reduction_are_refused(pool, how, stage, gas, refused):
+    """DeepSpeed's ``no_sync()`` with no accumulation, and ``coalesce_grad_reduction()``, sum
+    several backward passes into one reduction, which the statistics would read as one micro-batch
+    per rank: refused when entered, naming the fix. Accelerate's ``no_sync()`` around the
+    micro-steps before the boundary (stage 0/1 with accumulation) is left alone and trains with
+    n = ranks × micro-steps. Fails on the code before, which accepted both: ``no_sync()`` then
+    failed in the step with a bare ``KeyError: 0``, and the coalesced step reported no ``gsnr/n``."""
+    res = run(pool, "run_accumulation_case", dict(stage=stage, dtype="fp32", gas=gas, clip=0.0, opt="VRLamb",
+                                                  bucket=500, how=how, scheme="per_step"))
+    if refused:
+        assert res["raised"] == "UnsupportedConfiguration" and refused in res["message"], res
+    else:
+        assert res["raised"] is None and res["n"] == 4 and res["finite"], res
 
 
 def test_auto_squares_on_one_host_reduce_within_it(pool):

@@ -698,6 +698,30 @@ def run_bad_case(case: dict) -> dict:
                 warnings=warned)
 
 
+def run_accumulation_case(case: dict) -> dict:
+    """Backward passes summed into one step by a DeepSpeed context (``case["how"]``: ``no_sync``
+    around the first of two micro-steps, or ``coalesce`` around both), then a step: what was
+    raised, or n and the trained parameters' finiteness when the context was accepted."""
+    from vrgd_ds.ds.internals import UnsupportedConfiguration
+
+    rank = dist.get_rank()
+    engine, *_ = deepspeed.initialize(model=tiny_model(), config=config(case))
+    context = {"no_sync": engine.no_sync, "coalesce": engine.coalesce_grad_reduction}[case["how"]]
+    try:
+        with context():
+            engine.backward(loss_fn(engine, batch(0, rank, 0), torch.float32))
+            if case["how"] == "coalesce":
+                engine.backward(loss_fn(engine, batch(0, rank, 1), torch.float32))
+        if case["how"] == "no_sync":
+            engine.step()  # accepted (accumulation): the first micro-step's step() is no boundary
+            engine.backward(loss_fn(engine, batch(0, rank, 1), torch.float32))
+        engine.step()
+    except UnsupportedConfiguration as e:
+        return dict(raised=type(e).__name__, message=str(e))
+    return dict(raised=None, n=engine.basic_optimizer.gsnr_metrics().get("gsnr/n"),
+                finite=all(bool(torch.isfinite(p).all()) for p in engine.module.parameters()))
+
+
 def bert_model() -> torch.nn.Module:
     """A one-layer BERT from transformers (AutoTP finds its policy only for such models)."""
     from transformers import BertConfig, BertModel
@@ -756,6 +780,8 @@ def bad_cases():
     yield "bad-tensor-parallel-mpu", dict(base, mpu=True)
     yield "bad-node-size", dict(base, set={"vrgd.squares": "hierarchical", "vrgd.node_size": 3})
     yield "bad-launcher-local-size", dict(base, set={"vrgd.squares": "hierarchical"}, env={"LOCAL_WORLD_SIZE": "1"})
+    # before: accepted, the steps' backward passes reduced together and counted as one micro-batch
+    yield "bad-unmanaged-accumulation", dict(base, set={"managed_gradient_accumulation": False})
     yield "bad-hierarchical-bf16-squares", dict(base, set={"vrgd.squares": "hierarchical", "vrgd.squares_dtype": "bf16"})
 
 

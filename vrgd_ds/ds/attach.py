@@ -1,6 +1,7 @@
 """Attaches VRGD statistics to an engine after DeepSpeed built its optimizer wrapper."""
 from __future__ import annotations
 
+import contextlib
 import logging
 from typing import Any
 
@@ -39,6 +40,13 @@ def attach(engine: Any) -> sources.ReductionStats | None:
                 "vrgd_ds: 'zero_optimization.contiguous_gradients' is not supported with VRGD optimizers: false "
                 "makes ZeRO-3 reduce buckets of several gradients outside its contiguous buffer, which the "
                 "statistics do not read; set it to true (or 'gsnr': false)")
+        if not engine.managed_gradient_accumulation():
+            raise UnsupportedConfiguration(
+                "vrgd_ds: 'managed_gradient_accumulation' false is not supported with VRGD optimizers: the caller's "
+                "step() then ends a step after any number of backward passes, while DeepSpeed still divides each "
+                "loss by gradient_accumulation_steps and stage 0/1 reduce their sum once, so the statistics' "
+                "groups and the engine's gradient disagree; remove the key and set gradient_accumulation_steps "
+                "(or 'gsnr': false)")
         warn_ignored_comm_dtype(engine, scheme)
 
     path = paths.for_engine(engine, stage)  # checks the path's DeepSpeed internals
@@ -65,6 +73,8 @@ def attach(engine: Any) -> sources.ReductionStats | None:
     # loss scaler that is an overflow (the scale drops), otherwise the gradients are non-finite.
     _hook_step(wrapper, opt, stats, "step/skipped_overflow" if engine.fp16_enabled() else "step/skipped_nonfinite")
     engine.vrgd_stats = stats
+    if stats is not None:
+        guard_accumulation(engine)
     logger.info("vrgd_ds: %s attached to DeepSpeed (stage %d, %s, %s)", opt.name, stage,
                 type(wrapper).__name__,
                 f"n={sources.expected_groups(world, gas, stage, scheme)} groups per step, squares {scheme}"
@@ -72,6 +82,38 @@ def attach(engine: Any) -> sources.ReductionStats | None:
                 + f"; {cost_line(stats, scheme, options, tensors.numel, gas)}"
                 if stats else "no GSNR statistics")
     return stats
+
+
+def guard_accumulation(engine: Any) -> None:
+    """Refuses, when entered, DeepSpeed's contexts that sum several backward passes into one
+    reduction the statistics would read as one micro-batch per rank: ``coalesce_grad_reduction()``
+    (one reduction for the block), and ``no_sync()`` with ``gradient_accumulation_steps`` 1 (each
+    loss undivided, the sum reduced by the backward after the block). ``no_sync()`` with
+    accumulation is left alone: stage 0/1 reduce only at the boundary anyway, where Accelerate
+    enters it on the micro-steps before."""
+    no_sync = engine.no_sync
+
+    @contextlib.contextmanager
+    def checked_no_sync():
+        if int(engine.gradient_accumulation_steps()) == 1:
+            raise UnsupportedConfiguration(
+                "vrgd_ds: engine.no_sync() with gradient_accumulation_steps 1 is not supported with VRGD "
+                "optimizers: the backward passes in it and the one after are summed and reduced once, one group "
+                "per rank to the statistics; set gradient_accumulation_steps to the backward passes per step "
+                "and call engine.step() after each (or 'gsnr': false)")
+        with no_sync():
+            yield
+
+    @contextlib.contextmanager
+    def checked_coalesce():
+        raise UnsupportedConfiguration(
+            "vrgd_ds: engine.coalesce_grad_reduction() is not supported with VRGD optimizers: its backward passes "
+            "are reduced once, at the block's end, which the statistics would count as one micro-batch per rank; "
+            "set gradient_accumulation_steps and call engine.backward() and engine.step() per micro-batch "
+            "(or 'gsnr': false)")
+        yield  # a generator for contextmanager: never reached
+
+    engine.no_sync, engine.coalesce_grad_reduction = checked_no_sync, checked_coalesce
 
 
 def warn_ignored_comm_dtype(engine: Any, scheme: str) -> bool:
