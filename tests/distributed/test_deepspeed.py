@@ -358,6 +358,7 @@ BAD = {
     "bad-launcher-local-size": "vrgd.node_size: the launcher's LOCAL_WORLD_SIZE=1 disagrees with the 2 rank(s) found "
                                "on each host",
     "bad-hierarchical-bf16-squares": "vrgd.squares_dtype: 'hierarchical' reduces [Σg | Σg²] chunks in one dtype",
+    "bad-autocast-fp16-stage0": "'torch_autocast' fp16 with zero_optimization.stage 0 is not supported",
     "bad-unmanaged-accumulation": "'managed_gradient_accumulation' false is not supported with VRGD optimizers",
 }
 

@@ -781,6 +781,8 @@ def bad_cases():
     yield "bad-node-size", dict(base, set={"vrgd.squares": "hierarchical", "vrgd.node_size": 3})
     yield "bad-launcher-local-size", dict(base, set={"vrgd.squares": "hierarchical"}, env={"LOCAL_WORLD_SIZE": "1"})
     # before: accepted, the steps' backward passes reduced together and counted as one micro-batch
+    # before: accepted; the statistics read the GradScaler-scaled gradients, not knowing its scale
+    yield "bad-autocast-fp16-stage0", dict(base, stage=0, set={"torch_autocast": {"enabled": True, "dtype": "fp16"}})
     yield "bad-unmanaged-accumulation", dict(base, set={"managed_gradient_accumulation": False})
     yield "bad-hierarchical-bf16-squares", dict(base, set={"vrgd.squares": "hierarchical", "vrgd.squares_dtype": "bf16"})
 
