@@ -119,3 +119,25 @@ def test_a_megatron_checkpoint_reports_its_layout_and_the_configured_one(tmp_pat
     assert ok and "with this configuration on 2 ranks:" in report and "TP 2 × PP 1 × DP 1 (dist" in report
     report, ok = check(tmp_path / "run", copy.deepcopy(RAW), 2)
     assert not ok and "written by the megatron engine, the config has job.engine 'deepspeed'" in report
+
+
+def test_an_adaptive_position_no_round_of_this_layout_divides_is_refused_naming_the_ranks(run_dir):
+    """An adaptive phase saved 24 samples in (batches of micro_batch 4 × 2 ranks) cannot continue
+    on 4 ranks, where each step takes multiples of 16 and each rank starts at consumed + rank × 4:
+    the resume stops before loading, naming the rank counts that can take it (1 and 2). The code
+    before got as far as the phase's sampler, which failed naming its own option
+    (``PretrainingSampler option consumed_samples=24``) and a fix that did not apply."""
+    from vrgd_ds.train.config import ConfigError, check_resume_position, parse_job
+
+    info = ckpt.marker(run_dir / "checkpoints", "step00000004")["info"]
+    ckpt.mark_complete(run_dir / "checkpoints", "step00000004", 4, 2, dict(info, consumed=[24]))
+    report, ok = check(run_dir, copy.deepcopy(RAW), 4)
+    assert not ok
+    assert ("would stop: job.phases[0]: the checkpoint is 24 samples into the phase, which is no multiple of "
+            "micro_batch x ranks = 4 x 4") in report
+    assert "resume on 1, 2 data-parallel rank(s)" in report
+    assert check(run_dir, copy.deepcopy(RAW), 2)[1]
+    job = parse_job(RAW)
+    check_resume_position(job, [128], [128], 3)  # a finished phase is not positioned again
+    with pytest.raises(ConfigError, match="no multiple of micro_batch x ranks = 4 x 4"):
+        check_resume_position(job, [24], [128], 4)

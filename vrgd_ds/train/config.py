@@ -301,6 +301,24 @@ def gradient_accumulation(phase: PhaseConfig, world_size: int, index: int) -> in
     return phase.global_batch // per_step
 
 
+def check_resume_position(job: JobConfig, consumed: list[int], budget: list[int], world_size: int) -> None:
+    """A checkpoint's position in each unfinished phase must be a whole number of ``micro_batch ×
+    ranks`` rounds on this layout: an adaptive phase saved on another number of ranks took batches
+    of that layout's multiples, and each rank's samples start at ``consumed + rank × micro_batch``.
+    The error names the rank counts that can resume it."""
+    for index, (phase, done, total) in enumerate(zip(job.phases, consumed, budget)):
+        per_round = phase.micro_batch * world_size
+        if done >= total or done % per_round == 0:
+            continue
+        fits = [w for w in range(1, 4 * world_size + 1)
+                if done % (phase.micro_batch * w) == 0 and phase.global_batch % (phase.micro_batch * w) == 0]
+        raise ConfigError(
+            f"job.phases[{index}]: the checkpoint is {done} samples into the phase, which is no multiple of "
+            f"micro_batch x ranks = {phase.micro_batch} x {world_size} (an adaptive batch saved on another number "
+            f"of ranks); resume on {', '.join(map(str, fits)) or 'another number of'} data-parallel rank(s), or "
+            f"with a micro_batch that divides {done} and the global batch")
+
+
 def phase_samples(job: JobConfig) -> list[int]:
     """Samples per phase: its steps at its ``global_batch``. An adaptive phase runs until it has
     consumed them, whatever batches it takes."""

@@ -52,8 +52,8 @@ import torch.distributed as dist
 from vrgd_ds.adaptive_batch import BatchController, lr_factor
 from vrgd_ds.run import leave_together
 from vrgd_ds.train import checkpoints as ckpt
-from vrgd_ds.train.config import (ConfigError, JobConfig, controller_settings, gradient_accumulation, load_config,
-                                  optimizer_state_policy, phase_samples)
+from vrgd_ds.train.config import (ConfigError, JobConfig, check_resume_position, controller_settings,
+                                  gradient_accumulation, load_config, optimizer_state_policy, phase_samples)
 from vrgd_ds.train.data import check_data_path, eval_batches, loader
 from vrgd_ds.train.engines import Engine, engine_class
 from vrgd_ds.train.engines.base import LAUNCHER_RANK, launcher_value
@@ -261,6 +261,7 @@ class Job:
         path = self.ckpt_dir / choice.tag
         self.step, self.consumed, self.evals = state["step"], list(state["consumed"]), list(state["evals"])
         self.skip_streak_from = state.get("skip_streak_from")
+        check_resume_position(self.job, self.consumed, self.budget, self.engine.data_world)
         for key, saved in (state.get("adaptive") or {}).items():
             index = int(key)
             if index not in self.controllers:

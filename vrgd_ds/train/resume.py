@@ -108,7 +108,7 @@ def check(run_dir: Path, raw: dict[str, Any] | None, world: int | None) -> tuple
     import torch
 
     from vrgd_ds.optim.registry import OptimizerBlockError, check_optimizer
-    from vrgd_ds.train.config import optimizer_state_policy, parse_job
+    from vrgd_ds.train.config import check_resume_position, optimizer_state_policy, parse_job, phase_samples
     from vrgd_ds.train.data import configured_fingerprint
 
     ckpt_dir = run_dir / "checkpoints"
@@ -173,6 +173,11 @@ def check(run_dir: Path, raw: dict[str, Any] | None, world: int | None) -> tuple
         changes.append(f"the data differs: fingerprint {info['data']} -> {data} (tokenizer, shards, seed or "
                        "held-out split changed): the samples already seen are not those of the new stream")
     try:
+        consumed = info.get("consumed")
+        if isinstance(consumed, list) and len(consumed) == len(job.phases):
+            tp_pp = (block.get("tensor_model_parallel_size", 1) * block.get("pipeline_model_parallel_size", 1)
+                     if job.engine == "megatron" else 1)
+            check_resume_position(job, consumed, phase_samples(job), max(ranks // tp_pp, 1))
         plan = plan_resume(ckpt_dir, choice.tag, now, ranks, stage, optimizer_state_policy(raw))
     except ConfigError as e:
         lines += [f"  - {c}" for c in changes] + [f"  would stop: {e}"]
