@@ -5,6 +5,7 @@ is in tests/integration/test_reliability.py."""
 from __future__ import annotations
 
 import json
+import os
 import time
 from pathlib import Path
 
@@ -172,6 +173,36 @@ def test_watchdog_report_names_the_silent_rank(tmp_path):
     assert "rank(s) 2 never reported" in report
     assert "rank 1 " in report and "unresponsive" in report and "step 6" in report
     assert "rank 0 " not in report
+
+
+def test_the_watchdog_kills_a_silent_rank_only_while_its_pid_is_the_same_process(tmp_path):
+    """Two silent heartbeats on this host name the same live pid: rank 2's as that process (its
+    start time and pid namespace), rank 1's from an earlier process whose pid was reused since (an
+    earlier start of the job left it). Only rank 2's pid is to be killed. Fails on the code before,
+    which killed every silent local pid: an unrelated process holding a reused pid included."""
+    import socket
+    import subprocess
+
+    from vrgd_ds.train.rundir import pid_namespace, process_start
+
+    sleeper = subprocess.Popen(["sleep", "60"])
+    w = Watchdog(tmp_path, 0, 3, timeout_s=60, poll_s=0.05)
+    try:
+        old = {"rank": 1, "step": 3, "what": "step", "time": 0.0, "alive": 0.0, "host": socket.gethostname(),
+               "pid": sleeper.pid, "proc_start": "1", "pid_ns": pid_namespace()}
+        (tmp_path / "heartbeat" / "rank1").write_text(json.dumps(old))
+        same = dict(old, rank=2, proc_start=process_start(sleeper.pid))
+        (tmp_path / "heartbeat" / "rank2").write_text(json.dumps(same))
+        w.beat(3)
+        report, local_silent = w._examine()
+        beat = json.loads((tmp_path / "heartbeat" / "rank0").read_text())
+    finally:
+        w.stop()
+        sleeper.kill()
+        sleeper.wait()
+    assert "rank 1 " in report and "rank 2 " in report  # both are reported
+    assert local_silent == [sleeper.pid]  # once: rank 2's
+    assert beat["proc_start"] == process_start(os.getpid()) and beat["pid_ns"] == pid_namespace()
 
 
 @pytest.mark.parametrize("timeout_s", [15.0, 60.0, 1800.0])

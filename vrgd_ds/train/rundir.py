@@ -53,7 +53,7 @@ class RunDirBusy(RuntimeError):
     """The run directory belongs to a live job; the message names it and what to do."""
 
 
-def _proc_start(pid: int) -> str | None:
+def process_start(pid: int) -> str | None:
     """The process's start time in clock ticks since boot (``/proc/<pid>/stat`` field 22): with
     the pid it names one process (a pid is reused, the pair is not). None without ``/proc``."""
     try:
@@ -63,7 +63,7 @@ def _proc_start(pid: int) -> str | None:
     return stat.rsplit(")", 1)[1].split()[19]
 
 
-def _pid_namespace() -> str | None:
+def pid_namespace() -> str | None:
     """This process's pid namespace (``/proc/self/ns/pid``): containers on one host that share
     its network, and so its host name, each have their own, where a pid means another process."""
     try:
@@ -101,8 +101,8 @@ class RunDirLock:
         self.refresh_s, self.stale_s = refresh_s, stale_s
         self.token = uuid.uuid4().hex
         self.record = {
-            "host": socket.gethostname(), "pid": os.getpid(), "pid_ns": _pid_namespace(),
-            "proc_start": _proc_start(os.getpid()),
+            "host": socket.gethostname(), "pid": os.getpid(), "pid_ns": pid_namespace(),
+            "proc_start": process_start(os.getpid()),
             "slurm_job_id": os.environ.get("SLURM_JOB_ID") or None,
             "slurm_restart": int(os.environ.get("SLURM_RESTART_COUNT", "0") or 0),
             "token": self.token, "started": time.time(), "heartbeat": time.time(),
@@ -192,7 +192,7 @@ class RunDirLock:
             pid = record["pid"]
             if not _pid_runs(pid):
                 return f"pid {pid} no longer runs on this host"
-            if record.get("proc_start") and _proc_start(pid) not in (None, record["proc_start"]):
+            if record.get("proc_start") and process_start(pid) not in (None, record["proc_start"]):
                 return f"pid {pid} is now another process"
         if age > self.stale_s:
             return f"its heartbeat is {age:.0f} s old (stale after {self.stale_s:.0f} s: the job or its node is gone)"

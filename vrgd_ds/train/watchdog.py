@@ -33,6 +33,8 @@ import time
 from pathlib import Path
 from typing import Callable
 
+from vrgd_ds.train.rundir import pid_namespace, process_start
+
 logger = logging.getLogger(__name__)
 
 EXIT_STALLED = 3
@@ -59,6 +61,8 @@ class Watchdog:
         self._stepped = False  # a step finished: the step limit applies from now on
         self.poll = poll_s if poll_s is not None else poll_interval(timeout_s)
         self.dir.mkdir(parents=True, exist_ok=True)
+        #: with host and pid, which process this is: a pid is reused, the triple is not
+        self._identity = {"proc_start": process_start(os.getpid()), "pid_ns": pid_namespace()}
         self._last = time.monotonic()
         self._progress = {"step": 0, "what": "start", "time": time.time()}
         self._lock = threading.Lock()
@@ -86,7 +90,7 @@ class Watchdog:
     def _write(self) -> None:
         with self._lock:  # the thread and the training loop both write: one temporary file at a time
             record = {"rank": self.rank, **self._progress, "alive": time.time(), "host": socket.gethostname(),
-                      "pid": os.getpid()}
+                      "pid": os.getpid(), **self._identity}
             tmp = self.dir / f".rank{self.rank}.tmp"
             tmp.write_text(json.dumps(record))
             os.replace(tmp, self.dir / f"rank{self.rank}")
@@ -122,8 +126,7 @@ class Watchdog:
             b = beats[r]
             parts.append(f"rank {r} ({b['host']}, pid {b['pid']}) unresponsive for {now - b['alive']:.0f} s "
                          f"(stopped, hung or gone), last finished {b['what']} at step {b['step']}")
-        here = socket.gethostname()
-        local_silent = [beats[r]["pid"] for r in silent if beats[r]["host"] == here and beats[r]["pid"] != os.getpid()]
+        local_silent = [beats[r]["pid"] for r in silent if self._same_process_here(beats[r])]
         if not parts:
             seen = {r: b for r, b in beats.items() if b is not None}
             lowest = min(b["step"] for b in seen.values())
@@ -132,6 +135,15 @@ class Watchdog:
                 parts.append(f"rank {r} ({b['host']}, pid {b['pid']}) alive but at step {b['step']} since "
                              f"{now - b['time']:.0f} s (last finished {b['what']})")
         return "; ".join(parts), local_silent
+
+    def _same_process_here(self, beat: dict) -> bool:
+        """Whether a heartbeat's process still runs on this host, as the same process: another
+        rank's, not this one, not a pid reused since (a heartbeat left by an earlier start of the
+        job, or one written before the record said which process it was, is never killed)."""
+        pid = beat.get("pid")
+        return (beat.get("host") == socket.gethostname() and isinstance(pid, int) and pid != os.getpid()
+                and beat.get("pid_ns") == self._identity["pid_ns"] and beat.get("proc_start") is not None
+                and process_start(pid) == beat["proc_start"])
 
     def _watch(self) -> None:
         while not self._stop.wait(self.poll):
