@@ -137,6 +137,43 @@ def test_rotation_never_deletes_the_checkpoint_just_written_for_one_passed_over(
     assert ckpt.tags(tmp_path) == [ckpt.tag_of(6), ckpt.tag_of(8)]
 
 
+def test_a_save_over_a_save_cut_short_keeps_none_of_its_files(tmp_path, monkeypatch):
+    """A save of step 4 on 4 ranks killed half-way left ranks 2-3's files and a conversion of the tag;
+    the job, resumed on 2 ranks from an older checkpoint, reaches step 4 again and saves it: the
+    checkpoint holds only this save's files (DeepSpeed counts the rank files to learn how many ranks
+    wrote it, and a resume on other ranks reads the tag's conversion). Fails on the code before,
+    whose DeepSpeed save wrote into the directory as it found it."""
+    from types import SimpleNamespace
+
+    ckpt_dir = tmp_path / "checkpoints"
+    tag = ckpt_dir / "step00000004"
+    tag.mkdir(parents=True)
+    for r in (2, 3):
+        (tag / f"zero_pp_rank_{r}_mp_rank_00_optim_states.pt").write_bytes(b"stale")
+    (ckpt_dir / ckpt.UNIVERSAL / "step00000004").mkdir(parents=True)
+
+    def write(ckpt_dir, tag, state):  # this save: 2 ranks' files (DeepSpeed makes the directory)
+        (ckpt_dir / tag).mkdir(parents=True, exist_ok=True)
+        for r in (0, 1):
+            (ckpt_dir / tag / f"zero_pp_rank_{r}_mp_rank_00_optim_states.pt").write_bytes(b"new")
+
+    job = object.__new__(loop.Job)
+    job.run_dir, job.rank, job.world, job.step, job.consumed, job.evals = tmp_path, 0, 2, 4, [64], []
+    job.skip_streak_from, job.controllers, job.job = None, {}, SimpleNamespace(keep_checkpoints=3)
+    job.engine = SimpleNamespace(save=write)
+    job._checkpoint_bytes = lambda: (10, 10, "test")
+    job._any_rank = lambda flag: flag
+    job.optimizer_info = lambda: {}
+    job.resume_info = lambda: {}
+    job.watchdog = SimpleNamespace(beat=lambda step, what: None)
+    monkeypatch.setattr(loop, "dist", SimpleNamespace(barrier=lambda: None))
+    job.save()
+    assert sorted(p.name for p in tag.iterdir() if p.suffix == ".pt") == [
+        "zero_pp_rank_0_mp_rank_00_optim_states.pt", "zero_pp_rank_1_mp_rank_00_optim_states.pt"]
+    assert ckpt.problem(ckpt_dir, "step00000004") is None
+    assert not (ckpt_dir / ckpt.UNIVERSAL / "step00000004").exists()
+
+
 def test_free_space_check_names_the_path_and_the_sizes(tmp_path):
     import shutil
 

@@ -159,10 +159,15 @@ def rotate(ckpt_dir: Path, keep: int, protect: str | None = None, newest: str | 
     for tag in complete[:-keep] if keep > 0 else complete:
         if tag == protect:
             continue
-        shutil.rmtree(ckpt_dir / tag, ignore_errors=True)
-        shutil.rmtree(ckpt_dir / UNIVERSAL / tag, ignore_errors=True)  # its conversion, if any
+        remove(ckpt_dir, tag)
         deleted.append(tag)
     return deleted
+
+
+def remove(ckpt_dir: Path, tag: str) -> None:
+    """Deletes a checkpoint's directory and its conversion, if any."""
+    shutil.rmtree(ckpt_dir / tag, ignore_errors=True)
+    shutil.rmtree(ckpt_dir / UNIVERSAL / tag, ignore_errors=True)
 
 
 def size_of(ckpt_dir: Path, tag: str) -> int:

@@ -329,6 +329,10 @@ class Job:
                 ckpt.check_space(self.ckpt_dir, need)
             except ckpt.NoSpace as e:
                 short = str(e)
+            else:  # a save of this step cut short before (then a resume from an older one) left files
+                # there, maybe of another number of ranks, that would join this one; cleared before
+                # any rank writes (the all-reduce below)
+                ckpt.remove(self.ckpt_dir, tag)
         if self._any_rank(short is not None):
             raise ckpt.NoSpace(short or f"no space left on {self.ckpt_dir} for the next checkpoint (see rank 0)")
         state = {"step": self.step, "consumed": self.consumed, "evals": self.evals, "world_size": self.world,

@@ -27,7 +27,6 @@ import datetime
 import json
 import logging
 import os
-import shutil
 from pathlib import Path
 from typing import Any, Callable, Iterator, Literal
 
@@ -414,9 +413,8 @@ class MegatronEngine(Engine):
         sd = self._state(False)
         sd[STATE_KEY] = json.dumps(state)
         path = ckpt_dir / tag
-        if self.rank == 0:  # dist-checkpointing writes into an empty directory: clear a save cut short
-            shutil.rmtree(path, ignore_errors=True)
-            path.mkdir(parents=True)
+        if self.rank == 0:  # dist-checkpointing writes into an existing, empty directory (Job.save cleared it)
+            path.mkdir(parents=True, exist_ok=True)
         dist.barrier()
         dist_checkpointing.save(sd, str(path))
 
