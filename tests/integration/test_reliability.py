@@ -93,17 +93,21 @@ def test_a_finished_run_started_again_leaves_its_checkpoint_untouched(config, al
     periodic checkpoint, and the job saves there): it resumes at step 8, has no step to take, and
     exits 0 without writing step 8 again. The old code saved the step it had just resumed from
     (the Megatron engine first clears the directory it writes: a kill then loses the checkpoint
-    the run resumed from); it fails on it."""
+    the run resumed from); it fails on it. Nor is the held-out set evaluated again (``metrics.jsonl``
+    unchanged): the final checkpoint holds the final evaluation, which the code before took after
+    the periodic checkpoint of the last step (every 2 steps here), and so repeated at each start."""
     run = tmp_path / "run"
     shutil.copytree(alone, run)
     newest = run / "checkpoints" / "step00000008"
     before = {f: f.stat().st_mtime_ns for f in newest.rglob("*") if f.is_file()}
+    metrics = (run / "metrics.jsonl").read_bytes()
     again = launching.run(command(config, run, "job.checkpoint_every=3"), timeout=TIMEOUT, marker=run)
     out = again.stdout + again.stderr
     assert again.returncode == 0, out[-4000:]
     assert "resumed from" in out and "at step 8" in out, out[-4000:]
     assert {f: f.stat().st_mtime_ns for f in newest.rglob("*") if f.is_file()} == before
     assert sorted(p.name for p in (run / "checkpoints").glob("step*")) == ["step00000006", "step00000008"]
+    assert (run / "metrics.jsonl").read_bytes() == metrics
 
 
 @pytest.mark.exhaustive

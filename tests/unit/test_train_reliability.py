@@ -174,6 +174,27 @@ def test_a_save_over_a_save_cut_short_keeps_none_of_its_files(tmp_path, monkeypa
     assert not (ckpt_dir / ckpt.UNIVERSAL / "step00000004").exists()
 
 
+def test_the_evaluation_before_training_takes_the_micro_batch_of_the_phase_at_its_length(monkeypatch):
+    """Before training the held-out samples are the last phase's length (here 128, trained at
+    micro-batch 4), evaluated at that phase's micro-batch, not at the first phase's 8 (BERT-large's
+    configs: 64 × 512 tokens, four times any training micro-batch at 512). Fails on the code
+    before, which took the current phase's, the first."""
+    from types import SimpleNamespace
+
+    seen = []
+    monkeypatch.setattr(loop, "eval_batches", lambda held, n, micro, rank, world, collate: seen.append(micro) or [])
+    job = object.__new__(loop.Job)
+    job.job = SimpleNamespace(phases=[SimpleNamespace(seq_len=64, micro_batch=8),
+                                      SimpleNamespace(seq_len=128, micro_batch=4)], data=SimpleNamespace(eval_samples=64))
+    job.consumed, job.budget, job.step = [0, 0], [640, 160], 0
+    job.engine = SimpleNamespace(data_rank=0, data_world=1, collate=None, task="mlm", evaluate=lambda b: (0.0, 0.0, 0.0))
+    job._sum_over_ranks = lambda values: values
+    job.watchdog = SimpleNamespace(beat=lambda step, what: None)
+    job.evaluate(None, 128)
+    job.evaluate(None, 64)  # the current phase's length: its micro-batch
+    assert seen == [4, 8]
+
+
 def test_free_space_check_names_the_path_and_the_sizes(tmp_path):
     import shutil
 

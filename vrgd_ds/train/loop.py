@@ -373,6 +373,8 @@ class Job:
         data-parallel ranks. Before training and at the end: the last phase's; between: the
         current phase's."""
         phase = self.job.phases[self.current_phase()]
+        if phase.seq_len != seq_len:  # the final length before training: the micro-batch its phase trains at
+            phase = next(p for p in reversed(self.job.phases) if p.seq_len == seq_len)
         batches = eval_batches(held, self.job.data.eval_samples, phase.micro_batch, self.engine.data_rank,
                                self.engine.data_world, self.engine.collate)
         sums = self.engine.evaluate(batches)  # every rank runs it (model-parallel ranks run it together)
@@ -438,8 +440,7 @@ class Job:
             self.evals.append({"step": self.step, **self.evaluate(final_held, self.job.phases[-1].seq_len)})
             if sinks:
                 sinks.write(self.step, {k: v for k, v in self.evals[-1].items() if k != "step"})
-        if self.job.checkpoint_every == 0 or self.step % self.job.checkpoint_every:
-            self.save()
+        self.save()  # with the final evaluation (the last step takes no periodic checkpoint); none if saved
         return {"before": self.evals[0], "after": self.evals[-1], "steps": self.step, "task": self.engine.task}
 
     def _after_step(self, skipped: bool) -> None:
@@ -587,7 +588,8 @@ class Job:
         if not math.isfinite(took["loss_sum"]) and not took["skipped"] and self.rank == 0:
             logger.warning("non-finite training loss at step %d", self.step)
         self._after_step(took["skipped"])
-        if self.job.checkpoint_every and self.step % self.job.checkpoint_every == 0:
+        done = all(c >= b for c, b in zip(self.consumed, self.budget))  # train() saves after its evaluation
+        if self.job.checkpoint_every and self.step % self.job.checkpoint_every == 0 and not done:
             self.save()
         lost = self.lock is not None and self.lock.lost is not None
         signal_code = self._max_over_ranks(2 if lost else 1 if self.preempt_requested else 0)
