@@ -534,6 +534,38 @@ def test_a_param_group_s_own_option_out_of_range_is_rejected_naming_it(key, valu
     assert loading.param_groups[0]["lr"] == 0.5  # refused before anything was loaded
 
 
+@pytest.mark.parametrize("cls, key, value", [
+    (vrgd_ds.VRAdam, "betas", (1.0, 0.999)), (vrgd_ds.VRAdam, "eps", -1.0), (vrgd_ds.VRMerit, "betas", (0.9, 1.0)),
+    (vrgd_ds.VRLamb, "betas", (1.0, 0.999)), (vrgd_ds.VRLamb, "min_coeff", -1.0), (vrgd_ds.VRLamb, "max_coeff", 0.005),
+    (vrgd_ds.VRLamb, "max_grad_norm", -1.0), (vrgd_ds.VRLars, "momentum", 1.5),
+    (vrgd_ds.VRLars, "trust_coefficient", 0.0), (vrgd_ds.VRMomentum, "momentum", 1.0)])
+def test_a_param_group_s_member_option_out_of_range_is_rejected_naming_it(cls, key, value):
+    """Each member's own options (betas, eps, the trust ratio's clamp, max_grad_norm, LARS
+    momentum) are checked in every param group, given in the constructor's groups, added later
+    (a refused group is not left in the optimizer) or loaded, as the constructor's keywords are.
+    Fails on the code before, which checked them as constructor keywords only: a group with
+    ``betas=(1, 0.999)`` stepped to NaN parameters (or a ZeroDivisionError unfused), a refused
+    ``add_param_group`` stayed in ``param_groups``, and VRLamb named ``min_coeff`` for a bad
+    ``max_coeff``."""
+    name = key if key != "betas" else f"betas\\[{0 if value[0] == 1.0 else 1}\\]"
+    m = make_model()
+    params = list(m.parameters())
+    with pytest.raises(ValueError, match=f"param group 1.*invalid {name}="):
+        cls([{"params": params[:2]}, {"params": params[2:], key: value}])
+    opt = cls(params[:2])
+    with pytest.raises(ValueError, match=f"param group 1.*invalid {name}="):
+        opt.add_param_group({"params": params[2:], key: value})
+    assert len(opt.param_groups) == 1
+    opt = cls(params)
+    saved = opt.state_dict()
+    saved["param_groups"][0][key] = value
+    with pytest.raises(ValueError, match=f"param group 0 as loaded.*invalid {name}="):
+        cls(params).load_state_dict(saved)
+    if cls is vrgd_ds.VRLamb and key in ("min_coeff", "max_coeff"):  # the constructor's keyword, named
+        with pytest.raises(ValueError, match=f"invalid {key}="):
+            cls(params, **{key: value})
+
+
 def test_a_state_saved_with_gsnr_eps_0_resumes_with_the_optimizers_value(caplog):
     """Earlier releases accepted ``gsnr_eps=0``: such a state still loads, with this optimizer's
     ``gsnr_eps`` and a warning saying so, rather than failing the resume."""

@@ -83,6 +83,13 @@ def check_placement(owner: str, group: dict[str, Any]) -> None:
               f"one of {', '.join(map(repr, GSNR_PLACEMENTS))}")
 
 
+def check_adam_group(owner: str, group: dict[str, Any]) -> None:
+    """A group's Adam-family options: its placement, betas and eps (a group's ``betas[0]=1``
+    would divide by a zero bias correction)."""
+    check_placement(owner, group)
+    check_adam_args(owner, group["betas"], group["eps"])
+
+
 def placement_index(plan: Plan) -> int:
     """The kernels' index of the group's placement (any index is the base step without GSNR)."""
     return GSNR_PLACEMENTS.index(plan.group["gsnr_placement"])
@@ -137,7 +144,7 @@ class VRAdam(GSNROptimizer):
         check_adam_args(BUILDING.get() or cls.__name__, args["betas"], args["eps"])
         return dict(args, betas=tuple(args["betas"]))
 
-    _check_options = staticmethod(check_placement)
+    _check_options = staticmethod(check_adam_group)
     _update = staticmethod(adam_update)
 
 

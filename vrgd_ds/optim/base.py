@@ -140,14 +140,18 @@ class GSNROptimizer(torch.optim.Optimizer):
                 saved["gsnr_eps"] = self.param_groups[i]["gsnr_eps"]
             options = {**self.defaults, **saved, **(built[i] if i < len(built) else {})}
             check_common(f"{self.name} (param group {i} as loaded)", options)
-            type(self)._check_options(self.name, options)
+            type(self)._check_options(f"{self.name} (param group {i} as loaded)", options)
             groups.append(saved)
         return {**state_dict, "param_groups": groups}
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         super().add_param_group(param_group)
+        try:
+            self._check_group(self.param_groups[-1])
+        except ValueError:  # refused: not left in the optimizer, unwatched
+            self.param_groups.pop()
+            raise
         self._epoch += 1
-        self._check_group(self.param_groups[-1])
         self._watch(self.param_groups[-1:])
 
     def zero_grad(self, set_to_none: bool = True) -> None:
@@ -163,7 +167,7 @@ class GSNROptimizer(torch.optim.Optimizer):
             raise ValueError(f"{where}: the group mixes {' and '.join(dtypes)} tensors, and the fused kernels step "
                              "one dtype per group: give each dtype its group (vrgd_ds.param_groups does), or "
                              "fused=False")
-        type(self)._check_options(self.name, group)
+        type(self)._check_options(where, group)
 
     @staticmethod
     def _check_options(owner: str, group: dict[str, Any]) -> None:

@@ -43,7 +43,7 @@ from typing import Any
 
 import torch
 
-from vrgd_ds.optim.adam import (GSNR_PLACEMENTS, UPDATE_PLACEMENT, adam_columns, check_adam_args, check_placement,
+from vrgd_ds.optim.adam import (GSNR_PLACEMENTS, UPDATE_PLACEMENT, adam_columns, check_adam_args, check_adam_group,
                                  device_adam_table, placement_index)
 from vrgd_ds.optim import columns
 from vrgd_ds.optim.base import BUILDING, GSNROptimizer, check_arg, constructor_args
@@ -132,6 +132,13 @@ def lamb_update(plan: Plan, ctx: StepContext) -> dict[str, torch.Tensor]:
     return {} if device else {"gsnr_counts": out[:, 2:5], "trust": trust, "adapted": adapted}
 
 
+def check_coeffs(owner: str, options: dict[str, Any]) -> None:
+    """The trust ratio's clamp ``[min_coeff, max_coeff]``, naming the bound that is out of range."""
+    check_arg(owner, "min_coeff", options["min_coeff"] >= 0.0, options["min_coeff"], ">= 0")
+    check_arg(owner, "max_coeff", options["max_coeff"] >= options["min_coeff"], options["max_coeff"],
+              f">= min_coeff ({options['min_coeff']})")
+
+
 class VRLamb(GSNROptimizer):
     r"""VR-LAMB; see the module docstring.
 
@@ -173,7 +180,7 @@ class VRLamb(GSNROptimizer):
         owner = BUILDING.get() or cls.__name__
         a = dict(args)
         check_adam_args(owner, a["betas"], a["eps"])
-        check_arg(owner, "min_coeff", 0.0 <= a["min_coeff"] <= a["max_coeff"], a["min_coeff"], "in [0, max_coeff]")
+        check_coeffs(owner, a)
         amsgrad = a.pop("amsgrad")
         check_arg(owner, "amsgrad", not amsgrad, amsgrad, "False (LAMB has no AMSGrad variant; apex refuses it too)")
         a.pop("set_grad_none")
@@ -189,7 +196,9 @@ class VRLamb(GSNROptimizer):
 
     @staticmethod
     def _check_options(owner: str, group: dict[str, Any]) -> None:
-        check_placement(owner, group)
+        check_adam_group(owner, group)
+        check_coeffs(owner, group)
+        check_arg(owner, "max_grad_norm", group["max_grad_norm"] > 0, group["max_grad_norm"], "> 0")
         if not group["adam_w_mode"] and group["gsnr"]:
             raise ValueError(f"{owner}: adam_w_mode=False (L2 regularisation inside the gradient) "
                              "works with gsnr=False only: the GSNR scales the data gradient, and L2 makes the "

@@ -75,14 +75,17 @@ class VRLars(GSNROptimizer):
 
     @classmethod
     def _group(cls, args: dict[str, Any]) -> dict[str, Any]:
-        owner = BUILDING.get() or cls.__name__
-        check_arg(owner, "momentum", 0.0 <= args["momentum"] < 1.0, args["momentum"], "in [0, 1)")
-        check_arg(owner, "trust_coefficient", args["trust_coefficient"] > 0, args["trust_coefficient"], "> 0")
-        check_arg(owner, "eps", args["eps"] >= 0, args["eps"], ">= 0")
+        cls._check_options(BUILDING.get() or cls.__name__, args)
         gsnr_keys = ("gamma", "beta3", "gsnr_eps", "gsnr")
         return dict(lr=args["lr"], momentum=args["momentum"], dampening=0.0,
                     **{k: v for k, v in args.items() if k not in ("lr", "momentum", *gsnr_keys)}, trust_ratio=True,
                     **{k: args[k] for k in gsnr_keys})
+
+    @staticmethod
+    def _check_options(owner: str, group: dict[str, Any]) -> None:
+        check_arg(owner, "momentum", 0.0 <= group["momentum"] < 1.0, group["momentum"], "in [0, 1)")
+        check_arg(owner, "trust_coefficient", group["trust_coefficient"] > 0, group["trust_coefficient"], "> 0")
+        check_arg(owner, "eps", group["eps"] >= 0, group["eps"], ">= 0")
 
     @staticmethod
     def _needs_grad_norms(group: dict[str, Any]) -> bool:

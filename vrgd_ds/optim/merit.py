@@ -50,7 +50,7 @@ import torch
 from torch import Tensor
 
 from vrgd_ds.optim import _impl, columns
-from vrgd_ds.optim.adam import (GSNR_PLACEMENTS, UPDATE_PLACEMENT, adam_columns, check_adam_args, check_placement,
+from vrgd_ds.optim.adam import (GSNR_PLACEMENTS, UPDATE_PLACEMENT, adam_columns, check_adam_args, check_adam_group,
                                 placement_index)
 from vrgd_ds.optim.base import BUILDING, GSNROptimizer, constructor_args
 from vrgd_ds.optim.functional import StepContext, member_step
@@ -258,7 +258,7 @@ class VRMerit(GSNROptimizer):
         return dict({k: v for k, v in args.items() if k not in gsnr_keys}, betas=tuple(args["betas"]),
                     trust_ratio=True, **{k: args[k] for k in gsnr_keys})
 
-    _check_options = staticmethod(check_placement)
+    _check_options = staticmethod(check_adam_group)
     _update = staticmethod(merit_update)
 
 
