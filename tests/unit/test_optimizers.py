@@ -1083,3 +1083,23 @@ def test_merit_steps_a_model_with_an_empty_weight(fused):
         opt.step()
     assert m[1].weight.shape == (3, 0)
     assert torch.equal(m[0].weight, alone.weight) and torch.equal(m[0].bias, alone.bias)
+
+
+def test_per_tensor_metrics_name_a_tensor_by_its_place_in_the_group_and_skip_an_empty_one():
+    """A group of four tensors of which the first gets no gradient and the third is empty: the
+    rows are named by the place in the group (``param1``, ``param3``), the empty tensor has no GSNR
+    row, and ``gsnr/tensor_mean_min`` is the smaller of the two tensors' means. Fails on the code
+    before, which numbered the tensors with gradients only (``param0`` was the second tensor) and
+    counted the empty one's mean as 0 (``tensor_mean_min`` 0.0, its ``gsnr_min`` inf)."""
+    torch.manual_seed(0)
+    a, b, e, c = (torch.nn.Parameter(torch.randn(n)) for n in (3, 4, 0, 5))
+    opt = vrgd_ds.VRAdam([a, b, e, c], lr=0.1)
+    for _ in range(2):
+        x, y = torch.randn(4), torch.randn(5)
+        ((b * x).sum() ** 2 + e.sum() + (c * y).sum() ** 2).backward()
+    opt.step()
+    m = opt.gsnr_metrics(per_tensor=True)
+    names = {k.split("/")[1] for k in m if k.startswith("tensor/")}
+    assert names == {"group0.param1", "group0.param3"}
+    means = [m["tensor/group0.param1/gsnr_mean"], m["tensor/group0.param3/gsnr_mean"]]
+    assert m["gsnr/tensor_mean_min"] == min(means) > 0 and m["gsnr/tensor_mean_max"] == max(means)

@@ -74,7 +74,8 @@ class StepRecord:
             m["gsnr/mean"] = float(s[:, S["sum_r"]].sum() / numel.sum())
             m["gsnr/min"] = float(-mx[:, M["neg_min_r"]].max())
             m["gsnr/max"] = float(mx[:, M["max_r"]].max())
-            tmean = s[:, S["sum_r"]] / numel.clamp_min(1)
+            held = numel > 0  # an empty tensor has no mean
+            tmean = s[held, S["sum_r"]] / numel[held] if bool(held.any()) else torch.zeros(1, dtype=s.dtype)
             m["gsnr/tensor_mean_min"] = float(tmean.min())
             m["gsnr/tensor_mean_max"] = float(tmean.max())
             used = numel[informative].sum().clamp_min(1)
@@ -104,8 +105,8 @@ class StepRecord:
             if mx[M["present"]] <= 0:
                 continue
             row: dict[str, float] = {}
-            if mx[M["gsnr"]] > 0:
-                numel = float(s[S["numel"]]) or 1.0
+            if mx[M["gsnr"]] > 0 and s[S["numel"]] > 0:  # an empty tensor has no GSNR figures
+                numel = float(s[S["numel"]])
                 row["gsnr_mean"] = float(s[S["sum_r"]]) / numel
                 row["gsnr_min"] = -float(mx[M["neg_min_r"]])
                 row["gsnr_max"] = float(mx[M["max_r"]])

@@ -194,8 +194,10 @@ class Planner:
             rows = [[i, 0, p.numel(), key_base + i, p.numel(), 0] for i, p in enumerate(params)]
             shapes = {key_base + i: tuple(p.shape) for i, p in enumerate(params)}
             given = group.get("param_names")
-            name_of = {id(q): nm for q, nm in zip(group["params"], given)} if given else {}
-            names = [name_of.get(id(p), f"group{index}.param{j}") for j, p in enumerate(params)]
+            # a tensor's name, or its place in the group (``params`` holds those with a gradient only)
+            name_of = ({id(q): nm for q, nm in zip(group["params"], given)} if given else
+                       {id(q): f"group{index}.param{j}" for j, q in enumerate(group["params"])})
+            names = [name_of.get(id(p), f"group{index}.param?") for p in params]
         else:
             rows = [[i, start, length, key, 0, offset] for i, p in enumerate(params)
                     for (start, length, key), offset in zip(layout.segments(p), layout.offsets(p))]
