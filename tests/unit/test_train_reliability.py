@@ -68,6 +68,33 @@ def test_a_data_path_without_prepared_data_is_an_error_unless_asked_to_prepare(t
         check_data_path(job)  # asked to prepare there: no error
 
 
+def test_data_that_cannot_be_prepared_ends_the_job_with_one_line(capsys, monkeypatch):
+    """The shipped BERT-large configs on the embedded corpus (``data.path`` null) ask for 30,522
+    pieces, more than its text holds (about 10.9k): preparing the data raises a DataError on rank 0
+    after the process group is up. It ends the job with exit 2 and one line naming the cause, as a
+    bad config does. Fails on the code before: the DataError escaped ``main`` as a traceback
+    (exit 1)."""
+    from vrgd_ds.data_pipeline.errors import DataError
+
+    class Failing:
+        rank = 0
+
+        def __init__(self, *args):
+            pass
+
+        def setup(self):
+            raise DataError("the corpus (18771 sentences) is too small for vocab_size=30522 (...); lower "
+                            "--vocab-size or add text")
+
+        def release(self):
+            pass
+
+    monkeypatch.setattr(loop, "Job", Failing)
+    rc, err = run_main(capsys)
+    assert rc == loop.EXIT_CONFIG
+    assert "too small for vocab_size=30522" in err and len(err.strip().splitlines()) == 1, err
+
+
 def test_only_the_first_rank_prints_the_error(capsys, monkeypatch):
     monkeypatch.setenv("RANK", "1")
     rc, err = run_main(capsys, "--set", "optimizer.params.gama=0.1")

@@ -664,7 +664,10 @@ def main(argv: list[str] | None = None) -> int:
     if not args.config or not args.run_dir:
         ap.error("--config and --run-dir are required (or --check-resume RUN_DIR)")
     first = (launcher_value(LAUNCHER_RANK) or 0) == 0
-    refused: tuple[type[Exception], ...] = (ConfigError,)
+    from vrgd_ds.data_pipeline.errors import DataError
+
+    # DataError: data that cannot be prepared or read (rank 0 prepares; the launcher ends the others)
+    refused: tuple[type[Exception], ...] = (ConfigError, DataError)
     try:  # everything that can be checked without a process group, before any work
         raw, job = load_config(args.config, args.set)
         engine = engine_class(job.engine)
