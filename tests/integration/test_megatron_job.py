@@ -103,12 +103,14 @@ def test_gpt_job_on_other_layouts_and_phases(tmp_path, corpus):
     megatron-core's config check (no ``pipeline_dtype``); the first evaluation of a two-phase run
     used the first phase's sequence length for the last phase's windows; and the spine checked a
     phase's batch against every rank, not the data-parallel ones (TP 2 with batch 12 stopped
-    with exit 2 at the phase's start)."""
+    with exit 2 at the phase's start). 30 held-out windows at micro-batch 4 are all evaluated, the
+    last 2 in a pass of their own through the pipeline (before: 28, the partial batch dropped)."""
     phases = json.dumps([{"seq_len": 32, "fraction": 0.5, "global_batch": 16, "micro_batch": 4, "lr": 4e-3},
                          {"seq_len": 64, "fraction": 0.5, "global_batch": 16, "micro_batch": 4, "lr": 2e-3}])
     rec = _train(tmp_path / "pp", corpus, "job.total_steps=4", "megatron.pipeline_model_parallel_size=2",
-                 f"job.phases={phases}", "job.eval_every=2")
+                 f"job.phases={phases}", "job.eval_every=2", "job.data.eval_samples=30")
     taken = _taken(rec)
+    assert [rec[s]["eval/tokens"] for s in (0, 2, 4)] == [30 * 64, 30 * 32, 30 * 64]
     assert len(taken) == 4 and [r["train/seq_len"] for r in taken] == [32, 32, 64, 64]
     assert all(math.isfinite(r["train/loss"]) and r["gsnr/n"] == 4.0 for r in taken)  # 1 DP rank × 4 micro-batches
     assert all(math.isfinite(rec[s]["eval/lm_loss"]) for s in (0, 2, 4))

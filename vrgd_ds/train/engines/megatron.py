@@ -372,7 +372,11 @@ class MegatronEngine(Engine):
         if batches:  # the held-out set's shape (the last phase's), then the training's again
             shape, (self.micro_batch, self.seq_len) = (self.micro_batch, self.seq_len), batches[0]["tokens"].shape
             full = [b for b in batches if len(b["tokens"]) == self.micro_batch]  # the schedule's fixed shape
-            self._run(iter(full), len(full), True, loss_of, with_labels=False)
+            if full:
+                self._run(iter(full), len(full), True, loss_of, with_labels=False)
+            for b in batches[len(full):]:  # the last, smaller one (every data-parallel rank has it): its own pass
+                self.micro_batch = len(b["tokens"])
+                self._run(iter([b]), 1, True, loss_of, with_labels=False)
             self.micro_batch, self.seq_len = shape
         self.ddp.train()
         return tuple(sums) if self.reporter else (0.0, 0.0, 0.0)
