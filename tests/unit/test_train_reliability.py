@@ -42,6 +42,10 @@ def run_main(capsys, *args: str, config: Path = TEST_CONFIG, run_dir: Path | Non
     ("job.phases.5.lr=1", "--set job.phases.5.lr: 'job.phases' has 2 entries (0..1); there is no job.phases.5"),
     ("job.phases.x.lr=1", "--set job.phases.x.lr: 'job.phases' is a list; 'x' is not an index (0..1)"),
     ("job.total_steps.foo=1", "--set job.total_steps.foo: 'job.total_steps' is a value (4), not an object"),
+    # before: added beside the real key and ignored by DeepSpeed (clipping silently stayed as configured)
+    ("gradient_cliping=0.5", "--set gradient_cliping: no key 'gradient_cliping' in the config; did you mean "
+                             "'gradient_clipping'?"),
+    ("zero_optimization.stge=3", "did you mean 'zero_optimization.stage'?"),
     ('job.data.path="/does/not/exist"', "job.data.path: /does/not/exist does not exist. Prepare it first"),
 ])
 def test_bad_configuration_fails_before_any_work_with_one_line(capsys, override, message):

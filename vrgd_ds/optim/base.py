@@ -81,6 +81,7 @@ class GSNROptimizer(torch.optim.Optimizer):
         self.name = BUILDING.get() or type(self).__name__
         owner = self.name
         check_common(owner, defaults)
+        type(self)._check_options(owner, defaults)  # the keywords, named as such (a group's own: by its index)
         check_arg(owner, "fused", fused in _impl.FUSED_CHOICES, fused, " or ".join(map(repr, _impl.FUSED_CHOICES)))
         #: the kernel choice (``_impl.select``); an engine's statistics source takes the same
         self.fused = fused
