@@ -1103,3 +1103,47 @@ def test_per_tensor_metrics_name_a_tensor_by_its_place_in_the_group_and_skip_an_
     assert names == {"group0.param1", "group0.param3"}
     means = [m["tensor/group0.param1/gsnr_mean"], m["tensor/group0.param3/gsnr_mean"]]
     assert m["gsnr/tensor_mean_min"] == min(means) > 0 and m["gsnr/tensor_mean_max"] == max(means)
+
+
+def test_a_tensor_no_backward_reached_steps_on_its_zero_gradient_and_an_unfrozen_one_is_named():
+    """Two cases torch's optimizers step and the statistics had no record of, both reported as "a
+    gradient set by hand" by the code before (fails on it): (1) ``zero_grad(set_to_none=False)`` (VRLamb's
+    default) leaves a zero gradient on a tensor the next step does not use; it steps as on zero
+    gradients in every micro-step (moments decay, weight decay applies), like the base optimizer;
+    (2) a weight frozen when the optimizer was built and unfrozen later: the error says so, the
+    tensor is watched from then on, and the step run again trains it."""
+    torch.manual_seed(0)
+    a, b = torch.nn.Parameter(torch.randn(3)), torch.nn.Parameter(torch.randn(3))
+    opt = vrgd_ds.VRLamb([a, b], lr=0.1, set_grad_none=False)
+    for _ in range(2):
+        ((a * torch.randn(3)).sum() ** 2 + (b * torch.randn(3)).sum() ** 2).backward()
+    opt.step()
+    opt.zero_grad()
+    exp_avg = opt.state[a]["exp_avg"].clone()
+    for _ in range(2):
+        ((b * torch.randn(3)).sum() ** 2).backward()
+    before = a.detach().clone()
+    opt.step()
+    assert torch.equal(opt.state[a]["exp_avg"], 0.9 * exp_avg) and not torch.equal(a, before)
+    assert bool(torch.isfinite(a).all())
+
+    m = torch.nn.Linear(4, 3)
+    m.weight.requires_grad_(False)
+    opt = vrgd_ds.VRAdam(m.parameters(), lr=0.1)
+
+    def backward_passes():
+        for _ in range(2):
+            m(torch.randn(2, 4)).pow(2).sum().backward()
+
+    backward_passes()
+    opt.step()
+    opt.zero_grad()
+    m.weight.requires_grad_(True)
+    backward_passes()
+    with pytest.raises(RuntimeError, match=r"did not require grad when the optimizer's statistics started watching"):
+        opt.step()
+    opt.zero_grad()
+    weight = m.weight.detach().clone()
+    backward_passes()
+    opt.step()
+    assert not torch.equal(m.weight, weight)

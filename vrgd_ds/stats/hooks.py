@@ -116,13 +116,36 @@ class TensorHookStats:
         sum_g, sum_sq = [], []
         for p in params:
             if not self.recorded(p):
-                raise RuntimeError(
-                    f"a parameter of shape {tuple(p.shape)} has a gradient but no VRGD statistics: its gradient "
-                    "did not come from backward() since the last step (gradients set by hand are not seen)"
-                )
+                self._unrecorded(p)
             sum_g.append(self._buffers[p][0])
             sum_sq.append(self._buffers[p][1])
         return sum_g, sum_sq
+
+    def _unrecorded(self, p: Tensor) -> None:
+        """A parameter with a gradient that no backward of this step reached. A zero gradient is
+        what ``zero_grad(set_to_none=False)`` left on a tensor the step did not use: zero sums, as
+        every micro-step's gradient was zero (torch's optimizers step it too). Otherwise: an error
+        saying why (frozen when watched, now trainable; or a gradient set by hand)."""
+        shape = tuple(p.shape)
+        if id(p) not in self._watched:
+            self.watch([p])  # from the next backward on
+            raise RuntimeError(
+                f"a parameter of shape {shape} did not require grad when the optimizer's statistics started "
+                "watching it, so this step's backward passes into it were not recorded; it is watched from now on: "
+                "zero the gradients and run the step's backward passes again (unfreeze parameters before building "
+                "the optimizer, as DDP also asks)")
+        if p.grad is not None and not bool(p.grad.any()):
+            bufs = self._buffers.get(p)
+            if bufs is None:
+                bufs = self._buffers[p] = (torch.zeros(shape, dtype=torch.float32, device=p.device),
+                                           torch.zeros(shape, dtype=torch.float32, device=p.device))
+            else:
+                bufs[0].zero_()
+                bufs[1].zero_()
+            return
+        raise RuntimeError(
+            f"a parameter of shape {shape} has a gradient but no VRGD statistics: its gradient did not come "
+            "from backward() since the last step (gradients set by hand are not seen)")
 
     def taken_moments(self, params: list[Tensor], n: int, eps: float) -> Tensor | None:
         """The step's pass 1 as each parameter's latest backward took it, ``[len(params), 6]``,
