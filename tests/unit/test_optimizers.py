@@ -1147,3 +1147,36 @@ def test_a_tensor_no_backward_reached_steps_on_its_zero_gradient_and_an_unfrozen
     backward_passes()
     opt.step()
     assert not torch.equal(m.weight, weight)
+
+
+def test_a_deep_copied_or_pickled_optimizer_trains_on_as_the_original():
+    """``copy.deepcopy((model, opt))`` and ``torch.save``/``torch.load`` of both (what EMA copies,
+    checkpoint-by-pickle and multiprocessing do): the copy keeps its settings (name,
+    ``set_grad_none``), watches its own tensors, and its next step equals the original's bit for
+    bit. Fails on the code before: AttributeError ('VRLamb' object has no attribute 'name'), as
+    torch's ``__getstate__`` keeps only defaults, state and param groups."""
+    import copy
+    import io
+
+    torch.manual_seed(0)
+    m = torch.nn.Linear(4, 3)
+    opt = vrgd_ds.VRLamb(m.parameters(), lr=0.1, set_grad_none=False)
+
+    def step(model, o):
+        torch.manual_seed(1)
+        for _ in range(2):
+            model(torch.randn(2, 4)).pow(2).sum().backward()
+        o.step()
+        o.zero_grad()
+
+    step(m, opt)
+    m2, opt2 = copy.deepcopy((m, opt))
+    buf = io.BytesIO()
+    torch.save((m, opt), buf)
+    buf.seek(0)
+    m3, opt3 = torch.load(buf, weights_only=False)
+    assert (opt2.name, opt2.set_grad_none, opt3.name) == ("VRLamb", False, "VRLamb")
+    for model, o in ((m, opt), (m2, opt2), (m3, opt3)):
+        step(model, o)
+    assert all(torch.equal(a, b) and torch.equal(a, c) for a, b, c in zip(m.parameters(), m2.parameters(),
+                                                                           m3.parameters()))

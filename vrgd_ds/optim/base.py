@@ -86,28 +86,48 @@ class GSNROptimizer(torch.optim.Optimizer):
         #: the kernel choice (``_impl.select``); an engine's statistics source takes the same
         self.fused = fused
         self._own_keys = tuple(defaults)  # torch adds keys of its own ("differentiable") to defaults
+        #: set by an integration whose wrapper calls step() once per sub-group (ZeRO-3): metrics
+        #: then merge over the calls until ``begin_step_records()``
+        self.merge_step_records = False
+        #: bumped whenever the state or the groups may have been replaced (load_state_dict, new
+        #: groups): a plan shape's ``ready`` mark is valid for one epoch
+        self._epoch = 0
+        self._start_runtime()
+        super().__init__(params, defaults)  # each group through add_param_group: checked, watched
+
+    #: what an optimizer builds as it runs (statistics, hooks, kernels, records), not copied or pickled
+    _RUNTIME = ("_serial", "_kernels", "_stats", "_hook_stats", "_layout", "records", "step_calls", "_counts",
+                "_planner", "_sharded")
+
+    def _start_runtime(self) -> None:
         self._serial = next(_SERIALS)  # names this optimizer in warn-once keys (an id() is reused)
         self._kernels: _impl.Kernels | None = None
         self._stats: StatisticsSource | None = None
         self._hook_stats: TensorHookStats | None = None
         self._layout: Any | None = None
         self.records = M.Recorder(self.name, self._serial)
-        #: set by an integration whose wrapper calls step() once per sub-group (ZeRO-3): metrics
-        #: then merge over the calls until ``begin_step_records()``
-        self.merge_step_records = False
         self.step_calls = 0
         self._counts = StepCounts()  # step counters the current step added to (undone on a retry)
-        #: bumped whenever the state or the groups may have been replaced (load_state_dict, new
-        #: groups): a plan shape's ``ready`` mark is valid for one epoch
-        self._epoch = 0
         self._planner = Planner(self.name)
         self._sharded: dict[int, Tensor] = {}  # id(local shard) -> its DTensor parameter (FSDP2)
-        super().__init__(params, defaults)  # each group through add_param_group: checked, watched
 
     # ---- torch.optim.Optimizer behaviour -------------------------------------------------
 
+    def __getstate__(self) -> dict[str, Any]:
+        """torch's (defaults, state, param groups) and this optimizer's settings; a copy or an
+        unpickled optimizer builds its statistics anew, on its own tensors (``__setstate__``)."""
+        return {**super().__getstate__(), **{k: v for k, v in self.__dict__.items()
+                                             if k not in self._RUNTIME and not k.startswith("_optimizer_")}}
+
     def __setstate__(self, state: dict[str, Any]) -> None:
         super().__setstate__(state)
+        if "_serial" not in self.__dict__:  # a copy (copy.deepcopy) or an unpickled optimizer
+            self.name = self.__dict__.get("name", type(self).__name__)
+            self.__dict__.setdefault("fused", None)
+            self.__dict__.setdefault("_own_keys", tuple(k for k in self.defaults if k != "differentiable"))
+            self.__dict__.setdefault("merge_step_records", False)
+            self._start_runtime()
+            self._watch(self.param_groups)
         self._epoch = getattr(self, "_epoch", 0) + 1
         self._planner = Planner(self.name)
         if getattr(self, "_hook_stats", None) is not None:
