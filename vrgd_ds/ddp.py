@@ -119,6 +119,12 @@ def fused_allreduce_hook(stats: DDPStats, bucket: dist.GradBucket) -> torch.futu
         raise RuntimeError("VRGD statistics do not support sparse gradients under DDP; use a dense layer "
                            "(e.g. nn.Embedding(sparse=False))")
     slices = stats.slices(bucket, flat)
+    if any(id(p) in stats._fresh for p, *_ in slices):
+        raise RuntimeError(
+            "vrgd_ds.ddp: squares='per_micro_step' reduces each rank's gradient once a step, and this step "
+            "synchronises a second backward(), whose bucket holds the first one's reduced mean plus its own "
+            "gradient; accumulate under model.no_sync() up to the last backward, or attach with "
+            "squares='per_step' (every backward is a group)")
     # fresh buffers: DDP keeps several buckets in flight
     sum_g, sum_sq, works = fused_all_reduce(dist, flat, 1.0, stats.group, stats.counters, stats.kernels,
                                             scratch=None)
@@ -219,13 +225,16 @@ def _attach_per_step(ddp_model: DistributedDataParallel, optimizer: GSNROptimize
 
 
 class _BucketPath:
-    """Which micro-steps DDP's buckets hold: every one while each backward synchronises; none of a
-    step that accumulates under ``no_sync()`` (its last backward reduces the sum)."""
+    """Which micro-steps DDP's buckets hold: the step's first, when each backward synchronises (a
+    bucket holds ``.grad``, to which autograd adds each later micro-step's local gradient: the
+    reduced mean of the ones before plus it); none of a step that accumulates under ``no_sync()``
+    (its last backward reduces the sum). The others are read by a tensor hook per parameter,
+    installed from the step's second forward on, or its first under ``no_sync()``."""
 
     def __init__(self, stats: LocalStats, ddp_model: DistributedDataParallel, group: dist.ProcessGroup,
                  params: list[Tensor]) -> None:
         self.stats, self.ddp, self.group, self.params = stats, ddp_model, group, params
-        self.accumulating = False  # this step has had a backward under no_sync()
+        self.accumulating = False  # this step accumulates: under no_sync(), or from its second forward on
         self.hooked = False
         self._step = -1
 
@@ -234,6 +243,8 @@ class _BucketPath:
         if stats.fresh_step() != self._step:  # the first forward of a step
             self._step = stats.fresh_step()
             self.accumulating = False
+        elif torch.is_grad_enabled():  # a second micro-step: its backward adds to the first's .grad
+            self.accumulating = True
         if not self.ddp.require_backward_grad_sync:
             self.accumulating = True
         want_hooks = self.accumulating or stats.hooks_only

@@ -6,6 +6,7 @@ runs a single-process reference that sees all ranks' gradients.
 """
 from __future__ import annotations
 
+import contextlib
 import copy
 import os
 import sys
@@ -124,10 +125,11 @@ def rel(a: torch.Tensor, b: torch.Tensor, b0: torch.Tensor) -> float:
 
 
 def train_case(opt_name: str, micro_steps: int, squares: str = "per_step", record: str = "auto",
-               gsnr: str = "on", **ddp_kw: Any) -> dict[str, Any]:
+               gsnr: str = "on", sync_each: bool = False, **ddp_kw: Any) -> dict[str, Any]:
     """3 steps of DDP + ``attach`` against the reference; ``micro_steps`` > 1 accumulates
-    under ``no_sync()``. ``gsnr``: ``on`` for every parameter, ``weights`` (the biases in a
-    ``gsnr=False`` group) or ``off``."""
+    under ``no_sync()`` (``sync_each``: every backward synchronises; the summed ``.grad`` is the
+    same). ``gsnr``: ``on`` for every parameter, ``weights`` (the biases in a ``gsnr=False``
+    group) or ``off``."""
     rank, world = dist.get_rank(), dist.get_world_size()
     cls, kw = OPTS[opt_name]
 
@@ -161,7 +163,7 @@ def train_case(opt_name: str, micro_steps: int, squares: str = "per_step", recor
         (collectives, sent), calls, reductions, packs = counters(), ALL_REDUCE_CALLS[0], DDP_REDUCTIONS[0], launches()
         opt.zero_grad()
         for j in range(micro_steps - 1):
-            with ddp.no_sync():
+            with contextlib.nullcontext() if sync_each else ddp.no_sync():
                 loss_fn(ddp, batch(step, rank, j)).backward()
         loss_fn(ddp, batch(step, rank, micro_steps - 1)).backward()
         opt.step()
@@ -250,6 +252,8 @@ def cases() -> dict[str, Callable[[], dict[str, Any]]]:
         "VRSGD_no_sync": lambda: train_case("VRSGD", 2),
         "VRAdam_no_sync": lambda: train_case("VRAdam", 3),
         "VRSGD_bucket_view": lambda: train_case("VRSGD", 1, gradient_as_bucket_view=True),
+        "VRAdam_sync_each": lambda: train_case("VRAdam", 3, sync_each=True),
+        "fused_VRAdam_sync_each": lambda: train_case("VRAdam", 2, squares="per_micro_step", sync_each=True),
         "hooks_VRSGD": lambda: train_case("VRSGD", 1, record="hooks"),
         "hooks_VRAdam": lambda: train_case("VRAdam", 1, record="hooks"),
         "hooks_VRSGD_no_sync": lambda: train_case("VRSGD", 2, record="hooks"),

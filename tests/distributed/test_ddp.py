@@ -53,6 +53,27 @@ def test_param_groups_with_gsnr_off_train_as_the_reference(pool, name):
             assert res["contrast"] >= CONTRAST * TOL, res
 
 
+def test_accumulation_with_every_backward_synchronised_equals_the_reference(pool):
+    """3 micro-steps a step, each backward synchronised (no ``no_sync()``): DDP's bucket holds
+    ``.grad``, which from the second micro-step on is the reduced mean of the ones before plus the
+    new local gradient; those micro-steps are read by tensor hooks, and training equals the
+    reference with n = ranks × 3. Fails on the code before, which read every micro-step from the
+    buckets (Σg and Σg² of the running sums)."""
+    for res in _case(pool, "VRAdam_sync_each"):
+        assert res["err"] <= TOL, res
+        assert res["contrast"] >= CONTRAST * TOL, res
+        assert all(s["n"] == float(RANKS * 3) for s in res["steps"]), res["steps"]
+
+
+def test_a_second_synchronised_backward_is_refused_under_the_fused_scheme(pool):
+    """``squares="per_micro_step"`` reduces each rank's gradient once a step; a second synchronised
+    backward before the step reduces the first one's mean plus its own gradient. It is refused
+    naming the fix. Fails on the code before, which overwrote the statistics with that sum's."""
+    per_rank = pool.run("ddp_worker", "run_case", {"name": "fused_VRAdam_sync_each"})
+    for res in per_rank:
+        assert "reduces each rank's gradient once a step" in res.get("error", ""), res
+
+
 @pytest.mark.parametrize("name", TRAIN_CASES)
 def test_per_step_groups_are_ranks_times_backward_passes(pool, name):
     """The default scheme: every backward of every rank is a group, no_sync() micro-steps
