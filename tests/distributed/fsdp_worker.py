@@ -178,6 +178,12 @@ def _refusal(case: dict) -> dict[str, Any]:
     shard(model, "fsdp", world)
     if what == "offload":  # CPUOffloadPolicy needs an accelerator to offload from: its flag, as FSDP sets it
         next(fp for _, fp in _fsdp_params(model)).offload_to_cpu = True
+    if what == "bf16_reduce":  # MixedPrecisionPolicy(param_dtype=torch.bfloat16): FSDP then reduces in bf16
+        from torch.distributed.fsdp import MixedPrecisionPolicy
+
+        for module in (model.a, model.b, model.c):
+            for group in module._get_fsdp_state()._fsdp_param_groups:
+                group.mp_policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16)
     if what == "gloo_average":
         model.b.set_force_sum_reduction_for_comms(False)
     opt = vrgd_ds.VRLamb(model.parameters(), lr=0.1)

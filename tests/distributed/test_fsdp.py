@@ -88,6 +88,8 @@ REFUSALS = {
     "fused_group": ("UnsupportedFSDPConfiguration", "fused=True/foreach=None in a param group"),
     "twice": ("UnsupportedFSDPConfiguration", "a second attach to one model"),
     "uneven_sync": ("UnsupportedFSDPConfiguration", "reduced some parameters 1 times and others 2 times"),
+    # before: accepted, Σg taken from FSDP's bf16 reduce-scatter against fp32 squares
+    "bf16_reduce": ("UnsupportedFSDPConfiguration", "gradients reduced in bfloat16"),
 }
 
 

@@ -190,6 +190,18 @@ def attach(model: torch.nn.Module, optimizer: GSNROptimizer, squares_dtype: str 
     if any(g["gsnr"] for g in optimizer.param_groups) and world < MIN_GROUPS:
         raise ValueError(f"{optimizer.name} with gsnr=True under FSDP needs >= {MIN_GROUPS} data-parallel "
                          f"ranks, got {world}")
+    if any(g["gsnr"] for g in optimizer.param_groups):
+        # as FSDPParam.init_dtype_attrs sets them at the first forward: reduce_dtype, else param_dtype, else
+        # the parameter's own
+        reduced = {g.mp_policy.reduce_dtype or g.mp_policy.param_dtype or fp.sharded_param.dtype
+                   for _, g in groups for fp in g.fsdp_params if fp.sharded_param.requires_grad}
+        low = sorted(str(d).removeprefix("torch.") for d in reduced if d != torch.float32)
+        if low:
+            raise _refuse(f"gradients reduced in {' and '.join(low)} (MixedPrecisionPolicy reduce_dtype, or its "
+                          "param_dtype when reduce_dtype is None)", "the mean gradient of the statistics is FSDP's "
+                          "reduced one, and Σg² - (Σg)²/n cancels in low precision; set "
+                          "MixedPrecisionPolicy(reduce_dtype=torch.float32) (torchtitan: "
+                          "mixed_precision_reduce = 'float32'), or gsnr=False")
 
     managed = {id(fp.sharded_param): fp for _, g in groups for fp in g.fsdp_params}
     for group in optimizer.param_groups:
