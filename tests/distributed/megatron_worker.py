@@ -482,6 +482,8 @@ REFUSED = {
                                         "num_distributed_optimizer_instances"),
     "megatron-fsdp": ("ddp", {"use_megatron_fsdp": True}, "use_megatron_fsdp"),
     "bf16-grad-reduce": ("optimizer", {"bf16": True}, "grad_reduce_in_fp32"),
+    # before: accepted; finalize_model_grads divided main_grad by the tokens after the squares were taken
+    "per-token-loss": ("model", {"calculate_per_token_loss": True}, "calculate_per_token_loss"),
     "cpu-offload": ("optimizer", {"optimizer_cpu_offload": True}, "optimizer_cpu_offload"),
     "precision-aware": ("optimizer", {"use_precision_aware_optimizer": True}, "use_precision_aware_optimizer"),
     "merit-tensor-parallel": ("name", "VRMerit", "VRMerit with tensor parallelism"),

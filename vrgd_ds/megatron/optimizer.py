@@ -84,6 +84,11 @@ def check_configuration(config: Any, chunks: list[Any], name: str) -> None:
                     f"the tied weight ({shared[0]}) is summed across stages once per step, after the squares",
                     "Set share_embeddings_and_output_weights=False, or use the base optimizer "
                     f"({REGISTRY[name].base})")
+    if getattr(model, "calculate_per_token_loss", False):
+        _refuse("TransformerConfig.calculate_per_token_loss",
+                "Megatron then divides the reduced gradient by the step's token count after the micro-batches' "
+                "squares were taken, so the mean gradient and the squares would be on different scales",
+                "Set calculate_per_token_loss=False (the loss averaged per micro-batch)")
     if (config.bf16 or config.fp16) and not ddp.grad_reduce_in_fp32:
         _refuse("bf16/fp16 without DistributedDataParallelConfig.grad_reduce_in_fp32",
                 "the mean gradient would come from a low-precision reduction and meet fp32 squares in s - gbar²",
