@@ -345,6 +345,7 @@ BAD = {
     "bad-contiguous-zero3": "'zero_optimization.contiguous_gradients' is not supported",
     "bad-quantized-gradients": "'zero_optimization.zero_quantized_gradients' is not supported",
     "bad-predivide": "'gradient_predivide_factor' is not supported",
+    "bad-fp16-stage0-callable-client": "'fp16 with zero_optimization.stage 0' is not supported",
     "bad-fp16-stage0": "'fp16 with zero_optimization.stage 0' is not supported",
     "bad-client-and-config": "both a config optimizer ('optimizer.type': 'VRLamb') and a client optimizer",
     "bad-unknown-param": "optimizer.params.gama: not a parameter of VRLamb",

@@ -667,6 +667,11 @@ def run_bad_case(case: dict) -> dict:
     kwargs = {}
     if case.get("client"):
         kwargs["optimizer"] = vrgd_ds.VRSGD(tiny_model().parameters(), lr=0.1)
+    if case.get("callable"):  # DeepSpeed calls it on the model's parameters
+        import functools
+
+        cfg.pop("optimizer")
+        kwargs["optimizer"] = functools.partial(vrgd_ds.VRSGD, lr=0.1)
     model = moe_model() if case.get("moe") else bert_model() if case.get("bert") else tiny_model()
     if case.get("frozen"):  # a frozen first layer, in the optimizer's params as DeepSpeed passes them
         model[0].weight.requires_grad_(False)
@@ -770,6 +775,8 @@ def bad_cases():
     yield "bad-contiguous-zero3", dict(base, stage=3, set={"zero_optimization.contiguous_gradients": False})
     yield "bad-quantized-gradients", dict(base, set={"zero_optimization.zero_quantized_gradients": True})
     yield "bad-predivide", dict(base, set={"gradient_predivide_factor": 2.0})
+    # before: a callable client optimizer skipped every check (attach ran on an unchecked engine)
+    yield "bad-fp16-stage0-callable-client", dict(base, stage=0, dtype="fp16", callable=True)
     yield "bad-fp16-stage0", dict(base, stage=0, dtype="fp16")
     yield "bad-client-and-config", dict(base, client=True)
     yield "bad-unknown-param", dict(base, set={"optimizer.params.gama": 0.1})

@@ -73,12 +73,15 @@ def register() -> None:
                 f"both a config optimizer ('optimizer.type': {config_name!r}) and a client optimizer "
                 f"({type(client_optimizer).__name__}) were given to deepspeed.initialize; DeepSpeed would silently "
                 "use the client one. Remove the 'optimizer' block from the config or do not pass optimizer=")
-        if ours or isinstance(client_optimizer, GSNROptimizer):
+        checked = ours or isinstance(client_optimizer, GSNROptimizer)
+        if checked:
             check_engine(self)
         configure(self, client_optimizer, model_parameters)
         if isinstance(self.basic_optimizer, GSNROptimizer):
             from vrgd_ds.ds.attach import attach
 
+            if not checked:  # a callable client optimizer (e.g. functools.partial(VRLamb, lr=...)) built it
+                check_engine(self)
             attach(self)
 
     def is_zero_supported_optimizer(optimizer):
