@@ -406,6 +406,17 @@ def test_communication_dtype_the_fused_reduction_ignores_is_warned_of(pool, stag
     assert any("communication_data_type" in w and "is ignored" in w for w in res["warnings"]) == warned, res
 
 
+@pytest.mark.parametrize("comm, gbar", [(None, "engine"), ("bf16", "local")])
+def test_gbar_auto_follows_the_dtype_gradients_are_reduced_in(pool, comm, gbar):
+    """An fp32 model under the per-step scheme: ``"gbar": "auto"`` takes DeepSpeed's reduced mean
+    gradient where it is reduced in fp32, and the local fp32 one where ``communication_data_type``
+    bf16 rounds it (a bf16 ḡ against fp32 squares is what "auto" avoids for bf16 models). Fails on
+    the code before, which read the model's dtype only and took the engine's bf16-reduced ḡ."""
+    sets = {"vrgd.squares": "per_step", "vrgd.gbar": "auto", **({"communication_data_type": comm} if comm else {})}
+    res = run(pool, "run_bad_case", dict(stage=2, dtype="fp32", gas=1, clip=0.0, opt="VRLamb", bucket=500, set=sets))
+    assert res["raised"] is None and res["gbar"] == gbar, res
+
+
 def test_a_frozen_parameter_is_left_out_on_stage_0(pool):
     """Stage 0 with accumulation (a hook per parameter) and a parameter with requires_grad False,
     which DeepSpeed hands the optimizer as it hands every parameter: the statistics leave it out,

@@ -700,7 +700,7 @@ def run_bad_case(case: dict) -> dict:
                 os.environ[k] = v
     stats = getattr(engine, "vrgd_stats", None)
     return dict(raised=None, message="", describe=stats.describe() if hasattr(stats, "describe") else "",
-                warnings=warned)
+                warnings=warned, gbar=getattr(stats, "gbar", None))
 
 
 def run_accumulation_case(case: dict) -> dict:

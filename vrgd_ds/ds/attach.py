@@ -64,7 +64,7 @@ def attach(engine: Any) -> sources.ReductionStats | None:
         layout.replicated = pipeline.replicated(engine, tensors.keys, layout.num_keys)
     stats = None
     if wants_stats:
-        gbar = options.gbar_for(engine.get_data_types()[0])
+        gbar = options.gbar_for(reduction_dtype(engine))
         hooks_only = options.micro_steps == "hooks"
         if scheme == "hierarchical":  # every engine path has node_buffers; pipelines are refused in pipeline.check
             stats = local.attach_hierarchical(engine, path, world, gbar, select_for(opt), options.node_size, hooks_only)
@@ -121,6 +121,18 @@ def guard_accumulation(engine: Any) -> None:
     engine.no_sync, engine.coalesce_grad_reduction = checked_no_sync, checked_coalesce
 
 
+def reduction_dtype(engine: Any) -> Any:
+    """fp32 where DeepSpeed's reduced gradient is fp32 throughout: an fp32 model reducing in fp32
+    (``communication_data_type``), without a ``torch_autocast`` that gives parameters a
+    low-precision ``comm_dtype``; else the low dtype in play."""
+    import torch
+
+    low = [d for d in (engine.get_data_types()[0], engine.communication_data_type,
+                       engine.torch_autocast_dtype() if engine.torch_autocast_enabled() else None)
+           if d in (torch.bfloat16, torch.float16)]
+    return low[0] if low else torch.float32
+
+
 def warn_ignored_comm_dtype(engine: Any, scheme: str) -> bool:
     """Warns when the scheme in use (``"auto"`` resolved) replaces DeepSpeed's gradient reduction
     by the fused fp32 ``[g | g²]`` one, so that a ``communication_data_type`` other than fp32 and
@@ -143,7 +155,7 @@ def _auto(engine: Any, options: Any, stage: int, world: int) -> str:
     if node_size is None and stage in (1, 2) and not pipeline.is_pipeline(engine):
         node_size = local.host_node_size(engine.seq_data_parallel_group, world)
     params = sum(getattr(p, "ds_numel", p.numel()) for p in engine.module.parameters() if p.requires_grad)
-    words = 2 if options.gbar_for(engine.get_data_types()[0]) == "local" else 1
+    words = 2 if options.gbar_for(reduction_dtype(engine)) == "local" else 1
     device = next(engine.module.parameters()).device
     free = torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else None
     scheme = auto_scheme(stage, pipeline.is_pipeline(engine), world, node_size or 0, 4 * words * params, free)
