@@ -417,6 +417,16 @@ def test_gbar_auto_follows_the_dtype_gradients_are_reduced_in(pool, comm, gbar):
     assert res["raised"] is None and res["gbar"] == gbar, res
 
 
+def test_lamb_by_name_trains_in_bf16_on_stage_0(pool):
+    """``"type": "Lamb"`` (our LAMB on the CPU accelerator) in bf16 without ZeRO: DeepSpeed wraps it in
+    FP16_UnfusedOptimizer, which for an optimizer named "lamb" takes FusedLamb's legacy step
+    (``step(grads=, output_params=, scale=)``); ours steps as a torch optimizer. Fails on the code
+    before: TypeError at the first step."""
+    res = run(pool, "run_steps_case", dict(stage=0, dtype="bf16", gas=2, clip=0.0, opt="Lamb", bucket=500,
+                                           scheme="per_step"))
+    assert res["raised"] is None and res["finite"] and res["moved"], res
+
+
 def test_a_frozen_parameter_is_left_out_on_stage_0(pool):
     """Stage 0 with accumulation (a hook per parameter) and a parameter with requires_grad False,
     which DeepSpeed hands the optimizer as it hands every parameter: the statistics leave it out,

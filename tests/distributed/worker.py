@@ -727,6 +727,25 @@ def run_accumulation_case(case: dict) -> dict:
                 finite=all(bool(torch.isfinite(p).all()) for p in engine.module.parameters()))
 
 
+def run_steps_case(case: dict) -> dict:
+    """Two steps of the config's optimizer (``case["opt"]``) through ``deepspeed.initialize``:
+    whether they ran and left finite, moved parameters (or what they raised)."""
+    rank = dist.get_rank()
+    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[case["dtype"]]
+    engine, *_ = deepspeed.initialize(model=tiny_model(), config=config(case))
+    before = [p.detach().float().clone() for p in engine.module.parameters()]
+    try:
+        for step in range(2):
+            for j in range(case["gas"]):
+                engine.backward(loss_fn(engine, batch(step, rank, j), dtype))
+                engine.step()
+    except Exception as e:  # noqa: BLE001 (the message is the result)
+        return dict(raised=f"{type(e).__name__}: {e}")
+    after = [p.detach().float() for p in engine.module.parameters()]
+    return dict(raised=None, finite=all(bool(torch.isfinite(p).all()) for p in after),
+                moved=any(not torch.equal(a, b) for a, b in zip(before, after)))
+
+
 def bert_model() -> torch.nn.Module:
     """A one-layer BERT from transformers (AutoTP finds its policy only for such models)."""
     from transformers import BertConfig, BertModel

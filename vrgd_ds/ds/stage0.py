@@ -45,6 +45,9 @@ class Stage0:
         self.unfused = type(self.wrapper).__name__ == "FP16_UnfusedOptimizer"
         if self.unfused:
             require(self.wrapper, _FP16_UNFUSED, "FP16_UnfusedOptimizer")
+            # set by DeepSpeed for a config optimizer named "lamb": its FusedLamb's legacy step with
+            # grads/scale arguments; ours steps as a torch optimizer on the fp32 masters
+            self.wrapper.fused_lamb_legacy = False
             self.pairs = [(p, m) for lp, hp in zip(self.wrapper.fp16_groups, self.wrapper.fp32_groups)
                           for p, m in zip(lp, hp) if p.requires_grad]
         elif self.wrapper is opt:  # frozen parameters have no gradient to read (DeepSpeed skips them too)
