@@ -146,3 +146,15 @@ def test_bf16_squares_with_the_automatic_scheme_are_refused_naming_both_keys():
     with pytest.raises(internals.UnsupportedConfiguration, match="squares_dtype.*'auto' may pick it"):
         reduction_config({"vrgd": {"squares": "auto", "squares_dtype": "bf16"}})
     assert reduction_config({"vrgd": {"squares": "per_step", "squares_dtype": "bf16"}}).squares_dtype == "bf16"
+
+
+def test_a_vrgd_block_that_is_not_an_object_is_named():
+    """``"vrgd": "per_step"`` (the scheme written without its key): the error names the block and
+    shows its form. Fails on the code before, whose message ("Input should be a valid dictionary or
+    instance of ReductionConfig") named no key."""
+    from vrgd_ds.ds.config import reduction_config
+    from vrgd_ds.ds.internals import UnsupportedConfiguration
+
+    with pytest.raises(UnsupportedConfiguration, match=r"^vrgd: 'per_step' is not an object; write it as "
+                                                       r'\{"squares": "per_step"\}'):
+        reduction_config({"vrgd": "per_step"})

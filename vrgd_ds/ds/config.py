@@ -116,6 +116,9 @@ def auto_scheme(stage: int, pipeline: bool, world: int, node_size: int, full_byt
 def reduction_config(raw_config: dict[str, Any]) -> ReductionConfig:
     """Parses the ``"vrgd"`` block of DeepSpeed's raw config dict; errors name the key."""
     block = raw_config.get(KEY) or {}
+    if not isinstance(block, dict):
+        raise UnsupportedConfiguration(f"{KEY}: {block!r} is not an object; write it as "
+                                       f'{{"squares": "per_step"}} (accepted keys: {", ".join(ReductionConfig.model_fields)})')
     try:
         return ReductionConfig.model_validate(block)
     except ValidationError as e:

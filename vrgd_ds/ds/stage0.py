@@ -29,7 +29,7 @@ from vrgd_ds.stats.local import PAD, LocalStats
 _ENGINE = ("allreduce_bucket", "clip_fp32_gradients", "seq_data_parallel_group", "gradient_accumulation_steps",
            "set_train_batch_size")
 _ENGINE_LATE = ("flatten",)  # set by the engine after it configured the optimizer: checked at the first use
-_FP16_UNFUSED = ("fp16_groups", "fp32_groups", "loss_scale", "unscale_and_clip_grads")
+_FP16_UNFUSED = ("fp16_groups", "fp32_groups", "loss_scale", "unscale_and_clip_grads", "fused_lamb_legacy")
 
 
 class Stage0:
