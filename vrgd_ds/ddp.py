@@ -111,6 +111,18 @@ class DDPStats:
             self._fresh.add(id(p))
 
 
+def _one_synchronised_backward(stats: DDPStats, ddp_model: DistributedDataParallel) -> None:
+    """Refuses, at its forward (before any collective of it), a second synchronised micro-step in a
+    step under ``squares='per_micro_step'``: its bucket would hold the first one's reduced mean plus
+    its own gradient."""
+    if stats._fresh and ddp_model.require_backward_grad_sync and torch.is_grad_enabled():
+        raise RuntimeError(
+            "vrgd_ds.ddp: squares='per_micro_step' reduces each rank's gradient once a step, and this step "
+            "synchronises a second backward(), whose bucket would hold the first one's reduced mean plus its own "
+            "gradient; accumulate under model.no_sync() up to the last backward, or attach with "
+            "squares='per_step' (every backward is a group)")
+
+
 def fused_allreduce_hook(stats: DDPStats, bucket: dist.GradBucket) -> torch.futures.Future[Tensor]:
     """DDP communication hook: one fp32 all-reduce of ``[g | g²]`` per bucket; the future's
     value is the bucket with the mean gradient, as with torch's ``allreduce_hook``."""
@@ -119,12 +131,6 @@ def fused_allreduce_hook(stats: DDPStats, bucket: dist.GradBucket) -> torch.futu
         raise RuntimeError("VRGD statistics do not support sparse gradients under DDP; use a dense layer "
                            "(e.g. nn.Embedding(sparse=False))")
     slices = stats.slices(bucket, flat)
-    if any(id(p) in stats._fresh for p, *_ in slices):
-        raise RuntimeError(
-            "vrgd_ds.ddp: squares='per_micro_step' reduces each rank's gradient once a step, and this step "
-            "synchronises a second backward(), whose bucket holds the first one's reduced mean plus its own "
-            "gradient; accumulate under model.no_sync() up to the last backward, or attach with "
-            "squares='per_step' (every backward is a group)")
     # fresh buffers: DDP keeps several buckets in flight
     sum_g, sum_sq, works = fused_all_reduce(dist, flat, 1.0, stats.group, stats.counters, stats.kernels,
                                             scratch=None)
@@ -185,6 +191,7 @@ def attach(ddp_model: DistributedDataParallel, optimizer: GSNROptimizer,
     if squares == "per_micro_step":
         stats = DDPStats(group, world, select_for(optimizer))
         ddp_model.register_comm_hook(stats, fused_allreduce_hook)
+        ddp_model.register_forward_pre_hook(lambda module, args: _one_synchronised_backward(stats, ddp_model))
         optimizer.set_statistics_source(stats)
         return stats
     if squares != "per_step":

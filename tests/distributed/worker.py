@@ -679,7 +679,11 @@ def run_bad_case(case: dict) -> dict:
         kwargs["mpu"] = TensorParallelMpu()
     from deepspeed.utils import groups
 
+    from deepspeed.runtime import torch_autocast
+
     kept = groups.mpu, groups.mesh_device  # module globals an mpu or AutoTP sets: the pool's next case needs them
+    # and the ones a torch_autocast config sets (every later ZeRO-1/2 engine would take its GradScaler)
+    kept_autocast = torch_autocast.TORCH_AUTOCAST_INITIALIZED, torch_autocast.TORCH_AUTOCAST_DTYPE
     env = {k: os.environ.get(k) for k in case.get("env", {})}
     os.environ.update(case.get("env", {}))
     warned: list[str] = []
@@ -693,6 +697,7 @@ def run_bad_case(case: dict) -> dict:
     finally:
         logging.getLogger("vrgd_ds").removeHandler(catch)
         groups.mpu, groups.mesh_device = kept
+        torch_autocast.TORCH_AUTOCAST_INITIALIZED, torch_autocast.TORCH_AUTOCAST_DTYPE = kept_autocast
         for k, v in env.items():
             if v is None:
                 os.environ.pop(k)
