@@ -115,7 +115,7 @@ def _one_synchronised_backward(stats: DDPStats, ddp_model: DistributedDataParall
     """Refuses, at its forward (before any collective of it), a second synchronised micro-step in a
     step under ``squares='per_micro_step'``: its bucket would hold the first one's reduced mean plus
     its own gradient."""
-    if stats._fresh and ddp_model.require_backward_grad_sync and torch.is_grad_enabled():
+    if stats.n and ddp_model.require_backward_grad_sync and torch.is_grad_enabled():  # reduced this step
         raise RuntimeError(
             "vrgd_ds.ddp: squares='per_micro_step' reduces each rank's gradient once a step, and this step "
             "synchronises a second backward(), whose bucket would hold the first one's reduced mean plus its own "

@@ -27,7 +27,7 @@ from typing import Any
 import torch
 
 from vrgd_ds.optim import _impl, columns
-from vrgd_ds.optim.base import BUILDING, GSNROptimizer, check_arg, constructor_args
+from vrgd_ds.optim.base import GSNROptimizer, check_arg, constructor_args
 from vrgd_ds.optim.functional import StepContext, counted_by, finish_rows, member_step, step_powers
 from vrgd_ds.optim.plan import Plan
 
@@ -141,8 +141,7 @@ class VRAdam(GSNROptimizer):
 
     @classmethod
     def _group(cls, args: dict[str, Any]) -> dict[str, Any]:
-        check_adam_args(BUILDING.get() or cls.__name__, args["betas"], args["eps"])
-        return dict(args, betas=tuple(args["betas"]))
+        return dict(args, betas=tuple(args["betas"]))  # ranges: check_adam_group, on the built group
 
     _check_options = staticmethod(check_adam_group)
     _update = staticmethod(adam_update)

@@ -43,7 +43,7 @@ from typing import Any
 
 import torch
 
-from vrgd_ds.optim.adam import (GSNR_PLACEMENTS, UPDATE_PLACEMENT, adam_columns, check_adam_args, check_adam_group,
+from vrgd_ds.optim.adam import (GSNR_PLACEMENTS, UPDATE_PLACEMENT, adam_columns, check_adam_group,
                                  device_adam_table, placement_index)
 from vrgd_ds.optim import columns
 from vrgd_ds.optim.base import BUILDING, GSNROptimizer, check_arg, constructor_args
@@ -178,16 +178,13 @@ class VRLamb(GSNROptimizer):
     @classmethod
     def _group(cls, args: dict[str, Any]) -> dict[str, Any]:
         owner = BUILDING.get() or cls.__name__
-        a = dict(args)
-        check_adam_args(owner, a["betas"], a["eps"])
-        check_coeffs(owner, a)
+        a = dict(args)  # ranges: _check_options, on the built group
         amsgrad = a.pop("amsgrad")
         check_arg(owner, "amsgrad", not amsgrad, amsgrad, "False (LAMB has no AMSGrad variant; apex refuses it too)")
         a.pop("set_grad_none")
         if a["grad_pre_normalization"] is None:
             a["grad_pre_normalization"] = a["max_grad_norm"] is not None
         a["max_grad_norm"] = 1.0 if a["max_grad_norm"] is None else a["max_grad_norm"]
-        check_arg(owner, "max_grad_norm", a["max_grad_norm"] > 0, a["max_grad_norm"], "> 0")
         for flag in ("grad_pre_normalization", "use_nvlamb", "grad_averaging", "adam_w_mode"):
             a[flag] = bool(a[flag])
         gsnr_keys = ("gamma", "beta3", "gsnr_eps", "gsnr_placement", "gsnr")

@@ -16,7 +16,7 @@ from typing import Any
 import torch
 
 from vrgd_ds.optim import columns
-from vrgd_ds.optim.base import BUILDING, GSNROptimizer, check_arg, constructor_args
+from vrgd_ds.optim.base import GSNROptimizer, check_arg, constructor_args
 from vrgd_ds.optim.functional import StepContext, finish_rows, member_step
 from vrgd_ds.optim.plan import Plan
 from vrgd_ds.optim.sgd import device_sgd_table, sgd_update
@@ -75,7 +75,6 @@ class VRLars(GSNROptimizer):
 
     @classmethod
     def _group(cls, args: dict[str, Any]) -> dict[str, Any]:
-        cls._check_options(BUILDING.get() or cls.__name__, args)
         gsnr_keys = ("gamma", "beta3", "gsnr_eps", "gsnr")
         return dict(lr=args["lr"], momentum=args["momentum"], dampening=0.0,
                     **{k: v for k, v in args.items() if k not in ("lr", "momentum", *gsnr_keys)}, trust_ratio=True,

@@ -50,9 +50,9 @@ import torch
 from torch import Tensor
 
 from vrgd_ds.optim import _impl, columns
-from vrgd_ds.optim.adam import (GSNR_PLACEMENTS, UPDATE_PLACEMENT, adam_columns, check_adam_args, check_adam_group,
+from vrgd_ds.optim.adam import (GSNR_PLACEMENTS, UPDATE_PLACEMENT, adam_columns, check_adam_group,
                                 placement_index)
-from vrgd_ds.optim.base import BUILDING, GSNROptimizer, constructor_args
+from vrgd_ds.optim.base import GSNROptimizer, constructor_args
 from vrgd_ds.optim.functional import StepContext, member_step
 from vrgd_ds.optim.plan import Plan
 
@@ -253,7 +253,6 @@ class VRMerit(GSNROptimizer):
 
     @classmethod
     def _group(cls, args: dict[str, Any]) -> dict[str, Any]:
-        check_adam_args(BUILDING.get() or cls.__name__, args["betas"], args["eps"])
         gsnr_keys = ("gamma", "beta3", "gsnr_eps", "gsnr_placement", "gsnr")
         return dict({k: v for k, v in args.items() if k not in gsnr_keys}, betas=tuple(args["betas"]),
                     trust_ratio=True, **{k: args[k] for k in gsnr_keys})
