@@ -126,7 +126,8 @@ def test_an_adaptive_position_no_round_of_this_layout_divides_is_refused_naming_
     on 4 ranks, where each step takes multiples of 16 and each rank starts at consumed + rank × 4:
     the resume stops before loading, naming the rank counts that can take it (1 and 2). The code
     before got as far as the phase's sampler, which failed naming its own option
-    (``PretrainingSampler option consumed_samples=24``) and a fix that did not apply."""
+    (``PretrainingSampler option consumed_samples=24``) and a fix that did not apply; this test
+    fails on it (--check-resume reported the resume as going ahead)."""
     from vrgd_ds.train.config import ConfigError, check_resume_position, parse_job
 
     info = ckpt.marker(run_dir / "checkpoints", "step00000004")["info"]
