@@ -1,13 +1,16 @@
 #!/usr/bin/env bash
 # Every GPU measurement the open work asks for, in one run of under 9 minutes on one H100/H200.
-# By default: the performance check still unmeasured since the bucket packing (zero2_seq128: the
-# whole ZeRO-2 BERT-large bf16 step at seq 128, VRLamb against Lamb and FusedLamb, with a profile),
-# then cells of the BERT study past the unigram plateau (studies/bert_batch.py --noise-multiple:
-# LAMB against VR-LAMB at 1x-64x the noise scale, 2 seeds, a bracketed LR grid, at least 128 steps
-# a run), whose record grows with each lease (--reuse docs/studies/bert_plateau_steps128 and
-# docs/studies/bert_plateau: the B_simple probe measured there, the 1x cells, and the cells run
-# before). The parts before the study keep its last PLATEAU_S seconds (default 300) for it; when
-# the study is the only part, it has the whole call. Further parts run when PARTS names them: the
+# By default: cells of the BERT study past the unigram plateau (studies/bert_batch.py
+# --noise-multiple: LAMB against VR-LAMB at 1x-64x the noise scale, 2 seeds, a bracketed LR grid, at
+# least 128 steps a run), whose record grows with each lease (--reuse docs/studies/bert_plateau_steps128
+# and docs/studies/bert_plateau: the B_simple probe measured there, the 1x cells, and the cells run
+# before), with the whole call: a 16x run takes about 410 s on one H200, 8 side by side (4,000
+# samples/s each over the whole run, 2026-11-28), so a call that keeps time for another part first
+# finishes none. The second call of the lease, sent while the machine is still warm, runs the
+# performance check still unmeasured since the bucket packing (zero2_seq128: the whole ZeRO-2
+# BERT-large bf16 step at seq 128, VRLamb against Lamb and FusedLamb, with a profile; over 140 s on a
+# fresh H200, FusedLamb's build included). When the study runs after other parts, they keep its last
+# PLATEAU_S seconds (default 300) for it. Further parts run when PARTS names them: the
 # Triton kernels on CUDA tensors, pack_bucket included (triton_cuda: 25 of 25 passed on one H200,
 # 2026-11-28), the same 50-step BERT job, seeds and data as a CPU's record (seed_check, against
 # docs/studies/bert_seed_check: the same losses to 1.4e-7 nats on that H200,
@@ -21,9 +24,10 @@
 #   PARTS="fusedlamb_build opt_step_flat opt_step zero2_seq128 megatron zero2_seq512" \
 #       bash benchmarks/gpu_suite.sh                                      (the performance checks)
 #   PARTS="triton_cuda seed_check plateau" bash benchmarks/gpu_suite.sh   (the checks, then the study)
-#   PARTS=plateau BUDGET_S=200 bash benchmarks/gpu_suite.sh    (a second call on the machine, still
-#       warm: the study goes on from the record the first call wrote, kept in GPU_SUITE_WORK.prev, and
-#       resumes the runs whose checkpoints the first call's time limit left in /tmp/bert_plateau)
+#   PARTS=zero2_seq128 BUDGET_S=260 bash benchmarks/gpu_suite.sh   (the lease's second call, warm)
+#   PARTS=plateau BUDGET_S=260 bash benchmarks/gpu_suite.sh    (a second call for the study instead: it
+#       goes on from the record the first call wrote, kept in GPU_SUITE_WORK.prev, and resumes the runs
+#       whose checkpoints the first call's time limit left in /tmp/bert_plateau)
 #
 # OUTDIR receives two files, summary.log and gpu_suite.tgz (every part's log and study record,
 # packed again after each part, so a run stopped at any point still returns what finished): a
@@ -60,7 +64,7 @@ export PYTHONPATH=$(bash benchmarks/source_tree.sh):$PWD:${PYTHONPATH:-} PYTHONU
 cc=$(python3 -c "import torch; print('%d.%d' % torch.cuda.get_device_capability())")
 export TORCH_CUDA_ARCH_LIST=$cc
 
-PARTS=${PARTS:-zero2_seq128 plateau}
+PARTS=${PARTS:-plateau}
 BUDGET_S=${BUDGET_S:-540}  # the whole script: one call of at most 10 minutes
 PLATEAU_S=${PLATEAU_S:-300}  # kept for the study when it is among the parts
 reserve=0
@@ -112,7 +116,7 @@ part opt_step 60 python3 benchmarks/gpu_optimizer_step.py --model large --kernel
 one_rank=(env RANK=0 LOCAL_RANK=0 WORLD_SIZE=1 MASTER_ADDR=127.0.0.1 MASTER_PORT=29631)
 zero2() {  # part name, seq, extra options
     local name=$1 seq=$2; shift 2
-    part "$name" 140 "${one_rank[@]}" python3 benchmarks/zero2_step.py --worker --ranks 1 --gas 4 \
+    part "$name" 240 "${one_rank[@]}" python3 benchmarks/zero2_step.py --worker --ranks 1 --gas 4 \
         --micro-batch 32 --seq "$seq" --model large --dtype bf16 --anchors --hooks --warmup 2 "$@"
 }
 zero2 zero2_seq128 128 --profile --repeats 4
@@ -130,7 +134,9 @@ part opt_step_adam 40 python3 benchmarks/gpu_optimizer_step.py --model large --i
 # CPU: its record is reused here, and its settings are these), 2 seeds, LRs on the grid x1/8-x4
 # around the square-root rule, of which only the part that brackets each optimum runs (--bracket 1:
 # x1 first, then a neighbour for each optimizer while its best is at an end), 8 runs side by side on the
-# GPU. It starts a run only while the time left holds it, stops the rest at the limit, and
+# GPU. It starts a run only while the time left holds it (before any run finishes: at PLATEAU_RATE
+# samples/s, default 4,000, the rate of a 16x run among 8 on one H200, start-up included; a 64x run,
+# 6.5M samples, then does not start in a call it cannot finish in), pauses the rest at the limit, and
 # assembles what finished (the runs needed next are listed as not run yet).
 if [[ " $PARTS " == *" plateau "* ]]; then
     left=$((BUDGET_S - SECONDS))
@@ -149,7 +155,7 @@ if [[ " $PARTS " == *" plateau "* ]]; then
             --lr-factor 0.125 --lr-factor 0.25 --lr-factor 0.5 --lr-factor 1 --lr-factor 2 --lr-factor 4 \
             --bracket 1 --samples 102400 --min-steps 128 --groups 8 \
             --heldout-fraction 0.1 --eval-points 16 --parallel "${PLATEAU_PARALLEL:-8}" --port 29651 \
-            --time-limit $((left - 10)) \
+            --time-limit $((left - 10)) --expect-rate "${PLATEAU_RATE:-4000}" \
             "${reuse[@]}" --work /tmp/bert_plateau --out "$WORK/bert_plateau"
     else
         echo "== plateau: ${left}s left of ${BUDGET_S}s, not started" | tee -a "$WORK/summary.log"

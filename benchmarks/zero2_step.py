@@ -117,12 +117,16 @@ def worker(args: argparse.Namespace) -> None:
             ds_cfg["bf16"] = {"enabled": True}
         elif args.dtype == "fp16":
             ds_cfg["fp16"] = {"enabled": True, "initial_scale_power": 12}
+        t_init = time.perf_counter()
         try:
             engines[name], *_ = deepspeed.initialize(model=model, config=ds_cfg)
         except Exception as exc:  # an anchor that does not build here is reported, the others still run
             if squares is not None:
                 raise
             print(f"{name} not measured: {type(exc).__name__}: {str(exc)[:200]}", flush=True)
+        else:  # progress, so that a run stopped by its time limit still says where the time went
+            if rank == 0:
+                print(f"[{name}] engine built in {time.perf_counter() - t_init:.1f} s", flush=True)
     numel = sum(p.numel() for p in engines["Lamb"].module.parameters())
     g = torch.Generator().manual_seed(rank)
     times = {k: [] for k in engines}
@@ -153,6 +157,9 @@ def worker(args: argparse.Namespace) -> None:
                 sync()
             step_calls = dict(calls)
             t3 = time.perf_counter()
+            if rank == 0:
+                print(f"[{name}] {'warm-up' if it < args.warmup else 'repeat'} {it + 1} of "
+                      f"{args.warmup + args.repeats}: {t3 - t0:.3f} s", flush=True)
             if it >= args.warmup:
                 times[name].append(t3 - t0)
                 phases[name].append((t_fwd, t_bwd, t3 - ts))

@@ -296,6 +296,17 @@ def rank_pids(group: int) -> list[int]:
     return [pid for pid, (parent, rank) in procs.items() if rank and not procs.get(parent, (0, False))[1]]
 
 
+def stop(proc: subprocess.Popen) -> None:
+    """Ends a run's launcher and every process of its group (SIGTERM, then SIGKILL after 20 s)."""
+    if proc.poll() is None:
+        os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+
+
 @dataclass
 class Launch:
     """A run to start: its directory, its command and job configuration, and what its result records
@@ -429,12 +440,14 @@ class Runner:
     """Runs planned ``Launch``es, up to ``--parallel`` at a time (each on its own master port; on
     CPUs, each with an equal share of the cores unless ``OMP_NUM_THREADS`` is set), within the
     study's ``--time-limit``: a run starts only while the time left holds it at the slowest rate
-    (samples/s) of the runs finished so far, and runs still going when the limit comes are paused
+    (samples/s) of the runs finished so far (before any has: ``--expect-rate``, when given), and
+    runs still going when the limit comes are paused
     (SIGUSR1 to their ranks: each finishes its step, the job checkpoints and exits, as before a
     Slurm time limit), their directories kept; the next start of the same run in the same work
     directory (another call of a lease, the next lease or session) resumes it from there, and its
-    record sums its segments. A run that does not pause in time (``lead``) is stopped and removed.
-    The study always assembles what finished and lists the rest as not run. A failed run stops the
+    record sums its segments. A run that has checkpointed but not exited by then is stopped and kept
+    as paused; one that did not checkpoint in time (``lead``) is stopped and removed, the end of its
+    log printed. The study always assembles what finished and lists the rest as not run. A failed run stops the
     study, naming its log."""
 
     #: seconds of the time limit kept for assembling the tables and the record
@@ -468,10 +481,14 @@ class Runner:
         return max(self.PAUSE_S, 2 * worst + 15.0)
 
     def fits(self, launch: Launch) -> bool:
+        """Whether the time left holds the run at the slowest rate of the runs finished so far, or,
+        before any has, at ``--expect-rate`` (when given; else every run fits until one finishes)."""
         if self.stop_at is None:
             return True
         left = self.stop_at - time.monotonic()
-        return left > 0 and (not self.rates or launch.samples_left() / min(self.rates) < left)
+        expect = getattr(self.args, "expect_rate", None)
+        rates = self.rates or ([expect] if expect else [])
+        return left > 0 and (not rates or launch.samples_left() / min(rates) < left)
 
     def run(self, launches: list[Launch], record: Callable[[dict], None] | None = None) -> list[dict | None]:
         """The results in the order of ``launches`` (each also handed to ``record`` as it finishes);
@@ -501,13 +518,7 @@ class Runner:
                     break
         finally:
             for i, proc, _, log in active.values():  # a failure elsewhere or the time limit: stop the rest
-                if proc.poll() is None:
-                    os.killpg(proc.pid, signal.SIGTERM)
-                    try:
-                        proc.wait(timeout=20)
-                    except subprocess.TimeoutExpired:
-                        os.killpg(proc.pid, signal.SIGKILL)
-                        proc.wait()
+                stop(proc)
                 log.close()
                 shutil.rmtree(launches[i].run_dir, ignore_errors=True)
         if self.not_started:
@@ -557,10 +568,13 @@ class Runner:
                     proc.wait(timeout=max(0.0, deadline - time.monotonic()))
                 except subprocess.TimeoutExpired:
                     pass
-            if proc.poll() == 0 and not (launch.run_dir / "requeue.json").is_file():
+            marked = (launch.run_dir / "requeue.json").is_file()
+            if proc.poll() == 0 and not marked:
                 continue  # it finished its last step meanwhile: the caller records it
+            if proc.poll() is None and marked:  # checkpointed (the marker follows the complete save), not out yet
+                stop(proc)
             got = launch.progress(time.monotonic() - t0)
-            if proc.poll() is not None and (launch.run_dir / "requeue.json").is_file():
+            if proc.poll() is not None and marked:
                 got["paused"] = True
                 log.close()
                 segment = {"machine": self.machine, "wall_s": got["wall_s"], "step": got["step"],
@@ -572,6 +586,10 @@ class Runner:
             what = "paused (checkpoint kept: the next start resumes it)" if got["paused"] else "stopped, removed"
             print(f"--time-limit: {launch.run_dir} {what} at step {got['step']} of {got['steps']} after "
                   f"{got['wall_s']:.0f} s (start-up {got['setup_s']} s, then {rate})", flush=True)
+            if not got["paused"]:  # the directory goes: its log's end says where the pause got to
+                tail = (launch.run_dir / "log.txt").read_text(errors="replace").splitlines()[-15:] \
+                    if (launch.run_dir / "log.txt").is_file() else []
+                print("".join(f"    | {line}\n" for line in tail), end="", flush=True)
         return paused
 
     def start(self, launch: Launch, slot: int) -> tuple[subprocess.Popen, float, Any]:
@@ -581,6 +599,7 @@ class Runner:
             print(f"resuming {launch.run_dir} from step {done[-1]['step']}", flush=True)
         elif launch.run_dir.exists():  # an interrupted run: start it again from scratch
             shutil.rmtree(launch.run_dir)
+        (launch.run_dir / "requeue.json").unlink(missing_ok=True)  # the last pause's: not this segment's
         launch.run_dir.mkdir(parents=True, exist_ok=True)
         (launch.run_dir / "study_config.json").write_text(json.dumps(launch.config, indent=2))
         cmd = [str(self.args.port + slot) if part == "PORT" else part for part in launch.cmd]
@@ -952,6 +971,11 @@ def main() -> None:
                          "the next start in the same --work resumes it), then assemble what finished, like "
                          "--only-finished (a lent GPU's time: the record grows piecewise, the rest is listed as not "
                          "run yet)")
+    ap.add_argument("--expect-rate", type=float, default=None, metavar="SAMPLES_PER_S",
+                    help="with --time-limit, before any run finishes: start a run only while the time left holds it "
+                         "at this many samples/s (over a run's whole time, start-up included; e.g. an earlier "
+                         "lease's finished runs at the same --parallel on the same machine), so that runs too long "
+                         "for the time do not take a share of the machine from those that can finish")
     ap.add_argument("--parallel", type=int, default=1, metavar="N",
                     help="runs at a time (one GPU runs several small ones side by side; on CPUs each gets "
                          "cores / N threads unless OMP_NUM_THREADS is set)")
