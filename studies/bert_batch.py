@@ -329,7 +329,7 @@ class Launch:
                            ev.get("eval/tokens"), "b_simple": noise,
                            "wall_s": round(wall_s + sum(g["wall_s"] for g in before), 1),
                            "data": data_fingerprint(self.data, self.record["seed"], self.heldout_fraction),
-                           "machine": machine}
+                           "machine": machine, "data_wait": self.data_wait()}
         if before:
             r["segments"] = before + [{"machine": machine, "wall_s": round(wall_s, 1), "step": r["steps"],
                                        "samples": r["samples"]}]
@@ -339,8 +339,9 @@ class Launch:
             r["trajectory"] = curve
         shutil.rmtree(self.run_dir / "checkpoints", ignore_errors=True)  # the figures are what the study keeps
         (self.run_dir / "result.json").write_text(json.dumps(r))
+        wait = "" if r["data_wait"] is None else f", {100 * r['data_wait']:.1f}% of it waiting for data"
         print(f"[{r['corpus']} b{r['batch']} {r['optimizer']} lr x{r['factor']:g} seed {r['seed']}] loss "
-              f"{r['mlm_loss']:.4f} acc {r['mlm_acc']:.4f} lr {r['lr']:.3g} ({r['wall_s']:.0f} s)", flush=True)
+              f"{r['mlm_loss']:.4f} acc {r['mlm_acc']:.4f} lr {r['lr']:.3g} ({r['wall_s']:.0f} s{wait})", flush=True)
         return r
 
     def segments(self) -> list[dict]:
@@ -356,6 +357,16 @@ class Launch:
     def trained(self) -> list[dict]:
         """The run's logged training steps (those with their samples and time)."""
         return [rec for rec in steps(self.run_dir) if "train/samples" in rec and "time" in rec]
+
+    def data_wait(self, since: float = 0.0) -> float | None:
+        """The share of the run's step time spent waiting for its DataLoader (``train/data_time_s``
+        over ``train/step_time_s``, summed over the steps logged from ``since``, unix seconds; None
+        before any): near 1 when the data bounds the run, near 0 when the model does."""
+        rows = [rec for rec in self.trained() if rec["time"] >= since and "train/data_time_s" in rec
+                and rec.get("train/step_time_s")]
+        if not rows:
+            return None
+        return round(sum(r["train/data_time_s"] for r in rows) / sum(r["train/step_time_s"] for r in rows), 4)
 
     def step_s(self, since: float = 0.0) -> float | None:
         """The longest of the run's last three step times (None before two steps are logged): how
@@ -377,7 +388,7 @@ class Launch:
         out = {"run": f"{r['corpus']} b{r['batch']} {r['optimizer']} ×{r['factor']:g} seed {r['seed']}",
                "steps": r["steps"], "step": rows[-1]["step"] if rows else 0,
                "samples": rows[-1]["train/samples"] if rows else 0.0, "wall_s": round(wall_s, 1),
-               "setup_s": None, "samples_per_s": None, "paused": False}
+               "setup_s": None, "samples_per_s": None, "paused": False, "data_wait": self.data_wait(since=began)}
         rows = [rec for rec in rows if rec["time"] >= began]
         if rows:
             out["setup_s"] = round(rows[0]["time"] - (time.time() - wall_s), 1)
@@ -583,6 +594,8 @@ class Runner:
                 paused.append(slot)
             self.stopped.append(got)
             rate = "–" if got["samples_per_s"] is None else f"{got['samples_per_s']:,.0f} samples/s"
+            if got["data_wait"] is not None:
+                rate += f", {100 * got['data_wait']:.1f}% of the step time waiting for data"
             what = "paused (checkpoint kept: the next start resumes it)" if got["paused"] else "stopped, removed"
             print(f"--time-limit: {launch.run_dir} {what} at step {got['step']} of {got['steps']} after "
                   f"{got['wall_s']:.0f} s (start-up {got['setup_s']} s, then {rate})", flush=True)
@@ -1105,10 +1118,12 @@ def main() -> None:
         out.meta["stopped"] = args.stopped
         out.add_table("Runs the time limit stopped unfinished (paused: checkpointed, the next start in this work "
                       "directory resumes them; their rate after start-up is what the next lease can plan with)",
-                      table(["run", "step", "samples", "seconds", "start-up (s)", "samples/s after", "kept"],
+                      table(["run", "step", "samples", "seconds", "start-up (s)", "samples/s after",
+                             "waiting for data", "kept"],
                             [(g["run"], f"{g['step']} of {g['steps']}", f"{g['samples']:,.0f}", f"{g['wall_s']:.0f}",
                               "–" if g["setup_s"] is None else f"{g['setup_s']:.0f}",
                               "–" if g["samples_per_s"] is None else f"{g['samples_per_s']:,.0f}",
+                              "–" if g.get("data_wait") is None else f"{100 * g['data_wait']:.1f}%",
                               "paused" if g["paused"] else "removed")
                              for g in args.stopped]))
     unrun_what = "the bracket needs next" if args.bracket is not None else "of the grid not run yet"

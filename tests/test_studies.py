@@ -809,6 +809,30 @@ def test_a_run_with_slow_steps_is_signalled_earlier_than_the_pause_window(tmp_pa
     assert runner.lead([fast, slow], {0: (0, None, started), 1: (1, None, started)}) == 2 * 68.0 + 15.0
 
 
+def test_a_runs_record_says_how_much_of_its_step_time_went_waiting_for_data(tmp_path):
+    """Each finished run's record and each run the time limit stopped carry ``data_wait``: the
+    job's ``train/data_time_s`` summed over its steps against ``train/step_time_s`` (for a stopped
+    run, over its own segment), so a record says whether the DataLoader bounded the run. 8 runs
+    side by side on an H200 made 4,262-5,200 samples/s each, and nothing recorded whether data
+    was the limit."""
+    sys.path.insert(0, str(STUDIES))
+    from bert_batch import Launch
+
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    now = time.time()
+    rows = [{"step": 1, "time": now - 500.0, "train/samples": 8.0, "train/step_time_s": 4.0, "train/data_time_s": 4.0},
+            {"step": 2, "time": now - 20.0, "train/samples": 16.0, "train/step_time_s": 2.0, "train/data_time_s": 0.5},
+            {"step": 3, "time": now - 10.0, "train/samples": 24.0, "train/step_time_s": 2.0, "train/data_time_s": 0.3}]
+    (run_dir / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    launch = Launch(run_dir, [], {}, {"corpus": "c", "batch": 8, "optimizer": "o", "seed": 1, "factor": 1.0,
+                                      "steps": 10, "samples": 80}, tmp_path / "no-data")
+    assert launch.data_wait() == pytest.approx(4.8 / 8.0)
+    assert launch.progress(wall_s=100.0)["data_wait"] == pytest.approx(0.8 / 4.0)  # this segment's steps
+    (run_dir / "metrics.jsonl").write_text(json.dumps({"step": 1, "time": now, "train/samples": 8.0}) + "\n")
+    assert launch.data_wait() is None  # a job that logs no data time
+
+
 def test_a_resumed_runs_pause_lead_counts_its_own_steps_only(tmp_path):
     """A run paused at step 3 and resumed two days later: the gap between its last step before the
     pause and its first one after is no step time. Fails on the code before, which took it for
@@ -958,6 +982,7 @@ def test_a_run_the_time_limit_pauses_resumes_to_the_uninterrupted_runs_loss(tmp_
     other = args_for(tmp_path / "uninterrupted")
     (whole,) = Runner(other).run([plan_run("VR-LAMB first_moment", "embedded", data, 16, 1.0, 1, other)])
     assert "segments" not in whole and resumed["mlm_loss"] == whole["mlm_loss"]
+    assert 0.0 < resumed["data_wait"] < 1.0 and 0.0 < whole["data_wait"] < 1.0  # the job logs its data time
 
 
 @pytest.mark.exhaustive  # two interpreter starts importing the package (3-7 s): make test-all
