@@ -420,6 +420,94 @@ def sequence_parallel_equals_unsharded(case: dict) -> dict:
         return {"worst": max(o["rel"] for o in everyone), "ranks": everyone}
 
 
+class _Norm(torch.nn.Module):
+    """A sequence-parallel elementwise scale in a child module of its own, as Megatron's LayerNorms
+    are (dist-checkpointing saves a module's own tensors replicated over TP)."""
+
+    def __init__(self, cfg) -> None:
+        super().__init__()
+        self.weight = torch.nn.Parameter(1.0 + 0.2 * torch.randn(8))
+        self.weight.sequence_parallel = cfg.sequence_parallel
+
+
+class _NormedTwoLayers(TwoLayers):
+    """``_Scaled`` with its scale in a child module (``norm``), so that it can be checkpointed."""
+
+    def __init__(self, cfg) -> None:
+        super().__init__(cfg)
+        self.norm = _Norm(cfg)
+
+    def forward(self, x):
+        return super().forward(x * self.norm.weight)
+
+
+def sequence_parallel_checkpoint(case: dict) -> dict:
+    """TP2 with sequence parallelism (the row-parallel bias and the scale step with GSNR off, in
+    twin param groups): 2 steps, a dist checkpoint, a third step; then a second model of the same
+    seed loads the checkpoint and takes the third step. Returns both runs' unsharded weights after
+    the third step and each inner param group's ``gsnr`` before the save and after the load."""
+    from megatron.core import dist_checkpointing
+    from megatron.core.dist_checkpointing.validation import StrictHandling
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
+    from megatron.core.optimizer import OptimizerConfig
+    from megatron.core.transformer.utils import sharded_state_dict_default
+
+    from vrgd_ds.megatron import get_megatron_optimizer
+
+    with model_parallel(2) as ps:
+        tp_rank = ps.get_tensor_model_parallel_rank()
+
+        def build():
+            cfg = _config(2, sequence_parallel=True)
+            torch.manual_seed(0)
+            model = _NormedTwoLayers(cfg)
+            ddp = DistributedDataParallel(cfg, DistributedDataParallelConfig(
+                grad_reduce_in_fp32=True, use_distributed_optimizer=case["distributed"], bucket_size=40), model)
+            opt = get_megatron_optimizer(OptimizerConfig(optimizer="adam", lr=1e-2, weight_decay=0.1, clip_grad=1.0,
+                                                         use_distributed_optimizer=case["distributed"]),
+                                         [ddp], optimizer=case["optimizer"], optimizer_kwargs=case.get("kwargs"))
+            return model, ddp, opt
+
+        def state(model, opt, is_loading: bool) -> dict:
+            meta = {"dp_cp_group": ps.get_data_parallel_group(with_context_parallel=True)}
+            model_sd = {}
+            for name, child in model.named_children():  # the scale: replicated over TP
+                model_sd.update(sharded_state_dict_default(child, f"{name}.", (), meta,
+                                                           tp_group=ps.get_tensor_model_parallel_group()))
+            return {"model": model_sd, "optimizer": opt.sharded_state_dict(model_sd, is_loading)}
+
+        def step(ddp, opt, k):
+            megatron_step(ddp, opt, 0, 2, k, rows=lambda x: x.chunk(2)[tp_rank], sync=lambda: finalize_model_grads([ddp]))
+
+        def flags(opt):
+            return [g["gsnr"] for g in opt.chained_optimizers[0].optimizer.param_groups]
+
+        def weights(model):
+            return [t.tolist() for t in _full(model, ps) + [model.norm.weight.data.clone()]]
+
+        model, ddp, opt = build()
+        for k in (0, 1):
+            step(ddp, opt, k)
+        saved_flags = flags(opt)
+        Path(case["save"]).mkdir(parents=True, exist_ok=True)
+        dist_checkpointing.save(state(model, opt, False), case["save"])
+        step(ddp, opt, 2)
+        straight = weights(model)
+
+        model, ddp, opt = build()
+        loaded = dist_checkpointing.load(state(model, opt, True), case["save"],
+                                         strict=StrictHandling("assume_ok_unexpected"))
+        model.load_state_dict(dict(loaded["model"]), strict=False)
+        for mopt in opt.chained_optimizers:
+            if hasattr(mopt, "reload_model_params"):
+                mopt.reload_model_params()
+        opt.load_state_dict(loaded["optimizer"])
+        loaded_flags = flags(opt)
+        step(ddp, opt, 2)
+        return {"straight": straight, "resumed": weights(model), "saved_flags": saved_flags,
+                "loaded_flags": loaded_flags}
+
+
 GLOBAL_MICRO_BATCHES = 4  # per step, whatever the data-parallel size: n = 4 on every layout
 
 

@@ -186,6 +186,24 @@ def test_sequence_parallel_tensors_step_with_gsnr_off(megatron2, optimizer, dist
         assert r["off"] in (None, ["r.bias", "s"]), res
 
 
+@pytest.mark.parametrize("distributed", [False, pytest.param(True, marks=pytest.mark.exhaustive)])
+def test_sequence_parallel_twin_groups_resume_from_a_dist_checkpoint(megatron2, tmp_path, distributed):
+    """TP2 with sequence parallelism puts the tensors with partial gradients into twin param groups
+    (GSNR off) that Megatron's group key (wd_mult, lr_mult, ...) cannot tell from their originals.
+    A dist checkpoint of them loads back into the same groups, ``gsnr`` flags included, and the
+    resumed step equals the uninterrupted one. Fails on the old code without the distributed
+    optimizer: Megatron's ``_filter_and_reorder_param_groups`` matched both groups to the twin and
+    the load raised on the group sizes. With it, the old code resumed to the same step, warning
+    wrongly that the original group had been saved with ``gsnr=False``."""
+    res = megatron2.run("megatron_worker", "sequence_parallel_checkpoint",
+                        {"distributed": distributed, "optimizer": "VRLamb", "kwargs": {"beta3": 0.9},
+                         "save": str(tmp_path / "ckpt")},
+                        SAVE_TIMEOUT_S)
+    assert res["saved_flags"] == res["loaded_flags"] and False in res["saved_flags"], res
+    scale = max(abs(v) for t in res["straight"] for v in torch.tensor(t).flatten().tolist())
+    assert _max_diff(res["resumed"], res["straight"]) <= TOL * scale
+
+
 @pytest.mark.parametrize("distributed", [True, False])
 def test_the_gpt_jobs_optimizer_decays_weights_but_not_biases_and_norms(megatron2, distributed):
     """``build_gpt`` (the Megatron job and its benchmark): a param group decays by the configured

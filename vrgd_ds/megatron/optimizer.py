@@ -13,7 +13,7 @@ from typing import Any, Iterator
 import torch
 
 from vrgd_ds.megatron import checkpoint
-from vrgd_ds.megatron.internals import UnsupportedMegatronConfiguration, check_version
+from vrgd_ds.megatron.internals import UnsupportedMegatronConfiguration, check_version, require
 from vrgd_ds.megatron.stats import MegatronLayout, attach, model_tensors, pairs
 from vrgd_ds.optim.base import GSNROptimizer, built_for_engine
 from vrgd_ds.optim.registry import REGISTRY
@@ -161,6 +161,49 @@ def _distributed_optimizer_accepts(cls: type) -> Iterator[None]:
         distrib.Adam = saved
 
 
+@contextlib.contextmanager
+def _gsnr_in_group_key(saved_groups: list[dict]) -> Iterator[None]:
+    """THE ONE PLACE Megatron's param-group key is widened. megatron-core 0.16.1 matches a loaded
+    state's param groups to the optimizer's by ``param_group_identifier_keys`` (wd_mult, lr_mult,
+    is_expert_parallel, is_decoupled_lr): ``_filter_and_reorder_param_groups`` without the
+    distributed optimizer, ``DistributedOptimizer.load_state_dict`` with it. A GSNR-off twin group
+    (``_gsnr_off``) has its original's key, so both matched the twin: the load raised on the group
+    sizes, or the original group resumed as saved with ``gsnr=False`` (with a warning saying so).
+    While a state with twin groups loads (groups Megatron's key does not tell apart, each with
+    ``gsnr``), ``gsnr`` is part of the key; any other state (one with a group per key, e.g. a base
+    optimizer's, which resumes in a member) loads by Megatron's key alone."""
+    import megatron.core.optimizer.distrib_optimizer as distrib
+    import megatron.core.optimizer.optimizer as plain
+
+    keys = [tuple(g.get(k, g.get(f"pre_{k}")) for k in plain.param_group_identifier_keys) for g in saved_groups]
+    if len(set(keys)) == len(keys) or not all("gsnr" in g for g in saved_groups):
+        yield
+        return
+    saved = plain.param_group_identifier_keys, distrib.param_group_identifier_keys
+    plain.param_group_identifier_keys = distrib.param_group_identifier_keys = (*saved[0], "gsnr")
+    try:
+        yield
+    finally:
+        plain.param_group_identifier_keys, distrib.param_group_identifier_keys = saved
+
+
+def _loads_twin_groups(mopt: Any) -> None:
+    """``mopt.load_state_dict`` with ``gsnr`` in Megatron's param-group key (``_gsnr_in_group_key``)."""
+    import megatron.core.optimizer.distrib_optimizer as distrib
+    import megatron.core.optimizer.optimizer as plain
+
+    require(plain, ("param_group_identifier_keys",), "megatron.core.optimizer.optimizer")
+    require(distrib, ("param_group_identifier_keys",), "megatron.core.optimizer.distrib_optimizer")
+    load = mopt.load_state_dict
+
+    def load_state_dict(state_dict: dict) -> Any:
+        inner = state_dict.get("optimizer", state_dict)  # the mixed-precision wrappers nest the torch state
+        with _gsnr_in_group_key(inner.get("param_groups", []) if isinstance(inner, dict) else []):
+            return load(state_dict)
+
+    mopt.load_state_dict = load_state_dict
+
+
 def _refuse_adam_checkpoints(mopt: Any) -> None:
     for method in _ADAM_CHECKPOINT_METHODS:
         if hasattr(mopt, method):
@@ -182,6 +225,7 @@ def _wrap(config: Any, chunks: list[Any], inner: GSNROptimizer, groups: dict[str
     if not (config.fp16 or config.bf16 or config.use_distributed_optimizer):
         mopt = FP32Optimizer(inner, config, checkpoint.allocate)
         mopt.grad_stats_parallel_group = groups["mp_group"]
+        _loads_twin_groups(mopt)
         return mopt
     scaler = None
     if config.loss_scale:
@@ -193,6 +237,7 @@ def _wrap(config: Any, chunks: list[Any], inner: GSNROptimizer, groups: dict[str
     if not config.use_distributed_optimizer:
         mopt = Float16OptimizerWithFloat16Params(inner, config, scaler, checkpoint.allocate)
         mopt.grad_stats_parallel_group = groups["mp_group"]
+        _loads_twin_groups(mopt)
         return mopt
     buffers = {i: chunk.buffers for i, chunk in enumerate(chunks)}
     with _distributed_optimizer_accepts(type(inner)):
@@ -204,6 +249,7 @@ def _wrap(config: Any, chunks: list[Any], inner: GSNROptimizer, groups: dict[str
     mopt.grad_stats_parallel_group = groups["intra_dist_opt_group"]
     _refuse_adam_checkpoints(mopt)
     checkpoint.distributed(mopt, inner)
+    _loads_twin_groups(mopt)
     return mopt
 
 
