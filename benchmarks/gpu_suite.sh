@@ -137,7 +137,9 @@ part opt_step_adam 40 python3 benchmarks/gpu_optimizer_step.py --model large --i
 # GPU. It starts a run only while the time left holds it (before any run finishes: at PLATEAU_RATE
 # samples/s, default 4,000, the rate of a 16x run among 8 on one H200, start-up included; a 64x run,
 # 6.5M samples, then does not start in a call it cannot finish in), pauses the rest at the limit, and
-# assembles what finished (the runs needed next are listed as not run yet).
+# assembles what finished (the runs needed next are listed as not run yet). Each run's record says
+# how much of its step time it waited for its DataLoader (data_wait); PLATEAU_WORKERS (default 1)
+# gives each run more workers (the same samples) when that is high.
 if [[ " $PARTS " == *" plateau "* ]]; then
     left=$((BUDGET_S - SECONDS))
     if [[ -z $wikitext ]]; then
@@ -155,7 +157,7 @@ if [[ " $PARTS " == *" plateau "* ]]; then
             --lr-factor 0.125 --lr-factor 0.25 --lr-factor 0.5 --lr-factor 1 --lr-factor 2 --lr-factor 4 \
             --bracket 1 --samples 102400 --min-steps 128 --groups 8 \
             --heldout-fraction 0.1 --eval-points 16 --parallel "${PLATEAU_PARALLEL:-8}" --port 29651 \
-            --time-limit $((left - 10)) --expect-rate "${PLATEAU_RATE:-4000}" \
+            --time-limit $((left - 10)) --expect-rate "${PLATEAU_RATE:-4000}" --workers "${PLATEAU_WORKERS:-1}" \
             "${reuse[@]}" --work /tmp/bert_plateau --out "$WORK/bert_plateau"
     else
         echo "== plateau: ${left}s left of ${BUDGET_S}s, not started" | tee -a "$WORK/summary.log"
