@@ -358,12 +358,12 @@ class Launch:
         """The run's logged training steps (those with their samples and time)."""
         return [rec for rec in steps(self.run_dir) if "train/samples" in rec and "time" in rec]
 
-    def data_wait(self, since: float = 0.0) -> float | None:
+    def data_wait(self, rows: list[dict] | None = None) -> float | None:
         """The share of the run's step time spent waiting for its DataLoader (``train/data_time_s``
-        over ``train/step_time_s``, summed over the steps logged from ``since``, unix seconds; None
-        before any): near 1 when the data bounds the run, near 0 when the model does."""
-        rows = [rec for rec in self.trained() if rec["time"] >= since and "train/data_time_s" in rec
-                and rec.get("train/step_time_s")]
+        over ``train/step_time_s``, summed over ``rows``, default every logged step; None without
+        any): near 1 when the data bounds the run, near 0 when the model does."""
+        rows = [r for r in (self.trained() if rows is None else rows)
+                if "train/data_time_s" in r and r.get("train/step_time_s")]
         if not rows:
             return None
         return round(sum(r["train/data_time_s"] for r in rows) / sum(r["train/step_time_s"] for r in rows), 4)
@@ -388,8 +388,9 @@ class Launch:
         out = {"run": f"{r['corpus']} b{r['batch']} {r['optimizer']} ×{r['factor']:g} seed {r['seed']}",
                "steps": r["steps"], "step": rows[-1]["step"] if rows else 0,
                "samples": rows[-1]["train/samples"] if rows else 0.0, "wall_s": round(wall_s, 1),
-               "setup_s": None, "samples_per_s": None, "paused": False, "data_wait": self.data_wait(since=began)}
+               "setup_s": None, "samples_per_s": None, "paused": False}
         rows = [rec for rec in rows if rec["time"] >= began]
+        out["data_wait"] = self.data_wait(rows)  # this segment's steps
         if rows:
             out["setup_s"] = round(rows[0]["time"] - (time.time() - wall_s), 1)
         if len(rows) > 1 and rows[-1]["time"] > rows[0]["time"]:

@@ -184,16 +184,17 @@ def reference_step(net, opt, dp: int, accumulation: int, step: int, clip: float)
 
 
 def _build(tp: int, distributed: bool, optimizer: str, kwargs: dict | None, micro_steps: str = "auto",
-           overlap: bool = False):
-    """The test model (seed 0) under Megatron's DDP and ``optimizer`` through ``vrgd_ds.megatron``."""
+           overlap: bool = False, sequence_parallel: bool = False):
+    """The test model (seed 0) under Megatron's DDP and ``optimizer`` through ``vrgd_ds.megatron``
+    (with ``sequence_parallel``: ``_NormedTwoLayers``, its scale in a child module)."""
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
     from megatron.core.optimizer import OptimizerConfig
 
     from vrgd_ds.megatron import get_megatron_optimizer
 
-    cfg = _config(tp)
+    cfg = _config(tp, sequence_parallel=sequence_parallel)
     torch.manual_seed(0)
-    model = TwoLayers(cfg)
+    model = _NormedTwoLayers(cfg) if sequence_parallel else TwoLayers(cfg)
     ddp = DistributedDataParallel(cfg, DistributedDataParallelConfig(
         grad_reduce_in_fp32=True, use_distributed_optimizer=distributed, bucket_size=40,
         overlap_grad_reduce=overlap), model)
@@ -441,73 +442,6 @@ class _NormedTwoLayers(TwoLayers):
         return super().forward(x * self.norm.weight)
 
 
-def sequence_parallel_checkpoint(case: dict) -> dict:
-    """TP2 with sequence parallelism (the row-parallel bias and the scale step with GSNR off, in
-    twin param groups): 2 steps, a dist checkpoint, a third step; then a second model of the same
-    seed loads the checkpoint and takes the third step. Returns both runs' unsharded weights after
-    the third step and each inner param group's ``gsnr`` before the save and after the load."""
-    from megatron.core import dist_checkpointing
-    from megatron.core.dist_checkpointing.validation import StrictHandling
-    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
-    from megatron.core.optimizer import OptimizerConfig
-    from megatron.core.transformer.utils import sharded_state_dict_default
-
-    from vrgd_ds.megatron import get_megatron_optimizer
-
-    with model_parallel(2) as ps:
-        tp_rank = ps.get_tensor_model_parallel_rank()
-
-        def build():
-            cfg = _config(2, sequence_parallel=True)
-            torch.manual_seed(0)
-            model = _NormedTwoLayers(cfg)
-            ddp = DistributedDataParallel(cfg, DistributedDataParallelConfig(
-                grad_reduce_in_fp32=True, use_distributed_optimizer=case["distributed"], bucket_size=40), model)
-            opt = get_megatron_optimizer(OptimizerConfig(optimizer="adam", lr=1e-2, weight_decay=0.1, clip_grad=1.0,
-                                                         use_distributed_optimizer=case["distributed"]),
-                                         [ddp], optimizer=case["optimizer"], optimizer_kwargs=case.get("kwargs"))
-            return model, ddp, opt
-
-        def state(model, opt, is_loading: bool) -> dict:
-            meta = {"dp_cp_group": ps.get_data_parallel_group(with_context_parallel=True)}
-            model_sd = {}
-            for name, child in model.named_children():  # the scale: replicated over TP
-                model_sd.update(sharded_state_dict_default(child, f"{name}.", (), meta,
-                                                           tp_group=ps.get_tensor_model_parallel_group()))
-            return {"model": model_sd, "optimizer": opt.sharded_state_dict(model_sd, is_loading)}
-
-        def step(ddp, opt, k):
-            megatron_step(ddp, opt, 0, 2, k, rows=lambda x: x.chunk(2)[tp_rank], sync=lambda: finalize_model_grads([ddp]))
-
-        def flags(opt):
-            return [g["gsnr"] for g in opt.chained_optimizers[0].optimizer.param_groups]
-
-        def weights(model):
-            return [t.tolist() for t in _full(model, ps) + [model.norm.weight.data.clone()]]
-
-        model, ddp, opt = build()
-        for k in (0, 1):
-            step(ddp, opt, k)
-        saved_flags = flags(opt)
-        Path(case["save"]).mkdir(parents=True, exist_ok=True)
-        dist_checkpointing.save(state(model, opt, False), case["save"])
-        step(ddp, opt, 2)
-        straight = weights(model)
-
-        model, ddp, opt = build()
-        loaded = dist_checkpointing.load(state(model, opt, True), case["save"],
-                                         strict=StrictHandling("assume_ok_unexpected"))
-        model.load_state_dict(dict(loaded["model"]), strict=False)
-        for mopt in opt.chained_optimizers:
-            if hasattr(mopt, "reload_model_params"):
-                mopt.reload_model_params()
-        opt.load_state_dict(loaded["optimizer"])
-        loaded_flags = flags(opt)
-        step(ddp, opt, 2)
-        return {"straight": straight, "resumed": weights(model), "saved_flags": saved_flags,
-                "loaded_flags": loaded_flags}
-
-
 GLOBAL_MICRO_BATCHES = 4  # per step, whatever the data-parallel size: n = 4 on every layout
 
 
@@ -518,20 +452,31 @@ def checkpoint_case(case: dict) -> dict:
     saves to ``case["save"]``, trains ``case["more"]`` (``case["strict"]``: Megatron's
     ``StrictHandling`` value for the load). Each step takes the same 4 micro-batches
     on any data-parallel size (rank d's micro-batch m is global micro-batch d·acc + m), so the
-    statistics' groups match across layouts. Returns the unsharded weights after every step."""
+    statistics' groups match across layouts. ``case["sequence_parallel"]``: the model with a
+    sequence-parallel scale, each rank fed its half of every micro-batch's rows, the partial
+    gradients summed over TP by ``finalize_model_grads``. Returns the unsharded weights after every
+    step (the scale last, under sequence parallelism), the state keys, and each inner param
+    group's ``gsnr`` after the load."""
     from megatron.core import dist_checkpointing
+    from megatron.core.distributed import finalize_model_grads
     from megatron.core.transformer.utils import sharded_state_dict_default
 
+    sp = case.get("sequence_parallel", False)
     with model_parallel(case["tp"]) as ps:
         dp, dp_rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
         acc = GLOBAL_MICRO_BATCHES // dp
-        model, ddp, opt = _build(case["tp"], case["distributed"], case["optimizer"], case.get("kwargs"))
+        model, ddp, opt = _build(case["tp"], case["distributed"], case["optimizer"], case.get("kwargs"),
+                                 sequence_parallel=sp)
+        tp_rank = ps.get_tensor_model_parallel_rank()
+        sharded = dict(rows=lambda x: x.chunk(case["tp"])[tp_rank], sync=lambda: finalize_model_grads([ddp])) \
+            if sp else {}
 
         def state(is_loading: bool) -> dict:
             meta = {"dp_cp_group": ps.get_data_parallel_group(with_context_parallel=True)}
             model_sd = {}
-            for name, child in model.named_children():
-                model_sd.update(sharded_state_dict_default(child, f"{name}.", (), meta))
+            for name, child in model.named_children():  # a module of its own (the scale): replicated over TP
+                model_sd.update(sharded_state_dict_default(child, f"{name}.", (), meta,
+                                                           tp_group=ps.get_tensor_model_parallel_group()))
             return {"model": model_sd, "optimizer": opt.sharded_state_dict(model_sd, is_loading)}
 
         if case.get("load"):
@@ -546,11 +491,13 @@ def checkpoint_case(case: dict) -> dict:
             opt.load_state_dict(loaded["optimizer"])
         weights = []
 
+        flags = [g["gsnr"] for g in opt.chained_optimizers[0].optimizer.param_groups]
+
         def train(steps):
             for step in steps:
                 megatron_step(ddp, opt, dp_rank, acc, step,
-                              batch=lambda d, m, s: _batch(0, d * acc + m, s))
-                weights.append([t.tolist() for t in _full(model, ps)])
+                              batch=lambda d, m, s: _batch(0, d * acc + m, s), **sharded)
+                weights.append([t.tolist() for t in _full(model, ps) + ([model.norm.weight.data] if sp else [])])
 
         train(case.get("steps", []))
         if case.get("save"):
@@ -559,7 +506,7 @@ def checkpoint_case(case: dict) -> dict:
         train(case.get("more", []))
         inner = opt.chained_optimizers[0].optimizer
         keys = sorted({k for st in inner.state.values() for k in st})
-        return {"weights": weights, "dp": dp, "state_keys": keys}
+        return {"weights": weights, "dp": dp, "state_keys": keys, "gsnr": flags}
 
 
 #: what each refused configuration changes, and the option its message must name
