@@ -133,8 +133,9 @@ part opt_step_adam 40 python3 benchmarks/gpu_optimizer_step.py --model large --i
 # B_simple that the probe in docs/studies/bert_plateau measured at batch 64 (VR-LAMB, 2 seeds, on a
 # CPU: its record is reused here, and its settings are these), 2 seeds, LRs on the grid x1/8-x4
 # around the square-root rule, of which only the part that brackets each optimum runs (--bracket 1:
-# x1 first, then a neighbour for each optimizer while its best is at an end), 8 runs side by side on the
-# GPU. It starts a run only while the time left holds it (before any run finishes: at PLATEAU_RATE
+# x1 first at 1x, then a neighbour for each optimizer while its best is at an end; --bracket-carry: each
+# larger batch starts at the LR the batch below settled on, since at 1x and 4x the best LR was the same,
+# 0.0141, not the rule's doubling), 8 runs side by side on the GPU. It starts a run only while the time left holds it (before any run finishes: at PLATEAU_RATE
 # samples/s, default 4,000, the rate of a 16x run among 8 on one H200, start-up included; a 64x run,
 # 6.5M samples, then does not start in a call it cannot finish in), pauses the rest at the limit, and
 # assembles what finished (the runs needed next are listed as not run yet). Each run's record says
@@ -155,7 +156,7 @@ if [[ " $PARTS " == *" plateau "* ]]; then
             --seed 1 --seed 2 --noise-multiple 1 --noise-multiple 4 --noise-multiple 16 --noise-multiple 64 \
             --noise-scale auto --optimizer LAMB --optimizer "VR-LAMB first_moment" --optimizer "VR-LAMB update" \
             --lr-factor 0.125 --lr-factor 0.25 --lr-factor 0.5 --lr-factor 1 --lr-factor 2 --lr-factor 4 \
-            --bracket 1 --samples 102400 --min-steps 128 --groups 8 \
+            --bracket 1 --bracket-carry --samples 102400 --min-steps 128 --groups 8 \
             --heldout-fraction 0.1 --eval-points 16 --parallel "${PLATEAU_PARALLEL:-8}" --port 29651 \
             --time-limit $((left - 10)) --expect-rate "${PLATEAU_RATE:-4000}" --workers "${PLATEAU_WORKERS:-1}" \
             "${reuse[@]}" --work /tmp/bert_plateau --out "$WORK/bert_plateau"

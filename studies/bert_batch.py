@@ -32,7 +32,9 @@ pausing the runs still going at the limit (checkpointed: the next start in the s
 resumes them, to the loss an uninterrupted run reaches); ``--probe-only`` runs the probe alone
 (on one machine, the grid then on another). ``--bracket F`` runs only the part of the
 ``--lr-factor`` grid that brackets each optimum: every batch starts at ×F, and a round adds the grid's next factor below or above for an optimizer whose best is the
-lowest or highest factor it ran (``bracket_plan``), so a lease's runs go where a verdict needs them.
+lowest or highest factor it ran (``bracket_plan``), so a lease's runs go where a verdict needs them;
+with ``--bracket-carry`` each larger batch starts at the LR the batch below settled on
+(``carried_starts``), not at ×F of its own rule LR.
 
     python studies/bert_batch.py --corpus embedded --corpus wikitext=WIKITEXT2_DIR
     python studies/bert_batch.py --quick     # LAMB and VR-LAMB, 2 tiny runs each (CI)
@@ -249,9 +251,10 @@ def load_reused(dirs: list[Path], config: dict, settings: tuple[str, ...] = RUN_
             if key in runs and runs[key]["mlm_loss"] != r["mlm_loss"]:
                 raise SystemExit(f"--reuse: {key} is recorded with loss {runs[key]['mlm_loss']} in "
                                  f"{runs[key]['reused_from']} and {r['mlm_loss']} in {d}")
-            # the machine a run came from: its own record, else its study's (runs recorded before each kept it)
-            runs.setdefault(key, {"machine": hardware(meta["machine"])} | r
-                            | {"reused_from": where, "reused_python": meta["machine"].get("python")})
+            # the machine a run came from and the record it was first read from: its own, else its study's
+            # (runs recorded before each kept them; a record assembled from records keeps where each run was made)
+            runs.setdefault(key, {"machine": hardware(meta["machine"]), "reused_from": where,
+                                  "reused_python": meta["machine"].get("python")} | r)
         m = meta["machine"]
         sources.append({"dir": where, "commit": m.get("commit"), "started": meta["started"],
                         "machine": hardware(m)})
@@ -721,7 +724,7 @@ def verdicts(best: dict, corpus: str, batches: list[int], label: str, baseline: 
         vr, base = best.get((corpus, batch, label)), best.get((corpus, batch, baseline))
         missing = [name for name, rs in ((baseline, base), (label, vr)) if rs is None or len(rs) < 2]
         if missing:
-            rows.append((corpus, batch, "–", "–", "–", f"not decided: {' and '.join(missing)} lack 2 seeds"))
+            rows.append((corpus, batch, "–", "–", "–", f"not decided: {' and '.join(missing)} lack{'s' * (len(missing) == 1)} 2 seeds"))
             continue
         edges = [] if cells is None else [why for name, rs in ((baseline, base), (label, vr))
                                           if (why := unbracketed(cells, (corpus, batch, name), rs))]
@@ -763,16 +766,19 @@ def unrun_cells(results: list[dict], corpora: list[str], batches: list[int], lab
 
 
 def bracket_plan(cells: dict[tuple[str, int, str], dict[float, list[dict]]], corpus: str, batch: int,
-                 labels: list[str], seeds: list[int], grid: list[float], start: float) -> list[tuple[str, float, int]]:
+                 labels: list[str], seeds: list[int], grid: list[float],
+                 start: float | dict[str, float]) -> list[tuple[str, float, int]]:
     """The runs (optimizer, LR factor, seed) ``--bracket`` needs next at ``batch`` (``cells``:
     ``by_factor``), [] when every optimizer's best factor is bracketed or at the grid's edge.
     Each optimizer on the same grid, each bracketed on its own: its factors in play are ``start``
-    and every factor of ``grid`` it ran there; first each of them on every seed, then, when its
-    best mean loss is the lowest (highest) factor in play, the grid's factor below (above) it."""
+    (one factor, or one per optimizer: ``carried_starts``) and every factor of ``grid`` it ran
+    there; first each of them on every seed, then, when its best mean loss is the lowest
+    (highest) factor in play, the grid's factor below (above) it."""
     plan = []
     for label in labels:
         runs = cells.get((corpus, batch, label), {})
-        in_play = sorted({start} | {f for f in runs if f in grid})
+        first = start[label] if isinstance(start, dict) else start
+        in_play = sorted({first} | {f for f in runs if f in grid})
         missing = [(label, f, seed) for f in in_play for seed in seeds
                    if seed not in {r["seed"] for r in runs.get(f, [])}]
         if missing:
@@ -784,6 +790,39 @@ def bracket_plan(cells: dict[tuple[str, int, str], dict[float, list[dict]]], cor
             [grid[i + 1]] if best == in_play[-1] and i + 1 < len(grid) else [])
         plan += [(label, f, seed) for f in grow for seed in seeds]
     return plan
+
+
+def settled(cells: dict, key: tuple[str, int, str], seeds: list[int]) -> float | None:
+    """The LR factor ``key``'s bracket settled on: its best mean loss among the factors run on
+    every seed of ``seeds``, when a factor below and one above it ran on as many (``unbracketed``);
+    else None."""
+    full = {f: rs for f, rs in cells.get(key, {}).items() if {r["seed"] for r in rs} >= set(seeds)}
+    if not full:
+        return None
+    best = min(full.values(), key=lambda rs: mean(r["mlm_loss"] for r in rs if r["seed"] in seeds))
+    return None if unbracketed({key: full}, key, best) else best[0]["factor"]
+
+
+def carried_starts(cells: dict, corpus: str, batches: list[int], labels: list[str], seeds: list[int],
+                   grid: list[float], start: float, lr_of: Callable[[int], float]) -> dict[int, dict[str, float]]:
+    """``--bracket-carry``: each batch's starting factor per optimizer. The smallest batch starts at
+    ``start``; each larger one at the LR the batch below settled on for that optimizer
+    (``settled``), or, while it has not, at the LR the batch below starts from, as a factor of
+    this batch's rule LR (``lr_of``), the grid's nearest (log scale). The LR rule's growth with the
+    batch is then a guess the bracket corrects from below, not the place every batch starts."""
+    starts: dict[int, dict[str, float]] = {}
+    below = None
+    for batch in sorted(batches):
+        here = {}
+        for label in labels:
+            if below is None:
+                here[label] = start
+                continue
+            f = settled(cells, (corpus, below, label), seeds) or starts[below][label]
+            want = f * lr_of(below) / lr_of(batch)
+            here[label] = min(grid, key=lambda g: abs(math.log(g / want)))
+        starts[batch], below = here, batch
+    return starts
 
 
 def run_bracketed(name: str, data: Path, batches: list[int], labels: list[str], seeds: list[int],
@@ -803,8 +842,10 @@ def run_bracketed(name: str, data: Path, batches: list[int], labels: list[str], 
 
     def needed() -> list[tuple]:
         cells = by_factor(results)
+        starts = (carried_starts(cells, name, batches, labels, seeds, grid, args.bracket, lambda b: lr_for(b, args))
+                  if getattr(args, "bracket_carry", False) else {batch: args.bracket for batch in batches})
         return [(label, name, data, batch, f, seed) for batch in batches
-                for label, f, seed in bracket_plan(cells, name, batch, labels, seeds, grid, args.bracket)]
+                for label, f, seed in bracket_plan(cells, name, batch, labels, seeds, grid, starts[batch])]
 
     tried: set[tuple] = set()
     while not args.only_finished and (cells := [c for c in needed() if c not in tried]):
@@ -945,6 +986,11 @@ def main() -> None:
                          "factor F, then adds the grid's next factor below or above for an optimizer whose best is the "
                          "lowest or highest factor it ran (each optimizer on the same grid); the record lists the runs "
                          "needed next as not run")
+    ap.add_argument("--bracket-carry", action="store_true",
+                    help="with --bracket: each batch after the smallest starts each optimizer at the LR it settled on at "
+                         "the batch below (its best factor there, bracketed on every seed), else at the LR the batch "
+                         "below starts from, as the nearest factor of the grid at this batch; the rule's LR growth "
+                         "is then a guess the bracket corrects from below")
     ap.add_argument("--samples", type=int, default=10240, help="training samples per run (fixed budget)")
     ap.add_argument("--min-steps", type=int, default=50,
                     help="optimizer steps per run at least: a run gets max(samples, min_steps x batch) samples")
@@ -1028,6 +1074,9 @@ def main() -> None:
     labels = args.optimizer or list(OPTIMIZERS)
     if args.bracket is not None:
         factors = sorted(set(factors))  # a ladder: each factor's neighbours on it
+    if args.bracket_carry and args.bracket is None:
+        raise SystemExit("--bracket-carry: carries a --bracket from batch to batch; add --bracket F (the smallest "
+                         "batch's starting factor)")
     if args.bracket is not None and args.bracket not in factors:
         raise SystemExit(f"--bracket {args.bracket:g}: not among the --lr-factor grid "
                          f"({', '.join(f'{f:g}' for f in factors)}); the bracket starts on the grid")
@@ -1046,7 +1095,8 @@ def main() -> None:
               "vocab_size": args.vocab_size, "model": args.model, "zero": 2, "quick": args.quick,
               "heldout_fraction": args.heldout_fraction, "eval_points": args.eval_points, "dropout": args.dropout,
               **({"noise_multiples": args.noise_multiple, "noise_scale": args.noise_scale} if args.noise_multiple else {}),
-              **({"bracket": args.bracket} if args.bracket is not None else {})}
+              **({"bracket": args.bracket} if args.bracket is not None else {}),
+              **({"bracket_carry": True} if args.bracket_carry else {})}
     args.reused, sources, shorter = load_reused(args.reuse, config)  # before Output: --out may be one of them
     args.work.mkdir(parents=True, exist_ok=True)
     out = Output(args.out or (args.work if args.quick else DOCS / "bert_batch"), "bert_batch", config)

@@ -290,6 +290,37 @@ def test_a_reused_records_directory_is_kept_as_a_committed_record_keeps_paths(tm
         "docs/studies/bert_plateau")
 
 
+def test_a_record_assembled_from_records_keeps_where_each_run_was_made(tmp_path):
+    """A record assembled from records (a GPU lease's output reused into the committed record, and
+    that record reused again to assemble it anew) kept, for each run, only the last directory it
+    was read from and that assembly's Python: the 4 H200 runs of the plateau record lost their
+    Python 3.12.3 and their lease's directory on reassembly. For the embedded corpus, whose
+    documents are the Python release's, ``set_aside_other_data`` decides by that release, so the
+    run then counted as made on the assembling machine's. Now a run's own ``reused_from`` and
+    ``reused_python`` stay. Fails on the old code."""
+    sys.path.insert(0, str(STUDIES))
+    from bert_batch import RUN_SETTINGS, load_reused
+
+    lease = fake_study(tmp_path / "lease", [("embedded", 64, "LAMB", 1.0, 1, 7.0)])
+    meta = json.loads((lease / "meta.json").read_text())
+    meta["machine"]["python"] = "3.12.3"
+    (lease / "meta.json").write_text(json.dumps(meta))
+    config = meta["config"] | {"min_steps": None}
+    settings = tuple(k for k in RUN_SETTINGS if k in config)
+    runs, _, _ = load_reused([lease], config, settings)
+    committed = fake_study(tmp_path / "committed", [("embedded", 64, "LAMB", 2.0, 1, 6.9)])  # assembled on 3.11.7
+    meta = json.loads((committed / "meta.json").read_text())
+    meta["machine"]["python"] = "3.11.7"
+    (committed / "meta.json").write_text(json.dumps(meta))
+    with (committed / "runs.jsonl").open("a") as f:  # the lease's run, as the assembly wrote it
+        f.write(json.dumps(runs["embedded", 64, "LAMB", 1.0, 1]) + "\n")
+    again, _, _ = load_reused([committed], config, settings)
+    assert (again["embedded", 64, "LAMB", 1.0, 1]["reused_from"],
+            again["embedded", 64, "LAMB", 1.0, 1]["reused_python"]) == (".../lease", "3.12.3")
+    assert (again["embedded", 64, "LAMB", 2.0, 1]["reused_from"],
+            again["embedded", 64, "LAMB", 2.0, 1]["reused_python"]) == (".../committed", "3.11.7")
+
+
 def test_a_study_of_some_optimizers_reuses_the_recorded_noise_scale_probe():
     """The plateau record measured ``B_simple`` with VR-LAMB ``first_moment`` at batch 64. Run
     again with ``--optimizer "VR-LAMB update"`` alone (the 1× cells left), the old code took the
@@ -487,7 +518,7 @@ def test_verdicts_need_two_seeds_below_the_unigram_level_and_apart_ranges():
     rows = verdicts(best, "c", [16, 64, 256], "VR", "LAMB", unigram=7.0)
     assert [r[-1] for r in rows] == ["no difference beyond the seeds (+0.015 nats)",
                                      "VR better by 0.200 nats (seed ranges apart)",
-                                     "not decided: VR lack 2 seeds"]  # no degradation row on one seed
+                                     "not decided: VR lacks 2 seeds"]  # no degradation row on one seed
     assert rows[0][4] == "0.400" and rows[1][4] == "0.050"  # LAMB's margin below the unigram level
     best["c", 256, "VR"] = cell(7.00, 7.04)
     rows = verdicts(best, "c", [16, 64, 256], "VR", "LAMB", unigram=7.3)
@@ -574,6 +605,53 @@ def test_bracket_runs_the_grid_only_where_an_optimum_needs_it():
     one_seed = [r for r in runs if not (r["optimizer"] == "VR" and r["factor"] == 0.5 and r["seed"] == 2)]
     assert bracket_plan(by_factor(one_seed), "c", 64, labels, seeds, grid, 1.0) == [("VR", 0.5, 2)]
     assert bracket_plan(by_factor(runs), "c", 256, labels, [1], grid, 1.0) == [("LAMB", 1.0, 1), ("VR", 1.0, 1)]
+
+
+def test_bracket_carry_starts_each_batch_at_the_lr_the_batch_below_settled_on():
+    """``--bracket-carry`` (``carried_starts``): where the best LR does not grow with the batch as
+    the square-root rule assumes (it stays at ×1 of batch 16's LR, so ×1/2 at 64 and ×1/4 at 256),
+    each larger batch starts at the LR the batch below settled on, and the study brackets the same
+    optima in fewer runs than when every batch starts at ×1. While the batch below has not
+    settled (a seed missing), the next one starts where the batch below starts."""
+    sys.path.insert(0, str(STUDIES))
+    from bert_batch import best_cells, bracket_plan, by_factor, carried_starts, unbracketed
+
+    grid, labels, seeds, batches = [0.125, 0.25, 0.5, 1.0, 2.0, 4.0], ["LAMB", "VR"], [1, 2], [16, 64, 256]
+    optima = {16: 1.0, 64: 0.5, 256: 0.25}  # one LR at every batch, as a factor of each one's sqrt-rule LR
+    lr_of = lambda b: 0.004 * math.sqrt(b / 16)  # noqa: E731
+
+    def study(carry: bool) -> list[dict]:
+        runs: list[dict] = []
+        while True:
+            cells = by_factor(runs)
+            starts = carried_starts(cells, "c", batches, labels, seeds, grid, 1.0, lr_of) if carry else {
+                b: 1.0 for b in batches}
+            plan = [(b, lab, f, s) for b in batches for lab, f, s in bracket_plan(cells, "c", b, labels, seeds,
+                                                                                   grid, starts[b])]
+            if not plan:
+                return runs
+            runs += [{"corpus": "c", "batch": b, "optimizer": lab, "factor": f, "seed": s,
+                      "mlm_loss": bowl(optima[b], s, f)} for b, lab, f, s in plan]
+
+    plain, carried = study(False), study(True)
+    for runs in (plain, carried):
+        best = best_cells(runs)
+        assert {b: best["c", b, "LAMB"][0]["factor"] for b in batches} == optima
+        assert all(unbracketed(by_factor(runs), ("c", b, lab), best["c", b, lab]) is None
+                   for b in batches for lab in labels)
+    assert len(carried) == 36 and len(plain) == 48  # 16: 12 runs either way; 64 and 256: 12 each, not 16 and 20
+    assert {r["factor"] for r in carried if r["batch"] == 256} == {0.125, 0.25, 0.5}  # ×1 and ×2 never run
+
+    # the batch below not settled yet: a seed missing at 64, so 256 starts at 64's start, ×1/2 → ×1/4
+    some = [r for r in carried if not (r["batch"] == 64 and r["seed"] == 2)]
+    starts = carried_starts(by_factor(some), "c", batches, labels, seeds, grid, 1.0, lr_of)
+    assert starts == {16: {"LAMB": 1.0, "VR": 1.0}, 64: {"LAMB": 0.5, "VR": 0.5}, 256: {"LAMB": 0.25, "VR": 0.25}}
+    # an optimum below the grid at 64 (settled nowhere: its best is the lowest factor run): 256 starts at
+    # the nearest factor to 64's start carried, and a start off the grid's end is its edge
+    low = [dict(r, mlm_loss=bowl(0.01, r["seed"], r["factor"])) if r["batch"] == 64 else r for r in carried]
+    assert carried_starts(by_factor(low), "c", batches, labels, seeds, grid, 1.0, lr_of)[256]["LAMB"] == 0.25
+    assert carried_starts(by_factor(carried), "c", [16, 64, 4096], labels, seeds, grid, 1.0,
+                          lr_of)[4096]["LAMB"] == 0.125
 
 
 def test_bracket_rounds_gather_what_finished_and_list_what_is_needed_next(monkeypatch):
