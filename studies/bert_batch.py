@@ -715,7 +715,8 @@ def verdicts(best: dict, corpus: str, batches: list[int], label: str, baseline: 
              unigram: float | None, cells: dict | None = None) -> list[tuple]:
     """Per batch: ``label`` against ``baseline`` at each one's best LR. A verdict needs 2 seeds each,
     each one's best LR bracketed by the factors run (when ``cells``, ``by_factor``, is given:
-    ``unbracketed``) and the baseline's runs ending below the unigram level; it is "better" or
+    ``unbracketed``) and the baseline's runs ending below the unigram level (``unigram``: None, not
+    computed, decides nothing); it is "better" or
     "worse" only when the seed ranges do not overlap. Then, with 2 seeds at both ends, the
     baseline's degradation from the first batch to the last and the share of it ``label``
     recovers there."""
@@ -736,7 +737,9 @@ def verdicts(best: dict, corpus: str, batches: list[int], label: str, baseline: 
         lv, lb = [r["mlm_loss"] for r in vr], [r["mlm_loss"] for r in base]
         diff = mean(lv) - mean(lb)
         below = None if unigram is None else unigram - max(lb)
-        if below is not None and below <= 0:
+        if below is None:  # a verdict past the plateau needs the baseline below it: not known, none given
+            verdict = "not decided: the unigram level is not computed (no prepared data)"
+        elif below <= 0:
             verdict = f"not decided: {baseline} ends {-below:.3f} nats above the unigram level"
         elif max(lv) < min(lb):
             verdict = f"{label} better by {-diff:.3f} nats (seed ranges apart)"
@@ -1111,6 +1114,10 @@ def main() -> None:
     for spec, name in zip(specs, corpora):
         data = (args.work / "data" / name if args.only_finished
                 else prepare(name, spec.partition("=")[2] or None, args.work, args.seq_len, args.vocab_size))
+        if not (data / "tokenizer.model").is_file():
+            print(f"[{name}] no data prepared in {data}: the reused runs' data fingerprints are not checked and no "
+                  "unigram level is computed (no verdict past the plateau); assemble with the --work that prepared "
+                  f"{name!r}, or run once without --only-finished to prepare it there", flush=True)
         other = set_aside_other_data(args.reused, name,
                                      lambda seed: data_fingerprint(data, seed, args.heldout_fraction),
                                      platform.python_version())
