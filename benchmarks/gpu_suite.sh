@@ -140,7 +140,8 @@ part opt_step_adam 40 python3 benchmarks/gpu_optimizer_step.py --model large --i
 # 6.5M samples, then does not start in a call it cannot finish in), pauses the rest at the limit, and
 # assembles what finished (the runs needed next are listed as not run yet). Each run's record says
 # how much of its step time it waited for its DataLoader (data_wait); PLATEAU_WORKERS (default 1)
-# gives each run more workers (the same samples) when that is high.
+# gives each run more workers (the same samples) when that is high. Beside it, benchmarks/load_sampler.py
+# samples the GPU's utilisation and the host's busy cores (plateau_load.csv, its summary in summary.log).
 if [[ " $PARTS " == *" plateau "* ]]; then
     left=$((BUDGET_S - SECONDS))
     if [[ -z $wikitext ]]; then
@@ -152,6 +153,10 @@ if [[ " $PARTS " == *" plateau "* ]]; then
         done
         [[ -f $WORK.prev/bert_plateau/meta.json ]] && reuse+=(--reuse "$WORK.prev/bert_plateau")
         reserve=0  # the study's own time: nothing runs after it
+        # beside the runs, every 5 s: the GPU's utilisation and the host's busy cores (what bounds them,
+        # with each run's data_wait); the summary line goes to summary.log
+        python3 benchmarks/load_sampler.py --out "$WORK/plateau_load.csv" >"$WORK/plateau_load.log" 2>&1 &
+        sampler=$!
         part plateau "$left" python3 studies/bert_batch.py --model tiny --corpus "wikitext=$wikitext" \
             --seed 1 --seed 2 --noise-multiple 1 --noise-multiple 4 --noise-multiple 16 --noise-multiple 64 \
             --noise-scale auto --optimizer LAMB --optimizer "VR-LAMB first_moment" --optimizer "VR-LAMB update" \
@@ -160,6 +165,9 @@ if [[ " $PARTS " == *" plateau "* ]]; then
             --heldout-fraction 0.1 --eval-points 16 --parallel "${PLATEAU_PARALLEL:-8}" --port 29651 \
             --time-limit $((left - 10)) --expect-rate "${PLATEAU_RATE:-4000}" --workers "${PLATEAU_WORKERS:-1}" \
             "${reuse[@]}" --work /tmp/bert_plateau --out "$WORK/bert_plateau"
+        kill "$sampler" && wait "$sampler"
+        tee -a "$WORK/summary.log" <"$WORK/plateau_load.log"
+        pack
     else
         echo "== plateau: ${left}s left of ${BUDGET_S}s, not started" | tee -a "$WORK/summary.log"
     fi
