@@ -34,17 +34,26 @@ def busy_share(before: tuple[int, int], after: tuple[int, int]) -> float | None:
     return None if total <= 0 else (after[0] - before[0]) / total
 
 
-def gpu_sample() -> tuple[float, float] | None:
-    """(utilisation %, memory used MiB) of the first GPU, None without ``nvidia-smi`` or a GPU."""
+def number(field: str) -> float | None:
+    """A field of ``nvidia-smi``'s CSV, None where it prints no number ("[N/A]", "[Not Supported]")."""
+    try:
+        return float(field)
+    except ValueError:
+        return None
+
+
+def gpu_sample() -> tuple[float | None, float | None] | None:
+    """(utilisation %, memory used MiB) of the first GPU, each None where ``nvidia-smi`` gives no
+    number for it; None without ``nvidia-smi`` or a GPU."""
     try:
         out = subprocess.run(GPU_QUERY, capture_output=True, text=True, timeout=10, check=True).stdout
     except (OSError, subprocess.SubprocessError):
         return None
     first = out.strip().splitlines()[:1]
-    if not first:
+    fields = first[0].split(",") if first else []
+    if len(fields) != 2:
         return None
-    util, mem = (float(x) for x in first[0].split(","))
-    return util, mem
+    return number(fields[0]), number(fields[1])
 
 
 def spread(values: list[float], fmt: str) -> str:
@@ -61,8 +70,9 @@ def summary(rows: list[dict], cores: int) -> str:
     cpu = [100 * r["cpu_busy"] for r in rows if r["cpu_busy"] is not None]
     util = [r["gpu_util"] for r in rows if r["gpu_util"] is not None]
     mem = [r["gpu_mem_mib"] / 1024 for r in rows if r["gpu_mem_mib"] is not None]
-    gpu = (f"GPU busy {spread(util, '{:.0f}%')}, memory {spread(mem, '{:.1f}')} GiB" if util
-           else "no GPU sampled (nvidia-smi absent or no GPU)")
+    gpu = (f"GPU busy {spread(util, '{:.0f}%')}" if util
+           else "GPU utilisation not sampled (no nvidia-smi, no GPU, or no number for it)")
+    gpu += f", memory {spread(mem, '{:.1f}')} GiB" if mem else ""
     return f"load over {len(rows)} samples: {gpu}; host CPU busy {spread(cpu, '{:.0f}%')} of {cores} cores"
 
 

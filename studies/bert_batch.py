@@ -221,6 +221,7 @@ def load_reused(dirs: list[Path], config: dict, settings: tuple[str, ...] = RUN_
     cells recorded before ``--min-steps``). A setting or a corpus that differs, or one run
     recorded twice with different results, is an error naming it."""
     runs: dict[RunKey, dict] = {}
+    read_from: dict[RunKey, Path] = {}  # the --reuse directory each run was read from
     sources, shorter = [], []
     specs = dict(spec.partition("=")[::2] for spec in config["corpora"])
     for d in dirs:
@@ -245,14 +246,16 @@ def load_reused(dirs: list[Path], config: dict, settings: tuple[str, ...] = RUN_
                                  f"{specs[name] or 'embedded'!r} here")
         for r in records:
             if r["steps"] != steps_for(r["batch"], config["samples"], config.get("min_steps")):
-                shorter.append(r | {"reused_from": where})  # another budget: kept in its record, not used here
+                shorter.append({"reused_from": where} | r)  # another budget: kept in its record, not used here
                 continue
             key = (r["corpus"], r["batch"], r["optimizer"], r["factor"], r["seed"])
             if key in runs and runs[key]["mlm_loss"] != r["mlm_loss"]:
                 raise SystemExit(f"--reuse: {key} is recorded with loss {runs[key]['mlm_loss']} in "
-                                 f"{runs[key]['reused_from']} and {r['mlm_loss']} in {d}")
+                                 f"{read_from[key]} (made in {runs[key]['reused_from']}) and "
+                                 f"{r['mlm_loss']} in {d}")
             # the machine a run came from and the record it was first read from: its own, else its study's
             # (runs recorded before each kept them; a record assembled from records keeps where each run was made)
+            read_from.setdefault(key, d)
             runs.setdefault(key, {"machine": hardware(meta["machine"]), "reused_from": where,
                                   "reused_python": meta["machine"].get("python")} | r)
         m = meta["machine"]
@@ -795,35 +798,45 @@ def bracket_plan(cells: dict[tuple[str, int, str], dict[float, list[dict]]], cor
     return plan
 
 
-def settled(cells: dict, key: tuple[str, int, str], seeds: list[int]) -> float | None:
+def settled(cells: dict, key: tuple[str, int, str], seeds: list[int], grid: list[float]) -> float | None:
     """The LR factor ``key``'s bracket settled on: its best mean loss among the factors run on
-    every seed of ``seeds``, when a factor below and one above it ran on as many (``unbracketed``);
-    else None."""
-    full = {f: rs for f, rs in cells.get(key, {}).items() if {r["seed"] for r in rs} >= set(seeds)}
+    every seed of ``seeds``, when a factor below and one above it ran on as many (``unbracketed``)
+    or, where there is none, it is the grid's end (``bracket_plan`` goes no further); else None."""
+    full = {f: [r for r in rs if r["seed"] in seeds] for f, rs in cells.get(key, {}).items()
+            if {r["seed"] for r in rs} >= set(seeds)}
     if not full:
         return None
-    best = min(full.values(), key=lambda rs: mean(r["mlm_loss"] for r in rs if r["seed"] in seeds))
-    return None if unbracketed({key: full}, key, best) else best[0]["factor"]
+    best = min(full.values(), key=lambda rs: mean(r["mlm_loss"] for r in rs))
+    factor = best[0]["factor"]
+    at_end = (factor == min(full) == grid[0]) or (factor == max(full) == grid[-1])
+    return factor if at_end or unbracketed({key: full}, key, best) is None else None
+
+
+def nearest(grid: list[float], want: float) -> float:
+    """The grid's factor nearest ``want`` on a log scale; halfway between two, the lower (a stall
+    at the plateau is what too high an LR costs)."""
+    return min(grid, key=lambda g: (round(abs(math.log(g / want)), 9), g))
 
 
 def carried_starts(cells: dict, corpus: str, batches: list[int], labels: list[str], seeds: list[int],
                    grid: list[float], start: float, lr_of: Callable[[int], float]) -> dict[int, dict[str, float]]:
     """``--bracket-carry``: each batch's starting factor per optimizer. The smallest batch starts at
     ``start``; each larger one at the LR the batch below settled on for that optimizer
-    (``settled``), or, while it has not, at the LR the batch below starts from, as a factor of
-    this batch's rule LR (``lr_of``), the grid's nearest (log scale). The LR rule's growth with the
-    batch is then a guess the bracket corrects from below, not the place every batch starts."""
+    (``settled``), or, while it has not, at the LR the batch below starts from (before rounding),
+    as a factor of this batch's rule LR (``lr_of``), the grid's nearest (``nearest``). The LR
+    rule's growth with the batch is then a guess the bracket corrects from below, not the place
+    every batch starts."""
     starts: dict[int, dict[str, float]] = {}
-    below = None
+    below, wanted = None, {}
     for batch in sorted(batches):
         here = {}
         for label in labels:
-            if below is None:
-                here[label] = start
-                continue
-            f = settled(cells, (corpus, below, label), seeds) or starts[below][label]
-            want = f * lr_of(below) / lr_of(batch)
-            here[label] = min(grid, key=lambda g: abs(math.log(g / want)))
+            if below is not None:
+                f = settled(cells, (corpus, below, label), seeds, grid) or wanted[label]
+                wanted[label] = f * lr_of(below) / lr_of(batch)
+            else:
+                wanted[label] = start
+            here[label] = nearest(grid, wanted[label])
         starts[batch], below = here, batch
     return starts
 

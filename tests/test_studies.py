@@ -650,12 +650,24 @@ def test_bracket_carry_starts_each_batch_at_the_lr_the_batch_below_settled_on():
     some = [r for r in carried if not (r["batch"] == 64 and r["seed"] == 2)]
     starts = carried_starts(by_factor(some), "c", batches, labels, seeds, grid, 1.0, lr_of)
     assert starts == {16: {"LAMB": 1.0, "VR": 1.0}, 64: {"LAMB": 0.5, "VR": 0.5}, 256: {"LAMB": 0.25, "VR": 0.25}}
-    # an optimum below the grid at 64 (settled nowhere: its best is the lowest factor run): 256 starts at
-    # the nearest factor to 64's start carried, and a start off the grid's end is its edge
+    # settled where it did not start: 16 run at ×1, ×2 and ×4 with its best at ×2 (bracketed), so 64
+    # starts at ×1, the LR of 16's ×2; from 16's start it would be ×1/2. Another seed run at one
+    # factor (seed 3 at ×1) does not unsettle it.
+    off = [{"corpus": "c", "batch": 16, "optimizer": lab, "factor": f, "seed": s, "mlm_loss": bowl(2.0, s, f)}
+           for lab in labels for f in (1.0, 2.0, 4.0) for s in seeds]
+    off.append(dict(off[0], seed=3))
+    assert carried_starts(by_factor(off), "c", batches, labels, seeds, grid, 1.0, lr_of)[64] == {"LAMB": 1.0,
+                                                                                                 "VR": 1.0}
+    # an optimum below the grid at 64: its best is the grid's lowest factor, where the bracket stops, so
+    # 256 starts from it (×1/8 at 64 is ×1/16 at 256: off the grid, its edge)
     low = [dict(r, mlm_loss=bowl(0.01, r["seed"], r["factor"])) if r["batch"] == 64 else r for r in carried]
-    assert carried_starts(by_factor(low), "c", batches, labels, seeds, grid, 1.0, lr_of)[256]["LAMB"] == 0.25
-    assert carried_starts(by_factor(carried), "c", [16, 64, 4096], labels, seeds, grid, 1.0,
-                          lr_of)[4096]["LAMB"] == 0.125
+    low += [{"corpus": "c", "batch": 64, "optimizer": lab, "factor": 0.125, "seed": s,
+             "mlm_loss": bowl(0.01, s, 0.125)} for lab in labels for s in seeds]
+    assert carried_starts(by_factor(low), "c", batches, labels, seeds, grid, 1.0, lr_of)[256]["LAMB"] == 0.125
+    # nothing settled, batches doubling: each start carries the LR unrounded (×1/√2 at 128, ×1/2 at 256,
+    # ×1/√8 at 512), and halfway between two factors the lower one is taken
+    doubling = carried_starts({}, "c", [512, 64, 128, 256], ["LAMB"], seeds, grid, 1.0, lambda b: math.sqrt(b))
+    assert {b: st["LAMB"] for b, st in doubling.items()} == {64: 1.0, 128: 0.5, 256: 0.5, 512: 0.25}
 
 
 def test_bracket_rounds_gather_what_finished_and_list_what_is_needed_next(monkeypatch):
