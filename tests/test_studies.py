@@ -717,6 +717,14 @@ def test_bracket_rounds_gather_what_finished_and_list_what_is_needed_next(monkey
                                               [0.25, 0.5, 1.0, 2.0], args, recorded.append)
     assert len(ran) == 1 and unrun == ["c b64 LAMB ×1 seed 1", "c b64 LAMB ×1 seed 2", "c b64 VR ×1 seed 1",
                                        "c b64 VR ×1 seed 2"]  # ×1/4 at 16 finished; 64 not started
+    # --bracket-carry: 64 starts where 16 starts (×1 there, ×1/2 at 64 by the square-root rule) while 16
+    # has not settled, so the first round runs ×1/2 at 64, not ×1
+    ran.clear()
+    args = argparse.Namespace(only_finished=False, bracket=1.0, bracket_carry=True, base_lr=0.004, base_batch=16,
+                              lr_rule="sqrt")
+    results, unrun = bert_batch.run_bracketed("c", Path("data"), [16, 64], ["LAMB", "VR"], [1, 2],
+                                              [0.25, 0.5, 1.0, 2.0], args, recorded.append)
+    assert [sorted({(b, f) for b, _, f, _ in cells}) for cells in ran] == [[(16, 0.25), (64, 0.5)]]
 
 
 @pytest.mark.slow
