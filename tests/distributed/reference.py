@@ -48,10 +48,10 @@ class Reference:
         self.opt.set_statistics_source(self.stats)
 
     def step(self, batches, loss_fn, loss_scale: float) -> None:
-        """``batches[r][j]``: micro-batch j of rank r.
+        """``batches[r][j]``: micro-batch j of rank r (fewer than GAS: a step that ends early).
 
         Mirrors DeepSpeed's arithmetic in the low-precision dtype: the loss is scaled as
-        ``(loss / GAS) · S``; stage 0/ZeRO-1 accumulate a rank's micro-batch gradients in
+        ``(loss / GAS) · S``, also in a step of fewer micro-batches; stage 0/ZeRO-1 accumulate a rank's micro-batch gradients in
         ``.grad`` (low precision) and reduce once; ZeRO-2/3 reduce every micro-step and add the
         reduced gradients in the gradient-accumulation dtype (here the model dtype). The fused
         reduction averages in fp32 and rounds to the model dtype once. Statistics are fp32.
@@ -68,7 +68,7 @@ class Reference:
         for r in range(self.world):
             self.low.zero_grad(set_to_none=True)
             acc_local: list[torch.Tensor] | None = None
-            for j in range(self.gas):
+            for j in range(len(batches[r])):
                 self.low.zero_grad(set_to_none=True)
                 loss = loss_fn(self.low, batches[r][j])
                 ((loss / self.gas) * loss_scale).backward()
@@ -100,7 +100,10 @@ class Reference:
             gs = torch.stack([g[i] for g in groups])
             sum_g = gs.sum(0)
             if self.squares == "per_step" and self.gbar == "engine":
-                sum_g = acc[i].float() * (n / loss_scale)  # DeepSpeed's reduced gradient, before clipping
+                # DeepSpeed's reduced gradient, before clipping: the groups' sum / (ranks · GAS), loss-scaled
+                sum_g = acc[i].float() * (self.world * self.gas / loss_scale)
+                if low == torch.float32:  # the true sum of the groups, but for the order of the additions
+                    torch.testing.assert_close(sum_g, gs.sum(0), rtol=1e-4, atol=1e-6)
             self.stats.sums[id(p)] = (sum_g, gs.square().sum(0))
             p.grad = acc[i].float() / loss_scale
             if self.clip_norm_of is None or i in self.clip_norm_of:

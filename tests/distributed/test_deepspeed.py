@@ -106,6 +106,25 @@ def test_per_step_squares_equal_the_reference_with_every_micro_step_a_group(pool
         assert res["l2"] <= factor * res["contrast_l2"], res
 
 
+@pytest.mark.parametrize("scheme, gbar", [("per_step", "engine"),
+                                           pytest.param("per_step", "local", marks=pytest.mark.exhaustive),
+                                           pytest.param("per_micro_step", "local", marks=pytest.mark.exhaustive)])
+def test_a_step_that_ends_before_its_accumulation_is_full_equals_the_reference(pool, scheme, gbar):
+    """A step of 2 micro-steps where the accumulation is 4, between full steps: the boundary set
+    by hand (``set_gradient_accumulation_boundary``, which accelerate calls at every micro-step, so
+    that an epoch's last step can end early). DeepSpeed still divides each micro-step's loss by 4, so its reduced gradient is Σg / (ranks · 4), not the
+    mean over the step's n = ranks × 2 groups. ``gbar="engine"`` read Σg from it as n · ḡ, half
+    the true sum on that step while Σg² was whole, so the GSNR, and the step, were wrong (l2 0.069 of
+    the distance trained on the old code, against the tolerance 1e-3). Now Σg = ranks · 4 · ḡ (``Scaling.sum_g_factor``); the
+    reference's Σg, DeepSpeed's reduced gradient times that, equals the groups' sum. Fails on the
+    old code with gbar="engine"."""
+    case = dict(opt="VRLamb", stage=2, dtype="fp32", gas=4, clip=0.0, bucket=40, scheme=scheme, gbar=gbar,
+                micro_steps=[4, 2, 4])
+    res = run(pool, "run_matrix_case", case)
+    assert res["n"] == [8, 4, 8][:len(res["n"])] and res["skipped"] == 0
+    assert res["l2"] <= TOL["fp32"] and res["l2"] <= CONTRAST["fp32"] * res["contrast_l2"], res
+
+
 @pytest.mark.parametrize("name, case", params(worker.record_cases(), worker.record_design()))
 def test_statistics_from_deepspeeds_buckets_equal_the_hooks_bit_for_bit(pool, name, case):
     """The per-step scheme reads each micro-step's gradients from DeepSpeed's own flat bucket

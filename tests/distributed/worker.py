@@ -108,9 +108,13 @@ def run_matrix_case(case: dict) -> dict:
                           case["gas"], world, case["clip"], **scheme)
     engine, *_ = deepspeed.initialize(model=model, config=config(case))
     ns, skipped, gsnr_means = [], 0, []
+    early = case.get("micro_steps")  # micro-steps per step, a step ending early where fewer than gas
     for step in range(STEPS):
         scale = float(getattr(engine.optimizer, "loss_scale", 1.0))
-        for j in range(case["gas"]):
+        micro = case["gas"] if early is None else early[step % len(early)]
+        for j in range(micro):
+            if early is not None:  # as accelerate sets it (HF Trainer's last step of an epoch)
+                engine.set_gradient_accumulation_boundary(j == micro - 1)
             loss = loss_fn(engine, batch(step, rank, j), dtype)
             engine.backward(loss)
             engine.step()
@@ -119,7 +123,7 @@ def run_matrix_case(case: dict) -> dict:
         skipped += int(m.get("step/skipped_overflow", 0))
         for rf in (ref, plain):
             if rf is not None:
-                rf.step([[batch(step, r, j) for j in range(case["gas"])] for r in range(world)],
+                rf.step([[batch(step, r, j) for j in range(micro)] for r in range(world)],
                         lambda mod, b: loss_fn(mod, b, dtype), scale)
         gsnr_means.append([m.get("gsnr/mean"), ref.opt.gsnr_metrics().get("gsnr/mean") if first else None])
     stats = getattr(engine, "vrgd_stats", None)

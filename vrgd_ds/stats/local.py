@@ -432,11 +432,12 @@ class LocalStats:
 
     def capture(self, target: Tensor, grad: Tensor) -> None:
         """``gbar="engine"``: the gradient the engine reduced for ``target``, still loss-scaled and
-        unclipped (read just before the engine unscales and clips it), as ``Σg = n · g / S`` (or
-        ``engine_factor() · g`` where the engine's gradient is another multiple of the sum)."""
+        unclipped (read just before the engine unscales and clips it), as ``Σg`` (``Scaling.sum_g_factor``:
+        ``world · accumulation · g / S`` on DeepSpeed, which is ``n · g / S`` when every micro-step of
+        the accumulation ran)."""
         if self.gbar != "engine" or id(target) not in self._targets:
             return
-        factor = self.scaling.sum_g_factor(self.n, self._scale)
+        factor = self.scaling.sum_g_factor(self._scale)
         g, sq = self._bufs.get(id(target), (None, None))
         if g is None or g.numel() != target.numel() or g is sq:
             g = torch.empty(target.numel(), dtype=torch.float32, device=target.device)

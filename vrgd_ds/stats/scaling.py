@@ -8,9 +8,15 @@ engine path builds one ``Scaling`` and every statistics source reads it:
 * ``accumulation()``: the engine's averaging over micro-steps: DeepSpeed divides each
   micro-step's loss by its gradient accumulation steps, so one group's gradient is the value
   read times ``accumulation() / S`` (``group_multiplier``);
-* ``engine_factor()``: where Σg is read from the engine's reduced gradient and that gradient
-  is not the mean over the n groups (loss-scaled), the multiplier that makes it Σg (Megatron:
-  1 / (e · S), e the factor its buffers were built with); by default ``n / S``.
+* ``engine_factor()``: where Σg is read from the engine's reduced gradient, the multiplier that
+  makes it Σg where that is not DeepSpeed's (Megatron: 1 / (e · S), e the factor its buffers
+  were built with). DeepSpeed's is ``world · accumulation() / S``: its gradient is the sum over
+  the groups divided by the ranks and the accumulation steps, also on a step that ends before
+  the accumulation is full (``set_gradient_accumulation_boundary``, which accelerate calls at
+  every micro-step), where it is not the mean over the n groups. Where the loss is divided by
+  another count instead (HF ``Trainer`` divides by that step's micro-batches and turns
+  DeepSpeed's division off), every group's gradient and Σg carry the same factor, which the
+  GSNR and ``B_simple`` do not see.
 
 What remains elsewhere is the engines' own arithmetic where our reduction stands in for theirs
 (DeepSpeed's post-scale average in ``ds/stage0.py``/``ds/zero12.py``, DDP's mean in ``ddp.py``,
@@ -42,6 +48,6 @@ class Scaling:
         """``c``: a value read (loss-scaled by ``scale``, averaged by the engine) -> one group's gradient."""
         return float(self.accumulation()) / scale
 
-    def sum_g_factor(self, n: int, scale: float) -> float:
-        """The engine's reduced gradient -> Σg over the ``n`` groups."""
-        return self.engine_factor() if self.engine_factor is not None else n / scale
+    def sum_g_factor(self, scale: float) -> float:
+        """The engine's reduced gradient -> Σg over the step's groups."""
+        return self.engine_factor() if self.engine_factor is not None else self.world * self.accumulation() / scale
