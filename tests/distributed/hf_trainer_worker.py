@@ -31,12 +31,12 @@ WD = 0.01
 class RandomTokens(torch.utils.data.Dataset):
     """``SAMPLES`` sequences of random token ids; the labels are the inputs (every position predicted)."""
 
-    def __init__(self, seed: int = 0):
+    def __init__(self, seed: int = 0, samples: int = SAMPLES):
         g = torch.Generator().manual_seed(seed)
-        self.ids = torch.randint(0, VOCAB, (SAMPLES, SEQ), generator=g)
+        self.ids = torch.randint(0, VOCAB, (samples, SEQ), generator=g)
 
     def __len__(self) -> int:
-        return SAMPLES
+        return len(self.ids)
 
     def __getitem__(self, i: int) -> dict:
         ids = self.ids[i]
@@ -50,13 +50,14 @@ def tiny_bert(seed: int = 0) -> BertForMaskedLM:
     return BertForMaskedLM(cfg)
 
 
-def ds_config() -> dict:
+def ds_config(gbar: str | None = None) -> dict:
     return {
         "train_micro_batch_size_per_gpu": "auto",
         "gradient_accumulation_steps": "auto",
         "zero_optimization": {"stage": 2},
         "optimizer": {"type": "VRLamb", "params": {"lr": LR, "weight_decay": WD}},
         "gradient_clipping": 1.0,
+        **({"vrgd": {"squares": "per_step", "gbar": gbar}} if gbar else {}),
     }
 
 
@@ -84,6 +85,11 @@ def main() -> None:
     ap.add_argument("--register", choices=("lazy", "eager"), default="lazy",
                     help="lazy: rely on `import vrgd_ds` alone (registration when DeepSpeed is imported); "
                          "eager: also call vrgd_ds.register() before the Trainer is built")
+    ap.add_argument("--samples", type=int, default=SAMPLES,
+                    help="the dataset's length: one that is not a multiple of ranks x micro-batch x accumulation "
+                         "ends each epoch with a step of fewer micro-steps")
+    ap.add_argument("--gbar", choices=("engine", "local"), default=None,
+                    help="the per-step scheme with this mean gradient (default: the config's defaults)")
     ap.add_argument("--local_rank", type=int, default=-1)  # passed by the deepspeed launcher
     args = ap.parse_args()
     if args.register == "eager":
@@ -108,10 +114,11 @@ def main() -> None:
         max_grad_norm=1.0,
         seed=0,
         dataloader_num_workers=0,
-        deepspeed=ds_config(),
+        deepspeed=ds_config(args.gbar),
     )
     cb = StepMetrics()
-    trainer = Trainer(model=model, args=targs, train_dataset=RandomTokens(), callbacks=[cb])
+    trainer = Trainer(model=model, args=targs, train_dataset=RandomTokens(samples=args.samples),
+                      callbacks=[cb])
     cb.trainer = trainer
     trainer.train()
 

@@ -36,18 +36,22 @@ def _env() -> dict:
     return dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
 
 
-@pytest.fixture(scope="module")
-def result(tmp_path_factory) -> dict:
-    tmp = tmp_path_factory.mktemp("hf")
+def launch(tmp: Path, *extra: str) -> dict:
+    """One ``deepspeed --num_gpus 2`` launch of the worker; what rank 0 saw."""
     out = tmp / "r.json"
     deepspeed = Path(sys.executable).parent / "deepspeed"
     cmd = [str(deepspeed), "--num_gpus", str(RANKS), "--master_port", str(launching.free_port()), str(WORKER),
-           "--register", REGISTER, "--out", str(out), "--output_dir", str(tmp / "hf_out")]
+           "--register", REGISTER, "--out", str(out), "--output_dir", str(tmp / "hf_out"), *extra]
     proc = launching.run(cmd, timeout=600, marker=out, env=_env(), cwd=tmp)
     if proc.returncode != 0 or not out.exists():
         raise RuntimeError(f"deepspeed launch failed (rc={proc.returncode}):\n{proc.stdout[-6000:]}\n"
                            f"{proc.stderr[-6000:]}")
     return json.loads(out.read_text())
+
+
+@pytest.fixture(scope="module")
+def result(tmp_path_factory) -> dict:
+    return launch(tmp_path_factory.mktemp("hf"))
 
 
 def test_vrlamb_built_from_config_under_zero2(result):
@@ -94,3 +98,23 @@ def test_import_vrgd_ds_then_transformers_registers():
                           cwd=ROOT)
     assert proc.returncode == 0, proc.stderr[-4000:]
     assert "REGISTERED True" in proc.stdout, proc.stdout[-2000:]
+
+
+def test_an_epochs_short_last_step_has_the_same_gsnr_from_the_engines_mean_as_from_the_groups(tmp_path):
+    """56 samples on 2 ranks at micro-batch 4: 7 micro-batches a rank per epoch, so with accumulation
+    2 the 4th step of each epoch has 1 micro-step (the Trainer divides its loss by 1, not 2, and
+    turns DeepSpeed's division off). Every group of that step then carries the same factor 2 where
+    the statistics assume the accumulation's division, and so does Σg read from DeepSpeed's mean
+    (``gbar="engine"``) as from the groups (``gbar="local"``): the statistics the step uses are
+    the same both ways (the GSNR scale it applies, ``|G|²`` and ``tr(Σ)``; not the mean GSNR,
+    which at n = 2 is a few near-zero variances' and differs by orders of magnitude in rounding).
+    On the old code Σg from the engine had half the groups' factor while the squares had it whole,
+    and that step's statistics came out others. Fails on the old code."""
+    rows = {}
+    for gbar in ("engine", "local"):
+        (tmp_path / gbar).mkdir()
+        rows[gbar] = launch(tmp_path / gbar, "--samples", "56", "--gbar", gbar)["step_metrics"]
+    assert [r["gsnr/n"] for r in rows["engine"]] == [4, 4, 4, 2, 4, 4] == [r["gsnr/n"] for r in rows["local"]]
+    keys = ("gsnr/scale_mean", "noise_scale/grad_sq", "noise_scale/trace_cov")
+    for engine, local in zip(rows["engine"], rows["local"]):
+        assert [engine[k] for k in keys] == pytest.approx([local[k] for k in keys], rel=1e-3), (engine, local)
