@@ -56,24 +56,24 @@ def gpu_sample() -> tuple[float | None, float | None] | None:
     return number(fields[0]), number(fields[1])
 
 
-def spread(values: list[float], fmt: str) -> str:
+def deciles(values: list[float], fmt: str) -> str:
     """Median (10th-90th percentile) of ``values``, or '–' for none."""
     if not values:
         return "–"
     if len(values) == 1:
         return fmt.format(values[0])
-    deciles = quantiles(values, n=10, method="inclusive")
-    return f"{fmt.format(deciles[4])} ({fmt.format(deciles[0])}–{fmt.format(deciles[8])})"
+    q = quantiles(values, n=10, method="inclusive")
+    return f"{fmt.format(q[4])} ({fmt.format(q[0])}–{fmt.format(q[8])})"
 
 
 def summary(rows: list[dict], cores: int) -> str:
     cpu = [100 * r["cpu_busy"] for r in rows if r["cpu_busy"] is not None]
     util = [r["gpu_util"] for r in rows if r["gpu_util"] is not None]
     mem = [r["gpu_mem_mib"] / 1024 for r in rows if r["gpu_mem_mib"] is not None]
-    gpu = (f"GPU busy {spread(util, '{:.0f}%')}" if util
+    gpu = (f"GPU busy {deciles(util, '{:.0f}%')}" if util
            else "GPU utilisation not sampled (no nvidia-smi, no GPU, or no number for it)")
-    gpu += f", memory {spread(mem, '{:.1f}')} GiB" if mem else ""
-    return f"load over {len(rows)} samples: {gpu}; host CPU busy {spread(cpu, '{:.0f}%')} of {cores} cores"
+    gpu += f", memory {deciles(mem, '{:.1f}')} GiB" if mem else ""
+    return f"load over {len(rows)} samples: {gpu}; host CPU busy {deciles(cpu, '{:.0f}%')} of {cores} cores"
 
 
 def main() -> None:

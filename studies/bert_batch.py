@@ -728,7 +728,8 @@ def verdicts(best: dict, corpus: str, batches: list[int], label: str, baseline: 
         vr, base = best.get((corpus, batch, label)), best.get((corpus, batch, baseline))
         missing = [name for name, rs in ((baseline, base), (label, vr)) if rs is None or len(rs) < 2]
         if missing:
-            rows.append((corpus, batch, "–", "–", "–", f"not decided: {' and '.join(missing)} lack{'s' * (len(missing) == 1)} 2 seeds"))
+            lack = "lacks" if len(missing) == 1 else "lack"
+            rows.append((corpus, batch, "–", "–", "–", f"not decided: {' and '.join(missing)} {lack} 2 seeds"))
             continue
         edges = [] if cells is None else [why for name, rs in ((baseline, base), (label, vr))
                                           if (why := unbracketed(cells, (corpus, batch, name), rs))]
@@ -771,45 +772,34 @@ def unrun_cells(results: list[dict], corpora: list[str], batches: list[int], lab
             for s in seeds if (c, b, lab, f, s) not in done]
 
 
+def bracket_step(runs: dict[float, list[dict]], start: float, seeds: list[int],
+                 grid: list[float]) -> tuple[list[tuple[float, int]], float | None]:
+    """One optimizer's bracket at one batch (``runs``: LR factor -> its runs): the (factor, seed)
+    runs it needs next, and the factor it settled on (None while it needs any). Its factors in
+    play are ``start`` and every factor of ``grid`` it ran; first each of them on every seed, then,
+    when its best mean loss is the lowest (highest) factor in play, the grid's factor below
+    (above) it; it has settled when that factor is the grid's end or another one in play."""
+    in_play = sorted({start} | {f for f in runs if f in grid})
+    missing = [(f, seed) for f in in_play for seed in seeds if seed not in {r["seed"] for r in runs.get(f, [])}]
+    if missing:
+        return missing, None
+    best = min(in_play, key=lambda f: mean(r["mlm_loss"] for r in runs[f] if r["seed"] in seeds))
+    i = grid.index(best)
+    grow = ([grid[i - 1]] if best == in_play[0] and i > 0 else []) + (
+        [grid[i + 1]] if best == in_play[-1] and i + 1 < len(grid) else [])
+    return [(f, seed) for f in grow for seed in seeds], None if grow else best
+
+
 def bracket_plan(cells: dict[tuple[str, int, str], dict[float, list[dict]]], corpus: str, batch: int,
                  labels: list[str], seeds: list[int], grid: list[float],
                  start: float | dict[str, float]) -> list[tuple[str, float, int]]:
     """The runs (optimizer, LR factor, seed) ``--bracket`` needs next at ``batch`` (``cells``:
     ``by_factor``), [] when every optimizer's best factor is bracketed or at the grid's edge.
-    Each optimizer on the same grid, each bracketed on its own: its factors in play are ``start``
-    (one factor, or one per optimizer: ``carried_starts``) and every factor of ``grid`` it ran
-    there; first each of them on every seed, then, when its best mean loss is the lowest
-    (highest) factor in play, the grid's factor below (above) it."""
-    plan = []
-    for label in labels:
-        runs = cells.get((corpus, batch, label), {})
-        first = start[label] if isinstance(start, dict) else start
-        in_play = sorted({first} | {f for f in runs if f in grid})
-        missing = [(label, f, seed) for f in in_play for seed in seeds
-                   if seed not in {r["seed"] for r in runs.get(f, [])}]
-        if missing:
-            plan += missing
-            continue
-        best = min(in_play, key=lambda f: mean(r["mlm_loss"] for r in runs[f] if r["seed"] in seeds))
-        i = grid.index(best)
-        grow = ([grid[i - 1]] if best == in_play[0] and i > 0 else []) + (
-            [grid[i + 1]] if best == in_play[-1] and i + 1 < len(grid) else [])
-        plan += [(label, f, seed) for f in grow for seed in seeds]
-    return plan
-
-
-def settled(cells: dict, key: tuple[str, int, str], seeds: list[int], grid: list[float]) -> float | None:
-    """The LR factor ``key``'s bracket settled on: its best mean loss among the factors run on
-    every seed of ``seeds``, when a factor below and one above it ran on as many (``unbracketed``)
-    or, where there is none, it is the grid's end (``bracket_plan`` goes no further); else None."""
-    full = {f: [r for r in rs if r["seed"] in seeds] for f, rs in cells.get(key, {}).items()
-            if {r["seed"] for r in rs} >= set(seeds)}
-    if not full:
-        return None
-    best = min(full.values(), key=lambda rs: mean(r["mlm_loss"] for r in rs))
-    factor = best[0]["factor"]
-    at_end = (factor == min(full) == grid[0]) or (factor == max(full) == grid[-1])
-    return factor if at_end or unbracketed({key: full}, key, best) is None else None
+    Each optimizer on the same grid, each bracketed on its own (``bracket_step``) from ``start``
+    (one factor, or one per optimizer: ``carried_starts``)."""
+    return [(label, f, seed) for label in labels
+            for f, seed in bracket_step(cells.get((corpus, batch, label), {}),
+                                        start[label] if isinstance(start, dict) else start, seeds, grid)[0]]
 
 
 def nearest(grid: list[float], want: float) -> float:
@@ -822,7 +812,7 @@ def carried_starts(cells: dict, corpus: str, batches: list[int], labels: list[st
                    grid: list[float], start: float, lr_of: Callable[[int], float]) -> dict[int, dict[str, float]]:
     """``--bracket-carry``: each batch's starting factor per optimizer. The smallest batch starts at
     ``start``; each larger one at the LR the batch below settled on for that optimizer
-    (``settled``), or, while it has not, at the LR the batch below starts from (before rounding),
+    (``bracket_step``), or, while it has not, at the LR the batch below starts from (before rounding),
     as a factor of this batch's rule LR (``lr_of``), the grid's nearest (``nearest``). The LR
     rule's growth with the batch is then a guess the bracket corrects from below, not the place
     every batch starts."""
@@ -832,7 +822,8 @@ def carried_starts(cells: dict, corpus: str, batches: list[int], labels: list[st
         here = {}
         for label in labels:
             if below is not None:
-                f = settled(cells, (corpus, below, label), seeds, grid) or wanted[label]
+                f = bracket_step(cells.get((corpus, below, label), {}), starts[below][label], seeds, grid)[1] \
+                    or wanted[label]
                 wanted[label] = f * lr_of(below) / lr_of(batch)
             else:
                 wanted[label] = start
