@@ -21,14 +21,22 @@ shard manifest. A changed step invalidates the steps after it through the checks
 The tokenizer is trained with a fixed number of threads (``tokenizer_threads``), not the CPU
 count: sentencepiece's result depends on the thread count, and the vocabulary must not change
 with the machine that happened to prepare the data.
+
+Concurrency. :func:`prepare` holds ``.prepare.lock`` in ``output_dir`` (:func:`prepare_lock`)
+from its first check to its last write, so jobs that prepare one directory at once take turns
+and the later ones reuse what the first built.
 """
 from __future__ import annotations
 
+import contextlib
+import errno
+import fcntl
 import hashlib
 import json
 import logging
 import os
-from collections.abc import Iterable, Sequence
+import socket
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -40,6 +48,7 @@ from vrgd_ds.data_pipeline.tokenizer import Tokenizer, sha256_file, train_tokeni
 logger = logging.getLogger(__name__)
 
 RECORD = "prepare.json"
+LOCK_FILE = ".prepare.lock"
 TOKENIZER_FILE = "tokenizer.model"
 SHARDS_DIR = "shards"
 SAMPLES_DIR = "samples"
@@ -84,6 +93,64 @@ def corpus_fingerprint(corpus: Corpus | EmbeddedCorpus) -> str:
         stat = path.stat()
         digest.update(f"\0{path.resolve()}\0{stat.st_size}\0{stat.st_mtime_ns}".encode())
     return digest.hexdigest()
+
+
+@contextlib.contextmanager
+def prepare_lock(output_dir: Path) -> Iterator[None]:
+    """Hold ``output_dir/.prepare.lock`` exclusively (``flock``) while the directory is checked and
+    built. Jobs that prepare one directory at once (a Slurm array whose jobs share
+    ``job.data.path``) take turns: a later one waits, then finds what the first built and reuses
+    it, instead of clearing shards another job has just opened, or both writing the same
+    temporary names. The holder writes its host and pid into the file; a waiting one logs them.
+
+    ``flock`` is honoured across the nodes of NFS (as a POSIX lock) and of Lustre mounted with
+    ``-o flock``. Where the filesystem refuses locks (Lustre without ``flock``) this warns and
+    goes on unlocked: a single job is still safe, concurrent ones are not; prepare such a
+    directory once beforehand with ``vrgd-data prepare``. A directory this process may not write
+    into (a read-only share of prepared data) is not locked: no one can change it."""
+    path = output_dir / LOCK_FILE
+    try:
+        fh = open(path, "a+")
+    except OSError as e:  # a read-only directory: no one writes into it, nothing to take turns on
+        if e.errno not in (errno.EACCES, errno.EROFS, errno.EPERM):
+            raise
+        logger.debug("not locking read-only %s (%s)", output_dir, e)
+        yield
+        return
+    with fh:
+        locked = _lock(fh, path)
+        try:
+            if locked:
+                fh.seek(0)
+                fh.truncate()
+                fh.write(f"{socket.gethostname()} pid {os.getpid()}\n")
+                fh.flush()
+            yield
+        finally:
+            if locked:
+                fcntl.flock(fh, fcntl.LOCK_UN)
+
+
+def _lock(fh, path: Path) -> bool:
+    """Take ``flock`` on the open ``path``, waiting (and saying for whom) while another holds it;
+    False (with a warning) where the filesystem has no locks."""
+    try:
+        fcntl.flock(fh, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        return True
+    except BlockingIOError:
+        pass
+    except OSError as e:
+        if e.errno not in (errno.ENOLCK, errno.ENOSYS, errno.EOPNOTSUPP):
+            raise
+        logger.warning("%s cannot be locked on this filesystem (%s): preparing unlocked; jobs that prepare "
+                       "%s at once can break each other's data: prepare it once beforehand with vrgd-data "
+                       "prepare", path, e, path.parent)
+        return False
+    fh.seek(0)
+    holder = fh.read().strip() or "another process"
+    logger.info("waiting for another prepare of %s to finish (lock %s, last taken by %s)", path.parent, path, holder)
+    fcntl.flock(fh, fcntl.LOCK_EX)
+    return True
 
 
 def _read_record(path: Path) -> dict:
@@ -146,64 +213,65 @@ def prepare(
     seq_lens = tuple(int(n) for n in seq_lens)
     if not seq_lens:
         raise DataError("seq_lens is empty; pass at least one sequence length (--seq-len 128)")
-    record_path = output_dir / RECORD
-    record = _read_record(record_path)
-    fingerprint = corpus_fingerprint(corpus)
-    built: list[str] = []
+    with prepare_lock(output_dir):  # another job preparing this directory finishes first
+        record_path = output_dir / RECORD
+        record = _read_record(record_path)
+        fingerprint = corpus_fingerprint(corpus)
+        built: list[str] = []
 
-    # 1. tokenizer
-    tokenizer_path = output_dir / TOKENIZER_FILE
-    wanted = {  # the corpus by its fingerprint: the description names the files as they were given
-        "corpus_fingerprint": fingerprint, "vocab_size": vocab_size,
-        "model_type": model_type, "seed": seed, "num_threads": tokenizer_threads,
-    }
-    old = record.get("tokenizer", {})
-    tokenizer = None
-    if {k: old.get(k) for k in wanted} == wanted and tokenizer_path.is_file() and sha256_file(tokenizer_path) == old.get("sha256"):
-        try:
-            tokenizer = Tokenizer.load(tokenizer_path)
-            logger.info("reusing tokenizer %s", tokenizer)
-        except DataError as e:
-            logger.warning("retraining the tokenizer: %s", e)
-    if tokenizer is None:
-        tokenizer = train_tokenizer(
-            corpus, tokenizer_path, vocab_size=vocab_size, model_type=model_type, seed=seed,
-            num_threads=tokenizer_threads,
-        )
-        built.append("tokenizer")
-        # the source and the trainer's release are recorded, not compared (a tokenizer trained by another
-        # release is still the data the shards were made from); later steps are stale now
-        record = {"tokenizer": {**wanted, "source": corpus.description, "trainer": trainer(),
-                                "sha256": tokenizer.sha256}}
-        _write_record(record_path, record)
+        # 1. tokenizer
+        tokenizer_path = output_dir / TOKENIZER_FILE
+        wanted = {  # the corpus by its fingerprint: the description names the files as they were given
+            "corpus_fingerprint": fingerprint, "vocab_size": vocab_size,
+            "model_type": model_type, "seed": seed, "num_threads": tokenizer_threads,
+        }
+        old = record.get("tokenizer", {})
+        tokenizer = None
+        if {k: old.get(k) for k in wanted} == wanted and tokenizer_path.is_file() and sha256_file(tokenizer_path) == old.get("sha256"):
+            try:
+                tokenizer = Tokenizer.load(tokenizer_path)
+                logger.info("reusing tokenizer %s", tokenizer)
+            except DataError as e:
+                logger.warning("retraining the tokenizer: %s", e)
+        if tokenizer is None:
+            tokenizer = train_tokenizer(
+                corpus, tokenizer_path, vocab_size=vocab_size, model_type=model_type, seed=seed,
+                num_threads=tokenizer_threads,
+            )
+            built.append("tokenizer")
+            # the source and the trainer's release are recorded, not compared (a tokenizer trained by another
+            # release is still the data the shards were made from); later steps are stale now
+            record = {"tokenizer": {**wanted, "source": corpus.description, "trainer": trainer(),
+                                    "sha256": tokenizer.sha256}}
+            _write_record(record_path, record)
 
-    # 2. shards
-    shards_dir = output_dir / SHARDS_DIR
-    wanted = {"corpus_fingerprint": fingerprint, "tokenizer_sha256": tokenizer.sha256, "shard_tokens": shard_tokens}
-    old = record.get("shards", {})
-    shards = None
-    manifest_path = shards_dir / MANIFEST
-    if {k: old.get(k) for k in wanted} == wanted and manifest_path.is_file() and sha256_file(manifest_path) == old.get("manifest_sha256"):
-        try:
-            shards = ShardedCorpus(shards_dir, verify="size")
-            logger.info("reusing shards %s", shards)
-        except DataError as e:
-            logger.warning("rewriting the shards: %s", e)
-    if shards is None:
-        shards = write_shards(corpus, tokenizer_path, shards_dir, shard_tokens=shard_tokens, workers=workers, progress=progress)
-        built.append("shards")
-        record = {"tokenizer": record["tokenizer"],
-                  "shards": {**wanted, "manifest_sha256": sha256_file(manifest_path)}}
-        _write_record(record_path, record)
+        # 2. shards
+        shards_dir = output_dir / SHARDS_DIR
+        wanted = {"corpus_fingerprint": fingerprint, "tokenizer_sha256": tokenizer.sha256, "shard_tokens": shard_tokens}
+        old = record.get("shards", {})
+        shards = None
+        manifest_path = shards_dir / MANIFEST
+        if {k: old.get(k) for k in wanted} == wanted and manifest_path.is_file() and sha256_file(manifest_path) == old.get("manifest_sha256"):
+            try:
+                shards = ShardedCorpus(shards_dir, verify="size")
+                logger.info("reusing shards %s", shards)
+            except DataError as e:
+                logger.warning("rewriting the shards: %s", e)
+        if shards is None:
+            shards = write_shards(corpus, tokenizer_path, shards_dir, shard_tokens=shard_tokens, workers=workers, progress=progress)
+            built.append("shards")
+            record = {"tokenizer": record["tokenizer"],
+                      "shards": {**wanted, "manifest_sha256": sha256_file(manifest_path)}}
+            _write_record(record_path, record)
 
-    # 3. sample indices (build_sample_index reuses a matching index by itself)
-    extra = {} if next_sentence is None else {"next_sentence": next_sentence}
-    samples_dir = output_dir / SAMPLES_DIR
-    indices = {n: Path(build_sample_index(shards, n, seed, samples_dir, **extra)) for n in seq_lens}
-    samples = {str(n): {"file": str(p.relative_to(output_dir)) if p.is_relative_to(output_dir) else str(p),
-                        "bytes": p.stat().st_size} for n, p in indices.items()}
-    if record.get("samples") != samples:
-        record["samples"] = samples
-        _write_record(record_path, record)
-    logger.info("prepared %s (built: %s)", output_dir, ", ".join(built) or "nothing, all reused")
-    return Prepared(output_dir, tokenizer_path, shards_dir, indices, tuple(built))
+        # 3. sample indices (build_sample_index reuses a matching index by itself)
+        extra = {} if next_sentence is None else {"next_sentence": next_sentence}
+        samples_dir = output_dir / SAMPLES_DIR
+        indices = {n: Path(build_sample_index(shards, n, seed, samples_dir, **extra)) for n in seq_lens}
+        samples = {str(n): {"file": str(p.relative_to(output_dir)) if p.is_relative_to(output_dir) else str(p),
+                            "bytes": p.stat().st_size} for n, p in indices.items()}
+        if record.get("samples") != samples:
+            record["samples"] = samples
+            _write_record(record_path, record)
+        logger.info("prepared %s (built: %s)", output_dir, ", ".join(built) or "nothing, all reused")
+        return Prepared(output_dir, tokenizer_path, shards_dir, indices, tuple(built))

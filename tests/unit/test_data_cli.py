@@ -2,9 +2,12 @@
 from __future__ import annotations
 
 import json
+import logging
 import os
 import subprocess
 import sys
+import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -12,7 +15,7 @@ from pydoc_data.topics import topics
 
 from vrgd_ds.data_pipeline.cli import main
 from vrgd_ds.data_pipeline.errors import DataError
-from vrgd_ds.data_pipeline.prepare import prepare
+from vrgd_ds.data_pipeline.prepare import LOCK_FILE, prepare
 from vrgd_ds.data_pipeline.shards import ShardedCorpus
 from vrgd_ds.data_pipeline.tokenizer import Tokenizer
 
@@ -76,11 +79,12 @@ def test_prepare_is_idempotent_and_notices_changed_input(corpus_file, tmp_path, 
                     tokenizer_threads=1, shard_tokens=10000)
     assert first.built == ("tokenizer", "shards")
     assert first.sample_indices[64].is_file() and first.tokenizer == out / "tokenizer.model"
-    stamps = {p: p.stat().st_mtime_ns for p in out.rglob("*") if p.is_file()}
+    stamps = {p: p.stat().st_mtime_ns for p in out.rglob("*") if p.is_file() and p.name != LOCK_FILE}
     second = prepare(out, corpus_file, vocab_size=400, seq_lens=(64,), workers=1, progress=False,
                      tokenizer_threads=1, shard_tokens=10000)
     assert second.built == () and second.sample_indices == first.sample_indices
-    assert {p: p.stat().st_mtime_ns for p in out.rglob("*") if p.is_file()} == stamps  # nothing rewritten
+    # nothing rewritten (the lock names its last holder)
+    assert {p: p.stat().st_mtime_ns for p in out.rglob("*") if p.is_file() and p.name != LOCK_FILE} == stamps
     # the same file named another way (relative, from its directory) is the same input: nothing
     # rebuilt (the old code compared the recorded description, so it retrained and resharded)
     monkeypatch.chdir(corpus_file.parent)
@@ -153,3 +157,60 @@ def test_prepare_records_the_sentencepiece_release_that_trained_its_tokenizer(co
         assert prepare(tmp_path / "other", corpus_file, **options).built == ("tokenizer", "shards")
     assert f"training the tokenizer with sentencepiece 0.0.1, not {TRAINER_RELEASE}" in caplog.text
     assert json.loads((tmp_path / "other" / "prepare.json").read_text())["tokenizer"]["trainer"] == "sentencepiece 0.0.1"
+
+
+#: prepare() in another process that stops, holding whatever it holds, between training its
+#: tokenizer and writing its shards until the file ``release`` exists (``paused`` says it stopped)
+HELD_PREPARE = """
+import sys, time
+from pathlib import Path
+import vrgd_ds.data_pipeline.prepare as prep
+out, corpus, paused, release = map(Path, sys.argv[1:5])
+write_shards = prep.write_shards
+def held(*args, **kwargs):
+    paused.touch()
+    while not release.exists():
+        time.sleep(0.05)
+    return write_shards(*args, **kwargs)
+prep.write_shards = held
+prep.prepare(out, corpus, vocab_size=400, seq_lens=(64,), workers=1, progress=False)
+"""
+
+
+def _wait_for(done, what: str, seconds: float = 120.0) -> None:
+    deadline = time.monotonic() + seconds
+    while not done():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.05)
+
+
+def test_a_prepare_of_a_directory_another_job_is_preparing_waits_and_reuses_what_it_built(corpus_file, tmp_path,
+                                                                                         caplog):
+    """Two jobs that prepare one directory at once (a Slurm array sharing ``job.data.path``) take
+    turns: the second waits for the first, naming it, then reuses its tokenizer and shards. Fails
+    on the old code (no lock): the second, started while the first was between its tokenizer and
+    its shards, wrote the shards itself (built ``("shards",)``), into the directory the first
+    then cleared and rewrote under it."""
+    out, paused, release = tmp_path / "p", tmp_path / "paused", tmp_path / "release"
+    first = subprocess.Popen([sys.executable, "-c", HELD_PREPARE, str(out), str(corpus_file), str(paused),
+                              str(release)])
+    try:
+        _wait_for(lambda: paused.exists() or first.poll() is not None, "the first prepare to reach its shards")
+        assert first.poll() is None, "the first prepare ended before its shards"
+        caplog.set_level(logging.INFO, logger="vrgd_ds.data_pipeline.prepare")
+        second: dict = {}
+        thread = threading.Thread(target=lambda: second.update(prepared=prepare(
+            out, corpus_file, vocab_size=400, seq_lens=(64,), workers=1, progress=False)))
+        thread.start()
+        _wait_for(lambda: "waiting for another prepare" in caplog.text or not thread.is_alive(),
+                  "the second prepare to wait or finish")
+        release.touch()
+        thread.join(timeout=300)
+        assert first.wait(timeout=300) == 0
+    finally:
+        release.touch()
+        if first.poll() is None:
+            first.kill()
+    assert f"pid {first.pid}" in caplog.text  # the waiting one says whom it waits for
+    assert second["prepared"].built == ()
+    ShardedCorpus(out / "shards", verify="full").check_tokenizer(Tokenizer.load(out / "tokenizer.model"))

@@ -195,7 +195,7 @@ def check_data_path(job: JobConfig) -> None:
 
 def prepare_data(job: JobConfig, run_dir: Path, rank: int, barrier: Any, seq_lens: list[int]) -> JobData:
     """Opens (rank 0 first prepares) the job's data; every rank returns the same view."""
-    from vrgd_ds.data_pipeline.prepare import SAMPLES_DIR, prepare
+    from vrgd_ds.data_pipeline.prepare import SAMPLES_DIR, prepare, prepare_lock
 
     cfg = job.data
     out = Path(cfg.path) if cfg.path else run_dir / "data"
@@ -205,10 +205,11 @@ def prepare_data(job: JobConfig, run_dir: Path, rank: int, barrier: Any, seq_len
         # they are; only sample indices for this job's seed / lengths are added if missing.
         from vrgd_ds.data_pipeline.samples import build_sample_index
 
-        corpus = ShardedCorpus(out / SHARDS_DIR, verify="size")
-        corpus.check_token_ids()
-        for n in seq_lens:
-            build_sample_index(corpus, n, job.seed, out / SAMPLES_DIR, next_sentence=cfg.next_sentence)
+        with prepare_lock(out):  # another job adding indices here, or preparing it, goes first
+            corpus = ShardedCorpus(out / SHARDS_DIR, verify="size")
+            corpus.check_token_ids()
+            for n in seq_lens:
+                build_sample_index(corpus, n, job.seed, out / SAMPLES_DIR, next_sentence=cfg.next_sentence)
     elif rank == 0:  # idempotent: checks and reuses what an earlier start built
         prepare(out, inputs=cfg.inputs or None, format=cfg.format, vocab_size=cfg.vocab_size,
                 seq_lens=tuple(seq_lens), seed=job.seed, workers=cfg.prepare_workers, progress=True,
