@@ -29,7 +29,8 @@ at every batch, ``--eval-points`` evaluations along each run (the record keeps t
 noise scale as they evolve) and a larger ``--heldout-fraction`` for a small corpus. On a lent GPU,
 ``--parallel`` runs cells side by side and ``--time-limit`` keeps the study within the lease,
 pausing the runs still going at the limit (checkpointed: the next start in the same ``--work``
-resumes them, to the loss an uninterrupted run reaches); ``--probe-only`` runs the probe alone
+resumes them, to the loss an uninterrupted run reaches; ``kill -USR1`` to the study pauses them
+so at any time); ``--probe-only`` runs the probe alone
 (on one machine, the grid then on another). ``--bracket F`` runs only the part of the
 ``--lr-factor`` grid that brackets each optimum: every batch starts at ×F, and a round adds the grid's next factor below or above for an optimizer whose best is the
 lowest or highest factor it ran (``bracket_plan``), so a lease's runs go where a verdict needs them;
@@ -465,8 +466,10 @@ class Runner:
     directory (another call of a lease, the next lease or session) resumes it from there, and its
     record sums its segments. A run that has checkpointed but not exited by then is stopped and kept
     as paused; one that did not checkpoint in time (``lead``) is stopped and removed, the end of its
-    log printed. The study always assembles what finished and lists the rest as not run. A failed run stops the
-    study, naming its log."""
+    log printed. SIGUSR1 to the study (``pause_on_signal``) pauses its runs in flight the same way at
+    once and starts no more, so a study without a time limit (a long CPU run) can be stopped from
+    outside and resumed later. The study always assembles what finished and lists the rest as not
+    run. A failed run stops the study, naming its log."""
 
     #: seconds of the time limit kept for assembling the tables and the record
     ASSEMBLY_S = 15.0
@@ -517,6 +520,14 @@ class Runner:
         lead, lead_at = self.PAUSE_S, 0.0
         try:
             while pending or active:
+                if getattr(self.args, "pause_requested", False):
+                    self.not_started += [launches[i].run_dir for i in pending]
+                    pending.clear()
+                    if active:
+                        for slot in self.pause(launches, active, self.lead(launches, active), "SIGUSR1"):
+                            del active[slot]
+                        self.collect(launches, active, results, record, finished_only=True)
+                    break
                 for slot in range(self.parallel):
                     if slot in active or not pending:
                         continue
@@ -530,7 +541,8 @@ class Runner:
                 if self.stop_at is not None and active and time.monotonic() - lead_at > 10.0:
                     lead, lead_at = self.lead(launches, active), time.monotonic()
                 if self.stop_at is not None and active and time.monotonic() > self.stop_at + self.PAUSE_S - lead:
-                    for slot in self.pause(launches, active, self.stop_at + self.PAUSE_S - time.monotonic()):
+                    for slot in self.pause(launches, active, self.stop_at + self.PAUSE_S - time.monotonic(),
+                                           "--time-limit"):
                         del active[slot]
                     self.collect(launches, active, results, record, finished_only=True)  # done while pausing
                     break
@@ -539,10 +551,11 @@ class Runner:
                 stop(proc)
                 log.close()
                 shutil.rmtree(launches[i].run_dir, ignore_errors=True)
+        requested = getattr(self.args, "pause_requested", False)
         if self.not_started:
-            print(f"--time-limit: {len(self.not_started)} run(s) not started, the time left would not hold them "
-                  f"(the first: {self.not_started[0]})", flush=True)
-        if self.stop_at is not None and time.monotonic() > self.stop_at:
+            why = "SIGUSR1: paused" if requested else "--time-limit: the time left would not hold them"
+            print(f"{why}: {len(self.not_started)} run(s) not started (the first: {self.not_started[0]})", flush=True)
+        if requested or (self.stop_at is not None and time.monotonic() > self.stop_at):
             self.args.only_finished = True  # the time is over: later cells assemble from what finished
         return results
 
@@ -563,8 +576,8 @@ class Runner:
                 record(results[i])
             self.rates.append(results[i]["samples"] / max(results[i]["wall_s"], 1e-3))
 
-    def pause(self, launches: list[Launch], active: dict, wait_s: float) -> list[int]:
-        """At the time limit: SIGUSR1 to every active run's ranks, then up to ``wait_s`` for each
+    def pause(self, launches: list[Launch], active: dict, wait_s: float, why: str = "--time-limit") -> list[int]:
+        """At the time limit (or on ``why``): SIGUSR1 to every active run's ranks, then up to ``wait_s`` for each
         job to checkpoint and exit (``requeue.json`` in its directory). A paused run's segment is
         added to its ``PAUSED`` file. Every active run's progress goes to ``self.stopped``, and
         is printed. Returns the slots of the runs paused (the rest are stopped by the caller)."""
@@ -604,7 +617,7 @@ class Runner:
             if got["data_wait"] is not None:
                 rate += f", {100 * got['data_wait']:.1f}% of the step time waiting for data"
             what = "paused (checkpoint kept: the next start resumes it)" if got["paused"] else "stopped, removed"
-            print(f"--time-limit: {launch.run_dir} {what} at step {got['step']} of {got['steps']} after "
+            print(f"{why}: {launch.run_dir} {what} at step {got['step']} of {got['steps']} after "
                   f"{got['wall_s']:.0f} s (start-up {got['setup_s']} s, then {rate})", flush=True)
             if not got["paused"]:  # the directory goes: its log's end says where the pause got to
                 tail = (launch.run_dir / "log.txt").read_text(errors="replace").splitlines()[-15:] \
@@ -630,6 +643,18 @@ class Runner:
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=self.env, start_new_session=True,
                                 cwd=launch.run_dir)
         return proc, time.monotonic(), log
+
+
+def pause_on_signal(args: argparse.Namespace) -> None:
+    """SIGUSR1 to the study pauses it (``Runner``): its runs in flight checkpoint and exit (their
+    directories kept: the next start in the same ``--work`` resumes them), no run starts after,
+    and the study assembles what finished, as at ``--time-limit``. The runs are in sessions of
+    their own, so the signal reaches the study alone."""
+    def request(signum: int, frame: Any) -> None:
+        args.pause_requested = True
+        print("SIGUSR1: pausing the runs in flight (each checkpoints), then assembling what finished", flush=True)
+
+    signal.signal(signal.SIGUSR1, request)
 
 
 def run_one(label: str, corpus: str, data: Path, batch: int, factor: float, seed: int,
@@ -1069,6 +1094,7 @@ def main() -> None:
         args.vocab_size = min(args.vocab_size, 2000)  # a smoke run: the tokenizer trains in a few seconds
         args.work = args.work / "quick"
     args.started = time.monotonic()
+    pause_on_signal(args)
     if args.noise_multiple:
         args.noise_multiple = sorted(set(args.noise_multiple))
     if args.probe_only and not (args.noise_multiple and args.noise_scale == "auto"):
@@ -1178,7 +1204,7 @@ def main() -> None:
     out.meta["unrun"] = unrun
     if getattr(args, "stopped", None):
         out.meta["stopped"] = args.stopped
-        out.add_table("Runs the time limit stopped unfinished (paused: checkpointed, the next start in this work "
+        out.add_table("Runs the time limit or SIGUSR1 stopped unfinished (paused: checkpointed, the next start in this work "
                       "directory resumes them; their rate after start-up is what the next lease can plan with)",
                       table(["run", "step", "samples", "seconds", "start-up (s)", "samples/s after",
                              "waiting for data", "kept"],

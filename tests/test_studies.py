@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import json
 import math
+import os
+import signal
 import subprocess
 import sys
 import time
@@ -884,6 +886,52 @@ def test_study_runner_runs_side_by_side_within_its_time_limit(tmp_path):
     # the next Runner of the study (a --bracket round) knows the rates: 10^9 samples would not fit either
     args.time_limit, args.only_finished = 10**6, False
     assert Runner(args).rates == Runner(args).rates != [] and not Runner(args).fits(launch("e", 0, 10**9))
+
+
+def test_sigusr1_to_a_study_without_a_time_limit_pauses_its_runs_and_starts_no_more(tmp_path, capsys):
+    """``kill -USR1`` to the study (``pause_on_signal``) takes the time limit's way out at once: the
+    run in flight is paused (here a stand-in that is no job, so it is stopped and removed), the
+    runs not started stay so (listed), the finished one is recorded, and later cells assemble from
+    what finished. A study without ``--time-limit`` (a long CPU run) can so be stopped and resumed."""
+    import argparse
+    import threading
+
+    sys.path.insert(0, str(STUDIES))
+    from bert_batch import Launch, Runner, pause_on_signal
+
+    def launch(name: str, sleep: float) -> Launch:
+        run_dir = tmp_path / name
+        return Launch(run_dir, [sys.executable, "-c", FAKE_RUN, str(run_dir), "PORT", str(sleep)], {},
+                      {"corpus": "c", "batch": 8, "optimizer": name, "seed": 1, "lr": 1e-3, "factor": 1.0,
+                       "steps": 1000, "samples": 800}, tmp_path / "no-data")
+
+    args = argparse.Namespace(parallel=1, time_limit=None, started=time.monotonic(), ranks=1, port=29900)
+    before = signal.getsignal(signal.SIGUSR1)
+    try:
+        pause_on_signal(args)
+        first = tmp_path / "a" / "result.json"
+        sender = threading.Thread(target=lambda: (_wait_for_file(first), time.sleep(3.0),
+                                                  os.kill(os.getpid(), signal.SIGUSR1)))
+        sender.start()
+        t0 = time.monotonic()
+        a, c, d = Runner(args).run([launch("a", 1.0), launch("c", 120), launch("d", 0)])
+        sender.join()
+    finally:
+        signal.signal(signal.SIGUSR1, before)
+    assert time.monotonic() - t0 < 60  # c was paused at the signal, not waited for
+    assert a["mlm_loss"] == 6.0 and c is None and d is None
+    (stopped,) = args.stopped
+    assert stopped["run"] == "c b8 c ×1 seed 1" and stopped["step"] >= 2
+    assert not (tmp_path / "d").exists() and args.only_finished is True
+    out = capsys.readouterr().out
+    assert "SIGUSR1: pausing the runs in flight" in out and f"SIGUSR1: {tmp_path / 'c'} stopped, removed" in out
+    assert f"SIGUSR1: paused: 1 run(s) not started (the first: {tmp_path / 'd'})" in out
+
+
+def _wait_for_file(path: Path, seconds: float = 120.0) -> None:
+    deadline = time.monotonic() + seconds
+    while not path.exists() and time.monotonic() < deadline:
+        time.sleep(0.05)
 
 
 def test_a_run_with_slow_steps_is_signalled_earlier_than_the_pause_window(tmp_path):
