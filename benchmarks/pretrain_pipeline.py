@@ -45,14 +45,16 @@ def config(steps: int, inputs: list[str], workers: int, data_dir: str) -> dict:
     }
 
 
-def run(tmp: Path, name: str, cfg: dict, port: int) -> list[dict]:
+def run(tmp: Path, name: str, cfg: dict, port: int, ranks: int = 2, env: dict | None = None) -> list[dict]:
+    """The job's per-step metrics records, run with ``cfg`` on ``ranks`` CPU ranks (``env``: the
+    launcher's environment, which its ranks inherit)."""
     path = tmp / f"{name}.json"
     path.write_text(json.dumps(cfg))
     run_dir = tmp / name
     deepspeed = Path(sys.executable).parent / "deepspeed"
-    cmd = [str(deepspeed), "--num_gpus", "2", "--master_port", str(port), "--module", "vrgd_ds.train",
+    cmd = [str(deepspeed), "--num_gpus", str(ranks), "--master_port", str(port), "--module", "vrgd_ds.train",
            "--config", str(path), "--run-dir", str(run_dir)]
-    proc = subprocess.run(cmd, capture_output=True, text=True)
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
     if proc.returncode:
         sys.exit(f"{name}: the job failed\n{proc.stdout[-2000:]}\n{proc.stderr[-2000:]}")
     recs = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]

@@ -455,6 +455,13 @@ def plan_run(label: str, corpus: str, data: Path, batch: int, factor: float, see
     return Launch(run_dir, cmd, cfg, record, data, getattr(args, "heldout_fraction", None))
 
 
+#: glibc's malloc keeps freed blocks of any size in its heap instead of unmapping them. A run's
+#: activations are freed and allocated again every micro-step; on CPUs, at the study's large
+#: micro-batches, glibc's defaults unmap them and fault their pages in anew each time (1.34x the
+#: step time at batch 3,184: ``benchmarks/cpu_allocator.py``). Results are the same bit for bit.
+CPU_ALLOCATOR_TUNABLES = "glibc.malloc.mmap_threshold=17179869184:glibc.malloc.trim_threshold=17179869184"
+
+
 class Runner:
     """Runs planned ``Launch``es, up to ``--parallel`` at a time (each on its own master port; on
     CPUs, each with an equal share of the cores unless ``OMP_NUM_THREADS`` is set), within the
@@ -468,7 +475,8 @@ class Runner:
     as paused; one that did not checkpoint in time (``lead``) is stopped and removed, the end of its
     log printed. SIGUSR1 to the study (``pause_on_signal``) pauses its runs in flight the same way at
     once and starts no more, so a study without a time limit (a long CPU run) can be stopped from
-    outside and resumed later. The study always assembles what finished and lists the rest as not
+    outside and resumed later. Its runs get ``CPU_ALLOCATOR_TUNABLES`` unless ``GLIBC_TUNABLES`` is
+    set. The study always assembles what finished and lists the rest as not
     run. A failed run stops the study, naming its log."""
 
     #: seconds of the time limit kept for assembling the tables and the record
@@ -489,6 +497,7 @@ class Runner:
         # between a run's end and the time taken of the runs finishing beside it
         self.machine = hardware(machine())
         self.env = dict(os.environ)
+        self.env.setdefault("GLIBC_TUNABLES", CPU_ALLOCATOR_TUNABLES)  # one the caller set is kept
         if self.parallel > 1 and "OMP_NUM_THREADS" not in self.env:
             self.env["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // (self.parallel * args.ranks)))
 

@@ -934,6 +934,23 @@ def _wait_for_file(path: Path, seconds: float = 120.0) -> None:
         time.sleep(0.05)
 
 
+def test_the_runs_keep_freed_memory_in_glibcs_heap_unless_the_caller_chose_otherwise(monkeypatch):
+    """The runs' environment sets glibc's mmap and trim thresholds (``CPU_ALLOCATOR_TUNABLES``: a
+    CPU run's activations are then not unmapped and faulted in anew every micro-step), and keeps
+    a ``GLIBC_TUNABLES`` the caller set."""
+    import argparse
+
+    sys.path.insert(0, str(STUDIES))
+    from bert_batch import CPU_ALLOCATOR_TUNABLES, Runner
+
+    args = argparse.Namespace(parallel=1, time_limit=None, started=0.0, ranks=1, port=29900)
+    monkeypatch.delenv("GLIBC_TUNABLES", raising=False)
+    assert Runner(args).env["GLIBC_TUNABLES"] == CPU_ALLOCATOR_TUNABLES
+    assert "glibc.malloc.mmap_threshold=17179869184" in CPU_ALLOCATOR_TUNABLES
+    monkeypatch.setenv("GLIBC_TUNABLES", "glibc.malloc.arena_max=2")
+    assert Runner(args).env["GLIBC_TUNABLES"] == "glibc.malloc.arena_max=2"
+
+
 def test_a_run_with_slow_steps_is_signalled_earlier_than_the_pause_window(tmp_path):
     """A pause signal waits for the step in flight, so a run whose steps take longer than the pause
     window is signalled twice its slowest recent step (and 15 s for the checkpoint) before the
