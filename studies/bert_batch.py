@@ -530,6 +530,8 @@ class Runner:
         try:
             while pending or active:
                 if getattr(self.args, "pause_requested", False):
+                    print("SIGUSR1: pausing the runs in flight (each checkpoints), then assembling what finished",
+                          flush=True)
                     self.not_started += [launches[i].run_dir for i in pending]
                     pending.clear()
                     if active:
@@ -659,9 +661,8 @@ def pause_on_signal(args: argparse.Namespace) -> None:
     directories kept: the next start in the same ``--work`` resumes them), no run starts after,
     and the study assembles what finished, as at ``--time-limit``. The runs are in sessions of
     their own, so the signal reaches the study alone."""
-    def request(signum: int, frame: Any) -> None:
+    def request(signum: int, frame: Any) -> None:  # only the flag: the Runner says what it does
         args.pause_requested = True
-        print("SIGUSR1: pausing the runs in flight (each checkpoints), then assembling what finished", flush=True)
 
     signal.signal(signal.SIGUSR1, request)
 
@@ -1213,8 +1214,9 @@ def main() -> None:
     out.meta["unrun"] = unrun
     if getattr(args, "stopped", None):
         out.meta["stopped"] = args.stopped
-        out.add_table("Runs the time limit or SIGUSR1 stopped unfinished (paused: checkpointed, the next start in this work "
-                      "directory resumes them; their rate after start-up is what the next lease can plan with)",
+        out.add_table("Runs the time limit or SIGUSR1 stopped unfinished (paused: checkpointed, the next start in "
+                      "this work directory resumes them; their rate after start-up is what the next lease can plan "
+                      "with)",
                       table(["run", "step", "samples", "seconds", "start-up (s)", "samples/s after",
                              "waiting for data", "kept"],
                             [(g["run"], f"{g['step']} of {g['steps']}", f"{g['samples']:,.0f}", f"{g['wall_s']:.0f}",
