@@ -8,43 +8,70 @@ faults a second, a third of its CPU time in the kernel). This runs the real job 
 --num_gpus 1 --module vrgd_ds.train``, ZeRO-2 fp32, BERT "tiny", the embedded corpus, seq 64,
 8 micro-steps a step) under each variant in turn, for ``--rounds`` rounds, and prints per
 variant the median step time after the first step, the ratio to glibc's defaults, the job's
-minor page faults per step, and whether its per-step losses equal the defaults' bit for bit
+minor page faults per step, its rank's peak resident memory, and whether its per-step losses equal the defaults' bit for bit
 (an allocator changes where tensors live, never what is computed).
 
 Variants: glibc's defaults; glibc with ``GLIBC_TUNABLES`` mmap and trim thresholds of 16 GiB
-(freed blocks stay in the heap: ``CPU_ALLOCATOR_TUNABLES``, what ``studies/bert_batch.py`` gives its
-runs); tcmalloc (``LD_PRELOAD``) where
-``libtcmalloc_minimal`` is installed (Debian: ``libtcmalloc-minimal4``).
+(freed blocks stay in glibc's heap); tcmalloc (``LD_PRELOAD``: ``cpu_allocator`` in
+``studies/bert_batch.py``, what the study gives its runs) where ``libtcmalloc_minimal`` is
+installed (Debian: ``libtcmalloc-minimal4``).
 
     python benchmarks/cpu_allocator.py [--batch 3184] [--steps 4] [--rounds 2] [--optimizer LAMB]
 """
 from __future__ import annotations
 
 import argparse
-import ctypes.util
 import os
 import resource
 import statistics
 import sys
 import tempfile
+import threading
 from pathlib import Path
 
 from pretrain_pipeline import run
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "studies"))
-from bert_batch import CPU_ALLOCATOR_TUNABLES  # noqa: E402
+from bert_batch import cpu_allocator  # noqa: E402
+
+#: glibc's malloc keeps freed blocks of any size in its heap instead of unmapping them
+GLIBC_KEEP = "glibc.malloc.mmap_threshold=17179869184:glibc.malloc.trim_threshold=17179869184"
 
 
 def variants() -> dict[str, dict[str, str]]:
     """Name -> the environment variables the variant sets."""
-    out = {"glibc defaults": {}, "glibc, 16 GiB thresholds": {"GLIBC_TUNABLES": CPU_ALLOCATOR_TUNABLES}}
-    found = ctypes.util.find_library("tcmalloc_minimal")
-    if found:
-        for where in ("/usr/lib/x86_64-linux-gnu", "/usr/lib/aarch64-linux-gnu", "/usr/lib64", "/usr/lib"):
-            if (Path(where) / found).is_file():
-                out["tcmalloc"] = {"LD_PRELOAD": str(Path(where) / found)}
-                break
+    out = {"glibc defaults": {}, "glibc, 16 GiB thresholds": {"GLIBC_TUNABLES": GLIBC_KEEP}}
+    if cpu_allocator():
+        out["tcmalloc"] = cpu_allocator()
     return out
+
+
+class PeakRSS:
+    """The largest resident set (bytes) any process whose command line names ``marker`` reached,
+    sampled from /proc every 0.2 s while in the ``with`` block (the job's rank; Linux only)."""
+
+    def __init__(self, marker: str) -> None:
+        self.marker, self.peak, self._done = marker.encode(), 0, threading.Event()
+
+    def _sample(self) -> None:
+        while not self._done.wait(0.2):
+            for entry in Path("/proc").iterdir():
+                try:
+                    if entry.name.isdigit() and self.marker in (entry / "cmdline").read_bytes():
+                        rss = next(int(line.split()[1]) for line in (entry / "status").read_text().splitlines()
+                                   if line.startswith("VmRSS:"))
+                        self.peak = max(self.peak, rss * 1024)
+                except (OSError, StopIteration):
+                    continue
+
+    def __enter__(self) -> PeakRSS:
+        self._thread = threading.Thread(target=self._sample, daemon=True)
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._done.set()
+        self._thread.join()
 
 
 def config(batch: int, groups: int, steps: int, optimizer: str, data_dir: str) -> dict:
@@ -80,6 +107,7 @@ def main() -> None:
     step_s: dict[str, list[float]] = {n: [] for n in names}
     faults: dict[str, list[float]] = {n: [] for n in names}
     losses: dict[str, list[list[float]]] = {n: [] for n in names}
+    peak: dict[str, list[int]] = {n: [] for n in names}
     with tempfile.TemporaryDirectory() as d:
         tmp = Path(d)
         cfg = config(args.batch, args.groups, args.steps, args.optimizer, str(tmp / "data"))
@@ -87,7 +115,9 @@ def main() -> None:
             for i, (name, extra) in enumerate(names.items()):
                 env = {k: v for k, v in os.environ.items() if k not in ("GLIBC_TUNABLES", "LD_PRELOAD")} | extra
                 before = resource.getrusage(resource.RUSAGE_CHILDREN).ru_minflt
-                recs = run(tmp, f"r{r}v{i}", cfg, 29640 + i, ranks=1, env=env)
+                with PeakRSS(str(tmp / f"r{r}v{i}")) as rss:
+                    recs = run(tmp, f"r{r}v{i}", cfg, 29640 + i, ranks=1, env=env)
+                peak[name].append(rss.peak)
                 faults[name].append((resource.getrusage(resource.RUSAGE_CHILDREN).ru_minflt - before) / args.steps)
                 step_s[name] += [x["train/step_time_s"] for x in recs if x["step"] > 1]
                 losses[name].append([x["train/loss"] for x in recs])
@@ -96,11 +126,12 @@ def main() -> None:
     print(f"\n1 CPU rank ({os.cpu_count()} cores), ZeRO-2 fp32, {args.optimizer}, BERT tiny, embedded corpus, seq 64, "
           f"batch {args.batch} in {args.groups} micro-steps of {args.batch // args.groups}, {args.steps} steps x "
           f"{args.rounds} rounds, variants in turn; step time: median after step 1")
-    print(f"{'allocator':<26s} {'step s':>7s} {'speed-up':>8s} {'faults/step':>12s} {'losses':>10s}")
+    print(f"{'allocator':<26s} {'step s':>7s} {'speed-up':>8s} {'faults/step':>12s} {'peak RSS':>9s} {'losses':>10s}")
     for name in names:
         same = all(run_losses == reference for run_losses in losses[name])
         print(f"{name:<26s} {statistics.median(step_s[name]):>7.2f} {base / statistics.median(step_s[name]):>7.2f}x "
-              f"{statistics.median(faults[name]):>12,.0f} {'identical' if same else 'DIFFER':>10s}")
+              f"{statistics.median(faults[name]):>12,.0f} {max(peak[name]) / 2**30:>7.2f} G "
+              f"{'identical' if same else 'DIFFER':>10s}")
 
 
 if __name__ == "__main__":

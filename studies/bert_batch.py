@@ -45,6 +45,7 @@ writes the tables, plots and record to ``--out`` (default ``docs/studies/bert_ba
 from __future__ import annotations
 
 import argparse
+import ctypes.util
 import json
 import math
 import os
@@ -455,11 +456,15 @@ def plan_run(label: str, corpus: str, data: Path, batch: int, factor: float, see
     return Launch(run_dir, cmd, cfg, record, data, getattr(args, "heldout_fraction", None))
 
 
-#: glibc's malloc keeps freed blocks of any size in its heap instead of unmapping them. A run's
-#: activations are freed and allocated again every micro-step; on CPUs, at the study's large
-#: micro-batches, glibc's defaults unmap them and fault their pages in anew each time (1.34x the
-#: step time at batch 3,184: ``benchmarks/cpu_allocator.py``). Results are the same bit for bit.
-CPU_ALLOCATOR_TUNABLES = "glibc.malloc.mmap_threshold=17179869184:glibc.malloc.trim_threshold=17179869184"
+def cpu_allocator() -> dict[str, str]:
+    """The environment that gives a run tcmalloc (``LD_PRELOAD`` of ``libtcmalloc_minimal``, found
+    by the loader's own search) where it is installed, else {} (glibc's ``malloc``). A run's
+    activations are freed and allocated again every micro-step; at the study's micro-batches on
+    CPUs (hundreds of samples) glibc unmaps them and faults their pages in anew each time, and
+    glibc kept from doing so (``GLIBC_TUNABLES`` mmap and trim thresholds) grows the heap without
+    bound (``benchmarks/cpu_allocator.py``). Results are the same bit for bit."""
+    found = ctypes.util.find_library("tcmalloc_minimal")
+    return {"LD_PRELOAD": found} if found else {}
 
 
 class Runner:
@@ -475,8 +480,8 @@ class Runner:
     as paused; one that did not checkpoint in time (``lead``) is stopped and removed, the end of its
     log printed. SIGUSR1 to the study (``pause_on_signal``) pauses its runs in flight the same way at
     once and starts no more, so a study without a time limit (a long CPU run) can be stopped from
-    outside and resumed later. Its runs get ``CPU_ALLOCATOR_TUNABLES`` unless ``GLIBC_TUNABLES`` is
-    set. The study always assembles what finished and lists the rest as not
+    outside and resumed later. Its runs get tcmalloc where it is installed (``cpu_allocator``)
+    unless ``LD_PRELOAD`` is set. The study always assembles what finished and lists the rest as not
     run. A failed run stops the study, naming its log."""
 
     #: seconds of the time limit kept for assembling the tables and the record
@@ -497,7 +502,8 @@ class Runner:
         # between a run's end and the time taken of the runs finishing beside it
         self.machine = hardware(machine())
         self.env = dict(os.environ)
-        self.env.setdefault("GLIBC_TUNABLES", CPU_ALLOCATOR_TUNABLES)  # one the caller set is kept
+        if "LD_PRELOAD" not in self.env:  # one the caller set is kept
+            self.env.update(cpu_allocator())
         if self.parallel > 1 and "OMP_NUM_THREADS" not in self.env:
             self.env["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // (self.parallel * args.ranks)))
 
@@ -1105,6 +1111,10 @@ def main() -> None:
         args.work = args.work / "quick"
     args.started = time.monotonic()
     pause_on_signal(args)
+    if "LD_PRELOAD" not in os.environ:
+        preload = cpu_allocator().get("LD_PRELOAD")
+        print(f"the runs' allocator: {preload}" if preload else "the runs' allocator: glibc malloc (tcmalloc not "
+              "found: on CPUs, Debian's libtcmalloc-minimal4 makes the steps of large micro-batches faster)", flush=True)
     if args.noise_multiple:
         args.noise_multiple = sorted(set(args.noise_multiple))
     if args.probe_only and not (args.noise_multiple and args.noise_scale == "auto"):

@@ -934,21 +934,26 @@ def _wait_for_file(path: Path, seconds: float = 120.0) -> None:
         time.sleep(0.05)
 
 
-def test_the_runs_keep_freed_memory_in_glibcs_heap_unless_the_caller_chose_otherwise(monkeypatch):
-    """The runs' environment sets glibc's mmap and trim thresholds (``CPU_ALLOCATOR_TUNABLES``: a
-    CPU run's activations are then not unmapped and faulted in anew every micro-step), and keeps
-    a ``GLIBC_TUNABLES`` the caller set."""
+def test_the_runs_get_tcmalloc_where_it_is_installed_unless_the_caller_preloads_another(monkeypatch):
+    """The runs' environment preloads tcmalloc where the loader finds it (``cpu_allocator``: a CPU
+    run's activations are then not unmapped and faulted in anew every micro-step), nothing where
+    it is missing (glibc's malloc), and keeps an ``LD_PRELOAD`` the caller set."""
     import argparse
+    import ctypes.util
 
     sys.path.insert(0, str(STUDIES))
-    from bert_batch import CPU_ALLOCATOR_TUNABLES, Runner
+    from bert_batch import Runner
 
     args = argparse.Namespace(parallel=1, time_limit=None, started=0.0, ranks=1, port=29900)
-    monkeypatch.delenv("GLIBC_TUNABLES", raising=False)
-    assert Runner(args).env["GLIBC_TUNABLES"] == CPU_ALLOCATOR_TUNABLES
-    assert "glibc.malloc.mmap_threshold=17179869184" in CPU_ALLOCATOR_TUNABLES
-    monkeypatch.setenv("GLIBC_TUNABLES", "glibc.malloc.arena_max=2")
-    assert Runner(args).env["GLIBC_TUNABLES"] == "glibc.malloc.arena_max=2"
+    monkeypatch.delenv("LD_PRELOAD", raising=False)
+    found = {"tcmalloc_minimal": "libtcmalloc_minimal.so.4"}
+    monkeypatch.setattr(ctypes.util, "find_library", found.get)
+    assert Runner(args).env["LD_PRELOAD"] == "libtcmalloc_minimal.so.4"
+    found.clear()
+    assert "LD_PRELOAD" not in Runner(args).env
+    monkeypatch.setenv("LD_PRELOAD", "libjemalloc.so.2")
+    found["tcmalloc_minimal"] = "libtcmalloc_minimal.so.4"
+    assert Runner(args).env["LD_PRELOAD"] == "libjemalloc.so.2"
 
 
 def test_a_run_with_slow_steps_is_signalled_earlier_than_the_pause_window(tmp_path):
