@@ -96,3 +96,11 @@ def kill(proc: subprocess.Popen, marker: str | os.PathLike | None = None) -> Non
     _kill_group(proc.pid)
     _kill_marked(marker)
     proc.wait()
+
+
+def wait_until(done, what: str, timeout: float = 120.0) -> None:
+    """Poll ``done()`` every 50 ms until it is true; fail naming ``what`` after ``timeout`` s."""
+    deadline = time.monotonic() + timeout
+    while not done():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.05)

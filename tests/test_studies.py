@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from launching import wait_until
 
 ROOT = Path(__file__).resolve().parents[1]
 STUDIES = ROOT / "studies"
@@ -910,7 +911,7 @@ def test_sigusr1_to_a_study_without_a_time_limit_pauses_its_runs_and_starts_no_m
     try:
         pause_on_signal(args)
         first = tmp_path / "a" / "result.json"
-        sender = threading.Thread(target=lambda: (_wait_for_file(first), time.sleep(3.0),
+        sender = threading.Thread(target=lambda: (wait_until(first.exists, str(first)), time.sleep(3.0),
                                                   os.kill(os.getpid(), signal.SIGUSR1)))
         sender.start()
         t0 = time.monotonic()
@@ -926,12 +927,6 @@ def test_sigusr1_to_a_study_without_a_time_limit_pauses_its_runs_and_starts_no_m
     out = capsys.readouterr().out
     assert "SIGUSR1: pausing the runs in flight" in out and f"SIGUSR1: {tmp_path / 'c'} stopped, removed" in out
     assert f"SIGUSR1: paused: 1 run(s) not started (the first: {tmp_path / 'd'})" in out
-
-
-def _wait_for_file(path: Path, seconds: float = 120.0) -> None:
-    deadline = time.monotonic() + seconds
-    while not path.exists() and time.monotonic() < deadline:
-        time.sleep(0.05)
 
 
 def test_the_runs_get_tcmalloc_where_it_is_installed_unless_the_caller_preloads_another(monkeypatch):

@@ -7,10 +7,10 @@ import os
 import subprocess
 import sys
 import threading
-import time
 from pathlib import Path
 
 import pytest
+from launching import wait_until
 from pydoc_data.topics import topics
 
 from vrgd_ds.data_pipeline.cli import main
@@ -177,13 +177,6 @@ prep.prepare(out, corpus, vocab_size=400, seq_lens=(64,), workers=1, progress=Fa
 """
 
 
-def _wait_for(done, what: str, seconds: float = 120.0) -> None:
-    deadline = time.monotonic() + seconds
-    while not done():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.05)
-
-
 def test_a_prepare_of_a_directory_another_job_is_preparing_waits_and_reuses_what_it_built(corpus_file, tmp_path,
                                                                                          caplog):
     """Two jobs that prepare one directory at once (a Slurm array sharing ``job.data.path``) take
@@ -195,14 +188,14 @@ def test_a_prepare_of_a_directory_another_job_is_preparing_waits_and_reuses_what
     first = subprocess.Popen([sys.executable, "-c", HELD_PREPARE, str(out), str(corpus_file), str(paused),
                               str(release)])
     try:
-        _wait_for(lambda: paused.exists() or first.poll() is not None, "the first prepare to reach its shards")
+        wait_until(lambda: paused.exists() or first.poll() is not None, "the first prepare to reach its shards")
         assert first.poll() is None, "the first prepare ended before its shards"
         caplog.set_level(logging.INFO, logger="vrgd_ds.data_pipeline.prepare")
         second: dict = {}
         thread = threading.Thread(target=lambda: second.update(prepared=prepare(
             out, corpus_file, vocab_size=400, seq_lens=(64,), workers=1, progress=False)))
         thread.start()
-        _wait_for(lambda: "waiting for another prepare" in caplog.text or not thread.is_alive(),
+        wait_until(lambda: "waiting for another prepare" in caplog.text or not thread.is_alive(),
                   "the second prepare to wait or finish")
         release.touch()
         thread.join(timeout=300)
