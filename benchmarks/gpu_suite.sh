@@ -106,7 +106,7 @@ fi
 if [[ -n $wikitext ]]; then
     part seed_check 120 python3 studies/bert_batch.py --model tiny --corpus "wikitext=$wikitext" --batch 64 \
         --samples 3200 --min-steps 50 --groups 8 --heldout-fraction 0.1 --eval-points 5 --optimizer LAMB \
-        --optimizer "VR-LAMB first_moment" --lr-factor 1 --seed 1 --seed 2 --dropout 0 --parallel 4 --port 29661 \
+        --optimizer "VR-LAMB first_moment" --lr-factor 1 --seed 1 --seed 2 --dropout 0 --parallel 4 \
         --work /tmp/bert_seed_check --out "$WORK/bert_seed_check" --compare docs/studies/bert_seed_check
 elif [[ " $PARTS " == *" seed_check "* ]]; then
     echo "== seed_check: not started, $no_wikitext" | tee -a "$WORK/summary.log"
@@ -162,7 +162,7 @@ if [[ " $PARTS " == *" plateau "* ]]; then
             --noise-scale auto --optimizer LAMB --optimizer "VR-LAMB first_moment" --optimizer "VR-LAMB update" \
             --lr-factor 0.125 --lr-factor 0.25 --lr-factor 0.5 --lr-factor 1 --lr-factor 2 --lr-factor 4 \
             --bracket 1 --bracket-carry --samples 102400 --min-steps 128 --groups 8 \
-            --heldout-fraction 0.1 --eval-points 16 --parallel "${PLATEAU_PARALLEL:-8}" --port 29651 \
+            --heldout-fraction 0.1 --eval-points 16 --parallel "${PLATEAU_PARALLEL:-8}" \
             --time-limit $((left - 10)) --expect-rate "${PLATEAU_RATE:-4000}" --workers "${PLATEAU_WORKERS:-1}" \
             "${reuse[@]}" --work /tmp/bert_plateau --out "$WORK/bert_plateau"
         kill "$sampler" && wait "$sampler"

@@ -56,7 +56,8 @@ def main() -> None:
     ap.add_argument("--ranks", type=int, default=1)
     ap.add_argument("--workers", type=int, default=1)
     ap.add_argument("--vocab-size", type=int, default=8000)
-    ap.add_argument("--port", type=int, default=29691)
+    ap.add_argument("--port", type=int, default=None,
+                    help="master port of the runs; default: one the OS has free at each run's start")
     ap.add_argument("--work", type=Path, default=Path("runs/studies/adaptive_batch"))
     ap.add_argument("--out", type=Path, default=None)
     ap.add_argument("--reuse", type=Path, action="append", default=[], metavar="DIR",

@@ -52,6 +52,7 @@ import os
 import platform
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -467,6 +468,27 @@ def cpu_allocator() -> dict[str, str]:
     return {"LD_PRELOAD": found} if found else {}
 
 
+def master_port(base: int | None, slot: int) -> int:
+    """The rendezvous (master) port of the run in ``slot``. With ``--port``: ``base + slot``, or an
+    error naming ``--port`` where something on this host already listens there (another study or
+    job: the run would fail at its rendezvous). Without: a port the OS has free now, so that
+    studies side by side on one machine (CPU studies, a study beside the tests) never meet on one."""
+    with socket.socket() as s:
+        # as the rendezvous store binds: a port whose last connections are in TIME_WAIT is free
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        if base is None:
+            s.bind(("", 0))
+            return s.getsockname()[1]
+        port = base + slot
+        try:
+            s.bind(("", port))
+        except OSError as e:
+            raise SystemExit(f"--port {base}: port {port} (run slot {slot}) is in use on this host ({e.strerror}): "
+                             "another study or job listens there; give another --port, or none to take free "
+                             "ports") from None
+        return port
+
+
 class Runner:
     """Runs planned ``Launch``es, up to ``--parallel`` at a time (each on its own master port; on
     CPUs, each with an equal share of the cores unless ``OMP_NUM_THREADS`` is set), within the
@@ -643,6 +665,7 @@ class Runner:
         return paused
 
     def start(self, launch: Launch, slot: int) -> tuple[subprocess.Popen, float, Any]:
+        port = str(master_port(self.args.port, slot))  # before the run's directory is touched
         done, recorded = launch.segments(), launch.run_dir / "study_config.json"
         resume = bool(done) and recorded.is_file() and json.loads(recorded.read_text()) == launch.config
         if resume:  # paused at a time limit: the job resumes from its checkpoint
@@ -652,7 +675,7 @@ class Runner:
         (launch.run_dir / "requeue.json").unlink(missing_ok=True)  # the last pause's: not this segment's
         launch.run_dir.mkdir(parents=True, exist_ok=True)
         (launch.run_dir / "study_config.json").write_text(json.dumps(launch.config, indent=2))
-        cmd = [str(self.args.port + slot) if part == "PORT" else part for part in launch.cmd]
+        cmd = [port if part == "PORT" else part for part in launch.cmd]
         log = open(launch.run_dir / "log.txt", "a" if resume else "w")
         # in the run's directory: ``python -m`` puts the working directory first on sys.path, and in a
         # checkout that is not installed (a GPU image: benchmarks/source_tree.sh on PYTHONPATH) the
@@ -1017,7 +1040,8 @@ def plot_trajectories(out: Output, runs: list[dict]) -> None:
     out.savefig(fig, "trajectories.png")
 
 
-def main() -> None:
+def parser() -> argparse.ArgumentParser:
+    """The study's command line."""
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="embedded corpus, batches 16 and 64, 256 samples, "
                     "1 seed, LAMB and VR-LAMB first_moment, a 2,000-piece vocabulary: a smoke run")
@@ -1053,7 +1077,9 @@ def main() -> None:
     ap.add_argument("--base-lr", type=float, default=4e-3)
     ap.add_argument("--base-batch", type=int, default=64)
     ap.add_argument("--lr-rule", choices=("linear", "sqrt"), default="sqrt")
-    ap.add_argument("--port", type=int, default=29671)
+    ap.add_argument("--port", type=int, default=None,
+                    help="master port of the first run slot (slot k: PORT+k); default: a port the OS has free at "
+                         "each run's start, so that studies side by side on one machine never share one")
     ap.add_argument("--work", type=Path, default=Path("runs/studies/bert_batch"),
                     help="prepared data and the runs' directories")
     ap.add_argument("--out", type=Path, default=None,
@@ -1102,7 +1128,11 @@ def main() -> None:
                          "weights and differ in arithmetic only (their dropout streams differ: docs/results.md)")
     ap.add_argument("--only-finished", action="store_true",
                     help="run nothing: assemble from finished and --reuse runs, '–' for cells never run")
-    args = ap.parse_args()
+    return ap
+
+
+def main() -> None:
+    args = parser().parse_args()
     if args.quick:
         args.corpus, args.batch, args.seed = ["embedded"], [16, 64], [1]
         args.optimizer, args.lr_factor, args.samples = ["LAMB", "VR-LAMB first_moment"], [1.0], 256

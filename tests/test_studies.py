@@ -103,8 +103,7 @@ def study_work(tmp_path_factory) -> Path:
 @pytest.mark.exhaustive  # an end-to-end smoke run of the study script (1 min): make test-all
 def test_bert_batch_quick(tmp_path, study_work):
     """Two optimizers x two batches through the real job (1 CPU rank, 256 samples each)."""
-    run_study("bert_batch.py", "--quick", "--work", str(study_work), "--out", str(tmp_path / "out"),
-              "--port", "29681", timeout=900)
+    run_study("bert_batch.py", "--quick", "--work", str(study_work), "--out", str(tmp_path / "out"), timeout=900)
     runs = check_output(tmp_path / "out", ["bert_batch.png"])
     assert sorted((r["batch"], r["optimizer"]) for r in runs) == [
         (16, "LAMB"), (16, "VR-LAMB first_moment"), (64, "LAMB"), (64, "VR-LAMB first_moment")]
@@ -233,7 +232,7 @@ def test_adaptive_batch_quick(tmp_path, study_work):
     """Fixed and adaptive LAMB / VR-LAMB through the real job (1 CPU rank, 512 samples each):
     every run consumes the same samples; the adaptive ones change their batch."""
     run_study("adaptive_batch.py", "--quick", "--work", str(study_work), "--out", str(tmp_path / "out"),
-              "--port", "29683", timeout=900)
+              timeout=900)
     runs = check_output(tmp_path / "out", ["batch_trajectory.png"])
     assert [r["optimizer"] for r in runs] == ["LAMB fixed", "VR-LAMB fixed", "LAMB adaptive", "VR-LAMB adaptive"]
     for r in runs:
@@ -927,6 +926,62 @@ def test_sigusr1_to_a_study_without_a_time_limit_pauses_its_runs_and_starts_no_m
     out = capsys.readouterr().out
     assert "SIGUSR1: pausing the runs in flight" in out and f"SIGUSR1: {tmp_path / 'c'} stopped, removed" in out
     assert f"SIGUSR1: paused: 1 run(s) not started (the first: {tmp_path / 'd'})" in out
+
+
+#: a stand-in run that listens on its master port while it runs, as the launcher's rendezvous does
+LISTENING_RUN = """
+import socket, sys
+rendezvous = socket.socket()
+rendezvous.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+rendezvous.bind(("", int(sys.argv[2])))  # EADDRINUSE where another run holds it: the run fails
+rendezvous.listen()
+""" + FAKE_RUN
+
+
+def test_studies_side_by_side_take_free_ports_and_a_taken_port_is_named(tmp_path):
+    """Two studies on one machine (two CPU cells of a plateau study, a study beside the tests),
+    each with the command line's defaults: each run listens on its master port as the
+    launcher's rendezvous does, and both runs finish, on ports of their own. A ``--port`` in use
+    stops the study before its run starts, naming ``--port``. Fails on the code before: every
+    study took ``--port`` 29671 + slot by default, and the second study's run failed at its
+    rendezvous (EADDRINUSE), which stopped that study."""
+    import argparse
+    import socket
+    import threading
+
+    sys.path.insert(0, str(STUDIES))
+    from bert_batch import Launch, Runner, parser
+
+    def launch(name: str, sleep: float) -> Launch:
+        run_dir = tmp_path / name
+        return Launch(run_dir, [sys.executable, "-c", LISTENING_RUN, str(run_dir), "PORT", str(sleep)], {},
+                      {"corpus": "c", "batch": 8, "optimizer": name, "seed": 1, "lr": 1e-3, "factor": 1.0,
+                       "steps": 1000, "samples": 800}, tmp_path / "no-data")
+
+    def study(name: str, sleep: float, results: dict, **options) -> None:
+        args = vars(parser().parse_args([])) | {"started": time.monotonic()} | options
+        try:
+            results[name] = Runner(argparse.Namespace(**args)).run([launch(name, sleep)])[0]
+        except SystemExit as e:
+            results[name] = str(e)
+
+    results: dict = {}
+    first = threading.Thread(target=study, args=("a", 4.0, results))
+    first.start()
+    wait_until((tmp_path / "a" / "metrics.jsonl").exists, "the first study's run")  # listening by now
+    study("b", 1.0, results)
+    first.join()
+    assert isinstance(results["a"], dict) and isinstance(results["b"], dict), results
+    ports = [json.loads((tmp_path / n / "metrics.jsonl").read_text().splitlines()[-1])["port"] for n in "ab"]
+    assert ports[0] != ports[1]
+
+    with socket.socket() as held:  # something else listens on the port asked for
+        held.bind(("", 0))
+        held.listen()
+        port = held.getsockname()[1]
+        study("c", 1.0, results, port=port)
+    assert results["c"].startswith(f"--port {port}: port {port} (run slot 0) is in use on this host")
+    assert not (tmp_path / "c").exists()  # stopped before the run's directory was made
 
 
 def test_the_runs_get_tcmalloc_where_it_is_installed_unless_the_caller_preloads_another(monkeypatch):
