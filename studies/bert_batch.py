@@ -553,6 +553,9 @@ class Runner:
         None for a run the time limit left out."""
         results: list[dict | None] = [None] * len(launches)
         pending = list(range(len(launches)))
+        if self.args.port is not None:  # every slot's port before any run starts: a failure would stop the others
+            for slot in range(min(self.parallel, len(launches))):
+                master_port(self.args.port, slot)
         active: dict[int, tuple[int, subprocess.Popen, float, Any]] = {}  # slot -> (index, process, start, log)
         lead, lead_at = self.PAUSE_S, 0.0
         try:

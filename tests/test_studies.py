@@ -942,7 +942,8 @@ def test_studies_side_by_side_take_free_ports_and_a_taken_port_is_named(tmp_path
     """Two studies on one machine (two CPU cells of a plateau study, a study beside the tests),
     each with the command line's defaults: each run listens on its master port as the
     launcher's rendezvous does, and both runs finish, on ports of their own. A ``--port`` in use
-    stops the study before its run starts, naming ``--port``. Fails on the code before: every
+    stops the study before its run starts, naming ``--port``; with two slots, before the first
+    slot's run starts when the second's port is the one in use. Fails on the code before: every
     study took ``--port`` 29671 + slot by default, and the second study's run failed at its
     rendezvous (EADDRINUSE), which stopped that study."""
     import argparse
@@ -980,6 +981,19 @@ def test_studies_side_by_side_take_free_ports_and_a_taken_port_is_named(tmp_path
         held.listen()
         port = held.getsockname()[1]
         study("c", 1.0, results, port=port)
+        # two slots, the second's port held: stopped before the first run starts, not after (which
+        # would stop that run and remove its directory)
+        started = []
+
+        class Watched(Runner):
+            def start(self, launch: Launch, slot: int):
+                started.append(launch.run_dir.name)
+                return super().start(launch, slot)
+
+        args = vars(parser().parse_args([])) | {"started": time.monotonic(), "port": port - 1, "parallel": 2}
+        with pytest.raises(SystemExit, match=f"--port {port - 1}: port"):
+            Watched(argparse.Namespace(**args)).run([launch("d", 1.0), launch("e", 1.0)])
+        assert started == []
     assert results["c"].startswith(f"--port {port}: port {port} (run slot 0) is in use on this host")
     assert not (tmp_path / "c").exists()  # stopped before the run's directory was made
 
