@@ -846,6 +846,17 @@ with open(run_dir + "/metrics.jsonl", "w") as fh:
 """
 
 
+def stand_in(run_dir: Path, sleep: float, samples: int = 800, script: str = FAKE_RUN):
+    """A planned run of the study (``bert_batch.Launch``) whose process is ``script`` (a stand-in
+    for the job, given its directory, master port and seconds to run) rather than a job."""
+    sys.path.insert(0, str(STUDIES))
+    from bert_batch import Launch
+
+    return Launch(run_dir, [sys.executable, "-c", script, str(run_dir), "PORT", str(sleep)], {},
+                  {"corpus": "c", "batch": 8, "optimizer": run_dir.name, "seed": 1, "lr": 1e-3, "factor": 1.0,
+                   "steps": 1000, "samples": samples}, run_dir.parent / "no-data")
+
+
 def test_study_runner_runs_side_by_side_within_its_time_limit(tmp_path):
     """``--parallel 2`` runs two runs at once, each on its own master port; ``--time-limit`` stops
     a run still going at the limit (its directory removed, not recorded), does not start a run
@@ -855,13 +866,10 @@ def test_study_runner_runs_side_by_side_within_its_time_limit(tmp_path):
     import time
 
     sys.path.insert(0, str(STUDIES))
-    from bert_batch import Launch, Runner
+    from bert_batch import Runner
 
-    def launch(name: str, sleep: float, samples: int) -> Launch:
-        run_dir = tmp_path / name
-        return Launch(run_dir, [sys.executable, "-c", FAKE_RUN, str(run_dir), "PORT", str(sleep)], {},
-                      {"corpus": "c", "batch": 8, "optimizer": name, "seed": 1, "lr": 1e-3, "factor": 1.0,
-                       "steps": 1000, "samples": samples}, tmp_path / "no-data")
+    def launch(name: str, sleep: float, samples: int):
+        return stand_in(tmp_path / name, sleep, samples)
 
     args = argparse.Namespace(parallel=2, time_limit=Runner.ASSEMBLY_S + Runner.PAUSE_S + 8, started=time.monotonic(),
                               ranks=1, port=29900)
@@ -897,13 +905,10 @@ def test_sigusr1_to_a_study_without_a_time_limit_pauses_its_runs_and_starts_no_m
     import threading
 
     sys.path.insert(0, str(STUDIES))
-    from bert_batch import Launch, Runner, pause_on_signal
+    from bert_batch import Runner, pause_on_signal
 
-    def launch(name: str, sleep: float) -> Launch:
-        run_dir = tmp_path / name
-        return Launch(run_dir, [sys.executable, "-c", FAKE_RUN, str(run_dir), "PORT", str(sleep)], {},
-                      {"corpus": "c", "batch": 8, "optimizer": name, "seed": 1, "lr": 1e-3, "factor": 1.0,
-                       "steps": 1000, "samples": 800}, tmp_path / "no-data")
+    def launch(name: str, sleep: float):
+        return stand_in(tmp_path / name, sleep)
 
     args = argparse.Namespace(parallel=1, time_limit=None, started=time.monotonic(), ranks=1, port=29900)
     before = signal.getsignal(signal.SIGUSR1)
@@ -951,13 +956,10 @@ def test_studies_side_by_side_take_free_ports_and_a_taken_port_is_named(tmp_path
     import threading
 
     sys.path.insert(0, str(STUDIES))
-    from bert_batch import Launch, Runner, parser
+    from bert_batch import Runner, parser
 
-    def launch(name: str, sleep: float) -> Launch:
-        run_dir = tmp_path / name
-        return Launch(run_dir, [sys.executable, "-c", LISTENING_RUN, str(run_dir), "PORT", str(sleep)], {},
-                      {"corpus": "c", "batch": 8, "optimizer": name, "seed": 1, "lr": 1e-3, "factor": 1.0,
-                       "steps": 1000, "samples": 800}, tmp_path / "no-data")
+    def launch(name: str, sleep: float):
+        return stand_in(tmp_path / name, sleep, script=LISTENING_RUN)
 
     def study(name: str, sleep: float, results: dict, **options) -> None:
         args = vars(parser().parse_args([])) | {"started": time.monotonic()} | options
@@ -986,7 +988,7 @@ def test_studies_side_by_side_take_free_ports_and_a_taken_port_is_named(tmp_path
         started = []
 
         class Watched(Runner):
-            def start(self, launch: Launch, slot: int):
+            def start(self, launch, slot: int):
                 started.append(launch.run_dir.name)
                 return super().start(launch, slot)
 
