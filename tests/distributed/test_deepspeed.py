@@ -492,3 +492,19 @@ def test_device_tables_across_ranks_step_as_the_torch_tables(pool, opt, launches
     assert "error" not in res, res.get("trace", res)
     assert res["same"] and res["gsnr_mean"] > 0, res
     assert res["launches"] == [3 * launches[0], 3 * launches[1]]
+
+
+@pytest.mark.parametrize("scheme, gas", [("per_step", 1), ("per_step", 2), ("hierarchical", 2)])
+def test_a_skipped_steps_collectives_land_before_the_next_step_writes(pool, scheme, gas):
+    """A step DeepSpeed skips (here a NaN loss in bf16 on stage 0) has launched the statistics'
+    all-reduce, in place on the buffers the micro-steps write, and never reads it. With NCCL that
+    collective may land after the next step's first micro-steps have written those buffers; its
+    sums (NaN here) then replace theirs. The run whose collectives land as late as a stream allows
+    (``worker.LateCollectives``) must equal the plain run bit for bit. Fails on the code before:
+    the step after the skipped one read the skipped step's sums (GSNR and parameters NaN)."""
+    case = dict(stage=0, dtype="bf16", gas=gas, clip=0.0, opt="VRLamb", bucket=500, scheme=scheme)
+    if scheme == "hierarchical":
+        case["node_size"] = 1
+    res = run(pool, "run_late_collectives_case", case)
+    assert res["skipped"] == [0.0, 1.0, 0.0] and res["finite"], res
+    assert res["same"], res

@@ -958,3 +958,83 @@ def run_device_tables_case(case: dict) -> dict:
     flag = torch.tensor([1.0 if same else 0.0])
     torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MIN)
     return {"same": bool(flag.item()), "launches": (l1, l2), "gsnr_mean": m1[2].get("gsnr/mean")}
+
+
+class LateCollectives:
+    """A communication module whose asynchronous collectives land as late as NCCL may land them:
+    each reads its input at launch, but writes its output only when it is waited for or when the
+    next collective on its group is launched (NCCL runs a communicator's collectives in order on
+    its stream; another group's stream does not wait for them). Everything else is the wrapped
+    module's."""
+
+    def __init__(self, inner) -> None:
+        self.inner, self.pending = inner, []  # [(group, work)] in launch order
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+    def land(self, group) -> None:
+        for g, work in list(self.pending):
+            if g is group:
+                work.wait()
+
+    def _late(self, group, out: torch.Tensor, result: torch.Tensor):
+        pending = self.pending
+
+        class Work:
+            def wait(self) -> bool:
+                if (group, self) in pending:
+                    pending.remove((group, self))
+                    out.copy_(result)
+                return True
+
+        work = Work()
+        pending.append((group, work))
+        return work
+
+    def all_reduce(self, t, group=None, async_op=False, **kw):
+        self.land(group)
+        if not async_op:
+            return self.inner.all_reduce(t, group=group, **kw)
+        result = t.clone()
+        self.inner.all_reduce(result, group=group, **kw)
+        return self._late(group, t, result)
+
+    def reduce_scatter_single(self, out, inp, group=None, async_op=False):
+        from vrgd_ds.stats.comm import reduce_scatter
+        self.land(group)
+        if not async_op:
+            return reduce_scatter(self.inner, out, inp, group, async_op=False)
+        result = torch.empty_like(out)
+        reduce_scatter(self.inner, result, inp.clone(), group, async_op=False)
+        return self._late(group, out, result)
+
+    def all_gather_single(self, out, inp, group=None, async_op=False):
+        from vrgd_ds.stats.comm import all_gather
+        self.land(group)
+        return all_gather(self.inner, out, inp, group, async_op=async_op)
+
+
+def run_late_collectives_case(case: dict) -> dict:
+    """The same engine twice, the second with its statistics' collectives landing late
+    (``LateCollectives``), over 3 steps of which DeepSpeed skips the second (a NaN loss on every
+    rank): whether the parameters and the metrics of every step agree bit for bit."""
+    rank = dist.get_rank()
+    dtype = DTYPES[case["dtype"]]
+    runs = []
+    for late in (False, True):
+        engine, *_ = deepspeed.initialize(model=tiny_model(), config=config(case))
+        if late:
+            engine.vrgd_stats.comm = LateCollectives(engine.vrgd_stats.comm)
+        metrics = []
+        for step in range(3):
+            for j in range(case["gas"]):
+                loss = loss_fn(engine, batch(step, rank, j), dtype)
+                engine.backward(loss * float("nan") if step == 1 else loss)
+                engine.step()
+            metrics.append(engine.basic_optimizer.gsnr_metrics())
+        runs.append((full_params(engine), metrics))
+    (p1, m1), (p2, m2) = runs
+    same = all(torch.equal(a, b) for a, b in zip(p1, p2)) and json.dumps(m1) == json.dumps(m2)
+    return {"same": same, "skipped": [m.get("step/skipped") for m in m2],
+            "finite": all(bool(torch.isfinite(p).all()) for p in p2), "gsnr_mean": [m.get("gsnr/mean") for m in m2]}

@@ -318,13 +318,16 @@ class NodeStats(LocalStats):
     def moments(self, params) -> tuple[list[Tensor], list[Tensor]]:
         self.start()
         if not self._finished:
-            for w in self._works:
-                if w is not None:
-                    w.wait()
-            self._works = []
+            self.wait()
             self._gather()
             self._finished = True
         return super().moments(params)
+
+    def wait(self) -> None:
+        for w in self._works:
+            if w is not None:
+                w.wait()
+        self._works = []
 
     def memory(self) -> dict[str, int]:
         """``local``: the node buffers (``1/node_size`` of the per-step scheme's full-size ones);

@@ -445,11 +445,15 @@ class LocalStats:
         torch.mul(grad.reshape(-1), factor, out=g)
         self._captured.add(id(target))
 
+    def wait(self) -> None:
+        """Waits for the step's collectives (and runs their completion steps)."""
+        for bucket in self.stat_buckets:
+            bucket.finish()
+
     def moments(self, params) -> tuple[list[Tensor], list[Tensor]]:
         self.start()  # a caller that steps the optimizer directly
         if not self._finished:
-            for bucket in self.stat_buckets:
-                bucket.finish()
+            self.wait()
             self._finished = True
         params = list(params)
         for p in params:
@@ -483,7 +487,12 @@ class LocalStats:
             self.end_step()
 
     def end_step(self) -> None:
-        """The engine's step is over (taken or skipped): the next micro-step starts afresh."""
+        """The engine's step is over (taken or skipped): the next micro-step starts afresh. A step
+        the engine skipped (overflow, non-finite gradients) launched its collectives (``start``)
+        but never read them: they are waited for here, since an in-place all-reduce still in flight
+        (NCCL on its own stream) would land on the buffers the next micro-steps write."""
+        if self._started and not self._finished:
+            self.wait()
         self._stale = True
         self._started = self._finished = False
         self._steps_ended += 1
