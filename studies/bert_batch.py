@@ -500,7 +500,8 @@ class Runner:
     directory (another call of a lease, the next lease or session) resumes it from there, and its
     record sums its segments. A run that has checkpointed but not exited by then is stopped and kept
     as paused; one that did not checkpoint in time (``lead``) is stopped and removed, the end of its
-    log printed. SIGUSR1 to the study (``pause_on_signal``) pauses its runs in flight the same way at
+    log printed, unless it was resumed: that one is kept at the checkpoint it resumed from (a pause
+    in its start-up, before the job handles SIGUSR1, ends it so). SIGUSR1 to the study (``pause_on_signal``) pauses its runs in flight the same way at
     once and starts no more, so a study without a time limit (a long CPU run) can be stopped from
     outside and resumed later. Its runs get tcmalloc where it is installed (``cpu_allocator``)
     unless ``LD_PRELOAD`` is set. The study always assembles what finished and lists the rest as not
@@ -621,7 +622,8 @@ class Runner:
     def pause(self, launches: list[Launch], active: dict, wait_s: float, why: str = "--time-limit") -> list[int]:
         """At the time limit (or on ``why``): SIGUSR1 to every active run's ranks, then up to ``wait_s`` for each
         job to checkpoint and exit (``requeue.json`` in its directory). A paused run's segment is
-        added to its ``PAUSED`` file. Every active run's progress goes to ``self.stopped``, and
+        added to its ``PAUSED`` file; a resumed run that did not checkpoint again keeps the file as
+        it was. Every active run's progress goes to ``self.stopped``, and
         is printed. Returns the slots of the runs paused (the rest are stopped by the caller)."""
         signalled = set()
         for slot, (i, proc, _, _) in active.items():
@@ -644,21 +646,29 @@ class Runner:
             marked = (launch.run_dir / "requeue.json").is_file()
             if proc.poll() == 0 and not marked:
                 continue  # it finished its last step meanwhile: the caller records it
-            if proc.poll() is None and marked:  # checkpointed (the marker follows the complete save), not out yet
-                stop(proc)
+            earlier = launch.segments()  # the segments before this one: a resumed run's checkpoint
+            if proc.poll() is None and (marked or earlier):  # checkpointed (the marker follows the complete
+                stop(proc)  # save), or resumed from one: either way kept, so stopped, not left running
             got = launch.progress(time.monotonic() - t0)
             if proc.poll() is not None and marked:
                 got["paused"] = True
                 log.close()
                 segment = {"machine": self.machine, "wall_s": got["wall_s"], "step": got["step"],
                            "samples": got["samples"]}
-                (launch.run_dir / PAUSED).write_text(json.dumps(launch.segments() + [segment]))
+                (launch.run_dir / PAUSED).write_text(json.dumps(earlier + [segment]))
+                paused.append(slot)
+            elif earlier:  # resumed, stopped before it checkpointed again (e.g. in its start-up): the
+                # checkpoint it resumed from still stands, and its segments; this segment is lost
+                got.update(paused=True, step=earlier[-1]["step"], samples=earlier[-1]["samples"])
+                log.close()
                 paused.append(slot)
             self.stopped.append(got)
             rate = "–" if got["samples_per_s"] is None else f"{got['samples_per_s']:,.0f} samples/s"
             if got["data_wait"] is not None:
                 rate += f", {100 * got['data_wait']:.1f}% of the step time waiting for data"
-            what = "paused (checkpoint kept: the next start resumes it)" if got["paused"] else "stopped, removed"
+            what = ("paused (checkpoint kept: the next start resumes it)" if marked and got["paused"] else
+                    "stopped before it checkpointed again, kept at its last checkpoint (the next start resumes "
+                    "it there)" if got["paused"] else "stopped, removed")
             print(f"{why}: {launch.run_dir} {what} at step {got['step']} of {got['steps']} after "
                   f"{got['wall_s']:.0f} s (start-up {got['setup_s']} s, then {rate})", flush=True)
             if not got["paused"]:  # the directory goes: its log's end says where the pause got to

@@ -1150,6 +1150,64 @@ def test_a_run_that_checkpointed_but_did_not_exit_is_kept_paused_and_a_removed_r
             log.close()
 
 
+#: a stand-in for one rank in its start-up: SIGUSR1 not handled yet (its default action ends it)
+STARTING_RANK = """
+import time
+print("starting", flush=True)
+while True:
+    time.sleep(1)
+"""
+
+
+def test_a_resumed_run_paused_in_its_start_up_is_kept_at_the_checkpoint_it_resumed_from(tmp_path, capsys):
+    """A pause (SIGUSR1 to the study, or the time limit) that reaches a resumed run before its job
+    handles SIGUSR1 ends the rank without a new checkpoint. The checkpoint it resumed from still
+    stands: the run is kept as paused at its last segment's step, its ``PAUSED`` file as it was,
+    and the next start resumes it; a run not resumed is removed as before. Fails on the code
+    before, which removed the resumed run's directory with its checkpoint (a 16× CPU run at step
+    68 of 128, paused seconds after it was resumed, lost so)."""
+    import argparse
+
+    sys.path.insert(0, str(STUDIES))
+    from bert_batch import PAUSED, Launch, Runner
+
+    def launch(name: str) -> Launch:
+        run_dir = tmp_path / name
+        return Launch(run_dir, [sys.executable, "-c", STARTING_RANK, "-m", "vrgd_ds.train", str(run_dir)], {},
+                      {"corpus": "c", "batch": 8, "optimizer": name, "seed": 1, "lr": 1e-3, "factor": 1.0,
+                       "steps": 10, "samples": 80}, tmp_path / "no-data")
+
+    resumed, fresh = launch("resumed"), launch("fresh")
+    segments = [{"machine": "m", "wall_s": 30.0, "step": 6, "samples": 48.0}]
+    resumed.run_dir.mkdir()
+    (resumed.run_dir / PAUSED).write_text(json.dumps(segments))
+    (resumed.run_dir / "study_config.json").write_text(json.dumps(resumed.config))
+    (resumed.run_dir / "checkpoints").mkdir()
+    runner = Runner(argparse.Namespace(parallel=2, time_limit=600, started=time.monotonic(), ranks=1, port=None))
+    active = {slot: (slot, *runner.start(one, slot)) for slot, one in enumerate((resumed, fresh))}
+    try:
+        wait_until(lambda: all("starting" in (one.run_dir / "log.txt").read_text() for one in (resumed, fresh)),
+                   "both stand-ins started")
+        assert runner.pause([resumed, fresh], active, 5.0, "SIGUSR1") == [0]
+        assert active[0][1].poll() == -signal.SIGUSR1  # ended by the signal, no checkpoint since
+        assert resumed.segments() == segments and (resumed.run_dir / "checkpoints").is_dir()
+        assert [(g["paused"], g["step"]) for g in runner.stopped] == [(True, 6), (False, 0)]
+        out = capsys.readouterr().out
+        assert f"SIGUSR1: {resumed.run_dir} stopped before it checkpointed again, kept at its last checkpoint" in out
+        assert f"SIGUSR1: {fresh.run_dir} stopped, removed" in out
+        proc, _, log = runner.start(resumed, 0)  # the next start resumes it
+        proc.kill()
+        proc.wait()
+        log.close()
+        assert f"resuming {resumed.run_dir} from step 6" in capsys.readouterr().out
+    finally:
+        for _, proc, _, log in active.values():
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+            log.close()
+
+
 def test_expect_rate_keeps_runs_too_long_for_the_time_from_starting_before_any_run_finished(tmp_path):
     """``--expect-rate``: before any run of the study has finished, a run starts only while the
     time left holds it at that rate; without it every run fits until one finishes (as before:
