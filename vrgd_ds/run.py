@@ -66,6 +66,9 @@ def main(argv: Sequence[str] | None = None) -> None:
             raise SystemExit(2)
 
     import vrgd_ds  # noqa: F401  registers the names now, or right after the script imports deepspeed
+    from vrgd_ds.ds import shm
+
+    shm.prepare_build()  # the script's init_distributed builds DeepSpeed's CPU op with the package's ninja
 
     sys.argv = [target, *launcher, *args]
     if module is not None:

@@ -63,7 +63,8 @@ def _cpu_fingerprint() -> str:
     return hashlib.sha1(flags.encode()).hexdigest()[:10]
 
 
-def _ninja_dir() -> str | None:
+def ninja_dir() -> str | None:
+    """The directory of the ``ninja`` package's binary (None without the package)."""
     try:
         import ninja
     except ImportError:
@@ -113,9 +114,9 @@ def extension_name() -> str:
 @functools.lru_cache(maxsize=1)
 def load() -> ModuleType:
     """Returns the compiled kernels, building them on first use (about a minute)."""
-    ninja_dir = _ninja_dir()
+    ninja = ninja_dir()
     missing = [tool for tool in ("c++", "ninja")
-               if shutil.which(tool, path=ninja_dir if tool == "ninja" else None) is None]
+               if shutil.which(tool, path=ninja if tool == "ninja" else None) is None]
     if missing:
         raise FusedKernelsUnavailable(
             f"fused VRGD kernels need {' and '.join(missing)} on PATH to build "
@@ -129,7 +130,7 @@ def load() -> ModuleType:
         clear_stale_lock(Path(build_dir(name, verbose=False)))
     logger.info("building fused VRGD kernels %s (first use on this machine type)", name)
     try:
-        with _path_first(ninja_dir):
+        with _path_first(ninja):
             return cpp_extension.load(name=name, sources=[str(_SOURCE)], extra_cflags=_CFLAGS,
                                       extra_ldflags=["-fopenmp"])
     except Exception as exc:  # compiler errors surface as RuntimeError/CalledProcessError

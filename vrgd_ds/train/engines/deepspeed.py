@@ -71,8 +71,11 @@ class DeepSpeedEngine(Engine):
                  timeout: datetime.timedelta) -> None:
         import deepspeed
 
+        from vrgd_ds.ds import shm
+
         self.raw, self.job = raw, job
         cuda = torch.cuda.is_available()
+        shm.prepare_build()
         deepspeed.init_distributed(dist_backend=backend or ("nccl" if cuda else "gloo"), auto_mpi_discovery=True,
                                    timeout=timeout)
         self.rank, self.world = torch.distributed.get_rank(), torch.distributed.get_world_size()
