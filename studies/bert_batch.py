@@ -567,9 +567,7 @@ class Runner:
                     self.not_started += [launches[i].run_dir for i in pending]
                     pending.clear()
                     if active:
-                        for slot in self.pause(launches, active, self.lead(launches, active), "SIGUSR1"):
-                            del active[slot]
-                        self.collect(launches, active, results, record, finished_only=True)
+                        self.pause_active(launches, active, results, record, self.lead(launches, active), "SIGUSR1")
                     break
                 for slot in range(self.parallel):
                     if slot in active or not pending:
@@ -584,10 +582,8 @@ class Runner:
                 if self.stop_at is not None and active and time.monotonic() - lead_at > 10.0:
                     lead, lead_at = self.lead(launches, active), time.monotonic()
                 if self.stop_at is not None and active and time.monotonic() > self.stop_at + self.PAUSE_S - lead:
-                    for slot in self.pause(launches, active, self.stop_at + self.PAUSE_S - time.monotonic(),
-                                           "--time-limit"):
-                        del active[slot]
-                    self.collect(launches, active, results, record, finished_only=True)  # done while pausing
+                    self.pause_active(launches, active, results, record,
+                                      self.stop_at + self.PAUSE_S - time.monotonic(), "--time-limit")
                     break
         finally:
             for i, proc, _, log in active.values():  # a failure elsewhere or the time limit: stop the rest
@@ -618,6 +614,14 @@ class Runner:
             if record is not None:
                 record(results[i])
             self.rates.append(results[i]["samples"] / max(results[i]["wall_s"], 1e-3))
+
+    def pause_active(self, launches: list[Launch], active: dict, results: list[dict | None],
+                     record: Callable[[dict], None] | None, wait_s: float, why: str) -> None:
+        """Pauses every active run (``pause``), then takes out of ``active`` the runs that finished
+        while it waited (``collect``); what is left there the caller stops."""
+        for slot in self.pause(launches, active, wait_s, why):
+            del active[slot]
+        self.collect(launches, active, results, record, finished_only=True)
 
     def pause(self, launches: list[Launch], active: dict, wait_s: float, why: str = "--time-limit") -> list[int]:
         """At the time limit (or on ``why``): SIGUSR1 to every active run's ranks, then up to ``wait_s`` for each
