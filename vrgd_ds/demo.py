@@ -76,7 +76,7 @@ def main() -> None:
     x, y = x[:-5_000], y[:-5_000]
     print(f"teacher-student regression: {x.shape[0]} train / {xv.shape[0]} held-out samples, "
           f"batch {args.micro_batches} x {args.micro_batch_size}, {args.steps} steps "
-          "(the first run builds the fused CPU kernels, about a minute)")
+          "(the first run builds the fused CPU kernels, under a minute)")
     results = {name: train(name, x, y, xv, yv, args) for name in ("VRLamb", "Lamb")}
     print("held-out MSE after training: " + ", ".join(f"{k} {v:.4f}" for k, v in results.items())
           + " (noise floor 0.25)")

@@ -43,7 +43,7 @@ _CFLAGS = [
 ]
 
 
-#: a build lock this old was left by a killed build (a build takes about a minute)
+#: a build lock this old was left by a killed build (a build takes under a minute)
 STALE_LOCK_S = 15 * 60
 
 
@@ -113,7 +113,7 @@ def extension_name() -> str:
 
 @functools.lru_cache(maxsize=1)
 def load() -> ModuleType:
-    """Returns the compiled kernels, building them on first use (about a minute)."""
+    """Returns the compiled kernels, building them on first use (under a minute on 2 cores)."""
     ninja = ninja_dir()
     missing = [tool for tool in ("c++", "ninja")
                if shutil.which(tool, path=ninja if tool == "ninja" else None) is None]

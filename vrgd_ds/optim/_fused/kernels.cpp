@@ -13,8 +13,17 @@
 // Hot loops live in non-inlined worker functions that take plain values: inside capturing
 // lambdas GCC keeps `omp simd` reduction lanes in memory (gathers, spills); in a function
 // of its own they stay in vector registers, which keeps every pass at memory speed.
-#include <torch/extension.h>
+// Only the headers the kernels use: the tensor core, the dispatch macros, the four ops called
+// here and torch's pybind11 casters. <torch/extension.h> (the whole C++ frontend) alone took 36 s
+// to compile on 2 cores, this file with it 50 s; with these, 36 s.
+#include <ATen/Dispatch.h>
 #include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/cat.h>
+#include <ATen/ops/isfinite.h>
+#include <ATen/ops/logical_not.h>
+#include <ATen/ops/zeros.h>
+#include <torch/csrc/utils/pybind.h>
 
 #include <algorithm>
 #include <cmath>
