@@ -61,10 +61,6 @@ def other_ninja_and_a_killed_shm_build(tmp_path, monkeypatch):
     return lock
 
 
-def _seen_at_init(lock: Path) -> dict:
-    return {"ninja": shutil.which("ninja"), "lock": lock.exists()}
-
-
 def test_the_job_builds_deepspeeds_cpu_op_with_the_packages_ninja_past_a_killed_builds_lock(
         other_ninja_and_a_killed_shm_build, monkeypatch):
     """Bug: the job's ranks started from a shell ran Debian's ninja for DeepSpeed's CPU op
@@ -79,7 +75,7 @@ def test_the_job_builds_deepspeeds_cpu_op_with_the_packages_ninja_past_a_killed_
     lock, seen = other_ninja_and_a_killed_shm_build, {}
 
     def init_distributed(**_):
-        seen.update(_seen_at_init(lock))
+        seen.update(ninja=shutil.which("ninja"), lock=lock.exists())
         raise KeyboardInterrupt  # nothing after it is under test
 
     monkeypatch.setattr(deepspeed, "init_distributed", init_distributed)

@@ -47,8 +47,6 @@ def prepare_build() -> None:
     a minute to a minute and a half on two cores; a build killed during that (a pre-empted job)
     left a lock on which every later job waited at 0 % CPU. Only the directory holding ``ninja``
     joins PATH; the op builds, or is loaded, by DeepSpeed as before."""
-    from torch.utils import cpp_extension
-
     from vrgd_ds.optim import _fused
 
     ninja = _fused.ninja_dir()
@@ -59,6 +57,5 @@ def prepare_build() -> None:
         from deepspeed.accelerator import get_accelerator
     except ImportError:  # vrgd_ds.run of a script that does not use DeepSpeed, on an install without it
         return
-    build_dir = getattr(cpp_extension, "_get_build_directory", None)  # torch's own choice, as DeepSpeed's load
-    if build_dir is not None and get_accelerator().device_name() == "cpu":  # the only one that builds it
-        _fused.clear_stale_lock(Path(build_dir(OP_NAME, verbose=False)))
+    if get_accelerator().device_name() == "cpu":  # the only accelerator that builds it
+        _fused.clear_stale_build_lock(OP_NAME)

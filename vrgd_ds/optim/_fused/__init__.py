@@ -103,6 +103,15 @@ def clear_stale_lock(build_dir: Path, max_age_s: float = STALE_LOCK_S) -> bool:
     return True
 
 
+def clear_stale_build_lock(name: str) -> bool:
+    """``clear_stale_lock`` in torch's build directory of the JIT extension ``name`` (its own choice
+    of directory, as ``cpp_extension.load`` makes it); True if a lock was removed."""
+    from torch.utils import cpp_extension
+
+    build_dir = getattr(cpp_extension, "_get_build_directory", None)
+    return build_dir is not None and clear_stale_lock(Path(build_dir(name, verbose=False)))
+
+
 def extension_name() -> str:
     """The build's name: this CPU's flags, and this source by its content and its path (torch's
     ``build.ninja`` names the source by path: two checkouts sharing a build directory would
@@ -125,9 +134,7 @@ def load() -> ModuleType:
     from torch.utils import cpp_extension
 
     name = extension_name()
-    build_dir = getattr(cpp_extension, "_get_build_directory", None)  # torch's own choice of directory
-    if build_dir is not None:
-        clear_stale_lock(Path(build_dir(name, verbose=False)))
+    clear_stale_build_lock(name)
     logger.info("building fused VRGD kernels %s (first use on this machine type)", name)
     try:
         with _path_first(ninja):
