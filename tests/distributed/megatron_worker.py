@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import functools
+import json
 from pathlib import Path
 
 import torch
@@ -154,16 +155,18 @@ def relative(got, want) -> float:
 
 
 def megatron_step(ddp, opt, dp_rank: int, accumulation: int, step: int, rows=None, sync=None,
-                  batch=_batch) -> bool:
+                  batch=_batch, scaled: bool = False) -> bool:
     """One step through Megatron: a backward per micro-batch (the last one synchronised), the
     gradient sync (``sync``, default the DDP's own), the optimizer. ``rows`` picks this rank's
-    part of each micro-batch (sequence parallelism). Returns whether Megatron took the step."""
+    part of each micro-batch (sequence parallelism); ``scaled``: each micro-batch's loss times
+    the optimizer's loss scale (fp16). Returns whether Megatron took the step."""
     ddp.zero_grad_buffer()
     opt.zero_grad()
     for m in range(accumulation):
         x = batch(dp_rank, m, step)
         with contextlib.nullcontext() if m == accumulation - 1 else ddp.no_sync():
-            (ddp(x if rows is None else rows(x)).pow(2).sum() / accumulation).backward()
+            loss = ddp(x if rows is None else rows(x)).pow(2).sum() / accumulation
+            (opt.scale_loss(loss) if scaled else loss).backward()
     (sync or ddp.finish_grad_sync)()
     ok, _, _ = opt.step()
     return bool(ok)
@@ -184,23 +187,30 @@ def reference_step(net, opt, dp: int, accumulation: int, step: int, clip: float)
 
 
 def _build(tp: int, distributed: bool, optimizer: str, kwargs: dict | None, micro_steps: str = "auto",
-           overlap: bool = False, sequence_parallel: bool = False):
+           overlap: bool = False, sequence_parallel: bool = False, fp16: bool = False, squares: str = "per_step",
+           node_size: int | None = None):
     """The test model (seed 0) under Megatron's DDP and ``optimizer`` through ``vrgd_ds.megatron``
-    (with ``sequence_parallel``: ``_NormedTwoLayers``, its scale in a child module)."""
+    (with ``sequence_parallel``: ``_NormedTwoLayers``, its scale in a child module; with ``fp16``:
+    the model in fp16 inside Megatron's ``Float16Module``, as the Megatron job trains it, and
+    Megatron's dynamic loss scale from 2^4)."""
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
     from megatron.core.optimizer import OptimizerConfig
+    from megatron.core.transformer.module import Float16Module
 
     from vrgd_ds.megatron import get_megatron_optimizer
 
-    cfg = _config(tp, sequence_parallel=sequence_parallel)
+    half = {"fp16": True, "params_dtype": torch.float16} if fp16 else {}
+    cfg = _config(tp, sequence_parallel=sequence_parallel, **half)
     torch.manual_seed(0)
     model = _NormedTwoLayers(cfg) if sequence_parallel else TwoLayers(cfg)
     ddp = DistributedDataParallel(cfg, DistributedDataParallelConfig(
         grad_reduce_in_fp32=True, use_distributed_optimizer=distributed, bucket_size=40,
-        overlap_grad_reduce=overlap), model)
+        overlap_grad_reduce=overlap), Float16Module(cfg, model) if fp16 else model)
     opt = get_megatron_optimizer(OptimizerConfig(optimizer="adam", lr=1e-2, weight_decay=0.1, clip_grad=1.0,
-                                                 use_distributed_optimizer=distributed),
-                                 [ddp], optimizer=optimizer, optimizer_kwargs=kwargs, micro_steps=micro_steps)
+                                                 use_distributed_optimizer=distributed,
+                                                 **(dict(half, initial_loss_scale=2.0 ** 4) if fp16 else {})),
+                                 [ddp], optimizer=optimizer, optimizer_kwargs=kwargs, micro_steps=micro_steps,
+                                 squares=squares, node_size=node_size)
     return model, ddp, opt
 
 
@@ -251,6 +261,42 @@ def _train(case: dict, optimizer: str, kwargs: dict, ps) -> list[torch.Tensor]:
     for step in range(3):
         megatron_step(ddp, opt, dp_rank, case["accumulation"], step)
     return _full(model, ps)
+
+
+def late_collectives_case(case: dict) -> dict:
+    """The same fp16 run twice (``case``: tp, distributed, accumulation, squares, node_size), the
+    second with its statistics' collectives landing late (``worker.LateCollectives``), over 3
+    steps of which Megatron skips the second (a NaN input on every rank: the loss scaler finds
+    the overflow): whether the weights and the metrics of every step agree bit for bit, each
+    step's ``step/skipped`` and whether the weights are finite, per rank."""
+    from worker import LateCollectives
+
+    def nan_at_step_1(dp_rank: int, micro: int, step: int) -> torch.Tensor:
+        x = _batch(dp_rank, micro, step)
+        return x * float("nan") if step == 1 else x
+
+    with model_parallel(case["tp"]) as ps:
+        runs = []
+        for late in (False, True):
+            model, ddp, opt = _build(case["tp"], case["distributed"], "VRLamb", {}, fp16=True,
+                                     squares=case.get("squares", "per_step"), node_size=case.get("node_size"))
+            if late:
+                source = opt.vrgd_sources[0]
+                source.comm = LateCollectives(source.comm)
+            inner, metrics = opt.chained_optimizers[0].optimizer, []
+            for step in range(3):
+                megatron_step(ddp, opt, ps.get_data_parallel_rank(), case["accumulation"], step,
+                              batch=nan_at_step_1, scaled=True)
+                metrics.append(inner.gsnr_metrics())
+            runs.append((_full(model, ps), metrics))
+        (p1, m1), (p2, m2) = runs
+        out = {"same": all(torch.equal(a, b) for a, b in zip(p1, p2)) and json.dumps(m1) == json.dumps(m2),
+               "skipped": [m.get("step/skipped") for m in m2], "overflow": [m.get("step/skipped_overflow") for m in m2],
+               "finite": all(bool(torch.isfinite(p).all()) for p in p2),
+               "gsnr_mean": [m.get("gsnr/mean") for m in m2]}
+        everyone = [None] * dist.get_world_size()
+        dist.all_gather_object(everyone, out)
+        return {"ranks": everyone}
 
 
 def gamma_one_equals_base(case: dict) -> dict:

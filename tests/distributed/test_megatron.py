@@ -143,6 +143,29 @@ def test_statistics_folded_into_main_grad_equal_a_separate_hook_bit_for_bit(mega
         assert r["folded"] == [r["launches"][0], 0], r  # every launch of "auto" did Megatron's add
 
 
+@pytest.mark.exhaustive  # make test is over its time budget (DeepSpeed's counterpart runs in it)
+@pytest.mark.parametrize("squares, distributed, accumulation", [
+    ("per_step", False, 1), ("per_step", False, 2), ("per_step", True, 2), ("hierarchical", True, 2)])
+def test_a_skipped_steps_collectives_land_before_the_next_step_writes(megatron2, squares, distributed, accumulation):
+    """A step Megatron skips (here fp16 on TP1×DP2, a NaN input on every rank: the dynamic loss
+    scaler finds the overflow) has launched the statistics' reduction in its ``prepare_grads`` and
+    never reads it. With NCCL that collective may land after the next step's first micro-steps
+    have written its buffers; without the distributed optimizer it is an all-reduce in place on
+    the buffer the micro-steps write, and its sums (NaN here) then replace theirs. The run whose
+    collectives land as late as a stream allows (``worker.LateCollectives``) must equal the plain
+    run bit for bit. Fails on the code before on the rows without the distributed optimizer: the
+    step after the skipped one read the skipped step's sums and was skipped too. With it (and
+    hierarchically) the reduction writes a shard of its own, which the next step's reduction
+    overwrites: those rows pass on the code before too."""
+    case = {"tp": 1, "distributed": distributed, "accumulation": accumulation, "squares": squares}
+    if squares == "hierarchical":
+        case["node_size"] = 1
+    res = megatron2.run("megatron_worker", "late_collectives_case", case)
+    for r in res["ranks"]:
+        assert r["skipped"] == [0.0, 1.0, 0.0] and r["overflow"][1] == 1.0 and r["finite"], res
+        assert r["same"], res
+
+
 @pytest.mark.parametrize("distributed", [False, True])
 @pytest.mark.parametrize("optimizer", ["VRLamb", "VRAdam", "VRSGD"])
 def test_gamma_one_is_the_base_optimizer_bit_for_bit(megatron2, optimizer, distributed):
