@@ -11,7 +11,10 @@ from vrgd_ds.optim.adam import GSNR_PLACEMENTS
 
 pytestmark = pytest.mark.slow  # compiles, trains or starts processes: not in make test-unit
 
-IMPLS = [False, pytest.param(True, marks=pytest.mark.skipif(not _fused.available(), reason="no C++ toolchain"))]
+# the fused kernels in the exhaustive tier: they step as the reference does
+# (tests/unit/test_optimizers.py::test_fused_equals_reference)
+IMPLS = [False, pytest.param(True, marks=[pytest.mark.exhaustive,
+                                          pytest.mark.skipif(not _fused.available(), reason="no C++ toolchain")])]
 LR = {"VRSGD": 0.01, "VRMomentum": 0.01, "VRAdam": 1e-3, "VRLamb": 1e-3, "VRLars": 0.1, "VRMerit": 1e-3}
 PROBLEM = dict(steps=200, window=100)
 
