@@ -23,9 +23,14 @@ def _pool(tmp_path_factory, name: str, ranks: int):
     p.close()
 
 
-def _alone(p: Pool) -> Pool:
+def _alone(p: Pool, request=None) -> Pool:
     """``p``, every other group stopped first: idle ranks poll in their wait, and two groups at
-    once would take the cores the running one needs. Consecutive tests of one group keep it."""
+    once would take the cores the running one needs. Consecutive tests of one group keep it. A
+    test asking for two groups (``request``) has only the first stop the others: it runs them in
+    turn and stops the first itself, so the group the tests before it left running goes on."""
+    names = [] if request is None else [n for n in request.fixturenames if n in _POOLS]
+    if names and request.fixturename != names[0]:
+        return p
     for other in _OPEN:
         if other is not p:
             other.close(ask=False)
@@ -48,19 +53,19 @@ def _pool4(tmp_path_factory):
 
 
 @pytest.fixture
-def pool(_pool2):
-    return _alone(_pool2)
+def pool(_pool2, request):
+    return _alone(_pool2, request)
 
 
 @pytest.fixture
-def pool1(_pool1):
-    return _alone(_pool1)
+def pool1(_pool1, request):
+    return _alone(_pool1, request)
 
 
 @pytest.fixture
-def pool4(_pool4):
+def pool4(_pool4, request):
     """The 4-rank DeepSpeed pool (4 ranks on 2 cores need them all: the others stopped)."""
-    return _alone(_pool4)
+    return _alone(_pool4, request)
 
 
 @pytest.fixture(scope="session")
@@ -104,17 +109,33 @@ def _no_idle_pool(request):
 _GROUP_ORDER = {"pool": 0, "pool1": 1, "pool4": 2, "megatron": 3, "megatron2": 3}
 
 
+def _megatron_ranks(item) -> int:
+    """The megatron-core group a case asks for first: 2 for ``megatron2`` and the matrix's rows
+    off the 2 × 2 layout, else 4 (the 4-rank layouts, the hierarchical cases)."""
+    names = getattr(item, "fixturenames", ())
+    if "megatron2" in names:
+        return 2
+    row = getattr(getattr(item, "callspec", None), "params", {}).get("row")
+    return 4 if not isinstance(row, dict) or row.get("layout") == "tp2dp2" else 2
+
+
 def pytest_collection_modifyitems(session, config, items):
     """The cases of this directory grouped by the rank group they use, in file order within a
     group: 4 ranks on 2 cores need them all, so one group runs at a time, and every switch
-    between groups is a start (about 10 s)."""
+    between groups is a start (10-25 s). Within a group, a case that goes on to another group
+    (the DCP resume on 2 ranks of a 4-rank checkpoint) comes last, and megatron-core's 4-rank
+    cases come before its 2-rank ones."""
     here = [i for i, item in enumerate(items) if HERE in Path(str(item.path)).parents]
 
-    def group(item) -> int:
-        found = [order for name, order in _GROUP_ORDER.items() if name in getattr(item, "fixturenames", ())]
-        return max(found, default=len(_GROUP_ORDER))
+    def key(item) -> tuple[int, int]:
+        names = getattr(item, "fixturenames", ())
+        found = [order for name, order in _GROUP_ORDER.items() if name in names]
+        group = max(found, default=len(_GROUP_ORDER))
+        if group == _GROUP_ORDER["megatron"]:
+            return group, 0 if _megatron_ranks(item) == 4 else 1
+        return group, sum(name in names for name in ("pool", "pool1", "pool4")) - 1
 
-    for i, item in zip(here, sorted((items[i] for i in here), key=group)):
+    for i, item in zip(here, sorted((items[i] for i in here), key=key)):
         items[i] = item
 
 
