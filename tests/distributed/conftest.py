@@ -93,7 +93,8 @@ def megatron2(megatron):
     return megatron(2)
 
 
-_POOLS = {"pool", "pool1", "pool4", "megatron", "megatron2"}
+_DEEPSPEED_POOLS = ("pool", "pool1", "pool4")
+_POOLS = {*_DEEPSPEED_POOLS, "megatron", "megatron2"}
 
 
 @pytest.fixture(autouse=True)
@@ -133,7 +134,7 @@ def pytest_collection_modifyitems(session, config, items):
         group = max(found, default=len(_GROUP_ORDER))
         if group == _GROUP_ORDER["megatron"]:
             return group, 0 if _megatron_ranks(item) == 4 else 1
-        return group, sum(name in names for name in ("pool", "pool1", "pool4")) - 1
+        return group, sum(name in names for name in _DEEPSPEED_POOLS) - 1
 
     for i, item in zip(here, sorted((items[i] for i in here), key=key)):
         items[i] = item
