@@ -97,11 +97,13 @@ _DEEPSPEED_POOLS = ("pool", "pool1", "pool4")
 _POOLS = {*_DEEPSPEED_POOLS, "megatron", "megatron2"}
 
 
-@pytest.fixture(autouse=True)
-def _no_idle_pool(request):
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_setup(item):
     """A test that launches ranks of its own (HF Trainer, ``vrgd_ds.run``, the pool's own tests)
-    runs with no group idling beside it."""
-    if not _POOLS & set(request.fixturenames):
+    runs with no group idling beside it: the groups stop before any of its fixtures start,
+    module-scoped ones included (an autouse fixture came after them: the HF Trainer's launch, a
+    module fixture, ran beside the megatron-core group the tests before it had used)."""
+    if not _POOLS & set(getattr(item, "fixturenames", ())):
         for p in _OPEN:
             p.close(ask=False)
 

@@ -20,13 +20,60 @@ import torch
 import torch.distributed as dist
 
 
+_POOL_GROUPS: set = set()  # the process groups the pool's ranks had before any case
+
+
 def prepare(case: dict) -> dict:
     """Megatron's CUDA assumptions answered for these CPU ranks (``vrgd_ds/megatron/cpu_ranks.py``,
-    what the Megatron job applies on CPU ranks too)."""
+    what the Megatron job applies on CPU ranks too); the groups that outlive every case noted."""
     from vrgd_ds.megatron import cpu_ranks
 
     cpu_ranks.apply()
+    _POOL_GROUPS.update(dist.distributed_c10d._world.pg_map)
     return {}
+
+
+def live_groups(case: dict) -> dict:
+    """This rank's process groups and gloo threads (``pt_gloo_runloop``, ``gloo_tcp_loop``)."""
+    import gc
+    import os
+
+    gc.collect()
+    names = []
+    for task in os.listdir("/proc/self/task"):
+        try:
+            with open(f"/proc/self/task/{task}/comm") as fh:
+                names.append(fh.read().strip())
+        except OSError:  # a thread that ended meanwhile
+            pass
+    return {"groups": len(dist.distributed_c10d._world.pg_map),
+            "gloo_threads": sum(n.startswith(("pt_gloo", "gloo_")) for n in names)}
+
+
+def release_model_parallel() -> None:
+    """The end of a case: Megatron's ``destroy_model_parallel``, and what it leaves alive freed.
+    Megatron only forgets the groups it lists, while torch keeps every group (each with 3 gloo
+    threads on every rank) and ``parallel_state`` keeps a few more. Every ``DistributedDataParallel``
+    lives on too: its gradient hooks, held by autograd's accumulators (C++), close over it, a cycle
+    the collector cannot see. Over a run of cases a pool's ranks gathered thousands of threads,
+    whose load slowed every process on the host, these tests and the ones after them. Here the
+    groups are destroyed, Megatron's leftovers dropped and each model's hooks released, so the next
+    collection frees them all."""
+    import gc
+
+    from megatron.core import parallel_state as ps
+    from megatron.core.distributed import DistributedDataParallel
+
+    ps.destroy_model_parallel()
+    for group in [g for g in dist.distributed_c10d._world.pg_map if g not in _POOL_GROUPS]:
+        dist.destroy_process_group(group)
+    for name, value in vars(ps).items():
+        if isinstance(value, dist.ProcessGroup) and value not in _POOL_GROUPS:
+            setattr(ps, name, None)
+    for obj in gc.get_objects():
+        if isinstance(obj, DistributedDataParallel):
+            obj.grad_accs.clear()
+    gc.collect()
 
 
 @contextlib.contextmanager
@@ -37,7 +84,7 @@ def model_parallel(tp: int, pp: int = 1):
     try:
         yield ps
     finally:
-        ps.destroy_model_parallel()
+        release_model_parallel()
 
 
 def _config(tp: int, **kwargs):
@@ -641,7 +688,7 @@ def refused(case: dict) -> dict:
         return {"type": None, "message": "not refused"}
     finally:
         package_info.__version__ = saved_version
-        ps.destroy_model_parallel()
+        release_model_parallel()
 
 
 def gpt_weight_decay(case: dict) -> dict:
@@ -649,8 +696,6 @@ def gpt_weight_decay(case: dict) -> dict:
     ``wd_mult`` and weight decay, and the names of the model's tensors in it (the non-distributed
     optimizer's groups hold the model's tensors; the distributed one's hold fp32 shards)."""
     import torch
-
-    from megatron.core import parallel_state as ps
 
     from vrgd_ds.train.engines.megatron import MegatronBlock, build_gpt
 
@@ -664,4 +709,7 @@ def gpt_weight_decay(case: dict) -> dict:
                             "names": sorted(names[p] for p in g["params"] if p in names)}
                            for chained in opt.chained_optimizers for g in chained.optimizer.param_groups]}
     finally:
-        ps.destroy_model_parallel()
+        release_model_parallel()
+
+
+

@@ -229,6 +229,18 @@ def test_sequence_parallel_twin_groups_resume_from_a_dist_checkpoint(megatron2, 
     assert _max_diff(resumed["weights"][0], straight["weights"][2]) <= TOL * scale
 
 
+def test_a_case_leaves_no_process_group_or_gloo_thread_behind(megatron2):
+    """A case that builds Megatron's groups (``initialize_model_parallel``, the distributed
+    optimizer's) leaves the pool's ranks with the groups and gloo threads they had. Fails on the old
+    code, which only called Megatron's ``destroy_model_parallel``: torch kept every group, 3 gloo
+    threads each per rank, thousands over a run of cases, and their load slowed the host."""
+    before = megatron2.run("megatron_worker", "live_groups", {})
+    megatron2.run("megatron_worker", "gpt_weight_decay", {"tp": 2, "distributed": True, "weight_decay": 0.05})
+    after = megatron2.run("megatron_worker", "live_groups", {})
+    assert after["groups"] == before["groups"], (before, after)
+    assert after["gloo_threads"] <= before["gloo_threads"], (before, after)
+
+
 @pytest.mark.parametrize("distributed", [True, False])
 def test_the_gpt_jobs_optimizer_decays_weights_but_not_biases_and_norms(megatron2, distributed):
     """``build_gpt`` (the Megatron job and its benchmark): a param group decays by the configured

@@ -55,3 +55,34 @@ def test_a_started_group_leaves_no_shared_memory_segment(pool):
     assert list(shm.SHM_DIR.glob(shm.segment_name(port=pool.port))) == []
     assert pool.proc.poll() is None  # the group runs on with its mappings
     assert pool.run("pool_cases", "ok", {"echo": 3})["echo"] == 3
+
+
+def test_a_test_that_uses_no_group_starts_with_every_group_stopped(request):
+    """The groups stop in ``pytest_runtest_setup`` (``conftest.py``), before any fixture of a test
+    that uses none of them, a module-scoped launch included; a test of a group keeps it. Fails on
+    the old code, which stopped them in an autouse fixture, after the module fixtures: the HF
+    Trainer's launch ran beside the megatron-core group the tests before it had used."""
+    [conf] = [p for p in request.config.pluginmanager.get_plugins()
+              if getattr(p, "__file__", "").endswith("distributed/conftest.py")]
+    hook = getattr(conf, "pytest_runtest_setup", None)
+    assert hook is not None, "the groups are not stopped before the fixtures of a test"
+
+    class Group:
+        closed = 0
+
+        def close(self, ask: bool = True) -> None:
+            self.closed += 1
+
+    class Item:
+        def __init__(self, *fixturenames: str) -> None:
+            self.fixturenames = list(fixturenames)
+
+    group = Group()
+    conf._OPEN.append(group)
+    try:
+        hook(Item("megatron2", "tmp_path"))
+        assert group.closed == 0  # a test of a group keeps the groups (it stops the others itself)
+        hook(Item("result", "tmp_path"))  # a module fixture's launch, as the HF Trainer's
+        assert group.closed == 1
+    finally:
+        conf._OPEN.remove(group)
