@@ -36,27 +36,23 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _kill_group(pgid: int) -> None:
+def _kill_group(pgid: int, sig: int = signal.SIGKILL) -> None:
     try:
-        os.killpg(pgid, signal.SIGKILL)
+        os.killpg(pgid, sig)
     except (ProcessLookupError, PermissionError):
         pass
 
 
-def _kill_marked(marker: str | os.PathLike | None) -> None:
+def _kill_marked(marker: str | os.PathLike | None, sig: int = signal.SIGKILL) -> None:
     if marker is not None:
-        subprocess.run(["pkill", "-KILL", "-f", str(marker)], capture_output=True)
+        subprocess.run(["pkill", f"-{int(sig)}", "-f", str(marker)], capture_output=True)
 
 
 def _dump_stacks(pgid: int, marker: str | os.PathLike | None) -> None:
     """SIGABRT to the launch's processes: a Python process started with ``PYTHONFAULTHANDLER=1``
     prints every thread's stack to its stderr, then dies (``run`` kills what is left)."""
-    try:
-        os.killpg(pgid, signal.SIGABRT)
-    except (ProcessLookupError, PermissionError):
-        pass
-    if marker is not None:
-        subprocess.run(["pkill", "-ABRT", "-f", str(marker)], capture_output=True)
+    _kill_group(pgid, signal.SIGABRT)
+    _kill_marked(marker, signal.SIGABRT)
     time.sleep(STACKS_S)
 
 
