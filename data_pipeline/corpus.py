@@ -73,9 +73,10 @@ Document = list[str]
 # --------------------------------------------------------------------------- sentence splitting
 
 # A boundary candidate: terminal punctuation, optional closing quotes/brackets, whitespace, and a
-# sentence-looking start (capital, digit, or an opening quote/bracket before one). Lower-case
+# word character after an optional opening quote/bracket; ``_starts_sentence`` keeps those whose
+# character is a capital or a digit in any script ("Über", "Émile", "Было", "٣"). Lower-case
 # continuations ("e.g. the", "H. americanus") are never split.
-_BOUNDARY = re.compile(r"""[.!?]+["'\u201d\u2019)\]]*\s+(?=["'\u201c\u2018(\[]?[A-Z0-9])""")
+_BOUNDARY = re.compile(r"""[.!?]+["'\u201d\u2019)\]]*\s+(?=["'\u201c\u2018(\[]?(\w))""")
 # Words whose trailing period is an abbreviation, not a sentence end (compared lower-cased,
 # without the period).
 _ABBREVIATIONS = frozenset(
@@ -83,17 +84,28 @@ _ABBREVIATIONS = frozenset(
     "inc ltd co corp dept est jan feb mar apr jun jul aug sep sept oct nov dec gen col lt sgt "
     "capt rev hon mt ft".split()
 )
-# "U.S", "e.g" and single initials ("J" in "J. Smith") also end in a non-terminal period.
-_DOTTED = re.compile(r"(?:[A-Za-z]\.)+[A-Za-z]|[A-Z]")
+# "U.S", "e.g" and single initials ("J" in "J. Smith", "É" in "É. Zola") also end in a
+# non-terminal period.
+_DOTTED = re.compile(r"(?:[^\W\d_]\.)+[^\W\d_]")
+
+
+def _starts_sentence(char: str) -> bool:
+    """A capital (upper or title case) or a decimal digit, in any script."""
+    return char.isupper() or char.istitle() or char.isdecimal()
+
+
+def _initial(word: str) -> bool:
+    return len(word) == 1 and _starts_sentence(word) and not word.isdecimal()
 
 
 def split_sentences(text: str) -> list[str]:
     """Split ``text`` into sentences with a regex rule; whitespace runs become single spaces.
 
     A sentence ends at ``.``, ``!`` or ``?`` (plus closing quotes/brackets) followed by whitespace
-    and an upper-case letter, a digit, or an opening quote/bracket before one - unless the word
-    before a ``.`` is a known abbreviation (``e.g.``, ``Dr.``, ``Fig.`` ...), a dotted acronym
-    (``U.S.``) or a single capital initial. This is the rule of thumb of Punkt-style splitters
+    and an upper-case letter or a digit of any script, or an opening quote/bracket before one -
+    unless the word before a ``.`` is a known abbreviation (``e.g.``, ``Dr.``, ``Fig.`` ...), a
+    dotted acronym (``U.S.``) or a single capital initial. Scripts without case (CJK, Arabic,
+    Devanagari) have no boundary by this rule but at a digit. This is the rule of thumb of Punkt-style splitters
     without the trained model: good enough for packing BERT sequences, where a wrong boundary
     costs one slightly odd next-sentence pair, and it needs no nltk download.
     """
@@ -103,9 +115,11 @@ def split_sentences(text: str) -> list[str]:
     sentences: list[str] = []
     start = 0
     for match in _BOUNDARY.finditer(text):
+        if not _starts_sentence(match.group(1)):
+            continue
         if text[match.start()] == "." and match.group().startswith(".") and not match.group().startswith(".."):
             word = text[start:match.start()].rsplit(" ", 1)[-1].lstrip("\"'([\u201c\u2018")
-            if word.lower() in _ABBREVIATIONS or _DOTTED.fullmatch(word):
+            if word.lower() in _ABBREVIATIONS or _DOTTED.fullmatch(word) or _initial(word):
                 continue
         end = match.start() + len(match.group().rstrip())
         sentences.append(text[start:end])

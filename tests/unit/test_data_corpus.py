@@ -54,6 +54,17 @@ def test_split_sentences_rules():
     assert split_sentences("   ") == []
 
 
+def test_split_sentences_at_capitals_and_initials_of_any_script():
+    """A sentence starting with a non-ASCII capital ("Über", "Было", "Émile") or digit ("٣") is
+    its own sentence, and a non-ASCII initial ("É. Zola") ends none. Fails on the rule that
+    knew only A-Z and 0-9: it ran such sentences into the one before, and split after "É."."""
+    assert split_sentences("Er kam. Über den Berg ging er.") == ["Er kam.", "Über den Berg ging er."]
+    assert split_sentences("Он пришёл. Было поздно.") == ["Он пришёл.", "Было поздно."]
+    assert split_sentences("He read (É. Zola) then. Émile agreed.") == ["He read (É. Zola) then.", "Émile agreed."]
+    assert split_sentences("It cost 3. ٣ is three.") == ["It cost 3.", "٣ is three."]
+    assert split_sentences("Sie sagte es. über alles.") == ["Sie sagte es. über alles."]  # lower case: no boundary
+
+
 def test_plain_text_blank_lines_separate_documents(tmp_path):
     path = tmp_path / "a.txt"
     path.write_text("First doc. Second sentence.\nA new line.\n\n\nSecond doc.\n\n")
