@@ -85,11 +85,35 @@ def host_node_size(group: Any, world: int) -> int:
     return size
 
 
+#: (world, rank, node size) -> the groups ``node_groups`` made for it, reused by every later attach
+#: in the process while they live (a backend's group holds threads and, on NCCL, communicators)
+_NODES: dict[tuple[int, int, int], Nodes] = {}
+
+
+def _alive(nodes: Nodes, world: int, size: int) -> bool:
+    """Whether ``nodes``' two groups are still registered with their ranks (neither the group nor
+    the default one destroyed since: ``destroy_process_group`` unregisters them)."""
+    import torch.distributed
+
+    try:
+        intra = torch.distributed.get_process_group_ranks(nodes.intra)
+        cross = torch.distributed.get_process_group_ranks(nodes.cross)
+    except (KeyError, ValueError, RuntimeError):
+        return False
+    return (intra == list(range(nodes.node * size, (nodes.node + 1) * size))
+            and cross == list(range(nodes.local, world, size)))
+
+
 def node_groups(comm: Any, world: int, rank: int, size: int) -> Nodes:
     """The groups of a world of ``world`` ranks in nodes of ``size`` consecutive ranks. Every rank
-    creates every group (``new_group`` is collective), in the same order."""
+    creates every group (``new_group`` is collective), in the same order; a later attach with the
+    same world and node size reuses them while they live (``_NODES``), on every rank alike."""
     if size < 1 or world % size:
         raise ValueError(f"a node size of {size} does not divide the {world} ranks")
+    key = (world, rank, size)
+    cached = _NODES.get(key)
+    if cached is not None and _alive(cached, world, size):
+        return cached
     count = world // size
     intra = cross = None
     for j in range(count):
@@ -100,7 +124,8 @@ def node_groups(comm: Any, world: int, rank: int, size: int) -> Nodes:
         g = comm.new_group(list(range(local, world, size)))
         if local == rank % size:
             cross = g
-    return Nodes(size, count, rank // size, rank % size, intra, cross)
+    _NODES[key] = Nodes(size, count, rank // size, rank % size, intra, cross)
+    return _NODES[key]
 
 
 @dataclass

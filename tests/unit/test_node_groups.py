@@ -1,0 +1,52 @@
+"""The hierarchical scheme's node groups (vrgd_ds/stats/hierarchical.py ``node_groups``) in one
+process of a 1-rank gloo world: made once per world and node size, made again once destroyed."""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from vrgd_ds.stats import hierarchical
+from vrgd_ds.stats.hierarchical import node_groups
+
+
+@pytest.fixture
+def one_rank(tmp_path):
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    made = getattr(hierarchical, "_NODES", {})  # the groups an earlier test's world made are gone with it
+    made.clear()
+    try:
+        yield
+    finally:
+        made.clear()
+        dist.destroy_process_group()
+
+
+def _groups() -> int:
+    return len(dist.distributed_c10d._world.pg_map)
+
+
+def test_a_second_attach_reuses_the_node_groups(one_rank):
+    """A second attach in the process (a second engine, a Trainer's second ``train()``) reuses the
+    two groups of the first. Fails on the code that made two new groups at every attach, each with
+    the backend's threads (3 a group on gloo) and, on NCCL, its communicators, never freed."""
+    before = _groups()
+    first = node_groups(dist, 1, 0, 1)
+    assert _groups() == before + 2
+    for _ in range(3):
+        assert node_groups(dist, 1, 0, 1) is first
+    assert _groups() == before + 2
+
+
+def test_destroyed_node_groups_are_made_again(one_rank):
+    """Groups destroyed since (``destroy_process_group`` of each, as a test harness or a restart in
+    the process does) are not handed out again: the next attach makes new ones, which reduce."""
+    first = node_groups(dist, 1, 0, 1)
+    dist.destroy_process_group(first.intra)
+    dist.destroy_process_group(first.cross)
+    again = node_groups(dist, 1, 0, 1)
+    assert again is not first
+    for group in (again.intra, again.cross):
+        t = torch.ones(3)
+        dist.all_reduce(t, group=group)
+        assert t.tolist() == [1.0, 1.0, 1.0]
