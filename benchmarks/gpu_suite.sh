@@ -135,9 +135,11 @@ part opt_step_adam 40 python3 benchmarks/gpu_optimizer_step.py --model large --i
 # around the square-root rule, of which only the part that brackets each optimum runs (--bracket 1:
 # x1 first at 1x, then a neighbour for each optimizer while its best is at an end; --bracket-carry: each
 # larger batch starts at the LR the batch below settled on, since at 1x and 4x the best LR was the same,
-# 0.0141, not the rule's doubling), 8 runs side by side on the GPU. It starts a run only while the time left holds it (before any run finishes: at PLATEAU_RATE
-# samples/s, default 4,000, the rate of a 16x run among 8 on one H200, start-up included; a 64x run,
-# 6.5M samples, then does not start in a call it cannot finish in), pauses the rest at the limit, and
+# 0.0141, not the rule's doubling), up to 8 runs side by side on the GPU. It starts a run only while the
+# time left holds it and what the runs in flight still have to train, at the GPU's rate, which they
+# share (before any run finishes: PLATEAU_RATE samples/s, default 4,000, the rate of a 16x run among
+# 8 on one H200, start-up included, times those 8; a 64x run, 6.5M samples, about 200 s alone, so
+# that a call starts the one or two it can finish and not six it cannot), pauses the rest at the limit, and
 # assembles what finished (the runs needed next are listed as not run yet). Each run's record says
 # how much of its step time it waited for its DataLoader (data_wait); PLATEAU_WORKERS (default 1)
 # gives each run more workers (the same samples) when that is high. Beside it, benchmarks/load_sampler.py
@@ -163,7 +165,8 @@ if [[ " $PARTS " == *" plateau "* ]]; then
             --lr-factor 0.125 --lr-factor 0.25 --lr-factor 0.5 --lr-factor 1 --lr-factor 2 --lr-factor 4 \
             --bracket 1 --bracket-carry --samples 102400 --min-steps 128 --groups 8 \
             --heldout-fraction 0.1 --eval-points 16 --parallel "${PLATEAU_PARALLEL:-8}" \
-            --time-limit $((left - 10)) --expect-rate "${PLATEAU_RATE:-4000}" --workers "${PLATEAU_WORKERS:-1}" \
+            --time-limit $((left - 10)) --expect-rate "${PLATEAU_RATE:-4000}" --expect-share 8 \
+            --workers "${PLATEAU_WORKERS:-1}" \
             "${reuse[@]}" --work /tmp/bert_plateau --out "$WORK/bert_plateau"
         kill "$sampler" && wait "$sampler"
         tee -a "$WORK/summary.log" <"$WORK/plateau_load.log"

@@ -363,6 +363,12 @@ class Launch:
         done = self.segments()
         return self.record["samples"] - int(done[-1]["samples"]) if done else self.record["samples"]
 
+    def samples_unsent(self) -> int:
+        """The samples a run in flight has still to train: ``samples_left`` less what its steps
+        logged so far trained."""
+        rows = self.trained()
+        return max(self.record["samples"] - int(rows[-1]["train/samples"]), 0) if rows else self.samples_left()
+
     def trained(self) -> list[dict]:
         """The run's logged training steps (those with their samples and time)."""
         return [rec for rec in steps(self.run_dir) if "train/samples" in rec and "time" in rec]
@@ -492,9 +498,10 @@ def master_port(base: int | None, slot: int) -> int:
 class Runner:
     """Runs planned ``Launch``es, up to ``--parallel`` at a time (each on its own master port; on
     CPUs, each with an equal share of the cores unless ``OMP_NUM_THREADS`` is set), within the
-    study's ``--time-limit``: a run starts only while the time left holds it at the slowest rate
-    (samples/s) of the runs finished so far (before any has: ``--expect-rate``, when given), and
-    runs still going when the limit comes are paused
+    study's ``--time-limit``: a run starts only while the time left holds it and what the runs in
+    flight still have to train, together, at the machine's rate (``aggregate_rate``: the runs side
+    by side share it, so a run started beside others slows them), and runs still going when the
+    limit comes are paused
     (SIGUSR1 to their ranks: each finishes its step, the job checkpoints and exits, as before a
     Slurm time limit), their directories kept; the next start of the same run in the same work
     directory (another call of a lease, the next lease or session) resumes it from there, and its
@@ -518,7 +525,9 @@ class Runner:
         self.parallel = max(1, getattr(args, "parallel", 1))
         limit = getattr(args, "time_limit", None)
         self.stop_at = None if limit is None else args.started + limit - self.ASSEMBLY_S - self.PAUSE_S
-        self.rates: list[float] = vars(args).setdefault("run_rates", [])  # shared by a study's Runners (rounds)
+        # the machine's samples/s each finished run showed (``collect``), shared by a study's Runners (rounds)
+        self.rates: list[float] = vars(args).setdefault("run_rates", [])
+        self.load: dict[int, float] = {}  # launch index -> ∫ runs in flight dt over its time so far
         self.not_started: list[Path] = []
         self.stopped: list[dict] = vars(args).setdefault("stopped", [])  # Launch.progress of each run stopped
         # before any run starts: the versions' imports take seconds, which would otherwise fall
@@ -539,15 +548,31 @@ class Runner:
                     default=0.0)
         return max(self.PAUSE_S, 2 * worst + 15.0)
 
-    def fits(self, launch: Launch) -> bool:
-        """Whether the time left holds the run at the slowest rate of the runs finished so far, or,
-        before any has, at ``--expect-rate`` (when given; else every run fits until one finishes)."""
+    def aggregate_rate(self) -> float | None:
+        """The machine's samples/s over all the runs side by side, which they share: the lowest that
+        a finished run showed (its rate times the runs in flight beside it on average, itself
+        included), or before any has finished ``--expect-rate`` × ``--expect-share`` (a run's rate
+        when that many ran side by side; by default ``--parallel``); None without either. It
+        assumes the machine's rate does not fall with fewer runs: one run alone takes the whole of
+        it (on a GPU, while one run's kernels keep it busy)."""
+        if self.rates:
+            return min(self.rates)
+        expect = getattr(self.args, "expect_rate", None)
+        if not expect:
+            return None
+        return expect * (getattr(self.args, "expect_share", None) or self.parallel)
+
+    def fits(self, launch: Launch, beside: list[Launch] = ()) -> bool:
+        """Whether the time left holds the run and what the runs in flight (``beside``) still have to
+        train, all at the machine's rate (``aggregate_rate``; with none known every run fits until
+        one finishes)."""
         if self.stop_at is None:
             return True
         left = self.stop_at - time.monotonic()
-        expect = getattr(self.args, "expect_rate", None)
-        rates = self.rates or ([expect] if expect else [])
-        return left > 0 and (not rates or launch.samples_left() / min(rates) < left)
+        rate = self.aggregate_rate()
+        if left <= 0 or rate is None:
+            return left > 0
+        return (launch.samples_left() + sum(b.samples_unsent() for b in beside)) / rate < left
 
     def run(self, launches: list[Launch], record: Callable[[dict], None] | None = None) -> list[dict | None]:
         """The results in the order of ``launches`` (each also handed to ``record`` as it finishes);
@@ -558,7 +583,7 @@ class Runner:
             for slot in range(min(self.parallel, len(launches))):
                 master_port(self.args.port, slot)
         active: dict[int, tuple[int, subprocess.Popen, float, Any]] = {}  # slot -> (index, process, start, log)
-        lead, lead_at = self.PAUSE_S, 0.0
+        lead, lead_at, tick = self.PAUSE_S, 0.0, time.monotonic()
         try:
             while pending or active:
                 if getattr(self.args, "pause_requested", False):
@@ -572,12 +597,15 @@ class Runner:
                 for slot in range(self.parallel):
                     if slot in active or not pending:
                         continue
-                    while pending and not self.fits(launches[pending[0]]):
+                    beside = [launches[i] for i, *_ in active.values()]
+                    while pending and not self.fits(launches[pending[0]], beside):
                         self.not_started.append(launches[pending.pop(0)].run_dir)
                     if pending:
                         i = pending.pop(0)
                         active[slot] = (i, *self.start(launches[i], slot))
+                        self.load[i] = 0.0
                 time.sleep(0.2)
+                tick = self.tick(active, tick)
                 self.collect(launches, active, results, record)
                 if self.stop_at is not None and active and time.monotonic() - lead_at > 10.0:
                     lead, lead_at = self.lead(launches, active), time.monotonic()
@@ -598,10 +626,18 @@ class Runner:
             self.args.only_finished = True  # the time is over: later cells assemble from what finished
         return results
 
+    def tick(self, active: dict, since: float) -> float:
+        """Adds the runs in flight since ``since`` to each active run's ``load``; returns now."""
+        now = time.monotonic()
+        for i, *_ in active.values():
+            self.load[i] += (now - since) * len(active)
+        return now
+
     def collect(self, launches: list[Launch], active: dict, results: list[dict | None],
                 record: Callable[[dict], None] | None, finished_only: bool = False) -> None:
         """Takes the runs that ended out of ``active``: each result into ``results`` (and to
-        ``record``), its rate into ``self.rates``. A failed run stops the study, naming its log;
+        ``record``), the machine's rate it showed into ``self.rates`` (this segment's samples over
+        its time, times the runs in flight beside it on average). A failed run stops the study, naming its log;
         with ``finished_only`` (after a pause) the runs that did not end well are left."""
         for slot, (i, proc, t0, log) in list(active.items()):
             if proc.poll() is None or (finished_only and proc.returncode != 0):
@@ -610,10 +646,11 @@ class Runner:
             del active[slot]
             if proc.returncode != 0:
                 raise SystemExit(f"run failed ({proc.returncode}): see {launches[i].run_dir / 'log.txt'}")
-            results[i] = launches[i].result(time.monotonic() - t0, self.machine)
+            wall, samples = max(time.monotonic() - t0, 1e-3), launches[i].samples_left()  # this segment's
+            results[i] = launches[i].result(wall, self.machine)
             if record is not None:
                 record(results[i])
-            self.rates.append(results[i]["samples"] / max(results[i]["wall_s"], 1e-3))
+            self.rates.append(samples / wall * max(self.load.get(i, 0.0) / wall, 1.0))
 
     def pause_active(self, launches: list[Launch], active: dict, results: list[dict | None],
                      record: Callable[[dict], None] | None, wait_s: float, why: str) -> None:
@@ -654,6 +691,7 @@ class Runner:
             if proc.poll() is None and (marked or earlier):  # checkpointed (the marker follows the complete
                 stop(proc)  # save), or resumed from one: either way kept, so stopped, not left running
             got = launch.progress(time.monotonic() - t0)
+            got["side_by_side"] = round(self.load.get(i, 0.0) / max(got["wall_s"], 1e-3), 2)  # with its rate: the machine's
             if proc.poll() is not None and marked:
                 got["paused"] = True
                 log.close()
@@ -667,7 +705,8 @@ class Runner:
                 log.close()
                 paused.append(slot)
             self.stopped.append(got)
-            rate = "–" if got["samples_per_s"] is None else f"{got['samples_per_s']:,.0f} samples/s"
+            rate = "–" if got["samples_per_s"] is None else (f"{got['samples_per_s']:,.0f} samples/s, "
+                                                             f"{got['side_by_side']:g} run(s) side by side")
             if got["data_wait"] is not None:
                 rate += f", {100 * got['data_wait']:.1f}% of the step time waiting for data"
             what = ("paused (checkpoint kept: the next start resumes it)" if marked and got["paused"] else
@@ -1117,16 +1156,21 @@ def parser() -> argparse.ArgumentParser:
                     help="set the runs made here beside the same cells of DIR (a study's output from another machine): "
                          "losses, difference, the tolerance, the data fingerprints")
     ap.add_argument("--time-limit", type=float, default=None, metavar="SECONDS",
-                    help="end within this many seconds: start a run only while the time left holds it at the slowest "
-                         "rate of the runs finished so far, pause the runs still going at the limit (each checkpoints; "
+                    help="end within this many seconds: start a run only while the time left holds it and what the "
+                         "runs in flight still have to train, at the machine's rate as the runs finished so far showed "
+                         "it (their rate times the runs beside them), pause the runs still going at the limit (each checkpoints; "
                          "the next start in the same --work resumes it), then assemble what finished, like "
                          "--only-finished (a lent GPU's time: the record grows piecewise, the rest is listed as not "
                          "run yet)")
     ap.add_argument("--expect-rate", type=float, default=None, metavar="SAMPLES_PER_S",
-                    help="with --time-limit, before any run finishes: start a run only while the time left holds it "
-                         "at this many samples/s (over a run's whole time, start-up included; e.g. an earlier "
-                         "lease's finished runs at the same --parallel on the same machine), so that runs too long "
-                         "for the time do not take a share of the machine from those that can finish")
+                    help="with --time-limit, before any run finishes: a run's samples/s when --expect-share of them "
+                         "ran side by side (over a run's whole time, start-up included; e.g. an earlier lease's "
+                         "finished runs on the same machine); their product is the machine's rate, which the runs in "
+                         "flight share: a run starts only while the time left holds it and what those still have to "
+                         "train, so that runs too long for the time do not take a share of the machine from those "
+                         "that can finish")
+    ap.add_argument("--expect-share", type=int, default=None, metavar="N",
+                    help="the runs side by side that --expect-rate was measured with (default: --parallel)")
     ap.add_argument("--parallel", type=int, default=1, metavar="N",
                     help="runs at a time (one GPU runs several small ones side by side; on CPUs each gets "
                          "cores / N threads unless OMP_NUM_THREADS is set)")
@@ -1275,10 +1319,11 @@ def main() -> None:
                       "this work directory resumes them; their rate after start-up is what the next lease can plan "
                       "with)",
                       table(["run", "step", "samples", "seconds", "start-up (s)", "samples/s after",
-                             "waiting for data", "kept"],
+                             "runs side by side", "waiting for data", "kept"],
                             [(g["run"], f"{g['step']} of {g['steps']}", f"{g['samples']:,.0f}", f"{g['wall_s']:.0f}",
                               "–" if g["setup_s"] is None else f"{g['setup_s']:.0f}",
                               "–" if g["samples_per_s"] is None else f"{g['samples_per_s']:,.0f}",
+                              f"{g['side_by_side']:g}" if "side_by_side" in g else "–",
                               "–" if g.get("data_wait") is None else f"{100 * g['data_wait']:.1f}%",
                               "paused" if g["paused"] else "removed")
                              for g in args.stopped]))

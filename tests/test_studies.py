@@ -1208,28 +1208,47 @@ def test_a_resumed_run_paused_in_its_start_up_is_kept_at_the_checkpoint_it_resum
             log.close()
 
 
-def test_expect_rate_keeps_runs_too_long_for_the_time_from_starting_before_any_run_finished(tmp_path):
-    """``--expect-rate``: before any run of the study has finished, a run starts only while the
-    time left holds it at that rate; without it every run fits until one finishes (as before:
-    on an H200 two 64× runs, 1,450 s each at the rate of their 8 side by side, started in a call
-    of 380 s beside six 16× runs and took a share of the GPU from them). Finished runs' rates
-    replace it."""
+def test_expect_rate_is_the_machines_shared_by_the_runs_in_flight(tmp_path):
+    """``--expect-rate`` × ``--expect-share`` (by default ``--parallel``) is the machine's rate,
+    which the runs in flight share: before any run has finished, a run starts only while the time
+    left holds it and what the runs beside it still have to train. A 64× run (6.5M samples) fits
+    a call of 420 s alone at 8 × 4,000 samples/s (an H200's rate with 8 runs side by side), not
+    beside six 16× runs with 1.6M samples each to go (on an H200 two 64× runs started beside six
+    16× runs took a share of the GPU from them). Fails on the rule that held each run to the rate
+    of one among 8, which never started a 64× run in a call (6.5M / 4,000 = 1,630 s) however few
+    ran beside it, so that no lease could run the study's 64× cells. Finished runs' rates, times
+    the runs beside them, replace it. Without a rate every run fits until one finishes."""
     import argparse
 
     sys.path.insert(0, str(STUDIES))
     from bert_batch import Launch, Runner
 
-    def launch(samples: int) -> Launch:
-        return Launch(tmp_path / str(samples), [], {}, {"samples": samples}, tmp_path / "no-data")
+    def launch(name: str, samples: int, trained: int | None = None) -> Launch:
+        run = Launch(tmp_path / name, [], {}, {"samples": samples}, tmp_path / "no-data")
+        if trained is not None:  # in flight: its steps logged so far
+            run.run_dir.mkdir()
+            (run.run_dir / "metrics.jsonl").write_text(json.dumps({"step": 3, "train/samples": trained,
+                                                                   "time": time.time()}) + "\n")
+        return run
 
-    args = argparse.Namespace(parallel=8, time_limit=Runner.ASSEMBLY_S + Runner.PAUSE_S + 400,
+    args = argparse.Namespace(parallel=8, time_limit=Runner.ASSEMBLY_S + Runner.PAUSE_S + 420,
                               started=time.monotonic(), ranks=1, port=29900)
-    assert Runner(args).fits(launch(6_520_832))  # no rate known: it starts
+    assert Runner(args).fits(launch("a", 6_520_832))  # no rate known: it starts
     args.expect_rate = 4000.0
     runner = Runner(args)
-    assert runner.fits(launch(1_300_000)) and not runner.fits(launch(6_520_832))
-    runner.rates.append(20_000.0)  # a run finished at this rate: it decides now
-    assert runner.fits(launch(6_520_832))
+    assert runner.aggregate_rate() == 32_000.0
+    sixteens = [launch(f"s{k}", 1_630_208, trained=0) for k in range(6)]
+    assert runner.fits(launch("alone", 6_520_832))  # 204 s of the machine
+    assert runner.fits(launch("two", 6_520_832), [launch("first", 6_520_832)])  # 408 s
+    assert not runner.fits(launch("three", 6_520_832), [launch("f1", 6_520_832), launch("f2", 6_520_832)])
+    assert not runner.fits(launch("b", 6_520_832), sixteens)  # 510 s
+    assert runner.fits(launch("c", 1_630_208), sixteens)  # a seventh 16×: 357 s
+    done = [launch(f"d{k}", 1_630_208, trained=1_500_000) for k in range(6)]  # nearly done: 130,208 each to go
+    assert runner.fits(launch("e", 6_520_832), done)
+    args.expect_share = 1  # measured alone: the machine's rate is one run's
+    assert Runner(args).aggregate_rate() == 4000.0 and not Runner(args).fits(launch("f", 6_520_832))
+    runner.rates.append(20_000.0)  # a run finished showing this rate: it decides now
+    assert runner.aggregate_rate() == 20_000.0 and runner.fits(launch("g", 6_520_832))
 
 
 @pytest.mark.slow
@@ -1360,3 +1379,26 @@ def test_bert_batch_quick_at_noise_multiples(tmp_path, study_work):
     tables = (tmp_path / "out" / "tables.md").read_text()
     assert f"unigram level, nats: embedded {meta['unigram_loss']['embedded']:.3f}" in tables
     assert "not decided: LAMB and VR-LAMB first_moment lack 2 seeds" in tables and meta["unrun"] == []
+
+
+def test_the_gpu_suites_study_commands_parse():
+    """Every ``studies/bert_batch.py`` command of ``benchmarks/gpu_suite.sh`` (the seed check and
+    the study past the plateau), its shell variables at their defaults, is one the study's parser
+    takes: an option it lacks would end a lent GPU's call at once, with the lease's time spent."""
+    import re
+    import shlex
+
+    sys.path.insert(0, str(STUDIES))
+    from bert_batch import parser
+
+    script = (ROOT / "benchmarks" / "gpu_suite.sh").read_text().replace("\\\n", " ")
+    commands = [line.split("studies/bert_batch.py", 1)[1] for line in script.splitlines()
+                if "python3 studies/bert_batch.py" in line and not line.lstrip().startswith("#")]
+    assert len(commands) == 2
+    for command in commands:
+        command = command.replace('"${reuse[@]}"', "--reuse docs/studies/bert_plateau")
+        command = re.sub(r"\$\{[A-Z_]+:-([^}]*)\}", r"\1", command)  # ${NAME:-default}
+        command = re.sub(r"\$\(\([^)]*\)\)", "100", command)  # $((arithmetic))
+        command = re.sub(r"\$[a-zA-Z_]+", "/x", command)  # $wikitext, $WORK
+        args = parser().parse_args(shlex.split(command))
+        assert args.time_limit is None or args.expect_share == 8
