@@ -25,11 +25,22 @@ _POOL_GROUPS: set = set()  # the process groups the pool's ranks had before any 
 
 def prepare(case: dict) -> dict:
     """Megatron's CUDA assumptions answered for these CPU ranks (``vrgd_ds/megatron/cpu_ranks.py``,
-    what the Megatron job applies on CPU ranks too); the groups that outlive every case noted."""
+    what the Megatron job applies on CPU ranks too); the groups that outlive every case noted.
+    What the rank holds now (torch, Megatron, the pool's groups: about 440,000 objects) is moved
+    out of the collector's sight (``gc.freeze``), so that the collection and the scan that end
+    every case (``release_model_parallel``) go over the case's own objects: 0.4 s a case less."""
+    import gc
+    import importlib
+
     from vrgd_ds.megatron import cpu_ranks
+
+    for name in ("megatron.core.distributed", "megatron.core.parallel_state"):  # release_model_parallel's, frozen too
+        importlib.import_module(name)
 
     cpu_ranks.apply()
     _POOL_GROUPS.update(dist.distributed_c10d._world.pg_map)
+    gc.collect()
+    gc.freeze()
     return {}
 
 
