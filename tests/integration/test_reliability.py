@@ -44,9 +44,6 @@ MEGATRON_CONFIG = {
 }
 TIMEOUT = jobs.TIMEOUT
 BOTH = ["deepspeed", "megatron"]
-#: make test runs the DeepSpeed case; the exhaustive tier both (the spine's code is the same; make
-#: test pre-empts and resumes the Megatron engine in its resume on another tensor-parallel size)
-MEGATRON_EXHAUSTIVE = ["deepspeed", pytest.param("megatron", marks=pytest.mark.exhaustive)]
 NO_DROPOUT = ("megatron.model.hidden_dropout=0.0", "megatron.model.attention_dropout=0.0")
 
 
@@ -232,7 +229,8 @@ def assert_same_run(run: Path, full: Path) -> None:
     assert got[8][key] == want[8][key]
 
 
-@pytest.mark.parametrize("config", MEGATRON_EXHAUSTIVE, indirect=True)
+@pytest.mark.exhaustive  # three launches, 68 s (make test: engine checkpoints resumed exactly, test_deepspeed.py)
+@pytest.mark.parametrize("config", BOTH, indirect=True)
 def test_preemption_signal_checkpoints_and_the_requeued_run_continues_exactly(config, alone, tmp_path):
     """SIGUSR1 (Slurm's --signal=USR1@T) to one rank mid-run: every rank finishes its step, the job
     takes a checkpoint and exits 75 (requeue); started again it resumes there and its losses equal

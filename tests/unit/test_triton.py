@@ -24,9 +24,13 @@ DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 ADAM_FAMILY = [n for n, i in REGISTRY.items() if i.vr and "gsnr_placement" in i.accepted_params()]
 # the base variants (the same code with gsnr=False, which the gamma = 1 cases also check) in the exhaustive tier
 NAMES = [n if REGISTRY[n].vr else pytest.param(n, marks=pytest.mark.exhaustive) for n in REGISTRY]
-CASES = [(n, {}) if REGISTRY[n].vr else pytest.param(n, {}, marks=pytest.mark.exhaustive)
+# make test: every VR member, the Adam family's each with one placement, taken in turn so that
+# every placement is met; the other placements exhaustive
+CASES = [pytest.param(n, {}, marks=() if REGISTRY[n].vr else pytest.mark.exhaustive)
          for n in REGISTRY if n not in ADAM_FAMILY] + [
-    pytest.param(n, dict(gsnr_placement=pl), id=f"{n}-{pl}") for n in ADAM_FAMILY for pl in GSNR_PLACEMENTS]
+    pytest.param(n, dict(gsnr_placement=pl), id=f"{n}-{pl}",
+                 marks=() if k % len(GSNR_PLACEMENTS) == j else pytest.mark.exhaustive)
+    for k, n in enumerate(ADAM_FAMILY) for j, pl in enumerate(GSNR_PLACEMENTS)]
 
 
 @pytest.fixture(autouse=True)
@@ -136,9 +140,11 @@ def test_triton_many_tensors_in_one_launch():
     assert results[0][1]["trust_ratio/mean"] == pytest.approx(results[1][1]["trust_ratio/mean"], rel=1e-6)
 
 
-@pytest.mark.parametrize("name, over", [c for c in CASES if (c[0] if isinstance(c, tuple) else c.values[0])
-                                        in [n for n, i in REGISTRY.items() if i.vr]])
+@pytest.mark.parametrize("name, over", [c for c in CASES if REGISTRY[c.values[0]].vr])
 def test_triton_gamma_one_is_the_base_optimizer_exactly(name, over):
+    """γ = 1 on the kernels is the same optimizer with GSNR off, bit for bit, for every VR member
+    (the Adam family's in the placements ``CASES`` takes). Its cases once left out the Adam
+    family: its entries were filtered by ``c[0]``, which for a ``pytest.param`` is its values."""
     batches = data(2, 2)
     m1, m2 = Net().to(DEVICE), Net().to(DEVICE)
     vr = run(m1, build(name, m1, "triton", gamma=1.0, **over), batches)
@@ -229,8 +235,9 @@ def _assert_same_runs(runs):
     assert k1 == k2 == 1 and m1[1]["step/skipped"] == 1.0 and m1[2]["step/skipped"] == 0.0
 
 
-@pytest.mark.parametrize("name, over", [
-    ("VRLamb", {}), pytest.param("VRAdam", dict(gsnr_placement="update"), id="VRAdam-update"),
+@pytest.mark.parametrize("name, over", [  # make test: VRLamb's on a flat partition (below)
+    pytest.param("VRLamb", {}, marks=pytest.mark.exhaustive),
+    pytest.param("VRAdam", dict(gsnr_placement="update"), id="VRAdam-update"),
     pytest.param("Lamb", dict(max_grad_norm=0.5, grad_averaging=False, min_coeff=0.9, max_coeff=1.05),
                  id="Lamb-nvlamb-clamped", marks=pytest.mark.exhaustive),
     pytest.param("VRLamb", dict(beta3=0.0, bias_correction=False, gsnr_placement="update"), id="VRLamb-no-momentum",
