@@ -59,7 +59,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 from statistics import mean
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 from common import DOCS, Output, hardware, machine, plt, portable, spread, table
 
@@ -562,7 +562,7 @@ class Runner:
             return None
         return expect * (getattr(self.args, "expect_share", None) or self.parallel)
 
-    def fits(self, launch: Launch, beside: list[Launch] = ()) -> bool:
+    def fits(self, launch: Launch, beside: Sequence[Launch] = ()) -> bool:
         """Whether the time left holds the run and what the runs in flight (``beside``) still have to
         train, all at the machine's rate (``aggregate_rate``; with none known every run fits until
         one finishes)."""
