@@ -141,8 +141,11 @@ part opt_step_adam 40 python3 benchmarks/gpu_optimizer_step.py --model large --i
 # 8 on one H200, start-up included, times those 8; a 64x run, 6.5M samples, about 200 s alone, so
 # that a call starts the one or two it can finish and not six it cannot), pauses the rest at the limit, and
 # assembles what finished (the runs needed next are listed as not run yet). Each run's record says
-# how much of its step time it waited for its DataLoader (data_wait); PLATEAU_WORKERS (default 1)
-# gives each run more workers (the same samples) when that is high. Beside it, benchmarks/load_sampler.py
+# how much of its step time it waited for its DataLoader (data_wait). Each run has PLATEAU_WORKERS
+# DataLoader workers (default 4, the same samples as 1): one worker makes about 8,700 masked samples/s
+# at seq 128 (a 2-core CPU, docs/benchmarks.md), enough for a run among 8 (4,000 samples/s) but not
+# for one of two 64x runs at about 16,000 samples/s each; idle workers wait on their full queues.
+# Beside it, benchmarks/load_sampler.py
 # samples the GPU's utilisation and the host's busy cores (plateau_load.csv, its summary in summary.log).
 if [[ " $PARTS " == *" plateau "* ]]; then
     left=$((BUDGET_S - SECONDS))
@@ -166,7 +169,7 @@ if [[ " $PARTS " == *" plateau "* ]]; then
             --bracket 1 --bracket-carry --samples 102400 --min-steps 128 --groups 8 \
             --heldout-fraction 0.1 --eval-points 16 --parallel "${PLATEAU_PARALLEL:-8}" \
             --time-limit $((left - 10)) --expect-rate "${PLATEAU_RATE:-4000}" --expect-share 8 \
-            --workers "${PLATEAU_WORKERS:-1}" \
+            --workers "${PLATEAU_WORKERS:-4}" \
             "${reuse[@]}" --work /tmp/bert_plateau --out "$WORK/bert_plateau"
         kill "$sampler" && wait "$sampler"
         tee -a "$WORK/summary.log" <"$WORK/plateau_load.log"
