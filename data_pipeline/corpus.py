@@ -55,6 +55,7 @@ import os
 import pkgutil
 import re
 import sys
+import unicodedata
 import warnings
 import zlib
 from collections.abc import Iterable, Iterator
@@ -76,7 +77,9 @@ Document = list[str]
 # word character after an optional opening quote/bracket; ``_starts_sentence`` keeps those whose
 # character is a capital or a digit in any script ("Über", "Émile", "Было", "٣"). Lower-case
 # continuations ("e.g. the", "H. americanus") are never split.
-_BOUNDARY = re.compile(r"""[.!?]+["'\u201d\u2019)\]]*\s+(?=["'\u201c\u2018(\[]?(\w))""")
+_CLOSING = "\"'\u201d\u2019\u201c\u2018\u00bb\u203a)]"  # " ' ” ’, German “ ‘, French » ›, brackets
+_OPENING = "\"'\u201c\u2018\u201e\u201a\u00ab\u2039(["  # " ' “ ‘, German „ ‚, French « ‹, brackets
+_BOUNDARY = re.compile(rf"""[.!?]+[{re.escape(_CLOSING)}]*\s+(?=[{re.escape(_OPENING)}]?(\w))""")
 # Words whose trailing period is an abbreviation, not a sentence end (compared lower-cased,
 # without the period).
 _ABBREVIATIONS = frozenset(
@@ -95,6 +98,8 @@ def _starts_sentence(char: str) -> bool:
 
 
 def _initial(word: str) -> bool:
+    """A single capital, composed or not ("É" as one code point or as "E" and a combining accent)."""
+    word = unicodedata.normalize("NFC", word)
     return len(word) == 1 and _starts_sentence(word) and not word.isdecimal()
 
 
@@ -118,7 +123,7 @@ def split_sentences(text: str) -> list[str]:
         if not _starts_sentence(match.group(1)):
             continue
         if text[match.start()] == "." and match.group().startswith(".") and not match.group().startswith(".."):
-            word = text[start:match.start()].rsplit(" ", 1)[-1].lstrip("\"'([\u201c\u2018")
+            word = text[start:match.start()].rsplit(" ", 1)[-1].lstrip(_OPENING)
             if word.lower() in _ABBREVIATIONS or _DOTTED.fullmatch(word) or _initial(word):
                 continue
         end = match.start() + len(match.group().rstrip())
@@ -223,6 +228,26 @@ def _open_text(path: Path) -> TextIO:
     return open(path, encoding="utf-8")
 
 
+def _undecodable_line(path: Path) -> int | None:
+    """The first line of ``path`` that is not UTF-8 (1-based; None if every line is). The text
+    reader decodes blocks ahead of the line it yields, so its position does not say where the bad
+    byte is; no UTF-8 character holds a newline byte, so each line decodes on its own."""
+    opener = _OPENERS.get(path.suffix.lower(), open)
+    with opener(path, "rb") as fh:
+        for lineno, raw in enumerate(fh, 1):
+            try:
+                raw.decode("utf-8")
+            except UnicodeDecodeError:
+                return lineno
+    return None
+
+
+def _not_utf8(path: Path) -> DataError:
+    line = _undecodable_line(path)
+    where = f"{path}:{line}" if line is not None else str(path)
+    return DataError(f"{where}: not UTF-8 text; convert the file to UTF-8 or leave it out of the inputs")
+
+
 def detect_format(path: PathLike) -> str:
     """``"jsonl"``, ``"wikitext"`` or ``"text"`` for ``path``, by extension, then by content."""
     path = Path(path)
@@ -235,7 +260,7 @@ def detect_format(path: PathLike) -> str:
         with _open_text(path) as fh:
             head = fh.read(1 << 16)
     except UnicodeDecodeError:
-        raise DataError(f"{path}: not UTF-8 text; convert it to UTF-8 or leave it out of the inputs") from None
+        raise _not_utf8(path) from None
     except _CORRUPT as e:
         if not _corrupt(path, e):
             raise
@@ -253,14 +278,16 @@ def resolve_inputs(inputs: PathLike | Iterable[PathLike]) -> list[Path]:
     """Expand files, directories and glob patterns to a sorted, de-duplicated list of files.
 
     Order: inputs in the order given; within a directory or pattern, sorted by path, so the
-    corpus (and everything built from it) is the same on every machine.
+    corpus (and everything built from it) is the same on every machine. A file or directory that
+    exists is taken as named, even where its name holds glob characters (``wiki[2023].txt``):
+    only a path that names nothing is a pattern.
     """
     if isinstance(inputs, (str, os.PathLike)):
         inputs = [inputs]
     files: list[Path] = []
     for entry in inputs:
         text = os.path.expanduser(os.fspath(entry))
-        if glob.has_magic(text):
+        if glob.has_magic(text) and not os.path.exists(text):
             matched = sorted(Path(p) for p in glob.glob(text, recursive=True) if os.path.isfile(p))
             if not matched:
                 raise DataError(
@@ -314,9 +341,7 @@ def read_file(path: PathLike, format: str = "auto", field: str = "text") -> Iter
             else:
                 yield from _text_documents(path, counted())
         except UnicodeDecodeError:
-            raise DataError(
-                f"{path}:{lineno + 1}: not UTF-8 text; convert the file to UTF-8 or leave it out of the inputs"
-            ) from None
+            raise _not_utf8(path) from None
         except _CORRUPT as e:
             if not _corrupt(path, e):
                 raise

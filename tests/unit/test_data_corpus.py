@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import gzip
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -63,6 +64,20 @@ def test_split_sentences_at_capitals_and_initials_of_any_script():
     assert split_sentences("He read (É. Zola) then. Émile agreed.") == ["He read (É. Zola) then.", "Émile agreed."]
     assert split_sentences("It cost 3. ٣ is three.") == ["It cost 3.", "٣ is three."]
     assert split_sentences("Sie sagte es. über alles.") == ["Sie sagte es. über alles."]  # lower case: no boundary
+
+
+def test_split_sentences_at_german_and_french_quotes_and_decomposed_initials():
+    """German („…“, ‚…‘) and French («…») quotes open and close sentences as English ones do,
+    and an initial written decomposed ("E" and a combining acute) is an initial as "É" is. Fails
+    on the rule that knew only English quotes (no boundary before „ or «, none after “) and took
+    a two-code-point "É" for a word that ends a sentence."""
+    assert split_sentences("Er ging. „Komm“, rief sie.") == ["Er ging.", "„Komm“, rief sie."]
+    assert split_sentences("Sie rief: „Komm.“ Dann ging er.") == ["Sie rief: „Komm.“", "Dann ging er."]
+    assert split_sentences("Ende. ‚Anfang‘ hier.") == ["Ende.", "‚Anfang‘ hier."]
+    assert split_sentences("Fin. «Début» ici. «Encore.» Puis la fin.") == [
+        "Fin.", "«Début» ici.", "«Encore.»", "Puis la fin."]
+    decomposed = "Le roman de E\u0301. Zola est long."
+    assert split_sentences(decomposed) == [decomposed]
 
 
 def test_plain_text_blank_lines_separate_documents(tmp_path):
@@ -143,6 +158,18 @@ def test_globs_directories_and_compressed_files(tmp_path):
     assert [p.name for p in resolve_inputs([tmp_path / "b.txt", str(tmp_path / "*.txt")])] == ["b.txt", "a.txt"]
     assert list(read_documents(tmp_path)) == [["Doc a."], ["Doc b."], ["Doc c."], ["Doc d."]]
 
+def test_a_file_whose_name_holds_glob_characters_is_read_as_named(tmp_path):
+    """An existing ``wiki[2023].txt`` is that file, not the pattern ``wiki`` + one of 2, 0, 3.
+    Fails on the code that globbed every name with a glob character: it read ``wiki2.txt``
+    instead (and with no such file, said the input matched nothing)."""
+    (tmp_path / "wiki[2023].txt").write_text("The named file.\n")
+    (tmp_path / "wiki2.txt").write_text("Another file.\n")
+    assert [p.name for p in resolve_inputs(str(tmp_path / "wiki[2023].txt"))] == ["wiki[2023].txt"]
+    assert list(read_documents(str(tmp_path / "wiki[2023].txt"))) == [["The named file."]]
+    # a name that exists nowhere is still a pattern
+    assert [p.name for p in resolve_inputs(str(tmp_path / "wiki[2].txt"))] == ["wiki2.txt"]
+
+
 
 def test_missing_inputs_are_errors(tmp_path):
     with pytest.raises(DataError, match="nope.txt does not exist"):
@@ -169,8 +196,24 @@ def test_empty_corpus_is_an_error(tmp_path):
 def test_non_utf8_names_the_file(tmp_path):
     path = tmp_path / "latin1.txt"
     path.write_bytes("Fine line.\n".encode() * 3 + "caf\xe9\n".encode("latin-1"))
-    with pytest.raises(DataError, match=r"latin1\.txt.*not UTF-8"):
+    with pytest.raises(DataError, match=r"latin1\.txt:4: not UTF-8"):
         list(read_documents(path, format="text"))
+
+
+@pytest.mark.parametrize("suffix", [".txt", ".txt.gz"])
+def test_non_utf8_names_the_line_of_the_bad_byte(tmp_path, suffix):
+    """The error names the line that holds the bad byte, in plain and compressed files, whatever
+    the format detection or the reader had read ahead. Fails on the code that named the line the
+    reader had reached: the text layer decodes 8 KiB blocks ahead, so a bad byte on line 2,500
+    was reported on line 2,285."""
+    lines = [f"Line {i} of a long file.\n".encode() for i in range(1, 3001)]
+    lines[2499] = "Line 2500 caf\xe9.\n".encode("latin-1")
+    path = tmp_path / f"long{suffix}"
+    with (gzip.open if suffix.endswith(".gz") else open)(path, "wb") as fh:
+        fh.write(b"".join(lines))
+    for fmt in ("auto", "text"):
+        with pytest.raises(DataError, match=rf"long{re.escape(suffix)}:2500: not UTF-8"):
+            list(read_documents(path, format=fmt))
 
 
 def test_corpus_is_reiterable(tmp_path):
