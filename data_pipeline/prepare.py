@@ -240,8 +240,12 @@ def prepare(
             )
             built.append("tokenizer")
             # the source and the trainer's release are recorded, not compared (a tokenizer trained by another
-            # release is still the data the shards were made from); later steps are stale now
-            record = {"tokenizer": {**wanted, "source": corpus.description, "trainer": trainer(),
+            # release is still the data the shards were made from); later steps are stale now, unless the
+            # tokenizer came out byte for byte as before (another seed on a corpus the trainer reads whole):
+            # then the shards stand, and a job reading them while this one prepares goes on
+            same = tokenizer.sha256 == old.get("sha256")
+            record = {**(record if same else {}),
+                      "tokenizer": {**wanted, "source": corpus.description, "trainer": trainer(),
                                     "sha256": tokenizer.sha256}}
             _write_record(record_path, record)
 

@@ -110,6 +110,25 @@ def test_prepare_is_idempotent_and_notices_changed_input(corpus_file, tmp_path, 
     assert "built: nothing (all reused)" in capsys.readouterr().out
 
 
+def test_another_seed_keeps_the_shards_when_the_tokenizer_comes_out_the_same(corpus_file, tmp_path):
+    """Seeds side by side on one prepared directory: the seed seeds the tokenizer's sampling, so
+    another seed trains it again, but on a corpus the trainer reads whole it comes out byte for
+    byte the same, and the shards stand (a job of the first seed may be reading them). Fails on
+    the code that dropped the shards' record whenever the tokenizer was trained: it rewrote them,
+    deleting the files a running job had not opened yet."""
+    out = tmp_path / "prepared"
+    options = dict(vocab_size=400, seq_lens=(64,), workers=1, progress=False, tokenizer_threads=1,
+                   shard_tokens=10000)
+    first = prepare(out, corpus_file, seed=1, **options)
+    shards = {p: (p.stat().st_mtime_ns, p.read_bytes()) for p in (out / "shards").iterdir()}
+    second = prepare(out, corpus_file, seed=2, **options)
+    assert second.built == ("tokenizer",)
+    assert second.tokenizer.read_bytes() == first.tokenizer.read_bytes()
+    assert {p: (p.stat().st_mtime_ns, p.read_bytes()) for p in (out / "shards").iterdir()} == shards
+    assert first.sample_indices[64].is_file() and second.sample_indices[64] != first.sample_indices[64]
+    assert prepare(out, corpus_file, seed=2, **options).built == ()
+
+
 def test_input_files_may_follow_the_options(corpus_file, tmp_path, capsys):
     """``prepare OUT --options... INPUT`` (how scripts append their file lists) reads the inputs;
     an unknown option is still an error naming it. On the old code the first command exited
