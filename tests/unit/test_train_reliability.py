@@ -72,6 +72,30 @@ def test_a_data_path_without_prepared_data_is_an_error_unless_asked_to_prepare(t
         check_data_path(job)  # asked to prepare there: no error
 
 
+def test_a_job_asked_to_prepare_finishes_a_preparation_left_half_done(tmp_path, monkeypatch):
+    """``job.data.prepare: true`` on a directory a killed preparation left with a tokenizer and no
+    shards prepares it (``prepare`` is idempotent: it reuses what matches). Fails on the code that
+    took any directory with a tokenizer for one prepared beforehand: the restarted job stopped at
+    "shard directory ... does not exist"."""
+    from vrgd_ds.data_pipeline import prepare as prepare_module
+    from vrgd_ds.train.config import load_config
+    from vrgd_ds.train.data import prepare_data
+
+    (tmp_path / "half").mkdir()
+    (tmp_path / "half" / "tokenizer.model").write_bytes(b"a tokenizer without shards")
+    _, job = load_config(TEST_CONFIG, [f'job.data.path="{tmp_path / "half"}"', "job.data.prepare=true"])
+    calls = []
+
+    def prepare(out, **kwargs):
+        calls.append(out)
+        raise RuntimeError("prepared")
+
+    monkeypatch.setattr(prepare_module, "prepare", prepare)
+    with pytest.raises(RuntimeError, match="prepared"):
+        prepare_data(job, tmp_path / "run", 0, lambda: None, [64])
+    assert calls == [tmp_path / "half"]
+
+
 def test_data_that_cannot_be_prepared_ends_the_job_with_one_line(capsys, monkeypatch):
     """The shipped BERT-large configs on the embedded corpus (``data.path`` null) ask for 30,522
     pieces, more than its text holds (about 10.9k): preparing the data raises a DataError on rank 0

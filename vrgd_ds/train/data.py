@@ -20,7 +20,7 @@ import torch
 
 from vrgd_ds.data_pipeline.sampler import PretrainingSampler
 from vrgd_ds.data_pipeline.samples import DOC_A, DOC_B, BertPretrainingDataset, collate, index_filename
-from vrgd_ds.data_pipeline.shards import ShardedCorpus
+from vrgd_ds.data_pipeline.shards import MANIFEST, ShardedCorpus
 from vrgd_ds.data_pipeline.prepare import SHARDS_DIR, TOKENIZER_FILE
 from vrgd_ds.data_pipeline.tokenizer import Tokenizer
 from vrgd_ds.train.config import ConfigError, JobConfig
@@ -54,8 +54,6 @@ class JobData:
         return self.tokenizer.vocab_size
 
     def fingerprint(self) -> str:
-        from vrgd_ds.data_pipeline.shards import MANIFEST
-
         return fingerprint(self.tokenizer.sha256, self.corpus.path / MANIFEST, self.seed, self.split_document,
                            self.next_sentence)
 
@@ -155,7 +153,6 @@ def prepared_fingerprint(out: Path, seed: int, heldout_fraction: float, next_sen
     sentence-pair task reads it (None if nothing is prepared there)."""
     import json
 
-    from vrgd_ds.data_pipeline.shards import MANIFEST
     from vrgd_ds.data_pipeline.tokenizer import sha256_file
 
     manifest = out / SHARDS_DIR / MANIFEST
@@ -186,7 +183,7 @@ def check_data_path(job: JobConfig) -> None:
                           "'corpus/*.txt'), list raw files in job.data.inputs to have the job prepare them there "
                           "(job.data.prepare: true for the embedded corpus), or set job.data.path to null for the "
                           "embedded corpus in the run directory")
-    missing = [name for name in (TOKENIZER_FILE, f"{SHARDS_DIR}/manifest.json") if not (out / name).is_file()]
+    missing = [name for name in (TOKENIZER_FILE, f"{SHARDS_DIR}/{MANIFEST}") if not (out / name).is_file()]
     if missing:
         raise ConfigError(f"job.data.path: {out} holds no prepared data (no {' or '.join(missing)}). Prepare it "
                           f"with vrgd-data prepare {out} 'corpus/*.txt', or list raw files in job.data.inputs to "
@@ -200,9 +197,12 @@ def prepare_data(job: JobConfig, run_dir: Path, rank: int, barrier: Any, seq_len
     cfg = job.data
     out = Path(cfg.path) if cfg.path else run_dir / "data"
     check_data_path(job)
-    if rank == 0 and cfg.path and not cfg.inputs and (out / TOKENIZER_FILE).is_file():
+    prepared = (out / TOKENIZER_FILE).is_file() and (out / SHARDS_DIR / MANIFEST).is_file()
+    if rank == 0 and cfg.path and not cfg.inputs and prepared:
         # A directory prepared beforehand (vrgd-data prepare): use its tokenizer and shards as
-        # they are; only sample indices for this job's seed / lengths are added if missing.
+        # they are; only sample indices for this job's seed / lengths are added if missing. One
+        # that a preparation left half done (a tokenizer, no shards) is prepared when the job is
+        # asked to (``prepare``; else ``check_data_path`` refused it).
         from vrgd_ds.data_pipeline.samples import build_sample_index
 
         with prepare_lock(out):  # another job adding indices here, or preparing it, goes first
