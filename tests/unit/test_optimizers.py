@@ -203,6 +203,35 @@ def test_a_bf16_model_s_fp32_state_resumes_as_saved(name, fused):
         assert torch.equal(a, b)
 
 
+@pytest.mark.parametrize("fused", IMPLS)
+def test_a_bf16_state_saved_by_another_optimizer_resumes_in_fp32(fused):
+    """A state whose moments were kept in the parameters' dtype (torch's AdamW on a bf16 model:
+    the same keys) loads as fp32 state holding the saved values, and steps as that state widened
+    to fp32 by hand does. Fails on the code before: only fp32 saved tensors were kept in fp32, so
+    these stayed bf16; the C++ kernels then refused them at the first step ("tensors must be
+    float32") and the reference stepped with bf16 moments."""
+    data = batches(4, 2, dtype=torch.bfloat16)
+    m = make_model(torch.bfloat16)
+    base = torch.optim.AdamW(m.parameters(), lr=1e-2)
+    run(m, base, data[:2])
+    saved = copy.deepcopy(base.state_dict())
+    widened = copy.deepcopy(saved)
+    for st in widened["state"].values():
+        st.update({k: v.float() for k, v in st.items() if k != "step"})
+    resumed = []
+    for state in (saved, widened):
+        model = copy.deepcopy(m)
+        opt = vrgd_ds.VRAdam(model.parameters(), fused=fused)
+        opt.load_state_dict(state)
+        for i, p in enumerate(model.parameters()):
+            for k in ("exp_avg", "exp_avg_sq"):
+                assert opt.state[p][k].dtype == torch.float32
+                assert torch.equal(opt.state[p][k], widened["state"][i][k])
+        resumed.append(run(model, opt, data[2:]))
+    for a, b in zip(*resumed):
+        assert torch.equal(a, b)
+
+
 def test_old_checkpoint_without_new_keys_loads():
     """A checkpoint missing a group option and the GSNR momentum still loads: the option
     takes its default, the state is created at the next step."""
@@ -564,6 +593,31 @@ def test_a_param_group_s_member_option_out_of_range_is_rejected_naming_it(cls, k
     if cls is vrgd_ds.VRLamb and key in ("min_coeff", "max_coeff"):  # the constructor's keyword, named
         with pytest.raises(ValueError, match=f"invalid {key}="):
             cls(params, **{key: value})
+
+
+@pytest.mark.parametrize("cls, kwargs, message", [
+    (vrgd_ds.VRAdam, dict(betas=(0.9,)), r"invalid betas=\(0.9,\): must be a pair"),
+    (vrgd_ds.VRLamb, dict(betas=(0.9, 0.99, 0.5)), r"invalid betas=\(0.9, 0.99, 0.5\): must be a pair"),
+    (vrgd_ds.VRLars, dict(momentum=0.0, nesterov=True), r"invalid nesterov=True: must be False unless momentum > 0"),
+    (vrgd_ds.VRAdam, dict(lr=torch.tensor(0.1)), r"invalid lr=tensor\(0.1000\): must be a Python number"),
+    (vrgd_ds.VRLamb, dict(max_grad_norm="1"), r"invalid max_grad_norm='1': must be a number > 0"),
+])
+def test_an_option_of_the_wrong_kind_is_refused_naming_it(cls, kwargs, message):
+    """Options of the wrong shape or type are refused with the option's name and what it must be.
+    Fails on the code before: betas of one value raised a bare IndexError and a third was
+    dropped; VRLars took nesterov=True with no momentum and ignored it (VRMomentum and torch's
+    SGD refuse it); a tensor lr of 0.1 was refused as if negative; a group's max_grad_norm=None
+    raised a TypeError from a comparison."""
+    with pytest.raises(ValueError, match=message):
+        cls(make_model().parameters(), **kwargs)
+    params = list(make_model().parameters())
+    key, value = next(iter(kwargs.items())) if len(kwargs) == 1 else ("nesterov", True)
+    group = {"params": params[2:], key: value} if len(kwargs) == 1 else {"params": params[2:], **kwargs}
+    with pytest.raises(ValueError, match="param group 1"):
+        cls([{"params": params[:2]}, group])
+    if cls is vrgd_ds.VRLamb and key == "max_grad_norm":
+        with pytest.raises(ValueError, match="param group 1.*invalid max_grad_norm=None"):
+            cls([{"params": params[:2]}, {"params": params[2:], "max_grad_norm": None}])
 
 
 def test_a_state_saved_with_gsnr_eps_0_resumes_with_the_optimizers_value(caplog):

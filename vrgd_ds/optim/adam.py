@@ -37,6 +37,7 @@ UPDATE_PLACEMENT = _impl.UPDATE
 
 
 def check_adam_args(owner: str, betas: tuple[float, float], eps: float) -> None:
+    check_arg(owner, "betas", isinstance(betas, (tuple, list)) and len(betas) == 2, betas, "a pair (beta1, beta2)")
     check_arg(owner, "betas[0]", 0.0 <= betas[0] < 1.0, betas[0], "in [0, 1)")
     check_arg(owner, "betas[1]", 0.0 <= betas[1] < 1.0, betas[1], "in [0, 1)")
     check_arg(owner, "eps", eps >= 0.0, eps, ">= 0")

@@ -22,7 +22,8 @@ def check_common(owner: str, options: dict[str, Any]) -> None:
     """The ranges of the options every member has: the constructor's defaults, and each param
     group's own (a group's ``beta3=1`` would make p̂ = 0/0)."""
     lr = options["lr"]
-    check_arg(owner, "lr", isinstance(lr, (int, float)) and lr >= 0, lr, ">= 0")
+    check_arg(owner, "lr", isinstance(lr, (int, float)), lr, "a Python number (a tensor lr is not supported)")
+    check_arg(owner, "lr", lr >= 0, lr, ">= 0")
     check_arg(owner, "gamma", 0.0 < options["gamma"] <= 1.0, options["gamma"], "in (0, 1]")
     check_arg(owner, "beta3", 0.0 <= options["beta3"] < 1.0, options["beta3"], "in [0, 1)")
     # 0 would make r = 0/0 where every group's gradient is 0 (an embedding row no sample used)

@@ -195,7 +195,8 @@ class VRLamb(GSNROptimizer):
     def _check_options(owner: str, group: dict[str, Any]) -> None:
         check_adam_group(owner, group)
         check_coeffs(owner, group)
-        check_arg(owner, "max_grad_norm", group["max_grad_norm"] > 0, group["max_grad_norm"], "> 0")
+        norm = group["max_grad_norm"]
+        check_arg(owner, "max_grad_norm", isinstance(norm, (int, float)) and norm > 0, norm, "a number > 0")
         if not group["adam_w_mode"] and group["gsnr"]:
             raise ValueError(f"{owner}: adam_w_mode=False (L2 regularisation inside the gradient) "
                              "works with gsnr=False only: the GSNR scales the data gradient, and L2 makes the "

@@ -83,6 +83,8 @@ class VRLars(GSNROptimizer):
     @staticmethod
     def _check_options(owner: str, group: dict[str, Any]) -> None:
         check_arg(owner, "momentum", 0.0 <= group["momentum"] < 1.0, group["momentum"], "in [0, 1)")
+        check_arg(owner, "nesterov", not group["nesterov"] or group["momentum"] > 0, group["nesterov"],
+                  "False unless momentum > 0")
         check_arg(owner, "trust_coefficient", group["trust_coefficient"] > 0, group["trust_coefficient"], "> 0")
         check_arg(owner, "eps", group["eps"] >= 0, group["eps"], ">= 0")
 

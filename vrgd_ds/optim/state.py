@@ -63,16 +63,18 @@ def built_wiring(groups: list[dict[str, Any]], wiring_keys: tuple[str, ...]) -> 
 def keep_fp32_state(state: dict[Tensor, dict[str, Any]], groups: list[dict[str, Any]],
                     saved: dict[str, Any]) -> None:
     """torch's ``load_state_dict`` casts every state tensor but ``step`` to its parameter's dtype;
-    the VRGD state is fp32 for bf16 and fp16 parameters too (docs/design.md §1.2), so each fp32
-    tensor of the saved state is put back as saved, not rounded to the parameter's dtype."""
+    the VRGD state is fp32 for bf16 and fp16 parameters too (docs/design.md §1.2), so each
+    floating-point tensor of the saved state is put back in fp32 from the saved values: an fp32
+    one as saved, not rounded to the parameter's dtype, and one saved in another precision (the
+    state of a base optimizer that kept it in the parameter's dtype) widened."""
     ids = (i for g in saved["param_groups"] for i in g["params"])
     params = (p for g in groups for p in g["params"])
     for i, p in zip(ids, params):
         if p.dtype == torch.float32 or p not in state:
             continue
         for key, value in saved["state"].get(i, {}).items():
-            if key != "step" and isinstance(value, Tensor) and value.dtype == torch.float32:
-                state[p][key] = value.to(device=p.device, copy=True)
+            if key != "step" and isinstance(value, Tensor) and value.is_floating_point():
+                state[p][key] = value.to(device=p.device, dtype=torch.float32, copy=True)
 
 
 def after_load(state: dict[Tensor, dict[str, Any]], groups: list[dict[str, Any]], built: list[dict[str, Any]],
