@@ -1,5 +1,6 @@
 """The optimizer family: base equivalence, fused == reference, hand computations,
 state_dict round trips, metrics and bad input. Parametrised over ``REGISTRY``."""
+import collections
 import copy
 import logging
 
@@ -230,6 +231,45 @@ def test_a_bf16_state_saved_by_another_optimizer_resumes_in_fp32(fused):
         resumed.append(run(model, opt, data[2:]))
     for a, b in zip(*resumed):
         assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("fused", IMPLS)
+@pytest.mark.parametrize("reset", ["clear", "replace", "delete one"])
+def test_a_state_cleared_replaced_or_deleted_starts_anew_as_torch_s_does(reset, fused):
+    """``opt.state.clear()``, ``opt.state = defaultdict(dict)`` or ``del opt.state[p]`` (a layer
+    re-initialised) between steps: the next step starts those tensors' state anew (step 1, zero
+    moments), as torch's AdamW does, and the state holds it again. Fails on the code before: the
+    steps went on with the dicts they had looked up (moments and step counters unchanged), and
+    the state (what a checkpoint saves) stayed empty."""
+    data = batches(4, 2)
+    m1 = make_model()
+    opt = vrgd_ds.VRAdam(m1.parameters(), fused=fused)
+    run(m1, opt, data[:2])
+    first = next(m1.parameters())
+    m2 = make_model()
+    m2.load_state_dict(m1.state_dict())
+    fresh = vrgd_ds.VRAdam(m2.parameters(), fused=fused)
+    if reset == "clear":
+        opt.state.clear()
+    elif reset == "replace":
+        opt.state = collections.defaultdict(dict)
+    else:
+        del opt.state[first]
+        kept = {p: copy.deepcopy(st) for p, st in opt.state.items()}
+        run(m2, fresh, data[:2])  # the other tensors' state: as they had it
+        with torch.no_grad():
+            for p2, p1 in zip(m2.parameters(), m1.parameters()):
+                p2.copy_(p1)
+        for p2, p1 in zip(list(m2.parameters())[1:], list(m1.parameters())[1:]):
+            fresh.state[p2] = copy.deepcopy(kept[p1])
+        del fresh.state[next(m2.parameters())]
+    a, b = run(m1, opt, data[2:]), run(m2, fresh, data[2:])
+    for x, y in zip(a, b):
+        assert torch.equal(x, y)
+    assert len(opt.state_dict()["state"]) == len(list(m1.parameters()))
+    assert float(opt.state[first]["step"]) == 2.0
+    if reset == "delete one":
+        assert float(opt.state[list(m1.parameters())[1]]["step"]) == 4.0
 
 
 def test_old_checkpoint_without_new_keys_loads():

@@ -302,7 +302,7 @@ class GSNROptimizer(torch.optim.Optimizer):
         plans, key_base = [], 0
         for i, (g, (ps, gs)) in enumerate(zip(self.param_groups, gathered)):
             plan = self._planner.plan(i, g, ps, gs, key_base, tdev, self._layout, self._epoch,
-                                      lambda p: state_of(self.state, self._sharded, p))
+                                      lambda p: state_of(self.state, self._sharded, p), self.state)
             key_base += len(plan.params)
             if plan.params or self._layout is not None:
                 plans.append(plan)

@@ -4,6 +4,7 @@ holds the same tensors: a steady step's host work does not grow with rebuilding 
 """
 from __future__ import annotations
 
+import operator
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -114,6 +115,10 @@ class PlanShape:
     names: list[str]
     ready: int = -1
     states: list[dict[str, Any]] | None = None  # the tensors' state dicts, valid for the epoch ``ready``
+    # where ``states`` were found: the optimizer's state mapping and its values then, in order
+    # (``Planner.plan``: a state cleared, replaced or deleted is looked up again)
+    found_in: Any = None
+    found: list[Any] | None = None
     length_share: Tensor | None = None  # float64 [S] on tdev: each segment's share of its whole tensor
     key_set: frozenset = frozenset()  # the model tensors the segments belong to
     _constants: dict[Any, Any] = field(default_factory=dict)
@@ -169,7 +174,14 @@ class Planner:
         self._shapes = {}
 
     def plan(self, index: int, group: dict[str, Any], params: list[Tensor], grads: list[Tensor], key_base: int,
-             tdev: torch.device, layout: Any | None, epoch: int, state_of: Callable[[Tensor], dict[str, Any]]) -> Plan:
+             tdev: torch.device, layout: Any | None, epoch: int, state_of: Callable[[Tensor], dict[str, Any]],
+             state: dict | None = None) -> Plan:
+        """``state_of(p)``: the state dict the kernels read for ``p``. With ``state`` (the
+        optimizer's state mapping, which ``state_of`` reads), each step checks that it holds the
+        same dicts as when they were looked up, in one pass over its values in C (no tensor is
+        hashed: ``Tensor.__hash__`` is Python): a state cleared (``opt.state.clear()``), replaced
+        (``opt.state = ...``) or deleted for a tensor (``del opt.state[p]``, a layer
+        re-initialised) is looked up again and starts anew, as torch's optimizers start it."""
         key = (index, key_base, tdev, id(layout), tuple(map(id, params)), tuple(map(_NUMEL, params)))
         shape = self._shapes.get(key)
         if shape is None:
@@ -177,8 +189,13 @@ class Planner:
             if len(self._shapes) > 64:
                 self._shapes.clear()
             self._shapes[key] = shape
-        if shape.states is None or shape.ready != epoch:  # the state dicts, looked up once per epoch
+        stale = state is not None and (shape.found_in is not state or len(state) != len(shape.found)
+                                       or not all(map(operator.is_, state.values(), shape.found)))
+        if shape.states is None or shape.ready != epoch or stale:  # looked up once per epoch, and when replaced
+            shape.ready = -1  # the state found is checked again (``init_state``)
             shape.states = [state_of(p) for p in params]
+            if state is not None:
+                shape.found_in, shape.found = state, list(state.values())
         plan = Plan(index, group, params, grads, shape.states, shape.seg, shape.numel, shape.keys, tdev, key_base)
         plan.tensor_of, plan.shapes, plan.rows, plan.shape = shape.tensor_of, shape.shapes, shape.rows, shape
         return plan
