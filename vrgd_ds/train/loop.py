@@ -201,6 +201,11 @@ class Job:
         self.watchdog.beat(0, "set-up")
         return self
 
+    def _lost(self) -> bool:
+        """Whether another job took the run directory over (rank 0 holds the lock; the ranks agree
+        on it after each step: ``_after_training_step``)."""
+        return self.lock is not None and self.lock.lost is not None
+
     def _on_preempt_signal(self, signum, frame) -> None:  # noqa: ARG002 (signal handler signature)
         self.preempt_requested = True
 
@@ -346,7 +351,9 @@ class Job:
                                    f"{need / 2**20:,.0f} MB); the previous checkpoint is intact") from e
             raise
         dist.barrier()  # every rank's files are written
-        if self.rank == 0:
+        if self._lost():  # taken over while writing: neither marked nor rotated (the new owner's checkpoints stay)
+            logger.error("checkpoint %s not marked complete: %s", tag, self.lock.lost)
+        elif self.rank == 0:
             ckpt.mark_complete(self.ckpt_dir, tag, self.step, self.world, self.resume_info())
             self.written = (tag, ckpt.size_of(self.ckpt_dir, tag))
             logger.info("checkpoint %s: %.2f MB written (expected %.2f MB: %s)", tag, self.written[1] / 2**20,
@@ -438,9 +445,12 @@ class Job:
         last = self.evals[-1]
         if last["step"] != self.step:
             self.evals.append({"step": self.step, **self.evaluate(final_held, self.job.phases[-1].seq_len)})
-            if sinks:
+            if sinks and not self._lost():
                 sinks.write(self.step, {k: v for k, v in self.evals[-1].items() if k != "step"})
         self.save()  # with the final evaluation (the last step takes no periodic checkpoint); none if saved
+        if self._any_rank(self._lost()):
+            raise RunDirBusy(self.lock.lost if self._lost() else "another job took the run directory over (rank 0 "
+                             "names it); this job's last checkpoint is not marked complete")
         return {"before": self.evals[0], "after": self.evals[-1], "steps": self.step, "task": self.engine.task}
 
     def _after_step(self, skipped: bool) -> None:
@@ -576,7 +586,7 @@ class Job:
             ev = self.evaluate(held, self.job.phases[index].seq_len)
             self.evals.append({"step": self.step, **ev})
             record.update(ev)
-        if sinks:
+        if sinks and not self._lost():  # rank 0: the run directory is another job's now
             sinks.write(self.step, record)
         bar.set_postfix(loss=f"{loss_mean:.3f}", tok_s=f"{tok / step_time:,.0f}", step_s=f"{step_time:.2f}",
                         phase=index, refresh=False)
@@ -588,14 +598,20 @@ class Job:
         if not math.isfinite(took["loss_sum"]) and not took["skipped"] and self.rank == 0:
             logger.warning("non-finite training loss at step %d", self.step)
         self._after_step(took["skipped"])
-        done = all(c >= b for c, b in zip(self.consumed, self.budget))  # train() saves after its evaluation
-        if self.job.checkpoint_every and self.step % self.job.checkpoint_every == 0 and not done:
-            self.save()
-        lost = self.lock is not None and self.lock.lost is not None
+        # the signals first: a directory another job took over gets no checkpoint of this one
+        lost = self._lost()
         signal_code = self._max_over_ranks(2 if lost else 1 if self.preempt_requested else 0)
         if signal_code == 2:  # another job took the directory over: write nothing more into it
             raise RunDirBusy(self.lock.lost if lost else "another job took the run directory over (rank 0 "
                              "names it); this job stops without writing to it")
+        done = all(c >= b for c, b in zip(self.consumed, self.budget))  # train() saves after its evaluation
+        if signal_code == 1 and done:  # nothing left to requeue for: train() ends the run, evaluated and saved
+            if self.rank == 0:
+                logger.warning("%s at the last step: the run finishes (its final evaluation and checkpoint) "
+                               "instead of stopping for a requeue", signal.Signals(PREEMPT_SIGNAL).name)
+            return
+        if self.job.checkpoint_every and self.step % self.job.checkpoint_every == 0 and not done:
+            self.save()
         if signal_code == 1:
             self.save()
             if self.rank == 0:  # for the batch script: the exit code of srun is the first rank's to end

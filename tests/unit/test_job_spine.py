@@ -1,0 +1,176 @@
+"""The job's spine (``vrgd_ds.train.loop.Job``: steps, records, checkpoints, signals, the run
+directory's owner) in this process, on a 1-rank gloo world, with an engine that trains nothing:
+what the spine does around the steps, without DeepSpeed. (The engines themselves, end to end:
+tests/integration/test_pretrain.py and test_reliability.py.)"""
+from __future__ import annotations
+
+import json
+import pickle
+import signal
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from vrgd_ds.train import checkpoints as ckpt
+from vrgd_ds.train import loop
+from vrgd_ds.train.config import parse_job
+from vrgd_ds.train.engines import Engine
+from vrgd_ds.train.resume import ResumePlan
+from vrgd_ds.train.rundir import OWNER, RunDirBusy
+
+
+class Samples(torch.utils.data.Dataset):
+    def __init__(self, n: int) -> None:
+        self.n = n
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, key: tuple[int, int]) -> dict[str, torch.Tensor]:
+        return {"x": torch.tensor([float(key[1])])}
+
+
+def stack(samples: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+    return {"x": torch.stack([s["x"] for s in samples])}
+
+
+class Optimizer:
+    def __init__(self) -> None:
+        self.param_groups = [{"params": [torch.nn.Parameter(torch.zeros(1))], "lr": 0.0, "gsnr": False}]
+        self.state: dict = {}
+
+    def gsnr_metrics(self, per_tensor: bool = False) -> dict:
+        return {}
+
+
+class StandIn(Engine):
+    """An engine whose steps train nothing; ``during[step]`` runs inside the step that follows
+    ``step`` (the job's ``step`` counts the steps done)."""
+    name, task, reporter = "deepspeed", "mlm", True
+    job: loop.Job | None = None
+    during: dict = {}
+
+    @staticmethod
+    def check_config(raw, job) -> None:
+        pass
+
+    def __init__(self, raw, job, backend, timeout) -> None:
+        self.rank, self.world, self.device = 0, 1, torch.device("cpu")
+        self.data_rank, self.data_world, self.fingerprint = 0, 1, "stand-in"
+
+    def setup(self, run_dir, barrier) -> None:
+        self.optimizer = Optimizer()
+
+    def datasets(self, seq_len):
+        return Samples(1000), Samples(100)
+
+    collate = staticmethod(stack)
+
+    def train_step(self, batches, gas, seeds, cosine=None):
+        for _ in range(gas):
+            next(batches)
+        if StandIn.job.step in StandIn.during:
+            StandIn.during[StandIn.job.step](StandIn.job)
+        return {"loss_sum": float(gas), "tokens": gas, "skipped": False, "measured": None}
+
+    def evaluate(self, batches):
+        return 2.0, 1.0, 4.0
+
+    def plan(self, ckpt_dir, tag, optimizer, policy):
+        return ResumePlan()
+
+    def save(self, ckpt_dir, tag, state) -> None:
+        (ckpt_dir / tag).mkdir(parents=True, exist_ok=True)
+        (ckpt_dir / tag / "state.pkl").write_bytes(pickle.dumps(state))
+
+    def load(self, ckpt_dir, tag, plan):
+        return pickle.loads((ckpt_dir / tag / "state.pkl").read_bytes())
+
+    def checkpoint_bytes(self) -> int:
+        return 100
+
+    def layout(self) -> dict:
+        return {"zero_stage": 0}
+
+
+CONFIG = {"job": {"total_steps": 4, "checkpoint_every": 2, "eval_every": 0, "keep_checkpoints": 2,
+                  "telemetry": {"tensorboard": False},
+                  "phases": [{"seq_len": 32, "fraction": 1.0, "global_batch": 4, "micro_batch": 2, "lr": 1e-3}]}}
+
+
+@pytest.fixture
+def start(tmp_path, monkeypatch):
+    """``start(run_dir)``: one start of the job (``setup`` and ``train``) on a 1-rank world;
+    returns what ``train`` returned, or the exception it ended with."""
+    monkeypatch.setattr(loop, "engine_class", lambda name: StandIn)
+    monkeypatch.setattr(StandIn, "during", {})
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    handler = signal.getsignal(loop.PREEMPT_SIGNAL)
+
+    def run(run_dir: Path):
+        job = loop.Job(CONFIG, parse_job(CONFIG), run_dir, None)
+        StandIn.job = job
+        try:
+            job.setup()
+            return job.train()
+        except (RunDirBusy, loop.Preempted) as e:
+            return e
+        finally:
+            job.release()
+
+    try:
+        yield run
+    finally:
+        signal.signal(loop.PREEMPT_SIGNAL, handler)
+        dist.destroy_process_group()
+
+
+def records(run_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_a_job_whose_run_directory_was_taken_over_writes_nothing_more_into_it(start, tmp_path):
+    """Another job takes the run directory over during step 2, a checkpoint step: this job stops
+    with ``RunDirBusy`` and writes neither that step's record nor its checkpoint, and leaves the
+    new owner's checkpoints and ``latest`` as they are. Fails on the code that took the periodic
+    checkpoint (and wrote the step's record) before it looked at the owner: ``step00000002``
+    appeared beside the new owner's checkpoint and ``latest`` named it."""
+    run_dir = tmp_path / "run"
+
+    def taken_over(job: loop.Job) -> None:
+        record = json.loads((run_dir / OWNER).read_text())
+        (run_dir / OWNER).write_text(json.dumps({**record, "token": "another job", "pid": 1}))
+        ckpt_dir = run_dir / "checkpoints"
+        (ckpt_dir / "step00000010").mkdir(parents=True)
+        (ckpt_dir / "step00000010" / "state.pkl").write_bytes(b"the new owner's")
+        ckpt.mark_complete(ckpt_dir, "step00000010", 10)
+        job.lock.refresh()  # what the owner's heartbeat does every few seconds
+
+    StandIn.during[1] = taken_over
+    assert isinstance(start(run_dir), RunDirBusy)
+    assert ckpt.tags(run_dir / "checkpoints") == ["step00000010"]
+    assert (run_dir / "checkpoints" / ckpt.LATEST).read_text() == "step00000010"
+    assert [r["step"] for r in records(run_dir)] == [0, 1]  # the evaluation before training, step 1
+
+
+def test_a_pre_emption_at_the_last_step_finishes_the_run(start, tmp_path):
+    """``SIGUSR1`` during the last step: nothing is left to requeue for, so the job evaluates,
+    takes its final checkpoint (with that evaluation) and ends as a finished run, with no requeue
+    marker; started again, it finds the run finished and logs nothing more. Fails on the code
+    that took a pre-emption checkpoint without the final evaluation and asked for a requeue: the
+    requeued start evaluated but did not save (its step was saved already), and each later start
+    logged the final evaluation once more."""
+    run_dir = tmp_path / "run"
+    StandIn.during[3] = lambda job: signal.raise_signal(loop.PREEMPT_SIGNAL)
+    out = start(run_dir)
+    assert isinstance(out, dict) and out["steps"] == 4, out
+    assert not (run_dir / loop.REQUEUE_MARKER).exists()
+    saved = pickle.loads((run_dir / "checkpoints" / "step00000004" / "state.pkl").read_bytes())
+    assert [e["step"] for e in saved["evals"]] == [0, 4]
+    StandIn.during.clear()
+    again = start(run_dir)
+    assert isinstance(again, dict) and again["steps"] == 4
+    evals = [r["step"] for r in records(run_dir) if "eval/mlm_loss" in r]
+    assert evals == [0, 4]
