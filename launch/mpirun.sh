@@ -15,6 +15,12 @@
 # PYTHON, else on PATH), MPI_ARGS (extra mpirun arguments), BACKEND (empty: nccl on GPUs, gloo
 # on CPU). Further arguments go to the job ("$@").
 set -euo pipefail
+# Paths given in the environment are the caller's (relative to the directory it runs in); the
+# defaults are the repository's.
+for name in CONFIG RUN_DIR; do
+    if [[ -n "${!name:-}" ]]; then printf -v "$name" '%s' "$(realpath -ms -- "${!name}")"; fi
+done
+if [[ "${PYTHON:-}" == */* ]]; then PYTHON=$(realpath -ms -- "$PYTHON"); fi  # a path, not a command name
 cd "$(dirname "$0")/.."
 
 CONFIG=${CONFIG:-configs/bert_large_64k_32k_vr_lamb.json}
