@@ -269,3 +269,20 @@ def test_every_key_of_the_job_blocks_has_its_docstring():
     missing = [f"{m.__name__}.{name}" for m in models for name, field in m.model_fields.items()
                if not (field.description or "").strip()]
     assert not missing, missing
+
+
+def test_the_config_examples_of_docs_pretraining_load(tmp_path):
+    """Each whole config shown in docs/pretraining.md (a JSON block with a ``"job"``) validates as
+    the job reads it. Fails on the schema that capped every phase's ``seq_len`` at BERT's 512:
+    the Megatron example's GPT context of 1,024 was refused."""
+    text = (CONFIGS.parent / "docs" / "pretraining.md").read_text()
+    examples = [json.loads(block) for block in re.findall(r"```json\n(.*?)```", text, re.S)
+                if block.lstrip().startswith("{") and '"job"' in block]
+    assert len(examples) >= 2
+    for i, raw in enumerate(examples):
+        path = tmp_path / f"example{i}.json"
+        path.write_text(json.dumps(raw))
+        _, job = load_config(path)
+        assert job.phases and job.total_steps > 0
+    assert {job.engine for job in (parse_job(raw) for raw in examples)} >= {"deepspeed", "megatron"}
+

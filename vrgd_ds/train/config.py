@@ -2,16 +2,17 @@
 
 One file holds both: DeepSpeed's own keys (``optimizer``, ``zero_optimization``, ``fp16`` /
 ``bf16``, ``gradient_clipping``, the ``"vrgd"`` reduction block) and the job's block, which
-describes the model, the data and the two phases of NVIDIA's LAMB recipe (seq 128 for the
-first 90% of steps, then seq 512, each with its own global batch, learning rate and warmup)::
+describes the model, the data and the two phases of NVIDIA's LAMB recipe (seq 128 for 7,038
+steps, 90% of the samples, then seq 512 for 1,563; each with its own global batch, learning rate
+and warmup; ``configs/bert_large_64k_32k_vr_lamb.json``, derived in ``configs/README.md``)::
 
     "job": {
       "model": {"size": "large"},
-      "total_steps": 8599,
+      "total_steps": 8601,
       "phases": [
-        {"seq_len": 128, "fraction": 0.9, "global_batch": 65536, "micro_batch": 64,
+        {"seq_len": 128, "fraction": 0.81828, "global_batch": 65536, "micro_batch": 64,
          "lr": 6e-3, "warmup_fraction": 0.2843},
-        {"seq_len": 512, "fraction": 0.1, "global_batch": 32768, "micro_batch": 16,
+        {"seq_len": 512, "fraction": 0.18172, "global_batch": 32768, "micro_batch": 16,
          "lr": 4e-3, "warmup_fraction": 0.128}
       ]
     }
@@ -143,8 +144,9 @@ class AdaptiveBatchConfig(_Strict):
 class PhaseConfig(_Strict):
     """One phase of the recipe."""
 
-    seq_len: int = Field(ge=8, le=512)
-    """Tokens per sequence in this phase (BERT's recipe: 128, then 512)."""
+    seq_len: int = Field(ge=8)
+    """Tokens per sequence in this phase (BERT's recipe: 128, then 512; a GPT context of 1,024 or
+    more). The model's position embeddings cover the longest phase."""
     fraction: float = Field(gt=0.0, le=1.0)
     """Share of ``total_steps`` in this phase; the fractions sum to 1."""
     global_batch: int = Field(ge=1)
@@ -187,7 +189,7 @@ class JobConfig(_Strict):
     data: DataConfig = Field(default_factory=DataConfig)
     """The corpus, its preparation and the held-out split."""
     phases: list[PhaseConfig]
-    """The recipe's phases in order (e.g. seq 128 for 90% of the steps, then 512)."""
+    """The recipe's phases in order (e.g. seq 128 for 90% of the samples, then 512)."""
     total_steps: int = Field(ge=1)
     """Optimizer steps over both phases."""
     seed: int = 1234
