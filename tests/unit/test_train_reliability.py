@@ -47,6 +47,14 @@ def run_main(capsys, *args: str, config: Path = TEST_CONFIG, run_dir: Path | Non
                              "'gradient_clipping'?"),
     ("zero_optimization.stge=3", "did you mean 'zero_optimization.stage'?"),
     ('job.data.path="/does/not/exist"', "job.data.path: /does/not/exist does not exist. Prepare it first"),
+    # before: a TypeError from WandbSink after set-up and resume (exit 1), or accepted
+    ('job.telemetry.wandb={"project": "p", "mod": "offline"}', "job.telemetry.wandb.mod: Extra inputs are not permitted"),
+    ('job.telemetry.wandb={"mode": "offline"}', "job.telemetry.wandb.project: Field required"),
+    # before: accepted, and the model built with another vocabulary than the tokenizer's, or
+    # fewer positions than the sequence (an IndexError at the first forward)
+    ('job.model.overrides={"vocab_size": 100}', "job.model.overrides.vocab_size: set by the job from the tokenizer's"),
+    ('job.model.overrides={"max_position_embeddings": 16}',
+     "job.model.overrides.max_position_embeddings: 16 is fewer positions than the longest phase's seq_len"),
 ])
 def test_bad_configuration_fails_before_any_work_with_one_line(capsys, override, message):
     """Each of these used to surface late (at deepspeed.initialize, after data preparation and

@@ -29,7 +29,7 @@ import difflib
 import json
 import math
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
@@ -63,9 +63,22 @@ class ModelConfig(_Strict):
     size: Literal["tiny", "mini", "base", "large"] = "tiny"
     """Shape preset: hidden size, layers, heads, intermediate size."""
     overrides: dict[str, Any] = Field(default_factory=dict)
-    """Further ``BertConfig`` fields, e.g. ``{"hidden_dropout_prob": 0.0}``."""
+    """Further ``BertConfig`` fields, e.g. ``{"hidden_dropout_prob": 0.0}``; not the ones the job
+    derives (``DERIVED``), and ``max_position_embeddings`` at least the longest phase's
+    ``seq_len``."""
     vocab_size: int | None = None
     """Must equal the tokenizer's vocabulary when given; by default taken from it."""
+
+    #: the ``BertConfig`` fields the job sets from the tokenizer and the data, and where from
+    DERIVED: ClassVar[dict[str, str]] = {"vocab_size": "the tokenizer's vocabulary (job.model.vocab_size checks it)",
+               "pad_token_id": "the tokenizer's [PAD]", "type_vocab_size": "the two segments of a sample"}
+
+    @model_validator(mode="after")
+    def _overrides_leave_the_derived_fields(self) -> "ModelConfig":
+        for key, source in self.DERIVED.items():
+            if key in self.overrides:
+                raise ValueError(f"job.model.overrides.{key}: set by the job from {source}; remove it")
+        return self
 
 
 class DataConfig(_Strict):
@@ -163,6 +176,28 @@ class PhaseConfig(_Strict):
     """The global batch follows the gradient noise scale (null: fixed ``global_batch``)."""
 
 
+class WandbConfig(_Strict):
+    """A Weights & Biases run of the job's metrics (``telemetry.WandbSink``)."""
+
+    project: str
+    """The wandb project."""
+    mode: Literal["offline", "online", "disabled"] = "offline"
+    """``offline`` writes under ``<run dir>/wandb`` (``wandb sync`` uploads it); only ``online``
+    connects."""
+    name: str | None = None
+    """The run's display name."""
+    config: dict[str, Any] | None = None
+    """What the run shows beside its charts."""
+
+    @model_validator(mode="after")
+    def _installed(self) -> "WandbConfig":
+        import importlib.util
+
+        if self.mode != "disabled" and importlib.util.find_spec("wandb") is None:
+            raise ValueError('the wandb package is not installed: pip install "vrgd-ds[wandb]", or remove the block')
+        return self
+
+
 class TelemetryConfig(_Strict):
     """Where each step's metrics go, from the first rank (``vrgd_ds/train/telemetry.py``)."""
 
@@ -170,8 +205,8 @@ class TelemetryConfig(_Strict):
     """``<run dir>/metrics.jsonl``, one record per logged step (what the plots read)."""
     tensorboard: bool = True
     """TensorBoard event files under ``<run dir>/tensorboard``."""
-    wandb: dict[str, Any] | None = None
-    """``WandbSink`` arguments (``project``, ``mode`` = offline by default, ``name``); null: off."""
+    wandb: WandbConfig | None = None
+    """A wandb run (``project``, ``mode`` = offline by default, ``name``, ``config``); null: off."""
     per_layer_group: bool = True
     """Add ``group/<layer group>/*`` GSNR rows (embeddings, encoder.layer.i, head)."""
 
@@ -234,6 +269,12 @@ class JobConfig(_Strict):
             if ab is not None and not ab.min_batch <= p.global_batch <= ab.max_batch:
                 raise ValueError(f"job.phases[{i}].adaptive_batch: global_batch {p.global_batch} (the first batch) "
                                  f"must lie in [min_batch, max_batch] = [{ab.min_batch}, {ab.max_batch}]")
+        longest = max(p.seq_len for p in self.phases)
+        positions = self.model.overrides.get("max_position_embeddings")
+        if positions is not None and (not isinstance(positions, int) or positions < longest):
+            raise ValueError(f"job.model.overrides.max_position_embeddings: {positions!r} is fewer positions than the "
+                             f"longest phase's seq_len {longest}; raise it or remove it (the job takes max(512, "
+                             "seq_len))")
         steps = self.phase_steps()
         for i, n in enumerate(steps):
             if n < 1:

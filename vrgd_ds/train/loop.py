@@ -414,7 +414,8 @@ class Job:
         # A fresh start drops what an earlier start of this run directory logged before it was
         # killed without a checkpoint (-1: every step), as a resume drops the steps after its checkpoint
         sinks = telemetry.build_sinks(self.run_dir, jsonl=self.job.telemetry.jsonl,
-                                      tensorboard=self.job.telemetry.tensorboard, wandb=self.job.telemetry.wandb,
+                                      tensorboard=self.job.telemetry.tensorboard,
+                                      wandb=wandb.model_dump() if (wandb := self.job.telemetry.wandb) else None,
                                       resume_step=self.step if resumed else -1) if self.rank == 0 else None
         try:
             return self._train(sinks)
