@@ -52,6 +52,15 @@ def lr_factor(rule: LrRule, batch: int, reference: int) -> float:
     return 1.0
 
 
+class SettingsDiffer(ValueError):
+    """A saved controller's settings are not this one's; ``changed`` names them."""
+
+    def __init__(self, changed: list[str]) -> None:
+        super().__init__(f"the checkpoint's adaptive_batch settings differ in {', '.join(changed)}: resume with the "
+                         "settings it was saved with")
+        self.changed = changed
+
+
 @dataclass
 class ControllerSettings:
     """What :class:`BatchController` needs; ``vrgd_ds.train.config.AdaptiveBatchConfig`` is the
@@ -176,8 +185,7 @@ class BatchController:
         mine = asdict(self.settings)
         changed = sorted(k for k in (saved or {}) if k != "granularity" and saved[k] != mine.get(k))
         if changed:
-            raise ValueError(f"the checkpoint's adaptive_batch settings differ in {', '.join(changed)}: resume with "
-                             "the settings it was saved with")
+            raise SettingsDiffer(changed)
         g, st = self.settings.granularity, self.settings
         self.batch = min(max(int(round(int(state["batch"]) / g)) * g, st.min_batch), st.max_batch)
         self.steps = int(state["steps"])

@@ -142,3 +142,27 @@ def test_an_adaptive_position_no_round_of_this_layout_divides_is_refused_naming_
     check_resume_position(job, [128], [128], 3)  # a finished phase is not positioned again
     with pytest.raises(ConfigError, match="no multiple of micro_batch x ranks = 4 x 4"):
         check_resume_position(job, [24], [128], 4)
+
+
+def test_an_adaptive_phase_whose_settings_would_change_is_refused_naming_the_keys(tmp_path):
+    """An adaptive phase's controller starts after the warmup (``start_step``, derived from
+    ``total_steps``, ``fraction`` and ``warmup_fraction``); a resume with another ``total_steps``
+    moves it, which the job refuses. --check-resume says so, naming the keys. Fails on the code
+    before: it reported the resume as going ahead (exit 0), and the job then stopped naming
+    ``start_step``, which no config has."""
+    from vrgd_ds.train.config import parse_job
+
+    raw = copy.deepcopy(RAW)
+    raw["job"]["phases"][0].update(warmup_fraction=0.25, adaptive_batch={"target_ratio": 1.0, "min_batch": 16,
+                                                                          "max_batch": 64, "every": 2})
+    ckpt_dir = tmp_path / "run" / "checkpoints"
+    (ckpt_dir / "step00000004").mkdir(parents=True)
+    (ckpt_dir / "step00000004" / "mp_rank_00_model_states.pt").write_bytes(b"x")
+    info = dict(INFO, phases=[p.model_dump(mode="json") for p in parse_job(raw).phases])
+    ckpt.mark_complete(ckpt_dir, "step00000004", 4, 1, info)
+    report, ok = check(tmp_path / "run", copy.deepcopy(raw), 1)
+    assert ok, report
+    raw["job"]["total_steps"] = 16
+    report, ok = check(tmp_path / "run", raw, 1)
+    assert not ok and "would stop: job.phases[0].adaptive_batch: the checkpoint's controller settings differ in " \
+                      "start_step (from job.total_steps, job.phases[0].fraction or warmup_fraction" in report, report

@@ -37,8 +37,10 @@ def stack(samples: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
 
 
 class Optimizer:
+    gsnr = False  # statistics gathered (their metrics: none, so an adaptive batch stays where it is)
+
     def __init__(self) -> None:
-        self.param_groups = [{"params": [torch.nn.Parameter(torch.zeros(1))], "lr": 0.0, "gsnr": False}]
+        self.param_groups = [{"params": [torch.nn.Parameter(torch.zeros(1))], "lr": 0.0, "gsnr": self.gsnr}]
         self.state: dict = {}
 
     def gsnr_metrics(self, per_tensor: bool = False) -> dict:
@@ -109,8 +111,8 @@ def start(tmp_path, monkeypatch):
     dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
     handler = signal.getsignal(loop.PREEMPT_SIGNAL)
 
-    def run(run_dir: Path):
-        job = loop.Job(CONFIG, parse_job(CONFIG), run_dir, None)
+    def run(run_dir: Path, config: dict = CONFIG):
+        job = loop.Job(config, parse_job(config), run_dir, None)
         StandIn.job = job
         try:
             job.setup()
@@ -174,3 +176,21 @@ def test_a_pre_emption_at_the_last_step_finishes_the_run(start, tmp_path):
     assert isinstance(again, dict) and again["steps"] == 4
     evals = [r["step"] for r in records(run_dir) if "eval/mlm_loss" in r]
     assert evals == [0, 4]
+
+
+def test_a_resume_that_would_move_an_adaptive_phases_controller_names_the_keys(start, tmp_path, monkeypatch):
+    """A run with an adaptive phase, pre-empted, resumed with another ``total_steps``: the
+    controller's start after the warmup (``start_step``) would move, and the job stops naming the
+    config keys it comes from. Fails on the code before, whose message named ``start_step``."""
+    monkeypatch.setattr(Optimizer, "gsnr", True)
+    config = json.loads(json.dumps(CONFIG))
+    config["job"]["phases"][0].update(warmup_fraction=0.25, adaptive_batch={"target_ratio": 1.0, "min_batch": 4,
+                                                                             "max_batch": 16, "every": 1})
+    run_dir = tmp_path / "run"
+    StandIn.during[1] = lambda job: signal.raise_signal(loop.PREEMPT_SIGNAL)
+    assert isinstance(start(run_dir, config), loop.Preempted)
+    StandIn.during.clear()
+    config["job"]["total_steps"] = 8
+    with pytest.raises(loop.ConfigError, match=r"adaptive_batch: the checkpoint's controller settings differ in "
+                                               r"start_step \(from job.total_steps, job.phases\[0\].fraction"):
+        start(run_dir, config)

@@ -390,6 +390,39 @@ def controller_settings(phase: PhaseConfig, world_size: int, index: int, phase_s
                               tolerance=ab.tolerance)
 
 
+#: the keys a controller setting comes from, where it is not the block's own key of that name
+_SETTING_KEYS = {"initial_batch": "job.phases[{i}].global_batch",
+                 "start_step": "job.total_steps, job.phases[{i}].fraction or warmup_fraction (with after_warmup the "
+                               "controller starts when the warmup ends)"}
+
+
+def adaptive_setting_keys(index: int, changed: list[str]) -> str:
+    """The config keys behind the controller settings ``changed`` of phase ``index``."""
+    return "; ".join(_SETTING_KEYS[k].format(i=index) if k in _SETTING_KEYS
+                     else f"job.phases[{index}].adaptive_batch.{k}" for k in changed)
+
+
+def adaptive_changes(saved: "JobConfig", job: "JobConfig", world_size: int) -> list[str]:
+    """Per adaptive phase of ``job``, what a resume of a run saved with ``saved`` would refuse: its
+    controller's settings on ``world_size`` ranks differ (``BatchController.load_state_dict``;
+    the granularity, micro-batch × ranks, may). One line per phase, naming the config keys."""
+    from dataclasses import asdict
+
+    out = []
+    steps, saved_steps = job.phase_steps(), saved.phase_steps()
+    for i, phase in enumerate(job.phases):
+        if phase.adaptive_batch is None or i >= len(saved.phases) or saved.phases[i].adaptive_batch is None:
+            continue
+        mine = asdict(controller_settings(phase, world_size, i, steps[i]))
+        before = asdict(controller_settings(saved.phases[i], world_size, i, saved_steps[i]))
+        changed = sorted(k for k in before if k != "granularity" and before[k] != mine[k])
+        if changed:
+            out.append(f"job.phases[{i}].adaptive_batch: the checkpoint's controller settings differ in "
+                       f"{', '.join(changed)} (from {adaptive_setting_keys(i, changed)}): resume with the values it "
+                       "was saved with")
+    return out
+
+
 def deepspeed_config(raw: dict[str, Any], phase: PhaseConfig, world_size: int, index: int) -> dict[str, Any]:
     """DeepSpeed's part of the file with the batch keys of ``phase`` filled in."""
     ds = {k: copy.deepcopy(v) for k, v in raw.items() if k != JOB_KEY}

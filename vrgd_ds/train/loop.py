@@ -49,11 +49,12 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from vrgd_ds.adaptive_batch import BatchController, lr_factor
+from vrgd_ds.adaptive_batch import BatchController, SettingsDiffer, lr_factor
 from vrgd_ds.run import leave_together
 from vrgd_ds.train import checkpoints as ckpt
-from vrgd_ds.train.config import (ConfigError, JobConfig, check_resume_position, controller_settings,
-                                  gradient_accumulation, load_config, optimizer_state_policy, phase_samples)
+from vrgd_ds.train.config import (ConfigError, JobConfig, adaptive_setting_keys, check_resume_position,
+                                  controller_settings, gradient_accumulation, load_config, optimizer_state_policy,
+                                  phase_samples)
 from vrgd_ds.train.data import check_data_path, eval_batches, loader
 from vrgd_ds.train.engines import Engine, engine_class
 from vrgd_ds.train.engines.base import LAUNCHER_RANK, launcher_value
@@ -274,6 +275,10 @@ class Job:
                                   "with the config it was saved with")
             try:
                 self.controllers[index].load_state_dict(saved)
+            except SettingsDiffer as e:
+                raise ConfigError(f"{path}: job.phases[{index}].adaptive_batch: the checkpoint's controller settings "
+                                  f"differ in {', '.join(e.changed)} (from {adaptive_setting_keys(index, e.changed)}): "
+                                  "resume with the values it was saved with") from None
             except ValueError as e:
                 raise ConfigError(f"{path}: job.phases[{index}].adaptive_batch: {e}") from None
         notes = plan.notes + (self._apply_configured_options(built) if plan.optimizer_states else [])

@@ -108,7 +108,8 @@ def check(run_dir: Path, raw: dict[str, Any] | None, world: int | None) -> tuple
     import torch
 
     from vrgd_ds.optim.registry import OptimizerBlockError, check_optimizer
-    from vrgd_ds.train.config import check_resume_position, optimizer_state_policy, parse_job, phase_samples
+    from vrgd_ds.train.config import (adaptive_changes, check_resume_position, optimizer_state_policy, parse_job,
+                                      phase_samples)
     from vrgd_ds.train.data import configured_fingerprint
 
     ckpt_dir = run_dir / "checkpoints"
@@ -173,6 +174,12 @@ def check(run_dir: Path, raw: dict[str, Any] | None, world: int | None) -> tuple
         changes.append(f"the data differs: fingerprint {info['data']} -> {data} (tokenizer, shards, seed or "
                        "held-out split changed): the samples already seen are not those of the new stream")
     try:
+        if info.get("phases") is not None and info.get("total_steps") is not None:
+            saved_job = parse_job({"job": {"total_steps": info["total_steps"], "phases": info["phases"]}})
+            tp_pp = (block.get("tensor_model_parallel_size", 1) * block.get("pipeline_model_parallel_size", 1)
+                     if job.engine == "megatron" else 1)
+            if refused := adaptive_changes(saved_job, job, max(ranks // tp_pp, 1)):
+                raise ConfigError("; ".join(refused))
         consumed = info.get("consumed")
         if isinstance(consumed, list) and len(consumed) == len(job.phases):
             tp_pp = (block.get("tensor_model_parallel_size", 1) * block.get("pipeline_model_parallel_size", 1)
