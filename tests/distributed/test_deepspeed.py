@@ -367,6 +367,10 @@ BAD = {
     "bad-fp16-stage0-callable-client": "'fp16 with zero_optimization.stage 0' is not supported",
     "bad-fp16-stage0": "'fp16 with zero_optimization.stage 0' is not supported",
     "bad-client-and-config": "both a config optimizer ('optimizer.type': 'VRLamb') and a client optimizer",
+    "bad-callable-client-and-config": "both a config optimizer ('optimizer.type': 'VRLamb') and a client optimizer "
+                                      "(a callable that built VRSGD)",
+    "bad-gbar-zero3-default": "vrgd.gbar: 'local' applies to squares 'per_step' and 'hierarchical'; the scheme here is "
+                              "'per_micro_step' (the default on ZeRO-3)",
     "bad-unknown-param": "optimizer.params.gama: not a parameter of VRLamb",
     "bad-squares-dtype": "vrgd.squares_dtype: Input should be 'fp32' or 'bf16'",
     "bad-vrgd-key": "vrgd.square_dtype: Extra inputs are not permitted",

@@ -674,7 +674,8 @@ def run_bad_case(case: dict) -> dict:
     if case.get("callable"):  # DeepSpeed calls it on the model's parameters
         import functools
 
-        cfg.pop("optimizer")
+        if not case.get("config_too"):
+            cfg.pop("optimizer")
         kwargs["optimizer"] = functools.partial(vrgd_ds.VRSGD, lr=0.1)
     model = moe_model() if case.get("moe") else bert_model() if case.get("bert") else tiny_model()
     if case.get("frozen"):  # a frozen first layer, in the optimizer's params as DeepSpeed passes them
@@ -807,6 +808,10 @@ def bad_cases():
     yield "bad-fp16-stage0-callable-client", dict(base, stage=0, dtype="fp16", callable=True)
     yield "bad-fp16-stage0", dict(base, stage=0, dtype="fp16")
     yield "bad-client-and-config", dict(base, client=True)
+    # before: accepted, the config's optimizer dropped without a word
+    yield "bad-callable-client-and-config", dict(base, callable=True, config_too=True)
+    # before: accepted and ignored (ZeRO-3's default scheme reads no gbar)
+    yield "bad-gbar-zero3-default", dict(base, stage=3, set={"vrgd.gbar": "local"})
     yield "bad-unknown-param", dict(base, set={"optimizer.params.gama": 0.1})
     yield "bad-squares-dtype", dict(base, set={"vrgd.squares_dtype": "fp8"})
     yield "bad-vrgd-key", dict(base, set={"vrgd.square_dtype": "bf16"})

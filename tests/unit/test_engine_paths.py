@@ -158,3 +158,46 @@ def test_a_vrgd_block_that_is_not_an_object_is_named():
     with pytest.raises(UnsupportedConfiguration, match=r"^vrgd: 'per_step' is not an object; write it as "
                                                        r'\{"squares": "per_step"\}'):
         reduction_config({"vrgd": "per_step"})
+
+
+@pytest.mark.parametrize("block, message", [
+    ({"squares": "per_micro_step", "gbar": "local"}, "vrgd.gbar applies to squares 'per_step' and 'hierarchical'"),
+    ({"squares": "per_micro_step", "micro_steps": "hooks"}, "vrgd.micro_steps applies to squares 'per_step'"),
+    ([], r"^vrgd: \[\] is not an object"), (False, r"^vrgd: False is not an object"),
+])
+def test_vrgd_options_the_scheme_does_not_read_are_refused(block, message):
+    """``gbar`` and ``micro_steps`` are ``per_step``'s and ``hierarchical``'s: with
+    ``per_micro_step`` they are refused, as ``node_size`` is outside ``hierarchical``, and a block
+    that is not an object is named even when empty. Fails on the code before, which accepted both
+    options and ignored them, and took ``[]``, ``false``, ``0`` or ``""`` for an empty block."""
+    from vrgd_ds.ds.config import reduction_config
+    from vrgd_ds.ds.internals import UnsupportedConfiguration
+
+    with pytest.raises(UnsupportedConfiguration, match=message):
+        reduction_config({"vrgd": block})
+    assert reduction_config({"vrgd": None}).squares is None
+
+
+def test_deepspeeds_spellings_of_its_own_names_are_read_as_the_engine_reads_them(monkeypatch):
+    """DeepSpeed lower-cases its own optimizer names in any case. On the CPU accelerator
+    ``"LAMB"`` is our Lamb, as the engine builds it; on a GPU ``"Lamb"`` is DeepSpeed's FusedLamb,
+    which the job refuses before any work, naming the fix; its deprecated ``cpu_offload`` is
+    refused as ``offload_optimizer`` is. Fails on the code before: the check refused ``"LAMB"``
+    that the engine accepts, accepted ``"Lamb"`` on a GPU (and its VR parameters) for an engine
+    that then built FusedLamb, and let ``cpu_offload`` through to an engine error naming
+    ``offload_optimizer``, a key not in the config."""
+    import deepspeed.accelerator
+
+    from vrgd_ds.ds.config import check_config
+    from vrgd_ds.ds.internals import UnsupportedConfiguration
+    from vrgd_ds.ds.names import check_optimizer_block
+
+    assert check_optimizer_block({"optimizer": {"type": "LAMB", "params": {"lr": 1e-3}}}).name == "Lamb"
+    with pytest.raises(UnsupportedConfiguration, match=r"zero_optimization.cpu_offload: CPU offload is not supported"):
+        check_config({"optimizer": {"type": "VRLamb"}, "zero_optimization": {"stage": 2, "cpu_offload": True}})
+    monkeypatch.setattr(deepspeed.accelerator.get_accelerator(), "device_name", lambda *a: "cuda")
+    with pytest.raises(UnsupportedConfiguration, match=r"optimizer.type: 'Lamb' is DeepSpeed's own 'lamb' on this "
+                                                       r'accelerator.*use "VRLamb" with "params": \{"gsnr": false\}'):
+        check_optimizer_block({"optimizer": {"type": "Lamb", "params": {"lr": 1e-3, "gamma": 0.1}}})
+    assert check_optimizer_block({"optimizer": {"type": "VRLamb", "params": {"lr": 1e-3}}}).__name__ == "VRLamb"
+

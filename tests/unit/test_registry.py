@@ -89,3 +89,31 @@ def test_every_member_names_kernel_operations_that_exist(name):
     from vrgd_ds.optim._impl import Kernels
 
     assert set(REGISTRY[name].kernels) <= {m for m in dir(Kernels) if not m.startswith("_")}
+
+
+ONCE = """
+import vrgd_ds
+vrgd_ds.register()  # before DeepSpeed is imported: its import hook registers too
+from deepspeed.runtime.engine import DeepSpeedEngine
+
+f, wrappers = DeepSpeedEngine._configure_optimizer, 0
+while f.__closure__ and "configure" in f.__code__.co_freevars:
+    f = f.__closure__[f.__code__.co_freevars.index("configure")].cell_contents
+    wrappers += 1
+print(wrappers)
+"""
+
+
+@pytest.mark.slow  # a fresh interpreter imports DeepSpeed (seconds)
+def test_register_before_deepspeed_is_imported_patches_it_once():
+    """``vrgd_ds.register()`` in a process that has not imported DeepSpeed: importing it inside
+    ``register`` runs the import hook, which registers first. Fails on the code before, which
+    then patched the engine a second time: every engine attached its statistics twice (two
+    full-size buffers, an extra collective per step)."""
+    import subprocess
+    import sys
+
+    run = subprocess.run([sys.executable, "-c", ONCE], capture_output=True, text=True, cwd=ROOT, timeout=300)
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert run.stdout.split()[-1] == "1", run.stdout
+

@@ -33,6 +33,14 @@ def attach(engine: Any) -> sources.ReductionStats | None:
     if scheme == "auto" and any(g["gsnr"] for g in opt.param_groups):
         scheme = _auto(engine, options, stage, world)
     wants_stats = any(g["gsnr"] for g in opt.param_groups)
+    if scheme == "per_micro_step":  # its fused [g | g²] collective has no ḡ of its own and no micro-step reads
+        for key, default in (("gbar", "auto"), ("micro_steps", "auto")):
+            if getattr(options, key) != default:
+                raise UnsupportedConfiguration(
+                    f"vrgd.{key}: {getattr(options, key)!r} applies to squares 'per_step' and 'hierarchical'; the "
+                    f"scheme here is 'per_micro_step' (" + ("the default on ZeRO-3" if options.squares is None
+                                                           else "configured") + f"): remove vrgd.{key} or set "
+                    "vrgd.squares")
     if wants_stats:  # fail before training, not at the first step
         sources.check_groups(opt.name, world, gas, stage, scheme)
         if stage == 3 and not engine.zero_contiguous_gradients():

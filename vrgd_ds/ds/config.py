@@ -72,6 +72,10 @@ class ReductionConfig(BaseModel):
                              + "; remove squares_dtype or use squares 'per_step'")
         if self.node_size is not None and self.squares not in ("hierarchical", "auto"):
             raise ValueError("vrgd.node_size applies to squares 'hierarchical' (or 'auto') only")
+        for key in ("gbar", "micro_steps"):  # the default (null) on ZeRO-3 is checked at attach
+            if self.squares == "per_micro_step" and getattr(self, key) != "auto":
+                raise ValueError(f"vrgd.{key} applies to squares 'per_step' and 'hierarchical' (or 'auto'), not "
+                                 "'per_micro_step'")
         return self
 
     @property
@@ -115,7 +119,8 @@ def auto_scheme(stage: int, pipeline: bool, world: int, node_size: int, full_byt
 
 def reduction_config(raw_config: dict[str, Any]) -> ReductionConfig:
     """Parses the ``"vrgd"`` block of DeepSpeed's raw config dict; errors name the key."""
-    block = raw_config.get(KEY) or {}
+    block = raw_config.get(KEY)
+    block = {} if block is None else block
     if not isinstance(block, dict):
         raise UnsupportedConfiguration(f"{KEY}: {block!r} is not an object; write it as "
                                        f'{{"squares": "per_step"}} (accepted keys: {", ".join(ReductionConfig.model_fields)})')
@@ -144,6 +149,11 @@ def check_config(raw_config: dict[str, Any]) -> None:
     check_optimizer_block(raw_config)
     reduction_config(raw_config)
     zero = raw_config.get("zero_optimization") or {}
+    for key in ("cpu_offload", "cpu_offload_param"):  # DeepSpeed's deprecated spellings of the blocks below
+        if zero.get(key):
+            raise UnsupportedConfiguration(
+                f"zero_optimization.{key}: CPU offload is not supported with VRGD optimizers (the statistics hooks "
+                "feed the optimizer on the device); remove the key")
     for key in ("offload_optimizer", "offload_param"):
         if _offload_device(zero.get(key)) not in ("none", ""):
             raise UnsupportedConfiguration(

@@ -39,7 +39,9 @@ def register() -> None:
     global _registered
     if _registered:
         return
-    check_version()
+    check_version()  # imports DeepSpeed, whose import hook (``vrgd_ds.ds.lazy``) may have registered meanwhile
+    if _registered:
+        return
     import deepspeed.runtime.engine as ds_engine
     from deepspeed.runtime.engine import DeepSpeedEngine
 
@@ -81,6 +83,12 @@ def register() -> None:
             from vrgd_ds.ds.attach import attach
 
             if not checked:  # a callable client optimizer (e.g. functools.partial(VRLamb, lr=...)) built it
+                if config_name is not None:
+                    raise UnsupportedConfiguration(
+                        f"both a config optimizer ('optimizer.type': {config_name!r}) and a client optimizer (a "
+                        f"callable that built {type(self.basic_optimizer).__name__}) were given to "
+                        "deepspeed.initialize; DeepSpeed used the client one and dropped the config's. Remove the "
+                        "'optimizer' block from the config or do not pass optimizer=")
                 check_engine(self)
             attach(self)
 

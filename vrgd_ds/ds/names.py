@@ -49,10 +49,32 @@ def check_params(cls: type[GSNROptimizer], type_name: str, params: dict[str, Any
         raise UnsupportedConfiguration(str(e)) from None
 
 
+def engine_spelling(name: Any) -> Any:
+    """A config ``"type"`` as DeepSpeed's engine reads it: one of DeepSpeed's own names in any case
+    is lower-cased (``"LAMB"``, ``"Lamb"``: ``lamb``; ``deepspeed/runtime/config.py``), any other
+    name is kept."""
+    if not isinstance(name, str):
+        return name
+    from deepspeed.runtime.config import DEEPSPEED_OPTIMIZERS
+
+    return name.lower() if name.lower() in DEEPSPEED_OPTIMIZERS else name
+
+
 def check_optimizer_block(raw_config: dict[str, Any]) -> type[GSNROptimizer]:
     """Validates the ``"optimizer"`` block of a DeepSpeed config dict before any work
-    (``registry.check_optimizer``, with DeepSpeed's spellings: ``resolve``). Errors name the key."""
+    (``registry.check_optimizer``), reading its type as the engine will (``engine_spelling``,
+    ``resolve``): ``"LAMB"`` is our Lamb on the CPU accelerator, and ``"Lamb"`` on a GPU is
+    DeepSpeed's FusedLamb, which the job does not train with. Errors name the key."""
+    block = raw_config.get("optimizer")
+    if isinstance(block, dict) and engine_spelling(block.get("type")) != block.get("type"):
+        given = block["type"]
+        block = dict(block, type=engine_spelling(given))
+        if resolve(block["type"]) is None:
+            raise UnsupportedConfiguration(
+                f"optimizer.type: {given!r} is DeepSpeed's own {block['type']!r} on this accelerator, not a VRGD "
+                "optimizer" + ("; for LAMB exact under ZeRO use \"VRLamb\" with \"params\": {\"gsnr\": false}"
+                               if block["type"] == "lamb" else f"; registered: {', '.join(NAMES)}"))
     try:
-        return registry.check_optimizer(raw_config.get("optimizer"), CLIPPING, resolve)
+        return registry.check_optimizer(block, CLIPPING, resolve)
     except registry.OptimizerBlockError as e:
         raise UnsupportedConfiguration(str(e)) from None
