@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import re
+import sys
 from pathlib import Path
 
 import pytest
@@ -116,4 +117,33 @@ def test_register_before_deepspeed_is_imported_patches_it_once():
     run = subprocess.run([sys.executable, "-c", ONCE], capture_output=True, text=True, cwd=ROOT, timeout=300)
     assert run.returncode == 0, run.stderr[-2000:]
     assert run.stdout.split()[-1] == "1", run.stdout
+
+
+def test_the_import_hook_finds_deepspeed_where_an_editable_install_puts_it(monkeypatch):
+    """DeepSpeed installed with ``pip install -e`` is found by the editable install's finder,
+    which setuptools appends to ``sys.meta_path``, not by the path finder: the hook takes the spec
+    the finders after it give, in order, and wraps its loader so that ``import deepspeed``
+    registers. Fails on the code that asked the path finder only: it found nothing there, and
+    DeepSpeed loaded unregistered."""
+    import importlib.util
+
+    from vrgd_ds.ds import lazy
+
+    class Loader(importlib.abc.Loader):
+        def create_module(self, spec):
+            return None
+
+        def exec_module(self, module):
+            raise AssertionError("not executed here")
+
+    class EditableFinder(importlib.abc.MetaPathFinder):
+        def find_spec(self, fullname, path, target=None):
+            return importlib.util.spec_from_loader(fullname, Loader()) if fullname == "deepspeed" else None
+
+    hook = lazy._AfterImport()
+    monkeypatch.setattr(sys, "path", [])  # the path finder finds no deepspeed
+    monkeypatch.setattr(sys, "meta_path", [hook, *sys.meta_path, EditableFinder()])
+    spec = hook.find_spec("deepspeed", None)
+    assert spec is not None and isinstance(spec.loader, Loader)
+    assert spec.loader.exec_module.__name__ == "exec_then_register"
 

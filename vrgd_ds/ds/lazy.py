@@ -4,7 +4,6 @@ register right after ``import deepspeed`` finishes, whoever imports it (HF, Acce
 from __future__ import annotations
 
 import importlib.abc
-import importlib.machinery
 import sys
 
 
@@ -13,8 +12,18 @@ class _AfterImport(importlib.abc.MetaPathFinder):
         if fullname != "deepspeed":
             return None
         # A probe (importlib.util.find_spec, e.g. transformers' is_deepspeed_available) also
-        # lands here without importing: stay installed until the module really executes.
-        spec = importlib.machinery.PathFinder.find_spec(fullname, path)
+        # lands here without importing: stay installed until the module really executes. The
+        # spec is the one the finders after this one give, in their order: the path finder for an
+        # installed DeepSpeed, an editable install's finder (appended to sys.meta_path) for one
+        # installed with pip install -e.
+        spec = None
+        for finder in sys.meta_path:
+            find = getattr(finder, "find_spec", None)
+            if isinstance(finder, _AfterImport) or find is None:
+                continue
+            spec = find(fullname, path, target)
+            if spec is not None:
+                break
         if spec is None or spec.loader is None:
             return spec
         exec_module = spec.loader.exec_module
