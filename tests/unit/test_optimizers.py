@@ -1120,6 +1120,29 @@ def test_a_steady_steps_python_work_does_not_grow_with_the_tensors(name, flat, t
     assert few == many, (few, many)
 
 
+@pytest.mark.parametrize("name", ["VRLamb", "Lamb", "VRAdam"])
+def test_the_state_creating_step_gives_a_frozen_tensor_no_state_as_a_trained_run_has_none(name):
+    """``get_optimizer_state_dict`` on a fresh optimizer (torch's state-creating step at lr 0, as
+    before a DCP load) creates state for the tensors that get gradients, as real steps do: a
+    frozen bias gets none, so the state a fresh job loads into has the keys of the trained run's
+    checkpoint. Fails on the code that created state for every tensor of the groups: the DCP load
+    then missed ``optim.state.0.bias.step`` in the checkpoint."""
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+
+    def build():
+        torch.manual_seed(0)
+        m = nn.Sequential(nn.Linear(3, 4), nn.Linear(4, 2))
+        m[0].bias.requires_grad_(False)
+        return m, REGISTRY[name].cls(m.parameters(), **REGISTRY[name].test_kwargs)
+
+    m, opt = build()
+    run(m, opt, [[(torch.randn(5, 3), torch.randn(5, 2)) for _ in range(2)] for _ in range(2)])
+    trained = get_optimizer_state_dict(m, opt)["state"]
+    fresh = get_optimizer_state_dict(*build())["state"]
+    assert sorted(fresh) == sorted(trained) == ["0.weight", "1.bias", "1.weight"]
+    assert all(sorted(fresh[k]) == sorted(trained[k]) for k in fresh)
+
+
 def test_the_state_creating_step_is_decided_alike_on_every_rank():
     """A step at lr 0 with zero gradients creates the state and advances nothing (DCP's and
     torchtitan's step before a load), but only if no rank holding a piece of the step has a

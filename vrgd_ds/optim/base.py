@@ -246,7 +246,7 @@ class GSNROptimizer(torch.optim.Optimizer):
             first = self._layout is not None and self.step_calls == 0  # every rank's first step alike
             if S.is_state_init(self.state, self.param_groups, 0 if self._stats is None else self._stats.n,
                                self._any_rank if first else None):
-                self.allocate_state()
+                self.allocate_state(with_grads_only=True)
             else:
                 run_with_retry(self._step, self._undo)
         finally:
@@ -334,10 +334,10 @@ class GSNROptimizer(torch.optim.Optimizer):
         """The state a parameter of ``group`` holds per element once it stepped (beside ``step``)."""
         return S.element_state_keys(self.state_keys, group)
 
-    def allocate_state(self) -> None:
+    def allocate_state(self, with_grads_only: bool = False) -> None:
         """Every state key a step would create, as a fresh start has it (``state.allocate``)."""
         self._epoch += 1
-        S.allocate(self.state, self.param_groups, self.state_keys)
+        S.allocate(self.state, self.param_groups, self.state_keys, with_grads_only)
 
     def begin_step_records(self) -> None:
         self.records.begin()

@@ -133,12 +133,18 @@ def is_state_init(state: dict[Tensor, Any], groups: list[dict[str, Any]], record
 
 
 @torch.no_grad()
-def allocate(state: dict[Tensor, dict[str, Any]], groups: list[dict[str, Any]], state_keys: tuple[str, ...]) -> None:
+def allocate(state: dict[Tensor, dict[str, Any]], groups: list[dict[str, Any]], state_keys: tuple[str, ...],
+             with_grads_only: bool = False) -> None:
     """Creates every state key a step would create, as a fresh start has it (step 0, zeros): what
-    a sharded checkpoint loads into (Megatron's ``init_state_fn``). Keys present stay."""
+    a sharded checkpoint loads into (Megatron's ``init_state_fn``). Keys present stay.
+    ``with_grads_only``: for the tensors with a gradient only, as a step creates it (the state-
+    creating step of ``is_state_init``: a frozen tensor gets no state, as in a trained run's
+    checkpoint, whose load would otherwise miss its keys)."""
     for group in groups:
         keys = element_state_keys(state_keys, group)
         for p in group["params"]:
+            if with_grads_only and p.grad is None:
+                continue
             st = state[p]
             if "step" not in st:
                 st["step"] = torch.tensor(0.0, dtype=torch.float32, device=p.device)
