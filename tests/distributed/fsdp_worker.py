@@ -76,6 +76,8 @@ def shard(model: Net, layout: str, world: int) -> Any:
 
     if layout == "hsdp":
         mesh = init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("replicate", "shard"))
+    elif layout == "pipeline":  # each half of the ranks a stage: the model sharded over its half only
+        mesh = init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("pp", "shard"))["shard"]
     else:
         mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("shard",))
     for block in (model.a, model.b, model.c):
@@ -175,7 +177,7 @@ def _refusal(case: dict) -> dict[str, Any]:
     world = dist.get_world_size()
     model = Net(False)
     what = case["what"]
-    shard(model, "fsdp", world)
+    shard(model, "pipeline" if what == "pipeline" else "fsdp", world)
     if what == "offload":  # CPUOffloadPolicy needs an accelerator to offload from: its flag, as FSDP sets it
         next(fp for _, fp in _fsdp_params(model)).offload_to_cpu = True
     if what == "bf16_reduce":  # MixedPrecisionPolicy(param_dtype=torch.bfloat16): FSDP then reduces in bf16
@@ -193,6 +195,8 @@ def _refusal(case: dict) -> dict[str, Any]:
         stats = vrgd_ds.fsdp.attach(model, opt)
         if what == "twice":
             vrgd_ds.fsdp.attach(model, vrgd_ds.VRAdam(model.parameters(), lr=0.1))
+        if what == "twice_base":  # a base optimizer leaves FSDP's reduce-scatter alone
+            vrgd_ds.fsdp.attach(model, vrgd_ds.Lamb(model.parameters(), lr=0.1))
     except Exception as e:  # noqa: BLE001 (the message is the result)
         return dict(type=type(e).__name__, message=str(e))
     if what == "uneven_sync":  # one module accumulates its first micro-step unreduced, the others do not

@@ -100,6 +100,26 @@ def test_set_ups_the_statistics_cannot_see_are_refused_naming_the_option(pool, w
         assert res["type"] == kind and words in res["message"], res
 
 
+def test_a_base_optimizer_beside_a_vrgd_one_on_one_model_is_attached(pool):
+    """A base optimizer (``Lamb``) leaves FSDP's reduce-scatter alone, so it attaches beside a VRGD
+    optimizer with the GSNR on the same model (torchtitan's container, param groups split between
+    them). Fails on the code before, which refused it as a second attach when the VRGD one came
+    first, and accepted it when it came second."""
+    for res in pool.run("fsdp_worker", "refusal_case", {"what": "twice_base"}):
+        assert res["type"] is None, res
+
+
+@pytest.mark.exhaustive  # 4 ranks; make test: torchtitan's pipeline degree refused in-process
+def test_a_model_sharded_over_part_of_the_ranks_is_refused(pool4):
+    """Pipeline parallelism, each half of the ranks a stage with the model sharded over its half:
+    the per-tensor sums run over every rank as one model's, so it is refused, naming the mesh.
+    Fails on the code before, which took the other stage's tensors for copies of this one's:
+    stage 1's trust ratios and GSNR means came from stage 0's tensors (about 20% off)."""
+    for res in pool4.run("fsdp_worker", "refusal_case", {"what": "pipeline"}):
+        assert res["type"] == "UnsupportedFSDPConfiguration", res
+        assert "a model whose device mesh covers 2 of the 4 ranks" in res["message"], res
+
+
 def test_dcp_checkpoint_resumes_on_the_same_and_on_another_world_size(pool4, pool, tmp_path):
     """The optimizer state is DTensors sharded like the parameters: a DCP checkpoint saved on 4
     ranks resumes on 4 bit for bit and on 2 (the same micro-batches as 2 × accumulation 2: the

@@ -29,6 +29,9 @@ def test_the_container_injects_no_fused_kernels_by_default():
 
 @pytest.mark.parametrize("field, value, words", [
     ("implementation", "fused_opt_states_bf16", "optimizer.implementation='fused_opt_states_bf16'"),
+    # before: refused at attach, naming param-group keys a torchtitan user cannot edit
+    ("implementation", "fused", "optimizer.implementation='fused' is not supported with a VRGD optimizer"),
+    ("implementation", "foreach", "--optimizer.implementation for-loop"),
     ("parts", 2, "pipeline parallelism (2 model parts"),
 ])
 def test_container_refusals_name_the_option(field, value, words):
@@ -51,8 +54,10 @@ def test_with_vrgd_refuses_context_and_expert_parallelism_after_the_optimizer_is
     config = with_vrgd(config, "VRLamb", lr=1e-3)
     assert type(config.optimizer).__qualname__ == "VRGDOptimizersContainer.Config"
     hook = config.model_spec.post_optimizer_build_fn
+    # pipeline parallelism: before, one stage per rank passed and each stage's sums ran over every rank
     for dims, words in ((SimpleNamespace(cp=2, ep=1), "parallelism.context_parallel_degree=2"),
-                        (SimpleNamespace(cp=1, ep=4), "parallelism.expert_parallel_degree=4")):
+                        (SimpleNamespace(cp=1, ep=4), "parallelism.expert_parallel_degree=4"),
+                        (SimpleNamespace(pp=2, cp=1, ep=1), "parallelism.pipeline_parallel_degree=2")):
         with pytest.raises(UnsupportedFSDPConfiguration, match=words):
             hook(None, [], dims)
     assert not calls

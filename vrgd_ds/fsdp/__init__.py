@@ -77,19 +77,20 @@ def _fsdp_groups(model: torch.nn.Module) -> list[tuple[torch.nn.Module, Any]]:
     return out
 
 
-def _check_group(group: Any) -> tuple[Any, Any | None]:
+def _check_group(group: Any, gsnr: bool) -> tuple[Any, Any | None]:
     """The shard and (HSDP) replicate process groups of an FSDP parameter group, after the checks
-    that it reduces where the statistics see it."""
+    that it reduces where the statistics see it (``gsnr``: the optimizer takes statistics, which
+    replace FSDP's reduce-scatter; a base optimizer leaves it as it is)."""
     from torch.distributed.fsdp._fully_shard._fsdp_common import FSDPMeshInfo, HSDPMeshInfo
 
     info = group.mesh_info
     if not isinstance(info, FSDPMeshInfo) or info.shard_mesh_size < 2:
         raise _refuse("a parameter group that is not sharded over >= 2 ranks", "FSDP does not reduce-scatter it, "
                       "so no statistics are taken there; shard over >= 2 ranks, or use vrgd_ds.ddp for replication")
-    if isinstance(group._reduce_scatter_comm, ReduceScatterWithSquares):
+    if gsnr and isinstance(group._reduce_scatter_comm, ReduceScatterWithSquares):
         raise _refuse("a second attach to one model", "its statistics are already taken at FSDP's reduce-scatter "
-                      "(one VRGD optimizer per FSDP model)")
-    if type(group._reduce_scatter_comm) is not DefaultReduceScatter:
+                      "(one VRGD optimizer with the GSNR per FSDP model; a base optimizer beside it is fine)")
+    if gsnr and type(group._reduce_scatter_comm) is not DefaultReduceScatter:
         raise _refuse(f"FSDP's reduce-scatter replaced by {type(group._reduce_scatter_comm).__name__} "
                       "(set_custom_reduce_scatter, set_symm_mem_for_comm, allocation from the process group)",
                       "the statistics replace it themselves; leave FSDP's default reduce-scatter in place")
@@ -178,7 +179,7 @@ def attach(model: torch.nn.Module, optimizer: GSNROptimizer, squares_dtype: str 
                           "fused= argument); drop the keys from the param groups")
     groups = _fsdp_groups(model)
     merit = info_of(optimizer).row_col_maxima
-    checked = [_check_group(g) for _, g in groups]
+    checked = [_check_group(g, any(pg["gsnr"] for pg in optimizer.param_groups)) for _, g in groups]
     dp_groups = {tuple(dist.get_process_group_ranks(s)) + (() if r is None else tuple(dist.get_process_group_ranks(r)))
                  for s, r in checked}
     if len(dp_groups) != 1:
@@ -209,6 +210,12 @@ def attach(model: torch.nn.Module, optimizer: GSNROptimizer, squares_dtype: str 
             if id(p) not in managed:
                 raise ValueError(f"{optimizer.name} updates a parameter of shape {tuple(p.shape)} that FSDP "
                                  "does not shard: build the optimizer on model.parameters() after fully_shard")
+    world_ranks = dist.get_world_size()
+    covered = {fp.sharded_param.device_mesh.size() for _, g in groups for fp in g.fsdp_params}
+    if covered != {world_ranks}:
+        raise _refuse(f"a model whose device mesh covers {min(covered)} of the {world_ranks} ranks (pipeline "
+                      "parallelism: each stage on ranks of its own)", "the per-tensor sums run over every rank as "
+                      "one model's; shard the whole model over every rank (FSDP, HSDP or FSDP + TP)")
     tensors = ModelTensors.of(model)
     device = groups[0][1].fsdp_params[0].sharded_param.device
     trained = [fp.sharded_param for _, g in groups for fp in g.fsdp_params if id(fp.sharded_param) in tensors.keys]

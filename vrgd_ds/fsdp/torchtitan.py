@@ -93,10 +93,13 @@ class VRGDOptimizersContainer(OptimizersContainer):
     def __init__(self, config: Config, *, model_parts: list[torch.nn.Module]) -> None:
         _check_version()
         uses_vrgd = any(pg.optimizer_name in REGISTRY for pg in config.param_groups)
-        if uses_vrgd and config.implementation == "fused_opt_states_bf16":
+        if uses_vrgd and config.implementation != "for-loop":
+            why = ("its state is fp32" if config.implementation == "fused_opt_states_bf16" else
+                   "torchtitan puts fused=/foreach= into every param group, and the VRGD optimizers pick their own "
+                   "kernels")
             raise UnsupportedFSDPConfiguration(
-                "vrgd_ds.fsdp.torchtitan: optimizer.implementation='fused_opt_states_bf16' is not supported with a "
-                "VRGD optimizer: its state is fp32; use 'for-loop' (the VRGD optimizers pick their own kernels)")
+                f"vrgd_ds.fsdp.torchtitan: optimizer.implementation={config.implementation!r} is not supported with a "
+                f"VRGD optimizer: {why}; use 'for-loop' (--optimizer.implementation for-loop)")
         if uses_vrgd and len(model_parts) != 1:
             raise UnsupportedFSDPConfiguration(
                 f"vrgd_ds.fsdp.torchtitan: pipeline parallelism ({len(model_parts)} model parts on this rank) is not "
@@ -134,10 +137,13 @@ def vrgd_optimizer(name: str = "VRLamb", pattern: str = r".*", **optimizer_kwarg
 
 def check_parallelism(parallel_dims: Any) -> None:
     """Refuses the parallelisms whose reductions the statistics do not see as micro-batch groups
-    (torchtitan's ``ParallelDims``, once the run's command line is applied): context parallelism
+    (torchtitan's ``ParallelDims``, once the run's command line is applied): pipeline parallelism
+    (the per-tensor sums run over every rank as one model's), context parallelism
     (a reduction then sums the sequence chunks of one sample) and expert parallelism (experts on
     a mesh of their own)."""
     for degree, option, why in (
+            ("pp", "parallelism.pipeline_parallel_degree", "each stage's tensors would be summed over every rank as "
+             "one model's, and a stage's GSNR and trust ratios taken from another stage's tensors"),
             ("cp", "parallelism.context_parallel_degree", "each FSDP reduction would also sum a sample's sequence "
              "chunks, so the gradient groups would be chunks, not micro-batches"),
             ("ep", "parallelism.expert_parallel_degree", "the experts are sharded and reduced on a mesh of their "
