@@ -71,11 +71,16 @@ def main(argv: Sequence[str] | None = None) -> None:
     shm.prepare_build()  # the script's init_distributed builds DeepSpeed's CPU op with the package's ninja
 
     sys.argv = [target, *launcher, *args]
-    if module is not None:
-        runpy.run_module(module, run_name="__main__", alter_sys=True)
-    else:
-        sys.path[0] = os.path.dirname(os.path.abspath(target))
-        runpy.run_path(target, run_name="__main__")
+    try:
+        if module is not None:
+            runpy.run_module(module, run_name="__main__", alter_sys=True)
+        else:
+            sys.path[0] = os.path.dirname(os.path.abspath(target))
+            runpy.run_path(target, run_name="__main__")
+    except SystemExit as e:  # sys.exit(main()): the script ended here too when it exits 0
+        if e.code in (None, 0):
+            leave_together()
+        raise
     leave_together()  # the script ended here: not after a failure, where a barrier would wait forever
 
 

@@ -1,6 +1,9 @@
 """The hierarchical scheme's node groups (vrgd_ds/stats/hierarchical.py ``node_groups``) in one
-process of a 1-rank gloo world: made once per world and node size, made again once destroyed."""
+process of a 1-rank gloo world: made once per world and node size, made again once destroyed; and
+``vrgd_ds.run`` leaving such a world when its script exits."""
 from __future__ import annotations
+
+import sys
 
 import pytest
 import torch
@@ -50,3 +53,26 @@ def test_destroyed_node_groups_are_made_again(one_rank):
         t = torch.ones(3)
         dist.all_reduce(t, group=group)
         assert t.tolist() == [1.0, 1.0, 1.0]
+
+
+def test_a_script_that_ends_with_sys_exit_0_leaves_the_process_group_through_vrgd_ds_run(tmp_path, monkeypatch):
+    """``python -m vrgd_ds.run script.py`` whose script ends with ``sys.exit(main())``: every rank
+    leaves the process group together (``run.leave_together``), as for a script that returns.
+    Fails on the code before, where the script's SystemExit(0) went past it, leaving the group
+    to gloo's teardown (whose abort can replace the exit code)."""
+    from vrgd_ds import run
+
+    script = tmp_path / "train.py"
+    script.write_text("import sys\nimport torch.distributed as dist\n"
+                      f"dist.init_process_group('gloo', init_method='file://{tmp_path / 'store'}', rank=0, "
+                      "world_size=1)\nsys.exit(0)\n")
+    monkeypatch.setattr(sys, "argv", list(sys.argv))
+    monkeypatch.setattr(sys, "path", list(sys.path))
+    try:
+        with pytest.raises(SystemExit) as ended:
+            run.main([str(script)])
+        assert ended.value.code == 0
+        assert not dist.is_initialized()
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()

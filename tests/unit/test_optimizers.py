@@ -1143,6 +1143,45 @@ def test_the_state_creating_step_gives_a_frozen_tensor_no_state_as_a_trained_run
     assert all(sorted(fresh[k]) == sorted(trained[k]) for k in fresh)
 
 
+@pytest.mark.parametrize("fused", IMPLS)
+def test_statistics_of_a_step_the_caller_skipped_are_dropped_when_the_model_clears_its_gradients(fused, caplog):
+    """A step GradScaler skips (an overflow), then ``model.zero_grad()``, as HF Trainer does: the
+    next step's statistics are its own micro-batches', and it equals a fresh optimizer's first
+    step on them; one warning says what was dropped. Fails on the code before, which reset the
+    statistics only in the optimizer's own ``zero_grad()`` and ``step()``: the next step took
+    n = 6 groups, the skipped step's 3 among them (and with their non-finite gradients, was
+    skipped too)."""
+    data = batches(2, 3)
+    m1, m2 = make_model(), make_model()
+    o1 = vrgd_ds.VRAdam(m1.parameters(), fused=fused)
+    o2 = vrgd_ds.VRAdam(m2.parameters(), fused=fused)
+    for x, y in data[0]:  # the skipped step: backward passes, no optimizer step
+        (m1(x) - y).pow(2).mean().backward()
+    m1.zero_grad()
+    with caplog.at_level(logging.WARNING):
+        a, b = run(m1, o1, data[1:]), run(m2, o2, data[1:])
+    assert o1.gsnr_metrics()["gsnr/n"] == 3 and not o1.gsnr_metrics()["step/skipped"]
+    for x, y in zip(a, b):
+        assert torch.equal(x, y)
+    assert sum("statistics of 3 backward pass(es) were dropped" in r.getMessage() for r in caplog.records) == 1
+
+
+def test_statistics_from_one_process_while_several_ranks_run_are_warned_of(monkeypatch, caplog):
+    """A VRGD optimizer on its own tensor hooks while a process group of several ranks runs: under
+    DDP without ``vrgd_ds.ddp.attach`` (HF Trainer, Accelerate) each rank would step with its own
+    GSNR and the replicas drift apart (0.02 in a parameter after 3 steps on 2 ranks). Its first
+    step says so once, naming the fix. Fails on the code before, which said nothing."""
+    import torch.distributed as dist
+
+    monkeypatch.setattr(dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(dist, "get_world_size", lambda group=None: 2)
+    m = make_model()
+    with caplog.at_level(logging.WARNING):
+        run(m, vrgd_ds.VRAdam(m.parameters()), batches(2, 4))
+    said = [r.getMessage() for r in caplog.records if "while 2 ranks run" in r.getMessage()]
+    assert len(said) == 1 and "vrgd_ds.ddp.attach(model, optimizer)" in said[0]
+
+
 def test_the_state_creating_step_is_decided_alike_on_every_rank():
     """A step at lr 0 with zero gradients creates the state and advances nothing (DCP's and
     torchtitan's step before a load), but only if no rank holding a piece of the step has a

@@ -22,6 +22,7 @@ from typing import Any, Callable, Iterator
 import torch
 from torch import Tensor
 
+from vrgd_ds.log import warn_once
 from vrgd_ds.optim import _impl
 from vrgd_ds.optim import functional as F
 from vrgd_ds.optim import metrics as M
@@ -58,6 +59,21 @@ def constructor_args(frame_locals: dict[str, Any]) -> dict[str, Any]:
     """A member constructor's arguments (its ``locals()`` on entry), less ``self``, ``params`` and
     ``fused``: what its ``_group`` turns into the group options."""
     return {k: v for k, v in frame_locals.items() if k not in ("self", "params", "fused", "__class__")}
+
+
+def _warn_if_replicated(owner: str, serial: int) -> None:
+    """Statistics from this process's backward passes while a process group of several ranks runs:
+    right for a model of this rank alone, wrong under DDP (HF Trainer or Accelerate without
+    DeepSpeed wrap the model in DDP themselves), where every rank would step with its own GSNR and
+    the replicas drift apart. Said once, naming the fix."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        warn_once(logger, f"replicated-{serial}", "%s: the GSNR statistics come from this process's backward passes "
+                  "only, while %d ranks run. Under DistributedDataParallel (also HF Trainer or Accelerate without "
+                  "DeepSpeed) call vrgd_ds.ddp.attach(model, optimizer) after wrapping the model, or every rank "
+                  "steps with its own statistics and the replicas drift apart; a model of this rank alone needs "
+                  "nothing", owner, dist.get_world_size())
 
 
 class GSNROptimizer(torch.optim.Optimizer):
@@ -278,6 +294,8 @@ class GSNROptimizer(torch.optim.Optimizer):
         if not plans:
             return
         n = F.groups_now(self._stats, self.name, self._serial) if any(p.gsnr for p in plans) else 0
+        if n and self.step_calls == 1 and self._stats is self._hook_stats:
+            _warn_if_replicated(self.name, self._serial)
         ctx = F.StepContext(kernels, n, self._layout, self.name, self._serial, counts=self._counts)
         if kernels.sync_free:
             ctx.skipped = self.records.device_counter(plans[0].tdev)

@@ -15,13 +15,17 @@ groups it watches; the optimizer that built it steps with the same object (one f
 """
 from __future__ import annotations
 
+import logging
 import weakref
 from typing import Any, Iterable
 
 import torch
 from torch import Tensor
 
+from vrgd_ds.log import warn_once
 from vrgd_ds.optim import _impl
+
+logger = logging.getLogger(__name__)
 
 
 class TensorHookStats:
@@ -40,6 +44,7 @@ class TensorHookStats:
         self._eps: dict[Tensor, float] = {}  # per watched parameter, as the hooks last used it
         self._buffers: dict[Tensor, tuple[Tensor, Tensor]] = {}
         self._counts: dict[Tensor, int] = {}
+        self._had_grad: set[Tensor] = set()  # tensors seen holding a gradient at a backward since the last reset
         self._moments: dict[Tensor, tuple[int, Tensor]] = {}
         self._expect = 0  # groups in the previous step (0: unknown, take moments every time)
         self._handed_out = False  # moments() gave the buffers away since the last reset
@@ -96,6 +101,17 @@ class TensorHookStats:
                     torch.empty(p.shape, dtype=torch.float32, device=p.device))
             self._buffers[p] = bufs
         count = self._counts.get(p, 0)
+        if p.grad is not None:
+            self._had_grad.add(p)
+        elif count and p in self._had_grad:  # its gradient cleared since this step's statistics were taken, and
+            # no step used them (a step the caller skipped, GradScaler's on an overflow, then model.zero_grad()): the
+            # statistics start anew, as the gradient does (a gradient never accumulated yet, as under
+            # torch.autograd.grad, is no sign of it)
+            warn_once(logger, f"dropped-{id(self)}", "%s: the statistics of %d backward pass(es) were dropped: the "
+                      "gradients were cleared (model.zero_grad()) with no optimizer step between, e.g. a step "
+                      "GradScaler skipped", self._owner, count)
+            self.reset()
+            count = 0
         row = self._accumulate(p, grad.detach(), bufs[0], bufs[1], count == 0,
                                count + 1 if count + 1 >= self._expect else 0)
         self._counts[p] = count + 1
@@ -169,6 +185,7 @@ class TensorHookStats:
         self._expect = self.n or self._expect
         self._counts.clear()
         self._moments.clear()
+        self._had_grad.clear()
         self._handed_out = False
 
     def remove(self) -> None:
