@@ -114,6 +114,19 @@ class _Timed:
             self.seconds += time.perf_counter() - t0
 
 
+def _load_errors() -> tuple[type[BaseException], ...]:
+    """What a checkpoint that does not load raises: torch's distributed checkpoint's
+    ``CheckpointException`` (Megatron's dist-checkpointing) is a BaseException, not an Exception."""
+    try:
+        from torch.distributed.checkpoint.api import CheckpointException
+    except ImportError:  # a torch without distributed checkpointing
+        return (Exception,)
+    return (Exception, CheckpointException)
+
+
+_LOAD_ERRORS = _load_errors()
+
+
 class Diverged(RuntimeError):
     """Too many consecutive skipped steps."""
 
@@ -258,7 +271,7 @@ class Job:
             try:
                 state = self.engine.load(self.ckpt_dir, choice.tag, plan)
                 ok = state is not None
-            except Exception as e:  # a file that passed the size check but does not load
+            except _LOAD_ERRORS as e:  # a file that passed the size check but does not load
                 logger.warning("rank %d: checkpoint %s does not load: %s", self.rank, choice.tag, e)
                 ok = False
             if not self._any_rank(not ok):

@@ -426,8 +426,11 @@ class MegatronEngine(Engine):
         from megatron.core import dist_checkpointing
         from megatron.core.dist_checkpointing.validation import StrictHandling
 
+        # LOG_UNEXPECTED: keys the request has and the checkpoint lacks (a base optimizer's without the GSNR
+        # momentum, another precision's without fp32 main weights) are left out of the load, and the state
+        # keeps them as built, as the plan says (ASSUME_OK_UNEXPECTED raised on them)
         loaded = dist_checkpointing.load(self._state(True, plan.optimizer_states), str(ckpt_dir / tag),
-                                         strict=StrictHandling.ASSUME_OK_UNEXPECTED)
+                                         strict=StrictHandling.LOG_UNEXPECTED)
         self.ddp.module.load_state_dict(loaded["model"], strict=False)
         for mopt in self.megatron_optimizer.chained_optimizers:  # the fp32 main weights follow the model
             if hasattr(mopt, "reload_model_params"):
