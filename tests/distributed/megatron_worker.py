@@ -716,8 +716,8 @@ def gpt_weight_decay(case: dict) -> dict:
         _, ddp, opt = build_gpt(block, {"type": "VRLamb", "params": {"weight_decay": case["weight_decay"]}},
                                 128, 16, 0, torch.device("cpu"))
         names = {p: n for n, p in ddp.module.named_parameters()}
-        return {"groups": [{"wd_mult": g.get("wd_mult"), "weight_decay": g["weight_decay"],
-                            "names": sorted(names[p] for p in g["params"] if p in names)}
+        return {"groups": [{"wd_mult": g.get("wd_mult"), "weight_decay": g["weight_decay"], "eps": g["eps"],
+                            "betas": list(g["betas"]), "names": sorted(names[p] for p in g["params"] if p in names)}
                            for chained in opt.chained_optimizers for g in chained.optimizer.param_groups]}
     finally:
         release_model_parallel()

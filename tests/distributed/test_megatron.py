@@ -246,10 +246,13 @@ def test_the_gpt_jobs_optimizer_decays_weights_but_not_biases_and_norms(megatron
     """``build_gpt`` (the Megatron job and its benchmark): a param group decays by the configured
     weight decay times Megatron's ``wd_mult``, so biases and norms (``wd_mult`` 0) are not decayed.
     Megatron applies ``wd_mult`` in its own LR scheduler, which the job does not use; the old code
-    left every group at the configured 0.05 and decayed biases and norms (fails on it)."""
+    left every group at the configured 0.05 and decayed biases and norms (fails on it). The options
+    the block does not name are the member's defaults, as on the DeepSpeed engine (VRLamb's eps
+    1e-6), not Megatron's ``OptimizerConfig``'s (``adam_eps`` 1e-8: the code before)."""
     groups = megatron2.run("megatron_worker", "gpt_weight_decay",
                            {"tp": 2, "distributed": distributed, "weight_decay": 0.05})["groups"]
     assert {(g["wd_mult"], g["weight_decay"]) for g in groups} == {(1.0, 0.05), (0.0, 0.0)}, groups
+    assert {(g["eps"], tuple(g["betas"])) for g in groups} == {(1e-6, (0.9, 0.999))}, groups
     if not distributed:  # the groups hold the model's own tensors: which ones are decayed
         kept = [n for g in groups if g["weight_decay"] == 0.0 for n in g["names"]]
         decayed = [n for g in groups if g["weight_decay"] > 0.0 for n in g["names"]]

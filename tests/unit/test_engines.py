@@ -81,6 +81,18 @@ def test_the_shipped_megatron_config_passes_its_checks():
                                                    "tensor_model_parallel_size 3"),
     (dict(megatron__model__num_layers=3, megatron__pipeline_model_parallel_size=2),
      "megatron.model.num_layers: 3 layers do not split into pipeline_model_parallel_size 2 stages"),
+    # before: accepted, then Megatron's assertion from every rank when the model was built
+    (dict(megatron__tensor_model_parallel_size=2, megatron__model__vocab_size=2049),
+     "megatron.model.vocab_size: 2049 does not split over tensor_model_parallel_size 2"),
+    (dict(megatron__tensor_model_parallel_size=2, megatron__model__ffn_hidden_size=129),
+     "megatron.model.ffn_hidden_size: 129 does not split over tensor_model_parallel_size 2"),
+    # before: accepted and ignored (Megatron's DDP drops the bucket size without overlap)
+    (dict(megatron__bucket_size=1000), "megatron.bucket_size: Megatron's DDP buckets gradients only with "
+                                       "megatron.overlap_grad_reduce true"),
+    # before: accepted, and the resume fell back to "require" without a word
+    (dict(checkpoint={"optimizer_states": "reset_if_incompatible"}),
+     "checkpoint.optimizer_states: the megatron engine's checkpoint block has one key, optimizer_state; did you mean "
+     "'optimizer_state'?"),
 ])
 def test_a_megatron_config_error_names_the_key(change, message):
     with pytest.raises(ConfigError) as e:

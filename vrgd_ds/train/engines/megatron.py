@@ -34,7 +34,7 @@ import torch
 import torch.distributed as dist
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from vrgd_ds.optim.registry import OptimizerBlockError, check_optimizer
+from vrgd_ds.optim.registry import REGISTRY, OptimizerBlockError, check_optimizer
 from vrgd_ds.train.config import ConfigError, JobConfig, gradient_accumulation
 from vrgd_ds.train.data import JobData, prepare_data, stack
 from vrgd_ds.train.engines.base import LAUNCHER_WORLD, Engine, launcher_value
@@ -89,7 +89,7 @@ class MegatronBlock(_Strict):
     overlap_grad_reduce: bool = False
     """Reduce each gradient bucket while the backward goes on (Megatron's overlap)."""
     bucket_size: int | None = Field(None, ge=1)
-    """Elements per gradient bucket (default: Megatron's)."""
+    """Elements per gradient bucket (default: Megatron's); Megatron buckets only with ``overlap_grad_reduce``."""
     clip_grad: float = Field(1.0, ge=0.0)
     """Global gradient-norm clipping (0: off)."""
 
@@ -118,6 +118,8 @@ def parse_block(raw: dict[str, Any]) -> MegatronBlock:
 def check(raw: dict[str, Any], job: JobConfig, world: int | None) -> MegatronBlock:
     """Every check of a Megatron job's config that needs no process group; ``world``: the ranks
     (None: not known yet, the layout's checks wait for the process group)."""
+    from vrgd_ds.optim.registry import did_you_mean
+
     extra = [k for k in raw if k not in KEYS]
     if extra:
         raise ConfigError(f"{extra[0]}: not a key of a megatron-engine config (it has {', '.join(KEYS)}); "
@@ -137,6 +139,15 @@ def check(raw: dict[str, Any], job: JobConfig, world: int | None) -> MegatronBlo
         if p.adaptive_batch is not None:
             raise ConfigError(f"job.phases[{i}].adaptive_batch: not supported by the megatron engine; use job.engine "
                               "\"deepspeed\" for an adaptive batch, or a fixed global_batch")
+    checkpoint = raw.get("checkpoint")
+    if checkpoint is not None:
+        unknown = [k for k in checkpoint if k != "optimizer_state"] if isinstance(checkpoint, dict) else [""]
+        if unknown:
+            raise ConfigError(f"checkpoint.{unknown[0]}: the megatron engine's checkpoint block has one key, "
+                              f"optimizer_state{did_you_mean(str(unknown[0]), ['optimizer_state'])}")
+    if block.bucket_size is not None and not block.overlap_grad_reduce:
+        raise ConfigError(f"{BLOCK}.bucket_size: Megatron's DDP buckets gradients only with {BLOCK}.overlap_grad_reduce "
+                          "true (without it, one bucket holds them all); set both, or remove bucket_size")
     tp, pp = block.tensor_model_parallel_size, block.pipeline_model_parallel_size
     if block.model.num_attention_heads % tp:
         raise ConfigError(f"{BLOCK}.model.num_attention_heads: {block.model.num_attention_heads} heads do not split "
@@ -147,6 +158,11 @@ def check(raw: dict[str, Any], job: JobConfig, world: int | None) -> MegatronBlo
     if block.model.num_layers % pp:
         raise ConfigError(f"{BLOCK}.model.num_layers: {block.model.num_layers} layers do not split into "
                           f"pipeline_model_parallel_size {pp} stages")
+    ffn = block.model.ffn_hidden_size or 4 * block.model.hidden_size
+    for key, size in (("vocab_size", block.model.vocab_size), ("ffn_hidden_size", ffn)):
+        if size is not None and size % tp:
+            raise ConfigError(f"{BLOCK}.model.{key}: {size}" + ("" if block.model.ffn_hidden_size or key != "ffn_hidden_size"
+                              else " (4 × hidden_size)") + f" does not split over tensor_model_parallel_size {tp}")
     if world is not None:
         if world % (tp * pp):
             raise ConfigError(f"{BLOCK}.tensor_model_parallel_size × pipeline_model_parallel_size = {tp} × {pp} does "
@@ -223,7 +239,12 @@ def build_gpt(block: MegatronBlock, optimizer: dict[str, Any], vocab_size: int, 
         grad_reduce_in_fp32=True, overlap_grad_reduce=block.overlap_grad_reduce,
         use_distributed_optimizer=block.use_distributed_optimizer, bucket_size=block.bucket_size), model)
     params = dict(optimizer.get("params") or {})
-    ocfg = OptimizerConfig(optimizer="adam", lr=params.pop("lr", 1e-3), weight_decay=params.pop("weight_decay", 0.01),
+    # the block means what it means on the DeepSpeed engine: an option it does not name takes the member's
+    # default, not Megatron's OptimizerConfig's (adam_eps 1e-8, sgd_momentum), which get_megatron_optimizer fills in
+    member = REGISTRY[optimizer["type"]].cls([torch.zeros(1, requires_grad=True)], **params).param_groups[0]
+    params.update({k: member[k] for k in ("betas", "eps", "momentum") if k in member and k not in params})
+    ocfg = OptimizerConfig(optimizer="adam", lr=params.pop("lr", member["lr"]),
+                           weight_decay=params.pop("weight_decay", member["weight_decay"]),
                            clip_grad=block.clip_grad, use_distributed_optimizer=block.use_distributed_optimizer,
                            params_dtype=dtype, **half)
     opt = get_megatron_optimizer(ocfg, [ddp], optimizer=optimizer["type"], optimizer_kwargs=params)
