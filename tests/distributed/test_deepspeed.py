@@ -367,7 +367,7 @@ BAD = {
     "bad-fp16-stage0-callable-client": "'fp16 with zero_optimization.stage 0' is not supported",
     "bad-fp16-stage0": "'fp16 with zero_optimization.stage 0' is not supported",
     "bad-client-and-config": "both a config optimizer ('optimizer.type': 'VRLamb') and a client optimizer",
-    "bad-callable-client-and-config": "both a config optimizer ('optimizer.type': 'VRLamb') and a client optimizer "
+    "bad-callable-client-and-config": "both a config optimizer ('optimizer.type': 'adam') and a client optimizer "
                                       "(a callable that built VRSGD)",
     "bad-gbar-zero3-default": "vrgd.gbar: 'local' applies to squares 'per_step' and 'hierarchical'; the scheme here is "
                               "'per_micro_step' (the default on ZeRO-3)",

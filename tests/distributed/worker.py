@@ -809,9 +809,11 @@ def bad_cases():
     yield "bad-fp16-stage0", dict(base, stage=0, dtype="fp16")
     yield "bad-client-and-config", dict(base, client=True)
     # before: accepted, the config's optimizer dropped without a word
-    yield "bad-callable-client-and-config", dict(base, callable=True, config_too=True)
-    # before: accepted and ignored (ZeRO-3's default scheme reads no gbar)
-    yield "bad-gbar-zero3-default", dict(base, stage=3, set={"vrgd.gbar": "local"})
+    # before: accepted, the config's optimizer (DeepSpeed's Adam) dropped without a word
+    yield "bad-callable-client-and-config", dict(base, callable=True, config_too=True,
+                                                 set={"optimizer": {"type": "Adam", "params": {"lr": 1e-3}}})
+    # before: accepted and ignored (ZeRO-3's default scheme, squares unset, reads no gbar)
+    yield "bad-gbar-zero3-default", dict(base, stage=3, scheme=None, set={"vrgd.gbar": "local"})
     yield "bad-unknown-param", dict(base, set={"optimizer.params.gama": 0.1})
     yield "bad-squares-dtype", dict(base, set={"vrgd.squares_dtype": "fp8"})
     yield "bad-vrgd-key", dict(base, set={"vrgd.square_dtype": "bf16"})
