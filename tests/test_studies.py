@@ -896,6 +896,7 @@ def test_study_runner_runs_side_by_side_within_its_time_limit(tmp_path):
     assert Runner(args).rates == Runner(args).rates != [] and not Runner(args).fits(launch("e", 0, 10**9))
 
 
+@pytest.mark.exhaustive  # make test: the runner paused at its --time-limit (test_study_runner_runs_side_by_side...)
 def test_sigusr1_to_a_study_without_a_time_limit_pauses_its_runs_and_starts_no_more(tmp_path, capsys):
     """``kill -USR1`` to the study (``pause_on_signal``) takes the time limit's way out at once: the
     run in flight is paused (here a stand-in that is no job, so it is stopped and removed), the
@@ -943,6 +944,7 @@ rendezvous.listen()
 """ + FAKE_RUN
 
 
+@pytest.mark.exhaustive  # make test: runs side by side on ports of their own (test_study_runner_runs_side_by_side...)
 def test_studies_side_by_side_take_free_ports_and_a_taken_port_is_named(tmp_path):
     """Two studies on one machine (two CPU cells of a plateau study, a study beside the tests),
     each with the command line's defaults: each run listens on its master port as the

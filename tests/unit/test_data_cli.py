@@ -61,6 +61,7 @@ def test_cli_errors_exit_2_without_traceback(tmp_path, capsys):
     assert "manifest.json does not exist" in capsys.readouterr().err
 
 
+@pytest.mark.exhaustive  # make test: the CLI's main() in-process (test_cli_errors_exit_2_without_traceback)
 def test_module_entry_point_subprocess(tmp_path):
     """`python -m vrgd_ds.data_pipeline` really exits 2 with a one-line message, and --help works."""
     env = {**os.environ, "PYTHONPATH": str(REPO)}

@@ -26,6 +26,7 @@ waits_in_a_collective()
 """
 
 
+@pytest.mark.exhaustive  # waits out a 6 s timeout
 def test_a_timed_out_launch_fails_with_its_stacks_and_the_machine_state(tmp_path):
     """The failure names the function the process waited in (its ``faulthandler`` stack, printed
     on SIGABRT), the load and memory at the timeout, and the output so far; nothing of the launch

@@ -105,7 +105,7 @@ print(wrappers)
 """
 
 
-@pytest.mark.slow  # a fresh interpreter imports DeepSpeed (seconds)
+@pytest.mark.exhaustive  # a fresh interpreter imports DeepSpeed (seconds)
 def test_register_before_deepspeed_is_imported_patches_it_once():
     """``vrgd_ds.register()`` in a process that has not imported DeepSpeed: importing it inside
     ``register`` runs the import hook, which registers first. Fails on the code before, which

@@ -325,7 +325,7 @@ def test_triton_skips_a_nonfinite_step_on_the_device(name):
     assert opt.gsnr_metrics()["step/skipped"] == 0.0
 
 
-@pytest.mark.parametrize("name", ["VRMomentum", "VRLamb"])
+@pytest.mark.parametrize("name", [pytest.param("VRMomentum", marks=pytest.mark.exhaustive), "VRLamb"])
 def test_triton_state_dict_round_trip_continues_the_trajectory(name, tmp_path):
     batches = data(4, 2)
     m1 = Net().to(DEVICE)
