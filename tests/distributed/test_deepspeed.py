@@ -108,7 +108,7 @@ def test_per_step_squares_equal_the_reference_with_every_micro_step_a_group(pool
 
 @pytest.mark.parametrize("scheme, gbar", [("per_step", "engine"),
                                            pytest.param("per_step", "local", marks=pytest.mark.exhaustive),
-                                           pytest.param("per_micro_step", "local", marks=pytest.mark.exhaustive)])
+                                           pytest.param("per_micro_step", "auto", marks=pytest.mark.exhaustive)])
 def test_a_step_that_ends_before_its_accumulation_is_full_equals_the_reference(pool, scheme, gbar):
     """A step of 2 micro-steps where the accumulation is 4, between full steps: the boundary set
     by hand (``set_gradient_accumulation_boundary``, which accelerate calls at every micro-step, so
