@@ -1,4 +1,4 @@
-"""A persistent group of ranks for distributed tests: one ``deepspeed`` launch per pytest session
+"""A persistent group of ranks for distributed tests: one start of N ranks (``ranks.py``) per pytest session
 (gloo on CPU), one test case per pytest item.
 
 ``Pool.run(module, function, case)`` has every rank call ``module.function(case)`` (modules of
@@ -46,8 +46,7 @@ class Pool:
         self.control.mkdir(parents=True)
         self.log = self.control / "ranks.log"
         self.port = launching.free_port()
-        deepspeed = Path(sys.executable).parent / "deepspeed"
-        cmd = [str(deepspeed), "--num_gpus", str(self.ranks), "--master_port", str(self.port),
+        cmd = [sys.executable, str(HERE / "ranks.py"), "--nproc", str(self.ranks), "--master_port", str(self.port),
                str(HERE / "pool_worker.py"), "--control", str(self.control), "--owner", str(os.getpid())]
         env = dict(os.environ, PYTHONPATH=str(HERE.parent.parent) + os.pathsep + os.environ.get("PYTHONPATH", ""),
                    PYTHONUNBUFFERED="1")
@@ -76,7 +75,7 @@ class Pool:
         start = self.log.stat().st_size if self.log and self.log.exists() else 0
         signalled = []
         for pid, cmdline in _group(self.proc.pid):
-            launcher = pid == self.proc.pid or "deepspeed.launcher" in cmdline  # SIGUSR2 would end them
+            launcher = pid == self.proc.pid  # ranks.py: SIGUSR2 would end it
             if not launcher and ("pool_worker.py" in cmdline or "multiprocessing" in cmdline):
                 try:
                     os.kill(pid, signal.SIGUSR2)

@@ -1,6 +1,6 @@
 """The ranks of a persistent process group that runs one test case per request (``pool.py``).
 
-Started once per pytest session by ``deepspeed --num_gpus 2 pool_worker.py --control DIR``.
+Started once per pytest session by ``ranks.py --nproc 2 ... pool_worker.py --control DIR`` (``pool.py``).
 Rank 0 waits for ``DIR/req-<id>.json`` (``{"module", "function", "case"}``), broadcasts it, every
 rank calls ``module.function(case)``, and rank 0 writes ``DIR/res-<id>.json``: rank 0's result,
 or the first error of any rank with its traceback. A case that hangs or kills a rank is the
