@@ -432,6 +432,7 @@ def test_reused_runs_of_other_data_are_set_aside():
     assert set_aside_other_data(kept, "embedded", lambda seed: None, "3.11.7") == [] and len(kept) == 1
 
 
+@pytest.mark.exhaustive  # WikiText-2 prepared end to end (10-15 s): make test-all
 def test_wikitext_prepared_here_is_the_data_the_committed_records_read(shared_data, tmp_path):
     """WikiText-2 as the BERT study prepares it (vocabulary 8,000, seq 64, held-out 0.1) has the
     data fingerprints that every run of docs/studies/bert_plateau, docs/studies/bert_plateau_steps128,

@@ -300,7 +300,8 @@ def test_device_tables_on_a_flat_partition_step_as_the_torch_tables(monkeypatch)
     _assert_same_runs(_steps_with_and_without_device_tables("VRLamb", {}, monkeypatch, make))
 
 
-@pytest.mark.parametrize("name", ["VRSGD", "VRAdam", "VRLamb", "Lamb"])
+@pytest.mark.parametrize("name", ["VRSGD", pytest.param("VRAdam", marks=pytest.mark.exhaustive), "VRLamb",
+                                  pytest.param("Lamb", marks=pytest.mark.exhaustive)])
 def test_triton_skips_a_nonfinite_step_on_the_device(name):
     """NaN in a gradient: the decision is a device flag the kernels read; nothing changes, the
     skip is counted and reported."""
@@ -341,7 +342,13 @@ def test_triton_state_dict_round_trip_continues_the_trajectory(name, tmp_path):
         assert torch.equal(a, b)
 
 
-@pytest.mark.parametrize("name", NAMES)
+# make test: the members with reductions beyond the Adam and SGD passes (LAMB's trust ratio, LARS's
+# norms, MERIT's row and column maxima); the others exhaustive
+SYNC_NAMES = [n if n in ("VRLamb", "VRLars", "VRMerit") else pytest.param(n, marks=pytest.mark.exhaustive)
+              for n in REGISTRY]
+
+
+@pytest.mark.parametrize("name", SYNC_NAMES)
 def test_triton_step_reads_nothing_back_to_the_host(name, monkeypatch):
     """No host synchronisation in step(): on CPU tensors the same code path must not call
     ``.item()``, ``float()``, ``int()``, ``bool()`` or ``.tolist()`` on any tensor (on a GPU each
