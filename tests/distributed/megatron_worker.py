@@ -689,7 +689,7 @@ def refused(case: dict) -> dict:
         if where == "version":
             package_info.__version__ = change
         try:
-            opt = get_megatron_optimizer(ocfg, [ddp], optimizer=name, **extra)
+            opt = get_megatron_optimizer(ocfg, [ddp], optimizer=name, optimizer_kwargs=case.get("kwargs"), **extra)
             if where == "checkpoint":
                 getattr(opt.chained_optimizers[0], change)({})
             if where == "checkpoint-format":

@@ -194,6 +194,17 @@ def test_unsupported_configuration_is_refused_naming_the_option(megatron2, name)
     assert megatron_worker.REFUSED[name][2] in res["message"], res
 
 
+@pytest.mark.parametrize("name, refused", [("per-token-loss", False), ("cpu-offload", True)])
+def test_with_the_gsnr_off_only_the_refusals_of_the_statistics_are_lifted(megatron2, name, refused):
+    """VRLamb with ``gsnr=False`` steps as LAMB on Megatron's mean gradient: a per-token loss, whose
+    scale only the statistics would get wrong, is accepted; the hybrid CPU optimizer, which would
+    not step the member at all, is still refused. Fails on the old code, which asked whether the
+    member is a VR one, not whether its ``gsnr`` argument switched the GSNR off."""
+    res = megatron2.run("megatron_worker", "refused", {"name": name, "kwargs": {"gsnr": False}})
+    assert (res["type"] is not None) == refused, res
+    assert not refused or megatron_worker.REFUSED[name][2] in res["message"], res
+
+
 @pytest.mark.parametrize("distributed", [False, True])
 @pytest.mark.parametrize("optimizer", ["VRLamb", "VRAdam", "VRSGD"])
 def test_sequence_parallel_tensors_step_with_gsnr_off(megatron2, optimizer, distributed):

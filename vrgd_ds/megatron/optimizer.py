@@ -33,15 +33,17 @@ def _refuse(option: str, why: str, fix: str) -> None:
                                            f"{why}. {fix}")
 
 
-def check_configuration(config: Any, chunks: list[Any], name: str) -> None:
-    """Refuses what the statistics do not cover yet, naming the option (docs/megatron.md)."""
+def check_configuration(config: Any, chunks: list[Any], name: str, gsnr: bool | None = None) -> None:
+    """Refuses what the statistics do not cover yet, naming the option (docs/megatron.md).
+    ``gsnr``: whether the member steps with the GSNR (its ``gsnr`` argument; default: a VR
+    member does); the refusals that concern the statistics apply only then."""
     from megatron.core import parallel_state as ps
 
     if name not in REGISTRY:
         raise ValueError(f"vrgd_ds.megatron: unknown optimizer {name!r}; the family: {', '.join(REGISTRY)}")
     ddp = chunks[0].ddp_config
     model = chunks[0].config
-    gsnr = REGISTRY[name].vr
+    gsnr = REGISTRY[name].vr if gsnr is None else gsnr
     for chunk in chunks:
         if chunk.ddp_config != ddp:
             raise ValueError("vrgd_ds.megatron: the model chunks have different DistributedDataParallelConfigs")
@@ -286,7 +288,7 @@ def get_megatron_optimizer(config: Any, model_chunks: list[Any], optimizer: str 
     from megatron.core.optimizer.optimizer import ChainedOptimizer
     from megatron.core.process_groups_config import ProcessGroupCollection
 
-    check_configuration(config, model_chunks, optimizer)
+    check_configuration(config, model_chunks, optimizer, (optimizer_kwargs or {}).get("gsnr"))
     groups = ProcessGroupCollection.setup_process_groups_for_optimizer(None, model_chunks, use_gloo_process_groups)
     param_groups, _ = _get_param_groups_and_buffers(model_chunks, 0, config, config_overrides,
                                                     lambda g: not g["is_expert_parallel"], "buffers")
