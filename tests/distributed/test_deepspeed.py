@@ -254,7 +254,7 @@ def test_engine_mean_gradient_in_bf16_inflates_the_gsnr_local_does_not(pool):
     assert engine[0] > 2 * local[0]
 
 
-@pytest.mark.parametrize("name, case", params(worker.bytes_cases()))
+@pytest.mark.parametrize("name, case", params(worker.bytes_cases(), worker.bytes_design()))
 def test_per_step_statistics_add_one_reduction_per_step_to_deepspeeds_own_traffic(pool, name, case):
     """Collectives of one optimizer step, counted by wrapping deepspeed.comm: DeepSpeed's own
     (everything but the statistics and the small per-tensor tables) is the same with VR-LAMB as
@@ -322,8 +322,9 @@ def squares(pool, stage: int, opt: str, dtype: str) -> dict:
     return run(pool, "run_matrix_case", by_name(worker.squares_cases(), f"squares-{dtype}-stage{stage}-{opt}"))
 
 
-@pytest.mark.parametrize("stage", [0, 1, 2, 3])
-@pytest.mark.parametrize("opt", ["VRAdam", "VRLamb"])
+@pytest.mark.parametrize("opt, stage", [  # make test: each member on two stages, every stage once
+    (opt, stage) if (opt == "VRLamb") == (stage % 2 == 1) else pytest.param(opt, stage, marks=pytest.mark.exhaustive)
+    for opt in ("VRAdam", "VRLamb") for stage in (0, 1, 2, 3)])
 def test_bf16_squares_halve_the_extra_bytes(pool, stage, opt):
     """``"vrgd": {"squares_dtype": "bf16"}``: the squares travel in bf16 as a second call per
     bucket, so the bytes are 1.5x the fp32 gradient (fp32 squares: 2x, one call per bucket); the

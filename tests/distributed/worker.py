@@ -359,6 +359,12 @@ def bytes_cases():
                                                       bucket=40, scheme="per_step", sq_dtype="bf16")
 
 
+def bytes_design() -> set[str]:
+    """``make test``'s traffic cases: every stage without accumulation and with 4 micro-steps,
+    bf16 squares on ZeRO-3; the 2-micro-step cases and the other bf16-squares stages are exhaustive."""
+    return {f"bytes-stage{stage}-gas{gas}" for stage in (0, 1, 2, 3) for gas in (1, 4)} | {"bytes-bf16sq-stage3-gas4"}
+
+
 class CommCount:
     """Every collective deepspeed.comm issues, by function, and torch's own reduce-scatter (which the
     statistics call by its current name, ``reduce_scatter_single``): calls and input bytes. A call
