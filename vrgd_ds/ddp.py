@@ -24,6 +24,7 @@ reduces). Cost per bucket: one collective of twice the bucket's elements in fp32
 buckets: four times the bytes of DDP's own reduction).
 """
 # No ``from __future__ import annotations``: DDP checks the hook's annotations at registration.
+import logging
 from typing import Any, Iterable
 
 import torch
@@ -32,12 +33,15 @@ from torch import Tensor
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel
 
+from vrgd_ds.log import warn_once
 from vrgd_ds.optim.base import MIN_GROUPS, GSNROptimizer
 from vrgd_ds.optim.registry import REGISTRY
 from vrgd_ds.stats.comm import CommCounters, fused_all_reduce
 from vrgd_ds.stats.local import LocalStats
 from vrgd_ds.optim._impl import select_for
 from vrgd_ds.stats.scaling import Scaling
+
+logger = logging.getLogger(__name__)
 
 # (parameter, Σg buffer, Σg² buffer, offset in the bucket, length) of every parameter of a bucket
 _Slice = tuple[Tensor, Tensor, Tensor, int, int]
@@ -111,11 +115,27 @@ class DDPStats:
             self._fresh.add(id(p))
 
 
+def _cleared(stats: "DDPStats | LocalStats", params: Iterable[Tensor]) -> bool:
+    """Whether the gradients the statistics were recorded from (``stats.n`` > 0) have been cleared
+    with no optimizer step between: a step GradScaler skipped, then ``model.zero_grad()`` (HF
+    Trainer's order), not the optimizer's ``zero_grad()``, which ends the step. The statistics then
+    start anew with the gradient, as the hooks' do (``vrgd_ds/stats/hooks.py``); said once."""
+    if any(p.grad is not None for p in params):
+        return False
+    warn_once(logger, f"dropped-{id(stats)}", "vrgd_ds.ddp: the statistics of %d backward pass(es) were dropped: "
+              "the gradients were cleared (model.zero_grad()) with no optimizer step between, e.g. a step "
+              "GradScaler skipped", stats.n // stats.world)
+    return True
+
+
 def _one_synchronised_backward(stats: DDPStats, ddp_model: DistributedDataParallel) -> None:
     """Refuses, at its forward (before any collective of it), a second synchronised micro-step in a
     step under ``squares='per_micro_step'``: its bucket would hold the first one's reduced mean plus
-    its own gradient."""
+    its own gradient. Gradients cleared since (``_cleared``) start a new step instead."""
     if stats.n and ddp_model.require_backward_grad_sync and torch.is_grad_enabled():  # reduced this step
+        if _cleared(stats, ddp_model.parameters()):
+            stats.reset()
+            return
         raise RuntimeError(
             "vrgd_ds.ddp: squares='per_micro_step' reduces each rank's gradient once a step, and this step "
             "synchronises a second backward(), whose bucket would hold the first one's reduced mean plus its own "
@@ -165,7 +185,8 @@ def attach(ddp_model: DistributedDataParallel, optimizer: GSNROptimizer,
 
     With ``torch.amp.GradScaler`` the statistics are of the scaled gradients; the GSNR is
     invariant to that scale (up to ``gsnr_eps``, which acts as ``gsnr_eps / scale²``), and a
-    step the scaler skips never reaches the optimizer, whose ``zero_grad()`` clears them.
+    step the scaler skips never reaches the optimizer, whose ``zero_grad()`` clears them
+    (``model.zero_grad()`` too: the next forward finds the gradients cleared).
     """
     if not isinstance(optimizer, GSNROptimizer):
         raise TypeError(f"vrgd_ds.ddp.attach needs a VRGD optimizer ({', '.join(REGISTRY)}), got "
@@ -248,6 +269,10 @@ class _BucketPath:
     def before_forward(self, module: Any, args: Any) -> None:
         stats = self.stats
         if stats.fresh_step() != self._step:  # the first forward of a step
+            self._step = stats.fresh_step()
+            self.accumulating = False
+        elif torch.is_grad_enabled() and stats.n and _cleared(stats, self.params):
+            stats.end_step()
             self._step = stats.fresh_step()
             self.accumulating = False
         elif torch.is_grad_enabled():  # a second micro-step: its backward adds to the first's .grad

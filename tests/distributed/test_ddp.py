@@ -65,6 +65,23 @@ def test_accumulation_with_every_backward_synchronised_equals_the_reference(pool
         assert all(s["n"] == float(RANKS * 3) for s in res["steps"]), res["steps"]
 
 
+@pytest.mark.parametrize("name", [pytest.param("VRAdam_cleared", marks=pytest.mark.exhaustive), "VRAdam_no_sync_cleared",
+                                  pytest.param("fused_VRAdam_cleared", marks=pytest.mark.exhaustive)])
+def test_a_step_the_caller_skipped_then_model_zero_grad_leaks_no_statistics(pool, name):
+    """Before each step, backward passes on other batches, then ``model.zero_grad()`` and no
+    optimizer step (a step GradScaler skipped, in HF Trainer's order): each step's statistics are
+    its own (n = ranks × its backward passes) and training equals the reference. Fails on the old
+    code: the per-step scheme counted the skipped step's groups too (n = 4 or 8 for 2 or 4, the
+    reference missed by far more than the tolerance), and the fused scheme refused the step's
+    backward as a second synchronised one."""
+    micro = 2 if "no_sync" in name else 1
+    groups = RANKS * (1 if name.startswith("fused") else micro)
+    for res in _case(pool, name):
+        assert "error" not in res, res
+        assert all(s["n"] == float(groups) for s in res["steps"]), res["steps"]
+        assert res["err"] <= TOL and res["contrast"] >= CONTRAST * TOL, res
+
+
 def test_a_second_synchronised_backward_is_refused_under_the_fused_scheme(pool):
     """``squares="per_micro_step"`` reduces each rank's gradient once a step; a second synchronised
     backward before the step reduces the first one's mean plus its own gradient. It is refused
