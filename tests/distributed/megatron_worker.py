@@ -246,9 +246,9 @@ def reference_step(net, opt, dp: int, accumulation: int, step: int, clip: float)
 
 def _build(tp: int, distributed: bool, optimizer: str, kwargs: dict | None, micro_steps: str = "auto",
            overlap: bool = False, sequence_parallel: bool = False, fp16: bool = False, squares: str = "per_step",
-           node_size: int | None = None):
+           node_size: int | None = None, normed: bool | None = None):
     """The test model (seed 0) under Megatron's DDP and ``optimizer`` through ``vrgd_ds.megatron``
-    (with ``sequence_parallel``: ``_NormedTwoLayers``, its scale in a child module; with ``fp16``:
+    (with ``sequence_parallel``, or ``normed`` without it: ``_NormedTwoLayers``, its scale in a child module; with ``fp16``:
     the model in fp16 inside Megatron's ``Float16Module``, as the Megatron job trains it, and
     Megatron's dynamic loss scale from 2^4)."""
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
@@ -260,7 +260,7 @@ def _build(tp: int, distributed: bool, optimizer: str, kwargs: dict | None, micr
     half = {"fp16": True, "params_dtype": torch.float16} if fp16 else {}
     cfg = _config(tp, sequence_parallel=sequence_parallel, **half)
     torch.manual_seed(0)
-    model = _NormedTwoLayers(cfg) if sequence_parallel else TwoLayers(cfg)
+    model = _NormedTwoLayers(cfg) if (sequence_parallel if normed is None else normed) else TwoLayers(cfg)
     ddp = DistributedDataParallel(cfg, DistributedDataParallelConfig(
         grad_reduce_in_fp32=True, use_distributed_optimizer=distributed, bucket_size=40,
         overlap_grad_reduce=overlap), Float16Module(cfg, model) if fp16 else model)
@@ -558,9 +558,10 @@ def checkpoint_case(case: dict) -> dict:
     on any data-parallel size (rank d's micro-batch m is global micro-batch d·acc + m), so the
     statistics' groups match across layouts. ``case["sequence_parallel"]``: the model with a
     sequence-parallel scale, each rank fed its half of every micro-batch's rows, the partial
-    gradients summed over TP by ``finalize_model_grads``. Returns the unsharded weights after every
-    step (the scale last, under sequence parallelism), the state keys, and each inner param
-    group's ``gsnr`` after the load."""
+    gradients summed over TP by ``finalize_model_grads``; ``case["normed"]``: that model without
+    sequence parallelism (its scale then steps with the GSNR on). Returns the unsharded weights after every
+    step (the scale last, under sequence parallelism), the state keys, each inner param
+    group's ``gsnr`` after the load, and what the load left of the GSNR momentum."""
     from megatron.core import dist_checkpointing
     from megatron.core.distributed import finalize_model_grads
     from megatron.core.transformer.utils import sharded_state_dict_default
@@ -570,7 +571,7 @@ def checkpoint_case(case: dict) -> dict:
         dp, dp_rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
         acc = GLOBAL_MICRO_BATCHES // dp
         model, ddp, opt = _build(case["tp"], case["distributed"], case["optimizer"], case.get("kwargs"),
-                                 sequence_parallel=sp)
+                                 sequence_parallel=sp, normed=case.get("normed", sp))
         tp_rank = ps.get_tensor_model_parallel_rank()
         sharded = dict(rows=lambda x: x.chunk(case["tp"])[tp_rank], sync=lambda: finalize_model_grads([ddp])) \
             if sp else {}
@@ -594,8 +595,15 @@ def checkpoint_case(case: dict) -> dict:
                     mopt.reload_model_params()
             opt.load_state_dict(loaded["optimizer"])
         weights = []
-
-        flags = [g["gsnr"] for g in opt.chained_optimizers[0].optimizer.param_groups]
+        inner = opt.chained_optimizers[0].optimizer
+        flags = [g["gsnr"] for g in inner.param_groups]
+        # after the load, the states of the tensors stepping with the GSNR on: how many lack the
+        # GSNR momentum (the first step builds it at p̂ = 1) and how many hold it all zero (every rank)
+        on = [inner.state[p] for g in inner.param_groups if g["gsnr"] for p in g["params"] if p in inner.state]
+        mine = [sum("gsnr_avg" not in st for st in on), sum("gsnr_avg" in st and not st["gsnr_avg"].any() for st in on)]
+        everyone = [None] * dist.get_world_size()
+        dist.all_gather_object(everyone, mine)
+        gsnr_avg_after_load = {"absent": sum(e[0] for e in everyone), "zero": sum(e[1] for e in everyone)}
 
         def train(steps):
             for step in steps:
@@ -608,9 +616,8 @@ def checkpoint_case(case: dict) -> dict:
             Path(case["save"]).mkdir(parents=True, exist_ok=True)
             dist_checkpointing.save(state(False), case["save"])
         train(case.get("more", []))
-        inner = opt.chained_optimizers[0].optimizer
         keys = sorted({k for st in inner.state.values() for k in st})
-        return {"weights": weights, "dp": dp, "state_keys": keys, "gsnr": flags}
+        return {"weights": weights, "dp": dp, "state_keys": keys, "gsnr": flags, "gsnr_avg_after_load": gsnr_avg_after_load}
 
 
 #: what each refused configuration changes, and the option its message must name

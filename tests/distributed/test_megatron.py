@@ -240,6 +240,28 @@ def test_sequence_parallel_twin_groups_resume_from_a_dist_checkpoint(megatron2, 
     assert _max_diff(resumed["weights"][0], straight["weights"][2]) <= TOL * scale
 
 
+@pytest.mark.exhaustive  # two dist checkpoints of the distributed optimizer (about 30 s)
+def test_a_tensor_saved_with_gsnr_off_resumes_with_gsnr_on_from_its_prior(megatron2, tmp_path):
+    """Saved on TP2 with sequence parallelism and the distributed optimizer, where the scale (a
+    LayerNorm weight, in small) and the row-parallel bias step with the GSNR off and have no GSNR momentum; resumed on TP1 ×
+    DP2, where it has the GSNR on: the load leaves its momentum out, so the first step builds it at
+    p̂ = 1 as for any state without it, and every other tensor's momentum is loaded. Fails on the
+    old code, which saved zeros for the key the tensor lacked and loaded them (p̂ from 0 at its first
+    step on the new layout)."""
+    saved = str(tmp_path / "ckpt")
+    kw = {"distributed": True, "optimizer": "VRLamb", "kwargs": {"beta3": 0.9}}
+    first = megatron2.run("megatron_worker", "checkpoint_case",
+                          {**kw, "tp": 2, "sequence_parallel": True, "steps": [0, 1], "save": saved}, SAVE_TIMEOUT_S)
+    assert False in first["gsnr"], first["gsnr"]
+    resumed = megatron2.run("megatron_worker", "checkpoint_case",
+                            {**kw, "tp": 1, "normed": True, "load": saved, "steps": [2]}, SAVE_TIMEOUT_S)
+    assert all(resumed["gsnr"]), resumed["gsnr"]
+    # the scale and the row-parallel bias (partial under sequence parallelism), in shards over DP 2
+    after = resumed["gsnr_avg_after_load"]
+    assert after["absent"] >= 2 and after["zero"] == 0, after
+    assert resumed["state_keys"] == ["exp_avg", "exp_avg_sq", "gsnr_avg", "step"]
+
+
 def test_a_case_leaves_no_process_group_or_gloo_thread_behind(megatron2):
     """A case that builds Megatron's groups (``initialize_model_parallel``, the distributed
     optimizer's) leaves the pool's ranks with the groups and gloo threads they had. Fails on the old

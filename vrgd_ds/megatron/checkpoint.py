@@ -15,7 +15,11 @@ the summed copies are kept in host memory, one tensor at a time on the device) a
 the model tensor's own sharding metadata (its tensor-parallel split and replica ids), as
 Megatron's ``fully_reshardable`` does for Adam. A load reads the whole tensor and keeps
 this rank's range, so a checkpoint resumes on another data-parallel size. The per-tensor step
-counters are one common step (every tensor steps together), saved as ``vrgd_step``.
+counters are one common step (every tensor steps together), saved as ``vrgd_step``. A key a
+tensor's state does not have (the GSNR momentum of a tensor stepping with the GSNR off, e.g. a
+sequence-parallel LayerNorm under TP) is saved as NaN, and a load leaves it out of that tensor's
+state, so that a layout where the tensor has the GSNR on starts its momentum at p̂ = 1, as for a
+state without it (checkpoints written before hold zeros there, loaded as zeros).
 
 megatron-core read here (checked when the optimizer is built, ``require``):
 ``DistributedOptimizer.buffers`` (each ``param_index_map``), ``model_param_group_index_map``,
@@ -111,8 +115,8 @@ def distributed(mopt: Any, inner: GSNROptimizer) -> None:
                     if mine is not None:
                         main, st, rng = mine
                         src = main if key == "fp32_param" else st.get(key)
-                        if src is not None:
-                            full[rng.start:rng.end] = src.detach().reshape(-1).float()
+                        # NaN: a key this tensor's state lacks (its every piece: one param group)
+                        full[rng.start:rng.end] = float("nan") if src is None else src.detach().reshape(-1).float()
                     torch.distributed.all_reduce(full, group=self.data_parallel_group)  # the shards, summed
                     # one model-space tensor at a time on the device: the copies wait in host memory
                     full = full.cpu()
@@ -147,16 +151,18 @@ def distributed(mopt: Any, inner: GSNROptimizer) -> None:
                 continue
             main, st, rng = mine
             loaded = param_state[i]
+            present = set()
             for key, full in loaded.items():
                 piece = full.reshape(-1)[rng.start:rng.end]
                 if key == "fp32_param":
                     main.copy_(piece)
-                elif key in st:
+                elif key in st and not bool(piece.isnan().all()):  # NaN: not in the saved tensor's state
                     st[key].copy_(piece)
-            # a key the checkpoint lacks (a non-strict load, e.g. of the base optimizer's checkpoint)
-            # goes: the first step builds it as for any state without it (GSNR momentum at p̂ = 1),
-            # not from the zeros allocated above
-            for key in [k for k in st if k != "step" and k not in loaded]:
+                    present.add(key)
+            # a key the checkpoint lacks (a non-strict load, e.g. of the base optimizer's checkpoint,
+            # or the tensor's state had none) goes: the first step builds it as for any state without
+            # it (GSNR momentum at p̂ = 1), not from the zeros allocated above
+            for key in [k for k in st if k != "step" and k not in present]:
                 del st[key]
 
     for name, fn in (("state_dict", state_dict), ("sharded_state_dict", sharded_state_dict),
