@@ -842,7 +842,7 @@ def verdicts(best: dict, corpus: str, batches: list[int], label: str, baseline: 
     computed, decides nothing); it is "better" or
     "worse" only when the seed ranges do not overlap. Then, with 2 seeds at both ends, the
     baseline's degradation from the first batch to the last and the share of it ``label``
-    recovers there."""
+    recovers there: "not decided" unless both ends' verdicts are."""
     rows = []
     for batch in batches:
         vr, base = best.get((corpus, batch, label)), best.get((corpus, batch, baseline))
@@ -879,8 +879,15 @@ def verdicts(best: dict, corpus: str, batches: list[int], label: str, baseline: 
         lost = mean(r["mlm_loss"] for r in last) - mean(r["mlm_loss"] for r in first)
         won = mean(r["mlm_loss"] for r in last) - mean(r["mlm_loss"] for r in vr_last)
         share = f"{won / lost:.0%}" if lost > 0 else "– (no degradation)"
+        # the share counts only between batches whose verdicts are decided (past the plateau, best LRs
+        # bracketed): otherwise the losses it divides are not the ones the verdicts stand on
+        undecided = [str(row[1]) for row in (rows[0], rows[-1]) if str(row[-1]).startswith("not decided")]
+        if undecided:
+            share = f"not decided: batch {' and '.join(dict.fromkeys(undecided))} not decided"
+        else:
+            share = f"recovered share {share}"
         rows.append((corpus, f"{batches[0]} → {batches[-1]}", f"{baseline} loses {lost:+.3f}",
-                     f"{label} recovers {won:+.3f}", "", f"recovered share {share}"))
+                     f"{label} recovers {won:+.3f}", "", share))
     return rows
 
 

@@ -531,6 +531,11 @@ def test_verdicts_need_two_seeds_below_the_unigram_level_and_apart_ranges():
     rows = verdicts(best, "c", [16, 64, 256], "VR", "LAMB", unigram=7.3)
     assert rows[2][-1] == "VR better by 0.130 nats (seed ranges apart)"
     assert rows[3][2:] == ("LAMB loses +0.600", "VR recovers +0.130", "", "recovered share 22%")
+    # an end batch not decided (here LAMB above the unigram level at 256): no share. Fails on the old
+    # code, which gave "recovered share 22%" whatever the end batches' verdicts
+    rows = verdicts(best, "c", [16, 64, 256], "VR", "LAMB", unigram=7.15)
+    assert rows[2][-1] == "not decided: LAMB ends 0.050 nats above the unigram level"
+    assert rows[3][-1] == "not decided: batch 256 not decided"
     above = verdicts({k: v for k, v in best.items() if k[1] == 64}, "c", [64], "VR", "LAMB", unigram=6.92)
     assert above[0][-1] == "not decided: LAMB ends 0.030 nats above the unigram level"
     # the best LR must be bracketed by factors run on as many seeds: at an edge, no verdict
@@ -764,8 +769,8 @@ def test_batches_at_noise_multiples_get_a_verdict_each_and_the_unrun_cells_are_l
     undecided = "not decided: the unigram level is not computed (no prepared data) |"
     assert f"| embedded | 16 | 6.550 (6.500–6.600) | 6.565 (6.550–6.580) | – | {undecided}" in tables
     assert f"| embedded | 64 | 6.925 (6.900–6.950) | 6.725 (6.700–6.750) | – | {undecided}" in tables
-    assert "| embedded | 16 → 64 | LAMB loses +0.375 | VR-LAMB first_moment recovers +0.200 |  | recovered share 53% |" \
-           in tables
+    assert "| embedded | 16 → 64 | LAMB loses +0.375 | VR-LAMB first_moment recovers +0.200 |  | not decided: batch 16 " \
+           "and 64 not decided |" in tables
     meta = json.loads((tmp_path / "out" / "meta.json").read_text())
     assert meta["unrun"] == ["embedded b16 LAMB ×4 seed 2", "embedded b16 VR-LAMB first_moment ×4 seed 1",
                              "embedded b16 VR-LAMB first_moment ×4 seed 2", "embedded b64 LAMB ×4 seed 1",
