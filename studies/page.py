@@ -14,6 +14,7 @@ import argparse
 import json
 import re
 import sys
+from pathlib import Path
 
 from common import DOCS, ROOT, hardware
 
@@ -22,7 +23,22 @@ PAGE = ROOT / "docs" / "results.md"
 MARK = re.compile(r"^\{\{study:([a-z0-9_]+)\}\}$", re.MULTILINE)
 
 
-def record(meta: dict) -> str:
+def run_machines(runs_file: Path) -> str:
+    """`` Its runs by machine: 62 on x86_64, 2 CPU cores; 4 on NVIDIA H200.`` from a record's
+    ``runs.jsonl`` (each run's own ``machine``, wherever it was assembled from), or "" where its
+    runs do not say (records written before runs carried it: the machine of the record)."""
+    if not runs_file.exists():
+        return ""
+    counts: dict[str, int] = {}
+    for line in runs_file.read_text().splitlines():
+        machine = json.loads(line).get("machine") if line.strip() else None
+        if machine:
+            counts[machine] = counts.get(machine, 0) + 1
+    return (" Its runs by machine: " + "; ".join(f"{n} on {machine}" for machine, n in counts.items()) + "."
+            if counts else "")
+
+
+def record(meta: dict, runs_file: Path | None = None) -> str:
     m = meta["machine"]
     versions = ", ".join(f"{k} {m[k]}" for k in ("python", "torch", "deepspeed", "transformers", "sklearn")
                          if m.get(k))
@@ -34,7 +50,7 @@ def record(meta: dict) -> str:
     reused = f" Runs read from earlier records: {reused}." if reused else ""
     return (f"*Record:* `python studies/{meta['command']}` at commit {m.get('commit') or 'unknown'}, "
             f"{meta['started']}, {meta['wall_s']:.0f} s{runs} on {hw} ({m['platform']}); {versions}. "
-            f"Settings: {cfg}.{reused}\n")
+            f"Settings: {cfg}.{reused}{run_machines(runs_file) if runs_file else ''}\n")
 
 
 def section(name: str) -> str:
@@ -45,7 +61,7 @@ def section(name: str) -> str:
     tables = (d / "tables.md").read_text().split("\n", 1)[1].strip()  # without the do-not-edit line
     tables = tables.replace("#### ", "##### ")
     plots = "\n".join(f"![{p.stem}](studies/{name}/{p.name})" for p in sorted(d.glob("*.png")))
-    return f"{tables}\n\n{plots}\n\n{record(meta)}"
+    return f"{tables}\n\n{plots}\n\n{record(meta, d / 'runs.jsonl')}"
 
 
 def repeated(text: str) -> list[str]:

@@ -345,6 +345,23 @@ def test_a_study_of_some_optimizers_reuses_the_recorded_noise_scale_probe():
     assert probe_label(["LAMB"], recorded, "embedded", 64, [1, 2]) is None
 
 
+def test_the_page_counts_a_records_runs_by_the_machine_each_ran_on(tmp_path):
+    """The plateau record's 4 runs from an H200 lease, reused into it, were named nowhere on the
+    page, whose opening said no row came from a GPU: the record line named only the directories
+    read directly. It now counts the runs of ``runs.jsonl`` by their own ``machine``. Fails on the
+    old code (the committed page)."""
+    sys.path.insert(0, str(STUDIES))
+    from page import run_machines
+
+    runs = tmp_path / "runs.jsonl"
+    runs.write_text("\n".join(json.dumps({"machine": m}) for m in ("cpu", "gpu", "cpu", None)) + "\n")
+    assert run_machines(runs) == " Its runs by machine: 2 on cpu; 1 on gpu."
+    assert run_machines(tmp_path / "absent.jsonl") == ""
+    page = (ROOT / "docs" / "results.md").read_text()
+    assert "Its runs by machine: 62 on x86_64, 2 CPU cores; 4 on NVIDIA H200." in page
+    assert "no row came from a GPU" not in page
+
+
 def test_the_page_refuses_a_template_that_repeats_a_section():
     """An edit pasted sections 2 and 3 of docs/results.template.md a second time, with the
     seed-check paragraph new in one copy and old in the other, and the page was generated from
