@@ -414,6 +414,37 @@ class Launch:
         return out
 
 
+#: settings of a run's config that do not change its result: where the data lies, how it is read, what
+#: is logged and kept (a finished run read back with others is still the same run)
+UNCHANGING = {"job.data.path", "job.data.workers", "job.log_every", "job.checkpoint_every", "job.keep_checkpoints"}
+
+
+def _flat(tree: Any, prefix: str = "") -> dict[str, Any]:
+    """``{"job.phases.0.lr": ...}``: a config by dotted key (a list of objects by index)."""
+    if isinstance(tree, list) and tree and all(isinstance(x, dict) for x in tree):
+        tree = dict(enumerate(tree))
+    if isinstance(tree, dict):
+        return {k: v for key, sub in tree.items() for k, v in _flat(sub, f"{prefix}{key}.").items()}
+    return {prefix.rstrip("."): tree}
+
+
+def same_settings(run_dir: Path, cfg: dict) -> None:
+    """A finished run in ``--work`` is read back only where its ``study_config.json`` has the
+    settings this study would run it with (``UNCHANGING`` aside); else the study stops naming the
+    settings that differ (its directory name holds the batch, optimizer, factor, seed, steps,
+    groups and dropout, not the samples' LR rule, model, sequence, held-out share or evaluation)."""
+    saved_file = run_dir / "study_config.json"
+    if not saved_file.is_file():
+        return  # finished before runs kept their config: nothing to compare
+    saved, now = _flat(json.loads(saved_file.read_text())), _flat(json.loads(json.dumps(cfg)))
+    differ = sorted(k for k in saved.keys() | now.keys()
+                    if k not in UNCHANGING and not k.startswith("job.telemetry") and saved.get(k) != now.get(k))
+    if differ:
+        shown = "; ".join(f"{k}: {saved.get(k)!r} there, {now.get(k)!r} here" for k in differ[:6])
+        raise SystemExit(f"{run_dir}: a finished run with other settings than this study's ({shown}): give the "
+                         "settings it ran with, another --work, or remove the directory to run it again")
+
+
 def plan_run(label: str, corpus: str, data: Path, batch: int, factor: float, seed: int, args: argparse.Namespace,
              params: dict | None = None, phase_extra: dict | None = None) -> dict | Launch | None:
     """One job run: its result when it finished before (here, or in ``args.reused``), else the
@@ -432,12 +463,6 @@ def plan_run(label: str, corpus: str, data: Path, batch: int, factor: float, see
     dropout = getattr(args, "dropout", None)
     if dropout is not None:
         run_dir = run_dir.with_name(f"{run_dir.name}-dropout{dropout:g}")
-    done = run_dir / "result.json"
-    if done.is_file():  # the noise scale is derived again: its definition here may be newer than the run
-        return json.loads(done.read_text()) | {"b_simple": read_metrics(run_dir)[1],
-                                               "run_dir": str(run_dir.relative_to(args.work))}
-    if getattr(args, "only_finished", False):
-        return None
     cfg = base_config(args.seq_len, micro, args.ranks, args.workers, getattr(args, "model", "tiny"))
     lr = lr_for(batch, args) * factor
     chosen = dict(OPTIMIZERS[label] if params is None else params)
@@ -452,6 +477,13 @@ def plan_run(label: str, corpus: str, data: Path, batch: int, factor: float, see
     if getattr(args, "heldout_fraction", None) is not None:
         cfg["job"]["data"]["heldout_fraction"] = args.heldout_fraction
     cfg["job"]["phases"][0].update(global_batch=batch, lr=lr, **(phase_extra or {}))
+    done = run_dir / "result.json"
+    if done.is_file():  # the noise scale is derived again: its definition here may be newer than the run
+        same_settings(run_dir, cfg)
+        return json.loads(done.read_text()) | {"b_simple": read_metrics(run_dir)[1],
+                                               "run_dir": str(run_dir.relative_to(args.work))}
+    if getattr(args, "only_finished", False):
+        return None
     # the launcher through this interpreter: a DeepSpeed installed with ``pip --target`` (a GPU image's
     # packages on PYTHONPATH) has no ``deepspeed`` script beside it
     cmd = [sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", str(args.ranks), "--master_port",

@@ -345,6 +345,37 @@ def test_a_study_of_some_optimizers_reuses_the_recorded_noise_scale_probe():
     assert probe_label(["LAMB"], recorded, "embedded", 64, [1, 2]) is None
 
 
+def test_a_finished_run_in_the_work_directory_is_read_back_only_with_the_studys_settings(tmp_path):
+    """A run finished in ``--work`` was read back by its directory alone, whose name holds neither
+    the LR rule, the model, the held-out share nor the evaluation points: a study at other settings
+    took it as its own cell. Now its ``study_config.json`` must match (where the data lies and how
+    it is read aside), else the study stops naming what differs. Fails on the old code."""
+    import argparse
+
+    sys.path.insert(0, str(STUDIES))
+    import bert_batch
+
+    def args(**kw):
+        return argparse.Namespace(**dict(
+            work=tmp_path / "work", samples=10240, min_steps=50, seq_len=64, micro_batch=8, ranks=1, workers=1,
+            model="tiny", base_lr=4e-3, base_batch=64, lr_rule="sqrt", groups=None, dropout=None,
+            heldout_fraction=None, eval_points=None, only_finished=False, reused={}) | kw)
+
+    launch = bert_batch.plan_run("LAMB", "embedded", tmp_path / "data", 64, 1.0, 1, args())
+    launch.run_dir.mkdir(parents=True)
+    (launch.run_dir / "study_config.json").write_text(json.dumps(launch.config))
+    (launch.run_dir / "result.json").write_text(json.dumps(launch.record | {"mlm_loss": 6.9}))
+    # the same run, its data read from elsewhere by more workers: read back
+    again = bert_batch.plan_run("LAMB", "embedded", tmp_path / "moved", 64, 1.0, 1, args(workers=4))
+    assert again["mlm_loss"] == 6.9
+    with pytest.raises(SystemExit, match=r"job\.model\.size: 'tiny' there, 'mini' here"):
+        bert_batch.plan_run("LAMB", "embedded", tmp_path / "data", 64, 1.0, 1, args(model="mini"))
+    with pytest.raises(SystemExit, match=r"job\.phases\.0\.lr: 0\.004 there, 0\.008 here"):  # another LR
+        bert_batch.plan_run("LAMB", "embedded", tmp_path / "data", 64, 1.0, 1, args(base_lr=8e-3))
+    with pytest.raises(SystemExit, match=r"job\.data\.heldout_fraction: None there, 0\.1 here"):
+        bert_batch.plan_run("LAMB", "embedded", tmp_path / "data", 64, 1.0, 1, args(heldout_fraction=0.1))
+
+
 def test_the_page_counts_a_records_runs_by_the_machine_each_ran_on(tmp_path):
     """The plateau record's 4 runs from an H200 lease, reused into it, were named nowhere on the
     page, whose opening said no row came from a GPU: the record line named only the directories
