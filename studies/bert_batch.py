@@ -172,6 +172,10 @@ RUN_SETTINGS = ("samples", "seq_len", "micro_batch", "groups", "ranks", "lr_rule
 RunKey = tuple[str, int, str, float, int]  # corpus, batch, optimizer, LR factor, seed
 
 
+def run_key(record: dict) -> RunKey:
+    return record["corpus"], record["batch"], record["optimizer"], record["factor"], record["seed"]
+
+
 def steps_for(batch: int, samples: int, min_steps: int | None) -> int:
     """Optimizer steps of a run at ``batch``: the sample budget's, at least ``min_steps``
     (a study recorded before the minimum existed has none)."""
@@ -251,7 +255,7 @@ def load_reused(dirs: list[Path], config: dict, settings: tuple[str, ...] = RUN_
             if r["steps"] != steps_for(r["batch"], config["samples"], config.get("min_steps")):
                 shorter.append({"reused_from": where} | r)  # another budget: kept in its record, not used here
                 continue
-            key = (r["corpus"], r["batch"], r["optimizer"], r["factor"], r["seed"])
+            key = run_key(r)
             if key in runs and runs[key]["mlm_loss"] != r["mlm_loss"]:
                 raise SystemExit(f"--reuse: {key} is recorded with loss {runs[key]['mlm_loss']} in "
                                  f"{read_from[key]} (made in {runs[key]['reused_from']}) and "
@@ -926,7 +930,7 @@ def verdicts(best: dict, corpus: str, batches: list[int], label: str, baseline: 
 def unrun_cells(results: list[dict], corpora: list[str], batches: list[int], labels: list[str],
                 factors: list[float], seeds: list[int]) -> list[str]:
     """The grid's runs that neither ran nor were reused, one line each."""
-    done = {(r["corpus"], r["batch"], r["optimizer"], r["factor"], r["seed"]) for r in results}
+    done = {run_key(r) for r in results}
     return [f"{c} b{b} {lab} ×{f:g} seed {s}" for c in corpora for b in batches for lab in labels for f in factors
             for s in seeds if (c, b, lab, f, s) not in done]
 
@@ -1089,11 +1093,11 @@ def compared(runs: list[dict], other: Path, config: dict) -> list[dict]:
         if their_config.get(key) != config.get(key):
             raise SystemExit(f"--compare {other}: its runs used {key}={their_config.get(key)!r}, this study "
                              f"{config.get(key)!r}: run with its settings to compare")
-    theirs = {(r["corpus"], r["batch"], r["optimizer"], r["factor"], r["seed"]): r
+    theirs = {run_key(r): r
               for r in map(json.loads, (other / "runs.jsonl").read_text().splitlines())}
     rows = []
     for r in runs:
-        o = theirs.get((r["corpus"], r["batch"], r["optimizer"], r["factor"], r["seed"]))
+        o = theirs.get(run_key(r))
         if o is None or "reused_from" in r:
             continue
         drop = [c["mlm_loss"] for c in r.get("trajectory", []) if c["step"] == 0]
@@ -1283,6 +1287,14 @@ def main() -> None:
     args.reused, sources, shorter = load_reused(args.reuse, config)  # before Output: --out may be one of them
     args.work.mkdir(parents=True, exist_ok=True)
     out = Output(args.out or (args.work if args.quick else DOCS / "bert_batch"), "bert_batch", config)
+    logged: set[RunKey] = set()
+
+    def log_run(record: dict) -> None:
+        """Each run once in ``runs.jsonl``: a probe run at the base batch may be a grid cell too."""
+        if run_key(record) not in logged:
+            logged.add(run_key(record))
+            out.log_run(record)
+
     if sources:
         out.meta["reused"] = sources
     if shorter:
@@ -1319,7 +1331,7 @@ def main() -> None:
                 probes = [probe] + [BASELINE[probe]] * (BASELINE[probe] in labels or recorded(
                     args.reused, name, args.base_batch, BASELINE[probe], seeds))
                 measured = run_all([(lab, name, data, args.base_batch, 1.0, seed) for lab in probes for seed in seeds],
-                                   args, out.log_run)
+                                   args, log_run)
                 probe_runs += measured
                 scale = measured_noise_scale(measured, args.base_batch)
             if scale is None:
@@ -1342,13 +1354,13 @@ def main() -> None:
                 out.meta.setdefault("unigram_loss", {})[name] = unigram[name]
         corpus_batches[name] = here
         if args.bracket is not None:
-            ran, next_runs = run_bracketed(name, data, here, labels, seeds, factors, args, out.log_run)
+            ran, next_runs = run_bracketed(name, data, here, labels, seeds, factors, args, log_run)
             results += ran
             unrun += next_runs
             continue
         cells = [(label, name, data, batch, factor, seed) for batch in here for label in labels for factor in factors
                  for seed in seeds]
-        results += run_all(cells, args, out.log_run)
+        results += run_all(cells, args, log_run)
         unrun += unrun_cells(results, [name], here, labels, factors, seeds)
     unrun += out.meta.pop("unrun_probes", [])  # a corpus whose batches are not known yet
     out.meta["unrun"] = unrun
@@ -1387,7 +1399,8 @@ def main() -> None:
                       "level of its held-out masks (below it by: unigram − loss)",
                       table(["corpus", "batch", "optimizer", "seed", "steps", "samples", "MLM loss", "unigram level",
                              "below it by", "B_simple (samples)"], rows))
-    traced = [r for r in probe_runs + results if r.get("trajectory")]
+    everyone = list({run_key(r): r for r in probe_runs + results}.values())  # a probe run may be a grid cell too
+    traced = [r for r in everyone if r.get("trajectory")]
     if traced:
         out.add_table("Held-out loss and the noise scale as training goes: MLM loss (B_simple over the steps since the "
                       "evaluation before) at each quarter of a run's samples",
@@ -1428,7 +1441,7 @@ def main() -> None:
                           table(["corpus", "batch", "baseline loss", "VR loss", "baseline below unigram", "verdict"], rows))
         plot(out, best, corpora, batches, labels)
     if args.compare is not None:
-        rows = compared(probe_runs + results, args.compare, config)
+        rows = compared(everyone, args.compare, config)
         out.meta["compared"] = {"with": str(args.compare), "runs": rows}
         out.add_table(f"Against the same cells of {args.compare} (tolerance: 1e-3 of the loss each run trained away)",
                       table(["run", "loss here", "loss there", "difference", "tolerance", "within", "same data"],
@@ -1436,7 +1449,7 @@ def main() -> None:
                               "–" if c["tolerance"] is None else f"{c['tolerance']:.2e}",
                               {True: "yes", False: "no", None: "–"}[c["within"]], "yes" if c["same_data"] else "no")
                              for c in rows]))
-    out.finish(probe_runs + results)
+    out.finish(everyone)
 
 
 if __name__ == "__main__":

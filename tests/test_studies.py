@@ -151,6 +151,27 @@ def fake_study(directory: Path, runs: list[tuple[str, int, str, float, int, floa
 
 
 @pytest.mark.exhaustive
+def test_a_probe_run_that_is_also_a_grid_cell_is_recorded_once(tmp_path):
+    """``--noise-scale auto`` with a multiple landing on ``--base-batch``: the probe runs at
+    (base batch, ×1) are grid cells too. They were written to ``runs.jsonl`` twice, listed twice
+    in the trajectory table and counted twice in ``run_wall_s``. Fails on the old code."""
+    runs = [("embedded", 64, label, f, s, 6.5 + abs(f - 1) / 10 + s / 100)
+            for label in ("LAMB", "VR-LAMB first_moment") for f in (0.5, 1.0, 2.0) for s in (1, 2)]
+    rec = fake_study(tmp_path / "rec", runs)
+    records = [json.loads(line) for line in (rec / "runs.jsonl").read_text().splitlines()]
+    for r in records:  # the VR runs measured B_simple near the base batch: multiple 1 lands on it
+        r["b_simple"] = 60.0 + r["seed"] if r["optimizer"] != "LAMB" else None
+    (rec / "runs.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    run_study("bert_batch.py", "--only-finished", "--corpus", "embedded", "--optimizer", "LAMB", "--optimizer",
+              "VR-LAMB first_moment", "--noise-multiple", "1", "--noise-scale", "auto", "--lr-factor", "0.5",
+              "--lr-factor", "1", "--lr-factor", "2", "--work", str(tmp_path / "work"), "--reuse", str(rec),
+              "--out", str(tmp_path / "out"))
+    out = [json.loads(line) for line in (tmp_path / "out" / "runs.jsonl").read_text().splitlines()]
+    assert len(out) == len(runs) == len({(r["batch"], r["optimizer"], r["factor"], r["seed"]) for r in out})
+    assert json.loads((tmp_path / "out" / "meta.json").read_text())["run_wall_s"] == len(runs) * 1.0
+
+
+@pytest.mark.exhaustive
 def test_bert_batch_assembles_committed_runs_of_several_studies(tmp_path):
     """``--reuse`` reads runs from committed outputs (two grids of one cell here) and
     ``--only-finished`` assembles them without running anything: the best factor is chosen among
