@@ -22,7 +22,8 @@ EXTRAS: dict[str, tuple[str, ...]] = {
 NEEDS: dict[str, tuple[str, tuple[str, ...]]] = {
     "vrgd-data": ("train", ("sentencepiece",)),
     "vrgd-plots": ("train", ("matplotlib",)),
-    "vrgd-pretrain": ("train", ("transformers", "sentencepiece")),
+    # the job logs to TensorBoard by default (job.telemetry.tensorboard) and writes its plots at the end
+    "vrgd-pretrain": ("train", ("transformers", "sentencepiece", "tensorboard", "matplotlib")),
 }
 
 

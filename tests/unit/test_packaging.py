@@ -79,6 +79,18 @@ def test_a_command_without_its_extra_names_it(monkeypatch, capsys):
     commands.require("vrgd-plots")  # matplotlib is there
 
 
+def test_the_pretraining_command_without_tensorboard_names_the_extra(monkeypatch, capsys):
+    """The job logs to TensorBoard by default: without it, ``vrgd-pretrain`` prepared the data and
+    built the engine, then failed with a ModuleNotFoundError traceback (exit 1). Fails on the old
+    code, whose check named only transformers and sentencepiece."""
+    real = commands.importlib.util.find_spec
+    monkeypatch.setattr(commands.importlib.util, "find_spec",
+                        lambda name, *a: None if name == "tensorboard" else real(name, *a))
+    with pytest.raises(SystemExit) as exc:
+        commands.require("vrgd-pretrain")
+    assert exc.value.code == 2 and "tensorboard not installed" in capsys.readouterr().err
+
+
 def test_the_virtual_environment_is_ignored_also_as_a_link(tmp_path):
     """``.venv`` is ignored whether it is the environment's folder or a link to one (a second
     checkout of the repository sharing the first one's environment). Fails on the old

@@ -194,6 +194,38 @@ def test_wandb_missing_gives_install_hint(tmp_path, monkeypatch):
     assert not (tmp_path / "run" / "wandb").exists()
 
 
+def test_wandb_disabled_needs_no_wandb(tmp_path, monkeypatch):
+    """``"mode": "disabled"`` passes the config check without wandb installed; the job then failed
+    building its sinks (an ImportError after set-up, exit 1). Fails on the old code."""
+    real_import = builtins.__import__
+
+    def no_wandb(name, *args, **kwargs):
+        if name == "wandb" or name.startswith("wandb."):
+            raise ImportError("No module named 'wandb'")
+        return real_import(name, *args, **kwargs)
+
+    monkeypatch.setattr(builtins, "__import__", no_wandb)
+    with T.build_sinks(tmp_path / "run", tensorboard=False, wandb={"project": "p", "mode": "disabled"}) as sinks:
+        assert [type(s) for s in sinks.sinks] == [T.JsonlSink]
+
+
+@pytest.mark.slow
+def test_a_resumed_job_goes_on_with_its_wandb_run(tmp_path, monkeypatch):
+    """A job resumed from a checkpoint (``resume_step``) logs into the wandb run it started; a
+    fresh start (-1) takes a new one. Fails on the old code, where every start made a new run, the
+    first keeping the steps the resumed one ran again."""
+    pytest.importorskip("wandb")
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    run, cfg = tmp_path / "run", {"project": "p", "mode": "offline"}
+    ids = []
+    for resume_step in (-1, 2, -1):
+        with T.build_sinks(run, tensorboard=False, wandb=cfg, resume_step=resume_step) as sinks:
+            ids.append(sinks.sinks[-1]._run.id)
+            sinks.write(3, {"train/loss": 1.0})
+    assert ids[0] == ids[1] != ids[2], ids
+    assert (run / "wandb" / "vrgd_run_id").read_text().strip() == ids[2]
+
+
 def test_wandb_rejects_unknown_mode(tmp_path):
     with pytest.raises(ValueError, match="offline"):
         T.WandbSink("proj", tmp_path, mode="offlne")

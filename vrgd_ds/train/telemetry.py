@@ -27,6 +27,7 @@ import os
 import re
 import tempfile
 import time
+import uuid
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
@@ -304,9 +305,10 @@ class WandbSink(MetricSink):
     """Step records into a Weights & Biases run, offline unless asked otherwise.
 
     Offline runs write under ``run_dir/wandb/`` and never touch the network; ``wandb sync``
-    uploads them later. ``mode="online"`` is the only mode that connects. wandb drops
-    records whose step is lower than one already logged, so a resumed run only adds steps
-    past the last one the run saw.
+    uploads them later. ``mode="online"`` is the only mode that connects. A resumed job goes on
+    with the same wandb run: its id is kept in ``run_dir/wandb/vrgd_run_id`` (a fresh start,
+    ``fresh=True``, takes a new one). wandb drops records whose step is lower than one already
+    logged, so a resumed run only adds steps past the last one the run saw.
 
     Args:
         project: the wandb project name.
@@ -314,6 +316,7 @@ class WandbSink(MetricSink):
         mode: ``"offline"`` (default), ``"online"`` or ``"disabled"``.
         name: the run's display name.
         config: the run's configuration, shown next to its charts.
+        fresh: start a new wandb run even where the run directory holds one's id.
     """
 
     def __init__(
@@ -323,6 +326,7 @@ class WandbSink(MetricSink):
         mode: str = "offline",
         name: str | None = None,
         config: Mapping[str, Any] | None = None,
+        fresh: bool = False,
     ):
         if mode not in _WANDB_MODES:
             raise ValueError(f"wandb mode must be one of {_WANDB_MODES}, got {mode!r}")
@@ -333,14 +337,20 @@ class WandbSink(MetricSink):
                 'WandbSink needs the wandb package: pip install "vrgd-ds[wandb]"'
             ) from e
         self.run_dir = Path(run_dir)
-        self.run_dir.mkdir(parents=True, exist_ok=True)
+        id_file = self.run_dir / "wandb" / "vrgd_run_id"
+        id_file.parent.mkdir(parents=True, exist_ok=True)
+        run_id = None if fresh or not id_file.is_file() else id_file.read_text().strip()
+        run_id = run_id or uuid.uuid4().hex[:12]  # a wandb run id: letters and digits
         self._run = wandb.init(
             project=project,
             dir=str(self.run_dir),
             mode=mode,
             name=name,
             config=dict(config) if config is not None else None,
+            id=run_id,
+            resume="allow",
         )
+        id_file.write_text(run_id + "\n")
 
     def write(self, step: int, metrics: Mapping[str, Any]) -> None:
         record: dict[str, Any] = {}
@@ -398,8 +408,9 @@ def build_sinks(
         run_dir: the run directory; created if missing.
         jsonl: write ``run_dir/metrics.jsonl``.
         tensorboard: write event files under ``run_dir/tensorboard/``.
-        wandb: keyword arguments of :class:`WandbSink` other than ``run_dir``
-            (``project`` required; ``mode``, ``name``, ``config``); None for no wandb.
+        wandb: keyword arguments of :class:`WandbSink` other than ``run_dir`` and ``fresh``
+            (``project`` required; ``mode``, ``name``, ``config``); None, or ``mode`` "disabled",
+            for no wandb (then wandb need not be installed).
         resume_step: the step a resumed run restarts from; later records are dropped (-1: a
             fresh start, every earlier record dropped; None: appended to).
     """
@@ -411,8 +422,8 @@ def build_sinks(
             sinks.append(JsonlSink(run_dir / "metrics.jsonl", resume_step=resume_step))
         if tensorboard:
             sinks.append(TensorBoardSink(run_dir / "tensorboard", resume_step=resume_step))
-        if wandb is not None:
-            sinks.append(WandbSink(run_dir=run_dir, **dict(wandb)))
+        if wandb is not None and wandb.get("mode") != "disabled":
+            sinks.append(WandbSink(run_dir=run_dir, fresh=resume_step == -1, **dict(wandb)))
     except BaseException:
         # Do not leave the sinks made so far holding open files.
         MultiSink(sinks).close()
