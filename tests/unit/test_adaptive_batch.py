@@ -141,6 +141,31 @@ def test_config_block_rejects_unknown_keys_and_bad_bounds():
         parse_job(job({"target_ratio": 1.0, "min_batch": 128, "max_batch": 512}))
 
 
+def test_no_adaptive_step_has_fewer_than_two_gradient_groups():
+    """An adaptive phase accepted with a ``min_batch`` of one micro-batch on one rank, or ending on
+    a rest of one micro-batch, stepped with n = 1 group mid-run, where ``step()`` raises (a
+    traceback, exit 1). The bound is refused with the config, naming the key, and a step that
+    would leave less than ``min_batch`` takes the rest with it. Fails on the old code on both."""
+    import types
+
+    from vrgd_ds.train.config import controller_settings
+    from vrgd_ds.train.loop import Job
+
+    one = parse_job(job({"target_ratio": 1.0, "min_batch": 8, "max_batch": 512}, micro_batch=8))
+    with pytest.raises(ConfigError, match=r"adaptive_batch.min_batch: 8 gives a step of 1 gradient group.*use "
+                                          r"min_batch >= 16"):
+        controller_settings(one.phases[0], 1, 0, 20)
+    cfg = parse_job(job({"target_ratio": 1.0, "min_batch": 16, "max_batch": 512}, micro_batch=8))
+    assert controller_settings(cfg.phases[0], 1, 0, 20).min_batch == 16
+    # the phase's last samples: 24 left, the controller at 16: one step of 24, not 16 then 8
+    stub = object.__new__(Job)
+    stub.job, stub.schedule = cfg, PhaseSchedule(cfg)
+    stub.budget, stub.consumed = phase_samples(cfg), [phase_samples(cfg)[0] - 24]
+    assert stub._batch_and_lr(0, types.SimpleNamespace(batch=16))[0] == 24
+    stub.consumed = [phase_samples(cfg)[0] - 48]  # 48 left: 16 leaves 32, at least min_batch
+    assert stub._batch_and_lr(0, types.SimpleNamespace(batch=16))[0] == 16
+
+
 def test_adaptive_schedule_in_samples_equals_the_step_schedule_at_the_reference_batch_and_never_exceeds_peak():
     sched = PhaseSchedule(parse_job(job({"target_ratio": 1.0, "min_batch": 32, "max_batch": 512})))
     for t in range(20):

@@ -373,6 +373,7 @@ def controller_settings(phase: PhaseConfig, world_size: int, index: int, phase_s
     """The ``BatchController`` settings of an adaptive phase on ``world_size`` ranks; errors
     name the key."""
     from vrgd_ds.adaptive_batch import ControllerSettings
+    from vrgd_ds.optim.base import MIN_GROUPS
     from vrgd_ds.train.schedule import warmup_steps
 
     ab = phase.adaptive_batch
@@ -383,6 +384,11 @@ def controller_settings(phase: PhaseConfig, world_size: int, index: int, phase_s
         if value % g:
             raise ConfigError(f"job.phases[{index}].adaptive_batch.{key}: {value} is not a multiple of micro_batch "
                               f"x ranks = {phase.micro_batch} x {world_size}; only the accumulation changes")
+    if ab.min_batch < MIN_GROUPS * phase.micro_batch:  # a step's groups: ranks x micro-steps = batch / micro_batch
+        floor = -(-MIN_GROUPS * phase.micro_batch // g) * g
+        raise ConfigError(f"job.phases[{index}].adaptive_batch.min_batch: {ab.min_batch} gives a step of "
+                          f"{ab.min_batch // phase.micro_batch} gradient group(s) (batch / micro_batch: ranks x "
+                          f"micro-steps), and the GSNR needs >= {MIN_GROUPS}; use min_batch >= {floor}")
     start = warmup_steps(phase.warmup_fraction, phase_steps) if ab.after_warmup else 0
     return ControllerSettings(initial_batch=phase.global_batch, min_batch=ab.min_batch, max_batch=ab.max_batch,
                               granularity=g, target_similarity=ab.target_similarity, target_ratio=ab.target_ratio,

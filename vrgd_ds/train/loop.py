@@ -545,11 +545,16 @@ class Job:
 
     def _batch_and_lr(self, index: int, controller: BatchController | None) -> tuple[int, float]:
         """This step's global batch and LR: the phase's, or the adaptive controller's (the last step
-        of the phase takes only what is left of its samples)."""
+        of the phase takes only what is left of its samples; a step that would leave less than
+        ``min_batch`` after it takes that rest too, so that no step has fewer groups than
+        ``min_batch`` gives)."""
         p = self.job.phases[index]
         if controller is None:
             return p.global_batch, self.schedule.lr_in_phase(index, self.consumed[index] // p.global_batch)
-        batch = min(controller.batch, self.budget[index] - self.consumed[index])
+        left = self.budget[index] - self.consumed[index]
+        batch = min(controller.batch, left)
+        if left - batch < p.adaptive_batch.min_batch:
+            batch = left
         return batch, self.schedule.lr_samples(index, self.consumed[index], batch,
                                                lr_factor(p.adaptive_batch.lr_rule, batch, p.global_batch))
 
