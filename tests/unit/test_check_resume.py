@@ -142,6 +142,13 @@ def test_an_adaptive_position_no_round_of_this_layout_divides_is_refused_naming_
     check_resume_position(job, [128], [128], 3)  # a finished phase is not positioned again
     with pytest.raises(ConfigError, match="no multiple of micro_batch x ranks = 4 x 4"):
         check_resume_position(job, [24], [128], 4)
+    # the rank counts named must also divide the adaptive bounds (min_batch 8: not 3 ranks of 4). Fails on the
+    # old code, which named 3, where the job then refused min_batch
+    raw = copy.deepcopy(RAW)
+    raw["job"]["phases"][0].update(global_batch=24, adaptive_batch={"target_ratio": 1.0, "min_batch": 8,
+                                                                     "max_batch": 48})
+    with pytest.raises(ConfigError, match=r"resume on 1, 2 data-parallel rank\(s\)"):
+        check_resume_position(parse_job(raw), [24], [10 ** 6], 4)
 
 
 def test_an_adaptive_phase_whose_settings_would_change_is_refused_naming_the_keys(tmp_path):
@@ -166,3 +173,10 @@ def test_an_adaptive_phase_whose_settings_would_change_is_refused_naming_the_key
     report, ok = check(tmp_path / "run", raw, 1)
     assert not ok and "would stop: job.phases[0].adaptive_batch: the checkpoint's controller settings differ in " \
                       "start_step (from job.total_steps, job.phases[0].fraction or warmup_fraction" in report, report
+    # the adaptive block removed: the job refuses it (Job.resume), and so does --check-resume. Fails on the old
+    # code, which reported the resume as going ahead
+    raw["job"]["total_steps"] = RAW["job"]["total_steps"]
+    del raw["job"]["phases"][0]["adaptive_batch"]
+    report, ok = check(tmp_path / "run", raw, 1)
+    assert not ok and "would stop: job.phases[0]: phase 0 ran with adaptive_batch, the config has none there" \
+        in report, report

@@ -354,8 +354,9 @@ def check_resume_position(job: JobConfig, consumed: list[int], budget: list[int]
         per_round = phase.micro_batch * world_size
         if done >= total or done % per_round == 0:
             continue
-        fits = [w for w in range(1, 4 * world_size + 1)
-                if done % (phase.micro_batch * w) == 0 and phase.global_batch % (phase.micro_batch * w) == 0]
+        ab = phase.adaptive_batch  # its bounds must be multiples of micro_batch x ranks too (controller_settings)
+        bounds = (phase.global_batch, done) + ((ab.min_batch, ab.max_batch) if ab is not None else ())
+        fits = [w for w in range(1, 4 * world_size + 1) if all(b % (phase.micro_batch * w) == 0 for b in bounds)]
         raise ConfigError(
             f"job.phases[{index}]: the checkpoint is {done} samples into the phase, which is no multiple of "
             f"micro_batch x ranks = {phase.micro_batch} x {world_size} (an adaptive batch saved on another number "
@@ -416,6 +417,10 @@ def adaptive_changes(saved: "JobConfig", job: "JobConfig", world_size: int) -> l
 
     out = []
     steps, saved_steps = job.phase_steps(), saved.phase_steps()
+    for i, before in enumerate(saved.phases):  # the checkpoint holds a controller for each (Job.resume)
+        if before.adaptive_batch is not None and (i >= len(job.phases) or job.phases[i].adaptive_batch is None):
+            out.append(f"job.phases[{i}]: phase {i} ran with adaptive_batch, the config has none there; resume "
+                       "with the config it was saved with")
     for i, phase in enumerate(job.phases):
         if phase.adaptive_batch is None or i >= len(saved.phases) or saved.phases[i].adaptive_batch is None:
             continue
