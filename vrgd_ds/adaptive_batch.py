@@ -139,12 +139,13 @@ class BatchController:
             return math.nan
         return max(self.ema_trace, 0.0) / self.ema_grad_sq
 
-    def observe(self, trace_cov_per_sample: float, grad_sq: float) -> Decision:
+    def observe(self, trace_cov_per_sample: float, grad_sq: float, batch_taken: int | None = None) -> Decision:
         """One optimizer step's estimates (``tr(Σ)`` per sample, i.e. ``noise_scale/trace_cov``
-        × samples per group, and ``noise_scale/grad_sq``) at the current batch; returns the
-        batch of the next step. Non-finite estimates (a skipped step) are ignored."""
+        × samples per group, and ``noise_scale/grad_sq``) at the batch the step took
+        (``batch_taken``; default the controller's: a phase's last step may take another);
+        returns the batch of the next step. Non-finite estimates (a skipped step) are ignored."""
         st = self.settings
-        batch_taken = self.batch
+        batch_taken = self.batch if batch_taken is None else batch_taken
         self.steps += 1
         if math.isfinite(trace_cov_per_sample) and math.isfinite(grad_sq):
             a = st.smoothing

@@ -141,6 +141,17 @@ def test_config_block_rejects_unknown_keys_and_bad_bounds():
         parse_job(job({"target_ratio": 1.0, "min_batch": 128, "max_batch": 512}))
 
 
+def test_the_implied_similarity_is_at_the_batch_the_step_took():
+    """A phase's last step may take another batch than the controller's (the rest of its samples):
+    ``adaptive/implied_similarity`` was computed at the controller's batch all the same. Fails on
+    the old code, whose ``observe`` did not take the batch."""
+    ctrl = BatchController(settings())
+    d = ctrl.observe(100.0, 1.0, batch_taken=16)
+    assert d.b_simple == pytest.approx(100.0)
+    assert d.implied_similarity == pytest.approx(implied_similarity(16, 100.0))
+    assert d.implied_similarity != pytest.approx(implied_similarity(ctrl.batch, 100.0))
+
+
 def test_no_adaptive_step_has_fewer_than_two_gradient_groups():
     """An adaptive phase accepted with a ``min_batch`` of one micro-batch on one rank, or ending on
     a rest of one micro-batch, stepped with n = 1 group mid-run, where ``step()`` raises (a

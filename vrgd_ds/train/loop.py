@@ -649,9 +649,9 @@ class Job:
         n = m.get("gsnr/n")
         if n and "noise_scale/trace_cov" in m and not m.get("step/skipped"):
             per_group = batch / n  # samples per gradient group
-            decision = controller.observe(m["noise_scale/trace_cov"] * per_group, m["noise_scale/grad_sq"])
+            decision = controller.observe(m["noise_scale/trace_cov"] * per_group, m["noise_scale/grad_sq"], batch)
         else:
-            decision = controller.observe(math.nan, math.nan)
+            decision = controller.observe(math.nan, math.nan, batch)
         out = {"adaptive/b_simple": decision.b_simple, "adaptive/implied_similarity": decision.implied_similarity,
                "adaptive/next_batch": float(decision.batch)}
         if math.isfinite(decision.target):
