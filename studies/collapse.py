@@ -155,7 +155,9 @@ def main() -> None:
             _, f, runs = best
             te, gap = [r["test"] for r in runs], [r["gap"] for r in runs]
             best_test[label, batch] = te
-            rows.append((batch, runs[0]["steps"], label, f"{base * f:.3g} (×{f:g})", spread(te), spread(gap, "{:+.4f}")))
+            edge = ", grid edge" if len(factors) > 1 and f in (min(factors), max(factors)) else ""  # not bracketed
+            rows.append((batch, runs[0]["steps"], label, f"{base * f:.3g} (×{f:g}{edge})", spread(te),
+                         spread(gap, "{:+.4f}")))
             print(f"  batch {batch:5d} {label:24s} best x{f:<5g} lr {base * f:.3g}: test {spread(te)} "
                   f"gap {spread(gap, '{:+.4f}')}  [{time.perf_counter() - t0:.0f} s]", flush=True)
     out.add_table(f"Digits, test accuracy and generalisation gap at the best LR per cell ({args.seeds} seeds, "

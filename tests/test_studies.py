@@ -91,6 +91,15 @@ def test_collapse_quick(tmp_path):
     for r in runs:
         for seed in r["runs"]:
             assert 0.0 <= seed["test"] <= 1.0 and math.isfinite(seed["gap"])
+    # a best LR at the grid's edge is marked (its optimum may lie beyond): before, nothing said so
+    import re
+
+    factors = sorted({r["factor"] for r in runs})
+    rows = [line for line in (tmp_path / "tables.md").read_text().splitlines() if "(×" in line]
+    assert rows
+    for line in rows:
+        f = float(re.search(r"\(×([0-9.]+)", line).group(1))
+        assert ("grid edge" in line) == (len(factors) > 1 and f in (factors[0], factors[-1])), line
 
 
 @pytest.fixture(scope="module")
