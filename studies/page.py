@@ -79,6 +79,10 @@ def render(text: str | None = None) -> str:
     if twice:
         raise SystemExit(f"{TEMPLATE.relative_to(ROOT)} repeats {'; '.join(twice)}: keep one of each")
     head = "<!-- written by studies/page.py from docs/results.template.md and docs/studies/; do not edit -->\n"
+    for number, line in enumerate(MARK.sub("", text).splitlines(), 1):
+        if "{{study:" in line:  # a mark not alone on its line, or misspelt: it would stay on the page as text
+            raise SystemExit(f"{TEMPLATE.relative_to(ROOT)} line {number}: {line.strip()!r} is no study mark; write "
+                             "{{study:NAME}} alone on its line (NAME: a directory of docs/studies)")
     return head + MARK.sub(lambda mt: section(mt.group(1)), text)
 
 

@@ -435,6 +435,10 @@ def test_the_page_refuses_a_template_that_repeats_a_section():
     with pytest.raises(SystemExit, match="repeats ## 2. Collapse: keep one of each"):
         render(text)
     assert render(text.replace("## 2. Collapse\n\nprose again", "## 4. Other")).count("## 2. Collapse") == 1
+    # a mark with a trailing space, or misspelt, stayed on the page as text, --check passing. Fails on the old code
+    for bad in ("{{study:linreg}} ", "{{study:lin-reg}}"):
+        with pytest.raises(SystemExit, match="line 3: .* is no study mark"):
+            render(f"# Results\n\n{bad}\n")
 
 
 def test_noise_scale_read_back_survives_a_step_without_one(tmp_path):
