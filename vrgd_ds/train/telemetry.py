@@ -139,7 +139,7 @@ def _number(value: Any) -> float | int | None:
     """``value`` as a JSON number, or None for non-finite and non-numeric values.
 
     Accepts Python and NumPy numbers and 0-d tensors (anything ``float()`` takes); ints stay
-    ints so counters such as ``train/samples`` are written exactly.
+    ints (the job gives its counters, ``train/samples`` among them, as floats: exact below 2^53).
     """
     if isinstance(value, bool):
         return int(value)
