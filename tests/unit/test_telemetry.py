@@ -177,15 +177,20 @@ def test_tensorboard_sink_scalars_read_back(tmp_path):
     assert [(e.step, e.value) for e in acc.Scalars("train/samples")] == [(2, 512.0)]
 
 
-def test_wandb_missing_gives_install_hint(tmp_path, monkeypatch):
+@pytest.fixture
+def no_wandb(monkeypatch):
+    """An interpreter without wandb: its import raises ImportError."""
     real_import = builtins.__import__
 
-    def no_wandb(name, *args, **kwargs):
+    def blocked(name, *args, **kwargs):
         if name == "wandb" or name.startswith("wandb."):
             raise ImportError("No module named 'wandb'")
         return real_import(name, *args, **kwargs)
 
-    monkeypatch.setattr(builtins, "__import__", no_wandb)
+    monkeypatch.setattr(builtins, "__import__", blocked)
+
+
+def test_wandb_missing_gives_install_hint(tmp_path, no_wandb):
     with pytest.raises(ImportError, match=r'pip install "vrgd-ds\[wandb\]"'):
         T.WandbSink("proj", tmp_path)
     # build_sinks closes the sinks it already opened before re-raising.
@@ -194,17 +199,9 @@ def test_wandb_missing_gives_install_hint(tmp_path, monkeypatch):
     assert not (tmp_path / "run" / "wandb").exists()
 
 
-def test_wandb_disabled_needs_no_wandb(tmp_path, monkeypatch):
+def test_wandb_disabled_needs_no_wandb(tmp_path, no_wandb):
     """``"mode": "disabled"`` passes the config check without wandb installed; the job then failed
     building its sinks (an ImportError after set-up, exit 1). Fails on the old code."""
-    real_import = builtins.__import__
-
-    def no_wandb(name, *args, **kwargs):
-        if name == "wandb" or name.startswith("wandb."):
-            raise ImportError("No module named 'wandb'")
-        return real_import(name, *args, **kwargs)
-
-    monkeypatch.setattr(builtins, "__import__", no_wandb)
     with T.build_sinks(tmp_path / "run", tensorboard=False, wandb={"project": "p", "mode": "disabled"}) as sinks:
         assert [type(s) for s in sinks.sinks] == [T.JsonlSink]
 
