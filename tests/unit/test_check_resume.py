@@ -180,3 +180,17 @@ def test_an_adaptive_phase_whose_settings_would_change_is_refused_naming_the_key
     report, ok = check(tmp_path / "run", raw, 1)
     assert not ok and "would stop: job.phases[0]: phase 0 ran with adaptive_batch, the config has none there" \
         in report, report
+    # a phase the checkpoint has not started may change (the job keeps nothing of its controller). Fails on the
+    # old code, whose adaptive_changes took no positions
+    from vrgd_ds.train.config import adaptive_changes
+
+    two = copy.deepcopy(RAW)
+    adaptive = dict(two["job"]["phases"][0], fraction=0.5, adaptive_batch={"target_ratio": 1.0, "min_batch": 16,
+                                                                          "max_batch": 64})
+    two["job"]["phases"] = [dict(two["job"]["phases"][0], fraction=0.5), adaptive]
+    saved = parse_job(two)
+    two["job"]["phases"][1] = two["job"]["phases"][0]
+    assert adaptive_changes(saved, parse_job(two), 1, consumed=[32, 0]) == []
+    assert adaptive_changes(saved, parse_job(two), 1, consumed=[64, 16]) == [
+        "job.phases[1]: phase 1 ran with adaptive_batch, the config has none there; resume with the config it was "
+        "saved with"]

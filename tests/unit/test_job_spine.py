@@ -194,3 +194,23 @@ def test_a_resume_that_would_move_an_adaptive_phases_controller_names_the_keys(s
     with pytest.raises(loop.ConfigError, match=r"adaptive_batch: the checkpoint's controller settings differ in "
                                                r"start_step \(from job.total_steps, job.phases\[0\].fraction"):
         start(run_dir, config)
+
+
+def test_a_phase_not_started_may_change_from_adaptive_to_fixed_on_resume(start, tmp_path, monkeypatch):
+    """A run pre-empted in its first phase, whose second phase is adaptive, resumed with that phase
+    fixed: it has not started, so nothing of its controller is kept and the run goes on (the
+    checkpoint holds a controller for every adaptive phase). Fails on the old code, which refused
+    it ("phase 1 ran with adaptive_batch, the config has none there"). A phase that ran is still
+    refused so (``test_check_resume.py``)."""
+    monkeypatch.setattr(Optimizer, "gsnr", True)
+    config = json.loads(json.dumps(CONFIG))
+    fixed = dict(config["job"]["phases"][0], fraction=0.5)
+    config["job"]["phases"] = [fixed, dict(fixed, adaptive_batch={"target_ratio": 1.0, "min_batch": 4,
+                                                                  "max_batch": 16, "every": 1})]
+    run_dir = tmp_path / "run"
+    StandIn.during[1] = lambda job: signal.raise_signal(loop.PREEMPT_SIGNAL)
+    assert isinstance(start(run_dir, config), loop.Preempted)
+    StandIn.during.clear()
+    config["job"]["phases"][1] = fixed
+    out = start(run_dir, config)
+    assert isinstance(out, dict) and out["steps"] == 4, out

@@ -409,20 +409,28 @@ def adaptive_setting_keys(index: int, changed: list[str]) -> str:
                      else f"job.phases[{index}].adaptive_batch.{k}" for k in changed)
 
 
-def adaptive_changes(saved: "JobConfig", job: "JobConfig", world_size: int) -> list[str]:
+def adaptive_changes(saved: "JobConfig", job: "JobConfig", world_size: int,
+                     consumed: list[int] | None = None) -> list[str]:
     """Per adaptive phase of ``job``, what a resume of a run saved with ``saved`` would refuse: its
     controller's settings on ``world_size`` ranks differ (``BatchController.load_state_dict``;
-    the granularity, micro-batch × ranks, may). One line per phase, naming the config keys."""
+    the granularity, micro-batch × ranks, may), or the phase ran adaptive and is fixed now. One
+    line per phase, naming the config keys. A phase the checkpoint has not started (``consumed``,
+    its samples per phase, 0) may change freely, as the job lets it."""
     from dataclasses import asdict
 
     out = []
     steps, saved_steps = job.phase_steps(), saved.phase_steps()
+    started = [consumed is None or i >= len(consumed) or consumed[i] > 0 for i in range(len(saved.phases))]
     for i, before in enumerate(saved.phases):  # the checkpoint holds a controller for each (Job.resume)
+        if not started[i]:
+            continue
         if before.adaptive_batch is not None and (i >= len(job.phases) or job.phases[i].adaptive_batch is None):
             out.append(f"job.phases[{i}]: phase {i} ran with adaptive_batch, the config has none there; resume "
                        "with the config it was saved with")
     for i, phase in enumerate(job.phases):
         if phase.adaptive_batch is None or i >= len(saved.phases) or saved.phases[i].adaptive_batch is None:
+            continue
+        if not started[i]:
             continue
         mine = asdict(controller_settings(phase, world_size, i, steps[i]))
         before = asdict(controller_settings(saved.phases[i], world_size, i, saved_steps[i]))

@@ -174,16 +174,14 @@ def check(run_dir: Path, raw: dict[str, Any] | None, world: int | None) -> tuple
         changes.append(f"the data differs: fingerprint {info['data']} -> {data} (tokenizer, shards, seed or "
                        "held-out split changed): the samples already seen are not those of the new stream")
     try:
+        tp_pp = (block.get("tensor_model_parallel_size", 1) * block.get("pipeline_model_parallel_size", 1)
+                 if job.engine == "megatron" else 1)
+        consumed = info.get("consumed") if isinstance(info.get("consumed"), list) else None
         if info.get("phases") is not None and info.get("total_steps") is not None:
             saved_job = parse_job({"job": {"total_steps": info["total_steps"], "phases": info["phases"]}})
-            tp_pp = (block.get("tensor_model_parallel_size", 1) * block.get("pipeline_model_parallel_size", 1)
-                     if job.engine == "megatron" else 1)
-            if refused := adaptive_changes(saved_job, job, max(ranks // tp_pp, 1)):
+            if refused := adaptive_changes(saved_job, job, max(ranks // tp_pp, 1), consumed):
                 raise ConfigError("; ".join(refused))
-        consumed = info.get("consumed")
-        if isinstance(consumed, list) and len(consumed) == len(job.phases):
-            tp_pp = (block.get("tensor_model_parallel_size", 1) * block.get("pipeline_model_parallel_size", 1)
-                     if job.engine == "megatron" else 1)
+        if consumed is not None and len(consumed) == len(job.phases):
             check_resume_position(job, consumed, phase_samples(job), max(ranks // tp_pp, 1))
         plan = plan_resume(ckpt_dir, choice.tag, now, ranks, stage, optimizer_state_policy(raw))
     except ConfigError as e:
