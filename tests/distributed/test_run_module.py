@@ -65,6 +65,7 @@ def _deepspeed(ranks: int, *args: str, cwd: Path):
     return launching.run(cmd, timeout=300, marker=cwd, cwd=cwd)
 
 
+@pytest.mark.exhaustive  # a deepspeed launch (about 20 s): make test starts the job through deepspeed (test_pretrain.py)
 def test_unmodified_script_selects_vrlamb_by_its_json_through_the_module(job, tmp_path):
     """``deepspeed --module vrgd_ds.run pretrain.py ...`` on 2 ranks: DeepSpeed builds VRLamb from
     the config, the script sees its own path as argv[0] and the launcher's --local_rank, and trains."""

@@ -206,7 +206,7 @@ def test_wandb_disabled_needs_no_wandb(tmp_path, no_wandb):
         assert [type(s) for s in sinks.sinks] == [T.JsonlSink]
 
 
-@pytest.mark.slow
+@pytest.mark.exhaustive  # three wandb starts (about 3 s)
 def test_a_resumed_job_goes_on_with_its_wandb_run(tmp_path, monkeypatch):
     """A job resumed from a checkpoint (``resume_step``) logs into the wandb run it started; a
     fresh start (-1) takes a new one. Fails on the old code, where every start made a new run, the
