@@ -24,7 +24,6 @@ reduces). Cost per bucket: one collective of twice the bucket's elements in fp32
 buckets: four times the bytes of DDP's own reduction).
 """
 # No ``from __future__ import annotations``: DDP checks the hook's annotations at registration.
-import logging
 from typing import Any, Iterable
 
 import torch
@@ -33,15 +32,13 @@ from torch import Tensor
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel
 
-from vrgd_ds.log import warn_once
 from vrgd_ds.optim.base import MIN_GROUPS, GSNROptimizer
 from vrgd_ds.optim.registry import REGISTRY
 from vrgd_ds.stats.comm import CommCounters, fused_all_reduce
+from vrgd_ds.stats.hooks import warn_dropped
 from vrgd_ds.stats.local import LocalStats
 from vrgd_ds.optim._impl import select_for
 from vrgd_ds.stats.scaling import Scaling
-
-logger = logging.getLogger(__name__)
 
 # (parameter, Σg buffer, Σg² buffer, offset in the bucket, length) of every parameter of a bucket
 _Slice = tuple[Tensor, Tensor, Tensor, int, int]
@@ -122,9 +119,7 @@ def _cleared(stats: "DDPStats | LocalStats", params: Iterable[Tensor]) -> bool:
     start anew with the gradient, as the hooks' do (``vrgd_ds/stats/hooks.py``); said once."""
     if any(p.grad is not None for p in params):
         return False
-    warn_once(logger, f"dropped-{id(stats)}", "vrgd_ds.ddp: the statistics of %d backward pass(es) were dropped: "
-              "the gradients were cleared (model.zero_grad()) with no optimizer step between, e.g. a step "
-              "GradScaler skipped", stats.n // stats.world)
+    warn_dropped(stats, "vrgd_ds.ddp", stats.n // stats.world)
     return True
 
 

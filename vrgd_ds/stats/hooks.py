@@ -28,6 +28,15 @@ from vrgd_ds.optim import _impl
 logger = logging.getLogger(__name__)
 
 
+def warn_dropped(source: object, owner: str, count: int) -> None:
+    """Said once per statistics ``source``: the statistics of ``count`` backward passes went with
+    gradients cleared before any optimizer step (the rule of every source: the statistics start
+    anew with the gradient)."""
+    warn_once(logger, f"dropped-{id(source)}", "%s: the statistics of %d backward pass(es) were dropped: the "
+              "gradients were cleared (model.zero_grad()) with no optimizer step between, e.g. a step "
+              "GradScaler skipped", owner, count)
+
+
 class TensorHookStats:
     """Per-backward fp32 moments of the gradients of a set of parameters.
 
@@ -107,9 +116,7 @@ class TensorHookStats:
             # no step used them (a step the caller skipped, GradScaler's on an overflow, then model.zero_grad()): the
             # statistics start anew, as the gradient does (a gradient never accumulated yet, as under
             # torch.autograd.grad, is no sign of it)
-            warn_once(logger, f"dropped-{id(self)}", "%s: the statistics of %d backward pass(es) were dropped: the "
-                      "gradients were cleared (model.zero_grad()) with no optimizer step between, e.g. a step "
-                      "GradScaler skipped", self._owner, count)
+            warn_dropped(self, self._owner, count)
             self.reset()
             count = 0
         row = self._accumulate(p, grad.detach(), bufs[0], bufs[1], count == 0,
