@@ -1166,6 +1166,80 @@ def test_statistics_of_a_step_the_caller_skipped_are_dropped_when_the_model_clea
     assert sum("statistics of 3 backward pass(es) were dropped" in r.getMessage() for r in caplog.records) == 1
 
 
+class Segments(nn.Module):
+    """``emb -> a -> b -> head``, ``a`` and ``b`` each in an activation-checkpointed segment
+    (``mode``: None, "reentrant", "plain" for ``use_reentrant=False``); ``shared``: ``b`` is ``a``;
+    ``tied``: the head also uses ``a``'s weight (a parameter inside a segment and outside it)."""
+
+    def __init__(self, shared=False, tied=False, mode=None):
+        super().__init__()
+        torch.manual_seed(0)
+        self.emb, self.a, self.head = nn.Linear(6, 8), nn.Linear(8, 8), nn.Linear(8, 3)
+        self.b = self.a if shared else nn.Linear(8, 8)
+        self.tied, self.mode = tied, mode
+
+    def forward(self, x):
+        from torch.utils.checkpoint import checkpoint
+
+        h = self.emb(x)
+        for layer in (self.a, self.b):
+            def seg(t, layer=layer):
+                return torch.tanh(layer(t))
+            h = seg(h) if self.mode is None else checkpoint(seg, h, use_reentrant=self.mode == "reentrant")
+        out = self.head(h)
+        return out + h @ self.a.weight[:, :3] if self.tied else out
+
+
+@pytest.mark.parametrize("fused", IMPLS)
+@pytest.mark.parametrize("shared, mode, inner_only", [(False, "reentrant", False), (False, "reentrant", True),
+                                                      (True, "plain", False), (True, "plain", True)])
+def test_activation_checkpointing_trains_as_the_plain_model(shared, mode, inner_only, fused):
+    """Checkpointed segments, reentrant or not, give VR-LAMB the statistics of the model without
+    checkpointing: the same ``n`` (one group per backward) and the same parameters after 2 steps of
+    2 micro-steps. ``inner_only``: the optimizer holds only the checkpointed layers, so every hook
+    it sees runs in a segment's nested backward."""
+    data = batches(2, 2)
+    runs = []
+    for m in (Segments(shared), Segments(shared, mode=mode)):
+        held = [*m.a.parameters(), *m.b.parameters()] if inner_only else list(m.parameters())
+        opt = vrgd_ds.VRLamb(list(dict.fromkeys(held)), lr=1e-2, fused=fused)
+        runs.append(run(m, opt, data))
+        assert opt.gsnr_metrics()["gsnr/n"] == 2
+    for x, y in zip(*runs):
+        assert torch.equal(x, y)
+
+
+@pytest.mark.parametrize("source", ["hooks", "local"])
+@pytest.mark.parametrize("shared, tied", [(True, False), (False, True)])
+def test_a_parameter_in_two_reentrant_backward_passes_is_refused_naming_the_fix(shared, tied, source):
+    """Under reentrant checkpointing a parameter shared by two segments, or used inside one and
+    outside it, has its hook called once per nested backward pass, each with part of its gradient:
+    as groups that gave n = 4 for 2 backward() calls and Σg² of the parts, not of the gradient.
+    Both hook-counting sources refuse it, naming ``use_reentrant=False``; the shared case holds
+    only the shared layer, so every hook runs in a nested pass. Fails on the code before, which
+    stepped with those statistics."""
+    from vrgd_ds.optim import _impl
+    from vrgd_ds.stats.local import LocalStats
+    from vrgd_ds.stats.scaling import Scaling
+
+    m = Segments(shared=shared, tied=tied, mode="reentrant")
+    params = list(m.a.parameters() if shared else m.parameters())
+    if source == "hooks":
+        stats = vrgd_ds.VRLamb(params, lr=1e-2)  # noqa: F841 (its hooks hold it weakly)
+    else:
+        stats = LocalStats(None, _impl.Reference(), Scaling(1), params, "local", torch.float32)
+        bucket = stats.add_bucket(sum(p.numel() for p in params), torch.device("cpu"), None)
+        offset = 0
+        for p in params:
+            stats.place(p, bucket, offset, p.numel())
+            stats.hook(p)
+            offset += p.numel()
+    (x, y), _ = batches(1, 2)[0]
+    with pytest.raises(RuntimeError, match=r"shape \(8(, 8)?,?\) received its gradient in two "
+                                           r"autograd passes.*use_reentrant=False"):
+        (m(x) - y).pow(2).mean().backward()
+
+
 def test_statistics_from_one_process_while_several_ranks_run_are_warned_of(monkeypatch, caplog):
     """A VRGD optimizer on its own tensor hooks while a process group of several ranks runs: under
     DDP without ``vrgd_ds.ddp.attach`` (HF Trainer, Accelerate) each rank would step with its own
