@@ -177,6 +177,42 @@ def test_no_adaptive_step_has_fewer_than_two_gradient_groups():
     assert stub._batch_and_lr(0, types.SimpleNamespace(batch=16))[0] == 16
 
 
+def test_every_adjustment_of_a_later_phase_is_recorded_whatever_log_every_is():
+    """The controller adjusts every ``every`` steps *of its phase*; records were written at global
+    steps that are multiples of ``log_every``. A second phase starting at global step 7, with
+    ``every`` = ``log_every`` = 10, adjusted at global steps 17, 27, ... and no record held
+    ``adaptive/target_batch``. Each adjustment's step now writes a record. Fails on the old code,
+    which recorded none of them."""
+    import types
+
+    from vrgd_ds.train.config import controller_settings
+    from vrgd_ds.train.loop import Job, record_due
+
+    fixed = {"seq_len": 64, "fraction": 0.35, "global_batch": 64, "micro_batch": 8, "lr": 1e-3}
+    cfg = job({"target_ratio": 4.0, "min_batch": 16, "max_batch": 512, "every": 10, "after_warmup": False},
+              fraction=0.65)
+    cfg["job"]["phases"].insert(0, fixed)
+    cfg["job"]["log_every"] = 10
+    parsed = parse_job(cfg)
+    steps = parsed.phase_steps()
+    assert steps[0] == 7
+    ctrl = BatchController(controller_settings(parsed.phases[1], 1, 1, steps[1]))
+    stub = object.__new__(Job)
+    stub.rank, stub.step = 0, steps[0]
+    stub.optimizer = types.SimpleNamespace(gsnr_metrics=lambda: {"gsnr/n": 8.0, "noise_scale/trace_cov": 25.0,
+                                                                 "noise_scale/grad_sq": 1.0})
+    adjusted, recorded = [], []
+    for _ in range(steps[1]):
+        stub.step += 1
+        adaptive = stub._adapt(ctrl, ctrl.batch, None)
+        if "adaptive/target_batch" in adaptive:
+            adjusted.append(stub.step)
+        if record_due(parsed, stub.step, False, adaptive):
+            recorded.append(stub.step)
+    assert adjusted == [17]
+    assert set(adjusted) <= set(recorded) and {10, 20} <= set(recorded)
+
+
 def test_adaptive_schedule_in_samples_equals_the_step_schedule_at_the_reference_batch_and_never_exceeds_peak():
     sched = PhaseSchedule(parse_job(job({"target_ratio": 1.0, "min_batch": 32, "max_batch": 512})))
     for t in range(20):

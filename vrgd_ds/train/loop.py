@@ -79,10 +79,16 @@ PREEMPT_SIGNAL = signal.SIGUSR1
 TRACE_ENV = "VRGD_TRACE_SAMPLES"
 
 
-def record_due(job: JobConfig, step: int, phase_end: bool) -> bool:
+ADAPTIVE_EVENTS = ("adaptive/target_batch", "adaptive/measured_similarity")
+
+
+def record_due(job: JobConfig, step: int, phase_end: bool, adaptive: dict[str, float] | None = None) -> bool:
     """Whether ``step`` writes a metrics record: a log step (``log_every``), a phase's last step,
-    or an evaluation's (``eval_every``, whatever ``log_every`` is)."""
-    return step % job.log_every == 0 or phase_end or bool(job.eval_every and step % job.eval_every == 0)
+    an evaluation's (``eval_every``, whatever ``log_every`` is), or a step whose ``adaptive``
+    metrics hold an event (``ADAPTIVE_EVENTS``: the controller's adjustment, counted in the phase's
+    steps, and a measured half-batch cosine), which would otherwise fall between log steps."""
+    return (step % job.log_every == 0 or phase_end or bool(job.eval_every and step % job.eval_every == 0)
+            or any(k in (adaptive or {}) for k in ADAPTIVE_EVENTS))
 
 
 class _Recorder:
@@ -522,7 +528,7 @@ class Job:
                 ta = time.perf_counter()
                 adaptive = self._adapt(controller, batch, took["measured"])
                 adaptive["adaptive/controller_s"] = time.perf_counter() - ta  # metrics read + controller
-            if record_due(self.job, self.step, self.consumed[index] >= self.budget[index]):
+            if record_due(self.job, self.step, self.consumed[index] >= self.budget[index], adaptive):
                 self._log_step(index, batch, gas, lr, took, adaptive, gsnr_on, held, sinks, bar)
             bar.update(1)
             self._after_training_step(took)
