@@ -213,6 +213,25 @@ def test_every_adjustment_of_a_later_phase_is_recorded_whatever_log_every_is():
     assert set(adjusted) <= set(recorded) and {10, 20} <= set(recorded)
 
 
+def test_a_change_decided_at_the_phase_s_last_step_is_not_announced(caplog):
+    """The controller may decide a new batch at the phase's last step; no step takes it, so the
+    log does not say "adaptive batch: a -> b". Fails on the old code, which said it."""
+    import logging
+    import types
+
+    from vrgd_ds.train.loop import Job
+
+    stub = object.__new__(Job)
+    stub.rank, stub.step = 0, 2
+    stub.optimizer = types.SimpleNamespace(gsnr_metrics=lambda: {"gsnr/n": 8.0, "noise_scale/trace_cov": 50.0,
+                                                                 "noise_scale/grad_sq": 1.0})
+    with caplog.at_level(logging.INFO, logger="vrgd_ds.train.loop"):
+        for final in (True, False):
+            ctrl = BatchController(settings(every=1))
+            assert stub._adapt(ctrl, ctrl.batch, None, final)["adaptive/next_batch"] > ctrl.settings.initial_batch
+    assert sum("adaptive batch:" in r.getMessage() for r in caplog.records) == 1
+
+
 def test_adaptive_schedule_in_samples_equals_the_step_schedule_at_the_reference_batch_and_never_exceeds_peak():
     sched = PhaseSchedule(parse_job(job({"target_ratio": 1.0, "min_batch": 32, "max_batch": 512})))
     for t in range(20):

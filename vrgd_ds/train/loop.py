@@ -526,7 +526,7 @@ class Job:
             adaptive: dict[str, float] = {}
             if controller is not None:
                 ta = time.perf_counter()
-                adaptive = self._adapt(controller, batch, took["measured"])
+                adaptive = self._adapt(controller, batch, took["measured"], self.consumed[index] >= self.budget[index])
                 adaptive["adaptive/controller_s"] = time.perf_counter() - ta  # metrics read + controller
             if record_due(self.job, self.step, self.consumed[index] >= self.budget[index], adaptive):
                 self._log_step(index, batch, gas, lr, took, adaptive, gsnr_on, held, sinks, bar)
@@ -650,9 +650,11 @@ class Job:
                 (self.run_dir / REQUEUE_MARKER).write_text(json.dumps({"tag": ckpt.tag_of(self.step)}))
             raise Preempted(f"checkpoint {ckpt.tag_of(self.step)} taken on {signal.Signals(PREEMPT_SIGNAL).name}")
 
-    def _adapt(self, controller: BatchController, batch: int, measured: float | None) -> dict[str, float]:
+    def _adapt(self, controller: BatchController, batch: int, measured: float | None,
+               phase_end: bool = False) -> dict[str, float]:
         """Feeds the step's noise-scale moments to the controller (the same on every rank: the
-        statistics are complete on each); returns the step's ``adaptive/*`` metrics."""
+        statistics are complete on each); returns the step's ``adaptive/*`` metrics. A change
+        decided at the phase's last step is never applied: it is not announced."""
         m = self.optimizer.gsnr_metrics()
         n = m.get("gsnr/n")
         if n and "noise_scale/trace_cov" in m and not m.get("step/skipped"):
@@ -666,7 +668,7 @@ class Job:
             out["adaptive/target_batch"] = decision.target
         if measured is not None:
             out["adaptive/measured_similarity"] = measured
-        if decision.changed and self.rank == 0:
+        if decision.changed and self.rank == 0 and not phase_end:
             logger.info("adaptive batch: %d -> %d after step %d (B_simple %.0f, target %.0f)", batch, decision.batch,
                         self.step, decision.b_simple, decision.target)
         return out
