@@ -113,7 +113,7 @@ class StepRecord:
                 row["clip_low_frac"] = float(s[S["clip_low"]]) / numel
                 row["clip_high_frac"] = float(s[S["clip_high"]]) / numel
                 row["scale_mean"] = float(s[S["sum_scale"]]) / numel
-            if mx[M["trust"]] > -torch.inf:
+            if mx[M["adapted"]] > 0 and mx[M["trust"]] > -torch.inf:  # as trust_ratio/*: adapted tensors only
                 row["trust_ratio"] = float(mx[M["trust"]])
             yield self.names[key], row
 
