@@ -34,7 +34,8 @@ from typing import Any, ClassVar, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 JOB_KEY = "job"
-CHECKPOINT_KEY = "checkpoint"  # DeepSpeed's block; the job reads "optimizer_state" from it
+CHECKPOINT_KEY = "checkpoint"  # DeepSpeed's block; the job reads OPTIMIZER_STATE_KEY from it
+OPTIMIZER_STATE_KEY = "optimizer_state"
 OPTIMIZER_STATE_POLICIES = ("require", "reset_if_incompatible")
 BATCH_KEYS = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps")
 
@@ -328,9 +329,9 @@ def optimizer_state_policy(raw: dict[str, Any]) -> str:
     if block.get("load_universal"):
         raise ConfigError(f"{CHECKPOINT_KEY}.load_universal: remove it; the job converts a checkpoint to universal "
                           "form and loads it that way by itself when the number of ranks changed")
-    value = block.get("optimizer_state", OPTIMIZER_STATE_POLICIES[0])
+    value = block.get(OPTIMIZER_STATE_KEY, OPTIMIZER_STATE_POLICIES[0])
     if value not in OPTIMIZER_STATE_POLICIES:
-        raise ConfigError(f"{CHECKPOINT_KEY}.optimizer_state: {value!r} is not one of "
+        raise ConfigError(f"{CHECKPOINT_KEY}.{OPTIMIZER_STATE_KEY}: {value!r} is not one of "
                           f"{', '.join(map(repr, OPTIMIZER_STATE_POLICIES))}")
     return value
 
@@ -446,7 +447,7 @@ def deepspeed_config(raw: dict[str, Any], phase: PhaseConfig, world_size: int, i
     """DeepSpeed's part of the file with the batch keys of ``phase`` filled in."""
     ds = {k: copy.deepcopy(v) for k, v in raw.items() if k != JOB_KEY}
     if isinstance(ds.get(CHECKPOINT_KEY), dict):  # the job's key, not DeepSpeed's
-        ds[CHECKPOINT_KEY].pop("optimizer_state", None)
+        ds[CHECKPOINT_KEY].pop(OPTIMIZER_STATE_KEY, None)
         if not ds[CHECKPOINT_KEY]:
             del ds[CHECKPOINT_KEY]
     ds["train_micro_batch_size_per_gpu"] = phase.micro_batch

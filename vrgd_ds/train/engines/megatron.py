@@ -35,7 +35,7 @@ import torch.distributed as dist
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from vrgd_ds.optim.registry import REGISTRY, OptimizerBlockError, check_optimizer
-from vrgd_ds.train.config import ConfigError, JobConfig, gradient_accumulation
+from vrgd_ds.train.config import CHECKPOINT_KEY, OPTIMIZER_STATE_KEY, ConfigError, JobConfig, gradient_accumulation
 from vrgd_ds.train.data import JobData, prepare_data, stack
 from vrgd_ds.train.engines.base import LAUNCHER_WORLD, Engine, launcher_value
 from vrgd_ds.train.resume import ResumePlan, plan_resume
@@ -139,12 +139,12 @@ def check(raw: dict[str, Any], job: JobConfig, world: int | None) -> MegatronBlo
         if p.adaptive_batch is not None:
             raise ConfigError(f"job.phases[{i}].adaptive_batch: not supported by the megatron engine; use job.engine "
                               "\"deepspeed\" for an adaptive batch, or a fixed global_batch")
-    checkpoint = raw.get("checkpoint")
+    checkpoint = raw.get(CHECKPOINT_KEY)
     if checkpoint is not None:
-        unknown = [k for k in checkpoint if k != "optimizer_state"] if isinstance(checkpoint, dict) else [""]
+        unknown = [k for k in checkpoint if k != OPTIMIZER_STATE_KEY] if isinstance(checkpoint, dict) else [""]
         if unknown:
-            raise ConfigError(f"checkpoint.{unknown[0]}: the megatron engine's checkpoint block has one key, "
-                              f"optimizer_state{did_you_mean(str(unknown[0]), ['optimizer_state'])}")
+            raise ConfigError(f"{CHECKPOINT_KEY}.{unknown[0]}: the megatron engine's checkpoint block has one key, "
+                              f"{OPTIMIZER_STATE_KEY}{did_you_mean(str(unknown[0]), [OPTIMIZER_STATE_KEY])}")
     if block.bucket_size is not None and not block.overlap_grad_reduce:
         raise ConfigError(f"{BLOCK}.bucket_size: Megatron's DDP buckets gradients only with {BLOCK}.overlap_grad_reduce "
                           "true (without it, one bucket holds them all); set both, or remove bucket_size")
