@@ -1189,7 +1189,8 @@ def test_statistics_of_a_step_the_caller_skipped_are_dropped_when_the_model_clea
 
 class Segments(nn.Module):
     """``emb -> a -> b -> head``, ``a`` and ``b`` each in an activation-checkpointed segment
-    (``mode``: None, "reentrant", "plain" for ``use_reentrant=False``); ``shared``: ``b`` is ``a``;
+    (``mode``: None, "reentrant", "plain" for ``use_reentrant=False``, "nested": a reentrant
+    checkpoint inside a reentrant checkpoint); ``shared``: ``b`` is ``a``;
     ``tied``: the head also uses ``a``'s weight (a parameter inside a segment and outside it)."""
 
     def __init__(self, shared=False, tied=False, mode=None):
@@ -1206,14 +1207,18 @@ class Segments(nn.Module):
         for layer in (self.a, self.b):
             def seg(t, layer=layer):
                 return torch.tanh(layer(t))
-            h = seg(h) if self.mode is None else checkpoint(seg, h, use_reentrant=self.mode == "reentrant")
+            if self.mode == "nested":
+                h = checkpoint(lambda t, seg=seg: checkpoint(seg, t, use_reentrant=True), h, use_reentrant=True)
+            else:
+                h = seg(h) if self.mode is None else checkpoint(seg, h, use_reentrant=self.mode == "reentrant")
         out = self.head(h)
         return out + h @ self.a.weight[:, :3] if self.tied else out
 
 
 @pytest.mark.parametrize("fused", IMPLS)
 @pytest.mark.parametrize("shared, mode, inner_only", [(False, "reentrant", False), (False, "reentrant", True),
-                                                      (True, "plain", False), (True, "plain", True)])
+                                                      (False, "nested", True), (True, "plain", False),
+                                                      (True, "plain", True)])
 def test_activation_checkpointing_trains_as_the_plain_model(shared, mode, inner_only, fused):
     """Checkpointed segments, reentrant or not, give VR-LAMB the statistics of the model without
     checkpointing: the same ``n`` (one group per backward) and the same parameters after 2 steps of
@@ -1231,19 +1236,20 @@ def test_activation_checkpointing_trains_as_the_plain_model(shared, mode, inner_
 
 
 @pytest.mark.parametrize("source", ["hooks", "local"])
-@pytest.mark.parametrize("shared, tied", [(True, False), (False, True)])
-def test_a_parameter_in_two_reentrant_backward_passes_is_refused_naming_the_fix(shared, tied, source):
+@pytest.mark.parametrize("shared, tied, mode", [(True, False, "reentrant"), (True, False, "nested"),
+                                                (False, True, "reentrant")])
+def test_a_parameter_in_two_reentrant_backward_passes_is_refused_naming_the_fix(shared, tied, mode, source):
     """Under reentrant checkpointing a parameter shared by two segments, or used inside one and
     outside it, has its hook called once per nested backward pass, each with part of its gradient:
     as groups that gave n = 4 for 2 backward() calls and Σg² of the parts, not of the gradient.
     Both hook-counting sources refuse it, naming ``use_reentrant=False``; the shared case holds
-    only the shared layer, so every hook runs in a nested pass. Fails on the code before, which
-    stepped with those statistics."""
+    only the shared layer, so every hook runs in a nested pass (two levels deep when nested).
+    Fails on the code before, which stepped with those statistics."""
     from vrgd_ds.optim import _impl
     from vrgd_ds.stats.local import LocalStats
     from vrgd_ds.stats.scaling import Scaling
 
-    m = Segments(shared=shared, tied=tied, mode="reentrant")
+    m = Segments(shared=shared, tied=tied, mode=mode)
     params = list(m.a.parameters() if shared else m.parameters())
     if source == "hooks":
         stats = vrgd_ds.VRLamb(params, lr=1e-2)  # noqa: F841 (its hooks hold it weakly)
@@ -1259,6 +1265,38 @@ def test_a_parameter_in_two_reentrant_backward_passes_is_refused_naming_the_fix(
     with pytest.raises(RuntimeError, match=r"shape \(8(, 8)?,?\) received its gradient in two "
                                            r"autograd passes.*use_reentrant=False"):
         (m(x) - y).pow(2).mean().backward()
+
+
+def test_a_backward_that_raised_does_not_join_the_next_one():
+    """A backward() that raises below the checkpointed segments (an out-of-memory error, caught by
+    the loop, which goes on accumulating) never reaches the end of its pass; the next backward() is
+    a group of its own, not a second pass of the failed one (which would refuse the layers as
+    recorded twice). The optimizer holds only the checkpointed layers, so each backward's first
+    hook runs in a nested pass. Fails on f08f656's group tracking, which waited for the failed
+    pass's end callback; its nested case of the refusal test failed there too (no error, n = 2)."""
+
+    class FailOnce(torch.autograd.Function):
+        armed = True
+
+        @staticmethod
+        def forward(ctx, x):
+            return x.clone()
+
+        @staticmethod
+        def backward(ctx, g):
+            if FailOnce.armed:
+                FailOnce.armed = False
+                raise RuntimeError("out of memory")
+            return g
+
+    m = Segments(mode="reentrant")
+    opt = vrgd_ds.VRLamb([*m.a.parameters(), *m.b.parameters()], lr=1e-2)
+    m.emb.forward = lambda x: FailOnce.apply(nn.functional.linear(x, m.emb.weight, m.emb.bias))
+    (x, y), _ = batches(1, 2)[0]
+    with pytest.raises(RuntimeError, match="out of memory"):
+        (m(x) - y).pow(2).mean().backward()
+    (m(x) - y).pow(2).mean().backward()
+    assert opt.statistics_source.n == 2  # the failed pass reached the layers, as it reached their .grad
 
 
 def test_statistics_from_one_process_while_several_ranks_run_are_warned_of(monkeypatch, caplog):

@@ -19,12 +19,15 @@ parameter recorded twice in one (``second_pass_error``). How the outermost pass 
   (``BackwardCFunction.apply``, the frame torch runs every ``autograd.Function.backward`` in); an
   outermost pass does not;
 * the group ends when its outermost pass does: a callback queued on that pass
-  (``queue_callback``). When a nested pass is the first one seen, the outermost pass is found from
-  a post-hook on the Function's node, which runs in it once the nested pass returns.
+  (``queue_callback``), which a failed pass releases uncalled (``_GroupEnd``: the group ends
+  then too). When a nested pass is the first one seen, the outermost pass is found from a
+  post-hook on the Function's node, which runs in the calling pass once the nested one returns,
+  climbing one level at a time through checkpoints inside checkpoints.
 """
 from __future__ import annotations
 
 import sys
+import threading
 from typing import Any
 
 import torch
@@ -38,7 +41,7 @@ _FUNCTION_BACKWARD = BackwardCFunction.apply.__code__
 def _enclosing_function_node() -> Any:
     """The autograd node whose custom backward is running below this frame (a nested pass), or
     None (the outermost pass)."""
-    frame = sys._getframe(2)
+    frame = sys._getframe(1)
     while frame is not None:
         if frame.f_code is _FUNCTION_BACKWARD:
             return frame.f_locals.get("self")
@@ -46,25 +49,52 @@ def _enclosing_function_node() -> Any:
     return None
 
 
+class _GroupEnd:
+    """Queued on an autograd pass (``queue_callback``). Called when the pass ends, it ends the
+    group if ``on_call``; released uncalled, as a failed pass releases its callbacks before its
+    ``backward()`` raises, it ends the group in any case (the next ``backward()`` is a new one)."""
+
+    def __init__(self, groups: "BackwardGroups", serial: int, on_call: bool) -> None:
+        self.groups, self.serial, self.pending = groups, serial, True
+        self.on_call = on_call
+
+    def __call__(self) -> None:
+        self.pending = False
+        if self.on_call:
+            self.groups._end(self.serial)
+
+    def __del__(self) -> None:
+        if self.pending:
+            self.groups._end(self.serial)
+
+
 class BackwardGroups:
     """The outermost ``backward()`` the calling hook runs in, as a serial number that grows by one
-    per ``backward()``."""
+    per ``backward()``. Safe for hooks on several autograd threads (a model on several devices)."""
 
     def __init__(self) -> None:
         self.serial = 0
         self._task = -2  # the autograd pass of the last hook (-1: a hook called outside any pass)
         self._outer: int | None = None  # the current group's outermost pass, once known
         self._open = False  # the current group's outermost pass has not ended
+        self._lock = threading.Lock()
 
     def current(self) -> int:
         task = torch._C._current_graph_task_id()
         if task == self._task and task != -1:
             return self.serial
-        self._task = task
+        with self._lock:
+            if task != self._task or task == -1:
+                self._enter(task)
+                self._task = task  # last: another thread's fast path then reads the serial decided here
+            return self.serial
+
+    def _enter(self, task: int) -> None:
+        """The first hook of pass ``task`` (since the last hook of another pass)."""
         if task == -1:  # not from the autograd engine: a group of its own
             self._start()
             self._open = False
-            return self.serial
+            return
         node = _enclosing_function_node()
         if node is None:  # the outermost pass
             if not (self._open and self._outer in (None, task)):
@@ -74,20 +104,29 @@ class BackwardGroups:
         elif not self._open:  # a nested pass, the first of a backward() whose own hooks come later
             self._start()
             serial = self.serial
+            Variable._execution_engine.queue_callback(_GroupEnd(self, serial, on_call=False))  # if it fails
 
             def found(grad_inputs: Any, grad_outputs: Any) -> None:
-                if serial == self.serial and self._outer is None:
-                    self._outer_found(torch._C._current_graph_task_id())
+                """Runs in the pass that called the Function's backward, once that returned: the
+                outermost pass, or (a checkpoint inside a checkpoint) one more level to climb."""
+                with self._lock:
+                    if serial != self.serial or self._outer is not None:
+                        return
+                    outer = _enclosing_function_node()
+                    if outer is not None:
+                        outer.register_hook(found)
+                    else:
+                        self._outer_found(torch._C._current_graph_task_id())
 
             node.register_hook(found)
-        return self.serial
 
     def close(self) -> None:
         """Called between steps: when no autograd pass is running, the next hook starts a new
         group (a backward() that raised before its end leaves no group open)."""
         if torch._C._current_graph_task_id() == -1:
-            self._open = False
-            self._task = -2
+            with self._lock:
+                self._open = False
+                self._task = -2
 
     def _start(self) -> None:
         self.serial += 1
@@ -96,13 +135,11 @@ class BackwardGroups:
 
     def _outer_found(self, task: int) -> None:
         self._outer = task
-        serial = self.serial
+        Variable._execution_engine.queue_callback(_GroupEnd(self, self.serial, on_call=True))
 
-        def ended() -> None:
-            if serial == self.serial:
-                self._open = False
-
-        Variable._execution_engine.queue_callback(ended)
+    def _end(self, serial: int) -> None:
+        if serial == self.serial:
+            self._open = False
 
 
 def second_pass_error(p: Tensor, owner: str) -> RuntimeError:
