@@ -103,3 +103,42 @@ def test_no_class_is_made_at_run_time_and_none_is_recognised_by_its_name():
                 if "__name__" in text and any(f"'{m}'" in text or f'"{m}"' in text for m in members):
                     offenders.append(f"{where}: {text}")
     assert offenders == []
+
+
+def _created(cls) -> set[str]:
+    """The private attributes ``cls``'s own ``__init__`` creates on ``self`` (a subclass may go on
+    to use its base's state in other methods, as ``NodeStats`` does ``LocalStats``'s counters)."""
+    body = ast.parse(textwrap.dedent(inspect.getsource(cls))).body[0].body
+    init = [f for f in body if isinstance(f, ast.FunctionDef) and f.name == "__init__"]
+    return {t.attr for node in (ast.walk(init[0]) if init else ())
+            if isinstance(node, (ast.Assign, ast.AnnAssign, ast.AugAssign))
+            for t in (node.targets if isinstance(node, ast.Assign) else [node.target])
+            if isinstance(t, ast.Attribute) and isinstance(t.value, ast.Name) and t.value.id == "self"
+            and t.attr.startswith("_") and not t.attr.startswith("__")}
+
+
+def test_no_source_reuses_a_private_attribute_of_the_source_it_extends():
+    """A subclass of a statistics source whose ``__init__`` creates a private attribute its base's
+    also creates replaces the base's state: ``FSDPStats._groups`` (its FSDP parameter groups, a list) hid
+    ``LocalStats._groups`` when the base started using that name, and every FSDP step raised in
+    ``end_step``. Fails on f08f656's code, where both assigned ``_groups``."""
+    classes = {name: module for module, name in SOURCES.values()}
+    trees = [(module, ast.parse(path.read_text())) for module, path in _modules()]
+    grew = True
+    while grew:  # the sources' subclasses, at any depth (FSDPStats extends LocalStats without its own moments)
+        grew = False
+        for module, tree in trees:
+            for node in tree.body:
+                if isinstance(node, ast.ClassDef) and node.name not in classes and any(
+                        ast.unparse(b).rpartition(".")[2] in classes for b in node.bases):
+                    classes[node.name], grew = module, True
+    assert {"FSDPStats", "NodeStats", "LocalStats"} <= set(classes)
+    offenders = []
+    for name, module in classes.items():
+        key = f"{module}.{name}"
+        cls = getattr(importlib.import_module(module), name)
+        mine = _created(cls)
+        for base in cls.__mro__[1:]:
+            if base.__module__.startswith("vrgd_ds"):
+                offenders += [f"{key}.{a} (also {base.__name__}.{a})" for a in sorted(mine & _created(base))]
+    assert offenders == []

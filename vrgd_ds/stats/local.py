@@ -264,8 +264,8 @@ class LocalStats:
         self._scale = 1.0
         self._n_local = 0
         self._handles: dict[int, Any] = {}
-        self._groups = BackwardGroups()  # the hook path: which backward() a hook runs in
-        self._group_of: dict[int, int] = {}  # per hooked index, the backward() it was last recorded in
+        self._passes = BackwardGroups()  # the hook path: which backward() a hook runs in
+        self._pass_of: dict[int, int] = {}  # per hooked index, the backward() it was last recorded in
         self._steps_ended = 0
         self.counters = CommCounters()
         self.stat_counters = StatCounters()
@@ -318,10 +318,10 @@ class LocalStats:
             stats = me()
             if stats is None:
                 return
-            group = stats._groups.current()
-            if stats._group_of.get(idx) == group:
+            group = stats._passes.current()
+            if stats._pass_of.get(idx) == group:
                 raise second_pass_error(p_ref(), "VRGD statistics")
-            stats._group_of[idx] = group
+            stats._pass_of[idx] = group
             main = fold() if fold is not None else None
             stats.record_bucket(("param", idx), grad.detach(), lambda: [(idx, 0)], main=main)
             if main is not None:
@@ -502,7 +502,7 @@ class LocalStats:
             self.wait()
         self._stale = True
         self._started = self._finished = False
-        self._groups.close()
+        self._passes.close()
         self._steps_ended += 1
 
     def fresh_step(self) -> int:
