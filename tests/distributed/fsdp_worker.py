@@ -70,7 +70,8 @@ def backward(model: torch.nn.Module, b: tuple[torch.Tensor, torch.Tensor], weigh
         loss.backward(retain_graph=i < chunks - 1)
 
 
-def shard(model: Net, layout: str, world: int) -> Any:
+def shard(model: Net, layout: str, world: int, ignored: set | None = None) -> Any:
+    """``ignored``: parameters the root's ``fully_shard`` leaves out (``ignored_params``)."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
@@ -81,8 +82,9 @@ def shard(model: Net, layout: str, world: int) -> Any:
     else:
         mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("shard",))
     for block in (model.a, model.b, model.c):
-        fully_shard(block, mesh=mesh)
-    fully_shard(model, mesh=mesh)
+        if not ignored or not ignored & set(block.parameters()):
+            fully_shard(block, mesh=mesh)
+    fully_shard(model, mesh=mesh, ignored_params=ignored)
     for m in model.modules():
         if hasattr(m, "set_force_sum_reduction_for_comms"):
             m.set_force_sum_reduction_for_comms(True)  # gloo's reduce-scatter does not average
@@ -177,7 +179,8 @@ def _refusal(case: dict) -> dict[str, Any]:
     world = dist.get_world_size()
     model = Net(False)
     what = case["what"]
-    shard(model, "pipeline" if what == "pipeline" else "fsdp", world)
+    shard(model, "pipeline" if what == "pipeline" else "fsdp", world,
+          {model.c.bias} if what == "ignored" else None)
     if what == "offload":  # CPUOffloadPolicy needs an accelerator to offload from: its flag, as FSDP sets it
         next(fp for _, fp in _fsdp_params(model)).offload_to_cpu = True
     if what == "bf16_reduce":  # MixedPrecisionPolicy(param_dtype=torch.bfloat16): FSDP then reduces in bf16

@@ -90,6 +90,8 @@ REFUSALS = {
     "uneven_sync": ("UnsupportedFSDPConfiguration", "reduced some parameters 1 times and others 2 times"),
     # before: accepted, Σg taken from FSDP's bf16 reduce-scatter against fp32 squares
     "bf16_reduce": ("UnsupportedFSDPConfiguration", "gradients reduced in bfloat16"),
+    # before: "build the optimizer on model.parameters() after fully_shard", which the user had done
+    "ignored": ("ValueError", "left out with fully_shard(..., ignored_params=...)"),
 }
 
 

@@ -38,7 +38,7 @@ logger = logging.getLogger(__name__)
 
 #: what attach reads of torch 2.13's FSDP2 (``torch/distributed/fsdp/_fully_shard/``)
 _STATE = ("_fsdp_param_groups",)
-_GROUP = ("fsdp_params", "mesh_info", "post_backward", "reduce_grads", "reduce_scatter_unused_params",
+_GROUP = ("fsdp_params", "mesh_info", "mp_policy", "post_backward", "reduce_grads", "reduce_scatter_unused_params",
           "force_sum_reduction_for_comms", "gradient_divide_factor", "_reduce_scatter_comm", "_all_reduce_hook",
           "_reduce_scatter_process_group")
 _PARAM = ("sharded_param", "padded_sharded_param_size", "fsdp_placement", "offload_to_cpu",
@@ -209,7 +209,9 @@ def attach(model: torch.nn.Module, optimizer: GSNROptimizer, squares_dtype: str 
         for p in group["params"]:
             if id(p) not in managed:
                 raise ValueError(f"{optimizer.name} updates a parameter of shape {tuple(p.shape)} that FSDP "
-                                 "does not shard: build the optimizer on model.parameters() after fully_shard")
+                                 "does not shard: build the optimizer on model.parameters() after fully_shard; a "
+                                 "parameter left out with fully_shard(..., ignored_params=...) is reduced by no FSDP "
+                                 "collective, so it has no statistics: give it an optimizer of its own")
     world_ranks = dist.get_world_size()
     covered = {fp.sharded_param.device_mesh.size() for _, g in groups for fp in g.fsdp_params}
     if covered != {world_ranks}:
