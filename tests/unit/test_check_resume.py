@@ -194,3 +194,19 @@ def test_an_adaptive_phase_whose_settings_would_change_is_refused_naming_the_key
     assert adaptive_changes(saved, parse_job(two), 1, consumed=[64, 16]) == [
         "job.phases[1]: phase 1 ran with adaptive_batch, the config has none there; resume with the config it was "
         "saved with"]
+
+
+def test_a_phase_added_goes_ahead_and_a_dropped_phase_that_ran_would_stop(run_dir):
+    """--check-resume agrees with the job (``test_job_spine.py``): a phase added after the saved
+    ones starts at 0; the checkpoint's second phase, started, missing from the config stops it.
+    Fails on the old code, which approved the second: it checked the positions only when the
+    numbers of phases matched."""
+    raw = copy.deepcopy(RAW)
+    raw["job"]["total_steps"] = 16
+    raw["job"]["phases"] = [dict(RAW["job"]["phases"][0], fraction=0.5), dict(RAW["job"]["phases"][0], fraction=0.5,
+                                                                            seq_len=64)]
+    assert check(run_dir, raw, 2)[1]
+    info = ckpt.marker(run_dir / "checkpoints", "step00000004")["info"]
+    ckpt.mark_complete(run_dir / "checkpoints", "step00000004", 4, 2, dict(info, consumed=[128, 32]))
+    report, ok = check(run_dir, copy.deepcopy(RAW), 2)
+    assert not ok and "would stop: job.phases: the checkpoint trained 2 phases (phase 1: 32 samples)" in report

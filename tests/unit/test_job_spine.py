@@ -214,3 +214,23 @@ def test_a_phase_not_started_may_change_from_adaptive_to_fixed_on_resume(start, 
     config["job"]["phases"][1] = fixed
     out = start(run_dir, config)
     assert isinstance(out, dict) and out["steps"] == 4, out
+
+
+def test_a_phase_added_after_the_saved_ones_is_trained_and_a_dropped_phase_that_ran_is_refused(start, tmp_path):
+    """A finished one-phase run resumed with a second phase (the usual BERT recipe: seq 128, then
+    512): the new phase starts at 0 samples and runs. Fails on the old code, which kept the
+    checkpoint's per-phase positions at their saved length, so the new phase was never trained and
+    the job exited 0 "after 4 steps". The reverse, a config without a phase the run trained, is
+    refused naming ``job.phases``."""
+    run_dir = tmp_path / "run"
+    assert start(run_dir)["steps"] == 4
+    two = json.loads(json.dumps(CONFIG))
+    two["job"]["total_steps"] = 8
+    two["job"]["phases"] = [dict(CONFIG["job"]["phases"][0], fraction=0.5),
+                            dict(CONFIG["job"]["phases"][0], fraction=0.5, seq_len=64)]
+    out = start(run_dir, two)
+    assert isinstance(out, dict) and out["steps"] == 8, out
+    assert [r["phase"] for r in records(run_dir) if "train/loss" in r] == [0] * 4 + [1] * 4
+    with pytest.raises(loop.ConfigError, match=r"job.phases: the checkpoint trained 2 phases \(phase 1: 16 "
+                                               r"samples\), the config has 1"):
+        start(run_dir, CONFIG)

@@ -346,6 +346,18 @@ def gradient_accumulation(phase: PhaseConfig, world_size: int, index: int) -> in
     return phase.global_batch // per_step
 
 
+def resumed_consumed(job: JobConfig, consumed: list[int]) -> list[int]:
+    """The samples a checkpoint consumed per phase, for this config's phases: a phase the config
+    adds after the saved ones starts at 0; a saved phase the config drops must not have started."""
+    out = [int(c) for c in consumed[:len(job.phases)]] + [0] * (len(job.phases) - len(consumed))
+    dropped = [i for i in range(len(job.phases), len(consumed)) if consumed[i]]
+    if dropped:
+        raise ConfigError(f"job.phases: the checkpoint trained {len(consumed)} phases (phase {dropped[0]}: "
+                          f"{consumed[dropped[0]]} samples), the config has {len(job.phases)}; resume with the "
+                          "phases it was saved with (phases may be added after them)")
+    return out
+
+
 def check_resume_position(job: JobConfig, consumed: list[int], budget: list[int], world_size: int) -> None:
     """A checkpoint's position in each unfinished phase must be a whole number of ``micro_batch ×
     ranks`` rounds on this layout: an adaptive phase saved on another number of ranks took batches

@@ -54,7 +54,7 @@ from vrgd_ds.run import leave_together
 from vrgd_ds.train import checkpoints as ckpt
 from vrgd_ds.train.config import (ConfigError, JobConfig, adaptive_setting_keys, check_resume_position,
                                   controller_settings, gradient_accumulation, load_config, optimizer_state_policy,
-                                  phase_samples)
+                                  phase_samples, resumed_consumed)
 from vrgd_ds.train.data import check_data_path, eval_batches, loader
 from vrgd_ds.train.engines import Engine, engine_class
 from vrgd_ds.train.engines.base import LAUNCHER_RANK, launcher_value
@@ -284,7 +284,8 @@ class Job:
                 break
             failed.append(choice.tag)
         path = self.ckpt_dir / choice.tag
-        self.step, self.consumed, self.evals = state["step"], list(state["consumed"]), list(state["evals"])
+        self.step, self.evals = state["step"], list(state["evals"])
+        self.consumed = resumed_consumed(self.job, state["consumed"])
         self.skip_streak_from = state.get("skip_streak_from")
         check_resume_position(self.job, self.consumed, self.budget, self.engine.data_world)
         for key, saved in (state.get("adaptive") or {}).items():

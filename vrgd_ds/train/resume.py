@@ -109,7 +109,7 @@ def check(run_dir: Path, raw: dict[str, Any] | None, world: int | None) -> tuple
 
     from vrgd_ds.optim.registry import OptimizerBlockError, check_optimizer
     from vrgd_ds.train.config import (adaptive_changes, check_resume_position, optimizer_state_policy, parse_job,
-                                      phase_samples)
+                                      phase_samples, resumed_consumed)
     from vrgd_ds.train.data import configured_fingerprint
 
     ckpt_dir = run_dir / "checkpoints"
@@ -181,8 +181,8 @@ def check(run_dir: Path, raw: dict[str, Any] | None, world: int | None) -> tuple
             saved_job = parse_job({"job": {"total_steps": info["total_steps"], "phases": info["phases"]}})
             if refused := adaptive_changes(saved_job, job, max(ranks // tp_pp, 1), consumed):
                 raise ConfigError("; ".join(refused))
-        if consumed is not None and len(consumed) == len(job.phases):
-            check_resume_position(job, consumed, phase_samples(job), max(ranks // tp_pp, 1))
+        if consumed is not None:
+            check_resume_position(job, resumed_consumed(job, consumed), phase_samples(job), max(ranks // tp_pp, 1))
         plan = plan_resume(ckpt_dir, choice.tag, now, ranks, stage, optimizer_state_policy(raw))
     except ConfigError as e:
         lines += [f"  - {c}" for c in changes] + [f"  would stop: {e}"]
