@@ -78,6 +78,8 @@ def test_another_family_would_stop_and_the_cli_exits_2(run_dir, tmp_path, capsys
 
 
 def test_zero3_on_other_ranks_is_refused_naming_both_world_sizes(run_dir):
+    info = ckpt.marker(run_dir / "checkpoints", "step00000004")["info"]
+    ckpt.mark_complete(run_dir / "checkpoints", "step00000004", 4, 2, dict(info, zero_stage=3))
     raw = copy.deepcopy(RAW)
     raw["zero_optimization"]["stage"] = 3
     report, ok = check(run_dir, raw, 4)
@@ -210,3 +212,20 @@ def test_a_phase_added_goes_ahead_and_a_dropped_phase_that_ran_would_stop(run_di
     ckpt.mark_complete(run_dir / "checkpoints", "step00000004", 4, 2, dict(info, consumed=[128, 32]))
     report, ok = check(run_dir, copy.deepcopy(RAW), 2)
     assert not ok and "would stop: job.phases: the checkpoint trained 2 phases (phase 1: 32 samples)" in report
+
+
+@pytest.mark.parametrize("stage, ok", [(0, False), (1, True), (3, False)])
+def test_a_zero_stage_whose_checkpoint_does_not_load_is_refused_naming_both_stages(run_dir, stage, ok):
+    """A ZeRO-2 checkpoint resumed under stage 0 or 3: DeepSpeed's files of one do not load into the
+    other, so every checkpoint failed to load and the job said to move the run directory away
+    (exit 2, the run thrown away if followed). Refused before loading, naming both stages; stage 1
+    loads stage 2's files and goes ahead. Fails on the old code, which --check-resume approved
+    ("ZeRO stage 2 -> 0") and the job tried."""
+    raw = copy.deepcopy(RAW)
+    raw["zero_optimization"]["stage"] = stage
+    report, went = check(run_dir, raw, 2)
+    assert went == ok, report
+    if not ok:
+        assert (f"would stop: {run_dir / 'checkpoints' / 'step00000004'}: saved under ZeRO stage 2, the config has "
+                f"zero_optimization.stage {stage}") in report
+        assert "Resume with zero_optimization.stage 2" in report

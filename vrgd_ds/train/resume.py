@@ -45,12 +45,21 @@ def convert_command(ckpt_dir: Path, tag: str) -> str:
             f"--output_folder {ckpt_dir / ckpt.UNIVERSAL / tag}")
 
 
+#: ZeRO stage -> the layout of DeepSpeed's checkpoint files (1 and 2 share theirs)
+_STAGE_FORMAT = {0: "replicated", 1: "partitioned optimizer", 2: "partitioned optimizer", 3: "partitioned model"}
+
+
 def plan_resume(ckpt_dir: Path, tag: str, optimizer: dict[str, Any], world: int, zero_stage: int,
                 policy: str) -> ResumePlan:
     """How to load ``tag`` with ``optimizer`` (``{"type", "gsnr", "gsnr_placement"}``) on
     ``world`` ranks; raises ``ConfigError`` for a resume that cannot work, saying what to do."""
     where = ckpt_dir / tag
-    saved = (ckpt.marker(ckpt_dir, tag).get("info") or {}).get("optimizer")
+    info = ckpt.marker(ckpt_dir, tag).get("info") or {}
+    saved, saved_stage = info.get("optimizer"), info.get("zero_stage")  # a DeepSpeed marker's stage
+    if saved_stage is not None and _STAGE_FORMAT[saved_stage] != _STAGE_FORMAT[zero_stage]:
+        raise ConfigError(f"{where}: saved under ZeRO stage {saved_stage}, the config has zero_optimization.stage "
+                          f"{zero_stage}: DeepSpeed's checkpoint of one does not load into the other (stages 1 and 2 "
+                          f"load each other's). Resume with zero_optimization.stage {saved_stage}")
     plan = ResumePlan(saved_world=ckpt.saved_world_size(ckpt_dir, tag))
     if saved and family(saved["type"]) != family(optimizer["type"]):
         if policy == "require":
