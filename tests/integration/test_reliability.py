@@ -20,6 +20,8 @@ import launching
 import pytest
 from jobs import EVAL_LOSS, command, engine_of, heartbeat, records, wait_for, write_config
 
+from vrgd_ds.train import checkpoints as ckpt
+
 pytestmark = pytest.mark.slow
 
 CONFIG = {
@@ -448,6 +450,30 @@ def test_a_vr_lamb_run_resumes_as_lamb_and_back(config, alone, tmp_path):
     assert back.returncode == 0, out[-3000:]
     assert "resuming with VRLamb (gsnr True" in out and "starts at p̂ = 1" in out
     assert all(math.isfinite(r["train/loss"]) for s, r in records(run).items() if s > 0)
+
+
+@pytest.mark.exhaustive
+@pytest.mark.parametrize("config", ["deepspeed"], indirect=True)
+def test_a_vr_lamb_run_resumes_as_lamb_on_another_number_of_ranks_and_back(config, alone, tmp_path):
+    """The same switch through the universal checkpoint (2 ranks -> 1 -> 2). DeepSpeed's universal
+    loader copies the saved groups' options, ``gsnr`` among them, onto the optimizer's: before,
+    VRLamb saved on 2 ranks and resumed as Lamb on 1 crashed in step() ("Lamb: no statistics
+    source is attached"), and Lamb resumed as VRLamb stepped as plain LAMB (no ``gsnr/*``
+    metrics) and saved ``gsnr: False`` into its marker. Now the wiring is the configured one."""
+    run = tmp_path / "run"
+    shutil.copytree(alone, run)  # a finished VRLamb run on 2 ranks: 8 steps
+    lamb = launching.run(command(config, run, "job.total_steps=10", 'optimizer.type="Lamb"', ranks=1),
+                         timeout=TIMEOUT, marker=run)
+    out = lamb.stdout + lamb.stderr
+    assert lamb.returncode == 0, out[-3000:]
+    assert "converting it for 1 to the universal checkpoint" in out and "no statistics source" not in out
+    assert all("gsnr/n" not in records(run)[s] for s in (9, 10))
+    back = launching.run(command(config, run, "job.total_steps=12"), timeout=TIMEOUT, marker=run)
+    out = back.stdout + back.stderr
+    assert back.returncode == 0, out[-3000:]
+    assert "converting it for 2 to the universal checkpoint" in out and "starts at p̂ = 1" in out
+    assert all(records(run)[s]["gsnr/n"] == 2 * records(run)[s]["train/accumulation"] for s in (11, 12))
+    assert ckpt.marker(run / "checkpoints", "step00000012")["info"]["optimizer"]["gsnr"] is True
 
 
 @pytest.mark.exhaustive

@@ -234,3 +234,33 @@ def test_a_phase_added_after_the_saved_ones_is_trained_and_a_dropped_phase_that_
     with pytest.raises(loop.ConfigError, match=r"job.phases: the checkpoint trained 2 phases \(phase 1: 16 "
                                                r"samples\), the config has 1"):
         start(run_dir, CONFIG)
+
+
+def test_a_newest_checkpoint_that_does_not_convert_falls_back_to_the_one_before(start, tmp_path, monkeypatch):
+    """A resume on another number of ranks whose newest checkpoint does not convert to universal
+    form (a damaged shard of the right size) resumes from the one before it, as a damaged
+    checkpoint on the same ranks does; when none converts, the newest one's error (which says to
+    resume on the ranks that saved it) ends the job, not "move the directory away". Fails on the
+    old code, which stopped at the newest (exit 2), the one before never tried."""
+    from vrgd_ds.train.resume import ConversionFailed
+
+    run_dir = tmp_path / "run"
+    assert start(run_dir)["steps"] == 4
+    assert ckpt.tags(run_dir / "checkpoints") == ["step00000002", "step00000004"]
+    longer = json.loads(json.dumps(CONFIG))
+    longer["job"]["total_steps"] = 6
+    bad = {"step00000004"}
+
+    def plan(self, ckpt_dir, tag, optimizer, policy):
+        if tag in bad:
+            raise ConversionFailed(f"{ckpt_dir / tag}: converting it failed; or resume it on 2 ranks")
+        return ResumePlan()
+
+    monkeypatch.setattr(StandIn, "plan", plan)
+    resumed_at = []
+    StandIn.during[2] = lambda job: resumed_at.append(job.step)  # the first step after step 2's checkpoint
+    out = start(run_dir, longer)
+    assert isinstance(out, dict) and out["steps"] == 6 and resumed_at == [2], (out, resumed_at)
+    bad.update(ckpt.tags(run_dir / "checkpoints"))
+    with pytest.raises(ConversionFailed, match="step00000006: converting it failed; or resume it on 2 ranks"):
+        start(run_dir, longer)

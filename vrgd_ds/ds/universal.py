@@ -12,8 +12,9 @@ Usage::
 
     python -m vrgd_ds.ds.universal --input_folder ckpt/global_step100 --output_folder ckpt/global_step100_universal
 
-(which also writes ``ckpt/latest_universal``), then resume from ``ckpt`` with
-``"checkpoint": {"load_universal": true}`` on any number of ranks.
+(which also writes ``ckpt/latest_universal``), then, in a DeepSpeed script of your own, resume
+from ``ckpt`` with ``"checkpoint": {"load_universal": true}`` on any number of ranks. The
+pretraining job converts and loads by itself, and refuses that key in its config.
 ZeRO-1/2 checkpoints without tensor or pipeline parallelism are supported.
 """
 from __future__ import annotations

@@ -163,6 +163,16 @@ class GSNROptimizer(torch.optim.Optimizer):
         self._epoch += 1
         S.after_load(self.state, self.param_groups, built, self.name, self.report_load)
 
+    @contextlib.contextmanager
+    def loaded_elsewhere(self) -> Iterator[None]:
+        """Around a load that bypasses ``load_state_dict`` (DeepSpeed's universal checkpoint loader
+        sets the saved groups' options and the state itself): afterwards the wiring is as built
+        and the GSNR momentum as ``load_state_dict`` leaves it (``state.after_load``)."""
+        built = S.built_wiring(self.param_groups, self.wiring_keys)
+        yield
+        self._epoch += 1
+        S.after_load(self.state, self.param_groups, built, self.name, self.report_load)
+
     def _checked_groups(self, state_dict: dict[str, Any], built: list[dict[str, Any]]) -> dict[str, Any]:
         """The saved groups' options checked as this optimizer will hold them (its wiring; defaults
         for keys an older state lacks), before anything is loaded. A saved ``gsnr_eps`` of 0, which

@@ -58,7 +58,7 @@ from vrgd_ds.train.config import (ConfigError, JobConfig, adaptive_setting_keys,
 from vrgd_ds.train.data import check_data_path, eval_batches, loader
 from vrgd_ds.train.engines import Engine, engine_class
 from vrgd_ds.train.engines.base import LAUNCHER_RANK, launcher_value
-from vrgd_ds.train.resume import engine_switch
+from vrgd_ds.train.resume import ConversionFailed, engine_switch
 from vrgd_ds.train.rundir import RunDirBusy, RunDirLock
 from vrgd_ds.train.schedule import PhaseSchedule
 from vrgd_ds.train.watchdog import Watchdog, collective_timeout
@@ -257,6 +257,7 @@ class Job:
         if not ckpt.tags(self.ckpt_dir):
             return False
         failed: list[str] = []
+        unconverted: list[ConversionFailed] = []  # checkpoints of another number of ranks that did not convert
         reported: set[str] = set()
         built = [{k: v for k, v in g.items() if k != "params"} for g in self.optimizer.param_groups]
         while True:
@@ -266,13 +267,23 @@ class Job:
                     logger.warning("skipping checkpoint %s", why)
                 reported.add(why)
             if choice.tag is None:
+                if unconverted:  # the newest one's advice: it may resume on the ranks that saved it
+                    raise unconverted[0]
                 raise ConfigError(f"{self.ckpt_dir}: no complete checkpoint to resume from ({'; '.join(choice.skipped)}). "
                                   "Move the directory away to start afresh (or restore the files)")
             saved_engine = (ckpt.marker(self.ckpt_dir, choice.tag).get("info") or {}).get("engine", "deepspeed")
             if saved_engine != self.job.engine:
                 raise ConfigError(engine_switch(self.ckpt_dir / choice.tag, saved_engine, self.job.engine))
             self.watchdog.beat(self.step, "conversion")
-            plan = self.engine.plan(self.ckpt_dir, choice.tag, self.optimizer_info(), optimizer_state_policy(self.raw))
+            try:
+                plan = self.engine.plan(self.ckpt_dir, choice.tag, self.optimizer_info(),
+                                        optimizer_state_policy(self.raw))
+            except ConversionFailed as e:  # the same on every rank (the engine agrees on it)
+                if self.rank == 0:
+                    logger.warning("%s; trying the checkpoint before it", e)
+                unconverted.append(e)
+                failed.append(choice.tag)
+                continue
             self.watchdog.beat(self.step, "conversion")
             try:
                 state = self.engine.load(self.ckpt_dir, choice.tag, plan)

@@ -23,6 +23,11 @@ RESET_HINT = ("set \"checkpoint\": {\"optimizer_state\": \"reset_if_incompatible
               "'checkpoint={\"optimizer_state\": \"reset_if_incompatible\"}')")
 
 
+class ConversionFailed(ConfigError):
+    """A checkpoint saved on another number of ranks did not convert to universal form (a damaged
+    file, say): the job tries the previous checkpoint, and says this if none loads."""
+
+
 @dataclass
 class ResumePlan:
     optimizer_states: bool = True  # False: the weights and the data position only

@@ -14,6 +14,7 @@ another number of ranks is converted once to DeepSpeed's universal form
 """
 from __future__ import annotations
 
+import contextlib
 import datetime
 import logging
 import os
@@ -30,7 +31,7 @@ from vrgd_ds.train.config import ConfigError, JobConfig, deepspeed_config
 from vrgd_ds.train.data import JobData, prepare_data
 from vrgd_ds.train.engines.base import Engine
 from vrgd_ds.train.model import build_model, masked_positions_of
-from vrgd_ds.train.resume import ResumePlan, convert_command, plan_resume
+from vrgd_ds.train.resume import ConversionFailed, ResumePlan, convert_command, plan_resume
 
 logger = logging.getLogger(__name__)
 
@@ -178,13 +179,14 @@ class DeepSpeedEngine(Engine):
                 ckpt.record_conversion(ckpt_dir, tag, plan.saved_world, keys)
             except Exception as e:  # noqa: BLE001 (reported on every rank below)
                 error = f"{type(e).__name__}: {e}"
+                shutil.rmtree(ckpt_dir / ckpt.UNIVERSAL / tag, ignore_errors=True)
         flag = torch.tensor([1.0 if error else 0.0], device=self.device)
         torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX)
         if flag.item():
-            raise ConfigError(f"{ckpt_dir / tag}: saved on {plan.saved_world} ranks, resumed on {self.world}; "
-                              f"converting it to a universal checkpoint failed ({error or 'see rank 0'}). Convert it "
-                              f"by hand to see why: {convert_command(ckpt_dir, tag)}; or resume it on "
-                              f"{plan.saved_world} ranks")
+            raise ConversionFailed(f"{ckpt_dir / tag}: saved on {plan.saved_world} ranks, resumed on {self.world}; "
+                                   f"converting it to a universal checkpoint failed ({error or 'see rank 0'}). Convert "
+                                   f"it by hand to see why: {convert_command(ckpt_dir, tag)}; or resume it on "
+                                   f"{plan.saved_world} ranks")
         return plan
 
     def load(self, ckpt_dir: Path, tag: str, plan: ResumePlan) -> dict[str, Any] | None:
@@ -192,11 +194,15 @@ class DeepSpeedEngine(Engine):
         before = config.load_universal_checkpoint
         # DeepSpeed 0.19.8 reads the flag at load time (engine.load_universal_checkpoint())
         config.load_universal_checkpoint = plan.universal
+        # DeepSpeed's universal loader copies the saved groups' options (gsnr among them) onto the
+        # optimizer's and loads its state without load_state_dict: the wiring is put back as built
+        kept = self.optimizer.loaded_elsewhere() if plan.universal else contextlib.nullcontext()
         try:
             load_dir = ckpt_dir / ckpt.UNIVERSAL if plan.universal else ckpt_dir
-            path, client = self.engine.load_checkpoint(str(load_dir), tag=tag,
-                                                       load_optimizer_states=plan.optimizer_states,
-                                                       load_lr_scheduler_states=plan.optimizer_states)
+            with kept:
+                path, client = self.engine.load_checkpoint(str(load_dir), tag=tag,
+                                                           load_optimizer_states=plan.optimizer_states,
+                                                           load_lr_scheduler_states=plan.optimizer_states)
         finally:
             config.load_universal_checkpoint = before
         return (client or {}).get(STATE_KEY) if path is not None else None
