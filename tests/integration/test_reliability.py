@@ -459,7 +459,8 @@ def test_a_vr_lamb_run_resumes_as_lamb_on_another_number_of_ranks_and_back(confi
     loader copies the saved groups' options, ``gsnr`` among them, onto the optimizer's: before,
     VRLamb saved on 2 ranks and resumed as Lamb on 1 crashed in step() ("Lamb: no statistics
     source is attached"), and Lamb resumed as VRLamb stepped as plain LAMB (no ``gsnr/*``
-    metrics) and saved ``gsnr: False`` into its marker. Now the wiring is the configured one."""
+    metrics) and saved ``gsnr: False`` into its marker. Now the wiring is the configured one.
+    Fails on the old code (the Lamb resume exited 1)."""
     run = tmp_path / "run"
     shutil.copytree(alone, run)  # a finished VRLamb run on 2 ranks: 8 steps
     lamb = launching.run(command(config, run, "job.total_steps=10", 'optimizer.type="Lamb"', ranks=1),

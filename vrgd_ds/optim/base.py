@@ -156,20 +156,19 @@ class GSNROptimizer(torch.optim.Optimizer):
         The shared state (moments) carries over; the GSNR momentum is dropped when the GSNR is
         off, and starts at p̂ = 1 (the base optimizer's step) when it was off. One warning says
         what changed (``state.after_load``)."""
-        built = S.built_wiring(self.param_groups, self.wiring_keys)
-        state_dict = self._checked_groups(state_dict, built)
-        super().load_state_dict(state_dict)
-        S.keep_fp32_state(self.state, self.param_groups, state_dict)
-        self._epoch += 1
-        S.after_load(self.state, self.param_groups, built, self.name, self.report_load)
+        with self.loaded_elsewhere() as built:
+            state_dict = self._checked_groups(state_dict, built)
+            super().load_state_dict(state_dict)
+            S.keep_fp32_state(self.state, self.param_groups, state_dict)
 
     @contextlib.contextmanager
-    def loaded_elsewhere(self) -> Iterator[None]:
-        """Around a load that bypasses ``load_state_dict`` (DeepSpeed's universal checkpoint loader
-        sets the saved groups' options and the state itself): afterwards the wiring is as built
-        and the GSNR momentum as ``load_state_dict`` leaves it (``state.after_load``)."""
+    def loaded_elsewhere(self) -> Iterator[list[dict[str, Any]]]:
+        """Around a load (``load_state_dict``'s, or one that bypasses it: DeepSpeed's universal
+        checkpoint loader sets the saved groups' options and the state itself); yields the wiring
+        as built. Afterwards the wiring is as built and the GSNR momentum as ``state.after_load``
+        leaves it."""
         built = S.built_wiring(self.param_groups, self.wiring_keys)
-        yield
+        yield built
         self._epoch += 1
         S.after_load(self.state, self.param_groups, built, self.name, self.report_load)
 

@@ -10,8 +10,8 @@ outside it) has its hook called once per pass, with part of its gradient each ti
 groups, that would make ``n`` too large and ``Σg²`` a sum of squared parts, not of the squared
 gradient (docs/design.md §3).
 
-``BackwardGroups.current()`` names the outermost ``backward()`` a hook runs in; a source refuses a
-parameter recorded twice in one (``second_pass_error``). How the outermost pass is found:
+``BackwardGroups.current()`` names the outermost ``backward()`` a hook runs in; ``record`` refuses
+a parameter recorded twice in one. How the outermost pass is found:
 
 * each autograd pass has a graph-task id (``torch._C._current_graph_task_id``); a hook in the
   same pass as the last one is in the same group (one comparison per hook);
@@ -78,6 +78,15 @@ class BackwardGroups:
         self._outer: int | None = None  # the current group's outermost pass, once known
         self._open = False  # the current group's outermost pass has not ended
         self._lock = threading.Lock()
+        self._last: dict[Any, int] = {}  # per recorded key, the group it was last recorded in
+
+    def record(self, key: Any, p: Tensor, owner: str) -> None:
+        """A hook of parameter ``p`` (``key``: how its source names it) records a gradient; the
+        second record in one ``backward()`` is an error naming the fix."""
+        group = self.current()
+        if self._last.get(key) == group:
+            raise second_pass_error(p, owner)
+        self._last[key] = group
 
     def current(self) -> int:
         task = torch._C._current_graph_task_id()

@@ -24,7 +24,7 @@ from torch import Tensor
 
 from vrgd_ds.log import warn_once
 from vrgd_ds.optim import _impl
-from vrgd_ds.stats.backward import BackwardGroups, second_pass_error
+from vrgd_ds.stats.backward import BackwardGroups
 
 logger = logging.getLogger(__name__)
 
@@ -55,8 +55,7 @@ class TensorHookStats:
         self._buffers: dict[Tensor, tuple[Tensor, Tensor]] = {}
         self._counts: dict[Tensor, int] = {}
         self._had_grad: set[Tensor] = set()  # tensors seen holding a gradient at a backward since the last reset
-        self._passes = BackwardGroups()
-        self._pass_of: dict[Tensor, int] = {}  # per parameter, the backward() it was last recorded in
+        self._passes = BackwardGroups()  # which backward() a hook runs in
         self._moments: dict[Tensor, tuple[int, Tensor]] = {}
         self._expect = 0  # groups in the previous step (0: unknown, take moments every time)
         self._handed_out = False  # moments() gave the buffers away since the last reset
@@ -112,10 +111,7 @@ class TensorHookStats:
             bufs = (torch.empty(p.shape, dtype=torch.float32, device=p.device),
                     torch.empty(p.shape, dtype=torch.float32, device=p.device))
             self._buffers[p] = bufs
-        group = self._passes.current()
-        if self._pass_of.get(p) == group:
-            raise second_pass_error(p, self._owner)
-        self._pass_of[p] = group
+        self._passes.record(p, p, self._owner)
         count = self._counts.get(p, 0)
         if p.grad is not None:
             self._had_grad.add(p)

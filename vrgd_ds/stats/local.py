@@ -44,7 +44,7 @@ import torch
 from torch import Tensor
 
 from vrgd_ds.optim.columns import BucketTable
-from vrgd_ds.stats.backward import BackwardGroups, second_pass_error
+from vrgd_ds.stats.backward import BackwardGroups
 from vrgd_ds.stats.comm import CommCounters, launch
 from vrgd_ds.stats.scaling import Scaling
 
@@ -265,7 +265,6 @@ class LocalStats:
         self._n_local = 0
         self._handles: dict[int, Any] = {}
         self._passes = BackwardGroups()  # the hook path: which backward() a hook runs in
-        self._pass_of: dict[int, int] = {}  # per hooked index, the backward() it was last recorded in
         self._steps_ended = 0
         self.counters = CommCounters()
         self.stat_counters = StatCounters()
@@ -318,10 +317,7 @@ class LocalStats:
             stats = me()
             if stats is None:
                 return
-            group = stats._passes.current()
-            if stats._pass_of.get(idx) == group:
-                raise second_pass_error(p_ref(), "VRGD statistics")
-            stats._pass_of[idx] = group
+            stats._passes.record(idx, p_ref(), "VRGD statistics")
             main = fold() if fold is not None else None
             stats.record_bucket(("param", idx), grad.detach(), lambda: [(idx, 0)], main=main)
             if main is not None:

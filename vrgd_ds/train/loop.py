@@ -535,12 +535,13 @@ class Job:
             self.consumed[index] += batch
             if trace:
                 self._trace_samples(trace, sampler, index)
+            phase_end = self.consumed[index] >= self.budget[index]
             adaptive: dict[str, float] = {}
             if controller is not None:
                 ta = time.perf_counter()
-                adaptive = self._adapt(controller, batch, took["measured"], self.consumed[index] >= self.budget[index])
+                adaptive = self._adapt(controller, batch, took["measured"], phase_end)
                 adaptive["adaptive/controller_s"] = time.perf_counter() - ta  # metrics read + controller
-            if record_due(self.job, self.step, self.consumed[index] >= self.budget[index], adaptive):
+            if record_due(self.job, self.step, phase_end, adaptive):
                 self._log_step(index, batch, gas, lr, took, adaptive, gsnr_on, held, sinks, bar)
             bar.update(1)
             self._after_training_step(took)

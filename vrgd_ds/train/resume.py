@@ -17,10 +17,10 @@ from typing import Any
 
 from vrgd_ds.optim.base import gsnr_switch
 from vrgd_ds.train import checkpoints as ckpt
-from vrgd_ds.train.config import ConfigError
+from vrgd_ds.train.config import CHECKPOINT_KEY, OPTIMIZER_STATE_KEY, ConfigError
 
-RESET_HINT = ("set \"checkpoint\": {\"optimizer_state\": \"reset_if_incompatible\"} (--set "
-              "'checkpoint={\"optimizer_state\": \"reset_if_incompatible\"}')")
+RESET_HINT = (f"set \"{CHECKPOINT_KEY}\": {{\"{OPTIMIZER_STATE_KEY}\": \"reset_if_incompatible\"}} (--set "
+              f"'{CHECKPOINT_KEY}={{\"{OPTIMIZER_STATE_KEY}\": \"reset_if_incompatible\"}}')")
 
 
 class ConversionFailed(ConfigError):
