@@ -561,7 +561,7 @@ def checkpoint_case(case: dict) -> dict:
     gradients summed over TP by ``finalize_model_grads``; ``case["normed"]``: that model without
     sequence parallelism (its scale then steps with the GSNR on). Returns the unsharded weights after every
     step (the scale last, under sequence parallelism), the state keys, each inner param
-    group's ``gsnr`` after the load, and what the load left of the GSNR momentum."""
+    group's ``gsnr`` after the load, and what the load and the save left of the GSNR momentum."""
     from megatron.core import dist_checkpointing
     from megatron.core.distributed import finalize_model_grads
     from megatron.core.transformer.utils import sharded_state_dict_default
@@ -597,13 +597,18 @@ def checkpoint_case(case: dict) -> dict:
         weights = []
         inner = opt.chained_optimizers[0].optimizer
         flags = [g["gsnr"] for g in inner.param_groups]
-        # after the load, the states of the tensors stepping with the GSNR on: how many lack the
-        # GSNR momentum (the first step builds it at p̂ = 1) and how many hold it all zero (every rank)
-        on = [inner.state[p] for g in inner.param_groups if g["gsnr"] for p in g["params"] if p in inner.state]
-        mine = [sum("gsnr_avg" not in st for st in on), sum("gsnr_avg" in st and not st["gsnr_avg"].any() for st in on)]
-        everyone = [None] * dist.get_world_size()
-        dist.all_gather_object(everyone, mine)
-        gsnr_avg_after_load = {"absent": sum(e[0] for e in everyone), "zero": sum(e[1] for e in everyone)}
+
+        def gsnr_avg_left() -> dict:
+            """The states of the tensors stepping with the GSNR on: how many lack the GSNR momentum
+            (the first step builds it at p̂ = 1) and how many hold it all zero (every rank)."""
+            on = [inner.state[p] for g in inner.param_groups if g["gsnr"] for p in g["params"] if p in inner.state]
+            mine = [sum("gsnr_avg" not in st for st in on),
+                    sum("gsnr_avg" in st and not st["gsnr_avg"].any() for st in on)]
+            everyone = [None] * dist.get_world_size()
+            dist.all_gather_object(everyone, mine)
+            return {"absent": sum(e[0] for e in everyone), "zero": sum(e[1] for e in everyone)}
+
+        gsnr_avg_after_load = gsnr_avg_left()
 
         def train(steps):
             for step in steps:
@@ -615,9 +620,11 @@ def checkpoint_case(case: dict) -> dict:
         if case.get("save"):
             Path(case["save"]).mkdir(parents=True, exist_ok=True)
             dist_checkpointing.save(state(False), case["save"])
+        gsnr_avg_after_save = gsnr_avg_left()
         train(case.get("more", []))
         keys = sorted({k for st in inner.state.values() for k in st})
-        return {"weights": weights, "dp": dp, "state_keys": keys, "gsnr": flags, "gsnr_avg_after_load": gsnr_avg_after_load}
+        return {"weights": weights, "dp": dp, "state_keys": keys, "gsnr": flags, "gsnr_avg_after_load": gsnr_avg_after_load,
+                "gsnr_avg_after_save": gsnr_avg_after_save}
 
 
 #: what each refused configuration changes, and the option its message must name

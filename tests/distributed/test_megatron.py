@@ -349,6 +349,26 @@ def test_dist_checkpoint_resumes_on_another_layout_and_back(megatron, tmp_path, 
     assert _max_diff(straight["weights"][2], straight["weights"][1]) > 100 * TOL * scale
 
 
+def test_a_save_before_the_first_resumed_step_keeps_the_gsnr_momentum_at_its_prior(megatron, tmp_path):
+    """Lamb's checkpoint loaded non-strictly into VRLamb (``beta3 = 0.9``) with the distributed
+    optimizer on TP2×DP1 and saved again before any step (a conversion; a job whose first resumed
+    step is skipped and saves): the save leaves the running state without ``gsnr_avg``, and the
+    resaved checkpoint loads without it, as the first did (the next step builds it at p̂ = 1;
+    test_a_base_optimizer_checkpoint_resumes_with_gsnr_momentum_at_its_prior shows that step).
+    Fails on the old code, whose save allocated every key first: zeros in the state and in the
+    file, p̂ from 0.1·r in the next step instead of 1."""
+    vr = {"tp": 2, "distributed": True, "optimizer": "VRLamb", "kwargs": {"beta3": 0.9}}
+    lamb, resaved = tmp_path / "lamb", tmp_path / "resaved"
+    megatron(2).run("megatron_worker", "checkpoint_case", {**vr, "optimizer": "Lamb", "kwargs": {}, "steps": [0, 1],
+                                                           "save": str(lamb)}, SAVE_TIMEOUT_S)
+    again = megatron(2).run("megatron_worker", "checkpoint_case",
+                            {**vr, "load": str(lamb), "strict": "log_unexpected", "save": str(resaved)}, SAVE_TIMEOUT_S)
+    via = megatron(2).run("megatron_worker", "checkpoint_case", {**vr, "load": str(resaved)})
+    assert again["gsnr_avg_after_load"]["absent"] >= 2, again
+    assert again["gsnr_avg_after_save"] == again["gsnr_avg_after_load"], again
+    assert via["gsnr_avg_after_load"] == again["gsnr_avg_after_load"], (via, again)
+
+
 @pytest.mark.exhaustive  # make test resumes a dist checkpoint through the job (test_reliability.py, another TP size)
 def test_a_base_optimizer_checkpoint_resumes_with_gsnr_momentum_at_its_prior(megatron, tmp_path):
     """Lamb's checkpoint (no GSNR momentum in it) loaded non-strictly into VRLamb (``beta3 = 0.9``)

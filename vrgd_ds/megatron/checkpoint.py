@@ -82,7 +82,9 @@ def distributed(mopt: Any, inner: GSNROptimizer) -> None:
         return ["fp32_param", *sorted({k for g in inner.param_groups for k in inner.element_state_keys(g)})]
 
     def state_dict(self) -> dict:
-        inner.allocate_state()  # Megatron's state_dict reads a step from every tensor's state
+        # Megatron's state_dict reads a step from every tensor's state; the other keys stay absent
+        # where they are (a load leaves a key out that the first step builds: saved as NaN, not zeros)
+        inner.allocate_state(steps_only=True)
         out = megatron_state_dict()
         out["vrgd_step"] = _common_step(inner)
         return out

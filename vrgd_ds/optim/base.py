@@ -361,10 +361,10 @@ class GSNROptimizer(torch.optim.Optimizer):
         """The state a parameter of ``group`` holds per element once it stepped (beside ``step``)."""
         return S.element_state_keys(self.state_keys, group)
 
-    def allocate_state(self, with_grads_only: bool = False) -> None:
+    def allocate_state(self, with_grads_only: bool = False, steps_only: bool = False) -> None:
         """Every state key a step would create, as a fresh start has it (``state.allocate``)."""
         self._epoch += 1
-        S.allocate(self.state, self.param_groups, self.state_keys, with_grads_only)
+        S.allocate(self.state, self.param_groups, self.state_keys, with_grads_only, steps_only)
 
     def begin_step_records(self) -> None:
         self.records.begin()

@@ -134,14 +134,16 @@ def is_state_init(state: dict[Tensor, Any], groups: list[dict[str, Any]], record
 
 @torch.no_grad()
 def allocate(state: dict[Tensor, dict[str, Any]], groups: list[dict[str, Any]], state_keys: tuple[str, ...],
-             with_grads_only: bool = False) -> None:
+             with_grads_only: bool = False, steps_only: bool = False) -> None:
     """Creates every state key a step would create, as a fresh start has it (step 0, zeros): what
     a sharded checkpoint loads into (Megatron's ``init_state_fn``). Keys present stay.
     ``with_grads_only``: for the tensors with a gradient only, as a step creates it (the state-
     creating step of ``is_state_init``: a frozen tensor gets no state, as in a trained run's
-    checkpoint, whose load would otherwise miss its keys)."""
+    checkpoint, whose load would otherwise miss its keys). ``steps_only``: the step counters
+    alone (what a save that reads every tensor's step needs; a key made here would be saved as
+    zeros where the tensor's state has none)."""
     for group in groups:
-        keys = element_state_keys(state_keys, group)
+        keys = () if steps_only else element_state_keys(state_keys, group)
         for p in group["params"]:
             if with_grads_only and p.grad is None:
                 continue
