@@ -312,6 +312,35 @@ def fold_equals_hooks(case: dict) -> dict:
         return {"ranks": everyone}
 
 
+def rebuilt_on_the_same_chunks(case: dict) -> dict:
+    """3 steps of VRLamb built once, against 3 steps of VRLamb built on chunks that already have a
+    Lamb optimizer from ``vrgd_ds.megatron`` (kept alive): whether the weights agree bit for bit,
+    and what stepping the earlier optimizer raises."""
+    from megatron.core.optimizer import OptimizerConfig
+
+    from vrgd_ds.megatron import get_megatron_optimizer
+
+    with model_parallel(case["tp"]) as ps:
+        dp_rank = ps.get_data_parallel_rank()
+        weights = {}
+        for how in ("once", "again"):
+            model, ddp, opt = _build(case["tp"], case["distributed"], "Lamb" if how == "again" else "VRLamb", {})
+            first = opt
+            if how == "again":
+                opt = get_megatron_optimizer(OptimizerConfig(optimizer="adam", lr=1e-2, weight_decay=0.1, clip_grad=1.0,
+                                                             use_distributed_optimizer=case["distributed"]),
+                                             [ddp], optimizer="VRLamb")
+            for step in range(3):
+                megatron_step(ddp, opt, dp_rank, case["accumulation"], step)
+            weights[how] = _full(model, ps)
+        try:
+            megatron_step(ddp, first, dp_rank, case["accumulation"], 3)
+            raised = None
+        except RuntimeError as e:
+            raised = str(e)
+        return {"same": all(torch.equal(a, b) for a, b in zip(weights["once"], weights["again"])), "raised": raised}
+
+
 def _train(case: dict, optimizer: str, kwargs: dict, ps) -> list[torch.Tensor]:
     """3 steps of ``optimizer`` through ``vrgd_ds.megatron`` on the test model; the unsharded weights."""
     model, ddp, opt = _build(case["tp"], case["distributed"], optimizer, kwargs)
@@ -441,6 +470,89 @@ def pipeline_equals_unsharded(case: dict) -> dict:
         everyone = [None] * dist.get_world_size()
         dist.all_gather_object(everyone, {"rel": rel, "ok": bool(ok), "n": opt.vrgd_sources[0].n})
         return {"worst": max(o["rel"] for o in everyone), "ranks": everyone}
+
+
+def pipeline_checkpoint_case(case: dict) -> dict:
+    """Two pipeline stages whose parameters fall in different Megatron param groups (the column
+    layer with a bias, then the row layer without one: no bias group on stage 1), saved to a dist
+    checkpoint after one step and loaded back: the inner optimizers' group counts on each stage,
+    beside those of Megatron's own optimizer, and the weights of the step after the load against
+    the same step without it."""
+    from megatron.core import dist_checkpointing
+    from megatron.core.dist_checkpointing.validation import StrictHandling
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+    from megatron.core.optimizer import OptimizerConfig
+    from megatron.core.optimizer import get_megatron_optimizer as megatrons
+    from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
+    from megatron.core.transformer.utils import sharded_state_dict_default
+
+    from vrgd_ds.megatron import get_megatron_optimizer
+
+    with model_parallel(1, pp=2) as ps:
+        stage = ps.get_pipeline_model_parallel_rank()
+        cfg = _config(1)
+        init = functools.partial(torch.nn.init.normal_, std=0.3)
+        ocfg = OptimizerConfig(optimizer="adam", lr=1e-2, weight_decay=0.1, use_distributed_optimizer=case["distributed"])
+
+        def build(optimizer=None):
+            torch.manual_seed(0)
+            layer = (ColumnParallelLinear(8, 16, config=cfg, init_method=init, bias=True, gather_output=False)
+                     if stage == 0 else RowParallelLinear(16, 4, config=cfg, init_method=init, bias=False,
+                                                          input_is_parallel=True, skip_bias_add=False))
+            mine = _Stage(layer, tanh=stage == 0)
+            ddp = DistributedDataParallel(cfg, DistributedDataParallelConfig(
+                grad_reduce_in_fp32=True, use_distributed_optimizer=case["distributed"]), mine)
+            opt = (get_megatron_optimizer(ocfg, [ddp], optimizer=optimizer, optimizer_kwargs=case.get("kwargs", {}))
+                   if optimizer else megatrons(ocfg, [ddp]))
+            return mine, ddp, opt
+
+        def train(mine, ddp, opt, step):
+            other = 1 - stage
+            ddp.zero_grad_buffer()
+            opt.zero_grad()
+            for m in range(2):  # two micro-batches: two gradient groups
+                with contextlib.nullcontext() if m == 1 else ddp.no_sync():
+                    if stage == 0:
+                        h = ddp(_batch(0, m, step))
+                        dist.send(h.detach().contiguous(), other)
+                        grad_h = torch.empty_like(h)
+                        dist.recv(grad_h, other)
+                        h.backward(grad_h)
+                    else:
+                        h = torch.empty(6, 16)
+                        dist.recv(h, other)
+                        h.requires_grad_(True)
+                        ddp(h).pow(2).sum().backward()
+                        dist.send(h.grad.contiguous(), other)
+            ddp.finish_grad_sync()
+            opt.step()
+
+        def state(mine, opt, is_loading):
+            model_sd = sharded_state_dict_default(mine.layer, f"layer{stage}.", (),
+                                                  {"dp_cp_group": ps.get_data_parallel_group()},
+                                                  tp_group=ps.get_tensor_model_parallel_group())
+            return {"model": model_sd, "optimizer": opt.sharded_state_dict(model_sd, is_loading)}
+
+        groups = {"megatron": len(build()[2].chained_optimizers[0].optimizer.param_groups)}
+        mine, ddp, opt = build(case["optimizer"])
+        groups["vrgd"] = len(opt.chained_optimizers[0].optimizer.param_groups)
+        train(mine, ddp, opt, 0)
+        Path(case["save"]).mkdir(parents=True, exist_ok=True)
+        dist_checkpointing.save(state(mine, opt, False), case["save"])
+        train(mine, ddp, opt, 1)
+        straight = [p.detach().clone() for p in mine.parameters()]
+        mine, ddp, opt = build(case["optimizer"])
+        loaded = dist_checkpointing.load(state(mine, opt, True), case["save"], strict=StrictHandling.ASSUME_OK_UNEXPECTED)
+        mine.layer.load_state_dict(loaded["model"], strict=False)
+        for mopt in opt.chained_optimizers:
+            if hasattr(mopt, "reload_model_params"):
+                mopt.reload_model_params()
+        opt.load_state_dict(loaded["optimizer"])
+        train(mine, ddp, opt, 1)
+        rel = relative(list(mine.parameters()), straight)
+        everyone = [None] * dist.get_world_size()
+        dist.all_gather_object(everyone, {"groups": groups, "rel": rel})
+        return {"ranks": everyone}
 
 
 class _Scaled(TwoLayers):

@@ -188,6 +188,32 @@ def test_two_pipeline_stages_equal_the_unsharded_optimizer(megatron2, optimizer,
     assert res["worst"] <= TOL, res
 
 
+@pytest.mark.parametrize("distributed", [False, pytest.param(True, marks=pytest.mark.exhaustive)])
+def test_pipeline_stages_with_different_param_groups_resume_from_a_dist_checkpoint(megatron2, tmp_path, distributed):
+    """PP2 with a bias on stage 0 only: every stage keeps Megatron's param groups, empty ones
+    included (dist-checkpointing saves rank 0's groups for every rank), and the step after a load
+    equals the step without it. Fails on the old code, which dropped the empty bias group on
+    stage 1: the save warned that the ranks' common state differed and stage 1's load raised
+    ("Cannot merge two lists with different lengths")."""
+    res = megatron2.run("megatron_worker", "pipeline_checkpoint_case",
+                        {"distributed": distributed, "optimizer": "VRLamb", "kwargs": KWARGS["VRLamb"],
+                         "save": str(tmp_path / "ckpt")}, SAVE_TIMEOUT_S)
+    for r in res["ranks"]:
+        assert r["groups"]["vrgd"] == r["groups"]["megatron"], res
+        assert r["rel"] <= TOL, res
+
+
+def test_an_optimizer_built_again_on_the_same_chunks_takes_their_statistics_over(megatron2):
+    """A second ``get_megatron_optimizer`` on chunks whose first optimizer is still alive (a
+    reference, or a cycle awaiting a full collection) trains as the first build alone would, bit
+    for bit, and stepping the first one says which to step. Fails on the old code: both sources'
+    hooks added every micro-batch's gradient into ``main_grad`` (twice the gradient)."""
+    res = megatron2.run("megatron_worker", "rebuilt_on_the_same_chunks", {"tp": 2, "distributed": False,
+                                                                          "accumulation": 2})
+    assert res["same"], res
+    assert "built later on the same model chunks" in (res["raised"] or ""), res
+
+
 @pytest.mark.parametrize("name", list(megatron_worker.REFUSED))
 def test_unsupported_configuration_is_refused_naming_the_option(megatron2, name):
     res = megatron2.run("megatron_worker", "refused", {"name": name})

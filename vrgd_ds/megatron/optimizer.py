@@ -122,7 +122,7 @@ def _gsnr_off(param_groups: list[dict], partial: dict[int, str]) -> list[dict]:
     for g in param_groups:
         keep = [p for p in g["params"] if id(p) not in partial]
         moved = [p for p in g["params"] if id(p) in partial]
-        out += [{**g, "params": keep}] if keep else []
+        out.append({**g, "params": keep})  # kept when empty, as Megatron keeps its groups (every rank the same)
         out += [{**g, "params": moved, "gsnr": False}] if moved else []
         off += [partial[id(p)] for p in moved]
     if off:
@@ -211,8 +211,8 @@ def _refuse_adam_checkpoints(mopt: Any) -> None:
         if hasattr(mopt, method):
             def refused(*args: Any, _method: str = method, **kwargs: Any) -> Any:
                 _refuse(f"DistributedOptimizer.{_method} (Megatron's distributed-optimizer checkpoint formats)",
-                        "they are written for Adam's exp_avg/exp_avg_sq", "Checkpoint with use_distributed_optimizer="
-                        "False (the optimizer's torch state_dict), or save the model only")
+                        "they are written for Adam's exp_avg/exp_avg_sq", "Checkpoint with dist-checkpointing "
+                        "(sharded_state_dict: every state key in the 'vrgd_model_space' format, docs/megatron.md)")
 
             setattr(mopt, method, refused)
 
@@ -292,8 +292,9 @@ def get_megatron_optimizer(config: Any, model_chunks: list[Any], optimizer: str 
     groups = ProcessGroupCollection.setup_process_groups_for_optimizer(None, model_chunks, use_gloo_process_groups)
     param_groups, _ = _get_param_groups_and_buffers(model_chunks, 0, config, config_overrides,
                                                     lambda g: not g["is_expert_parallel"], "buffers")
-    param_groups = [g for g in param_groups if g["params"]]
-    if not param_groups:
+    # the empty groups stay: dist-checkpointing saves rank 0's param groups for every rank (Megatron
+    # gives each rank the same groups, empty ones included, for that)
+    if not any(g["params"] for g in param_groups):
         raise ValueError("vrgd_ds.megatron: no trainable parameter in the model chunks of this rank")
     kwargs = _inner_kwargs(config, optimizer, optimizer_kwargs or {})
     if ps.get_tensor_model_parallel_world_size() > 1 and kwargs.get("gsnr", REGISTRY[optimizer].vr):

@@ -28,6 +28,7 @@ optimizer is built (``vrgd_ds/megatron/internals.py``).
 """
 from __future__ import annotations
 
+import weakref
 from typing import Any
 
 import torch
@@ -113,6 +114,7 @@ def attach(mopt: Any, chunks: list[Any], kernels: Any, fold: bool = True, square
     accumulation hook skips its ``main_grad.add_`` (one launch per tensor instead of two)."""
     for chunk in chunks:
         require(chunk, _CHUNK, "DistributedDataParallel")
+    _supersede(chunks)
     buffers = [b for chunk in chunks for b in chunk.buffers]
     for b in buffers:
         require(b, _BUFFER, "_ParamAndGradBuffer")
@@ -138,13 +140,33 @@ def attach(mopt: Any, chunks: list[Any], kernels: Any, fold: bool = True, square
     def begin_step() -> None:
         """Before Megatron copies, unscales and clips the reduced gradients: launch the squares'
         reductions and read ``Σg`` from ``main_grad``."""
+        if stats.superseded:
+            raise RuntimeError("vrgd_ds.megatron: this optimizer's statistics were handed to an optimizer built "
+                               "later on the same model chunks (get_megatron_optimizer); step that one")
         stats.start()
         step_factor[0] = 1.0 / (e * scale())
         for t, p, where in stats.main_grads:
             stats.capture(t, p.main_grad.view(-1)[where])
 
     stats.begin_step = begin_step
+    stats.superseded = False
+    for chunk in chunks:
+        chunk.vrgd_statistics = weakref.ref(stats)
     return stats
+
+
+def _supersede(chunks: list[Any]) -> None:
+    """An optimizer built again on the same chunks (a second ``get_megatron_optimizer``) takes
+    their statistics over: the earlier source's hooks go, else both would add every micro-batch's
+    gradient into ``main_grad`` (each marks it added, so Megatron skips its own add), doubling it
+    for as long as the earlier optimizer lives (its hooks hold no reference to it, but a cycle
+    does until a full collection)."""
+    for chunk in chunks:
+        ref = getattr(chunk, "vrgd_statistics", None)
+        old = ref() if ref is not None else None
+        if old is not None and not old.superseded:
+            old.unhook()
+            old.superseded = True
 
 
 def _main_grad_range(mopt: Any, p: Any, distributed: bool) -> slice:
