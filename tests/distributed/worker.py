@@ -744,6 +744,36 @@ def run_accumulation_case(case: dict) -> dict:
                 finite=all(bool(torch.isfinite(p).all()) for p in engine.module.parameters()))
 
 
+class _LateHead(torch.nn.Module):
+    """``tiny_model`` and a head used only when asked (``late=True``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.body, self.head = tiny_model(), torch.nn.Linear(7, 7)
+
+    def forward(self, x, late=False):
+        y = self.body(x)
+        return y + self.head(y) if late else y
+
+
+def run_late_gradient_case(case: dict) -> dict:
+    """Two steps of ``case["gas"]`` micro-batches of ``_LateHead``, its head used in the last
+    micro-batch only: what was raised, or n of the last step."""
+    rank = dist.get_rank()
+    torch.manual_seed(0)
+    engine, *_ = deepspeed.initialize(model=_LateHead(), config=config(case))
+    try:
+        for step in range(2):
+            for j in range(case["gas"]):
+                x, y = batch(step, rank, j)
+                loss = torch.nn.functional.mse_loss(engine(x, late=j == case["gas"] - 1), y)
+                engine.backward(loss)
+                engine.step()
+    except Exception as e:  # noqa: BLE001 (the message is the result)
+        return dict(raised=type(e).__name__, message=str(e))
+    return dict(raised=None, n=engine.basic_optimizer.gsnr_metrics().get("gsnr/n"))
+
+
 def run_steps_case(case: dict) -> dict:
     """Two steps of the config's optimizer (``case["opt"]``) through ``deepspeed.initialize``:
     whether they ran and left finite, moved parameters (or what they raised)."""

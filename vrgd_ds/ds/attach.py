@@ -81,6 +81,8 @@ def attach(engine: Any) -> sources.ReductionStats | None:
                                  hooks_only=hooks_only)
         else:
             stats = sources.attach(engine, path, world, options.torch_squares_dtype)
+    if stats is not None and stage == 3:
+        path.refuse_late_gradients(tensors)
     opt.set_statistics_source(stats, layout)
     # DeepSpeed skips a step when the gradients it checked are not finite: with an fp16 dynamic
     # loss scaler that is an overflow (the scale drops), otherwise the gradients are non-finite.

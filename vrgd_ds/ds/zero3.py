@@ -19,7 +19,9 @@ Everything this path reads or replaces in DeepSpeed 0.19.8 is here and checked a
 * ``unscale_and_clip_grads(sub_group_id, total_norm)``: where the reduced gradient is read for
   ``gbar="engine"``; ``loss_scale``; ``dp_process_group``;
 * ``deepspeed.runtime.comm.coalesced_collectives.reduce_scatter_coalesced``: DeepSpeed's own
-  partitioning of each tensor (padded to a multiple of the ranks, averaged over them).
+  partitioning of each tensor (padded to a multiple of the ranks, averaged over them);
+* ``micro_step_id``: 0 at a step's first micro-step, where ``partition_grads`` copies rather than
+  adds (``refuse_late_gradients``).
 """
 from __future__ import annotations
 
@@ -101,6 +103,42 @@ class Zero3:
                 "vrgd_ds: grad_pre_normalization under ZeRO-3 with more than one sub-group (param groups or "
                 "zero_optimization.sub_group_size) is not supported: ZeRO-3 steps sub-groups one at a time")
         opt.merge_step_records = True  # one optimizer.step() per sub-group
+
+    def refuse_late_gradients(self, model: ModelTensors) -> None:
+        """DeepSpeed 0.19.8's ZeRO-3 ``partition_grads`` copies a parameter's reduced gradient into
+        its partition at a step's first micro-step (``micro_step_id == 0``) and adds it at every
+        later one, never zeroing the partition between steps: the gradient of a parameter whose
+        first gradient of a step comes after the first micro-step is added onto the previous
+        step's. Its update is then wrong, and so are its statistics (the per-step scheme reads that
+        sum as Σg). Refused at the first bucket that holds such a parameter, naming it (every rank
+        reduces the same buckets, so every rank raises)."""
+        zopt = self.zopt
+        original = getattr(zopt, REDUCE_IPG)
+        names = {pid: model.names[key] for pid, key in model.keys.items()}
+        first: set[int] = set()  # the parameters with a gradient at this step's first micro-step
+        last = [-1]  # the micro-step of the previous bucket: a step begins where it drops to 0
+
+        def reduce_and_partition_ipg_grads(communication_data_type):
+            micro = zopt.micro_step_id
+            params = zopt.ipg_buckets[communication_data_type].params
+            if micro == 0:
+                if last[0] != 0:
+                    first.clear()
+                first.update(map(id, params))
+            else:
+                late = [names.get(id(p), f"a tensor of shape {tuple(p.ds_shape)}") for p in params
+                        if id(p) not in first]
+                if late:
+                    raise UnsupportedConfiguration(
+                        f"vrgd_ds: under ZeRO-3, {', '.join(late[:4])}{', ...' if len(late) > 4 else ''} had no "
+                        f"gradient in this step's first micro-batch but has one in micro-batch {micro}: DeepSpeed "
+                        "0.19.8 adds it onto the previous step's gradient (stage3.py partition_grads copies only "
+                        "at micro_step_id 0), so its update and its GSNR would be wrong. Give it a gradient in "
+                        "every micro-batch (e.g. add 0 * its output to the loss), or use ZeRO-1/2")
+            last[0] = micro
+            return original(communication_data_type)
+
+        setattr(zopt, REDUCE_IPG, reduce_and_partition_ipg_grads)
 
     # -- the per-micro-step scheme (vrgd_ds/ds/sources.py) ------------------------------------------
 
