@@ -67,6 +67,7 @@ logger = logging.getLogger(__name__)
 PAD_ID, UNK_ID, CLS_ID, SEP_ID, MASK_ID = 0, 1, 2, 3, 4
 FIRST_ORDINARY_ID = 5
 IGNORE_INDEX = -100  # torch.nn.CrossEntropyLoss's default ignore_index
+PAD_MULTIPLE = 8  # collate's default: a batch's width is its longest sample's, rounded up to this
 
 # Column layout of the sample index (see the module docstring).
 DOC_A, A_BEGIN, A_END, DOC_B, B_BEGIN, B_END, LABEL, TRUNC_SEED = range(8)
@@ -485,8 +486,13 @@ class BertPretrainingDataset(torch.utils.data.Dataset):
         return out
 
 
+def padded_length(length: int, pad_to_multiple_of: int | None = PAD_MULTIPLE) -> int:
+    """The width ``collate`` gives a batch whose longest sample has ``length`` tokens."""
+    return -(-length // pad_to_multiple_of) * pad_to_multiple_of if pad_to_multiple_of else length
+
+
 def collate(batch: Sequence[dict[str, torch.Tensor]],
-            pad_to_multiple_of: int | None = 8) -> dict[str, torch.Tensor]:
+            pad_to_multiple_of: int | None = PAD_MULTIPLE) -> dict[str, torch.Tensor]:
     """Stack samples, padding to the longest one rounded up to ``pad_to_multiple_of``.
 
     Padding is ``[PAD]`` (0) in ``input_ids`` and ``token_type_ids``, 0 in
@@ -495,9 +501,7 @@ def collate(batch: Sequence[dict[str, torch.Tensor]],
     """
     if not batch:
         raise DataError("collate got an empty batch; check the sampler's micro_batch_size")
-    longest = max(len(s["input_ids"]) for s in batch)
-    if pad_to_multiple_of:
-        longest = -(-longest // pad_to_multiple_of) * pad_to_multiple_of
+    longest = padded_length(max(len(s["input_ids"]) for s in batch), pad_to_multiple_of)
     fill = {"input_ids": PAD_ID, "token_type_ids": 0, "attention_mask": 0,
             "labels": IGNORE_INDEX}
     out = {}

@@ -256,6 +256,15 @@ class _ShardWriter:
         self._reset()
 
 
+def _identity(path: Path) -> tuple[int, int] | None:
+    """(inode, modification time in ns) of ``path``; None if it is not there."""
+    try:
+        st = path.stat()
+    except FileNotFoundError:
+        return None
+    return st.st_ino, st.st_mtime_ns
+
+
 def _clear_directory(directory: Path) -> None:
     """Remove a previous shard set: the manifest first, so that no state in between looks valid."""
     (directory / MANIFEST).unlink(missing_ok=True)
@@ -394,6 +403,10 @@ class ShardedCorpus:
         self._doc_starts = np.cumsum([0] + [int(s["num_documents"]) for s in m["shards"]])
         self._maps: dict[int, tuple[np.ndarray, np.ndarray, np.ndarray]] = {}
         self.verify(verify)
+        # each shard file as opened (inode, modification time): a file mapped later that is no longer
+        # it was rewritten meanwhile (_arrays)
+        self._opened = {kind_file: _identity(self.path / kind_file) for entry in m["shards"]
+                        for kind_file in (entry["files"][kind]["file"] for kind in FILE_KINDS)}
 
     def _read_manifest(self) -> dict:
         manifest_path = self.path / MANIFEST
@@ -508,13 +521,32 @@ class ShardedCorpus:
             entry = self.manifest["shards"][shard]
             loaded = []
             for kind in FILE_KINDS:
-                path = self.path / entry["files"][kind]["file"]
+                name = entry["files"][kind]["file"]
+                path = self.path / name
                 try:
                     loaded.append(np.load(path, mmap_mode="r", allow_pickle=False))
                 except FileNotFoundError:
                     raise DataError(f"shard file {path} is missing; rerun `vrgd-data shard` into {self.path}") from None
+                if _identity(path) != self._opened.get(name):
+                    self._check_rewrite(shard, path)
             arrays = self._maps[shard] = tuple(loaded)
         return arrays
+
+    def _check_rewrite(self, shard: int, path: Path) -> None:
+        """``path`` is not the file this corpus opened: accepted if the directory's manifest now
+        describes shard ``shard`` as the one opened did (the same bytes, rewritten), else an error
+        (another preparation rewrote the directory under this reader, e.g. with another tokenizer:
+        its tokens indexed with this manifest's offsets would be another text)."""
+        try:
+            now = json.loads((self.path / MANIFEST).read_text())["shards"][shard]["files"]
+        except (OSError, ValueError, KeyError, IndexError, TypeError):
+            now = None
+        if now != self.manifest["shards"][shard]["files"]:
+            raise DataError(
+                f"shard file {path} was rewritten after {self.path} was opened here (another `vrgd-data shard` or "
+                "`prepare` into the directory, e.g. with another tokenizer or vocab_size): its tokens no longer "
+                "match the manifest read then. Give each tokenizer its own data directory, and restart the job")
+        self._opened[path.name] = _identity(path)
 
     def _locate(self, i: int) -> tuple[np.ndarray, np.ndarray, int, int]:
         """Tokens and sentence offsets of document ``i``'s shard, and its sentence range there."""

@@ -286,3 +286,24 @@ def test_the_config_examples_of_docs_pretraining_load(tmp_path):
         assert job.phases and job.total_steps > 0
     assert {job.engine for job in (parse_job(raw) for raw in examples)} >= {"deepspeed", "megatron"}
 
+
+
+def test_a_batch_of_full_length_samples_has_a_position_for_every_column():
+    """``collate`` rounds a batch's width up to a multiple of 8, so a ``seq_len`` that is none
+    (516) makes batches 520 wide: the model gets that many positions, and an override with fewer
+    is refused naming the key. Fails on the old code: 516 positions, and the first full-length
+    batch raised in the embeddings ("The size of tensor a (520) must match ... b (516)"); an
+    override equal to ``seq_len`` (100) passed validation and raised there too."""
+    from vrgd_ds.data_pipeline.samples import collate
+    from vrgd_ds.train.model import bert_config
+
+    raw = json.loads((CONFIGS / "bert_tiny_cpu_test.json").read_text())
+    raw["job"]["phases"][1]["seq_len"] = 516
+    job = parse_job(raw)
+    sample = {k: torch.ones(516, dtype=torch.long) for k in ("input_ids", "token_type_ids", "attention_mask")}
+    width = collate([dict(sample, labels=torch.full((516,), -100))])["input_ids"].shape[1]
+    assert width == 520 and bert_config(job.model, 1000, 516).max_position_embeddings >= width
+    raw["job"]["phases"][1]["seq_len"] = 100
+    raw["job"]["model"] = dict(raw["job"].get("model", {}), overrides={"max_position_embeddings": 100})
+    with pytest.raises(ConfigError, match=r"job\.model\.overrides\.max_position_embeddings: 100 .*\(104\)"):
+        parse_job(raw)

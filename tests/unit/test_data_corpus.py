@@ -253,3 +253,21 @@ def test_a_truncated_compressed_file_is_a_data_error_naming_it(tmp_path, suffix)
     path.write_bytes(whole[: len(whole) // 2])
     with pytest.raises(DataError, match=rf"cut\{suffix}.*cannot be read.*truncated or corrupt"):
         list(read_documents(path, format="text"))
+
+
+def test_the_embedded_corpus_leaves_out_methods_other_packages_set_on_stdlib_classes(monkeypatch):
+    """``transformers`` adds ``warning_once`` to ``logging.Logger`` when imported: the embedded
+    corpus (and its fingerprint, and so a job's preparation) must not depend on whether the
+    process imported it first. Fails on the old code, which took the added docstring in."""
+    import logging
+
+    from vrgd_ds.data_pipeline import corpus
+
+    before = corpus._collect_embedded()
+
+    def warning_once(self, *args):
+        """Logs a warning once per distinct message, however often it is called."""
+
+    warning_once.__module__ = "some_package.utils"
+    monkeypatch.setattr(logging.Logger, "warning_twice", warning_once, raising=False)
+    assert corpus._collect_embedded() == before

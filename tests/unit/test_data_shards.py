@@ -221,3 +221,29 @@ def test_empty_input_is_an_error(tokenizer, tmp_path):
         write_shards([[], [" "]], tokenizer.path, tmp_path / "empty", workers=1, progress=False)
     with pytest.raises(DataError, match="workers=0"):
         write_shards(INPUT, tokenizer.path, tmp_path / "w", workers=0, progress=False)
+
+
+def test_a_shard_rewritten_under_a_reader_is_an_error_unless_its_bytes_are_the_same(tokenizer, tmp_path):
+    """A job maps its shards lazily; another preparation into the same directory (another
+    tokenizer) rewrites them in place. A shard first read after that is refused, naming it; one
+    rewritten with the same bytes (the same tokenizer again) reads on. Fails on the old code,
+    which read the new files with the old manifest's offsets: another text, silently, or here a raw
+    IndexError."""
+    def write(tok):
+        return write_shards(INPUT, tok, tmp_path / "shards", shard_tokens=SHARD_TOKENS, workers=1, progress=False,
+                            chunk_chars=50_000)
+
+    write(tokenizer.path)
+    reader = ShardedCorpus(tmp_path / "shards")
+    last = reader.num_documents - 1
+    reader.document(0)  # the first shard mapped, the last not yet
+    assert reader.num_shards > 1 and list(reader._maps) == [0]
+    write(tokenizer.path)  # the same bytes in new files
+    want = [s.copy() for s in reader.document(last)]
+    other = train_tokenizer(DOCUMENTS[:40], tmp_path / "other.model", vocab_size=300, num_threads=1)
+    again = ShardedCorpus(tmp_path / "shards")
+    again.document(0)
+    write(other.path)
+    with pytest.raises(DataError, match=r"shard_\d+\.\w+\.npy was rewritten after .* was opened here"):
+        again.document(last)
+    assert [s.tolist() for s in want] == [list(s) for s in expected(tokenizer)[-1]]

@@ -270,12 +270,14 @@ class JobConfig(_Strict):
             if ab is not None and not ab.min_batch <= p.global_batch <= ab.max_batch:
                 raise ValueError(f"job.phases[{i}].adaptive_batch: global_batch {p.global_batch} (the first batch) "
                                  f"must lie in [min_batch, max_batch] = [{ab.min_batch}, {ab.max_batch}]")
+        from vrgd_ds.data_pipeline.samples import padded_length
+
         longest = max(p.seq_len for p in self.phases)
         positions = self.model.overrides.get("max_position_embeddings")
-        if positions is not None and (not isinstance(positions, int) or positions < longest):
+        if positions is not None and (not isinstance(positions, int) or positions < padded_length(longest)):
             raise ValueError(f"job.model.overrides.max_position_embeddings: {positions!r} is fewer positions than the "
-                             f"longest phase's seq_len {longest}; raise it or remove it (the job takes max(512, "
-                             "seq_len))")
+                             f"longest phase's seq_len {longest} padded as a batch is ({padded_length(longest)}); raise "
+                             "it or remove it (the job takes max(512, that width))")
         steps = self.phase_steps()
         for i, n in enumerate(steps):
             if n < 1:

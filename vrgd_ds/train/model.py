@@ -18,7 +18,10 @@ def bert_config(cfg: ModelConfig, vocab_size: int, max_seq_len: int) -> Any:
     if cfg.vocab_size is not None and cfg.vocab_size != vocab_size:
         raise ConfigError(f"job.model.vocab_size: {cfg.vocab_size} does not match the tokenizer's {vocab_size} "
                           "pieces; remove the key (it is taken from the tokenizer) or use the matching tokenizer")
-    fields = dict(MODEL_SIZES[cfg.size], vocab_size=vocab_size, max_position_embeddings=max(512, max_seq_len),
+    from vrgd_ds.data_pipeline.samples import padded_length
+
+    # a batch is as wide as its longest sample rounded up (collate): a position for each column
+    fields = dict(MODEL_SIZES[cfg.size], vocab_size=vocab_size, max_position_embeddings=max(512, padded_length(max_seq_len)),
                   type_vocab_size=2, pad_token_id=PAD_ID)
     unknown = sorted(k for k in cfg.overrides if not hasattr(transformers.BertConfig(), k))
     if unknown:
