@@ -29,19 +29,17 @@ and the later ones reuse what the first built.
 from __future__ import annotations
 
 import contextlib
-import errno
-import fcntl
 import hashlib
 import json
 import logging
 import os
-import socket
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from vrgd_ds.data_pipeline.corpus import Corpus, EmbeddedCorpus, PathLike, embedded_corpus
 from vrgd_ds.data_pipeline.errors import DataError
+from vrgd_ds.data_pipeline.locks import directory_lock
 from vrgd_ds.data_pipeline.shards import DEFAULT_SHARD_TOKENS, MANIFEST, ShardedCorpus, write_shards
 from vrgd_ds.data_pipeline.tokenizer import Tokenizer, sha256_file, train_tokenizer, trainer, write_atomic
 
@@ -95,62 +93,13 @@ def corpus_fingerprint(corpus: Corpus | EmbeddedCorpus) -> str:
     return digest.hexdigest()
 
 
-@contextlib.contextmanager
-def prepare_lock(output_dir: Path) -> Iterator[None]:
-    """Hold ``output_dir/.prepare.lock`` exclusively (``flock``) while the directory is checked and
-    built. Jobs that prepare one directory at once (a Slurm array whose jobs share
+def prepare_lock(output_dir: Path) -> contextlib.AbstractContextManager[None]:
+    """Hold ``output_dir/.prepare.lock`` exclusively (``locks.directory_lock``) while the directory
+    is checked and built. Jobs that prepare one directory at once (a Slurm array whose jobs share
     ``job.data.path``) take turns: a later one waits, then finds what the first built and reuses
     it, instead of clearing shards another job has just opened, or both writing the same
-    temporary names. The holder writes its host and pid into the file; a waiting one logs them.
-
-    ``flock`` is honoured across the nodes of NFS (as a POSIX lock) and of Lustre mounted with
-    ``-o flock``. Where the filesystem refuses locks (Lustre without ``flock``) this warns and
-    goes on unlocked: a single job is still safe, concurrent ones are not; prepare such a
-    directory once beforehand with ``vrgd-data prepare``. A directory this process may not write
-    into (a read-only share of prepared data) is not locked: no one can change it."""
-    path = output_dir / LOCK_FILE
-    try:
-        fh = open(path, "a+")
-    except OSError as e:  # a read-only directory: no one writes into it, nothing to take turns on
-        if e.errno not in (errno.EACCES, errno.EROFS, errno.EPERM):
-            raise
-        logger.debug("not locking read-only %s (%s)", output_dir, e)
-        yield
-        return
-    with fh:
-        locked = _lock(fh, path)
-        try:
-            if locked:
-                fh.seek(0)
-                fh.truncate()
-                fh.write(f"{socket.gethostname()} pid {os.getpid()}\n")
-                fh.flush()
-            yield
-        finally:
-            if locked:
-                fcntl.flock(fh, fcntl.LOCK_UN)
-
-
-def _lock(fh, path: Path) -> bool:
-    """Take ``flock`` on the open ``path``, waiting (and saying for whom) while another holds it;
-    False (with a warning) where the filesystem has no locks."""
-    try:
-        fcntl.flock(fh, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        return True
-    except BlockingIOError:
-        pass
-    except OSError as e:
-        if e.errno not in (errno.ENOLCK, errno.ENOSYS, errno.EOPNOTSUPP):
-            raise
-        logger.warning("%s cannot be locked on this filesystem (%s): preparing unlocked; jobs that prepare "
-                       "%s at once can break each other's data: prepare it once beforehand with vrgd-data "
-                       "prepare", path, e, path.parent)
-        return False
-    fh.seek(0)
-    holder = fh.read().strip() or "another process"
-    logger.info("waiting for another prepare of %s to finish (lock %s, last taken by %s)", path.parent, path, holder)
-    fcntl.flock(fh, fcntl.LOCK_EX)
-    return True
+    temporary names."""
+    return directory_lock(output_dir, LOCK_FILE, "prepare")
 
 
 def _read_record(path: Path) -> dict:

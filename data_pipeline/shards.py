@@ -47,6 +47,7 @@ import numpy as np
 from tqdm.auto import tqdm
 
 from vrgd_ds.data_pipeline.errors import DataError
+from vrgd_ds.data_pipeline.locks import directory_lock
 from vrgd_ds.data_pipeline.tokenizer import Tokenizer, atomic_file, fsync_dir, sha256_file, write_atomic
 
 logger = logging.getLogger(__name__)
@@ -54,6 +55,7 @@ logger = logging.getLogger(__name__)
 FORMAT_NAME = "vrgd-data-shards"
 FORMAT_VERSION = 1
 MANIFEST = "manifest.json"
+LOCK_SUFFIX = ".lock"  # write_shards holds <parent>/.<out_dir name>.lock (locks.directory_lock)
 FILE_KINDS = ("tokens", "sentences", "documents")
 VERIFY_LEVELS = ("none", "size", "full")
 DEFAULT_SHARD_TOKENS = 1 << 25  # 64 MiB of uint16 tokens per shard
@@ -306,6 +308,15 @@ def write_shards(
     dtype = token_dtype(tokenizer.vocab_size)
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
+    # beside out_dir, not in it: another writer of out_dir finishes first
+    with directory_lock(out_dir.parent, f".{out_dir.name}{LOCK_SUFFIX}", "shard write"):
+        return _write_shards(documents, tokenizer, dtype, out_dir, shard_tokens, workers, progress, source,
+                             chunk_chars)
+
+
+def _write_shards(documents: Iterable[Sequence[str]], tokenizer: Tokenizer, dtype: np.dtype, out_dir: Path,
+                  shard_tokens: int, workers: int, progress: bool, source: str | None,
+                  chunk_chars: int) -> ShardedCorpus:
     _clear_directory(out_dir)
     writer = _ShardWriter(out_dir, dtype, shard_tokens)
     text_chars = 0
@@ -402,11 +413,11 @@ class ShardedCorpus:
         self.tokenizer_sha256 = str(m["tokenizer_sha256"])
         self._doc_starts = np.cumsum([0] + [int(s["num_documents"]) for s in m["shards"]])
         self._maps: dict[int, tuple[np.ndarray, np.ndarray, np.ndarray]] = {}
-        self.verify(verify)
         # each shard file as opened (inode, modification time): a file mapped later that is no longer
         # it was rewritten meanwhile (_arrays)
         self._opened = {kind_file: _identity(self.path / kind_file) for entry in m["shards"]
                         for kind_file in (entry["files"][kind]["file"] for kind in FILE_KINDS)}
+        self.verify(verify)
 
     def _read_manifest(self) -> dict:
         manifest_path = self.path / MANIFEST

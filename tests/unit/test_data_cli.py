@@ -210,7 +210,7 @@ def test_a_prepare_of_a_directory_another_job_is_preparing_waits_and_reuses_what
     try:
         wait_until(lambda: paused.exists() or first.poll() is not None, "the first prepare to reach its shards")
         assert first.poll() is None, "the first prepare ended before its shards"
-        caplog.set_level(logging.INFO, logger="vrgd_ds.data_pipeline.prepare")
+        caplog.set_level(logging.INFO, logger="vrgd_ds.data_pipeline.locks")
         second: dict = {}
         thread = threading.Thread(target=lambda: second.update(prepared=prepare(
             out, corpus_file, vocab_size=400, seq_lens=(64,), workers=1, progress=False)))

@@ -247,3 +247,33 @@ def test_a_shard_rewritten_under_a_reader_is_an_error_unless_its_bytes_are_the_s
     with pytest.raises(DataError, match=r"shard_\d+\.\w+\.npy was rewritten after .* was opened here"):
         again.document(last)
     assert [s.tolist() for s in want] == [list(s) for s in expected(tokenizer)[-1]]
+
+
+def test_two_writers_of_one_shard_directory_take_turns(tokenizer, tmp_path, caplog):
+    """``write_shards`` holds a lock beside its directory while it clears and writes there: a
+    second writer (a ``vrgd-data shard`` beside a ``prepare``) waits, naming the first, and
+    leaves the first's shards untouched until then. Fails on the old code (no lock): the two
+    deleted and renamed each other's files, leaving a manifest that describes other files, or a
+    raw FileNotFoundError."""
+    import logging
+    import threading
+    import time
+
+    from vrgd_ds.data_pipeline.locks import directory_lock
+
+    out = tmp_path / "shards"
+    first = write_shards(INPUT[:20], tokenizer.path, out, shard_tokens=SHARD_TOKENS, workers=1, progress=False)
+    caplog.set_level(logging.INFO, logger="vrgd_ds.data_pipeline.locks")
+    done: dict = {}
+    with directory_lock(tmp_path, ".shards.lock", "test"):  # the first writer, still at work
+        thread = threading.Thread(target=lambda: done.update(second=write_shards(
+            INPUT, tokenizer.path, out, shard_tokens=SHARD_TOKENS, workers=1, progress=False)))
+        thread.start()
+        deadline = time.monotonic() + 60
+        while "waiting for another shard write" not in caplog.text and thread.is_alive() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert thread.is_alive() and "waiting for another shard write" in caplog.text
+        assert ShardedCorpus(out, verify="full").manifest == first.manifest
+    thread.join(timeout=120)
+    assert done["second"].num_documents > first.num_documents
+    ShardedCorpus(out, verify="full")
