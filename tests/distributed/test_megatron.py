@@ -375,6 +375,7 @@ def test_dist_checkpoint_resumes_on_another_layout_and_back(megatron, tmp_path, 
     assert _max_diff(straight["weights"][2], straight["weights"][1]) > 100 * TOL * scale
 
 
+@pytest.mark.exhaustive  # three dist checkpoints (about 12 s); make test resumes one through the job
 def test_a_save_before_the_first_resumed_step_keeps_the_gsnr_momentum_at_its_prior(megatron, tmp_path):
     """Lamb's checkpoint loaded non-strictly into VRLamb (``beta3 = 0.9``) with the distributed
     optimizer on TP2×DP1 and saved again before any step (a conversion; a job whose first resumed

@@ -42,7 +42,7 @@ REDUCE_IPG = "_DeepSpeedZeroOptimizer_Stage3__reduce_and_partition_ipg_grads"
 _REQUIRED = (AVG_SCATTER, REDUCE_IPG, "fp32_partitioned_groups_flat", "fp16_groups", "grad_position", "get_param_id",
              "_get_param_partition_group", "gradient_accumulation_dtype", "loss_scale", "dp_process_group",
              "unscale_and_clip_grads", "ipg_buckets", "contiguous_gradients", "reduce_bucket_size",
-             "reduce_and_partition_stream")
+             "reduce_and_partition_stream", "micro_step_id")
 
 
 def pieces(zopt: Any, i: int) -> list[tuple[Tensor, int, int]]:
