@@ -461,17 +461,22 @@ def test_a_frozen_parameter_is_left_out_on_stage_0(pool):
     assert res["raised"] is None, res
 
 
-@pytest.mark.parametrize("stage, scheme", [(3, "per_step"), (3, "per_micro_step"), (2, "per_step")])
-def test_a_parameter_first_used_after_a_steps_first_micro_batch_is_refused_on_zero3(pool, stage, scheme):
-    """A head used in the second of two micro-batches only: DeepSpeed 0.19.8's ZeRO-3 adds its
-    gradient onto the previous step's (its partition is copied at micro-step 0 only), so the
-    update is wrong and, per step, Σg reads that sum (its GSNR 0.90 off at the second step). The
-    job stops naming the head; ZeRO-2 trains it. Fails on the old code, which trained on."""
+@pytest.mark.parametrize("stage, scheme, use", [(3, "per_step", "last_micro"), (3, "per_micro_step", "last_micro"),
+                                               (3, "per_step", "first_step"), (2, "per_step", "last_micro"),
+                                               (2, "per_step", "first_step")])
+def test_a_parameter_without_a_gradient_where_zero3_keeps_a_stale_one_is_refused(pool, stage, scheme, use):
+    """A head used in the second of two micro-batches only (``last_micro``), or in the first step
+    only (``first_step``): DeepSpeed 0.19.8's ZeRO-3 never zeroes a gradient partition between
+    steps, so the head's gradient is added onto the previous step's, or the previous step's is
+    stepped on again; its update is wrong and, per step, Σg reads that gradient (its GSNR 0.90
+    off at the second step). The job stops naming the head; ZeRO-2 trains it. Fails on the old
+    code, which trained on."""
     res = run(pool, "run_late_gradient_case", dict(stage=stage, dtype="fp32", gas=2, clip=0.0, opt="VRLamb",
-                                                   bucket=500, scheme=scheme))
+                                                   bucket=500, scheme=scheme, use=use))
     if stage == 3:
         assert res["raised"] == "UnsupportedConfiguration", res
-        assert "head.weight" in res["message"] and "micro-batch 1" in res["message"], res
+        said = "micro-batch 1" if use == "last_micro" else "had a gradient in an earlier step and has none in this one"
+        assert "head.weight" in res["message"] and said in res["message"], res
     else:
         assert res["raised"] is None and res["n"] == 4, res
 

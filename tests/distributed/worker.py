@@ -758,7 +758,8 @@ class _LateHead(torch.nn.Module):
 
 def run_late_gradient_case(case: dict) -> dict:
     """Two steps of ``case["gas"]`` micro-batches of ``_LateHead``, its head used in the last
-    micro-batch only: what was raised, or n of the last step."""
+    micro-batch of each step (``case["use"]`` ``"last_micro"``) or in the first step only
+    (``"first_step"``): what was raised, or n of the last step."""
     rank = dist.get_rank()
     torch.manual_seed(0)
     engine, *_ = deepspeed.initialize(model=_LateHead(), config=config(case))
@@ -766,7 +767,8 @@ def run_late_gradient_case(case: dict) -> dict:
         for step in range(2):
             for j in range(case["gas"]):
                 x, y = batch(step, rank, j)
-                loss = torch.nn.functional.mse_loss(engine(x, late=j == case["gas"] - 1), y)
+                late = j == case["gas"] - 1 if case["use"] == "last_micro" else step == 0
+                loss = torch.nn.functional.mse_loss(engine(x, late=late), y)
                 engine.backward(loss)
                 engine.step()
     except Exception as e:  # noqa: BLE001 (the message is the result)

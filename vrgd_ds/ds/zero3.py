@@ -21,7 +21,7 @@ Everything this path reads or replaces in DeepSpeed 0.19.8 is here and checked a
 * ``deepspeed.runtime.comm.coalesced_collectives.reduce_scatter_coalesced``: DeepSpeed's own
   partitioning of each tensor (padded to a multiple of the ranks, averaged over them);
 * ``micro_step_id``: 0 at a step's first micro-step, where ``partition_grads`` copies rather than
-  adds (``refuse_late_gradients``).
+  adds; ``step``: where every parameter's gradient partition is read (``refuse_late_gradients``).
 """
 from __future__ import annotations
 
@@ -42,7 +42,7 @@ REDUCE_IPG = "_DeepSpeedZeroOptimizer_Stage3__reduce_and_partition_ipg_grads"
 _REQUIRED = (AVG_SCATTER, REDUCE_IPG, "fp32_partitioned_groups_flat", "fp16_groups", "grad_position", "get_param_id",
              "_get_param_partition_group", "gradient_accumulation_dtype", "loss_scale", "dp_process_group",
              "unscale_and_clip_grads", "ipg_buckets", "contiguous_gradients", "reduce_bucket_size",
-             "reduce_and_partition_stream", "micro_step_id")
+             "reduce_and_partition_stream", "micro_step_id", "step")
 
 
 def pieces(zopt: Any, i: int) -> list[tuple[Tensor, int, int]]:
@@ -105,40 +105,56 @@ class Zero3:
         opt.merge_step_records = True  # one optimizer.step() per sub-group
 
     def refuse_late_gradients(self, model: ModelTensors) -> None:
-        """DeepSpeed 0.19.8's ZeRO-3 ``partition_grads`` copies a parameter's reduced gradient into
-        its partition at a step's first micro-step (``micro_step_id == 0``) and adds it at every
-        later one, never zeroing the partition between steps: the gradient of a parameter whose
-        first gradient of a step comes after the first micro-step is added onto the previous
-        step's. Its update is then wrong, and so are its statistics (the per-step scheme reads that
-        sum as Σg). Refused at the first bucket that holds such a parameter, naming it (every rank
-        reduces the same buckets, so every rank raises)."""
+        """DeepSpeed 0.19.8's ZeRO-3 keeps each parameter's reduced gradient in a partition it never
+        zeroes between steps: ``partition_grads`` copies into it at a step's first micro-step
+        (``micro_step_id == 0``) and adds at every later one, and ``step`` reads it for every
+        parameter. So a parameter whose first gradient of a step comes after the first micro-step
+        gets it added onto the previous step's, and one with no gradient in a step (after one in an
+        earlier step) steps on the earlier step's. Its update is then wrong, and so are its
+        statistics (the per-step scheme reads that sum as Σg). Refused where it happens, naming
+        the tensors (every rank reduces the same buckets, so every rank raises)."""
         zopt = self.zopt
-        original = getattr(zopt, REDUCE_IPG)
+        reduce_ipg, step = getattr(zopt, REDUCE_IPG), zopt.step
         names = {pid: model.names[key] for pid, key in model.keys.items()}
         first: set[int] = set()  # the parameters with a gradient at this step's first micro-step
-        last = [-1]  # the micro-step of the previous bucket: a step begins where it drops to 0
+        used: set[int] = set()  # ... at any micro-step of this step
+        earlier: set[int] = set()  # ... in an earlier step
+
+        def named(ids: Any) -> str:
+            listed = sorted(names.get(i, "a tensor without a name") for i in ids)
+            return ", ".join(listed[:4]) + (", ..." if len(listed) > 4 else "")
+
+        def refused(what: str, why: str) -> UnsupportedConfiguration:
+            return UnsupportedConfiguration(
+                f"vrgd_ds: under ZeRO-3, {what}: DeepSpeed 0.19.8 {why} (stage3.py: a gradient partition is not "
+                "zeroed between steps), so its update and its GSNR would be wrong. Give it a gradient in every "
+                "micro-batch (e.g. add 0 * its output to the loss), or use ZeRO-1/2")
 
         def reduce_and_partition_ipg_grads(communication_data_type):
             micro = zopt.micro_step_id
-            params = zopt.ipg_buckets[communication_data_type].params
+            ids = [id(p) for p in zopt.ipg_buckets[communication_data_type].params]
             if micro == 0:
-                if last[0] != 0:
-                    first.clear()
-                first.update(map(id, params))
-            else:
-                late = [names.get(id(p), f"a tensor of shape {tuple(p.ds_shape)}") for p in params
-                        if id(p) not in first]
-                if late:
-                    raise UnsupportedConfiguration(
-                        f"vrgd_ds: under ZeRO-3, {', '.join(late[:4])}{', ...' if len(late) > 4 else ''} had no "
-                        f"gradient in this step's first micro-batch but has one in micro-batch {micro}: DeepSpeed "
-                        "0.19.8 adds it onto the previous step's gradient (stage3.py partition_grads copies only "
-                        "at micro_step_id 0), so its update and its GSNR would be wrong. Give it a gradient in "
-                        "every micro-batch (e.g. add 0 * its output to the loss), or use ZeRO-1/2")
-            last[0] = micro
-            return original(communication_data_type)
+                first.update(ids)
+            elif any(i not in first for i in ids):
+                raise refused(f"{named(i for i in ids if i not in first)} had no gradient in this step's first "
+                              f"micro-batch but has one in micro-batch {micro}",
+                              "adds it onto the previous step's gradient (partition_grads copies at micro_step_id 0 "
+                              "only)")
+            used.update(ids)
+            return reduce_ipg(communication_data_type)
+
+        def stepped(*args: Any, **kwargs: Any) -> Any:
+            gone = earlier - used
+            earlier.update(used)
+            first.clear()
+            used.clear()
+            if gone:
+                raise refused(f"{named(gone)} had a gradient in an earlier step and has none in this one",
+                              "steps it on that earlier step's gradient")
+            return step(*args, **kwargs)
 
         setattr(zopt, REDUCE_IPG, reduce_and_partition_ipg_grads)
+        zopt.step = stepped
 
     # -- the per-micro-step scheme (vrgd_ds/ds/sources.py) ------------------------------------------
 
