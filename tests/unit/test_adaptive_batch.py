@@ -298,3 +298,25 @@ def test_the_half_batch_cosine_on_an_odd_number_of_ranks_is_refused_at_set_up(wo
         HalfBatchCosine(engine, dist)
     dist.get_world_size = lambda: 2
     HalfBatchCosine(engine, dist)
+
+
+@pytest.mark.parametrize("max_change", [1.2, 1.5, 2.0])
+def test_a_batch_of_a_few_multiples_moves_toward_its_target_within_the_cap(max_change):
+    """micro-batch × ranks = 64 and a batch of 64 (a large cluster's ``min_batch`` is often one
+    multiple): every adjustment moves toward the target, by the cap or by one multiple where the
+    cap is narrower than one, and never by more than the cap allows. Fails on the old code, which
+    rounded the capped batch to the nearest multiple: under a cap below 1.5 the batch stayed at
+    64 for good (growing and shrinking alike), and at 1.5 it took ×2 steps."""
+    def run(initial, b_simple):
+        st = ControllerSettings(initial_batch=initial, min_batch=64, max_batch=1024, granularity=64,
+                                target_ratio=1.0, every=1, smoothing=0.0, max_change=max_change)
+        c = BatchController(st)
+        batches = [c.batch] + [c.observe(b_simple, 1.0).batch for _ in range(20)]
+        return batches
+
+    up = run(64, 1000.0)
+    assert up[-1] == 1024 and all(b > a for a, b in zip(up, up[1:up.index(1024) + 1]))
+    assert all(b <= max(a + 64, a * max_change) for a, b in zip(up, up[1:])), up
+    down = run(1024, 10.0)
+    assert down[-1] == 64 and all(b < a for a, b in zip(down, down[1:down.index(64) + 1]))
+    assert all(b >= min(a - 64, a / max_change) for a, b in zip(down, down[1:])), down
