@@ -216,6 +216,25 @@ def test_a_phase_not_started_may_change_from_adaptive_to_fixed_on_resume(start, 
     assert isinstance(out, dict) and out["steps"] == 4, out
 
 
+def test_an_adaptive_phase_not_started_may_be_dropped_on_resume(start, tmp_path, monkeypatch):
+    """A run pre-empted in its first phase, whose second phase is adaptive, resumed with a config
+    that ends after the first phase: the dropped phase had not started, so the run finishes its
+    first phase (``resumed_consumed`` and ``--check-resume`` allow it). Fails on the old code,
+    which refused it ("phase 1 ran with adaptive_batch, the config has none there")."""
+    monkeypatch.setattr(Optimizer, "gsnr", True)
+    config = json.loads(json.dumps(CONFIG))
+    config["job"]["total_steps"] = 8
+    fixed = dict(config["job"]["phases"][0], fraction=0.5)
+    config["job"]["phases"] = [fixed, dict(fixed, adaptive_batch={"target_ratio": 1.0, "min_batch": 4,
+                                                                  "max_batch": 16, "every": 1})]
+    run_dir = tmp_path / "run"
+    StandIn.during[1] = lambda job: signal.raise_signal(loop.PREEMPT_SIGNAL)
+    assert isinstance(start(run_dir, config), loop.Preempted)
+    StandIn.during.clear()
+    out = start(run_dir, CONFIG)  # phase 0 alone: the same 4 steps of 4 samples
+    assert isinstance(out, dict) and out["steps"] == 4, out
+
+
 def test_a_phase_added_after_the_saved_ones_is_trained_and_a_dropped_phase_that_ran_is_refused(start, tmp_path):
     """A finished one-phase run resumed with a second phase (the usual BERT recipe: seq 128, then
     512): the new phase starts at 0 samples and runs. Fails on the old code, which kept the

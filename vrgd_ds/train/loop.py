@@ -301,8 +301,8 @@ class Job:
         check_resume_position(self.job, self.consumed, self.budget, self.engine.data_world)
         for key, saved in (state.get("adaptive") or {}).items():
             index = int(key)
-            if index < len(self.consumed) and self.consumed[index] == 0:
-                continue  # the phase has not started: its controller starts with this config's settings
+            if index >= len(self.consumed) or self.consumed[index] == 0:
+                continue  # the phase has not started (resumed_consumed: one the config drops had not either)
             if index not in self.controllers:
                 raise ConfigError(f"{path}: phase {index} ran with adaptive_batch, the config has none there; resume "
                                   "with the config it was saved with")
