@@ -63,3 +63,43 @@ def test_with_vrgd_refuses_context_and_expert_parallelism_after_the_optimizer_is
     assert not calls
     hook("opt", ["part"], SimpleNamespace(cp=1, ep=1))
     assert calls == [("opt", ["part"], SimpleNamespace(cp=1, ep=1))]
+
+
+def test_the_containers_metrics_are_over_every_vrgd_optimizers_tensors():
+    """torchtitan builds an optimizer per optimizer name (VRLamb on one tensor, VRAdam on
+    another): the container's metrics are those of one optimizer over both tensors (the noise
+    scale's moments summed, the GSNR mean over both), and a step one of them skipped is a skipped
+    step. Fails on the old code, which merged the optimizers' dicts key by key: the last one's
+    figures alone, and beside its skip the other's noise scale."""
+    import math
+
+    import vrgd_ds
+
+    torch.manual_seed(0)
+
+    def step(opt, w, mu, nan=False):
+        for _ in range(8):
+            z = mu + torch.randn(16, w.numel())
+            (-(z @ w).mean()).backward()
+        if nan:
+            w.grad[0] = float("nan")
+        opt.step()
+        opt.zero_grad()
+
+    wa, wb = torch.nn.Parameter(torch.zeros(1000)), torch.nn.Parameter(torch.zeros(1000))
+    a, b = vrgd_ds.VRLamb([wa], lr=0.0), vrgd_ds.VRAdam([wb], lr=0.0)
+    step(a, wa, torch.full((1000,), 1.0))
+    step(b, wb, torch.full((1000,), 0.01))
+    container = SimpleNamespace(optimizers=[a, b])
+    got, ma, mb = VRGDOptimizersContainer.gsnr_metrics(container), a.gsnr_metrics(), b.gsnr_metrics()
+    for key in ("noise_scale/trace_cov", "noise_scale/grad_sq"):
+        assert math.isclose(got[key], ma[key] + mb[key], rel_tol=1e-9), key
+    assert math.isclose(got["noise_scale/b_simple_groups"], got["noise_scale/trace_cov"] / got["noise_scale/grad_sq"],
+                        rel_tol=1e-9)
+    assert math.isclose(got["gsnr/mean"], (ma["gsnr/mean"] + mb["gsnr/mean"]) / 2, rel_tol=1e-9)
+    assert got["gsnr/max"] == max(ma["gsnr/max"], mb["gsnr/max"]) and got["step/skipped"] == 0.0
+    step(a, wa, torch.full((1000,), 1.0))
+    step(b, wb, torch.full((1000,), 0.01), nan=True)
+    got = VRGDOptimizersContainer.gsnr_metrics(container)
+    assert got["step/skipped"] == 1.0 and got["step/skipped_total"] == 1.0
+    assert not any(k.startswith(("noise_scale/", "gsnr/mean")) for k in got), got

@@ -41,6 +41,7 @@ from torchtitan.components.optimizer import OptimizersContainer, ParamGroupConfi
 import vrgd_ds.fsdp
 from vrgd_ds.fsdp.internals import UnsupportedFSDPConfiguration
 from vrgd_ds.optim.base import GSNROptimizer, built_for_engine
+from vrgd_ds.optim.metrics import Recorder
 from vrgd_ds.optim.registry import REGISTRY
 
 logger = logging.getLogger(__name__)
@@ -117,13 +118,11 @@ class VRGDOptimizersContainer(OptimizersContainer):
                 self.statistics.append(vrgd_ds.fsdp.attach(model_parts[0], optimizer,
                                                            squares_dtype=config.squares_dtype))
 
-    def gsnr_metrics(self) -> dict[str, float]:
-        """The VRGD optimizers' metrics of the last step (``GSNROptimizer.gsnr_metrics``)."""
-        out: dict[str, float] = {}
-        for optimizer in self.optimizers:
-            if isinstance(optimizer, GSNROptimizer):
-                out.update(optimizer.gsnr_metrics())
-        return out
+    def gsnr_metrics(self, per_tensor: bool = False, samples_per_group: int | None = None) -> dict[str, float]:
+        """The VRGD optimizers' metrics of the last step (``GSNROptimizer.gsnr_metrics``), as of
+        one optimizer over all their tensors (``Recorder.combined``)."""
+        recorders = [o.records for o in self.optimizers if isinstance(o, GSNROptimizer)]
+        return Recorder.combined(recorders).summary(per_tensor, samples_per_group) if recorders else {}
 
 
 def vrgd_optimizer(name: str = "VRLamb", pattern: str = r".*", **optimizer_kwargs: Any) -> VRGDOptimizersContainer.Config:

@@ -249,6 +249,28 @@ class Recorder:
         device = 0 if self._skipped_device is None else int(self._skipped_device.item())
         return self._skipped_host + device
 
+    @classmethod
+    def combined(cls, recorders: list["Recorder"]) -> "Recorder":
+        """The recorders of several optimizers that took one engine step, each over its own tensors
+        (torchtitan builds one per optimizer name), as one: their tables one under the other, so
+        the GSNR and the noise scale are over all their tensors as one optimizer's would be; the
+        step skipped if any skipped it; the skip count the largest (they skip together)."""
+        out = cls("+".join(r.owner for r in recorders), -1)
+        out._metrics = next((dict(r._metrics) for r in recorders if r._metrics), {})
+        records = [r._record for r in recorders if r._record is not None]
+        if records:
+            founds = [rec.found for rec in records if rec.found is not None]
+            found = None
+            for f in founds:
+                found = f.reshape(()) if found is None else torch.maximum(found, f.reshape(()).to(found.device))
+            device = records[0].sums.device
+            out._record = StepRecord(torch.cat([rec.sums.to(device) for rec in records]),
+                                     torch.cat([rec.maxs.to(device) for rec in records]),
+                                     [name for rec in records for name in rec.names], records[0].n, found,
+                                     counted=True)
+        out._skipped_host = max((r.skipped_steps for r in recorders), default=0)
+        return out
+
     def summary(self, per_tensor: bool = False, samples_per_group: int | None = None) -> dict[str, float]:
         """The metrics of the last step (``GSNROptimizer.gsnr_metrics``)."""
         out = dict(self._metrics)
