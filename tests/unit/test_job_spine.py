@@ -42,6 +42,7 @@ class Optimizer:
     def __init__(self) -> None:
         self.param_groups = [{"params": [torch.nn.Parameter(torch.zeros(1))], "lr": 0.0, "gsnr": self.gsnr}]
         self.state: dict = {}
+        self.skipped_steps = 0
 
     def gsnr_metrics(self, per_tensor: bool = False) -> dict:
         return {}
@@ -233,6 +234,25 @@ def test_an_adaptive_phase_not_started_may_be_dropped_on_resume(start, tmp_path,
     StandIn.during.clear()
     out = start(run_dir, CONFIG)  # phase 0 alone: the same 4 steps of 4 samples
     assert isinstance(out, dict) and out["steps"] == 4, out
+
+
+def test_the_skipped_step_count_goes_on_across_a_resume(start, tmp_path, monkeypatch):
+    """``step/skipped_total`` is the run's count: a run that skipped steps 1 and 2, pre-empted,
+    resumed and skipping step 3 reports 1, 2, 3, 3. Fails on the old code, whose count was the
+    process's optimizer's: 1, 2, then 1, 1 after the resume."""
+    monkeypatch.setattr(Optimizer, "gsnr_metrics",
+                        lambda self, per_tensor=False: {"step/skipped_total": float(self.skipped_steps)})
+
+    def skip(job):
+        job.optimizer.skipped_steps += 1
+
+    run_dir = tmp_path / "run"
+    StandIn.during.update({0: skip, 1: lambda job: (skip(job), signal.raise_signal(loop.PREEMPT_SIGNAL))})
+    assert isinstance(start(run_dir), loop.Preempted)
+    StandIn.during.clear()
+    StandIn.during[2] = skip
+    assert start(run_dir)["steps"] == 4
+    assert [r["step/skipped_total"] for r in records(run_dir) if "step/skipped_total" in r] == [1, 2, 3, 3]
 
 
 def test_a_phase_added_after_the_saved_ones_is_trained_and_a_dropped_phase_that_ran_is_refused(start, tmp_path):

@@ -218,6 +218,7 @@ class Job:
         self.consumed = [0] * len(job.phases)
         self.evals: list[dict[str, float]] = []
         self.skip_streak_from: int | None = None  # steps completed before the current run of skipped steps
+        self.skipped_before = 0  # steps the run skipped before this process (its checkpoint's count)
         self.watchdog.beat(0, "set-up")
         return self
 
@@ -298,6 +299,7 @@ class Job:
         self.step, self.evals = state["step"], list(state["evals"])
         self.consumed = resumed_consumed(self.job, state["consumed"])
         self.skip_streak_from = state.get("skip_streak_from")
+        self.skipped_before = int(state.get("skipped_total", 0))
         check_resume_position(self.job, self.consumed, self.budget, self.engine.data_world)
         for key, saved in (state.get("adaptive") or {}).items():
             index = int(key)
@@ -380,6 +382,7 @@ class Job:
             raise ckpt.NoSpace(short or f"no space left on {self.ckpt_dir} for the next checkpoint (see rank 0)")
         state = {"step": self.step, "consumed": self.consumed, "evals": self.evals, "world_size": self.world,
                  "skip_streak_from": self.skip_streak_from, "optimizer": self.optimizer_info(),
+                 "skipped_total": self.skipped_before + int(self.optimizer.skipped_steps),
                  "adaptive": {str(i): c.state_dict() for i, c in self.controllers.items()}}
         try:
             self.engine.save(self.ckpt_dir, tag, state)
@@ -620,6 +623,8 @@ class Job:
                   "train/global_batch": float(batch), "train/accumulation": float(gas), **adaptive,
                   **took.get("metrics", {})}
         m = self.optimizer.gsnr_metrics(per_tensor=self.job.telemetry.per_layer_group)
+        if "step/skipped_total" in m:  # the run's count, not this process's
+            m["step/skipped_total"] += self.skipped_before
         if gsnr_on and m.get("gsnr/n") and "noise_scale/b_simple_groups" in m:  # groups -> samples
             m["noise_scale/b_simple"] = m["noise_scale/b_simple_groups"] * batch / m["gsnr/n"]
         per_tensor = {k: v for k, v in m.items() if k.startswith("tensor/")}
