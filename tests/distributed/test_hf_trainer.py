@@ -102,9 +102,10 @@ def test_import_vrgd_ds_then_transformers_registers():
 
 def test_an_epochs_short_last_step_has_the_same_gsnr_from_the_engines_mean_as_from_the_groups(tmp_path):
     """56 samples on 2 ranks at micro-batch 4: 7 micro-batches a rank per epoch, so with accumulation
-    2 the 4th step of each epoch has 1 micro-step (the Trainer divides its loss by 1, not 2, and
-    turns DeepSpeed's division off). Every group of that step then carries the same factor 2 where
-    the statistics assume the accumulation's division, and so does Σg read from DeepSpeed's mean
+    2 the 4th step of each epoch has 1 micro-step (the Trainer turns DeepSpeed's division off and
+    scales that step's loss as it scales its others'). Every group of that step then carries one
+    factor other than the accumulation's division the statistics assume, and so does Σg read from
+    DeepSpeed's mean
     (``gbar="engine"``) as from the groups (``gbar="local"``): the statistics the step uses are
     the same both ways (the GSNR scale it applies, ``|G|²`` and ``tr(Σ)``; not the mean GSNR,
     which at n = 2 is a few near-zero variances' and differs by orders of magnitude in rounding).

@@ -13,10 +13,11 @@ engine path builds one ``Scaling`` and every statistics source reads it:
   were built with). DeepSpeed's is ``world · accumulation() / S``: its gradient is the sum over
   the groups divided by the ranks and the accumulation steps, also on a step that ends before
   the accumulation is full (``set_gradient_accumulation_boundary``, which accelerate calls at
-  every micro-step), where it is not the mean over the n groups. Where the loss is divided by
-  another count instead (HF ``Trainer`` divides by that step's micro-batches and turns
-  DeepSpeed's division off), every group's gradient and Σg carry the same factor, which the
-  GSNR and ``B_simple`` do not see.
+  every micro-step), where it is not the mean over the n groups. Where the loss is scaled by
+  another count instead (HF ``Trainer`` turns DeepSpeed's division off and scales every
+  micro-step's loss alike), every group's gradient and Σg carry the same factor, which the
+  GSNR and ``B_simple`` do not see; not so a loss over ``num_items_in_batch``, which weights
+  each group by its token count (docs/deepspeed.md).
 
 What remains elsewhere is the engines' own arithmetic where our reduction stands in for theirs
 (DeepSpeed's post-scale average in ``ds/stage0.py``/``ds/zero12.py``, DDP's mean in ``ddp.py``,
