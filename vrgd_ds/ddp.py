@@ -127,9 +127,12 @@ def _one_synchronised_backward(stats: DDPStats, ddp_model: DistributedDataParall
     """Refuses, at its forward (before any collective of it), a second synchronised micro-step in a
     step under ``squares='per_micro_step'``: its bucket would hold the first one's reduced mean plus
     its own gradient. Gradients cleared since (``_cleared``) start a new step instead."""
-    if stats.n and ddp_model.require_backward_grad_sync and torch.is_grad_enabled():  # reduced this step
+    if stats.n and torch.is_grad_enabled():  # reduced this step
+        # looked for at any forward: the next step's first may be under no_sync() (accumulation)
         if _cleared(stats, ddp_model.parameters()):
             stats.reset()
+            return
+        if not ddp_model.require_backward_grad_sync:
             return
         raise RuntimeError(
             "vrgd_ds.ddp: squares='per_micro_step' reduces each rank's gradient once a step, and this step "

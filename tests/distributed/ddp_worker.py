@@ -125,13 +125,15 @@ def rel(a: torch.Tensor, b: torch.Tensor, b0: torch.Tensor) -> float:
 
 
 def train_case(opt_name: str, micro_steps: int, squares: str = "per_step", record: str = "auto",
-               gsnr: str = "on", sync_each: bool = False, cleared: bool = False, **ddp_kw: Any) -> dict[str, Any]:
+               gsnr: str = "on", sync_each: bool = False, cleared: bool = False, late_zero_grad: bool = False,
+               **ddp_kw: Any) -> dict[str, Any]:
     """3 steps of DDP + ``attach`` against the reference; ``micro_steps`` > 1 accumulates
     under ``no_sync()`` (``sync_each``: every backward synchronises; the summed ``.grad`` is the
     same). ``gsnr``: ``on`` for every parameter, ``weights`` (the biases in a ``gsnr=False``
     group) or ``off``. ``cleared``: before each step, a step the caller skips (its backward passes
     on other batches, then ``model.zero_grad()`` and no optimizer step, as after a GradScaler
-    overflow in HF Trainer's order)."""
+    overflow in HF Trainer's order). ``late_zero_grad``: ``opt.zero_grad()`` between the step's
+    first forward and its backward (``loss = model(x); opt.zero_grad(); loss.backward()``)."""
     rank, world = dist.get_rank(), dist.get_world_size()
     cls, kw = OPTS[opt_name]
 
@@ -163,13 +165,17 @@ def train_case(opt_name: str, micro_steps: int, squares: str = "per_step", recor
         stats.moments = recording
     for step in range(STEPS):
         (collectives, sent), calls, reductions, packs = counters(), ALL_REDUCE_CALLS[0], DDP_REDUCTIONS[0], launches()
-        opt.zero_grad()
+        if not late_zero_grad:
+            opt.zero_grad()
         for skipped in ([True] if cleared else []) + [False]:
             at = step + 50 if skipped else step
-            for j in range(micro_steps - 1):
-                with contextlib.nullcontext() if sync_each else ddp.no_sync():
-                    loss_fn(ddp, batch(at, rank, j)).backward()
-            loss_fn(ddp, batch(at, rank, micro_steps - 1)).backward()
+            for j in range(micro_steps):
+                last = j == micro_steps - 1
+                with contextlib.nullcontext() if sync_each or last else ddp.no_sync():
+                    loss = loss_fn(ddp, batch(at, rank, j))
+                    if late_zero_grad and j == 0 and not skipped:
+                        opt.zero_grad()
+                    loss.backward()
             if skipped:
                 ddp.zero_grad()
         opt.step()
@@ -271,6 +277,9 @@ def cases() -> dict[str, Callable[[], dict[str, Any]]]:
         "VRAdam_cleared": lambda: train_case("VRAdam", 1, cleared=True),
         "VRAdam_no_sync_cleared": lambda: train_case("VRAdam", 2, cleared=True),
         "fused_VRAdam_cleared": lambda: train_case("VRAdam", 1, squares="per_micro_step", cleared=True),
+        "fused_VRAdam_no_sync_cleared": lambda: train_case("VRAdam", 2, squares="per_micro_step", cleared=True),
+        "VRAdam_no_sync_late_zero_grad": lambda: train_case("VRAdam", 2, late_zero_grad=True),
+        "VRAdam_sync_each_late_zero_grad": lambda: train_case("VRAdam", 2, sync_each=True, late_zero_grad=True),
         "fused_VRSGD": lambda: train_case("VRSGD", 1, squares="per_micro_step"),
         "fused_VRAdam": lambda: train_case("VRAdam", 1, squares="per_micro_step"),
         "fused_VRSGD_no_sync": lambda: train_case("VRSGD", 2, squares="per_micro_step"),

@@ -66,19 +66,36 @@ def test_accumulation_with_every_backward_synchronised_equals_the_reference(pool
 
 
 @pytest.mark.parametrize("name", [pytest.param("VRAdam_cleared", marks=pytest.mark.exhaustive), "VRAdam_no_sync_cleared",
-                                  pytest.param("fused_VRAdam_cleared", marks=pytest.mark.exhaustive)])
+                                  pytest.param("fused_VRAdam_cleared", marks=pytest.mark.exhaustive),
+                                  "fused_VRAdam_no_sync_cleared"])
 def test_a_step_the_caller_skipped_then_model_zero_grad_leaks_no_statistics(pool, name):
     """Before each step, backward passes on other batches, then ``model.zero_grad()`` and no
     optimizer step (a step GradScaler skipped, in HF Trainer's order): each step's statistics are
     its own (n = ranks × its backward passes) and training equals the reference. Fails on the old
     code: the per-step scheme counted the skipped step's groups too (n = 4 or 8 for 2 or 4, the
     reference missed by far more than the tolerance), and the fused scheme refused the step's
-    backward as a second synchronised one."""
+    backward as a second synchronised one; with accumulation under ``no_sync()``
+    (``fused_VRAdam_no_sync_cleared``) it still did, until the cleared gradients were looked for
+    at every forward, not only at a synchronising one."""
     micro = 2 if "no_sync" in name else 1
     groups = RANKS * (1 if name.startswith("fused") else micro)
     for res in _case(pool, name):
         assert "error" not in res, res
         assert all(s["n"] == float(groups) for s in res["steps"]), res["steps"]
+        assert res["err"] <= TOL and res["contrast"] >= CONTRAST * TOL, res
+
+
+@pytest.mark.parametrize("name", ["VRAdam_no_sync_late_zero_grad", "VRAdam_sync_each_late_zero_grad"])
+def test_zero_grad_between_a_steps_first_forward_and_its_backward_keeps_the_step(pool, name):
+    """``loss = model(x); opt.zero_grad(); loss.backward()`` at a step's first micro-step, with
+    accumulation (under ``no_sync()``, or every backward synchronised): the ``zero_grad`` before
+    any backward of the step does not end it, so each step's statistics are its own. Fails on the
+    old code: the reset started a new step, the second forward was taken for its first, and that
+    backward was read from DDP's bucket, which held the accumulated ``.grad`` (Σg off by 1.4 on the
+    test model)."""
+    for res in _case(pool, name):
+        assert "error" not in res, res
+        assert all(s["n"] == float(RANKS * 2) for s in res["steps"]), res["steps"]
         assert res["err"] <= TOL and res["contrast"] >= CONTRAST * TOL, res
 
 

@@ -485,8 +485,10 @@ class LocalStats:
 
     def reset(self) -> None:
         """The optimizer's end of step (and ``zero_grad``). Under DeepSpeed nothing (ZeRO calls it
-        once per group or sub-group; the engine's step wrapper calls ``end_step``)."""
-        if self.reset_ends_step:
+        once per group or sub-group; the engine's step wrapper calls ``end_step``). Where it ends
+        the step, only once something was recorded: a ``zero_grad`` between a step's first forward
+        and its backward (``loss = model(x); opt.zero_grad(); loss.backward()``) keeps the step."""
+        if self.reset_ends_step and (self._started or (not self._stale and bool(self._counts.any()))):
             self.end_step()
 
     def end_step(self) -> None:
