@@ -266,14 +266,16 @@ class _BucketPath:
 
     def before_forward(self, module: Any, args: Any) -> None:
         stats = self.stats
+        if not torch.is_grad_enabled():  # an evaluation between steps: no backward, no part of a step
+            return
         if stats.fresh_step() != self._step:  # the first forward of a step
             self._step = stats.fresh_step()
             self.accumulating = False
-        elif torch.is_grad_enabled() and stats.n and _cleared(stats, self.params):
+        elif stats.n and _cleared(stats, self.params):
             stats.end_step()
             self._step = stats.fresh_step()
             self.accumulating = False
-        elif torch.is_grad_enabled():  # a second micro-step: its backward adds to the first's .grad
+        else:  # a second micro-step: its backward adds to the first's .grad
             self.accumulating = True
         if not self.ddp.require_backward_grad_sync:
             self.accumulating = True

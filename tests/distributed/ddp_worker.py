@@ -126,15 +126,23 @@ def rel(a: torch.Tensor, b: torch.Tensor, b0: torch.Tensor) -> float:
 
 def train_case(opt_name: str, micro_steps: int, squares: str = "per_step", record: str = "auto",
                gsnr: str = "on", sync_each: bool = False, cleared: bool = False, late_zero_grad: bool = False,
-               **ddp_kw: Any) -> dict[str, Any]:
+               evaluate: bool = False, **ddp_kw: Any) -> dict[str, Any]:
     """3 steps of DDP + ``attach`` against the reference; ``micro_steps`` > 1 accumulates
     under ``no_sync()`` (``sync_each``: every backward synchronises; the summed ``.grad`` is the
     same). ``gsnr``: ``on`` for every parameter, ``weights`` (the biases in a ``gsnr=False``
     group) or ``off``. ``cleared``: before each step, a step the caller skips (its backward passes
     on other batches, then ``model.zero_grad()`` and no optimizer step, as after a GradScaler
     overflow in HF Trainer's order). ``late_zero_grad``: ``opt.zero_grad()`` between the step's
-    first forward and its backward (``loss = model(x); opt.zero_grad(); loss.backward()``)."""
+    first forward and its backward (``loss = model(x); opt.zero_grad(); loss.backward()``).
+    ``evaluate``: a forward under ``torch.no_grad()`` after each step. Returns the warnings of
+    ``vrgd_ds`` too."""
+    import logging
+
     rank, world = dist.get_rank(), dist.get_world_size()
+    warned: list[str] = []
+    catch = logging.Handler(logging.WARNING)
+    catch.emit = lambda record: warned.append(record.getMessage())
+    logging.getLogger("vrgd_ds").addHandler(catch)
     cls, kw = OPTS[opt_name]
 
     def build(params, **extra):
@@ -179,6 +187,9 @@ def train_case(opt_name: str, micro_steps: int, squares: str = "per_step", recor
             if skipped:
                 ddp.zero_grad()
         opt.step()
+        if evaluate:
+            with torch.no_grad():
+                loss_fn(ddp, batch(step + 100, rank, 0))
         now_collectives, now_sent = counters()
         steps.append(dict(
             n=opt.gsnr_metrics().get("gsnr/n"),  # none with GSNR off everywhere
@@ -195,8 +206,9 @@ def train_case(opt_name: str, micro_steps: int, squares: str = "per_step", recor
         batches = [[batch(step, r, j) for j in range(micro_steps)] for r in range(world)]
         ref.step(batches, per_micro=squares == "per_step")
         plain.step(batches, per_micro=squares == "per_step")
+    logging.getLogger("vrgd_ds").removeHandler(catch)
     a, b, c = flat(model), flat(ref.model), flat(plain.model)
-    return dict(err=rel(a, b, p0), contrast=rel(c, b, p0), moved=float((b - p0).norm()), steps=steps,
+    return dict(err=rel(a, b, p0), contrast=rel(c, b, p0), moved=float((b - p0).norm()), steps=steps, warned=warned,
                 param_numels=[p.numel() for p in model.parameters()], params=a.tolist(),
                 moments=[[[x.tolist() for x in g], [x.tolist() for x in q], n] for g, q, n in seen])
 
@@ -279,6 +291,7 @@ def cases() -> dict[str, Callable[[], dict[str, Any]]]:
         "fused_VRAdam_cleared": lambda: train_case("VRAdam", 1, squares="per_micro_step", cleared=True),
         "fused_VRAdam_no_sync_cleared": lambda: train_case("VRAdam", 2, squares="per_micro_step", cleared=True),
         "VRAdam_no_sync_late_zero_grad": lambda: train_case("VRAdam", 2, late_zero_grad=True),
+        "VRAdam_evaluated": lambda: train_case("VRAdam", 1, evaluate=True),
         "VRAdam_sync_each_late_zero_grad": lambda: train_case("VRAdam", 2, sync_each=True, late_zero_grad=True),
         "fused_VRSGD": lambda: train_case("VRSGD", 1, squares="per_micro_step"),
         "fused_VRAdam": lambda: train_case("VRAdam", 1, squares="per_micro_step"),

@@ -99,6 +99,17 @@ def test_zero_grad_between_a_steps_first_forward_and_its_backward_keeps_the_step
         assert res["err"] <= TOL and res["contrast"] >= CONTRAST * TOL, res
 
 
+def test_an_evaluation_between_steps_is_no_part_of_a_step(pool):
+    """A forward under ``torch.no_grad()`` after each step (an evaluation): the statistics are the
+    steps' own and nothing is said of dropped statistics. Fails on the old code, which took the
+    evaluation for a step's first forward and the next step's for its second, finding the
+    gradients cleared: a warning that statistics were dropped, though none were."""
+    for res in _case(pool, "VRAdam_evaluated"):
+        assert "error" not in res, res
+        assert all(s["n"] == float(RANKS) for s in res["steps"]) and res["err"] <= TOL, res
+        assert not [w for w in res["warned"] if "dropped" in w], res["warned"]
+
+
 def test_a_second_synchronised_backward_is_refused_under_the_fused_scheme(pool):
     """``squares="per_micro_step"`` reduces each rank's gradient once a step; a second synchronised
     backward before the step reduces the first one's mean plus its own gradient. It is refused
