@@ -4,14 +4,16 @@
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
+TORCH_INDEX ?=
 
 .PHONY: install test test-unit test-all test-exhaustive demo demo-mlp bench
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	# the CPU wheel of torch first: a bare "torch" requirement would pull a CUDA build
-	$(PY) -m pip install -q "torch==2.13.0"
+	# the CPU wheel of torch first: a bare "torch" requirement would pull a CUDA build (TORCH_INDEX:
+	# where pip's own configuration does not provide it, https://download.pytorch.org/whl/cpu)
+	$(PY) -m pip install -q "torch==2.13.0" $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX))
 	$(PY) -m pip install -q -e ".[test]"
 	touch $@
 

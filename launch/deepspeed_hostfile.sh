@@ -10,7 +10,8 @@
 # builds a two-"node" version of this on one machine (loopback aliases).
 #
 # Environment (defaults): CONFIG (configs/bert_large_64k_32k_vr_lamb.json), RUN_DIR
-# (runs/<config name>), HOSTFILE (hostfile), MASTER_ADDR (first host of HOSTFILE), MASTER_PORT
+# (runs/<config name>), HOSTFILE (hostfile), MASTER_ADDR (the first host of HOSTFILE; DeepSpeed's
+# choice where DS_ARGS has --include/--exclude or that host is localhost), MASTER_PORT
 # (29500), LAUNCHER (pdsh), DEEPSPEED (deepspeed next to PYTHON, else on PATH), PYTHON (python),
 # BACKEND (empty: nccl on GPUs, gloo on CPU), DS_ARGS (extra launcher arguments, e.g.
 # "--num_gpus 1"). Further arguments go to the job ("$@").
@@ -32,12 +33,21 @@ if [[ -z "${DEEPSPEED:-}" ]]; then
     [[ -x "$DEEPSPEED" ]] || DEEPSPEED=deepspeed
 fi
 [[ -f "$HOSTFILE" ]] || { echo "error: no hostfile '$HOSTFILE' (lines '<host> slots=<n>'; set HOSTFILE)" >&2; exit 2; }
-MASTER_ADDR=${MASTER_ADDR:-$(awk '!/^[[:space:]]*(#|$)/ {print $1; exit}' "$HOSTFILE")}
+read -r -a EXTRA <<< "${DS_ARGS:-}"
+# Rank 0 runs on the first host DeepSpeed uses: the hostfile's first unless --include/--exclude
+# choose others, when DeepSpeed's own choice stands (as for a first host named localhost, which
+# the other nodes would take for themselves).
+ADDR_ARGS=()
+if [[ -n "${MASTER_ADDR:-}" ]]; then
+    ADDR_ARGS=(--master_addr "$MASTER_ADDR")
+elif ! printf '%s\n' "${EXTRA[@]}" | grep -qE '^(-i|-e|--include|--exclude)(=|$)'; then
+    FIRST=$(awk '!/^[[:space:]]*(#|$)/ {print $1; exit}' "$HOSTFILE")
+    [[ "$FIRST" == localhost || "$FIRST" == 127.* ]] || ADDR_ARGS=(--master_addr "$FIRST")
+fi
 MASTER_PORT=${MASTER_PORT:-29500}
 LAUNCHER=${LAUNCHER:-pdsh}
 BACKEND_ARGS=()
 [[ -n "${BACKEND:-}" ]] && BACKEND_ARGS=(--backend "$BACKEND")
-read -r -a EXTRA <<< "${DS_ARGS:-}"
 
 # Relative paths would resolve against each node's ssh login directory.
 CONFIG=$(realpath "$CONFIG")
@@ -45,5 +55,5 @@ RUN_DIR=$(realpath -m "$RUN_DIR")
 
 set -x
 exec "$DEEPSPEED" --hostfile "$HOSTFILE" --launcher "$LAUNCHER" \
-    --master_addr "$MASTER_ADDR" --master_port "$MASTER_PORT" "${EXTRA[@]}" \
+    "${ADDR_ARGS[@]}" --master_port "$MASTER_PORT" "${EXTRA[@]}" \
     --module vrgd_ds.train --config "$CONFIG" --run-dir "$RUN_DIR" "${BACKEND_ARGS[@]}" "$@"

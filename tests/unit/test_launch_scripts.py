@@ -61,3 +61,25 @@ def test_a_launch_script_reads_the_callers_relative_paths_from_the_callers_direc
     if script == "deepspeed_hostfile.sh":
         assert args[args.index("--hostfile") + 1] == str(caller / "hosts")
         assert args[args.index("--master_addr") + 1] == "node-a"
+
+
+@pytest.mark.parametrize("env, addr", [({}, "node-a"), ({"DS_ARGS": "--exclude node-a"}, None),
+                                       ({"DS_ARGS": "-e node-a:0"}, None), ({"DS_ARGS": "--include=node-b"}, None),
+                                       ({"DS_ARGS": "--exclude node-a", "MASTER_ADDR": "node-b"}, "node-b"),
+                                       ({"HOSTS": "localhost slots=8\nnode-b slots=8\n"}, None)])
+def test_the_hostfile_launch_names_a_rendezvous_host_only_where_rank_0_runs_there(tmp_path, env, addr):
+    """The hostfile's first host is rank 0's unless DeepSpeed's ``--include``/``--exclude`` (in
+    ``DS_ARGS``) choose others, when DeepSpeed places rank 0 on the first host it uses and its own
+    choice of address stands; so too for a first host named ``localhost``, which every other node
+    would take for itself. A ``MASTER_ADDR`` given is passed as given. Fails on the old script,
+    which passed the first host always: with ``--exclude node-a`` every rank waited for node-a."""
+    hosts = tmp_path / "hosts"
+    hosts.write_text(env.pop("HOSTS", "node-a slots=8\nnode-b slots=8\nnode-c slots=8\n"))
+    argv = stand_in(tmp_path / "argv", 'printf "%s\\n" "$@"\n')
+    base = {k: v for k, v in os.environ.items() if k not in ("MASTER_ADDR", "DS_ARGS")}
+    run = subprocess.run(["bash", str(ROOT / "launch" / "deepspeed_hostfile.sh")], cwd=tmp_path,
+                         env={**base, "HOSTFILE": str(hosts), "DEEPSPEED": str(argv), **env},
+                         capture_output=True, text=True, timeout=60)
+    assert run.returncode == 0, run.stderr[-2000:]
+    args = run.stdout.splitlines()
+    assert (args[args.index("--master_addr") + 1] if "--master_addr" in args else None) == addr, args

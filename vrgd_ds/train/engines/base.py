@@ -37,6 +37,23 @@ def launcher_value(names: tuple[str, ...]) -> int | None:
     return None
 
 
+def local_cuda_device(rank: int | None) -> int:
+    """This rank's GPU: ``LOCAL_RANK`` (else ``rank`` modulo the GPUs) among the GPUs it sees, or
+    the one it sees where the launcher bound each task to its own GPU (Slurm's
+    ``--gpus-per-task=1`` or ``--gpu-bind``: ``LOCAL_RANK`` is then the task's index on the node,
+    not its device's). A ``LOCAL_RANK`` past the GPUs seen is an error naming both."""
+    count = torch.cuda.device_count()
+    if count == 1:
+        return 0
+    local = os.environ.get("LOCAL_RANK")
+    local = int(local) if local is not None else (rank % count if rank is not None and count else 0)
+    if local >= count:
+        raise RuntimeError(f"LOCAL_RANK {local}, but this rank sees {count} GPUs (CUDA_VISIBLE_DEVICES="
+                           f"{os.environ.get('CUDA_VISIBLE_DEVICES', 'unset')}): start one task per GPU (Slurm: "
+                           "--ntasks-per-node equal to the GPUs per node)")
+    return local
+
+
 class Engine(abc.ABC):
     """One training engine. Attributes set by ``__init__``: ``rank``, ``world``, ``device``,
     ``data_rank`` / ``data_world`` (the ranks that read different samples: every rank under

@@ -17,7 +17,6 @@ from __future__ import annotations
 import contextlib
 import datetime
 import logging
-import os
 import shutil
 from pathlib import Path
 from typing import Any, Callable, Iterator
@@ -29,7 +28,7 @@ from vrgd_ds.data_pipeline.samples import collate
 from vrgd_ds.train import checkpoints as ckpt
 from vrgd_ds.train.config import ConfigError, JobConfig, deepspeed_config
 from vrgd_ds.train.data import JobData, prepare_data
-from vrgd_ds.train.engines.base import Engine
+from vrgd_ds.train.engines.base import Engine, local_cuda_device
 from vrgd_ds.train.model import build_model, masked_positions_of
 from vrgd_ds.train.resume import ConversionFailed, ResumePlan, convert_command, plan_resume
 
@@ -82,8 +81,7 @@ class DeepSpeedEngine(Engine):
         self.rank, self.world = torch.distributed.get_rank(), torch.distributed.get_world_size()
         self.data_rank, self.data_world = self.rank, self.world
         if cuda:
-            local = int(os.environ.get("LOCAL_RANK", self.rank % max(torch.cuda.device_count(), 1)))
-            torch.cuda.set_device(local)
+            torch.cuda.set_device(local_cuda_device(self.rank))
         self.device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
 
     def setup(self, run_dir: Path, barrier: Callable[[], None]) -> None:

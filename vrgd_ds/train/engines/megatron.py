@@ -26,7 +26,6 @@ from __future__ import annotations
 import datetime
 import json
 import logging
-import os
 from pathlib import Path
 from typing import Any, Callable, Iterator, Literal
 
@@ -37,7 +36,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from vrgd_ds.optim.registry import REGISTRY, OptimizerBlockError, check_optimizer
 from vrgd_ds.train.config import CHECKPOINT_KEY, OPTIMIZER_STATE_KEY, ConfigError, JobConfig, gradient_accumulation
 from vrgd_ds.train.data import JobData, prepare_data, stack
-from vrgd_ds.train.engines.base import LAUNCHER_WORLD, Engine, launcher_value
+from vrgd_ds.train.engines.base import LAUNCHER_RANK, LAUNCHER_WORLD, Engine, launcher_value, local_cuda_device
 from vrgd_ds.train.resume import ResumePlan, plan_resume
 
 logger = logging.getLogger(__name__)
@@ -178,7 +177,7 @@ def check(raw: dict[str, Any], job: JobConfig, world: int | None) -> MegatronBlo
 def init_process_group(backend: str | None, timeout: datetime.timedelta) -> torch.device:
     """NCCL on GPUs; gloo with ``cpu_ranks`` on CPU ranks. Returns this rank's device."""
     if torch.cuda.is_available():
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+        torch.cuda.set_device(local_cuda_device(launcher_value(LAUNCHER_RANK)))
         dist.init_process_group(backend or "nccl", timeout=timeout)
         return torch.device("cuda", torch.cuda.current_device())
     from vrgd_ds.megatron import cpu_ranks
