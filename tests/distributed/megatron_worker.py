@@ -410,6 +410,27 @@ class _Stage(torch.nn.Module):
         return torch.tanh(y) if self.tanh else y
 
 
+def _pipeline_micro_steps(ddp, stage: int, step: int, accumulation: int) -> None:
+    """One step's micro-batches through two pipeline stages (the column layer's output and its
+    gradient sent between them by hand), the last one synchronising, then the gradients' sync."""
+    other = 1 - stage
+    for m in range(accumulation):
+        with contextlib.nullcontext() if m == accumulation - 1 else ddp.no_sync():
+            if stage == 0:
+                h = ddp(_batch(0, m, step))
+                dist.send(h.detach().contiguous(), other)
+                grad_h = torch.empty_like(h)
+                dist.recv(grad_h, other)
+                h.backward(grad_h)
+            else:
+                h = torch.empty(6, 16)
+                dist.recv(h, other)
+                h.requires_grad_(True)
+                (ddp(h).pow(2).sum() / accumulation).backward()
+                dist.send(h.grad.contiguous(), other)
+    ddp.finish_grad_sync()
+
+
 def pipeline_equals_unsharded(case: dict) -> dict:
     """Two pipeline stages (the column layer, then the row layer), activations and their
     gradients sent between them by hand, each stage's optimizer from ``vrgd_ds.megatron``: the
@@ -442,26 +463,10 @@ def pipeline_equals_unsharded(case: dict) -> dict:
         # Megatron's groups differ by wd_mult only (no scheduler applies it here): weights, biases
         ref_opt = REGISTRY[case["optimizer"]].cls([{"params": [ref[0].weight, ref[2].weight]},
                                                    {"params": [ref[0].bias, ref[2].bias]}], **defaults)
-        other = 1 - stage
         for step in range(3):
             ddp.zero_grad_buffer()
             opt.zero_grad()
-            for m in range(accumulation):
-                sync = contextlib.nullcontext() if m == accumulation - 1 else ddp.no_sync()
-                with sync:
-                    if stage == 0:
-                        h = ddp(_batch(0, m, step))
-                        dist.send(h.detach().contiguous(), other)
-                        grad_h = torch.empty_like(h)
-                        dist.recv(grad_h, other)
-                        h.backward(grad_h)
-                    else:
-                        h = torch.empty(6, 16)
-                        dist.recv(h, other)
-                        h.requires_grad_(True)
-                        (ddp(h).pow(2).sum() / accumulation).backward()
-                        dist.send(h.grad.contiguous(), other)
-            ddp.finish_grad_sync()
+            _pipeline_micro_steps(ddp, stage, step, accumulation)
             ok, _, _ = opt.step()
             reference_step(ref, ref_opt, 1, accumulation, step, ocfg.clip_grad)
         got = list(mine.parameters())
@@ -507,24 +512,9 @@ def pipeline_checkpoint_case(case: dict) -> dict:
             return mine, ddp, opt
 
         def train(mine, ddp, opt, step):
-            other = 1 - stage
             ddp.zero_grad_buffer()
             opt.zero_grad()
-            for m in range(2):  # two micro-batches: two gradient groups
-                with contextlib.nullcontext() if m == 1 else ddp.no_sync():
-                    if stage == 0:
-                        h = ddp(_batch(0, m, step))
-                        dist.send(h.detach().contiguous(), other)
-                        grad_h = torch.empty_like(h)
-                        dist.recv(grad_h, other)
-                        h.backward(grad_h)
-                    else:
-                        h = torch.empty(6, 16)
-                        dist.recv(h, other)
-                        h.requires_grad_(True)
-                        ddp(h).pow(2).sum().backward()
-                        dist.send(h.grad.contiguous(), other)
-            ddp.finish_grad_sync()
+            _pipeline_micro_steps(ddp, stage, step, 2)  # two micro-batches: two gradient groups
             opt.step()
 
         def state(mine, opt, is_loading):

@@ -197,31 +197,16 @@ def test_a_resume_that_would_move_an_adaptive_phases_controller_names_the_keys(s
         start(run_dir, config)
 
 
-def test_a_phase_not_started_may_change_from_adaptive_to_fixed_on_resume(start, tmp_path, monkeypatch):
+@pytest.mark.parametrize("resumed_with", ["fixed", "dropped"])
+def test_a_phase_not_started_may_change_from_adaptive_to_fixed_or_go_on_resume(start, tmp_path, monkeypatch,
+                                                                               resumed_with):
     """A run pre-empted in its first phase, whose second phase is adaptive, resumed with that phase
-    fixed: it has not started, so nothing of its controller is kept and the run goes on (the
-    checkpoint holds a controller for every adaptive phase). Fails on the old code, which refused
-    it ("phase 1 ran with adaptive_batch, the config has none there"). A phase that ran is still
-    refused so (``test_check_resume.py``)."""
-    monkeypatch.setattr(Optimizer, "gsnr", True)
-    config = json.loads(json.dumps(CONFIG))
-    fixed = dict(config["job"]["phases"][0], fraction=0.5)
-    config["job"]["phases"] = [fixed, dict(fixed, adaptive_batch={"target_ratio": 1.0, "min_batch": 4,
-                                                                  "max_batch": 16, "every": 1})]
-    run_dir = tmp_path / "run"
-    StandIn.during[1] = lambda job: signal.raise_signal(loop.PREEMPT_SIGNAL)
-    assert isinstance(start(run_dir, config), loop.Preempted)
-    StandIn.during.clear()
-    config["job"]["phases"][1] = fixed
-    out = start(run_dir, config)
-    assert isinstance(out, dict) and out["steps"] == 4, out
-
-
-def test_an_adaptive_phase_not_started_may_be_dropped_on_resume(start, tmp_path, monkeypatch):
-    """A run pre-empted in its first phase, whose second phase is adaptive, resumed with a config
-    that ends after the first phase: the dropped phase had not started, so the run finishes its
-    first phase (``resumed_consumed`` and ``--check-resume`` allow it). Fails on the old code,
-    which refused it ("phase 1 ran with adaptive_batch, the config has none there")."""
+    fixed, or with a config that ends after the first phase: the phase has not started, so nothing
+    of its controller is kept and the run goes on (the checkpoint holds a controller for every
+    adaptive phase; ``resumed_consumed`` and ``--check-resume`` allow both). Fails on the old code,
+    which refused either ("phase 1 ran with adaptive_batch, the config has none there"; the
+    ``dropped`` case until a controller past the config's phases was passed over too). A phase
+    that ran is still refused so (``test_check_resume.py``)."""
     monkeypatch.setattr(Optimizer, "gsnr", True)
     config = json.loads(json.dumps(CONFIG))
     config["job"]["total_steps"] = 8
@@ -232,8 +217,10 @@ def test_an_adaptive_phase_not_started_may_be_dropped_on_resume(start, tmp_path,
     StandIn.during[1] = lambda job: signal.raise_signal(loop.PREEMPT_SIGNAL)
     assert isinstance(start(run_dir, config), loop.Preempted)
     StandIn.during.clear()
-    out = start(run_dir, CONFIG)  # phase 0 alone: the same 4 steps of 4 samples
-    assert isinstance(out, dict) and out["steps"] == 4, out
+    config["job"]["phases"][1] = fixed
+    # dropped: phase 0 alone, the same 4 steps of 4 samples
+    out = start(run_dir, config if resumed_with == "fixed" else CONFIG)
+    assert isinstance(out, dict) and out["steps"] == (8 if resumed_with == "fixed" else 4), out
 
 
 def test_the_skipped_step_count_goes_on_across_a_resume(start, tmp_path, monkeypatch):
