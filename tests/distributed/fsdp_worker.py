@@ -11,6 +11,7 @@ micro-batches are generated from (step, rank, micro-step), so each rank runs the
 from __future__ import annotations
 
 import copy
+import weakref
 from typing import Any
 
 import torch
@@ -191,6 +192,9 @@ def _refusal(case: dict) -> dict[str, Any]:
                 group.mp_policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16)
     if what == "gloo_average":
         model.b.set_force_sum_reduction_for_comms(False)
+    if what == "unfrozen":
+        for p in model.a.parameters():
+            p.requires_grad_(False)
     opt = vrgd_ds.VRLamb(model.parameters(), lr=0.1)
     if what == "fused_group":
         opt.param_groups[0]["fused"] = True
@@ -200,8 +204,33 @@ def _refusal(case: dict) -> dict[str, Any]:
             vrgd_ds.fsdp.attach(model, vrgd_ds.VRAdam(model.parameters(), lr=0.1))
         if what == "twice_base":  # a base optimizer leaves FSDP's reduce-scatter alone
             vrgd_ds.fsdp.attach(model, vrgd_ds.Lamb(model.parameters(), lr=0.1))
+        if what == "rebuilt":  # the optimizer deleted, another built and attached (a new hyper-parameter)
+            import gc
+
+            gone = weakref.ref(stats)
+            del opt, stats
+            gc.collect()
+            opt = vrgd_ds.VRAdam(model.parameters(), lr=0.1)
+            stats = vrgd_ds.fsdp.attach(model, opt)
+            rank = dist.get_rank()
+            for j in range(2):
+                backward(model, batch(0, rank, j), 0.5, 1)
+            opt.step()
+            return dict(type=None, message="", freed=gone() is None, n=opt.gsnr_metrics()["gsnr/n"])
     except Exception as e:  # noqa: BLE001 (the message is the result)
         return dict(type=type(e).__name__, message=str(e))
+    if what == "unfrozen":  # a block frozen when attached, unfrozen after a step (progressive unfreezing)
+        rank = dist.get_rank()
+        try:
+            for step in range(2):
+                for p in model.a.parameters():
+                    p.requires_grad_(step == 1)
+                for j in range(2):
+                    backward(model, batch(step, rank, j), 0.5, 1)
+                opt.step()
+                opt.zero_grad()
+        except Exception as e:  # noqa: BLE001
+            return dict(type=type(e).__name__, message=str(e))
     if what == "uneven_sync":  # one module accumulates its first micro-step unreduced, the others do not
         rank = dist.get_rank()
         try:

@@ -92,6 +92,8 @@ REFUSALS = {
     "bf16_reduce": ("UnsupportedFSDPConfiguration", "gradients reduced in bfloat16"),
     # before: "build the optimizer on model.parameters() after fully_shard", which the user had done
     "ignored": ("ValueError", "left out with fully_shard(..., ignored_params=...)"),
+    # before: "parameters were added to the optimizer after the engine laid them out", which the user had not done
+    "unfrozen": ("RuntimeError", "frozen (requires_grad False) when the engine laid the model out"),
 }
 
 
@@ -109,6 +111,16 @@ def test_a_base_optimizer_beside_a_vrgd_one_on_one_model_is_attached(pool):
     first, and accepted it when it came second."""
     for res in pool.run("fsdp_worker", "refusal_case", {"what": "twice_base"}):
         assert res["type"] is None, res
+
+
+def test_a_model_whose_optimizer_is_gone_is_attached_to_a_new_one(pool):
+    """The optimizer deleted and collected, a new VRGD optimizer built on the same model and
+    attached: the earlier statistics are freed, and the new ones count the step's groups (n =
+    ranks × 2). Fails on the old code: FSDP's reduce-scatter and post-backward held the earlier
+    statistics (each backward still reduced their squares), and the new attach was refused as a
+    second one."""
+    for res in pool.run("fsdp_worker", "refusal_case", {"what": "rebuilt"}):
+        assert res["type"] is None and res["freed"] and res["n"] == 4.0, res
 
 
 @pytest.mark.exhaustive  # 4 ranks; make test: torchtitan's pipeline degree refused in-process

@@ -21,6 +21,7 @@ from __future__ import annotations
 import itertools
 import logging
 import math
+import weakref
 from typing import Any
 
 import torch
@@ -87,10 +88,12 @@ def _check_group(group: Any, gsnr: bool) -> tuple[Any, Any | None]:
     if not isinstance(info, FSDPMeshInfo) or info.shard_mesh_size < 2:
         raise _refuse("a parameter group that is not sharded over >= 2 ranks", "FSDP does not reduce-scatter it, "
                       "so no statistics are taken there; shard over >= 2 ranks, or use vrgd_ds.ddp for replication")
-    if gsnr and isinstance(group._reduce_scatter_comm, ReduceScatterWithSquares):
+    comm = group._reduce_scatter_comm
+    if gsnr and isinstance(comm, ReduceScatterWithSquares) and comm.stats is not None:
         raise _refuse("a second attach to one model", "its statistics are already taken at FSDP's reduce-scatter "
-                      "(one VRGD optimizer with the GSNR per FSDP model; a base optimizer beside it is fine)")
-    if gsnr and type(group._reduce_scatter_comm) is not DefaultReduceScatter:
+                      "for another optimizer, still alive (one VRGD optimizer with the GSNR per FSDP model; a base "
+                      "optimizer beside it is fine)")
+    if gsnr and type(comm) not in (DefaultReduceScatter, ReduceScatterWithSquares):
         raise _refuse(f"FSDP's reduce-scatter replaced by {type(group._reduce_scatter_comm).__name__} "
                       "(set_custom_reduce_scatter, set_symm_mem_for_comm, allocation from the process group)",
                       "the statistics replace it themselves; leave FSDP's default reduce-scatter in place")
@@ -250,8 +253,11 @@ def attach(model: torch.nn.Module, optimizer: GSNROptimizer, squares_dtype: str 
         module.set_custom_reduce_scatter(ReduceScatterWithSquares(stats, gi))
         original = group.post_backward
 
-        def post_backward(*unused: Any, gi: int = gi, original: Any = original) -> Any:
-            stats.about_to_reduce(gi)
+        def post_backward(*unused: Any, gi: int = gi, original: Any = original,
+                          ref: Any = weakref.ref(stats)) -> Any:
+            alive = ref()  # held weakly, as by the reduce-scatter: nothing once the optimizer is gone
+            if alive is not None:
+                alive.about_to_reduce(gi)
             return original(*unused)
 
         group.post_backward = post_backward

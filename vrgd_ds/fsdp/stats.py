@@ -22,6 +22,7 @@ that weight). Every parameter must be reduced equally often in a step.
 """
 from __future__ import annotations
 
+import weakref
 from typing import Any
 
 import torch
@@ -159,18 +160,27 @@ class FSDPStats(LocalStats):
 
 class ReduceScatterWithSquares(DefaultReduceScatter):
     """FSDP's default reduce-scatter (its allocation and collective), followed by the statistics
-    of what it reduced, for FSDP parameter group ``gi`` of ``stats``."""
+    of what it reduced, for FSDP parameter group ``gi`` of ``stats``. It holds the statistics
+    weakly: once their optimizer is gone it is FSDP's default again, and the model may be
+    attached to another."""
 
     def __init__(self, stats: FSDPStats, gi: int) -> None:
         super().__init__()
-        self.stats, self.gi = stats, gi
+        self._stats, self.gi = weakref.ref(stats), gi
+
+    @property
+    def stats(self) -> FSDPStats | None:
+        return self._stats()
 
     def __call__(self, output_tensor: Tensor, input_tensor: Tensor, group: Any, op: Any,
                  async_op: bool = False) -> Any:
+        stats = self._stats()
         work = super().__call__(output_tensor, input_tensor, group, op, async_op)
+        if stats is None:
+            return work
         if async_op and work is not None:
             work.wait()
-        self.stats.record_reduction(self.gi, input_tensor, output_tensor, op, group)
+        stats.record_reduction(self.gi, input_tensor, output_tensor, op, group)
         return work
 
 

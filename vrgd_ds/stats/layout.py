@@ -102,9 +102,10 @@ class Layout:
             return self._pieces[id(p)]
         except KeyError:
             raise RuntimeError(
-                f"the optimizer updates a tensor of shape {tuple(p.shape)} that its layout does not know; "
-                "parameters were added to the optimizer after the engine laid them out (deepspeed.initialize, "
-                "get_megatron_optimizer, vrgd_ds.fsdp.attach): not supported"
+                f"the optimizer updates a tensor of shape {tuple(p.shape)} that its layout does not know: it was "
+                "frozen (requires_grad False) when the engine laid the model out (deepspeed.initialize, "
+                "get_megatron_optimizer, vrgd_ds.fsdp.attach) and is trainable now, or was added to the optimizer "
+                "after; not supported: unfreeze parameters before building the optimizer, as DDP also asks"
             ) from None
 
     def offsets(self, p: Tensor) -> list[int]:
