@@ -774,11 +774,59 @@ def test_sparse_gradients_are_rejected():
 
 
 def test_fused_true_rejects_unsupported_params():
-    p = nn.Parameter(torch.zeros(3, dtype=torch.float64))
+    p = nn.Parameter(torch.zeros(6)[::2])  # not contiguous
     opt = vrgd_ds.VRSGD([p], fused=True)
-    p.grad = torch.ones(3, dtype=torch.float64)
-    with pytest.raises(ValueError, match="fp32/bf16/fp16"):
+    p.grad = torch.ones(3)
+    with pytest.raises(ValueError, match="not contiguous"):
         opt.kernels()
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.complex64])
+def test_parameters_the_fp32_arithmetic_would_change_are_refused(dtype):
+    """float64 and complex parameters: the family computes in fp32, so a float64 update would be
+    rounded (lr 1e-9 moved 2.0 by nothing) and a complex one lose its imaginary part (torch's SGD
+    keeps it). Fails on the old code, which stepped them so without a word."""
+    p = nn.Parameter(torch.ones(3, dtype=dtype))
+    with pytest.raises(ValueError, match=r"param group 0\): (float64|complex64) parameters: the family steps "
+                                         r"fp32/bf16/fp16"):
+        vrgd_ds.VRSGD([p], lr=0.1)
+    opt = vrgd_ds.VRSGD([nn.Parameter(torch.ones(3))], lr=0.1)
+    with pytest.raises(ValueError, match="parameters: the family steps"):
+        opt.add_param_group({"params": [p]})
+    assert len(opt.param_groups) == 1
+
+
+@pytest.mark.parametrize("step", [torch.tensor(2.0, dtype=torch.float64), torch.tensor(2), 2])
+@pytest.mark.parametrize("fused", [False, None, "triton"])
+def test_a_loaded_step_counter_of_another_kind_counts_on(step, fused, monkeypatch):
+    """A state whose ``step`` is torch's float64 counter, an int64 tensor or an int (another
+    optimizer's, a converted checkpoint): two more steps equal an uninterrupted run and the
+    counter reads 4. Fails on the old code: the Triton tables read the counter's bits as fp32
+    (0.011 off for float64, the counter left at 2; 0.22 off for int64), the reference raised
+    for an int64 tensor and an int."""
+    if fused == "triton":
+        pytest.importorskip("triton")
+        monkeypatch.setenv("TRITON_INTERPRET", "1")
+
+    def run(convert):
+        torch.manual_seed(0)
+        w = nn.Parameter(torch.randn(5, 3))
+        opt = vrgd_ds.VRAdam([w], lr=0.1, fused=fused, beta3=0.9)
+        for step_i in range(4):
+            if step_i == 2 and convert:
+                sd = opt.state_dict()
+                sd["state"][0]["step"] = step
+                opt = vrgd_ds.VRAdam([w], lr=0.1, fused=fused, beta3=0.9)
+                opt.load_state_dict(sd)
+            for j in range(2):
+                g = torch.Generator().manual_seed(10 * step_i + j)
+                (w * torch.randn(5, 3, generator=g)).sum().backward()
+            opt.step()
+            opt.zero_grad()
+        return w.detach().clone(), float(opt.state[w]["step"])
+
+    (want, _), (got, counted) = run(False), run(True)
+    assert counted == 4.0 and torch.allclose(got, want, rtol=0, atol=1e-6), (got - want).abs().max()
 
 
 @pytest.mark.skipif(not _fused.available(), reason="no C++ toolchain")

@@ -223,6 +223,7 @@ def test_a_save_over_a_save_cut_short_keeps_none_of_its_files(tmp_path, monkeypa
     job = object.__new__(loop.Job)
     job.run_dir, job.rank, job.world, job.step, job.consumed, job.evals = tmp_path, 0, 2, 4, [64], []
     job.skip_streak_from, job.controllers, job.job = None, {}, SimpleNamespace(keep_checkpoints=3)
+    job.skipped_before, job.optimizer = 0, SimpleNamespace(skipped_steps=0)
     job.lock = None  # a job without a run-directory owner record
     job.engine = SimpleNamespace(save=write)
     job._checkpoint_bytes = lambda: (10, 10, "test")

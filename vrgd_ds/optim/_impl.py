@@ -410,6 +410,7 @@ def select(fused: bool | str | None, params: Sequence[Tensor], owner: str) -> Ke
     if why_not is not None:
         if fused:
             raise ValueError(f"{owner}(fused=True): {why_not}; pass fused=None or False")
+        warn_once(logger, f"reference-{why_not}", "%s: using the reference implementation: %s", owner, why_not)
         return Reference()
     from vrgd_ds.optim import _fused
 

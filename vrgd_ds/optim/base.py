@@ -209,6 +209,11 @@ class GSNROptimizer(torch.optim.Optimizer):
         where = f"{self.name} (param group {len(self.param_groups) - 1})"
         check_common(where, group)
         dtypes = sorted({str(p.dtype).removeprefix("torch.") for p in group["params"]})
+        other = [d for d in dtypes if d not in ("float32", "bfloat16", "float16")]
+        if other:
+            raise ValueError(f"{where}: {' and '.join(other)} parameters: the family steps fp32/bf16/fp16 parameters "
+                             "in fp32 arithmetic (a float64 update would be rounded to fp32, a complex one would lose "
+                             "its imaginary part); give them an optimizer of torch.optim, or cast them")
         if len(dtypes) > 1 and self.fused is not False:
             raise ValueError(f"{where}: the group mixes {' and '.join(dtypes)} tensors, and the fused kernels step "
                              "one dtype per group: give each dtype its group (vrgd_ds.param_groups does), or "

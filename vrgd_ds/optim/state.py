@@ -195,10 +195,15 @@ def _complete(plan: Plan, state_keys: tuple[str, ...], beta3: float) -> list[Ten
     """Every state tensor of the plan, created where missing; returns the step counters."""
     counters = []
     for p, st in zip(plan.params, plan.states):
-        if "step" not in st:
+        step = st.get("step")
+        if step is None:
             st["step"] = torch.tensor(0.0, dtype=torch.float32, device=plan.tdev)
-        elif st["step"].device != plan.tdev:
-            st["step"] = st["step"].to(plan.tdev)
+        elif not isinstance(step, Tensor) or step.dtype != torch.float32 or step.dim():
+            # a loaded counter of another kind (an int, torch's float64 ones, an int64 tensor): the
+            # kernels read one fp32 value (the Triton tables read its bits as fp32)
+            st["step"] = torch.tensor(float(step), dtype=torch.float32, device=plan.tdev)
+        elif step.device != plan.tdev:
+            st["step"] = step.to(plan.tdev)
         for key in state_keys:
             if key not in st:
                 st[key] = torch.zeros(p.shape, dtype=torch.float32, device=p.device)
