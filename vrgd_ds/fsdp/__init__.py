@@ -87,7 +87,8 @@ def _check_group(group: Any, gsnr: bool) -> tuple[Any, Any | None]:
     info = group.mesh_info
     if not isinstance(info, FSDPMeshInfo) or info.shard_mesh_size < 2:
         raise _refuse("a parameter group that is not sharded over >= 2 ranks", "FSDP does not reduce-scatter it, "
-                      "so no statistics are taken there; shard over >= 2 ranks, or use vrgd_ds.ddp for replication")
+                      "so no statistics are taken there; shard over >= 2 ranks, or replicate the model with torch's "
+                      "DistributedDataParallel and vrgd_ds.ddp.attach")
     comm = group._reduce_scatter_comm
     if gsnr and isinstance(comm, ReduceScatterWithSquares) and comm.stats is not None:
         raise _refuse("a second attach to one model", "its statistics are already taken at FSDP's reduce-scatter "
