@@ -259,11 +259,9 @@ class Recorder:
         out._metrics = next((dict(r._metrics) for r in recorders if r._metrics), {})
         records = [r._record for r in recorders if r._record is not None]
         if records:
-            founds = [rec.found for rec in records if rec.found is not None]
-            found = None
-            for f in founds:
-                found = f.reshape(()) if found is None else torch.maximum(found, f.reshape(()).to(found.device))
             device = records[0].sums.device
+            founds = [rec.found.reshape(()).to(device) for rec in records if rec.found is not None]
+            found = torch.stack(founds).amax() if founds else None
             out._record = StepRecord(torch.cat([rec.sums.to(device) for rec in records]),
                                      torch.cat([rec.maxs.to(device) for rec in records]),
                                      [name for rec in records for name in rec.names], records[0].n, found,
