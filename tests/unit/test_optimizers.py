@@ -1517,3 +1517,20 @@ def test_a_deep_copied_or_pickled_optimizer_trains_on_as_the_original():
         step(model, o)
     assert all(torch.equal(a, b) and torch.equal(a, c) for a, b, c in zip(m.parameters(), m2.parameters(),
                                                                            m3.parameters()))
+
+
+def test_fused_none_says_when_it_takes_the_reference_on_the_cpu(monkeypatch, caplog):
+    """``fused=None`` with parameters the fused kernels do not take (not contiguous) steps with the
+    reference and says why, as docs/algorithm.md says it does. Fails on the old code, which fell
+    back on the CPU without a word."""
+    import logging
+
+    from vrgd_ds import log
+
+    monkeypatch.setattr(log, "_warned", set())
+    p = nn.Parameter(torch.zeros(6)[::2])
+    opt = vrgd_ds.VRSGD([p], lr=0.1)
+    p.grad = torch.ones(3)
+    with caplog.at_level(logging.WARNING, logger="vrgd_ds"):
+        opt.kernels()
+    assert "using the reference implementation: some parameters are not contiguous" in caplog.text
