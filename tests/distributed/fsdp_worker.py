@@ -180,7 +180,8 @@ def _refusal(case: dict) -> dict[str, Any]:
     world = dist.get_world_size()
     model = Net(False)
     what = case["what"]
-    shard(model, "pipeline" if what == "pipeline" else "fsdp", world,
+    # replicated: HSDP over 2 ranks, a shard of 1 rank (replication alone)
+    shard(model, {"pipeline": "pipeline", "replicated": "hsdp"}.get(what, "fsdp"), world,
           {model.c.bias} if what == "ignored" else None)
     if what == "offload":  # CPUOffloadPolicy needs an accelerator to offload from: its flag, as FSDP sets it
         next(fp for _, fp in _fsdp_params(model)).offload_to_cpu = True

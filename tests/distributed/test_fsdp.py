@@ -94,6 +94,8 @@ REFUSALS = {
     "ignored": ("ValueError", "left out with fully_shard(..., ignored_params=...)"),
     # before: "parameters were added to the optimizer after the engine laid them out", which the user had not done
     "unfrozen": ("RuntimeError", "frozen (requires_grad False) when the engine laid the model out"),
+    # before: "use vrgd_ds.ddp for replication", which takes a DDP model, not this one
+    "replicated": ("UnsupportedFSDPConfiguration", "torch's DistributedDataParallel and vrgd_ds.ddp.attach"),
 }
 
 
