@@ -1235,6 +1235,26 @@ def test_statistics_of_a_step_the_caller_skipped_are_dropped_when_the_model_clea
     assert sum("statistics of 3 backward pass(es) were dropped" in r.getMessage() for r in caplog.records) == 1
 
 
+def test_a_dropped_step_is_warned_of_by_each_optimizer_even_at_a_freed_ones_address(caplog):
+    """Each new optimizer's statistics say once that a step was dropped, even when Python gives
+    them the address of statistics already freed. Fails on the code before, whose warn-once key was
+    the statistics' ``id()``: a later optimizer at a reused address said nothing. That happened in
+    the full suite to the test above, after an earlier test had freed statistics."""
+    addresses, x, y = set(), torch.randn(4, 6), torch.randn(4, 3)
+    with caplog.at_level(logging.WARNING):
+        for _ in range(8):
+            model = make_model()
+            opt = vrgd_ds.VRAdam(model.parameters(), fused=False)
+            addresses.add(id(opt._stats))
+            for _ in range(2):
+                (model(x) - y).pow(2).mean().backward()
+            model.zero_grad()  # the step is dropped: no optimizer step since its backward passes
+            (model(x) - y).pow(2).mean().backward()  # the next step's first micro-batch sees it
+            del model, opt
+    assert len(addresses) < 8  # addresses were reused, the case the old key took for one source
+    assert sum("were dropped" in r.getMessage() for r in caplog.records) == 8
+
+
 class Segments(nn.Module):
     """``emb -> a -> b -> head``, ``a`` and ``b`` each in an activation-checkpointed segment
     (``mode``: None, "reentrant", "plain" for ``use_reentrant=False``, "nested": a reentrant

@@ -22,7 +22,7 @@ from typing import Any, Iterable
 import torch
 from torch import Tensor
 
-from vrgd_ds.log import warn_once
+from vrgd_ds.log import name_of, warn_once
 from vrgd_ds.optim import _impl
 from vrgd_ds.stats.backward import BackwardGroups
 
@@ -33,7 +33,7 @@ def warn_dropped(source: object, owner: str, count: int) -> None:
     """Said once per statistics ``source``: the statistics of ``count`` backward passes went with
     gradients cleared before any optimizer step (the rule of every source: the statistics start
     anew with the gradient)."""
-    warn_once(logger, f"dropped-{id(source)}", "%s: the statistics of %d backward pass(es) were dropped: the "
+    warn_once(logger, f"dropped-{name_of(source)}", "%s: the statistics of %d backward pass(es) were dropped: the "
               "gradients were cleared (model.zero_grad()) with no optimizer step between, e.g. a step "
               "GradScaler skipped", owner, count)
 
