@@ -142,9 +142,12 @@ part opt_step_adam 40 python3 benchmarks/gpu_optimizer_step.py --model large --i
 # that a call starts the one or two it can finish and not six it cannot), pauses the rest at the limit, and
 # assembles what finished (the runs needed next are listed as not run yet). Each run's record says
 # how much of its step time it waited for its DataLoader (data_wait). Each run has PLATEAU_WORKERS
-# DataLoader workers (default 4, the same samples as 1): one worker makes about 8,700 masked samples/s
-# at seq 128 (a 2-core CPU, docs/benchmarks.md), enough for a run among 8 (4,000 samples/s) but not
-# for one of two 64x runs at about 16,000 samples/s each; idle workers wait on their full queues.
+# DataLoader workers (default 7, the same samples as 1): on one H200 (2026-12-04) two 64x runs side
+# by side with 4 workers each made about 16,000 samples/s each (400 and 421 s, start-up included)
+# and waited for data 78-79% of their step time, the GPU idle in 28 of 71 five-second samples and
+# about 8 of the host's 16 cores busy: the workers bound them (one run alone, 4 workers: 21,455 samples/s, 79.5%).
+# 7 workers each keep two runs and their 14 workers on the 16 cores; the rate they reach is not
+# measured yet. Among 8 smaller runs idle workers wait on their full queues.
 # Beside it, benchmarks/load_sampler.py
 # samples the GPU's utilisation and the host's busy cores (plateau_load.csv, its summary in summary.log).
 if [[ " $PARTS " == *" plateau "* ]]; then
@@ -169,7 +172,7 @@ if [[ " $PARTS " == *" plateau "* ]]; then
             --bracket 1 --bracket-carry --samples 102400 --min-steps 128 --groups 8 \
             --heldout-fraction 0.1 --eval-points 16 --parallel "${PLATEAU_PARALLEL:-8}" \
             --time-limit $((left - 10)) --expect-rate "${PLATEAU_RATE:-4000}" --expect-share 8 \
-            --workers "${PLATEAU_WORKERS:-4}" \
+            --workers "${PLATEAU_WORKERS:-7}" \
             "${reuse[@]}" --work /tmp/bert_plateau --out "$WORK/bert_plateau"
         kill "$sampler" && wait "$sampler"
         tee -a "$WORK/summary.log" <"$WORK/plateau_load.log"
