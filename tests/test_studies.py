@@ -419,7 +419,7 @@ def test_the_page_counts_a_records_runs_by_the_machine_each_ran_on(tmp_path):
     assert run_machines(runs) == " Its runs by machine: 2 on cpu; 1 on gpu."
     assert run_machines(tmp_path / "absent.jsonl") == ""
     page = (ROOT / "docs" / "results.md").read_text()
-    assert "Its runs by machine: 62 on x86_64, 2 CPU cores; 4 on NVIDIA H200." in page
+    assert "Its runs by machine: 62 on x86_64, 2 CPU cores; 6 on NVIDIA H200." in page
     assert "no row came from a GPU" not in page
 
 
