@@ -490,21 +490,20 @@ def test_a_layer_group_s_trust_ratio_is_over_its_adapted_tensors():
 
 
 def test_metrics_clip_fractions_and_n():
-    m = make_model()
+    m, ref = make_model(), make_model()  # ref: each micro-batch's own gradient, for the expected sums
     opt = vrgd_ds.VRSGD(m.parameters(), lr=0.01, gamma=0.3, fused=False)
     data = batches(1, 6)
-    sums = {p: [torch.zeros_like(p), torch.zeros_like(p)] for p in m.parameters()}
+    sums = {p: [torch.zeros_like(p), torch.zeros_like(p)] for p in ref.parameters()}
     for x, y in data[0]:
-        m.zero_grad()
         (m(x) - y).pow(2).mean().backward()
-        for p in m.parameters():
+        ref.zero_grad()
+        (ref(x) - y).pow(2).mean().backward()
+        for p in ref.parameters():
             sums[p][0] += p.grad
             sums[p][1] += p.grad**2
-    for p in m.parameters():
-        p.grad = sums[p][0].clone()
     low = high = total = 0
     scale = 0.0
-    for p in m.parameters():
+    for p in ref.parameters():
         r = vrgd_ds.gsnr.gsnr(sums[p][0], sums[p][1], 6, 1e-12)
         x = r / r.double().mean().float()
         low += int((x < 0.3).sum())
@@ -1235,22 +1234,63 @@ def test_statistics_of_a_step_the_caller_skipped_are_dropped_when_the_model_clea
     assert sum("statistics of 3 backward pass(es) were dropped" in r.getMessage() for r in caplog.records) == 1
 
 
-def test_a_dropped_step_is_warned_of_by_each_optimizer_even_at_a_freed_ones_address(caplog):
-    """Each new optimizer's statistics say once that a step was dropped, even when Python gives
-    them the address of statistics already freed. Fails on the code before, whose warn-once key was
-    the statistics' ``id()``: a later optimizer at a reused address said nothing. That happened in
-    the full suite to the test above, after an earlier test had freed statistics."""
-    addresses, x, y = set(), torch.randn(4, 6), torch.randn(4, 3)
+class TwoBranches(nn.Module):
+    """``a(x) + b(x)``, or ``a(x)`` alone: in backward ``b``'s hooks run before ``a``'s."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.a, self.b = nn.Linear(4, 3), nn.Linear(4, 3)
+
+    def forward(self, x, use_b=True):
+        return self.a(x) + self.b(x) if use_b else self.a(x)
+
+
+@pytest.mark.parametrize("dropped", ["one backward", "b in the last backward only", "nan"])
+def test_a_dropped_step_leaves_nothing_in_the_next_steps_statistics(dropped):
+    """The micro-batches of a step the caller dropped (``model.zero_grad()``, no optimizer step)
+    leave nothing in the next step, whichever parameters they reached: it equals a fresh
+    optimizer's first step. Fails on the code before, which saw a cleared gradient only at a hook of
+    a parameter that had held one at an earlier hook of the step: a step of one backward was never
+    seen dropped (n = 3, not 2; with a NaN micro-batch, the next good step was skipped for its
+    non-finite sums), and a parameter reached only in the dropped step's last backward kept it in
+    its sums while the drop, seen later in the next backward, erased its count (Σg off)."""
+    g = torch.Generator().manual_seed(1)
+    xs = [torch.randn(5, 4, generator=g) for _ in range(4)]
+    m1, m2 = TwoBranches(), TwoBranches()
+    o1 = vrgd_ds.VRSGD(m1.parameters(), lr=0.1, fused=False)
+    o2 = vrgd_ds.VRSGD(m2.parameters(), lr=0.1, fused=False)
+    if dropped == "one backward":
+        m1(xs[0]).pow(2).mean().backward()
+    elif dropped == "nan":
+        (m1(xs[0]).pow(2).mean() * float("nan")).backward()
+    else:
+        m1(xs[0], use_b=False).pow(2).mean().backward()
+        m1(xs[1]).pow(2).mean().backward()
+    m1.zero_grad()
+    for m, o in ((m1, o1), (m2, o2)):
+        for x in xs[2:]:
+            m(x).pow(2).mean().backward()
+        o.step()
+        o.zero_grad()
+    assert o1.gsnr_metrics()["gsnr/n"] == 2 and not o1.gsnr_metrics()["step/skipped"]
+    for a, b in zip(m1.parameters(), m2.parameters()):
+        assert torch.equal(a, b)
+
+def test_a_dropped_step_is_warned_of_by_each_source_even_at_a_freed_ones_address(caplog):
+    """Each new statistics source says once that a step was dropped, even when Python gives it the
+    address of a source already freed. Fails on the code before, whose warn-once key was the
+    source's ``id()``: a later source at a reused address said nothing. That happened in the full
+    suite to the skipped-step test above, after an earlier test had freed its optimizer."""
+    from vrgd_ds.stats.hooks import TensorHookStats, warn_dropped
+
+    addresses = set()
     with caplog.at_level(logging.WARNING):
         for _ in range(8):
-            model = make_model()
-            opt = vrgd_ds.VRAdam(model.parameters(), fused=False)
-            addresses.add(id(opt._stats))
-            for _ in range(2):
-                (model(x) - y).pow(2).mean().backward()
-            model.zero_grad()  # the step is dropped: no optimizer step since its backward passes
-            (model(x) - y).pow(2).mean().backward()  # the next step's first micro-batch sees it
-            del model, opt
+            source = TensorHookStats([], False, "VRAdam")
+            addresses.add(id(source))
+            warn_dropped(source, "VRAdam", 2)
+            del source
     assert len(addresses) < 8  # addresses were reused, the case the old key took for one source
     assert sum("were dropped" in r.getMessage() for r in caplog.records) == 8
 

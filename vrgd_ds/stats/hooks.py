@@ -54,8 +54,9 @@ class TensorHookStats:
         self._eps: dict[Tensor, float] = {}  # per watched parameter, as the hooks last used it
         self._buffers: dict[Tensor, tuple[Tensor, Tensor]] = {}
         self._counts: dict[Tensor, int] = {}
-        self._had_grad: set[Tensor] = set()  # tensors seen holding a gradient at a backward since the last reset
+        self._accumulated: set[Tensor] = set()  # tensors whose .grad a backward added to since the last reset
         self._passes = BackwardGroups()  # which backward() a hook runs in
+        self._group = 0  # the backward() of the last hook (BackwardGroups.serial)
         self._moments: dict[Tensor, tuple[int, Tensor]] = {}
         self._expect = 0  # groups in the previous step (0: unknown, take moments every time)
         self._handed_out = False  # moments() gave the buffers away since the last reset
@@ -98,7 +99,13 @@ class TensorHookStats:
                 if stats is not None and param is not None:
                     stats._record(param, grad)
 
+            def accumulated(param: Tensor, me=me) -> None:  # after autograd added to param.grad
+                stats = me()
+                if stats is not None:
+                    stats._accumulated.add(param)
+
             self._handles.append(p.register_hook(hook))
+            self._handles.append(p.register_post_accumulate_grad_hook(accumulated))
 
     def _record(self, p: Tensor, grad: Tensor) -> None:
         if grad.is_sparse:
@@ -111,22 +118,27 @@ class TensorHookStats:
             bufs = (torch.empty(p.shape, dtype=torch.float32, device=p.device),
                     torch.empty(p.shape, dtype=torch.float32, device=p.device))
             self._buffers[p] = bufs
+        group = self._passes.current()
+        if group != self._group:  # the first hook of a backward()
+            self._group = group
+            self._drop_if_cleared()
         self._passes.record(p, p, self._owner)
         count = self._counts.get(p, 0)
-        if p.grad is not None:
-            self._had_grad.add(p)
-        elif count and p in self._had_grad:  # its gradient cleared since this step's statistics were taken, and
-            # no step used them (a step the caller skipped, GradScaler's on an overflow, then model.zero_grad()): the
-            # statistics start anew, as the gradient does (a gradient never accumulated yet, as under
-            # torch.autograd.grad, is no sign of it)
-            warn_dropped(self, self._owner, count)
-            self.reset()
-            count = 0
         row = self._accumulate(p, grad.detach(), bufs[0], bufs[1], count == 0,
                                count + 1 if count + 1 >= self._expect else 0)
         self._counts[p] = count + 1
         if row is not None:  # an older row stays, but its n no longer matches (taken_moments)
             self._moments[p] = (count + 1, row)
+
+    def _drop_if_cleared(self) -> None:
+        """At a backward's first hook, before it records anything: when a gradient a backward of
+        this step added to has been cleared since (``model.zero_grad()`` with no optimizer step
+        between: a step the caller skipped, GradScaler's on an overflow), the statistics start anew,
+        as the gradient does. A gradient never added to ``.grad``, as under ``torch.autograd.grad``,
+        is no sign of it."""
+        if self._counts and any(q.grad is None for q in self._accumulated):
+            warn_dropped(self, self._owner, self.n)
+            self.reset()
 
     @property
     def n(self) -> int:
@@ -195,7 +207,7 @@ class TensorHookStats:
         self._expect = self.n or self._expect
         self._counts.clear()
         self._moments.clear()
-        self._had_grad.clear()
+        self._accumulated.clear()
         self._passes.close()
         self._handed_out = False
 
