@@ -430,14 +430,21 @@ def test_communication_dtype_the_fused_reduction_ignores_is_warned_of(pool, stag
     assert any("communication_data_type" in w and "is ignored" in w for w in res["warnings"]) == warned, res
 
 
-@pytest.mark.parametrize("comm, gbar", [(None, "engine"), ("bf16", "local")])
-def test_gbar_auto_follows_the_dtype_gradients_are_reduced_in(pool, comm, gbar):
+@pytest.mark.parametrize("low, stage, gas, gbar", [
+    (None, 2, 1, "engine"),
+    ({"communication_data_type": "bf16"}, 2, 1, "local"),
+    ({"data_types.grad_accum_dtype": "bf16"}, 1, 2, "local"),
+], ids=["fp32", "communication-bf16", "grad-accum-bf16"])
+def test_gbar_auto_follows_the_dtype_gradients_are_reduced_in(pool, low, stage, gas, gbar):
     """An fp32 model under the per-step scheme: ``"gbar": "auto"`` takes DeepSpeed's reduced mean
     gradient where it is reduced in fp32, and the local fp32 one where ``communication_data_type``
-    bf16 rounds it (a bf16 ḡ against fp32 squares is what "auto" avoids for bf16 models). Fails on
-    the code before, which read the model's dtype only and took the engine's bf16-reduced ḡ."""
-    sets = {"vrgd.squares": "per_step", "vrgd.gbar": "auto", **({"communication_data_type": comm} if comm else {})}
-    res = run(pool, "run_bad_case", dict(stage=2, dtype="fp32", gas=1, clip=0.0, opt="VRLamb", bucket=500, set=sets))
+    bf16 rounds it, or ``data_types.grad_accum_dtype`` bf16 (ZeRO-1 then accumulates and reduces
+    ``grad_accum`` in bf16): a bf16 ḡ against fp32 squares is what "auto" avoids for bf16 models.
+    Fails on the code before: first it read the model's dtype only, then it left out the
+    accumulation dtype (the first step's mean GSNR 2.31 where fp32 statistics give 1.55)."""
+    sets = {"vrgd.squares": "per_step", "vrgd.gbar": "auto", **(low or {})}
+    res = run(pool, "run_bad_case", dict(stage=stage, dtype="fp32", gas=gas, clip=0.0, opt="VRLamb", bucket=500,
+                                         set=sets))
     assert res["raised"] is None and res["gbar"] == gbar, res
 
 

@@ -132,12 +132,13 @@ def guard_accumulation(engine: Any) -> None:
 
 
 def reduction_dtype(engine: Any) -> Any:
-    """fp32 where DeepSpeed's reduced gradient is fp32 throughout: an fp32 model reducing in fp32
-    (``communication_data_type``), without a ``torch_autocast`` that gives parameters a
-    low-precision ``comm_dtype``; else the low dtype in play."""
+    """fp32 where DeepSpeed's reduced gradient is fp32 throughout: an fp32 model accumulating
+    (``data_types.grad_accum_dtype``) and reducing (``communication_data_type``) in fp32, without
+    a ``torch_autocast`` that gives parameters a low-precision ``comm_dtype``; else the low dtype
+    in play."""
     import torch
 
-    low = [d for d in (engine.get_data_types()[0], engine.communication_data_type,
+    low = [d for d in (*engine.get_data_types(), engine.communication_data_type,
                        engine.torch_autocast_dtype() if engine.torch_autocast_enabled() else None)
            if d in (torch.bfloat16, torch.float16)]
     return low[0] if low else torch.float32
