@@ -229,3 +229,21 @@ def test_a_zero_stage_whose_checkpoint_does_not_load_is_refused_naming_both_stag
         assert (f"would stop: {run_dir / 'checkpoints' / 'step00000004'}: saved under ZeRO stage 2, the config has "
                 f"zero_optimization.stage {stage}") in report
         assert "Resume with zero_optimization.stage 2" in report
+
+
+@pytest.mark.parametrize("policy, ok", [(None, False), ("continue", True)])
+def test_other_data_would_stop_unless_the_config_says_continue(run_dir, monkeypatch, policy, ok):
+    """Data of another fingerprint than the checkpoint's: ``--check-resume`` says the job would
+    stop, naming ``checkpoint.data_change``, as the job does; with ``"continue"`` it goes ahead and
+    lists the change. Fails on the old code, which listed the change and said go ahead, the job
+    then resuming in the new stream without a word."""
+    from vrgd_ds.train import data
+
+    monkeypatch.setattr(data, "configured_fingerprint", lambda job, run_dir: "fedcba9876543210")
+    raw = copy.deepcopy(RAW)
+    if policy:
+        raw["checkpoint"] = {"data_change": policy}
+    report, go = check(run_dir, raw, 2)
+    assert go == ok, report
+    assert "the data differs from the checkpoint's, fingerprint 0123456789abcdef -> fedcba9876543210" in report
+    assert ("would stop:" in report and "data_change" in report) != ok, report

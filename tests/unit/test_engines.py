@@ -91,8 +91,8 @@ def test_the_shipped_megatron_config_passes_its_checks():
                                        "megatron.overlap_grad_reduce true"),
     # before: accepted, and the resume fell back to "require" without a word
     (dict(checkpoint={"optimizer_states": "reset_if_incompatible"}),
-     "checkpoint.optimizer_states: the megatron engine's checkpoint block has one key, optimizer_state; did you mean "
-     "'optimizer_state'?"),
+     "checkpoint.optimizer_states: the megatron engine's checkpoint block has the keys optimizer_state, data_change; "
+     "did you mean 'optimizer_state'?"),
 ])
 def test_a_megatron_config_error_names_the_key(change, message):
     with pytest.raises(ConfigError) as e:

@@ -5,6 +5,7 @@ tests/integration/test_pretrain.py and test_reliability.py.)"""
 from __future__ import annotations
 
 import json
+import logging
 import pickle
 import signal
 from pathlib import Path
@@ -290,3 +291,34 @@ def test_a_newest_checkpoint_that_does_not_convert_falls_back_to_the_one_before(
     bad.update(ckpt.tags(run_dir / "checkpoints"))
     with pytest.raises(ConversionFailed, match="step00000006: converting it failed; or resume it on 2 ranks"):
         start(run_dir, longer)
+
+
+def test_a_resume_on_other_data_stops_unless_the_config_says_continue(start, tmp_path, monkeypatch, caplog):
+    """A run pre-empted, then started again on data of another fingerprint (another held-out
+    split, seed, tokenizer or shards): the job stops naming ``checkpoint.data_change``, and with
+    ``"continue"`` goes on from the saved position, saying so. Fails on the old code, which never
+    compared the checkpoint's fingerprint and resumed silently: with ``heldout_fraction`` 0.1 -> 0.2,
+    96 of the first 256 held-out samples evaluated had been trained on."""
+    run_dir = tmp_path / "run"
+    StandIn.during[1] = lambda job: signal.raise_signal(loop.PREEMPT_SIGNAL)
+    assert isinstance(start(run_dir), loop.Preempted)
+    StandIn.during.clear()
+    real_init = StandIn.__init__
+
+    def other_data(self, *args):
+        real_init(self, *args)
+        self.fingerprint = "other"
+
+    monkeypatch.setattr(StandIn, "__init__", other_data)
+    with pytest.raises(loop.ConfigError, match=r"the data differs from the checkpoint's, fingerprint stand-in -> other "
+                       r".*checkpoint.*data_change.*continue"):
+        start(run_dir)
+    go_on = json.loads(json.dumps(CONFIG))
+    go_on["checkpoint"] = {"data_change": "continue"}
+    with caplog.at_level(logging.WARNING):
+        out = start(run_dir, go_on)
+    assert isinstance(out, dict) and out["steps"] == 4, out
+    assert any("going on from the saved position in the new stream" in r.getMessage() for r in caplog.records)
+    bad = dict(go_on, checkpoint={"data_change": "keep"})
+    with pytest.raises(loop.ConfigError, match="checkpoint.data_change: 'keep' is not one of 'refuse', 'continue'"):
+        parse_job(bad)

@@ -37,6 +37,9 @@ JOB_KEY = "job"
 CHECKPOINT_KEY = "checkpoint"  # DeepSpeed's block; the job reads OPTIMIZER_STATE_KEY from it
 OPTIMIZER_STATE_KEY = "optimizer_state"
 OPTIMIZER_STATE_POLICIES = ("require", "reset_if_incompatible")
+DATA_CHANGE_KEY = "data_change"
+DATA_CHANGE_POLICIES = ("refuse", "continue")
+JOB_CHECKPOINT_KEYS = (OPTIMIZER_STATE_KEY, DATA_CHANGE_KEY)  # the job's keys in DeepSpeed's block
 BATCH_KEYS = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps")
 
 
@@ -331,10 +334,26 @@ def optimizer_state_policy(raw: dict[str, Any]) -> str:
     if block.get("load_universal"):
         raise ConfigError(f"{CHECKPOINT_KEY}.load_universal: remove it; the job converts a checkpoint to universal "
                           "form and loads it that way by itself when the number of ranks changed")
+    data_change_policy(raw)
     value = block.get(OPTIMIZER_STATE_KEY, OPTIMIZER_STATE_POLICIES[0])
     if value not in OPTIMIZER_STATE_POLICIES:
         raise ConfigError(f"{CHECKPOINT_KEY}.{OPTIMIZER_STATE_KEY}: {value!r} is not one of "
                           f"{', '.join(map(repr, OPTIMIZER_STATE_POLICIES))}")
+    return value
+
+
+def data_change_policy(raw: dict[str, Any]) -> str:
+    """``checkpoint.data_change``: what a resume does when the configured data is not the data the
+    checkpoint was trained on (its fingerprint: tokenizer, shards, ``job.seed``,
+    ``job.data.heldout_fraction``, ``job.data.next_sentence``): ``"refuse"`` (default) stops,
+    naming this option; ``"continue"`` keeps the saved position in the new sample stream, with a
+    warning (the samples already seen are not those of the new stream, and documents trained on may
+    now be held out)."""
+    block = raw.get(CHECKPOINT_KEY) or {}
+    value = block.get(DATA_CHANGE_KEY, DATA_CHANGE_POLICIES[0]) if isinstance(block, dict) else DATA_CHANGE_POLICIES[0]
+    if value not in DATA_CHANGE_POLICIES:
+        raise ConfigError(f"{CHECKPOINT_KEY}.{DATA_CHANGE_KEY}: {value!r} is not one of "
+                          f"{', '.join(map(repr, DATA_CHANGE_POLICIES))}")
     return value
 
 
@@ -461,7 +480,8 @@ def deepspeed_config(raw: dict[str, Any], phase: PhaseConfig, world_size: int, i
     """DeepSpeed's part of the file with the batch keys of ``phase`` filled in."""
     ds = {k: copy.deepcopy(v) for k, v in raw.items() if k != JOB_KEY}
     if isinstance(ds.get(CHECKPOINT_KEY), dict):  # the job's key, not DeepSpeed's
-        ds[CHECKPOINT_KEY].pop(OPTIMIZER_STATE_KEY, None)
+        for key in JOB_CHECKPOINT_KEYS:
+            ds[CHECKPOINT_KEY].pop(key, None)
         if not ds[CHECKPOINT_KEY]:
             del ds[CHECKPOINT_KEY]
     ds["train_micro_batch_size_per_gpu"] = phase.micro_batch

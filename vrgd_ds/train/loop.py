@@ -53,12 +53,12 @@ from vrgd_ds.adaptive_batch import BatchController, SettingsDiffer, lr_factor
 from vrgd_ds.run import leave_together
 from vrgd_ds.train import checkpoints as ckpt
 from vrgd_ds.train.config import (ConfigError, JobConfig, adaptive_setting_keys, check_resume_position,
-                                  controller_settings, gradient_accumulation, load_config, optimizer_state_policy,
-                                  phase_samples, resumed_consumed)
+                                  controller_settings, data_change_policy, gradient_accumulation, load_config,
+                                  optimizer_state_policy, phase_samples, resumed_consumed)
 from vrgd_ds.train.data import check_data_path, eval_batches, loader
 from vrgd_ds.train.engines import Engine, engine_class
 from vrgd_ds.train.engines.base import LAUNCHER_RANK, launcher_value
-from vrgd_ds.train.resume import ConversionFailed, engine_switch
+from vrgd_ds.train.resume import ConversionFailed, data_change, engine_switch
 from vrgd_ds.train.rundir import RunDirBusy, RunDirLock
 from vrgd_ds.train.schedule import PhaseSchedule
 from vrgd_ds.train.watchdog import Watchdog, collective_timeout
@@ -272,9 +272,12 @@ class Job:
                     raise unconverted[0]
                 raise ConfigError(f"{self.ckpt_dir}: no complete checkpoint to resume from ({'; '.join(choice.skipped)}). "
                                   "Move the directory away to start afresh (or restore the files)")
-            saved_engine = (ckpt.marker(self.ckpt_dir, choice.tag).get("info") or {}).get("engine", "deepspeed")
-            if saved_engine != self.job.engine:
-                raise ConfigError(engine_switch(self.ckpt_dir / choice.tag, saved_engine, self.job.engine))
+            saved = ckpt.marker(self.ckpt_dir, choice.tag).get("info") or {}
+            if saved.get("engine", "deepspeed") != self.job.engine:
+                raise ConfigError(engine_switch(self.ckpt_dir / choice.tag, saved.get("engine", "deepspeed"),
+                                                self.job.engine))
+            data_note = data_change(self.ckpt_dir / choice.tag, saved.get("data"), self.engine.fingerprint,
+                                    data_change_policy(self.raw))
             self.watchdog.beat(self.step, "conversion")
             try:
                 plan = self.engine.plan(self.ckpt_dir, choice.tag, self.optimizer_info(),
@@ -316,7 +319,8 @@ class Job:
                                   "resume with the values it was saved with") from None
             except ValueError as e:
                 raise ConfigError(f"{path}: job.phases[{index}].adaptive_batch: {e}") from None
-        notes = plan.notes + (self._apply_configured_options(built) if plan.optimizer_states else [])
+        notes = ([data_note] if data_note else []) + plan.notes + (
+            self._apply_configured_options(built) if plan.optimizer_states else [])
         if self.rank == 0:
             for note in notes:
                 logger.warning("%s", note)

@@ -8,6 +8,9 @@ job (``loop.Job.resume``) and ``vrgd-pretrain --check-resume`` ask the same func
   ``gsnr`` on/off) share their state; another family (LAMB -> SGD) follows
   ``checkpoint.optimizer_state``: ``require`` stops, ``reset_if_incompatible`` loads the weights
   and data position and starts the optimizer fresh.
+* Other **data** (another fingerprint: tokenizer, shards, seed, held-out split, sentence-pair
+  task) follows ``checkpoint.data_change``: ``refuse`` stops, ``continue`` keeps the saved
+  position in the new sample stream, with a warning.
 """
 from __future__ import annotations
 
@@ -17,10 +20,26 @@ from typing import Any
 
 from vrgd_ds.optim.base import gsnr_switch
 from vrgd_ds.train import checkpoints as ckpt
-from vrgd_ds.train.config import CHECKPOINT_KEY, OPTIMIZER_STATE_KEY, ConfigError
+from vrgd_ds.train.config import CHECKPOINT_KEY, DATA_CHANGE_KEY, OPTIMIZER_STATE_KEY, ConfigError
 
 RESET_HINT = (f"set \"{CHECKPOINT_KEY}\": {{\"{OPTIMIZER_STATE_KEY}\": \"reset_if_incompatible\"}} (--set "
               f"'{CHECKPOINT_KEY}={{\"{OPTIMIZER_STATE_KEY}\": \"reset_if_incompatible\"}}')")
+
+
+def data_change(path: Path, saved: str | None, now: str, policy: str) -> str | None:
+    """Checkpoint ``path`` trained on data of fingerprint ``saved``, resumed on ``now``'s: None
+    where they are the same (or the marker predates fingerprints); else, per
+    ``checkpoint.data_change`` (``policy``), a ``ConfigError`` or the warning to log."""
+    if saved in (None, now):
+        return None
+    what = (f"{path}: the data differs from the checkpoint's, fingerprint {saved} -> {now} (the tokenizer, the "
+            "shards, job.seed, job.data.heldout_fraction or job.data.next_sentence changed)")
+    if policy == "refuse":
+        raise ConfigError(f"{what}: the samples already seen are not those of the new stream, and documents trained on "
+                          "may now be held out. Resume with the data and settings it was saved with, or set "
+                          f"\"{CHECKPOINT_KEY}\": {{\"{DATA_CHANGE_KEY}\": \"continue\"}} (--set '{CHECKPOINT_KEY}="
+                          f"{{\"{DATA_CHANGE_KEY}\": \"continue\"}}') to go on from the saved position in the new stream")
+    return f"{what}: going on from the saved position in the new stream ({CHECKPOINT_KEY}.{DATA_CHANGE_KEY} \"continue\")"
 
 
 class ConversionFailed(ConfigError):
@@ -122,7 +141,8 @@ def check(run_dir: Path, raw: dict[str, Any] | None, world: int | None) -> tuple
     import torch
 
     from vrgd_ds.optim.registry import OptimizerBlockError, check_optimizer
-    from vrgd_ds.train.config import (adaptive_changes, check_resume_position, optimizer_state_policy, parse_job,
+    from vrgd_ds.train.config import (adaptive_changes, check_resume_position, data_change_policy,
+                                      optimizer_state_policy, parse_job,
                                       phase_samples, resumed_consumed)
     from vrgd_ds.train.data import configured_fingerprint
 
@@ -184,10 +204,10 @@ def check(run_dir: Path, raw: dict[str, Any] | None, world: int | None) -> tuple
     if data is None:
         changes.append("the configured data is not prepared yet (the job would prepare it; its fingerprint is then "
                        "compared by hand)")
-    elif info.get("data") not in (None, data):
-        changes.append(f"the data differs: fingerprint {info['data']} -> {data} (tokenizer, shards, seed or "
-                       "held-out split changed): the samples already seen are not those of the new stream")
     try:
+        if data is not None and (note := data_change(ckpt_dir / choice.tag, info.get("data"), data,
+                                                     data_change_policy(raw))):
+            changes.append(note)
         tp_pp = (block.get("tensor_model_parallel_size", 1) * block.get("pipeline_model_parallel_size", 1)
                  if job.engine == "megatron" else 1)
         consumed = info.get("consumed") if isinstance(info.get("consumed"), list) else None

@@ -34,7 +34,8 @@ import torch.distributed as dist
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from vrgd_ds.optim.registry import REGISTRY, OptimizerBlockError, check_optimizer
-from vrgd_ds.train.config import CHECKPOINT_KEY, OPTIMIZER_STATE_KEY, ConfigError, JobConfig, gradient_accumulation
+from vrgd_ds.train.config import (CHECKPOINT_KEY, JOB_CHECKPOINT_KEYS, ConfigError, JobConfig,
+                                  gradient_accumulation)
 from vrgd_ds.train.data import JobData, prepare_data, stack
 from vrgd_ds.train.engines.base import LAUNCHER_RANK, LAUNCHER_WORLD, Engine, launcher_value, local_cuda_device
 from vrgd_ds.train.resume import ResumePlan, plan_resume
@@ -140,10 +141,10 @@ def check(raw: dict[str, Any], job: JobConfig, world: int | None) -> MegatronBlo
                               "\"deepspeed\" for an adaptive batch, or a fixed global_batch")
     checkpoint = raw.get(CHECKPOINT_KEY)
     if checkpoint is not None:
-        unknown = [k for k in checkpoint if k != OPTIMIZER_STATE_KEY] if isinstance(checkpoint, dict) else [""]
+        unknown = [k for k in checkpoint if k not in JOB_CHECKPOINT_KEYS] if isinstance(checkpoint, dict) else [""]
         if unknown:
-            raise ConfigError(f"{CHECKPOINT_KEY}.{unknown[0]}: the megatron engine's checkpoint block has one key, "
-                              f"{OPTIMIZER_STATE_KEY}{did_you_mean(str(unknown[0]), [OPTIMIZER_STATE_KEY])}")
+            raise ConfigError(f"{CHECKPOINT_KEY}.{unknown[0]}: the megatron engine's checkpoint block has the keys "
+                              f"{', '.join(JOB_CHECKPOINT_KEYS)}{did_you_mean(str(unknown[0]), list(JOB_CHECKPOINT_KEYS))}")
     if block.bucket_size is not None and not block.overlap_grad_reduce:
         raise ConfigError(f"{BLOCK}.bucket_size: Megatron's DDP buckets gradients only with {BLOCK}.overlap_grad_reduce "
                           "true (without it, one bucket holds them all); set both, or remove bucket_size")
