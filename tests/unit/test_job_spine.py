@@ -322,3 +322,17 @@ def test_a_resume_on_other_data_stops_unless_the_config_says_continue(start, tmp
     bad = dict(go_on, checkpoint={"data_change": "keep"})
     with pytest.raises(loop.ConfigError, match="checkpoint.data_change: 'keep' is not one of 'refuse', 'continue'"):
         parse_job(bad)
+
+
+def test_dropout_seeds_of_a_step_with_more_slots_than_the_stride_are_not_the_next_steps():
+    """A global batch of 8,192 micro-batch slots (65,536 / micro-batch 8): no slot of a step shares
+    its dropout seed with a slot of the next step or of its own, and the slots below 4,099 keep
+    their seeds (the records' runs, at most 4,096 slots, are unchanged). Fails on the old code,
+    whose seed ``(seed * 1_000_003 + step) * 4099 + slot`` gave slot 4,099 of step 5 the seed of slot
+    0 of step 6: 4,093 of step 5's slots repeated step 6's dropout masks."""
+    slots = range(8192)
+    five = [loop.micro_batch_seed(1234, 5, j) for j in slots]
+    six = [loop.micro_batch_seed(1234, 6, j) for j in slots]
+    assert len(set(five) | set(six)) == 2 * len(slots)
+    assert five[:4099] == [(1234 * 1_000_003 + 5) * 4099 + j for j in range(4099)]
+    assert max(five + six) * 4096 < 2 ** 64
