@@ -247,3 +247,12 @@ def test_other_data_would_stop_unless_the_config_says_continue(run_dir, monkeypa
     assert go == ok, report
     assert "the data differs from the checkpoint's, fingerprint 0123456789abcdef -> fedcba9876543210" in report
     assert ("would stop:" in report and "data_change" in report) != ok, report
+
+
+def test_a_global_batch_the_ranks_do_not_split_would_stop_as_the_job_does(run_dir):
+    """On 8 ranks a global batch of 16 in micro-batches of 4 does not split: the job stops at its
+    set-up (``phase_settings``), and ``--check-resume`` says it would. Fails on the old code, whose
+    report said go ahead."""
+    report, ok = check(run_dir, copy.deepcopy(RAW), 8)
+    assert not ok
+    assert "would stop: job.phases[0].global_batch: 16 is not divisible by micro_batch x ranks = 4 x 8" in report

@@ -367,6 +367,18 @@ def gradient_accumulation(phase: PhaseConfig, world_size: int, index: int) -> in
     return phase.global_batch // per_step
 
 
+def phase_settings(job: JobConfig, world_size: int, phase_steps: list[int]) -> dict[int, Any]:
+    """What the job checks of every phase on ``world_size`` data-parallel ranks before it prepares
+    data (``--check-resume`` asks the same): each global batch splits into micro-batches evenly
+    (``gradient_accumulation``); returns the controller settings of the adaptive phases."""
+    out = {}
+    for i, p in enumerate(job.phases):
+        gradient_accumulation(p, world_size, i)
+        if p.adaptive_batch is not None:
+            out[i] = controller_settings(p, world_size, i, phase_steps[i])
+    return out
+
+
 def resumed_consumed(job: JobConfig, consumed: list[int]) -> list[int]:
     """The samples a checkpoint consumed per phase, for this config's phases: a phase the config
     adds after the saved ones starts at 0; a saved phase the config drops must not have started."""

@@ -53,8 +53,8 @@ from vrgd_ds.adaptive_batch import BatchController, SettingsDiffer, lr_factor
 from vrgd_ds.run import leave_together
 from vrgd_ds.train import checkpoints as ckpt
 from vrgd_ds.train.config import (ConfigError, JobConfig, adaptive_setting_keys, check_resume_position,
-                                  controller_settings, data_change_policy, gradient_accumulation, load_config,
-                                  optimizer_state_policy, phase_samples, resumed_consumed)
+                                  data_change_policy, gradient_accumulation, load_config, optimizer_state_policy,
+                                  phase_samples, phase_settings, resumed_consumed)
 from vrgd_ds.train.data import check_data_path, eval_batches, loader
 from vrgd_ds.train.engines import Engine, engine_class
 from vrgd_ds.train.engines.base import LAUNCHER_RANK, launcher_value
@@ -206,12 +206,9 @@ class Job:
         signal.signal(PREEMPT_SIGNAL, self._on_preempt_signal)
         self.schedule = PhaseSchedule(job)
         self.budget = phase_samples(job)
-        self.controllers: dict[int, BatchController] = {}
-        for i, p in enumerate(job.phases):
-            gradient_accumulation(p, engine.data_world, i)  # fail before preparing data
-            if p.adaptive_batch is not None:
-                self.controllers[i] = BatchController(controller_settings(p, engine.data_world, i,
-                                                                          self.schedule.steps[i]))
+        self.controllers: dict[int, BatchController] = {  # fail before preparing data
+            i: BatchController(settings)
+            for i, settings in phase_settings(job, engine.data_world, self.schedule.steps).items()}
         if self.rank == 0:
             run_dir.mkdir(parents=True, exist_ok=True)
             (run_dir / "config.json").write_text(json.dumps(self.raw, indent=2))

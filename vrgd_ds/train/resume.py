@@ -142,8 +142,9 @@ def check(run_dir: Path, raw: dict[str, Any] | None, world: int | None) -> tuple
 
     from vrgd_ds.optim.registry import OptimizerBlockError, check_optimizer
     from vrgd_ds.train.config import (adaptive_changes, check_resume_position, data_change_policy,
-                                      optimizer_state_policy, parse_job,
-                                      phase_samples, resumed_consumed)
+                                      optimizer_state_policy, parse_job, phase_samples, phase_settings,
+                                      resumed_consumed)
+    from vrgd_ds.train.schedule import PhaseSchedule
     from vrgd_ds.train.data import configured_fingerprint
 
     ckpt_dir = run_dir / "checkpoints"
@@ -211,6 +212,7 @@ def check(run_dir: Path, raw: dict[str, Any] | None, world: int | None) -> tuple
         tp_pp = (block.get("tensor_model_parallel_size", 1) * block.get("pipeline_model_parallel_size", 1)
                  if job.engine == "megatron" else 1)
         consumed = info.get("consumed") if isinstance(info.get("consumed"), list) else None
+        phase_settings(job, max(ranks // tp_pp, 1), PhaseSchedule(job).steps)
         if info.get("phases") is not None and info.get("total_steps") is not None:
             saved_job = parse_job({"job": {"total_steps": info["total_steps"], "phases": info["phases"]}})
             if refused := adaptive_changes(saved_job, job, max(ranks // tp_pp, 1), consumed):
