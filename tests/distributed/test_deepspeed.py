@@ -540,3 +540,15 @@ def test_a_skipped_steps_collectives_land_before_the_next_step_writes(pool, sche
     res = run(pool, "run_late_collectives_case", case)
     assert res["skipped"] == [0.0, 1.0, 0.0] and res["finite"], res
     assert res["same"], res
+
+
+@pytest.mark.parametrize("pinned", [False, True], ids=["deepspeed-alone", "zero3_weights_of"])
+def test_zero3_weights_without_the_optimizer_state_come_from_the_tag_asked(pool, tmp_path, pinned):
+    """A ZeRO-3 checkpoint loaded without its optimizer states (the job's ``reset_if_incompatible``
+    plan) while ``latest`` names a newer one: DeepSpeed 0.19.8 alone loads the weights of the tag
+    ``latest`` names (the case shows it, so that a DeepSpeed that fixes it is noticed); under
+    ``zero3_weights_of``, which the job's load uses, those of the tag asked. Fails on the job's
+    code before, whose resume got step 2's weights with step 1's step count and data position."""
+    res = run(pool, "run_zero3_weights_case", dict(stage=3, dtype="fp32", gas=2, clip=0.0, opt="VRLamb", bucket=500,
+                                                   scheme="per_micro_step", dir=str(tmp_path), pinned=pinned))
+    assert (res["step1"] == 0.0) == pinned and (res["step2"] == 0.0) != pinned, res

@@ -6,6 +6,7 @@ subsets that ``make test`` runs (every pair of factor levels at least once).
 """
 from __future__ import annotations
 
+import contextlib
 import itertools
 import json
 import logging
@@ -307,6 +308,34 @@ def run_checkpoint_case(case: dict) -> dict:
     diff = max(float((a - b).abs().max()) for x, y in zip(straight[cut:], resumed) for a, b in zip(x, y))
     moved = max(float((a - b).abs().max()) for a, b in zip(straight[cut], straight[-1]))
     return dict(max_abs_diff=diff, moved=moved, state_keys=keys, world=world)
+
+
+def run_zero3_weights_case(case: dict) -> dict:
+    """ZeRO-3: checkpoints ``step1`` and ``step2``, ``latest`` naming ``step2`` (a newer checkpoint
+    the resume passed over), then ``step1`` loaded into a fresh engine without its optimizer states,
+    as the job's ``reset_if_incompatible`` plan loads it (``case["pinned"]``: under
+    ``zero3_weights_of``). Returns how far the loaded weights are from each checkpoint's."""
+    from vrgd_ds.train.engines.deepspeed import zero3_weights_of
+
+    rank = dist.get_rank()
+    path = os.path.join(case["dir"], "zero3-weights")
+    engine, *_ = deepspeed.initialize(model=tiny_model(), config=config(case))
+    saved = {}
+    for step, tag in enumerate(("step1", "step2")):
+        for j in range(case["gas"]):
+            engine.backward(loss_fn(engine, batch(step, rank, j), torch.float32))
+            engine.step()
+        engine.save_checkpoint(path, tag=tag, save_latest=False)
+        saved[tag] = full_params(engine)
+        if rank == 0:
+            with open(os.path.join(path, "latest"), "w") as f:
+                f.write(tag)
+        dist.barrier()
+    engine, *_ = deepspeed.initialize(model=tiny_model(seed=7), config=config(case))
+    with zero3_weights_of("step1") if case["pinned"] else contextlib.nullcontext():
+        engine.load_checkpoint(path, tag="step1", load_optimizer_states=False, load_lr_scheduler_states=False)
+    got = full_params(engine)
+    return {tag: max(float((a - b).abs().max()) for a, b in zip(got, w)) for tag, w in saved.items()}
 
 
 def groups_cases():

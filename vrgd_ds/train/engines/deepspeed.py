@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import functools
 import logging
 import shutil
 from pathlib import Path
@@ -44,6 +45,22 @@ def _inputs(batch: dict[str, torch.Tensor], device: torch.device, next_sentence:
     inputs = {k: batch[k].to(device, non_blocking=True) for k in keys}
     inputs["masked_positions"] = masked_positions_of(batch["labels"]).to(device, non_blocking=True)
     return inputs
+
+
+@contextlib.contextmanager
+def zero3_weights_of(tag: str) -> Iterator[None]:
+    """DeepSpeed 0.19.8 loads a ZeRO-3 checkpoint without its optimizer states (the weights and
+    data position of ``checkpoint.optimizer_state`` "reset_if_incompatible") through
+    ``zero_to_fp32`` with no tag (``DeepSpeedEngine._load_checkpoint``), so from the checkpoint the
+    directory's ``latest`` names, whatever tag was asked: the weights of ``tag`` meanwhile."""
+    import deepspeed.runtime.engine as ds_engine
+
+    original = ds_engine.get_fp32_state_dict_from_zero_checkpoint
+    ds_engine.get_fp32_state_dict_from_zero_checkpoint = functools.partial(original, tag=tag)
+    try:
+        yield
+    finally:
+        ds_engine.get_fp32_state_dict_from_zero_checkpoint = original
 
 
 class DeepSpeedEngine(Engine):
@@ -197,7 +214,7 @@ class DeepSpeedEngine(Engine):
         kept = self.optimizer.loaded_elsewhere() if plan.universal else contextlib.nullcontext()
         try:
             load_dir = ckpt_dir / ckpt.UNIVERSAL if plan.universal else ckpt_dir
-            with kept:
+            with kept, zero3_weights_of(tag):
                 path, client = self.engine.load_checkpoint(str(load_dir), tag=tag,
                                                            load_optimizer_states=plan.optimizer_states,
                                                            load_lr_scheduler_states=plan.optimizer_states)
