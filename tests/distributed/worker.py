@@ -713,7 +713,8 @@ def run_bad_case(case: dict) -> dict:
         if not case.get("config_too"):
             cfg.pop("optimizer")
         kwargs["optimizer"] = functools.partial(vrgd_ds.VRSGD, lr=0.1)
-    model = moe_model() if case.get("moe") else bert_model() if case.get("bert") else tiny_model()
+    model = (moe_model() if case.get("moe") else bert_model() if case.get("bert") else SparseInput()
+             if case.get("sparse") else tiny_model())
     if case.get("frozen"):  # a frozen first layer, in the optimizer's params as DeepSpeed passes them
         model[0].weight.requires_grad_(False)
     if case.get("mpu"):
@@ -824,6 +825,19 @@ def run_steps_case(case: dict) -> dict:
                 moved=any(not torch.equal(a, b) for a, b in zip(before, after)))
 
 
+class SparseInput(torch.nn.Module):
+    """``tiny_model`` after a sparse embedding of the input's rounded magnitudes (an
+    ``nn.Embedding(sparse=True)``, as recommender and word-embedding models have)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = tiny_model()
+        self.emb = torch.nn.Embedding(11, 5, sparse=True)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.body(x + self.emb((x.abs() * 3).long().clamp(max=10)).sum(-1))
+
+
 def bert_model() -> torch.nn.Module:
     """A one-layer BERT from transformers (AutoTP finds its policy only for such models)."""
     from transformers import BertConfig, BertModel
@@ -894,6 +908,9 @@ def bad_cases():
     # before: accepted; the statistics read the GradScaler-scaled gradients, not knowing its scale
     yield "bad-autocast-fp16-stage0", dict(base, stage=0, set={"torch_autocast": {"enabled": True, "dtype": "fp16"}})
     yield "bad-unmanaged-accumulation", dict(base, set={"managed_gradient_accumulation": False})
+    # before: accepted, then the first step raised torch's "Cannot access data pointer of Tensor that doesn't have
+    # storage" (stage 0, accumulation 1) or "unsupported memory format option Contiguous" (accumulation 2)
+    yield "bad-sparse-embedding", dict(base, stage=0, gas=2, sparse=True, set={"vrgd.squares": "per_step"})
     yield "bad-hierarchical-bf16-squares", dict(base, set={"vrgd.squares": "hierarchical", "vrgd.squares_dtype": "bf16"})
 
 

@@ -60,6 +60,12 @@ def attach(engine: Any) -> sources.ReductionStats | None:
                 "loss by gradient_accumulation_steps and stage 0/1 reduce their sum once, so the statistics' "
                 "groups and the engine's gradient disagree; remove the key and set gradient_accumulation_steps "
                 "(or 'gsnr': false)")
+        sparse = sparse_embeddings(engine.module, opt)
+        if sparse:
+            raise UnsupportedConfiguration(
+                f"vrgd_ds: {sparse[0]} has sparse=True in a param group with GSNR on: VRGD statistics do not support "
+                "sparse gradients (DeepSpeed reduces them apart from the buckets and hooks the statistics read); use "
+                "sparse=False (or 'gsnr': false for its param group)")
         warn_ignored_comm_dtype(engine, scheme)
 
     path = paths.for_engine(engine, stage)  # checks the path's DeepSpeed internals
@@ -129,6 +135,16 @@ def guard_accumulation(engine: Any) -> None:
         yield  # a generator for contextmanager: never reached
 
     engine.no_sync, engine.coalesce_grad_reduction = checked_no_sync, checked_coalesce
+
+
+def sparse_embeddings(module: Any, opt: GSNROptimizer) -> list[str]:
+    """The ``nn.Embedding``/``nn.EmbeddingBag`` modules with ``sparse=True`` whose weight is in a
+    param group with ``gsnr`` on, named as in ``module``."""
+    import torch
+
+    watched = {id(p) for g in opt.param_groups if g["gsnr"] for p in g["params"]}
+    return [f"{name or 'the model'} ({type(m).__name__})" for name, m in module.named_modules()
+            if isinstance(m, (torch.nn.Embedding, torch.nn.EmbeddingBag)) and m.sparse and id(m.weight) in watched]
 
 
 def reduction_dtype(engine: Any) -> Any:
