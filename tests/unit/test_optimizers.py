@@ -1375,6 +1375,40 @@ def test_a_parameter_in_two_reentrant_backward_passes_is_refused_naming_the_fix(
         (m(x) - y).pow(2).mean().backward()
 
 
+@pytest.mark.parametrize("source", ["hooks", "per_step"])
+def test_a_step_with_no_backward_since_the_last_is_refused_by_every_source(source):
+    """A second ``step()`` with no backward since the first: the tensor hooks' source (one process)
+    and the per-step source (DDP's and DeepSpeed's, ending its step as DDP's does) both count 0
+    groups, and the step is refused. Fails on the code before for the per-step source, which kept
+    the ended step's count (n = 2) and stepped again on its sums."""
+    from vrgd_ds.optim import _impl
+    from vrgd_ds.stats.local import LocalStats
+    from vrgd_ds.stats.scaling import Scaling
+
+    m = make_model()
+    params = list(m.parameters())
+    opt = vrgd_ds.VRSGD(params, lr=0.1, fused=False)
+    if source == "per_step":
+        stats = LocalStats(None, _impl.Reference(), Scaling(1), params, "local", torch.float32)
+        stats.reset_ends_step = True
+        bucket = stats.add_bucket(sum(p.numel() for p in params), torch.device("cpu"), None)
+        g, sq = bucket.halves()
+        offset = 0
+        for p in params:
+            stats.place(p, bucket, offset, p.numel())
+            stats.alias(p, g.narrow(0, offset, p.numel()), sq.narrow(0, offset, p.numel()))
+            stats.hook(p)
+            offset += p.numel()
+        opt.set_statistics_source(stats)
+    for x, y in batches(1, 2)[0]:
+        (m(x) - y).pow(2).mean().backward()
+    opt.step()
+    opt.zero_grad(set_to_none=False)
+    assert opt.statistics_source.n == 0
+    with pytest.raises(RuntimeError, match="GSNR needs at least 2 gradient groups per step, got n=0"):
+        opt.step()
+
+
 def test_a_backward_that_raised_does_not_join_the_next_one():
     """A backward() that raises below the checkpointed segments (an out-of-memory error, caught by
     the loop, which goes on accumulating) never reaches the end of its pass; the next backward() is

@@ -410,6 +410,10 @@ class LocalStats:
 
     @property
     def n(self) -> int:
+        """The step's gradient groups: 0 once the step has ended (``end_step``) until the next
+        micro-step is recorded, as the hook source's count after ``reset``."""
+        if self._stale:
+            return 0
         local = self._n_local if self._started else (int(self._counts.max()) if len(self._counts) else 0)
         return self.world * local
 
