@@ -99,3 +99,16 @@ def test_options_are_the_classes_group_options():
         built = info.cls([nn.Parameter(torch.ones(2))], **info.test_kwargs).defaults
         assert functional.options(info.cls, info.test_kwargs) == {k: v for k, v in built.items()
                                                                   if k != "differentiable"}
+
+
+def test_tensors_of_two_dtypes_in_one_call_are_refused_as_a_mixed_param_group_is():
+    """fp32 and bf16 tensors in one functional call: refused naming both dtypes, as a param group
+    mixing them is, unless ``fused=False``, which steps them on the reference. Fails on the code
+    before: the C++ kernels' "expected scalar type Float but found BFloat16" (fused None or True)."""
+    params = [torch.ones(3), torch.ones(3, dtype=torch.bfloat16)]
+    grads = [torch.full((3,), 0.5), torch.full((3,), 0.5, dtype=torch.bfloat16)]
+    for fused in (None, True):
+        with pytest.raises(ValueError, match="VRAdam: the group mixes bfloat16 and float32 tensors"):
+            vrgd_ds.optim.vr_adam(params, grads, [{}, {}], gsnr=False, fused=fused)
+    vrgd_ds.optim.vr_adam(params, grads, [{}, {}], gsnr=False, fused=False, lr=0.1)
+    assert all(bool((p < 1).all()) for p in params)

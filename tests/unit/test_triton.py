@@ -649,3 +649,71 @@ def test_a_rank_holding_no_piece_of_a_group_gets_empty_tables():
     assert k.nonfinite([], seg).numel() == 0
     moments = k.checked_moments([], [], [], seg, 0.5, 1e-12)
     assert moments.shape[0] == 0
+
+
+def test_a_loaded_state_of_other_strides_steps_as_a_contiguous_one():
+    """A state whose moments were saved transposed (column-major strides, the same values) steps
+    as the same state made contiguous, on every implementation. Fails on the code before: Triton
+    read the moments in memory order (exp_avg 0.45 off, the weights 1.4e-3), the C++ kernels and
+    the reference raised."""
+    torch.manual_seed(0)
+    w0 = torch.randn(6, 5)
+    zs = [[torch.randn(5) + 0.3 for _ in range(2)] for _ in range(2)]
+
+    def train(opt, w, steps):
+        for step in steps:
+            for z in step:
+                (w @ z).sin().sum().backward()
+            opt.step()
+            opt.zero_grad()
+
+    w = nn.Parameter(w0.clone())
+    opt = vrgd_ds.VRAdam([w], fused=False)
+    train(opt, w, zs[:1])
+    saved = opt.state_dict()
+    strided = copy.deepcopy(saved)
+    for key in ("exp_avg", "exp_avg_sq", "gsnr_avg"):
+        strided["state"][0][key] = saved["state"][0][key].t().contiguous().t()
+        assert not strided["state"][0][key].is_contiguous()
+    out = {}
+    for fused, state in ((False, saved), (False, strided), (True, strided), ("triton", strided)):
+        p = nn.Parameter(w.detach().clone())
+        o = vrgd_ds.VRAdam([p], fused=fused)
+        o.load_state_dict(copy.deepcopy(state))
+        train(o, p, zs[1:])
+        out.setdefault("contiguous" if state is saved else fused, p.detach())
+    for fused in (False, True, "triton"):
+        torch.testing.assert_close(out[fused], out["contiguous"], rtol=0, atol=1e-6)
+
+
+def test_lamb_without_trust_ratio_keeps_a_nan_to_its_element():
+    """A group without the trust ratio (``weight_decay=0``, ``use_nvlamb=False``) and one NaN
+    weight: its update is the element-wise one, so the NaN stays in its element, on Triton as on
+    the reference. Fails on the code before, whose "all False" adaptation mask (``n0 != n0``) was
+    True where the weight norm was NaN: every element became NaN."""
+    out = {}
+    for fused in (False, "triton"):
+        w = nn.Parameter(torch.arange(1.0, 9.0))
+        with torch.no_grad():
+            w[3] = float("nan")
+        opt = vrgd_ds.VRLamb([w], lr=0.1, weight_decay=0.0, use_nvlamb=False, fused=fused)
+        for k in range(2):
+            (w * torch.linspace(-1, 1, 8) * (k + 1)).nansum().backward()
+        opt.step()
+        out[fused] = w.detach().isnan()
+    assert out["triton"].sum() == 1 and torch.equal(out["triton"], out[False])
+
+
+def test_pack_squares_of_a_strided_source_reads_its_elements():
+    """A strided 1-D source (every other element): Triton packs its elements, as the reference and
+    the fused kernels do. Fails on the code before, whose ``reshape(-1)`` kept the view strided
+    and the kernel read the memory in order."""
+    from vrgd_ds.optim import _impl
+
+    src = torch.arange(16.0)[::2]
+    g, sq = torch.empty(8), torch.empty(8)
+    _triton.Triton().pack_squares(src, g, sq, 1.0)
+    assert torch.equal(g, src) and torch.equal(sq, src * src)
+    ref_g, ref_sq = torch.empty(8), torch.empty(8)
+    _impl.Reference().pack_squares(src, ref_g, ref_sq, 1.0)
+    assert torch.equal(g, ref_g) and torch.equal(sq, ref_sq)

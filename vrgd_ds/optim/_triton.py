@@ -431,7 +431,7 @@ def _finish_kernel(res: "*fp64", norms: "*fp64", nstride: tl.int64, table: "*fp6
             if ADAPT:
                 adapted = (n0 > 0) & (n1 > 0)
             else:
-                adapted = n0 != n0  # all False
+                adapted = (n0 > 0) & (n0 < 0)  # all False, a NaN norm too
             ratio = n0 / n1
             ratio = tl.where(ratio < min_coeff, min_coeff, ratio)  # .clamp(min_coeff, max_coeff): NaN stays NaN
             ratio = tl.where(ratio > max_coeff, max_coeff, ratio)
@@ -1465,7 +1465,7 @@ class Triton:
         return self._combined(ch, part, 1, 1, False, form=2)[:, 0]
 
     def pack_squares(self, src, g_out, sq_out, c, accumulate=False):
-        x = src.reshape(-1)
+        x = src.reshape(-1).contiguous()  # a strided 1-D view stays strided in reshape: the kernel reads flat memory
         numel = x.numel()
         if numel:
             self._fp32([sq_out] if g_out is None else [sq_out, g_out])

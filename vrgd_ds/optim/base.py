@@ -27,6 +27,7 @@ from vrgd_ds.optim import _impl
 from vrgd_ds.optim import functional as F
 from vrgd_ds.optim import metrics as M
 from vrgd_ds.optim import state as S
+from vrgd_ds.optim.checks import check_dtypes
 from vrgd_ds.optim.checks import InvalidArgument, check_arg, check_common  # noqa: F401 (their home before)
 from vrgd_ds.optim.plan import Plan, Planner
 from vrgd_ds.optim.retry import StepCounts, run_with_retry
@@ -208,16 +209,7 @@ class GSNROptimizer(torch.optim.Optimizer):
     def _check_group(self, group: dict[str, Any]) -> None:
         where = f"{self.name} (param group {len(self.param_groups) - 1})"
         check_common(where, group)
-        dtypes = sorted({str(p.dtype).removeprefix("torch.") for p in group["params"]})
-        other = [d for d in dtypes if d not in ("float32", "bfloat16", "float16")]
-        if other:
-            raise ValueError(f"{where}: {' and '.join(other)} parameters: the family steps fp32/bf16/fp16 parameters "
-                             "in fp32 arithmetic (a float64 update would be rounded to fp32, a complex one would lose "
-                             "its imaginary part); give them an optimizer of torch.optim, or cast them")
-        if len(dtypes) > 1 and self.fused is not False:
-            raise ValueError(f"{where}: the group mixes {' and '.join(dtypes)} tensors, and the fused kernels step "
-                             "one dtype per group: give each dtype its group (vrgd_ds.param_groups does), or "
-                             "fused=False")
+        check_dtypes(where, group["params"], self.fused)
         type(self)._check_options(where, group)
 
     @staticmethod

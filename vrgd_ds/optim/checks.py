@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from typing import Any
 
+FP32_TINY = 1.1754943508222875e-38  # torch.finfo(torch.float32).tiny, the least normal fp32
+
 
 class InvalidArgument(ValueError):
     """A hyper-parameter out of range; ``name`` is the argument."""
@@ -18,6 +20,21 @@ def check_arg(owner: str, name: str, ok: bool, value: Any, want: str) -> None:
         raise InvalidArgument(owner, name, value, want)
 
 
+def check_dtypes(where: str, params: Any, fused: bool | str | None) -> None:
+    """The dtypes of one param group (or one functional step's tensors): fp32/bf16/fp16, and one
+    of them unless ``fused`` is False."""
+    dtypes = sorted({str(p.dtype).removeprefix("torch.") for p in params})
+    other = [d for d in dtypes if d not in ("float32", "bfloat16", "float16")]
+    if other:
+        raise ValueError(f"{where}: {' and '.join(other)} parameters: the family steps fp32/bf16/fp16 parameters "
+                         "in fp32 arithmetic (a float64 update would be rounded to fp32, a complex one would lose "
+                         "its imaginary part); give them an optimizer of torch.optim, or cast them")
+    if len(dtypes) > 1 and fused is not False:
+        raise ValueError(f"{where}: the group mixes {' and '.join(dtypes)} tensors, and the fused kernels step "
+                         "one dtype per group: give each dtype its group (vrgd_ds.param_groups does), or "
+                         "fused=False")
+
+
 def check_common(owner: str, options: dict[str, Any]) -> None:
     """The ranges of the options every member has: the constructor's defaults, and each param
     group's own (a group's ``beta3=1`` would make p̂ = 0/0)."""
@@ -27,6 +44,7 @@ def check_common(owner: str, options: dict[str, Any]) -> None:
     check_arg(owner, "gamma", 0.0 < options["gamma"] <= 1.0, options["gamma"], "in (0, 1]")
     check_arg(owner, "beta3", 0.0 <= options["beta3"] < 1.0, options["beta3"], "in [0, 1)")
     # 0 would make r = 0/0 where every group's gradient is 0 (an embedding row no sample used)
-    check_arg(owner, "gsnr_eps", options["gsnr_eps"] > 0.0, options["gsnr_eps"],
-              "> 0 (an element whose gradients are all equal, e.g. all zero, has variance 0)")
+    check_arg(owner, "gsnr_eps", options["gsnr_eps"] >= FP32_TINY, options["gsnr_eps"],
+              f">= {FP32_TINY:.4g}, the least normal fp32 (the statistics' precision: a smaller one rounds or "
+              "flushes to 0, and an element whose gradients are all equal, e.g. all zero, has variance 0)")
     check_arg(owner, "weight_decay", options["weight_decay"] >= 0.0, options["weight_decay"], ">= 0")

@@ -204,6 +204,11 @@ def _complete(plan: Plan, state_keys: tuple[str, ...], beta3: float) -> list[Ten
             st["step"] = torch.tensor(float(step), dtype=torch.float32, device=plan.tdev)
         elif step.device != plan.tdev:
             st["step"] = step.to(plan.tdev)
+        for key, value in list(st.items()):
+            if key != "step" and isinstance(value, Tensor) and not value.is_contiguous():
+                # a loaded state keeps the saved strides (a transposed or sliced tensor): the kernels
+                # read each tensor's memory in order
+                st[key] = value.contiguous()
         for key in state_keys:
             if key not in st:
                 st[key] = torch.zeros(p.shape, dtype=torch.float32, device=p.device)
