@@ -871,11 +871,12 @@ def unbracketed(cells: dict, key: tuple[str, int, str], best: list[dict]) -> str
 
 
 def verdicts(best: dict, corpus: str, batches: list[int], label: str, baseline: str,
-             unigram: float | None, cells: dict | None = None) -> list[tuple]:
+             unigram: float | dict[int, float] | None, cells: dict | None = None) -> list[tuple]:
     """Per batch: ``label`` against ``baseline`` at each one's best LR. A verdict needs 2 seeds each,
     each one's best LR bracketed by the factors run (when ``cells``, ``by_factor``, is given:
-    ``unbracketed``) and the baseline's runs ending below the unigram level (``unigram``: None, not
-    computed, decides nothing); it is "better" or
+    ``unbracketed``) and each of the baseline's runs ending below the unigram level of its seed's
+    held-out masks (``unigram``: per seed, or one level for every seed; None, or a seed without
+    one, decides nothing: not computed); it is "better" or
     "worse" only when the seed ranges do not overlap. Then, with 2 seeds at both ends, the
     baseline's degradation from the first batch to the last and the share of it ``label``
     recovers there: "not decided" unless both ends' verdicts are."""
@@ -896,7 +897,8 @@ def verdicts(best: dict, corpus: str, batches: list[int], label: str, baseline: 
             continue
         lv, lb = [r["mlm_loss"] for r in vr], [r["mlm_loss"] for r in base]
         diff = mean(lv) - mean(lb)
-        below = None if unigram is None else unigram - max(lb)
+        levels = [unigram.get(r["seed"]) if isinstance(unigram, dict) else unigram for r in base]
+        below = None if None in levels else min(u - r["mlm_loss"] for u, r in zip(levels, base))
         if below is None:  # a verdict past the plateau needs the baseline below it: not known, none given
             verdict = "not decided: the unigram level is not computed (no prepared data)"
         elif below <= 0:
@@ -1433,9 +1435,11 @@ def main() -> None:
                       table(["corpus", "batch", "optimizer", *(f"×{f:g}" for f in factors)], grid))
         if args.noise_multiple:
             rows = [row for name in corpora if corpus_batches[name] for label in labels if BASELINE.get(label) in labels
-                    for row in verdicts(best, name, corpus_batches[name], label, BASELINE[label], unigram.get(name),
-                                        cells)]
-            levels = ", ".join(f"{name} {unigram[name]:.3f}" for name in corpora if name in unigram) or "not computed"
+                    for row in verdicts(best, name, corpus_batches[name], label, BASELINE[label],
+                                        unigram_by_seed.get(name), cells)]
+            levels = ", ".join(f"{name} {unigram[name]:.3f} (seeds {', '.join(f'{s}: {u:.3f}' for s, u in by.items())})"
+                               for name in corpora if (by := unigram_by_seed.get(name))) or "not computed"
+            # below: the least margin of the baseline's runs, each under its own seed's level
             out.add_table(f"Verdict per batch (multiples {', '.join(f'×{m:g}' for m in args.noise_multiple)} of B_simple; "
                           f"unigram level, nats: {levels}; {len(unrun)} run(s) {unrun_what})",
                           table(["corpus", "batch", "baseline loss", "VR loss", "baseline below unigram", "verdict"], rows))

@@ -587,6 +587,25 @@ def test_a_run_records_the_fingerprint_of_the_data_it_read(tmp_path):
     assert data_fingerprint(tmp_path, 1) != one
 
 
+def test_verdicts_hold_each_baseline_run_to_its_own_seeds_unigram_level():
+    """Each seed has its own held-out masks and unigram level: the baseline's runs must each end
+    below their own seed's. Fails on the old code, which held them to the mean of the seeds'
+    levels: a verdict with seed 2 still 0.022 nats above its plateau, and none with both seeds
+    below theirs."""
+    sys.path.insert(0, str(STUDIES))
+    from bert_batch import verdicts
+
+    def cell(*losses):
+        return [{"mlm_loss": x, "seed": seed} for seed, x in enumerate(losses, 1)]
+
+    best = {("c", 64, "LAMB"): cell(6.30, 6.28), ("c", 64, "VR"): cell(6.05, 6.10)}
+    above = verdicts(best, "c", [64], "VR", "LAMB", unigram={1: 6.3521, 2: 6.2578})
+    assert above[0][-1] == "not decided: LAMB ends 0.022 nats above the unigram level"
+    best = {("c", 64, "LAMB"): cell(6.33, 6.20), ("c", 64, "VR"): cell(6.05, 6.10)}
+    below = verdicts(best, "c", [64], "VR", "LAMB", unigram={1: 6.3521, 2: 6.2578})
+    assert below[0][-1] == "VR better by 0.190 nats (seed ranges apart)" and below[0][4] == "0.022"
+
+
 def test_verdicts_need_two_seeds_below_the_unigram_level_and_apart_ranges():
     """``verdicts`` in-process (the end-to-end study below is in the exhaustive tier): a cell
     with one seed, LAMB at or above the unigram level, overlapping and separate seed ranges, the
