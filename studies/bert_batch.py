@@ -432,6 +432,12 @@ def _flat(tree: Any, prefix: str = "") -> dict[str, Any]:
     return {prefix.rstrip("."): tree}
 
 
+def _settings(cfg: dict) -> dict[str, Any]:
+    """The settings of a run's config that decide its result: ``UNCHANGING`` and telemetry aside."""
+    return {k: v for k, v in _flat(json.loads(json.dumps(cfg))).items()
+            if k not in UNCHANGING and not k.startswith("job.telemetry")}
+
+
 def same_settings(run_dir: Path, cfg: dict) -> None:
     """A finished run in ``--work`` is read back only where its ``study_config.json`` has the
     settings this study would run it with (``UNCHANGING`` aside); else the study stops naming the
@@ -440,9 +446,8 @@ def same_settings(run_dir: Path, cfg: dict) -> None:
     saved_file = run_dir / "study_config.json"
     if not saved_file.is_file():
         return  # finished before runs kept their config: nothing to compare
-    saved, now = _flat(json.loads(saved_file.read_text())), _flat(json.loads(json.dumps(cfg)))
-    differ = sorted(k for k in saved.keys() | now.keys()
-                    if k not in UNCHANGING and not k.startswith("job.telemetry") and saved.get(k) != now.get(k))
+    saved, now = _settings(json.loads(saved_file.read_text())), _settings(cfg)
+    differ = sorted(k for k in saved.keys() | now.keys() if saved.get(k) != now.get(k))
     if differ:
         shown = "; ".join(f"{k}: {saved.get(k)!r} there, {now.get(k)!r} here" for k in differ[:6])
         raise SystemExit(f"{run_dir}: a finished run with other settings than this study's ({shown}): give the "
@@ -564,6 +569,8 @@ class Runner:
         # the machine's samples/s each finished run showed (``collect``), shared by a study's Runners (rounds)
         self.rates: list[float] = vars(args).setdefault("run_rates", [])
         self.load: dict[int, float] = {}  # launch index -> ∫ runs in flight dt over its time so far
+        self.resumed: set[int] = set()  # launch indices resumed from a pause: their segment's rate is mostly start-up
+        self.timed_out = False  # the time limit paused the runs in flight
         self.not_started: list[Path] = []
         self.stopped: list[dict] = vars(args).setdefault("stopped", [])  # Launch.progress of each run stopped
         # before any run starts: the versions' imports take seconds, which would otherwise fall
@@ -638,6 +645,8 @@ class Runner:
                         self.not_started.append(launches[pending.pop(0)].run_dir)
                     if pending:
                         i = pending.pop(0)
+                        if launches[i].segments():
+                            self.resumed.add(i)
                         active[slot] = (i, *self.start(launches[i], slot))
                         self.load[i] = 0.0
                 time.sleep(0.2)
@@ -646,6 +655,7 @@ class Runner:
                 if self.stop_at is not None and active and time.monotonic() - lead_at > 10.0:
                     lead, lead_at = self.lead(launches, active), time.monotonic()
                 if self.stop_at is not None and active and time.monotonic() > self.stop_at + self.PAUSE_S - lead:
+                    self.timed_out = True
                     self.pause_active(launches, active, results, record,
                                       self.stop_at + self.PAUSE_S - time.monotonic(), "--time-limit")
                     break
@@ -653,12 +663,13 @@ class Runner:
             for i, proc, _, log in active.values():  # a failure elsewhere or the time limit: stop the rest
                 stop(proc)
                 log.close()
-                shutil.rmtree(launches[i].run_dir, ignore_errors=True)
+                if not launches[i].segments():  # a run resumed from a pause keeps its checkpoint and segments
+                    shutil.rmtree(launches[i].run_dir, ignore_errors=True)
         requested = getattr(self.args, "pause_requested", False)
         if self.not_started:
             why = "SIGUSR1: paused" if requested else "--time-limit: the time left would not hold them"
             print(f"{why}: {len(self.not_started)} run(s) not started (the first: {self.not_started[0]})", flush=True)
-        if requested or (self.stop_at is not None and time.monotonic() > self.stop_at):
+        if requested or self.timed_out or (self.stop_at is not None and time.monotonic() > self.stop_at):
             self.args.only_finished = True  # the time is over: later cells assemble from what finished
         return results
 
@@ -686,7 +697,8 @@ class Runner:
             results[i] = launches[i].result(wall, self.machine)
             if record is not None:
                 record(results[i])
-            self.rates.append(samples / wall * max(self.load.get(i, 0.0) / wall, 1.0))
+            if i not in self.resumed:  # a resumed segment's few steps after its start-up would set the rate
+                self.rates.append(samples / wall * max(self.load.get(i, 0.0) / wall, 1.0))
 
     def pause_active(self, launches: list[Launch], active: dict, results: list[dict | None],
                      record: Callable[[dict], None] | None, wait_s: float, why: str) -> None:
@@ -759,10 +771,15 @@ class Runner:
     def start(self, launch: Launch, slot: int) -> tuple[subprocess.Popen, float, Any]:
         port = str(master_port(self.args.port, slot))  # before the run's directory is touched
         done, recorded = launch.segments(), launch.run_dir / "study_config.json"
-        resume = bool(done) and recorded.is_file() and json.loads(recorded.read_text()) == launch.config
-        if resume:  # paused at a time limit: the job resumes from its checkpoint
+        # paused at a time limit with the settings it would run with now (how its data is read may differ)
+        resume = bool(done) and recorded.is_file() and _settings(json.loads(recorded.read_text())) == _settings(
+            launch.config)
+        if resume:  # the job resumes from its checkpoint
             print(f"resuming {launch.run_dir} from step {done[-1]['step']}", flush=True)
-        elif launch.run_dir.exists():  # an interrupted run: start it again from scratch
+        elif launch.run_dir.exists():  # an interrupted run, or one paused with other settings: from scratch
+            if done:
+                print(f"{launch.run_dir}: paused with other settings than this study's: it starts again from step 0",
+                      flush=True)
             shutil.rmtree(launch.run_dir)
         (launch.run_dir / "requeue.json").unlink(missing_ok=True)  # the last pause's: not this segment's
         launch.run_dir.mkdir(parents=True, exist_ok=True)
