@@ -386,6 +386,7 @@ BAD = {
     "bad-autocast-fp16-stage0": "'torch_autocast' fp16 with zero_optimization.stage 0 is not supported",
     "bad-unmanaged-accumulation": "'managed_gradient_accumulation' false is not supported with VRGD optimizers",
     "bad-sparse-embedding": "vrgd_ds: emb (Embedding) has sparse=True in a param group with GSNR on",
+    "bad-elastic-checkpoint": "'zero_optimization.elastic_checkpoint' is not supported with VRGD optimizers",
 }
 
 
@@ -503,6 +504,11 @@ def test_universal_checkpoint_resumes_on_one_rank_with_gsnr_momentum(pool, pool1
     res = run(pool1, "run_universal_load", case)
     assert res["max_abs_diff"] == {"gsnr_avg": 0.0, "exp_avg": 0.0, "exp_avg_sq": 0.0}
     assert res["step"] == 3 and res["n_after"] == 2.0  # one rank x gradient_accumulation_steps 2 (ZeRO-2)
+    # loaded in a script of one's own into Lamb (VRLamb with gsnr off): the wiring stays as built, the
+    # GSNR momentum goes. Fails on the code before, where only the job kept the wiring: DeepSpeed's
+    # universal loader set the saved gsnr=True and the step raised "no statistics source is attached"
+    res = run(pool1, "run_universal_switch", dict(case, load_opt="Lamb"))
+    assert res["gsnr"] == [False] and "gsnr_avg" not in res["keys"] and res["n_after"] is None, res
 
 
 @pytest.mark.exhaustive  # make test: the refusal's rule and wording (tests/unit/test_engine_paths.py)

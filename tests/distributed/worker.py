@@ -911,6 +911,9 @@ def bad_cases():
     # before: accepted, then the first step raised torch's "Cannot access data pointer of Tensor that doesn't have
     # storage" (stage 0, accumulation 1) or "unsupported memory format option Contiguous" (accumulation 2)
     yield "bad-sparse-embedding", dict(base, stage=0, gas=2, sparse=True, set={"vrgd.squares": "per_step"})
+    # before: accepted; its checkpoints then failed to load (AssertionError, KeyError 'base_optimizer_state_step') and
+    # to convert
+    yield "bad-elastic-checkpoint", dict(base, set={"zero_optimization.elastic_checkpoint": True})
     yield "bad-hierarchical-bf16-squares", dict(base, set={"vrgd.squares": "hierarchical", "vrgd.squares_dtype": "bf16"})
 
 
@@ -973,6 +976,23 @@ def run_universal_load(case: dict) -> dict:
         engine.step()
     m = engine.basic_optimizer.gsnr_metrics()
     return dict(max_abs_diff=diffs, n_after=m.get("gsnr/n"), step=int(engine.global_steps))
+
+
+def run_universal_switch(case: dict) -> dict:
+    """1 rank, in a script of one's own (not the job): the universal checkpoint loaded into another
+    member of the family (``case["load_opt"]``), then a step: its ``gsnr`` as built, and the state
+    keys it kept."""
+    cfg = config(dict(case, opt=case["load_opt"]))
+    cfg["checkpoint"] = {"load_universal": True}
+    engine, *_ = deepspeed.initialize(model=tiny_model(seed=3), config=cfg)
+    engine.load_checkpoint(os.path.join(case["dir"], "ckpt"))
+    opt = engine.basic_optimizer
+    gsnr = [bool(g["gsnr"]) for g in opt.param_groups]
+    keys = sorted({k for st in opt.state.values() for k in st})
+    for j in range(case["gas"]):
+        engine.backward(loss_fn(engine, batch(2, 0, j), torch.float32))
+        engine.step()
+    return dict(gsnr=gsnr, keys=keys, n_after=opt.gsnr_metrics().get("gsnr/n"))
 
 
 def run_single_rank_n1(case: dict) -> dict:

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 from typing import Any
 
@@ -94,6 +95,7 @@ def attach(engine: Any) -> sources.ReductionStats | None:
     # loss scaler that is an overflow (the scale drops), otherwise the gradients are non-finite.
     _hook_step(wrapper, opt, stats, "step/skipped_overflow" if engine.fp16_enabled() else "step/skipped_nonfinite")
     engine.vrgd_stats = stats
+    keep_wiring_on_universal_load(engine, opt)
     if stats is not None:
         guard_accumulation(engine)
     logger.info("vrgd_ds: %s attached to DeepSpeed (stage %d, %s, %s)", opt.name, stage,
@@ -135,6 +137,23 @@ def guard_accumulation(engine: Any) -> None:
         yield  # a generator for contextmanager: never reached
 
     engine.no_sync, engine.coalesce_grad_reduction = checked_no_sync, checked_coalesce
+
+
+def keep_wiring_on_universal_load(engine: Any, opt: GSNROptimizer) -> None:
+    """DeepSpeed 0.19.8's universal loader (``load_universal_checkpoint``) sets the saved param
+    groups' options on the optimizer, ``gsnr`` among them, and its state, without its
+    ``load_state_dict``: ``engine.load_checkpoint`` runs inside ``opt.loaded_elsewhere()`` then, so
+    the wiring stays as built and the GSNR momentum is started or dropped as for any load."""
+    load = engine.load_checkpoint
+
+    @functools.wraps(load)
+    def load_checkpoint(*args: Any, **kwargs: Any) -> Any:
+        if not engine.load_universal_checkpoint():
+            return load(*args, **kwargs)
+        with opt.loaded_elsewhere():
+            return load(*args, **kwargs)
+
+    engine.load_checkpoint = load_checkpoint
 
 
 def sparse_embeddings(module: Any, opt: GSNROptimizer) -> list[str]:

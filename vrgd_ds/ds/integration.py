@@ -141,6 +141,11 @@ def check_engine(engine: Any) -> None:
            "reduction; set it to false")
     if engine.zero_hpz_partition_size() > 1:
         no("zero_optimization.zero_hpz_partition_size", "ZeRO++ hierarchical partitioning is not covered; set it to 1")
+    if stage in (1, 2) and engine.zero_elastic_checkpoint():
+        no("zero_optimization.elastic_checkpoint", "DeepSpeed's elastic ZeRO-1/2 checkpoint takes the step count "
+           "from param_groups[0]['step'], which VRGD optimizers keep per tensor: its checkpoints do not load or "
+           "convert; set it to false (to resume on another number of ranks the job converts to a universal "
+           "checkpoint: vrgd_ds.ds.universal)")
     if stage in (1, 2) and not engine.zero_contiguous_gradients():
         no("zero_optimization.contiguous_gradients", "false reduces through a path without the hooks; set it to true")
     # ZeRO-3 without contiguous gradients: refused by attach, where whether statistics are read is known

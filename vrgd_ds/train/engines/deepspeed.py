@@ -209,12 +209,10 @@ class DeepSpeedEngine(Engine):
         before = config.load_universal_checkpoint
         # DeepSpeed 0.19.8 reads the flag at load time (engine.load_universal_checkpoint())
         config.load_universal_checkpoint = plan.universal
-        # DeepSpeed's universal loader copies the saved groups' options (gsnr among them) onto the
-        # optimizer's and loads its state without load_state_dict: the wiring is put back as built
-        kept = self.optimizer.loaded_elsewhere() if plan.universal else contextlib.nullcontext()
+        # (a universal load keeps the optimizer's wiring as built: vrgd_ds.ds.attach)
         try:
             load_dir = ckpt_dir / ckpt.UNIVERSAL if plan.universal else ckpt_dir
-            with kept, zero3_weights_of(tag):
+            with zero3_weights_of(tag):
                 path, client = self.engine.load_checkpoint(str(load_dir), tag=tag,
                                                            load_optimizer_states=plan.optimizer_states,
                                                            load_lr_scheduler_states=plan.optimizer_states)
