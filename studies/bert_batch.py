@@ -844,10 +844,15 @@ def noise_batches(multiples: list[float], noise_scale: float, granularity: int) 
     return [max(granularity, int(m * noise_scale / granularity + 0.5) * granularity) for m in multiples]
 
 
-def measured_noise_scale(results: list[dict], batch: int) -> float | None:
-    """The mean ``B_simple`` the VR runs at ``batch`` measured (None: no such run yet)."""
-    noise = [r["b_simple"] for r in results if r["batch"] == batch and r.get("b_simple") is not None]
-    return mean(noise) if noise else None
+def measured_noise_scale(results: list[dict | None], batch: int, seeds: Sequence[int] | None = None
+                         ) -> float | None:
+    """The mean ``B_simple`` the VR runs at ``batch`` measured; None until one has (with ``seeds``:
+    until one has on every seed, so that the grid's batches do not depend on which seeds a time
+    limit let finish)."""
+    measured = [r for r in results if r is not None and r["batch"] == batch and r.get("b_simple") is not None]
+    if not measured or (seeds is not None and set(seeds) - {r["seed"] for r in measured}):
+        return None
+    return mean(r["b_simple"] for r in measured)
 
 
 def unigram_loss(data: Path, seed: int, seq_len: int, count: int, heldout_fraction: float | None = None) -> float:
@@ -1352,7 +1357,7 @@ def main() -> None:
                 measured = run_all([(lab, name, data, args.base_batch, 1.0, seed) for lab in probes for seed in seeds],
                                    args, log_run)
                 probe_runs += measured
-                scale = measured_noise_scale(measured, args.base_batch)
+                scale = measured_noise_scale(measured, args.base_batch, seeds)
             if scale is None:
                 print(f"[{name}] no B_simple measured at batch {args.base_batch} yet: its batches are unknown", flush=True)
                 here = []

@@ -851,6 +851,11 @@ def test_batches_at_noise_multiples_get_a_verdict_each_and_the_unrun_cells_are_l
     assert noise_batches([1, 4, 16, 64], 20.0, 8) == [24, 80, 320, 1280] and noise_batches([0.1], 20.0, 8) == [8]
     assert measured_noise_scale([{"batch": 64, "b_simple": 10.0}, {"batch": 64, "b_simple": 30.0},
                                  {"batch": 16, "b_simple": 99.0}, {"batch": 64, "b_simple": None}], 64) == 20.0
+    # a probe a time limit left with one seed gives no batches yet: fails on the code before, which took
+    # that seed's B_simple, and the next lease, with both, other batches
+    probe = [{"batch": 64, "seed": 1, "b_simple": 100.0}, None]
+    assert measured_noise_scale(probe, 64, [1, 2]) is None
+    assert measured_noise_scale(probe + [{"batch": 64, "seed": 2, "b_simple": 300.0}], 64, [1, 2]) == 200.0
     best_runs = {(16, "LAMB"): (6.50, 6.60), (16, "VR-LAMB first_moment"): (6.55, 6.58),
                  (64, "LAMB"): (6.90, 6.95), (64, "VR-LAMB first_moment"): (6.70, 6.75)}
     # ×1 best, bracketed by ×0.5 and ×2 on both seeds; ×4 run once (LAMB at 16, seed 1), the rest not yet
