@@ -670,7 +670,8 @@ class Runner:
             why = "SIGUSR1: paused" if requested else "--time-limit: the time left would not hold them"
             print(f"{why}: {len(self.not_started)} run(s) not started (the first: {self.not_started[0]})", flush=True)
         if requested or self.timed_out or (self.stop_at is not None and time.monotonic() > self.stop_at):
-            self.args.only_finished = True  # the time is over: later cells assemble from what finished
+            self.args.only_finished = self.args.time_over = True  # the time is over: later cells assemble from
+            # what finished
         return results
 
     def tick(self, active: dict, since: float) -> float:
@@ -1310,13 +1311,21 @@ def main() -> None:
               **({"bracket_carry": True} if args.bracket_carry else {})}
     args.reused, sources, shorter = load_reused(args.reuse, config)  # before Output: --out may be one of them
     args.work.mkdir(parents=True, exist_ok=True)
-    out = Output(args.out or (args.work if args.quick else DOCS / "bert_batch"), "bert_batch", config)
+    out_dir = Path(args.out or (args.work if args.quick else DOCS / "bert_batch"))
+    # --out among --reuse: the record's runs this study does not write again (another step count, other data,
+    # cells outside this invocation's grid) are carried over, not lost with the record's runs.jsonl
+    own = (out_dir / "runs.jsonl").resolve()
+    carried = [json.loads(line) for d in args.reuse if (Path(d) / "runs.jsonl").resolve() == own
+               for line in own.read_text().splitlines() if line.strip()]
+    out = Output(out_dir, "bert_batch", config)
     logged: set[RunKey] = set()
+    written: set[tuple] = set()  # (cell and seed, steps) of each run written
 
     def log_run(record: dict) -> None:
         """Each run once in ``runs.jsonl``: a probe run at the base batch may be a grid cell too."""
         if run_key(record) not in logged:
             logged.add(run_key(record))
+            written.add((run_key(record), record["steps"]))
             out.log_run(record)
 
     if sources:
@@ -1327,7 +1336,10 @@ def main() -> None:
               f"batch (--samples {args.samples}, --min-steps {args.min_steps}); they stay in their records, unused "
               "here", flush=True)
     results, corpus_batches, unigram, unigram_by_seed, probe_runs, unrun = [], {}, {}, {}, [], []
+    only_finished = args.only_finished
     for spec, name in zip(specs, corpora):
+        if args.probe_only:  # each corpus gets its probe (the grid, another machine's, is left out below)
+            args.only_finished = only_finished or getattr(args, "time_over", False)
         data = (args.work / "data" / name if args.only_finished
                 else prepare(name, spec.partition("=")[2] or None, args.work, args.seq_len, args.vocab_size))
         if not (data / "tokenizer.model").is_file():
@@ -1475,6 +1487,12 @@ def main() -> None:
                               "–" if c["tolerance"] is None else f"{c['tolerance']:.2e}",
                               {True: "yes", False: "no", None: "–"}[c["within"]], "yes" if c["same_data"] else "no")
                              for c in rows]))
+    kept = [r for r in carried if (run_key(r), r["steps"]) not in written]
+    for r in kept:
+        out.log_run(r)
+    if kept:
+        print(f"--out is among --reuse: {len(kept)} run(s) of its record this study does not use are kept in it",
+              flush=True)
     out.finish(everyone)
 
 

@@ -1622,3 +1622,71 @@ def test_a_pause_signalled_early_for_slow_steps_ends_the_studys_starts(tmp_path)
     Runner(args).run([slow])
     assert args.started + 60 > time.monotonic()  # returned long before the limit
     assert [g["paused"] for g in args.stopped] == [True] and args.only_finished is True
+
+
+def test_out_among_reuse_keeps_the_records_runs_the_study_does_not_use(tmp_path):
+    """``--out`` naming a ``--reuse`` directory (the way the plateau record is assembled): the
+    record's runs this invocation does not write again (a 10-step run, an optimizer it was not
+    asked for) stay in it. Fails on the code before, which unlinked the record's runs.jsonl and
+    wrote back only this invocation's cells."""
+    import platform
+
+    cfg = {"corpora": ["embedded"], "samples": 10240, "min_steps": 50, "seq_len": 64, "micro_batch": 8, "groups": None,
+           "ranks": 1, "lr_rule": "sqrt", "base_lr": 0.004, "base_batch": 64, "vocab_size": 8000, "model": "tiny",
+           "zero": 2, "quick": False, "heldout_fraction": None, "eval_points": None, "dropout": None}
+    record = tmp_path / "record"
+    record.mkdir()
+    (record / "meta.json").write_text(json.dumps({"config": cfg, "started": "x", "machine": {
+        "python": platform.python_version(), "processor": "x86_64", "cpus": 2, "commit": None}}))
+
+    def run(batch, steps, label, seed):
+        return {"corpus": "embedded", "batch": batch, "optimizer": label, "factor": 1.0, "seed": seed, "steps": steps,
+                "samples": steps * batch, "groups": batch // 8, "lr": 0.004, "mlm_loss": 6.0 + seed / 100,
+                "mlm_acc": 0.1, "wall_s": 1.0, "b_simple": None}
+
+    runs = [run(64, 160, "LAMB", s) for s in (1, 2)] + [run(1024, 10, "LAMB", 1), run(64, 160, "VR-LAMB update", 1)]
+    (record / "runs.jsonl").write_text("".join(json.dumps(r) + "\n" for r in runs))
+    subprocess.run([sys.executable, str(STUDIES / "bert_batch.py"), "--only-finished", "--batch", "64", "--batch", "1024",
+                    "--optimizer", "LAMB", "--lr-factor", "1", "--work", str(tmp_path / "work"), "--reuse", str(record),
+                    "--out", str(record)], check=True, capture_output=True, cwd=ROOT)
+    after = [json.loads(line) for line in (record / "runs.jsonl").read_text().splitlines()]
+    assert sorted((r["batch"], r["steps"], r["optimizer"], r["seed"]) for r in after) == sorted(
+        (r["batch"], r["steps"], r["optimizer"], r["seed"]) for r in runs)
+
+
+def test_probe_only_probes_every_corpus(tmp_path, monkeypatch):
+    """``--probe-only`` with two corpora: each is prepared and probed (its runs stood in for here),
+    and each gets its noise scale. Fails on the code before, which after the first corpus's probe
+    set the study to assemble only, so the second was neither prepared nor probed."""
+    sys.path.insert(0, str(STUDIES))
+    import bert_batch as bb
+
+    prepared, probed = [], []
+
+    def fake_prepare(name, source, out, seq_len, vocab):
+        prepared.append(name)
+        (out / "data" / name).mkdir(parents=True, exist_ok=True)
+        return out / "data" / name
+
+    def fake_run_all(cells, args, record):
+        if args.only_finished:
+            return []
+        done = []
+        for label, corpus, data, batch, factor, seed in cells:
+            probed.append(corpus)
+            done.append({"corpus": corpus, "batch": batch, "optimizer": label, "factor": factor, "seed": seed,
+                         "steps": 160, "samples": 10240, "groups": 8, "lr": 4e-3, "mlm_loss": 6.0, "mlm_acc": 0.1,
+                         "wall_s": 1.0, "b_simple": None if label == "LAMB" else 100.0})
+            record(done[-1])
+        return done
+
+    monkeypatch.setattr(bb, "prepare", fake_prepare)
+    monkeypatch.setattr(bb, "run_all", fake_run_all)
+    monkeypatch.setattr(sys, "argv", ["bert_batch.py", "--probe-only", "--noise-multiple", "1", "--noise-multiple", "4",
+                                      "--corpus", "a=/nonexistent/a", "--corpus", "b=/nonexistent/b", "--optimizer",
+                                      "LAMB", "--optimizer", "VR-LAMB first_moment", "--lr-factor", "1", "--work",
+                                      str(tmp_path / "work"), "--out", str(tmp_path / "out")])
+    bb.main()
+    meta = json.loads((tmp_path / "out" / "meta.json").read_text())
+    assert prepared == ["a", "b"] and sorted(set(probed)) == ["a", "b"]
+    assert meta["noise_scale"] == {"a": 100.0, "b": 100.0}
