@@ -1380,8 +1380,8 @@ def test_a_parameter_in_two_reentrant_backward_passes_is_refused_naming_the_fix(
 @pytest.mark.parametrize("source", ["hooks", "per_step"])
 def test_a_step_with_no_backward_since_the_last_is_refused_by_every_source(source):
     """A second ``step()`` with no backward since the first: the tensor hooks' source (one process)
-    and the per-step source (DDP's and DeepSpeed's, ending its step as DDP's does) both count 0
-    groups, and the step is refused. Fails on the code before for the per-step source, which kept
+    and the per-step source where the optimizer's step ends the step (DDP's and FSDP's) both count
+    0 groups, and the step is refused. Fails on the code before for the per-step source, which kept
     the ended step's count (n = 2) and stepped again on its sums."""
     from vrgd_ds.optim import _impl
     from vrgd_ds.stats.local import LocalStats

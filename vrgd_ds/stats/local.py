@@ -410,9 +410,11 @@ class LocalStats:
 
     @property
     def n(self) -> int:
-        """The step's gradient groups: 0 once the step has ended (``end_step``) until the next
-        micro-step is recorded, as the hook source's count after ``reset``."""
-        if self._stale:
+        """The step's gradient groups. Where the optimizer's ``step``/``zero_grad`` end the step
+        (``reset_ends_step``: DDP), 0 once it has ended until the next micro-step is recorded, as
+        the hook source's count after ``reset``, so that a second ``step()`` with no backward is
+        refused; where the engine ends it (DeepSpeed, Megatron), the ended step's count until then."""
+        if self._stale and self.reset_ends_step:
             return 0
         local = self._n_local if self._started else (int(self._counts.max()) if len(self._counts) else 0)
         return self.world * local
