@@ -1518,17 +1518,18 @@ def test_the_gpu_suites_study_commands_parse():
         assert args.time_limit is None or args.expect_share == 8
 
 
-def _paused_launch(tmp_path: Path, name: str, cmd: list[str], config: dict, samples_done: float = 960.0):
+def _paused_launch(tmp_path: Path, name: str, cmd: list[str], config: dict, paused: bool = True):
     """A ``Launch`` whose directory holds a pause (a ``PAUSED`` segment at step 120, its config, a
-    checkpoint), as a time limit left it."""
+    checkpoint), as a time limit left it; with ``paused`` False a run never started."""
     sys.path.insert(0, str(STUDIES))
     from bert_batch import PAUSED, Launch
 
     one = Launch(tmp_path / name, cmd, config, {"corpus": "c", "batch": 8, "optimizer": name, "seed": 1, "lr": 1e-3,
                                                 "factor": 1.0, "steps": 128, "samples": 1024}, tmp_path / "no-data")
+    if not paused:
+        return one
     one.run_dir.mkdir(parents=True)
-    (one.run_dir / PAUSED).write_text(json.dumps([{"machine": "m", "wall_s": 300.0, "step": 120,
-                                                   "samples": samples_done}]))
+    (one.run_dir / PAUSED).write_text(json.dumps([{"machine": "m", "wall_s": 300.0, "step": 120, "samples": 960.0}]))
     (one.run_dir / "study_config.json").write_text(json.dumps(config))
     (one.run_dir / "checkpoints").mkdir()
     return one
@@ -1568,11 +1569,7 @@ def test_a_failed_run_leaves_a_resumed_runs_checkpoint_and_its_rate_is_not_the_m
 
     resumed = _paused_launch(tmp_path, "resumed", [sys.executable, "-c", "import time; time.sleep(60)"], {"cfg": 1})
     failing = _paused_launch(tmp_path, "failing", [sys.executable, "-c", "import time, sys; time.sleep(1); sys.exit(1)"],
-                             {"cfg": 2})
-    (failing.run_dir / "PAUSED.json").unlink(missing_ok=True)
-    for f in failing.run_dir.iterdir():
-        if f.name not in ("study_config.json", "checkpoints"):
-            f.unlink()
+                             {"cfg": 2}, paused=False)
     with pytest.raises(SystemExit, match="run failed"):
         Runner(argparse.Namespace(parallel=2, time_limit=None, started=time.monotonic(), ranks=1, port=None)).run(
             [resumed, failing])

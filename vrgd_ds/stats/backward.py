@@ -80,13 +80,15 @@ class BackwardGroups:
         self._lock = threading.Lock()
         self._last: dict[Any, int] = {}  # per recorded key, the group it was last recorded in
 
-    def record(self, key: Any, p: Tensor, owner: str) -> None:
-        """A hook of parameter ``p`` (``key``: how its source names it) records a gradient; the
-        second record in one ``backward()`` is an error naming the fix."""
-        group = self.current()
+    def record(self, key: Any, p: Tensor, owner: str, group: int | None = None) -> int:
+        """A hook of parameter ``p`` (``key``: how its source names it) records a gradient in
+        ``group`` (default: ``current()``, which a caller that read it already passes); the second
+        record in one ``backward()`` is an error naming the fix. Returns the group."""
+        group = self.current() if group is None else group
         if self._last.get(key) == group:
             raise second_pass_error(p, owner)
         self._last[key] = group
+        return group
 
     def current(self) -> int:
         task = torch._C._current_graph_task_id()

@@ -122,7 +122,7 @@ class TensorHookStats:
         if group != self._group:  # the first hook of a backward()
             self._group = group
             self._drop_if_cleared()
-        self._passes.record(p, p, self._owner)
+        self._passes.record(p, p, self._owner, group)
         count = self._counts.get(p, 0)
         row = self._accumulate(p, grad.detach(), bufs[0], bufs[1], count == 0,
                                count + 1 if count + 1 >= self._expect else 0)

@@ -316,6 +316,7 @@ def parse_job(raw: dict[str, Any], source: str = "config") -> JobConfig:
             raise ConfigError(f"{source}: '{key}' is derived per phase from job.phases[*].global_batch and "
                               f"micro_batch; remove it")
     optimizer_state_policy(raw)
+    data_change_policy(raw)
     try:
         return JobConfig.model_validate(raw[JOB_KEY])
     except ValidationError as e:
@@ -334,7 +335,6 @@ def optimizer_state_policy(raw: dict[str, Any]) -> str:
     if block.get("load_universal"):
         raise ConfigError(f"{CHECKPOINT_KEY}.load_universal: remove it; the job converts a checkpoint to universal "
                           "form and loads it that way by itself when the number of ranks changed")
-    data_change_policy(raw)
     value = block.get(OPTIMIZER_STATE_KEY, OPTIMIZER_STATE_POLICIES[0])
     if value not in OPTIMIZER_STATE_POLICIES:
         raise ConfigError(f"{CHECKPOINT_KEY}.{OPTIMIZER_STATE_KEY}: {value!r} is not one of "
