@@ -224,7 +224,7 @@ def test_a_save_over_a_save_cut_short_keeps_none_of_its_files(tmp_path, monkeypa
     job.run_dir, job.rank, job.world, job.step, job.consumed, job.evals = tmp_path, 0, 2, 4, [64], []
     job.skip_streak_from, job.controllers, job.job = None, {}, SimpleNamespace(keep_checkpoints=3)
     job.skipped_before, job.optimizer = 0, SimpleNamespace(skipped_steps=0)
-    job.lock = None  # a job without a run-directory owner record
+    job.lock, job.first_on_node = None, True  # a job without a run-directory owner record
     job.engine = SimpleNamespace(save=write)
     job._checkpoint_bytes = lambda: (10, 10, "test")
     job._any_rank = lambda flag: flag
@@ -237,6 +237,67 @@ def test_a_save_over_a_save_cut_short_keeps_none_of_its_files(tmp_path, monkeypa
         "zero_pp_rank_0_mp_rank_00_optim_states.pt", "zero_pp_rank_1_mp_rank_00_optim_states.pt"]
     assert ckpt.problem(ckpt_dir, "step00000004") is None
     assert not (ckpt_dir / ckpt.UNIVERSAL / "step00000004").exists()
+
+
+def test_a_checkpoints_files_reach_the_disk_before_its_marker(tmp_path, monkeypatch):
+    """The job fsyncs every file and directory of a checkpoint before the marker that lists them,
+    and the marker's and ``latest``'s renames with their directory. Fails on the code before, which
+    fsynced only the marker's and ``latest``'s own bytes: after a power loss the marker could be
+    durable and a rank file it lists empty."""
+    from types import SimpleNamespace
+
+    ckpt_dir = tmp_path / "checkpoints"
+
+    def write(ckpt_dir, tag, state):  # what DeepSpeed writes, with torch.save's plain close
+        (ckpt_dir / tag / "zero").mkdir(parents=True)
+        (ckpt_dir / tag / "mp_rank_00_model_states.pt").write_bytes(b"model")
+        (ckpt_dir / tag / "zero" / "rank_1.pt").write_bytes(b"optim")
+
+    synced = []
+    real = os.fsync
+    monkeypatch.setattr(os, "fsync", lambda fd: (synced.append(os.readlink(f"/proc/self/fd/{fd}")), real(fd)))
+    job = object.__new__(loop.Job)
+    job.run_dir, job.rank, job.world, job.step, job.consumed, job.evals = tmp_path, 0, 2, 6, [64], []
+    job.skip_streak_from, job.controllers, job.job = None, {}, SimpleNamespace(keep_checkpoints=3)
+    job.skipped_before, job.optimizer = 0, SimpleNamespace(skipped_steps=0)
+    job.lock, job.first_on_node = None, True
+    job.engine = SimpleNamespace(save=write)
+    job._checkpoint_bytes = lambda: (10, 10, "test")
+    job._any_rank = lambda flag: flag
+    job.optimizer_info = job.resume_info = lambda: {}
+    job.watchdog = SimpleNamespace(beat=lambda step, what: None)
+    monkeypatch.setattr(loop, "dist", SimpleNamespace(barrier=lambda: None))
+    job.save()
+    tag = ckpt_dir / "step00000006"
+    marker = next(i for i, p in enumerate(synced) if ckpt.MARKER in p)
+    for p in (tag / "mp_rank_00_model_states.pt", tag / "zero" / "rank_1.pt", tag / "zero", tag):
+        assert str(p) in synced[:marker], p
+    assert synced.count(str(tag)) == 2 and str(ckpt_dir) in synced[marker:]  # the marker's rename, latest's
+
+    out = ckpt_dir / ckpt.UNIVERSAL / "step00000006" / "zero" / "w"  # a universal conversion's files
+    out.mkdir(parents=True)
+    (out / "fp32.pt").write_bytes(b"w")
+    synced.clear()
+    ckpt.record_conversion(ckpt_dir, "step00000006", 4, ["step"])
+    record = next(i for i, p in enumerate(synced) if ckpt.CONVERTED in p)
+    assert str(out / "fp32.pt") in synced[:record] and str(out) in synced[:record]
+
+
+@pytest.mark.parametrize("rank", range(4))
+def test_one_rank_per_host_flushes_the_checkpoint(rank, monkeypatch):
+    """Ranks 0-3 on two hosts, interleaved (a, b, a, b): ranks 0 and 1 are their hosts' first."""
+    from types import SimpleNamespace
+
+    hosts = "abab"
+
+    def all_gather(out, mine):
+        for r, t in enumerate(out):
+            t.copy_(mine if hosts[r] == hosts[rank] else mine + 1)
+
+    monkeypatch.setattr(loop, "dist", SimpleNamespace(all_gather=all_gather))
+    job = object.__new__(loop.Job)
+    job.rank, job.world, job.device = rank, 4, "cpu"
+    assert job._first_on_node() == (rank < 2)
 
 
 def test_the_evaluation_before_training_takes_the_micro_batch_of_the_phase_at_its_length(monkeypatch):

@@ -17,6 +17,9 @@ universal form, next to it::
     <dir>/universal/<tag>/...                  the converted checkpoint (``vrgd_ds.ds.universal``)
     <dir>/universal/<tag>/vrgd_converted.json  {"from", "saved_world_size", "state_keys"}, written last
 
+Every node fsyncs the checkpoint's files before the marker is written (``flush``); the marker
+and ``latest`` are fsynced with their directory.
+
 A checkpoint counts only with its marker, and only if every file the marker lists is there with
 its size. Resuming takes the newest such checkpoint; newer ones that are incomplete or broken
 are reported by name and skipped (and left on disk for inspection).
@@ -49,6 +52,14 @@ def step_of(tag: str) -> int | None:
     return int(m.group(1)) if m else None
 
 
+def _fsync(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
 def _atomic_write(path: Path, text: str) -> None:
     tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
     with open(tmp, "w") as f:
@@ -56,6 +67,22 @@ def _atomic_write(path: Path, text: str) -> None:
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path)
+    _fsync(path.parent)  # the rename itself
+
+
+def flush(root: Path) -> None:
+    """fsyncs every file under ``root``, then its directories, deepest first. ``torch.save`` and
+    dist-checkpointing close their files without it, so after a power loss a marker made durable
+    later could list files the disk never got. Each node's first rank calls it (``Job.save``): the
+    node's page cache holds what all its ranks wrote."""
+    dirs = [root]
+    for p in sorted(root.rglob("*")):
+        if p.is_dir():
+            dirs.append(p)
+        elif p.is_file():
+            _fsync(p)
+    for d in sorted(dirs, key=lambda d: len(d.parts), reverse=True):
+        _fsync(d)
 
 
 def mark_complete(ckpt_dir: Path, tag: str, step: int, world_size: int | None = None,
@@ -98,6 +125,8 @@ def converted(ckpt_dir: Path, tag: str) -> dict | None:
 
 
 def record_conversion(ckpt_dir: Path, tag: str, saved_world: int, state_keys: list[str]) -> None:
+    """Rank 0, once the conversion (its own files) is written: those files, then the record."""
+    flush(ckpt_dir / UNIVERSAL / tag)
     _atomic_write(ckpt_dir / UNIVERSAL / tag / CONVERTED,
                   json.dumps({"from": tag, "saved_world_size": saved_world, "state_keys": state_keys}, indent=1))
 

@@ -36,11 +36,13 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import hashlib
 import json
 import logging
 import math
 import os
 import signal
+import socket
 import sys
 import time
 from pathlib import Path
@@ -166,8 +168,17 @@ class Job:
         timeout = datetime.timedelta(seconds=collective_timeout(max(job.timeout_minutes, job.startup_timeout_minutes) * 60))
         self.engine: Engine = engine_class(job.engine)(raw, job, backend, timeout)
         self.rank, self.world, self.device = self.engine.rank, self.engine.world, self.engine.device
+        self.first_on_node = self._first_on_node()
         self.watchdog: Watchdog | None = None
         self.lock = self._take_run_dir()  # before anything in the run directory is touched
+
+    def _first_on_node(self) -> bool:
+        """Whether this rank is the lowest of its host's (one all-gather of a hash of the host name)."""
+        name = hashlib.blake2b(socket.gethostname().encode(), digest_size=7).digest()
+        mine = torch.tensor([int.from_bytes(name, "little")], dtype=torch.int64, device=self.device)
+        hosts = [torch.empty_like(mine) for _ in range(self.world)]
+        dist.all_gather(hosts, mine)
+        return [int(h.item()) for h in hosts].index(int(mine.item())) == self.rank
 
     def _take_run_dir(self) -> RunDirLock | None:
         """Rank 0 takes the run directory (``rundir``); every rank learns whether it could."""
@@ -403,7 +414,9 @@ class Job:
                 raise ckpt.NoSpace(f"no space left on {self.ckpt_dir} while writing {tag} (need about "
                                    f"{need / 2**20:,.0f} MB); the previous checkpoint is intact") from e
             raise
-        dist.barrier()  # every rank's files are written
+        if self.first_on_node:  # before the marker can be durable (``checkpoints.flush``)
+            ckpt.flush(self.ckpt_dir / tag)
+        dist.barrier()  # every rank's files are written and on disk
         if self._lost():  # taken over while writing: neither marked nor rotated (the new owner's checkpoints stay)
             logger.error("checkpoint %s not marked complete: %s", tag, self.lock.lost)
         elif self.rank == 0:
