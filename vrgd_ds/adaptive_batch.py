@@ -163,14 +163,17 @@ class BatchController:
         bounded = min(max(target, self.batch / st.max_change), self.batch * st.max_change)
         bounded = min(max(bounded, st.min_batch), st.max_batch)
         g = st.granularity
-        # the nearest multiple of g, inside the cap, and at least one multiple toward the target:
-        # where the cap is narrower than g (a batch of a few multiples) nearest rounding stayed
-        # put for good, and rounding up could pass the cap (a ×2 step under max_change 1.5)
+        # the nearest multiple of g, inside the cap, and one multiple toward the target where that
+        # brings the batch nearer it: where the cap is narrower than g (a batch of a few multiples)
+        # nearest rounding stayed put for good, and rounding up could pass the cap (a ×2 step under
+        # max_change 1.5); a forced step past a target within g/2 would step back at the next
+        # adjustment, and so on for as long as the noise scale stays
         new = int(round(bounded / g)) * g
-        if target > self.batch:
-            new = max(new - g if new > self.batch * st.max_change else new, self.batch + g)
-        else:
-            new = min(new + g if new < self.batch / st.max_change else new, self.batch - g)
+        if abs(target - self.batch) > g / 2:
+            if target > self.batch:
+                new = max(new - g if new > self.batch * st.max_change else new, self.batch + g)
+            else:
+                new = min(new + g if new < self.batch / st.max_change else new, self.batch - g)
         new = min(max(new, st.min_batch), st.max_batch)
         changed = new != self.batch
         if changed:

@@ -300,6 +300,22 @@ def test_the_half_batch_cosine_on_an_odd_number_of_ranks_is_refused_at_set_up(wo
     HalfBatchCosine(engine, dist)
 
 
+@pytest.mark.parametrize("start,target", [(4, 4.45), (5, 4.45), (4, 3.55), (3, 3.55)])
+def test_a_target_within_half_a_multiple_settles_the_batch(start, target):
+    """micro-batch × ranks = 4096, a steady noise scale at 4.45 (or 3.55) multiples and the default
+    tolerance 0.1, whose dead band is narrower than half a multiple at 4 or 5 multiples (the shipped
+    BERT-large adaptive config on 64 ranks): the batch settles on the nearest multiple and stays.
+    Fails on the code before, which always moved at least one multiple toward the target, past it:
+    4 → 5 → 4 → ... multiples at every adjustment, and the LR with it under the sqrt rule."""
+    g = 4096
+    st = ControllerSettings(initial_batch=start * g, min_batch=g, max_batch=32 * g, granularity=g,
+                            target_ratio=1.0, every=1, smoothing=0.0, tolerance=0.1)
+    c = BatchController(st)
+    batches = [c.observe(target * g, 1.0).batch for _ in range(12)]
+    assert set(batches) == {round(target) * g}, batches
+
+
+
 @pytest.mark.parametrize("max_change", [1.2, 1.5, 2.0])
 def test_a_batch_of_a_few_multiples_moves_toward_its_target_within_the_cap(max_change):
     """micro-batch × ranks = 64 and a batch of 64 (a large cluster's ``min_batch`` is often one
