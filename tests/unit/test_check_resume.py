@@ -198,6 +198,30 @@ def test_an_adaptive_phase_whose_settings_would_change_is_refused_naming_the_key
         "saved with"]
 
 
+def test_adaptive_settings_saved_on_other_ranks_are_compared_not_checked_against_these(tmp_path):
+    """A run saved on 2 ranks (micro-batch × ranks 8) with an adaptive phase of global_batch 48 and
+    min_batch 24, checked for 4 ranks (16) with 64 and 32: --check-resume says the resume would stop
+    on the changed settings, naming the config's keys. Fails on the code before, which built the
+    saved settings for the new ranks: a traceback from ControllerSettings (exit 1) on the saved
+    48, or, for the saved 24, a line blaming the config's min_batch for the checkpoint's value."""
+    from vrgd_ds.train.config import parse_job
+
+    raw = copy.deepcopy(RAW)
+    raw["job"]["phases"][0].update(global_batch=48, adaptive_batch={"target_ratio": 1.0, "min_batch": 24,
+                                                                     "max_batch": 96})
+    ckpt_dir = tmp_path / "run" / "checkpoints"
+    (ckpt_dir / "step00000004").mkdir(parents=True)
+    (ckpt_dir / "step00000004" / "mp_rank_00_model_states.pt").write_bytes(b"x")
+    info = dict(INFO, phases=[p.model_dump(mode="json") for p in parse_job(raw).phases], consumed=[96])
+    ckpt.mark_complete(ckpt_dir, "step00000004", 4, 2, info)
+    raw["job"]["phases"][0].update(global_batch=64, adaptive_batch={"target_ratio": 1.0, "min_batch": 32,
+                                                                     "max_batch": 96})
+    report, ok = check(tmp_path / "run", raw, 4)
+    assert not ok and "would stop: job.phases[0].adaptive_batch: the checkpoint's controller settings differ in " \
+                      "initial_batch, min_batch (from job.phases[0].global_batch; " \
+                      "job.phases[0].adaptive_batch.min_batch)" in report, report
+
+
 def test_a_phase_added_goes_ahead_and_a_dropped_phase_that_ran_would_stop(run_dir):
     """--check-resume agrees with the job (``test_job_spine.py``): a phase added after the saved
     ones starts at 0; the checkpoint's second phase, started, missing from the config stops it.

@@ -421,7 +421,6 @@ def controller_settings(phase: PhaseConfig, world_size: int, index: int, phase_s
     name the key."""
     from vrgd_ds.adaptive_batch import ControllerSettings
     from vrgd_ds.optim.base import MIN_GROUPS
-    from vrgd_ds.train.schedule import warmup_steps
 
     ab = phase.adaptive_batch
     assert ab is not None
@@ -436,11 +435,21 @@ def controller_settings(phase: PhaseConfig, world_size: int, index: int, phase_s
         raise ConfigError(f"job.phases[{index}].adaptive_batch.min_batch: {ab.min_batch} gives a step of "
                           f"{ab.min_batch // phase.micro_batch} gradient group(s) (batch / micro_batch: ranks x "
                           f"micro-steps), and the GSNR needs >= {MIN_GROUPS}; use min_batch >= {floor}")
+    return ControllerSettings(**controller_fields(phase, world_size, phase_steps))
+
+
+def controller_fields(phase: PhaseConfig, world_size: int, phase_steps: int) -> dict[str, Any]:
+    """The ``ControllerSettings`` fields of an adaptive phase on ``world_size`` ranks, unchecked (a
+    saved phase's, compared on the ranks of a resume, need not suit them)."""
+    from vrgd_ds.train.schedule import warmup_steps
+
+    ab = phase.adaptive_batch
+    assert ab is not None
     start = warmup_steps(phase.warmup_fraction, phase_steps) if ab.after_warmup else 0
-    return ControllerSettings(initial_batch=phase.global_batch, min_batch=ab.min_batch, max_batch=ab.max_batch,
-                              granularity=g, target_similarity=ab.target_similarity, target_ratio=ab.target_ratio,
-                              every=ab.every, start_step=start, smoothing=ab.smoothing, max_change=ab.max_change,
-                              tolerance=ab.tolerance)
+    return dict(initial_batch=phase.global_batch, min_batch=ab.min_batch, max_batch=ab.max_batch,
+                granularity=phase.micro_batch * world_size, target_similarity=ab.target_similarity,
+                target_ratio=ab.target_ratio, every=ab.every, start_step=start, smoothing=ab.smoothing,
+                max_change=ab.max_change, tolerance=ab.tolerance)
 
 
 #: the keys a controller setting comes from, where it is not the block's own key of that name
@@ -462,8 +471,6 @@ def adaptive_changes(saved: "JobConfig", job: "JobConfig", world_size: int,
     the granularity, micro-batch × ranks, may), or the phase ran adaptive and is fixed now. One
     line per phase, naming the config keys. A phase the checkpoint has not started (``consumed``,
     its samples per phase, 0) may change freely, as the job lets it."""
-    from dataclasses import asdict
-
     out = []
     steps, saved_steps = job.phase_steps(), saved.phase_steps()
     started = [consumed is None or i >= len(consumed) or consumed[i] > 0 for i in range(len(saved.phases))]
@@ -478,8 +485,8 @@ def adaptive_changes(saved: "JobConfig", job: "JobConfig", world_size: int,
             continue
         if not started[i]:
             continue
-        mine = asdict(controller_settings(phase, world_size, i, steps[i]))
-        before = asdict(controller_settings(saved.phases[i], world_size, i, saved_steps[i]))
+        mine = controller_fields(phase, world_size, steps[i])
+        before = controller_fields(saved.phases[i], world_size, saved_steps[i])
         changed = sorted(k for k in before if k != "granularity" and before[k] != mine[k])
         if changed:
             out.append(f"job.phases[{i}].adaptive_batch: the checkpoint's controller settings differ in "
