@@ -389,6 +389,35 @@ def test_the_watchdog_kills_a_silent_rank_only_while_its_pid_is_the_same_process
     assert beat["proc_start"] == process_start(os.getpid()) and beat["pid_ns"] == pid_namespace()
 
 
+def test_a_failed_heartbeat_write_does_not_end_the_watch(tmp_path):
+    """The heartbeat's writes fail for a while (a full disk), then the rank stalls: the watchdog still
+    ends the job with EXIT_STALLED after its limit. Fails on the code before, where the first OSError
+    raised out of the write: from a step's heartbeat it ended training (here: exit 1 at start), from
+    the watch thread it ended the watch, and a later stall was never reported."""
+    import subprocess
+    import sys
+    import textwrap
+
+    script = textwrap.dedent(f"""
+        import pathlib, time
+        from vrgd_ds.train.watchdog import Watchdog
+        real, failures = pathlib.Path.write_text, [0]
+        def write_text(self, *a, **k):
+            if failures[0] < 5:
+                failures[0] += 1
+                raise OSError(28, "No space left on device")
+            return real(self, *a, **k)
+        pathlib.Path.write_text = write_text
+        w = Watchdog(pathlib.Path({str(tmp_path)!r}), 0, 1, timeout_s=1.0, poll_s=0.05).start()
+        w.beat(1)
+        time.sleep(20)
+    """)
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 3, done.stderr[-2000:]
+    assert "made no progress" in done.stderr and "could not write its heartbeat" in done.stderr
+    assert done.stderr.count("could not write its heartbeat") == 1
+
+
 @pytest.mark.parametrize("timeout_s", [15.0, 60.0, 1800.0])
 def test_collectives_outlive_the_watchdog(timeout_s):
     """Bug: the collective timeout equalled job.timeout_minutes, so a collective entered just after

@@ -66,6 +66,7 @@ class Watchdog:
         self._last = time.monotonic()
         self._progress = {"step": 0, "what": "start", "time": time.time()}
         self._lock = threading.Lock()
+        self._write_failing: str | None = None  # the last heartbeat write's error, until one succeeds
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._watch, name="vrgd-watchdog", daemon=True)
         #: called just before the process ends the job (e.g. to give the run directory back)
@@ -88,12 +89,22 @@ class Watchdog:
         self._write()
 
     def _write(self) -> None:
+        """This rank's heartbeat. A failed write (a full disk, a stale NFS handle) is logged once
+        until one succeeds again: the watch goes on, and so does training."""
         with self._lock:  # the thread and the training loop both write: one temporary file at a time
             record = {"rank": self.rank, **self._progress, "alive": time.time(), "host": socket.gethostname(),
                       "pid": os.getpid(), **self._identity}
             tmp = self.dir / f".rank{self.rank}.tmp"
-            tmp.write_text(json.dumps(record))
-            os.replace(tmp, self.dir / f"rank{self.rank}")
+            try:
+                tmp.write_text(json.dumps(record))
+                os.replace(tmp, self.dir / f"rank{self.rank}")
+            except OSError as e:
+                if self._write_failing is None:
+                    logger.warning("watchdog: rank %d could not write its heartbeat (%s); other ranks may "
+                                   "report it unresponsive until a write succeeds", self.rank, e)
+                self._write_failing = str(e)
+            else:
+                self._write_failing = None
 
     @property
     def limit(self) -> float:
