@@ -1538,6 +1538,27 @@ def test_per_tensor_metrics_name_a_tensor_by_its_place_in_the_group_and_skip_an_
     assert m["gsnr/tensor_mean_min"] == min(means) > 0 and m["gsnr/tensor_mean_max"] == max(means)
 
 
+@pytest.mark.parametrize("name", ["VRAdam", "VRLamb"])
+def test_a_tensor_without_information_reports_nothing_clipped(name):
+    """A tensor whose gradient is 0 in every group (mean r 0) keeps r = 1: its row reports scale 1
+    and no element clipped, and it leaves the layer group's clip fraction alone, as the global
+    ``gsnr/clip_low_frac`` does. Fails on the code before: its row said ``clip_low_frac`` 1.0
+    (every element raised to gamma) beside ``scale_mean`` 1.0."""
+    from vrgd_ds.train.telemetry import group_summary
+
+    torch.manual_seed(0)
+    w, dead = torch.nn.Parameter(torch.randn(3, 5)), torch.nn.Parameter(torch.randn(4))
+    opt = vrgd_ds.REGISTRY[name].cls([w, dead], lr=1e-3)
+    for _ in range(4):
+        ((w @ torch.randn(5)).square().sum() + 0.0 * dead.sum()).backward()
+    opt.step()
+    m = opt.gsnr_metrics(per_tensor=True)
+    assert m["gsnr/zero_info_tensors"] == 1.0
+    row = {k.rsplit("/", 1)[1]: v for k, v in m.items() if k.startswith("tensor/group0.param1/")}
+    assert row["scale_mean"] == 1.0 and row["clip_low_frac"] == row["clip_high_frac"] == 0.0
+    assert group_summary(m)["group/group0.param1/clip_low_frac"] == 0.0
+
+
 def test_a_tensor_no_backward_reached_steps_on_its_zero_gradient_and_an_unfrozen_one_is_named():
     """Two cases torch's optimizers step and the statistics had no record of, both reported as "a
     gradient set by hand" by the code before (fails on it): (1) ``zero_grad(set_to_none=False)`` (VRLamb's

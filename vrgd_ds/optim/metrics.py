@@ -110,8 +110,9 @@ class StepRecord:
                 row["gsnr_mean"] = float(s[S["sum_r"]]) / numel
                 row["gsnr_min"] = -float(mx[M["neg_min_r"]])
                 row["gsnr_max"] = float(mx[M["max_r"]])
-                row["clip_low_frac"] = float(s[S["clip_low"]]) / numel
-                row["clip_high_frac"] = float(s[S["clip_high"]]) / numel
+                informative = s[S["zero_info"]] < 0.5  # else r stays 1, nothing clipped (as in summary)
+                row["clip_low_frac"] = float(s[S["clip_low"]]) / numel if informative else 0.0
+                row["clip_high_frac"] = float(s[S["clip_high"]]) / numel if informative else 0.0
                 row["scale_mean"] = float(s[S["sum_scale"]]) / numel
             if mx[M["adapted"]] > 0 and mx[M["trust"]] > -torch.inf:  # as trust_ratio/*: adapted tensors only
                 row["trust_ratio"] = float(mx[M["trust"]])
