@@ -472,9 +472,19 @@ def pipeline_equals_unsharded(case: dict) -> dict:
         got = list(mine.parameters())
         want = list((ref[0] if stage == 0 else ref[2]).parameters())
         rel = relative(got, want)
+        metrics = opt.chained_optimizers[0].optimizer.gsnr_metrics(per_tensor=True)
+        whole = ref_opt.gsnr_metrics(per_tensor=True)
+        metric_rel = {k: abs(metrics[k] - whole[k]) / max(abs(whole[k]), 1e-12) for k in PIPELINE_METRICS}
+        rows = sorted({k.split("/")[1] for k in metrics if k.startswith("tensor/")})
         everyone = [None] * dist.get_world_size()
-        dist.all_gather_object(everyone, {"rel": rel, "ok": bool(ok), "n": opt.vrgd_sources[0].n})
+        dist.all_gather_object(everyone, {"rel": rel, "ok": bool(ok), "n": opt.vrgd_sources[0].n,
+                                          "metric_rel": metric_rel, "rows": rows})
         return {"worst": max(o["rel"] for o in everyone), "ranks": everyone}
+
+
+#: the whole model's metrics every pipeline stage reports (``Layout.join_stages``)
+PIPELINE_METRICS = ("gsnr/mean", "gsnr/tensor_mean_min", "gsnr/tensor_mean_max", "gsnr/clip_low_frac",
+                    "gsnr/scale_mean", "noise_scale/trace_cov", "noise_scale/grad_sq")
 
 
 def pipeline_checkpoint_case(case: dict) -> dict:

@@ -80,11 +80,16 @@ def _run(case: dict) -> dict:
         engine.train_batch(data_iter=iter([batch(step, dp_rank, j) for j in range(case["gas"])]))
         ns.append(engine.basic_optimizer.gsnr_metrics().get("gsnr/n"))
     got = {name: p.detach().clone() for name, p in model.named_parameters()}
+    last = engine.basic_optimizer.gsnr_metrics(per_tensor=True)
+    rows = sorted(k.split("/")[1] for k in last if k.endswith("/gsnr_mean"))
     # every rank's stage parameters on rank 0 (DP rank 0 of each stage: its copy is the stage's)
     gathered: list[tuple | None] = [None] * world
-    dist.all_gather_object(gathered, (engine.grid.get_stage_id(), got if dp_rank == 0 else {}))
+    dist.all_gather_object(gathered, (engine.grid.get_stage_id(), got if dp_rank == 0 else {},
+                                      (rows, last.get("gsnr/mean"))))
     if dist.get_rank() != 0:
         return {}
+    metrics = [m for *_, m in gathered]
+    gathered = [(stage, part) for stage, part, _ in gathered]
     got = {k: v for _, part in gathered for k, v in part.items()}
     # DeepSpeed 0.19.8's stage-0 clipping (clip_grad_norm_ with the grid as mpu) counts the
     # gradients of model-parallel rank 0 only, which under PipelineEngine is the first stage
@@ -106,7 +111,8 @@ def _run(case: dict) -> dict:
     names = sorted(want)
     if sorted(got) != names:
         raise AssertionError(f"stage parameters {sorted(got)} are not the model's {names}")
-    out = dict(n=ns, l2=l2_err([got[k] for k in names], [want[k].detach() for k in names],
+    out = dict(n=ns, rows=[m[0] for m in metrics], gsnr_mean=[m[1] for m in metrics], tensors=len(names),
+               l2=l2_err([got[k] for k in names], [want[k].detach() for k in names],
                                [init[k].detach() for k in names]), contrast_l2=None)
     if vrgd_ds.REGISTRY[case["opt"]].vr:
         plain = dict(reference(1.0).master.named_parameters())

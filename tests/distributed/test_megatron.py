@@ -180,12 +180,18 @@ def test_gamma_one_is_the_base_optimizer_bit_for_bit(megatron2, optimizer, distr
 @pytest.mark.parametrize("optimizer", ["VRLamb", "VRAdam", "VRSGD"])
 def test_two_pipeline_stages_equal_the_unsharded_optimizer(megatron2, optimizer, distributed):
     """PP2×DP1: each stage steps its own tensors; LAMB's pre-normalisation norm and the skip
-    flag span the stages (per stage, the norm would differ and so would the weights)."""
+    flag span the stages (per stage, the norm would differ and so would the weights). Every stage
+    reports the whole model's metrics, per tensor as the reference does: 4 rows, named by stage.
+    Fails on the code before, whose metrics were each stage's own (2 rows; the job writes rank 0's,
+    the first stage's)."""
     res = megatron2.run("megatron_worker", "pipeline_equals_unsharded",
                         {"accumulation": 2, "distributed": distributed, "optimizer": optimizer,
                          "kwargs": KWARGS[optimizer]})
     assert all(r["ok"] and r["n"] == 2 for r in res["ranks"]), res
     assert res["worst"] <= TOL, res
+    for r in res["ranks"]:
+        assert r["rows"] == [f"stage{s}.module.layer.{w}" for s in (0, 1) for w in ("bias", "weight")], r["rows"]
+        assert max(r["metric_rel"].values()) <= 1e-5, r["metric_rel"]
 
 
 @pytest.mark.parametrize("distributed", [False, pytest.param(True, marks=pytest.mark.exhaustive)])

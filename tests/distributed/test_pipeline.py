@@ -39,6 +39,10 @@ def test_pipeline_stages_equal_the_unsharded_optimizer(pool, name):
     if opt.startswith("VR"):
         assert res["n"] == [gas] * 3, "n = data-parallel ranks (1) × micro-batches on every stage"
         assert res["l2"] <= CONTRAST * res["contrast_l2"], res
+        # every stage reports the whole model's metrics: a row per model tensor, the same mean GSNR.
+        # Fails on the code before, where each stage reported its own tensors only
+        assert [len(rows) for rows in res["rows"]] == [res["tensors"]] * 2, res["rows"]
+        assert res["rows"][0] == res["rows"][1] and res["gsnr_mean"][0] == res["gsnr_mean"][1], res
     else:
         assert res["n"] == [None] * 3
 

@@ -161,7 +161,8 @@ def device_tables(plans: list[Plan], layout: Any | None) -> tuple[Tensor, Tensor
 
 def step_tables(plans: list[Plan], results: list[dict[str, Tensor]], n: int, found: Tensor | None,
                 layout: Any | None, written: tuple[Tensor, Tensor] | None = None) -> StepRecord:
-    """Per-model-tensor tables of one step call, complete across ranks (two small collectives).
+    """Per-model-tensor tables of one step call, complete across ranks and pipeline stages (two
+    small collectives, two more under pipeline stages).
     ``written``: tables whose rows the step's kernels wrote already (``device_tables``)."""
     tdev = plans[0].tdev
     sums, maxs = empty_tables(_num_keys(plans, layout), tdev) if written is None else written
@@ -190,7 +191,7 @@ def step_tables(plans: list[Plan], results: list[dict[str, Tensor]], n: int, fou
     if layout is not None:
         layout.all_reduce(sums, "sum")
         layout.all_reduce(maxs, "max")
-        names = layout.names
+        sums, maxs, names = layout.join_stages(sums, maxs)
     else:
         names = [""] * sums.shape[0]
         for plan in plans:

@@ -76,6 +76,7 @@ class Layout:
         #: bool per key, or None: a tied weight's copy that another pipeline stage counts, left out
         #: of whole-model sums (as DeepSpeed's and Megatron's gradient norms leave it out)
         self.replicated: Tensor | None = None
+        self._joined: tuple[int, int, list[str]] | None = None  # join_stages: this stage's first row, rows, names
         self._pieces: dict[int, list[tuple[int, int, int]]] = {}
         self._offsets: dict[int, list[int]] = {}
         self.counters = CommCounters()  # the small per-tensor tables (they stand for no gradient)
@@ -125,6 +126,36 @@ class Layout:
         combined over the stages, as DeepSpeed's gradient norm is; nothing to do otherwise."""
         if self.stages is not None:
             self._reduce(t, op, self.stages)
+
+    def join_stages(self, sums: Tensor, maxs: Tensor) -> tuple[Tensor, Tensor, list[str]]:
+        """The whole model's per-tensor tables (``vrgd_ds/optim/metrics.py``) from this stage's, each
+        complete over its stage already: under pipeline stages every stage's rows at its place in
+        the stages' order, named ``stage<i>.<name>`` (a stage numbers its layers from 0 under
+        Megatron), a tied weight's copy left to the stage that counts it (``replicated``); one sum
+        and one max over the stages per step. Without stages, this stage's tables and names."""
+        if self.stages is None:
+            return sums, maxs, self.names
+        if self._joined is None:  # once: every stage's names (their count places the rows)
+            import torch.distributed as tdist
+
+            every: list[Any] = [None] * tdist.get_world_size(self.stages)
+            tdist.all_gather_object(every, self.names, group=self.stages)
+            me = tdist.get_rank(self.stages)
+            names = [f"stage{i}.{name}" for i, stage in enumerate(every) for name in stage]
+            self._joined = (sum(len(stage) for stage in every[:me]), len(names), names)
+        first, rows, names = self._joined
+        whole_sums = sums.new_zeros(rows, sums.shape[1])
+        whole_maxs = maxs.new_full((rows, maxs.shape[1]), -torch.inf)
+        mine = slice(first, first + self.num_keys)
+        whole_sums[mine] = sums
+        whole_maxs[mine] = maxs
+        if self.replicated is not None:
+            copies = torch.nonzero(self.replicated).flatten().to(sums.device) + first
+            whole_sums[copies] = 0
+            whole_maxs[copies] = -torch.inf
+        self._reduce(whole_sums, "sum", self.stages)
+        self._reduce(whole_maxs, "max", self.stages)
+        return whole_sums, whole_maxs, names
 
     def _reduce(self, t: Tensor, op: str, group: Any) -> None:
         dist = self.comm
