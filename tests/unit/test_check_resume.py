@@ -139,7 +139,9 @@ def test_an_adaptive_position_no_round_of_this_layout_divides_is_refused_naming_
     assert ("would stop: job.phases[0]: the checkpoint is 24 samples into the phase, which is no multiple of "
             "micro_batch x ranks = 4 x 4") in report
     assert "resume on 1, 2 data-parallel rank(s)" in report
-    assert check(run_dir, copy.deepcopy(RAW), 2)[1]
+    eights = copy.deepcopy(RAW)
+    eights["job"]["phases"][0]["global_batch"] = 8  # a fixed phase 24 samples in takes a batch that divides 24
+    assert check(run_dir, eights, 2)[1]
     job = parse_job(RAW)
     check_resume_position(job, [128], [128], 3)  # a finished phase is not positioned again
     with pytest.raises(ConfigError, match="no multiple of micro_batch x ranks = 4 x 4"):
@@ -151,6 +153,28 @@ def test_an_adaptive_position_no_round_of_this_layout_divides_is_refused_naming_
                                                                      "max_batch": 48})
     with pytest.raises(ConfigError, match=r"resume on 1, 2 data-parallel rank\(s\)"):
         check_resume_position(parse_job(raw), [24], [10 ** 6], 4)
+
+
+def test_a_fixed_phase_resumed_with_a_batch_its_position_is_no_multiple_of_is_refused(run_dir):
+    """A fixed phase saved at global_batch 64 two steps in (128 samples of 10 steps) and resumed with
+    96: its samples are 10 × 96 = 960, and steps of 96 from 128 end at 992, past them. The job and
+    --check-resume stop, naming global_batch. Fails on the code before, which went ahead (and the
+    last step read 32 samples of the next phase's budget)."""
+    from vrgd_ds.train.config import ConfigError, check_resume_position, parse_job
+
+    raw = copy.deepcopy(RAW)
+    raw["job"]["phases"][0].update(global_batch=96, micro_batch=8)
+    raw["job"]["total_steps"] = 10
+    with pytest.raises(ConfigError, match=r"job.phases\[0\].global_batch: the checkpoint is 128 samples into the "
+                                          r"phase, no multiple of 96"):
+        check_resume_position(parse_job(raw), [128], [960], 2)
+    raw["job"]["phases"][0]["global_batch"] = 32  # divides 128: ends on the phase's 320 samples
+    check_resume_position(parse_job(raw), [128], [320], 2)
+    info = ckpt.marker(run_dir / "checkpoints", "step00000004")["info"]
+    ckpt.mark_complete(run_dir / "checkpoints", "step00000004", 4, 2, dict(info, consumed=[128]))
+    raw["job"]["phases"][0]["global_batch"] = 96
+    report, ok = check(run_dir, raw, 2)
+    assert not ok and "would stop: job.phases[0].global_batch: the checkpoint is 128 samples" in report, report
 
 
 def test_an_adaptive_phase_whose_settings_would_change_is_refused_naming_the_keys(tmp_path):

@@ -395,19 +395,26 @@ def check_resume_position(job: JobConfig, consumed: list[int], budget: list[int]
     """A checkpoint's position in each unfinished phase must be a whole number of ``micro_batch ×
     ranks`` rounds on this layout: an adaptive phase saved on another number of ranks took batches
     of that layout's multiples, and each rank's samples start at ``consumed + rank × micro_batch``.
-    The error names the rank counts that can resume it."""
+    The error names the rank counts that can resume it. A fixed phase must also be a whole number
+    of its ``global_batch`` in (one resumed with another batch would end past its samples)."""
     for index, (phase, done, total) in enumerate(zip(job.phases, consumed, budget)):
         per_round = phase.micro_batch * world_size
-        if done >= total or done % per_round == 0:
+        if done >= total:
             continue
-        ab = phase.adaptive_batch  # its bounds must be multiples of micro_batch x ranks too (controller_settings)
-        bounds = (phase.global_batch, done) + ((ab.min_batch, ab.max_batch) if ab is not None else ())
-        fits = [w for w in range(1, 4 * world_size + 1) if all(b % (phase.micro_batch * w) == 0 for b in bounds)]
-        raise ConfigError(
-            f"job.phases[{index}]: the checkpoint is {done} samples into the phase, which is no multiple of "
-            f"micro_batch x ranks = {phase.micro_batch} x {world_size} (an adaptive batch saved on another number "
-            f"of ranks); resume on {', '.join(map(str, fits)) or 'another number of'} data-parallel rank(s), or "
-            f"with a micro_batch that divides {done} and the global batch")
+        if done % per_round:
+            ab = phase.adaptive_batch  # its bounds must be multiples of micro_batch x ranks too (controller_settings)
+            bounds = (phase.global_batch, done) + ((ab.min_batch, ab.max_batch) if ab is not None else ())
+            fits = [w for w in range(1, 4 * world_size + 1) if all(b % (phase.micro_batch * w) == 0 for b in bounds)]
+            raise ConfigError(
+                f"job.phases[{index}]: the checkpoint is {done} samples into the phase, which is no multiple of "
+                f"micro_batch x ranks = {phase.micro_batch} x {world_size} (an adaptive batch saved on another "
+                f"number of ranks); resume on {', '.join(map(str, fits)) or 'another number of'} data-parallel "
+                f"rank(s), or with a micro_batch that divides {done} and the global batch")
+        if phase.adaptive_batch is None and done % phase.global_batch:  # its samples: steps x global_batch
+            raise ConfigError(
+                f"job.phases[{index}].global_batch: the checkpoint is {done} samples into the phase, no multiple of "
+                f"{phase.global_batch} (a fixed phase resumed with another global_batch would end past its "
+                f"samples); resume with a global_batch that divides {done}, such as the one it was saved with")
 
 
 def phase_samples(job: JobConfig) -> list[int]:
