@@ -55,6 +55,9 @@ def run_main(capsys, *args: str, config: Path = TEST_CONFIG, run_dir: Path | Non
     ('job.model.overrides={"vocab_size": 100}', "job.model.overrides.vocab_size: set by the job from the tokenizer's"),
     ('job.model.overrides={"max_position_embeddings": 16}',
      "job.model.overrides.max_position_embeddings: 16 is fewer positions than the longest phase's seq_len"),
+    # before: accepted, and the phase warmed up to its last step and ended at its peak LR, never decaying
+    ("job.phases.0.warmup_fraction=0.6", "job.phases[0].warmup_fraction: 0.6 of the phase's 2 steps rounds up to 2 "
+                                         "warmup steps, leaving none to decay; use a warmup_fraction of at most 0.5"),
 ])
 def test_bad_configuration_fails_before_any_work_with_one_line(capsys, override, message):
     """Each of these used to surface late (at deepspeed.initialize, after data preparation and

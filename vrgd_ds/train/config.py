@@ -281,11 +281,18 @@ class JobConfig(_Strict):
             raise ValueError(f"job.model.overrides.max_position_embeddings: {positions!r} is fewer positions than the "
                              f"longest phase's seq_len {longest} padded as a batch is ({padded_length(longest)}); raise "
                              "it or remove it (the job takes max(512, that width))")
+        from vrgd_ds.train.schedule import warmup_steps
+
         steps = self.phase_steps()
         for i, n in enumerate(steps):
             if n < 1:
                 raise ValueError(f"job.phases[{i}].fraction: {self.phases[i].fraction} of total_steps "
                                  f"{self.total_steps} leaves the phase no step; raise total_steps")
+            fraction = self.phases[i].warmup_fraction
+            if n > 1 and warmup_steps(fraction, n) >= n:  # the phase would end at its peak, never decaying
+                raise ValueError(f"job.phases[{i}].warmup_fraction: {fraction} of the phase's {n} steps rounds up to "
+                                 f"{n} warmup steps, leaving none to decay; use a warmup_fraction of at most "
+                                 f"{(n - 1) / n:.4g} or raise total_steps")
         return self
 
     def phase_steps(self) -> list[int]:
