@@ -149,6 +149,28 @@ def test_bf16_squares_with_the_automatic_scheme_are_refused_naming_both_keys():
     assert reduction_config({"vrgd": {"squares": "per_step", "squares_dtype": "bf16"}}).squares_dtype == "bf16"
 
 
+def test_the_scheme_chosen_by_memory_has_a_spelling_accelerate_passes():
+    """HF ``Trainer`` and Accelerate (``DeepSpeedPlugin.deepspeed_config_process``) refuse every
+    ``"auto"`` of a DeepSpeed config they do not fill themselves, ours included: ``"squares":
+    "by_memory"`` is the same choice, and passes them. Fails on the code before, which had no other
+    spelling: the scheme chosen by memory could not be had through HF or Accelerate."""
+    from vrgd_ds.ds.config import reduction_config
+
+    assert reduction_config({"vrgd": {"squares": "by_memory"}}).squares == "auto"
+    with pytest.raises(internals.UnsupportedConfiguration, match="squares_dtype.*'auto' may pick it"):
+        reduction_config({"vrgd": {"squares": "by_memory", "squares_dtype": "bf16"}})
+    accelerate = pytest.importorskip("accelerate.utils")
+
+    def processed(block: dict) -> None:
+        cfg = {"train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 1, "zero_optimization": {"stage": 2},
+               "optimizer": {"type": "VRLamb", "params": {"lr": 1e-3}}, "vrgd": block}
+        accelerate.DeepSpeedPlugin(hf_ds_config=cfg).deepspeed_config_process(must_match=True)
+
+    processed({"squares": "by_memory"})
+    with pytest.raises(ValueError, match="vrgd.squares` not found in kwargs"):  # why the second spelling
+        processed({"squares": "auto"})
+
+
 def test_a_vrgd_block_that_is_not_an_object_is_named():
     """``"vrgd": "per_step"`` (the scheme written without its key): the error names the block and
     shows its form. Fails on the code before, whose message ("Input should be a valid dictionary or

@@ -22,7 +22,7 @@ class ReductionConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True)
 
-    squares: Literal["per_step", "per_micro_step", "hierarchical", "auto"] | None = None
+    squares: Literal["per_step", "per_micro_step", "hierarchical", "auto"] | None = None  # also "by_memory"
     """``per_step``: DeepSpeed's own gradient reduction untouched; each rank sums its micro-steps'
     squares locally (a full-size fp32 buffer, 4 B/param per rank) and one collective per
     optimizer step reduces them; n = ranks × micro-steps on every stage. ``per_micro_step``:
@@ -33,8 +33,9 @@ class ReductionConfig(BaseModel):
     buffers per rank. ``hierarchical`` (stage 0, ZeRO-1/2/3): each bucket's statistics reduce-scattered within
     the node every micro-step into buffers partitioned over the node's ranks, then across nodes
     once per step: ``1/node_size`` of ``per_step``'s memory per rank, the same bytes between nodes
-    (``vrgd_ds/stats/hierarchical.py``). ``auto``: ``auto_scheme`` below (the rule of
-    ``benchmarks/comm_model.py``'s memory table)."""
+    (``vrgd_ds/stats/hierarchical.py``). ``auto``, also spelled ``by_memory``: ``auto_scheme``
+    below (the rule of ``benchmarks/comm_model.py``'s memory table). HF ``Trainer`` and Accelerate
+    refuse every ``"auto"`` of a config they do not fill themselves: write ``by_memory`` there."""
     gbar: Literal["auto", "engine", "local"] = "auto"
     """``per_step``'s mean gradient ḡ. ``engine``: DeepSpeed's reduced gradient, read before it
     is unscaled and clipped (no extra bytes). ``local``: summed in fp32 beside the squares and
@@ -61,6 +62,14 @@ class ReductionConfig(BaseModel):
     """``hierarchical``: the ranks per node (consecutive ranks form a node). Default (null): the
     ranks that share a host, found at attach; set it to group ranks otherwise (tests on one
     machine). It must divide the data-parallel ranks."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _spellings(cls, data: Any) -> Any:
+        """``by_memory`` is ``auto`` (a spelling HF Trainer and Accelerate leave alone)."""
+        if isinstance(data, dict) and data.get("squares") == "by_memory":
+            data = dict(data, squares="auto")
+        return data
 
     @model_validator(mode="after")
     def _together(self) -> "ReductionConfig":
