@@ -163,6 +163,9 @@ class _CutLayout:
     def all_reduce_stages(self, t, op):
         pass
 
+    def join_stages(self, sums, maxs):
+        return sums, maxs, self.names
+
 
 @pytest.mark.parametrize("fused", IMPLS)
 def test_a_tensor_cut_into_pieces_steps_as_the_whole(fused):
