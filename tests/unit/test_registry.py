@@ -40,6 +40,26 @@ def test_every_member_is_a_deepspeed_type_with_its_own_parameters(name):
         integration.check_optimizer_block({"optimizer": {"type": name, "params": {"gama": 0.1}}})
 
 
+@pytest.mark.parametrize("name", NAMES)
+def test_a_switch_written_as_a_string_is_refused_naming_it(name):
+    """``"gsnr": "false"`` (a config from YAML or a template): every switch a member takes is refused
+    unless a bool, by the constructor and the config check alike, naming the key. Fails on the
+    code before, which read "false" as true: VRLamb attached the statistics and trained as VR-LAMB
+    where plain LAMB was asked for, and LAMB's use_nvlamb/adam_w_mode turned on."""
+    from vrgd_ds.optim.checks import FLAGS
+
+    info = REGISTRY[name]
+    switches = [k for k in integration.accepted_params(info.cls) if k in FLAGS]
+    assert switches or not info.vr  # every VR member has at least "gsnr"
+    for key in switches:
+        with pytest.raises(ValueError, match=f"invalid {key}='false': must be true or false"):
+            info.cls([torch.nn.Parameter(torch.ones(3))], **dict(info.test_kwargs, **{key: "false"}))
+        with pytest.raises(integration.UnsupportedConfiguration, match=f"optimizer.params.{key}: .*'false'"):
+            integration.check_optimizer_block({"optimizer": {"type": name, "params": {key: "false"}}})
+    with pytest.raises(integration.UnsupportedConfiguration, match="optimizer.params.lr: .*lr=True"):
+        integration.check_optimizer_block({"optimizer": {"type": name, "params": {"lr": True}}})
+
+
 def test_ddp_names_every_member_when_given_something_else():
     from vrgd_ds import ddp
 

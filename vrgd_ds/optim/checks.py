@@ -35,11 +35,26 @@ def check_dtypes(where: str, params: Any, fused: bool | str | None) -> None:
                          "fused=False")
 
 
+#: the members' switches, wherever an options dict has them: a string such as "false" (a config
+#: from YAML or a template) is true to Python, and would turn on what it meant to turn off
+FLAGS = ("gsnr", "bias_correction", "grad_pre_normalization", "use_nvlamb", "grad_averaging", "adam_w_mode",
+         "nesterov", "clip", "set_grad_none")
+
+
+def check_flags(owner: str, options: dict[str, Any]) -> None:
+    for name in FLAGS:
+        if name in options:
+            value = options[name]
+            check_arg(owner, name, isinstance(value, bool), value, "true or false (a bool, not a string or number)")
+
+
 def check_common(owner: str, options: dict[str, Any]) -> None:
     """The ranges of the options every member has: the constructor's defaults, and each param
-    group's own (a group's ``beta3=1`` would make p̂ = 0/0)."""
+    group's own (a group's ``beta3=1`` would make p̂ = 0/0); the switches are bools."""
+    check_flags(owner, options)
     lr = options["lr"]
-    check_arg(owner, "lr", isinstance(lr, (int, float)), lr, "a Python number (a tensor lr is not supported)")
+    check_arg(owner, "lr", isinstance(lr, (int, float)) and not isinstance(lr, bool), lr,
+              "a Python number (a tensor lr is not supported)")
     check_arg(owner, "lr", lr >= 0, lr, ">= 0")
     check_arg(owner, "gamma", 0.0 < options["gamma"] <= 1.0, options["gamma"], "in (0, 1]")
     check_arg(owner, "beta3", 0.0 <= options["beta3"] < 1.0, options["beta3"], "in [0, 1)")

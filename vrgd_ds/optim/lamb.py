@@ -47,6 +47,7 @@ from vrgd_ds.optim.adam import (GSNR_PLACEMENTS, UPDATE_PLACEMENT, adam_columns,
                                  device_adam_table, placement_index)
 from vrgd_ds.optim import columns
 from vrgd_ds.optim.base import BUILDING, GSNROptimizer, check_arg, constructor_args
+from vrgd_ds.optim.checks import check_flags
 from vrgd_ds.optim.functional import StepContext, finish_rows, member_step
 from vrgd_ds.optim.plan import Plan
 
@@ -172,7 +173,8 @@ class VRLamb(GSNROptimizer):
                  gamma: float = 0.1, beta3: float = 0.9, gsnr_eps: float = 1e-12,
                  gsnr_placement: str = GSNR_PLACEMENTS[0], gsnr: bool = True,
                  fused: bool | str | None = None) -> None:
-        self.set_grad_none = bool(set_grad_none)
+        check_flags(BUILDING.get() or type(self).__name__, {"set_grad_none": set_grad_none})
+        self.set_grad_none = set_grad_none
         super().__init__(params, self._group(constructor_args(locals())), fused=fused)
 
     @classmethod
@@ -185,8 +187,6 @@ class VRLamb(GSNROptimizer):
         if a["grad_pre_normalization"] is None:
             a["grad_pre_normalization"] = a["max_grad_norm"] is not None
         a["max_grad_norm"] = 1.0 if a["max_grad_norm"] is None else a["max_grad_norm"]
-        for flag in ("grad_pre_normalization", "use_nvlamb", "grad_averaging", "adam_w_mode"):
-            a[flag] = bool(a[flag])
         gsnr_keys = ("gamma", "beta3", "gsnr_eps", "gsnr_placement", "gsnr")
         return dict({k: v for k, v in a.items() if k not in gsnr_keys}, betas=tuple(a["betas"]), trust_ratio=True,
                     **{k: a[k] for k in gsnr_keys})
