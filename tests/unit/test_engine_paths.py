@@ -201,6 +201,29 @@ def test_vrgd_options_the_scheme_does_not_read_are_refused(block, message):
     assert reduction_config({"vrgd": None}).squares is None
 
 
+def test_deepspeeds_lamb_on_cpu_takes_fusedlambs_defaults():
+    """``"type": "Lamb"`` is DeepSpeed's FusedLamb on a GPU and ours on the CPU accelerator: ours
+    takes FusedLamb's defaults for what the config leaves out, so a config tested on CPU trains
+    alike on a GPU; it is still Lamb (GSNR off, named Lamb) and takes Lamb's parameters. Fails on
+    the code before, whose CPU Lamb had weight decay 0.01 and eps 1e-6 where FusedLamb has 0 and 1e-8."""
+    import inspect
+
+    import torch
+    from deepspeed.ops.lamb import FusedLamb
+
+    from vrgd_ds.ds.names import accepted_params, check_optimizer_block, engine_spelling, resolve
+
+    fused = inspect.signature(FusedLamb.__init__).parameters
+    cls = resolve(engine_spelling("Lamb"))
+    opt = cls([torch.nn.Parameter(torch.ones(3))], lr=1e-3)
+    for key in ("lr", "betas", "eps", "weight_decay", "min_coeff", "max_coeff", "bias_correction"):
+        assert opt.defaults[key] == fused[key].default, key
+    assert opt.name == "Lamb" and isinstance(opt, vrgd_ds.Lamb) and not opt.defaults["gsnr"]
+    assert accepted_params(cls) == accepted_params(vrgd_ds.Lamb)
+    assert cls([torch.nn.Parameter(torch.ones(3))], weight_decay=0.01).defaults["weight_decay"] == 0.01
+    assert check_optimizer_block({"optimizer": {"type": "Lamb", "params": {"eps": 1e-6}}}) is cls
+
+
 def test_deepspeeds_spellings_of_its_own_names_are_read_as_the_engine_reads_them(monkeypatch):
     """DeepSpeed lower-cases its own optimizer names in any case. On the CPU accelerator
     ``"LAMB"`` is our Lamb, as the engine builds it; on a GPU ``"Lamb"`` is DeepSpeed's FusedLamb,
@@ -215,7 +238,9 @@ def test_deepspeeds_spellings_of_its_own_names_are_read_as_the_engine_reads_them
     from vrgd_ds.ds.internals import UnsupportedConfiguration
     from vrgd_ds.ds.names import check_optimizer_block
 
-    assert check_optimizer_block({"optimizer": {"type": "LAMB", "params": {"lr": 1e-3}}}) is vrgd_ds.Lamb
+    from vrgd_ds.ds.names import DEEPSPEED_LAMB
+
+    assert check_optimizer_block({"optimizer": {"type": "LAMB", "params": {"lr": 1e-3}}}) is DEEPSPEED_LAMB
     with pytest.raises(UnsupportedConfiguration, match=r"zero_optimization.cpu_offload: CPU offload is not supported"):
         check_config({"optimizer": {"type": "VRLamb"}, "zero_optimization": {"stage": 2, "cpu_offload": True}})
     monkeypatch.setattr(deepspeed.accelerator.get_accelerator(), "device_name", lambda *a: "cuda")

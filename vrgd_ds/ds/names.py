@@ -12,12 +12,18 @@ from vrgd_ds.optim.registry import REGISTRY
 #: our optimizer names accepted in ``"optimizer": {"type": ...}``
 NAMES = {name: info.cls for name, info in REGISTRY.items()}
 
+#: DeepSpeed's ``lamb`` where ours serves it (the CPU accelerator): ``Lamb`` with the defaults of
+#: DeepSpeed's FusedLamb (``deepspeed/ops/lamb/fused_lamb.py``: eps 1e-8, weight_decay 0), so that
+#: a config leaving them out trains alike on CPU and GPU (ours: 1e-6 and 0.01)
+DEEPSPEED_LAMB = registry.Variant("Lamb", REGISTRY["Lamb"].cls.of, "DeepSpeed FusedLamb's defaults",
+                                  fixed=REGISTRY["Lamb"].cls.fixed, defaults={"eps": 1e-8, "weight_decay": 0.0})
+
 
 def resolve(name: str | None) -> type[GSNROptimizer] | None:
     """Our class for a config ``"type"`` (DeepSpeed lower-cases its own names, e.g. ``lamb``).
 
     ``Lamb`` is also DeepSpeed's (FusedLamb, CUDA only): ours serves it on the CPU accelerator,
-    DeepSpeed's on GPUs. Use ``VRLamb`` with ``gsnr: false`` for our exact-under-ZeRO LAMB anywhere
+    with FusedLamb's defaults (``DEEPSPEED_LAMB``), DeepSpeed's on GPUs. Use ``VRLamb`` with ``gsnr: false`` for our exact-under-ZeRO LAMB anywhere
     (``gamma: 1`` gives the same step but still gathers the statistics).
     """
     if name is None:
@@ -28,7 +34,7 @@ def resolve(name: str | None) -> type[GSNROptimizer] | None:
         from deepspeed.accelerator import get_accelerator
 
         if get_accelerator().device_name() == "cpu":
-            return NAMES["Lamb"]
+            return DEEPSPEED_LAMB
     return None
 
 
@@ -37,7 +43,7 @@ CLIPPING = "DeepSpeed's top-level 'gradient_clipping'"
 
 def accepted_params(cls: type[GSNROptimizer]) -> list[str]:
     """The ``optimizer.params`` keys of a config ``"type"`` (a base variant fixes ``gsnr``)."""
-    return next(info for info in REGISTRY.values() if info.cls is cls).accepted_params()
+    return registry.member_of(cls).accepted_params()
 
 
 def check_params(cls: type[GSNROptimizer], type_name: str, params: dict[str, Any]) -> None:

@@ -205,10 +205,16 @@ def did_you_mean(word: str, choices: list[str]) -> str:
     return f"; did you mean {close[0]!r}?" if close else ""
 
 
+def member_of(cls: Any) -> OptimInfo:
+    """The member a class or variant builds (a variant under a member's name with other defaults,
+    such as DeepSpeed's ``lamb`` on CPU, is that member)."""
+    return next(i for i in REGISTRY.values() if i.cls is cls or isinstance(cls, Variant) and i.name == cls.name)
+
+
 def check_params(cls: Any, type_name: str, params: dict[str, Any], clipping: str) -> None:
     """Rejects ``optimizer.params`` keys the member does not take, naming the key; ``clipping``
     names the engine's own gradient clipping (what ``max_grad_norm`` should be instead)."""
-    info = next(i for i in REGISTRY.values() if i.cls is cls)
+    info = member_of(cls)
     accepted = info.accepted_params()
     if "max_grad_norm" in params and "max_grad_norm" not in accepted:
         raise OptimizerBlockError(f"optimizer.params.max_grad_norm: use {clipping} instead")
