@@ -384,6 +384,7 @@ BAD = {
                                "on each host",
     "bad-hierarchical-bf16-squares": "vrgd.squares_dtype: 'hierarchical' reduces [Σg | Σg²] chunks in one dtype",
     "bad-autocast-fp16-stage0": "'torch_autocast' fp16 with zero_optimization.stage 0 is not supported",
+    "bad-autocast-fp16-zero2": "'torch_autocast' fp16 with zero_optimization.stage 2 is not supported",
     "bad-unmanaged-accumulation": "'managed_gradient_accumulation' false is not supported with VRGD optimizers",
     "bad-sparse-embedding": "vrgd_ds: emb (Embedding) has sparse=True in a param group with GSNR on",
     "bad-elastic-checkpoint": "'zero_optimization.elastic_checkpoint' is not supported with VRGD optimizers",

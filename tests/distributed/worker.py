@@ -907,6 +907,8 @@ def bad_cases():
     # before: accepted, the steps' backward passes reduced together and counted as one micro-batch
     # before: accepted; the statistics read the GradScaler-scaled gradients, not knowing its scale
     yield "bad-autocast-fp16-stage0", dict(base, stage=0, set={"torch_autocast": {"enabled": True, "dtype": "fp16"}})
+    # before: accepted on ZeRO-1/2/3, whose GradScaler's scale was in Σg and Σg² (the noise scale off by its square)
+    yield "bad-autocast-fp16-zero2", dict(base, stage=2, set={"torch_autocast": {"enabled": True, "dtype": "fp16"}})
     yield "bad-unmanaged-accumulation", dict(base, set={"managed_gradient_accumulation": False})
     # before: accepted, then the first step raised torch's "Cannot access data pointer of Tensor that doesn't have
     # storage" (stage 0, accumulation 1) or "unsupported memory format option Contiguous" (accumulation 2)

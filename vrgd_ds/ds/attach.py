@@ -49,11 +49,13 @@ def attach(engine: Any) -> sources.ReductionStats | None:
                 "vrgd_ds: 'zero_optimization.contiguous_gradients' is not supported with VRGD optimizers: false "
                 "makes ZeRO-3 reduce buckets of several gradients outside its contiguous buffer, which the "
                 "statistics do not read; set it to true (or 'gsnr': false)")
-        if getattr(engine, "torch_autocast_z0_gradscaler", None) is not None:
+        if (getattr(engine, "torch_autocast_z0_gradscaler", None) is not None
+                or getattr(engine.optimizer, "torch_autocast_gradscaler", None) is not None):
             raise UnsupportedConfiguration(
-                "vrgd_ds: 'torch_autocast' fp16 with zero_optimization.stage 0 is not supported with VRGD "
+                f"vrgd_ds: 'torch_autocast' fp16 with zero_optimization.stage {stage} is not supported with VRGD "
                 "optimizers' statistics: DeepSpeed scales the loss there by a torch GradScaler whose changing scale "
-                "the statistics do not divide out; use ZeRO stage >= 1, bf16 autocast, or 'gsnr': false")
+                "the statistics do not divide out; use bf16 autocast, the 'fp16' block (its loss scale is divided "
+                "out), or 'gsnr': false")
         if not engine.managed_gradient_accumulation():
             raise UnsupportedConfiguration(
                 "vrgd_ds: 'managed_gradient_accumulation' false is not supported with VRGD optimizers: the caller's "
