@@ -474,6 +474,8 @@ def pipeline_equals_unsharded(case: dict) -> dict:
         rel = relative(got, want)
         metrics = opt.chained_optimizers[0].optimizer.gsnr_metrics(per_tensor=True)
         whole = ref_opt.gsnr_metrics(per_tensor=True)
+        for k in ("noise_scale/trace_cov", "noise_scale/grad_sq"):  # the reference's groups are g/M (the loss
+            whole[k] *= accumulation ** 2  # divided as Megatron divides it); Megatron's figures are g's
         metric_rel = {k: abs(metrics[k] - whole[k]) / max(abs(whole[k]), 1e-12) for k in PIPELINE_METRICS}
         rows = sorted({k.split("/")[1] for k in metrics if k.startswith("tensor/")})
         everyone = [None] * dist.get_world_size()

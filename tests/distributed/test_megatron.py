@@ -183,7 +183,8 @@ def test_two_pipeline_stages_equal_the_unsharded_optimizer(megatron2, optimizer,
     flag span the stages (per stage, the norm would differ and so would the weights). Every stage
     reports the whole model's metrics, per tensor as the reference does: 4 rows, named by stage.
     Fails on the code before, whose metrics were each stage's own (2 rows; the job writes rank 0's,
-    the first stage's)."""
+    the first stage's). The noise scale's figures are of one micro-batch's gradient, Megatron's
+    division by the micro-batches undone; before, they were 1/M² of it (M = 2 here)."""
     res = megatron2.run("megatron_worker", "pipeline_equals_unsharded",
                         {"accumulation": 2, "distributed": distributed, "optimizer": optimizer,
                          "kwargs": KWARGS[optimizer]})

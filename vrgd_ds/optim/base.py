@@ -311,6 +311,7 @@ class GSNROptimizer(torch.optim.Optimizer):
         results, found = out
         record = M.step_tables(plans, results, n, found, self._layout, ctx.metric_tables)
         record.counted = ctx.counted
+        record.unit = float(getattr(self._stats, "group_unit", 1.0))
         self.records.record(record)
 
     def _plans(self, sync_free: bool) -> list[Plan]:

@@ -47,6 +47,10 @@ class StepRecord:
     n: int
     found: Tensor | None = None  # float64 0-dim: 1 when the step was skipped on the device
     counted: bool = False  # ``found`` is in the recorder's skip count already (a tables kernel added it)
+    #: one group's gradient over the values the source read, where it could not scale them as it
+    #: read them (``group_unit`` of the source: Megatron's division of each micro-batch's loss by
+    #: the step's micro-batches, known when the step begins); the noise scale's sums take its square
+    unit: float = 1.0
 
     def merge(self, other: "StepRecord") -> None:
         """Another call of the same engine step (ZeRO-3 steps sub-groups one at a time)."""
@@ -83,7 +87,8 @@ class StepRecord:
             m["gsnr/clip_high_frac"] = float(s[informative, S["clip_high"]].sum() / used)
             m["gsnr/zero_info_tensors"] = float((~informative).sum())
             m["gsnr/scale_mean"] = float(s[:, S["sum_scale"]].sum() / numel.sum())
-            ns = G.noise_scale(float(s[:, S["sum_s"]].sum()), float(s[:, S["sum_gbar_sq"]].sum()), self.n)
+            u2 = self.unit * self.unit
+            ns = G.noise_scale(u2 * float(s[:, S["sum_s"]].sum()), u2 * float(s[:, S["sum_gbar_sq"]].sum()), self.n)
             m["noise_scale/trace_cov"] = ns.trace_cov
             m["noise_scale/grad_sq"] = ns.grad_sq
             m["noise_scale/b_simple_groups"] = ns.b_simple_groups
@@ -267,7 +272,7 @@ class Recorder:
             out._record = StepRecord(torch.cat([rec.sums.to(device) for rec in records]),
                                      torch.cat([rec.maxs.to(device) for rec in records]),
                                      [name for rec in records for name in rec.names], records[0].n, found,
-                                     counted=True)
+                                     counted=True, unit=records[0].unit)
         out._skipped_host = max((r.skipped_steps for r in recorders), default=0)
         return out
 
