@@ -62,6 +62,16 @@ def test_a_switch_written_as_a_string_is_refused_naming_it(name):
         integration.check_optimizer_block({"optimizer": {"type": name, "params": {"lr": True}}})
 
 
+@pytest.mark.parametrize("name", NAMES)
+def test_an_auto_value_nothing_filled_is_named(name):
+    """``"weight_decay": "auto"`` in a config given to ``deepspeed.initialize`` directly (HF Trainer
+    and Accelerate fill such values; nothing did): refused naming the key. Fails on the code before,
+    whose message ("'>=' not supported between instances of 'str' and 'float'") named none."""
+    with pytest.raises(integration.UnsupportedConfiguration,
+                       match=r'optimizer.params.weight_decay: "auto" is left for HF Trainer or Accelerate'):
+        integration.check_optimizer_block({"optimizer": {"type": name, "params": {"lr": 1e-3, "weight_decay": "auto"}}})
+
+
 def test_ddp_names_every_member_when_given_something_else():
     from vrgd_ds import ddp
 
