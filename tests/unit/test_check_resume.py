@@ -63,6 +63,27 @@ def test_other_ranks_and_the_base_optimizer_are_listed(run_dir):
     assert "resuming with Lamb (gsnr False" in report and "the GSNR momentum is dropped" in report
 
 
+def test_a_placement_change_names_the_placement_the_load_keeps(run_dir):
+    """A run saved with gsnr_placement first_moment, resumed with a config saying update: the loaded
+    param groups keep the checkpoint's first_moment (torch's load keeps saved options; only the
+    wiring, ``gsnr``, stays as built), and the report says so. Fails on the code before, whose note
+    named the configured update as the placement it resumed with."""
+    import torch
+
+    import vrgd_ds
+
+    raw = copy.deepcopy(RAW)
+    raw["optimizer"]["params"]["gsnr_placement"] = "update"
+    report, ok = check(run_dir, raw, 2)
+    assert ok and ("resuming with VRLamb (gsnr True, placement first_moment (the checkpoint's; the configured update "
+                   "applies to a fresh state))") in report, report
+    p = [torch.nn.Parameter(torch.ones(3))]
+    saved = vrgd_ds.VRLamb(p, gsnr_placement="first_moment").state_dict()
+    loaded = vrgd_ds.VRLamb(p, gsnr_placement="update")
+    loaded.load_state_dict(saved)
+    assert loaded.param_groups[0]["gsnr_placement"] == "first_moment"
+
+
 def test_another_family_would_stop_and_the_cli_exits_2(run_dir, tmp_path, capsys):
     raw = copy.deepcopy(RAW)
     raw["optimizer"] = {"type": "VRSGD", "params": {"lr": 0.1}}
@@ -121,6 +142,44 @@ def test_a_megatron_checkpoint_reports_its_layout_and_the_configured_one(tmp_pat
     assert ok and "with this configuration on 2 ranks:" in report and "TP 2 × PP 1 × DP 1 (dist" in report
     report, ok = check(tmp_path / "run", copy.deepcopy(RAW), 2)
     assert not ok and "written by the megatron engine, the config has job.engine 'deepspeed'" in report
+
+
+@pytest.mark.parametrize("saved, now, ok", [
+    ((True, "fp32"), {"use_distributed_optimizer": False}, False),
+    ((False, "fp32"), {}, False),  # the default: the distributed optimizer
+    ((False, "fp32"), {"use_distributed_optimizer": False, "precision": "bf16"}, False),
+    ((False, "bf16"), {"use_distributed_optimizer": False, "precision": "fp16"}, True),  # one wrapper
+    ((True, "fp32"), {"precision": "bf16"}, True),  # the distributed optimizer's format either way
+])
+def test_a_megatron_optimizer_wrapper_switch_would_stop_naming_the_keys(tmp_path, saved, now, ok):
+    """A Megatron checkpoint saved under another optimizer wrapper (``use_distributed_optimizer``
+    switched, or fp32 <-> bf16/fp16 without it) has an optimizer state no load carries over: the
+    job and --check-resume stop, naming the keys, unless ``checkpoint.optimizer_state`` is
+    ``reset_if_incompatible``. Fails on the code before, which reported the resume as going ahead;
+    the job then failed inside the load (KeyError 'pre_wd_mult', or a message about a checkpoint
+    format key the config did not set) and called the checkpoint broken."""
+    from vrgd_ds.train.config import parse_job
+
+    raw = {"optimizer": {"type": "VRLamb", "params": {"lr": 1e-3}},
+           "megatron": {"model": {"num_layers": 2, "hidden_size": 64, "num_attention_heads": 4}, **now},
+           "job": {"engine": "megatron", "total_steps": 8,
+                   "phases": [{"seq_len": 32, "fraction": 1.0, "global_batch": 16, "micro_batch": 4, "lr": 2e-3}]}}
+    ckpt_dir = tmp_path / "run" / "checkpoints"
+    (ckpt_dir / "step00000004").mkdir(parents=True)
+    (ckpt_dir / "step00000004" / "__0_0.distcp").write_bytes(b"x" * 10)
+    info = {k: v for k, v in INFO.items() if k != "zero_stage"}
+    info.update(engine="megatron", tensor_model_parallel_size=1, pipeline_model_parallel_size=1, data_parallel_size=2,
+                precision=saved[1], use_distributed_optimizer=saved[0],
+                phases=[p.model_dump(mode="json") for p in parse_job(raw).phases])
+    ckpt.mark_complete(ckpt_dir, "step00000004", 4, 2, info)
+    report, went = check(tmp_path / "run", copy.deepcopy(raw), 2)
+    assert went == ok, report
+    if not ok:
+        assert (f"would stop: {ckpt_dir / 'step00000004'} was saved with megatron.use_distributed_optimizer "
+                f"{str(saved[0]).lower()} and megatron.precision '{saved[1]}'") in report
+        raw["checkpoint"] = {"optimizer_state": "reset_if_incompatible"}
+        report, went = check(tmp_path / "run", raw, 2)
+        assert went and "resuming its weights and data position with a fresh" in report, report
 
 
 def test_an_adaptive_position_no_round_of_this_layout_divides_is_refused_naming_the_ranks(run_dir):

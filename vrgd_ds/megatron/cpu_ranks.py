@@ -8,7 +8,8 @@ factories asked for ``device="cuda"`` (the optimizer wrappers and gradient clipp
 for models from ``megatron.core.models``: the model-parallel RNG tracker's ``fork`` (dropout
 regions) runs on torch's CPU generator instead of a CUDA RNG state. A fifth for
 dist-checkpointing saves: its file writer calls ``torch.cuda.synchronize()`` (nothing to wait
-for on CPU ranks).
+for on CPU ranks). A sixth for fp16 resumes: ``DynamicGradScaler.load_state_dict`` moves the
+saved loss scale with ``.cuda()``; it stays on the CPU.
 """
 from __future__ import annotations
 
@@ -48,4 +49,12 @@ def apply() -> None:
     from megatron.core.tensor_parallel import random as tp_random
 
     tp_random.CudaRNGStatesTracker.fork = lambda self, name=None: contextlib.nullcontext()
+    from megatron.core.optimizer.grad_scaler import DynamicGradScaler
+
+    def load_scaler(self, state_dict):
+        self._scale = state_dict["scale"].to("cpu")
+        self._growth_tracker = state_dict["growth_tracker"]
+        self._hysteresis_tracker = state_dict["hysteresis_tracker"]
+
+    DynamicGradScaler.load_state_dict = load_scaler
     _APPLIED = True

@@ -99,10 +99,14 @@ def plan_resume(ckpt_dir: Path, tag: str, optimizer: dict[str, Any], world: int,
     if saved and saved != optimizer:
         plan.switched = True
         gsnr = gsnr_switch(saved["gsnr"], optimizer["gsnr"])
+        # a loaded param group keeps its saved options but the wiring (``gsnr``), as torch's load does
+        placement = saved.get("gsnr_placement") or optimizer.get("gsnr_placement")
+        kept = ("" if placement == optimizer.get("gsnr_placement") else
+                f" (the checkpoint's; the configured {optimizer.get('gsnr_placement')} applies to a fresh state)")
         plan.notes.append(f"{where} was saved with {saved['type']} (gsnr {saved['gsnr']}, placement "
                           f"{saved.get('gsnr_placement')}), resuming with {optimizer['type']} (gsnr "
-                          f"{optimizer['gsnr']}, placement {optimizer.get('gsnr_placement')}): the weights and "
-                          f"moments carry over, {gsnr}")
+                          f"{optimizer['gsnr']}, placement {placement}{kept}): the weights and moments carry over, "
+                          f"{gsnr}")
     if zero_stage == 0 or plan.saved_world is None or plan.saved_world == world:
         return plan
     if zero_stage == 3:
@@ -209,6 +213,11 @@ def check(run_dir: Path, raw: dict[str, Any] | None, world: int | None) -> tuple
         if data is not None and (note := data_change(ckpt_dir / choice.tag, info.get("data"), data,
                                                      data_change_policy(raw))):
             changes.append(note)
+        if job.engine == "megatron":
+            from vrgd_ds.train.engines.megatron import parse_block, wrapper_change
+
+            if note := wrapper_change(ckpt_dir / choice.tag, info, parse_block(raw), optimizer_state_policy(raw)):
+                changes.append(note)
         tp_pp = (block.get("tensor_model_parallel_size", 1) * block.get("pipeline_model_parallel_size", 1)
                  if job.engine == "megatron" else 1)
         data_world = max(ranks // tp_pp, 1)

@@ -38,7 +38,7 @@ from vrgd_ds.train.config import (CHECKPOINT_KEY, JOB_CHECKPOINT_KEYS, ConfigErr
                                   gradient_accumulation)
 from vrgd_ds.train.data import JobData, prepare_data, stack
 from vrgd_ds.train.engines.base import LAUNCHER_RANK, LAUNCHER_WORLD, Engine, launcher_value, local_cuda_device
-from vrgd_ds.train.resume import ResumePlan, plan_resume
+from vrgd_ds.train.resume import RESET_HINT, ResumePlan, plan_resume
 
 logger = logging.getLogger(__name__)
 
@@ -258,6 +258,33 @@ def _attention_mask(seq: int, device: torch.device) -> torch.Tensor:
     return torch.tril(torch.ones(1, 1, seq, seq, device=device)) < 0.5
 
 
+def _wrapper(distributed: bool, precision: str) -> str:
+    """The Megatron optimizer wrapper a layout builds, which fixes its checkpoint's optimizer format."""
+    return ("DistributedOptimizer" if distributed else "FP32Optimizer" if precision == "fp32"
+            else "Float16OptimizerWithFloat16Params")
+
+
+def wrapper_change(where: Path, saved: dict[str, Any], block: MegatronBlock, policy: str) -> str | None:
+    """A checkpoint saved under another Megatron optimizer wrapper (``use_distributed_optimizer``
+    switched, or fp32 <-> bf16/fp16 without it) has an optimizer state of another format, which no
+    load carries over: per ``checkpoint.optimizer_state`` (``policy``) a ``ConfigError`` naming the
+    keys, or the note of a resume with a fresh state. None where the wrapper is the same (or the
+    marker predates the record)."""
+    distributed, precision = saved.get("use_distributed_optimizer"), saved.get("precision")
+    if distributed is None or precision is None:
+        return None
+    was, now = _wrapper(distributed, precision), _wrapper(block.use_distributed_optimizer, block.precision)
+    if was == now:
+        return None
+    how = f"{BLOCK}.use_distributed_optimizer {str(distributed).lower()} and {BLOCK}.precision {precision!r}"
+    if policy != "reset_if_incompatible":
+        raise ConfigError(f"{where} was saved with {how}, whose optimizer state ({was}) does not load into {now}: "
+                          f"resume with those settings, or {RESET_HINT} to continue from its weights and data "
+                          "position with a fresh optimizer state")
+    return (f"{where} was saved with {how} ({was}); resuming its weights and data position with a fresh {now} "
+            "state (checkpoint.optimizer_state = reset_if_incompatible)")
+
+
 class MegatronEngine(Engine):
     name = "megatron"
     task = "lm"
@@ -407,7 +434,9 @@ class MegatronEngine(Engine):
     def layout(self) -> dict[str, Any]:
         return {"tensor_model_parallel_size": self.block.tensor_model_parallel_size,
                 "pipeline_model_parallel_size": self.block.pipeline_model_parallel_size,
-                "data_parallel_size": self.data_world, "precision": self.block.precision}
+                "data_parallel_size": self.data_world, "precision": self.block.precision,
+                "use_distributed_optimizer": self.block.use_distributed_optimizer}
+
 
     def _state(self, is_loading: bool, with_optimizer: bool = True) -> dict[str, Any]:
         model = self.ddp.module
@@ -427,9 +456,13 @@ class MegatronEngine(Engine):
         if None not in was and was != now:
             plan.notes.append(f"{ckpt_dir / tag} was saved on TP {was[0]} × PP {was[1]} × DP {was[2]}; resuming on TP "
                               f"{now[0]} × PP {now[1]} × DP {now[2]} (dist-checkpointing reshards every tensor)")
+        if plan.optimizer_states and (note := wrapper_change(ckpt_dir / tag, saved, self.block, policy)):
+            plan.optimizer_states = False
+            plan.notes.append(note)
         if saved.get("precision") not in (None, self.block.precision):
             plan.notes.append(f"{ckpt_dir / tag} was saved in {saved['precision']}; resuming in "
                               f"{self.block.precision} (the fp32 main weights carry over)")
+        self._saved_precision = saved.get("precision")
         return plan
 
     def save(self, ckpt_dir: Path, tag: str, state: dict[str, Any]) -> None:
@@ -453,21 +486,30 @@ class MegatronEngine(Engine):
         loaded = dist_checkpointing.load(self._state(True, plan.optimizer_states), str(ckpt_dir / tag),
                                          strict=StrictHandling.LOG_UNEXPECTED)
         self.ddp.module.load_state_dict(loaded["model"], strict=False)
-        for mopt in self.megatron_optimizer.chained_optimizers:  # the fp32 main weights follow the model
-            if hasattr(mopt, "reload_model_params"):
-                mopt.reload_model_params()
+        # the fp32 main weights follow the model where the checkpoint has none of this precision's (a fresh
+        # optimizer state, another precision); else the load wrote the saved ones into them already, and
+        # copying the low-precision model over them would round them
+        if not plan.optimizer_states or getattr(self, "_saved_precision", None) != self.block.precision:
+            for mopt in self.megatron_optimizer.chained_optimizers:
+                if hasattr(mopt, "reload_model_params"):
+                    mopt.reload_model_params()
         if plan.optimizer_states:
             self.megatron_optimizer.load_state_dict(loaded["optimizer"])
         text = loaded.get(STATE_KEY)
         return json.loads(text) if text else None
 
     def checkpoint_bytes(self) -> int:
-        """This rank's optimizer state and fp32 main weights, and its model shard on the first
-        data-parallel rank (the others hold copies of it)."""
+        """This rank's optimizer state and fp32 main weights (its shard with the distributed
+        optimizer; else the first data-parallel rank's, whose copies the others hold), and its
+        model shard on the first data-parallel rank. fp32 without the distributed optimizer has no
+        main weights apart from the model's."""
+        if self.data_rank and not self.block.use_distributed_optimizer:
+            return 0
         opt = self.optimizer
         local = 0 if self.data_rank else sum(p.numel() * p.element_size() for p in self.ddp.module.parameters())
         local += sum(t.numel() * t.element_size() for st in opt.state.values() for t in st.values() if torch.is_tensor(t))
-        local += sum(p.numel() * 4 for g in opt.param_groups for p in g["params"])
+        if self.block.use_distributed_optimizer or self.block.precision != "fp32":
+            local += sum(p.numel() * 4 for g in opt.param_groups for p in g["params"])
         return local
 
     def close(self) -> None:
