@@ -31,6 +31,10 @@ MASTER_PORT=${MASTER_PORT:-29500}
 BACKEND_ARGS=()
 [[ -n "${BACKEND:-}" ]] && BACKEND_ARGS=(--backend "$BACKEND")
 
+# SIGUSR1 (Slurm's --signal, a pre-emption warning) is the ranks' to answer (checkpoint, exit 75):
+# torchrun neither handles nor forwards it, and would end at once, its ranks left running. Ignored
+# here, torchrun and its ranks inherit that, and each rank's job takes the signal over as it starts.
+trap '' USR1
 set -x
 exec "$PYTHON" -m torch.distributed.run \
     --nnodes "$NNODES" --node_rank "$NODE_RANK" --nproc_per_node "$NPROC" \

@@ -159,6 +159,28 @@ def test_a_job_whose_run_directory_was_taken_over_writes_nothing_more_into_it(st
     assert [r["step"] for r in records(run_dir)] == [0, 1]  # the evaluation before training, step 1
 
 
+def test_a_pre_emption_signal_while_starting_checkpoints_after_the_first_step(start, tmp_path, monkeypatch):
+    """``SIGUSR1`` while the job still starts (config checks, rendezvous, run-directory lock: after
+    ``main`` took the signal, before ``Job.setup``): the job goes on, checkpoints after its first step
+    and exits for the requeue, its marker naming the Slurm job and start that wrote it. Fails on the
+    code before, where nothing had taken the signal yet: its default action ended the process
+    (exit 138, no checkpoint, no marker); here, main left the test's own handler in place."""
+    monkeypatch.setenv("SLURM_JOB_ID", "777")
+    monkeypatch.setenv("SLURM_RESTART_COUNT", "2")
+
+    def untouched(signum, frame):
+        raise AssertionError("main did not take the pre-emption signal")
+
+    signal.signal(loop.PREEMPT_SIGNAL, untouched)
+    assert loop.main(["--config", str(tmp_path / "missing.json"), "--run-dir", str(tmp_path / "x")]) == loop.EXIT_CONFIG
+    assert signal.getsignal(loop.PREEMPT_SIGNAL) is not untouched
+    signal.raise_signal(loop.PREEMPT_SIGNAL)  # the warning arrives while the job starts
+    out = start(tmp_path / "run")
+    assert isinstance(out, loop.Preempted), out
+    marker = json.loads((tmp_path / "run" / loop.REQUEUE_MARKER).read_text())
+    assert marker == {"tag": "step00000001", "slurm_job_id": "777", "slurm_restart": 2}
+
+
 def test_a_pre_emption_at_the_last_step_finishes_the_run(start, tmp_path):
     """``SIGUSR1`` during the last step: nothing is left to requeue for, so the job evaluates,
     takes its final checkpoint (with that evaluation) and ends as a finished run, with no requeue

@@ -5,8 +5,10 @@ and mpirun: tests/integration/test_launchers.py.)"""
 from __future__ import annotations
 
 import os
+import signal
 import stat
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -39,6 +41,38 @@ def test_slurm_sbatch_reads_the_first_host_of_a_long_node_list(tmp_path):
     assert "srun MASTER_ADDR=gpu-node-00001 MASTER_PORT=24242" in run.stdout
 
 
+@pytest.mark.parametrize("left, writes, rc, requeued", [
+    ('{"tag": "step00000020"}', None, 2, False),  # another launcher's, and this start failed on its config
+    ('{"tag": "step00000020", "slurm_job_id": "100", "slurm_restart": 0}', None, 6, False),  # another job's
+    ('{"tag": "step00000020", "slurm_job_id": "4242", "slurm_restart": 0}', None, 2, False),  # an earlier start's
+    (None, '{"tag": "step00000030", "slurm_job_id": "4242", "slurm_restart": 1}', 75, True),  # this start's
+])
+def test_slurm_sbatch_requeues_on_this_starts_marker_only(tmp_path, left, writes, rc, requeued):
+    """The batch script requeues only on a ``requeue.json`` the job wrote in this start of this
+    Slurm job (its id and restart count in it); a failed start finding another's marker exits with
+    its own code, the marker left alone. Fails on the script before, which requeued on any marker
+    and exited 0: a job whose config did not parse was requeued for ever, and a job refused the run
+    directory (exit 6) requeued itself on the owner's marker and removed it, so the owner was not."""
+    bin_dir, run_dir = tmp_path / "bin", tmp_path / "run"
+    bin_dir.mkdir()
+    run_dir.mkdir()
+    marker = run_dir / "requeue.json"
+    if left is not None:
+        marker.write_text(left)
+    stand_in(bin_dir / "scontrol", 'if [[ $1 == show ]]; then echo node1; else echo "scontrol $*" >> "$LOG"; fi\n')
+    stand_in(bin_dir / "srun", (f"echo '{writes}' > {marker}\n" if writes else "") + f"exit {rc}\n")
+    env = {**os.environ, "PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}", "SLURM_SUBMIT_DIR": str(tmp_path),
+           "SLURM_JOB_NODELIST": "node1", "SLURM_JOB_ID": "4242", "SLURM_NTASKS": "2", "SLURM_RESTART_COUNT": "1",
+           "RUN_DIR": str(run_dir), "LOG": str(tmp_path / "log"), "CONFIG": "c.json"}
+    run = subprocess.run(["bash", str(ROOT / "launch" / "slurm.sbatch")], env=env, capture_output=True, text=True,
+                         timeout=120)
+    log = (tmp_path / "log").read_text() if (tmp_path / "log").exists() else ""
+    if requeued:
+        assert run.returncode == 0 and log == "scontrol requeue 4242\n" and not marker.exists(), run.stderr[-2000:]
+    else:
+        assert run.returncode == rc and log == "" and marker.read_text() == left, run.stderr[-2000:]
+
+
 @pytest.mark.parametrize("script", ["deepspeed_hostfile.sh", "torchrun.sh", "mpirun.sh"])
 def test_a_launch_script_reads_the_callers_relative_paths_from_the_callers_directory(tmp_path, script):
     """``CONFIG=my.json RUN_DIR=runs/a HOSTFILE=hosts launch/<script>`` started from another
@@ -61,6 +95,21 @@ def test_a_launch_script_reads_the_callers_relative_paths_from_the_callers_direc
     if script == "deepspeed_hostfile.sh":
         assert args[args.index("--hostfile") + 1] == str(caller / "hosts")
         assert args[args.index("--master_addr") + 1] == "node-a"
+
+
+def test_torchrun_leaves_the_pre_emption_signal_to_the_ranks(tmp_path):
+    """torchrun neither handles nor forwards SIGUSR1, whose default action ended it at once (exit
+    138) while its ranks ran on, orphaned, and wrote the requeue marker after the launcher had
+    returned. The script starts torchrun with the signal ignored, which torchrun and its ranks
+    inherit (each rank's job installs its own handler). Fails on the script before: the stand-in
+    saw the default action."""
+    python = tmp_path / "python"
+    python.write_text("#!" + sys.executable + "\nimport signal\nprint(int(signal.getsignal(signal.SIGUSR1)))\n")
+    python.chmod(0o755)
+    env = {**os.environ, "NPROC": "2", "PYTHON": str(python), "CONFIG": str(ROOT / "configs" / "bert_tiny_cpu_test.json")}
+    run = subprocess.run(["bash", str(ROOT / "launch" / "torchrun.sh")], env=env, capture_output=True, text=True,
+                         timeout=60)
+    assert run.returncode == 0 and run.stdout.strip() == str(int(signal.SIG_IGN)), (run.stdout, run.stderr[-2000:])
 
 
 @pytest.mark.parametrize("env, addr", [({}, "node-a"), ({"DS_ARGS": "--exclude node-a"}, None),

@@ -213,8 +213,7 @@ class Job:
         if self.lock is not None:
             self.watchdog.on_exit = self.lock.release
         self.watchdog.start()
-        self.preempt_requested = False
-        signal.signal(PREEMPT_SIGNAL, self._on_preempt_signal)
+        self._take_preempt_signal()
         self.schedule = PhaseSchedule(job)
         self.budget = phase_samples(job)
         self.controllers: dict[int, BatchController] = {  # fail before preparing data
@@ -245,6 +244,12 @@ class Job:
         """Whether another job took the run directory over (rank 0 holds the lock; the ranks agree
         on it after each step: ``_after_training_step``)."""
         return self.lock is not None and self.lock.lost is not None
+
+    def _take_preempt_signal(self) -> None:
+        """From here the job answers ``PREEMPT_SIGNAL``, and remembers one ``main`` caught earlier
+        (during the config checks, the rendezvous or the run-directory lock)."""
+        self.preempt_requested, _EARLY_PREEMPT[0] = _EARLY_PREEMPT[0], False
+        signal.signal(PREEMPT_SIGNAL, self._on_preempt_signal)
 
     def _on_preempt_signal(self, signum, frame) -> None:  # noqa: ARG002 (signal handler signature)
         self.preempt_requested = True
@@ -689,8 +694,12 @@ class Job:
             self.save()
         if signal_code == 1:
             self.save()
-            if self.rank == 0:  # for the batch script: the exit code of srun is the first rank's to end
-                (self.run_dir / REQUEUE_MARKER).write_text(json.dumps({"tag": ckpt.tag_of(self.step)}))
+            if self.rank == 0:  # for the batch script: the exit code of srun is the first rank's to end;
+                # the Slurm job and start it was written by, which alone may requeue on it
+                owner = self.lock.record if self.lock is not None else {}
+                (self.run_dir / REQUEUE_MARKER).write_text(json.dumps(
+                    {"tag": ckpt.tag_of(self.step), "slurm_job_id": owner.get("slurm_job_id"),
+                     "slurm_restart": owner.get("slurm_restart")}))
             raise Preempted(f"checkpoint {ckpt.tag_of(self.step)} taken on {signal.Signals(PREEMPT_SIGNAL).name}")
 
     def _adapt(self, controller: BatchController, batch: int, measured: float | None,
@@ -733,6 +742,14 @@ def _check_resume(args: argparse.Namespace) -> int:
     return 0 if ok else EXIT_CONFIG
 
 
+#: ``PREEMPT_SIGNAL`` caught before ``Job.setup`` took it over (its default action ends the process)
+_EARLY_PREEMPT = [False]
+
+
+def _early_preempt(signum, frame) -> None:  # noqa: ARG001 (signal handler signature)
+    _EARLY_PREEMPT[0] = True
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="vrgd-pretrain", description="Pretraining with VRGD optimizers: BERT under "
                                  "DeepSpeed or GPT under Megatron-core, as the config's job.engine says (launch with "
@@ -751,6 +768,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="torch.distributed backend (default: nccl with CUDA, else gloo)")
     ap.add_argument("--local_rank", "--local-rank", type=int, default=None, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
+    _EARLY_PREEMPT[0] = False  # a pre-emption warning from here on checkpoints at the first step
+    signal.signal(PREEMPT_SIGNAL, _early_preempt)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if args.check_resume:
         return _check_resume(args)
