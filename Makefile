@@ -35,10 +35,11 @@ test-all: install
 test-exhaustive: install
 	$(PY) -m pytest -q -m exhaustive tests
 
-RUN_DIR ?= runs/demo
+# its own name: RUN_DIR, exported for the launch scripts, would send the demo into that run
+DEMO_RUN_DIR ?= runs/demo
 demo: install
 	$(VENV)/bin/deepspeed --num_gpus 2 --module vrgd_ds.train --config configs/bert_tiny_cpu_vr_lamb.json \
-		--run-dir $(RUN_DIR)
+		--run-dir "$(DEMO_RUN_DIR)"
 
 demo-mlp: install
 	$(PY) -m vrgd_ds.demo

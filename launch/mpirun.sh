@@ -12,8 +12,8 @@
 #
 # Environment (defaults): CONFIG (configs/bert_large_64k_32k_vr_lamb.json), RUN_DIR
 # (runs/<config name>), NP (GPUs visible, else 2), PYTHON (python), MPIRUN (mpirun next to
-# PYTHON, else on PATH), MPI_ARGS (extra mpirun arguments), BACKEND (empty: nccl on GPUs, gloo
-# on CPU). Further arguments go to the job ("$@").
+# PYTHON, else on PATH), MPI_ARGS (extra mpirun arguments; a host file in them is the caller's
+# path too), BACKEND (empty: nccl on GPUs, gloo on CPU). Further arguments go to the job ("$@").
 set -euo pipefail
 # Paths given in the environment are the caller's (relative to the directory it runs in); the
 # defaults are the repository's.
@@ -21,6 +21,16 @@ for name in CONFIG RUN_DIR; do
     if [[ -n "${!name:-}" ]]; then printf -v "$name" '%s' "$(realpath -ms -- "${!name}")"; fi
 done
 if [[ "${PYTHON:-}" == */* ]]; then PYTHON=$(realpath -ms -- "$PYTHON"); fi  # a path, not a command name
+# so are the host files MPI_ARGS names (--hostfile, --machinefile, --default-hostfile; either form)
+read -r -a EXTRA <<< "${MPI_ARGS:-}"
+for i in "${!EXTRA[@]}"; do
+    case "${EXTRA[$i]}" in
+        --hostfile|-hostfile|--machinefile|-machinefile|--default-hostfile)
+            if (( i + 1 < ${#EXTRA[@]} )); then EXTRA[i+1]=$(realpath -ms -- "${EXTRA[i+1]}"); fi ;;
+        --hostfile=*|--machinefile=*|--default-hostfile=*)
+            EXTRA[i]="${EXTRA[i]%%=*}=$(realpath -ms -- "${EXTRA[i]#*=}")" ;;
+    esac
+done
 cd "$(dirname "$0")/.."
 
 CONFIG=${CONFIG:-configs/bert_large_64k_32k_vr_lamb.json}
@@ -35,7 +45,6 @@ if [[ -z "${MPIRUN:-}" ]]; then
 fi
 BACKEND_ARGS=()
 [[ -n "${BACKEND:-}" ]] && BACKEND_ARGS=(--backend "$BACKEND")
-read -r -a EXTRA <<< "${MPI_ARGS:-}"
 ROOT_ARGS=()
 [[ $(id -u) -eq 0 ]] && ROOT_ARGS=(--allow-run-as-root)
 

@@ -78,14 +78,16 @@ def test_a_launch_script_reads_the_callers_relative_paths_from_the_callers_direc
     """``CONFIG=my.json RUN_DIR=runs/a HOSTFILE=hosts launch/<script>`` started from another
     directory names the files there; the defaults stay the repository's. Fails on the scripts
     that changed to the repository's root first, then read the caller's relative paths there:
-    "no hostfile 'hosts'", and a config and run directory under the checkout."""
+    "no hostfile 'hosts'", and a config and run directory under the checkout; and the mpirun script
+    that read MPI_ARGS's host file there (the script's own comment said the caller's)."""
     caller = tmp_path / "caller"
     (caller / "runs").mkdir(parents=True)
     (caller / "my.json").write_text("{}")
     (caller / "hosts").write_text("node-a slots=8\nnode-b slots=8\n")
     argv = stand_in(tmp_path / "argv", 'printf "%s\\n" "$@"\n')
     env = {**os.environ, "CONFIG": "my.json", "RUN_DIR": "runs/a", "HOSTFILE": "hosts", "NPROC": "2", "NP": "2",
-           "PYTHON": str(argv), "DEEPSPEED": str(argv), "MPIRUN": str(argv)}
+           "PYTHON": str(argv), "DEEPSPEED": str(argv), "MPIRUN": str(argv),
+           "MPI_ARGS": "--hostfile hosts -npernode 8 --machinefile=hosts"}
     run = subprocess.run(["bash", str(ROOT / "launch" / script)], cwd=caller, env=env, capture_output=True,
                          text=True, timeout=60)
     assert run.returncode == 0, run.stderr[-2000:]
@@ -95,6 +97,9 @@ def test_a_launch_script_reads_the_callers_relative_paths_from_the_callers_direc
     if script == "deepspeed_hostfile.sh":
         assert args[args.index("--hostfile") + 1] == str(caller / "hosts")
         assert args[args.index("--master_addr") + 1] == "node-a"
+    if script == "mpirun.sh":  # MPI_ARGS's host files too (fails on the script that read them in the checkout)
+        assert args[args.index("--hostfile") + 1] == str(caller / "hosts") and "-npernode" in args
+        assert f"--machinefile={caller / 'hosts'}" in args
 
 
 def test_torchrun_leaves_the_pre_emption_signal_to_the_ranks(tmp_path):
@@ -132,3 +137,13 @@ def test_the_hostfile_launch_names_a_rendezvous_host_only_where_rank_0_runs_ther
     assert run.returncode == 0, run.stderr[-2000:]
     args = run.stdout.splitlines()
     assert (args[args.index("--master_addr") + 1] if "--master_addr" in args else None) == addr, args
+
+
+def test_make_demo_keeps_its_run_directory_when_run_dir_is_exported(tmp_path):
+    """``RUN_DIR``, exported for the launch scripts, does not move ``make demo`` (the README's
+    main job, into ``runs/demo``) into that run, whose checkpoints it would resume. Fails on the
+    Makefile before, whose ``RUN_DIR ?= runs/demo`` took the exported one."""
+    env = {k: v for k, v in os.environ.items() if k != "DEMO_RUN_DIR"} | {"RUN_DIR": str(tmp_path / "bert large")}
+    run = subprocess.run(["make", "-n", "-C", str(ROOT), "demo"], env=env, capture_output=True, text=True, timeout=60)
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert '--run-dir "runs/demo"' in run.stdout and "bert large" not in run.stdout
