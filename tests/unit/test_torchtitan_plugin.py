@@ -103,3 +103,21 @@ def test_the_containers_metrics_are_over_every_vrgd_optimizers_tensors():
     got = VRGDOptimizersContainer.gsnr_metrics(container)
     assert got["step/skipped"] == 1.0 and got["step/skipped_total"] == 1.0
     assert not any(k.startswith(("noise_scale/", "gsnr/mean")) for k in got), got
+
+
+def test_with_vrgd_turns_cuda_graphs_off_and_a_capture_is_refused(monkeypatch):
+    """torchtitan captures forward and backward in a CUDA graph on NVIDIA GPUs unless
+    ``training.disable_cuda_graphs``; a replay runs none of the statistics' Python (their counts stay
+    0 and the step fails on n=0, or the capture itself fails). ``with_vrgd`` turns the graphs off,
+    and a reduction under capture is refused naming the option. Fails on the code before, which
+    left the llama3 debug model's default (False) and had no check."""
+    from torchtitan.models.llama3.config_registry import llama3_debugmodel
+
+    from vrgd_ds.fsdp.stats import FSDPStats
+
+    assert llama3_debugmodel().training.disable_cuda_graphs is False  # torchtitan's default here
+    assert with_vrgd(llama3_debugmodel(), "VRLamb", lr=1e-3).training.disable_cuda_graphs is True
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+    with pytest.raises(UnsupportedFSDPConfiguration, match="CUDA graph.*training.disable_cuda_graphs"):
+        object.__new__(FSDPStats).about_to_reduce(0)

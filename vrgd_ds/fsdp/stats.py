@@ -100,6 +100,11 @@ class FSDPStats(LocalStats):
         """Called where FSDP's ``post_backward`` of group ``gi`` begins: which parameters it reduces
         (none while ``set_requires_gradient_sync(False)`` accumulates: the gradient reduced later is
         then one group)."""
+        if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+            raise UnsupportedFSDPConfiguration(
+                "vrgd_ds.fsdp: the backward is being captured in a CUDA graph, whose replays would skip the "
+                "statistics' bookkeeping (it runs in Python at each reduction): run the backward eagerly "
+                "(torchtitan: training.disable_cuda_graphs, which vrgd_ds.fsdp.torchtitan.with_vrgd sets)")
         group = self._groups[gi][0]
         if group.reduce_grads:
             self._pending[gi] = reduced_by_fsdp(group)

@@ -154,10 +154,14 @@ def check_parallelism(parallel_dims: Any) -> None:
 
 def with_vrgd(config: Any, name: str = "VRLamb", **optimizer_kwargs: Any) -> Any:
     """``config`` (a torchtitan ``Trainer.Config``) trained with family member ``name``: its
-    optimizer replaced by ``vrgd_optimizer``, and the run's parallelism checked right after the
+    optimizer replaced by ``vrgd_optimizer``, CUDA graphs off (``training.disable_cuda_graphs``:
+    a replay would skip the statistics' Python), and the run's parallelism checked right after the
     optimizer is built (``check_parallelism``, through the model spec's post-optimizer hook, which
     runs first what the model had there)."""
     config.optimizer = vrgd_optimizer(name, **optimizer_kwargs)
+    # the statistics' bookkeeping runs in Python at each FSDP reduction, which a CUDA graph's replay
+    # skips (torchtitan captures forward and backward on NVIDIA GPUs unless told not to)
+    config.training.disable_cuda_graphs = True
     spec = config.model_spec
     if spec is not None:
         before = spec.post_optimizer_build_fn
