@@ -14,6 +14,7 @@ import vrgd_ds  # noqa: F401  (registers the names with DeepSpeed)
 import deepspeed
 import deepspeed.comm as dist
 from deepspeed.pipe import LayerSpec, PipelineModule, TiedLayerSpec
+from vrgd_ds.ds.names import engine_spelling, resolve
 
 sys.path.insert(0, os.path.dirname(__file__))
 from reference import Reference  # noqa: E402
@@ -70,7 +71,7 @@ def run_pipe_case(case: dict) -> dict:
 def _run(case: dict) -> dict:
     world = dist.get_world_size()
     dp = world // case["stages"]
-    cls = vrgd_ds.REGISTRY[case["opt"]].cls
+    cls = resolve(engine_spelling(case["opt"]))  # what the config's "type" builds ("Lamb": FusedLamb's defaults)
     model = pipe_model(case["stages"])
     engine, *_ = deepspeed.initialize(model=model, config=config(case),
                                       model_parameters=[p for p in model.parameters() if p.requires_grad])
@@ -214,7 +215,7 @@ def tied_equals_unsharded(case: dict) -> dict:
         got = _whole(model)
         ref = TiedNet()
         ref.load_state_dict(init)
-        opt = vrgd_ds.REGISTRY[case["opt"]].cls(ref.parameters(), **opt_kw(case))
+        opt = resolve(engine_spelling(case["opt"]))(ref.parameters(), **opt_kw(case))
         for micro in steps:
             opt.zero_grad()
             for x, y in micro:
