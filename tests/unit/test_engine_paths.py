@@ -144,7 +144,7 @@ def test_bf16_squares_with_the_automatic_scheme_are_refused_naming_both_keys():
     line still reporting bf16's bytes)."""
     from vrgd_ds.ds.config import reduction_config
 
-    with pytest.raises(internals.UnsupportedConfiguration, match="squares_dtype.*'auto' may pick it"):
+    with pytest.raises(internals.UnsupportedConfiguration, match=r"squares_dtype.*'auto' \('by_memory'\) may pick it"):
         reduction_config({"vrgd": {"squares": "auto", "squares_dtype": "bf16"}})
     assert reduction_config({"vrgd": {"squares": "per_step", "squares_dtype": "bf16"}}).squares_dtype == "bf16"
 
@@ -157,7 +157,7 @@ def test_the_scheme_chosen_by_memory_has_a_spelling_accelerate_passes():
     from vrgd_ds.ds.config import reduction_config
 
     assert reduction_config({"vrgd": {"squares": "by_memory"}}).squares == "auto"
-    with pytest.raises(internals.UnsupportedConfiguration, match="squares_dtype.*'auto' may pick it"):
+    with pytest.raises(internals.UnsupportedConfiguration, match=r"squares_dtype.*'auto' \('by_memory'\) may pick it"):
         reduction_config({"vrgd": {"squares": "by_memory", "squares_dtype": "bf16"}})
     accelerate = pytest.importorskip("accelerate.utils")
 

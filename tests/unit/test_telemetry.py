@@ -34,6 +34,10 @@ from vrgd_ds.train import telemetry as T
     ("module.decoder.layers.3.self_attention.linear_qkv.weight", "decoder.layers.3"),
     ("decoder.layers.11.mlp.linear_fc2.bias", "decoder.layers.11"),
     ("decoder.final_layernorm.weight", "decoder.final_layernorm"),
+    # a pipeline stage's rows (Layout.join_stages): the stage, then the layer (before: "stage1.module", one
+    # group per stage)
+    ("stage1.module.decoder.layers.0.mlp.linear_fc1.weight", "stage1.decoder.layers.0"),
+    ("stage0.module.embedding.word_embeddings.weight", "stage0.embedding.word_embeddings"),
 ])
 def test_layer_group(name, group):
     assert T.layer_group(name) == group

@@ -77,7 +77,7 @@ class ReductionConfig(BaseModel):
             raise ValueError("vrgd.node_size must be a positive number of ranks")
         if self.squares in ("hierarchical", "auto") and self.squares_dtype != "fp32":
             raise ValueError("vrgd.squares_dtype: 'hierarchical' reduces [Σg | Σg²] chunks in one dtype, fp32"
-                             + (", and 'auto' may pick it" if self.squares == "auto" else "")
+                             + (", and 'auto' ('by_memory') may pick it" if self.squares == "auto" else "")
                              + "; remove squares_dtype or use squares 'per_step'")
         if self.node_size is not None and self.squares not in ("hierarchical", "auto"):
             raise ValueError("vrgd.node_size applies to squares 'hierarchical' (or 'auto') only")

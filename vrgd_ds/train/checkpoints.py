@@ -35,6 +35,8 @@ import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
+from vrgd_ds.data_pipeline.tokenizer import fsync_dir
+
 MARKER = "vrgd_complete.json"
 LATEST = "latest"
 UNIVERSAL = "universal"
@@ -53,6 +55,7 @@ def step_of(tag: str) -> int | None:
 
 
 def _fsync(path: Path) -> None:
+    """A file's bytes to the disk (an error is one: the checkpoint is not durable)."""
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
@@ -67,7 +70,7 @@ def _atomic_write(path: Path, text: str) -> None:
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path)
-    _fsync(path.parent)  # the rename itself
+    fsync_dir(path.parent)  # the rename itself
 
 
 def flush(root: Path) -> None:
@@ -82,7 +85,7 @@ def flush(root: Path) -> None:
         elif p.is_file():
             _fsync(p)
     for d in sorted(dirs, key=lambda d: len(d.parts), reverse=True):
-        _fsync(d)
+        fsync_dir(d)  # a no-op where the filesystem refuses a directory's fsync
 
 
 def mark_complete(ckpt_dir: Path, tag: str, step: int, world_size: int | None = None,

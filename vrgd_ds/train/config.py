@@ -292,7 +292,7 @@ class JobConfig(_Strict):
             if n > 1 and warmup_steps(fraction, n) >= n:  # the phase would end at its peak, never decaying
                 raise ValueError(f"job.phases[{i}].warmup_fraction: {fraction} of the phase's {n} steps rounds up to "
                                  f"{n} warmup steps, leaving none to decay; use a warmup_fraction of at most "
-                                 f"{(n - 1) / n:.4g} or raise total_steps")
+                                 f"{math.floor((n - 1) / n * 1e4) / 1e4:g} or raise total_steps")
         return self
 
     def phase_steps(self) -> list[int]:

@@ -327,7 +327,6 @@ class Job:
         self.consumed = resumed_consumed(self.job, state["consumed"])
         self.skip_streak_from = state.get("skip_streak_from")
         self.skipped_before = int(state.get("skipped_total", 0))
-        check_resume_position(self.job, self.consumed, self.budget, self.engine.data_world)
         for key, saved in (state.get("adaptive") or {}).items():
             index = int(key)
             if index >= len(self.consumed) or self.consumed[index] == 0:
@@ -343,6 +342,8 @@ class Job:
                                   "resume with the values it was saved with") from None
             except ValueError as e:
                 raise ConfigError(f"{path}: job.phases[{index}].adaptive_batch: {e}") from None
+        # after the adaptive phases' checks (as --check-resume): an adaptive phase made fixed is that error
+        check_resume_position(self.job, self.consumed, self.budget, self.engine.data_world)
         notes = ([data_note] if data_note else []) + plan.notes + (
             self._apply_configured_options(built) if plan.optimizer_states else [])
         if self.rank == 0:

@@ -56,6 +56,33 @@ class ResumePlan:
     notes: list[str] = field(default_factory=list)  # what changes, one line each
 
 
+def _megatron_wrapper(distributed: bool, precision: str) -> str:
+    """The Megatron optimizer wrapper a layout builds, which fixes its checkpoint's optimizer format."""
+    return ("DistributedOptimizer" if distributed else "FP32Optimizer" if precision == "fp32"
+            else "Float16OptimizerWithFloat16Params")
+
+
+def wrapper_change(where: Path, saved: dict[str, Any], distributed: bool, precision: str, policy: str) -> str | None:
+    """A Megatron checkpoint saved under another optimizer wrapper (``use_distributed_optimizer``
+    switched, or fp32 <-> bf16/fp16 without it; ``saved``: its marker's info) has an optimizer state
+    of another format, which no load carries over: per ``checkpoint.optimizer_state`` (``policy``)
+    a ``ConfigError`` naming the keys, or the note of a resume with a fresh state. None where the
+    wrapper is the same (or the marker predates the record)."""
+    was_distributed, was_precision = saved.get("use_distributed_optimizer"), saved.get("precision")
+    if was_distributed is None or was_precision is None:
+        return None
+    was, now = _megatron_wrapper(was_distributed, was_precision), _megatron_wrapper(distributed, precision)
+    if was == now:
+        return None
+    how = f"megatron.use_distributed_optimizer {str(was_distributed).lower()} and megatron.precision {was_precision!r}"
+    if policy != "reset_if_incompatible":
+        raise ConfigError(f"{where} was saved with {how}, whose optimizer state ({was}) does not load into {now}: "
+                          f"resume with those settings, or {RESET_HINT} to continue from its weights and data "
+                          "position with a fresh optimizer state")
+    return (f"{where} was saved with {how} ({was}); resuming its weights and data position with a fresh {now} "
+            "state (checkpoint.optimizer_state = reset_if_incompatible)")
+
+
 def family(optimizer_type: str) -> str:
     """The optimizer whose state a type shares: a member and its base are one family."""
     from vrgd_ds.optim.registry import REGISTRY
@@ -99,14 +126,10 @@ def plan_resume(ckpt_dir: Path, tag: str, optimizer: dict[str, Any], world: int,
     if saved and saved != optimizer:
         plan.switched = True
         gsnr = gsnr_switch(saved["gsnr"], optimizer["gsnr"])
-        # a loaded param group keeps its saved options but the wiring (``gsnr``), as torch's load does
-        placement = saved.get("gsnr_placement") or optimizer.get("gsnr_placement")
-        kept = ("" if placement == optimizer.get("gsnr_placement") else
-                f" (the checkpoint's; the configured {optimizer.get('gsnr_placement')} applies to a fresh state)")
         plan.notes.append(f"{where} was saved with {saved['type']} (gsnr {saved['gsnr']}, placement "
                           f"{saved.get('gsnr_placement')}), resuming with {optimizer['type']} (gsnr "
-                          f"{optimizer['gsnr']}, placement {placement}{kept}): the weights and moments carry over, "
-                          f"{gsnr}")
+                          f"{optimizer['gsnr']}, placement {optimizer.get('gsnr_placement')}): the weights and "
+                          f"moments carry over, {gsnr}")
     if zero_stage == 0 or plan.saved_world is None or plan.saved_world == world:
         return plan
     if zero_stage == 3:
@@ -213,11 +236,10 @@ def check(run_dir: Path, raw: dict[str, Any] | None, world: int | None) -> tuple
         if data is not None and (note := data_change(ckpt_dir / choice.tag, info.get("data"), data,
                                                      data_change_policy(raw))):
             changes.append(note)
-        if job.engine == "megatron":
-            from vrgd_ds.train.engines.megatron import parse_block, wrapper_change
-
-            if note := wrapper_change(ckpt_dir / choice.tag, info, parse_block(raw), optimizer_state_policy(raw)):
-                changes.append(note)
+        if job.engine == "megatron" and (note := wrapper_change(
+                ckpt_dir / choice.tag, info, block.get("use_distributed_optimizer", True),
+                block.get("precision", "fp32"), optimizer_state_policy(raw))):  # MegatronBlock's defaults
+            changes.append(note)
         tp_pp = (block.get("tensor_model_parallel_size", 1) * block.get("pipeline_model_parallel_size", 1)
                  if job.engine == "megatron" else 1)
         data_world = max(ranks // tp_pp, 1)

@@ -50,6 +50,7 @@ __all__ = [
 _WRAPPER_PREFIXES = ("module.", "_orig_mod.")
 _ENCODER_LAYER = re.compile(r"^encoder\.layer\.(\d+)\.")
 _DECODER_LAYER = re.compile(r"^decoder\.layers\.(\d+)\.")  # megatron-core's GPT
+_STAGE = re.compile(r"^(stage\d+\.)")  # a pipeline stage's rows (vrgd_ds.stats.layout.Layout.join_stages)
 
 
 def layer_group(param_name: str) -> str:
@@ -60,8 +61,13 @@ def layer_group(param_name: str) -> str:
     (its transformer layers would otherwise be one group); any other name maps to its first two dotted
     components (the whole name when it has fewer). Wrapper prefixes (``module.``,
     ``_orig_mod.``) and the ``bert.`` model prefix are ignored, so a name from a bare
-    ``BertModel`` and one from a DeepSpeed engine around ``BertForPreTraining`` agree.
+    ``BertModel`` and one from a DeepSpeed engine around ``BertForPreTraining`` agree. A
+    pipeline stage's prefix (``stage<i>.``) is kept in front of the group: Megatron numbers each
+    stage's layers from 0.
     """
+    m = _STAGE.match(param_name)
+    if m:
+        return m.group(1) + layer_group(param_name[m.end():])
     name = param_name
     stripped = True
     while stripped:

@@ -38,7 +38,7 @@ from vrgd_ds.train.config import (CHECKPOINT_KEY, JOB_CHECKPOINT_KEYS, ConfigErr
                                   gradient_accumulation)
 from vrgd_ds.train.data import JobData, prepare_data, stack
 from vrgd_ds.train.engines.base import LAUNCHER_RANK, LAUNCHER_WORLD, Engine, launcher_value, local_cuda_device
-from vrgd_ds.train.resume import RESET_HINT, ResumePlan, plan_resume
+from vrgd_ds.train.resume import ResumePlan, plan_resume, wrapper_change
 
 logger = logging.getLogger(__name__)
 
@@ -258,33 +258,6 @@ def _attention_mask(seq: int, device: torch.device) -> torch.Tensor:
     return torch.tril(torch.ones(1, 1, seq, seq, device=device)) < 0.5
 
 
-def _wrapper(distributed: bool, precision: str) -> str:
-    """The Megatron optimizer wrapper a layout builds, which fixes its checkpoint's optimizer format."""
-    return ("DistributedOptimizer" if distributed else "FP32Optimizer" if precision == "fp32"
-            else "Float16OptimizerWithFloat16Params")
-
-
-def wrapper_change(where: Path, saved: dict[str, Any], block: MegatronBlock, policy: str) -> str | None:
-    """A checkpoint saved under another Megatron optimizer wrapper (``use_distributed_optimizer``
-    switched, or fp32 <-> bf16/fp16 without it) has an optimizer state of another format, which no
-    load carries over: per ``checkpoint.optimizer_state`` (``policy``) a ``ConfigError`` naming the
-    keys, or the note of a resume with a fresh state. None where the wrapper is the same (or the
-    marker predates the record)."""
-    distributed, precision = saved.get("use_distributed_optimizer"), saved.get("precision")
-    if distributed is None or precision is None:
-        return None
-    was, now = _wrapper(distributed, precision), _wrapper(block.use_distributed_optimizer, block.precision)
-    if was == now:
-        return None
-    how = f"{BLOCK}.use_distributed_optimizer {str(distributed).lower()} and {BLOCK}.precision {precision!r}"
-    if policy != "reset_if_incompatible":
-        raise ConfigError(f"{where} was saved with {how}, whose optimizer state ({was}) does not load into {now}: "
-                          f"resume with those settings, or {RESET_HINT} to continue from its weights and data "
-                          "position with a fresh optimizer state")
-    return (f"{where} was saved with {how} ({was}); resuming its weights and data position with a fresh {now} "
-            "state (checkpoint.optimizer_state = reset_if_incompatible)")
-
-
 class MegatronEngine(Engine):
     name = "megatron"
     task = "lm"
@@ -456,7 +429,8 @@ class MegatronEngine(Engine):
         if None not in was and was != now:
             plan.notes.append(f"{ckpt_dir / tag} was saved on TP {was[0]} × PP {was[1]} × DP {was[2]}; resuming on TP "
                               f"{now[0]} × PP {now[1]} × DP {now[2]} (dist-checkpointing reshards every tensor)")
-        if plan.optimizer_states and (note := wrapper_change(ckpt_dir / tag, saved, self.block, policy)):
+        if plan.optimizer_states and (note := wrapper_change(ckpt_dir / tag, saved, self.block.use_distributed_optimizer,
+                                                             self.block.precision, policy)):
             plan.optimizer_states = False
             plan.notes.append(note)
         if saved.get("precision") not in (None, self.block.precision):
@@ -486,10 +460,12 @@ class MegatronEngine(Engine):
         loaded = dist_checkpointing.load(self._state(True, plan.optimizer_states), str(ckpt_dir / tag),
                                          strict=StrictHandling.LOG_UNEXPECTED)
         self.ddp.module.load_state_dict(loaded["model"], strict=False)
-        # the fp32 main weights follow the model where the checkpoint has none of this precision's (a fresh
-        # optimizer state, another precision); else the load wrote the saved ones into them already, and
-        # copying the low-precision model over them would round them
-        if not plan.optimizer_states or getattr(self, "_saved_precision", None) != self.block.precision:
+        # the fp32 main weights follow the model where the checkpoint has none (a fresh optimizer state, an
+        # fp32 save, a marker without its precision); else the load wrote the saved ones into them already
+        # (bf16 <-> fp16 too), and copying the half-precision model over them would round them
+        half = ("bf16", "fp16")
+        if not (plan.optimizer_states and getattr(self, "_saved_precision", None) in half
+                and self.block.precision in half):
             for mopt in self.megatron_optimizer.chained_optimizers:
                 if hasattr(mopt, "reload_model_params"):
                     mopt.reload_model_params()
