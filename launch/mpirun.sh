@@ -21,13 +21,13 @@ for name in CONFIG RUN_DIR; do
     if [[ -n "${!name:-}" ]]; then printf -v "$name" '%s' "$(realpath -ms -- "${!name}")"; fi
 done
 if [[ "${PYTHON:-}" == */* ]]; then PYTHON=$(realpath -ms -- "$PYTHON"); fi  # a path, not a command name
-# so are the host files MPI_ARGS names (--hostfile, --machinefile, --default-hostfile; either form)
+# so are the files MPI_ARGS names (--hostfile, --machinefile, --default-hostfile, --rankfile, --app)
 read -r -a EXTRA <<< "${MPI_ARGS:-}"
 for i in "${!EXTRA[@]}"; do
     case "${EXTRA[$i]}" in
-        --hostfile|-hostfile|--machinefile|-machinefile|--default-hostfile)
+        --hostfile|-hostfile|--machinefile|-machinefile|--default-hostfile|--rankfile|-rf|--app)
             if (( i + 1 < ${#EXTRA[@]} )); then EXTRA[i+1]=$(realpath -ms -- "${EXTRA[i+1]}"); fi ;;
-        --hostfile=*|--machinefile=*|--default-hostfile=*)
+        --hostfile=*|--machinefile=*|--default-hostfile=*|--rankfile=*|--app=*)
             EXTRA[i]="${EXTRA[i]%%=*}=$(realpath -ms -- "${EXTRA[i]#*=}")" ;;
     esac
 done

@@ -203,14 +203,31 @@ def test_rotation_never_deletes_the_checkpoint_just_written_for_one_passed_over(
     assert ckpt.tags(tmp_path) == [ckpt.tag_of(6), ckpt.tag_of(8)]
 
 
+def saving_job(run_dir: Path, step: int, write, monkeypatch) -> loop.Job:
+    """Rank 0 of 2 of a job at ``step`` whose engine's save is ``write`` (``Job.save`` alone: no
+    run-directory owner record, no collectives)."""
+    from types import SimpleNamespace
+
+    job = object.__new__(loop.Job)
+    job.run_dir, job.rank, job.world, job.step, job.consumed, job.evals = run_dir, 0, 2, step, [64], []
+    job.skip_streak_from, job.controllers, job.job = None, {}, SimpleNamespace(keep_checkpoints=3)
+    job.skipped_before, job.optimizer = 0, SimpleNamespace(skipped_steps=0)
+    job.lock, job.first_on_node = None, True
+    job.engine = SimpleNamespace(save=write)
+    job._checkpoint_bytes = lambda: (10, 10, "test")
+    job._any_rank = lambda flag: flag
+    job.optimizer_info = job.resume_info = lambda: {}
+    job.watchdog = SimpleNamespace(beat=lambda step, what: None)
+    monkeypatch.setattr(loop, "dist", SimpleNamespace(barrier=lambda: None))
+    return job
+
+
 def test_a_save_over_a_save_cut_short_keeps_none_of_its_files(tmp_path, monkeypatch):
     """A save of step 4 on 4 ranks killed half-way left ranks 2-3's files and a conversion of the tag;
     the job, resumed on 2 ranks from an older checkpoint, reaches step 4 again and saves it: the
     checkpoint holds only this save's files (DeepSpeed counts the rank files to learn how many ranks
     wrote it, and a resume on other ranks reads the tag's conversion). Fails on the code before,
     whose DeepSpeed save wrote into the directory as it found it."""
-    from types import SimpleNamespace
-
     ckpt_dir = tmp_path / "checkpoints"
     tag = ckpt_dir / "step00000004"
     tag.mkdir(parents=True)
@@ -223,19 +240,7 @@ def test_a_save_over_a_save_cut_short_keeps_none_of_its_files(tmp_path, monkeypa
         for r in (0, 1):
             (ckpt_dir / tag / f"zero_pp_rank_{r}_mp_rank_00_optim_states.pt").write_bytes(b"new")
 
-    job = object.__new__(loop.Job)
-    job.run_dir, job.rank, job.world, job.step, job.consumed, job.evals = tmp_path, 0, 2, 4, [64], []
-    job.skip_streak_from, job.controllers, job.job = None, {}, SimpleNamespace(keep_checkpoints=3)
-    job.skipped_before, job.optimizer = 0, SimpleNamespace(skipped_steps=0)
-    job.lock, job.first_on_node = None, True  # a job without a run-directory owner record
-    job.engine = SimpleNamespace(save=write)
-    job._checkpoint_bytes = lambda: (10, 10, "test")
-    job._any_rank = lambda flag: flag
-    job.optimizer_info = lambda: {}
-    job.resume_info = lambda: {}
-    job.watchdog = SimpleNamespace(beat=lambda step, what: None)
-    monkeypatch.setattr(loop, "dist", SimpleNamespace(barrier=lambda: None))
-    job.save()
+    saving_job(tmp_path, 4, write, monkeypatch).save()
     assert sorted(p.name for p in tag.iterdir() if p.suffix == ".pt") == [
         "zero_pp_rank_0_mp_rank_00_optim_states.pt", "zero_pp_rank_1_mp_rank_00_optim_states.pt"]
     assert ckpt.problem(ckpt_dir, "step00000004") is None
@@ -247,8 +252,6 @@ def test_a_checkpoints_files_reach_the_disk_before_its_marker(tmp_path, monkeypa
     and the marker's and ``latest``'s renames with their directory. Fails on the code before, which
     fsynced only the marker's and ``latest``'s own bytes: after a power loss the marker could be
     durable and a rank file it lists empty."""
-    from types import SimpleNamespace
-
     ckpt_dir = tmp_path / "checkpoints"
 
     def write(ckpt_dir, tag, state):  # what DeepSpeed writes, with torch.save's plain close
@@ -259,18 +262,7 @@ def test_a_checkpoints_files_reach_the_disk_before_its_marker(tmp_path, monkeypa
     synced = []
     real = os.fsync
     monkeypatch.setattr(os, "fsync", lambda fd: (synced.append(os.readlink(f"/proc/self/fd/{fd}")), real(fd)))
-    job = object.__new__(loop.Job)
-    job.run_dir, job.rank, job.world, job.step, job.consumed, job.evals = tmp_path, 0, 2, 6, [64], []
-    job.skip_streak_from, job.controllers, job.job = None, {}, SimpleNamespace(keep_checkpoints=3)
-    job.skipped_before, job.optimizer = 0, SimpleNamespace(skipped_steps=0)
-    job.lock, job.first_on_node = None, True
-    job.engine = SimpleNamespace(save=write)
-    job._checkpoint_bytes = lambda: (10, 10, "test")
-    job._any_rank = lambda flag: flag
-    job.optimizer_info = job.resume_info = lambda: {}
-    job.watchdog = SimpleNamespace(beat=lambda step, what: None)
-    monkeypatch.setattr(loop, "dist", SimpleNamespace(barrier=lambda: None))
-    job.save()
+    saving_job(tmp_path, 6, write, monkeypatch).save()
     tag = ckpt_dir / "step00000006"
     marker = next(i for i, p in enumerate(synced) if ckpt.MARKER in p)
     for p in (tag / "mp_rank_00_model_states.pt", tag / "zero" / "rank_1.pt", tag / "zero", tag):
