@@ -91,23 +91,30 @@ def test_a_run_directory_without_checkpoints_would_start_afresh(tmp_path):
     assert ok and "start afresh" in report
 
 
-def test_a_megatron_checkpoint_reports_its_layout_and_the_configured_one(tmp_path):
-    """A Megatron engine's marker holds TP × PP × DP, not a ZeRO stage; the report names both
-    layouts when the configuration changes the tensor-parallel size (dist-checkpointing
-    reshards), and refuses an engine switch (the job stops on it too, exit 2)."""
+def megatron_checkpoint(tmp_path, block: dict, **saved) -> dict:
+    """A Megatron engine's config (``block`` added to its ``"megatron"`` block) and, in
+    ``tmp_path/run``, its step-4 checkpoint saved on TP 1 × PP 1 × DP 2 (``saved``: more marker info)."""
     from vrgd_ds.train.config import parse_job
 
     raw = {"optimizer": {"type": "VRLamb", "params": {"lr": 1e-3}},
-           "megatron": {"model": {"num_layers": 2, "hidden_size": 64, "num_attention_heads": 4}},
+           "megatron": {"model": {"num_layers": 2, "hidden_size": 64, "num_attention_heads": 4}, **block},
            "job": {"engine": "megatron", "total_steps": 8,
                    "phases": [{"seq_len": 32, "fraction": 1.0, "global_batch": 16, "micro_batch": 4, "lr": 2e-3}]}}
     ckpt_dir = tmp_path / "run" / "checkpoints"
     (ckpt_dir / "step00000004").mkdir(parents=True)
     (ckpt_dir / "step00000004" / "__0_0.distcp").write_bytes(b"x" * 10)
     info = {k: v for k, v in INFO.items() if k != "zero_stage"}
-    info.update(engine="megatron", tensor_model_parallel_size=1, pipeline_model_parallel_size=1,
-                data_parallel_size=2, precision="fp32", phases=[p.model_dump(mode="json") for p in parse_job(raw).phases])
+    info.update(engine="megatron", tensor_model_parallel_size=1, pipeline_model_parallel_size=1, data_parallel_size=2,
+                phases=[p.model_dump(mode="json") for p in parse_job(raw).phases], **saved)
     ckpt.mark_complete(ckpt_dir, "step00000004", 4, 2, info)
+    return raw
+
+
+def test_a_megatron_checkpoint_reports_its_layout_and_the_configured_one(tmp_path):
+    """A Megatron engine's marker holds TP × PP × DP, not a ZeRO stage; the report names both
+    layouts when the configuration changes the tensor-parallel size (dist-checkpointing
+    reshards), and refuses an engine switch (the job stops on it too, exit 2)."""
+    raw = megatron_checkpoint(tmp_path, {}, precision="fp32")
     report, ok = check(tmp_path / "run", None, None)
     assert ok and "saved on:    2 ranks, TP 1 × PP 1 × DP 2" in report
     same, ok = check(tmp_path / "run", copy.deepcopy(raw), 2)
@@ -137,23 +144,12 @@ def test_a_megatron_optimizer_wrapper_switch_would_stop_naming_the_keys(tmp_path
     ``reset_if_incompatible``. Fails on the code before, which reported the resume as going ahead;
     the job then failed inside the load (KeyError 'pre_wd_mult', or a message about a checkpoint
     format key the config did not set) and called the checkpoint broken."""
-    from vrgd_ds.train.config import parse_job
     from vrgd_ds.train.engines.megatron import MegatronBlock
 
     fields = MegatronBlock.model_fields  # the defaults --check-resume reads a block without these keys with
     assert fields["use_distributed_optimizer"].default is True and fields["precision"].default == "fp32"
-    raw = {"optimizer": {"type": "VRLamb", "params": {"lr": 1e-3}},
-           "megatron": {"model": {"num_layers": 2, "hidden_size": 64, "num_attention_heads": 4}, **now},
-           "job": {"engine": "megatron", "total_steps": 8,
-                   "phases": [{"seq_len": 32, "fraction": 1.0, "global_batch": 16, "micro_batch": 4, "lr": 2e-3}]}}
+    raw = megatron_checkpoint(tmp_path, now, precision=saved[1], use_distributed_optimizer=saved[0])
     ckpt_dir = tmp_path / "run" / "checkpoints"
-    (ckpt_dir / "step00000004").mkdir(parents=True)
-    (ckpt_dir / "step00000004" / "__0_0.distcp").write_bytes(b"x" * 10)
-    info = {k: v for k, v in INFO.items() if k != "zero_stage"}
-    info.update(engine="megatron", tensor_model_parallel_size=1, pipeline_model_parallel_size=1, data_parallel_size=2,
-                precision=saved[1], use_distributed_optimizer=saved[0],
-                phases=[p.model_dump(mode="json") for p in parse_job(raw).phases])
-    ckpt.mark_complete(ckpt_dir, "step00000004", 4, 2, info)
     report, went = check(tmp_path / "run", copy.deepcopy(raw), 2)
     assert went == ok, report
     if not ok:
