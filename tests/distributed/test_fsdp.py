@@ -84,7 +84,10 @@ def test_fsdp_and_hsdp_on_4_ranks_equal_the_single_process_optimizer(pool4, name
 
 REFUSALS = {
     "offload": ("UnsupportedFSDPConfiguration", "CPU offload"),
-    "gloo_average": ("UnsupportedFSDPConfiguration", "set_force_sum_reduction_for_comms(True)"),
+    # and the option a torchtitan user has (before: only the module call, which such a user cannot make)
+    "gloo_average": ("UnsupportedFSDPConfiguration", "set_force_sum_reduction_for_comms(True) on every FSDP module "
+                                                     "(FSDP then divides once itself; torchtitan: "
+                                                     "--optimizer.force_sum_reduction_for_comms)"),
     "fused_group": ("UnsupportedFSDPConfiguration", "fused=True/foreach=None in a param group"),
     "twice": ("UnsupportedFSDPConfiguration", "a second attach to one model"),
     "uneven_sync": ("UnsupportedFSDPConfiguration", "reduced some parameters 1 times and others 2 times"),

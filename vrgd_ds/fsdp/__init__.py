@@ -108,7 +108,8 @@ def _check_group(group: Any, gsnr: bool) -> tuple[Any, Any | None]:
     if backend == "gloo" and not group.force_sum_reduction_for_comms:
         raise _refuse("FSDP's averaging reduce-scatter on gloo", "gloo's reduce-scatter sums where FSDP asks it to "
                       "average (pytorch issue #162338), so the gradients would be wrong; call "
-                      "set_force_sum_reduction_for_comms(True) on every FSDP module (FSDP then divides once itself)")
+                      "set_force_sum_reduction_for_comms(True) on every FSDP module (FSDP then divides once itself; "
+                      "torchtitan: --optimizer.force_sum_reduction_for_comms)")
     replicate = info.replicate_process_group if isinstance(info, HSDPMeshInfo) else None
     return info.shard_process_group, replicate
 
