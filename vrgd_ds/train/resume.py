@@ -236,10 +236,11 @@ def check(run_dir: Path, raw: dict[str, Any] | None, world: int | None) -> tuple
         if data is not None and (note := data_change(ckpt_dir / choice.tag, info.get("data"), data,
                                                      data_change_policy(raw))):
             changes.append(note)
-        if job.engine == "megatron" and (note := wrapper_change(
-                ckpt_dir / choice.tag, info, block.get("use_distributed_optimizer", True),
-                block.get("precision", "fp32"), optimizer_state_policy(raw))):  # MegatronBlock's defaults
-            changes.append(note)
+        fresh = job.engine == "megatron" and wrapper_change(
+            ckpt_dir / choice.tag, info, block.get("use_distributed_optimizer", True),
+            block.get("precision", "fp32"), optimizer_state_policy(raw))  # MegatronBlock's defaults
+        if fresh:
+            changes.append(fresh)
         tp_pp = (block.get("tensor_model_parallel_size", 1) * block.get("pipeline_model_parallel_size", 1)
                  if job.engine == "megatron" else 1)
         data_world = max(ranks // tp_pp, 1)
@@ -255,6 +256,6 @@ def check(run_dir: Path, raw: dict[str, Any] | None, world: int | None) -> tuple
     except ConfigError as e:
         lines += [f"  - {c}" for c in changes] + [f"  would stop: {e}"]
         return "\n".join(lines), False
-    changes += plan.notes
+    changes += [] if fresh else plan.notes  # a fresh state: no switch's "carries over" (MegatronEngine.plan)
     lines += [f"  - {c}" for c in changes] or ["  nothing changes: the run continues as it was saved"]
     return "\n".join(lines), True

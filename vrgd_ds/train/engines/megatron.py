@@ -424,16 +424,16 @@ class MegatronEngine(Engine):
 
         plan = plan_resume(ckpt_dir, tag, optimizer, self.world, 0, policy)  # dist-checkpointing reshards
         saved = ckpt.marker(ckpt_dir, tag).get("info") or {}
+        if plan.optimizer_states and (note := wrapper_change(ckpt_dir / tag, saved, self.block.use_distributed_optimizer,
+                                                             self.block.precision, policy)):
+            # a fresh state: nothing of the saved one carries over (plan_resume's only note here is a switch's)
+            plan.optimizer_states, plan.switched, plan.notes = False, False, [note]
         keys = ("tensor_model_parallel_size", "pipeline_model_parallel_size", "data_parallel_size")
         was, now = [saved.get(k) for k in keys], [self.layout()[k] for k in keys]
         if None not in was and was != now:
             plan.notes.append(f"{ckpt_dir / tag} was saved on TP {was[0]} × PP {was[1]} × DP {was[2]}; resuming on TP "
                               f"{now[0]} × PP {now[1]} × DP {now[2]} (dist-checkpointing reshards every tensor)")
-        if plan.optimizer_states and (note := wrapper_change(ckpt_dir / tag, saved, self.block.use_distributed_optimizer,
-                                                             self.block.precision, policy)):
-            plan.optimizer_states = False
-            plan.notes.append(note)
-        if saved.get("precision") not in (None, self.block.precision):
+        if plan.optimizer_states and saved.get("precision") not in (None, self.block.precision):
             plan.notes.append(f"{ckpt_dir / tag} was saved in {saved['precision']}; resuming in "
                               f"{self.block.precision} (the fp32 main weights carry over)")
         self._saved_precision = saved.get("precision")
