@@ -60,6 +60,11 @@ def test_a_switch_written_as_a_string_is_refused_naming_it(name):
             integration.check_optimizer_block({"optimizer": {"type": name, "params": {key: "false"}}})
     with pytest.raises(integration.UnsupportedConfiguration, match="optimizer.params.lr: .*lr=True"):
         integration.check_optimizer_block({"optimizer": {"type": name, "params": {"lr": True}}})
+    if info.vr:  # numpy's bools are bools
+        import numpy as np
+
+        assert not info.cls([torch.nn.Parameter(torch.ones(3))], **dict(info.test_kwargs, gsnr=np.False_)).param_groups[
+            0]["gsnr"]
 
 
 @pytest.mark.parametrize("name", NAMES)

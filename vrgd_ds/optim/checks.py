@@ -42,10 +42,13 @@ FLAGS = ("gsnr", "bias_correction", "grad_pre_normalization", "use_nvlamb", "gra
 
 
 def check_flags(owner: str, options: dict[str, Any]) -> None:
+    import numpy as np
+
     for name in FLAGS:
         if name in options:
             value = options[name]
-            check_arg(owner, name, isinstance(value, bool), value, "true or false (a bool, not a string or number)")
+            check_arg(owner, name, isinstance(value, (bool, np.bool_)), value,
+                      "true or false (a bool, not a string or number)")
 
 
 def check_common(owner: str, options: dict[str, Any]) -> None:
