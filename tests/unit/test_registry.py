@@ -75,6 +75,9 @@ def test_an_auto_value_nothing_filled_is_named(name):
     with pytest.raises(integration.UnsupportedConfiguration,
                        match=r'optimizer.params.weight_decay: "auto" is left for HF Trainer or Accelerate'):
         integration.check_optimizer_block({"optimizer": {"type": name, "params": {"lr": 1e-3, "weight_decay": "auto"}}})
+    if "betas" in integration.accepted_params(REGISTRY[name].cls):  # HF's "auto" betas, a pair
+        with pytest.raises(integration.UnsupportedConfiguration, match=r'optimizer.params.betas: "auto" is left'):
+            integration.check_optimizer_block({"optimizer": {"type": name, "params": {"betas": ["auto", "auto"]}}})
 
 
 def test_ddp_names_every_member_when_given_something_else():

@@ -223,7 +223,7 @@ def check_params(cls: Any, type_name: str, params: dict[str, Any], clipping: str
         raise OptimizerBlockError(
             f"optimizer.params.{unknown[0]}: not a parameter of {info.name} (type {type_name!r})"
             f"{did_you_mean(unknown[0], accepted)}; accepted: {', '.join(accepted)}")
-    auto = sorted(k for k, v in params.items() if v == "auto")
+    auto = sorted(k for k, v in params.items() if v == "auto" or isinstance(v, (list, tuple)) and "auto" in v)
     if auto:
         raise OptimizerBlockError(
             f"optimizer.params.{auto[0]}: \"auto\" is left for HF Trainer or Accelerate to fill in, and nothing did "
