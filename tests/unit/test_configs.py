@@ -307,3 +307,18 @@ def test_a_batch_of_full_length_samples_has_a_position_for_every_column():
     raw["job"]["model"] = dict(raw["job"].get("model", {}), overrides={"max_position_embeddings": 100})
     with pytest.raises(ConfigError, match=r"job\.model\.overrides\.max_position_embeddings: 100 .*\(104\)"):
         parse_job(raw)
+
+
+@pytest.mark.parametrize("steps", [3, 12, 30000])
+def test_the_warmup_fraction_hint_is_one_that_parses(steps):
+    """A phase of ``steps`` steps whose warmup would fill it: the largest fraction the error names
+    parses. Fails on the hint before, rounded up (0.6667 of 3 steps is still 3 warmup steps; "at
+    most 1" for 30000, outside the key's range)."""
+    raw = tiny_raw()
+    raw["job"]["total_steps"] = steps
+    raw["job"]["phases"] = [dict(raw["job"]["phases"][0], fraction=1.0, warmup_fraction=0.99999)]
+    with pytest.raises(ConfigError, match="use a warmup_fraction of at most ") as e:
+        parse_job(raw)
+    hint = float(str(e.value).split("at most ")[1].split()[0])
+    raw["job"]["phases"][0]["warmup_fraction"] = hint
+    parse_job(raw)
