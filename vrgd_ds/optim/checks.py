@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from typing import Any
 
+import numpy as np
+
 FP32_TINY = 1.1754943508222875e-38  # torch.finfo(torch.float32).tiny, the least normal fp32
 
 
@@ -42,8 +44,6 @@ FLAGS = ("gsnr", "bias_correction", "grad_pre_normalization", "use_nvlamb", "gra
 
 
 def check_flags(owner: str, options: dict[str, Any]) -> None:
-    import numpy as np
-
     for name in FLAGS:
         if name in options:
             value = options[name]

@@ -76,7 +76,8 @@ class Layout:
         #: bool per key, or None: a tied weight's copy that another pipeline stage counts, left out
         #: of whole-model sums (as DeepSpeed's and Megatron's gradient norms leave it out)
         self.replicated: Tensor | None = None
-        self._joined: tuple[int, int, list[str]] | None = None  # join_stages: this stage's first row, rows, names
+        #: join_stages: this stage's first row, the rows, their names, the rows of this stage's tied copies
+        self._joined: tuple[int, int, list[str], Tensor | None] | None = None
         self._pieces: dict[int, list[tuple[int, int, int]]] = {}
         self._offsets: dict[int, list[int]] = {}
         self.counters = CommCounters()  # the small per-tensor tables (they stand for no gradient)
@@ -142,15 +143,17 @@ class Layout:
             tdist.all_gather_object(every, self.names, group=self.stages)
             me = tdist.get_rank(self.stages)
             names = [f"stage{i}.{name}" for i, stage in enumerate(every) for name in stage]
-            self._joined = (sum(len(stage) for stage in every[:me]), len(names), names)
-        first, rows, names = self._joined
+            first = sum(len(stage) for stage in every[:me])
+            copies = (None if self.replicated is None
+                      else torch.nonzero(self.replicated).flatten().to(sums.device) + first)
+            self._joined = (first, len(names), names, copies)
+        first, rows, names, copies = self._joined
         whole_sums = sums.new_zeros(rows, sums.shape[1])
         whole_maxs = maxs.new_full((rows, maxs.shape[1]), -torch.inf)
         mine = slice(first, first + self.num_keys)
         whole_sums[mine] = sums
         whole_maxs[mine] = maxs
-        if self.replicated is not None:
-            copies = torch.nonzero(self.replicated).flatten().to(sums.device) + first
+        if copies is not None:
             whole_sums[copies] = 0
             whole_maxs[copies] = -torch.inf
         self._reduce(whole_sums, "sum", self.stages)

@@ -178,7 +178,8 @@ class Job:
         mine = torch.tensor([int.from_bytes(name, "little")], dtype=torch.int64, device=self.device)
         hosts = [torch.empty_like(mine) for _ in range(self.world)]
         dist.all_gather(hosts, mine)
-        return [int(h.item()) for h in hosts].index(int(mine.item())) == self.rank
+        ids = torch.cat(hosts).tolist()  # one read back, not one per rank
+        return ids.index(ids[self.rank]) == self.rank
 
     def _take_run_dir(self) -> RunDirLock | None:
         """Rank 0 takes the run directory (``rundir``); every rank learns whether it could."""

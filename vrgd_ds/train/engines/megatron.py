@@ -410,7 +410,6 @@ class MegatronEngine(Engine):
                 "data_parallel_size": self.data_world, "precision": self.block.precision,
                 "use_distributed_optimizer": self.block.use_distributed_optimizer}
 
-
     def _state(self, is_loading: bool, with_optimizer: bool = True) -> dict[str, Any]:
         model = self.ddp.module
         model_sd = model.sharded_state_dict()
@@ -436,7 +435,6 @@ class MegatronEngine(Engine):
         if plan.optimizer_states and saved.get("precision") not in (None, self.block.precision):
             plan.notes.append(f"{ckpt_dir / tag} was saved in {saved['precision']}; resuming in "
                               f"{self.block.precision} (the fp32 main weights carry over)")
-        self._saved_precision = saved.get("precision")
         return plan
 
     def save(self, ckpt_dir: Path, tag: str, state: dict[str, Any]) -> None:
@@ -454,6 +452,8 @@ class MegatronEngine(Engine):
         from megatron.core import dist_checkpointing
         from megatron.core.dist_checkpointing.validation import StrictHandling
 
+        from vrgd_ds.train import checkpoints as ckpt
+
         # LOG_UNEXPECTED: keys the request has and the checkpoint lacks (a base optimizer's without the GSNR
         # momentum, another precision's without fp32 main weights) are left out of the load, and the state
         # keeps them as built, as the plan says (ASSUME_OK_UNEXPECTED raised on them)
@@ -463,9 +463,8 @@ class MegatronEngine(Engine):
         # the fp32 main weights follow the model where the checkpoint has none (a fresh optimizer state, an
         # fp32 save, a marker without its precision); else the load wrote the saved ones into them already
         # (bf16 <-> fp16 too), and copying the half-precision model over them would round them
-        half = ("bf16", "fp16")
-        if not (plan.optimizer_states and getattr(self, "_saved_precision", None) in half
-                and self.block.precision in half):
+        half, saved = ("bf16", "fp16"), (ckpt.marker(ckpt_dir, tag).get("info") or {}).get("precision")
+        if not (plan.optimizer_states and saved in half and self.block.precision in half):
             for mopt in self.megatron_optimizer.chained_optimizers:
                 if hasattr(mopt, "reload_model_params"):
                     mopt.reload_model_params()
