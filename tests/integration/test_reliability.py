@@ -453,6 +453,27 @@ def test_a_vr_lamb_run_resumes_as_lamb_and_back(config, alone, tmp_path):
 
 
 @pytest.mark.exhaustive
+@pytest.mark.parametrize("config", BOTH, indirect=True)
+def test_a_placement_named_once_stays_until_the_config_names_another(config, alone, tmp_path):
+    """A loaded state brings its ``gsnr_placement``; the config's applies where it names one.
+    Before, the resume whose config named none logged "resuming with VRLamb (gsnr True, placement
+    first_moment)" and then stepped with the saved ``update``. Fails on the old code."""
+    run = tmp_path / "run"
+    shutil.copytree(alone, run)  # a finished VRLamb run (placement first_moment): 8 steps
+    named = launching.run(command(config, run, "job.total_steps=10", 'optimizer.params.gsnr_placement="update"'),
+                          timeout=TIMEOUT, marker=run)
+    out = named.stdout + named.stderr
+    assert named.returncode == 0, out[-3000:]
+    assert "placement first_moment), resuming with VRLamb (gsnr True, placement update)" in out, out[-3000:]
+    left_out = launching.run(command(config, run, "job.total_steps=12"), timeout=TIMEOUT, marker=run)
+    out = left_out.stdout + left_out.stderr
+    assert left_out.returncode == 0, out[-3000:]
+    assert "resuming with" not in out and "resumed from" in out, out[-3000:]
+    for tag in ("step00000010", "step00000012"):
+        assert ckpt.marker(run / "checkpoints", tag)["info"]["optimizer"]["gsnr_placement"] == "update", tag
+
+
+@pytest.mark.exhaustive
 @pytest.mark.parametrize("config", ["deepspeed"], indirect=True)
 def test_a_vr_lamb_run_resumes_as_lamb_on_another_number_of_ranks_and_back(config, alone, tmp_path):
     """The same switch through the universal checkpoint (2 ranks -> 1 -> 2). DeepSpeed's universal

@@ -63,6 +63,26 @@ def test_other_ranks_and_the_base_optimizer_are_listed(run_dir):
     assert "resuming with Lamb (gsnr False" in report and "the GSNR momentum is dropped" in report
 
 
+def test_a_placement_the_config_leaves_out_is_the_saved_one(run_dir):
+    """A loaded state brings its param groups' ``gsnr_placement`` unless the config names one.
+    Before, a checkpoint of placement ``update`` resumed with a config that names none was
+    reported as "resuming with VRLamb (gsnr True, placement first_moment)" (the built default),
+    by the job too, which then stepped with ``update``. Fails on the old code."""
+    marker = ckpt.marker(run_dir / "checkpoints", "step00000004")
+    marker["info"]["optimizer"]["gsnr_placement"] = "update"
+    ckpt.mark_complete(run_dir / "checkpoints", "step00000004", 4, 2, marker["info"])
+    report, ok = check(run_dir, copy.deepcopy(RAW), 2)
+    assert ok and "resuming with" not in report, report
+    raw = copy.deepcopy(RAW)
+    raw["optimizer"]["params"]["gsnr_placement"] = "first_moment"  # named: the config's again
+    report, ok = check(run_dir, raw, 2)
+    assert ok and "placement update), resuming with VRLamb (gsnr True, placement first_moment)" in report, report
+    raw["optimizer"]["type"] = "Lamb"  # a member's switch keeps the saved placement too
+    del raw["optimizer"]["params"]["gsnr_placement"]
+    report, ok = check(run_dir, raw, 2)
+    assert ok and "resuming with Lamb (gsnr False, placement update)" in report, report
+
+
 def test_another_family_would_stop_and_the_cli_exits_2(run_dir, tmp_path, capsys):
     raw = copy.deepcopy(RAW)
     raw["optimizer"] = {"type": "VRSGD", "params": {"lr": 0.1}}

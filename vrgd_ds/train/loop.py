@@ -60,7 +60,7 @@ from vrgd_ds.train.config import (ConfigError, JobConfig, adaptive_setting_keys,
 from vrgd_ds.train.data import check_data_path, eval_batches, loader
 from vrgd_ds.train.engines import Engine, engine_class
 from vrgd_ds.train.engines.base import LAUNCHER_RANK, launcher_value
-from vrgd_ds.train.resume import ConversionFailed, data_change, engine_switch
+from vrgd_ds.train.resume import ConversionFailed, data_change, engine_switch, named_params, resumed_optimizer
 from vrgd_ds.train.rundir import RunDirBusy, RunDirLock
 from vrgd_ds.train.schedule import PhaseSchedule
 from vrgd_ds.train.watchdog import Watchdog, collective_timeout
@@ -305,8 +305,8 @@ class Job:
                                     data_change_policy(self.raw))
             self.watchdog.beat(self.step, "conversion")
             try:
-                plan = self.engine.plan(self.ckpt_dir, choice.tag, self.optimizer_info(),
-                                        optimizer_state_policy(self.raw))
+                resumed = resumed_optimizer(self.optimizer_info(), saved.get("optimizer"), named_params(self.raw))
+                plan = self.engine.plan(self.ckpt_dir, choice.tag, resumed, optimizer_state_policy(self.raw))
             except ConversionFailed as e:  # the same on every rank (the engine agrees on it)
                 if self.rank == 0:
                     logger.warning("%s; trying the checkpoint before it", e)
@@ -370,7 +370,7 @@ class Job:
     def _apply_configured_options(self, built: list[dict[str, Any]]) -> list[str]:
         """A loaded optimizer state brings its param-group options (torch's rule); the ones the
         config names in ``optimizer.params`` are the config's again. Returns what changed."""
-        named = set((self.raw.get("optimizer") or {}).get("params") or {}) - {"lr", "gsnr"}
+        named = named_params(self.raw)
         changed: dict[str, tuple[Any, Any]] = {}
         for group, mine in zip(self.optimizer.param_groups, built):
             for key in sorted(named & set(mine)):

@@ -91,6 +91,24 @@ def family(optimizer_type: str) -> str:
     return info.base if info is not None else optimizer_type
 
 
+def named_params(raw: dict[str, Any]) -> set[str]:
+    """The options the config names in ``optimizer.params`` that a loaded state would otherwise
+    bring (torch's rule: a param group's options come from the checkpoint); the job sets them
+    back to the config's after the load (``Job._apply_configured_options``). ``lr`` follows the
+    schedule and ``gsnr`` is the built one (``GSNROptimizer.wiring_keys``) either way."""
+    return set((raw.get("optimizer") or {}).get("params") or {}) - {"lr", "gsnr"}
+
+
+def resumed_optimizer(built: dict[str, Any], saved: dict[str, Any] | None, named: set[str]) -> dict[str, Any]:
+    """The optimizer a resume continues with (``{"type", "gsnr", "gsnr_placement"}``): ``built``,
+    as the config makes it, except a placement the config leaves out, which the loaded state of
+    the same family brings from ``saved``."""
+    if (not saved or family(saved["type"]) != family(built["type"]) or "gsnr_placement" in named
+            or saved.get("gsnr_placement") is None):
+        return built
+    return {**built, "gsnr_placement": saved["gsnr_placement"]}
+
+
 def convert_command(ckpt_dir: Path, tag: str) -> str:
     return (f"python -m vrgd_ds.ds.universal --input_folder {ckpt_dir / tag} "
             f"--output_folder {ckpt_dir / ckpt.UNIVERSAL / tag}")
@@ -102,8 +120,9 @@ _STAGE_FORMAT = {0: "replicated", 1: "partitioned optimizer", 2: "partitioned op
 
 def plan_resume(ckpt_dir: Path, tag: str, optimizer: dict[str, Any], world: int, zero_stage: int,
                 policy: str) -> ResumePlan:
-    """How to load ``tag`` with ``optimizer`` (``{"type", "gsnr", "gsnr_placement"}``) on
-    ``world`` ranks; raises ``ConfigError`` for a resume that cannot work, saying what to do."""
+    """How to load ``tag`` with ``optimizer`` (``{"type", "gsnr", "gsnr_placement"}``, as the
+    resume continues with it: ``resumed_optimizer``) on ``world`` ranks; raises ``ConfigError``
+    for a resume that cannot work, saying what to do."""
     where = ckpt_dir / tag
     info = ckpt.marker(ckpt_dir, tag).get("info") or {}
     saved, saved_stage = info.get("optimizer"), info.get("zero_stage")  # a DeepSpeed marker's stage
@@ -252,7 +271,8 @@ def check(run_dir: Path, raw: dict[str, Any] | None, world: int | None) -> tuple
                 raise ConfigError("; ".join(refused))
         if consumed is not None:
             check_resume_position(job, resumed_consumed(job, consumed), phase_samples(job), data_world)
-        plan = plan_resume(ckpt_dir, choice.tag, now, ranks, stage, optimizer_state_policy(raw))
+        plan = plan_resume(ckpt_dir, choice.tag, resumed_optimizer(now, opt, named_params(raw)), ranks, stage,
+                           optimizer_state_policy(raw))
     except ConfigError as e:
         lines += [f"  - {c}" for c in changes] + [f"  would stop: {e}"]
         return "\n".join(lines), False
