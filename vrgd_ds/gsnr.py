@@ -6,7 +6,7 @@ For ``n >= 2`` gradient groups with mean gradients ``g_d`` and, element-wise,
     gbar = sum_g / n                      # the averaged gradient
     s    = sum_sq / n                     # mean of squares
     var  = max(s - gbar², 0)              # device-wise (biased) variance, eq. 7
-    r    = gbar² / (var + eps)            # GSNR, eq. 2
+    r    = min(gbar² / (var + eps), R_MAX)  # GSNR, eq. 2 (R_MAX: below)
     r    = clamp(r / mean_tensor(r), gamma, 1)   # eqs. 8-9, layer = one parameter tensor
 
 A tensor whose mean r is 0 carries no information and keeps r = 1 (the zero-information
@@ -26,9 +26,15 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+#: the largest r (2^64): ``var = 0`` gives ``gbar²/eps``, past fp32's range from |gbar| of about
+#: 1.8e13 at the default eps (at 3 with the smallest eps); an infinite r made its tensor's mean
+#: infinite and the scale ``inf · (1/inf) = NaN``. Above it r says nothing fp32 can resolve
+#: (``s - gbar²`` rounds at 6e-8 of s), and the kernels' fp32 partial sums of r stay finite.
+R_MAX = 2.0**64
+
 
 def gsnr(sum_g: Tensor, sum_sq: Tensor, n: int, eps: float) -> Tensor:
-    """Raw element-wise GSNR ``gbar² / (max(s - gbar², 0) + eps)`` from the moment sums.
+    """Raw element-wise GSNR ``min(gbar² / (max(s - gbar², 0) + eps), R_MAX)`` from the moment sums.
 
     Computed in the dtype of the inputs (fp32 statistics in the optimizers) in the order
     the fused kernels use, so both paths round alike.
@@ -38,7 +44,7 @@ def gsnr(sum_g: Tensor, sum_sq: Tensor, n: int, eps: float) -> Tensor:
     s = sum_sq * inv_n
     g2 = gbar * gbar
     var = (s - g2).clamp_min(0.0)
-    return g2 / (var + eps)
+    return (g2 / (var + eps)).clamp_max(R_MAX)  # NaN stays NaN (a non-finite step is skipped)
 
 
 @dataclass(frozen=True)

@@ -326,6 +326,25 @@ def test_triton_skips_a_nonfinite_step_on_the_device(name):
     assert opt.gsnr_metrics()["step/skipped"] == 0.0
 
 
+@pytest.mark.parametrize("fused", [False, True, "triton"])
+def test_zero_variance_past_fp32s_range_scales_by_one_not_nan(fused):
+    """Identical gradients in both groups (var = 0) of |g| 1e14: r = gbar²/eps passed fp32's
+    range. Before, r was inf, its tensor's mean inf, and the scale inf · (1/inf) = NaN went into
+    the parameters on every path, the step not skipped. Now r stops at 2^64 (``gsnr.R_MAX``):
+    those elements have the largest r and a scale of 1, the others gamma, alike on the
+    reference, the C++ and the Triton kernels. Fails on the old code."""
+    if fused is True and DEVICE == "cuda":
+        pytest.skip("the C++ kernels are the CPU's")
+    p = nn.Parameter(torch.zeros(4, device=DEVICE))
+    opt = vrgd_ds.VRSGD([p], lr=0.1, gamma=0.1, fused=fused)
+    g = torch.tensor([1e14, -1e14, 1.0, 2.0], device=DEVICE)
+    for _ in range(2):
+        (p * g).sum().backward()
+    opt.step()
+    torch.testing.assert_close(p.detach().cpu(), torch.tensor([-2e13, 2e13, -0.02, -0.04]), rtol=1e-6, atol=0)
+    assert opt.gsnr_metrics()["gsnr/max"] == 2.0**64 and opt.gsnr_metrics()["step/skipped"] == 0.0
+
+
 @pytest.mark.exhaustive  # about 9 s: make test resumes the optimizers' state on the reference (test_optimizers.py)
 @pytest.mark.parametrize("name", ["VRMomentum", "VRLamb"])
 def test_triton_state_dict_round_trip_continues_the_trajectory(name, tmp_path):

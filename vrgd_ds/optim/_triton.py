@@ -181,12 +181,13 @@ def _keep(x, m, WIDE: tl.constexpr):
 @triton.jit
 def _gsnr(sg, sq, inv_n, eps):
     """The GSNR of elements, the one place Triton computes it (docs/design.md §1): ``(s, ḡ², r)``
-    with ḡ = Σg/n, s = Σg²/n, r = ḡ² / (max(s − ḡ², 0) + eps); pass 1 also sums s and ḡ²."""
+    with ḡ = Σg/n, s = Σg²/n, r = min(ḡ² / (max(s − ḡ², 0) + eps), 2^64) (``gsnr.R_MAX``); pass 1
+    also sums s and ḡ²."""
     gbar = sg * inv_n
     s = sq * inv_n
     g2 = gbar * gbar
     var = tl.maximum(s - g2, 0.0)
-    return s, g2, tl.div_rn(g2, var + eps)
+    return s, g2, tl.minimum(tl.div_rn(g2, var + eps), 18446744073709551616.0, propagate_nan=tl.PropagateNan.ALL)
 
 
 @triton.jit

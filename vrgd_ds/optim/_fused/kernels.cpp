@@ -114,8 +114,10 @@ at::Tensor combine(const std::vector<Chunk>& chunks, const std::vector<double>& 
 }
 
 // The GSNR of one element, the one place C++ computes it: gbar = sum_g / n, s = sum_sq / n,
-// r = gbar^2 / (max(s - gbar^2, 0) + eps) (docs/design.md §1; the biased variance, whose
-// constant factor the per-tensor normalisation cancels). Pass 1 also sums s and gbar^2.
+// r = min(gbar^2 / (max(s - gbar^2, 0) + eps), 2^64) (docs/design.md §1; the biased variance,
+// whose constant factor the per-tensor normalisation cancels; the bound: vrgd_ds/gsnr.py
+// R_MAX). Pass 1 also sums s and gbar^2.
+constexpr float kRMax = 18446744073709551616.f;  // 2^64
 struct Gsnr {
   float s, g2, r;
 };
@@ -125,7 +127,8 @@ inline Gsnr gsnr_of(float sg, float sq, float inv_n, float eps) {
   const float g2 = gbar * gbar;
   float var = s - g2;
   var = var > 0.f ? var : 0.f;
-  return {s, g2, g2 / (var + eps)};
+  const float r = g2 / (var + eps);
+  return {s, g2, kRMax < r ? kRMax : r};  // NaN stays NaN (std::min's order)
 }
 inline float gsnr_raw(float sg, float sq, float inv_n, float eps) { return gsnr_of(sg, sq, inv_n, eps).r; }
 
