@@ -122,7 +122,7 @@ def _cmd_verify(args: argparse.Namespace) -> int:
 
 
 def _describe(path: Path) -> dict:
-    from vrgd_ds.data_pipeline.prepare import RECORD, SHARDS_DIR
+    from vrgd_ds.data_pipeline.prepare import RECORD, SAMPLES_DIR, SHARDS_DIR
     from vrgd_ds.data_pipeline.shards import MANIFEST, ShardedCorpus
     from vrgd_ds.data_pipeline.tokenizer import Tokenizer
 
@@ -135,6 +135,7 @@ def _describe(path: Path) -> dict:
         info = {"prepared": str(path), "record": json.loads((path / RECORD).read_text())}
         if (path / SHARDS_DIR / MANIFEST).is_file():
             info["shards"] = _describe(path / SHARDS_DIR)
+            info["shards"]["sample_indices"] = sorted(p.name for p in (path / SAMPLES_DIR).glob("samples_*.npy"))
         return info
     corpus = ShardedCorpus(path, verify="none")
     m = corpus.manifest

@@ -226,8 +226,8 @@ def _corrupt(path: Path, e: BaseException) -> bool:
 def _open_text(path: Path) -> TextIO:
     opener = _OPENERS.get(path.suffix.lower())
     if opener is not None:
-        return io.TextIOWrapper(opener(path, "rb"), encoding="utf-8")
-    return open(path, encoding="utf-8")
+        return io.TextIOWrapper(opener(path, "rb"), encoding="utf-8-sig")
+    return open(path, encoding="utf-8-sig")  # a byte-order mark is not text
 
 
 def _undecodable_line(path: Path) -> int | None:

@@ -189,7 +189,9 @@ class Tokenizer:
 
 
 def check_special_ids(sp: spm.SentencePieceProcessor, path: os.PathLike[str] | str) -> None:
-    """Raise DataError unless [PAD]..[MASK] have ids 0..4 in ``sp``."""
+    """Raise DataError unless [PAD]..[MASK] have ids 0..4 in ``sp``, [UNK] as the unknown piece
+    and the others as control symbols, which no text encodes to (a user-defined symbol would
+    turn a literal "[SEP]" in the text into a separator)."""
     found = {piece: sp.piece_to_id(piece) for piece in SPECIAL_IDS}
     # piece_to_id maps unknown pieces to unk_id, so also check the reverse direction.
     wrong = {p: i for p, i in found.items() if i != SPECIAL_IDS[p] or sp.id_to_piece(SPECIAL_IDS[p]) != p}
@@ -198,6 +200,10 @@ def check_special_ids(sp: spm.SentencePieceProcessor, path: os.PathLike[str] | s
             f"{path}: special tokens are not at the BERT ids {SPECIAL_IDS} (found {found}); "
             "retrain the tokenizer with `vrgd-data tokenizer`"
         )
+    typed = [p for p, i in SPECIAL_IDS.items() if not (sp.is_unknown(i) if i == 1 else sp.is_control(i))]
+    if typed:
+        raise DataError(f"{path}: {', '.join(typed)} are not control symbols (user-defined ones?), so the text "
+                        "itself can produce them; retrain the tokenizer with `vrgd-data tokenizer`")
 
 
 def sentence_stream(documents: Iterable[Sequence[str]], max_bytes: int = MAX_SENTENCE_BYTES) -> Iterator[str]:

@@ -98,6 +98,11 @@ def test_prepare_is_idempotent_and_notices_changed_input(corpus_file, tmp_path, 
     third = prepare(out, corpus_file, vocab_size=400, seq_lens=(64,), workers=1, progress=False,
                     tokenizer_threads=1, shard_tokens=10000)
     assert third.built == ("shards",)
+    # `info` on the prepared directory lists the sample indices, which live beside the shards
+    # (before, it looked for them among the shards and always listed none; fails on the old code)
+    capsys.readouterr()
+    assert main(["info", str(out), "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["shards"]["sample_indices"] == ["samples_seq64_seed0_none.npy"]
     ShardedCorpus(out / "shards", verify="full")
     # an edited corpus retrains everything
     corpus_file.write_text(corpus_file.read_text() + "\nA new document. With two sentences.\n")

@@ -101,6 +101,24 @@ def test_wikitext_titles_subheadings_and_joiners(tmp_path):
     assert list(read_documents(path)) == docs  # format="auto"
 
 
+def test_a_byte_order_mark_is_not_text(tmp_path):
+    """Files saved by Windows editors start with a UTF-8 byte-order mark. Before, it stayed in the
+    text: the first WikiText title became a sentence and a JSONL file failed at line 1 ("not
+    valid JSON"). Fails on the old code."""
+    wiki = tmp_path / "wiki.tokens"
+    wiki.write_bytes(b"\xef\xbb\xbf" + WIKITEXT.encode())
+    assert list(read_documents(wiki, format="wikitext")) == list(read_documents(_plain(tmp_path), format="wikitext"))
+    packed = tmp_path / "c.jsonl.gz"
+    packed.write_bytes(gzip.compress(b"\xef\xbb\xbf" + json.dumps({"text": "Alpha. Beta."}).encode() + b"\n"))
+    assert list(read_documents(packed)) == [["Alpha.", "Beta."]]
+
+
+def _plain(tmp_path: Path) -> Path:
+    path = tmp_path / "plain.tokens"
+    path.write_text(WIKITEXT)
+    return path
+
+
 def test_wikitext_real_file():
     """WikiText-2 valid: documents start at titles, no heading or joiner survives."""
     path = SHARED / "data" / "wikitext-2" / "valid.txt"

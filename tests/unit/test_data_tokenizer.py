@@ -82,6 +82,20 @@ def test_errors(tmp_path):
     assert not (tmp_path / "big.model").exists()  # nothing is written on failure
 
 
+def test_special_pieces_as_user_defined_symbols_are_rejected(tmp_path):
+    """[CLS]..[MASK] at the right ids but user-defined, not control, symbols: the text's own
+    "[SEP]" would encode to the separator. Before, such a model loaded (fails on the old code)."""
+    buffer = io.BytesIO()
+    spm.SentencePieceTrainer.train(
+        sentence_iterator=iter([s for d in DOCUMENTS[:20] for s in d]), model_writer=buffer, vocab_size=300,
+        pad_id=0, pad_piece="[PAD]", unk_id=1, unk_piece="[UNK]", bos_id=-1, eos_id=-1,
+        user_defined_symbols=["[CLS]", "[SEP]", "[MASK]"], minloglevel=2)
+    path = tmp_path / "user.model"
+    path.write_bytes(buffer.getvalue())
+    with pytest.raises(DataError, match=r"user\.model: \[CLS\], \[SEP\], \[MASK\] are not control symbols"):
+        Tokenizer.load(path)
+
+
 def test_model_with_other_special_ids_is_rejected(tmp_path):
     """A stock sentencepiece model (<unk>=0, <s>=1, </s>=2) must not be taken for a BERT one."""
     buffer = io.BytesIO()
