@@ -14,12 +14,14 @@ mean and spread (min–max) over seeds.
     python studies/collapse.py                      # full: every family, 3 seeds -> docs/studies/collapse
     python studies/collapse.py --family adam        # Adam vs VR-Adam in each placement
     python studies/collapse.py --quick              # 1 seed, 2 batches, 3 epochs (CI)
+    python studies/collapse.py --tables-from docs/studies/collapse   # its tables and plot again, no training
 
 Needs scikit-learn (``pip install "vrgd-ds[studies]"``).
 """
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import math
 import time
@@ -121,7 +123,13 @@ def main() -> None:
     ap.add_argument("--groups", type=int, default=8)
     ap.add_argument("--weight-decay", type=float, default=0.0)
     ap.add_argument("--out", type=Path, default=None, help="default docs/studies/collapse (quick: runs/studies/collapse)")
+    ap.add_argument("--tables-from", type=Path, default=None, metavar="DIR",
+                    help="write DIR's tables and plot again from its runs.jsonl and meta.json, training nothing "
+                         "(after a change to how they are summarised); the other options are DIR's")
     args = ap.parse_args()
+    if args.tables_from is not None:
+        rebuild(args.tables_from)
+        return
     labels = list(args.optimizer or [])
     for fam in args.family or ([] if labels else list(FAMILIES)):
         labels += [lb for lb in FAMILIES[fam] if lb not in labels]
@@ -140,28 +148,58 @@ def main() -> None:
                   "base_lr_at_32": {lb: OPTIMIZERS[lb][0] for lb in labels}, "quick": args.quick})
     print(f"digits: {len(data['train'][0])} train / {len(data['val'][0])} val / {len(data['test'][0])} test, "
           f"{args.epochs} epochs, {args.groups} groups per step, {args.seeds} seeds, LR grid x{factors}", flush=True)
-    rows, best_test = [], {}
+    grid: dict[tuple[str, int, float], list[dict[str, float]]] = {}
     t0 = time.perf_counter()
     for batch in batches:
         for label in labels:
             base = OPTIMIZERS[label][0] * math.sqrt(batch / 32)
-            best = None
             for f in factors:
-                runs = [train(label, batch, base * f, seed, data, args) for seed in range(args.seeds)]
-                score = mean(r["val"] for r in runs)
+                runs = grid[label, batch, f] = [train(label, batch, base * f, seed, data, args)
+                                                for seed in range(args.seeds)]
                 out.log_run({"optimizer": label, "batch": batch, "lr": base * f, "factor": f, "runs": runs})
-                if best is None or score > best[0]:
-                    best = (score, f, runs)
-            _, f, runs = best
+            print(f"  batch {batch:5d} {label:24s} [{time.perf_counter() - t0:.0f} s]", flush=True)
+    summarise(out, grid, labels, batches, factors, args.seeds, args.epochs, args.groups)
+    out.finish()
+
+
+def rebuild(directory: Path) -> None:
+    """``--tables-from``: the record's tables and plot from its runs, its meta.json kept but for
+    a line saying when and by which commit they were written again."""
+    meta = json.loads((directory / "meta.json").read_text())
+    cfg = meta["config"]
+    grid = {}
+    for line in (directory / "runs.jsonl").read_text().splitlines():
+        rec = json.loads(line)
+        grid[rec["optimizer"], rec["batch"], rec["factor"]] = rec["runs"]
+    missing = [k for k in ((lb, b, f) for lb in cfg["optimizers"] for b in cfg["batches"] for f in cfg["lr_factors"])
+               if k not in grid]
+    if missing:
+        raise SystemExit(f"{directory}/runs.jsonl lacks {len(missing)} grid point(s) of its meta.json, e.g. {missing[0]}")
+    out = Output(directory, "collapse", cfg, resume=True)
+    rewritten = {"command": out.meta["command"], "commit": out.meta["machine"]["commit"], "date": out.meta["started"]}
+    out.meta = {**meta, "tables_rewritten": rewritten}
+    summarise(out, grid, cfg["optimizers"], cfg["batches"], cfg["lr_factors"], cfg["seeds"], cfg["epochs"],
+              cfg["groups"])
+    out.finish(wall_s=meta["wall_s"])
+
+
+def summarise(out: Output, grid: dict[tuple[str, int, float], list[dict[str, float]]], labels: list[str],
+              batches: list[int], factors: list[float], seeds: int, epochs: int, groups: int) -> None:
+    """The table (the factor of best mean validation accuracy per cell, its test accuracy and gap)
+    and the plot, into ``out``."""
+    rows, best_test = [], {}
+    for batch in batches:
+        for label in labels:
+            base = OPTIMIZERS[label][0] * math.sqrt(batch / 32)
+            f = max(factors, key=lambda f: (mean(r["val"] for r in grid[label, batch, f]), -factors.index(f)))
+            runs = grid[label, batch, f]  # the first of equal scores, as the grid ran
             te, gap = [r["test"] for r in runs], [r["gap"] for r in runs]
             best_test[label, batch] = te
             edge = ", grid edge" if len(factors) > 1 and f in (min(factors), max(factors)) else ""  # not bracketed
             rows.append((batch, runs[0]["steps"], label, f"{base * f:.3g} (×{f:g}{edge})", spread(te),
                          spread(gap, "{:+.4f}")))
-            print(f"  batch {batch:5d} {label:24s} best x{f:<5g} lr {base * f:.3g}: test {spread(te)} "
-                  f"gap {spread(gap, '{:+.4f}')}  [{time.perf_counter() - t0:.0f} s]", flush=True)
-    out.add_table(f"Digits, test accuracy and generalisation gap at the best LR per cell ({args.seeds} seeds, "
-                  f"mean (min–max); {args.epochs} epochs, {args.groups} groups per step)",
+    out.add_table(f"Digits, test accuracy and generalisation gap at the best LR per cell ({seeds} seeds, "
+                  f"mean (min–max); {epochs} epochs, {groups} groups per step)",
                   table(["batch", "steps", "optimizer", "best LR (factor)", "test accuracy", "train − test"], rows))
     pyplot = plt()
     fams = [fam for fam, members in FAMILIES.items() if any(lb in labels for lb in members)]
@@ -175,7 +213,6 @@ def main() -> None:
         ax.set(xscale="log", xlabel="batch", ylabel="test accuracy (best LR)", title=fam)
         ax.legend(fontsize=7)
     out.savefig(fig, "collapse.png")
-    out.finish()
 
 
 if __name__ == "__main__":

@@ -117,10 +117,11 @@ class Output:
         plt.close(fig)
         return path
 
-    def finish(self, runs: Sequence[dict[str, Any]] = ()) -> None:
+    def finish(self, runs: Sequence[dict[str, Any]] = (), wall_s: float | None = None) -> None:
         """Writes the record and the tables. ``runs`` with a ``wall_s`` each: runs read back from
-        an earlier invocation or output took their time there, and the record gives it too."""
-        self.meta["wall_s"] = round(time.time() - self.t0, 1)
+        an earlier invocation or output took their time there, and the record gives it too.
+        ``wall_s``: the record's own time, where its tables are written again from its runs."""
+        self.meta["wall_s"] = round(time.time() - self.t0, 1) if wall_s is None else wall_s
         self.runs_path.touch()  # a record with no run yet is still one --reuse reads
         if runs:
             self.meta["run_wall_s"] = round(sum(r["wall_s"] for r in runs), 1)

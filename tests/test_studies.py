@@ -81,6 +81,25 @@ def test_linreg_group_gradients_equal_one_backward_per_group():
     assert not torch.equal(direct.detach(), torch.full((linreg.DIM,), 0.5))
 
 
+def test_the_collapse_records_tables_are_what_its_runs_give(tmp_path):
+    """``--tables-from`` writes a record's tables again from its runs, training nothing; on the
+    committed record that reproduces its committed tables.md. Before, the record's tables
+    predated the grid-edge marker: 7 cells whose best LR sat at the grid's edge read as
+    bracketed (fails on the old record)."""
+    import shutil
+
+    record = ROOT / "docs" / "studies" / "collapse"
+    copy = tmp_path / "collapse"
+    shutil.copytree(record, copy)
+    run_study("collapse.py", "--tables-from", str(copy))
+    assert (copy / "tables.md").read_text() == (record / "tables.md").read_text()
+    assert (copy / "runs.jsonl").read_bytes() == (record / "runs.jsonl").read_bytes()
+    meta, before = (json.loads((d / "meta.json").read_text()) for d in (copy, record))
+    assert meta["tables_rewritten"]["command"].startswith("collapse.py --tables-from")
+    assert {k: v for k, v in meta.items() if k != "tables_rewritten"} == {
+        k: v for k, v in before.items() if k != "tables_rewritten"}
+
+
 @pytest.mark.exhaustive
 def test_collapse_quick(tmp_path):
     run_study("collapse.py", "--quick", "--out", str(tmp_path))
