@@ -101,6 +101,25 @@ def test_vr_fused_lamb_equals_apex_per_flag(name, fused):
         assert max(float((a - b).abs().max()) for a, b in zip(want, base)) > 1e-3, f"{name} changes nothing here"
 
 
+@pytest.mark.parametrize("fused", [False, True, "triton"])
+def test_l2_mode_on_bf16_parameters_feeds_the_moments_in_fp32(fused):
+    """apex's L2 mode adds wd · θ to the gradient in fp32. Before, the sum was rounded to the
+    parameters' bf16 first: with θ = ±1 and wd 0.01 a gradient of 1e-4 reached the moments as
+    0.71e-4 and one of 2e-5 as -0.98e-5 (the wrong sign), on every path. Now bf16 parameters
+    give the moments fp32 parameters of the same values give. Fails on the old code."""
+    if fused == "triton":
+        pytest.importorskip("triton")
+    g = torch.tensor([1e-4, -3e-4, 2e-5]).bfloat16().float()  # bf16 values: only the sum could round
+    moments = {}
+    for dtype in (torch.float32, torch.bfloat16):
+        state = [{}]
+        vrgd_ds.optim.vr_lamb([torch.tensor([1.0, 1.0, -1.0], dtype=dtype)], [g.to(dtype)], state, gsnr=False,
+                              adam_w_mode=False, weight_decay=0.01, fused=fused)
+        moments[dtype] = state[0]["exp_avg"]
+    assert torch.equal(moments[torch.bfloat16], moments[torch.float32])
+    torch.testing.assert_close(moments[torch.float32] / 0.1, g + 0.01 * torch.tensor([1.0, 1.0, -1.0]))
+
+
 def test_vr_lamb_takes_the_same_arguments_with_explicit_values():
     """:class:`VRLamb` given apex's values explicitly (clamp opened, clipping by passing
     ``max_grad_norm``) is the same optimizer as :class:`VRFusedLAMB`: bit for bit."""

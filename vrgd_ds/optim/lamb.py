@@ -99,10 +99,14 @@ def lamb_update(plan: Plan, ctx: StepContext) -> dict[str, torch.Tensor]:
         mult = g["max_grad_norm"] / norm.clamp_min(g["max_grad_norm"])
     m = [st["exp_avg"] for st in plan.states]
     v = [st["exp_avg_sq"] for st in plan.states]
-    grads, decay = plan.grads, g["weight_decay"]
+    params, grads, decay = plan.params, plan.grads, g["weight_decay"]
     if not g["adam_w_mode"]:  # apex's L2 mode: c · g + wd · θ into both moments, no decay in u
         c = 1.0 if mult is None else mult.reshape(())
-        grads = [(gr.float() * c + p.float() * decay).to(gr.dtype) for gr, p in zip(plan.grads, plan.params)]
+        # in fp32, as apex: wd · θ is mostly far larger than g, which a bf16 sum would round away.
+        # The moments' pass reads θ for ‖θ‖² only (apply=False): fp32 copies of bf16/fp16
+        # parameters (exact) give it the one dtype per call the kernels take
+        params = [p.float() for p in plan.params]
+        grads = [gr.float() * c + p * decay for gr, p in zip(plan.grads, params)]
         mult, decay = None, 0.0
     device = ctx.device_tables
     if device:
@@ -112,7 +116,7 @@ def lamb_update(plan: Plan, ctx: StepContext) -> dict[str, torch.Tensor]:
         table = columns.build(columns.ADAM, **cols)
     gsnr_args = {k: val for k, val in plan.gsnr_args(n).items() if k != "eps"}
     placement = placement_index(plan)
-    out = kernels.adam_step(plan.params, grads, m, v, seg=plan.seg, segf=table,
+    out = kernels.adam_step(params, grads, m, v, seg=plan.seg, segf=table,
                             lr=g["lr"], beta1=g["betas"][0], beta2=g["betas"][1], eps=g["eps"],
                             weight_decay=decay, apply=False, placement=placement,
                             eps_gsnr=g["gsnr_eps"], **gsnr_args, **plan.skip_args())
