@@ -1118,11 +1118,11 @@ def compared(runs: list[dict], other: Path, config: dict) -> list[dict]:
         if their_config.get(key) != config.get(key):
             raise SystemExit(f"--compare {other}: its runs used {key}={their_config.get(key)!r}, this study "
                              f"{config.get(key)!r}: run with its settings to compare")
-    theirs = {run_key(r): r
+    theirs = {(run_key(r), r["steps"]): r  # a cell recorded at another length is another run
               for r in map(json.loads, (other / "runs.jsonl").read_text().splitlines())}
     rows = []
     for r in runs:
-        o = theirs.get(run_key(r))
+        o = theirs.get((run_key(r), r["steps"]))
         if o is None or "reused_from" in r:
             continue
         drop = [c["mlm_loss"] for c in r.get("trajectory", []) if c["step"] == 0]

@@ -294,6 +294,18 @@ def test_adaptive_batch_quick(tmp_path, study_work):
     again = check_output(tmp_path / "again", ["batch_trajectory.png"])
     assert [(r["mlm_loss"], r["batches"]) for r in again] == [(r["mlm_loss"], r["batches"]) for r in runs]
     assert not (tmp_path / "elsewhere" / "quick" / "runs").exists()
+    # runs that read other data (another fingerprint) run again. Before, adaptive_batch.py never
+    # compared the fingerprints: a record of another corpus of the same name was reused (fails on
+    # the old code)
+    forged = tmp_path / "forged"
+    forged.mkdir()
+    (forged / "meta.json").write_text((tmp_path / "out" / "meta.json").read_text())
+    (forged / "runs.jsonl").write_text("".join(json.dumps({**r, "data": "0123456789abcdef"}) + "\n" for r in runs))
+    proc = run_study("adaptive_batch.py", "--quick", "--reuse", str(forged), "--work", str(tmp_path / "third"),
+                     "--out", str(tmp_path / "third_out"), timeout=900)
+    assert "4 recorded run(s) of corpus 'embedded' read other data" in proc.stdout
+    assert (tmp_path / "third" / "quick" / "runs").is_dir()
+    assert all("reused_from" not in r for r in check_output(tmp_path / "third_out", ["batch_trajectory.png"]))
 
 
 def test_adaptive_batch_reuses_only_a_record_with_its_settings(tmp_path):
@@ -920,13 +932,17 @@ def test_batches_at_noise_multiples_get_a_verdict_each_and_the_unrun_cells_are_l
 def test_runs_set_beside_another_machines_runs_of_the_same_cells(tmp_path):
     """``--compare``: each run made here against the same cell and seed of another output, with the
     tolerance of 1e-3 of the loss the run trained away (from its step-0 evaluation), and whether
-    both read the same data; reused runs and cells the other output lacks are left out."""
+    both read the same data; reused runs and cells the other output lacks are left out, and so is
+    the other output's run of a cell at another length. Before, the record's last run of a cell
+    was taken whatever its steps (fails on the old code)."""
     sys.path.insert(0, str(STUDIES))
     from bert_batch import compared
 
     other = fake_study(tmp_path / "cpu", [("wikitext", 64, "LAMB", 1.0, s, loss) for s, loss in ((1, 7.0), (2, 7.1))])
     lines = (other / "runs.jsonl").read_text().splitlines()
-    (other / "runs.jsonl").write_text("".join(json.dumps(json.loads(line) | {"data": "fp"}) + "\n" for line in lines))
+    longer = json.loads(lines[0]) | {"steps": 320, "mlm_loss": 6.5}  # the same cell, twice the steps
+    (other / "runs.jsonl").write_text("".join(json.dumps(r | {"data": "fp"}) + "\n"
+                                              for r in [*map(json.loads, lines), longer]))
     start = [{"step": 0, "mlm_loss": 9.0}, {"step": 50, "mlm_loss": 7.0}]
     here = [{"corpus": "wikitext", "batch": 64, "optimizer": "LAMB", "factor": 1.0, "seed": 1, "mlm_loss": 7.001,
              "data": "fp", "trajectory": start},
@@ -935,6 +951,8 @@ def test_runs_set_beside_another_machines_runs_of_the_same_cells(tmp_path):
             {"corpus": "wikitext", "batch": 64, "optimizer": "LAMB", "factor": 2.0, "seed": 1, "mlm_loss": 6.0},
             {"corpus": "wikitext", "batch": 64, "optimizer": "LAMB", "factor": 1.0, "seed": 1, "mlm_loss": 7.0,
              "reused_from": "x"}]
+    for r in here:
+        r["steps"] = 160
     config = json.loads((other / "meta.json").read_text())["config"]
     rows = compared(here, other, config)
     assert [(r["cell"], r["within"], r["same_data"]) for r in rows] == [
