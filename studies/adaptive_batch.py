@@ -19,10 +19,11 @@ from __future__ import annotations
 
 import argparse
 import itertools
+import platform
 from pathlib import Path
 from statistics import mean, median
 
-from bert_batch import load_reused, prepare, run_one, steps
+from bert_batch import data_fingerprint, load_reused, prepare, run_one, set_aside_other_data, steps
 from common import DOCS, Output, plt, table
 
 VR = {"gamma": 0.1, "beta3": 0.9, "gsnr_placement": "first_moment"}
@@ -81,6 +82,13 @@ def main() -> None:
     for spec in specs:
         name, _, path = spec.partition("=")
         data = prepare(name, path or None, args.work, args.seq_len, args.vocab_size)
+        other = set_aside_other_data(args.reused, name, lambda seed: data_fingerprint(data, seed),
+                                     platform.python_version())
+        if other:
+            out.meta["not_reused_other_data"] = out.meta.get("not_reused_other_data", 0) + len(other)
+            print(f"--reuse: {len(other)} recorded run(s) of corpus {name!r} read other data than this study's (another "
+                  "tokenizer, shards or seed; for the embedded corpus, another Python release); they stay in their "
+                  "records and run again here", flush=True)
         for seed in seeds:
             for label, (params, adaptive) in RUNS.items():
                 extra = {"adaptive_batch": {"target_ratio": args.target_ratio, "min_batch": args.min_batch,
