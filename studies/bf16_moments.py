@@ -177,7 +177,8 @@ def write(result: dict, out: Path) -> None:
             f"`python studies/bf16_moments.py` (steps {result['settings']['at']} of {result['settings']['steps']}, "
             f"n = {result['settings']['ranks']} ranks × {result['settings']['micro']} micro-steps, tiny BERT in bf16, "
             "byte-level MLM on the embedded corpus). The scale is clamp(r / mean_tensor(r), gamma, 1); errors are "
-            "over every element of every tensor, worst over the steps measured.\n",
+            "over every element of every tensor: the mean error averaged over the steps measured, the other "
+            "columns the worst of them.\n",
             common.table(["choice", "bytes per step (fp32 gradients)", "extra B/param per rank",
                           "largest scale error", "mean scale error", "elements off by > 0.01",
                           "mean-GSNR relative error"],
