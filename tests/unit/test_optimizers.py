@@ -84,6 +84,24 @@ def test_base_equals_torch_optimizer(name):
         torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
 
 
+@pytest.mark.parametrize("fused", [False, None])
+def test_a_torch_sgd_state_continues_as_torch_sgd(fused):
+    """``torch.optim.SGD`` saves its momentum buffer and no step counter. Before, the missing
+    counter made the next step the buffer's first: ``buf = d`` threw the loaded buffer away, so
+    2 + 2 steps differed from 4 of torch's by 0.25 here (fails on the old code)."""
+    kw = dict(lr=0.1, momentum=0.9, weight_decay=0.01)
+    data = batches(4, 2)
+    m1, m2 = make_model(), make_model()
+    ref = torch.optim.SGD(m1.parameters(), **kw)
+    want = run(m1, ref, data)
+    half = torch.optim.SGD(m2.parameters(), **kw)
+    run(m2, half, data[:2])
+    ours = vrgd_ds.VRMomentum(m2.parameters(), gsnr=False, fused=fused, **kw)
+    ours.load_state_dict(half.state_dict())
+    for a, b in zip(run(m2, ours, data[2:]), want):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
+
+
 @pytest.mark.skipif(not _fused.available(), reason="no C++ toolchain")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("name, over", WITH_PLACEMENTS)

@@ -197,7 +197,9 @@ def _complete(plan: Plan, state_keys: tuple[str, ...], beta3: float) -> list[Ten
     for p, st in zip(plan.params, plan.states):
         step = st.get("step")
         if step is None:
-            st["step"] = torch.tensor(0.0, dtype=torch.float32, device=plan.tdev)
+            # torch.optim.SGD keeps no counter: its loaded momentum buffer has been applied, so the
+            # next step is not the buffer's first (``sgd_update``'s ``first`` would copy d over it)
+            st["step"] = torch.tensor(1.0 if "momentum_buffer" in st else 0.0, dtype=torch.float32, device=plan.tdev)
         elif not isinstance(step, Tensor) or step.dtype != torch.float32 or step.dim():
             # a loaded counter of another kind (an int, torch's float64 ones, an int64 tensor): the
             # kernels read one fp32 value (the Triton tables read its bits as fp32)
