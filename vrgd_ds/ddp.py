@@ -8,7 +8,9 @@
 parameters add every ``backward()``'s local gradient and its fp32 square into local buffers on
 each rank (micro-steps under ``model.no_sync()`` included), and one all-reduce of
 ``[Σg | Σg²]`` per optimizer step completes them: n = ranks × backward passes per step, at twice
-the fp32 gradient's bytes per step whatever the accumulation. The mean gradient of the
+the fp32 gradient's bytes per step whatever the accumulation. Every rank must run the same
+number of backward passes per step: the collective carries each rank's count, and a step whose
+counts differ raises (on a GPU at the next step's start, read back without a wait). The mean gradient of the
 statistics is the local fp32 one (the user may clip ``.grad`` before ``step()``; the GSNR needs
 the unclipped scale). The same ``LocalStats`` serves DeepSpeed's per-step scheme
 (``vrgd_ds/stats/local.py``: the loss scale is removed in exactly one place, its hooks; nothing
@@ -235,7 +237,9 @@ def _attach_per_step(ddp_model: DistributedDataParallel, optimizer: GSNROptimize
     stats.hooks_only = hooks_only
     total = sum(p.numel() for p in params)
     device = params[0].device if params else torch.device("cpu")
-    bucket = stats.add_bucket(total, device, lambda b: b.all_reduce_in_place(group))
+    # one more element: the step's backward passes, which every rank must have run alike
+    bucket = stats.add_bucket(total + 1, device, lambda b: b.all_reduce_in_place(group))
+    stats.count_slot = (bucket, total)
     g, sq = bucket.halves()
     off = 0
     for p in params:

@@ -126,7 +126,7 @@ def rel(a: torch.Tensor, b: torch.Tensor, b0: torch.Tensor) -> float:
 
 def train_case(opt_name: str, micro_steps: int, squares: str = "per_step", record: str = "auto",
                gsnr: str = "on", sync_each: bool = False, cleared: bool = False, late_zero_grad: bool = False,
-               evaluate: bool = False, **ddp_kw: Any) -> dict[str, Any]:
+               evaluate: bool = False, uneven: bool = False, **ddp_kw: Any) -> dict[str, Any]:
     """3 steps of DDP + ``attach`` against the reference; ``micro_steps`` > 1 accumulates
     under ``no_sync()`` (``sync_each``: every backward synchronises; the summed ``.grad`` is the
     same). ``gsnr``: ``on`` for every parameter, ``weights`` (the biases in a ``gsnr=False``
@@ -134,8 +134,8 @@ def train_case(opt_name: str, micro_steps: int, squares: str = "per_step", recor
     on other batches, then ``model.zero_grad()`` and no optimizer step, as after a GradScaler
     overflow in HF Trainer's order). ``late_zero_grad``: ``opt.zero_grad()`` between the step's
     first forward and its backward (``loss = model(x); opt.zero_grad(); loss.backward()``).
-    ``evaluate``: a forward under ``torch.no_grad()`` after each step. Returns the warnings of
-    ``vrgd_ds`` too."""
+    ``evaluate``: a forward under ``torch.no_grad()`` after each step. ``uneven``: rank 0 runs
+    one micro-step more than the others. Returns the warnings of ``vrgd_ds`` too."""
     import logging
 
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -177,8 +177,9 @@ def train_case(opt_name: str, micro_steps: int, squares: str = "per_step", recor
             opt.zero_grad()
         for skipped in ([True] if cleared else []) + [False]:
             at = step + 50 if skipped else step
-            for j in range(micro_steps):
-                last = j == micro_steps - 1
+            mine = micro_steps + int(uneven and rank == 0)
+            for j in range(mine):
+                last = j == mine - 1
                 with contextlib.nullcontext() if sync_each or last else ddp.no_sync():
                     loss = loss_fn(ddp, batch(at, rank, j))
                     if late_zero_grad and j == 0 and not skipped:
@@ -291,6 +292,7 @@ def cases() -> dict[str, Callable[[], dict[str, Any]]]:
         "fused_VRAdam_cleared": lambda: train_case("VRAdam", 1, squares="per_micro_step", cleared=True),
         "fused_VRAdam_no_sync_cleared": lambda: train_case("VRAdam", 2, squares="per_micro_step", cleared=True),
         "VRAdam_no_sync_late_zero_grad": lambda: train_case("VRAdam", 2, late_zero_grad=True),
+        "VRAdam_no_sync_uneven": lambda: train_case("VRAdam", 2, uneven=True),
         "VRAdam_evaluated": lambda: train_case("VRAdam", 1, evaluate=True),
         "VRAdam_sync_each_late_zero_grad": lambda: train_case("VRAdam", 2, sync_each=True, late_zero_grad=True),
         "fused_VRSGD": lambda: train_case("VRSGD", 1, squares="per_micro_step"),

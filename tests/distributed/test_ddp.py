@@ -119,6 +119,16 @@ def test_a_second_synchronised_backward_is_refused_under_the_fused_scheme(pool):
         assert "reduces each rank's gradient once a step" in res.get("error", ""), res
 
 
+def test_ranks_that_ran_unequal_backward_passes_are_refused(pool):
+    """Rank 0 accumulates 3 micro-batches under ``no_sync()``, rank 1 2. Before, each rank took
+    n = 2 × its own count (6 and 4, for 5 groups) and its own step: DDP's replicas drifted apart
+    silently. Now the step's collective carries the counts and both ranks raise, naming the fix
+    (fails on the old code)."""
+    for res in pool.run("ddp_worker", "run_case", {"name": "VRAdam_no_sync_uneven"}):
+        assert "needs the same number of backward() calls per step on every rank" in res.get("error", ""), res
+        assert "ran 3 backward passes" in res["error"] or "ran 2 backward passes" in res["error"], res
+
+
 @pytest.mark.parametrize("name", TRAIN_CASES)
 def test_per_step_groups_are_ranks_times_backward_passes(pool, name):
     """The default scheme: every backward of every rank is a group, no_sync() micro-steps
@@ -132,7 +142,8 @@ def test_per_step_groups_are_ranks_times_backward_passes(pool, name):
         for s in res["steps"]:
             assert s["n"] == float(RANKS * micro)
             assert s["collectives"] == 1 and s["all_reduce_calls"] == 1 + s["ddp_reductions"], s
-            assert s["bytes_sent"] == 2 * 4 * numel, s
+            # and one more element each half: the backward passes, padded to the arena's 4 (16 B)
+            assert s["bytes_sent"] == 2 * 4 * (-(-(numel + 1) // 4) * 4), s
             if micro == 1:
                 assert s["hooks"] == 0 and s["launches"] == s["ddp_reductions"] > 0, s
             else:

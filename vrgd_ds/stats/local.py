@@ -263,6 +263,8 @@ class LocalStats:
         self._c = 1.0
         self._scale = 1.0
         self._n_local = 0
+        self._count_check: tuple[Tensor, Any, int] | None = None  # (Σ counts on the host, event, this rank's)
+        self._count_host: Tensor | None = None
         self._handles: dict[int, Any] = {}
         self._passes = BackwardGroups()  # the hook path: which backward() a hook runs in
         self._steps_ended = 0
@@ -425,6 +427,12 @@ class LocalStats:
             return
         self._n_local = int(self._counts.max()) if len(self._counts) else 0
         arena = self.arena
+        if self.count_slot is not None:
+            self._verify_count()  # the last step's, read back by now
+            bucket, slot = self.count_slot
+            g, sq = bucket.halves()
+            g.narrow(0, slot, 1).fill_(float(self._n_local))  # summed over the ranks by the step's collective
+            sq.narrow(0, slot, 1).zero_()
         for idx in np.flatnonzero(self._counts == 0).tolist():  # no gradient this step: old sums must not count
             for _, g, q, n in self._dests[idx]:
                 arena.narrow(0, q, n).zero_()
@@ -458,6 +466,37 @@ class LocalStats:
         """Waits for the step's collectives (and runs their completion steps)."""
         for bucket in self.stat_buckets:
             bucket.finish()
+        if self.count_slot is not None and self._started:
+            bucket, slot = self.count_slot
+            total = bucket.halves()[0].narrow(0, slot, 1)
+            if total.device.type == "cpu":
+                self._count_check = (total.clone(), None, self._n_local)
+                self._verify_count()
+            else:  # read at the next step's start: a copy behind the step's work, no wait for it now
+                if self._count_host is None:  # one pinned buffer: a step's copy is read before the next one's
+                    self._count_host = torch.empty(1, dtype=torch.float32, pin_memory=True)
+                host = self._count_host
+                host.copy_(total, non_blocking=True)
+                event = torch.cuda.Event()
+                event.record()
+                self._count_check = (host, event, self._n_local)
+
+    def _verify_count(self) -> None:
+        """``count_slot``: every rank ran as many backward passes in the step as this one (``n``
+        is the world size times this rank's count), else an error naming the fix."""
+        if self._count_check is None:
+            return
+        total, event, mine = self._count_check
+        self._count_check = None
+        if event is not None:
+            event.synchronize()
+        total, expected = float(total[0]), self.world * mine
+        if abs(total - expected) > max(0.5, expected * 2.0**-23):  # fp32 sums of counts: exact up to 2^24
+            raise RuntimeError(
+                f"vrgd_ds: this rank ran {mine} backward passes in an optimizer step, the {self.world} ranks "
+                f"{total:.0f} together: squares=\"per_step\" needs the same number of backward() calls per step on "
+                f"every rank (the statistics count n = ranks × backward passes; with unequal counts each rank would "
+                "take another step and the replicas drift apart). Give every rank the same number of micro-batches")
 
     def moments(self, params) -> tuple[list[Tensor], list[Tensor]]:
         self.start()  # a caller that steps the optimizer directly
@@ -476,6 +515,9 @@ class LocalStats:
 
     #: True where no engine wraps the step (DDP): the optimizer's reset ends the step
     reset_ends_step = False
+    #: (bucket, element) of the Σg half holding the backward passes, summed over the ranks by the
+    #: step's collective (DDP, whose ranks may run any number of them; ``_verify_count``)
+    count_slot: tuple[StatsBucket, int] | None = None
     #: a tensor hook per parameter even where an engine bucket holds each micro-step (the
     #: engine paths read it when they choose)
     hooks_only = False
