@@ -63,6 +63,12 @@ def test_with_vrgd_refuses_context_and_expert_parallelism_after_the_optimizer_is
     assert not calls
     hook("opt", ["part"], SimpleNamespace(cp=1, ep=1))
     assert calls == [("opt", ["part"], SimpleNamespace(cp=1, ep=1))]
+    # a config without its model spec yet: before, with_vrgd returned it with no check installed
+    # anywhere, and the run went unchecked (fails on the old code)
+    bare = llama3_debugmodel()
+    bare.model_spec = None
+    with pytest.raises(ValueError, match="config.model_spec is None; set the model spec first"):
+        with_vrgd(bare, "VRLamb", lr=1e-3)
 
 
 def test_the_containers_metrics_are_over_every_vrgd_optimizers_tensors():

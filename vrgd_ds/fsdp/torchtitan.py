@@ -158,20 +158,22 @@ def with_vrgd(config: Any, name: str = "VRLamb", **optimizer_kwargs: Any) -> Any
     a replay would skip the statistics' Python), and the run's parallelism checked right after the
     optimizer is built (``check_parallelism``, through the model spec's post-optimizer hook, which
     runs first what the model had there)."""
+    spec = config.model_spec
+    if spec is None:  # the check would have nowhere to go, and the run would go unchecked
+        raise ValueError("with_vrgd: config.model_spec is None; set the model spec first (torchtitan's Trainer needs "
+                         "it anyway), then call with_vrgd, which checks the parallelism in its post-optimizer hook")
     config.optimizer = vrgd_optimizer(name, **optimizer_kwargs)
     # the statistics' bookkeeping runs in Python at each FSDP reduction, which a CUDA graph's replay
     # skips (torchtitan captures forward and backward on NVIDIA GPUs unless told not to)
     config.training.disable_cuda_graphs = True
-    spec = config.model_spec
-    if spec is not None:
-        before = spec.post_optimizer_build_fn
+    before = spec.post_optimizer_build_fn
 
-        def post_optimizer_build(optimizers: Any, model_parts: Any, parallel_dims: Any) -> None:
-            check_parallelism(parallel_dims)
-            if before is not None:
-                before(optimizers, model_parts, parallel_dims)
+    def post_optimizer_build(optimizers: Any, model_parts: Any, parallel_dims: Any) -> None:
+        check_parallelism(parallel_dims)
+        if before is not None:
+            before(optimizers, model_parts, parallel_dims)
 
-        config.model_spec = dataclasses.replace(spec, post_optimizer_build_fn=post_optimizer_build)
+    config.model_spec = dataclasses.replace(spec, post_optimizer_build_fn=post_optimizer_build)
     return config
 
 
