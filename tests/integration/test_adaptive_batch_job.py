@@ -133,3 +133,33 @@ def test_killed_mid_adaptation_resumes_on_the_same_trajectory(full):
         for key in ("train/global_batch", "train/loss", "train/lr", "adaptive/b_simple", "gsnr/mean"):
             assert got[step].get(key) == want[step].get(key), (step, key)
     assert traces(trace) == traces(trace_full)
+
+
+@pytest.mark.exhaustive
+def test_an_adaptive_phase_made_fixed_is_refused_as_such(full):
+    """Resumed at step 4 (96 samples into the adaptive phase) with that phase fixed at a batch
+    of 64, of which 96 is no multiple: the job names the dropped adaptive batch, as
+    ``--check-resume`` does (the adaptive phases are checked before the position), not the
+    position, and starts no step."""
+    tmp, path, _, _ = full
+    run = tmp / "made_fixed"
+    proc = launching.spawn(command(path, run))
+    latest = run / "checkpoints" / "latest"
+    deadline = time.time() + 600
+    while time.time() < deadline and proc.poll() is None:
+        if latest.is_file() and latest.read_text().strip() == "step00000004":
+            break
+        time.sleep(0.05)
+    assert proc.poll() is None, "the run ended before it could be killed"
+    launching.kill(proc, marker=run)
+    fixed = json.loads(json.dumps(CONFIG))
+    del fixed["job"]["phases"][0]["adaptive_batch"]
+    fixed["job"]["phases"][0]["global_batch"] = 64
+    fixed["job"]["data"]["path"] = json.loads(path.read_text())["job"]["data"]["path"]
+    other = tmp / "made_fixed.json"
+    other.write_text(json.dumps(fixed))
+    refused = launching.run(command(other, run), timeout=900, marker=run)
+    assert refused.returncode == 2, refused.stdout[-3000:] + refused.stderr[-3000:]
+    assert "phase 0 ran with adaptive_batch, the config has none there" in refused.stderr, refused.stderr[-3000:]
+    assert "multiple" not in refused.stderr.split("phase 0 ran with adaptive_batch")[0][-500:]
+    assert not any(s > 4 for s in records(run)), sorted(records(run))
