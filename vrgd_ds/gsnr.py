@@ -27,7 +27,7 @@ import torch
 from torch import Tensor
 
 #: the largest r (2^64): ``var = 0`` gives ``gbar²/eps``, past fp32's range from |gbar| of about
-#: 1.8e13 at the default eps (at 3 with the smallest eps); an infinite r made its tensor's mean
+#: 1.8e13 at the default eps (at 2 with the smallest eps); an infinite r made its tensor's mean
 #: infinite and the scale ``inf · (1/inf) = NaN``. Above it r says nothing fp32 can resolve
 #: (``s - gbar²`` rounds at 6e-8 of s), and the kernels' fp32 partial sums of r stay finite.
 R_MAX = 2.0**64
