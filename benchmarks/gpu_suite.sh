@@ -24,14 +24,16 @@
 #   PARTS="fusedlamb_build opt_step_flat opt_step zero2_seq128 megatron zero2_seq512" \
 #       bash benchmarks/gpu_suite.sh                                      (the performance checks)
 #   PARTS="triton_cuda seed_check plateau" bash benchmarks/gpu_suite.sh   (the checks, then the study)
-#   PARTS=zero2_seq128 BUDGET_S=260 bash benchmarks/gpu_suite.sh   (the lease's second call, warm)
-#   PARTS=plateau BUDGET_S=260 bash benchmarks/gpu_suite.sh    (a second call for the study instead: it
+#   PARTS=zero2_seq128 BUDGET_S=<budget_left_s - 60> bash benchmarks/gpu_suite.sh   (the lease's second
+#       call, warm: start-up counts against the lease, so size it from the device's budget left)
+#   PARTS=plateau BUDGET_S=<budget_left_s - 60> bash benchmarks/gpu_suite.sh    (a second call for the study instead: it
 #       goes on from the record the first call wrote, kept in GPU_SUITE_WORK.prev, and resumes the runs
 #       whose checkpoints the first call's time limit left in /tmp/bert_plateau)
 #
-# OUTDIR receives two files, summary.log and gpu_suite.tgz (every part's log and study record,
-# packed again after each part, so a run stopped at any point still returns what finished): a
-# lent machine returns at most 8 files from its output folder.
+# OUTDIR receives two files, summary.log and gpu_suite.tgz (every part's log and study record, the
+# study's run logs: packed before the first part, after each part and every minute of the study,
+# written aside and renamed, so a call stopped at any point still returns what was there): a lent
+# machine returns at most 8 files from its output folder.
 #
 # The study reads WikiText-2 (valid.txt and test.txt) from $WIKITEXT, else ../shared/data/wikitext-2
 # beside the checkout, else .data/wikitext-2 in it (git-ignored: a link to the folder holding it, or
@@ -51,10 +53,25 @@ WHEELS=${WHEELS:-.whl}
 # an earlier call's parts on this machine (a second call while it is still warm): kept beside, so
 # the study goes on from the record that call wrote
 rm -rf "$WORK.prev" && { [[ -d $WORK ]] && mv "$WORK" "$WORK.prev"; mkdir -p "$WORK"; }
-pack() { tar czf "$OUTDIR/gpu_suite.tgz" -C "$WORK" . && cp "$WORK/summary.log" "$OUTDIR/summary.log"; }
+STUDY_WORK=/tmp/bert_plateau  # the study's runs (checkpoints, logs): kept on the machine between calls
+touch "$WORK/summary.log"
+pack() {  # WORK into OUTDIR, the study's run logs with it; written aside and renamed: a kill mid-way
+    # leaves the last complete archive
+    if [[ -d $STUDY_WORK/runs ]]; then
+        (cd "$STUDY_WORK" && find runs -name log.txt -exec cp --parents {} "$WORK/" \; 2>/dev/null)
+    fi
+    local part=$OUTDIR/gpu_suite.tgz.$BASHPID  # one per process: the minutely packer runs beside
+    tar czf "$part" -C "$WORK" . 2>/dev/null && mv -f "$part" "$OUTDIR/gpu_suite.tgz" || rm -f "$part"
+    cp "$WORK/summary.log" "$OUTDIR/summary.log"
+}
 if [[ -d $WHEELS ]] && compgen -G "$WHEELS/*.whl" >/dev/null; then
-    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
-        "$WHEELS"/*.whl || exit 1
+    if ! python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
+        "$WHEELS"/*.whl >"$WORK/wheels.log" 2>&1; then
+        { echo "== the wheels in $WHEELS did not install: nothing ran"; tail -n 40 "$WORK/wheels.log"; } \
+            | tee -a "$WORK/summary.log"
+        pack
+        exit 1
+    fi
     export PYTHONPATH=/tmp/site:${PYTHONPATH:-}
 fi
 # the checkout as the installed package (vrgd_ds.data_pipeline included), then the checkout itself
@@ -88,8 +105,9 @@ part() {  # name, seconds, command... (capped by the time left before the study'
 }
 
 { nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
-  python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"; } \
-    >>"$WORK/summary.log" 2>&1
+  python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
+  df -h /dev/shm | tail -n 1; } >>"$WORK/summary.log" 2>&1
+pack  # something comes back even if the first part is cut short
 part fusedlamb_build 60 python3 -c "from deepspeed.ops.op_builder import FusedLambBuilder as B; B().load()"
 part triton_cuda 120 python3 -m pytest -q -x -p no:cacheprovider tests/unit/test_triton.py -k "pack_bucket or cuda"
 wikitext=${WIKITEXT:-}
@@ -165,6 +183,9 @@ if [[ " $PARTS " == *" plateau "* ]]; then
         # with each run's data_wait); the summary line goes to summary.log
         python3 benchmarks/load_sampler.py --out "$WORK/plateau_load.csv" >"$WORK/plateau_load.log" 2>&1 &
         sampler=$!
+        # the runs' logs and the summary every minute: a call cut short returns what was there
+        while sleep 60; do pack; done >/dev/null 2>&1 &
+        packer=$!
         part plateau "$left" python3 studies/bert_batch.py --model tiny --corpus "wikitext=$wikitext" \
             --seed 1 --seed 2 --noise-multiple 1 --noise-multiple 4 --noise-multiple 16 --noise-multiple 64 \
             --noise-scale auto --optimizer LAMB --optimizer "VR-LAMB first_moment" --optimizer "VR-LAMB update" \
@@ -173,8 +194,8 @@ if [[ " $PARTS " == *" plateau "* ]]; then
             --heldout-fraction 0.1 --eval-points 16 --parallel "${PLATEAU_PARALLEL:-8}" \
             --time-limit $((left - 10)) --expect-rate "${PLATEAU_RATE:-4000}" --expect-share 8 \
             --workers "${PLATEAU_WORKERS:-7}" \
-            "${reuse[@]}" --work /tmp/bert_plateau --out "$WORK/bert_plateau"
-        kill "$sampler" && wait "$sampler"
+            "${reuse[@]}" --work "$STUDY_WORK" --out "$WORK/bert_plateau"
+        pkill -P "$packer"; kill "$packer" "$sampler" 2>/dev/null; wait "$packer" "$sampler" 2>/dev/null
         tee -a "$WORK/summary.log" <"$WORK/plateau_load.log"
         pack
     else

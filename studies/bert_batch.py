@@ -573,6 +573,7 @@ class Runner:
         self.timed_out = False  # the time limit paused the runs in flight
         self.not_started: list[Path] = []
         self.stopped: list[dict] = vars(args).setdefault("stopped", [])  # Launch.progress of each run stopped
+        self.failed: list[dict] = vars(args).setdefault("failed", [])  # each failed run, with its log's end
         # before any run starts: the versions' imports take seconds, which would otherwise fall
         # between a run's end and the time taken of the runs finishing beside it
         self.machine = hardware(machine())
@@ -685,15 +686,23 @@ class Runner:
                 record: Callable[[dict], None] | None, finished_only: bool = False) -> None:
         """Takes the runs that ended out of ``active``: each result into ``results`` (and to
         ``record``), the machine's rate it showed into ``self.rates`` (this segment's samples over
-        its time, times the runs in flight beside it on average). A failed run stops the study, naming its log;
-        with ``finished_only`` (after a pause) the runs that did not end well are left."""
+        its time, times the runs in flight beside it on average). A failed run goes to ``self.failed``
+        with its log's last lines, which are printed, and the others go on: the study assembles what
+        finished and then exits 1 (``main``); with ``finished_only`` (after a pause) the runs that did
+        not end well are left."""
         for slot, (i, proc, t0, log) in list(active.items()):
             if proc.poll() is None or (finished_only and proc.returncode != 0):
                 continue
             log.close()
             del active[slot]
             if proc.returncode != 0:
-                raise SystemExit(f"run failed ({proc.returncode}): see {launches[i].run_dir / 'log.txt'}")
+                path = launches[i].run_dir / "log.txt"
+                tail = path.read_text(errors="replace").splitlines()[-40:] if path.is_file() else []
+                print(f"run failed ({proc.returncode}): {path} (kept); the other runs go on, and the study exits 1 "
+                      "once it has assembled what finished. The log's end:", flush=True)
+                print("".join(f"    | {line}\n" for line in tail), end="", flush=True)
+                self.failed.append({"run": str(launches[i].run_dir), "returncode": proc.returncode, "log_tail": tail})
+                continue
             wall, samples = max(time.monotonic() - t0, 1e-3), launches[i].samples_left()  # this segment's
             results[i] = launches[i].result(wall, self.machine)
             if record is not None:
@@ -1493,7 +1502,12 @@ def main() -> None:
     if kept:
         print(f"--out is among --reuse: {len(kept)} run(s) of its record this study does not use are kept in it",
               flush=True)
+    if getattr(args, "failed", None):
+        out.meta["failed"] = args.failed
     out.finish(everyone)
+    if getattr(args, "failed", None):
+        raise SystemExit(f"{len(args.failed)} run(s) failed, the first {args.failed[0]['run']} (exit "
+                         f"{args.failed[0]['returncode']}); meta.json's \"failed\" holds each log's end")
 
 
 if __name__ == "__main__":
