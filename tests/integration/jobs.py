@@ -70,3 +70,11 @@ def wait_for(pred, proc: subprocess.Popen, timeout: float = TIMEOUT) -> None:
             raise AssertionError(f"the job ended (rc={proc.returncode}) before the condition was met")
         time.sleep(0.05)
     raise AssertionError("condition not met in time")
+
+
+def kill_after_checkpoint(cmd: list[str], run_dir: Path, tag: str = "step00000004", env: dict | None = None) -> None:
+    """Starts the job and SIGKILLs it (every rank) once ``latest`` names ``tag``."""
+    proc = launching.spawn(cmd, **({"env": env} if env is not None else {}))
+    latest = run_dir / "checkpoints" / "latest"
+    wait_for(lambda: latest.is_file() and latest.read_text().strip() == tag, proc)
+    launching.kill(proc, marker=run_dir)

@@ -6,12 +6,11 @@ from __future__ import annotations
 
 import json
 import os
-import time
 from pathlib import Path
 
 import launching
 import pytest
-from jobs import command, records, write_config
+from jobs import command, kill_after_checkpoint, records, write_config
 
 from vrgd_ds.data_pipeline.sampler import PretrainingSampler
 
@@ -116,15 +115,7 @@ def test_killed_mid_adaptation_resumes_on_the_same_trajectory(full):
     run, trace = tmp / "killed", tmp / "trace_killed"
     trace.mkdir()
     env = {**os.environ, "VRGD_TRACE_SAMPLES": str(trace)}
-    proc = launching.spawn(command(path, run), env=env)
-    latest = run / "checkpoints" / "latest"
-    deadline = time.time() + 600
-    while time.time() < deadline and proc.poll() is None:
-        if latest.is_file() and latest.read_text().strip() == "step00000004":
-            break
-        time.sleep(0.05)
-    assert proc.poll() is None, "the run ended before it could be killed"
-    launching.kill(proc, marker=run)
+    kill_after_checkpoint(command(path, run), run, env=env)
     resumed = launching.run(command(path, run), timeout=900, marker=run, env=env)
     assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
     want, got = records(run_full), records(run)
@@ -143,15 +134,7 @@ def test_an_adaptive_phase_made_fixed_is_refused_as_such(full):
     position, and starts no step."""
     tmp, path, _, _ = full
     run = tmp / "made_fixed"
-    proc = launching.spawn(command(path, run))
-    latest = run / "checkpoints" / "latest"
-    deadline = time.time() + 600
-    while time.time() < deadline and proc.poll() is None:
-        if latest.is_file() and latest.read_text().strip() == "step00000004":
-            break
-        time.sleep(0.05)
-    assert proc.poll() is None, "the run ended before it could be killed"
-    launching.kill(proc, marker=run)
+    kill_after_checkpoint(command(path, run), run)
     fixed = json.loads(json.dumps(CONFIG))
     del fixed["job"]["phases"][0]["adaptive_batch"]
     fixed["job"]["phases"][0]["global_batch"] = 64

@@ -4,11 +4,10 @@ step-4 checkpoint that, restarted with the same command, repeats the uninterrupt
 losses exactly (fp32; dropout on, data order, masks and LR all restored)."""
 from __future__ import annotations
 
-import time
 
 import launching
 import pytest
-from jobs import command, records, write_config
+from jobs import command, kill_after_checkpoint, records, write_config
 
 from vrgd_ds.ds import shm
 
@@ -74,15 +73,7 @@ def test_killed_run_resumes_on_the_same_trajectory(setup):
     losses and held-out figures equal the uninterrupted run's exactly, across the phase change."""
     tmp, path, full, _ = setup
     run = tmp / "killed"
-    proc = launching.spawn(command(path, run))
-    latest = run / "checkpoints" / "latest"
-    deadline = time.time() + 600
-    while time.time() < deadline and proc.poll() is None:
-        if latest.is_file() and latest.read_text().strip() == "step00000004":
-            break
-        time.sleep(0.05)
-    assert proc.poll() is None, "the run ended before it could be killed"
-    launching.kill(proc, marker=run)
+    kill_after_checkpoint(command(path, run), run)
     killed_at = max(records(run))
     resumed = launching.run(command(path, run), timeout=900, marker=run)
     assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
