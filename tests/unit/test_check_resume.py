@@ -236,6 +236,36 @@ def test_a_fixed_phase_resumed_with_a_batch_its_position_is_no_multiple_of_is_re
     assert not ok and "would stop: job.phases[0].global_batch: the checkpoint is 128 samples" in report, report
 
 
+def test_a_longer_run_that_would_go_back_to_an_earlier_phase_is_refused(run_dir):
+    """Two phases of 2 steps at 16 (32 samples each), saved in the second (16 samples in) and
+    resumed with job.total_steps 8: phase 0 would have 64 samples, 32 more than it trained, and
+    the job takes the first phase with samples left. Before, it went back to seq 32 at step 5 and
+    then ran phase 1 again from its position, both exiting 0. Now the job and --check-resume stop,
+    naming the phase and the fix; a smaller fraction for phase 0 beside the larger total_steps
+    resumes (fails on the old code)."""
+    from vrgd_ds.train.config import ConfigError, check_resume_position, parse_job
+
+    raw = copy.deepcopy(RAW)
+    raw["job"]["total_steps"] = 4
+    raw["job"]["phases"] = [dict(raw["job"]["phases"][0], fraction=0.5),
+                            dict(raw["job"]["phases"][0], seq_len=64, fraction=0.5)]
+    longer = copy.deepcopy(raw)
+    longer["job"]["total_steps"] = 8
+    with pytest.raises(ConfigError, match=r"job.phases\[0\]: the checkpoint is in phase 1 \(16 samples in\), and this "
+                                          r"config gives phase 0 64 samples, 32 more than it trained"):
+        check_resume_position(parse_job(longer), [32, 16], [64, 64], 2)
+    check_resume_position(parse_job(raw), [32, 16], [32, 32], 2)  # as saved
+    info = ckpt.marker(run_dir / "checkpoints", "step00000004")["info"]
+    saved = [p.model_dump(mode="json") for p in parse_job(raw).phases]
+    ckpt.mark_complete(run_dir / "checkpoints", "step00000004", 3, 2,
+                       dict(info, consumed=[32, 16], total_steps=4, phases=saved))
+    report, ok = check(run_dir, longer, 2)
+    assert not ok and "would stop: job.phases[0]: the checkpoint is in phase 1" in report, report
+    longer["job"]["phases"][0]["fraction"], longer["job"]["phases"][1]["fraction"] = 0.25, 0.75  # 2 steps, then 6
+    report, ok = check(run_dir, longer, 2)
+    assert ok, report
+
+
 def test_an_adaptive_phase_whose_settings_would_change_is_refused_naming_the_keys(tmp_path):
     """An adaptive phase's controller starts after the warmup (``start_step``, derived from
     ``total_steps``, ``fraction`` and ``warmup_fraction``); a resume with another ``total_steps``

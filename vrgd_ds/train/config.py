@@ -403,7 +403,20 @@ def check_resume_position(job: JobConfig, consumed: list[int], budget: list[int]
     ranks`` rounds on this layout: an adaptive phase saved on another number of ranks took batches
     of that layout's multiples, and each rank's samples start at ``consumed + rank × micro_batch``.
     The error names the rank counts that can resume it. A fixed phase must also be a whole number
-    of its ``global_batch`` in (one resumed with another batch would end past its samples)."""
+    of its ``global_batch`` in (one resumed with another batch would end past its samples). And a
+    phase before the one the checkpoint is in must not have samples left: the job takes the first
+    phase with samples left, so a larger ``job.total_steps`` would send it back to an earlier one."""
+    last = max((i for i, done in enumerate(consumed) if done > 0), default=0)
+    for index in range(last):
+        if consumed[index] < budget[index]:
+            phase = job.phases[index]
+            raise ConfigError(
+                f"job.phases[{index}]: the checkpoint is in phase {last} ({consumed[last]} samples in), and this "
+                f"config gives phase {index} {budget[index]} samples, {budget[index] - consumed[index]} more than it "
+                f"trained: the job would go back to it (job.total_steps or the phases' fractions changed). Resume "
+                f"with a config that gives phase {index} at most the {consumed[index]} samples it trained "
+                f"({consumed[index] // phase.global_batch} steps of {phase.global_batch}), e.g. a smaller "
+                f"job.phases[{index}].fraction beside the larger job.total_steps")
     for index, (phase, done, total) in enumerate(zip(job.phases, consumed, budget)):
         per_round = phase.micro_batch * world_size
         if done >= total:
