@@ -44,6 +44,20 @@ def test_every_package_folder_is_listed_and_data_pipeline_is_inside_the_namespac
     assert {name.split(".")[0] for name in dirs} == {"vrgd_ds"}
 
 
+def test_the_torch_requirement_admits_only_the_releases_the_fsdp_integration_supports():
+    """pip picks the newest torch the requirement admits. Before, "torch>=2.13,<3" let a plain
+    install take 2.14.1, whose FSDP2 internals ``vrgd_ds.fsdp`` refuses at attach (fails on the
+    old pyproject.toml)."""
+    from packaging.requirements import Requirement
+
+    from vrgd_ds.fsdp.internals import SUPPORTED_TORCH
+
+    torch_req = next(Requirement(r) for r in PYPROJECT["project"]["dependencies"] if r.startswith("torch"))
+    for release in ("2.12.1", "2.13.0", "2.13.5", "2.14.0", "2.14.1", "3.0.0"):
+        admitted = torch_req.specifier.contains(release)
+        assert admitted == (release.rsplit(".", 1)[0] in SUPPORTED_TORCH), (release, str(torch_req))
+
+
 def test_console_scripts_go_through_the_extra_check():
     """Every console script is one of ``commands``' functions, each checking its extra first."""
     scripts = PYPROJECT["project"]["scripts"]
