@@ -55,6 +55,18 @@ def run_main(capsys, *args: str, config: Path = TEST_CONFIG, run_dir: Path | Non
     ('job.model.overrides={"vocab_size": 100}', "job.model.overrides.vocab_size: set by the job from the tokenizer's"),
     ('job.model.overrides={"max_position_embeddings": 16}',
      "job.model.overrides.max_position_embeddings: 16 is fewer positions than the longest phase's seq_len"),
+    # before (each fails on the old code): a negative seed passed, and rank 0 stopped in the data
+    # preparation after the process group and the lock, rank 1 with a gloo traceback; 512.0 was
+    # "fewer positions than" 64; a misspelt checkpoint key was ignored by the job and DeepSpeed alike,
+    # its policy silently the default
+    ("job.seed=-1", "job.seed: Input should be greater than or equal to 0"),
+    ('job.model.overrides={"max_position_embeddings": 512.0}',
+     "job.model.overrides.max_position_embeddings: 512.0 is not an integer"),
+    # before: coerced, "4" to 4 and true to 1 (keep_checkpoints); a value of the wrong type is an error
+    ('job.total_steps="4"', "job.total_steps: Input should be a valid integer"),
+    ("job.keep_checkpoints=true", "job.keep_checkpoints: Input should be a valid integer"),
+    ('checkpoint={"data_chnage": "continue"}', "checkpoint.data_chnage: the checkpoint block has the job's keys "
+                                               "optimizer_state, data_change and DeepSpeed's tag_validation, "),
     # before: accepted, and the phase warmed up to its last step and ended at its peak LR, never decaying
     ("job.phases.0.warmup_fraction=0.6", "job.phases[0].warmup_fraction: 0.6 of the phase's 2 steps rounds up to 2 "
                                          "warmup steps, leaving none to decay; use a warmup_fraction of at most 0.5"),

@@ -48,7 +48,7 @@ class ConfigError(ValueError):
 
 
 class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True, use_attribute_docstrings=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, use_attribute_docstrings=True, strict=True)
 
 
 MODEL_SIZES: dict[str, dict[str, int]] = {
@@ -231,7 +231,7 @@ class JobConfig(_Strict):
     """The recipe's phases in order (e.g. seq 128 for 90% of the samples, then 512)."""
     total_steps: int = Field(ge=1)
     """Optimizer steps over both phases."""
-    seed: int = 1234
+    seed: int = Field(1234, ge=0)
     """Fixes the initial weights, the sample order and masks, and each micro-batch's dropout seed."""
     log_every: int = Field(1, ge=1)
     """Metrics are logged every N optimizer steps, and at a phase's last step and every evaluation."""
@@ -277,7 +277,9 @@ class JobConfig(_Strict):
 
         longest = max(p.seq_len for p in self.phases)
         positions = self.model.overrides.get("max_position_embeddings")
-        if positions is not None and (not isinstance(positions, int) or positions < padded_length(longest)):
+        if positions is not None and (not isinstance(positions, int) or isinstance(positions, bool)):
+            raise ValueError(f"job.model.overrides.max_position_embeddings: {positions!r} is not an integer")
+        if positions is not None and positions < padded_length(longest):
             raise ValueError(f"job.model.overrides.max_position_embeddings: {positions!r} is fewer positions than the "
                              f"longest phase's seq_len {longest} padded as a batch is ({padded_length(longest)}); raise "
                              "it or remove it (the job takes max(512, that width))")
@@ -330,15 +332,38 @@ def parse_job(raw: dict[str, Any], source: str = "config") -> JobConfig:
         raise _error(e, JOB_KEY) from None
 
 
+#: DeepSpeed 0.19.8's keys of the ``checkpoint`` block (deepspeed/runtime/constants.py), which it
+#: reads by name and so ignores any other
+DEEPSPEED_CHECKPOINT_KEYS = ("tag_validation", "load_universal", "use_node_local_storage", "parallel_write")
+
+
+def _checkpoint_block(raw: dict[str, Any]) -> dict[str, Any]:
+    """The config's ``checkpoint`` block, whose keys must be the job's or DeepSpeed's: a misspelt
+    one would be ignored by both, and its policy silently the default (the megatron engine's
+    checks allow the job's alone, ``engines/megatron.py``)."""
+    from vrgd_ds.optim.registry import did_you_mean
+
+    block = raw.get(CHECKPOINT_KEY) or {}
+    if not isinstance(block, dict):
+        raise ConfigError(f"{CHECKPOINT_KEY}: must be an object, got {type(block).__name__}")
+    if (raw.get(JOB_KEY) or {}).get("engine") == "megatron":
+        return block
+    known = [*JOB_CHECKPOINT_KEYS, *DEEPSPEED_CHECKPOINT_KEYS]
+    unknown = [k for k in block if k not in known]
+    if unknown:
+        raise ConfigError(f"{CHECKPOINT_KEY}.{unknown[0]}: the checkpoint block has the job's keys "
+                          f"{', '.join(JOB_CHECKPOINT_KEYS)} and DeepSpeed's {', '.join(DEEPSPEED_CHECKPOINT_KEYS)}"
+                          f"{did_you_mean(str(unknown[0]), known)}")
+    return block
+
+
 def optimizer_state_policy(raw: dict[str, Any]) -> str:
     """``checkpoint.optimizer_state``: what a resume does when the checkpoint's optimizer state
     cannot carry over to the configured optimizer (another family, e.g. LAMB -> SGD):
     ``"require"`` (default) stops with a message naming this option; ``"reset_if_incompatible"``
     loads the weights and the data position and starts the optimizer fresh, with a warning.
     A member and its base (VRLamb <-> Lamb, ``gsnr`` on/off) always carry the state over."""
-    block = raw.get(CHECKPOINT_KEY) or {}
-    if not isinstance(block, dict):
-        raise ConfigError(f"{CHECKPOINT_KEY}: must be an object, got {type(block).__name__}")
+    block = _checkpoint_block(raw)
     if block.get("load_universal"):
         raise ConfigError(f"{CHECKPOINT_KEY}.load_universal: remove it; the job converts a checkpoint to universal "
                           "form and loads it that way by itself when the number of ranks changed")
@@ -356,8 +381,7 @@ def data_change_policy(raw: dict[str, Any]) -> str:
     naming this option; ``"continue"`` keeps the saved position in the new sample stream, with a
     warning (the samples already seen are not those of the new stream, and documents trained on may
     now be held out)."""
-    block = raw.get(CHECKPOINT_KEY) or {}
-    value = block.get(DATA_CHANGE_KEY, DATA_CHANGE_POLICIES[0]) if isinstance(block, dict) else DATA_CHANGE_POLICIES[0]
+    value = _checkpoint_block(raw).get(DATA_CHANGE_KEY, DATA_CHANGE_POLICIES[0])
     if value not in DATA_CHANGE_POLICIES:
         raise ConfigError(f"{CHECKPOINT_KEY}.{DATA_CHANGE_KEY}: {value!r} is not one of "
                           f"{', '.join(map(repr, DATA_CHANGE_POLICIES))}")
