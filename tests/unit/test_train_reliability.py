@@ -42,6 +42,9 @@ def run_main(capsys, *args: str, config: Path = TEST_CONFIG, run_dir: Path | Non
     ("job.phases.5.lr=1", "--set job.phases.5.lr: 'job.phases' has 2 entries (0..1); there is no job.phases.5"),
     ("job.phases.x.lr=1", "--set job.phases.x.lr: 'job.phases' is a list; 'x' is not an index (0..1)"),
     ("job.total_steps.foo=1", "--set job.total_steps.foo: 'job.total_steps' is a value (4), not an object"),
+    # before: "no key 'checkpoint' in the config", without the way to add it
+    ("checkpoint.optimizer_state=reset_if_incompatible", "--set checkpoint.optimizer_state: no key 'checkpoint' in the "
+     "config; add the block whole: --set 'checkpoint={\"optimizer_state\": \"reset_if_incompatible\"}'"),
     # before: added beside the real key and ignored by DeepSpeed (clipping silently stayed as configured)
     ("gradient_cliping=0.5", "--set gradient_cliping: no key 'gradient_cliping' in the config; did you mean "
                              "'gradient_clipping'?"),

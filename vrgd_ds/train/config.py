@@ -602,8 +602,10 @@ def apply_overrides(raw: dict[str, Any], overrides: list[str]) -> dict[str, Any]
                                               f"'{'.'.join(parts[:j] + close)}'? (a new key is added only when "
                                               "none of its block's keys is spelt this close to it)")
                     node[part] = value
-                elif part not in node:
-                    raise ConfigError(f"--set {key}: no key '{here}' in the config")
+                elif part not in node:  # a block the config lacks: set it whole
+                    rest = json.dumps({".".join(parts[j + 1:]): value}) if j + 2 == len(parts) else "{...}"
+                    raise ConfigError(f"--set {key}: no key '{here}' in the config; add the block whole: "
+                                      f"--set '{here}={rest}'")
                 else:
                     node = node[part]
             else:
