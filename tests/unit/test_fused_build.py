@@ -98,3 +98,12 @@ def test_a_script_started_through_vrgd_ds_run_gets_the_same_build(other_ninja_an
     monkeypatch.setattr(sys, "path", list(sys.path))
     run.main([str(script)])
     assert out.read_text() == f"{Path(_fused.ninja_dir()) / 'ninja'} False"
+
+
+def test_the_vector_width_flag_is_given_on_x86_alone():
+    """``-mprefer-vector-width`` is an x86 option: GCC on aarch64 (a Grace CPU) refuses it, so the
+    build failed there and the optimizers fell back to the reference kernels. Fails on the old
+    code, whose flags were one list for every machine."""
+    assert "-mprefer-vector-width=512" in _fused.cflags("x86_64")
+    arm = _fused.cflags("aarch64")
+    assert "-mprefer-vector-width=512" not in arm and "-march=native" in arm and "-ffp-contract=off" in arm

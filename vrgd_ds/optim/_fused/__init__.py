@@ -31,16 +31,20 @@ from types import ModuleType
 logger = logging.getLogger(__name__)
 
 _SOURCE = Path(__file__).with_name("kernels.cpp")
-_CFLAGS = [
-    "-O3",
-    "-march=native",
-    "-mprefer-vector-width=512",
-    "-ffp-contract=off",  # no FMA contraction: round like the eager reference
-    "-fopenmp",  # at::parallel_for and omp simd
-    "-fno-math-errno",
-    "-fno-trapping-math",
-    "-fno-unswitch-loops",  # GCC otherwise versions the GSNR loops on gamma and runs a scalar copy
-]
+def cflags(machine: str | None = None) -> list[str]:
+    """The compiler's flags on ``machine`` (``platform.machine()``): the vector-width preference
+    is x86's alone (GCC refuses it on aarch64, e.g. a Grace CPU, and the build would fail)."""
+    machine = machine or platform.machine()
+    return [
+        "-O3",
+        "-march=native",
+        *(["-mprefer-vector-width=512"] if machine in ("x86_64", "AMD64", "i686") else []),
+        "-ffp-contract=off",  # no FMA contraction: round like the eager reference
+        "-fopenmp",  # at::parallel_for and omp simd
+        "-fno-math-errno",
+        "-fno-trapping-math",
+        "-fno-unswitch-loops",  # GCC otherwise versions the GSNR loops on gamma and runs a scalar copy
+    ]
 
 
 #: a build lock this old was left by a killed build (a build takes under a minute)
@@ -138,7 +142,7 @@ def load() -> ModuleType:
     logger.info("building fused VRGD kernels %s (first use on this machine type)", name)
     try:
         with _path_first(ninja):
-            return cpp_extension.load(name=name, sources=[str(_SOURCE)], extra_cflags=_CFLAGS,
+            return cpp_extension.load(name=name, sources=[str(_SOURCE)], extra_cflags=cflags(),
                                       extra_ldflags=["-fopenmp"])
     except Exception as exc:  # compiler errors surface as RuntimeError/CalledProcessError
         raise FusedKernelsUnavailable(f"building the fused VRGD kernels failed: {exc}") from exc
