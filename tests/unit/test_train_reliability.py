@@ -456,3 +456,43 @@ def test_set_up_has_its_own_limit_until_the_first_step(tmp_path):
         assert Watchdog(tmp_path, 1, 2, timeout_s=60, startup_s=5).limit == 60  # never shorter than a step's
     finally:
         w.stop()
+
+
+def test_a_refused_resume_ends_every_rank_together(monkeypatch, capsys):
+    """A resume refused from the marker and the config is raised on every rank at once, and the
+    ranks leave the process group together. Before, each returned 2 on its own, and a rank could
+    die in gloo's teardown (SIGABRT: "terminate called without an active exception"), the launcher
+    then reporting -6 for a refused resume (seen for an adaptive phase made fixed). A refusal found
+    by one rank alone (the others elsewhere) must not wait for them. Fails on the old code."""
+    from vrgd_ds.train.config import ConfigError
+
+    job = object.__new__(loop.Job)
+
+    def refuse():
+        raise ConfigError("phase 0 ran with adaptive_batch, the config has none there")
+
+    job.resume = refuse
+    with pytest.raises(ConfigError) as raised:
+        job.train()
+    assert raised.value.agreed is True
+    left = []
+    monkeypatch.setattr(loop, "leave_together", lambda: left.append(1))
+    for error, together in ((raised.value, [1]), (ConfigError("rank 0's own"), [])):
+        left.clear()
+
+        class Refused:  # the job as far as main sees it
+            rank = 0
+
+            def __init__(self, *args):
+                pass
+
+            def setup(self):
+                raise error
+
+            def release(self):
+                pass
+
+        monkeypatch.setattr(loop, "Job", Refused)
+        rc, err = run_main(capsys)
+        assert rc == loop.EXIT_CONFIG and str(error) in err
+        assert left == together, (error, left)

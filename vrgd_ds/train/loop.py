@@ -483,7 +483,11 @@ class Job:
         the telemetry sinks are closed however it ends."""
         from vrgd_ds.train import telemetry
 
-        resumed = self.resume()
+        try:
+            resumed = self.resume()
+        except ConfigError as e:  # from the marker and the config (a load failure is agreed first): every rank
+            e.agreed = True  # raises it here, and main ends them together
+            raise
         # A fresh start drops what an earlier start of this run directory logged before it was
         # killed without a checkpoint (-1: every step), as a resume drops the steps after its checkpoint
         sinks = telemetry.build_sinks(self.run_dir, jsonl=self.job.telemetry.jsonl,
@@ -805,6 +809,8 @@ def main(argv: list[str] | None = None) -> int:
     except refused as e:
         if run is None or run.rank == 0:
             print(f"vrgd-pretrain: error: {e}", file=sys.stderr, flush=True)
+        if getattr(e, "agreed", False):  # raised on every rank (a refused resume): a rank leaving the process
+            leave_together()  # group alone can die in gloo's teardown, its exit 2 then a SIGABRT
         return EXIT_CONFIG
     except Diverged as e:
         if run.rank == 0:
