@@ -65,6 +65,9 @@ def run_main(capsys, *args: str, config: Path = TEST_CONFIG, run_dir: Path | Non
     ("job.seed=-1", "job.seed: Input should be greater than or equal to 0"),
     ('job.model.overrides={"max_position_embeddings": 512.0}',
      "job.model.overrides.max_position_embeddings: 512.0 is not an integer"),
+    # before: "Extra inputs are not permitted" alone (fails on the old code)
+    ("job.keep_checkpoint=2", "job.keep_checkpoint: Extra inputs are not permitted; did you mean 'keep_checkpoints'?"),
+    ("job.phases.0.lrr=0.1", "job.phases.0.lrr: Extra inputs are not permitted; did you mean 'lr'?"),
     # before: coerced, "4" to 4 and true to 1 (keep_checkpoints); a value of the wrong type is an error
     ('job.total_steps="4"', "job.total_steps: Input should be a valid integer"),
     ("job.keep_checkpoints=true", "job.keep_checkpoints: Input should be a valid integer"),

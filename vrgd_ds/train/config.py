@@ -29,7 +29,7 @@ import difflib
 import json
 import math
 from pathlib import Path
-from typing import Any, ClassVar, Literal
+from typing import Any, ClassVar, Literal, get_args
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
@@ -307,11 +307,39 @@ class JobConfig(_Strict):
         return [b - a for a, b in zip([0] + bounds[:-1], bounds)]
 
 
-def _error(e: ValidationError, prefix: str) -> ConfigError:
+def _model_at(root: type[BaseModel], loc: tuple[Any, ...]) -> type[BaseModel] | None:
+    """The model that validates the object at ``loc`` below ``root`` (list indices skipped)."""
+    model: Any = root
+    for part in loc:
+        if isinstance(part, int):
+            continue
+        field = model.model_fields.get(part) if isinstance(model, type) and issubclass(model, BaseModel) else None
+        if field is None:
+            return None
+        kinds = [field.annotation]
+        model = None
+        while kinds:  # list[X], X | None: the model among the annotation's arguments
+            kind = kinds.pop()
+            if isinstance(kind, type) and issubclass(kind, BaseModel):
+                model = kind
+                break
+            kinds += list(get_args(kind))
+    return model if isinstance(model, type) and issubclass(model, BaseModel) else None
+
+
+def _error(e: ValidationError, prefix: str, root: type[BaseModel] | None = None) -> ConfigError:
+    """One line per error, each naming its key; an unknown key of ``root``'s blocks gets the
+    closest known one (a misspelt key would otherwise read only "Extra inputs are not permitted")."""
+    from vrgd_ds.optim.registry import did_you_mean
+
     lines = []
     for err in e.errors():
         key = ".".join([prefix, *map(str, err["loc"])]) if err["loc"] else prefix
         msg = err["msg"].removeprefix("Value error, ")
+        if err["type"] == "extra_forbidden" and root is not None and err["loc"]:
+            model = _model_at(root, tuple(err["loc"][:-1]))
+            if model is not None:
+                msg += did_you_mean(str(err["loc"][-1]), list(model.model_fields))
         lines.append(f"{key}: {msg}" if not msg.startswith(prefix) else msg)
     return ConfigError("; ".join(lines))
 
@@ -329,7 +357,7 @@ def parse_job(raw: dict[str, Any], source: str = "config") -> JobConfig:
     try:
         return JobConfig.model_validate(raw[JOB_KEY])
     except ValidationError as e:
-        raise _error(e, JOB_KEY) from None
+        raise _error(e, JOB_KEY, JobConfig) from None
 
 
 #: DeepSpeed 0.19.8's keys of the ``checkpoint`` block (deepspeed/runtime/constants.py), which it
