@@ -327,19 +327,21 @@ def _model_at(root: type[BaseModel], loc: tuple[Any, ...]) -> type[BaseModel] | 
     return model if isinstance(model, type) and issubclass(model, BaseModel) else None
 
 
-def _error(e: ValidationError, prefix: str, root: type[BaseModel] | None = None) -> ConfigError:
-    """One line per error, each naming its key; an unknown key of ``root``'s blocks gets the
-    closest known one (a misspelt key would otherwise read only "Extra inputs are not permitted")."""
+def validation_error(e: ValidationError, prefix: str, root: type[BaseModel]) -> ConfigError:
+    """``root``'s validation errors of the block ``prefix``, one line each naming its key; an
+    unknown key gets the closest known one of its block and the known ones (a misspelt key would
+    otherwise read only "Extra inputs are not permitted")."""
     from vrgd_ds.optim.registry import did_you_mean
 
     lines = []
     for err in e.errors():
         key = ".".join([prefix, *map(str, err["loc"])]) if err["loc"] else prefix
         msg = err["msg"].removeprefix("Value error, ")
-        if err["type"] == "extra_forbidden" and root is not None and err["loc"]:
+        if err["type"] == "extra_forbidden" and err["loc"]:
             model = _model_at(root, tuple(err["loc"][:-1]))
             if model is not None:
-                msg += did_you_mean(str(err["loc"][-1]), list(model.model_fields))
+                known = list(model.model_fields)
+                msg += did_you_mean(str(err["loc"][-1]), known) + f"; known: {', '.join(known)}"
         lines.append(f"{key}: {msg}" if not msg.startswith(prefix) else msg)
     return ConfigError("; ".join(lines))
 
@@ -357,7 +359,7 @@ def parse_job(raw: dict[str, Any], source: str = "config") -> JobConfig:
     try:
         return JobConfig.model_validate(raw[JOB_KEY])
     except ValidationError as e:
-        raise _error(e, JOB_KEY, JobConfig) from None
+        raise validation_error(e, JOB_KEY, JobConfig) from None
 
 
 #: DeepSpeed 0.19.8's keys of the ``checkpoint`` block (deepspeed/runtime/constants.py), which it
@@ -366,22 +368,21 @@ DEEPSPEED_CHECKPOINT_KEYS = ("tag_validation", "load_universal", "use_node_local
 
 
 def _checkpoint_block(raw: dict[str, Any]) -> dict[str, Any]:
-    """The config's ``checkpoint`` block, whose keys must be the job's or DeepSpeed's: a misspelt
-    one would be ignored by both, and its policy silently the default (the megatron engine's
-    checks allow the job's alone, ``engines/megatron.py``)."""
+    """The config's ``checkpoint`` block, whose keys must be the job's or (the deepspeed engine)
+    DeepSpeed's: a misspelt one would be ignored by both, and its policy silently the default."""
     from vrgd_ds.optim.registry import did_you_mean
 
     block = raw.get(CHECKPOINT_KEY) or {}
     if not isinstance(block, dict):
         raise ConfigError(f"{CHECKPOINT_KEY}: must be an object, got {type(block).__name__}")
-    if (raw.get(JOB_KEY) or {}).get("engine") == "megatron":
-        return block
-    known = [*JOB_CHECKPOINT_KEYS, *DEEPSPEED_CHECKPOINT_KEYS]
+    megatron = (raw.get(JOB_KEY) or {}).get("engine") == "megatron"
+    known = list(JOB_CHECKPOINT_KEYS) + ([] if megatron else list(DEEPSPEED_CHECKPOINT_KEYS))
     unknown = [k for k in block if k not in known]
     if unknown:
-        raise ConfigError(f"{CHECKPOINT_KEY}.{unknown[0]}: the checkpoint block has the job's keys "
-                          f"{', '.join(JOB_CHECKPOINT_KEYS)} and DeepSpeed's {', '.join(DEEPSPEED_CHECKPOINT_KEYS)}"
-                          f"{did_you_mean(str(unknown[0]), known)}")
+        has = (f"the megatron engine's checkpoint block has the keys {', '.join(JOB_CHECKPOINT_KEYS)}" if megatron
+               else f"the checkpoint block has the job's keys {', '.join(JOB_CHECKPOINT_KEYS)} and DeepSpeed's "
+                    f"{', '.join(DEEPSPEED_CHECKPOINT_KEYS)}")
+        raise ConfigError(f"{CHECKPOINT_KEY}.{unknown[0]}: {has}{did_you_mean(str(unknown[0]), known)}")
     return block
 
 

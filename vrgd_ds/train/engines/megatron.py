@@ -34,8 +34,7 @@ import torch.distributed as dist
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from vrgd_ds.optim.registry import REGISTRY, OptimizerBlockError, check_optimizer
-from vrgd_ds.train.config import (CHECKPOINT_KEY, JOB_CHECKPOINT_KEYS, ConfigError, JobConfig,
-                                  gradient_accumulation)
+from vrgd_ds.train.config import ConfigError, JobConfig, gradient_accumulation, validation_error
 from vrgd_ds.train.data import JobData, prepare_data, stack
 from vrgd_ds.train.engines.base import LAUNCHER_RANK, LAUNCHER_WORLD, Engine, launcher_value, local_cuda_device
 from vrgd_ds.train.resume import ResumePlan, plan_resume, wrapper_change
@@ -96,30 +95,18 @@ class MegatronBlock(_Strict):
 
 def parse_block(raw: dict[str, Any]) -> MegatronBlock:
     """The validated ``"megatron"`` block; errors name the key."""
-    from vrgd_ds.optim.registry import did_you_mean
-
     if not isinstance(raw.get(BLOCK), dict):
         raise ConfigError(f'{BLOCK}: the megatron engine needs a "{BLOCK}" block, e.g. {{"model": {{"num_layers": 2, '
                           '"hidden_size": 64, "num_attention_heads": 4}}}} (configs/megatron/)')
     try:
         return MegatronBlock.model_validate(raw[BLOCK])
     except ValidationError as e:
-        lines = []
-        for err in e.errors():
-            key = ".".join([BLOCK, *map(str, err["loc"])])
-            hint = ""
-            if err["type"] == "extra_forbidden":
-                known = list((GPTShape if err["loc"][:1] == ("model",) else MegatronBlock).model_fields)
-                hint = did_you_mean(str(err["loc"][-1]), known) + f"; known: {', '.join(known)}"
-            lines.append(f"{key}: {err['msg'].removeprefix('Value error, ')}{hint}")
-        raise ConfigError("; ".join(lines)) from None
+        raise validation_error(e, BLOCK, MegatronBlock) from None
 
 
 def check(raw: dict[str, Any], job: JobConfig, world: int | None) -> MegatronBlock:
     """Every check of a Megatron job's config that needs no process group; ``world``: the ranks
     (None: not known yet, the layout's checks wait for the process group)."""
-    from vrgd_ds.optim.registry import did_you_mean
-
     extra = [k for k in raw if k not in KEYS]
     if extra:
         raise ConfigError(f"{extra[0]}: not a key of a megatron-engine config (it has {', '.join(KEYS)}); "
@@ -139,12 +126,6 @@ def check(raw: dict[str, Any], job: JobConfig, world: int | None) -> MegatronBlo
         if p.adaptive_batch is not None:
             raise ConfigError(f"job.phases[{i}].adaptive_batch: not supported by the megatron engine; use job.engine "
                               "\"deepspeed\" for an adaptive batch, or a fixed global_batch")
-    checkpoint = raw.get(CHECKPOINT_KEY)
-    if checkpoint is not None:
-        unknown = [k for k in checkpoint if k not in JOB_CHECKPOINT_KEYS] if isinstance(checkpoint, dict) else [""]
-        if unknown:
-            raise ConfigError(f"{CHECKPOINT_KEY}.{unknown[0]}: the megatron engine's checkpoint block has the keys "
-                              f"{', '.join(JOB_CHECKPOINT_KEYS)}{did_you_mean(str(unknown[0]), list(JOB_CHECKPOINT_KEYS))}")
     if block.bucket_size is not None and not block.overlap_grad_reduce:
         raise ConfigError(f"{BLOCK}.bucket_size: Megatron's DDP buckets gradients only with {BLOCK}.overlap_grad_reduce "
                           "true (without it, one bucket holds them all); set both, or remove bucket_size")
