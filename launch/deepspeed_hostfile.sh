@@ -53,7 +53,11 @@ BACKEND_ARGS=()
 CONFIG=$(realpath "$CONFIG")
 RUN_DIR=$(realpath -m "$RUN_DIR")
 
+# SIGUSR1 (a pre-emption warning) is the ranks' to answer (checkpoint, exit 75); DeepSpeed's launcher
+# neither handles nor forwards it and would end at once, its ranks left running. Held blocked
+# (launch/hold_usr1.py), the launcher here never takes it, and ranks it starts on this node
+# inherit the mask. Ranks started over ssh do not: send it to them (docs/pretraining.md).
 set -x
-exec "$DEEPSPEED" --hostfile "$HOSTFILE" --launcher "$LAUNCHER" \
+exec launch/hold_usr1.py "$DEEPSPEED" --hostfile "$HOSTFILE" --launcher "$LAUNCHER" \
     "${ADDR_ARGS[@]}" --master_port "$MASTER_PORT" "${EXTRA[@]}" \
     --module vrgd_ds.train --config "$CONFIG" --run-dir "$RUN_DIR" "${BACKEND_ARGS[@]}" "$@"

@@ -48,7 +48,9 @@ BACKEND_ARGS=()
 ROOT_ARGS=()
 [[ $(id -u) -eq 0 ]] && ROOT_ARGS=(--allow-run-as-root)
 
+# mpirun forwards SIGUSR1 to the ranks; each starts with it held (launch/hold_usr1.py), so one
+# that arrives before its job is ready waits for it
 set -x
 exec "$MPIRUN" "${ROOT_ARGS[@]}" -np "$NP" "${EXTRA[@]}" \
     -x PATH \
-    "$PYTHON" -m vrgd_ds.train --config "$CONFIG" --run-dir "$RUN_DIR" "${BACKEND_ARGS[@]}" "$@"
+    "$PYTHON" "$PWD/launch/hold_usr1.py" "$PYTHON" -m vrgd_ds.train --config "$CONFIG" --run-dir "$RUN_DIR" "${BACKEND_ARGS[@]}" "$@"

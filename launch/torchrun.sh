@@ -32,11 +32,11 @@ BACKEND_ARGS=()
 [[ -n "${BACKEND:-}" ]] && BACKEND_ARGS=(--backend "$BACKEND")
 
 # SIGUSR1 (Slurm's --signal, a pre-emption warning) is the ranks' to answer (checkpoint, exit 75):
-# torchrun neither handles nor forwards it, and would end at once, its ranks left running. Ignored
-# here, torchrun and its ranks inherit that, and each rank's job takes the signal over as it starts.
-trap '' USR1
+# torchrun neither handles nor forwards it, and would end at once, its ranks left running. Held
+# blocked (launch/hold_usr1.py), torchrun never takes it, and its ranks inherit the mask: one
+# that reaches a rank before its job is ready waits for it.
 set -x
-exec "$PYTHON" -m torch.distributed.run \
+exec "$PYTHON" launch/hold_usr1.py "$PYTHON" -m torch.distributed.run \
     --nnodes "$NNODES" --node_rank "$NODE_RANK" --nproc_per_node "$NPROC" \
     --master_addr "$MASTER_ADDR" --master_port "$MASTER_PORT" \
     -m vrgd_ds.train --config "$CONFIG" --run-dir "$RUN_DIR" "${BACKEND_ARGS[@]}" "$@"

@@ -9,18 +9,21 @@ up Slurm and the two loopback "nodes" (``.ci/run`` does so before the tests when
 """
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import functools
 import json
 import math
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import time
 from pathlib import Path
 
 import launching
+import psutil
 import pytest
 
 pytestmark = pytest.mark.slow
@@ -85,10 +88,7 @@ def _skip_mpi_reason() -> str | None:
 @pytest.mark.skipif(_skip_mpi_reason() is not None, reason=str(_skip_mpi_reason()))
 def test_mpirun(tmp_path):
     """Rank, world size and rendezvous come from mpi4py (DeepSpeed's MPI discovery)."""
-    # DeepSpeed's discovery always rendezvouses on port 29500 (deepspeed/comm/comm.py,
-    # mpi_discovery); the lock keeps two runs of this test on one machine apart.
-    with open(Path(os.environ.get("TMPDIR", "/tmp")) / "vrgd_mpirun_29500.lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
+    with _mpirun_port():
         launch("mpirun.sh", tmp_path / "run", {"NP": "2", "MPIRUN": _mpirun(), "MPI_ARGS": "--oversubscribe"})
     assert_finished(tmp_path / "run")
 
@@ -235,3 +235,129 @@ def test_slurm_signal_checkpoints_requeues_and_finishes_exactly(tmp_path, engine
                 into[rec["step"]] = rec["train/loss"]
     assert sorted(got) == list(range(1, steps + 1)) == sorted(want)
     assert got == want
+
+
+# ---- pre-emption warnings through each launcher ------------------------------------------------
+
+
+def _launch_tree(pid: int) -> list[psutil.Process]:
+    """Process ``pid`` and its descendants (torchrun starts its ranks in sessions of their own)."""
+    try:
+        root = psutil.Process(pid)
+        return [root, *root.children(recursive=True)]
+    except psutil.Error:
+        return []
+
+
+def _rank_pids(pid: int) -> list[int]:
+    """The job's ranks under launcher ``pid`` that run the job's interpreter: the processes with a
+    local rank in their environment (torchrun's and DeepSpeed's ``LOCAL_RANK``, Open MPI's; no
+    launcher has one) past ``hold_usr1.py`` (mpirun starts the ranks through it, and Open MPI's
+    daemon clears the signal mask, so until it has run exec a signal would end the rank)."""
+    pids = []
+    for proc in _launch_tree(pid)[1:]:
+        try:
+            if {"LOCAL_RANK", "OMPI_COMM_WORLD_LOCAL_RANK"} & set(proc.environ()) and \
+                    not any(arg.endswith("hold_usr1.py") for arg in proc.cmdline()):
+                pids.append(proc.pid)
+        except psutil.Error:
+            pass
+    return pids
+
+
+def _catches(pid: int, sig: signal.Signals) -> bool:
+    """Whether process ``pid`` has a handler for ``sig`` (``SigCgt`` of /proc/PID/status)."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("SigCgt:"):
+            return bool(int(line.split()[1], 16) >> (sig - 1) & 1)
+    raise AssertionError(f"no SigCgt in /proc/{pid}/status")
+
+
+def _start(script: str, run_dir: Path, env: dict[str, str], log: Path, steps: int = 4) -> subprocess.Popen:
+    """``launch/<script>`` on the test config for ``steps`` steps without periodic checkpoints."""
+    full_env = {**os.environ, "PYTHON": sys.executable, "CONFIG": str(CONFIG), "RUN_DIR": str(run_dir),
+                "PATH": f"{BIN}{os.pathsep}{os.environ.get('PATH', '')}", **env}
+    with open(log, "w") as out:
+        return subprocess.Popen([str(ROOT / "launch" / script), "--set", f"job.total_steps={steps}",
+                                 "--set", "job.checkpoint_every=0"], cwd=ROOT, env=full_env, stdin=subprocess.DEVNULL,
+                                stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+
+
+def _assert_requeued_at(run_dir: Path, step: int, log: Path) -> None:
+    """The job checkpointed after ``step`` on the signal, asked for the requeue and trained no further."""
+    marker = run_dir / "requeue.json"
+    assert marker.is_file(), log.read_text()[-3000:]
+    assert json.loads(marker.read_text())["tag"] == f"step{step:08d}"
+    assert (run_dir / "checkpoints" / f"step{step:08d}" / "vrgd_complete.json").is_file()
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert sorted(r["step"] for r in records if "train/loss" in r) == list(range(1, step + 1))
+
+
+@contextlib.contextmanager
+def _mpirun_port():
+    """DeepSpeed's MPI discovery always rendezvouses on port 29500 (deepspeed/comm/comm.py,
+    mpi_discovery): this lock keeps two mpirun launches on one machine apart."""
+    with open(Path(os.environ.get("TMPDIR", "/tmp")) / "vrgd_mpirun_29500.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        yield
+
+
+@pytest.mark.parametrize("script", [
+    "deepspeed_hostfile.sh",
+    pytest.param("torchrun.sh", marks=pytest.mark.exhaustive),
+    pytest.param("mpirun.sh", marks=[pytest.mark.exhaustive, pytest.mark.skipif(
+        _skip_mpi_reason() is not None, reason=str(_skip_mpi_reason()))])])
+def test_a_preemption_signal_while_the_ranks_start_is_kept(tmp_path, script):
+    """SIGUSR1 while the ranks still import torch: the job checkpoints after its first step and
+    asks for the requeue (``requeue.json``; exit 75 through DeepSpeed's launcher and mpirun). The
+    signal goes to every process of the launch, as Slurm signals a job step's, and under mpirun
+    to mpirun alone, which forwards it. Failed before: DeepSpeed's launcher had no handler and
+    died of it at once (exit -10, the caller never saw the 75 of its ranks' checkpoint); under
+    torchrun.sh the ranks started with the signal ignored, and under mpirun.sh with no handler
+    (killed), so one that came during their imports was lost. The scripts now start them with it
+    blocked (launch/hold_usr1.py), and the job unblocks it once its handler is in place."""
+    run_dir, log, hostfile = tmp_path / "run", tmp_path / "launch.log", tmp_path / "hostfile"
+    hostfile.write_text("localhost slots=2\n")  # one node: DeepSpeed starts the ranks itself, without ssh
+    env = {"NPROC": "2", "NP": "2", "HOSTFILE": str(hostfile), "MASTER_PORT": str(launching.free_port()),
+           "MASTER_ADDR": "127.0.0.1", "DS_ARGS": "--no_ssh_check", "MPIRUN": str(_mpirun()),
+           "MPI_ARGS": "--oversubscribe"}
+    with _mpirun_port() if script == "mpirun.sh" else contextlib.nullcontext():
+        proc = _start(script, run_dir, env, log)
+        try:
+            launching.wait_until(lambda: len(_rank_pids(proc.pid)) == 2 or proc.poll() is not None, "two ranks")
+            ranks = _rank_pids(proc.pid)
+            assert len(ranks) == 2, log.read_text()[-3000:]
+            early = [pid for pid in ranks if not _catches(pid, signal.SIGUSR1)]
+            for member in _launch_tree(proc.pid)[:1] if script == "mpirun.sh" else _launch_tree(proc.pid):
+                with contextlib.suppress(psutil.Error):
+                    member.send_signal(signal.SIGUSR1)
+            proc.wait(timeout=TIMEOUT)
+        finally:
+            launching.kill(proc, marker=run_dir)
+    assert early, "both ranks had their handler before the signal: the test sent it too late"
+    _assert_requeued_at(run_dir, 1, log)
+    # torchrun reports 1 for any failed rank (torch.distributed.elastic); the others the rank's code
+    assert proc.returncode == (1 if script == "torchrun.sh" else 75), log.read_text()[-3000:]
+
+
+@pytest.mark.exhaustive
+@pytest.mark.skipif(_skip_pdsh_reason() is not None, reason=str(_skip_pdsh_reason()))
+def test_a_preemption_signal_sent_to_each_nodes_ranks_over_pdsh(tmp_path):
+    """Ranks that DeepSpeed's launcher starts over pdsh/ssh are no processes of the local launch;
+    the signal goes to them on every node with the command docs/pretraining.md gives (here
+    limited to this run's ranks): the job checkpoints and exits 75 through the launcher."""
+    run_dir, log = tmp_path / "run", tmp_path / "launch.log"
+    proc = _start("deepspeed_hostfile.sh", run_dir, {"HOSTFILE": str(HOSTFILE),
+                                                     "MASTER_PORT": str(launching.free_port())}, log, steps=400)
+    try:
+        beat = run_dir / "heartbeat" / "rank0"
+        launching.wait_until(lambda: proc.poll() is not None or (beat.is_file() and json.loads(
+            beat.read_text() or "{}").get("step", 0) >= 1), "the first step", timeout=TIMEOUT)
+        subprocess.run(["pdsh", "-R", "ssh", "-w", ",".join(_hosts()),
+                        f"pkill -USR1 -f '[-]u -m vrgd_ds[.]train.*{run_dir}'"], check=True, timeout=60)
+        proc.wait(timeout=TIMEOUT)
+    finally:
+        launching.kill(proc, marker=run_dir)
+    assert proc.returncode == 75, log.read_text()[-3000:]
+    step = json.loads((run_dir / "requeue.json").read_text())["tag"]
+    _assert_requeued_at(run_dir, int(step[4:]), log)

@@ -776,6 +776,8 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     _EARLY_PREEMPT[0] = False  # a pre-emption warning from here on checkpoints at the first step
     signal.signal(PREEMPT_SIGNAL, _early_preempt)
+    # one held since the process started (launch/hold_usr1.py blocks it) is delivered here
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {PREEMPT_SIGNAL})
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if args.check_resume:
         return _check_resume(args)
