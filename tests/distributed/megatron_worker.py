@@ -773,6 +773,10 @@ REFUSED = {
     "hierarchical-node-size": ("squares", {"squares": "hierarchical", "node_size": 3},
                                "node_size 3 does not divide the 2 data-parallel ranks"),
     "node-size-without-hierarchical": ("squares", {"node_size": 2}, "node_size applies to squares='hierarchical'"),
+    # before: accepted; the optimizer stepped whole on reduce-scattered main_grads, the replicas drifted apart
+    "distributed-optimizer-mismatch": ("optimizer", {"use_distributed_optimizer": False},
+                                       "OptimizerConfig.use_distributed_optimizer is False but the model's "
+                                       "DistributedDataParallelConfig.use_distributed_optimizer is True"),
 }
 
 

@@ -47,6 +47,13 @@ def check_configuration(config: Any, chunks: list[Any], name: str, gsnr: bool | 
     for chunk in chunks:
         if chunk.ddp_config != ddp:
             raise ValueError("vrgd_ds.megatron: the model chunks have different DistributedDataParallelConfigs")
+    if bool(config.use_distributed_optimizer) != bool(ddp.use_distributed_optimizer):
+        raise ValueError(
+            "vrgd_ds.megatron: OptimizerConfig.use_distributed_optimizer is "
+            f"{config.use_distributed_optimizer} but the model's DistributedDataParallelConfig.use_distributed_optimizer "
+            f"is {ddp.use_distributed_optimizer}: the buffers would reduce-scatter gradients that a non-distributed "
+            "optimizer steps on whole (the data-parallel replicas drift apart), or the other way round fail at the "
+            "first step. Set both to the same value")
     if config.optimizer_cpu_offload:
         _refuse("OptimizerConfig.optimizer_cpu_offload", "the hybrid CPU/GPU optimizer steps Adam or SGD of its own",
                 "Set optimizer_cpu_offload=False")
