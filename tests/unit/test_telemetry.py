@@ -157,6 +157,22 @@ def test_jsonl_appends_and_resume_drops_later_steps(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["metrics.jsonl"]
 
 
+@pytest.mark.parametrize("mode", [0o644, 0o640])
+def test_a_resume_keeps_the_metrics_files_permissions(tmp_path, mode):
+    """The file rewritten on a resume keeps the mode the job's first start gave it, so a group
+    sharing the run directory (TensorBoard, plots run as another user) still reads it. Fails on the
+    old code: the rewrite went through ``mkstemp``, whose file is 0600."""
+    path = tmp_path / "metrics.jsonl"
+    with T.JsonlSink(path) as sink:
+        for s in range(1, 4):
+            sink.write(s, {"train/loss": float(s)})
+    path.chmod(mode)
+    with T.JsonlSink(path, resume_step=1):
+        pass
+    assert [r["step"] for r in _lines(path)] == [1]
+    assert path.stat().st_mode & 0o777 == mode
+
+
 @pytest.mark.parametrize("resume_step", [None, 5])
 def test_jsonl_drops_a_cut_off_last_line(tmp_path, resume_step):
     path = tmp_path / "metrics.jsonl"

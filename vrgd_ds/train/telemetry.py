@@ -25,6 +25,7 @@ import math
 import numbers
 import os
 import re
+import stat
 import tempfile
 import time
 import uuid
@@ -244,6 +245,7 @@ class JsonlSink(MetricSink):
             logger.info("%s: resuming at step %d, dropping %d later records", self.path, resume_step, dropped)
         fd, tmp = tempfile.mkstemp(prefix=self.path.name + ".", suffix=".tmp", dir=self.path.parent)
         try:
+            os.chmod(fd, stat.S_IMODE(self.path.stat().st_mode))  # mkstemp's 0600 would hide it from the group
             with os.fdopen(fd, "wb") as f:
                 f.write(b"".join(line + b"\n" for line in kept))
                 f.flush()
