@@ -402,6 +402,36 @@ def test_the_watchdog_kills_a_silent_rank_only_while_its_pid_is_the_same_process
     assert beat["proc_start"] == process_start(os.getpid()) and beat["pid_ns"] == pid_namespace()
 
 
+@pytest.mark.slow  # one job of 3 steps in a subprocess (8 s)
+def test_the_watchdog_times_a_step_and_the_evaluation_after_it_apart(tmp_path):
+    """The heartbeat says a step finished before the evaluation that follows it starts, so the
+    watchdog's limit applies to each, as docs/pretraining.md says, and its message names the
+    last finished step. Fails on the old code: the step's beat came after the evaluation, which
+    therefore saw the step before (after step 2: step 1 done), and a step plus its evaluation
+    had to fit in one limit."""
+    import subprocess
+    import sys
+    import textwrap
+
+    script = textwrap.dedent(f"""
+        import json
+        from vrgd_ds.train import loop
+        seen, evaluate = [], loop.Job.evaluate
+        def watched(self, *args, **kwargs):
+            seen.append([self.watchdog._progress["step"], self.watchdog._progress["what"]])
+            return evaluate(self, *args, **kwargs)
+        loop.Job.evaluate = watched
+        rc = loop.main(["--config", {str(TEST_CONFIG)!r}, "--run-dir", {str(tmp_path / "run")!r},
+                        "--set", "job.total_steps=3", "--set", "job.eval_every=1", "--set", "job.checkpoint_every=0"])
+        print("SEEN", json.dumps(seen), rc)
+        """)
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=600)
+    line = next((ln for ln in out.stdout.splitlines() if ln.startswith("SEEN ")), None)
+    assert line is not None, out.stdout[-2000:] + out.stderr[-3000:]
+    # before training, after steps 1 and 2 (eval_every), and the final one after step 3
+    assert line == 'SEEN [[0, "set-up"], [1, "step"], [2, "step"], [3, "step"]] 0'
+
+
 def test_a_failed_heartbeat_write_does_not_end_the_watch(tmp_path):
     """The heartbeat's writes fail for a while (a full disk), then the rank stalls: the watchdog still
     ends the job with EXIT_STALLED after its limit. Fails on the code before, where the first OSError

@@ -572,6 +572,7 @@ class Job:
             took = self._train_step(batches, gas, measure)
             self.step += 1
             self.consumed[index] += batch
+            self.watchdog.beat(self.step)  # before an evaluation: the watchdog times that on its own
             if trace:
                 self._trace_samples(trace, sampler, index)
             phase_end = self.consumed[index] >= self.budget[index]
@@ -678,9 +679,8 @@ class Job:
                         phase=index, refresh=False)
 
     def _after_training_step(self, took: dict[str, Any]) -> None:
-        """Progress for the watchdog, the divergence count, a checkpoint when due, and the
-        signals every rank agrees on: another job took the directory over, or a pre-emption."""
-        self.watchdog.beat(self.step)
+        """The divergence count, a checkpoint when due, and the signals every rank agrees on:
+        another job took the directory over, or a pre-emption."""
         if not math.isfinite(took["loss_sum"]) and not took["skipped"] and self.rank == 0:
             logger.warning("non-finite training loss at step %d", self.step)
         self._after_step(took["skipped"])
