@@ -312,6 +312,30 @@ def fold_equals_hooks(case: dict) -> dict:
         return {"ranks": everyone}
 
 
+def stepped_or_discarded(case: dict) -> dict:
+    """3 steps of VRLamb through the chain, against the same 3 steps (``case["how"]``) taken through
+    the chain's Megatron optimizer (``"inner"``), or after an accumulation thrown away before the
+    first (``"discarded"``: two backward passes, then ``zero_grad_buffer`` and ``zero_grad`` and no
+    step). Returns whether the weights agree bit for bit and each step's gradient groups."""
+    with model_parallel(case["tp"]) as ps:
+        dp_rank = ps.get_data_parallel_rank()
+        weights, groups = {}, {}
+        for how in ("chain", case["how"]):
+            model, ddp, opt = _build(case["tp"], case["distributed"], "VRLamb", {})
+            if how == "discarded":
+                for m in range(2):
+                    with ddp.no_sync():
+                        (ddp(_batch(dp_rank, m, 99)).pow(2).sum() / 2).backward()
+            target = opt.chained_optimizers[0] if how == "inner" else opt
+            groups[how] = []
+            for step in range(3):
+                megatron_step(ddp, target, dp_rank, case["accumulation"], step)
+                groups[how].append(opt.chained_optimizers[0].optimizer.gsnr_metrics()["gsnr/n"])
+            weights[how] = _full(model, ps)
+        return {"same": all(torch.equal(a, b) for a, b in zip(weights["chain"], weights[case["how"]])),
+                "groups": groups}
+
+
 def rebuilt_on_the_same_chunks(case: dict) -> dict:
     """3 steps of VRLamb built once, against 3 steps of VRLamb built on chunks that already have a
     Lamb optimizer from ``vrgd_ds.megatron`` (kept alive): whether the weights agree bit for bit,

@@ -221,6 +221,20 @@ def test_an_optimizer_built_again_on_the_same_chunks_takes_their_statistics_over
     assert "built later on the same model chunks" in (res["raised"] or ""), res
 
 
+@pytest.mark.parametrize("how", ["inner", "discarded"])
+def test_a_step_through_megatrons_optimizer_or_after_a_dropped_accumulation_is_the_chains(megatron2, how):
+    """The statistics follow Megatron's gradients: a step taken through the chain's Megatron
+    optimizer (``chained_optimizers[0].step()``) ends their step as the chain's does, and
+    ``zero_grad_buffer`` drops the micro-batches of an accumulation thrown away without a step
+    with the gradients it zeroes; either way the 3 steps equal the chain's bit for bit, n = 4
+    each. Fail on the old code: the first kept reading step 1's squares (its step never ended,
+    so nothing was reduced again), the second counted the dropped passes (n = 8 at step 1)."""
+    res = megatron2.run("megatron_worker", "stepped_or_discarded",
+                        {"tp": 1, "distributed": True, "accumulation": 2, "how": how})
+    assert res["groups"] == {"chain": [4.0] * 3, how: [4.0] * 3}, res
+    assert res["same"], res
+
+
 @pytest.mark.parametrize("name", list(megatron_worker.REFUSED))
 def test_unsupported_configuration_is_refused_naming_the_option(megatron2, name):
     res = megatron2.run("megatron_worker", "refused", {"name": name})

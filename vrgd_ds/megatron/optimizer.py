@@ -339,7 +339,8 @@ def get_megatron_optimizer(config: Any, model_chunks: list[Any], optimizer: str 
 
 def _hook_step(chained: Any, mopt: Any, source: Any) -> None:
     """The statistics' step begins where Megatron's does (``prepare_grads``: before it copies,
-    unscales and clips the reduced gradients) and ends after it, taken or skipped. A step Megatron
+    unscales and clips the reduced gradients) and ends after it, taken or skipped, whether the
+    chain or its Megatron optimizer (``chained_optimizers[0]``) was stepped. A step Megatron
     skips before calling the inner optimizer (fp16 overflow; NaN in the gradients) is recorded as
     skipped there, so its metrics are not the previous step's."""
     prepare, step, inner = mopt.prepare_grads, chained.step, mopt.optimizer
@@ -349,16 +350,21 @@ def _hook_step(chained: Any, mopt: Any, source: Any) -> None:
         source.begin_step()
         return prepare()
 
-    def stepped() -> Any:
-        inner.begin_step_records()
-        calls = inner.step_calls
-        try:
-            return step()
-        finally:
-            n = source.n
-            source.end_step()
-            if inner.step_calls == calls:
-                inner.record_skipped(reason, n)
+    def ending(step: Any) -> Any:
+        def stepped() -> Any:
+            inner.begin_step_records()
+            calls = inner.step_calls
+            try:
+                return step()
+            finally:
+                n = source.n
+                source.end_step()
+                if inner.step_calls == calls:
+                    inner.record_skipped(reason, n)
+        return stepped
 
     mopt.prepare_grads = prepare_grads
-    chained.step = stepped
+    # the chain's step calls the Megatron optimizer's prepare_grads and step_with_ready_grads, not
+    # its step: a caller may step either, and each ends the statistics' step once
+    chained.step = ending(chained.step)
+    mopt.step = ending(mopt.step)

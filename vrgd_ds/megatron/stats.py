@@ -158,7 +158,29 @@ def attach(mopt: Any, chunks: list[Any], kernels: Any, fold: bool = True, square
     stats.superseded = False
     for chunk in chunks:
         chunk.vrgd_statistics = weakref.ref(stats)
+        _discard_when_zeroed(chunk)
     return stats
+
+
+def _discard_when_zeroed(chunk: Any) -> None:
+    """``chunk.zero_grad_buffer()`` drops the statistics recorded since the last step with the
+    gradients it zeroes (an accumulation a caller threw away: ``main_grad`` starts afresh, so must
+    the squares and the micro-batch count). At the start of a usual iteration, after a step, there
+    is nothing to drop. Installed once per chunk; it asks the chunk's current statistics."""
+    if getattr(chunk, "vrgd_zero_wrapped", False):
+        return
+    zero, chunk_ref = type(chunk).zero_grad_buffer, weakref.ref(chunk)
+
+    def zero_grad_buffer() -> None:
+        owner = chunk_ref()
+        ref = getattr(owner, "vrgd_statistics", None)
+        stats = ref() if ref is not None else None
+        if stats is not None and not stats.superseded:
+            stats.discard()
+        zero(owner)
+
+    chunk.zero_grad_buffer = zero_grad_buffer
+    chunk.vrgd_zero_wrapped = True
 
 
 def _supersede(chunks: list[Any]) -> None:

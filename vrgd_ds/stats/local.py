@@ -536,8 +536,18 @@ class LocalStats:
         once per group or sub-group; the engine's step wrapper calls ``end_step``). Where it ends
         the step, only once something was recorded: a ``zero_grad`` between a step's first forward
         and its backward (``loss = model(x); opt.zero_grad(); loss.backward()``) keeps the step."""
-        if self.reset_ends_step and (self._started or (not self._stale and bool(self._counts.any()))):
+        if self.reset_ends_step and self._recorded():
             self.end_step()
+
+    def discard(self) -> None:
+        """The gradients were zeroed without a step (Megatron's ``zero_grad_buffer``: an
+        accumulation dropped): what was recorded since the last step is dropped with them."""
+        if self._recorded():
+            self.end_step()
+
+    def _recorded(self) -> bool:
+        """Whether this step has recorded a micro-step or launched its reduction."""
+        return self._started or (not self._stale and bool(self._counts.any()))
 
     def end_step(self) -> None:
         """The engine's step is over (taken or skipped): the next micro-step starts afresh. A step
