@@ -336,10 +336,44 @@ def stepped_or_discarded(case: dict) -> dict:
                 "groups": groups}
 
 
+def statistics_cost(case: dict) -> dict:
+    """Lamb and VRLamb through ``vrgd_ds.megatron``, 2 steps each: their statistics sources, the
+    tensor hooks on the model's parameters, and the collectives a step launches (Megatron's own
+    included, counted at ``torch.distributed``)."""
+    names = ("all_reduce", "reduce_scatter_tensor", "all_gather_into_tensor", "all_gather", "reduce_scatter")
+    counts = {name: 0 for name in names}
+    saved = {name: getattr(dist, name) for name in names}
+
+    def counting(name):
+        def call(*args, **kwargs):
+            counts[name] += 1
+            return saved[name](*args, **kwargs)
+        return call
+
+    out = {}
+    with model_parallel(case["tp"]) as ps:
+        dp_rank = ps.get_data_parallel_rank()
+        for optimizer in ("Lamb", "VRLamb"):
+            model, ddp, opt = _build(case["tp"], case["distributed"], optimizer, {})
+            megatron_step(ddp, opt, dp_rank, case["accumulation"], 0)  # the first step's one-time work aside
+            counts.update(dict.fromkeys(names, 0))
+            for name in names:
+                setattr(dist, name, counting(name))
+            try:
+                for step in (1, 2):
+                    megatron_step(ddp, opt, dp_rank, case["accumulation"], step)
+            finally:
+                for name in names:
+                    setattr(dist, name, saved[name])
+            out[optimizer] = {"sources": len(opt.vrgd_sources), "collectives": sum(counts.values()),
+                              "hooks": sum(len(p._backward_hooks or {}) for p in model.parameters())}
+    return out
+
+
 def rebuilt_on_the_same_chunks(case: dict) -> dict:
     """3 steps of VRLamb built once, against 3 steps of VRLamb built on chunks that already have a
-    Lamb optimizer from ``vrgd_ds.megatron`` (kept alive): whether the weights agree bit for bit,
-    and what stepping the earlier optimizer raises."""
+    VRAdam from ``vrgd_ds.megatron`` (kept alive): whether the weights agree bit for bit, and what
+    stepping the earlier optimizer raises."""
     from megatron.core.optimizer import OptimizerConfig
 
     from vrgd_ds.megatron import get_megatron_optimizer
@@ -348,7 +382,7 @@ def rebuilt_on_the_same_chunks(case: dict) -> dict:
         dp_rank = ps.get_data_parallel_rank()
         weights = {}
         for how in ("once", "again"):
-            model, ddp, opt = _build(case["tp"], case["distributed"], "Lamb" if how == "again" else "VRLamb", {})
+            model, ddp, opt = _build(case["tp"], case["distributed"], "VRAdam" if how == "again" else "VRLamb", {})
             first = opt
             if how == "again":
                 opt = get_megatron_optimizer(OptimizerConfig(optimizer="adam", lr=1e-2, weight_decay=0.1, clip_grad=1.0,

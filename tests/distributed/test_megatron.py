@@ -221,6 +221,18 @@ def test_an_optimizer_built_again_on_the_same_chunks_takes_their_statistics_over
     assert "built later on the same model chunks" in (res["raised"] or ""), res
 
 
+def test_the_base_optimizer_pays_for_no_statistics(megatron2):
+    """Lamb (a member with the GSNR off) through ``vrgd_ds.megatron`` installs no hook and launches
+    no collective of the statistics: a step of it launches fewer collectives than VRLamb's, and
+    only VRLamb's parameters carry hooks. Fails on the old code: every member got the hooks and
+    the reduction of the squares, which nothing read (and the benchmarks' Lamb baseline paid them
+    too)."""
+    res = megatron2.run("megatron_worker", "statistics_cost", {"tp": 1, "distributed": True, "accumulation": 2})
+    assert res["Lamb"]["sources"] == 0 and res["Lamb"]["hooks"] == 0, res
+    assert res["VRLamb"]["sources"] == 1 and res["VRLamb"]["hooks"] > 0, res
+    assert res["Lamb"]["collectives"] < res["VRLamb"]["collectives"], res
+
+
 @pytest.mark.parametrize("how", ["inner", "discarded"])
 def test_a_step_through_megatrons_optimizer_or_after_a_dropped_accumulation_is_the_chains(megatron2, how):
     """The statistics follow Megatron's gradients: a step taken through the chain's Megatron

@@ -14,7 +14,7 @@ import torch
 
 from vrgd_ds.megatron import checkpoint
 from vrgd_ds.megatron.internals import UnsupportedMegatronConfiguration, check_version, require
-from vrgd_ds.megatron.stats import MegatronLayout, attach, model_tensors, pairs
+from vrgd_ds.megatron.stats import MegatronLayout, attach, model_tensors, pairs, supersede
 from vrgd_ds.optim.base import GSNROptimizer, built_for_engine
 from vrgd_ds.optim.registry import REGISTRY
 from vrgd_ds.stats.layout import key_mask
@@ -274,7 +274,8 @@ def get_megatron_optimizer(config: Any, model_chunks: list[Any], optimizer: str 
     ``optimizer``: a family name (``vrgd_ds.optim.registry.REGISTRY``), built with the arguments
     ``OptimizerConfig`` has for it and ``optimizer_kwargs`` (gamma, beta3, gsnr_placement, ...).
     Returns a ``ChainedOptimizer`` whose ``step()`` returns ``(ok, grad_norm, zeros)`` as
-    Megatron's does; its ``vrgd_sources`` are the statistics (``counters``: extra bytes).
+    Megatron's does; its ``vrgd_sources`` are the statistics (``counters``: extra bytes), none
+    where no param group steps with the GSNR (``Lamb``, ``gsnr=False``: no hooks, no reduction).
     ``micro_steps``: ``"auto"`` folds each micro-batch's square into Megatron's ``main_grad``
     accumulation (one launch per tensor, Megatron's own add skipped); ``"hooks"`` keeps Megatron's
     add and launches the statistics beside it (the same statistics and gradients, bit for bit).
@@ -312,8 +313,12 @@ def get_megatron_optimizer(config: Any, model_chunks: list[Any], optimizer: str 
     tp_group = ps.get_tensor_model_parallel_group()
     tp = (tp_group, ps.get_tensor_model_parallel_rank(), ps.get_tensor_model_parallel_world_size())
     stages = ps.get_pipeline_model_parallel_group() if ps.get_pipeline_model_parallel_world_size() > 1 else None
-    source = attach(mopt, model_chunks, select_for(inner), fold=micro_steps == "auto", squares=squares,
-                    node_size=node_size)
+    if any(g.get("gsnr") for g in inner.param_groups):
+        source = attach(mopt, model_chunks, select_for(inner), fold=micro_steps == "auto", squares=squares,
+                        node_size=node_size)
+    else:  # the base optimizer (or every group's GSNR off): no hooks, squares or reduction to pay for
+        source = None
+        supersede(model_chunks)  # an earlier optimizer's hooks on these chunks go all the same
     names, keys, numel, shapes, duplicate = model_tensors(model_chunks, tp[2])
     distributed = config.use_distributed_optimizer and model_chunks[0].buffers[0].data_parallel_group.size() > 1
     if distributed and tp[2] > 1:
@@ -333,7 +338,7 @@ def get_megatron_optimizer(config: Any, model_chunks: list[Any], optimizer: str 
     inner.set_statistics_source(source, layout)
     chained = ChainedOptimizer([mopt])
     _hook_step(chained, mopt, source)
-    chained.vrgd_sources = [source]
+    chained.vrgd_sources = [source] if source is not None else []
     return chained
 
 
@@ -343,11 +348,12 @@ def _hook_step(chained: Any, mopt: Any, source: Any) -> None:
     chain or its Megatron optimizer (``chained_optimizers[0]``) was stepped. A step Megatron
     skips before calling the inner optimizer (fp16 overflow; NaN in the gradients) is recorded as
     skipped there, so its metrics are not the previous step's."""
-    prepare, step, inner = mopt.prepare_grads, chained.step, mopt.optimizer
+    prepare, inner = mopt.prepare_grads, mopt.optimizer
     reason = "step/skipped_overflow" if getattr(mopt.config, "fp16", False) else "step/skipped_nonfinite"
 
     def prepare_grads() -> bool:
-        source.begin_step()
+        if source is not None:
+            source.begin_step()
         return prepare()
 
     def ending(step: Any) -> Any:
@@ -357,8 +363,9 @@ def _hook_step(chained: Any, mopt: Any, source: Any) -> None:
             try:
                 return step()
             finally:
-                n = source.n
-                source.end_step()
+                n = source.n if source is not None else 0
+                if source is not None:
+                    source.end_step()
                 if inner.step_calls == calls:
                     inner.record_skipped(reason, n)
         return stepped

@@ -116,7 +116,7 @@ def attach(mopt: Any, chunks: list[Any], kernels: Any, fold: bool = True, square
     accumulation hook skips its ``main_grad.add_`` (one launch per tensor instead of two)."""
     for chunk in chunks:
         require(chunk, _CHUNK, "DistributedDataParallel")
-    _supersede(chunks)
+    supersede(chunks)
     buffers = [b for chunk in chunks for b in chunk.buffers]
     for b in buffers:
         require(b, _BUFFER, "_ParamAndGradBuffer")
@@ -183,7 +183,7 @@ def _discard_when_zeroed(chunk: Any) -> None:
     chunk.vrgd_zero_wrapped = True
 
 
-def _supersede(chunks: list[Any]) -> None:
+def supersede(chunks: list[Any]) -> None:
     """An optimizer built again on the same chunks (a second ``get_megatron_optimizer``) takes
     their statistics over: the earlier source's hooks go, else both would add every micro-batch's
     gradient into ``main_grad`` (each marks it added, so Megatron skips its own add), doubling it

@@ -293,7 +293,8 @@ class MegatronEngine(Engine):
         self.config.no_sync_func = self.ddp.no_sync
         self.config.grad_scale_func = self.megatron_optimizer.scale_loss  # each micro-batch's loss (fp16)
         self.optimizer = self.megatron_optimizer.chained_optimizers[0].optimizer
-        self.source = self.megatron_optimizer.vrgd_sources[0]
+        sources = self.megatron_optimizer.vrgd_sources
+        self.source = sources[0] if sources else None  # none with the GSNR off (Lamb)
         self.forward_backward = get_forward_backward_func()
 
     def datasets(self, seq_len: int):
@@ -349,7 +350,7 @@ class MegatronEngine(Engine):
         metrics = {"train/loss_scale": float(self.megatron_optimizer.get_loss_scale())}
         if grad_norm is not None:
             metrics["train/grad_norm"] = float(grad_norm)
-        metrics["comm/vrgd_bytes_total"] = float(self.source.counters.bytes_sent)
+        metrics["comm/vrgd_bytes_total"] = float(self.source.counters.bytes_sent) if self.source is not None else 0.0
         return dict(loss_sum=loss_sum, tokens=gas * self.micro_batch * self.seq_len, measured=None,
                     skipped=(not ok) or self.optimizer.skipped_steps > skipped_before, metrics=metrics)
 
