@@ -71,8 +71,9 @@ def backward(model: torch.nn.Module, b: tuple[torch.Tensor, torch.Tensor], weigh
         loss.backward(retain_graph=i < chunks - 1)
 
 
-def shard(model: Net, layout: str, world: int, ignored: set | None = None) -> Any:
-    """``ignored``: parameters the root's ``fully_shard`` leaves out (``ignored_params``)."""
+def shard(model: Net, layout: str, world: int, ignored: set | None = None, average: bool = False) -> Any:
+    """``ignored``: parameters the root's ``fully_shard`` leaves out (``ignored_params``);
+    ``average``: FSDP's averaging reduce-scatter (default: its sum reduction, then one division)."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
@@ -88,7 +89,7 @@ def shard(model: Net, layout: str, world: int, ignored: set | None = None) -> An
     fully_shard(model, mesh=mesh, ignored_params=ignored)
     for m in model.modules():
         if hasattr(m, "set_force_sum_reduction_for_comms"):
-            m.set_force_sum_reduction_for_comms(True)  # gloo's reduce-scatter does not average
+            m.set_force_sum_reduction_for_comms(not average)
     return mesh
 
 
@@ -126,7 +127,7 @@ def _train(case: dict) -> dict[str, Any]:
     model = Net(case.get("unused", False))
     ref, plain = copy.deepcopy(model), copy.deepcopy(model)
     p0 = flat(ref.parameters())
-    shard(model, case["layout"], world)
+    shard(model, case["layout"], world, average=case.get("average", False))
     opt = cls(model.parameters(), **kw)
     stats = vrgd_ds.fsdp.attach(model, opt, squares_dtype=case.get("squares", "fp32"))
     ref_opt, plain_opt = cls(ref.parameters(), **kw), cls(plain.parameters(), **{**kw, "gamma": 1.0})
@@ -191,8 +192,6 @@ def _refusal(case: dict) -> dict[str, Any]:
         for module in (model.a, model.b, model.c):
             for group in module._get_fsdp_state()._fsdp_param_groups:
                 group.mp_policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16)
-    if what == "gloo_average":
-        model.b.set_force_sum_reduction_for_comms(False)
     if what == "unfrozen":
         for p in model.a.parameters():
             p.requires_grad_(False)

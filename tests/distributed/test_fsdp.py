@@ -21,6 +21,9 @@ CASES2 = {
     "fsdp-VRAdam-acc1-unused": dict(opt="VRAdam", layout="fsdp", acc=1, unused=True),
     "fsdp-VRLamb-acc1-chunks2": dict(opt="VRLamb", layout="fsdp", acc=1, chunks=2),
     "fsdp-VRLars-acc2-unused": dict(opt="VRLars", layout="fsdp", acc=2, unused=True),
+    # FSDP's own averaging reduce-scatter (gloo averages since torch 2.10, pytorch issue
+    # #162338); before, refused as if gloo summed, though the gradients and statistics were right
+    "fsdp-VRAdam-acc2-average": dict(opt="VRAdam", layout="fsdp", acc=2, average=True),
 }
 # make test runs the rest: every layout, member and feature at least once (make test-all: all)
 EXHAUSTIVE = {"fsdp-VRLars-acc2-unused", "hsdp-VRAdam-acc1-chunks2"}
@@ -84,10 +87,6 @@ def test_fsdp_and_hsdp_on_4_ranks_equal_the_single_process_optimizer(pool4, name
 
 REFUSALS = {
     "offload": ("UnsupportedFSDPConfiguration", "CPU offload"),
-    # and the option a torchtitan user has (before: only the module call, which such a user cannot make)
-    "gloo_average": ("UnsupportedFSDPConfiguration", "set_force_sum_reduction_for_comms(True) on every FSDP module "
-                                                     "(FSDP then divides once itself; torchtitan: "
-                                                     "--optimizer.force_sum_reduction_for_comms)"),
     "fused_group": ("UnsupportedFSDPConfiguration", "fused=True/foreach=None in a param group"),
     "twice": ("UnsupportedFSDPConfiguration", "a second attach to one model"),
     "uneven_sync": ("UnsupportedFSDPConfiguration", "reduced some parameters 1 times and others 2 times"),

@@ -104,12 +104,6 @@ def _check_group(group: Any, gsnr: bool) -> tuple[Any, Any | None]:
         if fp.offload_to_cpu:
             raise _refuse("CPU offload (offload_policy=CPUOffloadPolicy())",
                           "the optimizer and its statistics step on the parameters' device; drop the offload policy")
-    backend = dist.get_backend(info.shard_process_group)
-    if backend == "gloo" and not group.force_sum_reduction_for_comms:
-        raise _refuse("FSDP's averaging reduce-scatter on gloo", "gloo's reduce-scatter sums where FSDP asks it to "
-                      "average (pytorch issue #162338), so the gradients would be wrong; call "
-                      "set_force_sum_reduction_for_comms(True) on every FSDP module (FSDP then divides once itself; "
-                      "torchtitan: --optimizer.force_sum_reduction_for_comms)")
     replicate = info.replicate_process_group if isinstance(info, HSDPMeshInfo) else None
     return info.shard_process_group, replicate
 
@@ -165,8 +159,9 @@ def attach(model: torch.nn.Module, optimizer: GSNROptimizer, squares_dtype: str 
 
     n = shard ranks × replicate ranks × reductions per step: every backward reduces by default;
     under ``set_requires_gradient_sync(False)`` a rank's accumulated gradient is one group. Every
-    parameter must be reduced equally often in a step (refused at ``step()`` otherwise). On gloo, FSDP needs
-    ``set_force_sum_reduction_for_comms(True)`` on every module. ``squares_dtype``: ``"fp32"``
+    parameter must be reduced equally often in a step (refused at ``step()`` otherwise). On gloo, a
+    gradient divide factor other than the ranks' (torchtitan's) needs
+    ``set_force_sum_reduction_for_comms(True)`` on every module: gloo has no ``PREMUL_SUM``. ``squares_dtype``: ``"fp32"``
     (default) or ``"bf16"``, the dtype the squares travel in. Returns the statistics source
     (``counters``: the extra collectives and bytes; ``stat_counters``: launches), or None for an
     optimizer without GSNR (``Lamb``, ``Lars``, ``Merit``: they need the per-tensor sums across

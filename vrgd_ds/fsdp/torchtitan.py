@@ -79,7 +79,7 @@ class VRGDOptimizersContainer(OptimizersContainer):
 
         force_sum_reduction_for_comms: bool = False
         """Set FSDP's ``set_force_sum_reduction_for_comms(True)`` on every FSDP module (needed on
-        gloo, whose reduce-scatter cannot average or pre-multiply)."""
+        gloo, which has no ``PREMUL_SUM`` for torchtitan's gradient divide factor)."""
 
         squares_dtype: str = "fp32"
         """The dtype the statistics' squares travel in ("fp32" or "bf16")."""
