@@ -246,7 +246,7 @@ def reference_step(net, opt, dp: int, accumulation: int, step: int, clip: float)
 
 def _build(tp: int, distributed: bool, optimizer: str, kwargs: dict | None, micro_steps: str = "auto",
            overlap: bool = False, sequence_parallel: bool = False, fp16: bool = False, squares: str = "per_step",
-           node_size: int | None = None, normed: bool | None = None):
+           node_size: int | None = None, normed: bool | None = None, decoupled: bool = True):
     """The test model (seed 0) under Megatron's DDP and ``optimizer`` through ``vrgd_ds.megatron``
     (with ``sequence_parallel``, or ``normed`` without it: ``_NormedTwoLayers``, its scale in a child module; with ``fp16``:
     the model in fp16 inside Megatron's ``Float16Module``, as the Megatron job trains it, and
@@ -265,7 +265,7 @@ def _build(tp: int, distributed: bool, optimizer: str, kwargs: dict | None, micr
         grad_reduce_in_fp32=True, use_distributed_optimizer=distributed, bucket_size=40,
         overlap_grad_reduce=overlap), Float16Module(cfg, model) if fp16 else model)
     opt = get_megatron_optimizer(OptimizerConfig(optimizer="adam", lr=1e-2, weight_decay=0.1, clip_grad=1.0,
-                                                 use_distributed_optimizer=distributed,
+                                                 use_distributed_optimizer=distributed, decoupled_weight_decay=decoupled,
                                                  **(dict(half, initial_loss_scale=2.0 ** 4) if fp16 else {})),
                                  [ddp], optimizer=optimizer, optimizer_kwargs=kwargs, micro_steps=micro_steps,
                                  squares=squares, node_size=node_size)
@@ -334,6 +334,23 @@ def stepped_or_discarded(case: dict) -> dict:
             weights[how] = _full(model, ps)
         return {"same": all(torch.equal(a, b) for a, b in zip(weights["chain"], weights[case["how"]])),
                 "groups": groups}
+
+
+def decay_mode(case: dict) -> dict:
+    """3 steps of Lamb with ``OptimizerConfig.decoupled_weight_decay=False`` against Lamb with
+    ``adam_w_mode=False`` given, and against the default (decoupled): whether the weights agree."""
+    with model_parallel(1) as ps:
+        dp_rank = ps.get_data_parallel_rank()
+        weights = {}
+        for how, decoupled, kwargs in (("config", False, {}), ("kwargs", True, {"adam_w_mode": False}),
+                                       ("decoupled", True, {})):
+            model, ddp, opt = _build(1, True, "Lamb", kwargs, decoupled=decoupled)
+            for step in range(3):
+                megatron_step(ddp, opt, dp_rank, 2, step)
+            weights[how] = _full(model, ps)
+        same = {how: all(torch.equal(a, b) for a, b in zip(weights["config"], weights[how]))
+                for how in ("kwargs", "decoupled")}
+        return same
 
 
 def statistics_cost(case: dict) -> dict:
@@ -831,6 +848,12 @@ REFUSED = {
     "hierarchical-node-size": ("squares", {"squares": "hierarchical", "node_size": 3},
                                "node_size 3 does not divide the 2 data-parallel ranks"),
     "node-size-without-hierarchical": ("squares", {"node_size": 2}, "node_size applies to squares='hierarchical'"),
+    # before: accepted, and the optimizer stepped with decoupled decay (AdamW) where the config asked for Adam's L2
+    "adam-l2-decay": ("optimizer", {"decoupled_weight_decay": False, "weight_decay": 0.1},
+                      "decoupled_weight_decay=False is not supported with a VRGD optimizer: the GSNR scales"),
+    "adam-l2-decay-base": ("optimizer", {"decoupled_weight_decay": False, "weight_decay": 0.1,
+                                         "optimizer_name": "Merit"},
+                           "decoupled_weight_decay=False is not supported with a VRGD optimizer: Merit decouples"),
     # before: accepted; the optimizer stepped whole on reduce-scattered main_grads, the replicas drifted apart
     "distributed-optimizer-mismatch": ("optimizer", {"use_distributed_optimizer": False},
                                        "OptimizerConfig.use_distributed_optimizer is False but the model's "
@@ -869,8 +892,10 @@ def refused(case: dict) -> dict:
         ddp = DistributedDataParallel(cfg, DistributedDataParallelConfig(
             grad_reduce_in_fp32=where == "squares", use_distributed_optimizer=distributed), model)
         ocfg = OptimizerConfig(optimizer="adam", lr=1e-2, use_distributed_optimizer=distributed)
-        name = "VRLamb"
+        name = change.get("optimizer_name", "VRLamb") if isinstance(change, dict) else "VRLamb"
         for key, value in (change.items() if isinstance(change, dict) else ()):
+            if key == "optimizer_name":
+                continue
             target = {"model": ddp.config, "ddp": ddp.ddp_config, "optimizer": ocfg}.get(where)
             if target is not None:
                 setattr(target, key, value)

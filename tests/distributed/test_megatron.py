@@ -221,6 +221,14 @@ def test_an_optimizer_built_again_on_the_same_chunks_takes_their_statistics_over
     assert "built later on the same model chunks" in (res["raised"] or ""), res
 
 
+def test_adams_l2_decay_in_the_config_is_lambs_l2_mode(megatron2):
+    """``OptimizerConfig.decoupled_weight_decay=False`` (Adam's L2 decay) trains Lamb as its
+    ``adam_w_mode=False`` does, bit for bit, and not as the decoupled default. Fails on the old
+    code, which ignored the option. (With the GSNR on, and for a member without an L2 mode, it is
+    refused: REFUSED.)"""
+    assert megatron2.run("megatron_worker", "decay_mode", {}) == {"kwargs": True, "decoupled": False}
+
+
 def test_the_base_optimizer_pays_for_no_statistics(megatron2):
     """Lamb (a member with the GSNR off) through ``vrgd_ds.megatron`` installs no hook and launches
     no collective of the statistics: a step of it launches fewer collectives than VRLamb's, and

@@ -54,6 +54,16 @@ def check_configuration(config: Any, chunks: list[Any], name: str, gsnr: bool | 
             f"is {ddp.use_distributed_optimizer}: the buffers would reduce-scatter gradients that a non-distributed "
             "optimizer steps on whole (the data-parallel replicas drift apart), or the other way round fail at the "
             "first step. Set both to the same value")
+    accepted = REGISTRY[name].accepted_params()
+    if not config.decoupled_weight_decay and config.weight_decay and "betas" in accepted:  # Adam's L2 decay
+        if gsnr:
+            _refuse("OptimizerConfig.decoupled_weight_decay=False", "the GSNR scales the data gradient, and Adam's "
+                    "L2 decay would be part of it", "Set decoupled_weight_decay=True (or the GSNR off: "
+                    f"{REGISTRY[name].base}'s L2 mode)")
+        if "adam_w_mode" not in accepted:
+            _refuse("OptimizerConfig.decoupled_weight_decay=False", f"{name} decouples its weight decay (as AdamW); "
+                    "Adam's L2 decay in the gradient is not one of its modes",
+                    "Set decoupled_weight_decay=True, or use Lamb (which takes it as adam_w_mode=False)")
     if config.optimizer_cpu_offload:
         _refuse("OptimizerConfig.optimizer_cpu_offload", "the hybrid CPU/GPU optimizer steps Adam or SGD of its own",
                 "Set optimizer_cpu_offload=False")
@@ -150,6 +160,8 @@ def _inner_kwargs(config: Any, name: str, given: dict[str, Any]) -> dict[str, An
         out["eps"] = config.adam_eps
     if "momentum" in accepted:
         out["momentum"] = config.sgd_momentum
+    if "adam_w_mode" in accepted:  # Megatron's Adam: L2 decay in the gradient unless decoupled (AdamW)
+        out["adam_w_mode"] = bool(config.decoupled_weight_decay)
     return {**out, **given}
 
 
