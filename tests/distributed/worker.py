@@ -357,10 +357,13 @@ def run_groups_case(case: dict) -> dict:
     model = tiny_model()
     world, rank = dist.get_world_size(), dist.get_rank()
     ref = None
+    from vrgd_ds.ds.names import resolve
+
+    cls = resolve("VRLamb")  # what the config's "type" builds (DeepSpeed FusedLamb's defaults)
     if rank == 0:  # the reference runs once
-        ref = Reference(model, lambda ps: vrgd_ds.VRLamb(ps, **OPT_KW["VRLamb"]), torch.float32, case["stage"],
+        ref = Reference(model, lambda ps: cls(ps, **OPT_KW["VRLamb"]), torch.float32, case["stage"],
                         case["gas"], world, case["clip"], squares=case["scheme"], gbar="engine")  # fp32: auto = engine
-        ref.opt = vrgd_ds.VRLamb(vrgd_ds.param_groups(ref.master, 0.01), **OPT_KW["VRLamb"])  # the same two groups
+        ref.opt = cls(vrgd_ds.param_groups(ref.master, 0.01), **OPT_KW["VRLamb"])  # the same two groups
         ref.opt.set_statistics_source(ref.stats)
     cfg = config(case)
     engine, *_ = deepspeed.initialize(model=model, model_parameters=vrgd_ds.param_groups(model, 0.01), config=cfg)

@@ -247,5 +247,7 @@ def test_deepspeeds_spellings_of_its_own_names_are_read_as_the_engine_reads_them
     with pytest.raises(UnsupportedConfiguration, match=r"optimizer.type: 'Lamb' is DeepSpeed's own 'lamb' on this "
                                                        r'accelerator.*use "VRLamb" with "params": \{"gsnr": false\}'):
         check_optimizer_block({"optimizer": {"type": "Lamb", "params": {"lr": 1e-3, "gamma": 0.1}}})
-    assert check_optimizer_block({"optimizer": {"type": "VRLamb", "params": {"lr": 1e-3}}}) is vrgd_ds.VRLamb
+    from vrgd_ds.ds.names import DEEPSPEED_DEFAULTS
+
+    assert check_optimizer_block({"optimizer": {"type": "VRLamb", "params": {"lr": 1e-3}}}) is DEEPSPEED_DEFAULTS["VRLamb"]
 

@@ -20,6 +20,31 @@ ROOT = Path(__file__).resolve().parents[2]
 NAMES = list(REGISTRY)
 
 
+@pytest.mark.parametrize("ours, theirs", [("VRLamb", "lamb"), ("VRAdam", "adam")])
+def test_one_word_from_deepspeeds_optimizer_changes_only_the_gsnr(ours, theirs):
+    """A DeepSpeed config switched from DeepSpeed's ``"Lamb"``/``"Adam"`` to ``"VRLamb"``/``"VRAdam"``
+    and nothing else builds the member with the arguments DeepSpeed's own optimizer defaults to
+    (``FusedLamb``, ``FusedAdam``: their signatures here), for every argument both take. Fails on
+    the old code: the config names built our classes with apex's eps 1e-6 and weight_decay 0.01,
+    so the switch also put weight decay on every parameter."""
+    import inspect
+
+    from deepspeed.ops.adam import FusedAdam
+    from deepspeed.ops.lamb import FusedLamb
+
+    deepspeed_cls = {"lamb": FusedLamb, "adam": FusedAdam}[theirs]
+    defaults = {k: v.default for k, v in inspect.signature(deepspeed_cls.__init__).parameters.items()
+                if v.default is not inspect.Parameter.empty}
+    group = integration.resolve(ours)([torch.nn.Parameter(torch.ones(3))]).param_groups[0]
+    # max_grad_norm: off by default in both (FusedLamb's 0 disables its clipping by the norms handed
+    # to step(); ours is NVLAMB's pre-normalisation threshold, used with grad_pre_normalization only)
+    shared = sorted(set(defaults) & set(group) - {"max_grad_norm"})
+    assert {"lr", "eps", "weight_decay", "betas", "bias_correction"} <= set(shared)
+    assert {k: group[k] for k in shared} == {k: tuple(v) if isinstance(v, tuple) else v
+                                             for k, v in ((k, defaults[k]) for k in shared)}
+    assert integration.resolve(ours)([torch.nn.Parameter(torch.ones(3))]).name == ours
+
+
 @pytest.mark.parametrize("name", NAMES)
 def test_every_member_is_exported_by_name(name):
     info = REGISTRY[name]
@@ -31,11 +56,12 @@ def test_every_member_is_exported_by_name(name):
 @pytest.mark.parametrize("name", NAMES)
 def test_every_member_is_a_deepspeed_type_with_its_own_parameters(name):
     info = REGISTRY[name]
-    assert integration.NAMES[name] is info.cls and integration.resolve(name) is info.cls
-    cfg = {"optimizer": {"type": name, "params": dict(info.test_kwargs)}}
-    from vrgd_ds.ds.names import DEEPSPEED_LAMB  # "Lamb" is DeepSpeed's name too: its defaults on CPU
+    from vrgd_ds.ds.names import DEEPSPEED_DEFAULTS, DEEPSPEED_LAMB  # "Lamb" is DeepSpeed's name too
 
-    assert integration.check_optimizer_block(cfg) is (DEEPSPEED_LAMB if name == "Lamb" else info.cls)
+    built = DEEPSPEED_DEFAULTS.get(name, info.cls)  # VRLamb, VRAdam: DeepSpeed's defaults for what is left out
+    assert integration.NAMES[name] is info.cls and integration.resolve(name) is built
+    cfg = {"optimizer": {"type": name, "params": dict(info.test_kwargs)}}
+    assert integration.check_optimizer_block(cfg) is (DEEPSPEED_LAMB if name == "Lamb" else built)
     accepted = integration.accepted_params(info.cls)
     assert ("gsnr" in accepted) == info.vr  # a base variant fixes it
     with pytest.raises(integration.UnsupportedConfiguration, match=f"optimizer.params.gama: not a parameter of {name}"):

@@ -19,6 +19,18 @@ DEEPSPEED_LAMB = registry.Variant("Lamb", REGISTRY["Lamb"].cls.of, "DeepSpeed Fu
                                   fixed=REGISTRY["Lamb"].cls.fixed, defaults={"eps": 1e-8, "weight_decay": 0.0})
 
 
+#: our names in DeepSpeed configs, where DeepSpeed has the base optimizer: the member with the
+#: defaults of DeepSpeed's (``FusedLamb``: eps 1e-8, weight_decay 0; ``FusedAdam``: weight_decay 0)
+#: for what a config leaves out, so that ``"Lamb"`` -> ``"VRLamb"`` or ``"Adam"`` -> ``"VRAdam"``
+#: changes nothing but the GSNR. In Python the classes keep apex's defaults (eps 1e-6, 0.01).
+DEEPSPEED_DEFAULTS = {
+    "VRLamb": registry.Variant("VRLamb", REGISTRY["VRLamb"].cls, "DeepSpeed FusedLamb's defaults",
+                               defaults={"eps": 1e-8, "weight_decay": 0.0}),
+    "VRAdam": registry.Variant("VRAdam", REGISTRY["VRAdam"].cls, "DeepSpeed FusedAdam's defaults",
+                               defaults={"weight_decay": 0.0}),
+}
+
+
 def resolve(name: str | None) -> type[GSNROptimizer] | None:
     """Our class for a config ``"type"`` (DeepSpeed lower-cases its own names, e.g. ``lamb``).
 
@@ -28,6 +40,8 @@ def resolve(name: str | None) -> type[GSNROptimizer] | None:
     """
     if name is None:
         return None
+    if name in DEEPSPEED_DEFAULTS:
+        return DEEPSPEED_DEFAULTS[name]
     if name in NAMES:
         return NAMES[name]
     if name == "lamb":
