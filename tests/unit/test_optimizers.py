@@ -1123,14 +1123,32 @@ def test_the_gsnr_switched_on_at_a_resume_starts_from_the_base_optimizers_step()
     sd = copy.deepcopy(lamb.state_dict())
     m2 = copy.deepcopy(m1)
     straight = run(m1, lamb, more)
-    vr = vrgd_ds.VRLamb(vrgd_ds.param_groups(m2, 0.1), lr=1e-2)
+    vr = vrgd_ds.VRLamb(vrgd_ds.param_groups(m2, 0.1), lr=1e-2, gamma=1.0)
     vr.load_state_dict(sd)
-    assert all(g["gsnr"] is True for g in vr.param_groups)
-    for g in vr.param_groups:  # the saved options hold (torch's rule), Lamb's gamma among them
-        g["gamma"] = 1.0
+    assert all(g["gsnr"] is True and g["gamma"] == 1.0 for g in vr.param_groups)
     switched = run(m2, vr, more)
     for a, b in zip(straight, switched):
         torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-7)
+
+
+def test_the_gsnr_switched_on_at_a_resume_takes_its_options_as_built(caplog):
+    """A Lamb state (its ``gamma``, ``beta3``, ``gsnr_placement`` the defaults it never read)
+    loaded into a VRLamb built with other GSNR options steps with those built, and the warning
+    names them; a state saved with the GSNR on keeps its own (torch's rule, as ``lr``). Fails on
+    the old code: the Lamb state's unused defaults replaced the configured ones silently."""
+    model = make_model()
+    lamb = vrgd_ds.Lamb(vrgd_ds.param_groups(model, 0.1), lr=1e-2)
+    run(model, lamb, batches(2, 2))
+    built = dict(gamma=0.5, beta3=0.5, gsnr_eps=1e-10, gsnr_placement="update")
+    vr = vrgd_ds.VRLamb(vrgd_ds.param_groups(model, 0.1), lr=1e-2, **built)
+    with caplog.at_level(logging.WARNING):
+        vr.load_state_dict(copy.deepcopy(lamb.state_dict()))
+    assert all({k: g[k] for k in built} == built for g in vr.param_groups)
+    assert "gamma=0.1, beta3=0.9, gsnr_eps=1e-12, gsnr_placement='first_moment', gsnr=False as built (gamma=0.5, " \
+           "beta3=0.5, gsnr_eps=1e-10, gsnr_placement='update', gsnr=True)" in caplog.text
+    again = vrgd_ds.VRLamb(vrgd_ds.param_groups(model, 0.1), lr=1e-2, gamma=0.2)
+    again.load_state_dict(vr.state_dict())
+    assert all(g["gamma"] == 0.5 for g in again.param_groups)
 
 
 class _GivenSums:

@@ -169,9 +169,10 @@ class GSNROptimizer(torch.optim.Optimizer):
         as built. Afterwards the wiring is as built and the GSNR momentum as ``state.after_load``
         leaves it."""
         built = S.built_wiring(self.param_groups, self.wiring_keys)
+        gsnr_built = S.built_gsnr_options(self.param_groups)
         yield built
         self._epoch += 1
-        S.after_load(self.state, self.param_groups, built, self.name, self.report_load)
+        S.after_load(self.state, self.param_groups, built, self.name, self.report_load, gsnr_built)
 
     def _checked_groups(self, state_dict: dict[str, Any], built: list[dict[str, Any]]) -> dict[str, Any]:
         """The saved groups' options checked as this optimizer will hold them (its wiring; defaults

@@ -55,9 +55,19 @@ def fill_missing_options(groups: list[dict[str, Any]], keys: Iterable[str], defa
                        owner, missing["gsnr_placement"])
 
 
+#: the options only the GSNR reads: a state saved with it off (a base optimizer's, or another
+#: optimizer's) never used its values, so a load that turns it on takes them as built
+GSNR_OPTIONS = ("gamma", "beta3", "gsnr_eps", "gsnr_placement")
+
+
 def built_wiring(groups: list[dict[str, Any]], wiring_keys: tuple[str, ...]) -> list[dict[str, Any]]:
     """The wiring options as built, per group, taken before a load replaces the groups."""
     return [{k: g[k] for k in wiring_keys if k in g} for g in groups]
+
+
+def built_gsnr_options(groups: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """``GSNR_OPTIONS`` as built, per group (``after_load``)."""
+    return [{k: g[k] for k in GSNR_OPTIONS if k in g} for g in groups]
 
 
 def keep_fp32_state(state: dict[Tensor, dict[str, Any]], groups: list[dict[str, Any]],
@@ -78,12 +88,13 @@ def keep_fp32_state(state: dict[Tensor, dict[str, Any]], groups: list[dict[str, 
 
 
 def after_load(state: dict[Tensor, dict[str, Any]], groups: list[dict[str, Any]], built: list[dict[str, Any]],
-               owner: str, report: bool) -> None:
+               owner: str, report: bool, gsnr_built: list[dict[str, Any]] | None = None) -> None:
     """What ``load_state_dict`` does after torch's: each tensor's step counter its own tensor (a
     state dict may hand one step tensor to every parameter, as Megatron's distributed optimizer
-    does, and the step adds 1 to each counter); the wiring options as built; the GSNR momentum
-    dropped where the GSNR is off (it starts at p̂ = 1 where it was off: ``init_state``); one
-    warning saying what changed when ``report``."""
+    does, and the step adds 1 to each counter); the wiring options as built, and where the load
+    turns the GSNR on, its options as built too (``gsnr_built``: the saved ones were never read);
+    the GSNR momentum dropped where the GSNR is off (it starts at p̂ = 1 where it was off:
+    ``init_state``); one warning saying what changed when ``report``."""
     seen: set[int] = set()
     for st in state.values():
         step = st.get("step")
@@ -92,7 +103,9 @@ def after_load(state: dict[Tensor, dict[str, Any]], groups: list[dict[str, Any]]
                 st["step"] = step.clone()
             seen.add(id(st["step"]))
     changed: dict[str, tuple[Any, Any]] = {}
-    for group, mine in zip(groups, built):
+    for i, (group, mine) in enumerate(zip(groups, built)):
+        if not group.get("gsnr") and mine.get("gsnr") and gsnr_built is not None and i < len(gsnr_built):
+            mine = {**gsnr_built[i], **mine}
         for k, v in mine.items():
             if group.get(k) != v:
                 changed[k] = (group.get(k), v)
