@@ -10,8 +10,8 @@ picks ``"optimizer": {"type": "VRLamb"}`` by its JSON alone when started through
 
 It imports :mod:`vrgd_ds` (which registers the names as soon as the script imports DeepSpeed),
 then runs the script as ``__main__`` with the arguments it would have had: ``sys.argv[0]`` is the
-script, the launcher's ``--local_rank=N`` (placed before the script by ``deepspeed --module``)
-moves after it, and the script's directory heads ``sys.path`` as with ``python SCRIPT``. When the
+script, the launcher's ``--local_rank=N`` (placed before the script by ``deepspeed --module``;
+``--local-rank=N`` by ``torch.distributed.launch``) moves after it, and the script's directory heads ``sys.path`` as with ``python SCRIPT``. When the
 script ends on a rank, that rank leaves the process group with the others (``leave_together``):
 a script that ends without ``destroy_process_group`` can otherwise die in gloo's teardown.
 """
@@ -22,7 +22,7 @@ import runpy
 import sys
 from collections.abc import Sequence
 
-USAGE = "usage: python -m vrgd_ds.run [--local_rank=N] (SCRIPT | -m MODULE) [ARGS ...]"
+USAGE = "usage: python -m vrgd_ds.run [--local_rank=N | --local-rank=N] (SCRIPT | -m MODULE) [ARGS ...]"
 
 
 def leave_together() -> None:
@@ -37,12 +37,13 @@ def leave_together() -> None:
 
 
 def _split(argv: list[str]) -> tuple[list[str], list[str]]:
-    """Leading launcher arguments (``--local_rank=N`` / ``--local_rank N``) and the rest."""
+    """Leading launcher arguments (``--local_rank=N`` / ``--local_rank N``, and torch's spelling
+    ``--local-rank``) and the rest."""
     launcher: list[str] = []
-    while argv and argv[0].startswith("--local_rank"):
+    while argv and argv[0].startswith(("--local_rank", "--local-rank")):
         arg = argv.pop(0)
         launcher.append(arg)
-        if arg == "--local_rank" and argv:
+        if arg in ("--local_rank", "--local-rank") and argv:
             launcher.append(argv.pop(0))
     return launcher, argv
 
@@ -76,7 +77,7 @@ def main(argv: Sequence[str] | None = None) -> None:
             runpy.run_module(module, run_name="__main__", alter_sys=True)
         else:
             sys.path[0] = os.path.dirname(os.path.abspath(target))
-            runpy.run_path(target, run_name="__main__")
+            runpy.run_path(os.path.abspath(target), run_name="__main__")  # __file__ absolute, as python SCRIPT
     except SystemExit as e:  # sys.exit(main()): the script ended here too when it exits 0
         if e.code in (None, 0):
             leave_together()

@@ -102,6 +102,42 @@ def test_launcher_arguments_move_after_the_script_and_errors_name_the_fix(tmp_pa
     assert exc.value.code == 2 and "usage: python -m vrgd_ds.run" in capsys.readouterr().err
 
 
+def test_torch_launchs_local_rank_spelling_moves_after_the_script_too():
+    """``torch.distributed.launch`` passes ``--local-rank=N`` (torch >= 2.0). Fails on the old
+    code, which took it for the script's name ("--local-rank=0: no such script", exit 2)."""
+    assert run_module._split(["--local-rank=0", "a.py", "--x"]) == (["--local-rank=0"], ["a.py", "--x"])
+    assert run_module._split(["--local-rank", "2", "a.py"]) == (["--local-rank", "2"], ["a.py"])
+
+
+def test_the_scripts_file_is_absolute_as_under_python(tmp_path, monkeypatch):
+    """``__file__`` is the script's absolute path, as ``python SCRIPT`` gives it (3.9+), so a script
+    that changes directory still finds files beside it (``sys.argv[0]``, which runpy sets to the
+    same path, names the script too). Fails on the old code: ``__file__`` was the relative path
+    typed."""
+    (tmp_path / "s.py").write_text("import sys\nopen('seen.txt', 'w').write(__file__ + ' ' + sys.argv[0])\n")
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "argv", list(sys.argv))
+    monkeypatch.setattr(sys, "path", list(sys.path))
+    run_module.main(["s.py"])
+    assert (tmp_path / "seen.txt").read_text() == f"{tmp_path / 's.py'} {tmp_path / 's.py'}"
+
+
+def test_the_script_chooses_deepspeeds_accelerator_itself(tmp_path):
+    """Nothing before the script fixes DeepSpeed's accelerator: a script that sets
+    ``DS_ACCELERATOR`` at its top gets that accelerator, as under ``python SCRIPT``. Fails on the
+    old code: the module asked ``get_accelerator()`` first (for DeepSpeed's CPU op build), which
+    cached the CPU accelerator for the process."""
+    import subprocess
+
+    script = tmp_path / "accel.py"
+    script.write_text("import os\nos.environ['DS_ACCELERATOR'] = 'cuda'\n"
+                      "from deepspeed.accelerator import real_accelerator\n"
+                      "print('device:', real_accelerator.get_accelerator().device_name())\n")
+    outs = [subprocess.run([sys.executable, *how, str(script)], capture_output=True, text=True, timeout=300)
+            for how in ([], ["-m", "vrgd_ds.run"])]
+    assert [o.stdout.strip() for o in outs] == ["device: cuda"] * 2, [o.stdout + o.stderr[-2000:] for o in outs]
+
+
 def test_the_module_leaves_the_process_group_after_the_script(tmp_path, monkeypatch):
     """A script run through the module that ends without ``destroy_process_group`` leaves the
     group when it ends: ``main`` returns with no group initialized. The old module left it to the

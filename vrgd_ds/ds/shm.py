@@ -53,9 +53,11 @@ def prepare_build() -> None:
     path = os.environ.get("PATH", "")
     if ninja is not None and path.split(os.pathsep)[0] != ninja:
         os.environ["PATH"] = ninja + (os.pathsep + path if path else "")
-    try:
-        from deepspeed.accelerator import get_accelerator
-    except ImportError:  # vrgd_ds.run of a script that does not use DeepSpeed, on an install without it
-        return
-    if get_accelerator().device_name() == "cpu":  # the only accelerator that builds it
+    # Only where DeepSpeed runs the CPU accelerator, the one that builds the op: a torch without
+    # CUDA or ROCm, or DS_ACCELERATOR=cpu. Asked of torch's build, not of DeepSpeed: get_accelerator()
+    # fixes its choice for the process, and vrgd_ds.run calls this before the script, whose own
+    # environment (DS_ACCELERATOR, CUDA_VISIBLE_DEVICES set at its top) must still decide.
+    import torch
+
+    if (torch.version.cuda is None and torch.version.hip is None) or os.environ.get("DS_ACCELERATOR") == "cpu":
         _fused.clear_stale_build_lock(OP_NAME)
