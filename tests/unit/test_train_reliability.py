@@ -402,6 +402,32 @@ def test_the_watchdog_kills_a_silent_rank_only_while_its_pid_is_the_same_process
     assert beat["proc_start"] == process_start(os.getpid()) and beat["pid_ns"] == pid_namespace()
 
 
+def test_a_preemption_signal_while_the_job_takes_the_signal_over_is_kept():
+    """A SIGUSR1 that arrives as the job replaces ``main``'s early handler with its own is kept.
+    Fails on the old code, which read (and cleared) the early flag before installing its handler:
+    a signal in between set the flag after it was read, and was lost."""
+    import signal
+
+    real, fired = signal.signal, []
+
+    def late(signum, handler):  # the signal comes just before the job's handler is in place
+        if signum == signal.SIGUSR1 and handler is not loop._early_preempt and not fired:
+            fired.append(signum)
+            signal.raise_signal(signal.SIGUSR1)  # in this thread, handled before the next line
+        return real(signum, handler)
+
+    saved = real(signal.SIGUSR1, loop._early_preempt)
+    loop._EARLY_PREEMPT[0] = False
+    signal.signal = late
+    try:
+        job = object.__new__(loop.Job)
+        job._take_preempt_signal()
+    finally:
+        signal.signal = real
+        real(signal.SIGUSR1, saved)
+    assert fired and job.preempt_requested and not loop._EARLY_PREEMPT[0]
+
+
 @pytest.mark.slow  # one job of 3 steps in a subprocess (8 s)
 def test_the_watchdog_times_a_step_and_the_evaluation_after_it_apart(tmp_path):
     """The heartbeat says a step finished before the evaluation that follows it starts, so the

@@ -248,9 +248,12 @@ class Job:
 
     def _take_preempt_signal(self) -> None:
         """From here the job answers ``PREEMPT_SIGNAL``, and remembers one ``main`` caught earlier
-        (during the config checks, the rendezvous or the run-directory lock)."""
-        self.preempt_requested, _EARLY_PREEMPT[0] = _EARLY_PREEMPT[0], False
+        (during the config checks, the rendezvous or the run-directory lock). The handler goes in
+        first: a signal before it lands in the early flag, read after."""
+        self.preempt_requested = False
         signal.signal(PREEMPT_SIGNAL, self._on_preempt_signal)
+        if _EARLY_PREEMPT[0]:
+            self.preempt_requested, _EARLY_PREEMPT[0] = True, False
 
     def _on_preempt_signal(self, signum, frame) -> None:  # noqa: ARG002 (signal handler signature)
         self.preempt_requested = True
