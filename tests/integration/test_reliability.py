@@ -385,6 +385,47 @@ def test_a_checkpoint_resumes_on_another_number_of_ranks_with_the_same_samples(c
     print(f"2 -> 1 -> 2 ranks: largest relative loss difference {worst:.1e}")
 
 
+SLOW_RANK = """
+import os, sys, time
+import vrgd_ds.train.engines.deepspeed as engine
+from vrgd_ds.train import checkpoints as ckpt
+
+planned = engine.plan_resume
+
+def plan_late(ckpt_dir, tag, *args, **kwargs):  # rank 1 reaches the plan once rank 0 has converted
+    plan = planned(ckpt_dir, tag, *args, **kwargs)
+    deadline = time.time() + 120
+    while os.environ.get("RANK") == "1" and ckpt.converted(ckpt_dir, tag) is None and time.time() < deadline:
+        time.sleep(0.1)
+    return plan
+
+engine.plan_resume = plan_late
+from vrgd_ds.train.loop import main
+sys.exit(main())
+"""
+
+
+@pytest.mark.exhaustive  # two launches, about 40 s
+@pytest.mark.parametrize("config", ["deepspeed"], indirect=True)
+def test_a_rank_that_comes_late_to_the_conversion_takes_part_in_its_collective(config, tmp_path):
+    """Saved on 1 rank, resumed on 2, rank 1 slower than rank 0's conversion: the resume goes on.
+    Fails on the old code: each rank read the conversion record for itself, rank 1 found it
+    written and skipped the collective rank 0 waited in, and the job hung until the watchdog
+    ended it (exit 3)."""
+    run, script = tmp_path / "run", tmp_path / "slow_rank.py"
+    first = launching.run(command(config, run, "job.total_steps=2", ranks=1), timeout=TIMEOUT, marker=run)
+    assert first.returncode == 0, (first.stdout + first.stderr)[-3000:]
+    script.write_text(SLOW_RANK)
+    cmd = command(config, run, "job.total_steps=4", "job.timeout_minutes=1", "job.startup_timeout_minutes=1")
+    module = cmd.index("--module")
+    cmd[module:module + 2] = [str(script)]
+    again = launching.run(cmd, timeout=TIMEOUT, marker=run)
+    out = again.stdout + again.stderr
+    assert again.returncode == 0, out[-3000:]
+    assert "was saved on 1 ranks; converting it for 2 to the universal checkpoint" in out
+    assert sorted(records(run))[-1] == 4
+
+
 @pytest.mark.exhaustive  # make test: a base optimizer's dist checkpoint resumed in the pool (test_megatron.py)
 @pytest.mark.parametrize("config", ["megatron"], indirect=True)
 def test_a_megatron_checkpoint_resumes_on_another_tensor_parallel_size(config, tmp_path):

@@ -181,10 +181,13 @@ class DeepSpeedEngine(Engine):
         plan = plan_resume(ckpt_dir, tag, optimizer, self.world, self.engine.zero_optimization_stage(), policy)
         if plan.switched:
             self.optimizer.report_load = False  # the plan's line says it once
-        if not plan.universal or ckpt.converted(ckpt_dir, tag) is not None:
+        if not plan.universal:
             return plan
+        # rank 0 alone decides whether the conversion is there: the record is what its conversion
+        # writes last, so a rank reading it for itself could find it written and skip the collective
+        # below while rank 0 waits in it
         error = None
-        if self.rank == 0:
+        if self.rank == 0 and ckpt.converted(ckpt_dir, tag) is None:
             try:
                 from vrgd_ds.ds.universal import convert
 
@@ -196,7 +199,7 @@ class DeepSpeedEngine(Engine):
                 error = f"{type(e).__name__}: {e}"
                 shutil.rmtree(ckpt_dir / ckpt.UNIVERSAL / tag, ignore_errors=True)
         flag = torch.tensor([1.0 if error else 0.0], device=self.device)
-        torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX)
+        torch.distributed.broadcast(flag, src=0)  # every rank, whatever it would have read on disk
         if flag.item():
             raise ConversionFailed(f"{ckpt_dir / tag}: saved on {plan.saved_world} ranks, resumed on {self.world}; "
                                    f"converting it to a universal checkpoint failed ({error or 'see rank 0'}). Convert "
