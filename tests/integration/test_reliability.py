@@ -426,6 +426,26 @@ def test_a_rank_that_comes_late_to_the_conversion_takes_part_in_its_collective(c
     assert sorted(records(run))[-1] == 4
 
 
+@pytest.mark.exhaustive  # one launch beside the shared run, about 25 s
+@pytest.mark.parametrize("config", ["deepspeed"], indirect=True)
+def test_a_gradient_clipping_changed_at_a_resume_is_the_configs(config, alone, tmp_path):
+    """ZeRO-2 resumed with another ``gradient_clipping``: the run clips at the config's value, says
+    so, and saves it. Fails on the old code: DeepSpeed's load put the checkpoint's value back, the
+    config's was ignored without a word, and the next checkpoint recorded the old one again."""
+    import torch
+
+    run = tmp_path / "run"
+    shutil.copytree(alone, run)  # a finished run of 8 steps, clipping at 1.0
+    again = launching.run(command(config, run, "job.total_steps=10", "gradient_clipping=0.5"), timeout=TIMEOUT,
+                          marker=run)
+    out = again.stdout + again.stderr
+    assert again.returncode == 0, out[-3000:]
+    assert "gradient_clipping: the checkpoint has 1.0, the config 0.5; continuing with the config's" in out
+    saved = torch.load(run / "checkpoints" / "step00000010" / "zero_pp_rank_0_mp_rank_00_optim_states.pt",
+                       weights_only=False)
+    assert saved["optimizer_state_dict"]["clip_grad"] == 0.5
+
+
 @pytest.mark.exhaustive  # make test: a base optimizer's dist checkpoint resumed in the pool (test_megatron.py)
 @pytest.mark.parametrize("config", ["megatron"], indirect=True)
 def test_a_megatron_checkpoint_resumes_on_another_tensor_parallel_size(config, tmp_path):

@@ -221,6 +221,14 @@ class DeepSpeedEngine(Engine):
                                                            load_lr_scheduler_states=plan.optimizer_states)
         finally:
             config.load_universal_checkpoint = before
+        # ZeRO's load puts the saved clip_grad back over the config's (_load_global_state); the
+        # config decides, as for optimizer.params (Job._apply_configured_options)
+        zero, configured = self.engine.optimizer, self.engine.gradient_clipping()
+        if path is not None and getattr(zero, "clip_grad", configured) != configured:
+            if self.rank == 0:
+                logger.warning("gradient_clipping: the checkpoint has %s, the config %s; continuing with the config's",
+                               zero.clip_grad, configured)
+            zero.clip_grad = configured
         return (client or {}).get(STATE_KEY) if path is not None else None
 
     def save(self, ckpt_dir: Path, tag: str, state: dict[str, Any]) -> None:
