@@ -1617,8 +1617,10 @@ def test_a_tensor_no_backward_reached_steps_on_its_zero_gradient_and_an_unfrozen
     assert torch.equal(opt.state[a]["exp_avg"], 0.9 * exp_avg) and not torch.equal(a, before)
     assert bool(torch.isfinite(a).all())
 
-    m = torch.nn.Linear(4, 3)
-    m.weight.requires_grad_(False)
+    # the weight and the bias unfrozen together: one step refused, not one per tensor (before: the
+    # refusal watched only the tensor it named, and the bias cost a second failed step)
+    m = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.Linear(3, 2))
+    m[0].requires_grad_(False)
     opt = vrgd_ds.VRAdam(m.parameters(), lr=0.1)
 
     def backward_passes():
@@ -1628,15 +1630,15 @@ def test_a_tensor_no_backward_reached_steps_on_its_zero_gradient_and_an_unfrozen
     backward_passes()
     opt.step()
     opt.zero_grad()
-    m.weight.requires_grad_(True)
+    m[0].requires_grad_(True)
     backward_passes()
     with pytest.raises(RuntimeError, match=r"did not require grad when the optimizer's statistics started watching"):
         opt.step()
     opt.zero_grad()
-    weight = m.weight.detach().clone()
+    weight = m[0].weight.detach().clone()
     backward_passes()
     opt.step()
-    assert not torch.equal(m.weight, weight)
+    assert not torch.equal(m[0].weight, weight)
 
 
 def test_a_deep_copied_or_pickled_optimizer_trains_on_as_the_original():

@@ -166,7 +166,8 @@ class TensorHookStats:
         saying why (frozen when watched, now trainable; or a gradient set by hand)."""
         shape = tuple(p.shape)
         if id(p) not in self._watched:
-            self.watch([p])  # from the next backward on
+            # from the next backward on; every tensor unfrozen since, so that one step fails, not one per tensor
+            self.watch([q for g in self.groups for q in g["params"]])
             raise RuntimeError(
                 f"a parameter of shape {shape} did not require grad when the optimizer's statistics started "
                 "watching it, so this step's backward passes into it were not recorded; it is watched from now on: "
