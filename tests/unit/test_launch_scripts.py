@@ -105,16 +105,22 @@ def test_a_launch_script_reads_the_callers_relative_paths_from_the_callers_direc
 def test_torchrun_leaves_the_pre_emption_signal_to_the_ranks(tmp_path):
     """torchrun neither handles nor forwards SIGUSR1, whose default action ended it at once (exit
     138) while its ranks ran on, orphaned, and wrote the requeue marker after the launcher had
-    returned. The script starts torchrun with the signal ignored, which torchrun and its ranks
-    inherit (each rank's job installs its own handler). Fails on the script before: the stand-in
-    saw the default action."""
+    returned. The script starts torchrun through launch/hold_usr1.py with the signal blocked, a
+    mask torchrun and its ranks inherit (each rank's job installs its handler and unblocks it).
+    Fails on the scripts before: first the stand-in saw the default action; then, with the signal
+    ignored, one that reached a rank during its imports was lost."""
     python = tmp_path / "python"
-    python.write_text("#!" + sys.executable + "\nimport signal\nprint(int(signal.getsignal(signal.SIGUSR1)))\n")
+    python.write_text("#!" + sys.executable + "\nimport os, signal, sys\n"
+                      "if sys.argv[1].endswith('hold_usr1.py'):\n"
+                      "    os.execv(sys.executable, [sys.executable, *sys.argv[1:]])\n"
+                      "print(signal.SIGUSR1 in signal.pthread_sigmask(signal.SIG_BLOCK, []),\n"
+                      "      int(signal.getsignal(signal.SIGUSR1)), *sys.argv[1:3])\n")
     python.chmod(0o755)
     env = {**os.environ, "NPROC": "2", "PYTHON": str(python), "CONFIG": str(ROOT / "configs" / "bert_tiny_cpu_test.json")}
     run = subprocess.run(["bash", str(ROOT / "launch" / "torchrun.sh")], env=env, capture_output=True, text=True,
                          timeout=60)
-    assert run.returncode == 0 and run.stdout.strip() == str(int(signal.SIG_IGN)), (run.stdout, run.stderr[-2000:])
+    want = f"True {int(signal.SIG_DFL)} -m torch.distributed.run"
+    assert run.returncode == 0 and run.stdout.strip() == want, (run.stdout, run.stderr[-2000:])
 
 
 @pytest.mark.parametrize("env, addr", [({}, "node-a"), ({"DS_ARGS": "--exclude node-a"}, None),

@@ -451,7 +451,12 @@ def test_the_watchdog_times_a_step_and_the_evaluation_after_it_apart(tmp_path):
                         "--set", "job.total_steps=3", "--set", "job.eval_every=1", "--set", "job.checkpoint_every=0"])
         print("SEEN", json.dumps(seen), rc)
         """)
-    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=600)
+    import launching
+
+    one_rank = {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1",
+                "MASTER_PORT": str(launching.free_port())}  # else DeepSpeed looks for MPI
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=600,
+                         env={**os.environ, **one_rank})
     line = next((ln for ln in out.stdout.splitlines() if ln.startswith("SEEN ")), None)
     assert line is not None, out.stdout[-2000:] + out.stderr[-3000:]
     # before training, after steps 1 and 2 (eval_every), and the final one after step 3
