@@ -345,7 +345,10 @@ def test_a_preemption_signal_while_the_ranks_start_is_kept(tmp_path, script):
 def test_a_preemption_signal_sent_to_each_nodes_ranks_over_pdsh(tmp_path):
     """Ranks that DeepSpeed's launcher starts over pdsh/ssh are no processes of the local launch;
     the signal goes to them on every node with the command docs/pretraining.md gives (here
-    limited to this run's ranks): the job checkpoints and exits 75 through the launcher."""
+    limited to this run's ranks): the job checkpoints and exits 75 through the launcher. The two
+    loopback nodes are one machine, so each rank gets the signal twice; once (1 run in 3) the
+    second came during a rank's interpreter shutdown, which puts SIGUSR1's default action back,
+    and the rank ended -10: the job now blocks the signal once it has checkpointed on it."""
     run_dir, log = tmp_path / "run", tmp_path / "launch.log"
     proc = _start("deepspeed_hostfile.sh", run_dir, {"HOSTFILE": str(HOSTFILE),
                                                      "MASTER_PORT": str(launching.free_port())}, log, steps=400)

@@ -826,6 +826,9 @@ def main(argv: list[str] | None = None) -> int:
             print(f"vrgd-pretrain: error: {e}", file=sys.stderr, flush=True)
         return EXIT_NO_SPACE
     except Preempted as e:  # agreed over the ranks (_max_over_ranks)
+        # checkpointed: a later warning (Slurm's, or one per node alias) must not end the process
+        # on its way out, when Python's shutdown has put SIGUSR1's default action back
+        signal.pthread_sigmask(signal.SIG_BLOCK, {PREEMPT_SIGNAL})
         if run.rank == 0:
             print(f"vrgd-pretrain: {e}; exiting {EXIT_REQUEUE} to be requeued (it resumes from there)", flush=True)
         leave_together()
