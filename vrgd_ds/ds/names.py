@@ -15,8 +15,9 @@ NAMES = {name: info.cls for name, info in REGISTRY.items()}
 #: DeepSpeed's ``lamb`` where ours serves it (the CPU accelerator): ``Lamb`` with the defaults of
 #: DeepSpeed's FusedLamb (``deepspeed/ops/lamb/fused_lamb.py``: eps 1e-8, weight_decay 0), so that
 #: a config leaving them out trains alike on CPU and GPU (ours: 1e-6 and 0.01)
+FUSED_LAMB_DEFAULTS = {"eps": 1e-8, "weight_decay": 0.0}
 DEEPSPEED_LAMB = registry.Variant("Lamb", REGISTRY["Lamb"].cls.of, "DeepSpeed FusedLamb's defaults",
-                                  fixed=REGISTRY["Lamb"].cls.fixed, defaults={"eps": 1e-8, "weight_decay": 0.0})
+                                  fixed=REGISTRY["Lamb"].cls.fixed, defaults=FUSED_LAMB_DEFAULTS)
 
 
 #: our names in DeepSpeed configs, where DeepSpeed has the base optimizer: the member with the
@@ -25,7 +26,7 @@ DEEPSPEED_LAMB = registry.Variant("Lamb", REGISTRY["Lamb"].cls.of, "DeepSpeed Fu
 #: changes nothing but the GSNR. In Python the classes keep apex's defaults (eps 1e-6, 0.01).
 DEEPSPEED_DEFAULTS = {
     "VRLamb": registry.Variant("VRLamb", REGISTRY["VRLamb"].cls, "DeepSpeed FusedLamb's defaults",
-                               defaults={"eps": 1e-8, "weight_decay": 0.0}),
+                               defaults=FUSED_LAMB_DEFAULTS),
     "VRAdam": registry.Variant("VRAdam", REGISTRY["VRAdam"].cls, "DeepSpeed FusedAdam's defaults",
                                defaults={"weight_decay": 0.0}),
 }
