@@ -446,6 +446,33 @@ def test_a_gradient_clipping_changed_at_a_resume_is_the_configs(config, alone, t
     assert saved["optimizer_state_dict"]["clip_grad"] == 0.5
 
 
+@pytest.mark.exhaustive  # one launch beside the shared run, about 25 s (make test: the report, test_check_resume.py)
+@pytest.mark.parametrize("config", ["deepspeed"], indirect=True)
+def test_options_changed_at_a_resume_are_recorded_and_reported_beforehand(config, alone, tmp_path):
+    """``--check-resume`` lists the option the job then changes, and the next marker records the
+    options the run steps with, so a later check knows that a key the config stops naming carries
+    on. Before, the report said nothing of options and the marker recorded none. Fails on the
+    old code."""
+    from vrgd_ds.train.resume import check
+
+    run = tmp_path / "run"
+    shutil.copytree(alone, run)  # a finished run of 8 steps, weight_decay 0.01
+    raw = json.loads(Path(config).read_text())
+    raw["optimizer"]["params"]["weight_decay"] = 0.02
+    report, ok = check(run, raw, 2)
+    line = "optimizer.params.weight_decay: the checkpoint has 0.01, the config 0.02; continuing with the config's"
+    assert ok and line in report, report
+    again = launching.run(command(config, run, "job.total_steps=10", "optimizer.params.weight_decay=0.02"),
+                          timeout=TIMEOUT, marker=run)
+    out = again.stdout + again.stderr
+    assert again.returncode == 0, out[-3000:]
+    assert line in out, out[-3000:]
+    assert ckpt.marker(run / "checkpoints", "step00000010")["info"]["options"] == {"weight_decay": 0.02}
+    del raw["optimizer"]["params"]["weight_decay"]
+    report, ok = check(run, raw, 2)
+    assert ok and "optimizer.params.weight_decay: 0.02 carries on from the checkpoint" in report, report
+
+
 @pytest.mark.exhaustive  # make test: a base optimizer's dist checkpoint resumed in the pool (test_megatron.py)
 @pytest.mark.parametrize("config", ["megatron"], indirect=True)
 def test_a_megatron_checkpoint_resumes_on_another_tensor_parallel_size(config, tmp_path):

@@ -83,6 +83,40 @@ def test_a_placement_the_config_leaves_out_is_the_saved_one(run_dir):
     assert ok and "resuming with Lamb (gsnr False, placement update)" in report, report
 
 
+def test_option_changes_are_listed_from_the_markers_record(run_dir):
+    """The marker records the options the run stepped with (the config's named ones, and the
+    checkpoint's for those a resumed config left out); the report lists what the configuration
+    changes, as the job's log does. Before, ``--check-resume`` said "nothing changes" where the
+    job then changed ``weight_decay``. Fails on the old code."""
+    marker = ckpt.marker(run_dir / "checkpoints", "step00000004")
+    ckpt.mark_complete(run_dir / "checkpoints", "step00000004", 4, 2,
+                       dict(marker["info"], options={"weight_decay": 0.01, "beta3": 0.9}))
+    raw = copy.deepcopy(RAW)
+    raw["optimizer"]["params"].update(weight_decay=0.02, beta3=0.9, gamma=0.2)
+    report, ok = check(run_dir, raw, 2)
+    assert ok and "nothing changes" not in report, report
+    assert ("optimizer.params.weight_decay: the checkpoint has 0.01, the config 0.02; continuing with the config's"
+            in report), report
+    assert "optimizer.params.gamma: the checkpoint's run left it to the optimizer's default, the config sets 0.2" in report
+    assert "beta3" not in report  # named with the saved value: no change
+    report, ok = check(run_dir, copy.deepcopy(RAW), 2)  # the config names neither any more
+    assert ok and "optimizer.params.beta3: 0.9 carries on from the checkpoint" in report, report
+    assert "optimizer.params.weight_decay: 0.01 carries on" in report
+    raw = {**copy.deepcopy(RAW), "optimizer": {"type": "VRSGD", "params": {"lr": 0.1, "weight_decay": 0.02}},
+           "checkpoint": {"optimizer_state": "reset_if_incompatible"}}  # a fresh state: the config's options
+    report, ok = check(run_dir, raw, 2)
+    assert ok and "with a fresh VRSGD state" in report and "optimizer.params." not in report, report
+
+
+def test_a_marker_without_options_says_the_log_lists_them(run_dir):
+    raw = copy.deepcopy(RAW)
+    report, ok = check(run_dir, raw, 2)
+    assert ok and "record its optimizer options" not in report  # the config names only lr
+    raw["optimizer"]["params"]["weight_decay"] = 0.02
+    report, ok = check(run_dir, raw, 2)
+    assert ok and "does not record its optimizer options: the job's log lists the ones the config changes" in report
+
+
 def test_another_family_would_stop_and_the_cli_exits_2(run_dir, tmp_path, capsys):
     raw = copy.deepcopy(RAW)
     raw["optimizer"] = {"type": "VRSGD", "params": {"lr": 0.1}}

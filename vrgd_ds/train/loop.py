@@ -60,7 +60,8 @@ from vrgd_ds.train.config import (ConfigError, JobConfig, adaptive_setting_keys,
 from vrgd_ds.train.data import check_data_path, eval_batches, loader
 from vrgd_ds.train.engines import Engine, engine_class
 from vrgd_ds.train.engines.base import LAUNCHER_RANK, launcher_value
-from vrgd_ds.train.resume import ConversionFailed, data_change, engine_switch, named_params, resumed_optimizer
+from vrgd_ds.train.resume import (ConversionFailed, configured_options, data_change, engine_switch, named_params,
+                                  option_note, resumed_optimizer, resumed_options)
 from vrgd_ds.train.rundir import RunDirBusy, RunDirLock
 from vrgd_ds.train.schedule import PhaseSchedule
 from vrgd_ds.train.watchdog import Watchdog, collective_timeout
@@ -165,6 +166,7 @@ class Job:
 
     def __init__(self, raw: dict[str, Any], job: JobConfig, run_dir: Path, backend: str | None) -> None:
         self.raw, self.job, self.run_dir = raw, job, run_dir
+        self.options = configured_options(raw)  # the optimizer's, as the next checkpoint's marker records them
         timeout = datetime.timedelta(seconds=collective_timeout(max(job.timeout_minutes, job.startup_timeout_minutes) * 60))
         self.engine: Engine = engine_class(job.engine)(raw, job, backend, timeout)
         self.rank, self.world, self.device = self.engine.rank, self.engine.world, self.engine.device
@@ -326,7 +328,7 @@ class Job:
             if not self._any_rank(not ok):
                 break
             failed.append(choice.tag)
-        path = self.ckpt_dir / choice.tag
+        path, saved_options = self.ckpt_dir / choice.tag, saved.get("options")
         self.step, self.evals = state["step"], list(state["evals"])
         self.consumed = resumed_consumed(self.job, state["consumed"])
         self.skip_streak_from = state.get("skip_streak_from")
@@ -350,6 +352,8 @@ class Job:
         check_resume_position(self.job, self.consumed, self.budget, self.engine.data_world)
         notes = ([data_note] if data_note else []) + plan.notes + (
             self._apply_configured_options(built) if plan.optimizer_states else [])
+        if plan.optimizer_states:  # the keys the config leaves out keep the checkpoint's values
+            self.options = resumed_options(saved_options, self.raw)
         if self.rank == 0:
             for note in notes:
                 logger.warning("%s", note)
@@ -368,7 +372,8 @@ class Job:
         """What a resume from the next checkpoint will find (its marker; ``--check-resume``)."""
         return {"engine": self.job.engine, "optimizer": self.optimizer_info(), **self.engine.layout(),
                 "total_steps": self.job.total_steps, "phases": [p.model_dump(mode="json") for p in self.job.phases],
-                "data": self.engine.fingerprint, "consumed": list(self.consumed), "seed": self.job.seed}
+                "data": self.engine.fingerprint, "consumed": list(self.consumed), "seed": self.job.seed,
+                "options": self.options}
 
     def _apply_configured_options(self, built: list[dict[str, Any]]) -> list[str]:
         """A loaded optimizer state brings its param-group options (torch's rule); the ones the
@@ -380,8 +385,7 @@ class Job:
                 if group.get(key) != mine[key]:
                     changed.setdefault(key, (group.get(key), mine[key]))
                     group[key] = mine[key]
-        return [f"optimizer.params.{k}: the checkpoint has {a!r}, the config {b!r}; continuing with the config's"
-                for k, (a, b) in changed.items()]
+        return [option_note(k, a, b) for k, (a, b) in changed.items()]
 
     def _checkpoint_bytes(self) -> tuple[int, int, str]:
         """About how many bytes the next checkpoint will take, the room to ask for it, and where

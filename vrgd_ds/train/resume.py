@@ -99,6 +99,37 @@ def named_params(raw: dict[str, Any]) -> set[str]:
     return set((raw.get("optimizer") or {}).get("params") or {}) - {"lr", "gsnr"}
 
 
+def configured_options(raw: dict[str, Any]) -> dict[str, Any]:
+    """The values the config names in ``optimizer.params`` that a resume sets back (``named_params``)."""
+    params = (raw.get("optimizer") or {}).get("params") or {}
+    return {k: params[k] for k in sorted(named_params(raw))}
+
+
+def option_note(key: str, saved: Any, configured: Any) -> str:
+    return f"optimizer.params.{key}: the checkpoint has {saved!r}, the config {configured!r}; continuing with the config's"
+
+
+def resumed_options(saved: dict[str, Any] | None, raw: dict[str, Any]) -> dict[str, Any]:
+    """The options a resumed run steps with, as the marker records them (``Job.resume_info``):
+    the config's for the keys it names, the checkpoint's for the others (torch's rule)."""
+    return {**(saved or {}), **configured_options(raw)}
+
+
+def option_changes(saved: dict[str, Any] | None, raw: dict[str, Any]) -> list[str]:
+    """What a resume does to the optimizer's options (``Job._apply_configured_options``), from the
+    marker's record of them (``saved``: none in a marker that predates the record) and the config."""
+    if saved is None:
+        return ["the checkpoint does not record its optimizer options: the job's log lists the ones the config "
+                "changes"] if configured_options(raw) else []
+    now = configured_options(raw)
+    notes = [option_note(k, saved[k], v) for k, v in now.items() if k in saved and saved[k] != v]
+    notes += [f"optimizer.params.{k}: the checkpoint's run left it to the optimizer's default, the config sets "
+              f"{v!r}" for k, v in now.items() if k not in saved]
+    notes += [f"optimizer.params.{k}: {v!r} carries on from the checkpoint (the config no longer names it; name it "
+              "to change it)" for k, v in sorted(saved.items()) if k not in now]
+    return notes
+
+
 def resumed_optimizer(built: dict[str, Any], saved: dict[str, Any] | None, named: set[str]) -> dict[str, Any]:
     """The optimizer a resume continues with (``{"type", "gsnr", "gsnr_placement"}``): ``built``,
     as the config makes it, except a placement the config leaves out, which the loaded state of
@@ -277,5 +308,7 @@ def check(run_dir: Path, raw: dict[str, Any] | None, world: int | None) -> tuple
         lines += [f"  - {c}" for c in changes] + [f"  would stop: {e}"]
         return "\n".join(lines), False
     changes += [] if fresh else plan.notes  # a fresh state: no switch's "carries over" (MegatronEngine.plan)
+    if plan.optimizer_states and not fresh:
+        changes += option_changes(info.get("options"), raw)
     lines += [f"  - {c}" for c in changes] or ["  nothing changes: the run continues as it was saved"]
     return "\n".join(lines), True
