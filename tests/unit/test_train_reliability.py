@@ -560,3 +560,42 @@ def test_a_refused_resume_ends_every_rank_together(monkeypatch, capsys):
         rc, err = run_main(capsys)
         assert rc == loop.EXIT_CONFIG and str(error) in err
         assert left == together, (error, left)
+
+
+def test_a_diverged_run_and_a_checkpoint_without_room_end_every_rank_together(monkeypatch, capsys, tmp_path):
+    """A diverged run (the skips are agreed over the ranks) and a save refused for room before any
+    rank writes (agreed too) end with the ranks leaving the process group together, as a refused
+    resume does; a write that fails on one rank's disk does not wait for the others. Before, every
+    rank returned 4 or 5 on its own and could die in gloo's teardown. Fails on the old code."""
+    from vrgd_ds.train import checkpoints as ckpt
+
+    job = object.__new__(loop.Job)
+    job.saved_step, job.step, job.rank, job.run_dir = None, 3, 0, tmp_path
+    job._checkpoint_bytes = lambda: (1, 1 << 62, "an estimate")  # more than any disk holds
+    job._any_rank = lambda flag: flag
+    with pytest.raises(ckpt.NoSpace) as no_room:
+        job.save()
+    assert no_room.value.agreed is True
+    left = []
+    monkeypatch.setattr(loop, "leave_together", lambda: left.append(1))
+    for error, rc, together in ((loop.Diverged("the run diverged"), loop.EXIT_DIVERGED, [1]),
+                                (no_room.value, loop.EXIT_NO_SPACE, [1]),
+                                (ckpt.NoSpace("no space left while writing step00000004"), loop.EXIT_NO_SPACE, [])):
+        left.clear()
+
+        class Stopped:  # the job as far as main sees it
+            rank = 0
+
+            def __init__(self, *args):
+                pass
+
+            def setup(self):
+                raise error
+
+            def release(self):
+                pass
+
+        monkeypatch.setattr(loop, "Job", Stopped)
+        got, err = run_main(capsys)
+        assert got == rc and str(error) in err
+        assert left == together, (error, left)

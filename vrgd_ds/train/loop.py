@@ -416,7 +416,9 @@ class Job:
                 # any rank writes (the all-reduce below)
                 ckpt.remove(self.ckpt_dir, tag)
         if self._any_rank(short is not None):
-            raise ckpt.NoSpace(short or f"no space left on {self.ckpt_dir} for the next checkpoint (see rank 0)")
+            refused = ckpt.NoSpace(short or f"no space left on {self.ckpt_dir} for the next checkpoint (see rank 0)")
+            refused.agreed = True  # every rank raises it here (not so a write that fails on one rank's disk)
+            raise refused
         state = {"step": self.step, "consumed": self.consumed, "evals": self.evals, "world_size": self.world,
                  "skip_streak_from": self.skip_streak_from, "optimizer": self.optimizer_info(),
                  "skipped_total": self.skipped_before + int(self.optimizer.skipped_steps),
@@ -821,13 +823,16 @@ def main(argv: list[str] | None = None) -> int:
         if getattr(e, "agreed", False):  # raised on every rank (a refused resume): a rank leaving the process
             leave_together()  # group alone can die in gloo's teardown, its exit 2 then a SIGABRT
         return EXIT_CONFIG
-    except Diverged as e:
+    except Diverged as e:  # the skips are agreed over the ranks: every rank stops at the same step
         if run.rank == 0:
             print(f"vrgd-pretrain: error: {e}", file=sys.stderr, flush=True)
+        leave_together()
         return EXIT_DIVERGED
     except ckpt.NoSpace as e:
         if run is None or run.rank == 0:
             print(f"vrgd-pretrain: error: {e}", file=sys.stderr, flush=True)
+        if getattr(e, "agreed", False):
+            leave_together()
         return EXIT_NO_SPACE
     except Preempted as e:  # agreed over the ranks (_max_over_ranks)
         # checkpointed: a later warning (Slurm's, or one per node alias) must not end the process
