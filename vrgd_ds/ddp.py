@@ -20,7 +20,8 @@ is divided by the world size: the collective sums).
 gradient bucket by a single fused fp32 all-reduce of ``[g | g²]``, where ``g`` is this rank's
 local bucket gradient cast to fp32 (squares of the fp32 cast, also for fp16/bf16 models). The
 reduced ``g`` half, divided by the number of ranks and cast to the bucket dtype, is what DDP
-receives: the same mean gradient its default hook produces. Each rank is one gradient group,
+receives: the mean gradient DDP's own reduction produces, up to its rounding (summed in fp32,
+then divided once, where DDP divides each rank's gradient before the sum). Each rank is one gradient group,
 so ``n`` = number of ranks (with ``no_sync()`` only the last, synchronised ``backward()``
 reduces). Cost per bucket: one collective of twice the bucket's elements in fp32 (fp16/bf16
 buckets: four times the bytes of DDP's own reduction).
@@ -31,7 +32,6 @@ from typing import Any, Iterable
 import torch
 import torch.distributed as dist
 from torch import Tensor
-from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel
 
 from vrgd_ds.optim.base import MIN_GROUPS, GSNROptimizer
@@ -226,8 +226,8 @@ def _attach_per_step(ddp_model: DistributedDataParallel, optimizer: GSNROptimize
                      world: int, params: list[Tensor], hooks_only: bool = False) -> LocalStats:
     """Local sums of every backward's gradient and square, one fused all-reduce per step. Where
     every backward synchronises, DDP's own gradient buckets hold each micro-step's local
-    gradient when its communication hook runs: one ``pack_bucket`` launch per bucket, then
-    torch's default all-reduce of it (DDP's reduction unchanged). A step that accumulates under
+    gradient when its communication hook runs: one ``pack_bucket`` launch per bucket, then the
+    all-reduce DDP makes without a hook, bit for bit (``_ddp_all_reduce``). A step that accumulates under
     ``no_sync()`` reduces the accumulated gradient, so its micro-steps are read by a tensor hook
     per parameter, installed when a forward pass runs under ``no_sync()`` and removed when a step
     synchronises every backward again (``_BucketPath``)."""
@@ -302,7 +302,7 @@ class _BucketPath:
 
 def _per_step_hook(path: _BucketPath, bucket: dist.GradBucket) -> torch.futures.Future[Tensor]:
     """DDP communication hook of the per-step scheme: the bucket's local gradients into the
-    statistics (one launch), then torch's default all-reduce of the bucket, unchanged."""
+    statistics (one launch), then the bucket's all-reduce as DDP makes it without a hook."""
     if not path.hooked:
         flat = bucket.buffer()
         if flat.is_sparse:
@@ -310,7 +310,15 @@ def _per_step_hook(path: _BucketPath, bucket: dist.GradBucket) -> torch.futures.
                                "(e.g. nn.Embedding(sparse=False))")
         params = bucket.parameters()
         path.stats.record_bucket((bucket.index(), tuple(map(id, params))), flat, lambda: path.members(bucket))
-    return default_hooks.allreduce_hook(path.group, bucket)
+    return _ddp_all_reduce(path.group, bucket.buffer())
+
+
+def _ddp_all_reduce(group: dist.ProcessGroup, flat: Tensor) -> torch.futures.Future[Tensor]:
+    """The bucket's mean as DDP's reducer makes it without a hook: each rank's gradient times
+    ``1/world`` (a multiply: torch's ``default_hooks.allreduce_hook`` divides, which rounds
+    otherwise on a world size that is not a power of 2), then the sum."""
+    flat.mul_(1.0 / group.size())
+    return dist.all_reduce(flat, group=group, async_op=True).get_future().then(lambda fut: fut.value()[0])
 
 
 __all__ = ["attach", "DDPStats", "LocalStats", "fused_allreduce_hook"]

@@ -44,17 +44,17 @@ def _counting_all_reduce(*args, **kwargs):
 
 dist.all_reduce = _counting_all_reduce
 
-# DDP's own bucket reductions, which the per-step scheme hands to torch's default hook
+# DDP's own bucket reductions, which the per-step scheme makes as DDP's reducer does
 DDP_REDUCTIONS = [0]
-_default_allreduce_hook = vrgd_ds.ddp.default_hooks.allreduce_hook
+_ddp_all_reduce = vrgd_ds.ddp._ddp_all_reduce
 
 
-def _counting_allreduce_hook(*args, **kwargs):
+def _counting_ddp_all_reduce(*args, **kwargs):
     DDP_REDUCTIONS[0] += 1
-    return _default_allreduce_hook(*args, **kwargs)
+    return _ddp_all_reduce(*args, **kwargs)
 
 
-vrgd_ds.ddp.default_hooks.allreduce_hook = _counting_allreduce_hook
+vrgd_ds.ddp._ddp_all_reduce = _counting_ddp_all_reduce
 
 
 def tiny_model(dtype: torch.dtype = torch.float32) -> torch.nn.Module:
@@ -270,6 +270,32 @@ def bad_cases() -> dict[str, Any]:
     return out
 
 
+def three_rank_case() -> dict[str, Any]:
+    """DDP on 3 of the pool's ranks (a world size that is not a power of 2), one backward a step
+    (the per-step scheme's bucket path): the gradients DDP hands the optimizer, and after 3 steps
+    the weights of VRAdam with ``gamma=1``, against plain DDP with VRAdam's GSNR off, bit for bit."""
+    three = dist.new_group([0, 1, 2])  # every rank of the pool takes part in making it
+    rank = dist.get_rank()
+    if rank == 3:
+        return dict(idle=True)
+    runs = {}
+    for name, attached, options in (("plain", False, dict(gsnr=False)), ("attached", True, dict(gamma=1.0))):
+        ddp = DDP(tiny_model(), bucket_cap_mb=BUCKET_CAP_MB, process_group=three)
+        opt = VRAdam(ddp.parameters(), lr=1e-2, **options)
+        if attached:
+            attach(ddp, opt)
+        grads = []
+        for step in range(STEPS):
+            opt.zero_grad()
+            loss_fn(ddp, batch(step, rank, 0)).backward()
+            grads.append(torch.cat([p.grad.reshape(-1) for p in ddp.parameters()]))
+            opt.step()
+        runs[name] = (grads, flat(ddp.module))
+    (plain_grads, plain), (grads, mine) = runs["plain"], runs["attached"]
+    return dict(idle=False, grads_differ=[int((a != b).sum()) for a, b in zip(grads, plain_grads)],
+                weights_differ=int((mine != plain).sum()), moved=float((plain - flat(tiny_model())).norm()))
+
+
 def cases() -> dict[str, Callable[[], dict[str, Any]]]:
     return {
         "VRSGD": lambda: train_case("VRSGD", 1),
@@ -304,6 +330,7 @@ def cases() -> dict[str, Callable[[], dict[str, Any]]]:
         "bf16": lambda: low_precision_case(torch.bfloat16),
         "fp16": lambda: low_precision_case(torch.float16),
         "bad": bad_cases,
+        "three_ranks": three_rank_case,
     }
 
 
