@@ -1689,3 +1689,27 @@ def test_fused_none_says_when_it_takes_the_reference_on_the_cpu(monkeypatch, cap
     with caplog.at_level(logging.WARNING, logger="vrgd_ds"):
         opt.kernels()
     assert "using the reference implementation: some parameters are not contiguous" in caplog.text
+
+
+def test_an_optimizer_dropped_for_a_new_one_leaves_no_hooks_on_the_parameters():
+    """Rebuilding the optimizer on the same model (a new LR schedule, a restart in a notebook)
+    must not leave the old one's tensor hooks running in every backward. Before, each dropped
+    optimizer left its two hooks per parameter behind (no-ops once it was collected, still
+    called). The one in use keeps recording. Fails on the old code."""
+    import gc
+
+    from vrgd_ds import VRAdam
+
+    model = torch.nn.Linear(4, 3)
+    for _ in range(3):
+        opt = VRAdam(model.parameters(), lr=1e-2)
+        del opt
+    gc.collect()
+    assert not model.weight._backward_hooks and not model.weight._post_accumulate_grad_hooks
+    opt = VRAdam(model.parameters(), lr=1e-2)
+    gc.collect()
+    assert len(model.weight._backward_hooks) == 1 and len(model.weight._post_accumulate_grad_hooks) == 1
+    for _ in range(2):
+        model(torch.randn(5, 4)).square().sum().backward()
+    opt.step()
+    assert opt.gsnr_metrics()["gsnr/n"] == 2

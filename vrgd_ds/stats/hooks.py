@@ -38,6 +38,12 @@ def warn_dropped(source: object, owner: str, count: int) -> None:
               "GradScaler skipped", owner, count)
 
 
+def _remove(handles: list[torch.utils.hooks.RemovableHandle]) -> None:
+    for h in handles:
+        h.remove()
+    handles.clear()
+
+
 class TensorHookStats:
     """Per-backward fp32 moments of the gradients of a set of parameters.
 
@@ -62,6 +68,7 @@ class TensorHookStats:
         self._handed_out = False  # moments() gave the buffers away since the last reset
         self._handles: list[torch.utils.hooks.RemovableHandle] = []
         self._watched: set[int] = set()
+        weakref.finalize(self, _remove, self._handles)  # an optimizer dropped (rebuilt) leaves no hooks behind
 
     @property
     def kernels(self) -> _impl.Kernels:
@@ -214,9 +221,7 @@ class TensorHookStats:
 
     def remove(self) -> None:
         """Removes the hooks and frees the buffers (another source feeds the optimizer)."""
-        for h in self._handles:
-            h.remove()
-        self._handles.clear()
+        _remove(self._handles)
         self._watched.clear()
         self._buffers.clear()
         self._counts.clear()
