@@ -496,7 +496,9 @@ class LocalStats:
                 f"vrgd_ds: this rank ran {mine} backward passes in an optimizer step, the {self.world} ranks "
                 f"{total:.0f} together: squares=\"per_step\" needs the same number of backward() calls per step on "
                 f"every rank (the statistics count n = ranks × backward passes; with unequal counts each rank would "
-                "take another step and the replicas drift apart). Give every rank the same number of micro-batches")
+                "take another step and the replicas drift apart). Give every rank the same number of micro-batches "
+                "(a backward pass counts where it reaches a parameter of a GSNR group: where those are only a branch "
+                "some batches skip, give a parameter that every pass reaches the GSNR too)")
 
     def moments(self, params) -> tuple[list[Tensor], list[Tensor]]:
         self.start()  # a caller that steps the optimizer directly
