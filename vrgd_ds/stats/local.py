@@ -58,8 +58,9 @@ def moment_views(bufs: dict[int, tuple[Tensor, Tensor]], params) -> tuple[list[T
     for p in params:
         pair = bufs.get(id(p))
         if pair is None:
-            raise RuntimeError(f"no VRGD statistics for a flat tensor of shape {tuple(p.shape)}: it was not "
-                               "in the optimizer when the engine built its partitions")
+            raise RuntimeError(f"no VRGD statistics for a tensor of shape {tuple(p.shape)}: it was not in the "
+                               "optimizer when its statistics were attached (the engine built its partitions, or "
+                               "vrgd_ds.ddp.attach ran); add every param group before either")
         sum_g.append(pair[0].view(p.shape))
         sum_sq.append(pair[1].view(p.shape))
     return sum_g, sum_sq
