@@ -207,6 +207,13 @@ def _jsonl_documents(path: Path, lines: Iterable[str], field: str) -> Iterator[D
                 f"{path}:{lineno}: field {field!r} is a {type(text).__name__}, not a string; "
                 "pass the name of the text field with field= / --field"
             )
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError as e:  # an escaped half of a surrogate pair, e.g. "\ud800": valid JSON, not text
+            raise DataError(
+                f"{path}:{lineno}: field {field!r} holds an unpaired surrogate ({text[e.start]!r} at character "
+                f"{e.start}), which is not text; fix that line (a pair written as two escapes is fine)"
+            ) from None
         document = [s for paragraph in text.splitlines() for s in split_sentences(paragraph)]
         if document:
             yield document

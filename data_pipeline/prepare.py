@@ -40,6 +40,7 @@ from pathlib import Path
 from vrgd_ds.data_pipeline.corpus import Corpus, EmbeddedCorpus, PathLike, embedded_corpus
 from vrgd_ds.data_pipeline.errors import DataError
 from vrgd_ds.data_pipeline.locks import directory_lock
+from vrgd_ds.data_pipeline.samples import check_build_args
 from vrgd_ds.data_pipeline.shards import DEFAULT_SHARD_TOKENS, MANIFEST, ShardedCorpus, write_shards
 from vrgd_ds.data_pipeline.tokenizer import Tokenizer, sha256_file, train_tokenizer, trainer, write_atomic
 
@@ -162,6 +163,8 @@ def prepare(
     seq_lens = tuple(int(n) for n in seq_lens)
     if not seq_lens:
         raise DataError("seq_lens is empty; pass at least one sequence length (--seq-len 128)")
+    for n in seq_lens:  # before the tokenizer and the shards, which take the time
+        check_build_args(n, seed, next_sentence=next_sentence)
     with prepare_lock(output_dir):  # another job preparing this directory finishes first
         record_path = output_dir / RECORD
         record = _read_record(record_path)

@@ -120,7 +120,8 @@ def _sidecar(index_path: pathlib.Path) -> pathlib.Path:
     return index_path.with_suffix(".json")
 
 
-def _check_build_args(corpus, max_seq_len, seed, short_seq_prob, next_sentence) -> None:
+def check_build_args(max_seq_len: int, seed: int, short_seq_prob: float = 0.1, next_sentence: str | None = None) -> None:
+    """``build_sample_index``'s arguments, checked (``prepare`` asks before any work)."""
     if next_sentence not in NEXT_SENTENCE_TASKS:
         raise DataError(
             f"next_sentence={next_sentence!r} is not one of 'nsp', 'sop' or None; "
@@ -232,7 +233,7 @@ def build_sample_index(corpus: TokenCorpus, max_seq_len: int, seed: int,
         next_sentence: ``"nsp"`` (BERT's next sentence prediction), ``"sop"`` (ALBERT's
             sentence order prediction) or ``None`` (MLM only, as RoBERTa).
     """
-    _check_build_args(corpus, max_seq_len, seed, short_seq_prob, next_sentence)
+    check_build_args(max_seq_len, seed, short_seq_prob, next_sentence)
     out = pathlib.Path(corpus.path if out_dir is None else out_dir)
     out.mkdir(parents=True, exist_ok=True)
     path = out / index_filename(max_seq_len, seed, next_sentence)

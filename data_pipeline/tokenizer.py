@@ -134,6 +134,11 @@ class Tokenizer:
             data = self.path.read_bytes()
         except FileNotFoundError:
             raise DataError(f"tokenizer model {self.path} does not exist; train one with `vrgd-data tokenizer`") from None
+        except IsADirectoryError:
+            raise DataError(f"tokenizer model {self.path} is a directory; pass its .model file (`vrgd-data prepare` "
+                            "writes tokenizer.model)") from None
+        except OSError as e:
+            raise DataError(f"tokenizer model {self.path} cannot be read: {e.strerror}") from None
         self._init(data)
 
     def _init(self, data: bytes) -> None:
@@ -253,6 +258,11 @@ def train_tokenizer(
         raise DataError(f"model_type={model_type!r} is not supported; use one of {MODEL_TYPES}")
     if vocab_size <= len(SPECIAL_IDS):
         raise DataError(f"vocab_size={vocab_size} leaves no room next to the {len(SPECIAL_IDS)} special tokens; use a larger --vocab-size")
+    if seed < 0:
+        raise DataError(f"seed={seed}: sentencepiece takes a seed of 0 or more; pass --seed 0 or above")
+    if input_sentence_size < 0:
+        raise DataError(f"input_sentence_size={input_sentence_size}: must be 0 (every sentence) or more; pass "
+                        "--input-sentence-size 0 or above")
     out_path = Path(out_path)
     out_path.parent.mkdir(parents=True, exist_ok=True)
     if spm.__version__ != TRAINER_RELEASE:
@@ -263,12 +273,17 @@ def train_tokenizer(
     spm.set_random_generator_seed(seed)
     model = io.BytesIO()
     count = 0
+    failed: list[DataError] = []  # the reader's error, which sentencepiece wraps once it is reading
 
     def counted() -> Iterator[str]:
         nonlocal count
-        for sentence in sentence_stream(documents):
-            count += 1
-            yield sentence
+        try:
+            for sentence in sentence_stream(documents):
+                count += 1
+                yield sentence
+        except DataError as e:
+            failed.append(e)
+            raise
 
     verbose = logger.isEnabledFor(logging.DEBUG)
     try:
@@ -294,6 +309,8 @@ def train_tokenizer(
     except DataError:
         raise  # an empty corpus, raised by the document iterator inside the trainer
     except RuntimeError as e:
+        if failed:  # the corpus's own error (a file that is not UTF-8, a truncated archive), as the reader said it
+            raise failed[0] from None
         message = str(e)
         if count == 0:
             raise DataError("tokenizer training got no sentences: the corpus is empty; check the inputs") from None

@@ -154,6 +154,15 @@ def test_prepare_rejects_empty_seq_lens(corpus_file, tmp_path):
         prepare(tmp_path / "p", corpus_file, vocab_size=400, seq_lens=(), progress=False)
 
 
+def test_prepare_refuses_a_sequence_length_before_any_work(corpus_file, tmp_path):
+    """A sequence length too short for [CLS] A [SEP] B [SEP] is refused before the tokenizer and
+    the shards are built. Before, it was refused only once they were, after the run's longest
+    parts. Fails on the old code (the tokenizer was written)."""
+    with pytest.raises(DataError, match="max_seq_len=4 leaves no room"):
+        prepare(tmp_path / "p", corpus_file, vocab_size=400, seq_lens=(128, 4), progress=False)
+    assert not list((tmp_path / "p").rglob("*.model"))
+
+
 def test_prepare_records_the_sentencepiece_release_that_trained_its_tokenizer(corpus_file, tmp_path, caplog,
                                                                                monkeypatch):
     """From the same WikiText-2 files, seed and trainer threads, sentencepiece 0.2.2 and 0.2.3

@@ -152,6 +152,19 @@ def test_jsonl_field_and_errors(tmp_path):
         list(read_documents(typed))
 
 
+def test_an_unpaired_surrogate_in_jsonl_is_an_error_naming_the_line(tmp_path):
+    """``"\\ud800"`` alone is valid JSON but not text: sentencepiece and the shard encoder failed
+    on it with a TypeError and a traceback, naming neither file nor line. Now the reader names
+    both; a pair written as two escapes is one character and reads. Fails on the old code."""
+    path = tmp_path / "s.jsonl"
+    path.write_text('{"text": "Pair \\ud83d\\ude00 ok."}\n{"text": "Bad \\ud800 one."}\n')
+    with pytest.raises(DataError, match=r"s\.jsonl:2: field 'text' holds an unpaired surrogate \('\\ud800' at "
+                                        r"character 4\)"):
+        list(read_documents(path))
+    path.write_text('{"text": "Pair \\ud83d\\ude00 ok."}\n')
+    assert list(read_documents(path)) == [["Pair \U0001F600 ok."]]
+
+
 def test_auto_format_detection(tmp_path):
     (tmp_path / "a.jsonl").write_text('{"text": "x"}\n')
     (tmp_path / "b.txt").write_text('\n  {"text": "json in a .txt"}\n')

@@ -82,6 +82,28 @@ def test_errors(tmp_path):
     assert not (tmp_path / "big.model").exists()  # nothing is written on failure
 
 
+def test_a_corpus_error_met_while_training_is_the_readers_and_bad_options_are_named(tmp_path):
+    """A reader's error once sentencepiece is reading (a file not UTF-8 past its first block, a
+    truncated archive) is raised as the reader said it; a negative seed or sentence budget, and
+    a directory given as the model, are errors naming the option or the path. Before, the first
+    came out wrapped in sentencepiece's message with a Python traceback's text in it, and the
+    others ended in a TypeError, a ValueError and an IsADirectoryError. Fails on the old code."""
+    def documents():
+        yield from DOCUMENTS[:20]
+        raise DataError("corpus.txt:6001: not UTF-8 text; convert the file to UTF-8 or leave it out of the inputs")
+
+    with pytest.raises(DataError) as raised:
+        train_tokenizer(documents(), tmp_path / "t.model", vocab_size=300, num_threads=1)
+    assert str(raised.value).startswith("corpus.txt:6001: not UTF-8 text"), raised.value
+    with pytest.raises(DataError, match=r"seed=-1: .*--seed 0 or above"):
+        train_tokenizer(DOCUMENTS[:20], tmp_path / "t.model", vocab_size=300, seed=-1)
+    with pytest.raises(DataError, match=r"input_sentence_size=-5: .*--input-sentence-size 0 or above"):
+        train_tokenizer(DOCUMENTS[:20], tmp_path / "t.model", vocab_size=300, input_sentence_size=-5)
+    assert not (tmp_path / "t.model").exists()
+    with pytest.raises(DataError, match=r"is a directory; pass its \.model file"):
+        Tokenizer.load(tmp_path)
+
+
 def test_special_pieces_as_user_defined_symbols_are_rejected(tmp_path):
     """[CLS]..[MASK] at the right ids but user-defined, not control, symbols: the text's own
     "[SEP]" would encode to the separator. Before, such a model loaded (fails on the old code)."""
