@@ -42,6 +42,9 @@ from vrgd_ds.stats.local import LocalStats
 from vrgd_ds.optim._impl import select_for
 from vrgd_ds.stats.scaling import Scaling
 
+#: the attribute of a DDP model attached to: (squares, its communication hook's state), so that a
+#: new optimizer attaches to the same hook (DDP takes one)
+_ATTACHED = "_vrgd_attached"
 # (parameter, Σg buffer, Σg² buffer, offset in the bucket, length) of every parameter of a bucket
 _Slice = tuple[Tensor, Tensor, Tensor, int, int]
 
@@ -166,6 +169,18 @@ def fused_allreduce_hook(stats: DDPStats, bucket: dist.GradBucket) -> torch.futu
     return works[0].get_future().then(finish)
 
 
+class _Served:
+    """The communication hook's state under ``squares="per_micro_step"``: the statistics it feeds
+    (those of the optimizer attached last)."""
+
+    def __init__(self, stats: DDPStats) -> None:
+        self.stats = stats
+
+
+def _served_fused_hook(served: _Served, bucket: dist.GradBucket) -> torch.futures.Future[Tensor]:
+    return fused_allreduce_hook(served.stats, bucket)
+
+
 def attach(ddp_model: DistributedDataParallel, optimizer: GSNROptimizer,
            squares: str = "per_step", micro_steps: str = "auto") -> "DDPStats | LocalStats":
     """Feeds ``optimizer`` with statistics of ``ddp_model``'s training.
@@ -176,7 +191,8 @@ def attach(ddp_model: DistributedDataParallel, optimizer: GSNROptimizer,
     (twice the fp32 gradient's bytes, whatever the accumulation) completes them: n = ranks ×
     backward passes per step (``vrgd_ds.stats.local``). ``"per_micro_step"``: a communication hook
     replaces DDP's all-reduce of every bucket by one fused fp32 ``[g | g²]`` (n = ranks; DDP
-    allows one hook, call before training). ``micro_steps`` (``"per_step"``): ``"auto"`` reads each
+    allows one hook: a new optimizer attached to the same model takes it over, with the same
+    ``squares``). ``micro_steps`` (``"per_step"``): ``"auto"`` reads each
     micro-step from DDP's buckets while every backward synchronises, from a tensor hook per
     parameter in a step that accumulates under ``no_sync()``; ``"hooks"`` always from the hooks
     (the same statistics bit for bit, one launch per tensor). The optimizer's parameters must be those of
@@ -209,21 +225,34 @@ def attach(ddp_model: DistributedDataParallel, optimizer: GSNROptimizer,
         if missing:
             raise ValueError(f"{missing} parameter(s) of a gsnr=True param group of {optimizer.name} are "
                              "not reduced by this DDP model: build the optimizer on ddp_model.parameters()")
-    if squares == "per_micro_step":
-        stats = DDPStats(group, world, select_for(optimizer))
-        ddp_model.register_comm_hook(stats, fused_allreduce_hook)
-        ddp_model.register_forward_pre_hook(lambda module, args: _one_synchronised_backward(stats, ddp_model))
-        optimizer.set_statistics_source(stats)
-        return stats
-    if squares != "per_step":
+    if squares not in ("per_step", "per_micro_step"):
         raise ValueError(f"vrgd_ds.ddp.attach: squares={squares!r}: use 'per_step' or 'per_micro_step'")
     if micro_steps not in ("auto", "hooks"):
         raise ValueError(f"vrgd_ds.ddp.attach: micro_steps={micro_steps!r}: use 'auto' or 'hooks'")
-    return _attach_per_step(ddp_model, optimizer, group, world, gsnr_params, micro_steps == "hooks")
+    before = getattr(ddp_model, _ATTACHED, None)  # (squares, the communication hook's state)
+    if before is not None and before[0] != squares:
+        raise ValueError(f"vrgd_ds.ddp.attach: this DDP model is attached with squares={before[0]!r}, and DDP takes "
+                         f"one communication hook: attach the new optimizer with squares={before[0]!r}, or wrap the "
+                         "module in a new DistributedDataParallel")
+    if squares == "per_micro_step":
+        stats = DDPStats(group, world, select_for(optimizer))
+        if before is not None:  # a new optimizer: the hook feeds its statistics from the next reduction on
+            before[1].stats = stats
+        else:
+            served = _Served(stats)
+            ddp_model.register_comm_hook(served, _served_fused_hook)
+            ddp_model.register_forward_pre_hook(
+                lambda module, args: _one_synchronised_backward(served.stats, ddp_model))
+            setattr(ddp_model, _ATTACHED, (squares, served))
+        optimizer.set_statistics_source(stats)
+        return stats
+    return _attach_per_step(ddp_model, optimizer, group, world, gsnr_params, micro_steps == "hooks",
+                            before[1] if before is not None else None)
 
 
 def _attach_per_step(ddp_model: DistributedDataParallel, optimizer: GSNROptimizer, group: dist.ProcessGroup,
-                     world: int, params: list[Tensor], hooks_only: bool = False) -> LocalStats:
+                     world: int, params: list[Tensor], hooks_only: bool = False,
+                     path: "_BucketPath | None" = None) -> LocalStats:
     """Local sums of every backward's gradient and square, one fused all-reduce per step. Where
     every backward synchronises, DDP's own gradient buckets hold each micro-step's local
     gradient when its communication hook runs: one ``pack_bucket`` launch per bucket, then the
@@ -247,9 +276,13 @@ def _attach_per_step(ddp_model: DistributedDataParallel, optimizer: GSNROptimize
         stats.place(p, bucket, off, n)
         stats.alias(p, g.narrow(0, off, n), sq.narrow(0, off, n))
         off += n
-    path = _BucketPath(stats, ddp_model, group, params)
-    ddp_model.register_comm_hook(path, _per_step_hook)
-    ddp_model.register_forward_pre_hook(path.before_forward)
+    if path is not None:  # a new optimizer on a model attached before: the hooks feed its statistics from now on
+        path.serve(stats, params)
+    else:
+        path = _BucketPath(stats, ddp_model, group, params)
+        ddp_model.register_comm_hook(path, _per_step_hook)
+        ddp_model.register_forward_pre_hook(path.before_forward)
+        setattr(ddp_model, _ATTACHED, ("per_step", path))
     optimizer.set_statistics_source(stats)
     return stats
 
@@ -263,7 +296,15 @@ class _BucketPath:
 
     def __init__(self, stats: LocalStats, ddp_model: DistributedDataParallel, group: dist.ProcessGroup,
                  params: list[Tensor]) -> None:
-        self.stats, self.ddp, self.group, self.params = stats, ddp_model, group, params
+        self.ddp, self.group = ddp_model, group
+        self.serve(stats, params)
+
+    def serve(self, stats: LocalStats, params: list[Tensor]) -> None:
+        """Feeds ``stats`` (of ``params``) from now on; the statistics served before lose their
+        tensor hooks, so the optimizer they fed gets no more groups."""
+        if getattr(self, "stats", None) is not None:
+            self.stats.unhook()
+        self.stats, self.params = stats, params
         self.accumulating = False  # this step accumulates: under no_sync(), or from its second forward on
         self.hooked = False
         self._step = -1

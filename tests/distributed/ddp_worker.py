@@ -296,6 +296,51 @@ def three_rank_case() -> dict[str, Any]:
                 weights_differ=int((mine != plain).sum()), moved=float((plain - flat(tiny_model())).norm()))
 
 
+def reattach_case(squares: str) -> dict[str, Any]:
+    """A new VRAdam attached to a DDP model whose first optimizer was attached and stepped once,
+    then 2 steps (2 micro-steps each, the first under ``no_sync()``), against the same 2 steps
+    of a VRAdam attached to a fresh DDP model holding the weights of that moment. Also: the first
+    optimizer gets no more statistics, and attaching with the other ``squares`` is refused."""
+    rank = dist.get_rank()
+
+    def step(ddp, opt, at):
+        opt.zero_grad()
+        with ddp.no_sync():
+            loss_fn(ddp, batch(at, rank, 0)).backward()
+        loss_fn(ddp, batch(at, rank, 1)).backward()
+        opt.step()
+
+    ddp = DDP(tiny_model(), bucket_cap_mb=BUCKET_CAP_MB)
+    first = VRAdam(ddp.parameters(), lr=1e-2)
+    attach(ddp, first, squares=squares)
+    step(ddp, first, 0)
+    weights = copy.deepcopy(ddp.module.state_dict())
+    second = VRAdam(ddp.parameters(), lr=1e-2)
+    attach(ddp, second, squares=squares)
+    for at in (1, 2):
+        step(ddp, second, at)
+    other = "per_micro_step" if squares == "per_step" else "per_step"
+    try:
+        attach(ddp, VRAdam(ddp.parameters(), lr=1e-2), squares=other)
+        refused = None
+    except ValueError as e:
+        refused = str(e)
+    try:
+        step(ddp, first, 3)
+        stale = None
+    except RuntimeError as e:
+        stale = str(e)
+    fresh_model = tiny_model()
+    fresh_model.load_state_dict(weights)
+    fresh = DDP(fresh_model, bucket_cap_mb=BUCKET_CAP_MB)
+    opt = VRAdam(fresh.parameters(), lr=1e-2)
+    attach(fresh, opt, squares=squares)
+    for at in (1, 2):
+        step(fresh, opt, at)
+    return dict(weights_differ=int((flat(fresh_model) != flat(ddp.module)).sum()) if stale else None,
+                n=second.gsnr_metrics()["gsnr/n"], refused=refused, stale=stale)
+
+
 def cases() -> dict[str, Callable[[], dict[str, Any]]]:
     return {
         "VRSGD": lambda: train_case("VRSGD", 1),
@@ -331,6 +376,8 @@ def cases() -> dict[str, Callable[[], dict[str, Any]]]:
         "fp16": lambda: low_precision_case(torch.float16),
         "bad": bad_cases,
         "three_ranks": three_rank_case,
+        "reattach": lambda: reattach_case("per_step"),
+        "fused_reattach": lambda: reattach_case("per_micro_step"),
     }
 
 

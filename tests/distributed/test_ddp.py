@@ -210,3 +210,17 @@ def test_the_per_step_scheme_leaves_ddps_reduction_bit_for_bit_on_3_ranks(pool4)
     for res in per_rank[:3]:
         assert res["grads_differ"] == [0, 0, 0] and res["weights_differ"] == 0, res
         assert res["moved"] > 0
+
+
+@pytest.mark.parametrize("name", ["reattach", "fused_reattach"])
+def test_a_new_optimizer_attached_to_the_same_ddp_model_trains_as_on_a_fresh_one(pool, name):
+    """A second ``attach`` on one DDP model (an optimizer rebuilt mid-training): the new optimizer
+    steps as one attached to a fresh DDP model with the same weights, bit for bit; the first gets
+    no more statistics (its step is an error, not a step on stale sums); attaching with the other
+    ``squares`` names the one in place. Fails on the old code: the second attach raised torch's
+    "register_comm_hook ... can only be called once" after the new optimizer had installed its
+    own hooks."""
+    for res in _case(pool, name):
+        assert res["refused"] and "this DDP model is attached with squares=" in res["refused"], res
+        assert res["stale"] and "at least 2 gradient groups" in res["stale"], res
+        assert res["weights_differ"] == 0 and res["n"] == (4 if name == "reattach" else 2), res
