@@ -70,11 +70,15 @@ class PretrainingSampler:
             ``micro_batch_size × world_size``.
         max_samples: stop before a round would go beyond this stream position
             (``None``: never stop).
+        stream_offset: where position 0 of this sampler lies in the stream of ``seed``: the
+            samples earlier readers of the same stream took (a job's phases of one sequence
+            length continue one stream). ``consumed_samples`` and ``max_samples`` count
+            from it.
     """
 
     def __init__(self, num_samples: int, *, micro_batch_size: int, rank: int,
                  world_size: int, seed: int, consumed_samples: int = 0,
-                 max_samples: int | None = None):
+                 max_samples: int | None = None, stream_offset: int = 0):
         self.num_samples = _check_int("num_samples", num_samples, 1)
         self.micro_batch_size = _check_int("micro_batch_size", micro_batch_size, 1)
         self.world_size = _check_int("world_size", world_size, 1)
@@ -86,6 +90,7 @@ class PretrainingSampler:
         self.max_samples = None if max_samples is None else \
             _check_int("max_samples", max_samples, 0)
         self.consumed_samples = self._check_consumed(consumed_samples)
+        self.stream_offset = _check_int("stream_offset", stream_offset, 0)
         self._perms: dict[int, np.ndarray] = {}
 
     @property
@@ -130,7 +135,7 @@ class PretrainingSampler:
     def __iter__(self) -> Iterator[list[tuple[int, int]]]:
         while self.max_samples is None or \
                 self.consumed_samples + self.round_size <= self.max_samples:
-            start = self.consumed_samples + self.rank * self.micro_batch_size
+            start = self.stream_offset + self.consumed_samples + self.rank * self.micro_batch_size
             batch = self.keys(start, self.micro_batch_size)
             # Advanced before the yield: once the caller holds the batch it counts as
             # consumed, so state_dict() taken then resumes after it.

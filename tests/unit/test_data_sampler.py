@@ -76,6 +76,19 @@ def test_stop_and_resume_continues_the_stream_exactly():
     assert first + rest == whole
 
 
+def test_a_stream_offset_continues_another_readers_stream_on_any_micro_batch():
+    """A second reader of the stream with ``stream_offset`` at the first one's count takes the
+    positions that follow (the next phase of one sequence length), also where the count is no
+    multiple of its own round (12 samples, rounds of 8)."""
+    first = PretrainingSampler(20, micro_batch_size=4, rank=0, world_size=1, seed=3)
+    head = [k for _, batch in zip(range(3), first) for k in batch]
+    second = [PretrainingSampler(20, micro_batch_size=4, rank=r, world_size=2, seed=3, stream_offset=12)
+              for r in range(2)]
+    tail = [k for _, batches in zip(range(2), zip(*second)) for batch in batches for k in batch]  # 2 rounds
+    assert head + tail == first.keys(0, 28)
+    assert sorted(i for e, i in head + tail if e == 0) == list(range(20))  # epoch 0 once, then epoch 1
+
+
 @pytest.mark.parametrize("before,after", [
     (dict(micro=3, world=2, accum=2), dict(micro=2, world=3, accum=2)),  # 2 -> 3 ranks
     (dict(micro=3, world=4, accum=1), dict(micro=3, world=2, accum=2)),  # 4 -> 2 ranks

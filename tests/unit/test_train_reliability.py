@@ -599,3 +599,28 @@ def test_a_diverged_run_and_a_checkpoint_without_room_end_every_rank_together(mo
         got, err = run_main(capsys)
         assert got == rc and str(error) in err
         assert left == together, (error, left)
+
+
+def test_phases_of_one_sequence_length_read_one_stream(tmp_path):
+    """Phase 2 has phase 0's sequence length: it reads on from where phase 0 stopped (its
+    samples, then the next epoch's, each epoch with new masks), not phase 0's samples again.
+    Before, every phase started its own stream at epoch 0 (seed + phase index): a recipe that
+    split one sequence length into phases (a batch or LR change) trained on the samples and
+    masks it had seen while others waited. Fails on the old code."""
+    import torch
+
+    from vrgd_ds.train.config import parse_job
+
+    job = object.__new__(loop.Job)
+    job.job = parse_job({"job": {"total_steps": 12, "seed": 5, "phases": [
+        {"seq_len": 32, "fraction": 0.5, "global_batch": 8, "micro_batch": 4, "lr": 1e-3},
+        {"seq_len": 64, "fraction": 0.25, "global_batch": 8, "micro_batch": 4, "lr": 1e-3},
+        {"seq_len": 32, "fraction": 0.25, "global_batch": 8, "micro_batch": 2, "lr": 1e-3}]}})
+    job.splits = {32: (list(range(100)), None), 64: (list(range(40)), None)}
+    job.engine = type("Engine", (), {"data_rank": 0, "data_world": 1, "collate": staticmethod(lambda b: b)})()
+    job.device, job.consumed = torch.device("cpu"), [48, 24, 8]
+    phase0, _, _ = job._phase_data(0)
+    sampler, _, _ = job._phase_data(2)
+    assert sampler.seed == phase0.seed == 5 and sampler.stream_offset == 48, vars(sampler)
+    assert next(iter(sampler)) == phase0.keys(48 + 8, 2)  # after phase 0's 48 and this phase's 8
+    assert job._phase_data(1)[0].stream_offset == 0

@@ -602,9 +602,13 @@ class Job:
 
         p = self.job.phases[index]
         train, _ = self.splits[p.seq_len]
+        # phases of one sequence length read on where the one before stopped: one stream per sample
+        # index, every sample once per epoch, each epoch with its masks
+        same = [k for k in range(index) if self.job.phases[k].seq_len == p.seq_len]
         sampler = PretrainingSampler(len(train), micro_batch_size=p.micro_batch, rank=self.engine.data_rank,
-                                     world_size=self.engine.data_world, seed=self.job.seed + index,
-                                     consumed_samples=self.consumed[index])
+                                     world_size=self.engine.data_world, seed=self.job.seed + (same + [index])[0],
+                                     consumed_samples=self.consumed[index],
+                                     stream_offset=sum(self.consumed[k] for k in same))
         trace = os.environ.get(TRACE_ENV)
         if trace:
             if self.job.data.workers:
