@@ -10,7 +10,8 @@ For ``n >= 2`` gradient groups with mean gradients ``g_d`` and, element-wise,
     r    = clamp(r / mean_tensor(r), gamma, 1)   # eqs. 8-9, layer = one parameter tensor
 
 A tensor whose mean r is 0 carries no information and keeps r = 1 (the zero-information
-guard). ``gamma = 1`` gives r = 1 everywhere.
+guard), as does one whose mean r is below fp32's normal range (``R_MEAN_MIN``). ``gamma = 1``
+gives r = 1 everywhere.
 
 The gradient noise scale ``B_simple = tr(Σ) / |G|²`` (McCandlish et al. 2018, "An
 Empirical Model of Large-Batch Training", eq. 2.7 and App. A) comes from the same sums.
@@ -31,6 +32,11 @@ from torch import Tensor
 #: infinite and the scale ``inf · (1/inf) = NaN``. Above it r says nothing fp32 can resolve
 #: (``s - gbar²`` rounds at 6e-8 of s), and the kernels' fp32 partial sums of r stay finite.
 R_MAX = 2.0**64
+#: the smallest tensor mean of r that normalises (fp32's smallest normal number, 2^-126): the
+#: kernels scale by ``1/mean`` in fp32, infinite from a mean below 1/FLT_MAX (then 0·inf = NaN
+#: for an element whose r is 0); a GPU flushes fp32 subnormals to 0 anyway. Below it, as at 0,
+#: the tensor keeps r = 1.
+R_MEAN_MIN = 2.0**-126
 
 
 def gsnr(sum_g: Tensor, sum_sq: Tensor, n: int, eps: float) -> Tensor:
@@ -51,7 +57,8 @@ def gsnr(sum_g: Tensor, sum_sq: Tensor, n: int, eps: float) -> Tensor:
 class SegmentScales:
     """Per-segment normalisation of the GSNR: ``clamp(r * inv_mean, lo, 1)``.
 
-    ``lo`` is gamma, or 1 where the tensor's mean r is 0 (no information, r = 1).
+    ``lo`` is gamma, or 1 where the tensor's mean r is 0 or below ``R_MEAN_MIN`` (no
+    information, r = 1).
     """
 
     inv_mean: Tensor  # float64 [S]
@@ -68,7 +75,7 @@ def segment_scales(sum_r: Tensor, numel: Tensor, gamma: float) -> SegmentScales:
     if not 0.0 < gamma <= 1.0:
         raise ValueError(f"gamma must be in (0, 1], got {gamma}")
     mean = sum_r.double() / numel.double()
-    informative = mean > 0
+    informative = mean >= R_MEAN_MIN
     # a scalar operand beside a float64 tensor stays float64 (two Python scalars would give fp32)
     inv_mean = torch.where(informative, mean.reciprocal(), 0.0)
     lo = torch.where(informative, torch.full_like(mean, gamma), 1.0)

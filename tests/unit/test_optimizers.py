@@ -1595,6 +1595,25 @@ def test_a_tensor_without_information_reports_nothing_clipped(name):
     assert group_summary(m)["group/group0.param1/clip_low_frac"] == 0.0
 
 
+@pytest.mark.parametrize("fused", IMPLS + ["triton"])
+def test_a_tensor_whose_mean_gsnr_is_below_fp32s_range_keeps_r_one(fused):
+    """Gradient means all 0 but one tiny one (finite statistics, no skip): the tensor's mean r is
+    positive but below 2^-126, where ``1/mean`` is infinite in fp32. It keeps r = 1, as a tensor
+    without information does, with every implementation alike. Fails on the old code: the
+    reference and the fused kernels wrote NaN into the parameters (0 · inf for every element of
+    r 0), Triton damped them to gamma."""
+    p = torch.nn.Parameter(torch.ones(4))
+    opt = vrgd_ds.VRSGD([p], lr=0.1, gsnr_eps=1.0, fused=fused)
+    grad = torch.tensor([1e-20, 0.0, 0.0, 0.0])
+    for _ in range(2):
+        (p * grad).sum().backward()
+    opt.step()
+    m = opt.gsnr_metrics()
+    assert 0 < m["gsnr/mean"] < 2.0**-126 and m["step/skipped"] == 0.0
+    assert m["gsnr/scale_mean"] == 1.0 and m["gsnr/zero_info_tensors"] == 1.0
+    assert torch.equal(p.detach(), torch.ones(4) - 0.1 * p.grad)  # the plain SGD step, no NaN
+
+
 def test_a_tensor_no_backward_reached_steps_on_its_zero_gradient_and_an_unfrozen_one_is_named():
     """Two cases torch's optimizers step and the statistics had no record of, both reported as "a
     gradient set by hand" by the code before (fails on it): (1) ``zero_grad(set_to_none=False)`` (VRLamb's

@@ -51,6 +51,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from vrgd_ds.gsnr import R_MEAN_MIN
 from vrgd_ds.optim import columns
 from vrgd_ds.optim import metrics as metric_columns
 from vrgd_ds.optim.columns import BOTH_MOMENTS, PLACEMENTS, UPDATE, BucketTable, KernelFailure
@@ -62,6 +63,7 @@ Tensors = Sequence[Tensor]
 # Columns of the per-segment tables (columns.py); the Adam and LAMB tables get one more column
 # computed on the device before the launch (lr / bc1, lr · trust). Module globals reach a
 # compiled kernel only as tl.constexpr objects (an annotation is not enough).
+_R_MEAN_MIN = tl.constexpr(R_MEAN_MIN)
 _INV_MEAN = tl.constexpr(columns.index(columns.GSNR, "inv_mean"))
 _LO = tl.constexpr(columns.index(columns.GSNR, "lo"))
 _BC3 = tl.constexpr(columns.index(columns.GSNR, "bc3"))
@@ -350,7 +352,7 @@ def _scales(sum_r, rstride, numel, bc3_powers, i, t, m, gamma, ON: tl.constexpr,
     one = tl.full([BLOCK], 1.0, tl.float64)
     if ON:
         mean = tl.load(sum_r + i * rstride, mask=m, other=1.0) / tl.load(numel + i, mask=m, other=1.0)
-        informative = mean > 0
+        informative = mean >= _R_MEAN_MIN
         inv_mean = tl.where(informative, 1.0 / mean, 0.0)  # mean.reciprocal()
         lo = tl.where(informative, gamma, 1.0)
         if EMA:
@@ -456,7 +458,7 @@ def _finish_kernel(res: "*fp64", norms: "*fp64", nstride: tl.int64, table: "*fp6
         zero = tl.zeros([BLOCK], tl.float64)
         if ON:
             mean = tl.load(sum_r + i * rstride, mask=m, other=1.0) / tl.load(numel + i, mask=m, other=1.0)
-            zero_info = tl.where(mean > 0, 0.0, tl.load(share + i, mask=m, other=0.0))
+            zero_info = tl.where(mean >= _R_MEAN_MIN, 0.0, tl.load(share + i, mask=m, other=0.0))
             sums_cols = (tl.load(mom + 0, mask=m), tl.load(length + i, mask=m), tl.load(mom + 3, mask=m),
                          tl.load(mom + 4, mask=m), tl.load(res + i * K + C, mask=m),
                          tl.load(res + i * K + C + 1, mask=m), zero_info, tl.load(res + i * K + C + 2, mask=m))
