@@ -251,6 +251,28 @@ def test_a_bf16_state_saved_by_another_optimizer_resumes_in_fp32(fused):
         assert torch.equal(a, b)
 
 
+def test_a_torch_optimizers_state_keeps_the_groups_own_gsnr_options(caplog):
+    """torch's AdamW state (no ``gsnr`` nor any GSNR option: the GSNR off) loaded into a VRAdam
+    whose param group sets its own GSNR options: they stay as built, as from a VRAdam
+    ``gsnr=False`` state, and the one warning says the GSNR momentum starts at p̂ = 1. Fails on the
+    old code: the group took the constructor's defaults (gamma 0.1, beta3 0.9, first_moment,
+    1e-12), with warnings of a state "saved by an older version"."""
+    import logging
+
+    p = torch.nn.Parameter(torch.randn(4))
+    base = torch.optim.AdamW([p], lr=0.1)
+    p.grad = torch.randn(4)
+    base.step()
+    own = dict(gamma=0.5, beta3=0.3, gsnr_placement="update", gsnr_eps=1e-6)
+    opt = vrgd_ds.VRAdam([{"params": [p], **own}], lr=0.1)
+    with caplog.at_level(logging.WARNING, logger="vrgd_ds"):
+        opt.load_state_dict(base.state_dict())
+    assert {k: opt.param_groups[0][k] for k in own} == own and opt.param_groups[0]["gsnr"] is True
+    assert torch.equal(opt.state[p]["exp_avg"], base.state[p]["exp_avg"])
+    warned = [r.getMessage() for r in caplog.records]
+    assert len(warned) == 1 and "the GSNR momentum starts at p̂ = 1" in warned[0], warned
+
+
 @pytest.mark.parametrize("fused", IMPLS)
 @pytest.mark.parametrize("reset", ["clear", "replace", "delete one"])
 def test_a_state_cleared_replaced_or_deleted_starts_anew_as_torch_s_does(reset, fused):

@@ -176,7 +176,8 @@ class GSNROptimizer(torch.optim.Optimizer):
 
     def _checked_groups(self, state_dict: dict[str, Any], built: list[dict[str, Any]]) -> dict[str, Any]:
         """The saved groups' options checked as this optimizer will hold them (its wiring; defaults
-        for keys an older state lacks), before anything is loaded. A saved ``gsnr_eps`` of 0, which
+        for keys an older state lacks; a group without ``gsnr``, a base optimizer's, saved with it
+        off, with the options it lacks as built), before anything is loaded. A saved ``gsnr_eps`` of 0, which
         earlier releases accepted, resumes with this optimizer's value, with a warning."""
         groups = []
         for i, saved in enumerate(state_dict["param_groups"]):
@@ -186,6 +187,9 @@ class GSNROptimizer(torch.optim.Optimizer):
                                "gradient is equal; it resumes with gsnr_eps=%g", self.name, i,
                                self.param_groups[i]["gsnr_eps"])
                 saved["gsnr_eps"] = self.param_groups[i]["gsnr_eps"]
+            if "gsnr" not in saved and i < len(self.param_groups):  # a base optimizer's (torch's): the GSNR off, and
+                # the options it has no such key for (the GSNR's, never read; bias_correction ...) this group's as built
+                saved = {**{k: v for k, v in self.param_groups[i].items() if k != "params"}, **saved, "gsnr": False}
             options = {**self.defaults, **saved, **(built[i] if i < len(built) else {})}
             check_common(f"{self.name} (param group {i} as loaded)", options)
             type(self)._check_options(f"{self.name} (param group {i} as loaded)", options)
