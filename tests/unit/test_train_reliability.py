@@ -539,27 +539,32 @@ def test_a_refused_resume_ends_every_rank_together(monkeypatch, capsys):
     with pytest.raises(ConfigError) as raised:
         job.train()
     assert raised.value.agreed is True
+    for error, together in ((raised.value, True), (ConfigError("rank 0's own"), False)):
+        assert ended_by(monkeypatch, capsys, error) == (loop.EXIT_CONFIG, together)
+
+
+def ended_by(monkeypatch, capsys, error: Exception) -> tuple[int, bool]:
+    """``main``'s exit code for a job whose set-up raises ``error``, and whether its ranks left the
+    process group together (``leave_together``); the error is printed."""
     left = []
     monkeypatch.setattr(loop, "leave_together", lambda: left.append(1))
-    for error, together in ((raised.value, [1]), (ConfigError("rank 0's own"), [])):
-        left.clear()
 
-        class Refused:  # the job as far as main sees it
-            rank = 0
+    class Stopped:  # the job as far as main sees it
+        rank = 0
 
-            def __init__(self, *args):
-                pass
+        def __init__(self, *args):
+            pass
 
-            def setup(self):
-                raise error
+        def setup(self):
+            raise error
 
-            def release(self):
-                pass
+        def release(self):
+            pass
 
-        monkeypatch.setattr(loop, "Job", Refused)
-        rc, err = run_main(capsys)
-        assert rc == loop.EXIT_CONFIG and str(error) in err
-        assert left == together, (error, left)
+    monkeypatch.setattr(loop, "Job", Stopped)
+    rc, err = run_main(capsys)
+    assert str(error) in err
+    return rc, left == [1]
 
 
 def test_a_diverged_run_and_a_checkpoint_without_room_end_every_rank_together(monkeypatch, capsys, tmp_path):
@@ -576,29 +581,10 @@ def test_a_diverged_run_and_a_checkpoint_without_room_end_every_rank_together(mo
     with pytest.raises(ckpt.NoSpace) as no_room:
         job.save()
     assert no_room.value.agreed is True
-    left = []
-    monkeypatch.setattr(loop, "leave_together", lambda: left.append(1))
-    for error, rc, together in ((loop.Diverged("the run diverged"), loop.EXIT_DIVERGED, [1]),
-                                (no_room.value, loop.EXIT_NO_SPACE, [1]),
-                                (ckpt.NoSpace("no space left while writing step00000004"), loop.EXIT_NO_SPACE, [])):
-        left.clear()
-
-        class Stopped:  # the job as far as main sees it
-            rank = 0
-
-            def __init__(self, *args):
-                pass
-
-            def setup(self):
-                raise error
-
-            def release(self):
-                pass
-
-        monkeypatch.setattr(loop, "Job", Stopped)
-        got, err = run_main(capsys)
-        assert got == rc and str(error) in err
-        assert left == together, (error, left)
+    for error, rc, together in ((loop.Diverged("the run diverged"), loop.EXIT_DIVERGED, True),
+                                (no_room.value, loop.EXIT_NO_SPACE, True),
+                                (ckpt.NoSpace("no space left while writing step00000004"), loop.EXIT_NO_SPACE, False)):
+        assert ended_by(monkeypatch, capsys, error) == (rc, together), error
 
 
 def test_phases_of_one_sequence_length_read_one_stream(tmp_path):
