@@ -17,7 +17,8 @@
 # "--num_gpus 1"). Further arguments go to the job ("$@").
 set -euo pipefail
 # Paths given in the environment are the caller's (relative to the directory it runs in); the
-# defaults are the repository's.
+# defaults are the repository's, where the ranks start: a relative path among the job's arguments
+# ("--set job.data.path=data") resolves there, so give those absolute.
 for name in CONFIG RUN_DIR HOSTFILE; do
     if [[ -n "${!name:-}" ]]; then printf -v "$name" '%s' "$(realpath -ms -- "${!name}")"; fi
 done

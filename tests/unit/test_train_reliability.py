@@ -89,6 +89,20 @@ def test_bad_configuration_fails_before_any_work_with_one_line(capsys, override,
     assert len(err.strip().splitlines()) == 1 and "Traceback" not in err
 
 
+def test_fp16_where_deepspeeds_accelerator_has_none_fails_before_any_work(capsys, monkeypatch):
+    """The BERT-large configs' ``fp16`` on a machine whose DeepSpeed accelerator has no fp16 (a CPU
+    without native fp16 kernels): exit 2 naming the key and the way out, before the data is
+    prepared. Before, the data was prepared, then ``deepspeed.initialize`` raised "Type fp16 is
+    not supported on your device" as a traceback (exit 1). Fails on the old code."""
+    from deepspeed.accelerator import get_accelerator
+
+    monkeypatch.setattr(get_accelerator(), "is_fp16_supported", lambda: False)
+    rc, err = run_main(capsys, "--set", 'fp16={"enabled": true}')
+    assert rc == loop.EXIT_CONFIG
+    assert "fp16.enabled: DeepSpeed's " in err and "--set fp16.enabled=false for fp32, or use bf16" in err, err
+    assert len(err.strip().splitlines()) == 1
+
+
 def test_a_data_path_without_prepared_data_is_an_error_unless_asked_to_prepare(tmp_path, capsys):
     (tmp_path / "empty").mkdir()
     rc, err = run_main(capsys, "--set", f'job.data.path="{tmp_path / "empty"}"')

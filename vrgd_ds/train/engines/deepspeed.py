@@ -83,6 +83,14 @@ class DeepSpeedEngine(Engine):
             check_config(raw)
         except UnsupportedConfiguration as e:
             raise ConfigError(str(e)) from None
+        if (raw.get("fp16") or {}).get("enabled"):
+            from deepspeed.accelerator import get_accelerator
+
+            accelerator = get_accelerator()
+            if not accelerator.is_fp16_supported():  # refused before the data is prepared, not at initialize
+                raise ConfigError(f"fp16.enabled: DeepSpeed's {accelerator.device_name()} accelerator has no fp16 here "
+                                  "(its CPU one only with native fp16 kernels, AVX512-FP16 or AMX-FP16); --set "
+                                  "fp16.enabled=false for fp32, or use bf16")
 
     def __init__(self, raw: dict[str, Any], job: JobConfig, backend: str | None,
                  timeout: datetime.timedelta) -> None:
