@@ -560,3 +560,17 @@ def test_zero3_weights_without_the_optimizer_state_come_from_the_tag_asked(pool,
     res = run(pool, "run_zero3_weights_case", dict(stage=3, dtype="fp32", gas=2, clip=0.0, opt="VRLamb", bucket=500,
                                                    scheme="per_micro_step", dir=str(tmp_path), pinned=pinned))
     assert (res["step1"] == 0.0) == pinned and (res["step2"] == 0.0) != pinned, res
+
+
+@pytest.mark.parametrize("stage", [0, pytest.param(2, marks=pytest.mark.exhaustive)])
+def test_a_torch_lr_scheduler_drives_the_engines_optimizer(pool, stage):
+    """A torch LR scheduler on the optimizer DeepSpeed built from the config (HF Trainer's way
+    without a ``scheduler`` block: a callable) and one built on it after ``initialize``: both
+    set the rates, and the statistics count ranks × micro-steps. Fails on the old code on stage 0
+    in fp32, where the engine's optimizer is ours: the statistics' step replaced its ``step`` by a
+    plain function, and every torch scheduler raised "'function' object has no attribute
+    '__func__'" when built (ZeRO-1/2 wrap it: no error there)."""
+    res = run(pool, "run_scheduler_case", {"stage": stage})
+    for how in ("deepspeed", "by_hand"):
+        assert "raised" not in res[how], res
+        assert res[how]["lrs"] == [0.5 * 1e-2, 0.25 * 1e-2] and res[how]["n"] == [4.0, 4.0], res

@@ -701,6 +701,37 @@ def checkpoint_cases(tmp: str):
                                                       bucket=40, dir=tmp, scheme="per_step")
 
 
+def run_scheduler_case(case: dict) -> dict:
+    """A torch LR scheduler on the engine's optimizer, built by DeepSpeed (``lr_scheduler`` a
+    callable, as HF Trainer passes one) and by hand after ``initialize``: 2 steps of 2 micro-steps
+    each; the learning rates the scheduler set and the statistics' n."""
+    from torch.optim.lr_scheduler import LambdaLR
+
+    halve = lambda opt: LambdaLR(opt, lambda s: 0.5 ** s)  # noqa: E731
+    out = {}
+    for how in ("deepspeed", "by_hand"):
+        cfg = config(dict(case, gas=2, clip=0.0, opt="VRLamb", bucket=200, dtype="fp32", scheme="per_step"))
+        model = tiny_model()
+        try:
+            engine, *_ = deepspeed.initialize(model=model, config=cfg, model_parameters=model.parameters(),
+                                              **({"lr_scheduler": halve} if how == "deepspeed" else {}))
+            scheduler = engine.lr_scheduler if how == "deepspeed" else halve(engine.basic_optimizer)
+        except Exception as e:
+            out[how] = dict(raised=f"{type(e).__name__}: {e}")
+            continue
+        rank, lrs, ns = dist.get_rank(), [], []
+        for step in range(2):
+            for j in range(2):
+                engine.backward(loss_fn(engine, batch(step, rank, j), torch.float32))
+                engine.step()
+            if how == "by_hand":
+                scheduler.step()
+            lrs.append(engine.basic_optimizer.param_groups[0]["lr"])
+            ns.append(engine.basic_optimizer.gsnr_metrics()["gsnr/n"])
+        out[how] = dict(lrs=lrs, n=ns)
+    return out
+
+
 def run_bad_case(case: dict) -> dict:
     cfg = config(case)
     for key, value in case.get("set", {}).items():

@@ -4,6 +4,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import logging
+import types
 from typing import Any
 
 import deepspeed.comm as dist
@@ -235,7 +236,8 @@ def _hook_step(wrapper: Any, opt: GSNROptimizer, stats: sources.ReductionStats |
     """Statistics end with the engine's step, taken or skipped (``skip_reason``)."""
     step = wrapper.step
 
-    def vrgd_step(*args, **kwargs):
+    def vrgd_step(_wrapper: Any, *args, **kwargs):  # a method of the wrapper, as torch's LR schedulers ask
+        # (they rewrap ``optimizer.step.__func__``; on stage 0 in fp32 the wrapper is the optimizer itself)
         opt.begin_step_records()
         calls = opt.step_calls
         if stats is not None and hasattr(stats, "start"):
@@ -249,4 +251,4 @@ def _hook_step(wrapper: Any, opt: GSNROptimizer, stats: sources.ReductionStats |
             if opt.step_calls == calls:  # DeepSpeed skipped the step before calling ours
                 opt.record_skipped(skip_reason, n)
 
-    wrapper.step = vrgd_step
+    wrapper.step = types.MethodType(vrgd_step, wrapper)
