@@ -118,10 +118,10 @@ def resumed_options(saved: dict[str, Any] | None, raw: dict[str, Any]) -> dict[s
 def option_changes(saved: dict[str, Any] | None, raw: dict[str, Any]) -> list[str]:
     """What a resume does to the optimizer's options (``Job._apply_configured_options``), from the
     marker's record of them (``saved``: none in a marker that predates the record) and the config."""
+    now = configured_options(raw)
     if saved is None:
         return ["the checkpoint does not record its optimizer options: the job's log lists the ones the config "
-                "changes"] if configured_options(raw) else []
-    now = configured_options(raw)
+                "changes"] if now else []
     notes = [option_note(k, saved[k], v) for k, v in now.items() if k in saved and saved[k] != v]
     notes += [f"optimizer.params.{k}: the checkpoint's run left it to the optimizer's default, the config sets "
               f"{v!r}" for k, v in now.items() if k not in saved]
