@@ -348,7 +348,7 @@ def test_a_preemption_signal_sent_to_each_nodes_ranks_over_pdsh(tmp_path):
     limited to this run's ranks): the job checkpoints and exits 75 through the launcher. The two
     loopback nodes are one machine, so each rank gets the signal twice; once (1 run in 3) the
     second came during a rank's interpreter shutdown, which puts SIGUSR1's default action back,
-    and the rank ended -10: the job now ignores the signal once it has checkpointed on it
+    and the rank ended -10: the job now ignores the signal once it has checkpointed on it or finished
     (tests/unit/test_train_reliability.py reproduces that shutdown)."""
     run_dir, log = tmp_path / "run", tmp_path / "launch.log"
     proc = _start("deepspeed_hostfile.sh", run_dir, {"HOSTFILE": str(HOSTFILE),

@@ -839,16 +839,17 @@ def main(argv: list[str] | None = None) -> int:
             leave_together()
         return EXIT_NO_SPACE
     except Preempted as e:  # agreed over the ranks (_max_over_ranks)
-        # checkpointed: a later warning (Slurm's, or one per node alias) must not end the process on
-        # its way out. Python's shutdown puts the default action back for a signal it handles, and a
-        # signal sent to the process goes to any thread not blocking it (gloo's, a data loader's):
-        # the process ignores it from here, a disposition the shutdown leaves as it is
-        signal.signal(PREEMPT_SIGNAL, signal.SIG_IGN)
         if run.rank == 0:
             print(f"vrgd-pretrain: {e}; exiting {EXIT_REQUEUE} to be requeued (it resumes from there)", flush=True)
         leave_together()
         return EXIT_REQUEUE
     finally:
+        # the job has ended (checkpointed on a warning, finished, failed): a later warning (Slurm's,
+        # or one per node alias) must not end the process on its way out. Python's shutdown puts the
+        # default action back for a signal it handles, and a signal sent to the process goes to any
+        # thread not blocking it (gloo's, a data loader's): the process ignores it from here, a
+        # disposition the shutdown leaves as it is
+        signal.signal(PREEMPT_SIGNAL, signal.SIG_IGN)
         if run is not None:
             run.release()
     if run.rank == 0:
