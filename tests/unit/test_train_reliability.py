@@ -142,6 +142,51 @@ def test_a_job_asked_to_prepare_finishes_a_preparation_left_half_done(tmp_path, 
     assert calls == [tmp_path / "half"]
 
 
+@pytest.mark.parametrize("given, warned", [("job.data.vocab_size=2000", True), ("job.data.vocab_size=400", False),
+                                           (None, False)])
+def test_a_vocabulary_the_prepared_data_does_not_have_is_named(tmp_path, monkeypatch, caplog, given, warned):
+    """``job.data.vocab_size`` sizes a tokenizer the job trains; a directory prepared beforehand
+    keeps its own. A config that names another size than the prepared tokenizer's gets a warning
+    naming both (the key's default, not named, gets none). Fails on the old code, which said
+    nothing: a run meant for 2,000 pieces trained on 400."""
+    import logging
+
+    from vrgd_ds.data_pipeline import samples
+    from vrgd_ds.train import data
+    from vrgd_ds.train.config import load_config
+
+    prepared = tmp_path / "prepared"
+    (prepared / "shards").mkdir(parents=True)
+    (prepared / "tokenizer.model").write_bytes(b"a tokenizer")
+    (prepared / "shards" / "manifest.json").write_text("{}")
+
+    class Corpus:  # the prepared directory's shards, as ShardedCorpus reads them
+        vocab_size = 400
+
+        def __init__(self, path, verify):
+            pass
+
+        def check_token_ids(self):
+            pass
+
+    def load(path):
+        raise RuntimeError("tokenizer loaded")
+
+    monkeypatch.setattr(data, "ShardedCorpus", Corpus)
+    monkeypatch.setattr(samples, "build_sample_index", lambda *args, **kwargs: None)
+    monkeypatch.setattr(data.Tokenizer, "load", staticmethod(load))
+    raw = json.loads(TEST_CONFIG.read_text())
+    del raw["job"]["data"]["vocab_size"]
+    config = tmp_path / "job.json"
+    config.write_text(json.dumps(raw))
+    _, job = load_config(config, [f'job.data.path="{prepared}"'] + ([given] if given else []))
+    with caplog.at_level(logging.WARNING, logger="vrgd_ds.train.data"), pytest.raises(RuntimeError, match="loaded"):
+        data.prepare_data(job, tmp_path / "run", 0, lambda: None, [64])
+    warnings = [r.getMessage() for r in caplog.records if "vocab_size" in r.getMessage()]
+    assert warnings == ([f"job.data.vocab_size: 2000 is not used: {prepared} was prepared with a tokenizer of 400 "
+                         "pieces, which the job uses (the key sizes a tokenizer the job trains)"] if warned else [])
+
+
 def test_data_that_cannot_be_prepared_ends_the_job_with_one_line(capsys, monkeypatch):
     """The shipped BERT-large configs on the embedded corpus (``data.path`` null) ask for 30,522
     pieces, more than its text holds (about 10.9k): preparing the data raises a DataError on rank 0

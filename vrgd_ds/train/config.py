@@ -103,7 +103,9 @@ class DataConfig(_Strict):
     """How ``inputs`` are read: each file by its suffix and first lines (auto), or all as one format
     (``data_pipeline/corpus.py``)."""
     vocab_size: int = Field(8000, ge=64)
-    """Vocabulary of the sentencepiece tokenizer trained when preparing."""
+    """Vocabulary of the sentencepiece tokenizer trained when preparing. A directory prepared
+    beforehand keeps its own tokenizer (a warning names a size given here that differs;
+    ``job.model.vocab_size`` refuses one)."""
     heldout_fraction: float = Field(0.02, gt=0.0, lt=0.5)
     """Share of documents (the last ones of the corpus) kept out of training for the held-out
     MLM loss/accuracy."""

@@ -11,6 +11,7 @@ form the held-out set, evaluated with fixed masks (epoch 0) so evaluations compa
 """
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -24,6 +25,8 @@ from vrgd_ds.data_pipeline.shards import MANIFEST, ShardedCorpus
 from vrgd_ds.data_pipeline.prepare import SHARDS_DIR, TOKENIZER_FILE
 from vrgd_ds.data_pipeline.tokenizer import Tokenizer
 from vrgd_ds.train.config import ConfigError, JobConfig
+
+logger = logging.getLogger(__name__)
 
 
 class Rows(torch.utils.data.Dataset):
@@ -208,6 +211,10 @@ def prepare_data(job: JobConfig, run_dir: Path, rank: int, barrier: Any, seq_len
         with prepare_lock(out):  # another job adding indices here, or preparing it, goes first
             corpus = ShardedCorpus(out / SHARDS_DIR, verify="size")
             corpus.check_token_ids()
+            if "vocab_size" in cfg.model_fields_set and cfg.vocab_size != corpus.vocab_size:
+                logger.warning("job.data.vocab_size: %d is not used: %s was prepared with a tokenizer of %d pieces, "
+                               "which the job uses (the key sizes a tokenizer the job trains)", cfg.vocab_size, out,
+                               corpus.vocab_size)
             for n in seq_lens:
                 build_sample_index(corpus, n, job.seed, out / SAMPLES_DIR, next_sentence=cfg.next_sentence)
     elif rank == 0:  # idempotent: checks and reuses what an earlier start built
