@@ -226,3 +226,30 @@ def tied_equals_unsharded(case: dict) -> dict:
         return dict(l2=l2_err([got[k] for k in names], [want[k].detach() for k in names], [init[k] for k in names]))
     finally:
         restore()
+
+
+def run_pipe_universal(case: dict) -> dict:
+    """2 stages, ZeRO-1: one step, a checkpoint, then rank 0 asks ``vrgd_ds.ds.universal.convert``
+    for its universal form; returns what the conversion raised and what it left in its output folder."""
+    from vrgd_ds.ds.universal import convert
+
+    restore = _restore_groups()
+    try:
+        model = pipe_model(2)
+        engine, *_ = deepspeed.initialize(model=model, config=config(case),
+                                          model_parameters=[p for p in model.parameters() if p.requires_grad])
+        dp_rank = engine.grid.get_data_parallel_rank()
+        engine.train_batch(data_iter=iter([batch(0, dp_rank, j) for j in range(case["gas"])]))
+        engine.save_checkpoint(os.path.join(case["dir"], "ckpt"), tag="t1")
+        dist.barrier()
+        if dist.get_rank() != 0:
+            return {}
+        out = os.path.join(case["dir"], "ckpt", "t1_universal")
+        try:
+            convert(os.path.join(case["dir"], "ckpt", "t1"), out)
+            raised = None
+        except NotImplementedError as e:
+            raised = str(e)
+        return dict(raised=raised, left=sorted(os.listdir(out)) if os.path.exists(out) else None)
+    finally:
+        restore()

@@ -112,3 +112,15 @@ def test_tied_module_across_stages_with_gsnr_is_refused_and_accepted_with_gsnr_o
                                                             tied_gsnr_off=True))
     assert res["raised"] is None, res
     assert res["parts"] == [0, 3, 5] and res["n"] == 2, res
+
+
+@pytest.mark.exhaustive  # make test: the command's refusal on the same files by name (test_engine_paths.py)
+def test_a_pipeline_checkpoint_is_refused_by_the_universal_conversion_before_it_writes(pool, tmp_path):
+    """``vrgd_ds.ds.universal`` converts ZeRO-1/2 checkpoints without pipeline or tensor
+    parallelism; a pipeline's is refused naming the stages, and nothing is left in the output
+    folder. Fails on the old code, which refused it only from inside DeepSpeed's extraction and left
+    the output folder with a partial ``tmp`` behind."""
+    res = pool.run("pipe_worker", "run_pipe_universal", dict(stage=1, opt="VRLamb", gas=2, clip=0.0,
+                                                             dir=str(tmp_path)))
+    assert res["raised"] is not None and "saved by 2 model-parallel ranks (pipeline stages" in res["raised"], res
+    assert res["left"] is None, res

@@ -45,6 +45,14 @@ def convert(input_folder: str, output_folder: str, keep_temp_folder: bool = Fals
 
     if u._get_zero_stage(u._get_optim_files(input_folder)) > 2:
         raise NotImplementedError("vrgd_ds universal conversion supports ZeRO-1/2 checkpoints; this one is ZeRO-3")
+    # one model-state file per pipeline stage × tensor-parallel rank (DeepSpeed's mp_rank_XX), read by
+    # name: before DeepSpeed's converter writes anything
+    model_ranks = glob.glob(os.path.join(input_folder, "mp_rank_*_model_states.pt"))
+    if len(model_ranks) > 1:
+        raise NotImplementedError(
+            f"{input_folder}: saved by {len(model_ranks)} model-parallel ranks (pipeline stages × tensor-parallel "
+            "ranks); vrgd_ds universal conversion supports ZeRO-1/2 checkpoints without pipeline or tensor "
+            "parallelism. Resume it on the layout it was saved with")
     extra: set[str] = set()
 
     def extract_zero_shards(dir, ds_checkpoint, indices_3D):
@@ -103,7 +111,10 @@ def main() -> None:
     ap.add_argument("--output_folder", required=True)
     ap.add_argument("--keep_temp_folder", action="store_true")
     a = ap.parse_args()
-    keys = convert(a.input_folder, a.output_folder, a.keep_temp_folder)
+    try:
+        keys = convert(a.input_folder, a.output_folder, a.keep_temp_folder)
+    except (NotImplementedError, FileNotFoundError) as e:  # a checkpoint this converter does not handle, or none
+        ap.exit(2, f"error: {e}\n")
     print(f"universal checkpoint written to {a.output_folder}; VRGD state kept: {', '.join(keys) or 'none'}")
 
 
