@@ -14,6 +14,8 @@
 # (runs/<config name>), NP (GPUs visible, else 2), PYTHON (python), MPIRUN (mpirun next to
 # PYTHON, else on PATH), MPI_ARGS (extra mpirun arguments; a host file in them is the caller's
 # path too), BACKEND (empty: nccl on GPUs, gloo on CPU). Further arguments go to the job ("$@").
+# Ranks on other nodes get only the variables mpirun is told to forward: PATH here; add others
+# in MPI_ARGS ("-x PYTHONPATH -x NCCL_IB_HCA").
 set -euo pipefail
 # Paths given in the environment are the caller's (relative to the directory it runs in); the
 # defaults are the repository's, where the ranks start: a relative path among the job's arguments
