@@ -27,6 +27,7 @@ reduces). Cost per bucket: one collective of twice the bucket's elements in fp32
 buckets: four times the bytes of DDP's own reduction).
 """
 # No ``from __future__ import annotations``: DDP checks the hook's annotations at registration.
+import weakref
 from typing import Any, Iterable
 
 import torch
@@ -171,14 +172,32 @@ def fused_allreduce_hook(stats: DDPStats, bucket: dist.GradBucket) -> torch.futu
 
 class _Served:
     """The communication hook's state under ``squares="per_micro_step"``: the statistics it feeds
-    (those of the optimizer attached last)."""
+    (those of the optimizer attached last), held weakly: once their optimizer is gone the model's
+    reductions are DDP's own again."""
 
     def __init__(self, stats: DDPStats) -> None:
-        self.stats = stats
+        self.group = stats.group
+        self.serve(stats)
+
+    def serve(self, stats: DDPStats) -> None:
+        self._stats = weakref.ref(stats)
+
+    @property
+    def stats(self) -> DDPStats | None:
+        return self._stats()
 
 
 def _served_fused_hook(served: _Served, bucket: dist.GradBucket) -> torch.futures.Future[Tensor]:
-    return fused_allreduce_hook(served.stats, bucket)
+    stats = served.stats
+    if stats is None:
+        return _ddp_all_reduce(served.group, bucket.buffer())
+    return fused_allreduce_hook(stats, bucket)
+
+
+def _served_forward(served: _Served, ddp_model: DistributedDataParallel) -> None:
+    stats = served.stats
+    if stats is not None:
+        _one_synchronised_backward(stats, ddp_model)
 
 
 def attach(ddp_model: DistributedDataParallel, optimizer: GSNROptimizer,
@@ -237,12 +256,11 @@ def attach(ddp_model: DistributedDataParallel, optimizer: GSNROptimizer,
     if squares == "per_micro_step":
         stats = DDPStats(group, world, select_for(optimizer))
         if before is not None:  # a new optimizer: the hook feeds its statistics from the next reduction on
-            before[1].stats = stats
+            before[1].serve(stats)
         else:
             served = _Served(stats)
             ddp_model.register_comm_hook(served, _served_fused_hook)
-            ddp_model.register_forward_pre_hook(
-                lambda module, args: _one_synchronised_backward(served.stats, ddp_model))
+            ddp_model.register_forward_pre_hook(lambda module, args: _served_forward(served, ddp_model))
             setattr(ddp_model, _ATTACHED, (squares, served))
         optimizer.set_statistics_source(stats)
         return stats
@@ -292,7 +310,8 @@ class _BucketPath:
     bucket holds ``.grad``, to which autograd adds each later micro-step's local gradient: the
     reduced mean of the ones before plus it); none of a step that accumulates under ``no_sync()``
     (its last backward reduces the sum). The others are read by a tensor hook per parameter,
-    installed from the step's second forward on, or its first under ``no_sync()``."""
+    installed from the step's second forward on, or its first under ``no_sync()``. The statistics
+    are held weakly: once their optimizer is gone the model's reductions are DDP's own again."""
 
     def __init__(self, stats: LocalStats, ddp_model: DistributedDataParallel, group: dist.ProcessGroup,
                  params: list[Tensor]) -> None:
@@ -302,16 +321,21 @@ class _BucketPath:
     def serve(self, stats: LocalStats, params: list[Tensor]) -> None:
         """Feeds ``stats`` (of ``params``) from now on; the statistics served before lose their
         tensor hooks, so the optimizer they fed gets no more groups."""
-        if getattr(self, "stats", None) is not None:
-            self.stats.unhook()
-        self.stats, self.params = stats, params
+        before = self.stats if hasattr(self, "_stats") else None
+        if before is not None:
+            before.unhook()
+        self._stats, self.params = weakref.ref(stats), params
         self.accumulating = False  # this step accumulates: under no_sync(), or from its second forward on
         self.hooked = False
         self._step = -1
 
+    @property
+    def stats(self) -> LocalStats | None:
+        return self._stats()
+
     def before_forward(self, module: Any, args: Any) -> None:
         stats = self.stats
-        if not torch.is_grad_enabled():  # an evaluation between steps: no backward, no part of a step
+        if stats is None or not torch.is_grad_enabled():  # none fed; an evaluation between steps
             return
         if stats.fresh_step() != self._step:  # the first forward of a step
             self._step = stats.fresh_step()
@@ -333,24 +357,26 @@ class _BucketPath:
                     stats.unhook(p)
             self.hooked = want_hooks
 
-    def members(self, bucket: dist.GradBucket) -> list[tuple[int, int]]:
+    @staticmethod
+    def members(stats: LocalStats, bucket: dist.GradBucket) -> list[tuple[int, int]]:
         """The bucket's parameters that have statistics, with their offsets in its buffer (DDP's
         buckets also hold the parameters of ``gsnr=False`` groups)."""
         base = bucket.buffer().storage_offset()
-        return [(self.stats.index(p), grad.storage_offset() - base)
-                for p, grad in zip(bucket.parameters(), bucket.gradients()) if self.stats.holds(p)]
+        return [(stats.index(p), grad.storage_offset() - base)
+                for p, grad in zip(bucket.parameters(), bucket.gradients()) if stats.holds(p)]
 
 
 def _per_step_hook(path: _BucketPath, bucket: dist.GradBucket) -> torch.futures.Future[Tensor]:
     """DDP communication hook of the per-step scheme: the bucket's local gradients into the
     statistics (one launch), then the bucket's all-reduce as DDP makes it without a hook."""
-    if not path.hooked:
+    stats = path.stats
+    if stats is not None and not path.hooked:
         flat = bucket.buffer()
         if flat.is_sparse:
             raise RuntimeError("VRGD statistics do not support sparse gradients under DDP; use a dense layer "
                                "(e.g. nn.Embedding(sparse=False))")
         params = bucket.parameters()
-        path.stats.record_bucket((bucket.index(), tuple(map(id, params))), flat, lambda: path.members(bucket))
+        stats.record_bucket((bucket.index(), tuple(map(id, params))), flat, lambda: path.members(stats, bucket))
     return _ddp_all_reduce(path.group, bucket.buffer())
 
 

@@ -341,6 +341,54 @@ def reattach_case(squares: str) -> dict[str, Any]:
                 n=second.gsnr_metrics()["gsnr/n"], refused=refused, stale=stale)
 
 
+def deleted_case(squares: str) -> dict[str, Any]:
+    """A VRAdam attached and stepped once (2 micro-steps, the first under ``no_sync()``), then
+    deleted with the garbage collector off, and 2 steps of torch's SGD on the same DDP model,
+    against the same SGD steps on a fresh DDP model holding the weights of that moment: whether
+    the statistics went with their optimizer, and the SGD run's gradients and weights against
+    plain DDP's."""
+    import gc
+    import weakref
+
+    rank = dist.get_rank()
+
+    def step(ddp, opt, at):
+        opt.zero_grad()
+        with ddp.no_sync():
+            loss_fn(ddp, batch(at, rank, 0)).backward()
+        loss_fn(ddp, batch(at, rank, 1)).backward()
+        grads = torch.cat([p.grad.reshape(-1) for p in ddp.parameters()])
+        opt.step()
+        return grads
+
+    ddp = DDP(tiny_model(), bucket_cap_mb=BUCKET_CAP_MB)
+    first = VRAdam(ddp.parameters(), lr=1e-2)
+    stats = weakref.ref(attach(ddp, first, squares=squares))
+    step(ddp, first, 0)
+    weights = copy.deepcopy(ddp.module.state_dict())
+
+    def hooks() -> int:  # tensor hooks on the parameters (the per-step scheme's, while a step accumulates)
+        return sum(len(p._backward_hooks or {}) for p in ddp.parameters())
+
+    hooked = hooks()
+    gc.disable()
+    try:
+        del first
+        freed = stats() is None
+    finally:
+        gc.enable()
+    hooked = (hooked, hooks())
+    sgd = torch.optim.SGD(ddp.parameters(), lr=0.1)
+    grads = [step(ddp, sgd, at) for at in (1, 2)]
+    fresh_model = tiny_model()
+    fresh_model.load_state_dict(weights)
+    fresh = DDP(fresh_model, bucket_cap_mb=BUCKET_CAP_MB)
+    plain = torch.optim.SGD(fresh.parameters(), lr=0.1)
+    plain_grads = [step(fresh, plain, at) for at in (1, 2)]
+    return dict(freed=freed, hooked=hooked, grads_differ=[int((a != b).sum()) for a, b in zip(grads, plain_grads)],
+                weights_differ=int((flat(fresh_model) != flat(ddp.module)).sum()))
+
+
 def cases() -> dict[str, Callable[[], dict[str, Any]]]:
     return {
         "VRSGD": lambda: train_case("VRSGD", 1),
@@ -378,6 +426,8 @@ def cases() -> dict[str, Callable[[], dict[str, Any]]]:
         "three_ranks": three_rank_case,
         "reattach": lambda: reattach_case("per_step"),
         "fused_reattach": lambda: reattach_case("per_micro_step"),
+        "deleted": lambda: deleted_case("per_step"),
+        "fused_deleted": lambda: deleted_case("per_micro_step"),
     }
 
 

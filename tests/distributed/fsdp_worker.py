@@ -208,15 +208,24 @@ def _refusal(case: dict) -> dict[str, Any]:
             import gc
 
             gone = weakref.ref(stats)
-            del opt, stats
-            gc.collect()
-            opt = vrgd_ds.VRAdam(model.parameters(), lr=0.1)
-            stats = vrgd_ds.fsdp.attach(model, opt)
             rank = dist.get_rank()
             for j in range(2):
                 backward(model, batch(0, rank, j), 0.5, 1)
             opt.step()
-            return dict(type=None, message="", freed=gone() is None, n=opt.gsnr_metrics()["gsnr/n"])
+            # freed as the optimizer goes, by reference counting: the collector runs when a rank's
+            # allocations say, so statistics only it frees would leave the ranks' collectives apart
+            gc.disable()
+            try:
+                del opt, stats
+                freed = gone() is None
+                opt = vrgd_ds.VRAdam(model.parameters(), lr=0.1)
+                stats = vrgd_ds.fsdp.attach(model, opt)
+                for j in range(2):
+                    backward(model, batch(0, rank, j), 0.5, 1)
+                opt.step()
+            finally:
+                gc.enable()
+            return dict(type=None, message="", freed=freed, n=opt.gsnr_metrics()["gsnr/n"])
     except Exception as e:  # noqa: BLE001 (the message is the result)
         return dict(type=type(e).__name__, message=str(e))
     if what == "unfrozen":  # a block frozen when attached, unfrozen after a step (progressive unfreezing)

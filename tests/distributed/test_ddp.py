@@ -212,6 +212,20 @@ def test_the_per_step_scheme_leaves_ddps_reduction_bit_for_bit_on_3_ranks(pool4)
         assert res["moved"] > 0
 
 
+@pytest.mark.parametrize("name", ["deleted", "fused_deleted"])
+def test_a_deleted_optimizers_statistics_go_with_it_and_ddp_reduces_as_its_own(pool, name):
+    """An optimizer attached to a DDP model, stepped and deleted (the garbage collector off), a
+    torch SGD on the same model after it: the statistics are freed with the optimizer, and the
+    model's reductions are DDP's own again, bit for bit against a fresh DDP model, and the tensor
+    hooks the statistics installed are removed. Fails on the old code, where the communication
+    hook's state held the statistics: they stayed alive, fed by every reduction (the
+    per-micro-step scheme's collective of ``[g | g²]`` in each bucket's place)."""
+    for res in _case(pool, name):
+        assert res.get("freed") and res["grads_differ"] == [0, 0] and res["weights_differ"] == 0, res
+        # the per-step scheme's tensor hooks (a step under no_sync()) go with the statistics
+        assert res["hooked"] == ([6, 0] if name == "deleted" else [0, 0]), res
+
+
 @pytest.mark.parametrize("name", ["reattach", "fused_reattach"])
 def test_a_new_optimizer_attached_to_the_same_ddp_model_trains_as_on_a_fresh_one(pool, name):
     """A second ``attach`` on one DDP model (an optimizer rebuilt mid-training): the new optimizer

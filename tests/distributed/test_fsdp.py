@@ -118,11 +118,13 @@ def test_a_base_optimizer_beside_a_vrgd_one_on_one_model_is_attached(pool):
 
 
 def test_a_model_whose_optimizer_is_gone_is_attached_to_a_new_one(pool):
-    """The optimizer deleted and collected, a new VRGD optimizer built on the same model and
-    attached: the earlier statistics are freed, and the new ones count the step's groups (n =
-    ranks × 2). Fails on the old code: FSDP's reduce-scatter and post-backward held the earlier
-    statistics (each backward still reduced their squares), and the new attach was refused as a
-    second one."""
+    """The optimizer, after a step, deleted; a new VRGD optimizer built on the same model and
+    attached: the earlier statistics are freed with the optimizer (reference counting, the
+    garbage collector off), and the new ones count the step's groups (n = ranks × 2). Fails on the
+    old code: FSDP's reduce-scatter and post-backward held the earlier statistics (each backward
+    still reduced their squares), and the new attach was refused as a second one; then, until the
+    collector ran, the statistics' buckets held them in a cycle (a rank whose collector ran first
+    left the others' extra collective unmatched: a hang)."""
     for res in pool.run("fsdp_worker", "refusal_case", {"what": "rebuilt"}):
         assert res["type"] is None and res["freed"] and res["n"] == 4.0, res
 

@@ -69,7 +69,9 @@ class FSDPStats(LocalStats):
         device = group.fsdp_params[0].sharded_param.device
         # HSDP: the first bucket's collective sums the whole allocation (every bucket is a view of
         # it) over the replicas in fp32: one collective per step
-        reduce = None if replicate is None or self._groups else (lambda b, g=replicate: self._replicas(g))
+        # (held weakly, as the buckets hold their source: ``StatsBucket``)
+        reduce = None if replicate is None or self._groups else (
+            lambda b, g=replicate, ref=weakref.ref(self): ref()._replicas(g))
         bucket = self.add_bucket(sum(sizes), device, reduce)
         indices, offsets, off = [], [], 0
         for fp, size in zip(group.fsdp_params, sizes):

@@ -153,6 +153,14 @@ class BackwardGroups:
             self._open = False
 
 
+def remove_hooks(handles: list[Any] | dict[Any, Any]) -> None:
+    """Removes the hooks of ``handles`` (a list of them, or a dict whose values they are) and
+    empties it: also as the finaliser of the statistics that installed them, which hold it."""
+    for h in list(handles.values() if isinstance(handles, dict) else handles):
+        h.remove()
+    handles.clear()
+
+
 def second_pass_error(p: Tensor, owner: str) -> RuntimeError:
     """The error for a parameter whose hook ran twice in one ``backward()``."""
     return RuntimeError(

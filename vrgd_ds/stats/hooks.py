@@ -24,7 +24,7 @@ from torch import Tensor
 
 from vrgd_ds.log import name_of, warn_once
 from vrgd_ds.optim import _impl
-from vrgd_ds.stats.backward import BackwardGroups
+from vrgd_ds.stats.backward import BackwardGroups, remove_hooks
 
 logger = logging.getLogger(__name__)
 
@@ -36,12 +36,6 @@ def warn_dropped(source: object, owner: str, count: int) -> None:
     warn_once(logger, f"dropped-{name_of(source)}", "%s: the statistics of %d backward pass(es) were dropped: the "
               "gradients were cleared (model.zero_grad()) with no optimizer step between, e.g. a step "
               "GradScaler skipped", owner, count)
-
-
-def _remove(handles: list[torch.utils.hooks.RemovableHandle]) -> None:
-    for h in handles:
-        h.remove()
-    handles.clear()
 
 
 class TensorHookStats:
@@ -68,7 +62,7 @@ class TensorHookStats:
         self._handed_out = False  # moments() gave the buffers away since the last reset
         self._handles: list[torch.utils.hooks.RemovableHandle] = []
         self._watched: set[int] = set()
-        weakref.finalize(self, _remove, self._handles)  # an optimizer dropped (rebuilt) leaves no hooks behind
+        weakref.finalize(self, remove_hooks, self._handles)  # an optimizer dropped (rebuilt) leaves no hooks behind
 
     @property
     def kernels(self) -> _impl.Kernels:
@@ -221,7 +215,7 @@ class TensorHookStats:
 
     def remove(self) -> None:
         """Removes the hooks and frees the buffers (another source feeds the optimizer)."""
-        _remove(self._handles)
+        remove_hooks(self._handles)
         self._watched.clear()
         self._buffers.clear()
         self._counts.clear()

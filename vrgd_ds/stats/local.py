@@ -44,7 +44,7 @@ import torch
 from torch import Tensor
 
 from vrgd_ds.optim.columns import BucketTable
-from vrgd_ds.stats.backward import BackwardGroups
+from vrgd_ds.stats.backward import BackwardGroups, remove_hooks
 from vrgd_ds.stats.comm import CommCounters, launch
 from vrgd_ds.stats.scaling import Scaling
 
@@ -109,7 +109,10 @@ class StatsBucket:
                  reduce: Callable[["StatsBucket"], list[Any]] | None) -> None:
         if numel % ranks:
             raise ValueError(f"a statistics bucket of {numel} elements cannot be split over {ranks} ranks")
-        self._owner = owner
+        # weakly: the source holds its buckets, and a cycle would keep it (and the hooks that feed it,
+        # which hold it weakly) alive past its optimizer until a garbage collection, which the ranks
+        # run at different times
+        self._owner = weakref.proxy(owner)
         self.base, self.numel, self.ranks, self.part = base, numel, ranks, numel // ranks
         self.padded = -(-self.part // PAD) * PAD
         self.device = device
@@ -267,6 +270,7 @@ class LocalStats:
         self._count_check: tuple[Tensor, Any, int] | None = None  # (Σ counts on the host, event, this rank's)
         self._count_host: Tensor | None = None
         self._handles: dict[int, Any] = {}
+        weakref.finalize(self, remove_hooks, self._handles)  # statistics gone with their optimizer leave no hooks
         self._passes = BackwardGroups()  # the hook path: which backward() a hook runs in
         self._steps_ended = 0
         self.counters = CommCounters()
