@@ -195,7 +195,7 @@ def _refusal(case: dict) -> dict[str, Any]:
     if what == "unfrozen":
         for p in model.a.parameters():
             p.requires_grad_(False)
-    opt = vrgd_ds.VRLamb(model.parameters(), lr=0.1)
+    opt = (vrgd_ds.Lamb if what == "moved_base" else vrgd_ds.VRLamb)(model.parameters(), lr=0.1)
     if what == "fused_group":
         opt.param_groups[0]["fused"] = True
     try:
@@ -204,6 +204,12 @@ def _refusal(case: dict) -> dict[str, Any]:
             vrgd_ds.fsdp.attach(model, vrgd_ds.VRAdam(model.parameters(), lr=0.1))
         if what == "twice_base":  # a base optimizer leaves FSDP's reduce-scatter alone
             vrgd_ds.fsdp.attach(model, vrgd_ds.Lamb(model.parameters(), lr=0.1))
+        if what in ("moved", "moved_base"):  # model.to() after attach: FSDP2 makes new local shards
+            model.to("cpu")
+            rank = dist.get_rank()
+            for j in range(2):
+                backward(model, batch(0, rank, j), 0.5, 1)
+            opt.step()
         if what == "rebuilt":  # the optimizer deleted, another built and attached (a new hyper-parameter)
             import gc
 

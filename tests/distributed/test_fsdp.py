@@ -98,6 +98,10 @@ REFUSALS = {
     "unfrozen": ("RuntimeError", "frozen (requires_grad False) when the engine laid the model out"),
     # before: "use vrgd_ds.ddp for replication", which takes a DDP model, not this one
     "replicated": ("UnsupportedFSDPConfiguration", "torch's DistributedDataParallel and vrgd_ds.ddp.attach"),
+    # model.to() after attach (FSDP2 replaces the local shards): before, "it was frozen (requires_grad
+    # False) when the engine laid the model out", which it was not
+    "moved": ("UnsupportedFSDPConfiguration", "the model's shards were replaced after vrgd_ds.fsdp.attach"),
+    "moved_base": ("RuntimeError", "or the model was moved or cast (model.to(...)) after"),
 }
 
 

@@ -108,6 +108,11 @@ class FSDPStats(LocalStats):
                 "statistics' bookkeeping (it runs in Python at each reduction): run the backward eagerly "
                 "(torchtitan: training.disable_cuda_graphs, which vrgd_ds.fsdp.torchtitan.with_vrgd sets)")
         group = self._groups[gi][0]
+        if any(id(fp.sharded_param._local_tensor) not in self._index for fp in group.fsdp_params):
+            raise UnsupportedFSDPConfiguration(
+                "vrgd_ds.fsdp: the model's shards were replaced after vrgd_ds.fsdp.attach: model.to(...), .float(), "
+                ".cpu() and the like make FSDP2 build new local shards, which the statistics and the optimizer's "
+                "layout do not know. Move or cast the model first, then build the optimizer and attach it")
         if group.reduce_grads:
             self._pending[gi] = reduced_by_fsdp(group)
 

@@ -107,7 +107,9 @@ class Layout:
                 f"the optimizer updates a tensor of shape {tuple(p.shape)} that its layout does not know: it was "
                 "frozen (requires_grad False) when the engine laid the model out (deepspeed.initialize, "
                 "get_megatron_optimizer, vrgd_ds.fsdp.attach) and is trainable now, or was added to the optimizer "
-                "after; not supported: unfreeze parameters before building the optimizer, as DDP also asks"
+                "after, or the model was moved or cast (model.to(...)) after vrgd_ds.fsdp.attach, which gives FSDP2 "
+                "new local shards; not supported: unfreeze parameters, and move or cast the model, before building "
+                "the optimizer, as DDP also asks"
             ) from None
 
     def offsets(self, p: Tensor) -> list[int]:
