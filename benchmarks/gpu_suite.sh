@@ -97,7 +97,8 @@ part() {  # name, seconds, command... (capped by the time left before the study'
     (( limit > room )) && limit=$room
     local t0=$SECONDS
     echo "== $name (limit ${limit}s)" | tee -a "$WORK/summary.log"
-    timeout "$limit" "$@" >"$WORK/$name.log" 2>&1
+    # SIGTERM at the limit (a study stops its runs on it), SIGKILL 15 s later if still there
+    timeout -k 15 "$limit" "$@" >"$WORK/$name.log" 2>&1
     local rc=$?
     echo "   rc=$rc in $((SECONDS - t0))s" | tee -a "$WORK/summary.log"
     tail -n 40 "$WORK/$name.log" >>"$WORK/summary.log"

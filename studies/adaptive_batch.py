@@ -23,7 +23,8 @@ import platform
 from pathlib import Path
 from statistics import mean, median
 
-from bert_batch import data_fingerprint, load_reused, prepare, run_one, set_aside_other_data, steps
+from bert_batch import (carried_runs, data_fingerprint, end_on_sigterm, finish, keep_carried, load_reused, prepare,
+                        run_key, run_one, set_aside_other_data, steps)
 from common import DOCS, Output, plt, table
 
 VR = {"gamma": 0.1, "beta3": 0.9, "gsnr_placement": "first_moment"}
@@ -65,6 +66,7 @@ def main() -> None:
                     help="a committed record of this study whose runs are read, not run again (same settings, "
                          "checked); repeatable")
     args = ap.parse_args()
+    end_on_sigterm()
     if args.quick:
         args.corpus, args.seed, args.samples, args.every = ["embedded"], [1], 512, 2
         args.vocab_size = min(args.vocab_size, 2000)  # a smoke run: the tokenizer trains in a few seconds
@@ -72,10 +74,17 @@ def main() -> None:
     specs = args.corpus or ["embedded"]
     seeds = args.seed or [1]
     config = {k: v for k, v in vars(args).items() if k not in ("work", "out", "port", "reuse")} | {"corpora": specs}
-    args.reused, sources, _ = load_reused(args.reuse, config, SETTINGS)  # before Output: --out may be one of them
-    out = Output(args.out or (args.work if args.quick else DOCS / "adaptive_batch"), "adaptive_batch", config)
+    args.reused, sources, shorter = load_reused(args.reuse, config, SETTINGS)  # before Output: --out may be one
+    out_dir = args.out or (args.work if args.quick else DOCS / "adaptive_batch")
+    carried = carried_runs(args.reuse, out_dir)
+    out = Output(out_dir, "adaptive_batch", config)
     if sources:
         out.meta["reused"] = sources
+    if shorter:
+        out.meta["not_reused_other_steps"] = len(shorter)
+        print(f"--reuse: {len(shorter)} recorded run(s) took another number of steps (another --samples or "
+              "--batch); they stay in their records, unused here", flush=True)
+    args.failed = []  # the runs that failed (bert_batch.Runner): the others go on, the study exits 1 at the end
     # bert_batch.run_one's knobs: the LR is base_lr at base_batch (factor 1, no rule: one batch)
     args.base_lr, args.base_batch, args.lr_rule_fixed = args.lr, args.batch, "linear"
     results = []
@@ -96,6 +105,8 @@ def main() -> None:
                                             "lr_rule": args.lr_rule}} if adaptive else None
                 r = run_one(label, name, data, args.batch, 1.0, seed, study_args(args),
                             params=params, phase_extra=extra)
+                if r is None:  # failed: named with its log's end, in meta.json too
+                    continue
                 if "reused_from" not in r:  # a reused record holds its trajectory already
                     r.update(trajectory(args.work / r["run_dir"]))  # recorded under --work
                 out.log_run(r)
@@ -122,11 +133,12 @@ def main() -> None:
         ax.set(xlabel="samples", ylabel="global batch", yscale="log", title=f"{name} (seed {seeds[0]})")
         ax.legend(fontsize=7)
     out.savefig(fig, "batch_trajectory.png")
-    out.finish(results)
+    keep_carried(out, carried, {(run_key(r), r["steps"]) for r in results})
+    finish(out, results, args)
 
 
 def study_args(args: argparse.Namespace) -> argparse.Namespace:
-    ns = argparse.Namespace(**vars(args))
+    ns = argparse.Namespace(**vars(args))  # its failed list is args's own
     ns.lr_rule = "linear"  # bert_batch's LR rule: base_lr at base_batch = the batch here, factor 1
     return ns
 

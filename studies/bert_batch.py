@@ -271,6 +271,37 @@ def load_reused(dirs: list[Path], config: dict, settings: tuple[str, ...] = RUN_
     return runs, sources, shorter
 
 
+def carried_runs(reuse: list[Path], out_dir: Path) -> list[dict]:
+    """With ``--out`` among ``--reuse``: that record's runs, read before ``Output`` starts it anew,
+    so that those the study does not write again (another step count, other data, cells or seeds
+    outside this invocation) are carried over (``keep_carried``), not lost with its runs.jsonl."""
+    own = (out_dir / "runs.jsonl").resolve()
+    return [json.loads(line) for d in reuse if (Path(d) / "runs.jsonl").resolve() == own
+            for line in own.read_text().splitlines() if line.strip()]
+
+
+def keep_carried(out: Output, carried: list[dict], written: set[tuple]) -> None:
+    """Logs each of ``carried`` whose (``run_key``, steps) the study has not written."""
+    kept = [r for r in carried if (run_key(r), r["steps"]) not in written]
+    for r in kept:
+        out.log_run(r)
+    if kept:
+        print(f"--out is among --reuse: {len(kept)} run(s) of its record this study does not use are kept in it",
+              flush=True)
+
+
+def finish(out: Output, results: list[dict], args: argparse.Namespace) -> None:
+    """``out.finish``; then, if runs failed (``Runner``: the others went on), their logs' ends in
+    meta.json and exit 1 naming the first."""
+    failed = getattr(args, "failed", None)
+    if failed:
+        out.meta["failed"] = failed
+    out.finish(results)
+    if failed:
+        raise SystemExit(f"{len(failed)} run(s) failed, the first {failed[0]['run']} (exit "
+                         f"{failed[0]['returncode']}); meta.json's \"failed\" holds each log's end")
+
+
 def micro_batch_for(batch: int, args: argparse.Namespace) -> int:
     """The micro-batch of a run at ``batch``: ``--micro-batch``, or with ``--groups N`` the batch
     split into N GSNR groups (``batch / N`` samples each: N = ranks × accumulation, fixed as the
@@ -553,7 +584,7 @@ class Runner:
     once and starts no more, so a study without a time limit (a long CPU run) can be stopped from
     outside and resumed later. Its runs get tcmalloc where it is installed (``cpu_allocator``)
     unless ``LD_PRELOAD`` is set. The study always assembles what finished and lists the rest as not
-    run. A failed run stops the study, naming its log."""
+    run. A failed run ends with the end of its log printed; the others go on (``collect``)."""
 
     #: seconds of the time limit kept for assembling the tables and the record
     ASSEMBLY_S = 15.0
@@ -813,6 +844,18 @@ def pause_on_signal(args: argparse.Namespace) -> None:
         args.pause_requested = True
 
     signal.signal(signal.SIGUSR1, request)
+    end_on_sigterm()
+
+
+def end_on_sigterm() -> None:
+    """SIGTERM to the study (``timeout``'s, as ``benchmarks/gpu_suite.sh`` stops a part) ends it
+    at once, as a failure would: ``Runner.run`` stops its runs in flight, whose sessions of their
+    own the signal does not reach (those not resumed from a checkpoint are removed), and the study
+    exits 143. Before, the runs went on after the study, on the machine the next parts time."""
+    def end(signum: int, frame: Any) -> None:
+        raise SystemExit(128 + signum)
+
+    signal.signal(signal.SIGTERM, end)
 
 
 def run_one(label: str, corpus: str, data: Path, batch: int, factor: float, seed: int,
@@ -1321,11 +1364,7 @@ def main() -> None:
     args.reused, sources, shorter = load_reused(args.reuse, config)  # before Output: --out may be one of them
     args.work.mkdir(parents=True, exist_ok=True)
     out_dir = Path(args.out or (args.work if args.quick else DOCS / "bert_batch"))
-    # --out among --reuse: the record's runs this study does not write again (another step count, other data,
-    # cells outside this invocation's grid) are carried over, not lost with the record's runs.jsonl
-    own = (out_dir / "runs.jsonl").resolve()
-    carried = [json.loads(line) for d in args.reuse if (Path(d) / "runs.jsonl").resolve() == own
-               for line in own.read_text().splitlines() if line.strip()]
+    carried = carried_runs(args.reuse, out_dir)
     out = Output(out_dir, "bert_batch", config)
     logged: set[RunKey] = set()
     written: set[tuple] = set()  # (cell and seed, steps) of each run written
@@ -1496,18 +1535,8 @@ def main() -> None:
                               "–" if c["tolerance"] is None else f"{c['tolerance']:.2e}",
                               {True: "yes", False: "no", None: "–"}[c["within"]], "yes" if c["same_data"] else "no")
                              for c in rows]))
-    kept = [r for r in carried if (run_key(r), r["steps"]) not in written]
-    for r in kept:
-        out.log_run(r)
-    if kept:
-        print(f"--out is among --reuse: {len(kept)} run(s) of its record this study does not use are kept in it",
-              flush=True)
-    if getattr(args, "failed", None):
-        out.meta["failed"] = args.failed
-    out.finish(everyone)
-    if getattr(args, "failed", None):
-        raise SystemExit(f"{len(args.failed)} run(s) failed, the first {args.failed[0]['run']} (exit "
-                         f"{args.failed[0]['returncode']}); meta.json's \"failed\" holds each log's end")
+    keep_carried(out, carried, written)
+    finish(out, everyone, args)
 
 
 if __name__ == "__main__":

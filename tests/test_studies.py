@@ -294,6 +294,18 @@ def test_adaptive_batch_quick(tmp_path, study_work):
     again = check_output(tmp_path / "again", ["batch_trajectory.png"])
     assert [(r["mlm_loss"], r["batches"]) for r in again] == [(r["mlm_loss"], r["batches"]) for r in runs]
     assert not (tmp_path / "elsewhere" / "quick" / "runs").exists()
+    # the record named as --out among --reuse (the documented way to add a seed): its runs this
+    # call does not ask for (seed 2's here) stay in it. Fails on the old code, which rewrote the
+    # record with this call's runs only: 8 runs became 4
+    grown = tmp_path / "grown"
+    grown.mkdir()
+    (grown / "meta.json").write_text((tmp_path / "out" / "meta.json").read_text())
+    (grown / "runs.jsonl").write_text("".join(json.dumps({**r, "seed": seed}) + "\n" for seed in (1, 2) for r in runs))
+    proc = run_study("adaptive_batch.py", "--quick", "--reuse", str(grown), "--work", str(tmp_path / "elsewhere"),
+                     "--out", str(grown))
+    assert "--out is among --reuse: 4 run(s) of its record this study does not use are kept in it" in proc.stdout
+    kept = [json.loads(line) for line in (grown / "runs.jsonl").read_text().splitlines()]
+    assert sorted((r["seed"], r["optimizer"]) for r in kept) == sorted((s, r["optimizer"]) for s in (1, 2) for r in runs)
     # runs that read other data (another fingerprint) run again. Before, adaptive_batch.py never
     # compared the fingerprints: a record of another corpus of the same name was reused (fails on
     # the old code)
@@ -306,6 +318,21 @@ def test_adaptive_batch_quick(tmp_path, study_work):
     assert "4 recorded run(s) of corpus 'embedded' read other data" in proc.stdout
     assert (tmp_path / "third" / "quick" / "runs").is_dir()
     assert all("reused_from" not in r for r in check_output(tmp_path / "third_out", ["batch_trajectory.png"]))
+
+
+@pytest.mark.exhaustive  # four runs that fail at their config check (about 40 s): make test-all
+def test_adaptive_batch_with_failed_runs_records_them_and_exits_1(tmp_path):
+    """Runs that fail (here a micro-batch the batch does not divide into: every run's job refuses
+    its config) are named with their logs' ends, in meta.json too, and the study exits 1 after
+    assembling what finished. Fails on the old code, which raised a TypeError on the first failed
+    run's missing result and wrote no meta.json."""
+    proc = subprocess.run([sys.executable, str(STUDIES / "adaptive_batch.py"), "--quick", "--micro-batch", "7",
+                           "--work", str(tmp_path / "work"), "--out", str(tmp_path / "out")],
+                          cwd=ROOT, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 1 and "4 run(s) failed, the first " in proc.stderr, proc.stderr[-3000:]
+    assert "TypeError" not in proc.stderr
+    meta = json.loads((tmp_path / "out" / "meta.json").read_text())
+    assert len(meta["failed"]) == 4 and all(f["returncode"] == 2 for f in meta["failed"]), meta["failed"]
 
 
 def test_adaptive_batch_reuses_only_a_record_with_its_settings(tmp_path):
@@ -1081,6 +1108,41 @@ def test_sigusr1_to_a_study_without_a_time_limit_pauses_its_runs_and_starts_no_m
     out = capsys.readouterr().out
     assert "SIGUSR1: pausing the runs in flight" in out and f"SIGUSR1: {tmp_path / 'c'} stopped, removed" in out
     assert f"SIGUSR1: paused: 1 run(s) not started (the first: {tmp_path / 'd'})" in out
+
+
+#: a study (``bert_batch.Runner`` with the signal handling of ``main``) of one long stand-in run
+TERMINATED_STUDY = """
+import argparse, json, sys, time
+from pathlib import Path
+sys.path[:0] = [sys.argv[1], sys.argv[2]]
+from bert_batch import Runner, pause_on_signal
+from test_studies import stand_in
+args = argparse.Namespace(parallel=1, time_limit=None, started=time.monotonic(), ranks=1, port=None)
+pause_on_signal(args)
+Runner(args).run([stand_in(Path(sys.argv[3]), 120)])
+"""
+
+
+def test_sigterm_to_a_study_stops_its_runs_with_it(tmp_path):
+    """``timeout`` ends a study with SIGTERM (``benchmarks/gpu_suite.sh``'s parts); the study's
+    runs are in sessions of their own, which the signal does not reach: the study stops them
+    (``Runner.run``'s way out on a failure) and exits 143. Fails on the old code, which had no
+    SIGTERM handler: the study died at once and its run went on, on the machine the next parts
+    timed."""
+    run_dir = tmp_path / "r"
+    study = subprocess.Popen([sys.executable, "-c", TERMINATED_STUDY, str(STUDIES), str(Path(__file__).parent),
+                              str(run_dir)], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        wait_until((run_dir / "metrics.jsonl").exists, "the study's run", timeout=60)
+        study.send_signal(signal.SIGTERM)
+        study.wait(timeout=60)
+        left = subprocess.run(["pgrep", "-f", str(run_dir)], capture_output=True, text=True).stdout.split()
+    finally:
+        study.kill()
+        subprocess.run(["pkill", "-f", str(run_dir)], check=False)
+    assert study.returncode == 143, study.stdout.read()[-2000:]
+    assert left == [], f"the study's run outlived it: {left}"
+    assert not run_dir.exists()  # stopped unfinished (not a job: no checkpoint), removed
 
 
 #: a stand-in run that listens on its master port while it runs, as the launcher's rendezvous does
