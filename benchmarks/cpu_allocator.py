@@ -7,8 +7,9 @@ faults in and zeroes gigabytes of pages again (a 16× run at batch 12,736 took a
 faults a second, a third of its CPU time in the kernel). This runs the real job (``deepspeed
 --num_gpus 1 --module vrgd_ds.train``, ZeRO-2 fp32, BERT "tiny", the embedded corpus, seq 64,
 8 micro-steps a step) under each variant in turn, for ``--rounds`` rounds, and prints per
-variant the median step time after the first step, the ratio to glibc's defaults, the job's
-minor page faults per step, its rank's peak resident memory, and whether its per-step losses equal the defaults' bit for bit
+variant the median step time after the first step, the ratio to glibc's defaults, the rank's
+minor page faults per step after the first (start-up and data preparation left out), its peak
+resident memory, and whether its per-step losses equal the defaults' bit for bit
 (an allocator changes where tensors live, never what is computed).
 
 Variants: glibc's defaults; glibc with ``GLIBC_TUNABLES`` mmap and trim thresholds of 16 GiB
@@ -22,11 +23,11 @@ from __future__ import annotations
 
 import argparse
 import os
-import resource
 import statistics
 import sys
 import tempfile
 import threading
+import time
 from pathlib import Path
 
 from pretrain_pipeline import run
@@ -46,25 +47,48 @@ def variants() -> dict[str, dict[str, str]]:
     return out
 
 
-class PeakRSS:
-    """The largest resident set (bytes) any process whose command line names ``marker`` reached,
-    sampled from /proc every 0.2 s while in the ``with`` block (the job's rank; Linux only)."""
+class RankSampler:
+    """Samples /proc every 0.2 s while in the ``with`` block (Linux only): ``peak``, the largest
+    resident set (bytes) of any process whose command line names ``marker``; ``faults``, the
+    (time, minor faults) of the job's rank, its process with ``--local_rank`` whose parent is not
+    one (its DataLoader workers are forks of it)."""
 
     def __init__(self, marker: str) -> None:
         self.marker, self.peak, self._done = marker.encode(), 0, threading.Event()
+        self.faults: list[tuple[float, int]] = []
 
     def _sample(self) -> None:
         while not self._done.wait(0.2):
+            ranks = {}  # pid -> (parent, minor faults)
             for entry in Path("/proc").iterdir():
                 try:
-                    if entry.name.isdigit() and self.marker in (entry / "cmdline").read_bytes():
-                        rss = next(int(line.split()[1]) for line in (entry / "status").read_text().splitlines()
-                                   if line.startswith("VmRSS:"))
-                        self.peak = max(self.peak, rss * 1024)
+                    if not entry.name.isdigit():
+                        continue
+                    cmdline = (entry / "cmdline").read_bytes()
+                    if self.marker not in cmdline:
+                        continue
+                    rss = next(int(line.split()[1]) for line in (entry / "status").read_text().splitlines()
+                               if line.startswith("VmRSS:"))
+                    self.peak = max(self.peak, rss * 1024)
+                    if b"--local_rank" in cmdline:
+                        fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+                        ranks[int(entry.name)] = (int(fields[1]), int(fields[7]))  # ppid, minflt
                 except (OSError, StopIteration):
                     continue
+            rank = [faults for parent, faults in ranks.values() if parent not in ranks]
+            if len(rank) == 1:
+                self.faults.append((time.time(), rank[0]))
 
-    def __enter__(self) -> PeakRSS:
+    def faults_per_step(self, records: list[dict]) -> float:
+        """The rank's minor faults per step from the end of step 1 to the end of the last (the
+        records' times), so that start-up, data preparation and the first step are left out."""
+        def at(t: float) -> int:
+            return max((f for when, f in self.faults if when <= t), default=0)
+
+        first, last = records[0], records[-1]
+        return (at(last["time"]) - at(first["time"])) / max(last["step"] - first["step"], 1)
+
+    def __enter__(self) -> RankSampler:
         self._thread = threading.Thread(target=self._sample, daemon=True)
         self._thread.start()
         return self
@@ -114,11 +138,10 @@ def main() -> None:
         for r in range(args.rounds):
             for i, (name, extra) in enumerate(names.items()):
                 env = {k: v for k, v in os.environ.items() if k not in ("GLIBC_TUNABLES", "LD_PRELOAD")} | extra
-                before = resource.getrusage(resource.RUSAGE_CHILDREN).ru_minflt
-                with PeakRSS(str(tmp / f"r{r}v{i}")) as rss:
+                with RankSampler(str(tmp / f"r{r}v{i}")) as sampler:
                     recs = run(tmp, f"r{r}v{i}", cfg, 29640 + i, ranks=1, env=env)
-                peak[name].append(rss.peak)
-                faults[name].append((resource.getrusage(resource.RUSAGE_CHILDREN).ru_minflt - before) / args.steps)
+                peak[name].append(sampler.peak)
+                faults[name].append(sampler.faults_per_step(recs))
                 step_s[name] += [x["train/step_time_s"] for x in recs if x["step"] > 1]
                 losses[name].append([x["train/loss"] for x in recs])
     base = statistics.median(step_s["glibc defaults"])

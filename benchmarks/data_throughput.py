@@ -158,8 +158,9 @@ def main() -> int:
         rows = [(stage, parallel, statistics.median(times[i])) for i, (stage, parallel, _) in enumerate(configs)]
         if "shard" in args.stages:
             tokens = ShardedCorpus(tmp / "shards1").num_tokens
-            same = all((tmp / "shards1" / p.name).read_bytes() == p.read_bytes()
-                       for p in (tmp / "shards2").iterdir() if p.name != "manifest.json")
+            files = [{p.name for p in (tmp / d).iterdir() if p.name != "manifest.json"} for d in ("shards1", "shards2")]
+            same = files[0] == files[1] and all((tmp / "shards1" / name).read_bytes() == (tmp / "shards2" / name).read_bytes()
+                                                for name in files[0])
         if "samples" in args.stages:
             if "shard" not in args.stages:
                 write_shards(corpus, tmp / "tok.model", tmp / "shards1", workers=1, progress=False)
