@@ -411,6 +411,15 @@ def test_backward_passes_summed_into_one_reduction_are_refused(pool, how, stage,
         assert res["raised"] is None and res["n"] == 4 and res["finite"], res
 
 
+def test_auto_squares_are_the_same_on_ranks_with_unequal_free_memory(pool):
+    """``"squares": "auto"`` where the ranks' GPUs have 20.9 and 20.7 GB free, about the
+    threshold for a 1.3B bf16 model (per_step's buffer would take half): every rank takes the
+    scheme of the least free memory. Fails on the old code, where each rank decided on its own
+    (per_step on one, hierarchical on the other: different collectives, a hang)."""
+    res = run(pool, "run_auto_on_unequal_memory", {"free_gb": [20.9, 20.7]})
+    assert res["schemes"] == ["hierarchical", "hierarchical"], res
+
+
 def test_auto_squares_on_one_host_reduce_within_it(pool):
     """``"squares": "auto"`` on ZeRO-2 with both ranks on this host (the launcher's local world
     size and the host names agree): the hierarchical scheme over one node, nothing across nodes."""

@@ -732,6 +732,32 @@ def run_scheduler_case(case: dict) -> dict:
     return out
 
 
+def run_auto_on_unequal_memory(case: dict) -> dict:
+    """``"squares": "auto"`` decided on each rank of 2 whose GPUs have ``case["free_gb"][rank]``
+    free (``torch.cuda.mem_get_info`` stood in for), for a 1.3B-parameter bf16 ZeRO-2 engine of
+    16 ranks in nodes of 8 (an engine stood in for: only what ``_auto`` reads)."""
+    import types
+
+    from vrgd_ds.ds import attach
+    from vrgd_ds.ds.config import reduction_config
+
+    rank = dist.get_rank()
+    param = types.SimpleNamespace(requires_grad=True, numel=lambda: 1_300_000_000, device=torch.device("cuda", 0))
+    engine = types.SimpleNamespace(
+        seq_data_parallel_group=None, module=types.SimpleNamespace(parameters=lambda: iter([param])),
+        get_data_types=lambda: (torch.bfloat16, torch.float32), communication_data_type=torch.bfloat16,
+        torch_autocast_enabled=lambda: False, torch_autocast_dtype=lambda: None)
+    real = torch.cuda.mem_get_info
+    torch.cuda.mem_get_info = lambda device=None: (int(case["free_gb"][rank] * 1e9), int(80e9))
+    try:
+        scheme = attach._auto(engine, reduction_config({"vrgd": {"squares": "auto", "node_size": 8}}), 2, 16)
+    finally:
+        torch.cuda.mem_get_info = real
+    schemes = [None] * dist.get_world_size()
+    dist.all_gather_object(schemes, scheme)
+    return dict(schemes=schemes)
+
+
 def run_bad_case(case: dict) -> dict:
     cfg = config(case)
     for key, value in case.get("set", {}).items():

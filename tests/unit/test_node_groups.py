@@ -76,3 +76,32 @@ def test_a_script_that_ends_with_sys_exit_0_leaves_the_process_group_through_vrg
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("ranks, message", [
+    # host B's 4 ranks were split into two "nodes" of 2 (the size was host A's count)
+    ([("A", None), ("A", None), ("B", None), ("B", None), ("B", None), ("B", None)],
+     "the hosts hold unequally many ranks (A: 2, B: 4)"),
+    # torchrun's LOCAL_WORLD_SIZE disagreeing on host B only: every rank must raise, not B's alone
+    ([("A", ("LOCAL_WORLD_SIZE", 2)), ("A", ("LOCAL_WORLD_SIZE", 2)), ("B", ("LOCAL_WORLD_SIZE", 4)),
+      ("B", ("LOCAL_WORLD_SIZE", 4))], "the launcher's LOCAL_WORLD_SIZE=4 disagrees with the 2 rank(s) found on each host (on B)"),
+])
+def test_hosts_of_unequally_many_ranks_are_refused_on_every_rank(monkeypatch, ranks, message):
+    """``host_node_size`` reads what every rank sees (one gather of each rank's host and launcher
+    variable), so every rank raises alike. Fails on the old code: hosts of 2 and 4 ranks passed as
+    nodes of 2, and a launcher variable that disagreed on one host raised on that host's ranks
+    alone, which left the others in the next collective."""
+    import os
+
+    for rank in range(len(ranks)):
+        def gather(out, obj, group=None):
+            out[:] = [(host, local) for host, local in ranks]
+
+        monkeypatch.setattr(torch.distributed, "all_gather_object", gather)
+        monkeypatch.setattr("socket.gethostname", lambda rank=rank: ranks[rank][0])
+        for name in hierarchical.LOCAL_SIZE_ENV:
+            monkeypatch.delenv(name, raising=False)
+        if ranks[rank][1] is not None:
+            monkeypatch.setenv(ranks[rank][1][0], str(ranks[rank][1][1]))
+        with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)")):
+            hierarchical.host_node_size(None, len(ranks))

@@ -196,6 +196,21 @@ def warn_ignored_comm_dtype(engine: Any, scheme: str) -> bool:
     return True
 
 
+def least_free(device: Any, group: Any) -> int | None:
+    """The least free device memory (bytes) over ``group``'s ranks, which ``"squares": "auto"``
+    decides on (each rank's own would let ranks pick different schemes, whose collectives differ:
+    a hang); None off CUDA, on every rank alike."""
+    import torch
+    import torch.distributed
+
+    if device.type != "cuda":
+        return None
+    on = device if torch.distributed.get_backend(group) == "nccl" else "cpu"
+    free = torch.tensor([torch.cuda.mem_get_info(device)[0]], dtype=torch.int64, device=on)
+    torch.distributed.all_reduce(free, op=torch.distributed.ReduceOp.MIN, group=group)
+    return int(free.item())
+
+
 def _auto(engine: Any, options: Any, stage: int, world: int) -> str:
     """The scheme ``"squares": "auto"`` picks for this engine (``vrgd_ds.ds.config.auto_scheme``)."""
     import torch
@@ -206,7 +221,7 @@ def _auto(engine: Any, options: Any, stage: int, world: int) -> str:
     params = sum(getattr(p, "ds_numel", p.numel()) for p in engine.module.parameters() if p.requires_grad)
     words = 2 if options.gbar_for(reduction_dtype(engine)) == "local" else 1
     device = next(engine.module.parameters()).device
-    free = torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else None
+    free = least_free(device, engine.seq_data_parallel_group)
     scheme = auto_scheme(stage, pipeline.is_pipeline(engine), world, node_size or 0, 4 * words * params, free)
     logger.info("vrgd_ds: \"squares\": \"auto\" chose %s (ZeRO stage %d, %d rank(s), node size %s, per_step's "
                 "buffer %.2f GB, free device memory %s)", scheme, stage, world, node_size, 4 * words * params / 1e9,

@@ -64,24 +64,30 @@ LOCAL_SIZE_ENV = ("LOCAL_WORLD_SIZE", "LOCAL_SIZE", "OMPI_COMM_WORLD_LOCAL_SIZE"
 
 def host_node_size(group: Any, world: int) -> int:
     """The ranks per node of ``group`` (``world`` ranks): those that share a host, which must be
-    consecutive and as many on every host (one gather of the host names), checked against the
-    launcher's local world size where it sets one (``LOCAL_SIZE_ENV``)."""
+    consecutive and as many on every host, checked against the launcher's local world size where
+    it sets one (``LOCAL_SIZE_ENV``). One gather of every rank's host and launcher value: each
+    rank judges from the same view, so a refusal is every rank's."""
     import os
     import socket
+    from collections import Counter
 
     import torch.distributed
 
-    hosts: list[Any] = [None] * world
-    torch.distributed.all_gather_object(hosts, socket.gethostname(), group=group)
-    size = hosts.count(hosts[0])
-    if world % size or any(hosts[r] != hosts[(r // size) * size] for r in range(world)):
-        raise ValueError(f"the ranks of each host are not consecutive and equally many ({', '.join(hosts)})")
-    for name in LOCAL_SIZE_ENV:
-        value = os.environ.get(name)
-        if value is not None and int(value) != size:
-            raise ValueError(f"the launcher's {name}={value} disagrees with the {size} rank(s) found on each host")
-        if value is not None:
-            break
+    local = next(((name, int(os.environ[name])) for name in LOCAL_SIZE_ENV if name in os.environ), None)
+    seen: list[Any] = [None] * world
+    torch.distributed.all_gather_object(seen, (socket.gethostname(), local), group=group)
+    hosts = [host for host, _ in seen]
+    counts = Counter(hosts)
+    if len(set(counts.values())) > 1:
+        raise ValueError("the hosts hold unequally many ranks ("
+                         + ", ".join(f"{host}: {n}" for host, n in counts.items()) + ")")
+    size = counts[hosts[0]]
+    if any(hosts[r] != hosts[(r // size) * size] for r in range(world)):
+        raise ValueError(f"the ranks of each host are not consecutive ({', '.join(hosts)})")
+    for host, value in seen:
+        if value is not None and value[1] != size:
+            raise ValueError(f"the launcher's {value[0]}={value[1]} disagrees with the {size} rank(s) found on "
+                             f"each host (on {host})")
     return size
 
 
