@@ -232,13 +232,14 @@ def megatron_step(ddp, opt, dp_rank: int, accumulation: int, step: int, rows=Non
 
 def reference_step(net, opt, dp: int, accumulation: int, step: int, clip: float) -> None:
     """One step of the single-process reference: a backward per micro-batch of every
-    data-parallel rank (each one gradient group), the mean gradient, Megatron's clipping."""
+    data-parallel rank (each one gradient group: one micro-batch's gradient, as on DeepSpeed,
+    whatever Megatron divides each micro-batch's loss by), the mean gradient, Megatron's clipping."""
     opt.zero_grad()
     for d in range(dp):
         for m in range(accumulation):
-            (net(_batch(d, m, step)).pow(2).sum() / accumulation).backward()
+            net(_batch(d, m, step)).pow(2).sum().backward()
     for p in net.parameters():
-        p.grad /= dp
+        p.grad /= dp * accumulation
     if clip > 0:
         torch.nn.utils.clip_grad_norm_(net.parameters(), clip)
     opt.step()
@@ -548,9 +549,7 @@ def pipeline_equals_unsharded(case: dict) -> dict:
         want = list((ref[0] if stage == 0 else ref[2]).parameters())
         rel = relative(got, want)
         metrics = opt.chained_optimizers[0].optimizer.gsnr_metrics(per_tensor=True)
-        whole = ref_opt.gsnr_metrics(per_tensor=True)
-        for k in ("noise_scale/trace_cov", "noise_scale/grad_sq"):  # the reference's groups are g/M (the loss
-            whole[k] *= accumulation ** 2  # divided as Megatron divides it); Megatron's figures are g's
+        whole = ref_opt.gsnr_metrics(per_tensor=True)  # its groups are one micro-batch's gradient, as Megatron's figures
         metric_rel = {k: abs(metrics[k] - whole[k]) / max(abs(whole[k]), 1e-12) for k in PIPELINE_METRICS}
         rows = sorted({k.split("/")[1] for k in metrics if k.startswith("tensor/")})
         everyone = [None] * dist.get_world_size()

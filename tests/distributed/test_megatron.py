@@ -106,6 +106,20 @@ def test_matrix_equals_the_unsharded_optimizer(megatron, row):
     assert contrast > 1e-3 and res["worst"] <= share * contrast, res
 
 
+@pytest.mark.parametrize("tp, accumulation", [(2, 4), (1, 2)], ids=["tp2dp1-acc4", "tp1dp2-acc2"])
+def test_gsnr_eps_is_one_micro_batchs_on_any_split_of_the_batch(megatron2, tp, accumulation):
+    """A ``gsnr_eps`` that matters (1e-2, about the variance of some of the model's elements)
+    on DP1 × 4 micro-batches and DP2 × 2: each equals the unsharded optimizer whose groups are one
+    micro-batch's gradient, as DeepSpeed's are. Fails on the old code, where Megatron's division
+    of each micro-batch's loss by the micro-batches M reached the GSNR through the floor, which
+    acted as gsnr_eps · M²: 3.6e-3 and 1.5e-3 from the reference, so the two splits of one batch
+    trained apart."""
+    res = megatron2.run("megatron_worker", "equals_unsharded", {
+        "tp": tp, "distributed": False, "overlap": False, "accumulation": accumulation, "optimizer": "VRLamb",
+        "kwargs": {"gsnr_eps": 1e-2}})
+    assert res["worst"] <= TOL, res
+
+
 @pytest.mark.exhaustive  # make test: the TP2 x DP2 rows of the matrix on the same 4 ranks
 @pytest.mark.parametrize("optimizer, accumulation", [("VRLamb", 1), ("VRAdam", 4)])
 def test_hierarchical_statistics_on_two_nodes_equal_the_unsharded_optimizer(megatron, optimizer, accumulation):

@@ -13,8 +13,10 @@
   when the optimizer's ``prepare_grads`` begins: a reduce-scatter into this rank's shard with the
   distributed optimizer (each parameter's piece lands at its ``gbuf_local`` range, as Megatron's
   gradient does), an all-reduce without. n = data-parallel ranks × micro-batches. Megatron divides
-  each micro-batch's loss by the micro-batches M: the sums are of g/M, which the GSNR does not
-  see; the noise scale's figures are of one micro-batch's gradient (``group_unit`` = M).
+  each micro-batch's loss by the micro-batches M: the sums are of g/M (``group_unit`` = M), so the
+  optimizer applies ``gsnr_eps / M²`` (the floor of one micro-batch's gradient, as on DeepSpeed,
+  whatever the split into ranks and micro-batches) and the noise scale's figures are of one
+  micro-batch's gradient.
 * **The mean gradient** is Megatron's reduced ``main_grad`` read at the same moment, before
   Megatron unscales and clips it: ``Σg = main_grad / (e·S)`` with ``e`` the factor Megatron's
   reduction applied (``gradient_scaling_factor``, and ``1/DP`` with ``average_in_collective``).
@@ -147,8 +149,9 @@ def attach(mopt: Any, chunks: list[Any], kernels: Any, fold: bool = True, square
                                "later on the same model chunks (get_megatron_optimizer); step that one")
         stats.start()
         # Megatron divides each micro-batch's loss by the step's micro-batches (its schedules'
-        # forward_step): Σg and Σg² carry 1/M and 1/M², which the GSNR does not see and the noise
-        # scale's figures undo (StepRecord.unit); M = the micro-batches each rank recorded
+        # forward_step): Σg and Σg² carry 1/M and 1/M², which the optimizer's gsnr_eps / M²
+        # (functional.step_plans) and the noise scale's figures (StepRecord.unit) undo; M = the
+        # micro-batches each rank recorded
         stats.group_unit = stats.n / dp
         step_factor[0] = 1.0 / (e * scale())
         for t, p, where in stats.main_grads:

@@ -51,7 +51,7 @@ def adam_update(plan: Plan, ctx: StepContext) -> dict[str, torch.Tensor]:
         plan.params, plan.grads, [st["exp_avg"] for st in plan.states], [st["exp_avg_sq"] for st in plan.states],
         seg=plan.seg, segf=table, lr=g["lr"], beta1=g["betas"][0],
         beta2=g["betas"][1], eps=g["eps"], weight_decay=g["weight_decay"], apply=True, placement=placement_index(plan),
-        eps_gsnr=g["gsnr_eps"], **{k: v for k, v in plan.gsnr_args(ctx.n).items() if k != "eps"}, **plan.skip_args())
+        eps_gsnr=plan.eps_gsnr, **{k: v for k, v in plan.gsnr_args(ctx.n).items() if k != "eps"}, **plan.skip_args())
     if ctx.device_tables:
         finish_rows(plan, ctx, counts, table)
         return {}

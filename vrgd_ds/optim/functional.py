@@ -136,20 +136,25 @@ def step_plans(member: Member, plans: list[Plan], ctx: StepContext, source: Stat
     # gradient the update reads, which a hook may have rewritten after backward) skips the
     # step, on every rank alike (each checks its own partition).
     flags = []
+    # a source whose sums are of g/u (Megatron divides each micro-batch's loss by the step's
+    # micro-batches u: ``group_unit``) gets gsnr_eps/u², the floor of one micro-batch's gradient
+    # on every engine and layout, whatever the split of the batch into ranks and micro-batches
+    unit = float(getattr(source, "group_unit", 1.0) or 1.0)
     for plan in plans:
+        plan.eps_gsnr = plan.group["gsnr_eps"] / (unit * unit)
         if plan.gsnr:
             plan.moments = None
             taken = getattr(source, "taken_moments", None)
             if taken is not None and layout is None and plan.seg.shape[0] == len(plan.params):  # whole tensors
-                plan.moments = taken(plan.params, n, plan.group["gsnr_eps"])  # before moments() hands out
+                plan.moments = taken(plan.params, n, plan.eps_gsnr)  # before moments() hands out
             plan.sum_g, plan.sum_sq = source.moments(plan.params)
             if plan.moments is None and sync_free:  # the gradient's check in pass 1's launch
                 plan.moments = kernels.checked_moments(plan.sum_g, plan.sum_sq, plan.grads, plan.seg, 1.0 / n,
-                                                       plan.group["gsnr_eps"])
+                                                       plan.eps_gsnr)
                 flags.append(plan.moments[:, 5])
                 continue
             if plan.moments is None:
-                plan.moments = kernels.gsnr_moments(plan.sum_g, plan.sum_sq, plan.seg, 1.0 / n, plan.group["gsnr_eps"])
+                plan.moments = kernels.gsnr_moments(plan.sum_g, plan.sum_sq, plan.seg, 1.0 / n, plan.eps_gsnr)
             flags += [plan.moments[:, 5], kernels.nonfinite(plan.grads, plan.seg)]
         elif member._needs_grad_norms(plan.group):  # the norms' pass also answers the non-finite check
             plan.grad_norms = kernels.scaled_grad_norms(

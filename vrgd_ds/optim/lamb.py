@@ -119,7 +119,7 @@ def lamb_update(plan: Plan, ctx: StepContext) -> dict[str, torch.Tensor]:
     out = kernels.adam_step(params, grads, m, v, seg=plan.seg, segf=table,
                             lr=g["lr"], beta1=g["betas"][0], beta2=g["betas"][1], eps=g["eps"],
                             weight_decay=decay, apply=False, placement=placement,
-                            eps_gsnr=g["gsnr_eps"], **gsnr_args, **plan.skip_args())
+                            eps_gsnr=plan.eps_gsnr, **gsnr_args, **plan.skip_args())
     norms = ctx.complete(plan, out[:, :2])
     if device:
         apply_table = torch.empty(plan.num_segments, len(columns.LAMB_APPLY) + 1, dtype=torch.float64,
@@ -132,7 +132,7 @@ def lamb_update(plan: Plan, ctx: StepContext) -> dict[str, torch.Tensor]:
     if placement != UPDATE_PLACEMENT or not plan.gsnr:  # only the update placement reads p̂ again
         gsnr_args.update(sum_g=[], sum_sq=[], avg=[])
     kernels.lamb_apply(plan.params, m, v, seg=plan.seg, segf=apply_table,
-                       lr=g["lr"], eps=g["eps"], weight_decay=decay, eps_gsnr=g["gsnr_eps"],
+                       lr=g["lr"], eps=g["eps"], weight_decay=decay, eps_gsnr=plan.eps_gsnr,
                        **gsnr_args, **plan.skip_args())
     return {} if device else {"gsnr_counts": out[:, 2:5], "trust": trust, "adapted": adapted}
 

@@ -144,10 +144,10 @@ def merit_update(plan: Plan, ctx: StepContext) -> dict[str, Tensor]:
     out = kernels.adam_step(plan.params, plan.grads, m, v, seg=plan.seg, segf=segf, lr=g["lr"],
                             beta1=g["betas"][0], beta2=g["betas"][1], eps=g["eps"],
                             weight_decay=g["weight_decay"], apply=False, placement=placement,
-                            eps_gsnr=g["gsnr_eps"], **gsnr_args, **plan.skip_args())
+                            eps_gsnr=plan.eps_gsnr, **gsnr_args, **plan.skip_args())
     on_update = None
     if plan.gsnr and placement == UPDATE_PLACEMENT:  # p̂ on u, read back as the kernels left it (syncs)
-        on_update = _impl._Gsnr(plan.sum_g, plan.sum_sq, plan.avg, gsnr_args["inv_n"], g["gsnr_eps"],
+        on_update = _impl._Gsnr(plan.sum_g, plan.sum_sq, plan.avg, gsnr_args["inv_n"], plan.eps_gsnr,
                                 gsnr_args["beta3"])
         segf_host = segf.cpu()
     # host ints from the plan, per-segment values as device scalars: nothing is read back

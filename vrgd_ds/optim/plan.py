@@ -59,6 +59,8 @@ class Plan:
     grad_norms: Tensor | None = None  # float64 [S, 3] (groups without GSNR)
     scales: G.SegmentScales | None = None
     shape: PlanShape | None = None
+    #: ``gsnr_eps`` for the statistics as the source reads them (``functional.step_plans``)
+    eps_gsnr: float = 0.0
 
     @property
     def gsnr(self) -> bool:
@@ -91,7 +93,7 @@ class Plan:
         """The statistics arguments of every kernel (empty lists: GSNR off)."""
         g = self.group
         return dict(sum_g=self.sum_g, sum_sq=self.sum_sq, avg=self.avg, inv_n=1.0 / max(n, 1),
-                    eps=g["gsnr_eps"], beta3=g["beta3"] if self.gsnr else 0.0)
+                    eps=self.eps_gsnr, beta3=g["beta3"] if self.gsnr else 0.0)
 
     def skip_args(self) -> dict[str, Any]:
         """``found_inf`` for the sync-free kernels (which skip on the device), else nothing."""
