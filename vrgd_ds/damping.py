@@ -93,9 +93,16 @@ def main() -> None:
     ap.add_argument("--dim", type=int, default=512)
     ap.add_argument("--groups", type=int, default=8)
     ap.add_argument("--steps", type=int, default=300)
-    ap.add_argument("--window", type=int, default=100)
+    ap.add_argument("--window", type=int, default=None, help="the last steps averaged (default min(100, --steps))")
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args()
+    for name in ("dim", "groups", "steps"):
+        if getattr(args, name) < 1:
+            ap.error(f"--{name} must be at least 1, got {getattr(args, name)}")
+    if args.window is None:
+        args.window = min(100, args.steps)
+    if not 0 < args.window <= args.steps:
+        ap.error(f"--window must be in [1, --steps={args.steps}], got {args.window}")
     print("| optimizer | noise / signal update |\n| --- | --- |")
     for name, ratio in family_table(**vars(args)):
         print(f"| {name} | {ratio:.3f} |")

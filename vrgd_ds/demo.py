@@ -71,6 +71,14 @@ def main() -> None:
     ap.add_argument("--lr", type=float, default=2e-2)
     ap.add_argument("--log-every", type=int, default=25)
     args = ap.parse_args()
+    if args.micro_batches < 2:  # one backward per micro-batch is one gradient group
+        ap.error(f"--micro-batches must be at least 2 (the GSNR needs two gradient groups a step), got "
+                 f"{args.micro_batches}")
+    for name in ("steps", "micro_batch_size", "log_every"):
+        if getattr(args, name) < 1:
+            ap.error(f"--{name.replace('_', '-')} must be at least 1, got {getattr(args, name)}")
+    if not args.lr > 0:
+        ap.error(f"--lr must be positive, got {args.lr}")
     x, y = make_data(50_000, 32, seed=0)
     xv, yv = x[-5_000:], y[-5_000:]
     x, y = x[:-5_000], y[:-5_000]

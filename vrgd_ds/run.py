@@ -60,6 +60,15 @@ def main(argv: Sequence[str] | None = None) -> None:
             raise SystemExit(2)
         module, args = rest[1], rest[2:]
         target = module
+        import importlib.util
+
+        try:
+            found = importlib.util.find_spec(module) is not None
+        except (ImportError, ValueError):  # a parent package that does not import, or an empty name
+            found = False
+        if not found:
+            print(f"vrgd_ds.run: -m {module}: no such module\n{USAGE}", file=sys.stderr)
+            raise SystemExit(2)
     else:
         target, args = rest[0], rest[1:]
         if not os.path.isfile(target):

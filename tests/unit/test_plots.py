@@ -164,3 +164,18 @@ def test_the_loss_plot_draws_either_engines_held_out_metrics():
         assert [line.get_label() for line in loss_ax.get_lines()] == ["train/loss", f"eval/{task}_loss"]
         assert [line.get_label() for line in acc_ax.get_lines()] == [f"eval/{task}_acc"]
         assert acc_ax.get_ylabel() == f"{task.upper()} accuracy"
+
+
+def test_cli_errors_on_a_file_that_is_no_metrics_and_an_output_that_cannot_be_made(run_dir, tmp_path, capsys):
+    """A PNG given as the metrics file, and ``--out`` naming a file: one line, exit 2. Fails on
+    the code before: a UnicodeDecodeError and a FileExistsError traceback."""
+    png = tmp_path / "loss.png"
+    png.write_bytes(b"\x89PNG\r\n\x1a\n\x00\xff\xfe")
+    assert P.main([str(png)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: {png} is not a metrics file (not UTF-8 text") and len(err.splitlines()) == 1, err
+    taken = tmp_path / "taken"
+    taken.write_text("a file")
+    assert P.main([str(run_dir), "--out", str(taken)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and str(taken) in err and len(err.splitlines()) == 1, err

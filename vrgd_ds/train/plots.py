@@ -348,8 +348,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(levelname)s: %(message)s")
     try:
         written = plot_run(args.run_dir, args.out)
-    except (FileNotFoundError, EmptyMetricsError) as e:
+    except (OSError, EmptyMetricsError) as e:  # no metrics file, an output that cannot be written
         print(f"error: {e}", file=sys.stderr)
+        return 2
+    except UnicodeDecodeError as e:
+        print(f"error: {_metrics_path(args.run_dir)} is not a metrics file (not UTF-8 text: {e.reason})",
+              file=sys.stderr)
         return 2
     if not written:
         print(f"error: {_metrics_path(args.run_dir)} holds none of the plotted keys", file=sys.stderr)
