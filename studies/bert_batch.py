@@ -851,7 +851,7 @@ def end_on_sigterm() -> None:
     """SIGTERM to the study (``timeout``'s, as ``benchmarks/gpu_suite.sh`` stops a part) ends it
     at once, as a failure would: ``Runner.run`` stops its runs in flight, whose sessions of their
     own the signal does not reach (those not resumed from a checkpoint are removed), and the study
-    exits 143. Before, the runs went on after the study, on the machine the next parts time."""
+    exits 143: no run outlives it on the machine the next parts time."""
     def end(signum: int, frame: Any) -> None:
         raise SystemExit(128 + signum)
 
