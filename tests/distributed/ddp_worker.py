@@ -296,20 +296,23 @@ def three_rank_case() -> dict[str, Any]:
                 weights_differ=int((mine != plain).sum()), moved=float((plain - flat(tiny_model())).norm()))
 
 
+def step(ddp: DDP, opt: Any, at: int) -> torch.Tensor:
+    """Step ``at`` of 2 micro-steps, the first under ``no_sync()``; returns the gradient stepped on."""
+    rank = dist.get_rank()
+    opt.zero_grad()
+    with ddp.no_sync():
+        loss_fn(ddp, batch(at, rank, 0)).backward()
+    loss_fn(ddp, batch(at, rank, 1)).backward()
+    grads = torch.cat([p.grad.reshape(-1) for p in ddp.parameters()])
+    opt.step()
+    return grads
+
+
 def reattach_case(squares: str) -> dict[str, Any]:
     """A new VRAdam attached to a DDP model whose first optimizer was attached and stepped once,
     then 2 steps (2 micro-steps each, the first under ``no_sync()``), against the same 2 steps
     of a VRAdam attached to a fresh DDP model holding the weights of that moment. Also: the first
     optimizer gets no more statistics, and attaching with the other ``squares`` is refused."""
-    rank = dist.get_rank()
-
-    def step(ddp, opt, at):
-        opt.zero_grad()
-        with ddp.no_sync():
-            loss_fn(ddp, batch(at, rank, 0)).backward()
-        loss_fn(ddp, batch(at, rank, 1)).backward()
-        opt.step()
-
     ddp = DDP(tiny_model(), bucket_cap_mb=BUCKET_CAP_MB)
     first = VRAdam(ddp.parameters(), lr=1e-2)
     attach(ddp, first, squares=squares)
@@ -349,17 +352,6 @@ def deleted_case(squares: str) -> dict[str, Any]:
     plain DDP's."""
     import gc
     import weakref
-
-    rank = dist.get_rank()
-
-    def step(ddp, opt, at):
-        opt.zero_grad()
-        with ddp.no_sync():
-            loss_fn(ddp, batch(at, rank, 0)).backward()
-        loss_fn(ddp, batch(at, rank, 1)).backward()
-        grads = torch.cat([p.grad.reshape(-1) for p in ddp.parameters()])
-        opt.step()
-        return grads
 
     ddp = DDP(tiny_model(), bucket_cap_mb=BUCKET_CAP_MB)
     first = VRAdam(ddp.parameters(), lr=1e-2)
