@@ -59,8 +59,9 @@ class Plan:
     grad_norms: Tensor | None = None  # float64 [S, 3] (groups without GSNR)
     scales: G.SegmentScales | None = None
     shape: PlanShape | None = None
-    #: ``gsnr_eps`` for the statistics as the source reads them (``functional.step_plans``)
-    eps_gsnr: float = 0.0
+    #: ``gsnr_eps`` for the statistics as the source reads them, set by ``functional.step_plans``
+    #: at each step's start (None until then: a kernel given it fails, not a floor of 0)
+    eps_gsnr: float | None = None
 
     @property
     def gsnr(self) -> bool:
