@@ -57,6 +57,6 @@ def plots() -> int | None:
 
 def pretrain() -> int | None:
     require("vrgd-pretrain")
-    from vrgd_ds.train.loop import main
+    from vrgd_ds.train.loop import run_process
 
-    return main()
+    return run_process()

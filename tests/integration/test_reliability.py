@@ -400,8 +400,8 @@ def plan_late(ckpt_dir, tag, *args, **kwargs):  # rank 1 reaches the plan once r
     return plan
 
 engine.plan_resume = plan_late
-from vrgd_ds.train.loop import main
-sys.exit(main())
+from vrgd_ds.train.loop import run_process
+sys.exit(run_process())
 """
 
 

@@ -674,7 +674,6 @@ def test_phases_of_one_sequence_length_read_one_stream(tmp_path):
     assert job._phase_data(1)[0].stream_offset == 0
 
 
-
 ENDED_ON_SIGNAL = """
 import signal, sys, threading, time, types
 from vrgd_ds.train import loop
@@ -699,8 +698,38 @@ loop.engine_class, loop.check_data_path, loop.Job = (lambda name: Engine), (lamb
 loop.leave_together = lambda: None
 # a thread of the process that does not block the signal, as gloo's and the data loaders' do not
 threading.Thread(target=time.sleep, args=(600,), daemon=True).start()
-sys.exit(loop.main(["--config", "job.json", "--run-dir", "run"]))
+sys.exit(loop.run_process(["--config", "job.json", "--run-dir", "run"]))  # as python -m vrgd_ds.train
 """
+
+
+def test_main_in_a_process_that_goes_on_leaves_its_children_the_signals_default(monkeypatch, capsys):
+    """``main`` called in-process (a refused job here) leaves the signal to the children the
+    process starts later as torch and the launchers expect it: not ignored, which they would
+    inherit. Fails on the code that ignored it from ``main``'s end rather than the process's
+    entry point (``run_process``)."""
+    class Job:
+        rank = 0
+
+        def __init__(self, *args):
+            pass
+
+        def setup(self):
+            raise loop.ConfigError("refused at setup")
+
+        def release(self):
+            pass
+
+    monkeypatch.setattr(loop, "Job", Job)
+    monkeypatch.setattr(loop, "check_data_path", lambda job: None)
+    before = signal.getsignal(signal.SIGUSR1)
+    try:
+        rc, err = run_main(capsys)
+        child = subprocess.run([sys.executable, "-c", "import signal; print(int(signal.getsignal(signal.SIGUSR1)))"],
+                               capture_output=True, text=True, check=True)
+    finally:
+        signal.signal(signal.SIGUSR1, before)
+    assert rc == loop.EXIT_CONFIG and "refused at setup" in err, err
+    assert child.stdout.strip() == str(int(signal.SIG_DFL))
 
 
 @pytest.mark.parametrize("ended, rc", [("preempted", loop.EXIT_REQUEUE), ("finished", 0)])

@@ -769,6 +769,20 @@ def _early_preempt(signum, frame) -> None:  # noqa: ARG001 (signal handler signa
     _EARLY_PREEMPT[0] = True
 
 
+def run_process(argv: list[str] | None = None) -> int:
+    """``main`` as the process's entry point (``python -m vrgd_ds.train``, ``vrgd-pretrain``). Once
+    the job has ended, whatever the end (checkpointed on a warning, finished, refused, failed), a
+    later warning (Slurm's, or one per node alias) must not end the process on its way out:
+    Python's shutdown puts the default action back for a signal it handles, and a signal sent to
+    the process goes to any thread not blocking it (gloo's, a data loader's). So the process
+    ignores it from there, a disposition the shutdown leaves as it is, and only there: ``main``
+    called in a process that goes on leaves no ignored signal to the children it starts later."""
+    try:
+        return main(argv)
+    finally:
+        signal.signal(PREEMPT_SIGNAL, signal.SIG_IGN)
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="vrgd-pretrain", description="Pretraining with VRGD optimizers: BERT under "
                                  "DeepSpeed or GPT under Megatron-core, as the config's job.engine says (launch with "
@@ -844,12 +858,6 @@ def main(argv: list[str] | None = None) -> int:
         leave_together()
         return EXIT_REQUEUE
     finally:
-        # the job has ended (checkpointed on a warning, finished, failed): a later warning (Slurm's,
-        # or one per node alias) must not end the process on its way out. Python's shutdown puts the
-        # default action back for a signal it handles, and a signal sent to the process goes to any
-        # thread not blocking it (gloo's, a data loader's): the process ignores it from here, a
-        # disposition the shutdown leaves as it is
-        signal.signal(PREEMPT_SIGNAL, signal.SIG_IGN)
         if run is not None:
             run.release()
     if run.rank == 0:
