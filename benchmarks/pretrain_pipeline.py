@@ -87,6 +87,9 @@ def main() -> None:
         for phase in sorted({r["phase"] for r in recs}):
             rs = [r for r in recs if r["phase"] == phase]
             rs = [r for r in rs if r["step"] > rs[0]["step"]]  # each phase's first step builds for its shapes
+            if not rs:
+                print(f"{workers:>14d} {phase:>5d} {0:>5d}  (one step only: more --steps)")
+                continue
             tok = statistics.median(r["train/tokens_per_s"] for r in rs)
             st = statistics.median(r["train/step_time_s"] for r in rs)
             dt = statistics.median(r["train/data_time_s"] for r in rs)

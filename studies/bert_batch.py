@@ -340,12 +340,17 @@ def rank_pids(group: int) -> list[int]:
     return [pid for pid, (parent, rank) in procs.items() if rank and not procs.get(parent, (0, False))[1]]
 
 
-def stop(proc: subprocess.Popen) -> None:
-    """Ends a run's launcher and every process of its group (SIGTERM, then SIGKILL after 20 s)."""
-    if proc.poll() is None:
+def stop(*procs: subprocess.Popen, grace: float = 10.0) -> None:
+    """Ends runs' launchers and every process of their groups: SIGTERM to every group at once,
+    then SIGKILL to those still there ``grace`` seconds later (one deadline for all, so stopping
+    many runs takes no longer than one: within ``timeout -k 15``, ``benchmarks/gpu_suite.sh``)."""
+    going = [proc for proc in procs if proc.poll() is None]
+    for proc in going:
         os.killpg(proc.pid, signal.SIGTERM)
+    deadline = time.monotonic() + grace
+    for proc in going:
         try:
-            proc.wait(timeout=20)
+            proc.wait(timeout=max(0.0, deadline - time.monotonic()))
         except subprocess.TimeoutExpired:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
@@ -692,8 +697,8 @@ class Runner:
                                       self.stop_at + self.PAUSE_S - time.monotonic(), "--time-limit")
                     break
         finally:
-            for i, proc, _, log in active.values():  # a failure elsewhere or the time limit: stop the rest
-                stop(proc)
+            stop(*(proc for _, proc, _, _ in active.values()))  # a failure elsewhere or the time limit: the rest
+            for i, proc, _, log in active.values():
                 log.close()
                 if not launches[i].segments():  # a run resumed from a pause keeps its checkpoint and segments
                     shutil.rmtree(launches[i].run_dir, ignore_errors=True)
@@ -778,7 +783,7 @@ class Runner:
                 continue  # it finished its last step meanwhile: the caller records it
             earlier = launch.segments()  # the segments before this one: a resumed run's checkpoint
             if proc.poll() is None and (marked or earlier):  # checkpointed (the marker follows the complete
-                stop(proc)  # save), or resumed from one: either way kept, so stopped, not left running
+                stop(proc, grace=20.0)  # save), or resumed from one: either way kept, so stopped, not left running
             got = launch.progress(time.monotonic() - t0)
             got["side_by_side"] = round(self.load.get(i, 0.0) / max(got["wall_s"], 1e-3), 2)  # with its rate: the machine's
             if proc.poll() is not None and marked:

@@ -1145,6 +1145,31 @@ def test_sigterm_to_a_study_stops_its_runs_with_it(tmp_path):
     assert not run_dir.exists()  # stopped unfinished (not a job: no checkpoint), removed
 
 
+def test_stopping_runs_gives_them_one_deadline_together():
+    """Three runs in sessions of their own that ignore SIGTERM: ``stop`` ends all three within one
+    grace period, not one after another, so a study ended by ``timeout -k 15`` stops all its runs
+    before its own SIGKILL. Fails on the code before, which waited 20 s for each in turn (here
+    at least 6 s for 3 runs at a grace of 2 s)."""
+    sys.path.insert(0, str(STUDIES))
+    from bert_batch import stop
+
+    stubborn = "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); print(flush=True); time.sleep(120)"
+    procs = [subprocess.Popen([sys.executable, "-c", stubborn], start_new_session=True, stdout=subprocess.PIPE)
+             for _ in range(3)]
+    try:
+        for proc in procs:
+            proc.stdout.readline()  # its handler is in place
+        t0 = time.monotonic()
+        stop(*procs, grace=2.0)
+        took = time.monotonic() - t0
+    finally:
+        for proc in procs:
+            proc.kill()
+            proc.wait()
+    assert [proc.returncode for proc in procs] == [-signal.SIGKILL] * 3
+    assert took < 5.0, took
+
+
 #: a stand-in run that listens on its master port while it runs, as the launcher's rendezvous does
 LISTENING_RUN = """
 import socket, sys
