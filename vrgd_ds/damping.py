@@ -96,9 +96,11 @@ def main() -> None:
     ap.add_argument("--window", type=int, default=None, help="the last steps averaged (default min(100, --steps))")
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args()
-    for name in ("dim", "groups", "steps"):
+    for name in ("dim", "steps"):
         if getattr(args, name) < 1:
             ap.error(f"--{name} must be at least 1, got {getattr(args, name)}")
+    if args.groups < 2:
+        ap.error(f"--groups must be at least 2 (the GSNR needs two gradient groups a step), got {args.groups}")
     if args.window is None:
         args.window = min(100, args.steps)
     if not 0 < args.window <= args.steps:

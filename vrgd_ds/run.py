@@ -62,12 +62,9 @@ def main(argv: Sequence[str] | None = None) -> None:
         target = module
         import importlib.util
 
-        try:
-            found = importlib.util.find_spec(module) is not None
-        except (ImportError, ValueError):  # a parent package that does not import, or an empty name
-            found = False
-        if not found:
-            print(f"vrgd_ds.run: -m {module}: no such module\n{USAGE}", file=sys.stderr)
+        top = module.partition(".")[0]  # found without importing anything (a package's own errors stay runpy's)
+        if not top or importlib.util.find_spec(top) is None:
+            print(f"vrgd_ds.run: -m {module}: no module named {top!r}\n{USAGE}", file=sys.stderr)
             raise SystemExit(2)
     else:
         target, args = rest[0], rest[1:]

@@ -13,7 +13,7 @@ import pytest
 @pytest.mark.parametrize("module, argv, words", [
     ("vrgd_ds.damping", ["--window", "0"], "--window must be in [1, --steps=300], got 0"),
     ("vrgd_ds.damping", ["--steps", "10", "--window", "20"], "--window must be in [1, --steps=10], got 20"),
-    ("vrgd_ds.damping", ["--groups", "0"], "--groups must be at least 1, got 0"),
+    ("vrgd_ds.damping", ["--groups", "1"], "--groups must be at least 2 (the GSNR needs two gradient groups"),
     ("vrgd_ds.damping", ["--dim", "0"], "--dim must be at least 1, got 0"),
     ("vrgd_ds.demo", ["--micro-batches", "1"], "--micro-batches must be at least 2 (the GSNR needs two gradient"),
     ("vrgd_ds.demo", ["--micro-batch-size", "0"], "--micro-batch-size must be at least 1, got 0"),
@@ -49,4 +49,5 @@ def test_run_with_a_module_that_does_not_exist_exits_2(capsys):
     with pytest.raises(SystemExit) as stop:
         run.main(["-m", "no_such_module_here"])
     err = capsys.readouterr().err
-    assert stop.value.code == 2 and err.startswith("vrgd_ds.run: -m no_such_module_here: no such module"), err
+    assert stop.value.code == 2 and err.startswith("vrgd_ds.run: -m no_such_module_here: no module named "
+                                                   "'no_such_module_here'"), err

@@ -252,7 +252,6 @@ def test_deepspeeds_spellings_of_its_own_names_are_read_as_the_engine_reads_them
     assert check_optimizer_block({"optimizer": {"type": "VRLamb", "params": {"lr": 1e-3}}}) is DEEPSPEED_DEFAULTS["VRLamb"]
 
 
-
 @pytest.mark.parametrize("files, message", [
     ({"mp_rank_00_model_states.pt": {}, "mp_rank_01_model_states.pt": {}},
      "saved by 2 model-parallel ranks (pipeline stages × tensor-parallel ranks)"),
@@ -283,3 +282,28 @@ def test_the_universal_conversion_command_refuses_with_one_line_and_writes_nothi
     err = capsys.readouterr().err
     assert stop.value.code == 2 and err.startswith("error: ") and message in err and len(err.splitlines()) == 1, err
     assert not out.exists()
+
+
+def test_auto_squares_fall_back_to_per_step_on_hosts_of_unequally_many_ranks(monkeypatch, caplog):
+    """``"squares": "auto"`` on ZeRO-2 where the hosts hold unequally many ranks (8 and 4 GPUs):
+    the hierarchical scheme cannot form its nodes, and every rank (each judged the same gathered
+    hosts) takes ``per_step``, saying why, rather than refusing the job that ``auto`` was asked to
+    make work."""
+    import logging
+
+    import torch
+
+    from vrgd_ds.ds import attach
+    from vrgd_ds.ds.config import reduction_config
+
+    def unequal(group, world):
+        raise ValueError("the hosts hold unequally many ranks (a: 8, b: 4)")
+
+    monkeypatch.setattr(attach.local, "host_node_size", unequal)
+    param = types.SimpleNamespace(requires_grad=True, numel=lambda: 1000, device=torch.device("cpu"))
+    engine = types.SimpleNamespace(seq_data_parallel_group=None,
+                                   module=types.SimpleNamespace(parameters=lambda: iter([param])))
+    with caplog.at_level(logging.WARNING, logger="vrgd_ds.ds.attach"):
+        scheme = attach._auto(engine, reduction_config({"vrgd": {"squares": "auto"}}), 2, 12)
+    assert scheme == "per_step"
+    assert "chose per_step: the hierarchical scheme needs nodes" in caplog.text and "a: 8, b: 4" in caplog.text

@@ -83,16 +83,17 @@ def test_a_script_that_ends_with_sys_exit_0_leaves_the_process_group_through_vrg
     ([("A", None), ("A", None), ("B", None), ("B", None), ("B", None), ("B", None)],
      "the hosts hold unequally many ranks (A: 2, B: 4)"),
     # torchrun's LOCAL_WORLD_SIZE disagreeing on host B only: every rank must raise, not B's alone
-    ([("A", ("LOCAL_WORLD_SIZE", 2)), ("A", ("LOCAL_WORLD_SIZE", 2)), ("B", ("LOCAL_WORLD_SIZE", 4)),
-      ("B", ("LOCAL_WORLD_SIZE", 4))], "the launcher's LOCAL_WORLD_SIZE=4 disagrees with the 2 rank(s) found on each host (on B)"),
+    ([("A", ("LOCAL_WORLD_SIZE", "2")), ("A", ("LOCAL_WORLD_SIZE", "2")), ("B", ("LOCAL_WORLD_SIZE", "4")),
+      ("B", ("LOCAL_WORLD_SIZE", "4"))], "the launcher's LOCAL_WORLD_SIZE=4 disagrees with the 2 rank(s) found on each host (on B)"),
+    # a value that is no number, on one host: read after the gather, so refused on every rank alike
+    ([("A", ("LOCAL_WORLD_SIZE", "2")), ("A", ("LOCAL_WORLD_SIZE", "2")), ("B", ("LOCAL_WORLD_SIZE", "")),
+      ("B", ("LOCAL_WORLD_SIZE", ""))], "the launcher's LOCAL_WORLD_SIZE= disagrees with the 2 rank(s) found on each host (on B)"),
 ])
 def test_hosts_of_unequally_many_ranks_are_refused_on_every_rank(monkeypatch, ranks, message):
     """``host_node_size`` reads what every rank sees (one gather of each rank's host and launcher
     variable), so every rank raises alike. Fails on the old code: hosts of 2 and 4 ranks passed as
     nodes of 2, and a launcher variable that disagreed on one host raised on that host's ranks
     alone, which left the others in the next collective."""
-    import os
-
     for rank in range(len(ranks)):
         def gather(out, obj, group=None):
             out[:] = [(host, local) for host, local in ranks]

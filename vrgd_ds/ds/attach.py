@@ -213,11 +213,14 @@ def least_free(device: Any, group: Any) -> int | None:
 
 def _auto(engine: Any, options: Any, stage: int, world: int) -> str:
     """The scheme ``"squares": "auto"`` picks for this engine (``vrgd_ds.ds.config.auto_scheme``)."""
-    import torch
-
     node_size = options.node_size
     if node_size is None and stage in (1, 2) and not pipeline.is_pipeline(engine):
-        node_size = local.host_node_size(engine.seq_data_parallel_group, world)
+        try:
+            node_size = local.host_node_size(engine.seq_data_parallel_group, world)
+        except ValueError as e:  # every rank judged the same gathered hosts: every rank falls back alike
+            logger.warning("vrgd_ds: \"squares\": \"auto\" chose per_step: the hierarchical scheme needs nodes "
+                           "of equally many consecutive ranks (%s)", e)
+            return "per_step"
     params = sum(getattr(p, "ds_numel", p.numel()) for p in engine.module.parameters() if p.requires_grad)
     words = 2 if options.gbar_for(reduction_dtype(engine)) == "local" else 1
     device = next(engine.module.parameters()).device

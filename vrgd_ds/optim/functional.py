@@ -30,7 +30,7 @@ from torch import Tensor
 from vrgd_ds import gsnr as G
 from vrgd_ds.log import warn_once
 from vrgd_ds.optim import _impl, columns
-from vrgd_ds.optim.checks import check_common, check_dtypes
+from vrgd_ds.optim.checks import FP32_TINY, check_common, check_dtypes
 from vrgd_ds.optim import metrics as M
 from vrgd_ds.optim import state as S
 from vrgd_ds.optim.plan import Plan, Planner
@@ -141,7 +141,7 @@ def step_plans(member: Member, plans: list[Plan], ctx: StepContext, source: Stat
     # on every engine and layout, whatever the split of the batch into ranks and micro-batches
     unit = float(getattr(source, "group_unit", 1.0) or 1.0)
     for plan in plans:
-        plan.eps_gsnr = plan.group["gsnr_eps"] / (unit * unit)
+        plan.eps_gsnr = max(plan.group["gsnr_eps"] / (unit * unit), FP32_TINY)  # a normal fp32, as checked
         if plan.gsnr:
             plan.moments = None
             taken = getattr(source, "taken_moments", None)

@@ -73,7 +73,9 @@ def host_node_size(group: Any, world: int) -> int:
 
     import torch.distributed
 
-    local = next(((name, int(os.environ[name])) for name in LOCAL_SIZE_ENV if name in os.environ), None)
+    # as set: read after the gather, on every rank alike (one rank failing to parse it alone would
+    # leave the others in the next collective)
+    local = next(((name, os.environ[name]) for name in LOCAL_SIZE_ENV if name in os.environ), None)
     seen: list[Any] = [None] * world
     torch.distributed.all_gather_object(seen, (socket.gethostname(), local), group=group)
     hosts = [host for host, _ in seen]
@@ -85,7 +87,7 @@ def host_node_size(group: Any, world: int) -> int:
     if any(hosts[r] != hosts[(r // size) * size] for r in range(world)):
         raise ValueError(f"the ranks of each host are not consecutive ({', '.join(hosts)})")
     for host, value in seen:
-        if value is not None and value[1] != size:
+        if value is not None and (not value[1].strip().isdigit() or int(value[1]) != size):
             raise ValueError(f"the launcher's {value[0]}={value[1]} disagrees with the {size} rank(s) found on "
                              f"each host (on {host})")
     return size
