@@ -170,21 +170,29 @@ def fused_allreduce_hook(stats: DDPStats, bucket: dist.GradBucket) -> torch.futu
     return works[0].get_future().then(finish)
 
 
-class _Served:
-    """The communication hook's state under ``squares="per_micro_step"``: the statistics it feeds
-    (those of the optimizer attached last), held weakly: once their optimizer is gone the model's
-    reductions are DDP's own again."""
+class _HookState:
+    """The state of the communication hook a DDP model takes (one): the statistics it feeds, those
+    of the optimizer attached last (``serve``), held weakly: once their optimizer is gone the
+    model's reductions are DDP's own again (``_ddp_all_reduce`` on ``group``)."""
 
-    def __init__(self, stats: DDPStats) -> None:
-        self.group = stats.group
-        self.serve(stats)
-
-    def serve(self, stats: DDPStats) -> None:
-        self._stats = weakref.ref(stats)
+    def __init__(self, group: dist.ProcessGroup) -> None:
+        self.group = group
+        self._stats: Any = None  # a weak reference once served
 
     @property
-    def stats(self) -> DDPStats | None:
-        return self._stats()
+    def stats(self) -> Any:
+        return None if self._stats is None else self._stats()
+
+    def serve(self, stats: Any) -> None:
+        self._stats = weakref.ref(stats)
+
+
+class _Served(_HookState):
+    """The hook's state under ``squares="per_micro_step"``."""
+
+    def __init__(self, stats: DDPStats) -> None:
+        super().__init__(stats.group)
+        self.serve(stats)
 
 
 def _served_fused_hook(served: _Served, bucket: dist.GradBucket) -> torch.futures.Future[Tensor]:
@@ -305,33 +313,31 @@ def _attach_per_step(ddp_model: DistributedDataParallel, optimizer: GSNROptimize
     return stats
 
 
-class _BucketPath:
+class _BucketPath(_HookState):
     """Which micro-steps DDP's buckets hold: the step's first, when each backward synchronises (a
     bucket holds ``.grad``, to which autograd adds each later micro-step's local gradient: the
     reduced mean of the ones before plus it); none of a step that accumulates under ``no_sync()``
     (its last backward reduces the sum). The others are read by a tensor hook per parameter,
-    installed from the step's second forward on, or its first under ``no_sync()``. The statistics
-    are held weakly: once their optimizer is gone the model's reductions are DDP's own again."""
+    installed from the step's second forward on, or its first under ``no_sync()``: the hook's
+    state under ``squares="per_step"``."""
 
     def __init__(self, stats: LocalStats, ddp_model: DistributedDataParallel, group: dist.ProcessGroup,
                  params: list[Tensor]) -> None:
-        self.ddp, self.group = ddp_model, group
+        super().__init__(group)
+        self.ddp = ddp_model
         self.serve(stats, params)
 
-    def serve(self, stats: LocalStats, params: list[Tensor]) -> None:
+    def serve(self, stats: LocalStats, params: list[Tensor]) -> None:  # type: ignore[override]
         """Feeds ``stats`` (of ``params``) from now on; the statistics served before lose their
         tensor hooks, so the optimizer they fed gets no more groups."""
-        before = self.stats if hasattr(self, "_stats") else None
+        before = self.stats
         if before is not None:
             before.unhook()
-        self._stats, self.params = weakref.ref(stats), params
+        super().serve(stats)
+        self.params = params
         self.accumulating = False  # this step accumulates: under no_sync(), or from its second forward on
         self.hooked = False
         self._step = -1
-
-    @property
-    def stats(self) -> LocalStats | None:
-        return self._stats()
 
     def before_forward(self, module: Any, args: Any) -> None:
         stats = self.stats
