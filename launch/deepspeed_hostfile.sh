@@ -41,7 +41,7 @@ read -r -a EXTRA <<< "${DS_ARGS:-}"
 ADDR_ARGS=()
 if [[ -n "${MASTER_ADDR:-}" ]]; then
     ADDR_ARGS=(--master_addr "$MASTER_ADDR")
-elif ! printf '%s\n' "${EXTRA[@]}" | grep -qE '^(-i|-e|--include|--exclude)(=|$)'; then
+elif ! printf '%s\n' ${EXTRA[@]+"${EXTRA[@]}"} | grep -qE '^(-i|-e|--include|--exclude)(=|$)'; then
     FIRST=$(awk '!/^[[:space:]]*(#|$)/ {print $1; exit}' "$HOSTFILE")
     [[ "$FIRST" == localhost || "$FIRST" == 127.* ]] || ADDR_ARGS=(--master_addr "$FIRST")
 fi
@@ -60,5 +60,5 @@ RUN_DIR=$(realpath -m "$RUN_DIR")
 # inherit the mask. Ranks started over ssh do not: send it to them (docs/pretraining.md).
 set -x
 exec launch/hold_usr1.py "$DEEPSPEED" --hostfile "$HOSTFILE" --launcher "$LAUNCHER" \
-    "${ADDR_ARGS[@]}" --master_port "$MASTER_PORT" "${EXTRA[@]}" \
-    --module vrgd_ds.train --config "$CONFIG" --run-dir "$RUN_DIR" "${BACKEND_ARGS[@]}" "$@"
+    ${ADDR_ARGS[@]+"${ADDR_ARGS[@]}"} --master_port "$MASTER_PORT" ${EXTRA[@]+"${EXTRA[@]}"} \
+    --module vrgd_ds.train --config "$CONFIG" --run-dir "$RUN_DIR" ${BACKEND_ARGS[@]+"${BACKEND_ARGS[@]}"} "$@"

@@ -26,7 +26,7 @@ done
 if [[ "${PYTHON:-}" == */* ]]; then PYTHON=$(realpath -ms -- "$PYTHON"); fi  # a path, not a command name
 # so are the files MPI_ARGS names (--hostfile, --machinefile, --default-hostfile, --rankfile, --app)
 read -r -a EXTRA <<< "${MPI_ARGS:-}"
-for i in "${!EXTRA[@]}"; do
+for i in ${EXTRA[@]+"${!EXTRA[@]}"}; do
     case "${EXTRA[$i]}" in
         --hostfile|-hostfile|--machinefile|-machinefile|--default-hostfile|--rankfile|-rf|--app)
             if (( i + 1 < ${#EXTRA[@]} )); then EXTRA[i+1]=$(realpath -ms -- "${EXTRA[i+1]}"); fi ;;
@@ -54,6 +54,6 @@ ROOT_ARGS=()
 # mpirun forwards SIGUSR1 to the ranks; each starts with it held (launch/hold_usr1.py), so one
 # that arrives before its job is ready waits for it
 set -x
-exec "$MPIRUN" "${ROOT_ARGS[@]}" -np "$NP" "${EXTRA[@]}" \
+exec "$MPIRUN" ${ROOT_ARGS[@]+"${ROOT_ARGS[@]}"} -np "$NP" ${EXTRA[@]+"${EXTRA[@]}"} \
     -x PATH \
-    "$PYTHON" "$PWD/launch/hold_usr1.py" "$PYTHON" -m vrgd_ds.train --config "$CONFIG" --run-dir "$RUN_DIR" "${BACKEND_ARGS[@]}" "$@"
+    "$PYTHON" "$PWD/launch/hold_usr1.py" "$PYTHON" -m vrgd_ds.train --config "$CONFIG" --run-dir "$RUN_DIR" ${BACKEND_ARGS[@]+"${BACKEND_ARGS[@]}"} "$@"

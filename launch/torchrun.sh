@@ -40,4 +40,4 @@ set -x
 exec "$PYTHON" launch/hold_usr1.py "$PYTHON" -m torch.distributed.run \
     --nnodes "$NNODES" --node_rank "$NODE_RANK" --nproc_per_node "$NPROC" \
     --master_addr "$MASTER_ADDR" --master_port "$MASTER_PORT" \
-    -m vrgd_ds.train --config "$CONFIG" --run-dir "$RUN_DIR" "${BACKEND_ARGS[@]}" "$@"
+    -m vrgd_ds.train --config "$CONFIG" --run-dir "$RUN_DIR" ${BACKEND_ARGS[@]+"${BACKEND_ARGS[@]}"} "$@"

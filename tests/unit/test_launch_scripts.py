@@ -5,6 +5,7 @@ and mpirun: tests/integration/test_launchers.py.)"""
 from __future__ import annotations
 
 import os
+import re
 import signal
 import stat
 import subprocess
@@ -153,3 +154,20 @@ def test_make_demo_keeps_its_run_directory_when_run_dir_is_exported(tmp_path):
     run = subprocess.run(["make", "-n", "-C", str(ROOT), "demo"], env=env, capture_output=True, text=True, timeout=60)
     assert run.returncode == 0, run.stderr[-2000:]
     assert '--run-dir "runs/demo"' in run.stdout and "bert large" not in run.stdout
+
+
+@pytest.mark.parametrize("script", sorted(p.relative_to(ROOT / "launch").as_posix() for p in
+                                          [*(ROOT / "launch").glob("*.sh"), *(ROOT / "launch").glob("*.sbatch"),
+                                           *(ROOT / "launch" / "megatron").glob("*.sbatch")]))
+def test_a_launch_script_expands_a_possibly_empty_array_the_way_older_bash_allows(script):
+    """Under ``set -u``, bash before 4.4 (RHEL/CentOS 7's 4.2 on many clusters' nodes) takes
+    ``"${ARGS[@]}"`` of an empty array for an unbound variable and ends the script ("ARGS[@]:
+    unbound variable"): a launch without ``BACKEND``, ``DS_ARGS`` or ``MPI_ARGS`` failed there
+    before starting anything. Each array is expanded as ``${ARGS[@]+"${ARGS[@]}"}``, which every
+    bash reads the same way. Fails on the scripts before (bash 5 here cannot show the error
+    itself, so the expansions are read from the source)."""
+    text = (ROOT / "launch" / script).read_text()
+    if not re.search(r"^set -[a-z]*u", text, re.M):
+        pytest.skip("no set -u")
+    bare = [m.group(0) for m in re.finditer(r'(?<!\+)"\$\{!?[A-Za-z_][A-Za-z0-9_]*\[[@*]\]\}"', text)]
+    assert not bare, f"{script}: unguarded array expansions {bare}"
