@@ -133,9 +133,15 @@ def read_metrics(run_dir: Path) -> tuple[dict | None, float | None]:
             last = rec
         if rec.get("noise_scale/trace_cov") is not None:
             moments.append((rec["noise_scale/trace_cov"], rec["noise_scale/grad_sq"]))
-        if rec.get("noise_scale/b_simple") is not None:  # samples per statistics group
-            per_group = rec["noise_scale/b_simple"] / rec["noise_scale/b_simple_groups"]
+        per_group = samples_per_group(rec) or per_group
     return last, noise_scale(moments[len(moments) // 2:], per_group)
+
+
+def samples_per_group(rec: dict) -> float | None:
+    """A step's samples per statistics group: its global batch over its groups ``gsnr/n`` (None
+    where it logged no statistics)."""
+    n, batch = rec.get("gsnr/n"), rec.get("train/global_batch")
+    return batch / n if n and batch else None
 
 
 def noise_scale(moments: list[tuple[float, float]], per_group: float | None) -> float | None:
@@ -156,8 +162,7 @@ def trajectory(run_dir: Path) -> list[dict]:
         samples = rec.get("train/samples", samples)
         if rec.get("noise_scale/trace_cov") is not None:
             moments.append((rec["noise_scale/trace_cov"], rec["noise_scale/grad_sq"]))
-        if rec.get("noise_scale/b_simple") is not None:
-            per_group = rec["noise_scale/b_simple"] / rec["noise_scale/b_simple_groups"]
+        per_group = samples_per_group(rec) or per_group
         if "eval/mlm_loss" in rec:
             points.append({"step": rec.get("step"), "samples": samples, "mlm_loss": rec["eval/mlm_loss"],
                            "b_simple": noise_scale(moments, per_group)})

@@ -512,7 +512,8 @@ def test_noise_scale_read_back_survives_a_step_without_one(tmp_path):
     with open(tmp_path / "metrics.jsonl", "w") as fh:
         for i, (t, g) in enumerate(steps):
             ok = g > 0
-            fh.write(json.dumps({"step": i + 1, "noise_scale/trace_cov": t, "noise_scale/grad_sq": g,
+            fh.write(json.dumps({"step": i + 1, "train/global_batch": 16.0, "gsnr/n": 2.0,
+                                 "noise_scale/trace_cov": t, "noise_scale/grad_sq": g,
                                  "noise_scale/b_simple_groups": t / g if ok else None,
                                  "noise_scale/b_simple": 8 * t / g if ok else None}) + "\n")
         fh.write(json.dumps({"step": 5, "eval/mlm_loss": 7.0, "eval/mlm_acc": 0.05}) + "\n")
@@ -520,6 +521,24 @@ def test_noise_scale_read_back_survives_a_step_without_one(tmp_path):
     assert last["eval/mlm_loss"] == 7.0
     half = steps[2:]  # the second half: 8 samples per group x mean trace / mean |G|^2
     assert b_simple == pytest.approx(8 * 4.0 / (sum(g for _, g in half) / len(half)))
+
+
+def test_noise_scale_read_back_survives_a_step_with_a_zero_trace(tmp_path):
+    """A step whose trace estimate is exactly 0 logs ``b_simple`` and ``b_simple_groups`` of 0.
+    The old read-back took the samples per group as their ratio and raised ZeroDivisionError
+    there; it is the step's global batch over its groups ``gsnr/n``, for ``read_metrics`` and
+    ``trajectory`` alike."""
+    sys.path.insert(0, str(STUDIES))
+    from bert_batch import read_metrics, trajectory
+
+    with open(tmp_path / "metrics.jsonl", "w") as fh:
+        for i, t in enumerate([3.0, 3.0, 0.0, 0.0]):
+            fh.write(json.dumps({"step": i + 1, "train/global_batch": 32.0, "gsnr/n": 4.0, "train/samples": 32.0 * (i + 1),
+                                 "noise_scale/trace_cov": t, "noise_scale/grad_sq": 2.0,
+                                 "noise_scale/b_simple_groups": t / 2.0, "noise_scale/b_simple": 8 * t / 2.0,
+                                 **({"eval/mlm_loss": 7.0} if i in (1, 3) else {})}) + "\n")
+    assert read_metrics(tmp_path)[1] == 0.0  # the second half: trace 0
+    assert [p["b_simple"] for p in trajectory(tmp_path)] == [8 * 3.0 / 2.0, 0.0]
 
 
 def test_bf16_moments_study_tells_the_exact_choice_from_the_cancelling_ones():
