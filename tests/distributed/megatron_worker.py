@@ -186,17 +186,20 @@ def equals_unsharded(case: dict) -> dict:
                        for g in ref_opt.param_groups]
         flat_opt = REGISTRY[case["optimizer"]].cls(flat_groups, **{**defaults, "gamma": 1.0}) if inner.defaults.get(
             "gsnr") else None
-        oks = []
+        oks, metric_rel = [], None
         for step in range(steps):
             oks.append(megatron_step(ddp, opt, dp_rank, accumulation, step))
             for net, o in ((ref, ref_opt), (flat, flat_opt)):
                 if o is not None:
                     reference_step(net, o, dp, accumulation, step, ocfg.clip_grad)
+            if step == 0 and flat_opt is not None:  # the whole model's figures (TP pieces, DP shards joined)
+                metrics, whole = inner.gsnr_metrics(), ref_opt.gsnr_metrics()  # from the same weights
+                metric_rel = {k: abs(metrics[k] - whole[k]) / max(abs(whole[k]), 1e-12) for k in PIPELINE_METRICS}
         got = _full(model, ps)
         rel = relative(got, ref.parameters())
         contrast = None if flat_opt is None else relative(flat.parameters(), ref.parameters())
         source = opt.vrgd_sources[0]
-        out = {"rel": rel, "contrast": contrast, "ok": oks, "n": source.n,
+        out = {"rel": rel, "contrast": contrast, "ok": oks, "n": source.n, "metric_rel": metric_rel,
                "collectives": source.counters.collectives, "bytes": source.counters.bytes_sent,
                "grad_bytes": source.counters.grad_bytes_fp32, "dp": dp, "memory": source.memory(),
                "intra_calls": getattr(source, "intra_calls", 0), "describe": source.describe()}
