@@ -24,6 +24,10 @@ CASES2 = {
     # FSDP's own averaging reduce-scatter (gloo averages since torch 2.10, pytorch issue
     # #162338); before, refused as if gloo summed, though the gradients and statistics were right
     "fsdp-VRAdam-acc2-average": dict(opt="VRAdam", layout="fsdp", acc=2, average=True),
+    # before each step, backward passes then model.zero_grad() with no optimizer step (a step
+    # GradScaler skipped): before, their statistics stayed in the next step's (n doubled, and an
+    # overflow's infinite squares skipped the next step too)
+    "fsdp-VRAdam-acc2-cleared": dict(opt="VRAdam", layout="fsdp", acc=2, cleared=True),
 }
 # make test runs the rest: every layout, member and feature at least once (make test-all: all)
 EXHAUSTIVE = {"fsdp-VRLars-acc2-unused", "hsdp-VRAdam-acc1-chunks2"}

@@ -31,6 +31,7 @@ from torch import Tensor
 from torch.distributed.fsdp._fully_shard._fsdp_collectives import DefaultReduceScatter
 
 from vrgd_ds.fsdp.internals import UnsupportedFSDPConfiguration
+from vrgd_ds.stats.hooks import warn_dropped
 from vrgd_ds.stats.local import LocalStats
 from vrgd_ds.stats.scaling import Scaling
 
@@ -114,7 +115,18 @@ class FSDPStats(LocalStats):
                 ".cpu() and the like make FSDP2 build new local shards, which the statistics and the optimizer's "
                 "layout do not know. Move or cast the model first, then build the optimizer and attach it")
         if group.reduce_grads:
+            if self._recorded() and self._cleared():
+                warn_dropped(self, "vrgd_ds.fsdp", self.n // self.world)
+                self.end_step()
             self._pending[gi] = reduced_by_fsdp(group)
+
+    def _cleared(self) -> bool:
+        """Whether the gradients this step's reductions produced have been cleared with no optimizer
+        step between: a step GradScaler skipped, then ``model.zero_grad()`` (HF Trainer's order), not
+        the optimizer's ``zero_grad()``, which ends the step. A reduction sets its shards' ``.grad``,
+        so once one ran, only a clear leaves every shard's ``None``; the statistics then start anew
+        with the gradient, as the other sources' do (``vrgd_ds/ddp.py``, ``vrgd_ds/stats/hooks.py``)."""
+        return all(fp.sharded_param.grad is None for group, *_ in self._groups for fp in group.fsdp_params)
 
     def start(self) -> None:
         """The step begins: every parameter with statistics was reduced equally often (a group is

@@ -247,7 +247,7 @@ class Recorder:
         self._skipped_host += 1
         self._record = None
         if reason == "step/skipped_nonfinite":
-            warn_once(logger, f"nonfinite-{self.serial}", "%s: non-finite gradients, step skipped (state untouched); "
+            warn_once(logger, f"nonfinite-{self.serial}", "%s: non-finite gradients or statistics, step skipped (state untouched); "
                       "see gsnr_metrics()['step/skipped_total'] for the count", self.owner)
 
     @property
