@@ -612,9 +612,9 @@ def _moments_kernel(SG_T: "*i64", SQ_T: "*i64", G_T: "*i64", chunks: "*i64", par
 
 
 @triton.jit
-def _grad_norms_elems(P, G, SG, SQ, AVG, idx, m, inv_n, eps, b3, inv_mean, lo, bc3, pp, uu, ON: tl.constexpr,
+def _grad_norms_elems(P, G, SG, SQ, AVG, idx, m, inv_n, eps, b3, omb3, inv_mean, lo, bc3, pp, uu, ON: tl.constexpr,
                       EMA: tl.constexpr, WIDE: tl.constexpr):
-    r, low, high = _p_hat(SG, SQ, AVG, idx, m, inv_n, eps, inv_mean, lo, bc3, b3, 1.0 - b3, ON, EMA, False, WIDE)
+    r, low, high = _p_hat(SG, SQ, AVG, idx, m, inv_n, eps, inv_mean, lo, bc3, b3, omb3, ON, EMA, False, WIDE)
     p = _ld(P, idx, m, WIDE).to(tl.float32)
     g = _ld(G, idx, m, WIDE).to(tl.float32)
     u = r * g
@@ -624,7 +624,7 @@ def _grad_norms_elems(P, G, SG, SQ, AVG, idx, m, inv_n, eps, b3, inv_mean, lo, b
 @_kernel
 def _grad_norms_kernel(P_T: "*i64", G_T: "*i64", SG_T: "*i64", SQ_T: "*i64", AVG_T: "*i64", chunks: "*i64",
                        segf: "*fp64", part: "*fp64", inv_n: tl.float32, eps: tl.float32, b3: tl.float32,
-                       PDT: tl.constexpr, ON: tl.constexpr, EMA: tl.constexpr, BLOCK: tl.constexpr):
+                       omb3: tl.float32, PDT: tl.constexpr, ON: tl.constexpr, EMA: tl.constexpr, BLOCK: tl.constexpr):
     c = tl.program_id(0)
     t, start, n, s, head, nblk = _chunk(chunks, c, None)
     P = _ptr(P_T, t, PDT)
@@ -639,22 +639,22 @@ def _grad_norms_kernel(P_T: "*i64", G_T: "*i64", SG_T: "*i64", SQ_T: "*i64", AVG
     uu = tl.zeros([BLOCK], tl.float32)
     for i in range(nblk):
         idx = _body_idx(start, head, i, BLOCK)
-        pp, uu = _grad_norms_elems(P, G, SG, SQ, AVG, idx, None, inv_n, eps, b3, inv_mean, lo, bc3, pp, uu, ON, EMA,
-                                   True)
+        pp, uu = _grad_norms_elems(P, G, SG, SQ, AVG, idx, None, inv_n, eps, b3, omb3, inv_mean, lo, bc3, pp, uu,
+                                   ON, EMA, True)
     for off in range(0, n - nblk * BLOCK, BLOCK):
         idx, m = _rest_idx(start, n, head, nblk, off, BLOCK)
-        pp, uu = _grad_norms_elems(P, G, SG, SQ, AVG, idx, m, inv_n, eps, b3, inv_mean, lo, bc3, pp, uu, ON, EMA,
-                                   False)
+        pp, uu = _grad_norms_elems(P, G, SG, SQ, AVG, idx, m, inv_n, eps, b3, omb3, inv_mean, lo, bc3, pp, uu,
+                                   ON, EMA, False)
     tl.store(part + c * 2 + 0, tl.sum(pp, axis=0).to(tl.float64))
     tl.store(part + c * 2 + 1, tl.sum(uu, axis=0).to(tl.float64))
 
 
 @triton.jit
-def _sgd_elems(P, G, B, SG, SQ, AVG, idx, m, inv_n, eps, b3, inv_mean, lo, bc3, mult, first, lr, wd, mu, omd,
+def _sgd_elems(P, G, B, SG, SQ, AVG, idx, m, inv_n, eps, b3, omb3, inv_mean, lo, bc3, mult, first, lr, wd, mu, omd,
                nlo, nhi, nsc, PDT: tl.constexpr, ON: tl.constexpr, EMA: tl.constexpr, BUF: tl.constexpr,
                NESTEROV: tl.constexpr, WIDE: tl.constexpr):
     # p̂ first: its IEEE divisions call a subroutine, and values live across the calls would spill
-    r, low, high = _p_hat(SG, SQ, AVG, idx, m, inv_n, eps, inv_mean, lo, bc3, b3, 1.0 - b3, ON, EMA, True, WIDE)
+    r, low, high = _p_hat(SG, SQ, AVG, idx, m, inv_n, eps, inv_mean, lo, bc3, b3, omb3, ON, EMA, True, WIDE)
     pv = _ld(P, idx, m, WIDE).to(tl.float32)
     g = _ld(G, idx, m, WIDE).to(tl.float32)
     d = r * g
@@ -675,8 +675,8 @@ def _sgd_elems(P, G, B, SG, SQ, AVG, idx, m, inv_n, eps, b3, inv_mean, lo, bc3, 
 @_kernel
 def _sgd_kernel(P_T: "*i64", G_T: "*i64", B_T: "*i64", SG_T: "*i64", SQ_T: "*i64", AVG_T: "*i64", chunks: "*i64",
                 segf: "*fp64", part: "*fp64", found: "*fp64", inv_n: tl.float32, eps: tl.float32, b3: tl.float32,
-                lr: tl.float32, wd: tl.float32, mu: tl.float32, omd: tl.float32, PDT: tl.constexpr, ON: tl.constexpr,
-                EMA: tl.constexpr, BUF: tl.constexpr, NESTEROV: tl.constexpr, BLOCK: tl.constexpr):
+                omb3: tl.float32, lr: tl.float32, wd: tl.float32, mu: tl.float32, omd: tl.float32, PDT: tl.constexpr,
+                ON: tl.constexpr, EMA: tl.constexpr, BUF: tl.constexpr, NESTEROV: tl.constexpr, BLOCK: tl.constexpr):
     c = tl.program_id(0)
     t, start, n, s, head, nblk = _chunk(chunks, c, found)
     P = _ptr(P_T, t, PDT)
@@ -695,22 +695,22 @@ def _sgd_kernel(P_T: "*i64", G_T: "*i64", B_T: "*i64", SG_T: "*i64", SQ_T: "*i64
     nsc = tl.zeros([BLOCK], tl.float32)
     for i in range(nblk):
         idx = _body_idx(start, head, i, BLOCK)
-        nlo, nhi, nsc = _sgd_elems(P, G, B, SG, SQ, AVG, idx, None, inv_n, eps, b3, inv_mean, lo, bc3, mult, first,
-                                   lr, wd, mu, omd, nlo, nhi, nsc, PDT, ON, EMA, BUF, NESTEROV, True)
+        nlo, nhi, nsc = _sgd_elems(P, G, B, SG, SQ, AVG, idx, None, inv_n, eps, b3, omb3, inv_mean, lo, bc3, mult,
+                                   first, lr, wd, mu, omd, nlo, nhi, nsc, PDT, ON, EMA, BUF, NESTEROV, True)
     for off in range(0, n - nblk * BLOCK, BLOCK):
         idx, m = _rest_idx(start, n, head, nblk, off, BLOCK)
-        nlo, nhi, nsc = _sgd_elems(P, G, B, SG, SQ, AVG, idx, m, inv_n, eps, b3, inv_mean, lo, bc3, mult, first,
-                                   lr, wd, mu, omd, nlo, nhi, nsc, PDT, ON, EMA, BUF, NESTEROV, False)
+        nlo, nhi, nsc = _sgd_elems(P, G, B, SG, SQ, AVG, idx, m, inv_n, eps, b3, omb3, inv_mean, lo, bc3, mult,
+                                   first, lr, wd, mu, omd, nlo, nhi, nsc, PDT, ON, EMA, BUF, NESTEROV, False)
     tl.store(part + c * 3 + 0, tl.sum(nlo, axis=0).to(tl.float64))
     tl.store(part + c * 3 + 1, tl.sum(nhi, axis=0).to(tl.float64))
     tl.store(part + c * 3 + 2, tl.sum(nsc, axis=0).to(tl.float64))
 
 
 @triton.jit
-def _adam_elems(P, G, M, V, SG, SQ, AVG, idx, m, inv_n, eps_gsnr, b3, b1, omb1, b2, omb2, eps, wd, decay,
+def _adam_elems(P, G, M, V, SG, SQ, AVG, idx, m, inv_n, eps_gsnr, b3, omb3, b1, omb1, b2, omb2, eps, wd, decay,
                 inv_mean, lo, bc3, bc1, bc2s, mult, step_size, pp, uu, nlo, nhi, nsc, PDT: tl.constexpr,
                 ON: tl.constexpr, EMA: tl.constexpr, APPLY: tl.constexpr, PLACE: tl.constexpr, WIDE: tl.constexpr):
-    r, low, high = _p_hat(SG, SQ, AVG, idx, m, inv_n, eps_gsnr, inv_mean, lo, bc3, b3, 1.0 - b3, ON, EMA, True,
+    r, low, high = _p_hat(SG, SQ, AVG, idx, m, inv_n, eps_gsnr, inv_mean, lo, bc3, b3, omb3, ON, EMA, True,
                           WIDE)  # first: see _sgd_elems
     graw = _ld(G, idx, m, WIDE).to(tl.float32)
     if PLACE == 2:  # update
@@ -746,9 +746,10 @@ def _adam_elems(P, G, M, V, SG, SQ, AVG, idx, m, inv_n, eps_gsnr, b3, b1, omb1, 
 @_kernel
 def _adam_kernel(P_T: "*i64", G_T: "*i64", M_T: "*i64", V_T: "*i64", SG_T: "*i64", SQ_T: "*i64", AVG_T: "*i64",
                  chunks: "*i64", segf: "*fp64", part: "*fp64", found: "*fp64", inv_n: tl.float32,
-                 eps_gsnr: tl.float32, b3: tl.float32, b1: tl.float32, omb1: tl.float32, b2: tl.float32,
-                 omb2: tl.float32, eps: tl.float32, wd: tl.float32, decay: tl.float32, PDT: tl.constexpr,
-                 ON: tl.constexpr, EMA: tl.constexpr, APPLY: tl.constexpr, PLACE: tl.constexpr, BLOCK: tl.constexpr):
+                 eps_gsnr: tl.float32, b3: tl.float32, omb3: tl.float32, b1: tl.float32, omb1: tl.float32,
+                 b2: tl.float32, omb2: tl.float32, eps: tl.float32, wd: tl.float32, decay: tl.float32,
+                 PDT: tl.constexpr, ON: tl.constexpr, EMA: tl.constexpr, APPLY: tl.constexpr, PLACE: tl.constexpr,
+                 BLOCK: tl.constexpr):
     c = tl.program_id(0)
     t, start, n, s, head, nblk = _chunk(chunks, c, found)
     P = _ptr(P_T, t, PDT)
@@ -773,12 +774,12 @@ def _adam_kernel(P_T: "*i64", G_T: "*i64", M_T: "*i64", V_T: "*i64", SG_T: "*i64
     for i in range(nblk):
         idx = _body_idx(start, head, i, BLOCK)
         pp, uu, nlo, nhi, nsc = _adam_elems(
-            P, G, M, V, SG, SQ, AVG, idx, None, inv_n, eps_gsnr, b3, b1, omb1, b2, omb2, eps, wd, decay, inv_mean,
+            P, G, M, V, SG, SQ, AVG, idx, None, inv_n, eps_gsnr, b3, omb3, b1, omb1, b2, omb2, eps, wd, decay, inv_mean,
             lo, bc3, bc1, bc2s, mult, step_size, pp, uu, nlo, nhi, nsc, PDT, ON, EMA, APPLY, PLACE, True)
     for off in range(0, n - nblk * BLOCK, BLOCK):
         idx, m = _rest_idx(start, n, head, nblk, off, BLOCK)
         pp, uu, nlo, nhi, nsc = _adam_elems(
-            P, G, M, V, SG, SQ, AVG, idx, m, inv_n, eps_gsnr, b3, b1, omb1, b2, omb2, eps, wd, decay, inv_mean,
+            P, G, M, V, SG, SQ, AVG, idx, m, inv_n, eps_gsnr, b3, omb3, b1, omb1, b2, omb2, eps, wd, decay, inv_mean,
             lo, bc3, bc1, bc2s, mult, step_size, pp, uu, nlo, nhi, nsc, PDT, ON, EMA, APPLY, PLACE, False)
     if APPLY:
         row = part + c * 3
@@ -1402,7 +1403,7 @@ class Triton:
         part = torch.empty(max(ch.count, 1), 2, dtype=torch.float64, device=dev)
         if ch.count:
             self._launch("grad_norms", (ch.count,), *ptrs, ch.table,
-                         segf.contiguous(), part, float(inv_n), float(eps), float(beta3),
+                         segf.contiguous(), part, float(inv_n), float(eps), float(beta3), float(1.0 - beta3),
                          PDT=self._dtype(params), ON=bool(sum_g), EMA=bool(avg), BLOCK=BLOCK)
         return self._combined(ch, part, 2, 2, False, form=3)
 
@@ -1416,7 +1417,8 @@ class Triton:
         if ch.count:
             buf = momentum != 0.0
             self._launch("sgd", (ch.count,), *ptrs, ch.table,
-                         segf.contiguous(), part, found_inf, float(inv_n), float(eps), float(beta3), float(lr),
+                         segf.contiguous(), part, found_inf, float(inv_n), float(eps), float(beta3),
+                         float(1.0 - beta3), float(lr),
                          float(weight_decay), float(momentum), float(1.0 - dampening), PDT=self._dtype(params),
                          ON=bool(sum_g), EMA=bool(avg), BUF=buf, NESTEROV=bool(nesterov) and buf, BLOCK=BLOCK,
                          then=[_combine_flags(3, 3, False)])
@@ -1437,7 +1439,8 @@ class Triton:
             self._launch("adam", (ch.count,), *ptrs, ch.table,
                          _with_column(segf, _ADAM_W.value, lambda t: lr / t[:, _ADAM_BC1.value]),
                          part, found_inf,
-                         float(inv_n), float(eps_gsnr), float(beta3), float(beta1), float(1.0 - beta1), float(beta2),
+                         float(inv_n), float(eps_gsnr), float(beta3), float(1.0 - beta3), float(beta1),
+                         float(1.0 - beta1), float(beta2),
                          float(1.0 - beta2), float(eps), float(weight_decay), float(1.0 - lr * weight_decay),
                          PDT=self._dtype(params), ON=on, EMA=bool(avg), APPLY=bool(apply),
                          PLACE=placement if on else BOTH_MOMENTS, BLOCK=BLOCK,
