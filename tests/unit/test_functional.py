@@ -92,6 +92,19 @@ def test_gsnr_without_statistics_is_refused_with_the_fix():
         vrgd_ds.optim.vr_adam([p], [torch.ones(3)], [{}], [torch.ones(3)], [torch.ones(3)], 1)
 
 
+@pytest.mark.parametrize("fused", [None, False])
+def test_statistics_not_fp32_or_not_shaped_like_their_parameter_are_named(fused):
+    """Σg and Σg² are fp32 and shaped like each parameter, and the error says which is not.
+    Fails on the code before: bf16 statistics stepped on the reference (``fused=False``) and,
+    under the default ``fused=None``, failed in the C++ kernels ("sum_g: tensors must be
+    float32", no index, no fix); a transposed Σg² failed inside a ``view``."""
+    p, g = torch.zeros(2, 3), torch.ones(2, 3)
+    with pytest.raises(ValueError, match=r"sum_g\[0\] is torch.bfloat16 .* accumulate them in float32"):
+        vrgd_ds.optim.vr_adam([p], [g], [{}], [g.bfloat16()], [g.bfloat16()], 2, fused=fused)
+    with pytest.raises(ValueError, match=r"sum_sq\[0\] is torch.float32 of shape \(3, 2\)"):
+        vrgd_ds.optim.vr_adam([p], [g], [{}], [g], [g.t()], 2, fused=fused)
+
+
 def test_options_are_the_classes_group_options():
     """``functional.options`` builds the group a constructor builds (defaults, derived values)."""
     for name in MEMBERS:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from typing import Iterable, Protocol, Sequence, runtime_checkable
 
+import torch
 from torch import Tensor
 
 
@@ -38,6 +39,13 @@ class GivenStatistics:
         if len(sum_g) != len(params) or len(sum_sq) != len(params):
             raise ValueError(f"statistics for {len(sum_g)}/{len(sum_sq)} tensors (sum_g/sum_sq) given for "
                              f"{len(params)} parameters; with gsnr=True pass Σg and Σg² for each")
+        for name, given in (("sum_g", sum_g), ("sum_sq", sum_sq)):
+            for i, (p, t) in enumerate(zip(params, given)):
+                if t.dtype != torch.float32 or t.shape != p.shape or t.device != p.device:
+                    raise ValueError(
+                        f"{name}[{i}] is {t.dtype} of shape {tuple(t.shape)} on {t.device}; the statistics are fp32, "
+                        f"shaped like their parameter ({tuple(p.shape)}) and on its device ({p.device}): accumulate "
+                        "them in float32")
         self._of = {id(p): (g, s) for p, g, s in zip(params, sum_g, sum_sq)}
         self._n = n
 
