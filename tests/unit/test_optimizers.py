@@ -1294,6 +1294,62 @@ def test_statistics_of_a_step_the_caller_skipped_are_dropped_when_the_model_clea
     assert sum("statistics of 3 backward pass(es) were dropped" in r.getMessage() for r in caplog.records) == 1
 
 
+@pytest.mark.parametrize("fused", IMPLS)
+def test_a_grad_scalers_loss_scale_is_taken_out_of_the_gsnr_floor_and_the_noise_scale(fused):
+    """Under ``torch.amp.GradScaler`` the hooks record the gradients as backward leaves them, S
+    times the loss's: ``gsnr_eps`` met S² times the variance, and the noise-scale figures were S²
+    too large. With ``set_grad_scaler`` the run equals the one without a scaler bit for bit (S a
+    power of 2), its figures too; without it, at gradients of about 1e-9 (a loss times 1e-7, where
+    the default ``gsnr_eps`` is near the variance), it lands 30% of the distance trained away.
+    Fails on the code before, which had no way to say S (the step was the untold run's)."""
+    data = batches(2, 8)
+
+    def train(scaler, tell):
+        m = make_model()
+        opt = vrgd_ds.VRAdam(m.parameters(), lr=1e-2, fused=fused)
+        if tell:
+            opt.set_grad_scaler(scaler)
+        for step in data:
+            for x, y in step:
+                loss = (m(x) - y).pow(2).mean() * 1e-7
+                (loss if scaler is None else scaler.scale(loss)).backward()
+            if scaler is None:
+                opt.step()
+            else:
+                scaler.step(opt)
+                scaler.update()
+            opt.zero_grad()
+        return [p.detach().clone() for p in m.parameters()], opt.gsnr_metrics()
+
+    def scaler():
+        return torch.amp.GradScaler("cpu", init_scale=2.0**16)
+
+    (plain, m_plain), (told, m_told), (untold, m_untold) = train(None, False), train(scaler(), True), train(scaler(), False)
+    assert all(torch.equal(a, b) for a, b in zip(plain, told))
+    for key in ("gsnr/mean", "noise_scale/trace_cov", "noise_scale/grad_sq"):
+        assert m_told[key] == m_plain[key], key
+    assert m_untold["noise_scale/trace_cov"] > 1e9 * m_plain["noise_scale/trace_cov"]  # S² = 4.3e9
+    start = [p.detach() for p in make_model().parameters()]
+    dist = lambda a, b: sum(float((x - y).pow(2).sum()) for x, y in zip(a, b)) ** 0.5  # noqa: E731
+    assert dist(untold, plain) > 0.1 * dist(plain, start)
+
+
+def test_a_grad_scaler_is_refused_where_the_engine_removes_its_own_loss_scale():
+    """DeepSpeed's and Megatron's sources hand the statistics without the loss scale: S taken out
+    again would be wrong, so a scaler set there is refused at the step, saying what to do."""
+    from vrgd_ds.stats.source import GivenStatistics
+
+    p = nn.Parameter(torch.zeros(3))
+    opt = vrgd_ds.VRAdam([p])
+    p.grad = torch.ones(3)
+    opt.set_statistics_source(GivenStatistics([p], [torch.ones(3)], [torch.full((3,), 2.0)], 2))
+    opt.set_grad_scaler(torch.amp.GradScaler("cpu"))
+    with pytest.raises(RuntimeError, match=r"removes its own loss scale: call set_grad_scaler\(None\)"):
+        opt.step()
+    with pytest.raises(TypeError, match="expected a torch.amp.GradScaler"):
+        opt.set_grad_scaler(2.0**16)
+
+
 class TwoBranches(nn.Module):
     """``a(x) + b(x)``, or ``a(x)`` alone: in backward ``b``'s hooks run before ``a``'s."""
 

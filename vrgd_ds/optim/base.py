@@ -114,7 +114,7 @@ class GSNROptimizer(torch.optim.Optimizer):
 
     #: what an optimizer builds as it runs (statistics, hooks, kernels, records), not copied or pickled
     _RUNTIME = ("_serial", "_kernels", "_stats", "_hook_stats", "_layout", "records", "step_calls", "_counts",
-                "_planner", "_sharded")
+                "_planner", "_sharded", "_grad_scaler")
 
     def _start_runtime(self) -> None:
         self._serial = next(_SERIALS)  # names this optimizer in warn-once keys (an id() is reused)
@@ -127,6 +127,7 @@ class GSNROptimizer(torch.optim.Optimizer):
         self._counts = StepCounts()  # step counters the current step added to (undone on a retry)
         self._planner = Planner(self.name)
         self._sharded: dict[int, Tensor] = {}  # id(local shard) -> its DTensor parameter (FSDP2)
+        self._grad_scaler: Any | None = None  # set_grad_scaler
 
     # ---- torch.optim.Optimizer behaviour -------------------------------------------------
 
@@ -251,6 +252,30 @@ class GSNROptimizer(torch.optim.Optimizer):
     def statistics_source(self) -> StatisticsSource | None:
         return self._stats
 
+    def set_grad_scaler(self, scaler: Any | None) -> None:
+        """The ``torch.amp.GradScaler`` (fp16) whose loss scale S the statistics carry where this
+        optimizer's tensor hooks, ``vrgd_ds.ddp.attach`` or ``vrgd_ds.fsdp.attach`` record them
+        (the gradients as backward leaves them). At each step its scale is read once
+        (``get_scale()``) and taken out where it shows: the GSNR floor compares ``gsnr_eps`` with
+        the variance instead of S² times it, and the noise-scale figures are not S² too large.
+        DeepSpeed's and Megatron's loss scalers are removed by their paths: a scaler there is
+        refused at ``step()``. None: no scaler (docs/design.md §2)."""
+        if scaler is not None and not callable(getattr(scaler, "get_scale", None)):
+            raise TypeError(f"{self.name}.set_grad_scaler: expected a torch.amp.GradScaler (get_scale()), got "
+                            f"{type(scaler).__name__}")
+        self._grad_scaler = scaler
+
+    def _grad_scale(self) -> float:
+        """S of ``set_grad_scaler``'s scaler this step (1 without one, or disabled)."""
+        scaler = self._grad_scaler
+        if scaler is None or (callable(getattr(scaler, "is_enabled", None)) and not scaler.is_enabled()):
+            return 1.0
+        if not (self._stats is self._hook_stats or getattr(self._stats, "reset_ends_step", False)):
+            raise RuntimeError(f"{self.name}: set_grad_scaler applies to statistics recorded in one process or by "
+                               "vrgd_ds.ddp / vrgd_ds.fsdp; this engine's path removes its own loss scale: call "
+                               "set_grad_scaler(None)")
+        return float(scaler.get_scale())
+
     def kernels(self) -> _impl.Kernels:
         """The implementation in use (fused CPU kernels, Triton kernels, or the reference): the
         one the hooks selected, else ``_impl.select``'s for every parameter."""
@@ -307,7 +332,10 @@ class GSNROptimizer(torch.optim.Optimizer):
         n = F.groups_now(self._stats, self.name, self._serial) if any(p.gsnr for p in plans) else 0
         if n and self.step_calls == 1 and self._stats is self._hook_stats:
             _warn_if_replicated(self.name, self._serial)
-        ctx = F.StepContext(kernels, n, self._layout, self.name, self._serial, counts=self._counts)
+        # one group's gradient over the values the source holds: Megatron's 1/micro-batches
+        # (``group_unit``), a GradScaler's S (set_grad_scaler)
+        unit = float(getattr(self._stats, "group_unit", 1.0) or 1.0) / (self._grad_scale() if n else 1.0)
+        ctx = F.StepContext(kernels, n, self._layout, self.name, self._serial, counts=self._counts, unit=unit)
         if kernels.sync_free:
             ctx.skipped = self.records.device_counter(plans[0].tdev)
         out = F.step_plans(type(self), plans, ctx, self._stats, self._epoch, self._counts)
@@ -316,7 +344,7 @@ class GSNROptimizer(torch.optim.Optimizer):
         results, found = out
         record = M.step_tables(plans, results, n, found, self._layout, ctx.metric_tables)
         record.counted = ctx.counted
-        record.unit = float(getattr(self._stats, "group_unit", 1.0))
+        record.unit = unit
         self.records.record(record)
 
     def _plans(self, sync_free: bool) -> list[Plan]:

@@ -80,6 +80,9 @@ class StepContext:
     flags: Tensor | None = None
     metric_tables: tuple[Tensor, Tensor] | None = None
     counted: bool = False  # a tables kernel has added the skip decision to ``skipped``
+    #: one group's gradient over the values the source holds (Megatron's 1/micro-batches, a
+    #: GradScaler's S: ``GSNROptimizer._step``)
+    unit: float = 1.0
 
     def complete(self, plan: Plan, values: Tensor) -> Tensor:
         """Per-segment sums ``[S, k]`` -> sums over each segment's whole model tensor."""
@@ -137,9 +140,10 @@ def step_plans(member: Member, plans: list[Plan], ctx: StepContext, source: Stat
     # step, on every rank alike (each checks its own partition).
     flags = []
     # a source whose sums are of g/u (Megatron divides each micro-batch's loss by the step's
-    # micro-batches u: ``group_unit``) gets gsnr_eps/u², the floor of one micro-batch's gradient
-    # on every engine and layout, whatever the split of the batch into ranks and micro-batches
-    unit = float(getattr(source, "group_unit", 1.0) or 1.0)
+    # micro-batches u: ``group_unit``; a GradScaler multiplies it by S: u = 1/S) gets gsnr_eps/u²,
+    # the floor of one micro-batch's gradient on every engine and layout, whatever the split of
+    # the batch into ranks and micro-batches or the loss scale
+    unit = ctx.unit
     for plan in plans:
         plan.eps_gsnr = max(plan.group["gsnr_eps"] / (unit * unit), FP32_TINY)  # a normal fp32, as checked
         if plan.gsnr:
