@@ -110,7 +110,7 @@ part() {  # name, seconds, command... (capped by the time left before the study'
   df -h /dev/shm | tail -n 1; } >>"$WORK/summary.log" 2>&1
 pack  # something comes back even if the first part is cut short
 part fusedlamb_build 60 python3 -c "from deepspeed.ops.op_builder import FusedLambBuilder as B; B().load()"
-part triton_cuda 120 python3 -m pytest -q -x -p no:cacheprovider tests/unit/test_triton.py -k "pack_bucket or cuda"
+part triton_cuda 180 python3 -m pytest -q -x -p no:cacheprovider tests/unit/test_triton.py -k "pack_bucket or cuda"
 wikitext=${WIKITEXT:-}
 for candidate in ../shared/data/wikitext-2 .data/wikitext-2; do
     [[ -z $wikitext && -f $candidate/valid.txt ]] && wikitext=$candidate
