@@ -1692,13 +1692,11 @@ def test_a_tensor_whose_mean_gsnr_is_below_fp32s_range_keeps_r_one(fused):
     assert torch.equal(p.detach(), torch.ones(4) - 0.1 * p.grad)  # the plain SGD step, no NaN
 
 
-def test_a_tensor_no_backward_reached_steps_on_its_zero_gradient_and_an_unfrozen_one_is_named():
-    """Two cases torch's optimizers step and the statistics had no record of, both reported as "a
-    gradient set by hand" by the code before (fails on it): (1) ``zero_grad(set_to_none=False)`` (VRLamb's
-    default) leaves a zero gradient on a tensor the next step does not use; it steps as on zero
-    gradients in every micro-step (moments decay, weight decay applies), like the base optimizer;
-    (2) a weight frozen when the optimizer was built and unfrozen later: the error says so, the
-    tensor is watched from then on, and the step run again trains it."""
+def test_a_tensor_no_backward_reached_steps_on_its_zero_gradient():
+    """``zero_grad(set_to_none=False)`` (VRLamb's default) leaves a zero gradient on a tensor the
+    next step does not use: it steps as on zero gradients in every micro-step (moments decay,
+    weight decay applies), like the base optimizer. Fails on the code before, which reported "a
+    gradient set by hand"."""
     torch.manual_seed(0)
     a, b = torch.nn.Parameter(torch.randn(3)), torch.nn.Parameter(torch.randn(3))
     opt = vrgd_ds.VRLamb([a, b], lr=0.1, set_grad_none=False)
@@ -1714,28 +1712,61 @@ def test_a_tensor_no_backward_reached_steps_on_its_zero_gradient_and_an_unfrozen
     assert torch.equal(opt.state[a]["exp_avg"], 0.9 * exp_avg) and not torch.equal(a, before)
     assert bool(torch.isfinite(a).all())
 
-    # the weight and the bias unfrozen together: one step refused, not one per tensor (before: the
-    # refusal watched only the tensor it named, and the bias cost a second failed step)
-    m = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.Linear(3, 2))
-    m[0].requires_grad_(False)
+
+def test_layers_unfrozen_between_steps_take_the_base_step_once_then_the_gsnr(caplog):
+    """Gradual unfreezing: a layer frozen when the optimizer was built (its tensors cannot be
+    hooked) and unfrozen after a step. Its first step has no statistics: it takes the base
+    optimizer's step, r = 1 (bit for bit the step of a twin whose layer is in a group with GSNR
+    off), said once for both tensors; from the next step on its statistics are recorded. Fails
+    on the code before, which refused the step ("did not require grad when the optimizer's
+    statistics started watching it"), so a training loop died where it unfroze a layer."""
+    data = [[(torch.randn(2, 4, generator=torch.Generator().manual_seed(10 * s + j)),) for j in range(4)]
+            for s in range(3)]
+
+    def model():
+        torch.manual_seed(0)
+        m = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.Tanh(), torch.nn.Linear(3, 2))
+        m[0].requires_grad_(False)
+        return m
+
+    def train(m, opt, steps):
+        for step in steps:
+            for (x,) in step:
+                m(x).pow(2).sum().backward()
+            opt.step()
+            opt.zero_grad()
+
+    m, twin = model(), model()
     opt = vrgd_ds.VRAdam(m.parameters(), lr=0.1)
-
-    def backward_passes():
-        for _ in range(2):
-            m(torch.randn(2, 4)).pow(2).sum().backward()
-
-    backward_passes()
-    opt.step()
-    opt.zero_grad()
+    twin_opt = vrgd_ds.VRAdam([{"params": twin[2].parameters()},
+                               {"params": twin[0].parameters(), "gsnr": False}], lr=0.1)
+    train(m, opt, data[:1])
+    train(twin, twin_opt, data[:1])
     m[0].requires_grad_(True)
-    backward_passes()
-    with pytest.raises(RuntimeError, match=r"did not require grad when the optimizer's statistics started watching"):
+    twin[0].requires_grad_(True)
+    with caplog.at_level(logging.WARNING):
+        train(m, opt, data[1:2])
+    train(twin, twin_opt, data[1:2])
+    for a, b in zip(m.parameters(), twin.parameters()):
+        assert torch.equal(a, b)
+    warned = [r.getMessage() for r in caplog.records if "had no VRGD statistics" in r.getMessage()]
+    assert len(warned) == 1 and "base optimizer's step (r = 1)" in warned[0], warned
+    train(m, opt, data[2:])
+    rows = opt.gsnr_metrics(per_tensor=True)
+    assert opt.gsnr_metrics()["gsnr/n"] == 4 and rows["tensor/group0.param0/gsnr_mean"] != 1.0  # m[0].weight
+
+
+def test_gsnr_turned_on_where_no_group_had_it_is_refused_saying_why():
+    """Built with ``gsnr=False`` everywhere, no tensor hooks exist: turning it on later is refused
+    with the reason and the fix. Fails on the code before, which said only "no statistics source
+    is attached" (the message of an engine's optimizer stepped before its attach)."""
+    p = torch.nn.Parameter(torch.ones(3))
+    opt = vrgd_ds.VRAdam([p], gsnr=False)
+    opt.param_groups[0]["gsnr"] = True
+    for _ in range(2):
+        (p * torch.randn(3)).sum().backward()
+    with pytest.raises(RuntimeError, match=r"none had it \(turned on since\?\): build the optimizer, or add the group"):
         opt.step()
-    opt.zero_grad()
-    weight = m[0].weight.detach().clone()
-    backward_passes()
-    opt.step()
-    assert not torch.equal(m[0].weight, weight)
 
 
 def test_a_deep_copied_or_pickled_optimizer_trains_on_as_the_original():

@@ -329,6 +329,11 @@ class GSNROptimizer(torch.optim.Optimizer):
         plans = self._plans(kernels.sync_free)
         if not plans:
             return
+        if self._stats is None and any(p.gsnr for p in plans):
+            raise RuntimeError(
+                f"{self.name}: a param group has gsnr=True but no statistics are recorded: in one process the tensor "
+                "hooks are set where a group with gsnr on is added, and none had it (turned on since?): build the "
+                "optimizer, or add the group, with gsnr=True; under an engine, attach its statistics source first")
         n = F.groups_now(self._stats, self.name, self._serial) if any(p.gsnr for p in plans) else 0
         if n and self.step_calls == 1 and self._stats is self._hook_stats:
             _warn_if_replicated(self.name, self._serial)

@@ -62,6 +62,7 @@ class TensorHookStats:
         self._handed_out = False  # moments() gave the buffers away since the last reset
         self._handles: list[torch.utils.hooks.RemovableHandle] = []
         self._watched: set[int] = set()
+        self._late: set[int] = set()  # watched at this step (``_unrecorded``): no statistics in it
         weakref.finalize(self, remove_hooks, self._handles)  # an optimizer dropped (rebuilt) leaves no hooks behind
 
     @property
@@ -161,20 +162,25 @@ class TensorHookStats:
         return sum_g, sum_sq
 
     def _unrecorded(self, p: Tensor) -> None:
-        """A parameter with a gradient that no backward of this step reached. A zero gradient is
-        what ``zero_grad(set_to_none=False)`` left on a tensor the step did not use: zero sums, as
-        every micro-step's gradient was zero (torch's optimizers step it too). Otherwise: an error
-        saying why (frozen when watched, now trainable; or a gradient set by hand)."""
+        """A parameter with a gradient that no backward of this step reached. Zero sums, which the
+        zero-information guard turns into r = 1 (the base optimizer's step), where a zero gradient
+        is what ``zero_grad(set_to_none=False)`` left on a tensor the step did not use (every
+        micro-step's gradient was zero; torch's optimizers step it too), and where the tensor was
+        not watched: frozen when the statistics started (unfrozen since, as gradual unfreezing
+        does), or in a group whose ``gsnr`` was off then. Such a tensor, and every other one
+        unfrozen since, is watched from the next backward on; said once. Otherwise (a gradient
+        set by hand): an error."""
         shape = tuple(p.shape)
-        if id(p) not in self._watched:
-            # from the next backward on; every tensor unfrozen since, so that one step fails, not one per tensor
-            self.watch([q for g in self.groups for q in g["params"]])
-            raise RuntimeError(
-                f"a parameter of shape {shape} did not require grad when the optimizer's statistics started "
-                "watching it, so this step's backward passes into it were not recorded; it is watched from now on: "
-                "zero the gradients and run the step's backward passes again (unfreeze parameters before building "
-                "the optimizer, as DDP also asks)")
-        if p.grad is not None and not bool(p.grad.any()):
+        unwatched = id(p) not in self._watched or id(p) in self._late
+        if unwatched:
+            before = set(self._watched)
+            self.watch([q for g in self.groups if g["gsnr"] for q in g["params"]])
+            self._late |= self._watched - before  # unwatched in this step too (until reset)
+            warn_once(logger, f"unwatched-{name_of(self)}", "%s: a parameter of shape %s had no VRGD statistics in "
+                      "this step: it did not require grad (or its group had gsnr off) when the statistics started "
+                      "watching it. It takes the base optimizer's step (r = 1) now and the GSNR from the next step "
+                      "on, as does any other tensor unfrozen since", self._owner, shape)
+        if unwatched or (p.grad is not None and not bool(p.grad.any())):
             bufs = self._buffers.get(p)
             if bufs is None:
                 bufs = self._buffers[p] = (torch.zeros(shape, dtype=torch.float32, device=p.device),
@@ -212,6 +218,7 @@ class TensorHookStats:
         self._accumulated.clear()
         self._passes.close()
         self._handed_out = False
+        self._late.clear()
 
     def remove(self) -> None:
         """Removes the hooks and frees the buffers (another source feeds the optimizer)."""
