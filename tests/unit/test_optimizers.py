@@ -1749,11 +1749,50 @@ def test_layers_unfrozen_between_steps_take_the_base_step_once_then_the_gsnr(cap
     train(twin, twin_opt, data[1:2])
     for a, b in zip(m.parameters(), twin.parameters()):
         assert torch.equal(a, b)
-    warned = [r.getMessage() for r in caplog.records if "had no VRGD statistics" in r.getMessage()]
+    warned = [r.getMessage() for r in caplog.records if "statistics did not see" in r.getMessage()]
     assert len(warned) == 1 and "base optimizer's step (r = 1)" in warned[0], warned
     train(m, opt, data[2:])
     rows = opt.gsnr_metrics(per_tensor=True)
     assert opt.gsnr_metrics()["gsnr/n"] == 4 and rows["tensor/group0.param0/gsnr_mean"] != 1.0  # m[0].weight
+
+
+def test_an_optimizer_built_mid_accumulation_takes_the_base_step_once(caplog):
+    """Built after 2 of a step's 4 backward passes, the statistics saw 2 of the 4 its gradients
+    hold: that step is the base optimizer's (r = 1, bit for bit a ``gsnr=False`` twin's), said
+    once, and the next one has its 4 groups. Built after all of them (a state loaded into a new
+    optimizer mid-step), there are no groups: refused saying so. Fails on the code before, which
+    stepped the first on n = 2 with Σg of 2 passes against a gradient of 4, and refused the
+    second as if the batch had not been split ("split the batch into >= 2 micro-batches")."""
+    xs = [torch.randn(2, 4, generator=torch.Generator().manual_seed(i)) for i in range(8)]
+
+    def model():
+        torch.manual_seed(0)
+        return torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.Tanh(), torch.nn.Linear(3, 2))
+
+    m, twin = model(), model()
+    for net in (m, twin):
+        for x in xs[:2]:
+            net(x).pow(2).sum().backward()
+    opt, twin_opt = vrgd_ds.VRAdam(m.parameters(), lr=0.1), vrgd_ds.VRAdam(twin.parameters(), lr=0.1, gsnr=False)
+    with caplog.at_level(logging.WARNING):
+        for net, o in ((m, opt), (twin, twin_opt)):
+            for x in xs[2:4]:
+                net(x).pow(2).sum().backward()
+            o.step()
+            o.zero_grad()
+    assert all(torch.equal(a, b) for a, b in zip(m.parameters(), twin.parameters()))
+    assert sum("statistics did not see" in r.getMessage() for r in caplog.records) == 1
+    for x in xs[4:]:
+        m(x).pow(2).sum().backward()
+    opt.step()
+    assert opt.gsnr_metrics()["gsnr/n"] == 4
+
+    for x in xs[:2]:
+        m(x).pow(2).sum().backward()
+    fresh = vrgd_ds.VRAdam(m.parameters(), lr=0.1)
+    fresh.load_state_dict(opt.state_dict())
+    with pytest.raises(RuntimeError, match="from before this optimizer's statistics started"):
+        fresh.step()
 
 
 def test_gsnr_turned_on_where_no_group_had_it_is_refused_saying_why():

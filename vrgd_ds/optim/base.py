@@ -334,6 +334,13 @@ class GSNROptimizer(torch.optim.Optimizer):
                 f"{self.name}: a param group has gsnr=True but no statistics are recorded: in one process the tensor "
                 "hooks are set where a group with gsnr on is added, and none had it (turned on since?): build the "
                 "optimizer, or add the group, with gsnr=True; under an engine, attach its statistics source first")
+        hooks = self._hook_stats
+        if hooks is not None and self._stats is hooks and hooks.n == 0 and hooks.started_after_gradients():
+            raise RuntimeError(
+                f"{self.name}.step(): the gradients hold backward passes from before this optimizer's statistics "
+                "started (it was built, or a state loaded into a new one, after them) and none since, so there "
+                "are no gradient groups: build the optimizer before the step's first backward(), or zero the "
+                "gradients and run the step's backward passes again")
         n = F.groups_now(self._stats, self.name, self._serial) if any(p.gsnr for p in plans) else 0
         if n and self.step_calls == 1 and self._stats is self._hook_stats:
             _warn_if_replicated(self.name, self._serial)

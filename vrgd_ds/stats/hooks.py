@@ -62,7 +62,8 @@ class TensorHookStats:
         self._handed_out = False  # moments() gave the buffers away since the last reset
         self._handles: list[torch.utils.hooks.RemovableHandle] = []
         self._watched: set[int] = set()
-        self._late: set[int] = set()  # watched at this step (``_unrecorded``): no statistics in it
+        self._late: set[int] = set()  # watched at this step (``_unrecorded``), or whose .grad was there first
+        self._pre_grad: set[int] = set()  # watched while holding a gradient, no backward recorded since
         weakref.finalize(self, remove_hooks, self._handles)  # an optimizer dropped (rebuilt) leaves no hooks behind
 
     @property
@@ -94,6 +95,8 @@ class TensorHookStats:
             if not p.requires_grad or id(p) in self._watched:
                 continue
             self._watched.add(id(p))
+            if p.grad is not None:  # an optimizer built, or a group added, mid-accumulation
+                self._pre_grad.add(id(p))
             p_ref = weakref.ref(p)
 
             def hook(grad: Tensor, me=me, p_ref=p_ref) -> None:
@@ -126,6 +129,10 @@ class TensorHookStats:
             self._drop_if_cleared()
         self._passes.record(p, p, self._owner, group)
         count = self._counts.get(p, 0)
+        if count == 0 and self._pre_grad and id(p) in self._pre_grad:
+            self._pre_grad.discard(id(p))
+            if p.grad is not None:  # this backward adds to passes the statistics did not see
+                self._late.add(id(p))
         row = self._accumulate(p, grad.detach(), bufs[0], bufs[1], count == 0,
                                count + 1 if count + 1 >= self._expect else 0)
         self._counts[p] = count + 1
@@ -155,11 +162,16 @@ class TensorHookStats:
         self._handed_out = True
         sum_g, sum_sq = [], []
         for p in params:
-            if not self.recorded(p):
+            if not self.recorded(p) or id(p) in self._late:
                 self._unrecorded(p)
             sum_g.append(self._buffers[p][0])
             sum_sq.append(self._buffers[p][1])
         return sum_g, sum_sq
+
+    def started_after_gradients(self) -> bool:
+        """Whether tensors were watched while holding a gradient and no backward reached them since
+        (``n`` is then 0 though the gradients hold this step's backward passes)."""
+        return bool(self._pre_grad)
 
     def _unrecorded(self, p: Tensor) -> None:
         """A parameter with a gradient that no backward of this step reached. Zero sums, which the
@@ -176,10 +188,11 @@ class TensorHookStats:
             before = set(self._watched)
             self.watch([q for g in self.groups if g["gsnr"] for q in g["params"]])
             self._late |= self._watched - before  # unwatched in this step too (until reset)
-            warn_once(logger, f"unwatched-{name_of(self)}", "%s: a parameter of shape %s had no VRGD statistics in "
-                      "this step: it did not require grad (or its group had gsnr off) when the statistics started "
-                      "watching it. It takes the base optimizer's step (r = 1) now and the GSNR from the next step "
-                      "on, as does any other tensor unfrozen since", self._owner, shape)
+            warn_once(logger, f"unwatched-{name_of(self)}", "%s: a parameter of shape %s had backward passes the "
+                      "VRGD statistics did not see in this step: it did not require grad, or its group had gsnr off, "
+                      "when they started watching it, or its gradient was there before they started (an optimizer "
+                      "built, or a group added, mid-accumulation). It takes the base optimizer's step (r = 1) now "
+                      "and the GSNR from the next step on, as does any other such tensor", self._owner, shape)
         if unwatched or (p.grad is not None and not bool(p.grad.any())):
             bufs = self._buffers.get(p)
             if bufs is None:
@@ -197,7 +210,7 @@ class TensorHookStats:
         """The step's pass 1 as each parameter's latest backward took it, ``[len(params), 6]``,
         when every row was taken at ``n`` groups with ``gsnr_eps=eps`` and the buffers are still
         as then (else None: the step computes it)."""
-        if self._handed_out:
+        if self._handed_out or (self._late and any(id(p) in self._late for p in params)):
             return None
         if any(self._eps.get(p) != eps for p in params):
             self._eps = {}  # gsnr_eps changed: the next backward looks it up again
@@ -219,6 +232,7 @@ class TensorHookStats:
         self._passes.close()
         self._handed_out = False
         self._late.clear()
+        self._pre_grad.clear()
 
     def remove(self) -> None:
         """Removes the hooks and frees the buffers (another source feeds the optimizer)."""
