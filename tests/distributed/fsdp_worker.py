@@ -142,6 +142,8 @@ def _train(case: dict) -> dict[str, Any]:
         for j in range(acc):
             if case.get("no_sync"):  # accumulate unreduced until the last micro-step
                 model.set_requires_gradient_sync(j == acc - 1)
+            if case.get("defer_all_reduce"):  # HSDP: reduce-scatter each micro-step, all-reduce at the last
+                model.set_requires_all_reduce(j == acc - 1)
             backward(model, batch(step, rank, j), 1.0 / acc, chunks)
         opt.step()
         metrics = opt.gsnr_metrics()

@@ -43,6 +43,9 @@ CASES4 = {
     # n = 4 ranks: at n = 2 the reference's one backward of a rank's summed losses against FSDP's
     # accumulated backward passes (another summation order) is amplified (seen 4e-5)
     "fsdp-VRAdam-acc3-no_sync": dict(opt="VRAdam", layout="fsdp", acc=3, no_sync=True),
+    # FSDP2's HSDP accumulation: the replicas' all-reduce deferred to the last micro-step, the shards'
+    # .grad unset until then (the check for a model.zero_grad() must not take that for a clear)
+    "hsdp-VRAdam-acc2-defer_all_reduce": dict(opt="VRAdam", layout="hsdp", acc=2, defer_all_reduce=True),
 }
 _RUN: dict[str, list[dict]] = {}
 

@@ -41,7 +41,7 @@ logger = logging.getLogger(__name__)
 _STATE = ("_fsdp_param_groups",)
 _GROUP = ("fsdp_params", "mesh_info", "mp_policy", "post_backward", "reduce_grads", "reduce_scatter_unused_params",
           "force_sum_reduction_for_comms", "gradient_divide_factor", "_reduce_scatter_comm", "_all_reduce_hook",
-          "_reduce_scatter_process_group")
+          "_reduce_scatter_process_group", "all_reduce_grads")
 _PARAM = ("sharded_param", "padded_sharded_param_size", "fsdp_placement", "offload_to_cpu",
           "unsharded_accumulated_grad")
 _SQUARES = {"fp32": torch.float32, "bf16": torch.bfloat16}

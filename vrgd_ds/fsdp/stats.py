@@ -61,6 +61,8 @@ class FSDPStats(LocalStats):
         super().__init__(dist, kernels, Scaling(world), targets, gbar="local", squares_dtype=squares_dtype)
         self._groups: list[tuple[Any, Any, list[int], list[int]]] = []  # (fsdp group, bucket, indices, offsets)
         self._pending: dict[int, list[int]] = {}
+        self._hsdp: list[bool] = []  # per FSDP parameter group: reduced over replicas too
+        self._left_grads = False  # a reduction of this step has set its shards' .grad
         self.reductions = 0
 
     def add_group(self, group: Any, replicate: Any | None) -> int:
@@ -81,6 +83,7 @@ class FSDPStats(LocalStats):
             offsets.append(off)
             off += size
         self._groups.append((group, bucket, indices, offsets))
+        self._hsdp.append(replicate is not None)
         return len(self._groups) - 1
 
     def _replicas(self, replicate: Any) -> list[Any]:
@@ -123,10 +126,17 @@ class FSDPStats(LocalStats):
     def _cleared(self) -> bool:
         """Whether the gradients this step's reductions produced have been cleared with no optimizer
         step between: a step GradScaler skipped, then ``model.zero_grad()`` (HF Trainer's order), not
-        the optimizer's ``zero_grad()``, which ends the step. A reduction sets its shards' ``.grad``,
-        so once one ran, only a clear leaves every shard's ``None``; the statistics then start anew
-        with the gradient, as the other sources' do (``vrgd_ds/ddp.py``, ``vrgd_ds/stats/hooks.py``)."""
-        return all(fp.sharded_param.grad is None for group, *_ in self._groups for fp in group.fsdp_params)
+        the optimizer's ``zero_grad()``, which ends the step. A reduction that sets its shards'
+        ``.grad`` (not HSDP's with the replicas' all-reduce deferred, ``set_requires_all_reduce(False)``,
+        which keeps its output aside) makes every shard's ``None`` a sign of a clear; the statistics
+        then start anew with the gradient, as the other sources' do (``vrgd_ds/ddp.py``,
+        ``vrgd_ds/stats/hooks.py``). Looked for in backward's order, the last group first."""
+        return self._left_grads and all(fp.sharded_param.grad is None for group, *_ in reversed(self._groups)
+                                        for fp in group.fsdp_params)
+
+    def end_step(self) -> None:
+        self._left_grads = False
+        super().end_step()
 
     def start(self) -> None:
         """The step begins: every parameter with statistics was reduced equally often (a group is
@@ -171,6 +181,7 @@ class FSDPStats(LocalStats):
         self._counts[plan.params] += 1
         self.stat_counters.launches += 3
         self.reductions += 1
+        self._left_grads = self._left_grads or not self._hsdp[gi] or bool(group.all_reduce_grads)
 
     @staticmethod
     def _undo_average(group: Any, op: Any, ranks: int) -> float:
