@@ -226,10 +226,12 @@ def attach(ddp_model: DistributedDataParallel, optimizer: GSNROptimizer,
     ``ddp_model``. Needs >= 2 ranks in the DDP process group when any param group has
     ``gsnr=True``.
 
-    With ``torch.amp.GradScaler`` the statistics are of the scaled gradients; the GSNR is
-    invariant to that scale (up to ``gsnr_eps``, which acts as ``gsnr_eps / scale²``), and a
-    step the scaler skips never reaches the optimizer, whose ``zero_grad()`` clears them
-    (``model.zero_grad()`` too: the next forward finds the gradients cleared).
+    With ``torch.amp.GradScaler`` the statistics are of the scaled gradients:
+    ``optimizer.set_grad_scaler(scaler)`` takes its scale out (without it the GSNR is the same
+    only up to ``gsnr_eps``, which acts as ``gsnr_eps / scale²``, and the noise-scale figures
+    are scale² too large). A step the scaler skips never reaches the optimizer, whose
+    ``zero_grad()`` clears them (``model.zero_grad()`` too: the next forward finds the gradients
+    cleared).
     """
     if not isinstance(optimizer, GSNROptimizer):
         raise TypeError(f"vrgd_ds.ddp.attach needs a VRGD optimizer ({', '.join(REGISTRY)}), got "

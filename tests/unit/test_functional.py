@@ -99,7 +99,7 @@ def test_statistics_not_fp32_or_not_shaped_like_their_parameter_are_named(fused)
     under the default ``fused=None``, failed in the C++ kernels ("sum_g: tensors must be
     float32", no index, no fix); a transposed Σg² failed inside a ``view``."""
     p, g = torch.zeros(2, 3), torch.ones(2, 3)
-    with pytest.raises(ValueError, match=r"sum_g\[0\] is torch.bfloat16 .* accumulate them in float32"):
+    with pytest.raises(ValueError, match=r"sum_g\[0\] is torch.bfloat16 .* the statistics are fp32"):
         vrgd_ds.optim.vr_adam([p], [g], [{}], [g.bfloat16()], [g.bfloat16()], 2, fused=fused)
     with pytest.raises(ValueError, match=r"sum_sq\[0\] is torch.float32 of shape \(3, 2\)"):
         vrgd_ds.optim.vr_adam([p], [g], [{}], [g], [g.t()], 2, fused=fused)

@@ -1334,6 +1334,37 @@ def test_a_grad_scalers_loss_scale_is_taken_out_of_the_gsnr_floor_and_the_noise_
     assert dist(untold, plain) > 0.1 * dist(plain, start)
 
 
+@pytest.mark.skipif(not _fused.available(), reason="no C++ toolchain")
+def test_under_a_grad_scaler_the_hooks_pass_one_is_still_the_steps_own():
+    """The hooks take the step's pass 1 in the last backward with ``gsnr_eps`` as the step will
+    take it, divided by the unit the loss scale S makes: only the first step after S changes
+    computes its own. Fails on the code before, where the hooks kept ``gsnr_eps`` and the step
+    asked for ``gsnr_eps·S²``: every step ran pass 1 again (4 of 4)."""
+    torch.manual_seed(0)
+    params = [nn.Parameter(torch.randn(s)) for s in (70_001, 5)]
+    opt = vrgd_ds.VRAdam(params, fused=True)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**16, growth_interval=1000)
+    opt.set_grad_scaler(scaler)
+    calls, real = [], opt.kernels()
+
+    class Counting:
+        def __getattr__(self, name):
+            return getattr(real, name)
+
+        def gsnr_moments(self, *a, **kw):
+            calls.append(1)
+            return real.gsnr_moments(*a, **kw)
+
+    opt._kernels = Counting()
+    for step in range(4):
+        for _ in range(4):
+            scaler.scale(sum((p * torch.randn(p.shape)).sum() for p in params)).backward()
+        scaler.step(opt)
+        scaler.update()
+        opt.zero_grad()
+    assert calls == [1]  # the first step, before the hooks knew S
+
+
 def test_a_grad_scaler_is_refused_where_the_engine_removes_its_own_loss_scale():
     """DeepSpeed's and Megatron's sources hand the statistics without the loss scale: S taken out
     again would be wrong, so a scaler set there is refused at the step, saying what to do."""

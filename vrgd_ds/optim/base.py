@@ -259,7 +259,8 @@ class GSNROptimizer(torch.optim.Optimizer):
         (``get_scale()``) and taken out where it shows: the GSNR floor compares ``gsnr_eps`` with
         the variance instead of S² times it, and the noise-scale figures are not S² too large.
         DeepSpeed's and Megatron's loss scalers are removed by their paths: a scaler there is
-        refused at ``step()``. None: no scaler (docs/design.md §2)."""
+        refused at ``step()``. None: no scaler. A copy or an unpickled optimizer has none until
+        told (docs/design.md §2)."""
         if scaler is not None and not callable(getattr(scaler, "get_scale", None)):
             raise TypeError(f"{self.name}.set_grad_scaler: expected a torch.amp.GradScaler (get_scale()), got "
                             f"{type(scaler).__name__}")
@@ -347,6 +348,8 @@ class GSNROptimizer(torch.optim.Optimizer):
         # one group's gradient over the values the source holds: Megatron's 1/micro-batches
         # (``group_unit``), a GradScaler's S (set_grad_scaler)
         unit = float(getattr(self._stats, "group_unit", 1.0) or 1.0) / (self._grad_scale() if n else 1.0)
+        if hooks is not None and self._stats is hooks:
+            hooks.expect_unit(unit)  # the next steps' pass 1 in the hooks, at this step's loss scale
         ctx = F.StepContext(kernels, n, self._layout, self.name, self._serial, counts=self._counts, unit=unit)
         if kernels.sync_free:
             ctx.skipped = self.records.device_counter(plans[0].tdev)

@@ -24,6 +24,7 @@ from torch import Tensor
 
 from vrgd_ds.log import name_of, warn_once
 from vrgd_ds.optim import _impl
+from vrgd_ds.optim.checks import FP32_TINY
 from vrgd_ds.stats.backward import BackwardGroups, remove_hooks
 
 logger = logging.getLogger(__name__)
@@ -59,6 +60,7 @@ class TensorHookStats:
         self._group = 0  # the backward() of the last hook (BackwardGroups.serial)
         self._moments: dict[Tensor, tuple[int, Tensor]] = {}
         self._expect = 0  # groups in the previous step (0: unknown, take moments every time)
+        self._unit = 1.0  # one group's gradient over the values recorded, as the last step took it
         self._handed_out = False  # moments() gave the buffers away since the last reset
         self._handles: list[torch.utils.hooks.RemovableHandle] = []
         self._watched: set[int] = set()
@@ -83,7 +85,8 @@ class TensorHookStats:
         groups where the implementation can take it in the same pass."""
         eps = self._eps.get(p)
         if eps is None:  # a parameter added since, or not in a group with GSNR on
-            self._eps = {q: g["gsnr_eps"] for g in self.groups if g["gsnr"] for q in g["params"]}
+            u2 = self._unit * self._unit  # as the step takes gsnr_eps (functional.step_plans)
+            self._eps = {q: max(g["gsnr_eps"] / u2, FP32_TINY) for g in self.groups if g["gsnr"] for q in g["params"]}
             eps = self._eps.get(p, 0.0)
         return self.kernels.accumulate_moments(grad, sum_g, sum_sq, fresh,
                                                1.0 / n if n and p in self._eps else 0.0, eps)
@@ -167,6 +170,13 @@ class TensorHookStats:
             sum_g.append(self._buffers[p][0])
             sum_sq.append(self._buffers[p][1])
         return sum_g, sum_sq
+
+    def expect_unit(self, unit: float) -> None:
+        """The step's unit (a GradScaler's 1/S: ``GSNROptimizer.set_grad_scaler``): the next
+        backward's pass 1 takes ``gsnr_eps`` as the step will, so that the step can use it."""
+        if unit != self._unit:
+            self._unit = unit
+            self._eps = {}
 
     def started_after_gradients(self) -> bool:
         """Whether tensors were watched while holding a gradient and no backward reached them since

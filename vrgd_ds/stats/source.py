@@ -44,8 +44,7 @@ class GivenStatistics:
                 if t.dtype != torch.float32 or t.shape != p.shape or t.device != p.device:
                     raise ValueError(
                         f"{name}[{i}] is {t.dtype} of shape {tuple(t.shape)} on {t.device}; the statistics are fp32, "
-                        f"shaped like their parameter ({tuple(p.shape)}) and on its device ({p.device}): accumulate "
-                        "them in float32")
+                        f"shaped like their parameter ({tuple(p.shape)}) and on its device ({p.device})")
         self._of = {id(p): (g, s) for p, g, s in zip(params, sum_g, sum_sq)}
         self._n = n
 
