@@ -1826,6 +1826,20 @@ def test_an_optimizer_built_mid_accumulation_takes_the_base_step_once(caplog):
         fresh.step()
 
 
+def test_a_model_cast_to_float64_after_the_optimizer_was_built_is_refused_at_the_step():
+    """``model.double()`` after the optimizer was built changes its tensors in place, past the
+    dtype check of ``add_param_group``: the step refuses float64 as the constructor does. Fails on
+    the code before, which stepped float64 tensors in fp32 arithmetic: an update of 1e-12 on a
+    weight of 1 was lost."""
+    m = torch.nn.Linear(3, 1)
+    opt = vrgd_ds.VRSGD(m.parameters(), lr=1e-12, gamma=1.0)
+    m.double()
+    for _ in range(2):
+        m(torch.randn(2, 3, dtype=torch.float64)).sum().backward()
+    with pytest.raises(ValueError, match="VRSGD param group 0: float64 parameters"):
+        opt.step()
+
+
 def test_gsnr_turned_on_where_no_group_had_it_is_refused_saying_why():
     """Built with ``gsnr=False`` everywhere, no tensor hooks exist: turning it on later is refused
     with the reason and the fix. Fails on the code before, which said only "no statistics source

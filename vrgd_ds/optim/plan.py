@@ -12,8 +12,10 @@ import torch
 from torch import Tensor
 
 from vrgd_ds import gsnr as G
+from vrgd_ds.optim.checks import check_dtypes
 
 _NUMEL = torch.Tensor.numel
+_DTYPE = operator.attrgetter("dtype")
 
 
 def to_device(host: Tensor, device: torch.device) -> Tensor:
@@ -185,9 +187,13 @@ class Planner:
         hashed: ``Tensor.__hash__`` is Python): a state cleared (``opt.state.clear()``), replaced
         (``opt.state = ...``) or deleted for a tensor (``del opt.state[p]``, a layer
         re-initialised) is looked up again and starts anew, as torch's optimizers start it."""
-        key = (index, key_base, tdev, id(layout), tuple(map(id, params)), tuple(map(_NUMEL, params)))
+        key = (index, key_base, tdev, id(layout), tuple(map(id, params)), tuple(map(_NUMEL, params)),
+               tuple(map(_DTYPE, params)))
         shape = self._shapes.get(key)
         if shape is None:
+            # dtypes as add_param_group checks them, again: a model cast after the optimizer was built
+            # (``model.double()``) changes its tensors in place
+            check_dtypes(f"{self.owner} param group {index}", params, False)
             shape = self._shape(index, group, params, key_base, tdev, layout)
             if len(self._shapes) > 64:
                 self._shapes.clear()
