@@ -189,6 +189,7 @@ class GSNROptimizer(torch.optim.Optimizer):
                                self.param_groups[i]["gsnr_eps"])
                 saved["gsnr_eps"] = self.param_groups[i]["gsnr_eps"]
             if "gsnr" not in saved and i < len(self.param_groups):  # a base optimizer's (torch's): the GSNR off, and
+                self._refuse_foreign_options(i, saved)
                 # the options it has no such key for (the GSNR's, never read; bias_correction ...) this group's as built
                 saved = {**{k: v for k, v in self.param_groups[i].items() if k != "params"}, **saved, "gsnr": False}
             options = {**self.defaults, **saved, **(built[i] if i < len(built) else {})}
@@ -196,6 +197,30 @@ class GSNROptimizer(torch.optim.Optimizer):
             type(self)._check_options(f"{self.name} (param group {i} as loaded)", options)
             groups.append(saved)
         return {**state_dict, "param_groups": groups}
+
+    #: options of torch's optimizers that change the update unless at these values (a callable:
+    #: of the saved group), for the members without the option
+    _FOREIGN_NEUTRAL: dict[str, Callable[[dict[str, Any]], bool]] = {
+        "maximize": lambda g: not g["maximize"],
+        "amsgrad": lambda g: not g["amsgrad"],
+        "momentum": lambda g: g["momentum"] == 0,
+        "nesterov": lambda g: not g["nesterov"],
+        "centered": lambda g: not g["centered"],
+        # torch.optim.Adam's L2 decay; the family's Adam decays decoupled (AdamW)
+        "decoupled_weight_decay": lambda g: g["decoupled_weight_decay"] or not g.get("weight_decay"),
+    }
+
+    def _refuse_foreign_options(self, index: int, saved: dict[str, Any]) -> None:
+        """A torch optimizer's group loaded into this member: an option of its update this member
+        does not have, set so that it changes the update, is refused (it would be dropped)."""
+        for key, neutral in self._FOREIGN_NEUTRAL.items():
+            if key in saved and key not in self.defaults and not neutral(saved):
+                raise ValueError(
+                    f"{self.name}.load_state_dict: param group {index} was saved with {key}={saved[key]!r}"
+                    + (f" and weight_decay={saved.get('weight_decay')!r} (L2 decay)"
+                       if key == "decoupled_weight_decay" else "")
+                    + f", which {self.name} does not implement, so its update would change unseen: load it into "
+                    "an optimizer that has it, or set the option as this one steps in the state dict first")
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         super().add_param_group(param_group)
