@@ -9,6 +9,7 @@ import inspect
 import types
 
 import pytest
+import torch
 
 pytest.importorskip("deepspeed")
 
@@ -307,3 +308,45 @@ def test_auto_squares_fall_back_to_per_step_on_hosts_of_unequally_many_ranks(mon
         scheme = attach._auto(engine, reduction_config({"vrgd": {"squares": "auto"}}), 2, 12)
     assert scheme == "per_step"
     assert "chose per_step: the hierarchical scheme needs nodes" in caplog.text and "a: 8, b: 4" in caplog.text
+
+
+def test_zero12_reduction_stream_waits_for_the_kernel_reading_the_bucket(monkeypatch):
+    """With ``overlap_comm`` on a GPU, DeepSpeed 0.19.8's ``average_tensor`` makes its reduction
+    stream wait for the streams that copied into the bucket (``copy_streams``), or the current
+    one where none are recorded; the statistics' ``pack_bucket``, queued on the current stream
+    just before, was not among them when another stream had copied (torch.compile's autograd
+    streams): the in-place reduction could overwrite the bucket while the kernel read it. The
+    wrapper waits for the copy streams, records, then makes the reduction stream wait for the
+    current one. Stand-ins for the streams (no GPU here); fails on the code before, whose
+    reduction stream never waited for the current stream."""
+    events = []
+
+    class Stream:
+        def __init__(self, name):
+            self.name = name
+
+        def wait_stream(self, other):
+            events.append(f"{self.name} waits {other.name}")
+
+    current, reduction, copy = Stream("current"), Stream("reduction"), Stream("copy")
+
+    class Accelerator:
+        def resolves_data_dependency(self):
+            return False
+
+        def current_stream(self):
+            return current
+
+    monkeypatch.setattr(zero12, "get_accelerator", lambda: Accelerator(), raising=False)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda: current)  # the code before asked torch.cuda
+    monkeypatch.setattr(zero12, "buckets_or_hooks", lambda *args: [True])
+    bucket = types.SimpleNamespace(params=[(0, 0, 0)], copy_streams={copy})
+    zopt = types.SimpleNamespace(bit16_groups=[[torch.zeros(2)]], ipg_buckets={torch.float32: bucket},
+                                 overlap_comm=True, reduction_stream=reduction,
+                                 average_tensor=lambda tensor, dtype: events.append("reduce"))
+    path = object.__new__(zero12.Zero12)
+    path.zopt, path.engine, path.per_micro_step = zopt, None, True
+    stats = types.SimpleNamespace(record_bucket=lambda *args: events.append("pack"), index=lambda p: 0)
+    path.record_micro_steps(stats)
+    zopt.average_tensor(torch.zeros(2), torch.float32)
+    assert events == ["current waits copy", "pack", "reduction waits current", "reduce"]

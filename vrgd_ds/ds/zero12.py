@@ -24,6 +24,7 @@ import torch
 from torch import Tensor
 
 import deepspeed.comm as dist
+from deepspeed.accelerator import get_accelerator
 
 from vrgd_ds.ds.internals import UnsupportedConfiguration, require
 from vrgd_ds.ds.local import buckets_or_hooks
@@ -34,7 +35,7 @@ from vrgd_ds.stats.local import LocalStats
 _REQUIRED = ("gradient_reduction_w_predivide", "average_tensor", "grad_start_offset",
              "grad_partition_insertion_offset", "single_partition_of_fp32_groups", "bit16_groups",
              "bit16_groups_flat", "ipg_buckets", "partition_size", "real_dp_process_group", "dp_process_group",
-             "loss_scale", "get_param_id", "unscale_and_clip_grads")
+             "loss_scale", "get_param_id", "unscale_and_clip_grads", "overlap_comm", "reduction_stream")
 
 
 def pieces(zopt: Any, i: int) -> list[tuple[Tensor, int, int, int]]:
@@ -183,7 +184,8 @@ class Zero12:
     def record_micro_steps(self, stats: LocalStats) -> None:
         """Each micro-step's gradients into the statistics: one ``pack_bucket`` launch per ipg
         bucket, queued on the current stream just before DeepSpeed's ``average_tensor`` reduces
-        the bucket in place (with ``overlap_comm`` the reduction stream waits for it); where no
+        the bucket in place (with ``overlap_comm``, after every stream that copied into the bucket,
+        and before the reduction stream, made to wait for it); where no
         bucket holds one micro-step (ZeRO-1 with accumulation), a tensor hook per parameter.
         ``set_train_batch_size`` changes the accumulation: the choice is made again there."""
         zopt, engine = self.zopt, self.engine
@@ -203,9 +205,16 @@ class Zero12:
             if use_buckets[0]:
                 bucket = zopt.ipg_buckets[communication_data_type]
                 entries = bucket.params
-                for stream in getattr(bucket, "copy_streams", ()):  # producers on other streams (torch.compile)
-                    torch.cuda.current_stream().wait_stream(stream)
+                acc = get_accelerator()
+                ordered = zopt.overlap_comm and not acc.resolves_data_dependency()
+                if ordered:
+                    current = acc.current_stream()
+                    for stream in bucket.copy_streams:  # producers on other streams (torch.compile)
+                        current.wait_stream(stream)
                 stats.record_bucket(tuple(entries), tensor, lambda: members(entries))
+                if ordered:  # DeepSpeed's reduction stream waits for the copy streams only, where it
+                    # has any: the in-place reduction must also wait for the kernel reading the bucket
+                    zopt.reduction_stream.wait_stream(current)
             return original(tensor, communication_data_type)
 
         zopt.average_tensor = average_tensor
