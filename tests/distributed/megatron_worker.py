@@ -380,14 +380,24 @@ def statistics_cost(case: dict) -> dict:
             counts.update(dict.fromkeys(names, 0))
             for name in names:
                 setattr(dist, name, counting(name))
+            inner, reads = opt.chained_optimizers[0], [0]
+            real_scale = inner.get_loss_scale
+
+            def read_scale():  # a device scalar on a GPU: reading it on the host waits for the device
+                reads[0] += 1
+                return real_scale()
+
+            inner.get_loss_scale = read_scale
             try:
                 for step in (1, 2):
                     megatron_step(ddp, opt, dp_rank, case["accumulation"], step)
             finally:
                 for name in names:
                     setattr(dist, name, saved[name])
+                del inner.get_loss_scale
             out[optimizer] = {"sources": len(opt.vrgd_sources), "collectives": sum(counts.values()),
-                              "hooks": sum(len(p._backward_hooks or {}) for p in model.parameters())}
+                              "hooks": sum(len(p._backward_hooks or {}) for p in model.parameters()),
+                              "scale_reads": reads[0]}
     return out
 
 

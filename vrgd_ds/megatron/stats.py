@@ -134,6 +134,11 @@ def attach(mopt: Any, chunks: list[Any], kernels: Any, fold: bool = True, square
     step_factor = [1.0]  # 1 / (e · S), read once per step in begin_step (S: a device scalar under fp16)
 
     def scale() -> float:
+        """S of this step's backward passes: 1 without a grad scaler (bf16, fp32: Megatron's scale
+        is a constant 1, not read, since a device scalar read on the host waits for the device);
+        under fp16 the scaler's, read in the step's first backward and in ``begin_step``."""
+        if getattr(mopt, "grad_scaler", None) is None:
+            return 1.0
         return float(mopt.get_loss_scale())
 
     if squares == "hierarchical":
