@@ -6,6 +6,7 @@ package with its dependencies would replace the tuned torch with a PyPI wheel. T
 the package with ``--no-deps`` and these requirements beside it; pyproject.toml stays the one list.
 
     python docker/requirements.py train > /tmp/requirements.txt
+    python docker/requirements.py --only megatron     (the extra's own: megatron-core==0.16.1)
 """
 from __future__ import annotations
 
@@ -17,9 +18,11 @@ from pathlib import Path
 PYPROJECT = Path(__file__).resolve().parents[1] / "pyproject.toml"
 
 
-def requirements(extras: list[str]) -> list[str]:
+def requirements(extras: list[str], base: bool = True) -> list[str]:
+    """The requirements of ``extras`` (the extras they include too), after the package's own
+    unless ``base`` is False; torch left out."""
     project = tomllib.loads(PYPROJECT.read_text())["project"]
-    found = list(project["dependencies"])
+    found = list(project["dependencies"]) if base else []
     optional = project.get("optional-dependencies", {})
     todo = list(extras)
     while todo:
@@ -41,4 +44,6 @@ def requirements(extras: list[str]) -> list[str]:
 
 
 if __name__ == "__main__":
-    print("\n".join(requirements(sys.argv[1:])))
+    args = sys.argv[1:]
+    only = "--only" in args  # the extras' own requirements, not the package's
+    print("\n".join(requirements([a for a in args if a != "--only"], base=not only)))

@@ -64,6 +64,11 @@ def test_image_checks_apex_and_torch_and_builds_the_deepspeed_anchors():
     (build,) = [cmd for cmd in runs.split("&&") if "DS_BUILD_FUSED_LAMB=1" in cmd]
     assert "--no-build-isolation" in build and "deepspeed" in build and "-r " not in build, build
     assert "assert torch.__version__ == sys.argv[1]" in runs  # the base image's torch is kept
+    # megatron-core requires torch>=2.6.0, outside NGC's pre-release torch: without --no-deps pip
+    # would replace the image's torch (the image had no megatron-core before)
+    (megatron,) = [cmd for cmd in runs.split("&&") if "requirements.py --only megatron" in cmd]
+    assert "--no-deps" in megatron, megatron
+    assert "import megatron.core, vrgd_ds.megatron" in runs
     args = dict(a.split("=", 1) for op, a in instructions() if op == "ARG" and "=" in a)
     assert args["BASE_IMAGE"].startswith("nvcr.io/nvidia/pytorch:")
     assert "a" not in args["TORCH_CUDA_ARCH_LIST"].replace('"', "")  # "9.0", not "9.0a" (DeepSpeed's parser)
@@ -74,6 +79,9 @@ def test_dependency_step_lists_the_requirements_without_torch():
                          text=True, check=True, timeout=60).stdout.split()
     assert "deepspeed==0.19.8" in out and any(r.startswith("transformers") for r in out)
     assert not any(re.match(r"torch\b", r) for r in out)
+    only = subprocess.run([sys.executable, str(ROOT / "docker" / "requirements.py"), "--only", "megatron"],
+                          capture_output=True, text=True, check=True, timeout=60).stdout.split()
+    assert only == ["megatron-core==0.16.1"], only  # one argument of the image's pip install --no-deps
 
 
 def test_what_the_readme_runs_exists():
