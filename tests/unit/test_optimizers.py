@@ -1862,6 +1862,60 @@ def test_a_model_cast_to_float64_after_the_optimizer_was_built_is_refused_at_the
         m(torch.randn(2, 3, dtype=torch.float64)).sum().backward()
     with pytest.raises(ValueError, match="VRSGD param group 0: float64 parameters"):
         opt.step()
+    # part of a group cast to bf16 (fused kernels: one dtype per group): the constructor's message,
+    # not the kernels' "expected scalar type Float"
+    m = torch.nn.Sequential(torch.nn.Linear(3, 3), torch.nn.Linear(3, 1))
+    opt = vrgd_ds.VRAdam(m.parameters())
+    m[1].bfloat16()
+    for _ in range(2):
+        m[1](m[0](torch.randn(2, 3)).bfloat16()).float().sum().backward()
+    with pytest.raises(ValueError, match="the group mixes bfloat16 and float32 tensors"):
+        opt.step()
+
+
+def test_gradients_before_the_optimizer_that_are_zero_or_not_reached_again(caplog):
+    """Three edges of an optimizer built where gradients exist: (1) zeros that
+    ``zero_grad(set_to_none=False)`` left add nothing, so the first step is the GSNR's, the same
+    as one built on ``None`` gradients, and nothing is said; (2) a tensor that had a gradient
+    before the optimizer and no backward since (a branch the later micro-batches skip) takes the
+    base step like the others built mid-accumulation, not a refusal; (3) built before the last
+    of 4 backward passes (n = 1), the refusal says why. Fail on the code before: (1) took the
+    base step for every tensor, (2) raised "has a gradient but no VRGD statistics", (3) asked to
+    split the batch."""
+    xs = [torch.randn(2, 4, generator=torch.Generator().manual_seed(i)) for i in range(4)]
+
+    def model():
+        torch.manual_seed(0)
+        return torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.Tanh(), torch.nn.Linear(3, 2))
+
+    def steps(m, opt, first=0):
+        for x in xs[first:]:
+            m(x).pow(2).sum().backward()
+        opt.step()
+        opt.zero_grad()
+
+    zeroed, fresh = model(), model()
+    zeroed(xs[0]).sum().backward()
+    zeroed.zero_grad(set_to_none=False)
+    with caplog.at_level(logging.WARNING):
+        steps(zeroed, vrgd_ds.VRAdam(zeroed.parameters(), lr=0.1))
+    steps(fresh, vrgd_ds.VRAdam(fresh.parameters(), lr=0.1))
+    assert all(torch.equal(a, b) for a, b in zip(zeroed.parameters(), fresh.parameters()))
+    assert not any("statistics did not see" in r.getMessage() for r in caplog.records)
+
+    m, branch = model(), torch.nn.Linear(4, 2)
+    for x in xs[:2]:
+        (m(x).pow(2).sum() + branch(x).sum()).backward()  # the branch only in the first micro-batches
+    opt = vrgd_ds.VRAdam([*m.parameters(), *branch.parameters()], lr=0.1)
+    before = branch.weight.detach().clone()
+    steps(m, opt, first=2)
+    assert not torch.equal(branch.weight, before)  # the base step on its gradient
+
+    for x in xs[:3]:
+        m(x).pow(2).sum().backward()
+    late = vrgd_ds.VRAdam(m.parameters(), lr=0.1)
+    with pytest.raises(RuntimeError, match="and only 1 since, fewer than the 2 gradient groups"):
+        steps(m, late, first=3)
 
 
 def test_gsnr_turned_on_where_no_group_had_it_is_refused_saying_why():

@@ -125,7 +125,7 @@ class GSNROptimizer(torch.optim.Optimizer):
         self.records = M.Recorder(self.name, self._serial)
         self.step_calls = 0
         self._counts = StepCounts()  # step counters the current step added to (undone on a retry)
-        self._planner = Planner(self.name)
+        self._planner = Planner(self.name, getattr(self, "fused", None))
         self._sharded: dict[int, Tensor] = {}  # id(local shard) -> its DTensor parameter (FSDP2)
         self._grad_scaler: Any | None = None  # set_grad_scaler
 
@@ -147,7 +147,7 @@ class GSNROptimizer(torch.optim.Optimizer):
             self._start_runtime()
             self._watch(self.param_groups)
         self._epoch = getattr(self, "_epoch", 0) + 1
-        self._planner = Planner(self.name)
+        self._planner = Planner(self.name, getattr(self, "fused", None))
         if getattr(self, "_hook_stats", None) is not None:
             self._hook_stats.groups = self.param_groups  # torch replaced the list
         S.fill_missing_options(self.param_groups, getattr(self, "_own_keys", self.defaults), self.defaults, self.name)
@@ -361,12 +361,12 @@ class GSNROptimizer(torch.optim.Optimizer):
                 "hooks are set where a group with gsnr on is added, and none had it (turned on since?): build the "
                 "optimizer, or add the group, with gsnr=True; under an engine, attach its statistics source first")
         hooks = self._hook_stats
-        if hooks is not None and self._stats is hooks and hooks.n == 0 and hooks.started_after_gradients():
+        if hooks is not None and self._stats is hooks and hooks.n < F.MIN_GROUPS and hooks.started_after_gradients():
             raise RuntimeError(
                 f"{self.name}.step(): the gradients hold backward passes from before this optimizer's statistics "
-                "started (it was built, or a state loaded into a new one, after them) and none since, so there "
-                "are no gradient groups: build the optimizer before the step's first backward(), or zero the "
-                "gradients and run the step's backward passes again")
+                f"started (it was built, or a state loaded into a new one, after them) and only {hooks.n} since, "
+                f"fewer than the {F.MIN_GROUPS} gradient groups a step needs: build the optimizer before the step's "
+                "first backward(), or zero the gradients and run the step's backward passes again")
         n = F.groups_now(self._stats, self.name, self._serial) if any(p.gsnr for p in plans) else 0
         if n and self.step_calls == 1 and self._stats is self._hook_stats:
             _warn_if_replicated(self.name, self._serial)

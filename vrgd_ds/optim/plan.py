@@ -171,8 +171,9 @@ class Planner:
     and sizes (cheap to key, nothing rebuilt on a steady step); ``epoch`` (the optimizer's state
     epoch) says when the state dicts must be looked up again."""
 
-    def __init__(self, owner: str) -> None:
+    def __init__(self, owner: str, fused: bool | str | None = False) -> None:
         self.owner = owner
+        self.fused = fused  # the optimizer's kernel choice, for the dtype rule (``checks.check_dtypes``)
         self._shapes: dict[tuple, PlanShape] = {}
 
     def clear(self) -> None:
@@ -193,9 +194,9 @@ class Planner:
         if shape is None:
             # dtypes as add_param_group checks them, again: a model cast after the optimizer was built
             # (``model.double()``) changes its tensors in place
-            check_dtypes(f"{self.owner} param group {index}", params, False)
+            check_dtypes(f"{self.owner} param group {index}", params, self.fused)
             shape = self._shape(index, group, params, key_base, tdev, layout)
-            if len(self._shapes) > 64:
+            if len(self._shapes) > max(64, 4 * (index + 1)):  # a few shapes per group, however many groups
                 self._shapes.clear()
             self._shapes[key] = shape
         stale = state is not None and (shape.found_in is not state or len(state) != len(shape.found)

@@ -66,6 +66,7 @@ class TensorHookStats:
         self._watched: set[int] = set()
         self._late: set[int] = set()  # watched at this step (``_unrecorded``), or whose .grad was there first
         self._pre_grad: set[int] = set()  # watched while holding a gradient, no backward recorded since
+        self._started_late = False  # a tensor was watched while holding a (non-zero) gradient this step
         weakref.finalize(self, remove_hooks, self._handles)  # an optimizer dropped (rebuilt) leaves no hooks behind
 
     @property
@@ -84,12 +85,12 @@ class TensorHookStats:
         """One backward into ``p``'s statistics; with ``n`` > 0 also the tensor's pass 1 at ``n``
         groups where the implementation can take it in the same pass."""
         eps = self._eps.get(p)
-        if eps is None:  # a parameter added since, or not in a group with GSNR on
-            u2 = self._unit * self._unit  # as the step takes gsnr_eps (functional.step_plans)
-            self._eps = {q: max(g["gsnr_eps"] / u2, FP32_TINY) for g in self.groups if g["gsnr"] for q in g["params"]}
+        if eps is None:  # a parameter added since
+            u2 = self._unit * self._unit  # as the step takes gsnr_eps (functional.step_plans); 0: GSNR off
+            self._eps = {q: max(g["gsnr_eps"] / u2, FP32_TINY) if g["gsnr"] else 0.0
+                         for g in self.groups for q in g["params"]}
             eps = self._eps.get(p, 0.0)
-        return self.kernels.accumulate_moments(grad, sum_g, sum_sq, fresh,
-                                               1.0 / n if n and p in self._eps else 0.0, eps)
+        return self.kernels.accumulate_moments(grad, sum_g, sum_sq, fresh, 1.0 / n if n and eps else 0.0, eps)
 
     def watch(self, params: Iterable[Tensor]) -> None:
         """Registers the hook on each parameter that requires grad (idempotent)."""
@@ -98,8 +99,9 @@ class TensorHookStats:
             if not p.requires_grad or id(p) in self._watched:
                 continue
             self._watched.add(id(p))
-            if p.grad is not None:  # an optimizer built, or a group added, mid-accumulation
-                self._pre_grad.add(id(p))
+            if p.grad is not None and bool(p.grad.any()):  # an optimizer built, or a group added, mid-accumulation
+                self._pre_grad.add(id(p))  # (zeros a zero_grad(set_to_none=False) left add nothing)
+                self._started_late = True
             p_ref = weakref.ref(p)
 
             def hook(grad: Tensor, me=me, p_ref=p_ref) -> None:
@@ -165,7 +167,7 @@ class TensorHookStats:
         self._handed_out = True
         sum_g, sum_sq = [], []
         for p in params:
-            if not self.recorded(p) or id(p) in self._late:
+            if not self.recorded(p) or id(p) in self._late or id(p) in self._pre_grad:
                 self._unrecorded(p)
             sum_g.append(self._buffers[p][0])
             sum_sq.append(self._buffers[p][1])
@@ -179,9 +181,9 @@ class TensorHookStats:
             self._eps = {}
 
     def started_after_gradients(self) -> bool:
-        """Whether tensors were watched while holding a gradient and no backward reached them since
-        (``n`` is then 0 though the gradients hold this step's backward passes)."""
-        return bool(self._pre_grad)
+        """Whether tensors were watched in this step while holding a gradient (``n`` then counts
+        only the backward passes since, fewer than the gradients hold)."""
+        return self._started_late
 
     def _unrecorded(self, p: Tensor) -> None:
         """A parameter with a gradient that no backward of this step reached. Zero sums, which the
@@ -193,7 +195,7 @@ class TensorHookStats:
         unfrozen since, is watched from the next backward on; said once. Otherwise (a gradient
         set by hand): an error."""
         shape = tuple(p.shape)
-        unwatched = id(p) not in self._watched or id(p) in self._late
+        unwatched = id(p) not in self._watched or id(p) in self._late or id(p) in self._pre_grad
         if unwatched:
             before = set(self._watched)
             self.watch([q for g in self.groups if g["gsnr"] for q in g["params"]])
@@ -243,6 +245,7 @@ class TensorHookStats:
         self._handed_out = False
         self._late.clear()
         self._pre_grad.clear()
+        self._started_late = False
 
     def remove(self) -> None:
         """Removes the hooks and frees the buffers (another source feeds the optimizer)."""
