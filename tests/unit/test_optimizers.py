@@ -1810,6 +1810,19 @@ def test_layers_unfrozen_between_steps_take_the_base_step_once_then_the_gsnr(cap
     rows = opt.gsnr_metrics(per_tensor=True)
     assert opt.gsnr_metrics()["gsnr/n"] == 4 and rows["tensor/group0.param0/gsnr_mean"] != 1.0  # m[0].weight
 
+    # a layer unfrozen at a later step is said again (before: once per optimizer, a later
+    # unfreezing went unsaid)
+    caplog.clear()
+    m2 = model()
+    m2[2].bias.requires_grad_(False)
+    opt2 = vrgd_ds.VRAdam(m2.parameters(), lr=0.1)
+    with caplog.at_level(logging.WARNING):
+        for layer, steps in ((None, data[:1]), (m2[0], data[1:2]), (m2[2].bias, data[2:])):
+            if layer is not None:
+                layer.requires_grad_(True)
+            train(m2, opt2, steps)
+    assert sum("statistics did not see" in r.getMessage() for r in caplog.records) == 2
+
 
 def test_an_optimizer_built_mid_accumulation_takes_the_base_step_once(caplog):
     """Built after 2 of a step's 4 backward passes, the statistics saw 2 of the 4 its gradients

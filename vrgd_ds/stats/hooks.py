@@ -67,6 +67,7 @@ class TensorHookStats:
         self._late: set[int] = set()  # watched at this step (``_unrecorded``), or whose .grad was there first
         self._pre_grad: set[int] = set()  # watched while holding a gradient, no backward recorded since
         self._started_late = False  # a tensor was watched while holding a (non-zero) gradient this step
+        self._resets = 0  # steps begun (``reset``): an unfreezing is said once per step it happens in
         weakref.finalize(self, remove_hooks, self._handles)  # an optimizer dropped (rebuilt) leaves no hooks behind
 
     @property
@@ -192,15 +193,15 @@ class TensorHookStats:
         micro-step's gradient was zero; torch's optimizers step it too), and where the tensor was
         not watched: frozen when the statistics started (unfrozen since, as gradual unfreezing
         does), or in a group whose ``gsnr`` was off then. Such a tensor, and every other one
-        unfrozen since, is watched from the next backward on; said once. Otherwise (a gradient
-        set by hand): an error."""
+        unfrozen since, is watched from the next backward on; said once per step where it
+        happens. Otherwise (a gradient set by hand): an error."""
         shape = tuple(p.shape)
         unwatched = id(p) not in self._watched or id(p) in self._late or id(p) in self._pre_grad
         if unwatched:
             before = set(self._watched)
             self.watch([q for g in self.groups if g["gsnr"] for q in g["params"]])
             self._late |= self._watched - before  # unwatched in this step too (until reset)
-            warn_once(logger, f"unwatched-{name_of(self)}", "%s: a parameter of shape %s had backward passes the "
+            warn_once(logger, f"unwatched-{name_of(self)}-{self._resets}", "%s: a parameter of shape %s had backward passes the "
                       "VRGD statistics did not see in this step: it did not require grad, or its group had gsnr off, "
                       "when they started watching it, or its gradient was there before they started (an optimizer "
                       "built, or a group added, mid-accumulation). It takes the base optimizer's step (r = 1) now "
@@ -246,6 +247,7 @@ class TensorHookStats:
         self._late.clear()
         self._pre_grad.clear()
         self._started_late = False
+        self._resets += 1
 
     def remove(self) -> None:
         """Removes the hooks and frees the buffers (another source feeds the optimizer)."""
