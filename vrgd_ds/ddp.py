@@ -38,7 +38,7 @@ from torch.nn.parallel import DistributedDataParallel
 from vrgd_ds.optim.base import MIN_GROUPS, GSNROptimizer
 from vrgd_ds.optim.registry import REGISTRY
 from vrgd_ds.stats.comm import CommCounters, fused_all_reduce
-from vrgd_ds.stats.hooks import warn_dropped
+from vrgd_ds.stats.hooks import gradients_cleared
 from vrgd_ds.stats.local import LocalStats
 from vrgd_ds.optim._impl import select_for
 from vrgd_ds.stats.scaling import Scaling
@@ -118,24 +118,13 @@ class DDPStats:
             self._fresh.add(id(p))
 
 
-def _cleared(stats: "DDPStats | LocalStats", params: Iterable[Tensor]) -> bool:
-    """Whether the gradients the statistics were recorded from (``stats.n`` > 0) have been cleared
-    with no optimizer step between: a step GradScaler skipped, then ``model.zero_grad()`` (HF
-    Trainer's order), not the optimizer's ``zero_grad()``, which ends the step. The statistics then
-    start anew with the gradient, as the hooks' do (``vrgd_ds/stats/hooks.py``); said once."""
-    if any(p.grad is not None for p in params):
-        return False
-    warn_dropped(stats, "vrgd_ds.ddp", stats.n // stats.world)
-    return True
-
-
 def _one_synchronised_backward(stats: DDPStats, ddp_model: DistributedDataParallel) -> None:
     """Refuses, at its forward (before any collective of it), a second synchronised micro-step in a
     step under ``squares='per_micro_step'``: its bucket would hold the first one's reduced mean plus
-    its own gradient. Gradients cleared since (``_cleared``) start a new step instead."""
+    its own gradient. Gradients cleared since (``gradients_cleared``) start a new step instead."""
     if stats.n and torch.is_grad_enabled():  # reduced this step
         # looked for at any forward: the next step's first may be under no_sync() (accumulation)
-        if _cleared(stats, ddp_model.parameters()):
+        if gradients_cleared(stats, ddp_model.parameters(), "vrgd_ds.ddp"):
             stats.reset()
             return
         if not ddp_model.require_backward_grad_sync:
@@ -348,7 +337,7 @@ class _BucketPath(_HookState):
         if stats.fresh_step() != self._step:  # the first forward of a step
             self._step = stats.fresh_step()
             self.accumulating = False
-        elif stats.n and _cleared(stats, self.params):
+        elif stats.n and gradients_cleared(stats, self.params, "vrgd_ds.ddp"):
             stats.end_step()
             self._step = stats.fresh_step()
             self.accumulating = False

@@ -201,12 +201,13 @@ class Zero12:
                 off += p.numel()
             return out
 
+        acc = get_accelerator()
+        ordered = zopt.overlap_comm and not acc.resolves_data_dependency()  # streams to order (a GPU)
+
         def average_tensor(tensor, communication_data_type):
             if use_buckets[0]:
                 bucket = zopt.ipg_buckets[communication_data_type]
                 entries = bucket.params
-                acc = get_accelerator()
-                ordered = zopt.overlap_comm and not acc.resolves_data_dependency()
                 if ordered:
                     current = acc.current_stream()
                     for stream in bucket.copy_streams:  # producers on other streams (torch.compile)

@@ -31,7 +31,7 @@ from torch import Tensor
 from torch.distributed.fsdp._fully_shard._fsdp_collectives import DefaultReduceScatter
 
 from vrgd_ds.fsdp.internals import UnsupportedFSDPConfiguration
-from vrgd_ds.stats.hooks import warn_dropped
+from vrgd_ds.stats.hooks import gradients_cleared
 from vrgd_ds.stats.local import LocalStats
 from vrgd_ds.stats.scaling import Scaling
 
@@ -118,21 +118,14 @@ class FSDPStats(LocalStats):
                 ".cpu() and the like make FSDP2 build new local shards, which the statistics and the optimizer's "
                 "layout do not know. Move or cast the model first, then build the optimizer and attach it")
         if group.reduce_grads:
-            if self._recorded() and self._cleared():
-                warn_dropped(self, "vrgd_ds.fsdp", self.n // self.world)
+            # gradients cleared since this step's reductions (``gradients_cleared``): a reduction that
+            # sets its shards' .grad (not HSDP's with the replicas' all-reduce deferred,
+            # set_requires_all_reduce(False), which keeps its output aside) makes every shard's None
+            # a sign of a clear; looked for in backward's order, the last group first
+            shards = (fp.sharded_param for g, *_ in reversed(self._groups) for fp in g.fsdp_params)
+            if self._recorded() and self._left_grads and gradients_cleared(self, shards, "vrgd_ds.fsdp"):
                 self.end_step()
             self._pending[gi] = reduced_by_fsdp(group)
-
-    def _cleared(self) -> bool:
-        """Whether the gradients this step's reductions produced have been cleared with no optimizer
-        step between: a step GradScaler skipped, then ``model.zero_grad()`` (HF Trainer's order), not
-        the optimizer's ``zero_grad()``, which ends the step. A reduction that sets its shards'
-        ``.grad`` (not HSDP's with the replicas' all-reduce deferred, ``set_requires_all_reduce(False)``,
-        which keeps its output aside) makes every shard's ``None`` a sign of a clear; the statistics
-        then start anew with the gradient, as the other sources' do (``vrgd_ds/ddp.py``,
-        ``vrgd_ds/stats/hooks.py``). Looked for in backward's order, the last group first."""
-        return self._left_grads and all(fp.sharded_param.grad is None for group, *_ in reversed(self._groups)
-                                        for fp in group.fsdp_params)
 
     def end_step(self) -> None:
         self._left_grads = False

@@ -39,6 +39,18 @@ def warn_dropped(source: object, owner: str, count: int) -> None:
               "GradScaler skipped", owner, count)
 
 
+def gradients_cleared(source: Any, params: Iterable[Tensor], owner: str) -> bool:
+    """Whether the gradients an engine source's statistics (``n`` > 0) were recorded from have been
+    cleared with no optimizer step between: a step GradScaler skipped, then ``model.zero_grad()``
+    (HF Trainer's order), not the optimizer's ``zero_grad()``, which ends the step. The statistics
+    then start anew with the gradient, as the hooks' do (``TensorHookStats._drop_if_cleared``);
+    said once (``warn_dropped``)."""
+    if any(p.grad is not None for p in params):
+        return False
+    warn_dropped(source, owner, source.n // source.world)
+    return True
+
+
 class TensorHookStats:
     """Per-backward fp32 moments of the gradients of a set of parameters.
 
