@@ -250,11 +250,12 @@ def reference_step(net, opt, dp: int, accumulation: int, step: int, clip: float)
 
 def _build(tp: int, distributed: bool, optimizer: str, kwargs: dict | None, micro_steps: str = "auto",
            overlap: bool = False, sequence_parallel: bool = False, fp16: bool = False, squares: str = "per_step",
-           node_size: int | None = None, normed: bool | None = None, decoupled: bool = True):
+           node_size: int | None = None, normed: bool | None = None, decoupled: bool = True,
+           initial_loss_scale: float = 2.0 ** 4):
     """The test model (seed 0) under Megatron's DDP and ``optimizer`` through ``vrgd_ds.megatron``
     (with ``sequence_parallel``, or ``normed`` without it: ``_NormedTwoLayers``, its scale in a child module; with ``fp16``:
     the model in fp16 inside Megatron's ``Float16Module``, as the Megatron job trains it, and
-    Megatron's dynamic loss scale from 2^4)."""
+    Megatron's dynamic loss scale from ``initial_loss_scale``)."""
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
     from megatron.core.optimizer import OptimizerConfig
     from megatron.core.transformer.module import Float16Module
@@ -270,7 +271,7 @@ def _build(tp: int, distributed: bool, optimizer: str, kwargs: dict | None, micr
         overlap_grad_reduce=overlap), Float16Module(cfg, model) if fp16 else model)
     opt = get_megatron_optimizer(OptimizerConfig(optimizer="adam", lr=1e-2, weight_decay=0.1, clip_grad=1.0,
                                                  use_distributed_optimizer=distributed, decoupled_weight_decay=decoupled,
-                                                 **(dict(half, initial_loss_scale=2.0 ** 4) if fp16 else {})),
+                                                 **(dict(half, initial_loss_scale=initial_loss_scale) if fp16 else {})),
                                  [ddp], optimizer=optimizer, optimizer_kwargs=kwargs, micro_steps=micro_steps,
                                  squares=squares, node_size=node_size)
     return model, ddp, opt
@@ -399,6 +400,40 @@ def statistics_cost(case: dict) -> dict:
                               "hooks": sum(len(p._backward_hooks or {}) for p in model.parameters()),
                               "scale_reads": reads[0]}
     return out
+
+
+def fp16_loss_scales(case: dict) -> dict:
+    """VRLamb in fp16 (``case``: tp, distributed, accumulation, kwargs) at each of
+    ``case["scales"]`` (Megatron's dynamic loss scale from there, constant over 3 steps), with
+    the loss scale's reads counted where autograd runs a backward node (a hook's) and elsewhere:
+    per scale, the reads, and whether the weights and every step's metrics equal the first
+    scale's bit for bit (a power of 2 multiplies exactly while no gradient is an fp16 subnormal),
+    else their largest difference."""
+    with model_parallel(case["tp"]) as ps:
+        runs = {}
+        for s in case["scales"]:
+            model, ddp, opt = _build(case["tp"], case["distributed"], "VRLamb", case.get("kwargs", {}), fp16=True,
+                                     initial_loss_scale=s)
+            inner, reads = opt.chained_optimizers[0], {"backward": 0, "elsewhere": 0}
+            real_scale = inner.get_loss_scale
+
+            def read_scale(real_scale=real_scale, reads=reads):
+                reads["backward" if torch._C._current_autograd_node() is not None else "elsewhere"] += 1
+                return real_scale()
+
+            inner.get_loss_scale = read_scale
+            metrics = []
+            for step in range(3):
+                assert megatron_step(ddp, opt, ps.get_data_parallel_rank(), case["accumulation"], step, scaled=True)
+                metrics.append(inner.optimizer.gsnr_metrics())
+            runs[s] = (_full(model, ps), metrics, reads, float(real_scale()))
+        first, out = runs[case["scales"][0]], {}
+        for s, (weights, metrics, reads, final) in runs.items():
+            out[str(s)] = {"reads": reads, "final_scale": final,
+                           "same": all(torch.equal(a, b) for a, b in zip(weights, first[0]))
+                           and json.dumps(metrics) == json.dumps(first[1]),
+                           "diff": max(float((a.double() - b.double()).abs().max()) for a, b in zip(weights, first[0]))}
+        return out
 
 
 def rebuilt_on_the_same_chunks(case: dict) -> dict:

@@ -267,6 +267,23 @@ def test_the_base_optimizer_pays_for_no_statistics(megatron2):
     assert res["VRLamb"]["scale_reads"] == res["Lamb"]["scale_reads"], res
 
 
+def test_fp16_reads_the_loss_scale_in_no_backward_and_trains_alike_at_any_scale(megatron2):
+    """fp16 (Megatron's dynamic loss scale, constant over the 3 steps) with a ``gsnr_eps`` that
+    matters (1e-2): the loss scale is read once per step, where the step begins, and never inside
+    a backward (on a GPU a read there waits for the device in the middle of the backward), and the
+    run at 2^6 equals the run at 2^12 bit for bit, weights and every step's metrics (a power of 2
+    multiplies exactly while no gradient is an fp16 subnormal), so the scale is taken out of the
+    GSNR's floor and the noise scale's figures. Fails on the old code, which read the scale in the
+    first backward of every step (3 reads in 3 steps)."""
+    res = megatron2.run("megatron_worker", "fp16_loss_scales", {
+        "tp": 1, "distributed": True, "accumulation": 2, "scales": [2.0 ** 6, 2.0 ** 12],
+        "kwargs": {"gsnr_eps": 1e-2}})
+    for s, run in res.items():
+        assert run["final_scale"] == float(s), res  # no overflow, no growth: the scale was s throughout
+        assert run["reads"]["backward"] == 0, res
+        assert run["same"], res
+
+
 @pytest.mark.parametrize("how", ["inner", "discarded"])
 def test_a_step_through_megatrons_optimizer_or_after_a_dropped_accumulation_is_the_chains(megatron2, how):
     """The statistics follow Megatron's gradients: a step taken through the chain's Megatron

@@ -2,9 +2,8 @@
 (docs/design.md §3; the scheme is DeepSpeed's per-step one, ``vrgd_ds/stats/local.py``).
 
 * **Squares, locally.** A tensor hook on every parameter sees each micro-batch's local gradient
-  ``x`` before Megatron's grad-accumulator hook adds it into ``main_grad``; ``(x/S)²`` (``S`` the
-  loss scale, 1 without fp16) is summed in fp32 into a local buffer laid out like each of
-  Megatron's grad buffers (``param_index_map`` offsets, padding included). No bucket of Megatron's
+  ``x`` before Megatron's grad-accumulator hook adds it into ``main_grad``; ``x²`` is summed in
+  fp32 into a local buffer laid out like each of Megatron's grad buffers (``param_index_map`` offsets, padding included). No bucket of Megatron's
   holds one micro-batch (``main_grad`` accumulates them), so the square is folded into Megatron's
   accumulation instead: the hook's one launch also does ``main_grad += x`` and sets
   ``grad_added_to_main_grad``, which Megatron's hook reads to skip its own ``add_`` (a parameter
@@ -13,13 +12,18 @@
   when the optimizer's ``prepare_grads`` begins: a reduce-scatter into this rank's shard with the
   distributed optimizer (each parameter's piece lands at its ``gbuf_local`` range, as Megatron's
   gradient does), an all-reduce without. n = data-parallel ranks × micro-batches. Megatron divides
-  each micro-batch's loss by the micro-batches M: the sums are of g/M (``group_unit`` = M), so the
-  optimizer applies ``gsnr_eps / M²`` (the floor of one micro-batch's gradient, as on DeepSpeed,
-  whatever the split into ranks and micro-batches) and the noise scale's figures are of one
-  micro-batch's gradient.
+  each micro-batch's loss by the micro-batches M, and under fp16 its loss scaler multiplies it by
+  S: the sums are of S·g/M (``group_unit`` = M/S), so the optimizer applies ``gsnr_eps · S²/M²``
+  (the floor of one micro-batch's gradient, as on DeepSpeed, whatever the split into ranks and
+  micro-batches and the loss scale) and the noise scale's figures are of one micro-batch's
+  gradient. S, a device scalar, is read once per step, in ``begin_step``, where Megatron's
+  ``prepare_grads`` is about to wait for the device anyway; never in a backward, where the read
+  would stall the host's queue. The scale stays in the squares, as a ``GradScaler``'s does
+  (docs/design.md, numerics rules): an fp16 ``x`` is at most 65504, its fp32 square finite.
 * **The mean gradient** is Megatron's reduced ``main_grad`` read at the same moment, before
-  Megatron unscales and clips it: ``Σg = main_grad / (e·S)`` with ``e`` the factor Megatron's
-  reduction applied (``gradient_scaling_factor``, and ``1/DP`` with ``average_in_collective``).
+  Megatron unscales and clips it: ``Σg = main_grad / e``, in the squares' unit, with ``e`` the
+  factor Megatron's reduction applied (``gradient_scaling_factor``, and ``1/DP`` with
+  ``average_in_collective``).
   Extra bytes: one fp32 gradient per optimizer step, whatever the accumulation.
 * **Per-tensor sums** (the GSNR mean, LAMB/LARS norms, metrics) are completed by
   :class:`MegatronLayout` over the ranks holding pieces of a tensor: the data-parallel shards of
@@ -131,20 +135,19 @@ def attach(mopt: Any, chunks: list[Any], kernels: Any, fold: bool = True, square
 
     # main_grad = e · Σ_ranks Σ_micro-batches x, with e fixed when Megatron built its buffers
     e = buffers[0].gradient_scaling_factor / (dp if ddp_config.average_in_collective else 1) if buffers else 1.0
-    step_factor = [1.0]  # 1 / (e · S), read once per step in begin_step (S: a device scalar under fp16)
 
     def scale() -> float:
-        """S of this step's backward passes: 1 without a grad scaler (bf16, fp32: Megatron's scale
-        is a constant 1, not read, since a device scalar read on the host waits for the device);
-        under fp16 the scaler's, read in the step's first backward and in ``begin_step``."""
+        """S of this step's backward passes, read in ``begin_step`` only: 1 without a grad scaler
+        (bf16, fp32: Megatron's scale is a constant 1, not read, since a device scalar read on the
+        host waits for the device); under fp16 the scaler's."""
         if getattr(mopt, "grad_scaler", None) is None:
             return 1.0
         return float(mopt.get_loss_scale())
 
     if squares == "hierarchical":
-        stats = _hierarchical(mopt, buffers, both, kernels, dp, scale, lambda: step_factor[0], node_size)
+        stats = _hierarchical(mopt, buffers, both, kernels, dp, 1.0 / e, node_size)
     else:
-        stats = _per_step(mopt, buffers, both, kernels, dp, scale, lambda: step_factor[0], fold, distributed)
+        stats = _per_step(mopt, buffers, both, kernels, dp, 1.0 / e, fold, distributed)
 
     def begin_step() -> None:
         """Before Megatron copies, unscales and clips the reduced gradients: launch the squares'
@@ -154,11 +157,10 @@ def attach(mopt: Any, chunks: list[Any], kernels: Any, fold: bool = True, square
                                "later on the same model chunks (get_megatron_optimizer); step that one")
         stats.start()
         # Megatron divides each micro-batch's loss by the step's micro-batches (its schedules'
-        # forward_step): Σg and Σg² carry 1/M and 1/M², which the optimizer's gsnr_eps / M²
-        # (functional.step_plans) and the noise scale's figures (StepRecord.unit) undo; M = the
-        # micro-batches each rank recorded
-        stats.group_unit = stats.n / dp
-        step_factor[0] = 1.0 / (e * scale())
+        # forward_step) and fp16's scaler multiplies it by S: Σg and Σg² carry S/M and S²/M²,
+        # which the optimizer's gsnr_eps · S²/M² (functional.step_plans) and the noise scale's
+        # figures (StepRecord.unit) undo; M = the micro-batches each rank recorded
+        stats.group_unit = stats.n / dp / scale()
         for t, p, where in stats.main_grads:
             stats.capture(t, p.main_grad.view(-1)[where])
 
@@ -212,7 +214,7 @@ def _main_grad_range(mopt: Any, p: Any, distributed: bool) -> slice:
     return slice(0, p.numel())
 
 
-def _hierarchical(mopt: Any, buffers: list[Any], both: list, kernels: Any, dp: int, scale: Any, factor: Any,
+def _hierarchical(mopt: Any, buffers: list[Any], both: list, kernels: Any, dp: int, factor: float,
                   node_size: int | None) -> NodeStats:
     """The hierarchical scheme (``vrgd_ds/stats/hierarchical.py``) on the distributed optimizer:
     every Megatron bucket is cut into one shard per data-parallel rank, so each is a reduction of
@@ -229,7 +231,7 @@ def _hierarchical(mopt: Any, buffers: list[Any], both: list, kernels: Any, dp: i
     if dp % size:
         raise ValueError(f"vrgd_ds.megatron: node_size {size} does not divide the {dp} data-parallel ranks")
     nodes = node_groups(dist, dp, dist.get_rank(group=group), size)
-    stats = NodeStats(dist, kernels, Scaling(dp, loss_scale=scale, engine_factor=factor), [t for _, t in both],
+    stats = NodeStats(dist, kernels, Scaling(dp, engine_factor=lambda: factor), [t for _, t in both],
                       "engine", nodes)
     stats.main_grads = []
     owned = dict(both)
@@ -246,10 +248,10 @@ def _hierarchical(mopt: Any, buffers: list[Any], both: list, kernels: Any, dp: i
     return stats
 
 
-def _per_step(mopt: Any, buffers: list[Any], both: list, kernels: Any, dp: int, scale: Any, factor: Any, fold: bool,
+def _per_step(mopt: Any, buffers: list[Any], both: list, kernels: Any, dp: int, factor: float, fold: bool,
               distributed: bool) -> LocalStats:
     """The per-step scheme on Megatron's buffers (the module docstring)."""
-    stats = LocalStats(dist, kernels, Scaling(dp, loss_scale=scale, engine_factor=factor), [t for _, t in both],
+    stats = LocalStats(dist, kernels, Scaling(dp, engine_factor=lambda: factor), [t for _, t in both],
                        "engine", torch.float32)
     shards: dict[tuple[int, int], Tensor] = {}  # (buffer id, bucket index) -> this rank's reduced shard
     buckets: dict[int, StatsBucket] = {}
