@@ -427,3 +427,20 @@ def test_a_global_batch_the_ranks_do_not_split_would_stop_as_the_job_does(run_di
     report, ok = check(run_dir, copy.deepcopy(RAW), 8)
     assert not ok
     assert "would stop: job.phases[0].global_batch: 16 is not divisible by micro_batch x ranks = 4 x 8" in report
+
+
+def test_a_started_phase_with_another_seq_len_would_stop_and_a_phase_after_it_may_have_one(run_dir):
+    """The checkpoint is 64 samples into its one phase at seq 32: a config with seq 64 there
+    would read that position in another index, another sample stream, so ``--check-resume`` says
+    the job would stop, naming the key and the fix; ending the phase where it is (8 steps of
+    which 4 ran: fraction 0.5 of 8 steps is its 64 samples) and adding a seq-64 phase after it
+    goes ahead. Fails on the old code, which said only that the phases differ and went ahead."""
+    raw = copy.deepcopy(RAW)
+    raw["job"]["phases"][0]["seq_len"] = 64
+    report, ok = check(run_dir, raw, 2)
+    assert not ok and "would stop: job.phases[0].seq_len: the checkpoint trained 64 samples of this phase at " \
+                      "seq_len 32, the config has 64" in report, report
+    raw["job"]["phases"] = [dict(RAW["job"]["phases"][0], fraction=0.5),
+                            dict(RAW["job"]["phases"][0], fraction=0.5, seq_len=64)]
+    report, ok = check(run_dir, raw, 2)
+    assert ok, report

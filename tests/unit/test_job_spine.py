@@ -220,6 +220,24 @@ def test_a_resume_that_would_move_an_adaptive_phases_controller_names_the_keys(s
         start(run_dir, config)
 
 
+def test_a_resume_that_changes_a_started_phases_seq_len_stops_naming_the_key(start, tmp_path):
+    """Pre-empted 8 samples into a seq-32 phase, resumed with seq 64 there: the position counts
+    samples of the seq-32 index, so the job stops naming ``job.phases[0].seq_len`` and what to do
+    instead. Fails on the old code, which resumed at step 2 in the seq-64 index, another stream
+    (its samples repeated or skipped), and said nothing."""
+    run_dir = tmp_path / "run"
+    StandIn.during[1] = lambda job: signal.raise_signal(loop.PREEMPT_SIGNAL)
+    assert isinstance(start(run_dir), loop.Preempted)
+    StandIn.during.clear()
+    config = json.loads(json.dumps(CONFIG))
+    config["job"]["phases"][0]["seq_len"] = 64
+    with pytest.raises(loop.ConfigError, match=r"job.phases\[0\].seq_len: the checkpoint trained 8 samples of this "
+                                               r"phase at seq_len 32, the config has 64"):
+        start(run_dir, config)
+    out = start(run_dir)  # the config it was saved with goes on
+    assert isinstance(out, dict) and out["steps"] == 4, out
+
+
 @pytest.mark.parametrize("resumed_with", ["fixed", "dropped"])
 def test_a_phase_not_started_may_change_from_adaptive_to_fixed_or_go_on_resume(start, tmp_path, monkeypatch,
                                                                                resumed_with):

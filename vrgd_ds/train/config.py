@@ -441,15 +441,25 @@ def phase_settings(job: JobConfig, world_size: int, phase_steps: list[int]) -> d
     return out
 
 
-def resumed_consumed(job: JobConfig, consumed: list[int]) -> list[int]:
+def resumed_consumed(job: JobConfig, consumed: list[int], saved_phases: list[dict] | None = None) -> list[int]:
     """The samples a checkpoint consumed per phase, for this config's phases: a phase the config
-    adds after the saved ones starts at 0; a saved phase the config drops must not have started."""
+    adds after the saved ones starts at 0; a saved phase the config drops must not have started.
+    A started phase keeps its ``seq_len`` (``saved_phases``: the checkpoint's, where it records
+    them): its position counts samples of that length's index, and another length's index is
+    another stream (its samples would repeat or be skipped)."""
     out = [int(c) for c in consumed[:len(job.phases)]] + [0] * (len(job.phases) - len(consumed))
     dropped = [i for i in range(len(job.phases), len(consumed)) if consumed[i]]
     if dropped:
         raise ConfigError(f"job.phases: the checkpoint trained {len(consumed)} phases (phase {dropped[0]}: "
                           f"{consumed[dropped[0]]} samples), the config has {len(job.phases)}; resume with the "
                           "phases it was saved with (phases may be added after them)")
+    for index, (done, saved) in enumerate(zip(out, saved_phases or [])):
+        if done and saved.get("seq_len") not in (None, job.phases[index].seq_len):
+            raise ConfigError(
+                f"job.phases[{index}].seq_len: the checkpoint trained {done} samples of this phase at seq_len "
+                f"{saved['seq_len']}, the config has {job.phases[index].seq_len}; a started phase keeps its sequence "
+                f"length (its position is in that length's samples): resume with seq_len {saved['seq_len']}, and for "
+                "longer sequences end the phase (its fraction) and add one after it")
     return out
 
 

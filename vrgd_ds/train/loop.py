@@ -330,7 +330,7 @@ class Job:
             failed.append(choice.tag)
         path, saved_options = self.ckpt_dir / choice.tag, saved.get("options")
         self.step, self.evals = state["step"], list(state["evals"])
-        self.consumed = resumed_consumed(self.job, state["consumed"])
+        self.consumed = resumed_consumed(self.job, state["consumed"], saved.get("phases"))
         self.skip_streak_from = state.get("skip_streak_from")
         self.skipped_before = int(state.get("skipped_total", 0))
         for key, saved in (state.get("adaptive") or {}).items():

@@ -301,7 +301,8 @@ def check(run_dir: Path, raw: dict[str, Any] | None, world: int | None) -> tuple
             if refused := adaptive_changes(saved_job, job, data_world, consumed):
                 raise ConfigError("; ".join(refused))
         if consumed is not None:
-            check_resume_position(job, resumed_consumed(job, consumed), phase_samples(job), data_world)
+            check_resume_position(job, resumed_consumed(job, consumed, info.get("phases")), phase_samples(job),
+                                  data_world)
         plan = plan_resume(ckpt_dir, choice.tag, resumed_optimizer(now, opt, named_params(raw)), ranks, stage,
                            optimizer_state_policy(raw))
     except ConfigError as e:
