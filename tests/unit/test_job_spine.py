@@ -238,6 +238,21 @@ def test_a_resume_that_changes_a_started_phases_seq_len_stops_naming_the_key(sta
     assert isinstance(out, dict) and out["steps"] == 4, out
 
 
+def test_a_training_split_smaller_than_a_step_is_said(start, tmp_path, monkeypatch, caplog):
+    """3 training samples against a global batch of 4: every step holds a sample twice (their
+    groups are not independent), which the job says once, at the phase's start, naming the phase
+    and the key; 1000 samples say nothing. Fails on the old code, which said nothing."""
+    caplog.set_level(logging.WARNING, logger="vrgd_ds.train.loop")
+    assert isinstance(start(tmp_path / "large"), dict)
+    assert "fewer than a step's" not in caplog.text
+    monkeypatch.setattr(StandIn, "datasets", lambda self, seq_len: (Samples(3), Samples(100)))
+    assert isinstance(start(tmp_path / "small"), dict)
+    said = [r.getMessage() for r in caplog.records if "fewer than a step's" in r.getMessage()]
+    assert said == ["job.phases[0]: the training split holds 3 samples at seq_len 32, fewer than a step's 4 "
+                    "(global_batch): steps hold samples twice, and their gradient groups are not independent as "
+                    "the GSNR assumes; use more data or a smaller batch"], said
+
+
 @pytest.mark.parametrize("resumed_with", ["fixed", "dropped"])
 def test_a_phase_not_started_may_change_from_adaptive_to_fixed_or_go_on_resume(start, tmp_path, monkeypatch,
                                                                                resumed_with):

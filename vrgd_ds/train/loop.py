@@ -602,6 +602,12 @@ class Job:
 
         p = self.job.phases[index]
         train, _ = self.splits[p.seq_len]
+        largest = p.adaptive_batch.max_batch if p.adaptive_batch is not None else p.global_batch
+        if len(train) < largest and self.rank == 0:
+            logger.warning("job.phases[%d]: the training split holds %d samples at seq_len %d, fewer than a step's %d "
+                           "(%s): steps hold samples twice, and their gradient groups are not independent as the "
+                           "GSNR assumes; use more data or a smaller batch", index, len(train), p.seq_len, largest,
+                           "adaptive_batch.max_batch" if p.adaptive_batch is not None else "global_batch")
         # phases of one sequence length read on where the one before stopped: one stream per sample
         # index, every sample once per epoch, each epoch with its masks
         same = [k for k in range(index) if self.job.phases[k].seq_len == p.seq_len]
