@@ -944,41 +944,47 @@ def unigram_loss(data: Path, seed: int, seq_len: int, count: int, heldout_fracti
     return float(-log_p[labels[labels != -100]].mean())
 
 
-def unbracketed(cells: dict, key: tuple[str, int, str], best: list[dict]) -> str | None:
-    """Why the best LR factor of ``key`` (its runs ``best``) is not bracketed, or None: it must have
-    a factor below and one above it run on as many seeds (``cells``: ``by_factor``)."""
-    factor = best[0]["factor"]
-    full = sorted(f for f, rs in cells.get(key, {}).items() if len(rs) >= len(best))
-    side = "lowest" if factor == full[0] else "highest" if factor == full[-1] else None
-    if side is None:
-        return None
-    return f"{key[2]}'s best LR ×{factor:g} is the {side} factor run on {len(best)} seeds (×{full[0]:g}–×{full[-1]:g})"
+def unbracketed(cells: dict, key: tuple[str, int, str], best: list[dict], grid: list[float]) -> str | None:
+    """Why the best LR factor of ``key`` (its runs ``best``) is not bracketed, or None: both its
+    neighbours on ``grid`` must have run on its seeds (``cells``: ``by_factor``); one at the grid's
+    end is open until the grid is extended past it."""
+    factor, seeds = best[0]["factor"], {r.get("seed") for r in best}
+    run = {f for f, rs in cells.get(key, {}).items() if {r.get("seed") for r in rs} >= seeds}
+    if factor not in grid:
+        return f"{key[2]}'s best LR ×{factor:g} is off the grid (×{grid[0]:g}–×{grid[-1]:g})"
+    i = grid.index(factor)
+    gaps = [f"×{grid[j]:g}" for j in (i - 1, i + 1) if 0 <= j < len(grid) and grid[j] not in run]
+    why = [f"has {' and '.join(gaps)} beside it on the grid not run on {len(seeds)} seeds"] if gaps else []
+    if i in (0, len(grid) - 1):
+        side, where = ("lowest", "below") if i == 0 else ("highest", "above")
+        why.append(f"is the grid's {side} factor (×{grid[0]:g}–×{grid[-1]:g}): extend --lr-factor {where} it")
+    return f"{key[2]}'s best LR ×{factor:g} {', and '.join(why)}" if why else None
 
 
 def verdicts(best: dict, corpus: str, batches: list[int], label: str, baseline: str,
-             unigram: float | dict[int, float] | None, cells: dict | None = None) -> list[tuple]:
+             unigram: float | dict[int, float] | None, cells: dict | None = None,
+             grid: list[float] | None = None) -> list[tuple]:
     """Per batch: ``label`` against ``baseline`` at each one's best LR. A verdict needs 2 seeds each,
-    each one's best LR bracketed by the factors run (when ``cells``, ``by_factor``, is given:
+    each one's best LR bracketed on ``grid`` (when ``cells``, ``by_factor``, is given:
     ``unbracketed``) and each of the baseline's runs ending below the unigram level of its seed's
     held-out masks (``unigram``: per seed, or one level for every seed; None, or a seed without
-    one, decides nothing: not computed); it is "better" or
-    "worse" only when the seed ranges do not overlap. Then, with 2 seeds at both ends, the
-    baseline's degradation from the first batch to the last and the share of it ``label``
-    recovers there: "not decided" unless both ends' verdicts are."""
+    one, decides nothing: not computed); it is "better" or "worse" only when the seed ranges do not
+    overlap. A batch not decided says everything it misses. Then the baseline's degradation from
+    the first batch to the last and the share of it ``label`` recovers there: "not decided" unless
+    both ends' verdicts are, saying why."""
     rows = []
     for batch in batches:
         vr, base = best.get((corpus, batch, label)), best.get((corpus, batch, baseline))
-        missing = [name for name, rs in ((baseline, base), (label, vr)) if rs is None or len(rs) < 2]
-        if missing:
-            lack = "lacks" if len(missing) == 1 else "lack"
-            rows.append((corpus, batch, "–", "–", "–", f"not decided: {' and '.join(missing)} {lack} 2 seeds"))
-            continue
-        edges = [] if cells is None else [why for name, rs in ((baseline, base), (label, vr))
-                                          if (why := unbracketed(cells, (corpus, batch, name), rs))]
-        if edges:
-            rows.append((corpus, batch, spread([r["mlm_loss"] for r in base], "{:.3f}"),
-                         spread([r["mlm_loss"] for r in vr], "{:.3f}"), "–",
-                         f"not decided: {'; '.join(edges)}"))
+        arms = ((baseline, base), (label, vr))
+        missing = [name for name, rs in arms if rs is None or len(rs) < 2]
+        why = [f"{' and '.join(missing)} {'lacks' if len(missing) == 1 else 'lack'} 2 seeds"] if missing else []
+        if cells is not None:
+            why += [edge for name, rs in arms if rs and len(rs) >= 2
+                    if (edge := unbracketed(cells, (corpus, batch, name), rs, grid or sorted(cells.get(
+                        (corpus, batch, name), {}))))]
+        shown = [spread([r["mlm_loss"] for r in rs], "{:.3f}") if rs and len(rs) >= 2 else "–" for rs in (base, vr)]
+        if why:
+            rows.append((corpus, batch, *shown, "–", f"not decided: {'; '.join(why)}"))
             continue
         lv, lb = [r["mlm_loss"] for r in vr], [r["mlm_loss"] for r in base]
         diff = mean(lv) - mean(lb)
@@ -994,23 +1000,30 @@ def verdicts(best: dict, corpus: str, batches: list[int], label: str, baseline: 
             verdict = f"{label} worse by {diff:.3f} nats (seed ranges apart)"
         else:
             verdict = f"no difference beyond the seeds ({diff:+.3f} nats)"
-        rows.append((corpus, batch, spread(lb, "{:.3f}"), spread(lv, "{:.3f}"),
-                     "–" if below is None else f"{below:.3f}", verdict))
+        rows.append((corpus, batch, *shown, "–" if below is None else f"{below:.3f}", verdict))
+    if len(batches) < 2:
+        return rows
     first, last = best.get((corpus, batches[0], baseline)), best.get((corpus, batches[-1], baseline))
     vr_last = best.get((corpus, batches[-1], label))
-    if first and last and vr_last and min(len(first), len(last), len(vr_last)) >= 2:
-        lost = mean(r["mlm_loss"] for r in last) - mean(r["mlm_loss"] for r in first)
-        won = mean(r["mlm_loss"] for r in last) - mean(r["mlm_loss"] for r in vr_last)
-        share = f"{won / lost:.0%}" if lost > 0 else "– (no degradation)"
-        # the share counts only between batches whose verdicts are decided (past the plateau, best LRs
-        # bracketed): otherwise the losses it divides are not the ones the verdicts stand on
-        undecided = [str(row[1]) for row in (rows[0], rows[-1]) if str(row[-1]).startswith("not decided")]
-        if undecided:
-            share = f"not decided: batch {' and '.join(dict.fromkeys(undecided))} not decided"
-        else:
-            share = f"recovered share {share}"
-        rows.append((corpus, f"{batches[0]} → {batches[-1]}", f"{baseline} loses {lost:+.3f}",
-                     f"{label} recovers {won:+.3f}", "", share))
+    span = f"{batches[0]} → {batches[-1]}"
+    ends = [(name, batch) for name, batch, rs in ((baseline, batches[0], first), (baseline, batches[-1], last),
+                                                  (label, batches[-1], vr_last)) if not rs or len(rs) < 2]
+    if ends:
+        rows.append((corpus, span, "–", "–", "", "not decided: " + "; ".join(
+            f"{name} at batch {batch} lacks 2 seeds" for name, batch in ends)))
+        return rows
+    lost = mean(r["mlm_loss"] for r in last) - mean(r["mlm_loss"] for r in first)
+    won = mean(r["mlm_loss"] for r in last) - mean(r["mlm_loss"] for r in vr_last)
+    share = f"{won / lost:.0%}" if lost > 0 else "– (no degradation)"
+    # the share counts only between batches whose verdicts are decided (past the plateau, best LRs
+    # bracketed): otherwise the losses it divides are not the ones the verdicts stand on
+    undecided = [str(row[1]) for row in (rows[0], rows[-1]) if str(row[-1]).startswith("not decided")]
+    share = (f"not decided: batch {' and '.join(dict.fromkeys(undecided))} not decided" if undecided
+             else f"recovered share {share}")
+    samples = [rs[0].get("samples") for rs in (first, last)]
+    if None not in samples and samples[0] != samples[1]:  # --min-steps: the larger batch trained on more samples
+        share += f" (not at equal samples: {samples[0]:,} and {samples[1]:,})"
+    rows.append((corpus, span, f"{baseline} loses {lost:+.3f}", f"{label} recovers {won:+.3f}", "", share))
     return rows
 
 
@@ -1026,17 +1039,17 @@ def bracket_step(runs: dict[float, list[dict]], start: float, seeds: list[int],
                  grid: list[float]) -> tuple[list[tuple[float, int]], float | None]:
     """One optimizer's bracket at one batch (``runs``: LR factor -> its runs): the (factor, seed)
     runs it needs next, and the factor it settled on (None while it needs any). Its factors in
-    play are ``start`` and every factor of ``grid`` it ran; first each of them on every seed, then,
-    when its best mean loss is the lowest (highest) factor in play, the grid's factor below
-    (above) it; it has settled when that factor is the grid's end or another one in play."""
+    play are ``start`` and every factor of ``grid`` it ran; first each of them on every seed, then
+    the grid's factors beside its best mean loss that are not in play (a gap between factors run
+    counts: the optimum may lie in it); it has settled when both are in play, or one is past the
+    grid's end (``unbracketed`` then asks for a wider grid)."""
     in_play = sorted({start} | {f for f in runs if f in grid})
     missing = [(f, seed) for f in in_play for seed in seeds if seed not in {r["seed"] for r in runs.get(f, [])}]
     if missing:
         return missing, None
     best = min(in_play, key=lambda f: mean(r["mlm_loss"] for r in runs[f] if r["seed"] in seeds))
     i = grid.index(best)
-    grow = ([grid[i - 1]] if best == in_play[0] and i > 0 else []) + (
-        [grid[i + 1]] if best == in_play[-1] and i + 1 < len(grid) else [])
+    grow = [grid[j] for j in (i - 1, i + 1) if 0 <= j < len(grid) and grid[j] not in in_play]
     return [(f, seed) for f in grow for seed in seeds], None if grow else best
 
 
@@ -1528,12 +1541,13 @@ def main() -> None:
         if args.noise_multiple:
             rows = [row for name in corpora if corpus_batches[name] for label in labels if BASELINE.get(label) in labels
                     for row in verdicts(best, name, corpus_batches[name], label, BASELINE[label],
-                                        unigram_by_seed.get(name), cells)]
+                                        unigram_by_seed.get(name), cells, factors)]
             levels = ", ".join(f"{name} {unigram[name]:.3f} (seeds {', '.join(f'{s}: {u:.3f}' for s, u in by.items())})"
                                for name in corpora if (by := unigram_by_seed.get(name))) or "not computed"
             # below: the least margin of the baseline's runs, each under its own seed's level
             out.add_table(f"Verdict per batch (multiples {', '.join(f'×{m:g}' for m in args.noise_multiple)} of B_simple; "
-                          f"unigram level, nats: {levels}; {len(unrun)} run(s) {unrun_what})",
+                          f"unigram level, nats: {levels}; {len(unrun)} run(s) {unrun_what}; each optimizer's best LR "
+                          "is chosen on the held-out loss it is judged by)",
                           table(["corpus", "batch", "baseline loss", "VR loss", "baseline below unigram", "verdict"], rows))
         plot(out, best, corpora, batches, labels)
     if args.compare is not None:

@@ -701,9 +701,13 @@ def test_verdicts_need_two_seeds_below_the_unigram_level_and_apart_ranges():
     assert [r[-1] for r in verdicts(best, "c", [16, 64], "VR", "LAMB", unigram=None)][:2] == [
         "not decided: the unigram level is not computed (no prepared data)"] * 2  # gave a verdict: fails on the old code
     rows = verdicts(best, "c", [16, 64, 256], "VR", "LAMB", unigram=7.0)
+    # on one seed at the last batch: no degradation share, and the row says why. Fails on the old
+    # code, which left the row out
     assert [r[-1] for r in rows] == ["no difference beyond the seeds (+0.015 nats)",
                                      "VR better by 0.200 nats (seed ranges apart)",
-                                     "not decided: VR lacks 2 seeds"]  # no degradation row on one seed
+                                     "not decided: VR lacks 2 seeds",
+                                     "not decided: VR at batch 256 lacks 2 seeds"]
+    assert rows[2][2] == "7.150 (7.100–7.200)"  # the arm with 2 seeds is shown
     assert rows[0][4] == "0.400" and rows[1][4] == "0.050"  # LAMB's margin below the unigram level
     best["c", 256, "VR"] = cell(7.00, 7.04)
     rows = verdicts(best, "c", [16, 64, 256], "VR", "LAMB", unigram=7.3)
@@ -716,16 +720,29 @@ def test_verdicts_need_two_seeds_below_the_unigram_level_and_apart_ranges():
     assert rows[3][-1] == "not decided: batch 256 not decided"
     above = verdicts({k: v for k, v in best.items() if k[1] == 64}, "c", [64], "VR", "LAMB", unigram=6.92)
     assert above[0][-1] == "not decided: LAMB ends 0.030 nats above the unigram level"
-    # the best LR must be bracketed by factors run on as many seeds: at an edge, no verdict
+    # the best LR must be bracketed by its neighbours on the grid, run on its seeds: else no verdict
+    grid = [0.5, 1.0, 2.0, 4.0, 8.0]
     runs = [{"corpus": "c", "batch": 64, "optimizer": name, "factor": f, "seed": seed, "mlm_loss": loss + 0.01 * seed}
             for name, losses in (("LAMB", {1.0: 6.9, 2.0: 6.8, 4.0: 6.95}), ("VR", {1.0: 6.9, 2.0: 6.8, 4.0: 6.7}))
             for f, loss in losses.items() for seed in (1, 2)]
     runs.append({"corpus": "c", "batch": 64, "optimizer": "VR", "factor": 8.0, "seed": 1, "mlm_loss": 6.9})
-    rows = verdicts(best_cells(runs), "c", [64], "VR", "LAMB", unigram=7.0, cells=by_factor(runs))
-    assert rows[0][-1] == "not decided: VR's best LR ×4 is the highest factor run on 2 seeds (×1–×4)"
+    rows = verdicts(best_cells(runs), "c", [64], "VR", "LAMB", unigram=7.0, cells=by_factor(runs), grid=grid)
+    assert rows[0][-1] == "not decided: VR's best LR ×4 has ×8 beside it on the grid not run on 2 seeds"
     runs.append({"corpus": "c", "batch": 64, "optimizer": "VR", "factor": 8.0, "seed": 2, "mlm_loss": 6.9})
-    rows = verdicts(best_cells(runs), "c", [64], "VR", "LAMB", unigram=7.0, cells=by_factor(runs))
+    rows = verdicts(best_cells(runs), "c", [64], "VR", "LAMB", unigram=7.0, cells=by_factor(runs), grid=grid)
     assert rows[0][-1] == "VR better by 0.100 nats (seed ranges apart)"
+    # a gap between factors run beside the best: LAMB's ×2 between ×1 and ×4 on a grid that has ×1.5
+    # and ×3 between them. Fails on the old code, which took any factor below and above as a bracket
+    wide = [0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 8.0]
+    rows = verdicts(best_cells(runs), "c", [64], "VR", "LAMB", unigram=7.0, cells=by_factor(runs), grid=wide)
+    assert rows[0][-1] == ("not decided: LAMB's best LR ×2 has ×1.5 and ×3 beside it on the grid not run on 2 seeds; "
+                           "VR's best LR ×4 has ×3 beside it on the grid not run on 2 seeds")
+    # an arm short of seeds and the other's open bracket are both said. Fails on the old code, which
+    # named the seeds only
+    short = [r for r in runs if not (r["optimizer"] == "VR" and r["seed"] == 2)]
+    rows = verdicts(best_cells(short), "c", [64], "VR", "LAMB", unigram=7.0, cells=by_factor(short), grid=wide)
+    assert rows[0][-1] == ("not decided: VR lacks 2 seeds; LAMB's best LR ×2 has ×1.5 and ×3 beside it on the grid "
+                           "not run on 2 seeds")
     results = [{"corpus": "c", "batch": 16, "optimizer": "VR", "factor": 1.0, "seed": 1}]
     assert unrun_cells(results, ["c"], [16], ["VR"], [1.0, 2.0], [1]) == ["c b16 VR ×2 seed 1"]
 
@@ -788,10 +805,15 @@ def test_bracket_runs_the_grid_only_where_an_optimum_needs_it():
     assert factors == both + [[("LAMB", 0.25)], [("LAMB", 0.125)]]
     best = best_cells(runs)
     assert best["c", 64, "LAMB"][0]["factor"] == 0.25 and best["c", 64, "VR"][0]["factor"] == 1.0
-    assert all(unbracketed(by_factor(runs), ("c", 64, lab), best["c", 64, lab]) is None for lab in labels)
+    assert all(unbracketed(by_factor(runs), ("c", 64, lab), best["c", 64, lab], grid) is None for lab in labels)
     factors, runs = rounds({"LAMB": 0.01, "VR": 1.0})
     assert factors == both + [[("LAMB", 0.25)], [("LAMB", 0.125)]]  # the grid's lowest: no further
-    assert "is the lowest factor run" in unbracketed(by_factor(runs), ("c", 64, "LAMB"), best_cells(runs)["c", 64, "LAMB"])
+    assert unbracketed(by_factor(runs), ("c", 64, "LAMB"), best_cells(runs)["c", 64, "LAMB"], grid) == (
+        "LAMB's best LR ×0.125 is the grid's lowest factor (×0.125–×4): extend --lr-factor below it")
+    alone = [r for r in runs if r["optimizer"] == "VR" or r["factor"] == 0.125]  # its neighbour not run either
+    assert unbracketed(by_factor(alone), ("c", 64, "LAMB"), best_cells(alone)["c", 64, "LAMB"], grid) == (
+        "LAMB's best LR ×0.125 has ×0.25 beside it on the grid not run on 2 seeds, and is the grid's lowest factor "
+        "(×0.125–×4): extend --lr-factor below it")
     one_seed = [r for r in runs if not (r["optimizer"] == "VR" and r["factor"] == 0.5 and r["seed"] == 2)]
     assert bracket_plan(by_factor(one_seed), "c", 64, labels, seeds, grid, 1.0) == [("VR", 0.5, 2)]
     assert bracket_plan(by_factor(runs), "c", 256, labels, [1], grid, 1.0) == [("LAMB", 1.0, 1), ("VR", 1.0, 1)]
@@ -827,7 +849,7 @@ def test_bracket_carry_starts_each_batch_at_the_lr_the_batch_below_settled_on():
     for runs in (plain, carried):
         best = best_cells(runs)
         assert {b: best["c", b, "LAMB"][0]["factor"] for b in batches} == optima
-        assert all(unbracketed(by_factor(runs), ("c", b, lab), best["c", b, lab]) is None
+        assert all(unbracketed(by_factor(runs), ("c", b, lab), best["c", b, lab], grid) is None
                    for b in batches for lab in labels)
     assert len(carried) == 36 and len(plain) == 48  # 16: 12 runs either way; 64 and 256: 12 each, not 16 and 20
     assert {r["factor"] for r in carried if r["batch"] == 256} == {0.125, 0.25, 0.5}  # ×1 and ×2 never run
@@ -969,8 +991,8 @@ def test_batches_at_noise_multiples_get_a_verdict_each_and_the_unrun_cells_are_l
     meta = json.loads((tmp_path / "bracket" / "meta.json").read_text())
     assert meta["config"]["bracket"] == 1.0 and meta["config"]["lr_factors"] == [0.5, 1.0, 2.0, 4.0]
     assert meta["unrun"] == ["embedded b16 LAMB ×4 seed 2"]
-    assert "unigram level, nats: not computed; 1 run(s) the bracket needs next)" in (tmp_path / "bracket" /
-                                                                                    "tables.md").read_text()
+    assert ("unigram level, nats: not computed; 1 run(s) the bracket needs next; each optimizer's best LR is chosen "
+            "on the held-out loss it is judged by)") in (tmp_path / "bracket" / "tables.md").read_text()
     assert f"| embedded | 64 | 6.925 (6.900–6.950) | 6.725 (6.700–6.750) | – | {undecided}" in (
         tmp_path / "bracket" / "tables.md").read_text()
 
