@@ -152,7 +152,7 @@ part opt_step_adam 40 python3 benchmarks/gpu_optimizer_step.py --model large --i
 # B_simple that the probe in docs/studies/bert_plateau measured at batch 64 (VR-LAMB, 2 seeds, on a
 # CPU: its record is reused here, and its settings are these), 2 seeds, LRs on the grid x1/8-x4
 # around the square-root rule, of which only the part that brackets each optimum runs (--bracket 1:
-# x1 first at 1x, then a neighbour for each optimizer while its best is at an end; --bracket-carry: each
+# x1 first at 1x, then the grid's factors beside each optimizer's best until both ran; --bracket-carry: each
 # larger batch starts at the LR the batch below settled on, since at 1x and 4x the best LR was the same,
 # 0.0141, not the rule's doubling), up to 8 runs side by side on the GPU. It starts a run only while the
 # time left holds it and what the runs in flight still have to train, at the GPU's rate, which they
