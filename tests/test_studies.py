@@ -613,6 +613,47 @@ def test_wikitext_prepared_here_is_the_data_the_committed_records_read(shared_da
         assert recorded == {(seed, data_fingerprint(data, seed, 0.1)) for seed in (1, 2)}, name
 
 
+def assembly_args(meta: dict) -> list[str]:
+    """The ``bert_batch.py`` options of a record's settings (``meta.json``'s ``config``): what
+    assembling it again from its runs takes, less ``--corpus``, ``--reuse``, ``--work`` and ``--out``."""
+    cfg = meta["config"]
+    args = ["--model", cfg["model"], "--only-finished"]
+    for key, flag in (("seeds", "--seed"), ("optimizers", "--optimizer"), ("lr_factors", "--lr-factor"),
+                      ("noise_multiples", "--noise-multiple")):
+        args += [a for v in cfg.get(key) or [] for a in (flag, f"{v:g}" if isinstance(v, float) else str(v))]
+    if not cfg.get("noise_multiples"):
+        args += [a for b in cfg["batches"] for a in ("--batch", str(b))]
+    for key, flag in (("noise_scale", "--noise-scale"), ("bracket", "--bracket"), ("samples", "--samples"),
+                      ("min_steps", "--min-steps"), ("groups", "--groups"), ("heldout_fraction", "--heldout-fraction"),
+                      ("eval_points", "--eval-points"), ("seq_len", "--seq-len"), ("vocab_size", "--vocab-size"),
+                      ("base_lr", "--base-lr"), ("base_batch", "--base-batch"), ("lr_rule", "--lr-rule")):
+        if cfg.get(key) is not None:
+            args += [flag, f"{cfg[key]:g}" if isinstance(cfg[key], float) else str(cfg[key])]
+    return args + (["--bracket-carry"] if cfg.get("bracket_carry") else [])
+
+
+@pytest.mark.exhaustive  # WikiText-2 prepared (10-15 s), two records assembled: make test-all
+def test_the_plateau_records_tables_are_what_their_runs_give(shared_data, tmp_path):
+    """The two BERT records on the results page with verdicts, assembled again from their own
+    runs (``--only-finished``, the data prepared here for the unigram levels), give their
+    committed ``tables.md``: a change to how the verdicts, brackets or tables are made shows up as
+    a stale record here, not only in ``page.py --check`` (which compares the page with the
+    records). Fails on the records before the grid-neighbour bracket, whose 16× verdicts stood
+    on a bracket with ×0.5 unrun."""
+    sys.path.insert(0, str(STUDIES))
+    from bert_batch import prepare
+
+    prepare("wikitext", str(shared_data), tmp_path / "work", 64, 8000)
+    for name in ("bert_plateau", "bert_plateau_steps128"):
+        record = ROOT / "docs" / "studies" / name
+        meta = json.loads((record / "meta.json").read_text())
+        assert meta["config"]["corpora"] == ["wikitext=.data/wikitext-2"], name
+        reuse = [a for r in meta["reused"] for a in ("--reuse", r["dir"])]
+        run_study("bert_batch.py", *assembly_args(meta), "--corpus", f"wikitext={shared_data}", *reuse,
+                  "--work", str(tmp_path / "work"), "--out", str(tmp_path / name))
+        assert (tmp_path / name / "tables.md").read_text() == (record / "tables.md").read_text(), name
+
+
 @pytest.mark.slow
 @pytest.mark.exhaustive  # two preparations of a small corpus (10-30 s): make test-all
 def test_the_same_corpus_prepared_from_another_folder_into_another_has_the_same_fingerprint(tmp_path):
