@@ -220,22 +220,33 @@ def test_a_resume_that_would_move_an_adaptive_phases_controller_names_the_keys(s
         start(run_dir, config)
 
 
-def test_a_resume_that_changes_a_started_phases_seq_len_stops_naming_the_key(start, tmp_path):
-    """Pre-empted 8 samples into a seq-32 phase, resumed with seq 64 there: the position counts
-    samples of the seq-32 index, so the job stops naming ``job.phases[0].seq_len`` and what to do
-    instead. Fails on the old code, which resumed at step 2 in the seq-64 index, another stream
-    (its samples repeated or skipped), and said nothing."""
+@pytest.mark.parametrize("key, value, said", [
+    ("seq_len", 64, r"job.phases\[0\].seq_len: the checkpoint trained 8 samples of this phase at seq_len 32, the "
+                    r"config has 64"),
+    ("global_batch", 16, r"job.phases\[0\].global_batch: the checkpoint is 8 samples into the phase, no multiple "
+                         r"of 16")])
+def test_a_resume_the_checkpoints_position_refuses_stops_before_loading(start, tmp_path, monkeypatch, key, value,
+                                                                         said):
+    """Pre-empted 8 samples into a seq-32 phase of global batch 4, resumed with seq 64 there (its
+    position counts samples of the seq-32 index: another stream, its samples repeated or
+    skipped), or with global batch 16 (8 samples is no whole step of it): the job stops naming
+    the key, before it loads the checkpoint (on another number of ranks a load can be a whole
+    conversion), as ``--check-resume`` says. Fails on the old code, which resumed the seq-64 run at
+    step 2 in the other stream, saying nothing, and refused the batch only after the load."""
+    loads = []
+    monkeypatch.setattr(StandIn, "load", lambda self, ckpt_dir, tag, plan: loads.append(tag) or pickle.loads(
+        (ckpt_dir / tag / "state.pkl").read_bytes()))
     run_dir = tmp_path / "run"
     StandIn.during[1] = lambda job: signal.raise_signal(loop.PREEMPT_SIGNAL)
     assert isinstance(start(run_dir), loop.Preempted)
     StandIn.during.clear()
     config = json.loads(json.dumps(CONFIG))
-    config["job"]["phases"][0]["seq_len"] = 64
-    with pytest.raises(loop.ConfigError, match=r"job.phases\[0\].seq_len: the checkpoint trained 8 samples of this "
-                                               r"phase at seq_len 32, the config has 64"):
+    config["job"]["phases"][0][key] = value
+    with pytest.raises(loop.ConfigError, match=said):
         start(run_dir, config)
+    assert loads == []
     out = start(run_dir)  # the config it was saved with goes on
-    assert isinstance(out, dict) and out["steps"] == 4, out
+    assert isinstance(out, dict) and out["steps"] == 4 and loads == ["step00000002"], (out, loads)
 
 
 def test_a_training_split_smaller_than_a_step_is_said(start, tmp_path, monkeypatch, caplog):

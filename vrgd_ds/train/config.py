@@ -502,6 +502,23 @@ def check_resume_position(job: JobConfig, consumed: list[int], budget: list[int]
                 f"samples); resume with a global_batch that divides {done}, such as the one it was saved with")
 
 
+def check_resume_marker(job: JobConfig, info: dict[str, Any], world_size: int) -> None:
+    """What a resume refuses from the checkpoint's marker alone (``info``: its record of the run),
+    before anything loads or converts: a started phase dropped or given another ``seq_len``
+    (``resumed_consumed``), an adaptive phase changed (``adaptive_changes``), a position that does
+    not fit this layout (``check_resume_position``), on ``world_size`` data-parallel ranks. The
+    job and ``--check-resume`` both ask it; a marker without these records is not checked here
+    (the job checks the loaded state's position again)."""
+    consumed = info.get("consumed") if isinstance(info.get("consumed"), list) else None
+    resumed = None if consumed is None else resumed_consumed(job, consumed, info.get("phases"))
+    if info.get("phases") is not None and info.get("total_steps") is not None:
+        saved_job = parse_job({"job": {"total_steps": info["total_steps"], "phases": info["phases"]}})
+        if refused := adaptive_changes(saved_job, job, world_size, consumed):
+            raise ConfigError("; ".join(refused))
+    if resumed is not None:
+        check_resume_position(job, resumed, phase_samples(job), world_size)
+
+
 def phase_samples(job: JobConfig) -> list[int]:
     """Samples per phase: its steps at its ``global_batch``. An adaptive phase runs until it has
     consumed them, whatever batches it takes."""

@@ -54,9 +54,9 @@ import torch.distributed as dist
 from vrgd_ds.adaptive_batch import BatchController, SettingsDiffer, lr_factor
 from vrgd_ds.run import leave_together
 from vrgd_ds.train import checkpoints as ckpt
-from vrgd_ds.train.config import (ConfigError, JobConfig, adaptive_setting_keys, check_resume_position,
-                                  data_change_policy, gradient_accumulation, load_config, optimizer_state_policy,
-                                  phase_samples, phase_settings, resumed_consumed)
+from vrgd_ds.train.config import (ConfigError, JobConfig, adaptive_setting_keys, check_resume_marker,
+                                  check_resume_position, data_change_policy, gradient_accumulation, load_config,
+                                  optimizer_state_policy, phase_samples, phase_settings, resumed_consumed)
 from vrgd_ds.train.data import check_data_path, eval_batches, loader
 from vrgd_ds.train.engines import Engine, engine_class
 from vrgd_ds.train.engines.base import LAUNCHER_RANK, launcher_value
@@ -308,6 +308,10 @@ class Job:
                                                 self.job.engine))
             data_note = data_change(self.ckpt_dir / choice.tag, saved.get("data"), self.engine.fingerprint,
                                     data_change_policy(self.raw))
+            try:  # before anything loads or converts, as --check-resume (the loaded state is checked again)
+                check_resume_marker(self.job, saved, self.engine.data_world)
+            except ConfigError as e:
+                raise ConfigError(f"{self.ckpt_dir / choice.tag}: {e}") from None
             self.watchdog.beat(self.step, "conversion")
             try:
                 resumed = resumed_optimizer(self.optimizer_info(), saved.get("optimizer"), named_params(self.raw))

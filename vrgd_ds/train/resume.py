@@ -218,9 +218,8 @@ def check(run_dir: Path, raw: dict[str, Any] | None, world: int | None) -> tuple
     import torch
 
     from vrgd_ds.optim.registry import OptimizerBlockError, check_optimizer
-    from vrgd_ds.train.config import (adaptive_changes, check_resume_position, data_change_policy,
-                                      optimizer_state_policy, parse_job, phase_samples, phase_settings,
-                                      resumed_consumed)
+    from vrgd_ds.train.config import (check_resume_marker, data_change_policy, optimizer_state_policy, parse_job,
+                                      phase_settings)
     from vrgd_ds.train.data import configured_fingerprint
     from vrgd_ds.train.schedule import PhaseSchedule
 
@@ -294,15 +293,8 @@ def check(run_dir: Path, raw: dict[str, Any] | None, world: int | None) -> tuple
         tp_pp = (block.get("tensor_model_parallel_size", 1) * block.get("pipeline_model_parallel_size", 1)
                  if job.engine == "megatron" else 1)
         data_world = max(ranks // tp_pp, 1)
-        consumed = info.get("consumed") if isinstance(info.get("consumed"), list) else None
         phase_settings(job, data_world, PhaseSchedule(job).steps)
-        if info.get("phases") is not None and info.get("total_steps") is not None:
-            saved_job = parse_job({"job": {"total_steps": info["total_steps"], "phases": info["phases"]}})
-            if refused := adaptive_changes(saved_job, job, data_world, consumed):
-                raise ConfigError("; ".join(refused))
-        if consumed is not None:
-            check_resume_position(job, resumed_consumed(job, consumed, info.get("phases")), phase_samples(job),
-                                  data_world)
+        check_resume_marker(job, info, data_world)
         plan = plan_resume(ckpt_dir, choice.tag, resumed_optimizer(now, opt, named_params(raw)), ranks, stage,
                            optimizer_state_policy(raw))
     except ConfigError as e:
