@@ -24,7 +24,7 @@ from pathlib import Path
 from statistics import mean, median
 
 from bert_batch import (carried_runs, data_fingerprint, end_on_sigterm, finish, keep_carried, load_reused, prepare,
-                        run_key, run_one, set_aside_other_data, steps)
+                        recipe, run_key, run_one, set_aside_other_data, steps)
 from common import DOCS, Output, plt, table
 
 VR = {"gamma": 0.1, "beta3": 0.9, "gsnr_placement": "first_moment"}
@@ -73,7 +73,8 @@ def main() -> None:
         args.work = args.work / "quick"
     specs = args.corpus or ["embedded"]
     seeds = args.seed or [1]
-    config = {k: v for k, v in vars(args).items() if k not in ("work", "out", "port", "reuse")} | {"corpora": specs}
+    config = {k: v for k, v in vars(args).items() if k not in ("work", "out", "port", "reuse")} | {
+        "corpora": specs, "recipe": recipe({label: params for label, (params, _) in RUNS.items()})}
     args.reused, sources, shorter = load_reused(args.reuse, config, SETTINGS)  # before Output: --out may be one
     out_dir = args.out or (args.work if args.quick else DOCS / "adaptive_batch")
     carried = carried_runs(args.reuse, out_dir)

@@ -32,8 +32,9 @@ pausing the runs still going at the limit (checkpointed: the next start in the s
 resumes them, to the loss an uninterrupted run reaches; ``kill -USR1`` to the study pauses them
 so at any time); ``--probe-only`` runs the probe alone
 (on one machine, the grid then on another). ``--bracket F`` runs only the part of the
-``--lr-factor`` grid that brackets each optimum: every batch starts at ×F, and a round adds the grid's next factor below or above for an optimizer whose best is the
-lowest or highest factor it ran (``bracket_plan``), so a lease's runs go where a verdict needs them;
+``--lr-factor`` grid that brackets each optimum: every batch starts at ×F, and a round adds the
+grid's factors beside an optimizer's best that have not run, until both have (``bracket_plan``;
+a best at the grid's end asks for a wider grid), so a lease's runs go where a verdict needs them;
 with ``--bracket-carry`` each larger batch starts at the LR the batch below settled on
 (``carried_starts``), not at ×F of its own rule LR.
 
@@ -46,6 +47,7 @@ from __future__ import annotations
 
 import argparse
 import ctypes.util
+import hashlib
 import json
 import math
 import os
@@ -174,6 +176,38 @@ def trajectory(run_dir: Path) -> list[dict]:
 RUN_SETTINGS = ("samples", "seq_len", "micro_batch", "groups", "ranks", "lr_rule", "base_lr", "base_batch",
                 "vocab_size", "model", "zero", "quick", "heldout_fraction", "eval_points", "dropout")
 
+
+def _digest(value: Any) -> str:
+    return hashlib.sha256(json.dumps(value, sort_keys=True).encode()).hexdigest()[:12]
+
+
+def recipe(optimizers: dict[str, dict]) -> dict:
+    """What every run's config holds beside the settings a study records and the cell (corpus,
+    batch, LR, seed, steps), as digests: the job's fixed settings (``base_config``: weight decay,
+    betas, eps, clipping, ZeRO stage, warmup, evaluation samples; not the DataLoader workers, which
+    change no result) and each optimizer label's parameters (``optimizers``: label -> params).
+    ``--reuse`` compares them (``same_recipe``)."""
+    fixed = base_config(0, 0, 0, 0, "")
+    del fixed["job"]["data"]["workers"]
+    return {"job": _digest(fixed), "optimizers": {label: _digest(params) for label, params in optimizers.items()}}
+
+
+def same_recipe(d: Path, theirs: dict | None, ours: dict) -> None:
+    """``--reuse d`` with its record's recipe ``theirs``: the same fixed settings, and the same
+    parameters for every optimizer label both know, else an error naming what differs. A record
+    written before recipes were recorded has none: its runs are taken as this code's (the
+    parameters and fixed settings had not changed since the first record), and that is said."""
+    if theirs is None:
+        print(f"--reuse {d}: recorded before the recipe was (optimizer parameters, fixed job settings); its runs are "
+              "taken as made with this study's", flush=True)
+        return
+    differ = (["fixed job settings (base_config)"] if theirs.get("job") != ours["job"] else []) + [
+        f"parameters for {label}" for label, digest in theirs.get("optimizers", {}).items()
+        if label in ours["optimizers"] and digest != ours["optimizers"][label]]
+    if differ:
+        raise SystemExit(f"--reuse {d}: its runs were made with other {' and other '.join(differ)} than this "
+                         "study's: run them again, or leave that directory out")
+
 RunKey = tuple[str, int, str, float, int]  # corpus, batch, optimizer, LR factor, seed
 
 
@@ -242,6 +276,8 @@ def load_reused(dirs: list[Path], config: dict, settings: tuple[str, ...] = RUN_
             raise SystemExit(f"--reuse {d}: needs meta.json and runs.jsonl there (a study's --out directory)")
         meta = json.loads(meta_path.read_text())
         theirs = meta["config"]
+        if "recipe" in config:
+            same_recipe(d, theirs.get("recipe"), config["recipe"])
         for key in settings:
             if theirs.get(key) != config[key]:
                 raise SystemExit(f"--reuse {d}: its runs used {key}={theirs.get(key)!r}, this study {config[key]!r}: "
@@ -948,7 +984,7 @@ def unbracketed(cells: dict, key: tuple[str, int, str], best: list[dict], grid: 
     """Why the best LR factor of ``key`` (its runs ``best``) is not bracketed, or None: both its
     neighbours on ``grid`` must have run on its seeds (``cells``: ``by_factor``); one at the grid's
     end is open until the grid is extended past it."""
-    factor, seeds = best[0]["factor"], {r.get("seed") for r in best}
+    factor, seeds, grid = best[0]["factor"], {r.get("seed") for r in best}, sorted(set(grid))  # as typed: unsorted
     run = {f for f, rs in cells.get(key, {}).items() if {r.get("seed") for r in rs} >= seeds}
     if factor not in grid:
         return f"{key[2]}'s best LR ×{factor:g} is off the grid (×{grid[0]:g}–×{grid[-1]:g})"
@@ -1254,9 +1290,8 @@ def parser() -> argparse.ArgumentParser:
                     help="grid around the rule's LR; repeatable (default 0.5 1 2)")
     ap.add_argument("--bracket", type=float, default=None, metavar="F",
                     help="run only the part of the --lr-factor grid that brackets each optimum: each batch starts at "
-                         "factor F, then adds the grid's next factor below or above for an optimizer whose best is the "
-                         "lowest or highest factor it ran (each optimizer on the same grid); the record lists the runs "
-                         "needed next as not run")
+                         "factor F, then adds the grid's factors beside an optimizer's best until both have run (each "
+                         "optimizer on the same grid); the record lists the runs needed next as not run")
     ap.add_argument("--bracket-carry", action="store_true",
                     help="with --bracket: each batch after the smallest starts each optimizer at the LR it settled on at "
                          "the batch below (its best factor there, bracketed on every seed), else at the LR the batch "
@@ -1383,7 +1418,8 @@ def main() -> None:
               "heldout_fraction": args.heldout_fraction, "eval_points": args.eval_points, "dropout": args.dropout,
               **({"noise_multiples": args.noise_multiple, "noise_scale": args.noise_scale} if args.noise_multiple else {}),
               **({"bracket": args.bracket} if args.bracket is not None else {}),
-              **({"bracket_carry": True} if args.bracket_carry else {})}
+              **({"bracket_carry": True} if args.bracket_carry else {}),
+              "recipe": recipe({label: OPTIMIZERS[label] for label in labels})}
     args.reused, sources, shorter = load_reused(args.reuse, config)  # before Output: --out may be one of them
     args.work.mkdir(parents=True, exist_ok=True)
     out_dir = Path(args.out or (args.work if args.quick else DOCS / "bert_batch"))

@@ -178,6 +178,38 @@ def fake_study(directory: Path, runs: list[tuple[str, int, str, float, int, floa
     return directory
 
 
+def test_reuse_refuses_a_record_made_with_other_optimizer_parameters_or_fixed_settings(tmp_path, capsys):
+    """A record's recipe (the optimizers' parameters and the job's fixed settings, which no
+    recorded setting names) must be this study's for the labels both know: another ``beta3`` for
+    VR-LAMB, or another fixed job setting, is an error naming it; another label's parameters
+    (one this study does not run) are not. A record written before recipes were recorded is
+    taken as this code's, and that is said. Fails on the old code, which reused the runs of
+    either kind with the study's settings alone."""
+    sys.path.insert(0, str(STUDIES))
+    from bert_batch import OPTIMIZERS, RUN_SETTINGS, load_reused, recipe
+
+    labels = ["LAMB", "VR-LAMB update"]
+    ours = recipe({label: OPTIMIZERS[label] for label in labels})
+    recorded = json.loads((fake_study(tmp_path / "ours", []) / "meta.json").read_text())["config"]
+    config = {key: recorded.get(key) for key in RUN_SETTINGS} | {"corpora": recorded["corpora"], "recipe": ours}
+    runs = [("embedded", 64, "VR-LAMB update", 1.0, 1, 6.5)]
+
+    def record(name: str, theirs: dict | None) -> Path:
+        return fake_study(tmp_path / name, runs, **({} if theirs is None else {"recipe": theirs}))
+
+    assert len(load_reused([record("same", ours)], config)[0]) == 1
+    other = recipe({"VR-LAMB update": dict(OPTIMIZERS["VR-LAMB update"], beta3=0.99), "MERIT": {"type": "X"}})
+    with pytest.raises(SystemExit, match=r"its runs were made with other parameters for VR-LAMB update than"):
+        load_reused([record("beta3", {**ours, "optimizers": other["optimizers"]})], config)
+    with pytest.raises(SystemExit, match=r"its runs were made with other fixed job settings \(base_config\) than"):
+        load_reused([record("job", {**ours, "job": "0" * 12})], config)
+    elsewhere = {**ours, "optimizers": {**ours["optimizers"], "MERIT": other["optimizers"]["MERIT"]}}
+    assert len(load_reused([record("merit", elsewhere)], config)[0]) == 1  # a label this study does not run
+    capsys.readouterr()
+    assert len(load_reused([record("legacy", None)], config)[0]) == 1
+    assert "recorded before the recipe was" in capsys.readouterr().out
+
+
 @pytest.mark.exhaustive
 def test_a_probe_run_that_is_also_a_grid_cell_is_recorded_once(tmp_path):
     """``--noise-scale auto`` with a multiple landing on ``--base-batch``: the probe runs at
@@ -771,6 +803,10 @@ def test_verdicts_need_two_seeds_below_the_unigram_level_and_apart_ranges():
     assert rows[0][-1] == "not decided: VR's best LR ×4 has ×8 beside it on the grid not run on 2 seeds"
     runs.append({"corpus": "c", "batch": 64, "optimizer": "VR", "factor": 8.0, "seed": 2, "mlm_loss": 6.9})
     rows = verdicts(best_cells(runs), "c", [64], "VR", "LAMB", unigram=7.0, cells=by_factor(runs), grid=grid)
+    assert rows[0][-1] == "VR better by 0.100 nats (seed ranges apart)"
+    # the grid as --lr-factor was typed, out of order and repeated: the same verdict
+    rows = verdicts(best_cells(runs), "c", [64], "VR", "LAMB", unigram=7.0, cells=by_factor(runs),
+                    grid=[8.0, 1.0, 4.0, 0.5, 2.0, 4.0])
     assert rows[0][-1] == "VR better by 0.100 nats (seed ranges apart)"
     # a gap between factors run beside the best: LAMB's ×2 between ×1 and ×4 on a grid that has ×1.5
     # and ×3 between them. Fails on the old code, which took any factor below and above as a bracket

@@ -9,9 +9,10 @@ engine path builds one ``Scaling`` and every statistics source reads it:
   micro-step's loss by its gradient accumulation steps, so one group's gradient is the value
   read times ``accumulation() / S`` (``group_multiplier``);
 * ``engine_factor()``: where Σg is read from the engine's reduced gradient, the multiplier that
-  makes it Σg where that is not DeepSpeed's (Megatron: 1 / (e · S), e the factor its buffers
-  were built with). DeepSpeed's is ``world · accumulation() / S``: its gradient is the sum over
-  the groups divided by the ranks and the accumulation steps, also on a step that ends before
+  makes it Σg where that is not DeepSpeed's (Megatron: 1 / e, e the factor its buffers were
+  built with; under fp16 the sums keep the loss scale, which the step's unit takes out).
+  DeepSpeed's is ``world · accumulation() / S``: its gradient is the sum over the groups
+  divided by the ranks and the accumulation steps, also on a step that ends before
   the accumulation is full (``set_gradient_accumulation_boundary``, which accelerate calls at
   every micro-step), where it is not the mean over the n groups. Where the loss is scaled by
   another count instead (HF ``Trainer`` turns DeepSpeed's division off and scales every
