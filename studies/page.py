@@ -43,7 +43,7 @@ def record(meta: dict, runs_file: Path | None = None) -> str:
     versions = ", ".join(f"{k} {m[k]}" for k in ("python", "torch", "deepspeed", "transformers", "sklearn")
                          if m.get(k))
     hw = hardware(m)
-    cfg = ", ".join(f"{k}={v}" for k, v in meta["config"].items())
+    cfg = ", ".join(f"{k}={v}" for k, v in meta["config"].items() if k != "recipe")  # digests: meta.json has them
     runs = f" (the runs themselves: {meta['run_wall_s']:.0f} s)" if "run_wall_s" in meta else ""
     reused = "; ".join(f"`{r['dir']}` (commit {r['commit'] or 'unknown'}, {r['started']}, {r['machine']})"
                        for r in meta.get("reused", []))
