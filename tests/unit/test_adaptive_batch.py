@@ -177,6 +177,30 @@ def test_no_adaptive_step_has_fewer_than_two_gradient_groups():
     assert stub._batch_and_lr(0, types.SimpleNamespace(batch=16))[0] == 16
 
 
+def test_the_phases_last_rest_takes_no_step_past_max_batch_where_both_bounds_fit():
+    """The controller at max_batch 64 with 76 samples left: 64 would leave 12, less than
+    min_batch 16, and 76 in one step passes max_batch (its LR scaled past the cap's by the LR
+    rule). The step is 60, the last 16: both within the bounds. Where they cannot both hold
+    (left below 2 × min_batch), the rest goes with the step. Fails on the old code: a step of 76."""
+    import types
+
+    from vrgd_ds.train.loop import Job
+
+    cfg = parse_job(job({"target_ratio": 1.0, "min_batch": 16, "max_batch": 64, "lr_rule": "linear"}, micro_batch=4))
+    stub = object.__new__(Job)
+    stub.job, stub.schedule, stub.budget = cfg, PhaseSchedule(cfg), phase_samples(cfg)
+    steps = []
+    stub.consumed = [stub.budget[0] - 76]
+    while stub.consumed[0] < stub.budget[0]:
+        steps.append(stub._batch_and_lr(0, types.SimpleNamespace(batch=64))[0])
+        stub.consumed[0] += steps[-1]
+    assert steps == [60, 16]
+    tight = parse_job(job({"target_ratio": 1.0, "min_batch": 16, "max_batch": 20}, micro_batch=4, global_batch=20))
+    stub.job, stub.schedule, stub.budget = tight, PhaseSchedule(tight), phase_samples(tight)
+    stub.consumed = [stub.budget[0] - 28]  # 20 leaves 8; 28 - 16 = 12 < 16: the rest goes with it
+    assert stub._batch_and_lr(0, types.SimpleNamespace(batch=20))[0] == 28
+
+
 def test_every_adjustment_of_a_later_phase_is_recorded_whatever_log_every_is():
     """The controller adjusts every ``every`` steps *of its phase*; records were written at global
     steps that are multiples of ``log_every``. A second phase starting at global step 7, with

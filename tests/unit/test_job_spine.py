@@ -259,8 +259,8 @@ def test_a_training_split_smaller_than_a_step_is_said(start, tmp_path, monkeypat
     monkeypatch.setattr(StandIn, "datasets", lambda self, seq_len: (Samples(3), Samples(100)))
     assert isinstance(start(tmp_path / "small"), dict)
     said = [r.getMessage() for r in caplog.records if "fewer than a step's" in r.getMessage()]
-    assert said == ["job.phases[0]: the training split holds 3 samples at seq_len 32, fewer than a step's 4 "
-                    "(global_batch): steps hold samples twice, and their gradient groups are not independent as "
+    assert said == ["job.phases[0]: the training split holds 3 samples at seq_len 32, fewer than a step's "
+                    "global_batch 4: steps hold samples twice, and their gradient groups are not independent as "
                     "the GSNR assumes; use more data or a smaller batch"], said
 
 

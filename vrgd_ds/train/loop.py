@@ -606,12 +606,14 @@ class Job:
 
         p = self.job.phases[index]
         train, _ = self.splits[p.seq_len]
-        largest = p.adaptive_batch.max_batch if p.adaptive_batch is not None else p.global_batch
+        adaptive = p.adaptive_batch is not None
+        largest = p.adaptive_batch.max_batch if adaptive else p.global_batch
         if len(train) < largest and self.rank == 0:
-            logger.warning("job.phases[%d]: the training split holds %d samples at seq_len %d, fewer than a step's %d "
-                           "(%s): steps hold samples twice, and their gradient groups are not independent as the "
-                           "GSNR assumes; use more data or a smaller batch", index, len(train), p.seq_len, largest,
-                           "adaptive_batch.max_batch" if p.adaptive_batch is not None else "global_batch")
+            logger.warning("job.phases[%d]: the training split holds %d samples at seq_len %d, fewer than %s %d: %s "
+                           "hold samples twice, and their gradient groups are not independent as the GSNR assumes; "
+                           "use more data or a smaller batch", index, len(train), p.seq_len,
+                           "adaptive_batch.max_batch" if adaptive else "a step's global_batch", largest,
+                           f"steps above {len(train)} samples would" if adaptive else "steps")
         # phases of one sequence length read on where the one before stopped: one stream per sample
         # index, every sample once per epoch, each epoch with its masks
         same = [k for k in range(index) if self.job.phases[k].seq_len == p.seq_len]
@@ -631,14 +633,16 @@ class Job:
         """This step's global batch and LR: the phase's, or the adaptive controller's (the last step
         of the phase takes only what is left of its samples; a step that would leave less than
         ``min_batch`` after it takes that rest too, so that no step has fewer groups than
-        ``min_batch`` gives)."""
+        ``min_batch`` gives, or, where that would pass ``max_batch``, leaves ``min_batch`` for the
+        last step)."""
         p = self.job.phases[index]
         if controller is None:
             return p.global_batch, self.schedule.lr_in_phase(index, self.consumed[index] // p.global_batch)
         left = self.budget[index] - self.consumed[index]
         batch = min(controller.batch, left)
-        if left - batch < p.adaptive_batch.min_batch:
-            batch = left
+        if left - batch < p.adaptive_batch.min_batch:  # the rest with it, within max_batch where both fit
+            batch = left if left <= p.adaptive_batch.max_batch or left < 2 * p.adaptive_batch.min_batch else (
+                left - p.adaptive_batch.min_batch)
         return batch, self.schedule.lr_samples(index, self.consumed[index], batch,
                                                lr_factor(p.adaptive_batch.lr_rule, batch, p.global_batch))
 
