@@ -149,10 +149,15 @@ def fused_allreduce_hook(stats: DDPStats, bucket: dist.GradBucket) -> torch.futu
                                             scratch=None)
     if bucket.is_last():
         stats.buckets = bucket.index() + 1
-    world = stats.world
+    world, ref = stats.world, weakref.ref(stats)
 
     def finish(fut: torch.futures.Future[list[Tensor]]) -> Tensor:
-        stats.store(slices, sum_g, sum_sq)
+        # the statistics held weakly: the future keeps its callback until the process group lets
+        # the work go (another thread, some time after the step), which must not keep a deleted
+        # optimizer's statistics alive
+        alive = ref()
+        if alive is not None:
+            alive.store(slices, sum_g, sum_sq)
         flat.copy_(sum_g.div_(world))  # the mean, rounded once to the bucket dtype
         return flat
 

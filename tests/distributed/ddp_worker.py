@@ -349,14 +349,40 @@ def deleted_case(squares: str) -> dict[str, Any]:
     deleted with the garbage collector off, and 2 steps of torch's SGD on the same DDP model,
     against the same SGD steps on a fresh DDP model holding the weights of that moment: whether
     the statistics went with their optimizer, and the SGD run's gradients and weights against
-    plain DDP's."""
+    plain DDP's. The callbacks chained on the step's collectives are kept until after the
+    deletion, as the process group's thread may still hold one that has run while the step goes
+    on, so that a callback holding the statistics shows every time, not by chance."""
     import gc
     import weakref
 
     ddp = DDP(tiny_model(), bucket_cap_mb=BUCKET_CAP_MB)
     first = VRAdam(ddp.parameters(), lr=1e-2)
     stats = weakref.ref(attach(ddp, first, squares=squares))
-    step(ddp, first, 0)
+    kept, all_reduce = [], dist.all_reduce
+
+    class Kept:  # a work or its future, the callbacks chained on it kept
+        def __init__(self, inner: Any) -> None:
+            self.inner = inner
+
+        def get_future(self) -> Any:
+            return Kept(self.inner.get_future())
+
+        def then(self, callback: Any) -> Any:
+            kept.append(callback)
+            return self.inner.then(callback)
+
+        def __getattr__(self, name: str) -> Any:
+            return getattr(self.inner, name)
+
+    def keeping(*args, **kwargs):
+        work = all_reduce(*args, **kwargs)
+        return Kept(work) if work is not None else work
+
+    dist.all_reduce = keeping
+    try:
+        step(ddp, first, 0)
+    finally:
+        dist.all_reduce = all_reduce
     weights = copy.deepcopy(ddp.module.state_dict())
 
     def hooks() -> int:  # tensor hooks on the parameters (the per-step scheme's, while a step accumulates)
@@ -369,6 +395,7 @@ def deleted_case(squares: str) -> dict[str, Any]:
         freed = stats() is None
     finally:
         gc.enable()
+    kept.clear()
     hooked = (hooked, hooks())
     sgd = torch.optim.SGD(ddp.parameters(), lr=0.1)
     grads = [step(ddp, sgd, at) for at in (1, 2)]
