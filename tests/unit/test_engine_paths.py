@@ -253,17 +253,22 @@ def test_deepspeeds_spellings_of_its_own_names_are_read_as_the_engine_reads_them
     assert check_optimizer_block({"optimizer": {"type": "VRLamb", "params": {"lr": 1e-3}}}) is DEEPSPEED_DEFAULTS["VRLamb"]
 
 
-@pytest.mark.parametrize("files, message", [
-    ({"mp_rank_00_model_states.pt": {}, "mp_rank_01_model_states.pt": {}},
+@pytest.mark.parametrize("files, free, message", [
+    (["mp_rank_00_model_states.pt", "mp_rank_01_model_states.pt"], None,
      "saved by 2 model-parallel ranks (pipeline stages × tensor-parallel ranks)"),
-    ({"mp_rank_00_model_states.pt": {}}, "can't find *_optim_states.pt files in directory"),
+    (["mp_rank_00_model_states.pt"], None, "can't find *_optim_states.pt files in directory"),
+    (["mp_rank_00_model_states.pt", "zero_pp_rank_0_mp_rank_00_optim_states.pt"], 0,
+     "(twice the checkpoint), 0 MB are free there"),
 ])
 def test_the_universal_conversion_command_refuses_with_one_line_and_writes_nothing(tmp_path, monkeypatch, capsys,
-                                                                                 files, message):
+                                                                                 files, free, message):
     """``python -m vrgd_ds.ds.universal`` on a checkpoint it does not convert (a pipeline's or a
     tensor-parallel one's: one model-state file per model-parallel rank; a folder without ZeRO
-    optimizer files) exits 2 with one line naming it, and leaves no output folder. Fails on the
-    old code: tracebacks, and for the pipeline's a partial ``tmp`` in the output folder."""
+    optimizer files), or where the output's filesystem has less free space than the conversion
+    writes (``free`` bytes), exits 2 with one line naming it, and leaves no output folder. Fails
+    on the old code: tracebacks, for the pipeline's a partial ``tmp`` in the output folder, and
+    on a full disk a conversion started (that case on the code before the space check)."""
+    import shutil
     import sys
 
     import torch
@@ -272,10 +277,12 @@ def test_the_universal_conversion_command_refuses_with_one_line_and_writes_nothi
 
     tag = tmp_path / "global_step1"
     tag.mkdir()
-    if len(files) > 1:
+    if free is not None:
+        monkeypatch.setattr(shutil, "disk_usage", lambda path: shutil._ntuple_diskusage(10**12, 10**12 - free, free))
+    for name in files:
+        torch.save({"optimizer_state_dict": {"zero_stage": 1}} if "optim" in name else {}, tag / name)
+    if len(files) > 1 and free is None:  # the pipeline's: its ZeRO-1 optimizer file too
         torch.save({"optimizer_state_dict": {"zero_stage": 1}}, tag / "zero_pp_rank_0_mp_rank_00_optim_states.pt")
-    for name, state in files.items():
-        torch.save(state, tag / name)
     out = tmp_path / "global_step1_universal"
     monkeypatch.setattr(sys, "argv", ["universal", "--input_folder", str(tag), "--output_folder", str(out)])
     with pytest.raises(SystemExit) as stop:

@@ -31,6 +31,26 @@ import torch
 _OWN = ("exp_avg", "exp_avg_sq", "fp32", "step")
 
 
+class NoSpaceToConvert(OSError):
+    """Less free space where the universal checkpoint goes than the conversion writes."""
+
+
+def check_space(input_folder: str, output_folder: str) -> None:
+    """The conversion writes about twice the checkpoint (DeepSpeed's per-fragment files, kept for
+    the extra keys, then the merged tensors): refused before it starts where the output folder's
+    filesystem has less free, rather than failing part-way on a full disk."""
+    need = 2 * sum(os.path.getsize(os.path.join(d, f)) for d, _, files in os.walk(input_folder) for f in files)
+    probe = os.path.abspath(output_folder)
+    while not os.path.exists(probe):
+        probe = os.path.dirname(probe)
+    free = shutil.disk_usage(probe).free
+    if free < need:
+        raise NoSpaceToConvert(
+            f"{output_folder}: converting {input_folder} to a universal checkpoint writes about {need / 2**20:,.0f} MB "
+            f"(twice the checkpoint), {free / 2**20:,.0f} MB are free there; free space on that filesystem, or resume "
+            "on the number of ranks that saved it")
+
+
 def _extra_keys(state: dict[str, Any], numel: int) -> list[str]:
     return sorted(k for k, v in state.items()
                   if k not in _OWN and torch.is_tensor(v) and v.dim() == 1 and v.numel() == numel)
@@ -53,6 +73,7 @@ def convert(input_folder: str, output_folder: str, keep_temp_folder: bool = Fals
             f"{input_folder}: saved by {len(model_ranks)} model-parallel ranks (pipeline stages × tensor-parallel "
             "ranks); vrgd_ds universal conversion supports ZeRO-1/2 checkpoints without pipeline or tensor "
             "parallelism. Resume it on the layout it was saved with")
+    check_space(input_folder, output_folder)
     extra: set[str] = set()
 
     def extract_zero_shards(dir, ds_checkpoint, indices_3D):
@@ -113,7 +134,7 @@ def main() -> None:
     a = ap.parse_args()
     try:
         keys = convert(a.input_folder, a.output_folder, a.keep_temp_folder)
-    except (NotImplementedError, FileNotFoundError) as e:  # a checkpoint this converter does not handle, or none
+    except (NotImplementedError, FileNotFoundError, NoSpaceToConvert) as e:  # not handled here, none, or no room
         ap.exit(2, f"error: {e}\n")
     print(f"universal checkpoint written to {a.output_folder}; VRGD state kept: {', '.join(keys) or 'none'}")
 
