@@ -3,11 +3,11 @@
 
 * **Squares, locally.** A tensor hook on every parameter sees each micro-batch's local gradient
   ``x`` before Megatron's grad-accumulator hook adds it into ``main_grad``; ``x²`` is summed in
-  fp32 into a local buffer laid out like each of Megatron's grad buffers (``param_index_map`` offsets, padding included). No bucket of Megatron's
-  holds one micro-batch (``main_grad`` accumulates them), so the square is folded into Megatron's
-  accumulation instead: the hook's one launch also does ``main_grad += x`` and sets
-  ``grad_added_to_main_grad``, which Megatron's hook reads to skip its own ``add_`` (a parameter
-  with ``zero_out_wgrad`` keeps Megatron's add).
+  fp32 into a local buffer laid out like each of Megatron's grad buffers (``param_index_map``
+  offsets, padding included). No bucket of Megatron's holds one micro-batch (``main_grad``
+  accumulates them), so the square is folded into Megatron's accumulation instead: the hook's
+  one launch also does ``main_grad += x`` and sets ``grad_added_to_main_grad``, which Megatron's
+  hook reads to skip its own ``add_`` (a parameter with ``zero_out_wgrad`` keeps Megatron's add).
 * **One reduction per bucket per optimizer step**, on the buffer's own data-parallel group,
   when the optimizer's ``prepare_grads`` begins: a reduce-scatter into this rank's shard with the
   distributed optimizer (each parameter's piece lands at its ``gbuf_local`` range, as Megatron's
