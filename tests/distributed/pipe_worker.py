@@ -150,6 +150,8 @@ def run_bad_pipe_case(case: dict) -> dict:
     try:
         model = tied_model(2) if case.get("tied") else pipe_model(2)
         params: list = [p for p in model.parameters() if p.requires_grad]
+        if case.get("uneven_groups") and model.stage_id == 0:  # a second group on the first stage only
+            params = [{"params": params[:1]}, {"params": params[1:], "weight_decay": 0.0}]
         if case.get("tied_gsnr_off"):
             tied = {id(w) for w, _ in model.get_tied_weights_and_groups()}
             params = [{"params": [p for p in params if id(p) not in tied]},

@@ -114,6 +114,19 @@ def test_tied_module_across_stages_with_gsnr_is_refused_and_accepted_with_gsnr_o
     assert res["parts"] == [0, 3, 5] and res["n"] == 2, res
 
 
+def test_stages_with_unequally_many_param_groups_are_refused_at_initialize(pool):
+    """The first stage's optimizer with 2 param groups, the second's with 1 (a stage without the
+    tensors of a no-decay group): refused at ``initialize`` on every rank, naming the counts.
+    Fails on the old code, where both ranks waited on each other forever at the first step (each
+    group's gradient-norm collective over the stages unmatched)."""
+    res = pool.run("pipe_worker", "run_bad_pipe_case", dict(stage=1, opt="VRLamb", gas=2, clip=0.0,
+                                                            uneven_groups=True), timeout=120)
+    assert res["raised"] == "UnsupportedConfiguration", res
+    assert "the pipeline stages' optimizers have 2, 1 param groups (stages 0..1)" in res["message"], res
+    # the other rank refused too (the same gathered counts): the pool's next case runs
+    assert pool.run("pipe_worker", "run_bad_pipe_case", dict(stage=1, opt="VRLamb", gas=2, clip=0.0))["raised"] is None
+
+
 @pytest.mark.exhaustive  # make test: the command's refusal on the same files by name (test_engine_paths.py)
 def test_a_pipeline_checkpoint_is_refused_by_the_universal_conversion_before_it_writes(pool, tmp_path):
     """``vrgd_ds.ds.universal`` converts ZeRO-1/2 checkpoints without pipeline or tensor

@@ -77,6 +77,7 @@ def attach(engine: Any) -> sources.ReductionStats | None:
     tensors = ModelTensors.of(engine.module)
     layout = path.layout(tensors, next(engine.module.parameters()).device)
     if pipeline.is_pipeline(engine):
+        pipeline.check_group_counts(engine, opt)
         pipeline.check_tied(engine, opt)
         layout.stages = pipeline.stage_group(engine)
         layout.replicated = pipeline.replicated(engine, tensors.keys, layout.num_keys)

@@ -58,6 +58,31 @@ def stage_group(engine: Any) -> Any | None:
     return grid.get_pipe_parallel_group()
 
 
+def check_group_counts(engine: Any, opt: Any) -> None:
+    """Refuses param groups that differ in number between the stages (each stage builds the
+    optimizer from its own layers: a stage with no bias or norm gets no no-decay group): each
+    group takes collectives over the stages (ZeRO-1's gradient norm, the optimizer's whole-model
+    sums), so the ranks would wait on each other forever at the first step. One gather at
+    ``initialize``, every rank then raising alike."""
+    group = stage_group(engine)
+    if group is None:
+        return
+    import torch
+    import torch.distributed as dist
+
+    device = next(engine.module.parameters()).device
+    mine = torch.tensor([len(opt.param_groups)], dtype=torch.int64, device=device)
+    counts = [torch.zeros_like(mine) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(counts, mine, group=group)
+    counts = [int(c) for c in counts]
+    if len(set(counts)) > 1:
+        raise UnsupportedConfiguration(
+            f"vrgd_ds: the pipeline stages' optimizers have {', '.join(map(str, counts))} param groups (stages 0.."
+            f"{len(counts) - 1}): every stage needs the same number, since each group takes collectives over the "
+            "stages (ZeRO-1's gradient norm, the optimizer's whole-model sums) and the ranks would wait on each other "
+            "forever. Build every stage's optimizer with the same param groups")
+
+
 def replicated(engine: Any, keys: dict[int, int], num_keys: int) -> Any | None:
     """The keys of the tied weights' copies on stages after the first (``ds_pipe_replicated``,
     set by ``PipelineModule``): each holds the whole, stage-summed gradient, which the first stage
