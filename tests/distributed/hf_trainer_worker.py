@@ -75,7 +75,11 @@ class StepMetrics(TrainerCallback):
 
     def on_step_end(self, args, state, control, **kwargs):
         opt = engine_of(self.trainer).basic_optimizer
-        self.rows.append({"step": state.global_step, **opt.gsnr_metrics()})
+        momentum = [v["gsnr_avg"].double().pow(2).sum() for v in opt.state.values() if "gsnr_avg" in v]
+        scheduler = self.trainer.lr_scheduler
+        self.rows.append({"step": state.global_step, **opt.gsnr_metrics(), "lr": opt.param_groups[0]["lr"],
+                          "scheduler_lr": scheduler.get_last_lr()[0] if scheduler is not None else None,
+                          "gsnr_avg_sq": float(sum(momentum)) if momentum else None})
 
 
 def main() -> None:
@@ -90,6 +94,9 @@ def main() -> None:
                          "ends each epoch with a step of fewer micro-steps")
     ap.add_argument("--gbar", choices=("engine", "local"), default=None,
                     help="the per-step scheme with this mean gradient (default: the config's defaults)")
+    ap.add_argument("--save-steps", type=int, default=0, help="a checkpoint every N steps (0: none)")
+    ap.add_argument("--resume", default=None, help="a Trainer checkpoint folder to resume from")
+    ap.add_argument("--warmup", type=int, default=0, help="the linear schedule's warmup steps")
     ap.add_argument("--local_rank", type=int, default=-1)  # passed by the deepspeed launcher
     args = ap.parse_args()
     if args.register == "eager":
@@ -107,7 +114,9 @@ def main() -> None:
         logging_steps=1,
         report_to=[],
         use_cpu=True,
-        save_strategy="no",
+        save_strategy="steps" if args.save_steps else "no",
+        save_steps=args.save_steps or 500,
+        warmup_steps=args.warmup,
         # the Trainer checks the config's optimizer.params against these
         learning_rate=LR,
         weight_decay=WD,
@@ -120,7 +129,7 @@ def main() -> None:
     trainer = Trainer(model=model, args=targs, train_dataset=RandomTokens(samples=args.samples),
                       callbacks=[cb])
     cb.trainer = trainer
-    trainer.train()
+    trainer.train(resume_from_checkpoint=args.resume)
 
     engine = engine_of(trainer)
     opt = engine.basic_optimizer
@@ -146,6 +155,7 @@ def main() -> None:
             "gsnr_metrics": opt.gsnr_metrics(),
             "step_metrics": cb.rows,
             "param_delta_norm": moved,
+            "params": {n: p.detach().double().flatten().tolist() for n, p in final.items()},
             "params_changed": any(v > 0 for v in moved.values()),
         }
         with open(args.out, "w") as f:

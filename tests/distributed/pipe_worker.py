@@ -122,6 +122,37 @@ def _run(case: dict) -> dict:
     return out
 
 
+def run_pipe_nonfinite(case: dict) -> dict:
+    """2 stages, 3 steps of ``train_batch``, one gradient of the last stage made NaN in step 1
+    (a tensor hook ahead of the statistics'): per stage, how far its parameters moved at each
+    step, each step's ``step/skipped_nonfinite`` and whether they stay finite (every rank's, on
+    rank 0)."""
+    restore = _restore_groups()
+    try:
+        model = pipe_model(2)
+        on = [False]
+        if model.stage_id == 1:
+            next(model.parameters()).register_hook(lambda g: g * float("nan") if on[0] else g)
+        engine, *_ = deepspeed.initialize(model=model, config=config(case),
+                                          model_parameters=[p for p in model.parameters() if p.requires_grad])
+        dtype = torch.bfloat16 if case.get("dtype") == "bf16" else torch.float32
+        moved, skipped = [], []
+        for step in range(3):
+            on[0] = step == 1
+            before = [p.detach().float().clone() for p in model.parameters()]
+            engine.train_batch(data_iter=iter([(x.to(dtype), y) for x, y in (batch(step, 0, j)
+                                                                              for j in range(case["gas"]))]))
+            moved.append(sum(float((p.detach().float() - b).norm()) for p, b in zip(model.parameters(), before)))
+            skipped.append(engine.basic_optimizer.gsnr_metrics().get("step/skipped_nonfinite", 0.0))
+        mine = dict(stage=model.stage_id, moved=moved, skipped=skipped,
+                    finite=all(bool(torch.isfinite(p).all()) for p in model.parameters()))
+        everyone: list = [None] * dist.get_world_size()
+        dist.all_gather_object(everyone, mine)
+        return {"ranks": everyone}
+    finally:
+        restore()
+
+
 class Embed(torch.nn.Module):
     """A weight used by the first stage as a layer and by the last one as an output projection."""
 

@@ -119,3 +119,24 @@ def test_an_epochs_short_last_step_has_the_same_gsnr_from_the_engines_mean_as_fr
     keys = ("gsnr/scale_mean", "noise_scale/grad_sq", "noise_scale/trace_cov")
     for engine, local in zip(rows["engine"], rows["local"]):
         assert [engine[k] for k in keys] == pytest.approx([local[k] for k in keys], rel=1e-3), (engine, local)
+
+
+def test_a_resumed_trainer_run_is_the_uninterrupted_one_and_the_optimizer_follows_the_schedule(tmp_path):
+    """6 steps with a checkpoint every 3 (warmup 2, then the linear decay), against the same run
+    resumed from its step-3 checkpoint: steps 4-6 and the final weights equal bit for bit, the
+    GSNR momentum (``gsnr_avg``) included, so the Trainer's checkpoint carries the optimizer's
+    whole state through DeepSpeed; and at every step the optimizer's LR is the scheduler's."""
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    whole = launch(tmp_path / "a", "--save-steps", "3", "--warmup", "2")
+    resumed = launch(tmp_path / "b", "--save-steps", "3", "--warmup", "2",
+                     "--resume", str(tmp_path / "a" / "hf_out" / "checkpoint-3"))
+    assert [r["step"] for r in resumed["step_metrics"]] == [4, 5, 6], resumed["step_metrics"]
+    keys = ("gsnr_avg_sq", "gsnr/n", "gsnr/mean", "lr")
+    assert [[r[k] for k in keys] for r in resumed["step_metrics"]] == [
+        [r[k] for k in keys] for r in whole["step_metrics"][3:]]
+    assert resumed["params"] == whole["params"]
+    assert all(r["gsnr_avg_sq"] > 0 for r in whole["step_metrics"])
+    lrs = [r["lr"] for r in whole["step_metrics"]]
+    assert lrs == [r["scheduler_lr"] for r in whole["step_metrics"]]
+    assert lrs[1] == max(lrs) and lrs[0] < lrs[1] and lrs[1] > lrs[2] > lrs[3] > lrs[4] > lrs[5], lrs

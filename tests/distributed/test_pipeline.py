@@ -114,6 +114,20 @@ def test_tied_module_across_stages_with_gsnr_is_refused_and_accepted_with_gsnr_o
     assert res["parts"] == [0, 3, 5] and res["n"] == 2, res
 
 
+@pytest.mark.exhaustive  # the flag's join over the stages: the pre-normalisation norm's (make test) shares it
+@pytest.mark.parametrize("stage, dtype", [(0, "fp32"), (1, "bf16")])
+def test_a_nonfinite_gradient_on_one_stage_skips_the_step_on_every_stage(pool, stage, dtype):
+    """One gradient of the last stage NaN in step 1 of 3: both stages skip that step (their
+    parameters do not move, ``step/skipped_nonfinite`` 1 on each), and both step again at step 2,
+    finite. A stage that stepped alone would leave the model half-updated, its stages out of step."""
+    res = pool.run("pipe_worker", "run_pipe_nonfinite", dict(stages=2, stage=stage, opt="VRAdam", gas=2, clip=0.0,
+                                                             dtype=dtype))
+    assert sorted(r["stage"] for r in res["ranks"]) == [0, 1], res
+    for r in res["ranks"]:
+        assert r["moved"][1] == 0.0 and r["moved"][0] > 0 and r["moved"][2] > 0, res
+        assert r["skipped"] == [0.0, 1.0, 0.0] and r["finite"], res
+
+
 def test_stages_with_unequally_many_param_groups_are_refused_at_initialize(pool):
     """The first stage's optimizer with 2 param groups, the second's with 1 (a stage without the
     tensors of a no-decay group): refused at ``initialize`` on every rank, naming the counts.
