@@ -444,3 +444,22 @@ def test_a_started_phase_with_another_seq_len_would_stop_and_a_phase_after_it_ma
                             dict(RAW["job"]["phases"][0], fraction=0.5, seq_len=64)]
     report, ok = check(run_dir, raw, 2)
     assert ok, report
+
+
+def test_saved_phases_the_code_of_now_would_refuse_do_not_stop_the_resume():
+    """A marker whose phases an older release accepted and today's checks refuse (a warmup of
+    0.6 of a 2-step phase, which rounds to no decay), resumed with a valid config: the marker's
+    checks compare the saved phases only where one was adaptive, and a saved job that no longer
+    parses leaves the controller's comparison to the loaded state. Fails on the code before,
+    which parsed the saved phases for every resume and stopped it with their error, as if the
+    config were at fault."""
+    from vrgd_ds.train.config import ConfigError, check_resume_marker, parse_job
+
+    phase = {"seq_len": 32, "fraction": 1.0, "global_batch": 4, "micro_batch": 2, "lr": 1e-3, "warmup_fraction": 0.6}
+    with pytest.raises(ConfigError, match="warmup_fraction"):
+        parse_job({"job": {"total_steps": 2, "phases": [phase]}})
+    job = parse_job({"job": {"total_steps": 10, "phases": [phase]}})
+    check_resume_marker(job, {"total_steps": 2, "phases": [dict(phase, adaptive_batch=None)], "consumed": [4]}, 1)
+    adaptive = dict(phase, adaptive_batch={"target_ratio": 1.0, "min_batch": 4, "max_batch": 16})
+    check_resume_marker(parse_job({"job": {"total_steps": 10, "phases": [adaptive]}}),
+                        {"total_steps": 2, "phases": [adaptive], "consumed": [4]}, 1)

@@ -511,9 +511,13 @@ def check_resume_marker(job: JobConfig, info: dict[str, Any], world_size: int) -
     (the job checks the loaded state's position again)."""
     consumed = info.get("consumed") if isinstance(info.get("consumed"), list) else None
     resumed = None if consumed is None else resumed_consumed(job, consumed, info.get("phases"))
-    if info.get("phases") is not None and info.get("total_steps") is not None:
-        saved_job = parse_job({"job": {"total_steps": info["total_steps"], "phases": info["phases"]}})
-        if refused := adaptive_changes(saved_job, job, world_size, consumed):
+    phases, total = info.get("phases"), info.get("total_steps")
+    if phases is not None and total is not None and any(p.get("adaptive_batch") for p in phases):
+        try:  # the saved phases as the code of now reads them; a check added since may refuse them
+            saved_job = parse_job({"job": {"total_steps": total, "phases": phases}})
+        except ConfigError:
+            saved_job = None  # the loaded controller's settings are compared after the load
+        if saved_job is not None and (refused := adaptive_changes(saved_job, job, world_size, consumed)):
             raise ConfigError("; ".join(refused))
     if resumed is not None:
         check_resume_position(job, resumed, phase_samples(job), world_size)
