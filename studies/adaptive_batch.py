@@ -24,7 +24,7 @@ from pathlib import Path
 from statistics import mean, median
 
 from bert_batch import (carried_runs, data_fingerprint, end_on_sigterm, finish, keep_carried, load_reused, prepare,
-                        recipe, run_key, run_one, set_aside_other_data, steps)
+                        carried_recipe, recipe, run_key, run_one, set_aside_other_data, steps)
 from common import DOCS, Output, plt, table
 
 VR = {"gamma": 0.1, "beta3": 0.9, "gsnr_placement": "first_moment"}
@@ -34,6 +34,8 @@ RUNS = {  # label -> (optimizer params, adaptive?)
     "LAMB adaptive": ({"gamma": 1.0}, True),
     "VR-LAMB adaptive": (VR, True),
 }
+#: the controller's smoothing of the noise scale's moments in every adaptive run (in the recipe)
+SMOOTHING = 0.9
 #: the settings that make two runs with the same label, corpus and seed the same run (``--reuse`` checks them)
 SETTINGS = ("batch", "lr", "samples", "target_ratio", "min_batch", "max_batch", "every", "lr_rule", "seq_len",
             "micro_batch", "ranks", "vocab_size", "quick")
@@ -74,10 +76,12 @@ def main() -> None:
     specs = args.corpus or ["embedded"]
     seeds = args.seed or [1]
     config = {k: v for k, v in vars(args).items() if k not in ("work", "out", "port", "reuse")} | {
-        "corpora": specs, "recipe": recipe({label: params for label, (params, _) in RUNS.items()})}
+        "corpora": specs, "recipe": recipe({label: params for label, (params, _) in RUNS.items()},
+                                           {"adaptive_batch": {"smoothing": SMOOTHING}})}
     args.reused, sources, shorter = load_reused(args.reuse, config, SETTINGS)  # before Output: --out may be one
     out_dir = args.out or (args.work if args.quick else DOCS / "adaptive_batch")
     carried = carried_runs(args.reuse, out_dir)
+    config["recipe"] = carried_recipe(config["recipe"], carried, out_dir)
     out = Output(out_dir, "adaptive_batch", config)
     if sources:
         out.meta["reused"] = sources
@@ -102,7 +106,7 @@ def main() -> None:
         for seed in seeds:
             for label, (params, adaptive) in RUNS.items():
                 extra = {"adaptive_batch": {"target_ratio": args.target_ratio, "min_batch": args.min_batch,
-                                            "max_batch": args.max_batch, "every": args.every, "smoothing": 0.9,
+                                            "max_batch": args.max_batch, "every": args.every, "smoothing": SMOOTHING,
                                             "lr_rule": args.lr_rule}} if adaptive else None
                 r = run_one(label, name, data, args.batch, 1.0, seed, study_args(args),
                             params=params, phase_extra=extra)

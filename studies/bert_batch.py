@@ -181,15 +181,32 @@ def _digest(value: Any) -> str:
     return hashlib.sha256(json.dumps(value, sort_keys=True).encode()).hexdigest()[:12]
 
 
-def recipe(optimizers: dict[str, dict]) -> dict:
+#: a carried run's label digest where the record it came from had no recipe (``carried_recipe``)
+UNRECORDED = "unrecorded"
+
+
+def recipe(optimizers: dict[str, dict], fixed_extra: dict | None = None) -> dict:
     """What every run's config holds beside the settings a study records and the cell (corpus,
     batch, LR, seed, steps), as digests: the job's fixed settings (``base_config``: weight decay,
     betas, eps, clipping, ZeRO stage, warmup, evaluation samples; not the DataLoader workers, which
-    change no result) and each optimizer label's parameters (``optimizers``: label -> params).
-    ``--reuse`` compares them (``same_recipe``)."""
+    change no result; ``fixed_extra``: a study's own constants) and each optimizer label's
+    parameters (``optimizers``: label -> params). ``--reuse`` compares them (``same_recipe``)."""
     fixed = base_config(0, 0, 0, 0, "")
     del fixed["job"]["data"]["workers"]
-    return {"job": _digest(fixed), "optimizers": {label: _digest(params) for label, params in optimizers.items()}}
+    return {"job": _digest([fixed, fixed_extra] if fixed_extra else fixed),
+            "optimizers": {label: _digest(params) for label, params in optimizers.items()}}
+
+
+def carried_recipe(ours: dict, carried: list[dict], out_dir: Path) -> dict:
+    """``ours`` with the digests of the labels whose runs ``--out`` carries over from its record
+    (``carried_runs``) without this study running them, as that record had them (``UNRECORDED``
+    where it had none): the record written keeps them, so a later ``--reuse`` still checks them."""
+    labels = sorted({r["optimizer"] for r in carried} - set(ours["optimizers"]))
+    if not labels:
+        return ours
+    theirs = json.loads((out_dir / "meta.json").read_text())["config"].get("recipe") or {}
+    kept = {label: theirs.get("optimizers", {}).get(label, UNRECORDED) for label in labels}
+    return {**ours, "optimizers": {**ours["optimizers"], **kept}}
 
 
 def same_recipe(d: Path, theirs: dict | None, ours: dict) -> None:
@@ -197,13 +214,17 @@ def same_recipe(d: Path, theirs: dict | None, ours: dict) -> None:
     parameters for every optimizer label both know, else an error naming what differs. A record
     written before recipes were recorded has none: its runs are taken as this code's (the
     parameters and fixed settings had not changed since the first record), and that is said."""
-    if theirs is None:
-        print(f"--reuse {d}: recorded before the recipe was (optimizer parameters, fixed job settings); its runs are "
-              "taken as made with this study's", flush=True)
-        return
+    unrecorded = [label for label, digest in (theirs or {}).get("optimizers", {}).items()
+                  if digest == UNRECORDED and label in ours["optimizers"]]
+    if theirs is None or unrecorded:
+        print(f"--reuse {d}: {'its runs of ' + ', '.join(unrecorded) if unrecorded else 'its runs'} were recorded "
+              "before the recipe was (optimizer parameters, fixed job settings); taken as made with this study's",
+              flush=True)
+        if theirs is None:
+            return
     differ = (["fixed job settings (base_config)"] if theirs.get("job") != ours["job"] else []) + [
         f"parameters for {label}" for label, digest in theirs.get("optimizers", {}).items()
-        if label in ours["optimizers"] and digest != ours["optimizers"][label]]
+        if label in ours["optimizers"] and digest not in (ours["optimizers"][label], UNRECORDED)]
     if differ:
         raise SystemExit(f"--reuse {d}: its runs were made with other {' and other '.join(differ)} than this "
                          "study's: run them again, or leave that directory out")
@@ -1424,6 +1445,7 @@ def main() -> None:
     args.work.mkdir(parents=True, exist_ok=True)
     out_dir = Path(args.out or (args.work if args.quick else DOCS / "bert_batch"))
     carried = carried_runs(args.reuse, out_dir)
+    config["recipe"] = carried_recipe(config["recipe"], carried, out_dir)
     out = Output(out_dir, "bert_batch", config)
     logged: set[RunKey] = set()
     written: set[tuple] = set()  # (cell and seed, steps) of each run written

@@ -186,7 +186,7 @@ def test_reuse_refuses_a_record_made_with_other_optimizer_parameters_or_fixed_se
     taken as this code's, and that is said. Fails on the old code, which reused the runs of
     either kind with the study's settings alone."""
     sys.path.insert(0, str(STUDIES))
-    from bert_batch import OPTIMIZERS, RUN_SETTINGS, load_reused, recipe
+    from bert_batch import OPTIMIZERS, RUN_SETTINGS, carried_recipe, load_reused, recipe
 
     labels = ["LAMB", "VR-LAMB update"]
     ours = recipe({label: OPTIMIZERS[label] for label in labels})
@@ -208,6 +208,21 @@ def test_reuse_refuses_a_record_made_with_other_optimizer_parameters_or_fixed_se
     capsys.readouterr()
     assert len(load_reused([record("legacy", None)], config)[0]) == 1
     assert "recorded before the recipe was" in capsys.readouterr().out
+    # --out among --reuse carries over the runs of labels this study does not run: the record
+    # written keeps their digests (the one it came from had none: "unrecorded", taken as before,
+    # said), so a later study that runs them still checks them. Fails on the code before, whose
+    # record kept only this study's labels and reused another MERIT's runs without a word
+    carried = [{"optimizer": "MERIT"}]
+    kept = carried_recipe(ours, carried, record("carried", elsewhere))
+    assert kept["optimizers"] == {**ours["optimizers"], "MERIT": other["optimizers"]["MERIT"]}
+    merit = {**config, "recipe": recipe({"MERIT": OPTIMIZERS["MERIT"]})}
+    with pytest.raises(SystemExit, match=r"other parameters for MERIT"):
+        load_reused([record("carried_again", kept)], merit)
+    unrecorded = carried_recipe(ours, carried, record("legacy_out", None))
+    assert unrecorded["optimizers"]["MERIT"] == "unrecorded"
+    capsys.readouterr()
+    assert len(load_reused([record("unrecorded", unrecorded)], merit)[0]) == 1
+    assert "its runs of MERIT were recorded before the recipe was" in capsys.readouterr().out
 
 
 @pytest.mark.exhaustive
