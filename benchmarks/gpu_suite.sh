@@ -150,7 +150,7 @@ part opt_step_adam 40 python3 benchmarks/gpu_optimizer_step.py --model large --i
 # own count: at 50 steps every 4x run ended at the unigram level), 8 GSNR groups
 # per step whatever the batch, 10% of the documents held out, batches at 1x, 4x, 16x and 64x the
 # B_simple that the probe in docs/studies/bert_plateau measured at batch 64 (VR-LAMB, 2 seeds, on a
-# CPU: its record is reused here, and its settings are these), 2 seeds, LRs on the grid x1/8-x4
+# CPU: its record is reused here, and its settings are these), 2 seeds, LRs on the grid x1/16-x4
 # around the square-root rule, of which only the part that brackets each optimum runs (--bracket 1:
 # x1 first at 1x, then the grid's factors beside each optimizer's best until both ran; --bracket-carry: each
 # larger batch starts at the LR the batch below settled on, since at 1x and 4x the best LR was the same,
@@ -190,7 +190,7 @@ if [[ " $PARTS " == *" plateau "* ]]; then
         part plateau "$left" python3 studies/bert_batch.py --model tiny --corpus "wikitext=$wikitext" \
             --seed 1 --seed 2 --noise-multiple 1 --noise-multiple 4 --noise-multiple 16 --noise-multiple 64 \
             --noise-scale auto --optimizer LAMB --optimizer "VR-LAMB first_moment" --optimizer "VR-LAMB update" \
-            --lr-factor 0.125 --lr-factor 0.25 --lr-factor 0.5 --lr-factor 1 --lr-factor 2 --lr-factor 4 \
+            --lr-factor 0.0625 --lr-factor 0.125 --lr-factor 0.25 --lr-factor 0.5 --lr-factor 1 --lr-factor 2 --lr-factor 4 \
             --bracket 1 --bracket-carry --samples 102400 --min-steps 128 --groups 8 \
             --heldout-fraction 0.1 --eval-points 16 --parallel "${PLATEAU_PARALLEL:-8}" \
             --time-limit $((left - 10)) --expect-rate "${PLATEAU_RATE:-4000}" --expect-share 8 \
