@@ -229,6 +229,7 @@ def same_recipe(d: Path, theirs: dict | None, ours: dict) -> None:
         raise SystemExit(f"--reuse {d}: its runs were made with other {' and other '.join(differ)} than this "
                          "study's: run them again, or leave that directory out")
 
+
 RunKey = tuple[str, int, str, float, int]  # corpus, batch, optimizer, LR factor, seed
 
 
