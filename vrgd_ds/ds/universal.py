@@ -39,11 +39,12 @@ def check_space(input_folder: str, output_folder: str) -> None:
     """The conversion writes about twice the checkpoint (DeepSpeed's per-fragment files, kept for
     the extra keys, then the merged tensors): refused before it starts where the output folder's
     filesystem has less free, rather than failing part-way on a full disk."""
-    need = 2 * sum(os.path.getsize(os.path.join(d, f)) for d, _, files in os.walk(input_folder) for f in files)
-    probe = os.path.abspath(output_folder)
-    while not os.path.exists(probe):
-        probe = os.path.dirname(probe)
-    free = shutil.disk_usage(probe).free
+    from pathlib import Path
+
+    from vrgd_ds.train.checkpoints import free_bytes, size_of
+
+    tag = Path(input_folder)
+    need, free = 2 * size_of(tag.parent, tag.name), free_bytes(Path(output_folder))
     if free < need:
         raise NoSpaceToConvert(
             f"{output_folder}: converting {input_folder} to a universal checkpoint writes about {need / 2**20:,.0f} MB "

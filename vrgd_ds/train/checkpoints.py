@@ -211,12 +211,17 @@ class NoSpace(OSError):
     """Not enough free space for a checkpoint (the message names the path and the sizes)."""
 
 
-def check_space(ckpt_dir: Path, need_bytes: int) -> None:
-    """Raises ``NoSpace`` unless ``ckpt_dir``'s filesystem has ``need_bytes`` free."""
-    probe = ckpt_dir if ckpt_dir.exists() else ckpt_dir.parent
+def free_bytes(path: Path) -> int:
+    """Free bytes on the filesystem ``path`` is (or will be) on: its nearest existing folder's."""
+    probe = Path(path).absolute()
     while not probe.exists():
         probe = probe.parent
-    free = shutil.disk_usage(probe).free
+    return shutil.disk_usage(probe).free
+
+
+def check_space(ckpt_dir: Path, need_bytes: int) -> None:
+    """Raises ``NoSpace`` unless ``ckpt_dir``'s filesystem has ``need_bytes`` free."""
+    free = free_bytes(ckpt_dir)
     if free < need_bytes:
         raise NoSpace(f"no space left on {ckpt_dir} for the next checkpoint: need about {need_bytes / 2**20:,.0f} MB, "
                       f"{free / 2**20:,.0f} MB free. Free space there, lower job.keep_checkpoints, or point "
