@@ -124,3 +124,43 @@ def test_a_torn_record_is_treated_as_a_dead_owner_once_stale(tmp_path):
     (tmp_path / OWNER).write_text("{not json")
     note = RunDirLock(tmp_path).acquire()
     assert note is not None and "stale" in note
+
+
+def test_a_failed_read_of_its_own_record_is_retried_not_taken_for_a_take_over(tmp_path, monkeypatch):
+    """Fails on the old code: ``refresh`` turned an unreadable record (an NFS ``ESTALE``) into one
+    owned by nobody, set ``lost`` and stopped the heartbeat, so one hiccup ended the job (exit 6)
+    and ``release`` left ``owner.json`` behind."""
+    import errno
+    from pathlib import Path
+
+    lock = RunDirLock(tmp_path)
+    lock.acquire()
+    real, failures = Path.read_text, []
+
+    def flaky(path, *a, **k):
+        if path.name == OWNER and not failures:
+            failures.append(path)
+            raise OSError(errno.ESTALE, "Stale file handle")
+        return real(path, *a, **k)
+
+    monkeypatch.setattr(Path, "read_text", flaky)
+    with pytest.raises(OSError, match="Stale file handle"):
+        lock.refresh()  # _beat logs it and tries again at the next beat
+    assert failures and lock.lost is None and lock.held
+    assert lock.refresh() and lock.lost is None
+    lock.release()
+    assert not (tmp_path / OWNER).exists()
+
+
+def test_a_file_system_without_hard_links_is_refused_naming_the_cause(tmp_path, monkeypatch):
+    """Fails on the old code: a ``link`` refused with EPERM (some FUSE and SMB mounts) counted as a
+    lost race five times over, and the job stopped blaming several jobs starting at once."""
+    import errno
+
+    def no_links(src, dst, *a, **k):
+        raise OSError(errno.EPERM, "Operation not permitted")
+
+    monkeypatch.setattr(os, "link", no_links)
+    with pytest.raises(RunDirBusy, match="hard link.*Operation not permitted.*--run-dir"):
+        RunDirLock(tmp_path).acquire()
+    assert list(tmp_path.iterdir()) == []  # nothing left behind

@@ -12,10 +12,12 @@ a trace of who held them. The run directory is instead owned through a record,
   ``owner.json``: ``link`` is atomic on NFS and Lustre (unlike ``O_EXCL`` on old NFS clients),
   and a lost reply is recognised by the temporary file's link count. The first job wins; a
   second one, finding a live owner, stops before touching anything else (``RunDirBusy``, whose
-  message names the owner and what to do).
+  message names the owner and what to do). A file system without hard links (some FUSE and SMB
+  mounts) is refused the same way, naming the cause (``RunDirUnusable``).
 * **Heartbeat.** A thread of the owner rewrites the record every ``REFRESH_S`` seconds, after
   checking that the record is still its own (same ``token``); if another job took it over (this
-  one was stopped for longer than ``STALE_S``), ``lost`` is set and the job stops.
+  one was stopped for longer than ``STALE_S``), ``lost`` is set and the job stops. A record it
+  cannot read (an NFS ``ESTALE``, a torn read) is a hiccup the next beat retries, not a take-over.
 * **Dead owners.** A record is taken over, with a log line saying why, when its owner is gone:
   on this host and in this pid namespace (not another container's), its pid no longer runs (or
   runs a different process: the start time differs); anywhere, its heartbeat is older than
@@ -51,6 +53,11 @@ STALE_S = 120.0  # a record whose heartbeat is older than this belongs to a dead
 
 class RunDirBusy(RuntimeError):
     """The run directory belongs to a live job; the message names it and what to do."""
+
+
+class RunDirUnusable(RunDirBusy):
+    """The run directory's file system cannot hold the owner record (no hard links): refused like
+    a busy directory (exit 6, nothing touched), the message names the cause."""
 
 
 def process_start(pid: int) -> str | None:
@@ -159,8 +166,13 @@ class RunDirLock:
             return True
         except FileExistsError:
             return False
-        except OSError:
-            return os.stat(tmp).st_nlink == 2  # NFS: the link happened, its reply was lost
+        except OSError as e:
+            if os.stat(tmp).st_nlink == 2:  # NFS: the link happened, its reply was lost
+                return True
+            raise RunDirUnusable(f"{self.path}: could not create the owner record as a hard link ({e}): this "
+                                 "job takes its run directory with link(), which NFS, Lustre and local file "
+                                 "systems have and some FUSE or SMB mounts do not. Pass a --run-dir on such a "
+                                 "file system") from e
         finally:
             tmp.unlink(missing_ok=True)
 
@@ -171,12 +183,18 @@ class RunDirLock:
             fh.flush()
             os.fsync(fh.fileno())
 
-    def _read(self, path: Path | None = None) -> dict[str, Any] | None:
+    def _read(self, path: Path | None = None, owned: bool = False) -> dict[str, Any] | None:
+        """The record at ``path`` (default ``owner.json``), None if there is none. One that cannot
+        be read or parsed counts as owned by nobody we know, unless ``owned`` (the owner's own
+        heartbeat): then it raises ``OSError``, a hiccup the next beat retries, not a take-over."""
+        path = path or self.path
         try:
-            return json.loads((path or self.path).read_text())
+            return json.loads(path.read_text())
         except FileNotFoundError:
             return None
-        except (OSError, ValueError):  # torn or foreign: treat as owned by nobody we know
+        except (OSError, ValueError) as e:
+            if owned:
+                raise OSError(f"{path}: could not read the owner record ({e})") from e
             return {"token": None, "heartbeat": 0.0, "host": "?", "pid": None}
 
     def dead_because(self, record: dict[str, Any]) -> str | None:
@@ -231,10 +249,10 @@ class RunDirLock:
         with self._io:
             if not self.held:
                 return False
-            current = self._read()
+            current = self._read(owned=True)
             if current is None:  # a contender's rename and restore in flight: look once more
                 time.sleep(0.5)
-                current = self._read()
+                current = self._read(owned=True)
             if current is None or current.get("token") != self.token:
                 self.lost = (f"run directory {self.run_dir} was taken over by another job"
                              + (f" ({describe(current)})" if current else " (its owner record was deleted)")
