@@ -644,6 +644,26 @@ def test_few_groups_warn_once(caplog):
     assert sum("n=3" in r.message for r in caplog.records) == 1
 
 
+@pytest.mark.parametrize("rank, local_rank, said", [("0", "0", True), ("1", "1", False), ("5", "0", False)])
+def test_what_the_configuration_gives_every_rank_is_said_once_per_job(caplog, monkeypatch, rank, local_rank, said):
+    """Fails on the old code: every rank of a job logged the few-groups warning (1,024 ranks: 1,024
+    identical lines); now the job's rank 0 says it, and what one rank sees of its own (statistics
+    dropped by a cleared gradient) is still said on every rank."""
+    from vrgd_ds.log import warn_once
+
+    monkeypatch.setenv("RANK", rank)
+    monkeypatch.setenv("LOCAL_RANK", local_rank)
+    m = make_model()
+    opt = vrgd_ds.VRAdam(m.parameters())
+    with caplog.at_level(logging.WARNING):
+        run(m, opt, batches(2, 3))
+        warn_once(logging.getLogger("vrgd_ds.test"), f"own-{rank}-{local_rank}", "this rank's own")
+        warn_once(logging.getLogger("vrgd_ds.test"), f"node-{rank}-{local_rank}", "this node's", scope="node")
+    assert sum("n=3" in r.message for r in caplog.records) == int(said)
+    assert sum(r.message == "this rank's own" for r in caplog.records) == 1
+    assert sum(r.message == "this node's" for r in caplog.records) == int(local_rank == "0")
+
+
 @pytest.mark.parametrize("kwargs, key", [
     (dict(gamma=0.0), "gamma"), (dict(gamma=1.1), "gamma"), (dict(lr=-1.0), "lr"),
     (dict(betas=(0.9, 1.0)), "betas"), (dict(eps=-1e-8), "eps"), (dict(beta3=1.0), "beta3"),
@@ -1621,6 +1641,7 @@ def test_statistics_from_one_process_while_several_ranks_run_are_warned_of(monke
 
     monkeypatch.setattr(dist, "is_initialized", lambda: True)
     monkeypatch.setattr(dist, "get_world_size", lambda group=None: 2)
+    monkeypatch.setattr(dist, "get_rank", lambda group=None: 0)  # the job's first rank says it
     m = make_model()
     with caplog.at_level(logging.WARNING):
         run(m, vrgd_ds.VRAdam(m.parameters()), batches(2, 4))

@@ -119,6 +119,13 @@ def test_phase_changes():
     assert P._phase_changes(recs) == [(4, 2), (7, "p3")]
 
 
+def test_a_phase_starts_after_the_last_step_of_the_one_before_not_at_its_first_log_step():
+    """Fails on the old code: the line was drawn at the new phase's first record (200), up to
+    log_every - 1 steps late; the phase's last step (150) is always recorded, so it starts at 151."""
+    recs = [{"step": 100, "phase": 0}, {"step": 150, "phase": 0}, {"step": 200, "phase": 1}, {"step": 300, "phase": 1}]
+    assert P._phase_changes(recs) == [(151, 1)]
+
+
 def test_series_skips_null_non_finite_and_strings():
     recs = [{"step": 1, "k": 1.0}, {"step": 2, "k": None}, {"step": 3, "k": math.inf},
             {"step": 4, "k": "x"}, {"step": 5}, {"step": 6, "k": 3}]

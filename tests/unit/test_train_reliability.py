@@ -757,3 +757,40 @@ def test_warnings_after_the_job_has_ended_do_not_end_the_rank(tmp_path, ended, r
     finally:
         child.kill()
     assert child.returncode == rc, (child.returncode, sent, child.stderr.read()[-2000:])
+
+
+def test_a_sink_that_fails_to_close_does_not_replace_the_error_that_ends_the_training(monkeypatch, tmp_path):
+    """Fails on the old code: the sinks were closed in a ``finally``, so a TensorBoard or wandb
+    close that failed (a full disk) while ``Preempted`` propagated replaced it, and ``main`` missed
+    its exit code (Slurm's requeue) and the ranks' leaving together. A training that ends well still
+    raises the close's failure."""
+    from types import SimpleNamespace
+
+    from vrgd_ds.train import telemetry
+
+    closed = []
+
+    class Failing(telemetry.MetricSink):
+        def write(self, step, metrics):
+            pass
+
+        def close(self):
+            closed.append(1)
+            raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(telemetry, "build_sinks", lambda *a, **k: telemetry.MultiSink([Failing()]))
+    job = object.__new__(loop.Job)
+    job.rank, job.step, job.run_dir = 0, 3, tmp_path
+    job.job = SimpleNamespace(telemetry=SimpleNamespace(jsonl=True, tensorboard=True, wandb=None))
+    job.resume = lambda: True
+
+    def preempted(sinks):
+        raise loop.Preempted("SIGUSR1: checkpoint written, exiting for the requeue")
+
+    job._train = preempted
+    with pytest.raises(loop.Preempted):
+        job.train()
+    job._train = lambda sinks: {"step": 3}
+    with pytest.raises(OSError, match="No space left"):
+        job.train()
+    assert closed == [1, 1]

@@ -370,7 +370,8 @@ def _triton() -> tuple[Kernels | None, str | None]:
         lo, hi = (".".join(map(str, v)) for v in TESTED_TRITON)
         warn_once(logger, "triton-version", "Triton %s: the kernels were compiled and checked with Triton >= %s, < %s; "
                   "check this one with `python -m vrgd_ds.optim.triton_aot` (a kernel that fails at run time "
-                  "hands over to the reference implementation with fused=None)", triton.__version__, lo, hi)
+                  "hands over to the reference implementation with fused=None)", triton.__version__, lo, hi,
+                  scope="node")
     why = _triton.available()
     return (_triton.Triton(), None) if why is None else (None, why)
 
@@ -405,12 +406,14 @@ def select(fused: bool | str | None, params: Sequence[Tensor], owner: str) -> Ke
         why_not = why_not or why
         if fused:
             raise ValueError(f"{owner}(fused={fused!r}): {why_not}; pass fused=None or False")
-        warn_once(logger, "triton-unavailable", "%s: using the reference implementation: %s", owner, why_not)
+        warn_once(logger, "triton-unavailable", "%s: using the reference implementation: %s", owner, why_not,
+                  scope="node")
         return Reference()
     if why_not is not None:
         if fused:
             raise ValueError(f"{owner}(fused=True): {why_not}; pass fused=None or False")
-        warn_once(logger, f"reference-{why_not}", "%s: using the reference implementation: %s", owner, why_not)
+        warn_once(logger, f"reference-{why_not}", "%s: using the reference implementation: %s", owner, why_not,
+                  scope="node")
         return Reference()
     from vrgd_ds.optim import _fused
 
@@ -419,5 +422,5 @@ def select(fused: bool | str | None, params: Sequence[Tensor], owner: str) -> Ke
     except _fused.FusedKernelsUnavailable as exc:
         if fused:
             raise
-        warn_once(logger, "fused-unavailable", "%s: using the reference implementation: %s", owner, exc)
+        warn_once(logger, "fused-unavailable", "%s: using the reference implementation: %s", owner, exc, scope="node")
         return Reference()

@@ -74,7 +74,7 @@ def _warn_if_replicated(owner: str, serial: int) -> None:
                   "only, while %d ranks run. Under DistributedDataParallel (also HF Trainer or Accelerate without "
                   "DeepSpeed) call vrgd_ds.ddp.attach(model, optimizer) after wrapping the model, or every rank "
                   "steps with its own statistics and the replicas drift apart; a model of this rank alone needs "
-                  "nothing", owner, dist.get_world_size())
+                  "nothing", owner, dist.get_world_size(), scope="job")
 
 
 class GSNROptimizer(torch.optim.Optimizer):

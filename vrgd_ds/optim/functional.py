@@ -92,8 +92,8 @@ class StepContext:
         """A sum over every model tensor the optimizer updates, each counted once."""
         return L.total(self.layout, [p.keys for p in plans], values)
 
-    def warn_once(self, what: str, msg: str, *args: Any) -> None:
-        warn_once(logger, f"{what}-{self.serial}", msg, *args)
+    def warn_once(self, what: str, msg: str, *args: Any, scope: str = "rank") -> None:
+        warn_once(logger, f"{what}-{self.serial}", msg, *args, scope=scope)
 
 
 def groups_now(source: StatisticsSource | None, owner: str, serial: int = 0) -> int:
@@ -110,7 +110,7 @@ def groups_now(source: StatisticsSource | None, owner: str, serial: int = 0) -> 
         )
     if n < RECOMMENDED_GROUPS:
         warn_once(logger, f"small-n-{n}-{serial}", "GSNR estimated from only n=%d gradient groups; the paper "
-                  "recommends n >= %d (best 32-256)", n, RECOMMENDED_GROUPS)
+                  "recommends n >= %d (best 32-256)", n, RECOMMENDED_GROUPS, scope="job")
     return n
 
 

@@ -134,7 +134,7 @@ def merit_update(plan: Plan, ctx: StepContext) -> dict[str, Tensor]:
     in torch ops, and the clipped apply."""
     g, kernels, n, layout = plan.group, ctx.kernels, ctx.n, ctx.layout
     ctx.warn_once("merit-torch", "%s: the max-norm and element-wise ratios run in torch ops (no fused kernel); "
-                  "the moments in the %s kernels", ctx.owner, kernels.name)
+                  "the moments in the %s kernels", ctx.owner, kernels.name, scope="job")
     m = [st["exp_avg"] for st in plan.states]
     v = [st["exp_avg_sq"] for st in plan.states]
     cols = adam_columns(plan)

@@ -508,10 +508,17 @@ class Job:
                                       wandb=wandb.model_dump() if (wandb := self.job.telemetry.wandb) else None,
                                       resume_step=self.step if resumed else -1) if self.rank == 0 else None
         try:
-            return self._train(sinks)
-        finally:  # also on Preempted, Diverged or a failure: the sinks' buffered records are written
-            if sinks:
-                sinks.close()
+            result = self._train(sinks)
+        except BaseException:  # Preempted, Diverged or a failure: the sinks' buffered records are written,
+            if sinks:  # and the training's own error decides the exit, not a sink's that fails to close
+                try:
+                    sinks.close()
+                except Exception:  # MultiSink.close logged each failure
+                    pass
+            raise
+        if sinks:
+            sinks.close()
+        return result
 
     def _train(self, sinks) -> dict[str, Any]:
         """``train`` from its first evaluation on, with the sinks open."""

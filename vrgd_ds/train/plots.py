@@ -85,17 +85,18 @@ def _present(records: Sequence[dict[str, Any]], key: str) -> bool:
 
 
 def _phase_changes(records: Sequence[dict[str, Any]]) -> list[tuple[int, Any]]:
-    """``(first step, phase)`` of every phase after the first; records without a phase
-    key do not end a phase."""
+    """``(first step, phase)`` of every phase after the first: the step after the previous
+    phase's last record (a phase's last step is always recorded, ``loop.record_due``; its next
+    phase's first only on a log step); records without a phase key do not end a phase."""
     out: list[tuple[int, Any]] = []
     current: Any = None
-    seen = False
+    last = None
     for r in records:
         if "phase" not in r or r["phase"] is None:
             continue
-        if seen and r["phase"] != current:
-            out.append((r["step"], r["phase"]))
-        current, seen = r["phase"], True
+        if last is not None and r["phase"] != current:
+            out.append((last + 1, r["phase"]))
+        current, last = r["phase"], r["step"]
     return out
 
 

@@ -52,6 +52,7 @@ _WRAPPER_PREFIXES = ("module.", "_orig_mod.")
 _ENCODER_LAYER = re.compile(r"^encoder\.layer\.(\d+)\.")
 _DECODER_LAYER = re.compile(r"^decoder\.layers\.(\d+)\.")  # megatron-core's GPT
 _STAGE = re.compile(r"^(stage\d+\.)")  # a pipeline stage's rows (vrgd_ds.stats.layout.Layout.join_stages)
+_CHUNK = re.compile(r"^(chunk\d+\.)")  # a model chunk's, where a rank holds several (vrgd_ds.megatron.stats)
 
 
 def layer_group(param_name: str) -> str:
@@ -63,10 +64,11 @@ def layer_group(param_name: str) -> str:
     components (the whole name when it has fewer). Wrapper prefixes (``module.``,
     ``_orig_mod.``) and the ``bert.`` model prefix are ignored, so a name from a bare
     ``BertModel`` and one from a DeepSpeed engine around ``BertForPreTraining`` agree. A
-    pipeline stage's prefix (``stage<i>.``) is kept in front of the group: Megatron numbers each
-    stage's layers from 0.
+    pipeline stage's prefix (``stage<i>.``) and a model chunk's (``chunk<i>.``, an interleaved
+    pipeline's rank holding several) are kept in front of the group: Megatron numbers each stage's
+    and each chunk's layers from 0.
     """
-    m = _STAGE.match(param_name)
+    m = _STAGE.match(param_name) or _CHUNK.match(param_name)
     if m:
         return m.group(1) + layer_group(param_name[m.end():])
     name = param_name
