@@ -13,8 +13,9 @@
 # (runs/<config name>), HOSTFILE (hostfile), MASTER_ADDR (the first host of HOSTFILE; DeepSpeed's
 # choice where DS_ARGS has --include/--exclude or that host is localhost), MASTER_PORT
 # (29500), LAUNCHER (pdsh), DEEPSPEED (deepspeed next to PYTHON, else on PATH), PYTHON (python),
-# BACKEND (empty: nccl on GPUs, gloo on CPU), DS_ARGS (extra launcher arguments, e.g.
-# "--num_gpus 1"). Further arguments go to the job ("$@").
+# BACKEND (empty: nccl on GPUs, gloo on CPU), DS_ARGS (extra launcher arguments, quoted as in a
+# shell, e.g. '--num_gpus 1' or '--launcher_args "-x NCCL_DEBUG=INFO"'). Further arguments go to
+# the job ("$@").
 set -euo pipefail
 # Paths given in the environment are the caller's (relative to the directory it runs in); the
 # defaults are the repository's, where the ranks start: a relative path among the job's arguments
@@ -34,7 +35,9 @@ if [[ -z "${DEEPSPEED:-}" ]]; then
     [[ -x "$DEEPSPEED" ]] || DEEPSPEED=deepspeed
 fi
 [[ -f "$HOSTFILE" ]] || { echo "error: no hostfile '$HOSTFILE' (lines '<host> slots=<n>'; set HOSTFILE)" >&2; exit 2; }
-read -r -a EXTRA <<< "${DS_ARGS:-}"
+source "$(dirname "$0")/args.sh"
+split_words DS_ARGS  # quoted as in a shell: --launcher_args "-x A=1 -x B=2" stays one argument
+EXTRA=(${WORDS[@]+"${WORDS[@]}"})
 # Rank 0 runs on the first host DeepSpeed uses: the hostfile's first unless --include/--exclude
 # choose others, when DeepSpeed's own choice stands (as for a first host named localhost, which
 # the other nodes would take for themselves).

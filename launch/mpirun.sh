@@ -12,8 +12,8 @@
 #
 # Environment (defaults): CONFIG (configs/bert_large_64k_32k_vr_lamb.json), RUN_DIR
 # (runs/<config name>), NP (GPUs visible, else 2), PYTHON (python), MPIRUN (mpirun next to
-# PYTHON, else on PATH), MPI_ARGS (extra mpirun arguments; a host file in them is the caller's
-# path too), BACKEND (empty: nccl on GPUs, gloo on CPU). Further arguments go to the job ("$@").
+# PYTHON, else on PATH), MPI_ARGS (extra mpirun arguments, quoted as in a shell; a host file in
+# them is the caller's path too), BACKEND (empty: nccl on GPUs, gloo on CPU). Further arguments go to the job ("$@").
 # Ranks on other nodes get only the variables mpirun is told to forward: PATH here; add others
 # in MPI_ARGS ("-x PYTHONPATH -x NCCL_IB_HCA").
 set -euo pipefail
@@ -25,7 +25,9 @@ for name in CONFIG RUN_DIR; do
 done
 if [[ "${PYTHON:-}" == */* ]]; then PYTHON=$(realpath -ms -- "$PYTHON"); fi  # a path, not a command name
 # so are the files MPI_ARGS names (--hostfile, --machinefile, --default-hostfile, --rankfile, --app)
-read -r -a EXTRA <<< "${MPI_ARGS:-}"
+source "$(dirname "$0")/args.sh"
+split_words MPI_ARGS  # quoted as in a shell: --mca btl_tcp_if_include "eth0,ib0" stays whole
+EXTRA=(${WORDS[@]+"${WORDS[@]}"})
 for i in ${EXTRA[@]+"${!EXTRA[@]}"}; do
     case "${EXTRA[$i]}" in
         --hostfile|-hostfile|--machinefile|-machinefile|--default-hostfile|--rankfile|-rf|--app)

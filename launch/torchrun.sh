@@ -7,7 +7,7 @@
 #
 # Environment (defaults): CONFIG (configs/bert_large_64k_32k_vr_lamb.json), RUN_DIR
 # (runs/<config name>), NPROC (GPUs visible, else 2), NNODES (1), NODE_RANK (0), MASTER_ADDR
-# (127.0.0.1), MASTER_PORT (29500), PYTHON (python on PATH; torchrun is run as its module), BACKEND
+# (127.0.0.1 on one node; needed with NNODES > 1), MASTER_PORT (29500), PYTHON (python on PATH; torchrun is run as its module), BACKEND
 # (empty: nccl on GPUs, gloo on CPU). Further arguments go to the job ("$@").
 set -euo pipefail
 # Paths given in the environment are the caller's (relative to the directory it runs in); the
@@ -27,6 +27,10 @@ if [[ -z "${NPROC:-}" ]]; then
 fi
 NNODES=${NNODES:-1}
 NODE_RANK=${NODE_RANK:-0}
+if (( NNODES > 1 )) && [[ -z "${MASTER_ADDR:-}" ]]; then  # each node would wait at its own loopback
+    echo "error: NNODES=$NNODES needs MASTER_ADDR, node 0's address that every node reaches" >&2
+    exit 2
+fi
 MASTER_ADDR=${MASTER_ADDR:-127.0.0.1}
 MASTER_PORT=${MASTER_PORT:-29500}
 BACKEND_ARGS=()

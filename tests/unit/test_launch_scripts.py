@@ -146,6 +146,63 @@ def test_the_hostfile_launch_names_a_rendezvous_host_only_where_rank_0_runs_ther
     assert (args[args.index("--master_addr") + 1] if "--master_addr" in args else None) == addr, args
 
 
+@pytest.mark.parametrize("script, name, value, want", [
+    ("deepspeed_hostfile.sh", "DS_ARGS", '--launcher openmpi --launcher_args "-x NCCL_DEBUG=INFO -x FOO=1"',
+     ["--launcher", "openmpi", "--launcher_args", "-x NCCL_DEBUG=INFO -x FOO=1"]),
+    ("mpirun.sh", "MPI_ARGS", "--mca btl_tcp_if_include 'eth0,ib0' -x 'A=two words'",
+     ["--mca", "btl_tcp_if_include", "eth0,ib0", "-x", "A=two words"]),
+])
+def test_extra_launcher_arguments_are_split_as_a_shell_splits_them(tmp_path, script, name, value, want):
+    """Fails on the old scripts, which split ``DS_ARGS``/``MPI_ARGS`` at every space: DeepSpeed's
+    ``--launcher_args "-x A -x B"`` came apart and its parser took ``NCCL_DEBUG=INFO`` for the
+    script to run. An unmatched quote ends the launch naming the variable."""
+    (tmp_path / "hosts").write_text("node-a slots=8\n")
+    argv = stand_in(tmp_path / "argv", 'printf "%s\\n" "$@"\n')
+    base = {**os.environ, "HOSTFILE": str(tmp_path / "hosts"), "NP": "2", "DEEPSPEED": str(argv), "MPIRUN": str(argv)}
+    run = subprocess.run(["bash", str(ROOT / "launch" / script)], cwd=tmp_path, env={**base, name: value},
+                         capture_output=True, text=True, timeout=60)
+    assert run.returncode == 0, run.stderr[-2000:]
+    args = run.stdout.splitlines()
+    assert any(args[i:i + len(want)] == want for i in range(len(args))), args
+    run = subprocess.run(["bash", str(ROOT / "launch" / script)], cwd=tmp_path, env={**base, name: value + ' "'},
+                         capture_output=True, text=True, timeout=60)
+    assert run.returncode == 2 and f"error: {name}: an unmatched quote" in run.stderr and not run.stdout
+
+
+def test_torchrun_on_several_nodes_needs_the_rendezvous_address(tmp_path):
+    """Fails on the old script: with ``NNODES=2`` and no ``MASTER_ADDR`` every node met at its own
+    127.0.0.1 and waited until the rendezvous timed out, with nothing saying why."""
+    argv = stand_in(tmp_path / "python", 'printf "%s\\n" "$@"\n')
+    base = {k: v for k, v in os.environ.items() if k != "MASTER_ADDR"} | {"NNODES": "2", "NODE_RANK": "1",
+                                                                          "NPROC": "8", "PYTHON": str(argv)}
+    run = subprocess.run(["bash", str(ROOT / "launch" / "torchrun.sh")], env=base, capture_output=True, text=True,
+                         timeout=60)
+    assert run.returncode == 2 and "NNODES=2 needs MASTER_ADDR" in run.stderr and not run.stdout
+    run = subprocess.run(["bash", str(ROOT / "launch" / "torchrun.sh")], env={**base, "MASTER_ADDR": "node0"},
+                         capture_output=True, text=True, timeout=60)
+    args = run.stdout.splitlines()
+    assert run.returncode == 0 and args[args.index("--master_addr") + 1] == "node0", run.stderr[-2000:]
+
+
+@pytest.mark.parametrize("job_id", ["12767", "19999", "31999"])
+def test_the_slurm_rendezvous_port_stays_below_the_ephemeral_ports(tmp_path, job_id):
+    """Fails on the old script for job ids whose port was 20000 + id mod 20000 >= 32768 (about a
+    third of them): Linux hands ports from 32768 to 60999 to outgoing connections, so one could
+    already hold the rendezvous port ("address in use")."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    stand_in(bin_dir / "scontrol", 'if [[ $1 == show ]]; then echo node-a; fi\n')
+    stand_in(bin_dir / "srun", 'echo "MASTER_PORT=$MASTER_PORT"\n')
+    env = {k: v for k, v in os.environ.items() if k != "MASTER_PORT"} | {
+        "PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}", "SLURM_SUBMIT_DIR": str(tmp_path),
+        "SLURM_JOB_NODELIST": "node-a", "SLURM_JOB_ID": job_id, "SLURM_NTASKS": "8", "RUN_DIR": str(tmp_path / "run"),
+        "CONFIG": str(ROOT / "configs" / "bert_tiny_cpu_test.json")}
+    run = subprocess.run(["bash", str(ROOT / "launch" / "slurm.sbatch")], env=env, capture_output=True, text=True,
+                         timeout=60)
+    port = int(re.search(r"MASTER_PORT=(\d+)", run.stdout).group(1))
+    assert run.returncode == 0 and 20000 <= port < 32768, (port, run.stderr[-2000:])
+
+
 def test_make_demo_keeps_its_run_directory_when_run_dir_is_exported(tmp_path):
     """``RUN_DIR``, exported for the launch scripts, does not move ``make demo`` (the README's
     main job, into ``runs/demo``) into that run, whose checkpoints it would resume. Fails on the
