@@ -15,10 +15,54 @@ from vrgd_ds.fsdp.torchtitan import VRGDOptimizersContainer, vrgd_optimizer, wit
 
 
 def test_family_names_resolve_beside_torchtitans_own():
-    assert VRGDOptimizersContainer._resolve_optimizer_factory("VRLamb") is VRLamb
+    p = [torch.nn.Parameter(torch.zeros(3))]
+    assert isinstance(VRGDOptimizersContainer._resolve_optimizer_factory("VRLamb")([{"params": p}]), VRLamb)
     assert VRGDOptimizersContainer._resolve_optimizer_factory("AdamW") is torch.optim.AdamW
     with pytest.raises(ValueError, match="'VRLam' is not a VRGD optimizer"):
         vrgd_optimizer("VRLam", lr=1e-3)
+
+
+def titan_groups(**optimizer_kwargs) -> list[dict]:
+    """A param group as torchtitan 0.3.0's ``_build_param_groups`` makes it ("for-loop")."""
+    return [{"params": [torch.nn.Parameter(torch.zeros(3))], "param_names": ["w"], "fused": False, "foreach": False,
+             **optimizer_kwargs}]
+
+
+def test_a_param_groups_optimizer_kwargs_are_made_as_the_constructor_makes_them():
+    """torchtitan puts ``optimizer_kwargs`` into the param group and calls the constructor with
+    its defaults. Fails on the old code, where they skipped the constructor: VRLamb's
+    ``max_grad_norm`` left the pre-normalisation off (apex's clipping silently gone), ``amsgrad=True``
+    and a misspelt ``gama`` were kept in the group and ignored, ``Lamb`` ran with the GSNR on,
+    and ``set_grad_none`` was dropped."""
+    from vrgd_ds import VRAdam
+
+    build = VRGDOptimizersContainer._resolve_optimizer_factory
+    group = build("VRLamb")(titan_groups(lr=2e-3, max_grad_norm=0.5)).param_groups[0]
+    direct = VRLamb([torch.nn.Parameter(torch.zeros(3))], lr=2e-3, max_grad_norm=0.5).param_groups[0]
+    assert {k: v for k, v in group.items() if k not in ("params", "param_names")} == \
+        {k: v for k, v in direct.items() if k != "params"}
+    assert group["grad_pre_normalization"] is True and group["param_names"] == ["w"]
+    assert "fused" not in group and "foreach" not in group
+    for name, kwargs, words in (
+            ("VRLamb", dict(amsgrad=True), "param group 0 \\(VRLamb\\).*invalid amsgrad=True"),
+            ("VRLamb", dict(gama=0.5), "VRLamb takes no 'gama' \\(did you mean 'gamma'\\?\\)"),
+            ("VRLamb", dict(set_grad_none=False), "optimizer_factory_kwargs_by_name=\\{'VRLamb': \\{'set_grad_none'"),
+            ("Lamb", dict(gsnr=True), "Lamb is VRLamb with gsnr=False"),
+            ("VRAdam", dict(lr=-1.0), "invalid lr=-1.0")):
+        with pytest.raises(ValueError, match=words):
+            build(name)(titan_groups(**kwargs))
+    assert build("Lamb")(titan_groups(lr=1e-3)).param_groups[0]["gsnr"] is False
+    assert isinstance(build("VRAdam")(titan_groups(betas=[0.8, 0.99])), VRAdam)
+    # the configuration is checked where it is written, the optimizer's own settings set apart
+    config = vrgd_optimizer("VRLamb", lr=1e-3, fused=True, set_grad_none=False)
+    assert config.optimizer_factory_kwargs_by_name == {"VRLamb": {"fused": True, "set_grad_none": False}}
+    assert config.param_groups[0].optimizer_kwargs == {"lr": 1e-3}
+    with pytest.raises(ValueError, match="vrgd_optimizer\\('VRAdam'\\): VRAdam takes no 'set_grad_none'"):
+        vrgd_optimizer("VRAdam", lr=1e-3, set_grad_none=False)
+    config = vrgd_optimizer("VRLamb", lr=1e-3)
+    config.param_groups[0].optimizer_kwargs["fused"] = True
+    with pytest.raises(UnsupportedFSDPConfiguration, match="optimizer_factory_kwargs_by_name=\\{'VRLamb'"):
+        VRGDOptimizersContainer(config, model_parts=[torch.nn.Linear(2, 2)])
 
 
 def test_the_container_injects_no_fused_kernels_by_default():

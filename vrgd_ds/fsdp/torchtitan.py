@@ -19,7 +19,11 @@ torchtitan's own (AdamW, ...) and attaches each VRGD optimizer to the FSDP model
 (``vrgd_ds.fsdp.attach``). Its ``implementation`` defaults to ``"for-loop"``: torchtitan's
 default ``"fused"`` injects ``fused=True`` into every param group, which the VRGD optimizers
 refuse (they choose their kernels themselves); ``"fused_opt_states_bf16"`` is refused here
-(bf16 optimizer states are not supported). Checkpoints are torchtitan's own (DCP, state keyed
+(bf16 optimizer states are not supported). torchtitan hands a param group's ``optimizer_kwargs``
+to the optimizer inside the group, not to its constructor: each VRGD group's options are made
+here as the constructor makes them (``group_options``: what it derives, such as VRLamb's
+pre-normalisation from ``max_grad_norm``, and what it refuses, such as ``amsgrad``), and a key the
+constructor does not take is an error naming it. Checkpoints are torchtitan's own (DCP, state keyed
 by parameter name): the zero-gradient, lr = 0 step it runs before a load creates the VRGD state
 without advancing it (``vrgd_ds.optim.state.is_state_init``).
 
@@ -30,6 +34,8 @@ torchtitan 0.3.0 calls ``torch.distributed.set_timeout``, which torch 2.13 (the 
 from __future__ import annotations
 
 import dataclasses
+import difflib
+import inspect
 import logging
 from dataclasses import dataclass
 from typing import Any, Callable
@@ -42,7 +48,7 @@ import vrgd_ds.fsdp
 from vrgd_ds.fsdp.internals import UnsupportedFSDPConfiguration
 from vrgd_ds.optim.base import GSNROptimizer, built_for_engine
 from vrgd_ds.optim.metrics import Recorder
-from vrgd_ds.optim.registry import REGISTRY
+from vrgd_ds.optim.registry import REGISTRY, Variant
 
 logger = logging.getLogger(__name__)
 
@@ -67,6 +73,62 @@ def _check_version() -> None:
                            f"torchtitan=={SUPPORTED_TORCHTITAN[-1]}")
 
 
+# what torchtitan's _build_param_groups puts into every param group beside the config's optimizer_kwargs
+_TORCHTITAN_GROUP_KEYS = ("params", "param_names", "fused", "foreach")
+
+
+def _constructor_defaults(name: str) -> dict[str, Any]:
+    """Family member ``name``'s keyword arguments with their defaults (a variant's: its member's,
+    its own defaults and fixed values over them)."""
+    cls = REGISTRY[name].cls
+    member = cls.of if isinstance(cls, Variant) else cls
+    found = {n: p.default for n, p in inspect.signature(member.__init__).parameters.items()
+             if n not in ("self", "params", "kwargs")}
+    return {**found, **cls.defaults, **cls.fixed} if isinstance(cls, Variant) else found
+
+
+def group_options(name: str, given: dict[str, Any], where: str) -> dict[str, Any]:
+    """The param-group options of family member ``name`` that the keyword arguments ``given``
+    make, as its constructor makes them: derived where it derives them, refused where it refuses
+    them (it builds them, on a throwaway parameter). A key it does not take, or one that sets the
+    optimizer and not a group (``fused``, ``set_grad_none``), is an error naming ``where``."""
+    defaults = _constructor_defaults(name)
+    unknown = [k for k in given if k not in defaults]
+    if unknown:
+        hints = [f"{k!r}" + (f" (did you mean {close[0]!r}?)" if (close := difflib.get_close_matches(k, defaults, 1))
+                             else "") for k in unknown]
+        takes = [k for k in defaults if k not in ("fused", "set_grad_none")]
+        raise ValueError(f"{where}: {name} takes no {', '.join(hints)}; its param groups take {', '.join(takes)}")
+    for key in ("fused", "set_grad_none"):
+        if key in given:
+            raise ValueError(f"{where}: {key} is the {name} optimizer's setting, not a param group's: pass it as "
+                             f"optimizer_factory_kwargs_by_name={{{name!r}: {{{key!r}: {given[key]!r}}}}}")
+    try:
+        with built_for_engine():  # no tensor hooks on the throwaway parameter
+            probe = REGISTRY[name].cls([torch.nn.Parameter(torch.zeros(1))], **given)
+    except (TypeError, ValueError) as e:  # the constructor's refusal (amsgrad=True, Lamb with gsnr=True, ...)
+        raise ValueError(f"{where}: {e}") from e
+    return {k: v for k, v in probe.param_groups[0].items() if k != "params"}
+
+
+def _vrgd_factory(name: str) -> Callable[..., torch.optim.Optimizer]:
+    """Family member ``name`` built from torchtitan's param groups: each group's options through
+    ``group_options``, so that they are what the constructor would make of them."""
+    cls = REGISTRY[name].cls
+
+    def build(param_groups: list[dict[str, Any]], **factory_kwargs: Any) -> torch.optim.Optimizer:
+        groups = []
+        for i, group in enumerate(param_groups):
+            given = {k: v for k, v in group.items() if k not in _TORCHTITAN_GROUP_KEYS}
+            options = group_options(name, given, f"vrgd_ds.fsdp.torchtitan: optimizer param group {i} ({name}) "
+                                                 "optimizer_kwargs")
+            groups.append({**options, **{k: group[k] for k in ("params", "param_names") if k in group}})
+        return cls(groups, **factory_kwargs)
+
+    build.__name__ = build.__qualname__ = name
+    return build
+
+
 class VRGDOptimizersContainer(OptimizersContainer):
     """torchtitan's optimizer container with the VRGD names, each VRGD optimizer attached to the
     FSDP model part it updates."""
@@ -86,9 +148,8 @@ class VRGDOptimizersContainer(OptimizersContainer):
 
     @staticmethod
     def _resolve_optimizer_factory(name: str) -> Callable[..., torch.optim.Optimizer]:
-        info = REGISTRY.get(name)
-        if info is not None:
-            return info.cls
+        if name in REGISTRY:
+            return _vrgd_factory(name)
         return OptimizersContainer._resolve_optimizer_factory(name)
 
     def __init__(self, config: Config, *, model_parts: list[torch.nn.Module]) -> None:
@@ -101,6 +162,12 @@ class VRGDOptimizersContainer(OptimizersContainer):
             raise UnsupportedFSDPConfiguration(
                 f"vrgd_ds.fsdp.torchtitan: optimizer.implementation={config.implementation!r} is not supported with a "
                 f"VRGD optimizer: {why}; use 'for-loop' (--optimizer.implementation for-loop)")
+        for i, pg in enumerate(config.param_groups):  # what torchtitan would overwrite in the group, or drop
+            if pg.optimizer_name in REGISTRY and {"fused", "foreach"} & set(pg.optimizer_kwargs):
+                raise UnsupportedFSDPConfiguration(
+                    f"vrgd_ds.fsdp.torchtitan: param group {i} ({pg.optimizer_name}): fused/foreach in "
+                    "optimizer_kwargs: the VRGD optimizers pick their own kernels; their fused= goes in "
+                    f"optimizer_factory_kwargs_by_name={{{pg.optimizer_name!r}: {{'fused': ...}}}}")
         if uses_vrgd and len(model_parts) != 1:
             raise UnsupportedFSDPConfiguration(
                 f"vrgd_ds.fsdp.torchtitan: pipeline parallelism ({len(model_parts)} model parts on this rank) is not "
@@ -127,11 +194,17 @@ class VRGDOptimizersContainer(OptimizersContainer):
 
 def vrgd_optimizer(name: str = "VRLamb", pattern: str = r".*", **optimizer_kwargs: Any) -> VRGDOptimizersContainer.Config:
     """A torchtitan optimizer configuration with one catch-all param group of family member
-    ``name`` (``optimizer_kwargs`` include ``lr``). ``with_vrgd`` also checks the parallelism."""
+    ``name`` (``optimizer_kwargs`` include ``lr``; ``fused`` and ``set_grad_none``, the
+    optimizer's own, go to its ``optimizer_factory_kwargs_by_name``), checked here as its
+    constructor checks them (``group_options``). ``with_vrgd`` also checks the parallelism."""
     if name not in REGISTRY:
         raise ValueError(f"vrgd_optimizer: {name!r} is not a VRGD optimizer; registered: {', '.join(REGISTRY)}")
+    takes = _constructor_defaults(name)
+    own = {k: optimizer_kwargs.pop(k) for k in ("fused", "set_grad_none") if k in optimizer_kwargs and k in takes}
+    group_options(name, optimizer_kwargs, f"vrgd_optimizer({name!r})")
     return VRGDOptimizersContainer.Config(
-        param_groups=[ParamGroupConfig(pattern=pattern, optimizer_name=name, optimizer_kwargs=optimizer_kwargs)])
+        param_groups=[ParamGroupConfig(pattern=pattern, optimizer_name=name, optimizer_kwargs=optimizer_kwargs)],
+        optimizer_factory_kwargs_by_name={name: own} if own else {})
 
 
 def check_parallelism(parallel_dims: Any) -> None:
