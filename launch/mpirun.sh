@@ -13,7 +13,8 @@
 # Environment (defaults): CONFIG (configs/bert_large_64k_32k_vr_lamb.json), RUN_DIR
 # (runs/<config name>), NP (GPUs visible, else 2), PYTHON (python), MPIRUN (mpirun next to
 # PYTHON, else on PATH), MPI_ARGS (extra mpirun arguments, quoted as in a shell; a host file in
-# them is the caller's path too), BACKEND (empty: nccl on GPUs, gloo on CPU). Further arguments go to the job ("$@").
+# them is the caller's path too), BACKEND (empty: nccl on GPUs, gloo on CPU). Further arguments
+# go to the job ("$@").
 # Ranks on other nodes get only the variables mpirun is told to forward: PATH here; add others
 # in MPI_ARGS ("-x PYTHONPATH -x NCCL_IB_HCA").
 set -euo pipefail

@@ -7,8 +7,9 @@
 #
 # Environment (defaults): CONFIG (configs/bert_large_64k_32k_vr_lamb.json), RUN_DIR
 # (runs/<config name>), NPROC (GPUs visible, else 2), NNODES (1), NODE_RANK (0), MASTER_ADDR
-# (127.0.0.1 on one node; needed with NNODES > 1), MASTER_PORT (29500), PYTHON (python on PATH; torchrun is run as its module), BACKEND
-# (empty: nccl on GPUs, gloo on CPU). Further arguments go to the job ("$@").
+# (127.0.0.1 on one node; needed with NNODES > 1), MASTER_PORT (29500), PYTHON (python on PATH;
+# torchrun is run as its module), BACKEND (empty: nccl on GPUs, gloo on CPU). Further arguments
+# go to the job ("$@").
 set -euo pipefail
 # Paths given in the environment are the caller's (relative to the directory it runs in); the
 # defaults are the repository's, where the ranks start: a relative path among the job's arguments
