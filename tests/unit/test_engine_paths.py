@@ -357,3 +357,25 @@ def test_zero12_reduction_stream_waits_for_the_kernel_reading_the_bucket(monkeyp
     path.record_micro_steps(stats)
     zopt.average_tensor(torch.zeros(2), torch.float32)
     assert events == ["current waits copy", "pack", "reduction waits current", "reduce"]
+
+
+@pytest.mark.parametrize("stage, refused", [(3, True), (2, False)])
+def test_a_zero3_universal_load_is_refused_before_it_loads(stage, refused):
+    """Fails on the old code, which let ``"load_universal": true`` through under ZeRO-3: DeepSpeed's
+    ZeRO-3 universal loader restores exp_avg and exp_avg_sq only, so ``gsnr_avg`` restarted at
+    p̂ = 1 unseen, and every param group took the first one's options (weight decay 0.1 on the
+    no-decay group)."""
+    from vrgd_ds.ds.attach import keep_wiring_on_universal_load
+    from vrgd_ds.ds.internals import UnsupportedConfiguration
+
+    loads = []
+    engine = types.SimpleNamespace(load_checkpoint=lambda *a, **k: loads.append(a) or ("tag", {}),
+                                   load_universal_checkpoint=lambda: True, zero_optimization_stage=lambda: stage)
+    opt = vrgd_ds.VRAdam([torch.nn.Parameter(torch.zeros(2))])
+    keep_wiring_on_universal_load(engine, opt)
+    if refused:
+        with pytest.raises(UnsupportedConfiguration, match="load_universal.*ZeRO-3.*gsnr_avg.*saved the checkpoint"):
+            engine.load_checkpoint("ckpt")
+        assert loads == []
+    else:
+        assert engine.load_checkpoint("ckpt") == ("tag", {}) and loads == [("ckpt",)]

@@ -1649,6 +1649,22 @@ def test_statistics_from_one_process_while_several_ranks_run_are_warned_of(monke
     assert len(said) == 1 and "vrgd_ds.ddp.attach(model, optimizer)" in said[0]
 
 
+def test_a_load_that_bypasses_load_state_dict_has_its_groups_checked_as_one_through_it(caplog):
+    """DeepSpeed's ZeRO-1/2 universal loader sets the saved groups' options itself, inside
+    ``loaded_elsewhere``. Fails on the old code, which only restored the wiring there: a group saved
+    with gsnr_eps=0 (earlier releases) kept 0, where ``load_state_dict`` resumes with the value
+    built and says so; an option out of range went unchecked."""
+    opt = vrgd_ds.VRAdam(make_model().parameters(), gsnr_eps=1e-10)
+    with caplog.at_level(logging.WARNING):
+        with opt.loaded_elsewhere():
+            opt.param_groups[0]["gsnr_eps"] = 0.0
+    assert opt.param_groups[0]["gsnr_eps"] == 1e-10
+    assert any("saved with gsnr_eps=0" in r.getMessage() for r in caplog.records)
+    with pytest.raises(ValueError, match=r"param group 0 as loaded.*beta3"):
+        with opt.loaded_elsewhere():
+            opt.param_groups[0]["beta3"] = 1.0
+
+
 def test_the_state_creating_step_is_decided_alike_on_every_rank():
     """A step at lr 0 with zero gradients creates the state and advances nothing (DCP's and
     torchtitan's step before a load), but only if no rank holding a piece of the step has a

@@ -147,13 +147,23 @@ def keep_wiring_on_universal_load(engine: Any, opt: GSNROptimizer) -> None:
     """DeepSpeed 0.19.8's universal loader (``load_universal_checkpoint``) sets the saved param
     groups' options on the optimizer, ``gsnr`` among them, and its state, without its
     ``load_state_dict``: ``engine.load_checkpoint`` runs inside ``opt.loaded_elsewhere()`` then, so
-    the wiring stays as built and the GSNR momentum is started or dropped as for any load."""
+    the wiring stays as built and the GSNR momentum is started or dropped as for any load. Under
+    ZeRO-3 it is refused: DeepSpeed's ZeRO-3 universal loader reads ``fp32``, ``exp_avg`` and
+    ``exp_avg_sq`` only (the GSNR momentum and SGD's momentum would restart unseen) and gives every
+    param group the options of the first."""
     load = engine.load_checkpoint
 
     @functools.wraps(load)
     def load_checkpoint(*args: Any, **kwargs: Any) -> Any:
         if not engine.load_universal_checkpoint():
             return load(*args, **kwargs)
+        if engine.zero_optimization_stage() == 3:
+            raise UnsupportedConfiguration(
+                f"vrgd_ds: \"checkpoint\": {{\"load_universal\": true}} under ZeRO-3 is not supported with {opt.name}: "
+                "DeepSpeed's ZeRO-3 universal loader restores exp_avg and exp_avg_sq only, so the GSNR momentum "
+                "(gsnr_avg) and SGD's momentum_buffer would restart unseen, and it gives every param group the "
+                "first one's options. Resume on the number of ranks that saved the checkpoint, without "
+                "load_universal")
         with opt.loaded_elsewhere():
             return load(*args, **kwargs)
 

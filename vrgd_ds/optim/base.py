@@ -167,13 +167,28 @@ class GSNROptimizer(torch.optim.Optimizer):
     def loaded_elsewhere(self) -> Iterator[list[dict[str, Any]]]:
         """Around a load (``load_state_dict``'s, or one that bypasses it: DeepSpeed's universal
         checkpoint loader sets the saved groups' options and the state itself); yields the wiring
-        as built. Afterwards the wiring is as built and the GSNR momentum as ``state.after_load``
-        leaves it."""
+        as built. Afterwards the groups are checked as ``_checked_groups`` checks a state dict's
+        (a load that bypasses it sets the saved options unchecked), the wiring is as built and the
+        GSNR momentum as ``state.after_load`` leaves it."""
         built = S.built_wiring(self.param_groups, self.wiring_keys)
         gsnr_built = S.built_gsnr_options(self.param_groups)
         yield built
         self._epoch += 1
+        self._check_loaded(built, gsnr_built)
         S.after_load(self.state, self.param_groups, built, self.name, self.report_load, gsnr_built)
+
+    def _check_loaded(self, built: list[dict[str, Any]], gsnr_built: list[dict[str, Any]]) -> None:
+        """The groups as a load left them: a ``gsnr_eps`` of 0 (earlier releases') resumes with
+        the value built, with a warning; each group's options in range with its wiring as built.
+        After ``load_state_dict`` (``_checked_groups`` ran first) a no-op."""
+        for i, group in enumerate(self.param_groups):
+            if group.get("gsnr_eps") == 0.0 and i < len(gsnr_built) and "gsnr_eps" in gsnr_built[i]:
+                logger.warning("%s: param group %d was saved with gsnr_eps=0, which turns r into 0/0 where every "
+                               "gradient is equal; it resumes with gsnr_eps=%g", self.name, i, gsnr_built[i]["gsnr_eps"])
+                group["gsnr_eps"] = gsnr_built[i]["gsnr_eps"]
+            options = {**group, **(built[i] if i < len(built) else {})}
+            check_common(f"{self.name} (param group {i} as loaded)", options)
+            type(self)._check_options(f"{self.name} (param group {i} as loaded)", options)
 
     def _checked_groups(self, state_dict: dict[str, Any], built: list[dict[str, Any]]) -> dict[str, Any]:
         """The saved groups' options checked as this optimizer will hold them (its wiring; defaults
