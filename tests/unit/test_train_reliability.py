@@ -76,6 +76,15 @@ def run_main(capsys, *args: str, config: Path = TEST_CONFIG, run_dir: Path | Non
     ("job.keep_checkpoints=true", "job.keep_checkpoints: Input should be a valid integer"),
     ('checkpoint={"data_chnage": "continue"}', "checkpoint.data_chnage: the checkpoint block has the job's keys "
                                                "optimizer_state, data_change and DeepSpeed's tag_validation, "),
+    # before (each fails on the old code): a misspelt block was to be added whole under its misspelt
+    # name; a number for a text key read only "Input should be a valid string"; an infinite
+    # timeout passed and ended every rank with an OverflowError traceback (exit 1) building the watchdog
+    ("zero_optimisation.stage=3", "--set zero_optimisation.stage: no key 'zero_optimisation' in the config; did you "
+                                  "mean 'zero_optimization.stage'?"),
+    ("job.data.path=2024", "job.data.path: Input should be a valid string (a number or a boolean here; write the "
+                           "text as a JSON string: \"2024\", with --set: 'job.data.path=\"2024\"')"),
+    ("job.timeout_minutes=Infinity", "job.timeout_minutes: Input should be a finite number"),
+    ("job.startup_timeout_minutes=1e12", "job.startup_timeout_minutes: Input should be less than or equal to 1000000"),
     # before: accepted, and the phase warmed up to its last step and ended at its peak LR, never decaying
     ("job.phases.0.warmup_fraction=0.6", "job.phases[0].warmup_fraction: 0.6 of the phase's 2 steps rounds up to 2 "
                                          "warmup steps, leaving none to decay; use a warmup_fraction of at most 0.5"),

@@ -248,13 +248,13 @@ class JobConfig(_Strict):
     """The job stops (non-zero exit) after this many consecutive optimizer steps skipped on
     non-finite gradients or fp16 overflow: the run has diverged. fp16's dynamic loss scale
     skips a handful in a row while it settles; 50 leaves room for that."""
-    timeout_minutes: float = Field(30.0, gt=0.0)
+    timeout_minutes: float = Field(30.0, gt=0.0, le=1e6, allow_inf_nan=False)
     """A rank without progress (a step, an evaluation, a checkpoint) for this long ends the job
     with a message naming the rank that stalled; every collective times out a little later
     (``watchdog.collective_timeout``), so the watchdog's message comes first. Preparing a
     large corpus inside the job counts against it on the waiting ranks: prepare it beforehand
-    with ``vrgd-data prepare``."""
-    startup_timeout_minutes: float = Field(10.0, gt=0.0)
+    with ``vrgd-data prepare``. At most 1e6 (about two years: no limit in effect)."""
+    startup_timeout_minutes: float = Field(10.0, gt=0.0, le=1e6, allow_inf_nan=False)
     """The same limit until the first step finishes (set-up, kernels built on first use, a
     resume or a checkpoint conversion), when it is longer than ``timeout_minutes``."""
     telemetry: TelemetryConfig = Field(default_factory=TelemetryConfig)
@@ -339,6 +339,9 @@ def validation_error(e: ValidationError, prefix: str, root: type[BaseModel]) -> 
     for err in e.errors():
         key = ".".join([prefix, *map(str, err["loc"])]) if err["loc"] else prefix
         msg = err["msg"].removeprefix("Value error, ")
+        if err["type"] == "string_type" and isinstance(err.get("input"), (int, float)):  # JSON read it as a number
+            text = json.dumps(str(err["input"]).lower() if isinstance(err["input"], bool) else str(err["input"]))
+            msg += f" (a number or a boolean here; write the text as a JSON string: {text}, with --set: '{key}={text}')"
         if err["type"] == "extra_forbidden" and err["loc"]:
             model = _model_at(root, tuple(err["loc"][:-1]))
             if model is not None:
@@ -664,7 +667,11 @@ def apply_overrides(raw: dict[str, Any], overrides: list[str]) -> dict[str, Any]
                                               f"'{'.'.join(parts[:j] + close)}'? (a new key is added only when "
                                               "none of its block's keys is spelt this close to it)")
                     node[part] = value
-                elif part not in node:  # a block the config lacks: set it whole
+                elif part not in node:  # a block the config lacks: a misspelt one's name, else set it whole
+                    close = difflib.get_close_matches(part, [k for k in node if isinstance(k, str)], n=1, cutoff=0.8)
+                    if close:
+                        raise ConfigError(f"--set {key}: no key '{here}' in the config; did you mean "
+                                          f"'{'.'.join(parts[:j] + close + parts[j + 1:])}'?")
                     rest = json.dumps({".".join(parts[j + 1:]): value}) if j + 2 == len(parts) else "{...}"
                     raise ConfigError(f"--set {key}: no key '{here}' in the config; add the block whole: "
                                       f"--set '{here}={rest}'")
