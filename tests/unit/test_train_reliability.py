@@ -42,6 +42,9 @@ def run_main(capsys, *args: str, config: Path = TEST_CONFIG, run_dir: Path | Non
     ('vrgd={"squares_dtype": "fp8"}', "vrgd.squares_dtype: Input should be 'fp32' or 'bf16'"),
     ('vrgd={"squares": "per_batch"}', "vrgd.squares: Input should be 'per_step', 'per_micro_step', 'hierarchical' or 'auto'"),
     ('vrgd={"gbar": "mean"}', "vrgd.gbar: Input should be 'auto', 'engine' or 'local'"),
+    # before: coerced to 1 and 2 (fails on the old code)
+    ('vrgd={"squares": "hierarchical", "node_size": true}', "vrgd.node_size: Input should be a valid integer"),
+    ('vrgd={"squares": "hierarchical", "node_size": "2"}', "vrgd.node_size: Input should be a valid integer"),
     ("job.phases.5.lr=1", "--set job.phases.5.lr: 'job.phases' has 2 entries (0..1); there is no job.phases.5"),
     ("job.phases.x.lr=1", "--set job.phases.x.lr: 'job.phases' is a list; 'x' is not an index (0..1)"),
     ("job.total_steps.foo=1", "--set job.total_steps.foo: 'job.total_steps' is a value (4), not an object"),

@@ -18,9 +18,10 @@ KEY = "vrgd"
 
 
 class ReductionConfig(BaseModel):
-    """Options of the statistics' reduction (docs/design.md §3)."""
+    """Options of the statistics' reduction (docs/design.md §3). Strict, as the job's block is: a
+    value of another type is an error, not coerced (``"node_size": true`` is not 1)."""
 
-    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True)
+    model_config = ConfigDict(extra="forbid", strict=True, use_attribute_docstrings=True)
 
     squares: Literal["per_step", "per_micro_step", "hierarchical", "auto"] | None = None  # also "by_memory"
     """``per_step``: DeepSpeed's own gradient reduction untouched; each rank sums its micro-steps'
