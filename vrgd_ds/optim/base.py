@@ -184,7 +184,8 @@ class GSNROptimizer(torch.optim.Optimizer):
         for i, group in enumerate(self.param_groups):
             if group.get("gsnr_eps") == 0.0 and i < len(gsnr_built) and "gsnr_eps" in gsnr_built[i]:
                 logger.warning("%s: param group %d was saved with gsnr_eps=0, which turns r into 0/0 where every "
-                               "gradient is equal; it resumes with gsnr_eps=%g", self.name, i, gsnr_built[i]["gsnr_eps"])
+                               "gradient is equal; it resumes with gsnr_eps=%g", self.name, i,
+                               gsnr_built[i]["gsnr_eps"])
                 group["gsnr_eps"] = gsnr_built[i]["gsnr_eps"]
             options = {**group, **(built[i] if i < len(built) else {})}
             check_common(f"{self.name} (param group {i} as loaded)", options)
