@@ -39,7 +39,7 @@ from vrgd_ds.train import telemetry as T
     ("stage1.module.decoder.layers.0.mlp.linear_fc1.weight", "stage1.decoder.layers.0"),
     ("stage0.module.embedding.word_embeddings.weight", "stage0.embedding.word_embeddings"),
     # a rank holding several model chunks (vrgd_ds.megatron.stats names them chunk<i>.): the chunk, then
-    # the layer (before: every layer of a chunk in one "chunk0.module" group)
+    # the layer (fails on the old code: every layer of a chunk in one "chunk0.module" group)
     ("stage0.chunk1.module.decoder.layers.2.mlp.linear_fc1.weight", "stage0.chunk1.decoder.layers.2"),
     ("chunk0.module.decoder.layers.0.self_attention.linear_qkv.weight", "chunk0.decoder.layers.0"),
 ])

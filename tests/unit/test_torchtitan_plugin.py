@@ -45,7 +45,7 @@ def test_a_param_groups_optimizer_kwargs_are_made_as_the_constructor_makes_them(
     assert "fused" not in group and "foreach" not in group
     for name, kwargs, words in (
             ("VRLamb", dict(amsgrad=True), "param group 0 \\(VRLamb\\).*invalid amsgrad=True"),
-            ("VRLamb", dict(gama=0.5), "VRLamb takes no 'gama' \\(did you mean 'gamma'\\?\\)"),
+            ("VRLamb", dict(gama=0.5), "VRLamb takes no 'gama'; did you mean 'gamma'\\?"),
             ("VRLamb", dict(set_grad_none=False), "optimizer_factory_kwargs_by_name=\\{'VRLamb': \\{'set_grad_none'"),
             ("Lamb", dict(gsnr=True), "Lamb is VRLamb with gsnr=False"),
             ("VRAdam", dict(lr=-1.0), "invalid lr=-1.0")):

@@ -34,8 +34,6 @@ torchtitan 0.3.0 calls ``torch.distributed.set_timeout``, which torch 2.13 (the 
 from __future__ import annotations
 
 import dataclasses
-import difflib
-import inspect
 import logging
 from dataclasses import dataclass
 from typing import Any, Callable
@@ -48,7 +46,7 @@ import vrgd_ds.fsdp
 from vrgd_ds.fsdp.internals import UnsupportedFSDPConfiguration
 from vrgd_ds.optim.base import GSNROptimizer, built_for_engine
 from vrgd_ds.optim.metrics import Recorder
-from vrgd_ds.optim.registry import REGISTRY, Variant
+from vrgd_ds.optim.registry import REGISTRY, did_you_mean
 
 logger = logging.getLogger(__name__)
 
@@ -77,14 +75,15 @@ def _check_version() -> None:
 _TORCHTITAN_GROUP_KEYS = ("params", "param_names", "fused", "foreach")
 
 
-def _constructor_defaults(name: str) -> dict[str, Any]:
-    """Family member ``name``'s keyword arguments with their defaults (a variant's: its member's,
-    its own defaults and fixed values over them)."""
-    cls = REGISTRY[name].cls
-    member = cls.of if isinstance(cls, Variant) else cls
-    found = {n: p.default for n, p in inspect.signature(member.__init__).parameters.items()
-             if n not in ("self", "params", "kwargs")}
-    return {**found, **cls.defaults, **cls.fixed} if isinstance(cls, Variant) else found
+# the optimizer's own settings, not a param group's
+_OPTIMIZER_KEYS = ("fused", "set_grad_none")
+
+
+def _takes(name: str) -> list[str]:
+    """Family member ``name``'s keyword arguments (``OptimInfo.accepted_params``), a variant's fixed
+    ones too: the variant's own refusal names them."""
+    info = REGISTRY[name]
+    return info.accepted_params() + list(getattr(info.cls, "fixed", {}))
 
 
 def group_options(name: str, given: dict[str, Any], where: str) -> dict[str, Any]:
@@ -92,14 +91,13 @@ def group_options(name: str, given: dict[str, Any], where: str) -> dict[str, Any
     make, as its constructor makes them: derived where it derives them, refused where it refuses
     them (it builds them, on a throwaway parameter). A key it does not take, or one that sets the
     optimizer and not a group (``fused``, ``set_grad_none``), is an error naming ``where``."""
-    defaults = _constructor_defaults(name)
-    unknown = [k for k in given if k not in defaults]
+    takes = _takes(name)
+    unknown = [k for k in given if k not in takes]
     if unknown:
-        hints = [f"{k!r}" + (f" (did you mean {close[0]!r}?)" if (close := difflib.get_close_matches(k, defaults, 1))
-                             else "") for k in unknown]
-        takes = [k for k in defaults if k not in ("fused", "set_grad_none")]
-        raise ValueError(f"{where}: {name} takes no {', '.join(hints)}; its param groups take {', '.join(takes)}")
-    for key in ("fused", "set_grad_none"):
+        groups_take = [k for k in takes if k not in _OPTIMIZER_KEYS]
+        raise ValueError(f"{where}: {name} takes no {unknown[0]!r}{did_you_mean(unknown[0], groups_take)}; its "
+                         f"param groups take {', '.join(groups_take)}")
+    for key in _OPTIMIZER_KEYS:
         if key in given:
             raise ValueError(f"{where}: {key} is the {name} optimizer's setting, not a param group's: pass it as "
                              f"optimizer_factory_kwargs_by_name={{{name!r}: {{{key!r}: {given[key]!r}}}}}")
@@ -199,8 +197,8 @@ def vrgd_optimizer(name: str = "VRLamb", pattern: str = r".*", **optimizer_kwarg
     constructor checks them (``group_options``). ``with_vrgd`` also checks the parallelism."""
     if name not in REGISTRY:
         raise ValueError(f"vrgd_optimizer: {name!r} is not a VRGD optimizer; registered: {', '.join(REGISTRY)}")
-    takes = _constructor_defaults(name)
-    own = {k: optimizer_kwargs.pop(k) for k in ("fused", "set_grad_none") if k in optimizer_kwargs and k in takes}
+    takes = _takes(name)
+    own = {k: optimizer_kwargs.pop(k) for k in _OPTIMIZER_KEYS if k in optimizer_kwargs and k in takes}
     group_options(name, optimizer_kwargs, f"vrgd_optimizer({name!r})")
     return VRGDOptimizersContainer.Config(
         param_groups=[ParamGroupConfig(pattern=pattern, optimizer_name=name, optimizer_kwargs=optimizer_kwargs)],

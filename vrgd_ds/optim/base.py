@@ -182,14 +182,21 @@ class GSNROptimizer(torch.optim.Optimizer):
         the value built, with a warning; each group's options in range with its wiring as built.
         After ``load_state_dict`` (``_checked_groups`` ran first) a no-op."""
         for i, group in enumerate(self.param_groups):
-            if group.get("gsnr_eps") == 0.0 and i < len(gsnr_built) and "gsnr_eps" in gsnr_built[i]:
-                logger.warning("%s: param group %d was saved with gsnr_eps=0, which turns r into 0/0 where every "
-                               "gradient is equal; it resumes with gsnr_eps=%g", self.name, i,
-                               gsnr_built[i]["gsnr_eps"])
-                group["gsnr_eps"] = gsnr_built[i]["gsnr_eps"]
-            options = {**group, **(built[i] if i < len(built) else {})}
-            check_common(f"{self.name} (param group {i} as loaded)", options)
-            type(self)._check_options(f"{self.name} (param group {i} as loaded)", options)
+            if i < len(gsnr_built) and "gsnr_eps" in gsnr_built[i]:
+                self._no_zero_eps(i, group, gsnr_built[i]["gsnr_eps"])
+            self._check_as_loaded(i, {**group, **(built[i] if i < len(built) else {})})
+
+    def _no_zero_eps(self, index: int, group: dict[str, Any], built_eps: float) -> None:
+        """A ``gsnr_eps`` of 0, which earlier releases accepted, resumes as ``built_eps``, said."""
+        if group.get("gsnr_eps") == 0.0:
+            logger.warning("%s: param group %d was saved with gsnr_eps=0, which turns r into 0/0 where every "
+                           "gradient is equal; it resumes with gsnr_eps=%g", self.name, index, built_eps)
+            group["gsnr_eps"] = built_eps
+
+    def _check_as_loaded(self, index: int, options: dict[str, Any]) -> None:
+        where = f"{self.name} (param group {index} as loaded)"
+        check_common(where, options)
+        type(self)._check_options(where, options)
 
     def _checked_groups(self, state_dict: dict[str, Any], built: list[dict[str, Any]]) -> dict[str, Any]:
         """The saved groups' options checked as this optimizer will hold them (its wiring; defaults
@@ -199,18 +206,13 @@ class GSNROptimizer(torch.optim.Optimizer):
         groups = []
         for i, saved in enumerate(state_dict["param_groups"]):
             saved = dict(saved)
-            if saved.get("gsnr_eps") == 0.0 and i < len(self.param_groups):
-                logger.warning("%s: param group %d was saved with gsnr_eps=0, which turns r into 0/0 where every "
-                               "gradient is equal; it resumes with gsnr_eps=%g", self.name, i,
-                               self.param_groups[i]["gsnr_eps"])
-                saved["gsnr_eps"] = self.param_groups[i]["gsnr_eps"]
+            if i < len(self.param_groups):
+                self._no_zero_eps(i, saved, self.param_groups[i]["gsnr_eps"])
             if "gsnr" not in saved and i < len(self.param_groups):  # a base optimizer's (torch's): the GSNR off, and
                 self._refuse_foreign_options(i, saved)
                 # the options it has no such key for (the GSNR's, never read; bias_correction ...) this group's as built
                 saved = {**{k: v for k, v in self.param_groups[i].items() if k != "params"}, **saved, "gsnr": False}
-            options = {**self.defaults, **saved, **(built[i] if i < len(built) else {})}
-            check_common(f"{self.name} (param group {i} as loaded)", options)
-            type(self)._check_options(f"{self.name} (param group {i} as loaded)", options)
+            self._check_as_loaded(i, {**self.defaults, **saved, **(built[i] if i < len(built) else {})})
             groups.append(saved)
         return {**state_dict, "param_groups": groups}
 

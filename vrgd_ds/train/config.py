@@ -656,19 +656,17 @@ def apply_overrides(raw: dict[str, Any], overrides: list[str]) -> dict[str, Any]
                 else:
                     node = node[i]
             elif isinstance(node, dict):
+                close = [] if part in node else difflib.get_close_matches(
+                    part, [k for k in node if isinstance(k, str)], n=1, cutoff=0.8)  # a misspelt key's
                 if last:
                     # a new key; a misspelt one would do nothing (DeepSpeed ignores it). The job block and the
                     # optimizer's params are checked by name where they are read
-                    if part not in node and parts[0] != "job" and parts[:2] != ["optimizer", "params"]:
-                        close = difflib.get_close_matches(part, [k for k in node if isinstance(k, str)], n=1,
-                                                          cutoff=0.8)
-                        if close:
-                            raise ConfigError(f"--set {key}: no key '{here}' in the config; did you mean "
-                                              f"'{'.'.join(parts[:j] + close)}'? (a new key is added only when "
-                                              "none of its block's keys is spelt this close to it)")
+                    if close and parts[0] != "job" and parts[:2] != ["optimizer", "params"]:
+                        raise ConfigError(f"--set {key}: no key '{here}' in the config; did you mean "
+                                          f"'{'.'.join(parts[:j] + close)}'? (a new key is added only when "
+                                          "none of its block's keys is spelt this close to it)")
                     node[part] = value
                 elif part not in node:  # a block the config lacks: a misspelt one's name, else set it whole
-                    close = difflib.get_close_matches(part, [k for k in node if isinstance(k, str)], n=1, cutoff=0.8)
                     if close:
                         raise ConfigError(f"--set {key}: no key '{here}' in the config; did you mean "
                                           f"'{'.'.join(parts[:j] + close + parts[j + 1:])}'?")
