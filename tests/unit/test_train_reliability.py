@@ -806,3 +806,43 @@ def test_a_sink_that_fails_to_close_does_not_replace_the_error_that_ends_the_tra
     with pytest.raises(OSError, match="No space left"):
         job.train()
     assert closed == [1, 1]
+
+
+@pytest.mark.parametrize("jsonl", [True, False])
+def test_plots_come_from_this_runs_metrics_while_it_holds_the_run_directory(monkeypatch, capsys, tmp_path, jsonl):
+    """The plots were drawn after the run directory was given back (another job could have taken it
+    and be writing its metrics), and with ``job.telemetry.jsonl`` false they were drawn from a
+    ``metrics.jsonl`` an earlier run had left, and its path printed as this run's metrics. Now they
+    are drawn before the release, and only from metrics this run writes. Fails on the old code."""
+    from vrgd_ds.train import plots
+
+    run_dir = tmp_path / "run"
+    (run_dir / loop.CHECKPOINTS).mkdir(parents=True)
+    (run_dir / loop.CHECKPOINTS / ckpt.LATEST).write_text("step00000004\n")
+    (run_dir / "metrics.jsonl").write_text('{"step": 1, "time": 0.0, "train/loss": 9.0}\n')  # an earlier run's
+    events = []
+
+    class Finished:  # the job as far as main sees it
+        rank = 0
+
+        def __init__(self, *args):
+            pass
+
+        def setup(self):
+            return self
+
+        def train(self):
+            figures = {"eval/mlm_loss": 7.0, "eval/mlm_acc": 0.1}
+            return {"before": figures, "after": figures, "task": "mlm", "steps": 4}
+
+        def release(self):
+            events.append("release")
+
+    monkeypatch.setattr(loop, "Job", Finished)
+    monkeypatch.setattr(plots, "plot_run", lambda d: events.append("plot") or [Path(d) / "plots" / "loss.png"])
+    rc = loop.main(["--config", str(TEST_CONFIG), "--run-dir", str(run_dir),
+                    "--set", f"job.telemetry.jsonl={json.dumps(jsonl)}"])
+    out = capsys.readouterr().out
+    assert rc == 0
+    assert events == (["plot", "release"] if jsonl else ["release"])
+    assert ("metrics:" in out) is jsonl and ("plots:" in out) is jsonl

@@ -804,6 +804,17 @@ def run_process(argv: list[str] | None = None) -> int:
         signal.signal(PREEMPT_SIGNAL, signal.SIG_IGN)
 
 
+def _plot(run_dir: Path) -> list[Path]:
+    """The run's plots from its ``metrics.jsonl``; a failure is a warning (it must not fail a finished run)."""
+    try:
+        from vrgd_ds.train.plots import plot_run
+
+        return plot_run(run_dir)
+    except Exception as e:
+        logger.warning("plots were not written: %s", e)
+        return []
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="vrgd-pretrain", description="Pretraining with VRGD optimizers: BERT under "
                                  "DeepSpeed or GPT under Megatron-core, as the config's job.engine says (launch with "
@@ -848,9 +859,12 @@ def main(argv: list[str] | None = None) -> int:
         return EXIT_CONFIG
     run_dir = Path(args.run_dir)
     run = None
+    plots: list[Path] = []
     try:
         run = Job(raw, job, run_dir, args.backend)
         result = run.setup().train()
+        if run.rank == 0 and job.telemetry.jsonl:  # while the run directory is still this job's
+            plots = _plot(run_dir)
     except RunDirBusy as e:  # agreed over the ranks (_take_run_dir, _max_over_ranks): all of them are here
         if first:
             print(f"vrgd-pretrain: error: {e}", file=sys.stderr, flush=True)
@@ -882,17 +896,11 @@ def main(argv: list[str] | None = None) -> int:
         if run is not None:
             run.release()
     if run.rank == 0:
-        plots = []
-        try:
-            from vrgd_ds.train.plots import plot_run
-
-            plots = plot_run(run_dir)
-        except Exception as e:  # plotting must not fail a finished run
-            logger.warning("plots were not written: %s", e)
         b, a, task = result["before"], result["after"], result["task"]
         print(f"\nheld-out {task.upper()} loss {b[f'eval/{task}_loss']:.4f} -> {a[f'eval/{task}_loss']:.4f}, accuracy "
               f"{b[f'eval/{task}_acc']:.4f} -> {a[f'eval/{task}_acc']:.4f} after {result['steps']} steps")
-        print(f"metrics:    {run_dir / 'metrics.jsonl'}")
+        if job.telemetry.jsonl:
+            print(f"metrics:    {run_dir / 'metrics.jsonl'}")
         if plots:
             print(f"plots:      {plots[0].parent}")
         print(f"checkpoint: {run_dir / CHECKPOINTS} (latest: "
