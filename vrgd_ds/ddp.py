@@ -58,6 +58,10 @@ class DDPStats:
     of the last synchronised ``backward()``.
     """
 
+    #: no engine wraps the step: the optimizer's reset ends it, and a loss scale is the caller's
+    #: (``set_grad_scaler``), for the optimizer to take out
+    reset_ends_step = True
+
     def __init__(self, group: dist.ProcessGroup, world: int, kernels: Any) -> None:
         self.group = group
         self.world = world
@@ -132,8 +136,9 @@ def _one_synchronised_backward(stats: DDPStats, ddp_model: DistributedDataParall
         raise RuntimeError(
             "vrgd_ds.ddp: squares='per_micro_step' reduces each rank's gradient once a step, and this step "
             "synchronises a second backward(), whose bucket would hold the first one's reduced mean plus its own "
-            "gradient; accumulate under model.no_sync() up to the last backward, or attach with "
-            "squares='per_step' (every backward is a group)")
+            "gradient (a forward with gradients enabled outside no_sync() counts: run one that no backward "
+            "follows, such as an evaluation, under torch.no_grad()); accumulate under model.no_sync() up to the "
+            "last backward, or attach with squares='per_step' (every backward is a group)")
 
 
 def fused_allreduce_hook(stats: DDPStats, bucket: dist.GradBucket) -> torch.futures.Future[Tensor]:

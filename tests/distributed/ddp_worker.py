@@ -308,6 +308,30 @@ def step(ddp: DDP, opt: Any, at: int) -> torch.Tensor:
     return grads
 
 
+def scaler_case(squares: str) -> dict[str, Any]:
+    """3 steps of 2 micro-steps (the first under ``no_sync()``) of VRAdam with a GradScaler at
+    S = 2^20 told to the optimizer, against the same steps unscaled. The gradients are small
+    (the loss times 1e-6), so the GSNR floor ``gsnr_eps`` meets a variance that S² left in the
+    statistics would make 2^40 times larger. Returns the largest parameter difference."""
+    rank = dist.get_rank()
+    ends = []
+    for enabled in (True, False):
+        ddp = DDP(tiny_model(), bucket_cap_mb=BUCKET_CAP_MB)
+        opt = VRAdam(ddp.parameters(), lr=1e-2, gsnr_eps=1e-12)
+        attach(ddp, opt, squares=squares)
+        scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 20, enabled=enabled)
+        opt.set_grad_scaler(scaler)
+        for at in range(STEPS):
+            opt.zero_grad()
+            with ddp.no_sync():
+                scaler.scale(loss_fn(ddp, batch(at, rank, 0)) * 1e-6).backward()
+            scaler.scale(loss_fn(ddp, batch(at, rank, 1)) * 1e-6).backward()
+            scaler.step(opt)
+            scaler.update()
+        ends.append(flat(ddp.module))
+    return dict(diff=float((ends[0] - ends[1]).abs().max()), moved=float((ends[1] - flat(tiny_model())).abs().max()))
+
+
 def reattach_case(squares: str) -> dict[str, Any]:
     """A new VRAdam attached to a DDP model whose first optimizer was attached and stepped once,
     then 2 steps (2 micro-steps each, the first under ``no_sync()``), against the same 2 steps
@@ -443,6 +467,8 @@ def cases() -> dict[str, Callable[[], dict[str, Any]]]:
         "fp16": lambda: low_precision_case(torch.float16),
         "bad": bad_cases,
         "three_ranks": three_rank_case,
+        "scaler": lambda: scaler_case("per_step"),
+        "fused_scaler": lambda: scaler_case("per_micro_step"),
         "reattach": lambda: reattach_case("per_step"),
         "fused_reattach": lambda: reattach_case("per_micro_step"),
         "deleted": lambda: deleted_case("per_step"),

@@ -189,6 +189,17 @@ def test_low_precision_model(pool, name):
         assert res["grad_err"] == 0.0, "the fp32 mean rounded once to the model dtype"
 
 
+@pytest.mark.parametrize("name", ["scaler", "fused_scaler"])
+def test_a_grad_scaler_told_to_the_optimizer_trains_as_without_one(pool, name):
+    """A ``torch.amp.GradScaler`` told to the optimizer (``set_grad_scaler``) under either scheme:
+    the steps equal the unscaled run's exactly (S = 2^20 is a power of two), the GSNR floor
+    included. Under ``squares="per_micro_step"`` every step raised "this engine's path removes its
+    own loss scale: call set_grad_scaler(None)", though DDP's path removes none, and that advice
+    left S² in the statistics. Fails on the old code (fused_scaler)."""
+    for res in _case(pool, name):
+        assert res["diff"] == 0.0 and res["moved"] > 0, res
+
+
 def test_bad_setups_raise(pool):
     for res in _case(pool, "bad"):
         assert "needs a VRGD optimizer" in res["non_gsnr"] and "got SGD" in res["non_gsnr"]
