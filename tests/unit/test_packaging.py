@@ -93,6 +93,25 @@ def test_a_command_without_its_extra_names_it(monkeypatch, capsys):
     commands.require("vrgd-plots")  # matplotlib is there
 
 
+@pytest.mark.parametrize("module, command", [("vrgd_ds.train", "vrgd-pretrain"), ("vrgd_ds.data_pipeline", "vrgd-data")])
+def test_python_dash_m_checks_the_extra_as_the_command_does(monkeypatch, capsys, module, command):
+    """``python -m vrgd_ds.train`` and ``python -m vrgd_ds.data_pipeline`` are the same commands as
+    ``vrgd-pretrain`` and ``vrgd-data``, and name the missing extra as they do. Fails on the old
+    code, whose ``__main__`` imported the job or the command line directly: an import traceback
+    where the extra was missing (here: the command ran and printed its own usage error)."""
+    import runpy
+
+    real = commands.importlib.util.find_spec
+    monkeypatch.setattr(commands.importlib.util, "find_spec",
+                        lambda name, *a: None if name == "sentencepiece" else real(name, *a))
+    monkeypatch.setattr(sys, "argv", [module])
+    with pytest.raises(SystemExit) as exc:
+        runpy.run_module(module, run_name="__main__")
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert f"{command}: needs the 'train' extra (sentencepiece not installed)" in err, err
+
+
 def test_the_pretraining_command_without_tensorboard_names_the_extra(monkeypatch, capsys):
     """The job logs to TensorBoard by default: without it, ``vrgd-pretrain`` prepared the data and
     built the engine, then failed with a ModuleNotFoundError traceback (exit 1). Fails on the old

@@ -1,7 +1,7 @@
 """``python -m vrgd_ds.train`` (also ``vrgd-pretrain``): the BERT pretraining job."""
 import sys
 
-from vrgd_ds.train.loop import run_process
+from vrgd_ds.commands import pretrain
 
 if __name__ == "__main__":
-    sys.exit(run_process())
+    sys.exit(pretrain())
