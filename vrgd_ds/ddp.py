@@ -257,6 +257,9 @@ def attach(ddp_model: DistributedDataParallel, optimizer: GSNROptimizer,
         raise ValueError(f"vrgd_ds.ddp.attach: squares={squares!r}: use 'per_step' or 'per_micro_step'")
     if micro_steps not in ("auto", "hooks"):
         raise ValueError(f"vrgd_ds.ddp.attach: micro_steps={micro_steps!r}: use 'auto' or 'hooks'")
+    if squares == "per_micro_step" and micro_steps != "auto":
+        raise ValueError(f"vrgd_ds.ddp.attach: micro_steps={micro_steps!r} applies to squares='per_step' only "
+                         "(the communication hook of 'per_micro_step' reads every micro-step itself); leave it out")
     before = getattr(ddp_model, _ATTACHED, None)  # (squares, the communication hook's state)
     if before is not None and before[0] != squares:
         raise ValueError(f"vrgd_ds.ddp.attach: this DDP model is attached with squares={before[0]!r}, and DDP takes "

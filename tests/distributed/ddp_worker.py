@@ -267,6 +267,12 @@ def bad_cases() -> dict[str, Any]:
         out["foreign_params"] = "no error"
     except ValueError as exc:
         out["foreign_params"] = str(exc)
+    ddp3 = DDP(tiny_model(), bucket_cap_mb=BUCKET_CAP_MB)
+    try:
+        attach(ddp3, VRSGD(ddp3.parameters(), lr=0.05), squares="per_micro_step", micro_steps="hooks")
+        out["micro_steps_fused"] = "no error"
+    except ValueError as exc:
+        out["micro_steps_fused"] = str(exc)
     return out
 
 

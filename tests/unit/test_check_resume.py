@@ -463,3 +463,12 @@ def test_saved_phases_the_code_of_now_would_refuse_do_not_stop_the_resume():
     adaptive = dict(phase, adaptive_batch={"target_ratio": 1.0, "min_batch": 4, "max_batch": 16})
     check_resume_marker(parse_job({"job": {"total_steps": 10, "phases": [adaptive]}}),
                         {"total_steps": 2, "phases": [adaptive], "consumed": [4]}, 1)
+
+
+def test_world_size_without_check_resume_is_refused(capsys, tmp_path):
+    """``--world-size`` says how many ranks a resume would run on, for ``--check-resume``; given to
+    a run it was accepted and ignored (fails on the old code, which started the run)."""
+    with pytest.raises(SystemExit) as exc:
+        loop.main(["--config", str(tmp_path / "c.json"), "--run-dir", str(tmp_path / "run"), "--world-size", "8"])
+    assert exc.value.code == 2
+    assert "--world-size applies to --check-resume only" in capsys.readouterr().err

@@ -840,6 +840,8 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if args.check_resume:
         return _check_resume(args)
+    if args.world_size is not None:
+        ap.error("--world-size applies to --check-resume only (a run's ranks are the launcher's)")
     if not args.config or not args.run_dir:
         ap.error("--config and --run-dir are required (or --check-resume RUN_DIR)")
     first = (launcher_value(LAUNCHER_RANK) or 0) == 0
