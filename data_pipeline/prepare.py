@@ -11,7 +11,10 @@ Each step is skipped when its output exists, is valid and was built from the sam
 options, so a training job can call :func:`prepare` on every (rank-0) start and pay only for the
 checks. "Same inputs" is decided by a fingerprint of the corpus: for files, their resolved
 paths, sizes and modification times plus format and field (cheap for terabytes of text; an
-edited file changes its mtime); for the embedded corpus, the sha256 of its text. The
+edited file changes its mtime); for the embedded corpus, the sha256 of its text. Where a file's
+path or mtime changed, the files are read once: if they hold the bytes the directory was built
+from (``corpus_sha256``, recorded with the tokenizer), the record takes the new fingerprint and
+nothing is rebuilt (a corpus copied, restored or staged again). The
 tokenizer is reused when ``prepare.json`` records the same fingerprint and options and the
 model file's sha256 still matches; the shards when the record matches, the manifest's sha256
 matches and every file has its recorded size; sample indices are reused by
@@ -94,6 +97,36 @@ def corpus_fingerprint(corpus: Corpus | EmbeddedCorpus) -> str:
     return digest.hexdigest()
 
 
+def corpus_content_sha256(corpus: Corpus) -> str:
+    """sha256 of the corpus files' bytes, in order, with format and field: what the fingerprint
+    stands for, read whole (``prepare`` reads it where the fingerprint alone would rebuild)."""
+    digest = hashlib.sha256(json.dumps({"format": corpus.format, "field": corpus.field}).encode())
+    for path in corpus.files:
+        digest.update(f"\0{path.stat().st_size}\0".encode())
+        with open(path, "rb") as fh:
+            for block in iter(lambda: fh.read(1 << 24), b""):
+                digest.update(block)
+    return digest.hexdigest()
+
+
+def _same_bytes(record: dict, corpus: Corpus | EmbeddedCorpus, fingerprint: str) -> dict:
+    """``record`` with ``fingerprint`` in place of its recorded one where the corpus files moved or
+    were touched (other paths or modification times: a copy, a restore, a data set staged again)
+    but hold the bytes the record's steps were built from (``corpus_sha256``); else as it was."""
+    old = record.get("tokenizer", {})
+    if (isinstance(corpus, EmbeddedCorpus) or not old.get("corpus_sha256")
+            or old.get("corpus_fingerprint") in (None, fingerprint)):
+        return record
+    if corpus_content_sha256(corpus) != old["corpus_sha256"]:
+        return record
+    logger.info("the corpus files have other paths or modification times than when this directory was "
+                "prepared, and the same bytes: reusing what was built from them")
+    stale = old["corpus_fingerprint"]
+    return {step: {**entry, "corpus_fingerprint": fingerprint}
+            if isinstance(entry, dict) and entry.get("corpus_fingerprint") == stale else entry
+            for step, entry in record.items()}
+
+
 def prepare_lock(output_dir: Path) -> contextlib.AbstractContextManager[None]:
     """Hold ``output_dir/.prepare.lock`` exclusively (``locks.directory_lock``) while the directory
     is checked and built. Jobs that prepare one directory at once (a Slurm array whose jobs share
@@ -169,6 +202,10 @@ def prepare(
         record_path = output_dir / RECORD
         record = _read_record(record_path)
         fingerprint = corpus_fingerprint(corpus)
+        moved = _same_bytes(record, corpus, fingerprint)
+        if moved is not record:  # once: the next start finds the new fingerprint
+            record = moved
+            _write_record(record_path, record)
         built: list[str] = []
 
         # 1. tokenizer
@@ -196,8 +233,9 @@ def prepare(
             # tokenizer came out byte for byte as before (another seed on a corpus the trainer reads whole):
             # then the shards stand, and a job reading them while this one prepares goes on
             same = tokenizer.sha256 == old.get("sha256")
+            content = {} if isinstance(corpus, EmbeddedCorpus) else {"corpus_sha256": corpus_content_sha256(corpus)}
             record = {**(record if same else {}),
-                      "tokenizer": {**wanted, "source": corpus.description, "trainer": trainer(),
+                      "tokenizer": {**wanted, **content, "source": corpus.description, "trainer": trainer(),
                                     "sha256": tokenizer.sha256}}
             _write_record(record_path, record)
 

@@ -116,6 +116,33 @@ def test_prepare_is_idempotent_and_notices_changed_input(corpus_file, tmp_path, 
     assert "built: nothing (all reused)" in capsys.readouterr().out
 
 
+def test_a_corpus_touched_or_copied_with_the_same_bytes_is_not_prepared_again(corpus_file, tmp_path, monkeypatch):
+    """The fingerprint holds the files' paths and modification times: a corpus staged again (a
+    new mtime) or copied elsewhere retrained the tokenizer and rewrote the shards, hours for a
+    large corpus. Now the files are read once and, holding the bytes the directory was built
+    from, nothing is rebuilt and the record takes the new fingerprint (the next start reads
+    nothing); other bytes still rebuild. Fails on the old code."""
+    from vrgd_ds.data_pipeline import prepare as prep
+
+    options = dict(vocab_size=400, seq_lens=(64,), workers=1, progress=False, tokenizer_threads=1, shard_tokens=10000)
+    out = tmp_path / "prepared"
+    tokenizer = prepare(out, corpus_file, **options).tokenizer.read_bytes()
+    os.utime(corpus_file, ns=(1, 1))  # staged again
+    assert prepare(out, corpus_file, **options).built == ()
+    reads = []
+    real = prep.corpus_content_sha256
+    monkeypatch.setattr(prep, "corpus_content_sha256", lambda corpus: reads.append(1) or real(corpus))
+    assert prepare(out, corpus_file, **options).built == () and reads == []  # the record took the new fingerprint
+    copy = tmp_path / "elsewhere" / corpus_file.name
+    copy.parent.mkdir()
+    copy.write_bytes(corpus_file.read_bytes())
+    assert prepare(out, copy, **options).built == () and reads == [1]
+    assert (out / "tokenizer.model").read_bytes() == tokenizer
+    copy.write_text(copy.read_text().replace("e", "a"))  # other bytes, the same size
+    os.utime(copy, ns=(2, 2))
+    assert prepare(out, copy, **options).built == ("tokenizer", "shards")
+
+
 def test_another_seed_keeps_the_shards_when_the_tokenizer_comes_out_the_same(corpus_file, tmp_path):
     """Seeds side by side on one prepared directory: the seed seeds the tokenizer's sampling, so
     another seed trains it again, but on a corpus the trainer reads whole it comes out byte for
