@@ -794,7 +794,8 @@ def checkpoint_case(case: dict) -> dict:
     on any data-parallel size (rank d's micro-batch m is global micro-batch d·acc + m), so the
     statistics' groups match across layouts. ``case["sequence_parallel"]``: the model with a
     sequence-parallel scale, each rank fed its half of every micro-batch's rows, the partial
-    gradients summed over TP by ``finalize_model_grads``; ``case["normed"]``: that model without
+    gradients summed over TP by ``finalize_model_grads``; ``case["fp16"]``: the model in fp16
+    (``Float16OptimizerWithFloat16Params`` without the distributed optimizer); ``case["normed"]``: that model without
     sequence parallelism (its scale then steps with the GSNR on). Returns the unsharded weights after every
     step (the scale last, under sequence parallelism), the state keys, each inner param
     group's ``gsnr`` after the load, and what the load and the save left of the GSNR momentum."""
@@ -807,7 +808,7 @@ def checkpoint_case(case: dict) -> dict:
         dp, dp_rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
         acc = GLOBAL_MICRO_BATCHES // dp
         model, ddp, opt = _build(case["tp"], case["distributed"], case["optimizer"], case.get("kwargs"),
-                                 sequence_parallel=sp, normed=case.get("normed", sp))
+                                 sequence_parallel=sp, normed=case.get("normed", sp), fp16=case.get("fp16", False))
         tp_rank = ps.get_tensor_model_parallel_rank()
         sharded = dict(rows=lambda x: x.chunk(case["tp"])[tp_rank], sync=lambda: finalize_model_grads([ddp])) \
             if sp else {}
@@ -886,6 +887,10 @@ REFUSED = {
     "context-parallel": ("parallel", {"context_parallel_size": 2}, "context_parallel_size"),
     "tied-embeddings-across-stages": ("parallel", {"pipeline_model_parallel_size": 2},
                                       "share_embeddings_and_output_weights"),
+    # the tied weight on the first stage only (as on the first and last of 3 or more): before, the
+    # other stage went on into Megatron's gather of the param groups and waited there
+    "tied-embedding-on-one-stage": ("parallel", {"pipeline_model_parallel_size": 2},
+                                    "share_embeddings_and_output_weights"),
     "megatron-core-version": ("version", "0.15.0", "supports megatron-core 0.16.1, found 0.15.0"),
     "squares-unknown": ("squares", {"squares": "per_micro_step"}, "squares='per_micro_step': use 'per_step' or"),
     "hierarchical-without-distributed-optimizer": ("squares", {"squares": "hierarchical", "distributed": False},
@@ -898,6 +903,10 @@ REFUSED = {
     # before: accepted, and the optimizer stepped with decoupled decay (AdamW) where the config asked for Adam's L2
     "adam-l2-decay": ("optimizer", {"decoupled_weight_decay": False, "weight_decay": 0.1},
                       "decoupled_weight_decay=False is not supported with a VRGD optimizer: the GSNR scales"),
+    # before: "(or the GSNR off: Adam's L2 mode)", which VRAdam has not (the next refusal says so)
+    "adam-l2-decay-vradam": ("optimizer", {"decoupled_weight_decay": False, "weight_decay": 0.1,
+                                           "optimizer_name": "VRAdam"},
+                             "Set decoupled_weight_decay=True, or use Lamb (which takes it as adam_w_mode=False)"),
     "adam-l2-decay-base": ("optimizer", {"decoupled_weight_decay": False, "weight_decay": 0.1,
                                          "optimizer_name": "Merit"},
                            "decoupled_weight_decay=False is not supported with a VRGD optimizer: Merit decouples"),
@@ -931,9 +940,10 @@ def refused(case: dict) -> dict:
     try:
         cfg = _config(tp)
         torch.manual_seed(0)
-        if case["name"] == "tied-embeddings-across-stages":
+        if case["name"] in ("tied-embeddings-across-stages", "tied-embedding-on-one-stage"):
             model = _Stage(TwoLayers(cfg).c, tanh=False)
-            model.layer.weight.shared_embedding = True  # what Megatron marks on a tied word embedding
+            if case["name"] == "tied-embeddings-across-stages" or ps.get_pipeline_model_parallel_rank() == 0:
+                model.layer.weight.shared_embedding = True  # what Megatron marks on a tied word embedding
         else:
             model = TwoLayers(cfg)
         ddp = DistributedDataParallel(cfg, DistributedDataParallelConfig(
@@ -957,8 +967,13 @@ def refused(case: dict) -> dict:
             if where == "checkpoint-format":
                 opt.sharded_state_dict({}, metadata={"distrib_optim_sharding_type": change})
         except Exception as e:  # noqa: BLE001 (the message is the result)
-            return {"type": type(e).__name__, "message": str(e)}
-        return {"type": None, "message": "not refused"}
+            result = {"type": type(e).__name__, "message": str(e)}
+        else:
+            result = {"type": None, "message": "not refused"}
+        # every rank's outcome: a rank left inside one of Megatron's collectives would take this gather for it
+        everyone: list = [None] * dist.get_world_size()
+        dist.all_gather_object(everyone, result["type"])
+        return {**result, "ranks": everyone}
     finally:
         package_info.__version__ = saved_version
         release_model_parallel()

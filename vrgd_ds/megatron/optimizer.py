@@ -56,11 +56,13 @@ def check_configuration(config: Any, chunks: list[Any], name: str, gsnr: bool | 
             "first step. Set both to the same value")
     accepted = REGISTRY[name].accepted_params()
     if not config.decoupled_weight_decay and config.weight_decay and "betas" in accepted:  # Adam's L2 decay
-        if gsnr:
+        l2_mode = "adam_w_mode" in accepted
+        if gsnr:  # the GSNR off is a way out only for a member with an L2 mode (VRLamb: Lamb's)
             _refuse("OptimizerConfig.decoupled_weight_decay=False", "the GSNR scales the data gradient, and Adam's "
-                    "L2 decay would be part of it", "Set decoupled_weight_decay=True (or the GSNR off: "
-                    f"{REGISTRY[name].base}'s L2 mode)")
-        if "adam_w_mode" not in accepted:
+                    "L2 decay would be part of it", "Set decoupled_weight_decay=True" + (
+                        f" (or the GSNR off: {REGISTRY[name].base}'s L2 mode)" if l2_mode else
+                        ", or use Lamb (which takes it as adam_w_mode=False)"))
+        if not l2_mode:
             _refuse("OptimizerConfig.decoupled_weight_decay=False", f"{name} decouples its weight decay (as AdamW); "
                     "Adam's L2 decay in the gradient is not one of its modes",
                     "Set decoupled_weight_decay=True, or use Lamb (which takes it as adam_w_mode=False)")
@@ -114,13 +116,36 @@ def check_configuration(config: Any, chunks: list[Any], name: str, gsnr: bool | 
                 "Set grad_reduce_in_fp32=True")
 
 
+def _refused_on_every_rank(check: Any) -> None:
+    """Runs ``check`` and raises a refusal of any rank on every rank. Some refusals depend on what
+    a rank holds (the tied embedding on the first and last pipeline stages only, a rank without a
+    trainable parameter); a rank that went on would wait for the refused ones in Megatron's
+    collectives (``_get_param_groups_and_buffers`` gathers over every rank) until the timeout."""
+    error: Exception | None = None
+    try:
+        check()
+    except (UnsupportedMegatronConfiguration, ValueError) as e:
+        error = e
+    dist = torch.distributed
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        everyone: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(everyone, None if error is None else (isinstance(error, UnsupportedMegatronConfiguration),
+                                                                     str(error)))
+        refused = next(((rank, *e) for rank, e in enumerate(everyone) if e), None)
+        if error is None and refused is not None:
+            rank, unsupported, message = refused
+            error = (UnsupportedMegatronConfiguration if unsupported else ValueError)(f"{message} (on rank {rank})")
+    if error is not None:
+        raise error
+
+
 def partial_gradient_tensors(model_chunks: list[Any]) -> dict[int, str]:
     """The parameters whose gradient of a micro-batch is partial on each tensor-parallel rank, by
     id, with their names: sequence-parallel ones (LayerNorms, row-parallel biases) and the q/k
     LayerNorms under ``qk_layernorm`` — Megatron's own rule for the tensors it sums over TP once
     per step (``finalize_model_grads._allreduce_non_tensor_model_parallel_grads``). The square
     of a partial is not a partial of the square, so no per-micro-batch statistic of theirs is
-    exact; they step with GSNR switched off (``_gsnr_off``)."""
+    exact; they step with GSNR switched off (``_twin_groups``)."""
     config = model_chunks[0].config
     out = {}
     for chunk in model_chunks:
@@ -131,16 +156,23 @@ def partial_gradient_tensors(model_chunks: list[Any]) -> dict[int, str]:
     return out
 
 
-def _gsnr_off(param_groups: list[dict], partial: dict[int, str]) -> list[dict]:
-    """Each Megatron param group with the ``partial`` tensors moved to a twin group (same LR and
-    weight decay) with ``gsnr=False``: they step as the base optimizer, on the mean gradient
-    Megatron completes over TP; the rest keep their GSNR. Logged once, naming the tensors."""
+#: the param-group key that tells a twin group (``_twin_groups``) from its original: True on the twin
+TWIN_KEY = "tp_partial_grads"
+
+
+def _twin_groups(param_groups: list[dict], partial: dict[int, str]) -> list[dict]:
+    """Each Megatron param group followed by its twin (same LR and weight decay, ``gsnr=False``,
+    ``TWIN_KEY`` True) holding the ``partial`` tensors, which step as the base optimizer on the mean
+    gradient Megatron completes over TP; the rest keep their GSNR. Every rank, layout and member
+    has the twins, empty where nothing is moved (TP1, a member without GSNR, a group without
+    such tensors), so that a dist checkpoint's param groups are the same list on every rank and
+    in a resume on another tensor-parallel size or with the member's base, as dist-checkpointing
+    needs (it merges the saved list with the loading optimizer's). Logged once, naming the tensors."""
     out, off = [], []
     for g in param_groups:
         keep = [p for p in g["params"] if id(p) not in partial]
         moved = [p for p in g["params"] if id(p) in partial]
-        out.append({**g, "params": keep})  # kept when empty, as Megatron keeps its groups (every rank the same)
-        out += [{**g, "params": moved, "gsnr": False}] if moved else []
+        out += [{**g, "params": keep, TWIN_KEY: False}, {**g, "params": moved, "gsnr": False, TWIN_KEY: True}]
         off += [partial[id(p)] for p in moved]
     if off:
         logger.warning("vrgd_ds.megatron: GSNR switched off for %d tensors (%s%s): under tensor parallelism "
@@ -182,45 +214,88 @@ def _distributed_optimizer_accepts(cls: type) -> Iterator[None]:
         distrib.Adam = saved
 
 
-@contextlib.contextmanager
-def _gsnr_in_group_key(saved_groups: list[dict]) -> Iterator[None]:
-    """THE ONE PLACE Megatron's param-group key is widened. megatron-core 0.16.1 matches a loaded
-    state's param groups to the optimizer's by ``param_group_identifier_keys`` (wd_mult, lr_mult,
-    is_expert_parallel, is_decoupled_lr): ``_filter_and_reorder_param_groups`` without the
-    distributed optimizer, ``DistributedOptimizer.load_state_dict`` with it. A GSNR-off twin group
-    (``_gsnr_off``) has its original's key, so both matched the twin: the load raised on the group
-    sizes, or the original group resumed as saved with ``gsnr=False`` (with a warning saying so).
-    While a state with twin groups loads (groups Megatron's key does not tell apart, each with
-    ``gsnr``), ``gsnr`` is part of the key; any other state (one with a group per key, e.g. a base
-    optimizer's, which resumes in a member) loads by Megatron's key alone."""
-    import megatron.core.optimizer.distrib_optimizer as distrib
-    import megatron.core.optimizer.optimizer as plain
+def _aligned_groups(saved: list[dict], current: list[dict], identify: Any) -> list[dict] | None:
+    """THE ONE PLACE a loaded state's param groups are matched to the optimizer's twins. megatron-core
+    0.16.1 matches them by ``param_group_identifier_keys`` (wd_mult, lr_mult, is_expert_parallel,
+    is_decoupled_lr; ``identify``): ``_filter_and_reorder_param_groups`` without the distributed
+    optimizer, ``DistributedOptimizer.load_state_dict`` with it. A twin group (``_twin_groups``) has
+    its original's key, so both matched one of them. Here each of the optimizer's groups gets the
+    saved group of its key and role (original or twin, ``TWIN_KEY``), or of its key alone in a
+    state saved without twins (Megatron's own optimizers'), with ``TWIN_KEY`` set as the
+    optimizer's, which the key is widened with for the load (``_loads_twin_groups``). The
+    hyperparameters of a group and its twin are the same; ``gsnr`` is a wiring key, kept as built
+    (``GSNROptimizer.load_state_dict``). The ``params`` stay where they were in the list: without
+    the distributed optimizer dist-checkpointing put the loading optimizer's own there, in its
+    order (the distributed optimizer's state has none: it takes its own). None where a group's key is not in the state (Megatron's load names it)."""
+    out = []
+    for at, group in enumerate(current):
+        same = [g for g in saved if identify(g) == identify(group)]
+        pick = next((g for g in same if g.get(TWIN_KEY, False) == group[TWIN_KEY]), same[0] if same else None)
+        if pick is None:
+            return None
+        aligned = {**pick, TWIN_KEY: group[TWIN_KEY]}
+        if len(saved) == len(current) and "params" in saved[at]:
+            aligned["params"] = saved[at]["params"]
+        out.append(aligned)
+    return out
 
-    keys = [tuple(g.get(k, g.get(f"pre_{k}")) for k in plain.param_group_identifier_keys) for g in saved_groups]
-    if len(set(keys)) == len(keys) or not all("gsnr" in g for g in saved_groups):
-        yield
-        return
-    saved = plain.param_group_identifier_keys, distrib.param_group_identifier_keys
-    plain.param_group_identifier_keys = distrib.param_group_identifier_keys = (*saved[0], "gsnr")
-    try:
-        yield
-    finally:
-        plain.param_group_identifier_keys, distrib.param_group_identifier_keys = saved
+
+#: ``Float16OptimizerWithFloat16Params``'s fp32 main weights in its state dict: a list per param group
+_FP32_FROM_FP16 = "fp32_from_fp16_params"
 
 
-def _loads_twin_groups(mopt: Any) -> None:
-    """``mopt.load_state_dict`` with ``gsnr`` in Megatron's param-group key (``_gsnr_in_group_key``)."""
+def _keeps_empty_groups_in_place(mopt: Any) -> None:
+    """THE ONE PLACE ``Float16OptimizerWithFloat16Params.sharded_state_dict`` is reshaped: its fp32
+    main weights, a list per param group, go by group index (``{index: list}``, the empty groups
+    left out). megatron-core 0.16.1's dist-checkpointing keeps the empty lists among the saved
+    common state but shifted to the front (``extract_matching_values`` appends them), and its load
+    then merged an empty list with a full one and refused ("Cannot merge two lists with different
+    lengths (0 and 11, ... 'fp32_from_fp16_params', 0)"). ``_loads_twin_groups`` turns it back."""
+    sharded = mopt.sharded_state_dict
+
+    def sharded_state_dict(*args: Any, **kwargs: Any) -> dict:
+        out = sharded(*args, **kwargs)
+        out[_FP32_FROM_FP16] = {i: group for i, group in enumerate(out[_FP32_FROM_FP16]) if group}
+        return out
+
+    mopt.sharded_state_dict = sharded_state_dict
+
+
+def _loads_twin_groups(mopt: Any, inner_optimizer: GSNROptimizer) -> None:
+    """``mopt.load_state_dict`` with the saved param groups matched to the twins (``_aligned_groups``)
+    and ``TWIN_KEY`` in Megatron's param-group key while it loads (the only place it is widened)."""
     import megatron.core.optimizer.distrib_optimizer as distrib
     import megatron.core.optimizer.optimizer as plain
 
     require(plain, ("param_group_identifier_keys",), "megatron.core.optimizer.optimizer")
     require(distrib, ("param_group_identifier_keys",), "megatron.core.optimizer.distrib_optimizer")
     load = mopt.load_state_dict
+    keys = plain.param_group_identifier_keys
+
+    def identify(group: dict) -> tuple:  # Megatron's key, NeMo's pre_ spelling too
+        return tuple(group.get(k, group.get(f"pre_{k}")) for k in keys)
 
     def load_state_dict(state_dict: dict) -> Any:
-        inner = state_dict.get("optimizer", state_dict)  # the mixed-precision wrappers nest the torch state
-        with _gsnr_in_group_key(inner.get("param_groups", []) if isinstance(inner, dict) else []):
+        state_dict = dict(state_dict)
+        if isinstance(state_dict.get(_FP32_FROM_FP16), dict):  # by group index (``_keeps_empty_groups_in_place``)
+            by_index = state_dict[_FP32_FROM_FP16]
+            state_dict[_FP32_FROM_FP16] = [by_index.get(i, []) for i in range(len(inner_optimizer.param_groups))]
+        nested = isinstance(state_dict.get("optimizer"), dict)  # the mixed-precision wrappers nest the torch state
+        inner = dict(state_dict["optimizer"]) if nested else state_dict
+        aligned = None
+        if isinstance(inner.get("param_groups"), list):
+            aligned = _aligned_groups(inner["param_groups"], inner_optimizer.param_groups, identify)
+        if aligned is None:
             return load(state_dict)
+        inner["param_groups"] = aligned
+        if nested:
+            state_dict["optimizer"] = inner
+        saved = plain.param_group_identifier_keys, distrib.param_group_identifier_keys
+        plain.param_group_identifier_keys = distrib.param_group_identifier_keys = (*keys, TWIN_KEY)
+        try:
+            return load(state_dict)
+        finally:
+            plain.param_group_identifier_keys, distrib.param_group_identifier_keys = saved
 
     mopt.load_state_dict = load_state_dict
 
@@ -246,7 +321,7 @@ def _wrap(config: Any, chunks: list[Any], inner: GSNROptimizer, groups: dict[str
     if not (config.fp16 or config.bf16 or config.use_distributed_optimizer):
         mopt = FP32Optimizer(inner, config, checkpoint.allocate)
         mopt.grad_stats_parallel_group = groups["mp_group"]
-        _loads_twin_groups(mopt)
+        _loads_twin_groups(mopt, inner)
         return mopt
     scaler = None
     if config.loss_scale:
@@ -258,7 +333,8 @@ def _wrap(config: Any, chunks: list[Any], inner: GSNROptimizer, groups: dict[str
     if not config.use_distributed_optimizer:
         mopt = Float16OptimizerWithFloat16Params(inner, config, scaler, checkpoint.allocate)
         mopt.grad_stats_parallel_group = groups["mp_group"]
-        _loads_twin_groups(mopt)
+        _keeps_empty_groups_in_place(mopt)
+        _loads_twin_groups(mopt, inner)
         return mopt
     buffers = {i: chunk.buffers for i, chunk in enumerate(chunks)}
     with _distributed_optimizer_accepts(type(inner)):
@@ -270,7 +346,7 @@ def _wrap(config: Any, chunks: list[Any], inner: GSNROptimizer, groups: dict[str
     mopt.grad_stats_parallel_group = groups["intra_dist_opt_group"]
     _refuse_adam_checkpoints(mopt)
     checkpoint.distributed(mopt, inner)
-    _loads_twin_groups(mopt)
+    _loads_twin_groups(mopt, inner)
     return mopt
 
 
@@ -308,17 +384,21 @@ def get_megatron_optimizer(config: Any, model_chunks: list[Any], optimizer: str 
     from megatron.core.optimizer.optimizer import ChainedOptimizer
     from megatron.core.process_groups_config import ProcessGroupCollection
 
-    check_configuration(config, model_chunks, optimizer, (optimizer_kwargs or {}).get("gsnr"))
+    def check() -> None:
+        check_configuration(config, model_chunks, optimizer, (optimizer_kwargs or {}).get("gsnr"))
+        if not any(p.requires_grad for chunk in model_chunks for p in chunk.parameters()):
+            raise ValueError("vrgd_ds.megatron: no trainable parameter in the model chunks of this rank")
+
+    _refused_on_every_rank(check)
     groups = ProcessGroupCollection.setup_process_groups_for_optimizer(None, model_chunks, use_gloo_process_groups)
     param_groups, _ = _get_param_groups_and_buffers(model_chunks, 0, config, config_overrides,
                                                     lambda g: not g["is_expert_parallel"], "buffers")
     # the empty groups stay: dist-checkpointing saves rank 0's param groups for every rank (Megatron
     # gives each rank the same groups, empty ones included, for that)
-    if not any(g["params"] for g in param_groups):
-        raise ValueError("vrgd_ds.megatron: no trainable parameter in the model chunks of this rank")
     kwargs = _inner_kwargs(config, optimizer, optimizer_kwargs or {})
-    if ps.get_tensor_model_parallel_world_size() > 1 and kwargs.get("gsnr", REGISTRY[optimizer].vr):
-        param_groups = _gsnr_off(param_groups, partial_gradient_tensors(model_chunks))
+    partial = (partial_gradient_tensors(model_chunks) if ps.get_tensor_model_parallel_world_size() > 1
+               and kwargs.get("gsnr", REGISTRY[optimizer].vr) else {})
+    param_groups = _twin_groups(param_groups, partial)
     with built_for_engine():  # fed from Megatron's grad buffers (attach below)
         inner = REGISTRY[optimizer].cls(param_groups, **kwargs)
     mopt = _wrap(config, model_chunks, inner, groups)
