@@ -21,8 +21,8 @@
 # megatron-core (megatron).
 #
 #   bash benchmarks/gpu_suite.sh [OUTDIR]          (default: $OUT, else ./gpu_out)
-#   PARTS="fusedlamb_build opt_step_flat opt_step zero2_seq128 megatron zero2_seq512" \
-#       bash benchmarks/gpu_suite.sh                                      (the performance checks)
+#   PARTS="fusedlamb_build zero2_seq128 megatron zero2_seq512 opt_step_flat opt_step" \
+#       bash benchmarks/gpu_suite.sh     (the performance checks, run in this order, unmeasured first)
 #   PARTS="triton_cuda seed_check plateau" bash benchmarks/gpu_suite.sh   (the checks, then the study)
 #   PARTS=zero2_seq128 BUDGET_S=<budget_left_s - 60> bash benchmarks/gpu_suite.sh   (the lease's second
 #       call, warm: start-up counts against the lease, so size it from the device's budget left)
@@ -47,6 +47,14 @@
 # sentencepiece than the pinned one: they would read other data than the records they compare with.
 set -uo pipefail
 cd "$(dirname "$0")/.."
+KNOWN_PARTS="fusedlamb_build triton_cuda seed_check zero2_seq128 megatron zero2_seq512 opt_step_flat opt_step
+zero2_seq128_noprofile opt_step_adam plateau"
+for name in ${PARTS:-plateau}; do  # a misspelt part would run nothing and still say "done"
+    if [[ " ${KNOWN_PARTS//$'\n'/ } " != *" $name "* ]]; then
+        echo "gpu_suite: unknown part '$name' in PARTS; the parts: ${KNOWN_PARTS//$'\n'/ }" >&2
+        exit 2
+    fi
+done
 OUTDIR=$(mkdir -p "${1:-${OUT:-gpu_out}}" && cd "${1:-${OUT:-gpu_out}}" && pwd)
 WORK=${GPU_SUITE_WORK:-/tmp/gpu_suite}  # the parts' logs and records, packed into OUTDIR
 WHEELS=${WHEELS:-.whl}
@@ -65,12 +73,18 @@ pack() {  # WORK into OUTDIR, the study's run logs with it; written aside and re
     cp "$WORK/summary.log" "$OUTDIR/summary.log"
 }
 if [[ -d $WHEELS ]] && compgen -G "$WHEELS/*.whl" >/dev/null; then
-    if ! python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
+    # a second call on the warm machine: /tmp/site already holds these wheels (their names and sizes)
+    stamp=$(ls -l "$WHEELS"/*.whl | awk '{print $5, $NF}')
+    if [[ -f /tmp/site/.gpu_suite_wheels && $(cat /tmp/site/.gpu_suite_wheels) == "$stamp" ]]; then
+        echo "wheels: /tmp/site holds them already" >"$WORK/wheels.log"
+    elif ! python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
         "$WHEELS"/*.whl >"$WORK/wheels.log" 2>&1; then
         { echo "== the wheels in $WHEELS did not install: nothing ran"; tail -n 40 "$WORK/wheels.log"; } \
             | tee -a "$WORK/summary.log"
         pack
         exit 1
+    else
+        printf '%s\n' "$stamp" >/tmp/site/.gpu_suite_wheels
     fi
     export PYTHONPATH=/tmp/site:${PYTHONPATH:-}
 fi
@@ -102,6 +116,9 @@ part() {  # name, seconds, command... (capped by the time left before the study'
     local rc=$?
     echo "   rc=$rc in $((SECONDS - t0))s" | tee -a "$WORK/summary.log"
     tail -n 40 "$WORK/$name.log" >>"$WORK/summary.log"
+    # a build killed at its limit leaves torch's extension lock, and every later load of the op
+    # would wait on it until its own limit: the parts run one at a time, so none is building now
+    rm -f "${TORCH_EXTENSIONS_DIR:-$HOME/.cache/torch_extensions}"/*/*/lock
     pack
 }
 
@@ -109,8 +126,8 @@ part() {  # name, seconds, command... (capped by the time left before the study'
   python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
   df -h /dev/shm | tail -n 1; } >>"$WORK/summary.log" 2>&1
 pack  # something comes back even if the first part is cut short
-part fusedlamb_build 60 python3 -c "from deepspeed.ops.op_builder import FusedLambBuilder as B; B().load()"
-part triton_cuda 180 python3 -m pytest -q -x -p no:cacheprovider tests/unit/test_triton.py -k "pack_bucket or cuda"
+part fusedlamb_build 120 python3 -c "from deepspeed.ops.op_builder import FusedLambBuilder as B; B().load()"
+part triton_cuda 180 python3 -m pytest -q -p no:cacheprovider tests/unit/test_triton.py -k "pack_bucket or cuda"
 wikitext=${WIKITEXT:-}
 for candidate in ../shared/data/wikitext-2 .data/wikitext-2; do
     [[ -z $wikitext && -f $candidate/valid.txt ]] && wikitext=$candidate
@@ -130,18 +147,19 @@ if [[ -n $wikitext ]]; then
 elif [[ " $PARTS " == *" seed_check "* ]]; then
     echo "== seed_check: not started, $no_wikitext" | tee -a "$WORK/summary.log"
 fi
-part opt_step_flat 40 python3 benchmarks/gpu_optimizer_step.py --model large --flat --kernels --iters 10
-part opt_step 60 python3 benchmarks/gpu_optimizer_step.py --model large --kernels --iters 10
 one_rank=(env RANK=0 LOCAL_RANK=0 WORLD_SIZE=1 MASTER_ADDR=127.0.0.1 MASTER_PORT=29631)
 zero2() {  # part name, seq, extra options
     local name=$1 seq=$2; shift 2
     part "$name" 240 "${one_rank[@]}" python3 benchmarks/zero2_step.py --worker --ranks 1 --gas 4 \
         --micro-batch 32 --seq "$seq" --model large --dtype bf16 --anchors --hooks --warmup 2 "$@"
 }
+# the parts not measured since the bucket packing first, then those measured before
 zero2 zero2_seq128 128 --profile --repeats 4
-part megatron 45 torchrun --nproc_per_node 1 --master_port 29641 benchmarks/megatron_step.py --accumulation 2 16 \
-    --steps 10
+part megatron 45 python3 -m torch.distributed.run --nproc_per_node 1 --master_port 29641 \
+    benchmarks/megatron_step.py --accumulation 2 16 --steps 10
 zero2 zero2_seq512 512 --profile --repeats 4
+part opt_step_flat 40 python3 benchmarks/gpu_optimizer_step.py --model large --flat --kernels --iters 10
+part opt_step 60 python3 benchmarks/gpu_optimizer_step.py --model large --kernels --iters 10
 zero2 zero2_seq128_noprofile 128 --repeats 6
 part opt_step_adam 40 python3 benchmarks/gpu_optimizer_step.py --model large --iters 10 \
     --only "AdamW(fused)" VRAdam Lamb VRLamb "DS FusedLamb"

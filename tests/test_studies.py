@@ -1777,6 +1777,22 @@ def test_the_gpu_suites_study_commands_parse():
         assert args.time_limit is None or args.expect_share == 8
 
 
+def test_the_gpu_suite_refuses_a_part_it_does_not_have(tmp_path):
+    """A misspelt name in ``PARTS`` (``zero2-seq128``) matched no part: the call ran nothing, said
+    "done" and spent the lease. It now exits 2 at once naming the parts, and every part the script
+    runs is among them. Fails on the old script."""
+    import re
+
+    script = ROOT / "benchmarks" / "gpu_suite.sh"
+    res = subprocess.run(["bash", str(script), str(tmp_path / "out")], capture_output=True, text=True, timeout=60,
+                         env={**os.environ, "PARTS": "plateau zero2-seq128"})
+    assert res.returncode == 2 and "unknown part 'zero2-seq128' in PARTS" in res.stderr, res.stderr
+    known = set(res.stderr.split("the parts:", 1)[1].split())
+    text = script.read_text().replace("\\\n", " ")
+    ran = set(re.findall(r"^\s*part (\w+) ", text, re.M)) | set(re.findall(r"^\s*zero2 (\w+) ", text, re.M))
+    assert ran | {"plateau"} == known, (ran, known)
+
+
 def _paused_launch(tmp_path: Path, name: str, cmd: list[str], config: dict, paused: bool = True):
     """A ``Launch`` whose directory holds a pause (a ``PAUSED`` segment at step 120, its config, a
     checkpoint), as a time limit left it; with ``paused`` False a run never started."""

@@ -129,8 +129,8 @@ def _refused_on_every_rank(check: Any) -> None:
     dist = torch.distributed
     if dist.is_initialized() and dist.get_world_size() > 1:
         everyone: list[Any] = [None] * dist.get_world_size()
-        dist.all_gather_object(everyone, None if error is None else (isinstance(error, UnsupportedMegatronConfiguration),
-                                                                     str(error)))
+        mine = None if error is None else (isinstance(error, UnsupportedMegatronConfiguration), str(error))
+        dist.all_gather_object(everyone, mine)
         refused = next(((rank, *e) for rank, e in enumerate(everyone) if e), None)
         if error is None and refused is not None:
             rank, unsupported, message = refused
@@ -226,7 +226,8 @@ def _aligned_groups(saved: list[dict], current: list[dict], identify: Any) -> li
     hyperparameters of a group and its twin are the same; ``gsnr`` is a wiring key, kept as built
     (``GSNROptimizer.load_state_dict``). The ``params`` stay where they were in the list: without
     the distributed optimizer dist-checkpointing put the loading optimizer's own there, in its
-    order (the distributed optimizer's state has none: it takes its own). None where a group's key is not in the state (Megatron's load names it)."""
+    order (the distributed optimizer's state has none: it takes its own). None where a group's
+    key is not in the state (Megatron's load names it)."""
     out = []
     for at, group in enumerate(current):
         same = [g for g in saved if identify(g) == identify(group)]
