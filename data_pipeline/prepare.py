@@ -32,11 +32,12 @@ and the later ones reuse what the first built.
 from __future__ import annotations
 
 import contextlib
+import functools
 import hashlib
 import json
 import logging
 import os
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -109,15 +110,17 @@ def corpus_content_sha256(corpus: Corpus) -> str:
     return digest.hexdigest()
 
 
-def _same_bytes(record: dict, corpus: Corpus | EmbeddedCorpus, fingerprint: str) -> dict:
+def _same_bytes(record: dict, corpus: Corpus | EmbeddedCorpus, fingerprint: str,
+                content: Callable[[], str]) -> dict:
     """``record`` with ``fingerprint`` in place of its recorded one where the corpus files moved or
     were touched (other paths or modification times: a copy, a restore, a data set staged again)
-    but hold the bytes the record's steps were built from (``corpus_sha256``); else as it was."""
+    but hold the bytes the record's steps were built from (``corpus_sha256``; ``content()`` reads
+    them); else as it was."""
     old = record.get("tokenizer", {})
     if (isinstance(corpus, EmbeddedCorpus) or not old.get("corpus_sha256")
             or old.get("corpus_fingerprint") in (None, fingerprint)):
         return record
-    if corpus_content_sha256(corpus) != old["corpus_sha256"]:
+    if content() != old["corpus_sha256"]:
         return record
     logger.info("the corpus files have other paths or modification times than when this directory was "
                 "prepared, and the same bytes: reusing what was built from them")
@@ -202,7 +205,9 @@ def prepare(
         record_path = output_dir / RECORD
         record = _read_record(record_path)
         fingerprint = corpus_fingerprint(corpus)
-        moved = _same_bytes(record, corpus, fingerprint)
+        # the files' bytes, read at most once a call (a rebuild records the digest that decided it)
+        content = functools.cache(lambda: corpus_content_sha256(corpus))
+        moved = _same_bytes(record, corpus, fingerprint, content)
         if moved is not record:  # once: the next start finds the new fingerprint
             record = moved
             _write_record(record_path, record)
@@ -233,7 +238,7 @@ def prepare(
             # tokenizer came out byte for byte as before (another seed on a corpus the trainer reads whole):
             # then the shards stand, and a job reading them while this one prepares goes on
             same = tokenizer.sha256 == old.get("sha256")
-            content = {} if isinstance(corpus, EmbeddedCorpus) else {"corpus_sha256": corpus_content_sha256(corpus)}
+            content = {} if isinstance(corpus, EmbeddedCorpus) else {"corpus_sha256": content()}
             record = {**(record if same else {}),
                       "tokenizer": {**wanted, **content, "source": corpus.description, "trainer": trainer(),
                                     "sha256": tokenizer.sha256}}

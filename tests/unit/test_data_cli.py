@@ -141,6 +141,7 @@ def test_a_corpus_touched_or_copied_with_the_same_bytes_is_not_prepared_again(co
     copy.write_text(copy.read_text().replace("e", "a"))  # other bytes, the same size
     os.utime(copy, ns=(2, 2))
     assert prepare(out, copy, **options).built == ("tokenizer", "shards")
+    assert reads == [1, 1]  # the rebuild records the digest read once to compare, not read again
 
 
 def test_another_seed_keeps_the_shards_when_the_tokenizer_comes_out_the_same(corpus_file, tmp_path):
