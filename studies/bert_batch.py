@@ -1565,7 +1565,11 @@ def main() -> None:
                       "level of its held-out masks (below it by: unigram − loss)",
                       table(["corpus", "batch", "optimizer", "seed", "steps", "samples", "MLM loss", "unigram level",
                              "below it by", "B_simple (samples)"], rows))
-    everyone = list({run_key(r): r for r in probe_runs + results}.values())  # a probe run may be a grid cell too
+    # a probe run may be a grid cell too; the grid's order, not the order the runs finished or were found in
+    everyone = sorted({run_key(r): r for r in probe_runs + results}.values(), key=lambda r: (
+        corpora.index(r["corpus"]) if r["corpus"] in corpora else len(corpora), r["corpus"], r["batch"],
+        labels.index(r["optimizer"]) if r["optimizer"] in labels else len(labels), r["optimizer"], r["factor"],
+        r["seed"]))
     traced = [r for r in everyone if r.get("trajectory")]
     if traced:
         out.add_table("Held-out loss and the noise scale as training goes: MLM loss (B_simple over the steps since the "

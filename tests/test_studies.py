@@ -247,6 +247,38 @@ def test_a_probe_run_that_is_also_a_grid_cell_is_recorded_once(tmp_path):
 
 
 @pytest.mark.exhaustive
+def test_the_trajectory_table_lists_the_runs_in_the_grids_order(tmp_path):
+    """A study's tables are a function of its runs: the trajectory table lists them in the grid's
+    order (corpus, batch, optimizer as given, factor, seed), however they were found. It listed
+    them as they came: the noise probe's runs first, and a resumed study's new runs after every
+    run it found, so a record grown that way, assembled again from its runs with ``--reuse`` and
+    ``--only-finished`` (the grid's order), gave other tables than its own. Fails on the old code
+    (the probe's VR-LAMB runs came before LAMB's)."""
+    runs = [("embedded", 64, label, f, s, 6.5 + abs(f - 1) / 10 + s / 100)
+            for label in ("LAMB", "VR-LAMB first_moment") for f in (0.5, 1.0, 2.0) for s in (1, 2)]
+    rec = fake_study(tmp_path / "rec", runs)
+    records = [json.loads(line) for line in (rec / "runs.jsonl").read_text().splitlines()]
+    for r in records:  # the VR runs measured B_simple near the base batch: multiple 1 lands on it
+        r["b_simple"] = 60.0 + r["seed"] if r["optimizer"] != "LAMB" else None
+        r["trajectory"] = [{"samples": n, "mlm_loss": r["mlm_loss"] + 1 / n, "b_simple": r["b_simple"]}
+                           for n in (2560, 5120, 7680, 10240)]
+    tables = []
+    for order in (records, records[::-1]):
+        (rec / "runs.jsonl").write_text("".join(json.dumps(r) + "\n" for r in order))
+        out = tmp_path / f"out{len(tables)}"
+        run_study("bert_batch.py", "--only-finished", "--corpus", "embedded", "--optimizer", "LAMB", "--optimizer",
+                  "VR-LAMB first_moment", "--noise-multiple", "1", "--noise-scale", "auto", "--lr-factor", "0.5",
+                  "--lr-factor", "1", "--lr-factor", "2", "--work", str(tmp_path / "work"), "--reuse", str(rec),
+                  "--out", str(out))
+        tables.append((out / "tables.md").read_text())
+    assert tables[0] == tables[1]
+    trajectory = tables[0].split("as training goes")[1].split("####")[0]
+    rows = [line.split(" | ")[2:5] for line in trajectory.splitlines() if line.startswith("| embedded")]
+    assert rows == [[label, f"×{f:g}", str(s)] for label in ("LAMB", "VR-LAMB first_moment")
+                    for f in (0.5, 1.0, 2.0) for s in (1, 2)]
+
+
+@pytest.mark.exhaustive
 def test_bert_batch_assembles_committed_runs_of_several_studies(tmp_path):
     """``--reuse`` reads runs from committed outputs (two grids of one cell here) and
     ``--only-finished`` assembles them without running anything: the best factor is chosen among
