@@ -995,7 +995,8 @@ def unigram_loss(data: Path, seed: int, seq_len: int, count: int, heldout_fracti
     job_data = JobData(Tokenizer.load(data / TOKENIZER_FILE), corpus, {seq_len: index},
                        split_document(corpus.num_documents, heldout_share(heldout_fraction)), seed, None)
     train_tokens, _ = job_data.token_streams()
-    counts = np.bincount(np.asarray(train_tokens, dtype=np.int64), minlength=job_data.vocab_size) + 1.0
+    text = train_tokens[train_tokens != job_data.tokenizer.sep_id]  # the documents' tokens, not the GPT's separators
+    counts = np.bincount(np.asarray(text, dtype=np.int64), minlength=job_data.vocab_size) + 1.0
     log_p = np.log(counts / counts.sum())
     _, held = job_data.split(seq_len)
     labels = np.concatenate([held[(0, i)]["labels"].numpy() for i in range(min(count, len(held)))])

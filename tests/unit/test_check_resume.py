@@ -184,6 +184,36 @@ def test_a_megatron_checkpoint_reports_its_layout_and_the_configured_one(tmp_pat
     assert not ok and "written by the megatron engine, the config has job.engine 'deepspeed'" in report
 
 
+@pytest.mark.parametrize("windows", [True, False])
+def test_a_gpt_checkpoint_is_checked_against_the_gpt_windows_fingerprint(tmp_path, windows):
+    """The Megatron engine records the fingerprint of its GPT windows (``JobData.fingerprint``
+    with ``windows``: each document ends with ``[SEP]``), another than the BERT samples' of the
+    same prepared data; ``--check-resume`` compares a Megatron checkpoint with that one, so the
+    job's own checkpoint reads as the same data and one whose windows were made without the
+    token (the BERT form of the fingerprint, as recorded before) as other data, which the job
+    refuses. Fails on the code before, which had one fingerprint for both."""
+    from types import SimpleNamespace
+
+    from vrgd_ds.data_pipeline.tokenizer import sha256_file
+    from vrgd_ds.train.config import parse_job
+    from vrgd_ds.train.data import JobData, split_document
+
+    raw = megatron_checkpoint(tmp_path, {})
+    job = parse_job(raw)
+    data = tmp_path / "run" / "data"  # job.data.path unset: the run directory's
+    (data / "shards").mkdir(parents=True)
+    (data / "tokenizer.model").write_bytes(b"a tokenizer")
+    (data / "shards" / "manifest.json").write_text(json.dumps({"num_documents": 10, "sha256": "0" * 64}))
+    prepared = JobData(SimpleNamespace(sha256=sha256_file(data / "tokenizer.model")),
+                       SimpleNamespace(path=data / "shards"), {}, split_document(10, job.data.heldout_fraction),
+                       job.seed, None)
+    marker = tmp_path / "run" / "checkpoints" / "step00000004"
+    info = ckpt.marker(marker.parent, marker.name)["info"] | {"data": prepared.fingerprint(windows=windows)}
+    ckpt.mark_complete(marker.parent, marker.name, 4, 2, info)
+    report, ok = check(tmp_path / "run", raw, 2)
+    assert ok == windows and ("the data differs from the checkpoint's" in report) != windows, report
+
+
 @pytest.mark.parametrize("saved, now, ok", [
     ((True, "fp32"), {"use_distributed_optimizer": False}, False),
     ((False, "fp32"), {}, False),  # the default: the distributed optimizer

@@ -453,6 +453,39 @@ def test_the_job_s_held_out_split_keeps_each_pair_on_one_side(tmp_path):
     assert len(train) + len(held) + crossing == len(rows)
 
 
+def test_the_gpt_windows_mark_where_each_document_ends(tmp_path):
+    """The causal-LM windows (``JobData.windows``, the Megatron engine's GPT data) read the
+    documents end to end with ``[SEP]`` after each, the end-of-document token Megatron's GPT data
+    appends: a window that runs from one document into the next has the token at the boundary, so
+    the model is not trained to continue one document's text with an unrelated one's as if it were
+    the same. The training and held-out streams split at the held-out document, and the GPT
+    fingerprint is another than the BERT samples' (a checkpoint of windows made without the token
+    resumes as other data). Fails on the code before, which joined the documents unmarked."""
+    from types import SimpleNamespace
+
+    from vrgd_ds.train.data import JobData
+
+    docs = random_docs(np.random.default_rng(7), num_docs=12)
+    corpus = FakeCorpus(docs, tmp_path / "corpus")
+    cut, seq = 9, 16
+    data = JobData(SimpleNamespace(sep_id=S.SEP_ID, sha256="0" * 64), corpus, {}, cut, 1, None)
+    train, held = data.windows(seq)
+    for windows, first, last in ((train, 0, cut), (held, cut, len(docs))):
+        expected = np.concatenate([t for d in docs[first:last] for t in (*d, [S.SEP_ID])])
+        assert np.array_equal(windows.stream, expected)
+        # every window's tokens, read back, are the stream cut at seq tokens with one shared
+        got = [windows[(0, i)] for i in range(len(windows))]
+        assert len(got) == (len(expected) - 1) // seq > 0
+        for i, w in enumerate(got):
+            assert torch.equal(w["tokens"], torch.from_numpy(expected[i * seq:(i + 1) * seq].astype(np.int64)))
+            assert torch.equal(w["labels"], torch.from_numpy(expected[i * seq + 1:(i + 1) * seq + 1].astype(np.int64)))
+        ends = np.cumsum([sum(len(s) for s in d) + 1 for d in docs[first:last]]) - 1
+        assert np.array_equal(np.flatnonzero(windows.stream == S.SEP_ID), ends)  # no [SEP] in the text itself
+        crossing = [i for i in range(len(got)) if any(i * seq < e < (i + 1) * seq for e in ends)]
+        assert crossing and all((got[i]["tokens"] == S.SEP_ID).any() for i in crossing)
+    assert data.fingerprint(windows=True) != data.fingerprint()
+
+
 @pytest.mark.parametrize("count, world, micro", [(256, 6, 2), (256, 24, 2), (10, 3, 4), (7, 7, 1), (64, 2, 8)])
 def test_every_rank_evaluates_as_many_batches(count, world, micro):
     """``vrgd_ds.train.data.eval_batches``: each data-parallel rank gets the same number of

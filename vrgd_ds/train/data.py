@@ -56,18 +56,25 @@ class JobData:
     def vocab_size(self) -> int:
         return self.tokenizer.vocab_size
 
-    def fingerprint(self) -> str:
+    def fingerprint(self, windows: bool = False) -> str:
+        """``fingerprint`` of the BERT samples, or with ``windows`` of the causal-LM windows."""
         return fingerprint(self.tokenizer.sha256, self.corpus.path / MANIFEST, self.seed, self.split_document,
-                           self.next_sentence)
+                           self.next_sentence, windows)
 
     def _dataset(self, seq_len: int) -> BertPretrainingDataset:
         return BertPretrainingDataset(self.corpus, self.samples[seq_len], seq_len, seed=self.seed)
 
     def token_streams(self) -> tuple[np.ndarray, np.ndarray]:
-        """(training, held-out) documents' tokens, each concatenated in corpus order (held out:
-        the documents from ``split_document`` on, as for the BERT samples)."""
+        """(training, held-out) documents' tokens, each concatenated in corpus order with
+        ``[SEP]`` after every document: the end-of-document token (Megatron's GPT data appends
+        one), so no window runs from one document into the next unmarked, and a model learns where
+        documents end. Held out: the documents from ``split_document`` on, as for the BERT samples."""
         def stream(first: int, last: int) -> np.ndarray:
-            parts = [s for i in range(first, last) for s in self.corpus.document(i)]
+            parts = []
+            for i in range(first, last):
+                sentences = self.corpus.document(i)
+                if sentences:  # the shards' dtype (the windows are made int64 as they are read)
+                    parts += [*sentences, np.array([self.tokenizer.sep_id], dtype=sentences[0].dtype)]
             return np.concatenate(parts) if parts else np.zeros(0, dtype=np.int64)
 
         return stream(0, self.split_document), stream(self.split_document, self.corpus.num_documents)
@@ -127,11 +134,13 @@ WHERE_KEYS = ("source", "tokenizer_path")
 
 
 def fingerprint(tokenizer_sha256: str, manifest: Path, seed: int, split_document: int,
-                next_sentence: str | None) -> str:
+                next_sentence: str | None, windows: bool = False) -> str:
     """What decides the sample stream, in 16 hex digits: the tokenizer, the shards (their
     manifest, whose entries hash each shard's files, less ``WHERE_KEYS``: the same corpus prepared
     from another folder, or moved, is the same data), the seed, the held-out split and the
-    sentence-pair task."""
+    sentence-pair task; with ``windows``, that the stream is the causal-LM windows with their
+    end-of-document tokens (``JobData.token_streams``: a GPT checkpoint from windows without them
+    is another stream)."""
     import hashlib
     import json
 
@@ -141,6 +150,8 @@ def fingerprint(tokenizer_sha256: str, manifest: Path, seed: int, split_document
              "split_document": split_document, "next_sentence": next_sentence}
     if next_sentence == "nsp":  # pairs split by both segments' documents (JobData.split)
         parts["split"] = "both segments"
+    if windows:
+        parts["windows"] = "documents end with [SEP]"
     return hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()[:16]
 
 
@@ -151,9 +162,11 @@ def split_document(num_documents: int, heldout_fraction: float) -> int:
     return min(max(split, 1), num_documents - 1)
 
 
-def prepared_fingerprint(out: Path, seed: int, heldout_fraction: float, next_sentence: str | None) -> str | None:
+def prepared_fingerprint(out: Path, seed: int, heldout_fraction: float, next_sentence: str | None,
+                         windows: bool = False) -> str | None:
     """``fingerprint`` of the data prepared in ``out`` as a job with this seed, held-out share and
-    sentence-pair task reads it (None if nothing is prepared there)."""
+    sentence-pair task reads it, or with ``windows`` as the GPT's windows (None if nothing is
+    prepared there)."""
     import json
 
     from vrgd_ds.data_pipeline.tokenizer import sha256_file
@@ -163,14 +176,15 @@ def prepared_fingerprint(out: Path, seed: int, heldout_fraction: float, next_sen
         return None
     documents = int(json.loads(manifest.read_text())["num_documents"])
     return fingerprint(sha256_file(out / TOKENIZER_FILE), manifest, seed, split_document(documents, heldout_fraction),
-                       next_sentence)
+                       next_sentence, windows)
 
 
 def configured_fingerprint(job: JobConfig, run_dir: Path) -> str | None:
     """``fingerprint`` of the data a job with this configuration would read, if it is prepared
     (None if not: the job would prepare it)."""
     out = Path(job.data.path) if job.data.path else run_dir / "data"
-    return prepared_fingerprint(out, job.seed, job.data.heldout_fraction, job.data.next_sentence)
+    return prepared_fingerprint(out, job.seed, job.data.heldout_fraction, job.data.next_sentence,
+                                windows=job.engine == "megatron")
 
 
 def check_data_path(job: JobConfig) -> None:
