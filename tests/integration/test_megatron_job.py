@@ -149,3 +149,36 @@ def test_a_half_precision_run_resumes_exactly(tmp_path, corpus, precision, distr
         written, expected = map(float, re.search(r"checkpoint \S+: ([\d.]+) MB written \(expected ([\d.]+) MB: "
                                                  r"the engine's estimate\)", out).groups())
         assert 0.9 < expected / written < 1.1, (written, expected)
+
+
+@pytest.mark.exhaustive  # three launches (make test: the refusal before loading, tests/unit/test_check_resume.py)
+def test_a_longer_phase_added_at_a_resume_needs_the_positions_from_the_start(tmp_path, corpus):
+    """A seq-32 run resumed with a seq-64 phase added after it: the GPT's learned positions were
+    built for 32, and dist-checkpointing loads the table into no other size. Before, every
+    checkpoint of the run failed to load and the job said there was no complete checkpoint to
+    resume from, to move the directory away (exit 2 after a load attempt per checkpoint); it now
+    stops before loading, naming ``megatron.model.max_position_embeddings`` (fails on the old
+    code). A run given 64 positions from its start takes the longer phase at its resume."""
+    def phases(*lens):
+        return "job.phases=" + json.dumps([{"seq_len": n, "fraction": 1 / len(lens), "global_batch": 16,
+                                             "micro_batch": 4, "lr": 4e-3} for n in lens])
+
+    short = ("job.total_steps=2", "job.checkpoint_every=2", "job.eval_every=0", "job.data.eval_samples=8", phases(32))
+    grown = ("job.total_steps=4", "job.checkpoint_every=2", "job.eval_every=0", "job.data.eval_samples=8",
+             phases(32, 64))
+    _train(tmp_path / "a", corpus, *short)
+    run_dir = tmp_path / "a" / "run"
+    torchrun = Path(sys.executable).parent / "torchrun"
+    res = launching.run([torchrun, "--nproc_per_node", "2", "--master_port", str(launching.free_port()), "-m",
+                         "vrgd_ds.train", "--config", CONFIG, "--run-dir", run_dir, "--set",
+                         f"job.data.path={json.dumps(str(corpus))}", *[a for s in grown for a in ("--set", s)]],
+                        timeout=420, marker=run_dir)
+    out = res.stdout + res.stderr
+    assert res.returncode != 0, out[-3000:]  # torchrun's 1 for a rank's exit 2
+    assert ("vrgd-pretrain: error: " + str(run_dir / "checkpoints" / "step00000002") + ": its model has position embeddings for 32 tokens, this configuration builds 64 "
+            "(megatron.model.max_position_embeddings") in out, out[-3000:]
+    assert "no complete checkpoint" not in out and "does not load" not in out
+    positions = "megatron.model.max_position_embeddings=64"
+    _train(tmp_path / "b", corpus, *short, positions)
+    rec, out = _launch(tmp_path / "b", corpus, *grown, positions)
+    assert "resumed from" in out and [rec[s]["train/seq_len"] for s in (3, 4)] == [64, 64]

@@ -184,6 +184,66 @@ def test_a_megatron_checkpoint_reports_its_layout_and_the_configured_one(tmp_pat
     assert not ok and "written by the megatron engine, the config has job.engine 'deepspeed'" in report
 
 
+@pytest.mark.parametrize("saved, block, phases, stop", [
+    (32, {}, [32], None),
+    (32, {}, [32, 64], "a phase of seq_len 64 does not fit the 32 positions the run was built with"),
+    (64, {}, [32], "this configuration builds 32 (megatron.model.max_position_embeddings, by default from the "
+                   "longest phase): set megatron.model.max_position_embeddings to 64"),
+    (64, {"max_position_embeddings": 64}, [32, 64], None),
+])
+def test_a_gpt_checkpoint_resumes_only_into_its_own_position_table(tmp_path, saved, block, phases, stop):
+    """The GPT's learned positions are as many as the longest phase's ``seq_len`` (or
+    ``megatron.model.max_position_embeddings``), and dist-checkpointing loads the table only into
+    one of its own size: a seq-64 phase added at the resume of a seq-32 run, or a run built for 64
+    resumed without the key, would fail to load every checkpoint of the run, and the job said
+    there was no complete checkpoint and to move the directory away. ``--check-resume`` (as the
+    job, before loading) now stops naming the key, and a run built for the longer phase from its
+    start takes it. Fails on the code before, which went ahead."""
+    raw = megatron_checkpoint(tmp_path, {}, max_position_embeddings=saved)
+    raw["megatron"]["model"].update(block)
+    raw["job"]["phases"] = [{"seq_len": n, "fraction": 1 / len(phases), "global_batch": 16, "micro_batch": 4,
+                             "lr": 2e-3} for n in phases]
+    report, ok = check(tmp_path / "run", raw, 2)
+    assert ok == (stop is None), report
+    assert stop is None or f"would stop: {tmp_path / 'run' / 'checkpoints' / 'step00000004'}: its model has " \
+        f"position embeddings for {saved} tokens" in report and stop in report, report
+
+
+@pytest.mark.parametrize("phases, overrides", [([128], {}), ([128, 512], {}), ([64, 1000], {}),
+                                               ([128], {"max_position_embeddings": 1024})])
+def test_the_bert_position_table_a_resume_compares_is_the_one_the_job_builds(phases, overrides):
+    """``config.position_table`` (what ``--check-resume`` compares with the marker) gives the
+    size ``model.bert_config`` builds BERT with: max(512, the longest phase's batch width), or
+    ``job.model.overrides.max_position_embeddings``."""
+    from vrgd_ds.train.config import parse_job, position_table
+    from vrgd_ds.train.model import bert_config
+
+    raw = copy.deepcopy(RAW)
+    raw["job"]["model"]["overrides"] = overrides
+    raw["job"]["phases"] = [{"seq_len": n, "fraction": 1 / len(phases), "global_batch": 16, "micro_batch": 4,
+                             "lr": 2e-3} for n in phases]
+    job = parse_job(raw)
+    built = bert_config(job.model, 2000, max(phases)).max_position_embeddings
+    assert position_table(job, raw) == (built, "job.model.overrides.max_position_embeddings")
+    assert built == overrides.get("max_position_embeddings", max(512, -(-max(phases) // 8) * 8))
+
+
+@pytest.mark.parametrize("block, world, message", [
+    ({"tensor_model_parallel_size": 2}, 3, "tensor_model_parallel_size × pipeline_model_parallel_size = 2 × 1 does "
+                                           "not divide the 3 ranks"),
+    ({"tensor_model_parallel_size": 8}, 8, "4 heads do not split over tensor_model_parallel_size 8"),
+])
+def test_check_resume_refuses_a_megatron_layout_the_job_refuses(tmp_path, block, world, message):
+    """``--check-resume`` makes the Megatron engine's configuration checks, as the job does before
+    its process group: a TP size that does not divide the ranks, or that the heads do not split
+    over, would stop the job (exit 2). Fails on the code before, which reported "TP 2 × PP 1 × DP
+    ?" and said the resume would go ahead."""
+    raw = megatron_checkpoint(tmp_path, {})
+    raw["megatron"].update(block)
+    report, ok = check(tmp_path / "run", raw, world)
+    assert not ok and message in report, report
+
+
 @pytest.mark.parametrize("windows", [True, False])
 def test_a_gpt_checkpoint_is_checked_against_the_gpt_windows_fingerprint(tmp_path, windows):
     """The Megatron engine records the fingerprint of its GPT windows (``JobData.fingerprint``

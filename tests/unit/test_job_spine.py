@@ -62,7 +62,7 @@ class StandIn(Engine):
 
     def __init__(self, raw, job, backend, timeout) -> None:
         self.rank, self.world, self.device = 0, 1, torch.device("cpu")
-        self.data_rank, self.data_world, self.fingerprint = 0, 1, "stand-in"
+        self.data_rank, self.data_world, self.fingerprint, self.positions = 0, 1, "stand-in", 512
 
     def setup(self, run_dir, barrier) -> None:
         self.optimizer = Optimizer()

@@ -160,6 +160,22 @@ class AdaptiveBatchConfig(_Strict):
         return self
 
 
+def position_table(job: "JobConfig", raw: dict[str, Any]) -> tuple[int, str]:
+    """The learned positions the job's model is built with and the key that sets them: BERT
+    (``job.model.overrides.max_position_embeddings``, by default max(512, the longest phase's
+    batch width)) or the Megatron GPT (``megatron.model.max_position_embeddings``, by default the
+    longest phase's ``seq_len``). A checkpoint loads only into a table of its own size, so the
+    marker records it and a resume compares it before loading (``resume.positions_change``)."""
+    from vrgd_ds.data_pipeline.samples import padded_length
+
+    longest = max(p.seq_len for p in job.phases)
+    if job.engine == "megatron":
+        model = ((raw.get("megatron") or {}).get("model") or {})
+        return model.get("max_position_embeddings") or longest, "megatron.model.max_position_embeddings"
+    return (job.model.overrides.get("max_position_embeddings") or max(512, padded_length(longest)),
+            "job.model.overrides.max_position_embeddings")
+
+
 class PhaseConfig(_Strict):
     """One phase of the recipe."""
 

@@ -8,9 +8,11 @@ evaluations); the sampler is rebuilt from the samples consumed; the torch RNG (d
 re-seeded from ``(seed, step, slot)`` before every micro-batch, where the slot is the
 micro-batch's place in the step's global batch (micro-step × data-parallel ranks + rank), so no
 generator state has to be carried over. A run stopped after step N and resumed therefore repeats
-the uninterrupted run's losses (fp32); resumed on another number of ranks or another
-model-parallel layout (same micro-batch), each slot holds the same samples with the same dropout,
-and only the summation order differs.
+the uninterrupted run's losses (fp32); resumed on another number of data-parallel ranks (same
+micro-batch), each slot holds the same samples with the same dropout, and only the summation order
+differs. On another tensor- or pipeline-parallel layout the slots hold the same samples, but the
+dropout masks are drawn for other shapes (a tensor-parallel rank draws its heads' attention
+dropout), so only with dropout off do the losses follow the uninterrupted run's.
 
 Failure handling (each case ends the job with a message naming the key, file, rank or step):
 
@@ -56,12 +58,13 @@ from vrgd_ds.run import leave_together
 from vrgd_ds.train import checkpoints as ckpt
 from vrgd_ds.train.config import (ConfigError, JobConfig, adaptive_setting_keys, check_resume_marker,
                                   check_resume_position, data_change_policy, gradient_accumulation, load_config,
-                                  optimizer_state_policy, phase_samples, phase_settings, resumed_consumed)
+                                  optimizer_state_policy, phase_samples, phase_settings, position_table,
+                                  resumed_consumed)
 from vrgd_ds.train.data import check_data_path, eval_batches, loader
 from vrgd_ds.train.engines import Engine, engine_class
 from vrgd_ds.train.engines.base import LAUNCHER_RANK, launcher_value
 from vrgd_ds.train.resume import (ConversionFailed, configured_options, data_change, engine_switch, named_params,
-                                  option_note, resumed_optimizer, resumed_options)
+                                  option_note, positions_change, resumed_optimizer, resumed_options)
 from vrgd_ds.train.rundir import RunDirBusy, RunDirLock
 from vrgd_ds.train.schedule import PhaseSchedule
 from vrgd_ds.train.watchdog import Watchdog, collective_timeout
@@ -308,6 +311,8 @@ class Job:
                                                 self.job.engine))
             data_note = data_change(self.ckpt_dir / choice.tag, saved.get("data"), self.engine.fingerprint,
                                     data_change_policy(self.raw))
+            positions_change(self.ckpt_dir / choice.tag, saved.get("max_position_embeddings"), self.engine.positions,
+                             position_table(self.job, self.raw)[1], max(p.seq_len for p in self.job.phases))
             try:  # before anything loads or converts, as --check-resume (the loaded state is checked again)
                 check_resume_marker(self.job, saved, self.engine.data_world)
             except ConfigError as e:
@@ -377,7 +382,7 @@ class Job:
         return {"engine": self.job.engine, "optimizer": self.optimizer_info(), **self.engine.layout(),
                 "total_steps": self.job.total_steps, "phases": [p.model_dump(mode="json") for p in self.job.phases],
                 "data": self.engine.fingerprint, "consumed": list(self.consumed), "seed": self.job.seed,
-                "options": self.options}
+                "options": self.options, "max_position_embeddings": self.engine.positions}
 
     def _apply_configured_options(self, built: list[dict[str, Any]]) -> list[str]:
         """A loaded optimizer state brings its param-group options (torch's rule); the ones the

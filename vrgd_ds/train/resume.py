@@ -42,6 +42,20 @@ def data_change(path: Path, saved: str | None, now: str, policy: str) -> str | N
     return f"{what}: going on from the saved position in the new stream ({CHECKPOINT_KEY}.{DATA_CHANGE_KEY} \"continue\")"
 
 
+def positions_change(path: Path, saved: int | None, now: int, key: str, longest: int) -> None:
+    """A ``ConfigError`` where checkpoint ``path``'s model has another number of learned positions
+    (``saved``, from its marker; None: the marker predates the record) than this configuration
+    builds (``now``, set by ``key``; ``longest``: its longest phase): the position table does not
+    load into another size, and every older checkpoint of the run would fail the same way."""
+    if saved in (None, now):
+        return
+    fits = (f"set {key} to {saved}" if longest <= saved else
+            f"a phase of seq_len {longest} does not fit the {saved} positions the run was built with, so it cannot "
+            f"continue this run (a run that will grow its sequences sets {key} to the longest from its start)")
+    raise ConfigError(f"{path}: its model has position embeddings for {saved} tokens, this configuration builds {now} "
+                      f"({key}, by default from the longest phase): {fits}")
+
+
 class ConversionFailed(ConfigError):
     """A checkpoint saved on another number of ranks did not convert to universal form (a damaged
     file, say): the job tries the previous checkpoint, and says this if none loads."""
@@ -219,7 +233,7 @@ def check(run_dir: Path, raw: dict[str, Any] | None, world: int | None) -> tuple
 
     from vrgd_ds.optim.registry import OptimizerBlockError, check_optimizer
     from vrgd_ds.train.config import (check_resume_marker, data_change_policy, optimizer_state_policy, parse_job,
-                                      phase_settings)
+                                      phase_settings, position_table)
     from vrgd_ds.train.data import configured_fingerprint
     from vrgd_ds.train.schedule import PhaseSchedule
 
@@ -277,11 +291,18 @@ def check(run_dir: Path, raw: dict[str, Any] | None, world: int | None) -> tuple
             changes.append(f"{_layout(info)} -> {_layout(layout)} (dist-checkpointing reshards every tensor)")
     elif info.get("zero_stage") not in (None, stage):
         changes.append(f"ZeRO stage {info['zero_stage']} -> {stage}")
+    positions, key = position_table(job, raw)
     data = configured_fingerprint(job, run_dir)
     if data is None:
         changes.append("the configured data is not prepared yet (the job would prepare it; its fingerprint is then "
                        "compared by hand)")
     try:
+        if job.engine == "megatron":  # the checks the job makes before its process group (the layout's too)
+            from vrgd_ds.train.engines.megatron import check as check_megatron
+
+            check_megatron(raw, job, ranks)
+        positions_change(ckpt_dir / choice.tag, info.get("max_position_embeddings"), positions, key,
+                         max(p.seq_len for p in job.phases))
         if data is not None and (note := data_change(ckpt_dir / choice.tag, info.get("data"), data,
                                                      data_change_policy(raw))):
             changes.append(note)

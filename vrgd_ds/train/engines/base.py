@@ -59,7 +59,8 @@ class Engine(abc.ABC):
     ``data_rank`` / ``data_world`` (the ranks that read different samples: every rank under
     DeepSpeed, the data-parallel group under Megatron). After ``setup``: ``optimizer`` (the
     VRGD optimizer whose ``param_groups`` the spine sets the LR on and whose ``gsnr_metrics``
-    it logs), ``fingerprint`` (the data stream's) and ``task`` (``"mlm"`` or ``"lm"``: the
+    it logs), ``fingerprint`` (the data stream's), ``positions`` (the model's learned position
+    table, ``config.position_table``: recorded in the marker, a resume compares it) and ``task`` (``"mlm"`` or ``"lm"``: the
     evaluation's metric names, ``eval/<task>_loss`` and ``eval/<task>_acc``)."""
 
     name: str
@@ -74,6 +75,7 @@ class Engine(abc.ABC):
     data_world: int
     optimizer: GSNROptimizer
     fingerprint: str
+    positions: int
 
     @staticmethod
     @abc.abstractmethod

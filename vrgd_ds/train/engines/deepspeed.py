@@ -122,6 +122,7 @@ class DeepSpeedEngine(Engine):
         self.fingerprint = self.data.fingerprint()
         torch.manual_seed(job.seed)  # the same initial weights on every rank and every start
         model = build_model(job.model, self.data.vocab_size, max(p.seq_len for p in job.phases), self.next_sentence)
+        self.positions = model.config.max_position_embeddings
         ds_cfg = deepspeed_config(self.raw, job.phases[0], self.world, 0)
         wd = float(ds_cfg.get("optimizer", {}).get("params", {}).get("weight_decay", 0.0))
         groups = vrgd_ds.param_groups(model, weight_decay=wd)

@@ -34,7 +34,7 @@ import torch.distributed as dist
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from vrgd_ds.optim.registry import REGISTRY, OptimizerBlockError, check_optimizer
-from vrgd_ds.train.config import ConfigError, JobConfig, gradient_accumulation, validation_error
+from vrgd_ds.train.config import ConfigError, JobConfig, gradient_accumulation, position_table, validation_error
 from vrgd_ds.train.data import JobData, prepare_data, stack
 from vrgd_ds.train.engines.base import LAUNCHER_RANK, LAUNCHER_WORLD, Engine, launcher_value, local_cuda_device
 from vrgd_ds.train.resume import ResumePlan, plan_resume, wrapper_change
@@ -66,6 +66,10 @@ class GPTShape(_Strict):
     """Dropout after the attention and MLP blocks."""
     attention_dropout: float = Field(0.1, ge=0.0, lt=1.0)
     """Dropout of the attention probabilities."""
+    max_position_embeddings: int | None = Field(None, ge=1)
+    """Learned positions (default: the longest phase's ``seq_len``). A checkpoint resumes only
+    into the same number, so a run whose later phases (added at a resume) will be longer sets
+    the longest from its start."""
     vocab_size: int | None = Field(None, ge=1)
     """Default: the tokenizer's, padded to a multiple of 128 × tensor-parallel size (Megatron's
     ``make_vocab_size_divisible_by``); given, it must hold every token id."""
@@ -122,6 +126,11 @@ def check(raw: dict[str, Any], job: JobConfig, world: int | None) -> MegatronBlo
                           f"{BLOCK}.model")
     if job.data.next_sentence is not None:
         raise ConfigError("job.data.next_sentence: a BERT task; the megatron engine trains a causal language model")
+    longest = max(p.seq_len for p in job.phases)
+    if block.model.max_position_embeddings is not None and block.model.max_position_embeddings < longest:
+        raise ConfigError(f"{BLOCK}.model.max_position_embeddings: {block.model.max_position_embeddings} positions are "
+                          f"fewer than the longest phase's seq_len {longest}; raise it or remove it (the default is "
+                          "that length)")
     for i, p in enumerate(job.phases):
         if p.adaptive_batch is not None:
             raise ConfigError(f"job.phases[{i}].adaptive_batch: not supported by the megatron engine; use job.engine "
@@ -287,8 +296,9 @@ class MegatronEngine(Engine):
             raise ConfigError(f"{BLOCK}.model.vocab_size: {block.model.vocab_size} is below the tokenizer's {vocab} "
                               "pieces; raise it or remove the key (the tokenizer's, padded)")
         size = block.model.vocab_size or padded_vocab(vocab, block.tensor_model_parallel_size)
+        self.positions = position_table(job, self.raw)[0]
         self.config, self.ddp, self.megatron_optimizer = build_gpt(
-            block, self.raw["optimizer"], size, max(p.seq_len for p in job.phases), job.seed, self.device)
+            block, self.raw["optimizer"], size, self.positions, job.seed, self.device)
         self.config.finalize_model_grads_func = finalize_model_grads
         self.config.no_sync_func = self.ddp.no_sync
         self.config.grad_scale_func = self.megatron_optimizer.scale_loss  # each micro-batch's loss (fp16)
