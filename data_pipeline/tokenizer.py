@@ -16,9 +16,11 @@ in one pass over a sample of sentences, its segmentation is the most likely one 
 unigram model (BPE is available with ``model_type="bpe"``). Training reads sentences from an
 iterator (no temporary text file) and is deterministic given the documents, ``seed`` and
 ``num_threads`` (sentencepiece partitions the work by thread, so the thread count is an input
-of the result, like the seed, and defaults to a fixed 8 rather than the CPU count): the
-sampling of ``input_sentence_size`` sentences uses sentencepiece's generator seeded with
-``seed``, and the model file is written atomically (temporary file, fsync, rename).
+of the result, like the seed, and defaults to a fixed 8 rather than the CPU count): a corpus of
+more than ``input_sentence_size`` sentences is sampled here (``sample_sentences``, seeded with
+``seed``), not by sentencepiece, whose sample differs from one process to the next whatever
+``set_random_generator_seed`` says (0.2.3); the model file is written atomically (temporary
+file, fsync, rename).
 
 The sentencepiece release is an input too: from the same WikiText-2 text, seed and threads,
 0.2.2 and 0.2.3 train other models (another normalization table and other pieces, so other
@@ -34,12 +36,14 @@ from __future__ import annotations
 import hashlib
 import io
 import logging
+import math
 import os
 from collections.abc import Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 from typing import IO
 
+import numpy as np
 import sentencepiece as spm
 
 from vrgd_ds.data_pipeline.errors import DataError
@@ -222,6 +226,41 @@ def sentence_stream(documents: Iterable[Sequence[str]], max_bytes: int = MAX_SEN
             yield sentence
 
 
+#: keys the sentence sample's generator apart from the seed's other uses
+SAMPLE_TAG = 0x5E47
+
+
+def sample_sentences(sentences: Iterable[str], size: int, seed: int) -> tuple[list[str], int]:
+    """A uniform sample of ``size`` of ``sentences`` (all of them, in order, when there are no
+    more) and how many there were, read once: reservoir sampling with geometric skips (Li's
+    Algorithm L, ACM TOMS 20(4), 1994), one draw per replacement rather than per sentence, from
+    ``numpy.random.default_rng([seed, SAMPLE_TAG])``: the same sample in every process."""
+    stream = iter(sentences)
+    sample = [s for _, s in zip(range(size), stream)]
+    if len(sample) < size:
+        return sample, len(sample)
+    rng, seen = np.random.default_rng([seed, SAMPLE_TAG]), size
+
+    def shrink() -> float:  # the next weight factor: u^(1/size), u uniform on (0, 1]
+        return math.exp(math.log(1.0 - rng.random()) / size)
+
+    weight = shrink()
+    while True:
+        if weight <= 0.0:  # underflow: no later sentence would be taken
+            return sample, seen + sum(1 for _ in stream)
+        gap = 0.0 if weight >= 1.0 else math.floor(math.log(1.0 - rng.random()) / math.log1p(-weight))
+        for _ in range(int(min(gap, 2**62))):
+            if next(stream, None) is None:
+                return sample, seen
+            seen += 1
+        taken = next(stream, None)
+        if taken is None:
+            return sample, seen
+        seen += 1
+        sample[int(rng.integers(size))] = taken
+        weight *= shrink()
+
+
 def train_tokenizer(
     documents: Iterable[Sequence[str]],
     out_path: str | os.PathLike[str],
@@ -241,7 +280,7 @@ def train_tokenizer(
         vocab_size: number of pieces including the 5 specials (BERT-base uses 30522). A corpus too
             small for the vocabulary is a DataError that says so.
         model_type: ``"unigram"`` (default) or ``"bpe"``.
-        seed: seeds sentencepiece's sampling of ``input_sentence_size`` sentences.
+        seed: seeds the sample of ``input_sentence_size`` sentences (``sample_sentences``).
         input_sentence_size: at most this many sentences are used for training, a uniform sample
             (reservoir sampling, seeded) when the corpus has more; 0 uses all.
         character_coverage: fraction of characters covered by the vocabulary; the rest map to
@@ -274,11 +313,16 @@ def train_tokenizer(
     model = io.BytesIO()
     count = 0
     failed: list[DataError] = []  # the reader's error, which sentencepiece wraps once it is reading
+    sentences: Iterable[str] = sentence_stream(documents)
+    sampled = False
+    if input_sentence_size:  # read here first: sentencepiece's own sample is not reproducible
+        sentences, total = sample_sentences(sentences, input_sentence_size, seed)
+        sampled = total > input_sentence_size
 
     def counted() -> Iterator[str]:
         nonlocal count
         try:
-            for sentence in sentence_stream(documents):
+            for sentence in sentences:
                 count += 1
                 yield sentence
         except DataError as e:
@@ -296,10 +340,10 @@ def train_tokenizer(
             unk_id=1, unk_piece=UNK,
             bos_id=-1, eos_id=-1,
             control_symbols=[CLS, SEP, MASK],
-            input_sentence_size=input_sentence_size,
-            # Sampling only happens when the corpus exceeds input_sentence_size; with the seed set
-            # above the sample is the same on every run.
-            shuffle_input_sentence=True,
+            # A corpus within input_sentence_size goes in whole, as it always did; a larger one's
+            # sample (taken above) goes in whole too, so sentencepiece samples nothing.
+            input_sentence_size=0 if sampled else input_sentence_size,
+            shuffle_input_sentence=not sampled,
             character_coverage=character_coverage,
             byte_fallback=byte_fallback,
             max_sentence_length=MAX_SENTENCE_BYTES,
@@ -326,5 +370,6 @@ def train_tokenizer(
     check_special_ids(sp, out_path)
     write_atomic(out_path, data)
     tokenizer = Tokenizer(out_path)
-    logger.info("trained %s tokenizer on %d sentences: %s", model_type, count, tokenizer)
+    logger.info("trained %s tokenizer on %d sentences%s: %s", model_type, count,
+                f" (a sample of {total}; input_sentence_size)" if sampled else "", tokenizer)
     return tokenizer

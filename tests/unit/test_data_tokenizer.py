@@ -58,6 +58,56 @@ def test_training_is_deterministic(model_path, tmp_path):
     assert again.sha256 == hashlib.sha256(model_path.read_bytes()).hexdigest() == Tokenizer.load(model_path).sha256
 
 
+SAMPLED = """
+import sys
+from pydoc_data.topics import topics
+from vrgd_ds.data_pipeline.corpus import split_sentences
+from vrgd_ds.data_pipeline.tokenizer import train_tokenizer
+documents = [split_sentences(topics[key]) for key in sorted(topics)][:40]
+print(train_tokenizer(documents, sys.argv[1], vocab_size=400, seed=int(sys.argv[2]), input_sentence_size=300,
+                      num_threads=1).sha256)
+"""
+
+
+def test_a_sampled_corpus_trains_the_same_model_in_every_process(tmp_path):
+    """A corpus larger than ``input_sentence_size`` is trained on a sample; the same documents and
+    seed give the same model in another process (another start of ``prepare``, another machine),
+    and another seed another sample. Fails on the old code, which left the sample to
+    sentencepiece: its generator, whatever ``set_random_generator_seed`` says, drew another sample
+    in each process (0.2.3), so two preparations of a Wikipedia-sized corpus gave two vocabularies."""
+    import subprocess
+    import sys
+
+    def trained(seed: int, name: str) -> str:
+        out = subprocess.run([sys.executable, "-c", SAMPLED, str(tmp_path / name), str(seed)], capture_output=True,
+                             text=True, check=True)
+        return out.stdout.split()[-1]
+
+    first = trained(0, "a.model")
+    assert trained(0, "b.model") == first != trained(1, "c.model")
+
+
+def test_the_sentence_sample_is_uniform_and_reads_the_stream_once():
+    """``sample_sentences``: a corpus within the size comes back whole and in order; a larger one
+    gives each sentence the same chance (1,000 seeds drawing 10 of 100: every sentence drawn 100
+    times in expectation, all within 5 standard deviations), the same sample for the same seed,
+    and the number of sentences read."""
+    from collections import Counter
+
+    from vrgd_ds.data_pipeline.tokenizer import sample_sentences
+
+    assert sample_sentences(iter(["a", "b"]), 3, 0) == (["a", "b"], 2)
+    assert sample_sentences(iter(["a", "b", "c"]), 3, 0) == (["a", "b", "c"], 3)
+    drawn = Counter()
+    for seed in range(1000):
+        sample, total = sample_sentences(iter(map(str, range(100))), 10, seed)
+        assert total == 100 and len(set(sample)) == 10
+        drawn.update(sample)
+    assert sample_sentences(iter(map(str, range(100))), 10, 7) == sample_sentences(iter(map(str, range(100))), 10, 7)
+    sd = (1000 * 0.1 * 0.9) ** 0.5
+    assert len(drawn) == 100 and all(abs(n - 100) < 5 * sd for n in drawn.values()), sorted(drawn.values())
+
+
 def test_bpe_and_pickle(tmp_path):
     tok = train_tokenizer(DOCUMENTS[:20], tmp_path / "bpe.model", vocab_size=400, model_type="bpe", num_threads=1)
     assert tok.vocab_size == 400 and tok.id_to_piece(4) == "[MASK]"
