@@ -11,7 +11,11 @@ waiting one logs them.
 ``-o flock``. Where the filesystem refuses locks (Lustre without ``flock``) this warns and goes on
 unlocked: a single writer is still safe, concurrent ones are not; prepare such a directory once
 beforehand with ``vrgd-data prepare``. A directory this process may not write into (a read-only
-share of prepared data) is not locked: no one can change it.
+share of prepared data) is not locked: no one can change it. In a directory shared by several
+users, the lock file is made group-writable by whoever creates it; one another user left
+without write permission is locked through a read-only descriptor (``flock`` needs none,
+locally and on Lustre), and where that fails too (NFS's POSIX emulation needs one) the error
+names the file, its owner and the fix: never unlocked in a directory others can write into.
 """
 from __future__ import annotations
 
@@ -24,6 +28,8 @@ import socket
 from collections.abc import Iterator
 from pathlib import Path
 
+from vrgd_ds.data_pipeline.errors import DataError
+
 logger = logging.getLogger(__name__)
 
 
@@ -31,18 +37,22 @@ logger = logging.getLogger(__name__)
 def directory_lock(directory: Path, name: str, what: str) -> Iterator[None]:
     """Hold ``directory/name`` exclusively while the block runs (``what``: the work, for the log)."""
     path = directory / name
-    try:
-        fh = open(path, "a+")
-    except OSError as e:  # a read-only directory: no one writes into it, nothing to take turns on
-        if e.errno not in (errno.EACCES, errno.EROFS, errno.EPERM):
-            raise
-        logger.debug("not locking read-only %s (%s)", directory, e)
+    fh, writable = _open(path)
+    if fh is None:  # a read-only directory: no one writes into it, nothing to take turns on
         yield
         return
     with fh:
-        locked = _lock(fh, path, what)
         try:
-            if locked:
+            locked = _lock(fh, path, what)
+        except OSError as e:
+            if writable or e.errno not in (errno.EBADF, errno.EACCES, errno.EPERM):
+                raise
+            raise DataError(f"{path}: the lock file of this shared directory belongs to {_owner(path)} and this user "
+                            f"cannot write it, which this filesystem needs to lock it ({e.strerror}); ask its owner "
+                            f"to make it group-writable (chmod g+w {path}), or remove it while no one prepares data "
+                            f"in {directory}") from None
+        try:
+            if locked and writable:
                 fh.seek(0)
                 fh.truncate()
                 fh.write(f"{socket.gethostname()} pid {os.getpid()}\n")
@@ -51,6 +61,41 @@ def directory_lock(directory: Path, name: str, what: str) -> Iterator[None]:
         finally:
             if locked:
                 fcntl.flock(fh, fcntl.LOCK_UN)
+
+
+def _owner(path: Path) -> str:
+    """The user owning ``path``, by name where known."""
+    import pwd
+
+    uid = path.stat().st_uid
+    try:
+        return f"user {pwd.getpwuid(uid).pw_name}"
+    except KeyError:
+        return f"uid {uid}"
+
+
+def _open(path: Path):
+    """``(file, writable)`` to lock ``path`` through: read-write, creating it group-writable;
+    read-only where another user's lock file may not be written; ``(None, False)`` in a directory
+    this process may not write into (``os.access``), whose files no one here can change."""
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o664)
+    except OSError as e:
+        if e.errno not in (errno.EACCES, errno.EROFS, errno.EPERM):
+            raise
+        if e.errno == errno.EROFS or not os.access(path.parent, os.W_OK):
+            logger.debug("not locking read-only %s (%s)", path.parent, e)
+            return None, False
+        try:  # another user's lock file in a directory this user writes into too
+            return os.fdopen(os.open(path, os.O_RDONLY), "r"), False
+        except OSError as again:
+            raise DataError(f"{path}: cannot open the lock file of {path.parent} ({again.strerror}; it belongs to "
+                            f"{_owner(path)}): ask its owner to make it group-readable and writable (chmod g+rw "
+                            f"{path}), or remove it while no one prepares data there") from None
+    if os.fstat(fd).st_uid == os.geteuid():  # ours: other users of a shared directory must be able to lock it
+        with contextlib.suppress(OSError):
+            os.fchmod(fd, os.fstat(fd).st_mode & 0o7777 | 0o660)
+    return os.fdopen(fd, "a+"), True
 
 
 def _lock(fh, path: Path, what: str) -> bool:

@@ -277,3 +277,57 @@ def test_two_writers_of_one_shard_directory_take_turns(tokenizer, tmp_path, capl
     thread.join(timeout=120)
     assert done["second"].num_documents > first.num_documents
     ShardedCorpus(out, verify="full")
+
+
+def test_another_users_lock_file_in_a_shared_directory_still_locks(tmp_path, monkeypatch):
+    """A data directory two users write into (a group share): the lock file the first user's
+    ``prepare`` left may not be opened for writing by the second. That is not a read-only
+    directory, yet the second went on unlocked, beside the first's writes (fails on the old code:
+    its ``open(..., "a+")`` refused, it ran the block without the lock). The lock is now taken
+    through a read-only descriptor; where even that is refused the error names the file, its
+    owner and the fix; a lock file this user creates is group-writable."""
+    import errno
+    import fcntl
+    import os
+    import stat
+
+    from vrgd_ds.data_pipeline import locks
+    from vrgd_ds.data_pipeline.errors import DataError
+
+    created = tmp_path / ".mine.lock"
+    with locks.directory_lock(tmp_path, created.name, "test"):
+        pass
+    assert stat.S_IMODE(created.stat().st_mode) & 0o060 == 0o060
+    theirs = tmp_path / ".prepare.lock"
+    theirs.write_text("other-host pid 1\n")
+    real_os_open, real_open = os.open, open
+
+    def refused(path) -> bool:
+        return os.path.abspath(path) == str(theirs)
+
+    def os_open(path, flags, *args, **kwargs):
+        if refused(path) and flags & (os.O_RDWR | os.O_WRONLY):
+            raise PermissionError(errno.EACCES, "Permission denied", str(path))
+        return real_os_open(path, flags, *args, **kwargs)
+
+    def builtin_open(path, mode="r", *args, **kwargs):  # the old code's way in
+        if refused(path) and any(c in mode for c in "aw+"):
+            raise PermissionError(errno.EACCES, "Permission denied", str(path))
+        return real_open(path, mode, *args, **kwargs)
+
+    monkeypatch.setattr(os, "open", os_open)
+    monkeypatch.setattr(locks, "open", builtin_open, raising=False)
+    with locks.directory_lock(tmp_path, theirs.name, "prepare"):
+        with real_open(theirs) as probe:  # another open file description: the lock must be held
+            with pytest.raises(BlockingIOError):
+                fcntl.flock(probe, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    assert theirs.read_text() == "other-host pid 1\n"  # read-only: the holder line is left as it was
+
+    def no_read_only_lock(fh, op):
+        raise OSError(errno.EBADF, "Bad file descriptor")
+
+    monkeypatch.setattr(locks.fcntl, "flock", no_read_only_lock)
+    with pytest.raises(DataError, match=r"\.prepare\.lock: the lock file of this shared directory belongs to .*"
+                                        r"\(chmod g\+w"):
+        with locks.directory_lock(tmp_path, theirs.name, "prepare"):
+            pass
