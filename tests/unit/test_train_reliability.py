@@ -846,3 +846,65 @@ def test_plots_come_from_this_runs_metrics_while_it_holds_the_run_directory(monk
     assert rc == 0
     assert events == (["plot", "release"] if jsonl else ["release"])
     assert ("metrics:" in out) is jsonl and ("plots:" in out) is jsonl
+
+
+def test_a_read_only_prepared_directory_takes_a_job_of_another_seed(tmp_path, monkeypatch):
+    """A prepared directory on a read-only share (``vrgd-data prepare`` ran with its seed, 0 by
+    default) and a job of another seed (the job's default is 1234): the job's sample index is not
+    there and cannot be written there. It is built in the run directory's ``data/samples`` and
+    every rank reads it from there; an index the share has is read where it is. Fails on the old
+    code, which wrote into the share: rank 0 died with a PermissionError while the other ranks
+    waited at the barrier."""
+    from vrgd_ds.data_pipeline import samples
+    from vrgd_ds.data_pipeline.samples import index_filename
+    from vrgd_ds.train import data
+    from vrgd_ds.train.config import load_config
+
+    share = tmp_path / "share"
+    (share / "shards").mkdir(parents=True)
+    (share / "samples").mkdir()
+    (share / "tokenizer.model").write_bytes(b"a tokenizer")
+    (share / "shards" / "manifest.json").write_text("{}")
+    (share / "samples" / index_filename(32, 0, None)).write_bytes(b"seed 0's index")
+
+    class Corpus:  # the share's shards, as ShardedCorpus reads them
+        vocab_size, num_documents = 400, 10
+
+        def __init__(self, path, verify):
+            pass
+
+        def check_token_ids(self):
+            pass
+
+        def check_tokenizer(self, tokenizer):
+            pass
+
+    def build(corpus, n, seed, out_dir, next_sentence=None):
+        path = Path(out_dir) / index_filename(n, seed, next_sentence)
+        if not path.is_file():
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_bytes(b"built")
+        return path
+
+    real_access, real_open = os.access, os.open
+
+    def os_open(path, flags, *args, **kwargs):  # the share refuses writes, as it does to any user
+        if str(path).startswith(str(share)) and flags & (os.O_RDWR | os.O_WRONLY | os.O_CREAT):
+            raise PermissionError(13, "Permission denied", str(path))
+        return real_open(path, flags, *args, **kwargs)
+
+    monkeypatch.setattr(os, "open", os_open)
+    monkeypatch.setattr(data, "ShardedCorpus", Corpus)
+    monkeypatch.setattr(samples, "build_sample_index", build)
+    monkeypatch.setattr(data.Tokenizer, "load", staticmethod(lambda path: object()))
+    monkeypatch.setattr(os, "access", lambda path, mode: not str(path).startswith(str(share)) and
+                        real_access(path, mode))
+    before = sorted(p.relative_to(share) for p in share.rglob("*"))
+    for seed, where in ((1234, tmp_path / "run" / "data" / "samples"), (0, share / "samples")):
+        _, job = load_config(TEST_CONFIG, [f'job.data.path="{share}"', f"job.seed={seed}",
+                                           'job.phases=[{"seq_len": 32, "fraction": 1.0, "global_batch": 16, '
+                                           '"micro_batch": 4, "lr": 0.002}]'])
+        prepared = data.prepare_data(job, tmp_path / "run", 0, lambda: None, [32])
+        assert prepared.samples == {32: where / index_filename(32, seed, None)}
+        assert prepared.samples[32].is_file()
+    assert sorted(p.relative_to(share) for p in share.rglob("*")) == before  # nothing written into the share

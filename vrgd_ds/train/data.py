@@ -12,6 +12,7 @@ form the held-out set, evaluated with fixed masks (epoch 0) so evaluations compa
 from __future__ import annotations
 
 import logging
+import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -207,6 +208,18 @@ def check_data_path(job: JobConfig) -> None:
                           "have the job prepare them there (job.data.prepare: true for the embedded corpus)")
 
 
+def sample_index(out: Path, run_dir: Path, filename: str) -> Path:
+    """Where a job's sample index ``filename`` is: beside the prepared data (``out/samples``)
+    where it is there or can be written there; else, for a prepared directory this job may not
+    write into (a read-only share prepared with another seed or length), in the run directory's
+    ``data/samples``."""
+    from vrgd_ds.data_pipeline.prepare import SAMPLES_DIR
+
+    beside = out / SAMPLES_DIR / filename
+    writable = os.access(out / SAMPLES_DIR if (out / SAMPLES_DIR).is_dir() else out, os.W_OK)
+    return beside if beside.is_file() or writable else run_dir / "data" / SAMPLES_DIR / filename
+
+
 def prepare_data(job: JobConfig, run_dir: Path, rank: int, barrier: Any, seq_lens: list[int]) -> JobData:
     """Opens (rank 0 first prepares) the job's data; every rank returns the same view."""
     from vrgd_ds.data_pipeline.prepare import SAMPLES_DIR, prepare, prepare_lock
@@ -230,7 +243,11 @@ def prepare_data(job: JobConfig, run_dir: Path, rank: int, barrier: Any, seq_len
                                "which the job uses (the key sizes a tokenizer the job trains)", cfg.vocab_size, out,
                                corpus.vocab_size)
             for n in seq_lens:
-                build_sample_index(corpus, n, job.seed, out / SAMPLES_DIR, next_sentence=cfg.next_sentence)
+                where = sample_index(out, run_dir, index_filename(n, job.seed, cfg.next_sentence)).parent
+                if where != out / SAMPLES_DIR:
+                    logger.info("%s cannot be written: the sample index of seq_len %d and seed %d goes to %s", out, n,
+                                job.seed, where)
+                build_sample_index(corpus, n, job.seed, where, next_sentence=cfg.next_sentence)
     elif rank == 0:  # idempotent: checks and reuses what an earlier start built
         prepare(out, inputs=cfg.inputs or None, format=cfg.format, vocab_size=cfg.vocab_size,
                 seq_lens=tuple(seq_lens), seed=job.seed, workers=cfg.prepare_workers, progress=True,
@@ -240,7 +257,7 @@ def prepare_data(job: JobConfig, run_dir: Path, rank: int, barrier: Any, seq_len
     corpus = ShardedCorpus(out / SHARDS_DIR, verify="size")
     tokenizer = Tokenizer.load(out / TOKENIZER_FILE)
     corpus.check_tokenizer(tokenizer)
-    samples = {n: out / SAMPLES_DIR / index_filename(n, job.seed, cfg.next_sentence) for n in seq_lens}
+    samples = {n: sample_index(out, run_dir, index_filename(n, job.seed, cfg.next_sentence)) for n in seq_lens}
     split = split_document(corpus.num_documents, cfg.heldout_fraction)
     return JobData(tokenizer, corpus, samples, split, job.seed, cfg.next_sentence)
 
