@@ -257,6 +257,18 @@ def _not_utf8(path: Path) -> DataError:
     return DataError(f"{where}: not UTF-8 text; convert the file to UTF-8 or leave it out of the inputs")
 
 
+def _complete_line(head: str, line: str) -> bool:
+    """Whether ``line`` (a line of ``head``, the file's first bytes) ends within them."""
+    return head.find(line) + len(line) < len(head)
+
+
+def _json_object(line: str) -> bool:
+    try:
+        return isinstance(json.loads(line), dict)
+    except json.JSONDecodeError:
+        return False
+
+
 def detect_format(path: PathLike) -> str:
     """``"jsonl"``, ``"wikitext"`` or ``"text"`` for ``path``, by extension, then by content."""
     path = Path(path)
@@ -276,8 +288,8 @@ def detect_format(path: PathLike) -> str:
         raise DataError(f"{path}: cannot be read ({type(e).__name__}: {e}); a truncated or corrupt "
                         "compressed file? Fetch it again or leave it out of the inputs") from None
     first = next((line for line in head.splitlines() if line.strip()), "")
-    if first.lstrip().startswith("{"):
-        return "jsonl"
+    if first.lstrip().startswith("{") and (not _complete_line(head, first) or _json_object(first)):
+        return "jsonl"  # a record longer than the head is taken for one; wiki markup ("{{Infobox") is text
     if _RAW_TITLE.search(head):
         return "wikitext"
     return "text"

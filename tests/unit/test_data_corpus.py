@@ -174,6 +174,17 @@ def test_auto_format_detection(tmp_path):
         "jsonl", "jsonl", "text", "wikitext"]
 
 
+def test_wiki_markup_opening_with_a_brace_is_text_not_jsonl(tmp_path):
+    """A text file whose first line opens with ``{`` without being a JSON object (wiki markup's
+    ``{{Infobox ...``) is text under ``--format auto``; a JSON object too long for the bytes
+    detection reads is still JSONL. Fails on the old code, which took any leading ``{`` for JSONL
+    and stopped with "not valid JSON ... JSONL needs one JSON object per line"."""
+    (tmp_path / "wiki.txt").write_text("{{Infobox person | name = Ada}}\nAda Lovelace was a mathematician.\n")
+    (tmp_path / "long.txt").write_text(json.dumps({"text": "word " * 20000}) + "\n")
+    assert [detect_format(tmp_path / n) for n in ("wiki.txt", "long.txt")] == ["text", "jsonl"]
+    assert [s for d in read_documents([tmp_path / "wiki.txt"]) for s in d][-1] == "Ada Lovelace was a mathematician."
+
+
 def test_globs_directories_and_compressed_files(tmp_path):
     (tmp_path / "sub").mkdir()
     (tmp_path / "b.txt").write_text("Doc b.\n")
