@@ -225,21 +225,33 @@ def test_reuse_refuses_a_record_made_with_other_optimizer_parameters_or_fixed_se
     assert "its runs of MERIT were recorded before the recipe was" in capsys.readouterr().out
 
 
+#: assembles a ``probe_grid`` record: the noise probe at the base batch, multiple 1 landing on it
+PROBE_GRID = ("--only-finished", "--corpus", "embedded", "--optimizer", "LAMB", "--optimizer", "VR-LAMB first_moment",
+              "--noise-multiple", "1", "--noise-scale", "auto", "--lr-factor", "0.5", "--lr-factor", "1",
+              "--lr-factor", "2")
+
+
+def probe_grid(directory: Path) -> tuple[Path, list[tuple], list[dict]]:
+    """A record of LAMB and VR-LAMB first_moment at batch 64, ×0.5-×2, 2 seeds, whose VR runs
+    measured ``B_simple`` near the base batch (so ``--noise-multiple 1`` lands on it): the record,
+    its runs as ``fake_study`` takes them, and its run records (written back by the caller)."""
+    runs = [("embedded", 64, label, f, s, 6.5 + abs(f - 1) / 10 + s / 100)
+            for label in ("LAMB", "VR-LAMB first_moment") for f in (0.5, 1.0, 2.0) for s in (1, 2)]
+    rec = fake_study(directory, runs)
+    records = [json.loads(line) for line in (rec / "runs.jsonl").read_text().splitlines()]
+    for r in records:
+        r["b_simple"] = 60.0 + r["seed"] if r["optimizer"] != "LAMB" else None
+    return rec, runs, records
+
+
 @pytest.mark.exhaustive
 def test_a_probe_run_that_is_also_a_grid_cell_is_recorded_once(tmp_path):
     """``--noise-scale auto`` with a multiple landing on ``--base-batch``: the probe runs at
     (base batch, ×1) are grid cells too. They were written to ``runs.jsonl`` twice, listed twice
     in the trajectory table and counted twice in ``run_wall_s``. Fails on the old code."""
-    runs = [("embedded", 64, label, f, s, 6.5 + abs(f - 1) / 10 + s / 100)
-            for label in ("LAMB", "VR-LAMB first_moment") for f in (0.5, 1.0, 2.0) for s in (1, 2)]
-    rec = fake_study(tmp_path / "rec", runs)
-    records = [json.loads(line) for line in (rec / "runs.jsonl").read_text().splitlines()]
-    for r in records:  # the VR runs measured B_simple near the base batch: multiple 1 lands on it
-        r["b_simple"] = 60.0 + r["seed"] if r["optimizer"] != "LAMB" else None
+    rec, runs, records = probe_grid(tmp_path / "rec")
     (rec / "runs.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
-    run_study("bert_batch.py", "--only-finished", "--corpus", "embedded", "--optimizer", "LAMB", "--optimizer",
-              "VR-LAMB first_moment", "--noise-multiple", "1", "--noise-scale", "auto", "--lr-factor", "0.5",
-              "--lr-factor", "1", "--lr-factor", "2", "--work", str(tmp_path / "work"), "--reuse", str(rec),
+    run_study("bert_batch.py", *PROBE_GRID, "--work", str(tmp_path / "work"), "--reuse", str(rec),
               "--out", str(tmp_path / "out"))
     out = [json.loads(line) for line in (tmp_path / "out" / "runs.jsonl").read_text().splitlines()]
     assert len(out) == len(runs) == len({(r["batch"], r["optimizer"], r["factor"], r["seed"]) for r in out})
@@ -254,21 +266,15 @@ def test_the_trajectory_table_lists_the_runs_in_the_grids_order(tmp_path):
     run it found, so a record grown that way, assembled again from its runs with ``--reuse`` and
     ``--only-finished`` (the grid's order), gave other tables than its own. Fails on the old code
     (the probe's VR-LAMB runs came before LAMB's)."""
-    runs = [("embedded", 64, label, f, s, 6.5 + abs(f - 1) / 10 + s / 100)
-            for label in ("LAMB", "VR-LAMB first_moment") for f in (0.5, 1.0, 2.0) for s in (1, 2)]
-    rec = fake_study(tmp_path / "rec", runs)
-    records = [json.loads(line) for line in (rec / "runs.jsonl").read_text().splitlines()]
-    for r in records:  # the VR runs measured B_simple near the base batch: multiple 1 lands on it
-        r["b_simple"] = 60.0 + r["seed"] if r["optimizer"] != "LAMB" else None
+    rec, _, records = probe_grid(tmp_path / "rec")
+    for r in records:
         r["trajectory"] = [{"samples": n, "mlm_loss": r["mlm_loss"] + 1 / n, "b_simple": r["b_simple"]}
                            for n in (2560, 5120, 7680, 10240)]
     tables = []
     for order in (records, records[::-1]):
         (rec / "runs.jsonl").write_text("".join(json.dumps(r) + "\n" for r in order))
         out = tmp_path / f"out{len(tables)}"
-        run_study("bert_batch.py", "--only-finished", "--corpus", "embedded", "--optimizer", "LAMB", "--optimizer",
-                  "VR-LAMB first_moment", "--noise-multiple", "1", "--noise-scale", "auto", "--lr-factor", "0.5",
-                  "--lr-factor", "1", "--lr-factor", "2", "--work", str(tmp_path / "work"), "--reuse", str(rec),
+        run_study("bert_batch.py", *PROBE_GRID, "--work", str(tmp_path / "work"), "--reuse", str(rec),
                   "--out", str(out))
         tables.append((out / "tables.md").read_text())
     assert tables[0] == tables[1]

@@ -486,6 +486,36 @@ def test_the_gpt_windows_mark_where_each_document_ends(tmp_path):
     assert data.fingerprint(windows=True) != data.fingerprint()
 
 
+def test_the_gpt_streams_are_written_once_and_mapped_by_every_rank(tmp_path):
+    """The GPT's token streams go to disk a document at a time (``JobData.write_streams``, rank 0
+    in ``prepare_data``) and every rank maps them (``windows``): the same tokens and windows as
+    the streams built in memory, but no rank holds the corpus. Before, every rank (each tensor-
+    and pipeline-parallel one too) concatenated the whole training corpus into its own memory:
+    about 20 GB a rank for a 10-billion-token uint16 corpus. Fails on the old code (no streams on
+    disk). The files' names change with the split (another held-out fraction: other streams)."""
+    from types import SimpleNamespace
+
+    from vrgd_ds.train.data import JobData
+
+    docs = random_docs(np.random.default_rng(11), num_docs=15)
+    docs[4] = []  # a document without sentences: no [SEP] of its own, as in the streams built in memory
+    corpus = FakeCorpus(docs, tmp_path / "corpus")
+    tokenizer = SimpleNamespace(sep_id=S.SEP_ID, sha256="0" * 64)
+    in_memory = JobData(tokenizer, corpus, {}, 11, 1, None)
+    on_disk = JobData(tokenizer, corpus, {}, 11, 1, None)
+    names = on_disk.stream_names()
+    paths = tuple(tmp_path / "samples" / n for n in names)
+    on_disk.write_streams(paths)
+    on_disk.streams = paths
+    for a, b in zip(in_memory.token_streams(), (np.load(p) for p in paths)):
+        assert np.array_equal(a, b) and b.dtype == corpus.dtype
+    for mine, theirs in zip(on_disk.windows(16), in_memory.windows(16)):
+        assert isinstance(mine.stream, np.memmap) and len(mine) == len(theirs) > 0
+        assert all(torch.equal(mine[(0, i)]["tokens"], theirs[(0, i)]["tokens"]) for i in range(len(mine)))
+    assert JobData(tokenizer, corpus, {}, 12, 1, None).stream_names() != names
+    assert not list((tmp_path / "samples").glob(".*tmp*"))  # each file replaced its path once complete
+
+
 @pytest.mark.parametrize("count, world, micro", [(256, 6, 2), (256, 24, 2), (10, 3, 4), (7, 7, 1), (64, 2, 8)])
 def test_every_rank_evaluates_as_many_batches(count, world, micro):
     """``vrgd_ds.train.data.eval_batches``: each data-parallel rank gets the same number of

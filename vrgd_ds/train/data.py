@@ -52,6 +52,7 @@ class JobData:
     split_document: int  # documents >= this one are held out
     seed: int
     next_sentence: str | None
+    streams: tuple[Path, Path] | None = None  # the GPT's (training, held-out) streams on disk (write_streams)
 
     @property
     def vocab_size(self) -> int:
@@ -80,10 +81,50 @@ class JobData:
 
         return stream(0, self.split_document), stream(self.split_document, self.corpus.num_documents)
 
+    def stream_names(self) -> tuple[str, str]:
+        """File names of the (training, held-out) streams, keyed by what decides them: the
+        tokenizer, the shards and the split (``fingerprint`` with ``windows``, no seed)."""
+        key = fingerprint(self.tokenizer.sha256, self.corpus.path / MANIFEST, 0, self.split_document, None, True)
+        return f"gpt_stream_{key}_train.npy", f"gpt_stream_{key}_heldout.npy"
+
+    def write_streams(self, paths: tuple[Path, Path]) -> None:
+        """``token_streams`` written to ``paths`` (``.npy``, the shards' dtype) a document at a time
+        into a file of the right length, each replacing its path once complete: memory does not
+        grow with the corpus, and every rank maps the files (``windows``) rather than holding the
+        corpus."""
+        from numpy.lib.format import open_memmap
+
+        from vrgd_ds.data_pipeline.tokenizer import fsync_dir
+
+        for path, (first, last) in zip(paths, ((0, self.split_document),
+                                               (self.split_document, self.corpus.num_documents))):
+            kept = []  # (document, its tokens) of the documents with sentences, as token_streams takes them
+            for i in range(first, last):
+                lengths = self.corpus.sentence_lengths(i)
+                if lengths.size:
+                    kept.append((i, int(lengths.sum())))
+            path.parent.mkdir(parents=True, exist_ok=True)
+            tmp = path.with_name(f".{path.name}.tmp.{os.getpid()}")
+            out = open_memmap(tmp, mode="w+", dtype=self.corpus.dtype, shape=(sum(n + 1 for _, n in kept),))
+            at = 0
+            for i, n in kept:
+                if n:
+                    out[at:at + n] = np.concatenate(self.corpus.document(i))
+                out[at + n] = self.tokenizer.sep_id
+                at += n + 1
+            out.flush()
+            del out
+            with open(tmp, "rb+") as fh:
+                os.fsync(fh.fileno())
+            os.replace(tmp, path)
+            fsync_dir(path.parent)
+
     def windows(self, seq_len: int) -> tuple[Windows, Windows]:
-        """(training, held-out) causal-LM windows of ``seq_len`` (``Windows``)."""
+        """(training, held-out) causal-LM windows of ``seq_len`` (``Windows``): of the streams on
+        disk, mapped (``streams``, written by ``prepare_data`` for the GPT), or else built here."""
         if not hasattr(self, "_streams"):
-            self._streams = self.token_streams()
+            self._streams = (tuple(np.load(p, mmap_mode="r") for p in self.streams) if self.streams
+                             else self.token_streams())
         train, held = (Windows(s, seq_len) for s in self._streams)
         if len(train) == 0 or len(held) == 0:
             raise ConfigError(f"job.data.heldout_fraction: the corpus ({self.corpus.num_documents} documents) leaves "
@@ -220,8 +261,12 @@ def sample_index(out: Path, run_dir: Path, filename: str) -> Path:
     return beside if beside.is_file() or writable else run_dir / "data" / SAMPLES_DIR / filename
 
 
-def prepare_data(job: JobConfig, run_dir: Path, rank: int, barrier: Any, seq_lens: list[int]) -> JobData:
-    """Opens (rank 0 first prepares) the job's data; every rank returns the same view."""
+def prepare_data(job: JobConfig, run_dir: Path, rank: int, barrier: Any, seq_lens: list[int],
+                 windows: bool = False) -> JobData:
+    """Opens (rank 0 first prepares) the job's data; every rank returns the same view. With
+    ``windows`` (the GPT), rank 0 also writes the token streams the windows are cut from
+    (``JobData.write_streams``, beside the sample indices: ``sample_index``) unless they are
+    there, and every rank maps them."""
     from vrgd_ds.data_pipeline.prepare import SAMPLES_DIR, prepare, prepare_lock
 
     cfg = job.data
@@ -259,7 +304,14 @@ def prepare_data(job: JobConfig, run_dir: Path, rank: int, barrier: Any, seq_len
     corpus.check_tokenizer(tokenizer)
     samples = {n: sample_index(out, run_dir, index_filename(n, job.seed, cfg.next_sentence)) for n in seq_lens}
     split = split_document(corpus.num_documents, cfg.heldout_fraction)
-    return JobData(tokenizer, corpus, samples, split, job.seed, cfg.next_sentence)
+    data = JobData(tokenizer, corpus, samples, split, job.seed, cfg.next_sentence)
+    if windows:
+        paths = tuple(sample_index(out, run_dir, name) for name in data.stream_names())
+        if rank == 0 and not all(p.is_file() for p in paths):
+            data.write_streams(paths)
+        barrier()
+        data.streams = paths
+    return data
 
 
 def loader(dataset: torch.utils.data.Dataset, sampler: PretrainingSampler, workers: int, pin_memory: bool,

@@ -289,7 +289,8 @@ class MegatronEngine(Engine):
 
         job, block = self.job, self.block
         # (the preparation's sample indices are BERT's; the windows need only its tokenizer and shards)
-        self.data: JobData = prepare_data(job, run_dir, self.rank, barrier, sorted({p.seq_len for p in job.phases}))
+        self.data: JobData = prepare_data(job, run_dir, self.rank, barrier, sorted({p.seq_len for p in job.phases}),
+                                          windows=True)
         self.fingerprint = self.data.fingerprint(windows=True)
         vocab = self.data.vocab_size
         if block.model.vocab_size is not None and block.model.vocab_size < vocab:
