@@ -13,6 +13,7 @@ file or option at fault and the fix) and exits with status 2, without a tracebac
 from __future__ import annotations
 
 import argparse
+import errno
 import json
 import logging
 import sys
@@ -248,6 +249,10 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     return args
 
 
+#: the file system's refusals ``main`` reports as one line naming the file
+_REFUSED = {errno.EACCES, errno.EPERM, errno.EROFS, errno.ENOSPC, errno.EDQUOT}
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of ``vrgd-data``; returns the exit status."""
     args = parse_args(argv)
@@ -257,6 +262,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         return args.func(args)
     except DataError as e:
         print(f"error: {e}", file=sys.stderr)
+        return 2
+    except OSError as e:  # the file system's refusal (a read-only share, no space): the file and why, no traceback
+        if e.errno not in _REFUSED or not e.filename:
+            raise
+        print(f"error: {e.filename}: {e.strerror}; the output must go where this user can write and there is room "
+              "(another output directory, or free space)", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)

@@ -269,3 +269,19 @@ def test_a_prepare_of_a_directory_another_job_is_preparing_waits_and_reuses_what
     assert f"pid {first.pid}" in caplog.text  # the waiting one says whom it waits for
     assert second["prepared"].built == ()
     ShardedCorpus(out / "shards", verify="full").check_tokenizer(Tokenizer.load(out / "tokenizer.model"))
+
+
+@pytest.mark.parametrize("code, why", [(13, "Permission denied"), (28, "No space left on device")])
+def test_a_refused_write_is_one_line_naming_the_file(tmp_path, capsys, monkeypatch, code, why):
+    """``vrgd-data`` on a directory this user cannot write (a read-only share of prepared data,
+    asked for another sequence length) or on a full disk: one line naming the file and what to
+    do, exit 2. Fails on the old code, which ended in a Python traceback."""
+    from vrgd_ds.data_pipeline import cli
+
+    def refused(args):
+        raise OSError(code, why, str(tmp_path / "data" / "prepare.json"))
+
+    monkeypatch.setattr(cli, "_cmd_info", refused)
+    assert main(["info", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: {tmp_path / 'data' / 'prepare.json'}: {why}; ") and err.count("\n") == 1
