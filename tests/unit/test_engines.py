@@ -148,3 +148,49 @@ def test_the_megatron_engine_names_a_missing_or_other_megatron_core(monkeypatch)
     monkeypatch.setattr(internals, "version", lambda: "0.15.0")
     with pytest.raises(ConfigError, match=r"supports megatron-core 0\.16\.1, found 0\.15\.0"):
         megatron.MegatronEngine.check_config(_raw(), parse_job(_raw()))
+
+
+BERT_CONFIG = ROOT / "configs" / "bert_tiny_cpu_vr_lamb.json"
+
+
+@pytest.mark.parametrize("config, sets, said", [
+    (BERT_CONFIG, ["job.phases.1.micro_batch=32"], "job.phases[1].global_batch: 32 in micro-batches of 32 gives a "
+                                                   "step of 1 gradient group(s)"),
+    (MEGATRON_CONFIG, ["job.phases.0.micro_batch=32"], "job.phases[0].global_batch: 32 in micro-batches of 32"),
+    (BERT_CONFIG, ["job.phases.1.micro_batch=32", "optimizer.params.gsnr=false"], None),
+])
+def test_a_phase_of_one_gradient_group_is_refused_before_any_work(tmp_path, capsys, monkeypatch, config, sets,
+                                                                   said):
+    """A step's gradient groups are ``global_batch / micro_batch`` (ranks × micro-steps) on any
+    number of ranks, and the GSNR needs two. The engine checked only the batch it starts with, so
+    a later phase of one group (the BERT config's seq-128 phase in micro-batches of 32) was
+    accepted and the run crashed when that phase began, hours in, with a bare RuntimeError and on
+    every resume too. The job now exits 2 before any work, naming the phase (fails on the old
+    code); with the GSNR off one group is fine."""
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    run_dir = tmp_path / "run"
+    if said is None:
+        from vrgd_ds.train.config import check_gsnr_groups, load_config
+
+        check_gsnr_groups(*load_config(config, sets))
+        return
+    args = ["--config", str(config), "--run-dir", str(run_dir), *[a for s in sets for a in ("--set", s)]]
+    assert loop.main(args) == loop.EXIT_CONFIG
+    err = capsys.readouterr().err
+    assert said in err and "and the GSNR needs >= 2" in err, err
+    assert not run_dir.exists()
+
+
+def test_a_deepspeed_scheduler_block_is_refused_naming_the_phases_keys(tmp_path, capsys):
+    """The job sets the LR from its phases before every step, over any DeepSpeed scheduler's,
+    which DeepSpeed still builds, steps and checkpoints (OneCycle also rewrites the betas): a
+    ``scheduler`` block had no effect on the LR and said nothing. It is refused before any work,
+    naming the keys that set the LR. Fails on the old code."""
+    raw = json.loads(BERT_CONFIG.read_text())
+    raw["scheduler"] = {"type": "WarmupDecayLR", "params": {"total_num_steps": 100, "warmup_max_lr": 0.1}}
+    config = tmp_path / "bert.json"
+    config.write_text(json.dumps(raw))
+    assert loop.main(["--config", str(config), "--run-dir", str(tmp_path / "run")]) == loop.EXIT_CONFIG
+    err = capsys.readouterr().err
+    assert "scheduler: the job sets the learning rate from its phases (job.phases[*].lr" in err, err
+    assert not (tmp_path / "run").exists()

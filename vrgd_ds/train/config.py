@@ -448,6 +448,34 @@ def gradient_accumulation(phase: PhaseConfig, world_size: int, index: int) -> in
     return phase.global_batch // per_step
 
 
+def check_gsnr_groups(raw: dict[str, Any], job: JobConfig) -> None:
+    """Refuses, before any work, a fixed-batch phase whose steps would have fewer gradient groups
+    than the GSNR needs, naming the phase's keys. A step's groups are its data-parallel ranks ×
+    micro-steps, ``global_batch / micro_batch`` on any number of ranks (stage 0 / ZeRO-1 with the
+    per-micro-step reduction count the ranks alone; then phase 0's check at the engine's start
+    covers every phase). The engine checks only the batch it starts with, so a later phase of one
+    group crashed at its first step, hours in, on every resume too."""
+    import torch
+
+    from vrgd_ds.optim.base import MIN_GROUPS
+    from vrgd_ds.optim.registry import OptimizerBlockError, check_optimizer
+
+    try:
+        cls = check_optimizer(raw.get("optimizer"), "the engine's gradient clipping")
+    except OptimizerBlockError:
+        return  # the engine's own check names it
+    group = cls([torch.nn.Parameter(torch.zeros(1))], **(raw["optimizer"].get("params") or {})).param_groups[0]
+    if not group.get("gsnr"):
+        return
+    for i, p in enumerate(job.phases):
+        groups = p.global_batch // p.micro_batch
+        if p.adaptive_batch is None and groups < MIN_GROUPS:
+            raise ConfigError(f"job.phases[{i}].global_batch: {p.global_batch} in micro-batches of {p.micro_batch} "
+                              f"gives a step of {groups} gradient group(s) (ranks x micro-steps), and the GSNR needs "
+                              f">= {MIN_GROUPS}: raise global_batch to {MIN_GROUPS * p.micro_batch} or more, lower "
+                              "micro_batch, or set optimizer.params.gsnr false")
+
+
 def phase_settings(job: JobConfig, world_size: int, phase_steps: list[int]) -> dict[int, Any]:
     """What the job checks of every phase on ``world_size`` data-parallel ranks before it prepares
     data (``--check-resume`` asks the same): each global batch splits into micro-batches evenly

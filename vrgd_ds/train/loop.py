@@ -56,8 +56,8 @@ import torch.distributed as dist
 from vrgd_ds.adaptive_batch import BatchController, SettingsDiffer, lr_factor
 from vrgd_ds.run import leave_together
 from vrgd_ds.train import checkpoints as ckpt
-from vrgd_ds.train.config import (ConfigError, JobConfig, adaptive_setting_keys, check_resume_marker,
-                                  check_resume_position, data_change_policy, gradient_accumulation, load_config,
+from vrgd_ds.train.config import (ConfigError, JobConfig, adaptive_setting_keys, check_gsnr_groups,
+                                  check_resume_marker, check_resume_position, data_change_policy, gradient_accumulation, load_config,
                                   optimizer_state_policy, phase_samples, phase_settings, position_table,
                                   resumed_consumed)
 from vrgd_ds.train.data import check_data_path, eval_batches, loader
@@ -859,6 +859,7 @@ def main(argv: list[str] | None = None) -> int:
         engine = engine_class(job.engine)
         refused += engine.config_errors()
         engine.check_config(raw, job)
+        check_gsnr_groups(raw, job)
         check_data_path(job)
     except refused as e:
         if first:

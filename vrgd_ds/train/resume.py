@@ -232,8 +232,8 @@ def check(run_dir: Path, raw: dict[str, Any] | None, world: int | None) -> tuple
     import torch
 
     from vrgd_ds.optim.registry import OptimizerBlockError, check_optimizer
-    from vrgd_ds.train.config import (check_resume_marker, data_change_policy, optimizer_state_policy, parse_job,
-                                      phase_settings, position_table)
+    from vrgd_ds.train.config import (check_gsnr_groups, check_resume_marker, data_change_policy,
+                                      optimizer_state_policy, parse_job, phase_settings, position_table)
     from vrgd_ds.train.data import configured_fingerprint
     from vrgd_ds.train.schedule import PhaseSchedule
 
@@ -314,6 +314,7 @@ def check(run_dir: Path, raw: dict[str, Any] | None, world: int | None) -> tuple
         tp_pp = (block.get("tensor_model_parallel_size", 1) * block.get("pipeline_model_parallel_size", 1)
                  if job.engine == "megatron" else 1)
         data_world = max(ranks // tp_pp, 1)
+        check_gsnr_groups(raw, job)
         phase_settings(job, data_world, PhaseSchedule(job).steps)
         check_resume_marker(job, info, data_world)
         plan = plan_resume(ckpt_dir, choice.tag, resumed_optimizer(now, opt, named_params(raw)), ranks, stage,
