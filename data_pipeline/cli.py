@@ -266,8 +266,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     except OSError as e:  # the file system's refusal (a read-only share, no space): the file and why, no traceback
         if e.errno not in _REFUSED or not e.filename:
             raise
-        print(f"error: {e.filename}: {e.strerror}; the output must go where this user can write and there is room "
-              "(another output directory, or free space)", file=sys.stderr)
+        print(f"error: {e.filename}: {e.strerror}; this user must be able to read the inputs and write the output "
+              "directory, and its disk must have room", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)

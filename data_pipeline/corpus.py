@@ -257,16 +257,15 @@ def _not_utf8(path: Path) -> DataError:
     return DataError(f"{where}: not UTF-8 text; convert the file to UTF-8 or leave it out of the inputs")
 
 
-def _complete_line(head: str, line: str) -> bool:
-    """Whether ``line`` (a line of ``head``, the file's first bytes) ends within them."""
-    return head.find(line) + len(line) < len(head)
-
-
 def _json_object(line: str) -> bool:
     try:
         return isinstance(json.loads(line), dict)
     except json.JSONDecodeError:
         return False
+
+
+#: characters ``detect_format`` reads of a file
+HEAD_CHARS = 1 << 16
 
 
 def detect_format(path: PathLike) -> str:
@@ -279,7 +278,7 @@ def detect_format(path: PathLike) -> str:
         return "jsonl"
     try:
         with _open_text(path) as fh:
-            head = fh.read(1 << 16)
+            head = fh.read(HEAD_CHARS)
     except UnicodeDecodeError:
         raise _not_utf8(path) from None
     except _CORRUPT as e:
@@ -287,8 +286,11 @@ def detect_format(path: PathLike) -> str:
             raise
         raise DataError(f"{path}: cannot be read ({type(e).__name__}: {e}); a truncated or corrupt "
                         "compressed file? Fetch it again or leave it out of the inputs") from None
-    first = next((line for line in head.splitlines() if line.strip()), "")
-    if first.lstrip().startswith("{") and (not _complete_line(head, first) or _json_object(first)):
+    lines = head.split("\n")  # as the JSONL reader splits (not splitlines: U+2028 may sit inside a record)
+    at = next((i for i, line in enumerate(lines) if line.strip()), None)
+    first = "" if at is None else lines[at]
+    whole = at is not None and (at < len(lines) - 1 or len(head) < HEAD_CHARS)  # the line ends within the head
+    if first.lstrip().startswith("{") and (not whole or _json_object(first)):
         return "jsonl"  # a record longer than the head is taken for one; wiki markup ("{{Infobox") is text
     if _RAW_TITLE.search(head):
         return "wikitext"

@@ -79,9 +79,12 @@ def _open(path: Path):
     read-only where another user's lock file may not be written; ``(None, False)`` in a directory
     this process may not write into (``os.access``), whose files no one here can change."""
     try:
-        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o664)
+        try:
+            fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o664)
+        except PermissionError:  # fs.protected_regular refuses O_CREAT on another user's file in a sticky directory
+            fd = os.open(path, os.O_RDWR)
     except OSError as e:
-        if e.errno not in (errno.EACCES, errno.EROFS, errno.EPERM):
+        if e.errno not in (errno.EACCES, errno.EROFS, errno.EPERM, errno.ENOENT):
             raise
         if e.errno == errno.EROFS or not os.access(path.parent, os.W_OK):
             logger.debug("not locking read-only %s (%s)", path.parent, e)

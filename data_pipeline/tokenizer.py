@@ -261,6 +261,14 @@ def sample_sentences(sentences: Iterable[str], size: int, seed: int) -> tuple[li
         weight *= shrink()
 
 
+def _drained(items: list[str]) -> Iterator[str]:
+    """``items`` in order, each let go as it is yielded: the list does not stay beside the copy
+    sentencepiece makes of every sentence."""
+    items.reverse()
+    while items:
+        yield items.pop()
+
+
 def train_tokenizer(
     documents: Iterable[Sequence[str]],
     out_path: str | os.PathLike[str],
@@ -316,8 +324,8 @@ def train_tokenizer(
     sentences: Iterable[str] = sentence_stream(documents)
     sampled = False
     if input_sentence_size:  # read here first: sentencepiece's own sample is not reproducible
-        sentences, total = sample_sentences(sentences, input_sentence_size, seed)
-        sampled = total > input_sentence_size
+        sample, total = sample_sentences(sentences, input_sentence_size, seed)
+        sentences, sampled = _drained(sample), total > input_sentence_size
 
     def counted() -> Iterator[str]:
         nonlocal count

@@ -190,6 +190,7 @@ def test_a_megatron_checkpoint_reports_its_layout_and_the_configured_one(tmp_pat
     (64, {}, [32], "this configuration builds 32 (megatron.model.max_position_embeddings, by default from the "
                    "longest phase): set megatron.model.max_position_embeddings to 64"),
     (64, {"max_position_embeddings": 64}, [32, 64], None),
+    (None, {}, [32, 64], "a phase of seq_len 64 does not fit the 32 positions"),  # a marker before the record
 ])
 def test_a_gpt_checkpoint_resumes_only_into_its_own_position_table(tmp_path, saved, block, phases, stop):
     """The GPT's learned positions are as many as the longest phase's ``seq_len`` (or
@@ -198,7 +199,8 @@ def test_a_gpt_checkpoint_resumes_only_into_its_own_position_table(tmp_path, sav
     resumed without the key, would fail to load every checkpoint of the run, and the job said
     there was no complete checkpoint and to move the directory away. ``--check-resume`` (as the
     job, before loading) now stops naming the key, and a run built for the longer phase from its
-    start takes it. Fails on the code before, which went ahead."""
+    start takes it; a marker written before the size was recorded holds its phases, whose longest
+    was the size. Fails on the code before, which went ahead."""
     raw = megatron_checkpoint(tmp_path, {}, max_position_embeddings=saved)
     raw["megatron"]["model"].update(block)
     raw["job"]["phases"] = [{"seq_len": n, "fraction": 1 / len(phases), "global_batch": 16, "micro_batch": 4,
@@ -206,7 +208,7 @@ def test_a_gpt_checkpoint_resumes_only_into_its_own_position_table(tmp_path, sav
     report, ok = check(tmp_path / "run", raw, 2)
     assert ok == (stop is None), report
     assert stop is None or f"would stop: {tmp_path / 'run' / 'checkpoints' / 'step00000004'}: its model has " \
-        f"position embeddings for {saved} tokens" in report and stop in report, report
+        f"position embeddings for {saved or 32} tokens" in report and stop in report, report
 
 
 @pytest.mark.parametrize("phases, overrides", [([128], {}), ([128, 512], {}), ([64, 1000], {}),
@@ -562,3 +564,15 @@ def test_world_size_without_check_resume_is_refused(capsys, tmp_path):
         loop.main(["--config", str(tmp_path / "c.json"), "--run-dir", str(tmp_path / "run"), "--world-size", "8"])
     assert exc.value.code == 2
     assert "--world-size applies to --check-resume only" in capsys.readouterr().err
+
+
+def test_check_resume_makes_the_deepspeed_engines_config_checks(run_dir):
+    """``--check-resume`` refuses what the DeepSpeed engine's configuration checks refuse before
+    any work (a ``scheduler`` block here: the job's phases set the LR), as it does the Megatron
+    engine's: before, it said the resume would go ahead and the job then exited 2."""
+    raw = copy.deepcopy(RAW)
+    raw["scheduler"] = {"type": "WarmupDecayLR", "params": {"total_num_steps": 8}}
+    report, ok = check(run_dir, raw, 2)
+    assert not ok and "would stop: scheduler: the job sets the learning rate from its phases" in report, report
+    raw["scheduler"] = None
+    assert check(run_dir, raw, 2)[1]

@@ -181,7 +181,10 @@ def test_wiki_markup_opening_with_a_brace_is_text_not_jsonl(tmp_path):
     and stopped with "not valid JSON ... JSONL needs one JSON object per line"."""
     (tmp_path / "wiki.txt").write_text("{{Infobox person | name = Ada}}\nAda Lovelace was a mathematician.\n")
     (tmp_path / "long.txt").write_text(json.dumps({"text": "word " * 20000}) + "\n")
-    assert [detect_format(tmp_path / n) for n in ("wiki.txt", "long.txt")] == ["text", "jsonl"]
+    (tmp_path / "one_line.txt").write_text("{{Infobox person}}")  # no newline: the whole file was read
+    (tmp_path / "separator").write_text(json.dumps({"text": "a\u2028b"}, ensure_ascii=False) + "\n")
+    assert [detect_format(tmp_path / n) for n in ("wiki.txt", "long.txt", "one_line.txt", "separator")] == [
+        "text", "jsonl", "text", "jsonl"]
     assert [s for d in read_documents([tmp_path / "wiki.txt"]) for s in d][-1] == "Ada Lovelace was a mathematician."
 
 

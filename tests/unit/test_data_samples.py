@@ -516,6 +516,25 @@ def test_the_gpt_streams_are_written_once_and_mapped_by_every_rank(tmp_path):
     assert not list((tmp_path / "samples").glob(".*tmp*"))  # each file replaced its path once complete
 
 
+def test_gpt_streams_the_disk_has_no_room_for_are_refused_before_writing(tmp_path, monkeypatch):
+    """Too little free space for the streams: a DataError naming the directory and both sizes
+    before a byte is written (a full disk met through a mapping would end rank 0 with SIGBUS,
+    the other ranks waiting at the barrier); nothing is left behind."""
+    import shutil
+    from types import SimpleNamespace
+
+    from vrgd_ds.data_pipeline.errors import DataError
+    from vrgd_ds.train.data import JobData
+
+    corpus = FakeCorpus(random_docs(np.random.default_rng(3), num_docs=6), tmp_path / "corpus")
+    data = JobData(SimpleNamespace(sep_id=S.SEP_ID, sha256="0" * 64), corpus, {}, 4, 1, None)
+    paths = tuple(tmp_path / "samples" / n for n in data.stream_names())
+    monkeypatch.setattr(shutil, "disk_usage", lambda path: SimpleNamespace(free=100))
+    with pytest.raises(DataError, match=r"samples: the GPT's token streams need \d+ MB, 0 MB is free"):
+        data.write_streams(paths)
+    assert list((tmp_path / "samples").iterdir()) == []
+
+
 @pytest.mark.parametrize("count, world, micro", [(256, 6, 2), (256, 24, 2), (10, 3, 4), (7, 7, 1), (64, 2, 8)])
 def test_every_rank_evaluates_as_many_batches(count, world, micro):
     """``vrgd_ds.train.data.eval_batches``: each data-parallel rank gets the same number of

@@ -88,36 +88,44 @@ class JobData:
         return f"gpt_stream_{key}_train.npy", f"gpt_stream_{key}_heldout.npy"
 
     def write_streams(self, paths: tuple[Path, Path]) -> None:
-        """``token_streams`` written to ``paths`` (``.npy``, the shards' dtype) a document at a time
-        into a file of the right length, each replacing its path once complete: memory does not
-        grow with the corpus, and every rank maps the files (``windows``) rather than holding the
-        corpus."""
-        from numpy.lib.format import open_memmap
+        """``token_streams`` written to ``paths`` (``.npy``, the shards' dtype) a document at a time,
+        each file replacing its path once complete (``atomic_file``; a temporary name of this host
+        and process, removed on an error): memory does not grow with the corpus, and every rank
+        maps the files (``windows``) rather than holding the corpus. Refused, naming the directory,
+        where the disk has not the room."""
+        import shutil
+        import socket
 
-        from vrgd_ds.data_pipeline.tokenizer import fsync_dir
+        from numpy.lib import format as npy
 
-        for path, (first, last) in zip(paths, ((0, self.split_document),
-                                               (self.split_document, self.corpus.num_documents))):
+        from vrgd_ds.data_pipeline.errors import DataError
+        from vrgd_ds.data_pipeline.tokenizer import atomic_file
+
+        dtype = self.corpus.dtype
+        sep = np.array([self.tokenizer.sep_id], dtype=dtype).tobytes()
+        parts = []
+        for first, last in ((0, self.split_document), (self.split_document, self.corpus.num_documents)):
             kept = []  # (document, its tokens) of the documents with sentences, as token_streams takes them
             for i in range(first, last):
                 lengths = self.corpus.sentence_lengths(i)
                 if lengths.size:
                     kept.append((i, int(lengths.sum())))
-            path.parent.mkdir(parents=True, exist_ok=True)
-            tmp = path.with_name(f".{path.name}.tmp.{os.getpid()}")
-            out = open_memmap(tmp, mode="w+", dtype=self.corpus.dtype, shape=(sum(n + 1 for _, n in kept),))
-            at = 0
-            for i, n in kept:
-                if n:
-                    out[at:at + n] = np.concatenate(self.corpus.document(i))
-                out[at + n] = self.tokenizer.sep_id
-                at += n + 1
-            out.flush()
-            del out
-            with open(tmp, "rb+") as fh:
-                os.fsync(fh.fileno())
-            os.replace(tmp, path)
-            fsync_dir(path.parent)
+            parts.append(kept)
+        paths[0].parent.mkdir(parents=True, exist_ok=True)
+        need = sum(n + 1 for kept in parts for _, n in kept) * dtype.itemsize
+        free = shutil.disk_usage(paths[0].parent).free
+        if need > free:
+            raise DataError(f"{paths[0].parent}: the GPT's token streams need {need / 1e6:.0f} MB, {free / 1e6:.0f} MB "
+                            "is free; free space there, or prepare the data where there is room (job.data.path)")
+        for path, kept in zip(paths, parts):
+            tmp = path.with_name(f".{path.name}.tmp.{socket.gethostname()}.{os.getpid()}")
+            with atomic_file(path, tmp) as fh:
+                npy.write_array_header_1_0(fh, {"descr": npy.dtype_to_descr(dtype), "fortran_order": False,
+                                                "shape": (sum(n + 1 for _, n in kept),)})
+                for i, n in kept:
+                    if n:
+                        fh.write(np.concatenate(self.corpus.document(i)).astype(dtype, copy=False).tobytes())
+                    fh.write(sep)
 
     def windows(self, seq_len: int) -> tuple[Windows, Windows]:
         """(training, held-out) causal-LM windows of ``seq_len`` (``Windows``): of the streams on
@@ -249,16 +257,19 @@ def check_data_path(job: JobConfig) -> None:
                           "have the job prepare them there (job.data.prepare: true for the embedded corpus)")
 
 
-def sample_index(out: Path, run_dir: Path, filename: str) -> Path:
-    """Where a job's sample index ``filename`` is: beside the prepared data (``out/samples``)
-    where it is there or can be written there; else, for a prepared directory this job may not
-    write into (a read-only share prepared with another seed or length), in the run directory's
-    ``data/samples``."""
+def sample_index(out: Path, run_dir: Path, filename: str, built: bool = False) -> Path:
+    """Where a job's sample index (or GPT stream) ``filename`` is: beside the prepared data
+    (``out/samples``) where it is there or can be written there; else, for a prepared directory
+    this job may not write into (a read-only share prepared with another seed or length), in the
+    run directory's ``data/samples``. With ``built`` (every rank, after rank 0 has built it): where
+    it is, beside the data or else the run directory's, whatever this node's ``os.access`` says."""
     from vrgd_ds.data_pipeline.prepare import SAMPLES_DIR
 
     beside = out / SAMPLES_DIR / filename
-    writable = os.access(out / SAMPLES_DIR if (out / SAMPLES_DIR).is_dir() else out, os.W_OK)
-    return beside if beside.is_file() or writable else run_dir / "data" / SAMPLES_DIR / filename
+    if beside.is_file():
+        return beside
+    writable = not built and os.access(out / SAMPLES_DIR if (out / SAMPLES_DIR).is_dir() else out, os.W_OK)
+    return beside if writable else run_dir / "data" / SAMPLES_DIR / filename
 
 
 def prepare_data(job: JobConfig, run_dir: Path, rank: int, barrier: Any, seq_lens: list[int],
@@ -302,15 +313,18 @@ def prepare_data(job: JobConfig, run_dir: Path, rank: int, barrier: Any, seq_len
     corpus = ShardedCorpus(out / SHARDS_DIR, verify="size")
     tokenizer = Tokenizer.load(out / TOKENIZER_FILE)
     corpus.check_tokenizer(tokenizer)
-    samples = {n: sample_index(out, run_dir, index_filename(n, job.seed, cfg.next_sentence)) for n in seq_lens}
+    samples = {n: sample_index(out, run_dir, index_filename(n, job.seed, cfg.next_sentence), built=True)
+               for n in seq_lens}
     split = split_document(corpus.num_documents, cfg.heldout_fraction)
     data = JobData(tokenizer, corpus, samples, split, job.seed, cfg.next_sentence)
     if windows:
-        paths = tuple(sample_index(out, run_dir, name) for name in data.stream_names())
-        if rank == 0 and not all(p.is_file() for p in paths):
-            data.write_streams(paths)
-        barrier()
-        data.streams = paths
+        if rank == 0:
+            with prepare_lock(out):  # another job sharing the prepared data writes them, or has: once
+                paths = tuple(sample_index(out, run_dir, name) for name in data.stream_names())
+                if not all(p.is_file() for p in paths):
+                    data.write_streams(paths)
+        barrier()  # the other ranks look the files up only now (a lookup before could be cached as missing)
+        data.streams = tuple(sample_index(out, run_dir, name, built=True) for name in data.stream_names())
     return data
 
 

@@ -64,7 +64,7 @@ from vrgd_ds.train.data import check_data_path, eval_batches, loader
 from vrgd_ds.train.engines import Engine, engine_class
 from vrgd_ds.train.engines.base import LAUNCHER_RANK, launcher_value
 from vrgd_ds.train.resume import (ConversionFailed, configured_options, data_change, engine_switch, named_params,
-                                  option_note, positions_change, resumed_optimizer, resumed_options)
+                                  option_note, positions_change, resumed_optimizer, resumed_options, saved_positions)
 from vrgd_ds.train.rundir import RunDirBusy, RunDirLock
 from vrgd_ds.train.schedule import PhaseSchedule
 from vrgd_ds.train.watchdog import Watchdog, collective_timeout
@@ -311,7 +311,7 @@ class Job:
                                                 self.job.engine))
             data_note = data_change(self.ckpt_dir / choice.tag, saved.get("data"), self.engine.fingerprint,
                                     data_change_policy(self.raw))
-            positions_change(self.ckpt_dir / choice.tag, saved.get("max_position_embeddings"), self.engine.positions,
+            positions_change(self.ckpt_dir / choice.tag, saved_positions(saved), self.engine.positions,
                              position_table(self.job, self.raw)[1], max(p.seq_len for p in self.job.phases))
             try:  # before anything loads or converts, as --check-resume (the loaded state is checked again)
                 check_resume_marker(self.job, saved, self.engine.data_world)

@@ -42,6 +42,18 @@ def data_change(path: Path, saved: str | None, now: str, policy: str) -> str | N
     return f"{what}: going on from the saved position in the new stream ({CHECKPOINT_KEY}.{DATA_CHANGE_KEY} \"continue\")"
 
 
+def saved_positions(info: dict[str, Any]) -> int | None:
+    """The learned positions of the model a checkpoint holds (its marker's ``info``): recorded,
+    or for a Megatron GPT saved before they were, its longest phase's ``seq_len`` (the only size
+    it could be built with then); None for a BERT checkpoint that predates the record (its size
+    depended on an override the marker does not hold)."""
+    if info.get("max_position_embeddings") is not None:
+        return int(info["max_position_embeddings"])
+    if info.get("engine") == "megatron" and info.get("phases"):
+        return max(int(p["seq_len"]) for p in info["phases"])
+    return None
+
+
 def positions_change(path: Path, saved: int | None, now: int, key: str, longest: int) -> None:
     """A ``ConfigError`` where checkpoint ``path``'s model has another number of learned positions
     (``saved``, from its marker; None: the marker predates the record) than this configuration
@@ -301,7 +313,11 @@ def check(run_dir: Path, raw: dict[str, Any] | None, world: int | None) -> tuple
             from vrgd_ds.train.engines.megatron import check as check_megatron
 
             check_megatron(raw, job, ranks)
-        positions_change(ckpt_dir / choice.tag, info.get("max_position_embeddings"), positions, key,
+        else:
+            from vrgd_ds.train.engines.deepspeed import DeepSpeedEngine
+
+            DeepSpeedEngine.check_config(raw, job)
+        positions_change(ckpt_dir / choice.tag, saved_positions(info), positions, key,
                          max(p.seq_len for p in job.phases))
         if data is not None and (note := data_change(ckpt_dir / choice.tag, info.get("data"), data,
                                                      data_change_policy(raw))):

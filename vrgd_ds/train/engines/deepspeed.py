@@ -79,7 +79,7 @@ class DeepSpeedEngine(Engine):
         from vrgd_ds.ds.config import check_config
         from vrgd_ds.ds.integration import UnsupportedConfiguration
 
-        if "scheduler" in raw:  # DeepSpeed would step it, and the job set the LR over it: no effect but on betas
+        if raw.get("scheduler") is not None:  # DeepSpeed would step it, and the job set the LR over it: no effect but on betas
             raise ConfigError("scheduler: the job sets the learning rate from its phases (job.phases[*].lr, "
                               "warmup_fraction, decay_power), over any DeepSpeed scheduler's, which would still step "
                               "(OneCycle's momentum cycling rewriting the optimizer's betas); remove the block")
