@@ -354,7 +354,7 @@ def read_file(path: PathLike, format: str = "auto", field: str = "text") -> Iter
         def counted() -> Iterator[str]:
             nonlocal lineno
             for lineno, line in enumerate(fh, 1):  # noqa: B007 - read back in the error message
-                yield line
+                yield line.removeprefix("\ufeff")  # another file's byte-order mark, where files were joined by cat
 
         try:
             if format == "jsonl":

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import gzip
+import codecs
 import json
 import re
 from pathlib import Path
@@ -186,6 +187,18 @@ def test_wiki_markup_opening_with_a_brace_is_text_not_jsonl(tmp_path):
     assert [detect_format(tmp_path / n) for n in ("wiki.txt", "long.txt", "one_line.txt", "separator")] == [
         "text", "jsonl", "text", "jsonl"]
     assert [s for d in read_documents([tmp_path / "wiki.txt"]) for s in d][-1] == "Ada Lovelace was a mathematician."
+
+
+@pytest.mark.parametrize("format", ["text", "jsonl"])
+def test_a_byte_order_mark_where_files_were_joined_is_not_text(tmp_path, format):
+    """Files joined with ``cat`` carry the second file's byte-order mark at the start of a line
+    inside the corpus: it is dropped there as at the start of a file. Fails on the old code, where
+    it stayed in a sentence (text) or stopped the read as "not valid JSON" (JSONL)."""
+    one, two = ("First document.\n", "Second document.\n") if format == "text" else (
+        '{"text": "First document."}\n', '{"text": "Second document."}\n')
+    path = tmp_path / f"joined.{'txt' if format == 'text' else 'jsonl'}"
+    path.write_bytes(codecs.BOM_UTF8 + one.encode() + b"\n" + codecs.BOM_UTF8 + two.encode())
+    assert list(read_documents(path, format=format)) == [["First document."], ["Second document."]]
 
 
 def test_globs_directories_and_compressed_files(tmp_path):
