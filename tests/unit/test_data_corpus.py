@@ -1,8 +1,8 @@
 """Corpus readers: formats, WikiText headings and joiners, globs, errors, the embedded corpus."""
 from __future__ import annotations
 
-import gzip
 import codecs
+import gzip
 import json
 import re
 from pathlib import Path
