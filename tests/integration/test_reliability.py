@@ -453,7 +453,7 @@ def test_options_changed_at_a_resume_are_recorded_and_reported_beforehand(config
     options the run steps with, so a later check knows that a key the config stops naming carries
     on. Before, the report said nothing of options and the marker recorded none. Fails on the
     old code."""
-    from vrgd_ds.train.resume import check
+    from vrgd_ds.train.check_resume import check
 
     run = tmp_path / "run"
     shutil.copytree(alone, run)  # a finished run of 8 steps, weight_decay 0.01

@@ -9,7 +9,7 @@ import pytest
 
 from vrgd_ds.train import checkpoints as ckpt
 from vrgd_ds.train import loop
-from vrgd_ds.train.resume import check
+from vrgd_ds.train.check_resume import check
 
 RAW = {
     "optimizer": {"type": "VRLamb", "params": {"lr": 1e-3}},

@@ -772,7 +772,7 @@ class Job:
 
 
 def _check_resume(args: argparse.Namespace) -> int:
-    from vrgd_ds.train.resume import check
+    from vrgd_ds.train.check_resume import check
 
     run_dir = Path(args.check_resume)
     raw = None

@@ -83,6 +83,12 @@ class Engine(abc.ABC):
         """Everything checkable before a process group exists; raises ``ConfigError`` naming
         the key and the fix."""
 
+    @classmethod
+    def check_for_ranks(cls, raw: dict[str, Any], job: JobConfig, world: int) -> None:
+        """``check_config``, and the checks that need the number of ranks where the engine's
+        layout does (``--check-resume``, which knows the ranks without a process group)."""
+        cls.check_config(raw, job)
+
     @staticmethod
     def config_errors() -> tuple[type[Exception], ...]:
         """The engine's own exceptions for a configuration it refuses (exit ``EXIT_CONFIG``)."""

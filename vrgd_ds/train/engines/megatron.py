@@ -268,6 +268,11 @@ class MegatronEngine(Engine):
             raise ConfigError(f"job.engine 'megatron': {e}") from None
         check(raw, job, launcher_value(LAUNCHER_WORLD))
 
+    @classmethod
+    def check_for_ranks(cls, raw: dict[str, Any], job: JobConfig, world: int) -> None:
+        cls.check_config(raw, job)
+        check(raw, job, world)
+
     def __init__(self, raw: dict[str, Any], job: JobConfig, backend: str | None,
                  timeout: datetime.timedelta) -> None:
         from megatron.core import parallel_state as ps
