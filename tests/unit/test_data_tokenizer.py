@@ -69,6 +69,7 @@ print(train_tokenizer(documents, sys.argv[1], vocab_size=400, seed=int(sys.argv[
 """
 
 
+@pytest.mark.exhaustive  # three trainings in processes of their own, about 15 s (make test: the sample, below)
 def test_a_sampled_corpus_trains_the_same_model_in_every_process(tmp_path):
     """A corpus larger than ``input_sentence_size`` is trained on a sample; the same documents and
     seed give the same model in another process (another start of ``prepare``, another machine),
