@@ -569,7 +569,7 @@ def test_world_size_without_check_resume_is_refused(capsys, tmp_path):
 def test_check_resume_makes_the_deepspeed_engines_config_checks(run_dir):
     """``--check-resume`` refuses what the DeepSpeed engine's configuration checks refuse before
     any work (a ``scheduler`` block here: the job's phases set the LR), as it does the Megatron
-    engine's: before, it said the resume would go ahead and the job then exited 2."""
+    engine's. Fails on the old code, which said the resume would go ahead and the job then exited 2."""
     raw = copy.deepcopy(RAW)
     raw["scheduler"] = {"type": "WarmupDecayLR", "params": {"total_num_steps": 8}}
     report, ok = check(run_dir, raw, 2)

@@ -519,7 +519,8 @@ def test_the_gpt_streams_are_written_once_and_mapped_by_every_rank(tmp_path):
 def test_gpt_streams_the_disk_has_no_room_for_are_refused_before_writing(tmp_path, monkeypatch):
     """Too little free space for the streams: a DataError naming the directory and both sizes
     before a byte is written (a full disk met through a mapping would end rank 0 with SIGBUS,
-    the other ranks waiting at the barrier); nothing is left behind."""
+    the other ranks waiting at the barrier); nothing is left behind. Fails on the old code, which
+    wrote through a mapping without looking at the free space."""
     import shutil
     from types import SimpleNamespace
 
