@@ -385,6 +385,41 @@ def test_a_checkpoint_resumes_on_another_number_of_ranks_with_the_same_samples(c
     print(f"2 -> 1 -> 2 ranks: largest relative loss difference {worst:.1e}")
 
 
+#: phase 0's batch of 6 in micro-batches of 2 splits over 1 rank, not 2; phase 1's of 8 over both
+SPLIT_ON_ONE = 'job.phases=[{"seq_len": 32, "fraction": 0.5, "global_batch": 6, "micro_batch": 2, "lr": 2e-3, ' \
+               '"warmup_fraction": 0.25}, {"seq_len": 32, "fraction": 0.5, "global_batch": 8, "micro_batch": 2, ' \
+               '"lr": 1e-3}]'
+
+
+@pytest.mark.exhaustive  # two launches, about 50 s (make test: --check-resume's report, test_check_resume.py)
+@pytest.mark.parametrize("config", ["deepspeed"], indirect=True)
+def test_a_run_resumes_on_ranks_that_do_not_split_a_finished_phases_batch(config, tmp_path):
+    """A 1-rank run of two phases, checkpointed at phase 0's end (step 4) and resumed there on 2
+    ranks, where phase 0's batch does not split and phase 1's does: the resume goes on in phase 1
+    and its losses follow the 1-rank run's to fp32 summation order. Fails on the old code, which
+    checked every phase's batch at the set-up (and built DeepSpeed's engine with phase 0's) and
+    stopped: "job.phases[0].global_batch: 6 is not divisible by micro_batch x ranks = 2 x 2"."""
+    full = tmp_path / "full"
+    done = launching.run(command(config, full, "job.checkpoint_every=4", SPLIT_ON_ONE, ranks=1),
+                         timeout=TIMEOUT, marker=full)
+    assert done.returncode == 0, (done.stdout + done.stderr)[-3000:]
+    run = tmp_path / "run"
+    shutil.copytree(full, run)
+    ckpt.remove(run / "checkpoints", "step00000008")  # the resume starts from step 4, phase 0 done
+    assert ckpt.marker(run / "checkpoints", "step00000004")["info"]["consumed"] == [24, 0]
+    again = launching.run(command(config, run, "job.checkpoint_every=0", SPLIT_ON_ONE, ranks=2),
+                          timeout=TIMEOUT, marker=run)
+    out = again.stdout + again.stderr
+    assert again.returncode == 0, out[-3000:]
+    assert "converting it for 2 to the universal checkpoint" in out, out[-3000:]
+    want, got = records(full), records(run)
+    assert [got[s]["train/accumulation"] for s in (5, 8)] == [2, 2]  # 8 = 2 micro-batches x 2 ranks x 2
+    for step in range(1, 9):
+        assert got[step]["train/loss"] == pytest.approx(want[step]["train/loss"], rel=1e-6), step
+    key = next(k for k in EVAL_LOSS.values() if k in want[8])
+    assert got[8][key] == pytest.approx(want[8][key], rel=1e-6)
+
+
 SLOW_RANK = """
 import os, sys, time
 import vrgd_ds.train.engines.deepspeed as engine

@@ -521,6 +521,54 @@ def test_a_global_batch_the_ranks_do_not_split_would_stop_as_the_job_does(run_di
     assert "would stop: job.phases[0].global_batch: 16 is not divisible by micro_batch x ranks = 4 x 8" in report
 
 
+TWO_PHASES = [{"seq_len": 32, "fraction": 0.5, "global_batch": 12, "micro_batch": 2, "lr": 2e-3},
+              {"seq_len": 32, "fraction": 0.5, "global_batch": 16, "micro_batch": 2, "lr": 2e-3}]
+
+
+@pytest.mark.parametrize("adaptive", [False, True])
+@pytest.mark.parametrize("consumed, ok", [([48, 0], True), ([48, 32], True), ([36, 0], False)])
+def test_a_finished_phase_whose_batch_the_new_ranks_do_not_split_goes_ahead(run_dir, consumed, ok, adaptive):
+    """Saved on 2 ranks, resumed on 4: phase 0's batch of 12 in micro-batches of 2 does not split
+    over 4 ranks (nor, adaptive, its bounds 12 and 24), phase 1's of 16 does. With phase 0 done
+    (4 steps of 12: 48 samples) the resume takes no step in it and goes ahead, in phase 1 or at
+    its start; 36 samples in, phase 0 has a step left and the resume would stop, naming its
+    batch. Fails on the old code, which checked every phase's batch on the new ranks and stopped
+    all three, the message's fix (another global_batch for a finished phase) moving the phase
+    boundaries of the run."""
+    from vrgd_ds.train.config import parse_job
+
+    raw = copy.deepcopy(RAW)
+    raw["job"]["phases"] = copy.deepcopy(TWO_PHASES)
+    if adaptive:
+        raw["job"]["phases"][0]["adaptive_batch"] = {"target_ratio": 1.0, "min_batch": 12, "max_batch": 24}
+    marker = ckpt.marker(run_dir / "checkpoints", "step00000004")
+    ckpt.mark_complete(run_dir / "checkpoints", "step00000004", 4, 2, dict(
+        marker["info"], consumed=consumed, phases=[p.model_dump(mode="json") for p in parse_job(raw).phases]))
+    report, go = check(run_dir, raw, 4)
+    assert go == ok, report
+    assert ("would stop: job.phases[0].global_batch: 12 is not divisible by micro_batch x ranks = 2 x 4"
+            in report) != ok, report
+
+
+def test_the_megatron_layout_check_passes_over_finished_phases():
+    """The Megatron engine's layout check of the batches on the ranks, with and without phase 0
+    finished (the same rule as the DeepSpeed job's ``phase_settings``). Fails on the old code,
+    which had no ``finished`` and refused phase 0's batch on 4 data-parallel ranks."""
+    pytest.importorskip("megatron.core")
+    from vrgd_ds.train.config import ConfigError, parse_job
+    from vrgd_ds.train.engines.megatron import check
+
+    raw = {"optimizer": {"type": "VRLamb", "params": {"lr": 1e-3}},
+           "megatron": {"model": {"num_layers": 2, "hidden_size": 64, "num_attention_heads": 4}},
+           "job": {"engine": "megatron", "total_steps": 8, "phases": copy.deepcopy(TWO_PHASES)}}
+    job = parse_job(raw)
+    with pytest.raises(ConfigError, match=r"job.phases\[0\].global_batch: 12 is not divisible .* 2 x 4"):
+        check(raw, job, 4)
+    check(raw, job, 4, frozenset({0}))
+    with pytest.raises(ConfigError, match=r"job.phases\[1\].global_batch: 16 is not divisible .* 2 x 16"):
+        check(raw, job, 16, frozenset({0}))
+
+
 def test_a_started_phase_with_another_seq_len_would_stop_and_a_phase_after_it_may_have_one(run_dir):
     """The checkpoint is 64 samples into its one phase at seq 32: a config with seq 64 there
     would read that position in another index, another sample stream, so ``--check-resume`` says

@@ -57,10 +57,10 @@ class StandIn(Engine):
     during: dict = {}
 
     @staticmethod
-    def check_config(raw, job) -> None:
+    def check_config(raw, job, finished=frozenset()) -> None:
         pass
 
-    def __init__(self, raw, job, backend, timeout) -> None:
+    def __init__(self, raw, job, backend, timeout, finished=frozenset()) -> None:
         self.rank, self.world, self.device = 0, 1, torch.device("cpu")
         self.data_rank, self.data_world, self.fingerprint, self.positions = 0, 1, "stand-in", 512
 

@@ -692,7 +692,7 @@ from vrgd_ds.train import loop
 
 class Engine:
     config_errors = staticmethod(lambda: ())
-    check_config = staticmethod(lambda raw, job: None)
+    check_config = staticmethod(lambda raw, job, finished: None)
 
 class Job:  # a job that ends at once, as sys.argv[1] says: checkpointed on the signal, or finished
     rank = 1  # (rank 0 would also plot and print the run's paths)

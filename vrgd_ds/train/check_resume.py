@@ -29,7 +29,7 @@ def check(run_dir: Path, raw: dict[str, Any] | None, world: int | None) -> tuple
     import torch
 
     from vrgd_ds.optim.registry import OptimizerBlockError, check_optimizer
-    from vrgd_ds.train.config import (check_gsnr_groups, check_resume_marker, data_change_policy,
+    from vrgd_ds.train.config import (check_gsnr_groups, check_resume_marker, data_change_policy, finished_phases,
                                       optimizer_state_policy, parse_job, phase_settings, position_table)
     from vrgd_ds.train.data import configured_fingerprint
     from vrgd_ds.train.schedule import PhaseSchedule
@@ -94,7 +94,8 @@ def check(run_dir: Path, raw: dict[str, Any] | None, world: int | None) -> tuple
         changes.append("the configured data is not prepared yet (the job would prepare it; its fingerprint is then "
                        "compared by hand)")
     try:
-        engine_class(job.engine).check_for_ranks(raw, job, ranks)  # the job's checks before any work, the layout's too
+        finished = finished_phases(job, info)  # no steps left: their batches need not split over the ranks
+        engine_class(job.engine).check_for_ranks(raw, job, ranks, finished)  # the job's checks before any work
         positions_change(ckpt_dir / choice.tag, saved_positions(info), positions, key,
                          max(p.seq_len for p in job.phases))
         if data is not None and (note := data_change(ckpt_dir / choice.tag, info.get("data"), data,
@@ -109,7 +110,7 @@ def check(run_dir: Path, raw: dict[str, Any] | None, world: int | None) -> tuple
                  if job.engine == "megatron" else 1)
         data_world = max(ranks // tp_pp, 1)
         check_gsnr_groups(raw, job)
-        phase_settings(job, data_world, PhaseSchedule(job).steps)
+        phase_settings(job, data_world, PhaseSchedule(job).steps, finished)
         check_resume_marker(job, info, data_world)
         plan = plan_resume(ckpt_dir, choice.tag, resumed_optimizer(now, opt, named_params(raw)), ranks, stage,
                            optimizer_state_policy(raw))

@@ -476,12 +476,17 @@ def check_gsnr_groups(raw: dict[str, Any], job: JobConfig) -> None:
                               "micro_batch, or set optimizer.params.gsnr false")
 
 
-def phase_settings(job: JobConfig, world_size: int, phase_steps: list[int]) -> dict[int, Any]:
+def phase_settings(job: JobConfig, world_size: int, phase_steps: list[int],
+                   finished: frozenset[int] = frozenset()) -> dict[int, Any]:
     """What the job checks of every phase on ``world_size`` data-parallel ranks before it prepares
     data (``--check-resume`` asks the same): each global batch splits into micro-batches evenly
-    (``gradient_accumulation``); returns the controller settings of the adaptive phases."""
+    (``gradient_accumulation``); returns the controller settings of the adaptive phases. The
+    phases the checkpoint it resumes from has ``finished`` (``finished_phases``) take no more
+    steps and are not checked: their batch may not split over the ranks of a resume."""
     out = {}
     for i, p in enumerate(job.phases):
+        if i in finished:
+            continue
         gradient_accumulation(p, world_size, i)
         if p.adaptive_batch is not None:
             out[i] = controller_settings(p, world_size, i, phase_steps[i])
@@ -547,6 +552,20 @@ def check_resume_position(job: JobConfig, consumed: list[int], budget: list[int]
                 f"job.phases[{index}].global_batch: the checkpoint is {done} samples into the phase, no multiple of "
                 f"{phase.global_batch} (a fixed phase resumed with another global_batch would end past its "
                 f"samples); resume with a global_batch that divides {done}, such as the one it was saved with")
+
+
+def finished_phases(job: JobConfig, info: dict[str, Any] | None) -> frozenset[int]:
+    """The phases of ``job`` a checkpoint's marker (``info``: its record of the run) has finished,
+    every sample of their budget consumed: a resume takes no more steps in them. None where the
+    marker records no position, or one this config cannot resume (the resume names why)."""
+    consumed = (info or {}).get("consumed")
+    if not isinstance(consumed, list):
+        return frozenset()
+    try:
+        done = resumed_consumed(job, consumed, info.get("phases"))
+    except ConfigError:
+        return frozenset()
+    return frozenset(i for i, (d, total) in enumerate(zip(done, phase_samples(job))) if d >= total)
 
 
 def check_resume_marker(job: JobConfig, info: dict[str, Any], world_size: int) -> None:

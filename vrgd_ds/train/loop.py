@@ -57,9 +57,9 @@ from vrgd_ds.adaptive_batch import BatchController, SettingsDiffer, lr_factor
 from vrgd_ds.run import leave_together
 from vrgd_ds.train import checkpoints as ckpt
 from vrgd_ds.train.config import (ConfigError, JobConfig, adaptive_setting_keys, check_gsnr_groups,
-                                  check_resume_marker, check_resume_position, data_change_policy, gradient_accumulation, load_config,
-                                  optimizer_state_policy, phase_samples, phase_settings, position_table,
-                                  resumed_consumed)
+                                  check_resume_marker, check_resume_position, data_change_policy, finished_phases,
+                                  gradient_accumulation, load_config, optimizer_state_policy, phase_samples,
+                                  phase_settings, position_table, resumed_consumed)
 from vrgd_ds.train.data import check_data_path, eval_batches, loader
 from vrgd_ds.train.engines import Engine, engine_class
 from vrgd_ds.train.engines.base import LAUNCHER_RANK, launcher_value
@@ -164,6 +164,14 @@ def micro_batch_seed(seed: int, step: int, slot: int) -> int:
     return (1 << 50) | (state & ((1 << 50) - 1))
 
 
+def newest_finished(job: JobConfig, run_dir: Path) -> frozenset[int]:
+    """The phases the newest complete checkpoint in ``run_dir`` has finished (``finished_phases``):
+    the ones a resume takes no step in, whatever the ranks."""
+    ckpt_dir = run_dir / CHECKPOINTS
+    tag = ckpt.choose(ckpt_dir).tag if ckpt.tags(ckpt_dir) else None
+    return finished_phases(job, ckpt.marker(ckpt_dir, tag).get("info") if tag is not None else None)
+
+
 class Job:
     """One run of the job on this rank: ``Job(...).setup().train()``."""
 
@@ -171,7 +179,8 @@ class Job:
         self.raw, self.job, self.run_dir = raw, job, run_dir
         self.options = configured_options(raw)  # the optimizer's, as the next checkpoint's marker records them
         timeout = datetime.timedelta(seconds=collective_timeout(max(job.timeout_minutes, job.startup_timeout_minutes) * 60))
-        self.engine: Engine = engine_class(job.engine)(raw, job, backend, timeout)
+        self.finished = newest_finished(job, run_dir)  # phases with no steps left: their batches are not checked
+        self.engine: Engine = engine_class(job.engine)(raw, job, backend, timeout, self.finished)
         self.rank, self.world, self.device = self.engine.rank, self.engine.world, self.engine.device
         self.first_on_node = self._first_on_node()
         self.watchdog: Watchdog | None = None
@@ -224,7 +233,7 @@ class Job:
         self.budget = phase_samples(job)
         self.controllers: dict[int, BatchController] = {  # fail before preparing data
             i: BatchController(settings)
-            for i, settings in phase_settings(job, engine.data_world, self.schedule.steps).items()}
+            for i, settings in phase_settings(job, engine.data_world, self.schedule.steps, self.finished).items()}
         if self.rank == 0:
             run_dir.mkdir(parents=True, exist_ok=True)
             (run_dir / "config.json").write_text(json.dumps(self.raw, indent=2))
@@ -340,6 +349,12 @@ class Job:
         path, saved_options = self.ckpt_dir / choice.tag, saved.get("options")
         self.step, self.evals = state["step"], list(state["evals"])
         self.consumed = resumed_consumed(self.job, state["consumed"], saved.get("phases"))
+        left = frozenset(i for i, (c, b) in enumerate(zip(self.consumed, self.budget)) if c >= b)
+        try:  # a newer checkpoint that did not load may have finished more phases than this one
+            for i, settings in phase_settings(self.job, self.engine.data_world, self.schedule.steps, left).items():
+                self.controllers.setdefault(i, BatchController(settings))
+        except ConfigError as e:
+            raise ConfigError(f"{path}: {e}") from None
         self.skip_streak_from = state.get("skip_streak_from")
         self.skipped_before = int(state.get("skipped_total", 0))
         for key, saved in (state.get("adaptive") or {}).items():
@@ -347,8 +362,10 @@ class Job:
             if index >= len(self.consumed) or self.consumed[index] == 0:
                 continue  # the phase has not started (resumed_consumed: one the config drops had not either)
             if index not in self.controllers:
-                raise ConfigError(f"{path}: phase {index} ran with adaptive_batch, the config has none there; resume "
-                                  "with the config it was saved with")
+                if self.job.phases[index].adaptive_batch is None:
+                    raise ConfigError(f"{path}: phase {index} ran with adaptive_batch, the config has none there; "
+                                      "resume with the config it was saved with")
+                continue  # finished: no steps left, and no controller on these ranks
             try:
                 self.controllers[index].load_state_dict(saved)
             except SettingsDiffer as e:
@@ -858,7 +875,7 @@ def main(argv: list[str] | None = None) -> int:
         raw, job = load_config(args.config, args.set)
         engine = engine_class(job.engine)
         refused += engine.config_errors()
-        engine.check_config(raw, job)
+        engine.check_config(raw, job, newest_finished(job, Path(args.run_dir)))
         check_gsnr_groups(raw, job)
         check_data_path(job)
     except refused as e:

@@ -79,15 +79,17 @@ class Engine(abc.ABC):
 
     @staticmethod
     @abc.abstractmethod
-    def check_config(raw: dict[str, Any], job: JobConfig) -> None:
+    def check_config(raw: dict[str, Any], job: JobConfig, finished: frozenset[int] = frozenset()) -> None:
         """Everything checkable before a process group exists; raises ``ConfigError`` naming
-        the key and the fix."""
+        the key and the fix. ``finished``: the phases the checkpoint it resumes from has finished
+        (``config.finished_phases``), whose batches need not split over the ranks."""
 
     @classmethod
-    def check_for_ranks(cls, raw: dict[str, Any], job: JobConfig, world: int) -> None:
+    def check_for_ranks(cls, raw: dict[str, Any], job: JobConfig, world: int,
+                        finished: frozenset[int] = frozenset()) -> None:
         """``check_config``, and the checks that need the number of ranks where the engine's
         layout does (``--check-resume``, which knows the ranks without a process group)."""
-        cls.check_config(raw, job)
+        cls.check_config(raw, job, finished)
 
     @staticmethod
     def config_errors() -> tuple[type[Exception], ...]:
@@ -96,8 +98,9 @@ class Engine(abc.ABC):
 
     @abc.abstractmethod
     def __init__(self, raw: dict[str, Any], job: JobConfig, backend: str | None,
-                 timeout: datetime.timedelta) -> None:
-        """Joins the process group (``timeout`` for every collective) and picks the device."""
+                 timeout: datetime.timedelta, finished: frozenset[int] = frozenset()) -> None:
+        """Joins the process group (``timeout`` for every collective) and picks the device;
+        ``finished`` as ``check_config``'s."""
 
     @abc.abstractmethod
     def setup(self, run_dir: Path, barrier: Callable[[], None]) -> None:

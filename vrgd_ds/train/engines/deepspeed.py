@@ -75,7 +75,7 @@ class DeepSpeedEngine(Engine):
         return (UnsupportedConfiguration,)
 
     @staticmethod
-    def check_config(raw: dict[str, Any], job: JobConfig) -> None:
+    def check_config(raw: dict[str, Any], job: JobConfig, finished: frozenset[int] = frozenset()) -> None:
         from vrgd_ds.ds.config import check_config
         from vrgd_ds.ds.integration import UnsupportedConfiguration
 
@@ -97,12 +97,12 @@ class DeepSpeedEngine(Engine):
                                   "fp16.enabled=false for fp32, or use bf16")
 
     def __init__(self, raw: dict[str, Any], job: JobConfig, backend: str | None,
-                 timeout: datetime.timedelta) -> None:
+                 timeout: datetime.timedelta, finished: frozenset[int] = frozenset()) -> None:
         import deepspeed
 
         from vrgd_ds.ds import shm
 
-        self.raw, self.job = raw, job
+        self.raw, self.job, self.finished = raw, job, finished
         cuda = torch.cuda.is_available()
         shm.prepare_build()
         deepspeed.init_distributed(dist_backend=backend or ("nccl" if cuda else "gloo"), auto_mpi_discovery=True,
@@ -127,11 +127,24 @@ class DeepSpeedEngine(Engine):
         torch.manual_seed(job.seed)  # the same initial weights on every rank and every start
         model = build_model(job.model, self.data.vocab_size, max(p.seq_len for p in job.phases), self.next_sentence)
         self.positions = model.config.max_position_embeddings
-        ds_cfg = deepspeed_config(self.raw, job.phases[0], self.world, 0)
+        ds_cfg = self._initial_config()
         wd = float(ds_cfg.get("optimizer", {}).get("params", {}).get("weight_decay", 0.0))
         groups = vrgd_ds.param_groups(model, weight_decay=wd)
         self.engine, *_ = deepspeed.initialize(model=model, model_parameters=groups, config=ds_cfg)
         self.optimizer = self.engine.basic_optimizer
+
+    def _initial_config(self) -> dict[str, Any]:
+        """DeepSpeed's config for ``initialize``, with the batch of the first phase the resumed
+        checkpoint has not finished (the job sets each phase's batch when the phase starts): a
+        finished phase's may not split over these ranks. Every phase finished, a step of one
+        micro-batch per rank (no step is taken)."""
+        job = self.job
+        index = next((i for i in range(len(job.phases)) if i not in self.finished), None)
+        if index is not None:
+            return deepspeed_config(self.raw, job.phases[index], self.world, index)
+        last = job.phases[-1]
+        return deepspeed_config(self.raw, last.model_copy(update={"global_batch": last.micro_batch * self.world}),
+                                self.world, len(job.phases) - 1)
 
     def datasets(self, seq_len: int):
         return self.data.split(seq_len)

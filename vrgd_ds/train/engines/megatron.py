@@ -108,9 +108,11 @@ def parse_block(raw: dict[str, Any]) -> MegatronBlock:
         raise validation_error(e, BLOCK, MegatronBlock) from None
 
 
-def check(raw: dict[str, Any], job: JobConfig, world: int | None) -> MegatronBlock:
+def check(raw: dict[str, Any], job: JobConfig, world: int | None,
+          finished: frozenset[int] = frozenset()) -> MegatronBlock:
     """Every check of a Megatron job's config that needs no process group; ``world``: the ranks
-    (None: not known yet, the layout's checks wait for the process group)."""
+    (None: not known yet, the layout's checks wait for the process group); ``finished``: the
+    phases the resumed checkpoint has finished, whose batches need not split over them."""
     extra = [k for k in raw if k not in KEYS]
     if extra:
         raise ConfigError(f"{extra[0]}: not a key of a megatron-engine config (it has {', '.join(KEYS)}); "
@@ -158,6 +160,8 @@ def check(raw: dict[str, Any], job: JobConfig, world: int | None) -> MegatronBlo
             raise ConfigError(f"{BLOCK}.tensor_model_parallel_size × pipeline_model_parallel_size = {tp} × {pp} does "
                               f"not divide the {world} ranks; change the sizes or the number of ranks")
         for i, p in enumerate(job.phases):
+            if i in finished:
+                continue
             try:
                 gradient_accumulation(p, world // (tp * pp), i)
             except ConfigError as e:
@@ -259,28 +263,29 @@ class MegatronEngine(Engine):
         return (UnsupportedMegatronConfiguration,)
 
     @staticmethod
-    def check_config(raw: dict[str, Any], job: JobConfig) -> None:
+    def check_config(raw: dict[str, Any], job: JobConfig, finished: frozenset[int] = frozenset()) -> None:
         from vrgd_ds.megatron.internals import check_version
 
         try:  # megatron-core installed, at the release vrgd_ds.megatron reads
             check_version()
         except (ImportError, RuntimeError) as e:
             raise ConfigError(f"job.engine 'megatron': {e}") from None
-        check(raw, job, launcher_value(LAUNCHER_WORLD))
+        check(raw, job, launcher_value(LAUNCHER_WORLD), finished)
 
     @classmethod
-    def check_for_ranks(cls, raw: dict[str, Any], job: JobConfig, world: int) -> None:
-        cls.check_config(raw, job)
-        check(raw, job, world)
+    def check_for_ranks(cls, raw: dict[str, Any], job: JobConfig, world: int,
+                        finished: frozenset[int] = frozenset()) -> None:
+        cls.check_config(raw, job, finished)
+        check(raw, job, world, finished)
 
     def __init__(self, raw: dict[str, Any], job: JobConfig, backend: str | None,
-                 timeout: datetime.timedelta) -> None:
+                 timeout: datetime.timedelta, finished: frozenset[int] = frozenset()) -> None:
         from megatron.core import parallel_state as ps
 
         self.raw, self.job = raw, job
         self.device = init_process_group(backend, timeout)
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
-        self.block = check(raw, job, self.world)
+        self.block = check(raw, job, self.world, finished)
         ps.initialize_model_parallel(tensor_model_parallel_size=self.block.tensor_model_parallel_size,
                                      pipeline_model_parallel_size=self.block.pipeline_model_parallel_size)
         self.ps = ps
