@@ -46,7 +46,7 @@ import vrgd_ds.fsdp
 from vrgd_ds.fsdp.internals import UnsupportedFSDPConfiguration
 from vrgd_ds.optim.base import GSNROptimizer, built_for_engine
 from vrgd_ds.optim.metrics import Recorder
-from vrgd_ds.optim.registry import REGISTRY, did_you_mean
+from vrgd_ds.optim.registry import REGISTRY, did_you_mean, probe_group
 
 logger = logging.getLogger(__name__)
 
@@ -102,11 +102,9 @@ def group_options(name: str, given: dict[str, Any], where: str) -> dict[str, Any
             raise ValueError(f"{where}: {key} is the {name} optimizer's setting, not a param group's: pass it as "
                              f"optimizer_factory_kwargs_by_name={{{name!r}: {{{key!r}: {given[key]!r}}}}}")
     try:
-        with built_for_engine():  # no tensor hooks on the throwaway parameter
-            probe = REGISTRY[name].cls([torch.nn.Parameter(torch.zeros(1))], **given)
+        return probe_group(REGISTRY[name].cls, given)
     except (TypeError, ValueError) as e:  # the constructor's refusal (amsgrad=True, Lamb with gsnr=True, ...)
         raise ValueError(f"{where}: {e}") from e
-    return {k: v for k, v in probe.param_groups[0].items() if k != "params"}
 
 
 def _vrgd_factory(name: str) -> Callable[..., torch.optim.Optimizer]:

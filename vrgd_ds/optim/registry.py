@@ -230,11 +230,30 @@ def check_params(cls: Any, type_name: str, params: dict[str, Any], clipping: str
             "here; give its value (or leave the key out for the default)")
 
 
+def probe_group(cls: Any, params: dict[str, Any]) -> dict[str, Any]:
+    """The param-group options member ``cls`` (a class or variant) makes of the keyword arguments
+    ``params``, as its constructor makes them: derived where it derives them (``gsnr``'s default),
+    refused where it refuses them. It is built on a throwaway one-element parameter, with no
+    tensor hooks (``built_for_engine``)."""
+    from vrgd_ds.optim.base import built_for_engine
+
+    with built_for_engine():
+        group = cls([torch.nn.Parameter(torch.zeros(1))], **params).param_groups[0]
+    return {k: v for k, v in group.items() if k != "params"}
+
+
 def check_optimizer(block: Any, clipping: str, resolve: Callable[[str], Any] | None = None) -> Any:
     """Validates an ``"optimizer": {"type": ..., "params": {...}}`` block before any work: the type
     is a member (``resolve`` maps an engine's own spelling, else the registry's names), every
-    parameter is one it takes, and every value passes its checks (the member is built on a
-    one-element dummy parameter). Returns the member's class (or variant)."""
+    parameter is one it takes, and every value passes its checks. Returns the member's class (or
+    variant)."""
+    return checked_group(block, clipping, resolve)[0]
+
+
+def checked_group(block: Any, clipping: str,
+                  resolve: Callable[[str], Any] | None = None) -> tuple[Any, dict[str, Any]]:
+    """``check_optimizer``, returning the member's class (or variant) and the options of the
+    param group it builds of the block's ``params`` (``probe_group``)."""
     from vrgd_ds.optim.base import InvalidArgument
 
     if not isinstance(block, dict) or "type" not in block:
@@ -253,9 +272,9 @@ def check_optimizer(block: Any, clipping: str, resolve: Callable[[str], Any] | N
                                   f"{type(params).__name__}")
     check_params(cls, name, params, clipping)
     try:
-        cls([torch.zeros(1, requires_grad=True)], **params)
+        group = probe_group(cls, params)
     except InvalidArgument as e:
         raise OptimizerBlockError(f"optimizer.params.{e.name.split('[')[0]}: {e}") from None
     except (ValueError, TypeError) as e:
         raise OptimizerBlockError(f"optimizer.params: {e}") from None
-    return cls
+    return cls, group

@@ -26,9 +26,7 @@ def check(run_dir: Path, raw: dict[str, Any] | None, world: int | None) -> tuple
     """The ``--check-resume`` report: what a resume of ``run_dir`` would load and, given the
     configuration ``raw`` and the number of ranks, what would change. Returns (report, whether
     the resume would go ahead)."""
-    import torch
-
-    from vrgd_ds.optim.registry import OptimizerBlockError, check_optimizer
+    from vrgd_ds.optim.registry import OptimizerBlockError, checked_group
     from vrgd_ds.train.config import (check_gsnr_groups, check_resume_marker, data_change_policy, finished_phases,
                                       optimizer_state_policy, parse_job, phase_settings, position_table)
     from vrgd_ds.train.data import configured_fingerprint
@@ -61,11 +59,10 @@ def check(run_dir: Path, raw: dict[str, Any] | None, world: int | None) -> tuple
     if raw is None:
         return "\n".join(lines), True
     job = parse_job(raw)
-    try:  # validated; built on a dummy parameter for its defaults
-        cls = check_optimizer(raw.get("optimizer"), "the engine's gradient clipping")
+    try:  # validated, with the group it builds (its defaults)
+        cls, group = checked_group(raw.get("optimizer"), "the engine's gradient clipping")
     except OptimizerBlockError as e:
         raise ConfigError(str(e)) from None
-    group = cls([torch.nn.Parameter(torch.zeros(1))], **(raw["optimizer"].get("params") or {})).param_groups[0]
     now = {"type": cls.__name__, "gsnr": bool(group["gsnr"]), "gsnr_placement": group.get("gsnr_placement")}
     stage = int((raw.get("zero_optimization") or {}).get("stage", 0))
     ranks = world if world is not None else saved_world or record.get("world_size") or 1

@@ -455,16 +455,13 @@ def check_gsnr_groups(raw: dict[str, Any], job: JobConfig) -> None:
     per-micro-step reduction count the ranks alone; then phase 0's check at the engine's start
     covers every phase). The engine checks only the batch it starts with, so a later phase of one
     group crashed at its first step, hours in, on every resume too."""
-    import torch
-
     from vrgd_ds.optim.base import MIN_GROUPS
-    from vrgd_ds.optim.registry import OptimizerBlockError, check_optimizer
+    from vrgd_ds.optim.registry import OptimizerBlockError, checked_group
 
     try:
-        cls = check_optimizer(raw.get("optimizer"), "the engine's gradient clipping")
+        _, group = checked_group(raw.get("optimizer"), "the engine's gradient clipping")
     except OptimizerBlockError:
         return  # the engine's own check names it
-    group = cls([torch.nn.Parameter(torch.zeros(1))], **(raw["optimizer"].get("params") or {})).param_groups[0]
     if not group.get("gsnr"):
         return
     for i, p in enumerate(job.phases):
