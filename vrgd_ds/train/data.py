@@ -15,7 +15,7 @@ import logging
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 import numpy as np
 import torch
@@ -71,15 +71,23 @@ class JobData:
         ``[SEP]`` after every document: the end-of-document token (Megatron's GPT data appends
         one), so no window runs from one document into the next unmarked, and a model learns where
         documents end. Held out: the documents from ``split_document`` on, as for the BERT samples."""
-        def stream(first: int, last: int) -> np.ndarray:
-            parts = []
-            for i in range(first, last):
-                sentences = self.corpus.document(i)
-                if sentences:  # the shards' dtype (the windows are made int64 as they are read)
-                    parts += [*sentences, np.array([self.tokenizer.sep_id], dtype=sentences[0].dtype)]
-            return np.concatenate(parts) if parts else np.zeros(0, dtype=np.int64)
+        return tuple(np.concatenate([*self._stream_pieces(kept), np.zeros(0, dtype=self.corpus.dtype)])
+                     for kept in self._stream_documents())
 
-        return stream(0, self.split_document), stream(self.split_document, self.corpus.num_documents)
+    def _stream_documents(self) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
+        """(training, held-out) streams' documents: (document, its tokens) of those with sentences."""
+        out = []
+        for first, last in ((0, self.split_document), (self.split_document, self.corpus.num_documents)):
+            lengths = (self.corpus.sentence_lengths(i) for i in range(first, last))
+            out.append([(i, int(n.sum())) for i, n in zip(range(first, last), lengths) if n.size])
+        return out[0], out[1]
+
+    def _stream_pieces(self, kept: list[tuple[int, int]]) -> Iterator[np.ndarray]:
+        """A stream a document at a time (``_stream_documents``): its tokens, then ``[SEP]``, in the
+        shards' dtype (the windows are made int64 as they are read)."""
+        sep = np.array([self.tokenizer.sep_id], dtype=self.corpus.dtype)
+        for i, n in kept:
+            yield np.concatenate([*self.corpus.document(i), sep]).astype(self.corpus.dtype, copy=False) if n else sep
 
     def stream_names(self) -> tuple[str, str]:
         """File names of the (training, held-out) streams, keyed by what decides them: the
@@ -102,15 +110,7 @@ class JobData:
         from vrgd_ds.data_pipeline.tokenizer import atomic_file
 
         dtype = self.corpus.dtype
-        sep = np.array([self.tokenizer.sep_id], dtype=dtype).tobytes()
-        parts = []
-        for first, last in ((0, self.split_document), (self.split_document, self.corpus.num_documents)):
-            kept = []  # (document, its tokens) of the documents with sentences, as token_streams takes them
-            for i in range(first, last):
-                lengths = self.corpus.sentence_lengths(i)
-                if lengths.size:
-                    kept.append((i, int(lengths.sum())))
-            parts.append(kept)
+        parts = self._stream_documents()
         paths[0].parent.mkdir(parents=True, exist_ok=True)
         need = sum(n + 1 for kept in parts for _, n in kept) * dtype.itemsize
         free = shutil.disk_usage(paths[0].parent).free
@@ -122,10 +122,8 @@ class JobData:
             with atomic_file(path, tmp) as fh:
                 npy.write_array_header_1_0(fh, {"descr": npy.dtype_to_descr(dtype), "fortran_order": False,
                                                 "shape": (sum(n + 1 for _, n in kept),)})
-                for i, n in kept:
-                    if n:
-                        fh.write(np.concatenate(self.corpus.document(i)).astype(dtype, copy=False).tobytes())
-                    fh.write(sep)
+                for piece in self._stream_pieces(kept):
+                    fh.write(piece.tobytes())
 
     def windows(self, seq_len: int) -> tuple[Windows, Windows]:
         """(training, held-out) causal-LM windows of ``seq_len`` (``Windows``): of the streams on
