@@ -84,6 +84,22 @@ def test_dependency_step_lists_the_requirements_without_torch():
     assert only == ["megatron-core==0.16.1"], only  # one argument of the image's pip install --no-deps
 
 
+@pytest.mark.parametrize("version, inside", [("2.13.0a0+gitabc1234", True), ("2.13.1", True),
+                                             ("2.14.0a0+gitabc1234", False), ("2.12.1", False)])
+def test_the_image_stops_on_a_torch_outside_pyprojects_range(version, inside):
+    """The build's first step checks the base image's torch against ``pyproject.toml``'s range, its
+    release read past NGC's pre-release tag. Fails on the Dockerfile before, which asserted only
+    ``torch >= 2.13`` after installing everything: an image of torch 2.14 built, and the package
+    (pinned to 2.13, ``vrgd_ds.fsdp`` refusing any other) met it at run time."""
+    run = subprocess.run([sys.executable, str(ROOT / "docker" / "requirements.py"), "--check-torch", version],
+                         capture_output=True, text=True, timeout=60)
+    assert (run.returncode == 0) == inside, run.stderr
+    assert inside or f"torch {version} is outside pyproject.toml's 'torch>=2.13,<2.14'" in run.stderr
+    (step,) = [args for op, args in instructions() if op == "RUN" and "torch_before=" in args]
+    first = [cmd.strip() for cmd in step.split("&&")]
+    assert first[1] == 'python docker/requirements.py --check-torch "$torch_before"', first
+
+
 def test_what_the_readme_runs_exists():
     text = README.read_text() + DOCKERFILE.read_text()
     for path in sorted(set(re.findall(r"\b((?:configs|launch|docker)/[\w./-]+\.(?:json|sh|sbatch|py)|docker/Dockerfile)",
