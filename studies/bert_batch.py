@@ -553,6 +553,18 @@ def same_settings(run_dir: Path, cfg: dict) -> None:
                          "settings it ran with, another --work, or remove the directory to run it again")
 
 
+def same_data(run_dir: Path, what: str, recorded: str | None, data: Path, seed: int, args: argparse.Namespace) -> None:
+    """A run in ``--work`` is read back (``what``: finished) or resumed (paused) only where the data
+    it read (``recorded``: its fingerprint) is the data prepared in ``data`` now: ``prepare`` writes
+    another vocabulary size or source of a corpus name into the same directory, and ``same_settings``
+    leaves the data's path aside. Else the study stops naming both fingerprints."""
+    here = data_fingerprint(data, seed, getattr(args, "heldout_fraction", None))
+    if recorded is not None and here is not None and recorded != here:
+        raise SystemExit(f"{run_dir}: a {what} run of other data than this study's (fingerprint {recorded} there, "
+                         f"{here} in {data}: another --vocab-size, corpus or Python's embedded corpus prepared "
+                         "there since): give another --work, or remove the directory to run it again")
+
+
 def plan_run(label: str, corpus: str, data: Path, batch: int, factor: float, seed: int, args: argparse.Namespace,
              params: dict | None = None, phase_extra: dict | None = None) -> dict | Launch | None:
     """One job run: its result when it finished before (here, or in ``args.reused``), else the
@@ -588,8 +600,16 @@ def plan_run(label: str, corpus: str, data: Path, batch: int, factor: float, see
     done = run_dir / "result.json"
     if done.is_file():  # the noise scale is derived again: its definition here may be newer than the run
         same_settings(run_dir, cfg)
-        return json.loads(done.read_text()) | {"b_simple": read_metrics(run_dir)[1],
-                                               "run_dir": str(run_dir.relative_to(args.work))}
+        result = json.loads(done.read_text())
+        same_data(run_dir, "finished", result.get("data"), data, seed, args)
+        return result | {"b_simple": read_metrics(run_dir)[1], "run_dir": str(run_dir.relative_to(args.work))}
+    if (run_dir / PAUSED).is_file():  # the job would refuse its checkpoint (checkpoint.data_change), every start
+        from vrgd_ds.train import checkpoints as ckpt
+
+        tag = ckpt.choose(run_dir / "checkpoints").tag
+        if tag is not None:
+            same_data(run_dir, "paused", (ckpt.marker(run_dir / "checkpoints", tag).get("info") or {}).get("data"),
+                      data, seed, args)
     if getattr(args, "only_finished", False):
         return None
     # the launcher through this interpreter: a DeepSpeed installed with ``pip --target`` (a GPU image's
@@ -734,8 +754,8 @@ class Runner:
                           flush=True)
                     self.not_started += [launches[i].run_dir for i in pending]
                     pending.clear()
-                    if active:
-                        self.pause_active(launches, active, results, record, self.lead(launches, active), "SIGUSR1")
+                    if active:  # no time limit to keep: each run's step in flight ends, however long
+                        self.pause_active(launches, active, results, record, None, "SIGUSR1")
                     break
                 for slot in range(self.parallel):
                     if slot in active or not pending:
@@ -810,16 +830,17 @@ class Runner:
                 self.rates.append(samples / wall * max(self.load.get(i, 0.0) / wall, 1.0))
 
     def pause_active(self, launches: list[Launch], active: dict, results: list[dict | None],
-                     record: Callable[[dict], None] | None, wait_s: float, why: str) -> None:
+                     record: Callable[[dict], None] | None, wait_s: float | None, why: str) -> None:
         """Pauses every active run (``pause``), then takes out of ``active`` the runs that finished
         while it waited (``collect``); what is left there the caller stops."""
         for slot in self.pause(launches, active, wait_s, why):
             del active[slot]
         self.collect(launches, active, results, record, finished_only=True)
 
-    def pause(self, launches: list[Launch], active: dict, wait_s: float, why: str = "--time-limit") -> list[int]:
-        """At the time limit (or on ``why``): SIGUSR1 to every active run's ranks, then up to ``wait_s`` for each
-        job to checkpoint and exit (``requeue.json`` in its directory). A paused run's segment is
+    def pause(self, launches: list[Launch], active: dict, wait_s: float | None, why: str = "--time-limit") -> list[int]:
+        """At the time limit (or on ``why``): SIGUSR1 to every active run's ranks, then up to ``wait_s`` (None:
+        until it exits, as for the study's own SIGUSR1) for each job to checkpoint and exit
+        (``requeue.json`` in its directory). A paused run's segment is
         added to its ``PAUSED`` file; a resumed run that did not checkpoint again keeps the file as
         it was. Every active run's progress goes to ``self.stopped``, and
         is printed. Returns the slots of the runs paused (the rest are stopped by the caller)."""
@@ -833,12 +854,12 @@ class Runner:
                     continue
             if ranks:
                 signalled.add(slot)
-        deadline, paused = time.monotonic() + max(wait_s, 0.0), []
+        deadline, paused = None if wait_s is None else time.monotonic() + max(wait_s, 0.0), []
         for slot, (i, proc, t0, log) in active.items():
             launch = launches[i]
             if slot in signalled:
                 try:
-                    proc.wait(timeout=max(0.0, deadline - time.monotonic()))
+                    proc.wait(timeout=None if deadline is None else max(0.0, deadline - time.monotonic()))
                 except subprocess.TimeoutExpired:
                     pass
             marked = (launch.run_dir / "requeue.json").is_file()

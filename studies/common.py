@@ -89,8 +89,11 @@ class Output:
     def __init__(self, directory: Path, study: str, config: dict[str, Any], resume: bool = False) -> None:
         self.dir = Path(directory)
         self.dir.mkdir(parents=True, exist_ok=True)
+        # a new record's runs go to a file of their own until ``finish`` puts it in place: a study
+        # that ends early (an error, SIGTERM) leaves the directory's record as it was, whole
+        self.logging = self.runs_path if resume else self.dir / ".runs.jsonl.partial"
         if not resume:
-            self.runs_path.unlink(missing_ok=True)
+            self.logging.unlink(missing_ok=True)
         self.study = study
         self.t0 = time.time()
         self.meta = {"study": study, "command": " ".join([Path(sys.argv[0]).name, *map(portable, sys.argv[1:])]),
@@ -102,7 +105,7 @@ class Output:
         return self.dir / "runs.jsonl"
 
     def log_run(self, record: dict[str, Any]) -> None:
-        with open(self.runs_path, "a") as fh:
+        with open(self.logging, "a") as fh:
             fh.write(json.dumps(record) + "\n")
 
     def add_table(self, title: str, markdown: str) -> None:
@@ -122,7 +125,9 @@ class Output:
         an earlier invocation or output took their time there, and the record gives it too.
         ``wall_s``: the record's own time, where its tables are written again from its runs."""
         self.meta["wall_s"] = round(time.time() - self.t0, 1) if wall_s is None else wall_s
-        self.runs_path.touch()  # a record with no run yet is still one --reuse reads
+        self.logging.touch()  # a record with no run yet is still one --reuse reads
+        self.logging.replace(self.runs_path)
+        self.logging = self.runs_path  # (a later log_run, if any, appends to the record)
         if runs:
             self.meta["run_wall_s"] = round(sum(r["wall_s"] for r in runs), 1)
         (self.dir / "meta.json").write_text(json.dumps(self.meta, indent=2) + "\n")

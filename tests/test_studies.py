@@ -549,6 +549,66 @@ def test_a_finished_run_in_the_work_directory_is_read_back_only_with_the_studys_
         bert_batch.plan_run("LAMB", "embedded", tmp_path / "data", 64, 1.0, 1, args(heldout_fraction=0.1))
 
 
+def test_a_run_in_the_work_directory_is_read_back_or_resumed_only_on_its_data(tmp_path, monkeypatch):
+    """``prepare`` writes another vocabulary size or source of a corpus name into the same
+    ``<work>/data/<name>``, and ``same_settings`` leaves the data's path aside: a finished run of
+    the old data was read back as this study's, and a paused one resumed into a job that refused
+    its checkpoint (``checkpoint.data_change``) at every start. Now the recorded fingerprint (the
+    result's, the paused checkpoint's marker's) must be the data's now, else the study stops
+    naming both. Fails on the old code, which read the finished run back."""
+    import argparse
+
+    sys.path.insert(0, str(STUDIES))
+    import bert_batch
+
+    from vrgd_ds.train import checkpoints as ckpt
+
+    args = argparse.Namespace(
+        work=tmp_path / "work", samples=10240, min_steps=50, seq_len=64, micro_batch=8, ranks=1, workers=1,
+        model="tiny", base_lr=4e-3, base_batch=64, lr_rule="sqrt", groups=None, dropout=None,
+        heldout_fraction=None, eval_points=None, only_finished=False, reused={})
+    now = {"fp": "00aa"}
+    monkeypatch.setattr(bert_batch, "data_fingerprint", lambda data, seed, heldout=None: now["fp"])
+    launch = bert_batch.plan_run("LAMB", "embedded", tmp_path / "data", 64, 1.0, 1, args)
+    launch.run_dir.mkdir(parents=True)
+    (launch.run_dir / "study_config.json").write_text(json.dumps(launch.config))
+    (launch.run_dir / "result.json").write_text(json.dumps(launch.record | {"mlm_loss": 6.9, "data": "00aa"}))
+    assert bert_batch.plan_run("LAMB", "embedded", tmp_path / "data", 64, 1.0, 1, args)["mlm_loss"] == 6.9
+    now["fp"] = "11bb"  # another vocabulary prepared there since
+    with pytest.raises(SystemExit, match=r"a finished run of other data than this study's \(fingerprint 00aa there, "
+                                         r"11bb in"):
+        bert_batch.plan_run("LAMB", "embedded", tmp_path / "data", 64, 1.0, 1, args)
+    (launch.run_dir / "result.json").unlink()  # paused at step 4 instead, its checkpoint of the old data
+    (launch.run_dir / bert_batch.PAUSED).write_text(json.dumps([{"wall_s": 1.0, "step": 4, "samples": 256}]))
+    (launch.run_dir / "checkpoints" / "step00000004").mkdir(parents=True)
+    (launch.run_dir / "checkpoints" / "step00000004" / "mp_rank_00_model_states.pt").write_bytes(b"x" * 10)
+    ckpt.mark_complete(launch.run_dir / "checkpoints", "step00000004", 4, 1, {"data": "00aa"})
+    with pytest.raises(SystemExit, match=r"a paused run of other data than this study's \(fingerprint 00aa there"):
+        bert_batch.plan_run("LAMB", "embedded", tmp_path / "data", 64, 1.0, 1, args)
+    now["fp"] = "00aa"
+    assert isinstance(bert_batch.plan_run("LAMB", "embedded", tmp_path / "data", 64, 1.0, 1, args), bert_batch.Launch)
+
+
+def test_a_study_that_ends_early_leaves_its_out_directorys_record_whole(tmp_path):
+    """With ``--out`` one of the ``--reuse`` records, ``Output`` deleted its ``runs.jsonl`` at once
+    and the runs not used again were written back at the very end: a study ending before (an
+    error, SIGTERM) left the committed record with the runs logged so far, or none, beside its
+    old tables. The runs now go to a file of their own until ``finish`` puts it in place. Fails on
+    the old code."""
+    sys.path.insert(0, str(STUDIES))
+    from common import Output
+
+    record = tmp_path / "record"
+    record.mkdir()
+    (record / "runs.jsonl").write_text('{"run": 1}\n{"run": 2}\n')
+    out = Output(record, "bert_batch", {})
+    out.log_run({"run": 3})
+    assert (record / "runs.jsonl").read_text() == '{"run": 1}\n{"run": 2}\n'  # ended here: the record whole
+    out.finish()
+    assert (record / "runs.jsonl").read_text() == '{"run": 3}\n'
+    assert not any(p.name.endswith(".partial") for p in record.iterdir())
+
+
 def test_the_page_counts_a_records_runs_by_the_machine_each_ran_on(tmp_path):
     """The plateau record's 4 runs from an H200 lease, reused into it, were named nowhere on the
     page, whose opening said no row came from a GPU: the record line named only the directories
@@ -1559,6 +1619,52 @@ def test_a_run_that_checkpointed_but_did_not_exit_is_kept_paused_and_a_removed_r
                 proc.kill()
                 proc.wait()
             log.close()
+
+
+#: a stand-in for one rank whose step in flight at SIGUSR1 takes 4 s more, then checkpoints and exits
+LONG_STEP_AT_PAUSE_RANK = """
+import json, signal, sys, time
+run_dir, asked = sys.argv[3], []
+signal.signal(signal.SIGUSR1, lambda *_: asked.append(1))
+with open(run_dir + "/metrics.jsonl", "w") as fh:
+    fh.write(json.dumps({"step": 1, "time": time.time(), "train/samples": 8.0}) + "\\n")
+print("step 1 done", flush=True)
+while not asked:
+    time.sleep(0.1)
+time.sleep(4.0)
+open(run_dir + "/requeue.json", "w").write("{}")
+sys.exit(75)
+"""
+
+
+@pytest.mark.exhaustive  # about 6 s
+def test_sigusr1_to_the_study_waits_for_the_step_in_flight_however_long(tmp_path, monkeypatch, capsys):
+    """SIGUSR1 to the study (no time limit to keep) waits for each run to checkpoint, however
+    long its step in flight: here 4 s, beyond the time limit's lead (made 1 s). Fails on the old
+    code, which waited the time limit's lead (2 × the slowest recent step + 15 s, 45 s at least)
+    and then stopped the run and, not resumed from a checkpoint, removed it: a CPU step that
+    slowed to more than twice its recent time beside other work lost the run."""
+    import argparse
+    import threading
+
+    sys.path.insert(0, str(STUDIES))
+    from bert_batch import PAUSED, Launch, Runner
+
+    run_dir = tmp_path / "slow"
+    launch = Launch(run_dir, [sys.executable, "-c", LONG_STEP_AT_PAUSE_RANK, "-m", "vrgd_ds.train", str(run_dir)], {},
+                    {"corpus": "c", "batch": 8, "optimizer": "slow", "seed": 1, "lr": 1e-3, "factor": 1.0,
+                     "steps": 10, "samples": 80}, tmp_path / "no-data")
+    monkeypatch.setattr(Runner, "lead", lambda self, launches, active: 1.0)
+    args = argparse.Namespace(parallel=1, time_limit=None, started=time.monotonic(), ranks=1, port=29900)
+    log = run_dir / "log.txt"
+    asker = threading.Thread(target=lambda: (wait_until(lambda: log.is_file() and "step 1 done" in log.read_text(),
+                                                        str(log)), setattr(args, "pause_requested", True)))
+    asker.start()
+    (result,) = Runner(args).run([launch])
+    asker.join()
+    assert result is None and (run_dir / PAUSED).is_file(), capsys.readouterr().out
+    assert [g["step"] for g in launch.segments()] == [1]
+    assert f"SIGUSR1: {run_dir} paused (checkpoint kept" in capsys.readouterr().out
 
 
 #: a stand-in for one rank in its start-up: SIGUSR1 not handled yet (its default action ends it)
