@@ -210,6 +210,12 @@ def _refusal(case: dict) -> dict[str, Any]:
             vrgd_ds.fsdp.attach(model, vrgd_ds.VRAdam(model.parameters(), lr=0.1))
         if what == "twice_base":  # a base optimizer leaves FSDP's reduce-scatter alone
             vrgd_ds.fsdp.attach(model, vrgd_ds.Lamb(model.parameters(), lr=0.1))
+        if what in ("comm_after", "hook_after"):  # FSDP's options set after attach, then a backward
+            if what == "comm_after":
+                model.b.set_allocate_memory_from_process_group_for_comm(False)  # a new default reduce-scatter
+            else:
+                model.b.set_all_reduce_hook(lambda reduced: None)
+            backward(model, batch(0, dist.get_rank(), 0), 0.5, 1)
         if what in ("moved", "moved_base"):  # model.to() after attach: FSDP2 makes new local shards
             model.to("cpu")
             rank = dist.get_rank()

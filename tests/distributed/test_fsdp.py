@@ -109,6 +109,10 @@ REFUSALS = {
     # False) when the engine laid the model out", which it was not
     "moved": ("UnsupportedFSDPConfiguration", "the model's shards were replaced after vrgd_ds.fsdp.attach"),
     "moved_base": ("RuntimeError", "or the model was moved or cast (model.to(...)) after"),
+    # FSDP's own setters after attach: before, accepted, the reductions unrecorded and every tensor
+    # stepping as plain LAMB (its moments all zero)
+    "comm_after": ("UnsupportedFSDPConfiguration", "reduce-scatter was replaced after vrgd_ds.fsdp.attach"),
+    "hook_after": ("UnsupportedFSDPConfiguration", "set_all_reduce_hook after vrgd_ds.fsdp.attach"),
 }
 
 

@@ -118,6 +118,17 @@ class FSDPStats(LocalStats):
                 ".cpu() and the like make FSDP2 build new local shards, which the statistics and the optimizer's "
                 "layout do not know. Move or cast the model first, then build the optimizer and attach it")
         if group.reduce_grads:
+            comm = group._reduce_scatter_comm
+            if not (isinstance(comm, ReduceScatterWithSquares) and comm.stats is self and comm.gi == gi):
+                raise UnsupportedFSDPConfiguration(
+                    f"vrgd_ds.fsdp: FSDP's reduce-scatter was replaced after vrgd_ds.fsdp.attach (by "
+                    f"{type(comm).__name__}: set_custom_reduce_scatter, set_allocate_memory_from_process_group_for_comm, "
+                    "set_symm_mem_for_comm), so the statistics would see no reduction and every tensor step as the "
+                    "base optimizer: set FSDP's communication options before attach, or not at all")
+            if group._all_reduce_hook is not None:
+                raise UnsupportedFSDPConfiguration(
+                    "vrgd_ds.fsdp: set_all_reduce_hook after vrgd_ds.fsdp.attach: the hook changes the reduced "
+                    "gradient after the statistics read it; remove it")
             # gradients cleared since this step's reductions (``gradients_cleared``): a reduction that
             # sets its shards' .grad (not HSDP's with the replicas' all-reduce deferred,
             # set_requires_all_reduce(False), which keeps its output aside) makes every shard's None
