@@ -65,6 +65,17 @@ def test_a_param_groups_optimizer_kwargs_are_made_as_the_constructor_makes_them(
         VRGDOptimizersContainer(config, model_parts=[torch.nn.Linear(2, 2)])
 
 
+def test_a_group_option_among_the_factory_kwargs_is_refused_naming_where_it_goes():
+    """Every VRGD param group is built with all of its options (``group_options``), so a group
+    option in ``optimizer_factory_kwargs_by_name`` changed only the optimizer's ``defaults``:
+    ``gamma=0.5`` there trained with 0.1. Fails on the old code, which accepted it silently."""
+    config = vrgd_optimizer("VRLamb", lr=1e-3, set_grad_none=False)
+    config.optimizer_factory_kwargs_by_name["VRLamb"]["gamma"] = 0.5
+    with pytest.raises(UnsupportedFSDPConfiguration, match="optimizer_factory_kwargs_by_name\\['VRLamb'\\] sets "
+                                                           "'gamma', a param group's option"):
+        VRGDOptimizersContainer(config, model_parts=[torch.nn.Linear(2, 2)])
+
+
 def test_the_container_injects_no_fused_kernels_by_default():
     """torchtitan's own default, implementation="fused", puts fused=True into every param group,
     which a VRGD optimizer refuses at attach."""

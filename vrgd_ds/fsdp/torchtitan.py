@@ -164,6 +164,13 @@ class VRGDOptimizersContainer(OptimizersContainer):
                     f"vrgd_ds.fsdp.torchtitan: param group {i} ({pg.optimizer_name}): fused/foreach in "
                     "optimizer_kwargs: the VRGD optimizers pick their own kernels; their fused= goes in "
                     f"optimizer_factory_kwargs_by_name={{{pg.optimizer_name!r}: {{'fused': ...}}}}")
+        for name, kwargs in config.optimizer_factory_kwargs_by_name.items():  # the groups' options are all given
+            if name in REGISTRY and (options := [k for k in kwargs if k not in _OPTIMIZER_KEYS]):
+                raise UnsupportedFSDPConfiguration(
+                    f"vrgd_ds.fsdp.torchtitan: optimizer_factory_kwargs_by_name[{name!r}] sets {options[0]!r}, a "
+                    f"param group's option: every {name} group is built with all of its options (its optimizer_kwargs, "
+                    "the constructor's defaults for the rest), so it would have no effect; put it in the param "
+                    f"groups' optimizer_kwargs (only {', '.join(_OPTIMIZER_KEYS)} go here)")
         if uses_vrgd and len(model_parts) != 1:
             raise UnsupportedFSDPConfiguration(
                 f"vrgd_ds.fsdp.torchtitan: pipeline parallelism ({len(model_parts)} model parts on this rank) is not "
