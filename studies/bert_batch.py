@@ -61,12 +61,13 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 from statistics import mean
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Iterable, Sequence
 
 from common import DOCS, Output, hardware, machine, plt, portable, spread, table
 
 from vrgd_ds.data_pipeline.tokenizer import TRAINER_RELEASE, trainer
 from vrgd_ds.optim.adam import GSNR_PLACEMENTS
+from vrgd_ds.train.loop import EXIT_DIVERGED
 from vrgd_ds.train.plots import METRICS_FILE, read_metrics as read_steps
 
 #: optimizer label -> the job's ``optimizer.params`` besides lr (``"type"``: another member than VRLamb)
@@ -430,18 +431,24 @@ class Launch:
     data: Path
     heldout_fraction: float | None = None
 
-    def result(self, wall_s: float, machine: str) -> dict:
+    def result(self, wall_s: float, machine: str, diverged: bool = False) -> dict:
         """The run's record, with the ``machine`` it ran on (a grid that grows piecewise mixes
-        machines; the page names each cell's)."""
+        machines; the page names each cell's). ``diverged``: the job stopped on its skipped steps
+        (``EXIT_DIVERGED``); such a run, or one whose held-out loss is not finite, is recorded
+        with a loss of +inf and ``"diverged"``, so that a bracket and a verdict rank it last."""
         ev, noise = read_metrics(self.run_dir)
-        if ev is None:
+        if ev is None and not diverged:
             raise SystemExit(f"{self.run_dir / METRICS_FILE}: no evaluation record")
+        diverged = diverged or not math.isfinite(ev["eval/mlm_loss"])
         before = self.segments()  # a run paused and resumed: its earlier segments' time counts too
-        r = self.record | {"mlm_loss": ev["eval/mlm_loss"], "mlm_acc": ev["eval/mlm_acc"], "eval_tokens":
-                           ev.get("eval/tokens"), "b_simple": noise,
+        r = self.record | {"mlm_loss": math.inf if diverged else ev["eval/mlm_loss"],
+                           "mlm_acc": 0.0 if diverged else ev["eval/mlm_acc"],
+                           "eval_tokens": None if diverged else ev.get("eval/tokens"), "b_simple": noise,
                            "wall_s": round(wall_s + sum(g["wall_s"] for g in before), 1),
                            "data": data_fingerprint(self.data, self.record["seed"], self.heldout_fraction),
                            "machine": machine, "data_wait": self.data_wait()}
+        if diverged:
+            r["diverged"] = True
         if before:
             r["segments"] = before + [{"machine": machine, "wall_s": round(wall_s, 1), "step": r["steps"],
                                        "samples": r["samples"]}]
@@ -814,7 +821,7 @@ class Runner:
                 continue
             log.close()
             del active[slot]
-            if proc.returncode != 0:
+            if proc.returncode not in (0, EXIT_DIVERGED):
                 path = launches[i].run_dir / "log.txt"
                 tail = path.read_text(errors="replace").splitlines()[-40:] if path.is_file() else []
                 print(f"run failed ({proc.returncode}): {path} (kept); the other runs go on, and the study exits 1 "
@@ -823,7 +830,7 @@ class Runner:
                 self.failed.append({"run": str(launches[i].run_dir), "returncode": proc.returncode, "log_tail": tail})
                 continue
             wall, samples = max(time.monotonic() - t0, 1e-3), launches[i].samples_left()  # this segment's
-            results[i] = launches[i].result(wall, self.machine)
+            results[i] = launches[i].result(wall, self.machine, diverged=proc.returncode == EXIT_DIVERGED)
             if record is not None:
                 record(results[i])
             if i not in self.resumed:  # a resumed segment's few steps after its start-up would set the rate
@@ -1127,7 +1134,7 @@ def bracket_step(runs: dict[float, list[dict]], start: float, seeds: list[int],
     missing = [(f, seed) for f in in_play for seed in seeds if seed not in {r["seed"] for r in runs.get(f, [])}]
     if missing:
         return missing, None
-    best = min(in_play, key=lambda f: mean(r["mlm_loss"] for r in runs[f] if r["seed"] in seeds))
+    best = min(in_play, key=lambda f: (ranked_loss(r for r in runs[f] if r["seed"] in seeds), f))
     i = grid.index(best)
     grow = [grid[j] for j in (i - 1, i + 1) if 0 <= j < len(grid) and grid[j] not in in_play]
     return [(f, seed) for f in grow for seed in seeds], None if grow else best
@@ -1218,8 +1225,16 @@ def best_cells(results: list[dict]) -> dict[tuple[str, int, str], list[dict]]:
     best = {}
     for key, runs in by_factor(results).items():
         most = max(len(rs) for rs in runs.values())
-        best[key] = min((rs for rs in runs.values() if len(rs) == most), key=lambda rs: mean(r["mlm_loss"] for r in rs))
+        best[key] = min((rs for rs in runs.values() if len(rs) == most), key=lambda rs: (ranked_loss(rs), rs[0]["factor"]))
     return best
+
+
+def ranked_loss(runs: Iterable[dict]) -> float:
+    """The mean held-out loss of ``runs`` as a bracket and the best LR rank them: +inf where one
+    diverged or did not end finite (a NaN would compare as neither better nor worse). Ties go to
+    the lower factor (the callers' second key)."""
+    losses = [r["mlm_loss"] for r in runs]
+    return mean(losses) if all(math.isfinite(x) for x in losses) else math.inf
 
 
 def plot(out: Output, best: dict, corpora: list[str], batches: list[int],

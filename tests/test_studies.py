@@ -972,6 +972,62 @@ def bowl(optimum: float, seed: int, factor: float) -> float:
     return 6.0 + 0.1 * math.log2(factor / optimum) ** 2 + 0.01 * seed
 
 
+def test_a_diverged_run_ranks_last_in_its_bracket_and_a_tie_goes_to_the_lower_factor():
+    """A run that diverged (recorded +inf) or whose held-out loss is NaN ranks below every finite
+    factor, in the bracket and in the best LR alike, and equal means go to the lower factor in
+    both. Fails on the old code: a NaN factor first in ``by_factor`` was chosen as the best LR
+    (6.05 at ×0.5 passed over), and on a tie ``best_cells`` took the factor first run where the
+    bracket took the lower."""
+    sys.path.insert(0, str(STUDIES))
+    from bert_batch import best_cells, bracket_step, by_factor
+
+    def run(factor, seed, loss):
+        return {"corpus": "c", "batch": 64, "optimizer": "LAMB", "factor": factor, "seed": seed, "mlm_loss": loss}
+
+    grid = [0.25, 0.5, 1.0, 2.0]
+    for bad in (math.nan, math.inf):
+        runs = [run(1.0, 1, bad), run(1.0, 2, 6.0), run(0.5, 1, 6.05), run(0.5, 2, 6.05),
+                run(0.25, 1, 6.2), run(0.25, 2, 6.2)]
+        assert best_cells(runs)["c", 64, "LAMB"][0]["factor"] == 0.5, bad
+        assert bracket_step(by_factor(runs)["c", 64, "LAMB"], 1.0, [1, 2], grid) == ([], 0.5), bad
+    tied = [run(1.0, 1, 6.0), run(1.0, 2, 6.0), run(0.5, 1, 6.0), run(0.5, 2, 6.0), run(2.0, 1, 7.0),
+            run(2.0, 2, 7.0), run(0.25, 1, 7.0), run(0.25, 2, 7.0)]
+    assert best_cells(tied)["c", 64, "LAMB"][0]["factor"] == 0.5
+    assert bracket_step(by_factor(tied)["c", 64, "LAMB"], 1.0, [1, 2], grid) == ([], 0.5)
+
+
+#: a stand-in rank that logs two steps and an evaluation, then stops as the job does on divergence
+DIVERGING_RANK = """
+import json, sys, time
+run_dir = sys.argv[3]
+with open(run_dir + "/metrics.jsonl", "w") as fh:
+    fh.write(json.dumps({"step": 1, "time": time.time(), "train/samples": 8.0}) + "\\n")
+    fh.write(json.dumps({"step": 1, "eval/mlm_loss": 7.5, "eval/mlm_acc": 0.05}) + "\\n")
+    fh.write(json.dumps({"step": 2, "time": time.time(), "train/samples": 16.0}) + "\\n")
+sys.exit(4)
+"""
+
+
+def test_a_run_the_job_stops_as_diverged_is_recorded_as_diverged_not_failed(tmp_path):
+    """The job's exit 4 (``EXIT_DIVERGED``: too many skipped steps in a row) is a result: the run
+    is recorded with a loss of +inf and ``diverged``, not its last evaluation along the way, so the
+    bracket moves past that LR. Fails on the old code, which took it for a failed run: never
+    recorded, asked for again at every start, and the study exited 1 each time."""
+    import argparse
+
+    sys.path.insert(0, str(STUDIES))
+    from bert_batch import Launch, Runner
+
+    run_dir = tmp_path / "diverging"
+    launch = Launch(run_dir, [sys.executable, "-c", DIVERGING_RANK, "-m", "vrgd_ds.train", str(run_dir)], {},
+                    {"corpus": "c", "batch": 8, "optimizer": "LAMB", "seed": 1, "lr": 1e-2, "factor": 4.0,
+                     "steps": 10, "samples": 80}, tmp_path / "no-data")
+    runner = Runner(argparse.Namespace(parallel=1, time_limit=None, started=time.monotonic(), ranks=1, port=None))
+    (result,) = runner.run([launch])
+    assert runner.failed == [] and result["diverged"] is True and result["mlm_loss"] == math.inf
+    assert json.loads((run_dir / "result.json").read_text())["mlm_loss"] == math.inf
+
+
 def test_bracket_runs_the_grid_only_where_an_optimum_needs_it():
     """``--bracket 1`` on the grid ×1/8–×4, round by round (``bracket_plan``): ×1 first, then
     its neighbours, then further down only for an optimizer whose best is still the lowest factor
