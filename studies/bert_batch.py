@@ -1429,6 +1429,33 @@ def parser() -> argparse.ArgumentParser:
     return ap
 
 
+def grid_of(args: argparse.Namespace) -> tuple[list[int], list[int], list[float]]:
+    """The study's batches, seeds and LR factors from its options (each once: a repeat would run one
+    directory twice; with ``--bracket`` the factors in order, a ladder), after the checks that
+    need no data: the bracket's start on the grid, the groups, and each ``--batch`` split into
+    them (not with ``--noise-multiple``, whose batches the noise scale gives)."""
+    batches = list(dict.fromkeys(args.batch or [64, 256, 1024]))
+    seeds = list(dict.fromkeys(args.seed or [1, 2]))
+    factors = list(dict.fromkeys(args.lr_factor or [0.5, 1.0, 2.0]))
+    if args.bracket is not None:
+        factors = sorted(factors)  # a ladder: each factor's neighbours on it
+    if args.bracket_carry and args.bracket is None:
+        raise SystemExit("--bracket-carry: carries a --bracket from batch to batch; add --bracket F (the smallest "
+                         "batch's starting factor)")
+    if args.bracket is not None and args.bracket not in factors:
+        raise SystemExit(f"--bracket {args.bracket:g}: not among the --lr-factor grid "
+                         f"({', '.join(f'{f:g}' for f in factors)}); the bracket starts on the grid")
+    if args.groups is not None and (args.groups < 2 or args.groups % args.ranks):
+        raise SystemExit(f"--groups {args.groups}: needs at least 2 groups (the GSNR's variance) and a multiple of "
+                         f"--ranks {args.ranks}")
+    granularity = args.groups or args.ranks * args.micro_batch
+    for batch in [] if args.noise_multiple else batches:
+        if batch % granularity:
+            raise SystemExit(f"--batch {batch}: not a multiple of " + (
+                f"--groups {args.groups}" if args.groups else f"ranks x micro-batch = {granularity}"))
+    return batches, seeds, factors
+
+
 def main() -> None:
     args = parser().parse_args()
     if args.quick:
@@ -1449,26 +1476,9 @@ def main() -> None:
         raise SystemExit("--probe-only: needs --noise-multiple and --noise-scale auto (the probe measures B_simple)")
     specs = args.corpus or ["embedded"]
     corpora = [spec.partition("=")[0] for spec in specs]
-    batches = args.batch or [64, 256, 1024]
-    seeds = args.seed or [1, 2]
-    factors = args.lr_factor or [0.5, 1.0, 2.0]
+    batches, seeds, factors = grid_of(args)
     labels = args.optimizer or list(OPTIMIZERS)
-    if args.bracket is not None:
-        factors = sorted(set(factors))  # a ladder: each factor's neighbours on it
-    if args.bracket_carry and args.bracket is None:
-        raise SystemExit("--bracket-carry: carries a --bracket from batch to batch; add --bracket F (the smallest "
-                         "batch's starting factor)")
-    if args.bracket is not None and args.bracket not in factors:
-        raise SystemExit(f"--bracket {args.bracket:g}: not among the --lr-factor grid "
-                         f"({', '.join(f'{f:g}' for f in factors)}); the bracket starts on the grid")
-    if args.groups is not None and (args.groups < 2 or args.groups % args.ranks):
-        raise SystemExit(f"--groups {args.groups}: needs at least 2 groups (the GSNR's variance) and a multiple of "
-                         f"--ranks {args.ranks}")
-    granularity = args.groups or args.ranks * args.micro_batch
-    for batch in batches:
-        if batch % granularity:
-            raise SystemExit(f"--batch {batch}: not a multiple of " + (
-                f"--groups {args.groups}" if args.groups else f"ranks x micro-batch = {granularity}"))
+    granularity = args.groups or args.ranks * args.micro_batch  # what every batch is a multiple of
     config = {"corpora": specs, "batches": batches, "seeds": seeds, "lr_factors": factors, "optimizers": labels,
               "samples": args.samples, "min_steps": args.min_steps, "seq_len": args.seq_len,
               "micro_batch": None if args.groups else args.micro_batch, "groups": args.groups, "ranks": args.ranks,

@@ -1028,6 +1028,28 @@ def test_a_run_the_job_stops_as_diverged_is_recorded_as_diverged_not_failed(tmp_
     assert json.loads((run_dir / "result.json").read_text())["mlm_loss"] == math.inf
 
 
+def test_the_grid_takes_each_value_once_and_checks_the_batches_it_runs():
+    """A repeated ``--lr-factor``, ``--seed`` or ``--batch`` ran one run directory twice and counted
+    its result twice; with ``--noise-multiple`` the default ``--batch`` list, which that mode does
+    not run, was checked against ``--groups`` and refused a valid study. Fails on the old code
+    (no ``grid_of``: the checks sat in ``main``, as they were)."""
+    import argparse
+
+    sys.path.insert(0, str(STUDIES))
+    from bert_batch import grid_of
+
+    def args(**kw):
+        return argparse.Namespace(**dict(batch=None, seed=None, lr_factor=None, bracket=None, bracket_carry=False,
+                                         groups=None, ranks=1, micro_batch=8, noise_multiple=None) | kw)
+
+    assert grid_of(args(batch=[64, 64, 128], seed=[2, 1, 2], lr_factor=[1.0, 0.5, 1.0])) == (
+        [64, 128], [2, 1], [1.0, 0.5])
+    assert grid_of(args(lr_factor=[1.0, 0.5, 1.0], bracket=1.0))[2] == [0.5, 1.0]
+    assert grid_of(args(groups=12, noise_multiple=[1.0]))[0] == [64, 256, 1024]  # not run, not checked
+    with pytest.raises(SystemExit, match="--batch 64: not a multiple of --groups 12"):
+        grid_of(args(groups=12))
+
+
 def test_bracket_runs_the_grid_only_where_an_optimum_needs_it():
     """``--bracket 1`` on the grid ×1/8–×4, round by round (``bracket_plan``): ×1 first, then
     its neighbours, then further down only for an optimizer whose best is still the lowest factor
