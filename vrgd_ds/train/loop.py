@@ -349,9 +349,9 @@ class Job:
         path, saved_options = self.ckpt_dir / choice.tag, saved.get("options")
         self.step, self.evals = state["step"], list(state["evals"])
         self.consumed = resumed_consumed(self.job, state["consumed"], saved.get("phases"))
-        left = frozenset(i for i, (c, b) in enumerate(zip(self.consumed, self.budget)) if c >= b)
+        done = frozenset(i for i, (c, b) in enumerate(zip(self.consumed, self.budget)) if c >= b)
         try:  # a newer checkpoint that did not load may have finished more phases than this one
-            for i, settings in phase_settings(self.job, self.engine.data_world, self.schedule.steps, left).items():
+            for i, settings in phase_settings(self.job, self.engine.data_world, self.schedule.steps, done).items():
                 self.controllers.setdefault(i, BatchController(settings))
         except ConfigError as e:
             raise ConfigError(f"{path}: {e}") from None
