@@ -559,10 +559,15 @@ def finished_phases(job: JobConfig, info: dict[str, Any] | None) -> frozenset[in
     if not isinstance(consumed, list):
         return frozenset()
     try:
-        done = resumed_consumed(job, consumed, info.get("phases"))
+        return done_phases(job, resumed_consumed(job, consumed, info.get("phases")))
     except ConfigError:
         return frozenset()
-    return frozenset(i for i, (d, total) in enumerate(zip(done, phase_samples(job))) if d >= total)
+
+
+def done_phases(job: JobConfig, consumed: list[int]) -> frozenset[int]:
+    """The phases whose sample budget (``phase_samples``) ``consumed`` (per phase, as
+    ``resumed_consumed`` gives it) has used up."""
+    return frozenset(i for i, (d, total) in enumerate(zip(consumed, phase_samples(job))) if d >= total)
 
 
 def check_resume_marker(job: JobConfig, info: dict[str, Any], world_size: int) -> None:

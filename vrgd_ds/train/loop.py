@@ -57,9 +57,9 @@ from vrgd_ds.adaptive_batch import BatchController, SettingsDiffer, lr_factor
 from vrgd_ds.run import leave_together
 from vrgd_ds.train import checkpoints as ckpt
 from vrgd_ds.train.config import (ConfigError, JobConfig, adaptive_setting_keys, check_gsnr_groups,
-                                  check_resume_marker, check_resume_position, data_change_policy, finished_phases,
-                                  gradient_accumulation, load_config, optimizer_state_policy, phase_samples,
-                                  phase_settings, position_table, resumed_consumed)
+                                  check_resume_marker, check_resume_position, data_change_policy, done_phases,
+                                  finished_phases, gradient_accumulation, load_config, optimizer_state_policy,
+                                  phase_samples, phase_settings, position_table, resumed_consumed)
 from vrgd_ds.train.data import check_data_path, eval_batches, loader
 from vrgd_ds.train.engines import Engine, engine_class
 from vrgd_ds.train.engines.base import LAUNCHER_RANK, launcher_value
@@ -349,7 +349,7 @@ class Job:
         path, saved_options = self.ckpt_dir / choice.tag, saved.get("options")
         self.step, self.evals = state["step"], list(state["evals"])
         self.consumed = resumed_consumed(self.job, state["consumed"], saved.get("phases"))
-        done = frozenset(i for i, (c, b) in enumerate(zip(self.consumed, self.budget)) if c >= b)
+        done = done_phases(self.job, self.consumed)
         try:  # a newer checkpoint that did not load may have finished more phases than this one
             for i, settings in phase_settings(self.job, self.engine.data_world, self.schedule.steps, done).items():
                 self.controllers.setdefault(i, BatchController(settings))
