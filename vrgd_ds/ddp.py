@@ -39,7 +39,7 @@ from vrgd_ds.optim.base import MIN_GROUPS, GSNROptimizer
 from vrgd_ds.optim.registry import REGISTRY
 from vrgd_ds.stats.comm import CommCounters, fused_all_reduce
 from vrgd_ds.stats.hooks import gradients_cleared
-from vrgd_ds.stats.local import LocalStats
+from vrgd_ds.stats.local import CountSlot, LocalStats
 from vrgd_ds.optim._impl import select_for
 from vrgd_ds.stats.scaling import Scaling
 
@@ -298,7 +298,13 @@ def _attach_per_step(ddp_model: DistributedDataParallel, optimizer: GSNROptimize
     device = params[0].device if params else torch.device("cpu")
     # one more element: the step's backward passes, which every rank must have run alike
     bucket = stats.add_bucket(total + 1, device, lambda b: b.all_reduce_in_place(group))
-    stats.count_slot = (bucket, total)
+    stats.count_slot = CountSlot(
+        bucket, total, world, "backward passes",
+        "squares=\"per_step\" needs the same number of backward() calls per step on every rank (the statistics "
+        "count n = ranks × backward passes; with unequal counts each rank would take another step and the replicas "
+        "drift apart). Give every rank the same number of micro-batches (a backward pass counts where it reaches a "
+        "parameter of a GSNR group: where those are only a branch some batches skip, give a parameter that every "
+        "pass reaches the GSNR too)")
     g, sq = bucket.halves()
     off = 0
     for p in params:

@@ -188,7 +188,7 @@ def _refusal(case: dict) -> dict[str, Any]:
     model = Net(False)
     what = case["what"]
     # replicated: HSDP over 2 ranks, a shard of 1 rank (replication alone)
-    shard(model, {"pipeline": "pipeline", "replicated": "hsdp"}.get(what, "fsdp"), world,
+    shard(model, {"pipeline": "pipeline", "replicated": "hsdp", "uneven_replicas": "hsdp"}.get(what, "fsdp"), world,
           {model.c.bias} if what == "ignored" else None)
     if what == "offload":  # CPUOffloadPolicy needs an accelerator to offload from: its flag, as FSDP sets it
         next(fp for _, fp in _fsdp_params(model)).offload_to_cpu = True
@@ -267,6 +267,17 @@ def _refusal(case: dict) -> dict[str, Any]:
             opt.step()
         except Exception as e:  # noqa: BLE001
             return dict(type=type(e).__name__, message=str(e), reductions=stats.reductions)
+    if what == "uneven_replicas":  # HSDP 2 × 2, the replicas' all-reduce deferred to a replica's last
+        rank = dist.get_rank()  # micro-step: replica 1 (ranks 2 and 3) runs one micro-step more
+        acc = 2 + rank // 2
+        try:
+            for j in range(acc):
+                model.set_requires_all_reduce(j == acc - 1)
+                backward(model, batch(0, rank, j), 1.0 / acc, 1)
+            opt.step()
+        except Exception as e:  # noqa: BLE001
+            return dict(type=type(e).__name__, message=str(e))
+        return dict(type=None, message="", n=opt.gsnr_metrics()["gsnr/n"])
     return dict(type=None, message="")
 
 

@@ -155,6 +155,17 @@ def test_a_model_sharded_over_part_of_the_ranks_is_refused(pool4):
         assert "a model whose device mesh covers 2 of the 4 ranks" in res["message"], res
 
 
+def test_hsdp_replicas_that_reduced_unequally_often_are_refused(pool4):
+    """HSDP 2 × 2 with the replicas' all-reduce deferred (``set_requires_all_reduce``): replica 0
+    runs 2 micro-steps, replica 1 runs 3, so the statistics' counts differ (n = 8 against 12).
+    Every rank refuses the step, naming both counts and the fix. Fails on the code before: the step
+    was taken, each replica with its own n, and the replicas' parameters drifted apart."""
+    for rank, res in enumerate(pool4.run("fsdp_worker", "refusal_case", {"what": "uneven_replicas"})):
+        assert res["type"] == "RuntimeError", res
+        assert f"this rank ran {2 + rank // 2} reductions of each parameter in an optimizer step, the 2 ranks 5 " \
+               "together: under HSDP every replica" in res["message"], res
+
+
 def test_dcp_checkpoint_resumes_on_the_same_and_on_another_world_size(pool4, pool, tmp_path):
     """The optimizer state is DTensors sharded like the parameters: a DCP checkpoint saved on 4
     ranks resumes on 4 bit for bit and on 2 (the same micro-batches as 2 × accumulation 2: the

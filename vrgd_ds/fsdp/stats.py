@@ -13,7 +13,8 @@ like FSDP's output, so the statistics are sharded like the parameters: no full-s
 ``Σg`` is FSDP's reduced output itself, read before FSDP divides it and, under HSDP, before the
 replicas' all-reduce (times the shard count when the collective averaged): no second reduction of
 the gradient. Under HSDP one all-reduce of every bucket (one allocation) over the replicate
-group per step, in fp32.
+group per step, in fp32, which also sums the replicas' counts of reductions: unequal ones (a
+replica that ran another micro-step with the replicas' all-reduce deferred) are refused.
 ``n`` = shard ranks × replicate ranks × reductions of a parameter in the step; a group is what one
 reduction carries: one micro-step's gradient when every backward reduces (FSDP's default), a
 rank's accumulated gradient when ``set_requires_gradient_sync(False)`` defers the reduction to the
@@ -32,7 +33,7 @@ from torch.distributed.fsdp._fully_shard._fsdp_collectives import DefaultReduceS
 
 from vrgd_ds.fsdp.internals import UnsupportedFSDPConfiguration
 from vrgd_ds.stats.hooks import gradients_cleared
-from vrgd_ds.stats.local import LocalStats
+from vrgd_ds.stats.local import CountSlot, LocalStats
 from vrgd_ds.stats.scaling import Scaling
 
 
@@ -73,9 +74,18 @@ class FSDPStats(LocalStats):
         # HSDP: the first bucket's collective sums the whole allocation (every bucket is a view of
         # it) over the replicas in fp32: one collective per step
         # (held weakly, as the buckets hold their source: ``StatsBucket``)
-        reduce = None if replicate is None or self._groups else (
-            lambda b, g=replicate, ref=weakref.ref(self): ref()._replicas(g))
-        bucket = self.add_bucket(sum(sizes), device, reduce)
+        first_hsdp = replicate is not None and not self._groups
+        reduce = None if not first_hsdp else lambda b, g=replicate, ref=weakref.ref(self): ref()._replicas(g)
+        # and one more element there: the reductions of the step, which every replica must have made alike
+        # (a replica's micro-steps are its own where the replicas' all-reduce is deferred)
+        bucket = self.add_bucket(sum(sizes) + first_hsdp, device, reduce)
+        if first_hsdp:
+            self.count_slot = CountSlot(
+                bucket, sum(sizes), replicate.size(), "reductions of each parameter",
+                "under HSDP every replica reduces its gradients equally often in a step (the statistics count "
+                "n = ranks × reductions; with unequal counts the replicas would take different steps and drift "
+                "apart): give every replica the same number of micro-batches and the same "
+                "set_requires_gradient_sync calls")
         indices, offsets, off = [], [], 0
         for fp, size in zip(group.fsdp_params, sizes):
             local = fp.sharded_param._local_tensor

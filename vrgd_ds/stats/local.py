@@ -219,6 +219,20 @@ class StatsBucket:
         return owner.launch(local, out_sq, group, scatter=True, dtype=owner.squares_dtype, grad_elems=self._grad_elems)
 
 
+@dataclass(frozen=True)
+class CountSlot:
+    """An element of ``bucket``'s ``Σg`` half that the step's collective sums over ``ranks`` ranks:
+    each writes its count of the step's gradient groups there, and every rank must have counted
+    alike (``LocalStats._verify_count``). ``counted``: what the count is, for the refusal;
+    ``fix``: the refusal's reason and fix."""
+
+    bucket: StatsBucket
+    slot: int
+    ranks: int
+    counted: str
+    fix: str
+
+
 @dataclass
 class BucketPlan:
     """A cached bucket layout: every segment's rows and parameter, the parameters it covers,
@@ -434,8 +448,8 @@ class LocalStats:
         arena = self.arena
         if self.count_slot is not None:
             self._verify_count()  # the last step's, read back by now
-            bucket, slot = self.count_slot
-            g, sq = bucket.halves()
+            g, sq = self.count_slot.bucket.halves()
+            slot = self.count_slot.slot
             g.narrow(0, slot, 1).fill_(float(self._n_local))  # summed over the ranks by the step's collective
             sq.narrow(0, slot, 1).zero_()
         for idx in np.flatnonzero(self._counts == 0).tolist():  # no gradient this step: old sums must not count
@@ -472,8 +486,7 @@ class LocalStats:
         for bucket in self.stat_buckets:
             bucket.finish()
         if self.count_slot is not None and self._started:
-            bucket, slot = self.count_slot
-            total = bucket.halves()[0].narrow(0, slot, 1)
+            total = self.count_slot.bucket.halves()[0].narrow(0, self.count_slot.slot, 1)
             if total.device.type == "cpu":
                 self._count_check = (total.clone(), None, self._n_local)
                 self._verify_count()
@@ -487,7 +500,7 @@ class LocalStats:
                 self._count_check = (host, event, self._n_local)
 
     def _verify_count(self) -> None:
-        """``count_slot``: every rank ran as many backward passes in the step as this one (``n``
+        """``count_slot``: every rank counted as many gradient groups in the step as this one (``n``
         is the world size times this rank's count), else an error naming the fix."""
         if self._count_check is None:
             return
@@ -495,15 +508,11 @@ class LocalStats:
         self._count_check = None
         if event is not None:
             event.synchronize()
-        total, expected = float(total[0]), self.world * mine
+        slot = self.count_slot
+        total, expected = float(total[0]), slot.ranks * mine
         if abs(total - expected) > max(0.5, expected * 2.0**-23):  # fp32 sums of counts: exact up to 2^24
-            raise RuntimeError(
-                f"vrgd_ds: this rank ran {mine} backward passes in an optimizer step, the {self.world} ranks "
-                f"{total:.0f} together: squares=\"per_step\" needs the same number of backward() calls per step on "
-                f"every rank (the statistics count n = ranks × backward passes; with unequal counts each rank would "
-                "take another step and the replicas drift apart). Give every rank the same number of micro-batches "
-                "(a backward pass counts where it reaches a parameter of a GSNR group: where those are only a branch "
-                "some batches skip, give a parameter that every pass reaches the GSNR too)")
+            raise RuntimeError(f"vrgd_ds: this rank ran {mine} {slot.counted} in an optimizer step, the {slot.ranks} "
+                               f"ranks {total:.0f} together: {slot.fix}")
 
     def moments(self, params) -> tuple[list[Tensor], list[Tensor]]:
         self.start()  # a caller that steps the optimizer directly
@@ -522,9 +531,9 @@ class LocalStats:
 
     #: True where no engine wraps the step (DDP): the optimizer's reset ends the step
     reset_ends_step = False
-    #: (bucket, element) of the Σg half holding the backward passes, summed over the ranks by the
-    #: step's collective (DDP, whose ranks may run any number of them; ``_verify_count``)
-    count_slot: tuple[StatsBucket, int] | None = None
+    #: where each rank's count of the step's gradient groups is summed over the ranks by the step's
+    #: collective (DDP, whose ranks may run any number of backward passes; HSDP's replicas)
+    count_slot: CountSlot | None = None
     #: a tensor hook per parameter even where an engine bucket holds each micro-step (the
     #: engine paths read it when they choose)
     hooks_only = False
@@ -604,4 +613,4 @@ class LocalStats:
         self.unhook()
 
 
-__all__ = ["LocalStats", "PAD", "StatsBucket", "StatCounters", "moment_buffers", "moment_views"]
+__all__ = ["CountSlot", "LocalStats", "PAD", "StatsBucket", "StatCounters", "moment_buffers", "moment_views"]
