@@ -188,7 +188,8 @@ def _refusal(case: dict) -> dict[str, Any]:
     model = Net(False)
     what = case["what"]
     # replicated: HSDP over 2 ranks, a shard of 1 rank (replication alone)
-    shard(model, {"pipeline": "pipeline", "replicated": "hsdp", "uneven_replicas": "hsdp"}.get(what, "fsdp"), world,
+    layouts = {"pipeline": "pipeline", "replicated": "hsdp", "titan_one_shard": "hsdp", "uneven_replicas": "hsdp"}
+    shard(model, layouts.get(what, "fsdp"), world,
           {model.c.bias} if what == "ignored" else None)
     if what == "offload":  # CPUOffloadPolicy needs an accelerator to offload from: its flag, as FSDP sets it
         next(fp for _, fp in _fsdp_params(model)).offload_to_cpu = True
@@ -201,6 +202,14 @@ def _refusal(case: dict) -> dict[str, Any]:
     if what == "unfrozen":
         for p in model.a.parameters():
             p.requires_grad_(False)
+    if what == "titan_one_shard":  # torchtitan's container on a model sharded over 1 rank (HSDP 2 × 1)
+        from vrgd_ds.fsdp.torchtitan import VRGDOptimizersContainer, vrgd_optimizer
+
+        try:
+            VRGDOptimizersContainer(vrgd_optimizer("VRLamb", lr=0.1), model_parts=[model])
+        except Exception as e:  # noqa: BLE001
+            return dict(type=type(e).__name__, message=str(e))
+        return dict(type=None, message="")
     opt = (vrgd_ds.Lamb if what == "moved_base" else vrgd_ds.VRLamb)(model.parameters(), lr=0.1)
     if what == "fused_group":
         opt.param_groups[0]["fused"] = True

@@ -123,6 +123,18 @@ def test_set_ups_the_statistics_cannot_see_are_refused_naming_the_option(pool, w
         assert res["type"] == kind and words in res["message"], res
 
 
+def test_torchtitans_container_on_a_model_sharded_over_one_rank_names_torchtitans_option(pool):
+    """torchtitan always applies ``fully_shard``, over one rank where
+    ``parallelism.data_parallel_shard_degree`` is 1 (here HSDP 2 × 1): the container's refusal names
+    that option. Fails on the code before, whose refusal told the user to replicate the model with
+    torch's DistributedDataParallel and vrgd_ds.ddp.attach, which torchtitan's trainer cannot."""
+    pytest.importorskip("torchtitan", reason="the torchtitan extra is not installed")
+    for res in pool.run("fsdp_worker", "refusal_case", {"what": "titan_one_shard"}):
+        assert res["type"] == "UnsupportedFSDPConfiguration", res
+        assert "sharded over 1 rank (parallelism.data_parallel_shard_degree=1)" in res["message"], res
+        assert "DistributedDataParallel" not in res["message"], res
+
+
 def test_a_base_optimizer_beside_a_vrgd_one_on_one_model_is_attached(pool):
     """A base optimizer (``Lamb``) leaves FSDP's reduce-scatter alone, so it attaches beside a VRGD
     optimizer with the GSNR on the same model (torchtitan's container, param groups split between

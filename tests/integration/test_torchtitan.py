@@ -20,12 +20,16 @@ STEP = re.compile(r"VRGD step: n=(\S+) gsnr_mean=(\S+) skipped=(\S+)")
 LOSS = re.compile(r"step:\s+(\d+)\s+(?:\x1b\[[0-9;]*m)*loss:\s+(\S+)")
 
 
-def _train(tmp: Path, assets: tuple[Path, Path], steps: int) -> str:
+def _train(tmp: Path, assets: tuple[Path, Path], steps: int, seed_checkpoint: bool = False) -> str:
+    """torchtitan's trainer on 2 ranks to ``steps``, or (``seed_checkpoint``) its seed checkpoint on one."""
     tokenizer, data = assets
-    cmd = [str(Path(sys.executable).parent / "torchrun"), "--nproc_per_node", "2", "-m", "torchtitan.train",
+    ranks = ["1"] if seed_checkpoint else ["2"]
+    shape = (["--checkpoint.create_seed_checkpoint", "--parallelism.data_parallel_shard_degree", "1"] if seed_checkpoint
+             else ["--parallelism.data_parallel_shard_degree", "2"])
+    cmd = [str(Path(sys.executable).parent / "torchrun"), "--nproc_per_node", *ranks, "-m", "torchtitan.train",
            "--module", "torchtitan_cpu", "--config", "llama3_debugmodel_vr_lamb_cpu", "--debug.seed", "7",
            "--training.steps", str(steps), "--training.seq_len", "128", "--training.local_batch_size", "2",
-           "--training.global_batch_size", "8", "--parallelism.data_parallel_shard_degree", "2",
+           "--training.global_batch_size", "8", *shape,
            # torchtitan's default spmd_types backend refuses the debug model's plain tensors on torch 2.13
            "--parallelism.spmd_backend", "partial_dtensor", "--hf_assets_path", str(tokenizer),
            "--dataloader.dataset_path", str(data), "--checkpoint.enable", "--checkpoint.interval", "2",
@@ -58,3 +62,19 @@ def test_torchtitan_trains_the_debug_model_with_vr_lamb_and_resumes(tmp_path):
         assert all(float(skipped) == 0.0 and math.isfinite(float(mean)) for _, mean, skipped in stats)
         losses = {int(s): float(v) for s, v in LOSS.findall(re.sub(r"\x1b\[[0-9;]*m", "", out))}
         assert sorted(losses) == steps and all(math.isfinite(v) and v < 9.0 for v in losses.values()), losses
+
+
+@pytest.mark.exhaustive
+def test_a_seed_checkpoint_made_with_vr_lamb_starts_the_training_run(tmp_path):
+    """torchtitan's seed checkpoint on one rank (the model unsharded: no statistics, no step), then
+    the 2-rank run, which loads it at step 0 and trains with n = 4. Fails on the old code: the
+    seed run stopped at the container's attach ("needs a model sharded with
+    torch.distributed.fsdp.fully_shard")."""
+    import torchtitan_cpu
+
+    assets = torchtitan_cpu.make_assets(tmp_path / "assets")
+    seed = _train(tmp_path, assets, 2, seed_checkpoint=True)
+    assert "Created seed checkpoint" in seed and "the VRGD optimizers are not attached" in seed, seed[-4000:]
+    out = _train(tmp_path, assets, 2)
+    assert "Loading the checkpoint from" in out and "step-0" in out, out[-4000:]
+    assert [float(n) for n, _, _ in STEP.findall(out)] == [4.0, 4.0], out[-4000:]

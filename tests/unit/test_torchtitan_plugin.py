@@ -100,6 +100,26 @@ def test_container_refusals_name_the_option(field, value, words):
         VRGDOptimizersContainer(config, model_parts=parts)
 
 
+def test_a_seed_checkpoint_builds_the_container_and_its_state_and_refuses_a_step():
+    """torchtitan's seed checkpoint (``--checkpoint.create_seed_checkpoint``) builds the optimizers
+    on one rank with the model unsharded (``parallelize_fn`` skipped): the container is built with
+    the VRGD optimizers unattached, and their state is made for a checkpoint, but a training
+    step is refused, naming the sharding to train with. Fails on the old code, which raised at
+    attach ("needs a model sharded with torch.distributed.fsdp.fully_shard"), so no seed
+    checkpoint could be made with a VRGD optimizer."""
+    model = torch.nn.Linear(4, 3)
+    container = VRGDOptimizersContainer(vrgd_optimizer("VRLamb", lr=1e-3), model_parts=[model])
+    assert container.statistics == [] and "seed checkpoint" in container.not_attached
+    state = container.state_dict()
+    assert {"state.weight.gsnr_avg", "state.bias.exp_avg"} <= set(state)
+    container.load_state_dict(state)
+    model(torch.ones(2, 4)).sum().backward()
+    with pytest.raises(UnsupportedFSDPConfiguration, match="a training step, but the model has no FSDP module "
+                                                           r".*data_parallel_shard_degree >= 2"):
+        container.step()
+    assert torch.equal(state["state.weight.gsnr_avg"], container.state_dict()["state.weight.gsnr_avg"])
+
+
 def test_with_vrgd_refuses_context_and_expert_parallelism_after_the_optimizer_is_built():
     from torchtitan.models.llama3.config_registry import llama3_debugmodel
 

@@ -51,7 +51,9 @@ def _refuse(option: str, why: str) -> UnsupportedFSDPConfiguration:
     return UnsupportedFSDPConfiguration(f"vrgd_ds.fsdp: {option} is not supported: {why}")
 
 
-def _fsdp_groups(model: torch.nn.Module) -> list[tuple[torch.nn.Module, Any]]:
+def _fsdp_groups(model: torch.nn.Module, required: bool = True) -> list[tuple[torch.nn.Module, Any]]:
+    """``(module, FSDP parameter group)`` of every FSDP module of ``model``; none found is an error
+    where ``required``."""
     from torch.distributed.fsdp import FSDPModule
 
     out, seen = [], set()
@@ -72,10 +74,21 @@ def _fsdp_groups(model: torch.nn.Module) -> list[tuple[torch.nn.Module, Any]]:
             for fp in group.fsdp_params:
                 require(fp, _PARAM, "FSDPParam")
             out.append((module, group))
-    if not out:
+    if not out and required:
         raise TypeError("vrgd_ds.fsdp.attach needs a model sharded with torch.distributed.fsdp.fully_shard (no "
                         "FSDPModule holding parameters was found)")
     return out
+
+
+def shard_degree(model: torch.nn.Module) -> int | None:
+    """The fewest ranks an FSDP parameter group of ``model`` is sharded over (HSDP: its shard
+    dimension), None where no FSDP module of ``model`` holds parameters."""
+    from torch.distributed.fsdp._fully_shard._fsdp_common import FSDPMeshInfo
+
+    groups = _fsdp_groups(model, required=False)
+    if not groups:
+        return None
+    return min(g.mesh_info.shard_mesh_size if isinstance(g.mesh_info, FSDPMeshInfo) else 1 for _, g in groups)
 
 
 def _check_group(group: Any, gsnr: bool) -> tuple[Any, Any | None]:
@@ -266,4 +279,4 @@ def attach(model: torch.nn.Module, optimizer: GSNROptimizer, squares_dtype: str 
     return stats
 
 
-__all__ = ["FSDPStats", "UnsupportedFSDPConfiguration", "attach"]
+__all__ = ["FSDPStats", "UnsupportedFSDPConfiguration", "attach", "shard_degree"]

@@ -180,19 +180,52 @@ class VRGDOptimizersContainer(OptimizersContainer):
                 for module in part.modules():
                     if isinstance(module, FSDPModule):
                         module.set_force_sum_reduction_for_comms(True)
+        #: why the VRGD optimizers were built without statistics (torchtitan's seed checkpoint), or None
+        self.not_attached: str | None = None
+        if uses_vrgd:
+            self.not_attached = _unsharded(model_parts[0])
         with built_for_engine():  # each VRGD optimizer is fed by vrgd_ds.fsdp.attach below
             super().__init__(config, model_parts=model_parts)
         self.statistics: list[Any] = []
+        if self.not_attached is not None:
+            logger.info("vrgd_ds.fsdp.torchtitan: %s", self.not_attached)
+            return
         for optimizer in self.optimizers:
             if isinstance(optimizer, GSNROptimizer):
                 self.statistics.append(vrgd_ds.fsdp.attach(model_parts[0], optimizer,
                                                            squares_dtype=config.squares_dtype))
+
+    def step(self, *args: Any, **kwargs: Any) -> None:
+        if self.not_attached is not None:
+            raise UnsupportedFSDPConfiguration(f"vrgd_ds.fsdp.torchtitan: a training step, but {self.not_attached}")
+        super().step(*args, **kwargs)
 
     def gsnr_metrics(self, per_tensor: bool = False, samples_per_group: int | None = None) -> dict[str, float]:
         """The VRGD optimizers' metrics of the last step (``GSNROptimizer.gsnr_metrics``), as of
         one optimizer over all their tensors (``Recorder.combined``)."""
         recorders = [o.records for o in self.optimizers if isinstance(o, GSNROptimizer)]
         return Recorder.combined(recorders).summary(per_tensor, samples_per_group) if recorders else {}
+
+
+def _unsharded(model: torch.nn.Module) -> str | None:
+    """Why a VRGD optimizer of ``model`` is built without statistics: on one rank, a model with no
+    FSDP module is torchtitan's seed checkpoint (``--checkpoint.create_seed_checkpoint``, which skips
+    ``parallelize_fn``), which saves the initial state and takes no step. A model sharded over fewer
+    than 2 ranks otherwise is refused, naming torchtitan's option; None where it is sharded."""
+    degree = vrgd_ds.fsdp.shard_degree(model)
+    if degree is not None and degree >= 2:
+        return None
+    world = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
+    if degree is None and world == 1:
+        return ("the model has no FSDP module on this single rank (torchtitan's seed checkpoint, "
+                "--checkpoint.create_seed_checkpoint), so the VRGD optimizers are not attached and take no step; "
+                "train with parallelism.data_parallel_shard_degree >= 2 (or -1) on >= 2 ranks")
+    where = ("the model has no FSDP module (torchtitan's parallelize_fn applied no fully_shard)" if degree is None else
+             f"the model is sharded over {degree} rank (parallelism.data_parallel_shard_degree=1)")
+    raise UnsupportedFSDPConfiguration(
+        f"vrgd_ds.fsdp.torchtitan: {where}: the statistics are taken at FSDP's reduce-scatter, which a shard of one "
+        "rank does not run; set parallelism.data_parallel_shard_degree to -1 (every data-parallel rank) or >= 2, "
+        "with any replicas in parallelism.data_parallel_replicate_degree (HSDP)")
 
 
 def vrgd_optimizer(name: str = "VRLamb", pattern: str = r".*", **optimizer_kwargs: Any) -> VRGDOptimizersContainer.Config:
