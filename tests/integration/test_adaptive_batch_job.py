@@ -17,7 +17,7 @@ from vrgd_ds.data_pipeline.sampler import PretrainingSampler
 pytestmark = pytest.mark.slow
 
 CONFIG = {
-    "optimizer": {"type": "VRLamb", "params": {"lr": 1e-3, "weight_decay": 0.01}},
+    "optimizer": {"type": "VRLamb", "params": {"weight_decay": 0.01}},
     "zero_optimization": {"stage": 2, "reduce_bucket_size": 200000},
     "gradient_clipping": 1.0,
     "job": {

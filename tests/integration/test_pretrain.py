@@ -14,7 +14,7 @@ from vrgd_ds.ds import shm
 pytestmark = pytest.mark.slow
 
 CONFIG = {
-    "optimizer": {"type": "VRLamb", "params": {"lr": 1e-3, "weight_decay": 0.01, "gamma": 0.1, "beta3": 0.9}},
+    "optimizer": {"type": "VRLamb", "params": {"weight_decay": 0.01, "gamma": 0.1, "beta3": 0.9}},
     "zero_optimization": {"stage": 2, "reduce_bucket_size": 200000},
     "gradient_clipping": 1.0,
     "job": {

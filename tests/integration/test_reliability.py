@@ -25,7 +25,7 @@ from vrgd_ds.train import checkpoints as ckpt
 pytestmark = pytest.mark.slow
 
 CONFIG = {
-    "optimizer": {"type": "VRLamb", "params": {"lr": 1e-3, "weight_decay": 0.01}},
+    "optimizer": {"type": "VRLamb", "params": {"weight_decay": 0.01}},
     "zero_optimization": {"stage": 2, "reduce_bucket_size": 200000},
     "gradient_clipping": 1.0,
     "job": {
@@ -40,7 +40,7 @@ CONFIG = {
 }
 #: the same job on the Megatron engine: a 2-layer GPT (hidden 64), windows of 32 tokens
 MEGATRON_CONFIG = {
-    "optimizer": {"type": "VRLamb", "params": {"lr": 1e-3, "weight_decay": 0.01}},
+    "optimizer": {"type": "VRLamb", "params": {"weight_decay": 0.01}},
     "megatron": {"model": {"num_layers": 2, "hidden_size": 64, "num_attention_heads": 4}, "clip_grad": 1.0},
     "job": {**{k: v for k, v in CONFIG["job"].items() if k != "model"}, "engine": "megatron"},
 }
@@ -629,7 +629,7 @@ def test_another_optimizer_family_stops_or_starts_fresh_as_configured(config, al
     (its first loss is the trained model's, not a fresh one's) with a fresh VRSGD state."""
     run = tmp_path / "run"
     shutil.copytree(alone, run)  # a finished VRLamb run: 8 steps
-    sgd = ('optimizer={"type": "VRSGD", "params": {"lr": 0.01}}', "job.total_steps=12")
+    sgd = ('optimizer={"type": "VRSGD", "params": {}}', "job.total_steps=12")
     refused = launching.run(command(config, run, *sgd), timeout=TIMEOUT, marker=run)
     assert refused.returncode == 2
     assert "saved with optimizer VRLamb, the config has VRSGD" in refused.stderr

@@ -12,7 +12,7 @@ from vrgd_ds.train import loop
 from vrgd_ds.train.check_resume import check
 
 RAW = {
-    "optimizer": {"type": "VRLamb", "params": {"lr": 1e-3}},
+    "optimizer": {"type": "VRLamb", "params": {}},
     "zero_optimization": {"stage": 2},
     "job": {"model": {"size": "tiny"}, "total_steps": 8,
             "phases": [{"seq_len": 32, "fraction": 1.0, "global_batch": 16, "micro_batch": 4, "lr": 2e-3}]},
@@ -102,7 +102,7 @@ def test_option_changes_are_listed_from_the_markers_record(run_dir):
     report, ok = check(run_dir, copy.deepcopy(RAW), 2)  # the config names neither any more
     assert ok and "optimizer.params.beta3: 0.9 carries on from the checkpoint" in report, report
     assert "optimizer.params.weight_decay: 0.01 carries on" in report
-    raw = {**copy.deepcopy(RAW), "optimizer": {"type": "VRSGD", "params": {"lr": 0.1, "weight_decay": 0.02}},
+    raw = {**copy.deepcopy(RAW), "optimizer": {"type": "VRSGD", "params": {"weight_decay": 0.02}},
            "checkpoint": {"optimizer_state": "reset_if_incompatible"}}  # a fresh state: the config's options
     report, ok = check(run_dir, raw, 2)
     assert ok and "with a fresh VRSGD state" in report and "optimizer.params." not in report, report
@@ -119,7 +119,7 @@ def test_a_marker_without_options_says_the_log_lists_them(run_dir):
 
 def test_another_family_would_stop_and_the_cli_exits_2(run_dir, tmp_path, capsys):
     raw = copy.deepcopy(RAW)
-    raw["optimizer"] = {"type": "VRSGD", "params": {"lr": 0.1}}
+    raw["optimizer"] = {"type": "VRSGD", "params": {}}
     report, ok = check(run_dir, raw, 2)
     assert not ok and "would stop" in report and "reset_if_incompatible" in report
     config = tmp_path / "config.json"
@@ -150,7 +150,7 @@ def megatron_checkpoint(tmp_path, block: dict, **saved) -> dict:
     ``tmp_path/run``, its step-4 checkpoint saved on TP 1 × PP 1 × DP 2 (``saved``: more marker info)."""
     from vrgd_ds.train.config import parse_job
 
-    raw = {"optimizer": {"type": "VRLamb", "params": {"lr": 1e-3}},
+    raw = {"optimizer": {"type": "VRLamb", "params": {}},
            "megatron": {"model": {"num_layers": 2, "hidden_size": 64, "num_attention_heads": 4}, **block},
            "job": {"engine": "megatron", "total_steps": 8,
                    "phases": [{"seq_len": 32, "fraction": 1.0, "global_batch": 16, "micro_batch": 4, "lr": 2e-3}]}}
@@ -558,7 +558,7 @@ def test_the_megatron_layout_check_passes_over_finished_phases():
     from vrgd_ds.train.config import ConfigError, parse_job
     from vrgd_ds.train.engines.megatron import check
 
-    raw = {"optimizer": {"type": "VRLamb", "params": {"lr": 1e-3}},
+    raw = {"optimizer": {"type": "VRLamb", "params": {}},
            "megatron": {"model": {"num_layers": 2, "hidden_size": 64, "num_attention_heads": 4}},
            "job": {"engine": "megatron", "total_steps": 8, "phases": copy.deepcopy(TWO_PHASES)}}
     job = parse_job(raw)
@@ -624,3 +624,6 @@ def test_check_resume_makes_the_deepspeed_engines_config_checks(run_dir):
     assert not ok and "would stop: scheduler: the job sets the learning rate from its phases" in report, report
     raw["scheduler"] = None
     assert check(run_dir, raw, 2)[1]
+    raw["optimizer"]["params"]["lr"] = 0.5  # the job's check too (test_engines.py: ignored, the phases set the LR)
+    report, ok = check(run_dir, raw, 2)
+    assert not ok and "would stop: optimizer.params.lr: 0.5 has no effect" in report, report

@@ -181,6 +181,26 @@ def test_a_phase_of_one_gradient_group_is_refused_before_any_work(tmp_path, caps
     assert not run_dir.exists()
 
 
+@pytest.mark.parametrize("config", [BERT_CONFIG, MEGATRON_CONFIG], ids=["deepspeed", "megatron"])
+def test_an_optimizer_lr_other_than_the_first_phases_is_refused_naming_the_phases_key(tmp_path, capsys, config):
+    """The job sets every group's LR from its phases before each step, so ``optimizer.params.lr``
+    only builds the optimizer: an LR sweep by ``--set optimizer.params.lr=...`` trained every run
+    alike. One other than ``job.phases[0].lr`` is refused before any work, on both engines (and by
+    ``--check-resume``: tests/unit/test_check_resume.py); the same value, or none, is accepted.
+    Fails on the old code, which accepted it and said nothing."""
+    from vrgd_ds.train.config import check_optimizer_lr, load_config
+
+    lr = json.loads(config.read_text())["job"]["phases"][0]["lr"]
+    run_dir = tmp_path / "run"
+    args = ["--config", str(config), "--run-dir", str(run_dir), "--set", f"optimizer.params.lr={lr * 2}"]
+    assert loop.main(args) == loop.EXIT_CONFIG
+    err = capsys.readouterr().err
+    assert f"optimizer.params.lr: {lr * 2:g} has no effect" in err and f"job.phases[0].lr is {lr:g}" in err, err
+    assert not run_dir.exists()
+    for value in (lr, None):  # the same LR, or none (the member's default builds the optimizer)
+        check_optimizer_lr(*load_config(config, [f"optimizer.params.lr={json.dumps(value)}"]))
+
+
 def test_a_deepspeed_scheduler_block_is_refused_naming_the_phases_keys(tmp_path, capsys):
     """The job sets the LR from its phases before every step, over any DeepSpeed scheduler's,
     which DeepSpeed still builds, steps and checkpoints (OneCycle also rewrites the betas): a

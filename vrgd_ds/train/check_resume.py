@@ -27,8 +27,8 @@ def check(run_dir: Path, raw: dict[str, Any] | None, world: int | None) -> tuple
     configuration ``raw`` and the number of ranks, what would change. Returns (report, whether
     the resume would go ahead)."""
     from vrgd_ds.optim.registry import OptimizerBlockError, checked_group
-    from vrgd_ds.train.config import (check_gsnr_groups, check_resume_marker, data_change_policy, finished_phases,
-                                      optimizer_state_policy, parse_job, phase_settings, position_table)
+    from vrgd_ds.train.config import (check_gsnr_groups, check_optimizer_lr, check_resume_marker, data_change_policy,
+                                      finished_phases, optimizer_state_policy, parse_job, phase_settings, position_table)
     from vrgd_ds.train.data import configured_fingerprint
     from vrgd_ds.train.schedule import PhaseSchedule
 
@@ -106,6 +106,7 @@ def check(run_dir: Path, raw: dict[str, Any] | None, world: int | None) -> tuple
         tp_pp = (block.get("tensor_model_parallel_size", 1) * block.get("pipeline_model_parallel_size", 1)
                  if job.engine == "megatron" else 1)
         data_world = max(ranks // tp_pp, 1)
+        check_optimizer_lr(raw, job)
         check_gsnr_groups(raw, job)
         phase_settings(job, data_world, PhaseSchedule(job).steps, finished)
         check_resume_marker(job, info, data_world)

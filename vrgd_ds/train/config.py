@@ -448,6 +448,20 @@ def gradient_accumulation(phase: PhaseConfig, world_size: int, index: int) -> in
     return phase.global_batch // per_step
 
 
+def check_optimizer_lr(raw: dict[str, Any], job: JobConfig) -> None:
+    """Refuses an ``optimizer.params.lr`` other than ``job.phases[0].lr``: the job sets every
+    group's learning rate from its phases before each step, so the optimizer block's only builds
+    the optimizer, and a sweep or override of it would change nothing."""
+    given = ((raw.get("optimizer") or {}).get("params") or {}).get("lr")
+    if given is None or not isinstance(given, (int, float)) or isinstance(given, bool):
+        return  # absent, or the optimizer's own check names the type
+    first = job.phases[0].lr
+    if not math.isclose(given, first, rel_tol=1e-9, abs_tol=0.0):
+        raise ConfigError(f"optimizer.params.lr: {given:g} has no effect, the job sets the learning rate from its "
+                          f"phases (job.phases[*].lr, warmup_fraction, decay_power; job.phases[0].lr is {first:g}): "
+                          "set the LR there, and drop optimizer.params.lr or give it job.phases[0].lr")
+
+
 def check_gsnr_groups(raw: dict[str, Any], job: JobConfig) -> None:
     """Refuses, before any work, a fixed-batch phase whose steps would have fewer gradient groups
     than the GSNR needs, naming the phase's keys. A step's groups are its data-parallel ranks ×

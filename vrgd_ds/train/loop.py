@@ -56,7 +56,7 @@ import torch.distributed as dist
 from vrgd_ds.adaptive_batch import BatchController, SettingsDiffer, lr_factor
 from vrgd_ds.run import leave_together
 from vrgd_ds.train import checkpoints as ckpt
-from vrgd_ds.train.config import (ConfigError, JobConfig, adaptive_setting_keys, check_gsnr_groups,
+from vrgd_ds.train.config import (ConfigError, JobConfig, adaptive_setting_keys, check_gsnr_groups, check_optimizer_lr,
                                   check_resume_marker, check_resume_position, data_change_policy, done_phases,
                                   finished_phases, gradient_accumulation, load_config, optimizer_state_policy,
                                   phase_samples, phase_settings, position_table, resumed_consumed)
@@ -876,6 +876,7 @@ def main(argv: list[str] | None = None) -> int:
         engine = engine_class(job.engine)
         refused += engine.config_errors()
         engine.check_config(raw, job, newest_finished(job, Path(args.run_dir)))
+        check_optimizer_lr(raw, job)
         check_gsnr_groups(raw, job)
         check_data_path(job)
     except refused as e:
