@@ -59,8 +59,9 @@ RUN_DIR=$(realpath -m "$RUN_DIR")
 
 # SIGUSR1 (a pre-emption warning) is the ranks' to answer (checkpoint, exit 75); DeepSpeed's launcher
 # neither handles nor forwards it and would end at once, its ranks left running. Held blocked
-# (launch/hold_usr1.py), the launcher here never takes it, and ranks it starts on this node
-# inherit the mask. Ranks started over ssh do not: send it to them (docs/pretraining.md).
+# (launch/hold_usr1.py), the launcher here never takes it. With one host its ranks run here and
+# inherit the mask; with several, DeepSpeed starts every node's ranks over pdsh/ssh, this node's
+# too, and none inherits it: send it to the ranks on every node (docs/pretraining.md).
 set -x
 exec launch/hold_usr1.py "$DEEPSPEED" --hostfile "$HOSTFILE" --launcher "$LAUNCHER" \
     ${ADDR_ARGS[@]+"${ADDR_ARGS[@]}"} --master_port "$MASTER_PORT" ${EXTRA[@]+"${EXTRA[@]}"} \

@@ -6,8 +6,8 @@
 #   NNODES=2 NODE_RANK=0 MASTER_ADDR=node0 launch/torchrun.sh       # on node0, NODE_RANK=1 on node1
 #
 # Environment (defaults): CONFIG (configs/bert_large_64k_32k_vr_lamb.json), RUN_DIR
-# (runs/<config name>), NPROC (GPUs visible, else 2), NNODES (1), NODE_RANK (0), MASTER_ADDR
-# (127.0.0.1 on one node; needed with NNODES > 1), MASTER_PORT (29500), PYTHON (python on PATH;
+# (runs/<config name>), NPROC (GPUs visible, else 2), NNODES (1), NODE_RANK (0 on one node;
+# needed with NNODES > 1), MASTER_ADDR (127.0.0.1 on one node; needed with NNODES > 1), MASTER_PORT (29500), PYTHON (python on PATH;
 # torchrun is run as its module), BACKEND (empty: nccl on GPUs, gloo on CPU). Further arguments
 # go to the job ("$@").
 set -euo pipefail
@@ -27,11 +27,15 @@ if [[ -z "${NPROC:-}" ]]; then
     NPROC=$("$PYTHON" -c 'import torch; print(torch.cuda.device_count() or 2)')
 fi
 NNODES=${NNODES:-1}
-NODE_RANK=${NODE_RANK:-0}
 if (( NNODES > 1 )) && [[ -z "${MASTER_ADDR:-}" ]]; then  # each node would wait at its own loopback
     echo "error: NNODES=$NNODES needs MASTER_ADDR, node 0's address that every node reaches" >&2
     exit 2
 fi
+if (( NNODES > 1 )) && [[ -z "${NODE_RANK:-}" ]]; then  # every node would claim node rank 0: a hang
+    echo "error: NNODES=$NNODES needs NODE_RANK, this node's rank (0 on the MASTER_ADDR node, 1 to $((NNODES - 1)) on the others)" >&2
+    exit 2
+fi
+NODE_RANK=${NODE_RANK:-0}
 MASTER_ADDR=${MASTER_ADDR:-127.0.0.1}
 MASTER_PORT=${MASTER_PORT:-29500}
 BACKEND_ARGS=()

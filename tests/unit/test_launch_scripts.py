@@ -184,6 +184,27 @@ def test_torchrun_on_several_nodes_needs_the_rendezvous_address(tmp_path):
     assert run.returncode == 0 and args[args.index("--master_addr") + 1] == "node0", run.stderr[-2000:]
 
 
+def test_torchrun_on_several_nodes_needs_each_nodes_rank(tmp_path):
+    """Fails on the old script: with ``NNODES=2`` and no ``NODE_RANK`` every node took node rank 0,
+    and torchrun's rank-0 agents waited in the rendezvous store for a node 1 that never came,
+    until the store timed out."""
+    argv = stand_in(tmp_path / "python", 'printf "%s\\n" "$@"\n')
+    base = {k: v for k, v in os.environ.items() if k != "NODE_RANK"} | {"NNODES": "2", "MASTER_ADDR": "node0",
+                                                                        "NPROC": "8", "PYTHON": str(argv)}
+    run = subprocess.run(["bash", str(ROOT / "launch" / "torchrun.sh")], env=base, capture_output=True, text=True,
+                         timeout=60)
+    assert run.returncode == 2 and "NNODES=2 needs NODE_RANK" in run.stderr and not run.stdout, run.stderr
+    run = subprocess.run(["bash", str(ROOT / "launch" / "torchrun.sh")], env={**base, "NODE_RANK": "1"},
+                         capture_output=True, text=True, timeout=60)
+    args = run.stdout.splitlines()
+    assert run.returncode == 0 and args[args.index("--node_rank") + 1] == "1", run.stderr[-2000:]
+    one = {k: v for k, v in base.items() if k not in ("NNODES", "MASTER_ADDR")}  # one node: rank 0 by default
+    run = subprocess.run(["bash", str(ROOT / "launch" / "torchrun.sh")], env=one, capture_output=True, text=True,
+                         timeout=60)
+    args = run.stdout.splitlines()
+    assert run.returncode == 0 and args[args.index("--node_rank") + 1] == "0", run.stderr[-2000:]
+
+
 @pytest.mark.parametrize("job_id", ["12767", "19999", "31999"])
 def test_the_slurm_rendezvous_port_stays_below_the_ephemeral_ports(tmp_path, job_id):
     """Fails on the old script for job ids whose port was 20000 + id mod 20000 >= 32768 (about a
