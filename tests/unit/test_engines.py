@@ -201,6 +201,40 @@ def test_an_optimizer_lr_other_than_the_first_phases_is_refused_naming_the_phase
         check_optimizer_lr(*load_config(config, [f"optimizer.params.lr={json.dumps(value)}"]))
 
 
+def test_a_deepspeed_batch_that_does_not_split_over_the_launchers_ranks_is_refused_before_any_work(
+        tmp_path, capsys, monkeypatch):
+    """Phase 0's batch of 64 in micro-batches of 8 does not split over 3 ranks. The DeepSpeed
+    engine's ``check_for_ranks`` refuses it, and the job refuses it with the launcher's world size
+    before the process group, the run directory or the watchdog exist (as the Megatron engine
+    did). Fails on the old code: the DeepSpeed engine checked the split only in ``Job.setup``,
+    after the process group and the run directory's lock."""
+    from vrgd_ds.train.config import load_config
+    from vrgd_ds.train.engines import engine_class
+
+    raw, job = load_config(BERT_CONFIG)
+    with pytest.raises(ConfigError, match=r"job.phases\[0\].global_batch: 64 is not divisible by micro_batch x ranks"):
+        engine_class("deepspeed").check_for_ranks(raw, job, 3)
+    engine_class("deepspeed").check_for_ranks(raw, job, 2)
+    monkeypatch.setenv("WORLD_SIZE", "3")
+    run_dir = tmp_path / "run"
+    assert loop.main(["--config", str(BERT_CONFIG), "--run-dir", str(run_dir)]) == loop.EXIT_CONFIG
+    assert "64 is not divisible by micro_batch x ranks = 8 x 3" in capsys.readouterr().err
+    assert not run_dir.exists()
+
+
+def test_an_adaptive_phase_without_the_statistics_is_refused_before_any_work():
+    """``adaptive_batch`` with ``optimizer.params.gsnr`` false is refused from the config
+    (``check_gsnr_groups``), not after the engine and the optimizer are built. Fails on the old
+    code, which refused it in ``Job.setup`` only."""
+    from vrgd_ds.train.config import ADAPTIVE_NEEDS_GSNR, check_gsnr_groups, load_config
+
+    config = ROOT / "configs" / "bert_large_adaptive_8k_128k_vr_lamb.json"
+    check_gsnr_groups(*load_config(config))
+    with pytest.raises(ConfigError) as e:
+        check_gsnr_groups(*load_config(config, ["optimizer.params.gsnr=false"]))
+    assert str(e.value) == ADAPTIVE_NEEDS_GSNR and "job.phases[*].adaptive_batch needs" in str(e.value)
+
+
 def test_a_deepspeed_scheduler_block_is_refused_naming_the_phases_keys(tmp_path, capsys):
     """The job sets the LR from its phases before every step, over any DeepSpeed scheduler's,
     which DeepSpeed still builds, steps and checkpoints (OneCycle also rewrites the betas): a

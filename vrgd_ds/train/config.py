@@ -448,6 +448,12 @@ def gradient_accumulation(phase: PhaseConfig, world_size: int, index: int) -> in
     return phase.global_batch // per_step
 
 
+#: an adaptive phase with an optimizer that takes no gradient statistics
+ADAPTIVE_NEEDS_GSNR = ("job.phases[*].adaptive_batch needs the gradient statistics: optimizer.params.gsnr is false. "
+                       "For plain LAMB with an adaptive batch use VRLamb with \"gamma\": 1 (its step equals LAMB's "
+                       "bit for bit; the statistics are still gathered)")
+
+
 def check_optimizer_lr(raw: dict[str, Any], job: JobConfig) -> None:
     """Refuses an ``optimizer.params.lr`` other than ``job.phases[0].lr``: the job sets every
     group's learning rate from its phases before each step, so the optimizer block's only builds
@@ -477,6 +483,8 @@ def check_gsnr_groups(raw: dict[str, Any], job: JobConfig) -> None:
     except OptimizerBlockError:
         return  # the engine's own check names it
     if not group.get("gsnr"):
+        if any(p.adaptive_batch is not None for p in job.phases):
+            raise ConfigError(ADAPTIVE_NEEDS_GSNR)
         return
     for i, p in enumerate(job.phases):
         groups = p.global_batch // p.micro_batch

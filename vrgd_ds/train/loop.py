@@ -56,13 +56,14 @@ import torch.distributed as dist
 from vrgd_ds.adaptive_batch import BatchController, SettingsDiffer, lr_factor
 from vrgd_ds.run import leave_together
 from vrgd_ds.train import checkpoints as ckpt
-from vrgd_ds.train.config import (ConfigError, JobConfig, adaptive_setting_keys, check_gsnr_groups, check_optimizer_lr,
-                                  check_resume_marker, check_resume_position, data_change_policy, done_phases,
-                                  finished_phases, gradient_accumulation, load_config, optimizer_state_policy,
-                                  phase_samples, phase_settings, position_table, resumed_consumed)
+from vrgd_ds.train.config import (ADAPTIVE_NEEDS_GSNR, ConfigError, JobConfig, adaptive_setting_keys,
+                                  check_gsnr_groups, check_optimizer_lr, check_resume_marker, check_resume_position,
+                                  data_change_policy, done_phases, finished_phases, gradient_accumulation, load_config,
+                                  optimizer_state_policy, phase_samples, phase_settings, position_table,
+                                  resumed_consumed)
 from vrgd_ds.train.data import check_data_path, eval_batches, loader
 from vrgd_ds.train.engines import Engine, engine_class
-from vrgd_ds.train.engines.base import LAUNCHER_RANK, launcher_value
+from vrgd_ds.train.engines.base import LAUNCHER_RANK, LAUNCHER_WORLD, launcher_value
 from vrgd_ds.train.resume import (ConversionFailed, configured_options, data_change, engine_switch, named_params,
                                   option_note, positions_change, resumed_optimizer, resumed_options, saved_positions)
 from vrgd_ds.train.rundir import RunDirBusy, RunDirLock
@@ -124,6 +125,13 @@ class _Timed:
             return next(self.it)
         finally:
             self.seconds += time.perf_counter() - t0
+
+
+def _agreed(error: Exception) -> Exception:
+    """``error``, marked as raised on every rank at the same point: ``main`` ends the ranks
+    together (a rank leaving the process group alone can die in gloo's teardown)."""
+    error.agreed = True
+    return error
 
 
 def _load_errors() -> tuple[type[BaseException], ...]:
@@ -241,9 +249,7 @@ class Job:
         engine.setup(run_dir, dist.barrier)
         self.optimizer = engine.optimizer
         if self.controllers and not any(g.get("gsnr") for g in self.optimizer.param_groups):
-            raise ConfigError("job.phases[*].adaptive_batch needs the gradient statistics: optimizer.params.gsnr is "
-                              "false. For plain LAMB with an adaptive batch use VRLamb with \"gamma\": 1 (its step "
-                              "equals LAMB's bit for bit; the statistics are still gathered)")
+            raise _agreed(ConfigError(ADAPTIVE_NEEDS_GSNR))  # (checked before any work: check_gsnr_groups)
         self.cosine = None
         if any(p.adaptive_batch is not None and p.adaptive_batch.measure_cosine_every for p in job.phases):
             self.cosine = engine.half_batch_cosine()
@@ -442,9 +448,8 @@ class Job:
                 # any rank writes (the all-reduce below)
                 ckpt.remove(self.ckpt_dir, tag)
         if self._any_rank(short is not None):
-            refused = ckpt.NoSpace(short or f"no space left on {self.ckpt_dir} for the next checkpoint (see rank 0)")
-            refused.agreed = True  # every rank raises it here (not so a write that fails on one rank's disk)
-            raise refused
+            # every rank raises it here (not so a write that fails on one rank's disk)
+            raise _agreed(ckpt.NoSpace(short or f"no space left on {self.ckpt_dir} for the next checkpoint (see rank 0)"))
         state = {"step": self.step, "consumed": self.consumed, "evals": self.evals, "world_size": self.world,
                  "skip_streak_from": self.skip_streak_from, "optimizer": self.optimizer_info(),
                  "skipped_total": self.skipped_before + int(self.optimizer.skipped_steps),
@@ -521,8 +526,7 @@ class Job:
         try:
             resumed = self.resume()
         except ConfigError as e:  # from the marker and the config (a load failure is agreed first): every rank
-            e.agreed = True  # raises it here, and main ends them together
-            raise
+            raise _agreed(e)  # raises it here
         # A fresh start drops what an earlier start of this run directory logged before it was
         # killed without a checkpoint (-1: every step), as a resume drops the steps after its checkpoint
         sinks = telemetry.build_sinks(self.run_dir, jsonl=self.job.telemetry.jsonl,
@@ -875,7 +879,11 @@ def main(argv: list[str] | None = None) -> int:
         raw, job = load_config(args.config, args.set)
         engine = engine_class(job.engine)
         refused += engine.config_errors()
-        engine.check_config(raw, job, newest_finished(job, Path(args.run_dir)))
+        finished, world = newest_finished(job, Path(args.run_dir)), launcher_value(LAUNCHER_WORLD)
+        if world is None:
+            engine.check_config(raw, job, finished)
+        else:  # the batch split over the launcher's ranks too
+            engine.check_for_ranks(raw, job, world, finished)
         check_optimizer_lr(raw, job)
         check_gsnr_groups(raw, job)
         check_data_path(job)

@@ -96,6 +96,17 @@ class DeepSpeedEngine(Engine):
                                   "(its CPU one only with native fp16 kernels, AVX512-FP16 or AMX-FP16); --set "
                                   "fp16.enabled=false for fp32, or use bf16")
 
+    @classmethod
+    def check_for_ranks(cls, raw: dict[str, Any], job: JobConfig, world: int,
+                        finished: frozenset[int] = frozenset()) -> None:
+        """``check_config``, and every phase's batch split over the ``world`` ranks, each a
+        data-parallel rank under ZeRO (``phase_settings``), before the process group exists."""
+        from vrgd_ds.train.config import phase_settings
+        from vrgd_ds.train.schedule import PhaseSchedule
+
+        cls.check_config(raw, job, finished)
+        phase_settings(job, world, PhaseSchedule(job).steps, finished)
+
     def __init__(self, raw: dict[str, Any], job: JobConfig, backend: str | None,
                  timeout: datetime.timedelta, finished: frozenset[int] = frozenset()) -> None:
         import deepspeed
