@@ -251,11 +251,13 @@ def reference_step(net, opt, dp: int, accumulation: int, step: int, clip: float)
 def _build(tp: int, distributed: bool, optimizer: str, kwargs: dict | None, micro_steps: str = "auto",
            overlap: bool = False, sequence_parallel: bool = False, fp16: bool = False, squares: str = "per_step",
            node_size: int | None = None, normed: bool | None = None, decoupled: bool = True,
-           initial_loss_scale: float = 2.0 ** 4):
+           initial_loss_scale: float = 2.0 ** 4, decoupled_lr: float | None = None):
     """The test model (seed 0) under Megatron's DDP and ``optimizer`` through ``vrgd_ds.megatron``
     (with ``sequence_parallel``, or ``normed`` without it: ``_NormedTwoLayers``, its scale in a child module; with ``fp16``:
     the model in fp16 inside Megatron's ``Float16Module``, as the Megatron job trains it, and
-    Megatron's dynamic loss scale from ``initial_loss_scale``)."""
+    Megatron's dynamic loss scale from ``initial_loss_scale``; ``decoupled_lr``: the column layer's
+    weight taken for an embedding, in a group of that ``max_lr``, Megatron's key otherwise the
+    default group's)."""
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
     from megatron.core.optimizer import OptimizerConfig
     from megatron.core.transformer.module import Float16Module
@@ -266,11 +268,14 @@ def _build(tp: int, distributed: bool, optimizer: str, kwargs: dict | None, micr
     cfg = _config(tp, sequence_parallel=sequence_parallel, **half)
     torch.manual_seed(0)
     model = _NormedTwoLayers(cfg) if (sequence_parallel if normed is None else normed) else TwoLayers(cfg)
+    if decoupled_lr is not None:
+        model.c.weight.is_embedding_or_output_parameter = True
     ddp = DistributedDataParallel(cfg, DistributedDataParallelConfig(
         grad_reduce_in_fp32=True, use_distributed_optimizer=distributed, bucket_size=40,
         overlap_grad_reduce=overlap), Float16Module(cfg, model) if fp16 else model)
     opt = get_megatron_optimizer(OptimizerConfig(optimizer="adam", lr=1e-2, weight_decay=0.1, clip_grad=1.0,
                                                  use_distributed_optimizer=distributed, decoupled_weight_decay=decoupled,
+                                                 decoupled_lr=decoupled_lr,
                                                  **(dict(half, initial_loss_scale=initial_loss_scale) if fp16 else {})),
                                  [ddp], optimizer=optimizer, optimizer_kwargs=kwargs, micro_steps=micro_steps,
                                  squares=squares, node_size=node_size)
@@ -808,7 +813,9 @@ def checkpoint_case(case: dict) -> dict:
         dp, dp_rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
         acc = GLOBAL_MICRO_BATCHES // dp
         model, ddp, opt = _build(case["tp"], case["distributed"], case["optimizer"], case.get("kwargs"),
-                                 sequence_parallel=sp, normed=case.get("normed", sp), fp16=case.get("fp16", False))
+                                 sequence_parallel=sp, normed=case.get("normed", sp), fp16=case.get("fp16", False),
+                                 decoupled_lr=case.get("decoupled_lr"))
+        built_groups = [(g["max_lr"], len(g["params"])) for g in opt.chained_optimizers[0].optimizer.param_groups]
         tp_rank = ps.get_tensor_model_parallel_rank()
         sharded = dict(rows=lambda x: x.chunk(case["tp"])[tp_rank], sync=lambda: finalize_model_grads([ddp])) \
             if sp else {}
@@ -834,6 +841,7 @@ def checkpoint_case(case: dict) -> dict:
         weights = []
         inner = opt.chained_optimizers[0].optimizer
         flags = [g["gsnr"] for g in inner.param_groups]
+        loaded_groups = [(g["max_lr"], len(g["params"])) for g in inner.param_groups]
 
         def gsnr_avg_left() -> dict:
             """The states of the tensors stepping with the GSNR on: how many lack the GSNR momentum
@@ -861,7 +869,8 @@ def checkpoint_case(case: dict) -> dict:
         train(case.get("more", []))
         keys = sorted({k for st in inner.state.values() for k in st})
         return {"weights": weights, "dp": dp, "state_keys": keys, "gsnr": flags, "gsnr_avg_after_load": gsnr_avg_after_load,
-                "gsnr_avg_after_save": gsnr_avg_after_save}
+                "gsnr_avg_after_save": gsnr_avg_after_save, "built_groups": built_groups,
+                "loaded_groups": loaded_groups}
 
 
 #: what each refused configuration changes, and the option its message must name

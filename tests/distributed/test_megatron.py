@@ -355,6 +355,27 @@ def test_sequence_parallel_twin_groups_resume_from_a_dist_checkpoint(megatron2, 
 
 
 @pytest.mark.parametrize("distributed", [False, pytest.param(True, marks=pytest.mark.exhaustive)])
+def test_groups_megatrons_key_does_not_tell_apart_resume_into_their_own_options(megatron2, tmp_path, distributed):
+    """``decoupled_lr`` puts the embedding's weight (here the column layer's) into a group of its
+    own ``max_lr``, whose Megatron key (wd_mult, lr_mult, ...) is the default decayed group's. A
+    dist checkpoint loads each group's options back into the same group, and the resumed step
+    equals the uninterrupted one. Fails on the code before: the two groups took the first saved
+    group of their key, so the embedding's group resumed with the default ``max_lr`` (Megatron's
+    scheduler then ran it on the main schedule), and without the distributed optimizer Megatron's
+    matching by key put both groups' parameters on one dict."""
+    case = {"tp": 2, "distributed": distributed, "optimizer": "VRLamb", "kwargs": {"beta3": 0.9},
+            "decoupled_lr": 5e-3}
+    saved = str(tmp_path / "ckpt")
+    straight = megatron2.run("megatron_worker", "checkpoint_case", {**case, "steps": [0, 1], "save": saved, "more": [2]},
+                             SAVE_TIMEOUT_S)
+    assert 5e-3 in [lr for lr, _ in straight["built_groups"]], straight["built_groups"]  # the case holds
+    resumed = megatron2.run("megatron_worker", "checkpoint_case", {**case, "load": saved, "steps": [2]}, SAVE_TIMEOUT_S)
+    assert resumed["loaded_groups"] == resumed["built_groups"] == straight["built_groups"], resumed
+    scale = max(abs(v) for t in straight["weights"][2] for v in torch.tensor(t).flatten().tolist())
+    assert _max_diff(resumed["weights"][0], straight["weights"][2]) <= TOL * scale
+
+
+@pytest.mark.parametrize("distributed", [False, pytest.param(True, marks=pytest.mark.exhaustive)])
 def test_twin_groups_resume_on_tp1_and_back_to_the_same_step(megatron2, tmp_path, distributed):
     """Saved on TP2 with sequence parallelism (the scale and the row-parallel bias in GSNR-off twin
     groups), loaded on TP1 × DP2 (no tensor with a partial gradient) and saved again at once, then

@@ -214,6 +214,10 @@ def _distributed_optimizer_accepts(cls: type) -> Iterator[None]:
         distrib.Adam = saved
 
 
+#: a param group's place among the optimizer's, in Megatron's key only while a state loads
+_PLACE_KEY = "vrgd_place"
+
+
 def _aligned_groups(saved: list[dict], current: list[dict], identify: Any) -> list[dict] | None:
     """THE ONE PLACE a loaded state's param groups are matched to the optimizer's twins. megatron-core
     0.16.1 matches them by ``param_group_identifier_keys`` (wd_mult, lr_mult, is_expert_parallel,
@@ -227,11 +231,17 @@ def _aligned_groups(saved: list[dict], current: list[dict], identify: Any) -> li
     (``GSNROptimizer.load_state_dict``). The ``params`` stay where they were in the list: without
     the distributed optimizer dist-checkpointing put the loading optimizer's own there, in its
     order (the distributed optimizer's state has none: it takes its own). None where a group's
-    key is not in the state (Megatron's load names it)."""
-    out = []
+    key is not in the state (Megatron's load names it). Megatron's key does not tell apart groups
+    that differ only in an override it leaves out of it (``decoupled_lr``'s ``max_lr``/``min_lr``, the
+    embedding and output layer's, beside the default group): the k-th group of a key and role
+    gets the saved k-th, in Megatron's (sorted) group order."""
+    out, seen = [], {}
     for at, group in enumerate(current):
-        same = [g for g in saved if identify(g) == identify(group)]
-        pick = next((g for g in same if g.get(TWIN_KEY, False) == group[TWIN_KEY]), same[0] if same else None)
+        kind = (identify(group), group[TWIN_KEY])
+        k = seen[kind] = seen.get(kind, -1) + 1
+        same = [g for g in saved if identify(g) == kind[0]]
+        pool = [g for g in same if g.get(TWIN_KEY, False) == group[TWIN_KEY]] or same
+        pick = pool[k] if k < len(pool) else (pool[0] if pool else None)
         if pick is None:
             return None
         aligned = {**pick, TWIN_KEY: group[TWIN_KEY]}
@@ -288,15 +298,21 @@ def _loads_twin_groups(mopt: Any, inner_optimizer: GSNROptimizer) -> None:
             aligned = _aligned_groups(inner["param_groups"], inner_optimizer.param_groups, identify)
         if aligned is None:
             return load(state_dict)
+        # each group's place in the optimizer, in the saved group aligned to it and in the group, widens
+        # Megatron's key for the load: its own matching, by key, then pairs them as aligned here
+        for at, (group, mine) in enumerate(zip(aligned, inner_optimizer.param_groups)):
+            group[_PLACE_KEY] = mine[_PLACE_KEY] = at
         inner["param_groups"] = aligned
         if nested:
             state_dict["optimizer"] = inner
         saved = plain.param_group_identifier_keys, distrib.param_group_identifier_keys
-        plain.param_group_identifier_keys = distrib.param_group_identifier_keys = (*keys, TWIN_KEY)
+        plain.param_group_identifier_keys = distrib.param_group_identifier_keys = (*keys, TWIN_KEY, _PLACE_KEY)
         try:
             return load(state_dict)
         finally:
             plain.param_group_identifier_keys, distrib.param_group_identifier_keys = saved
+            for group in inner_optimizer.param_groups:  # the loaded groups hold it too
+                group.pop(_PLACE_KEY, None)
 
     mopt.load_state_dict = load_state_dict
 
