@@ -975,6 +975,13 @@ def bad_cases():
     # before: accepted, then the first step raised torch's "Cannot access data pointer of Tensor that doesn't have
     # storage" (stage 0, accumulation 1) or "unsupported memory format option Contiguous" (accumulation 2)
     yield "bad-sparse-embedding", dict(base, stage=0, gas=2, sparse=True, set={"vrgd.squares": "per_step"})
+    # before: not refused where DeepSpeed had replaced the param groups' tensors (ZeRO-1/2's flat partitions, stage
+    # 0 bf16's fp32 copies) by attach time: the check compared the model's weight with those
+    yield "bad-sparse-embedding-zero2", dict(base, stage=2, gas=2, sparse=True, set={"vrgd.squares": "per_step"})
+    yield "bad-sparse-embedding-bf16", dict(base, stage=0, dtype="bf16", gas=2, sparse=True,
+                                            set={"vrgd.squares": "per_step"})
+    # before: accepted and unread ("auto" never picks 'hierarchical' on ZeRO-3, and reads no node size there)
+    yield "bad-node-size-auto-zero3", dict(base, stage=3, scheme="auto", set={"vrgd.node_size": 2})
     # before: accepted; its checkpoints then failed to load (AssertionError, KeyError 'base_optimizer_state_step') and
     # to convert
     yield "bad-elastic-checkpoint", dict(base, set={"zero_optimization.elastic_checkpoint": True})

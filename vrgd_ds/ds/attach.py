@@ -11,7 +11,7 @@ import deepspeed.comm as dist
 
 from vrgd_ds.ds import local, paths, pipeline, sources
 from vrgd_ds.ds.config import auto_scheme, reduction_config
-from vrgd_ds.ds.internals import UnsupportedConfiguration
+from vrgd_ds.ds.internals import UnsupportedConfiguration, model_groups
 from vrgd_ds.optim.base import GSNROptimizer
 from vrgd_ds.stats.layout import ModelTensors
 from vrgd_ds.optim._impl import select_for
@@ -40,9 +40,9 @@ def attach(engine: Any) -> sources.ReductionStats | None:
             if getattr(options, key) != default:
                 raise UnsupportedConfiguration(
                     f"vrgd.{key}: {getattr(options, key)!r} applies to squares 'per_step' and 'hierarchical'; the "
-                    f"scheme here is 'per_micro_step' (" + ("the default on ZeRO-3" if options.squares is None
-                                                           else "configured") + f"): remove vrgd.{key} or set "
-                    "vrgd.squares")
+                    f"scheme here is 'per_micro_step' (" + {None: "the default on ZeRO-3", "auto": "'auto' picks it on "
+                                                            "ZeRO-3"}.get(options.squares, "configured")
+                    + f"): remove vrgd.{key} or set vrgd.squares")
     if wants_stats:  # fail before training, not at the first step
         sources.check_groups(opt.name, world, gas, stage, scheme)
         if stage == 3 and not engine.zero_contiguous_gradients():
@@ -64,7 +64,7 @@ def attach(engine: Any) -> sources.ReductionStats | None:
                 "loss by gradient_accumulation_steps and stage 0/1 reduce their sum once, so the statistics' "
                 "groups and the engine's gradient disagree; remove the key and set gradient_accumulation_steps "
                 "(or 'gsnr': false)")
-        sparse = sparse_embeddings(engine.module, opt)
+        sparse = sparse_embeddings(engine, opt)
         if sparse:
             raise UnsupportedConfiguration(
                 f"vrgd_ds: {sparse[0]} has sparse=True in a param group with GSNR on: VRGD statistics do not support "
@@ -170,13 +170,14 @@ def keep_wiring_on_universal_load(engine: Any, opt: GSNROptimizer) -> None:
     engine.load_checkpoint = load_checkpoint
 
 
-def sparse_embeddings(module: Any, opt: GSNROptimizer) -> list[str]:
+def sparse_embeddings(engine: Any, opt: GSNROptimizer) -> list[str]:
     """The ``nn.Embedding``/``nn.EmbeddingBag`` modules with ``sparse=True`` whose weight is in a
-    param group with ``gsnr`` on, named as in ``module``."""
+    param group with ``gsnr`` on (the model's tensors of each group: ``model_groups``), named as in
+    the engine's module."""
     import torch
 
-    watched = {id(p) for g in opt.param_groups if g["gsnr"] for p in g["params"]}
-    return [f"{name or 'the model'} ({type(m).__name__})" for name, m in module.named_modules()
+    watched = {id(p) for g, params in zip(opt.param_groups, model_groups(engine, opt)) if g["gsnr"] for p in params}
+    return [f"{name or 'the model'} ({type(m).__name__})" for name, m in engine.module.named_modules()
             if isinstance(m, (torch.nn.Embedding, torch.nn.EmbeddingBag)) and m.sparse and id(m.weight) in watched]
 
 
@@ -225,6 +226,12 @@ def least_free(device: Any, group: Any) -> int | None:
 def _auto(engine: Any, options: Any, stage: int, world: int) -> str:
     """The scheme ``"squares": "auto"`` picks for this engine (``vrgd_ds.ds.config.auto_scheme``)."""
     node_size = options.node_size
+    if node_size is not None and (stage not in (1, 2) or pipeline.is_pipeline(engine)):
+        where = "a pipeline" if pipeline.is_pipeline(engine) else f"ZeRO stage {stage}"
+        raise UnsupportedConfiguration(
+            f"vrgd.node_size: {node_size} has no effect here: on {where} \"squares\": \"auto\" picks "
+            f"{auto_scheme(stage, pipeline.is_pipeline(engine), world, node_size, 0, None)!r}, never 'hierarchical' "
+            "(ZeRO-1/2 only), and reads no node size; remove vrgd.node_size")
     if node_size is None and stage in (1, 2) and not pipeline.is_pipeline(engine):
         try:
             node_size = local.host_node_size(engine.seq_data_parallel_group, world)

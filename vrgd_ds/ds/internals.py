@@ -27,6 +27,18 @@ def require(obj: Any, names: tuple[str, ...], where: str) -> None:
         )
 
 
+def model_groups(engine: Any, opt: Any) -> list[list[Any]]:
+    """The model parameters of each of ``opt``'s param groups: DeepSpeed's wrappers replace the
+    groups' tensors with flat partitions (ZeRO-1/2) or fp32 copies (fp16, bf16) and keep the
+    model's in a list per group of their own."""
+    wrapper = engine.optimizer
+    for name in ("bit16_groups", "bf16_groups", "fp16_groups"):
+        groups = getattr(wrapper, name, None)
+        if groups is not None and wrapper is not opt:
+            return [list(g) for g in groups]
+    return [list(g["params"]) for g in opt.param_groups]
+
+
 def check_version() -> None:
     import deepspeed
 

@@ -22,7 +22,7 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from vrgd_ds.ds.internals import UnsupportedConfiguration, require
+from vrgd_ds.ds.internals import UnsupportedConfiguration, model_groups, require
 from vrgd_ds.stats.layout import key_mask
 
 logger = logging.getLogger(__name__)
@@ -94,7 +94,7 @@ def check_tied(engine: Any, opt: Any) -> None:
     """Refuses GSNR on a tied module's weights held by more than one stage."""
     module = engine.module
     require(module, _MODULE, "PipelineModule")
-    groups = _model_groups(engine, opt)
+    groups = model_groups(engine, opt)
     for key, comm in module.tied_comms.items():
         if len(comm["ranks"]) <= 1:  # every use on this stage: the gradient is whole per micro-batch
             continue
@@ -108,14 +108,3 @@ def check_tied(engine: Any, opt: Any) -> None:
                     "holds only a partial gradient per micro-batch, summed over the stages once per step, so its "
                     "squares would be wrong. Put its parameters in a param group with 'gsnr': false, or keep the "
                     "tied layers on one stage")
-
-
-def _model_groups(engine: Any, opt: Any) -> list[list[Any]]:
-    """The model parameters of each of ``opt``'s param groups (ZeRO-1 and fp16 replace the
-    groups' tensors with flat or fp32 copies; their wrappers keep the model's)."""
-    wrapper = engine.optimizer
-    for name in ("bit16_groups", "fp16_groups"):
-        groups = getattr(wrapper, name, None)
-        if groups is not None and wrapper is not opt:
-            return [list(g) for g in groups]
-    return [list(g["params"]) for g in opt.param_groups]
