@@ -105,6 +105,13 @@ def check_configuration(config: Any, chunks: list[Any], name: str, gsnr: bool | 
                     f"the tied weight ({shared[0]}) is summed across stages once per step, after the squares",
                     "Set share_embeddings_and_output_weights=False, or use the base optimizer "
                     f"({REGISTRY[name].base})")
+        # finalize_model_grads' _allreduce_conditional_embedding_grads (diffusion models' timestep and
+        # label embedders, a copy on every stage)
+        cond = [n for c in chunks for n, p in c.named_parameters() if getattr(p, "pipeline_parallel", False)]
+        if getattr(model, "has_cond_embedder", False) and cond:
+            _refuse("conditional embedders on every pipeline stage (TransformerConfig.has_cond_embedder)",
+                    f"their gradient ({cond[0]}) is summed across the stages once per step, after each stage's "
+                    "squares", f"Use pipeline_model_parallel_size=1, or the base optimizer ({REGISTRY[name].base})")
     if getattr(model, "calculate_per_token_loss", False):
         _refuse("TransformerConfig.calculate_per_token_loss",
                 "Megatron then divides the reduced gradient by the step's token count after the micro-batches' "
