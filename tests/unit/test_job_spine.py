@@ -249,6 +249,20 @@ def test_a_resume_the_checkpoints_position_refuses_stops_before_loading(start, t
     assert isinstance(out, dict) and out["steps"] == 4 and loads == ["step00000002"], (out, loads)
 
 
+def test_a_config_error_of_the_data_in_training_is_every_ranks(start, tmp_path, monkeypatch):
+    """Held-out samples too few for the ranks (``eval_batches``' refusal, raised in training on
+    every rank from the same data): the error is marked as every rank's, so ``main`` ends the ranks
+    together. Fails on the old code, which marked only a refused resume: each rank left the
+    process group alone, and one could die in gloo's teardown (SIGABRT, exit 250, not 2)."""
+    def refused(self, batches):
+        raise loop.ConfigError("job.data.eval_samples: 1 for 2 data-parallel ranks; evaluate at least 2 (one per rank)")
+
+    monkeypatch.setattr(StandIn, "evaluate", refused)
+    with pytest.raises(loop.ConfigError, match="eval_samples") as e:
+        start(tmp_path / "run")
+    assert getattr(e.value, "agreed", False)
+
+
 def test_a_training_split_smaller_than_a_step_is_said(start, tmp_path, monkeypatch, caplog):
     """3 training samples against a global batch of 4: every step holds a sample twice (their
     groups are not independent), which the job says once, at the phase's start, naming the phase

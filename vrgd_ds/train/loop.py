@@ -535,12 +535,14 @@ class Job:
                                       resume_step=self.step if resumed else -1) if self.rank == 0 else None
         try:
             result = self._train(sinks)
-        except BaseException:  # Preempted, Diverged or a failure: the sinks' buffered records are written,
+        except BaseException as e:  # Preempted, Diverged or a failure: the sinks' buffered records are written,
             if sinks:  # and the training's own error decides the exit, not a sink's that fails to close
                 try:
                     sinks.close()
                 except Exception:  # MultiSink.close logged each failure
                     pass
+            if isinstance(e, ConfigError):  # the data's split, the held-out batches, the trace's setting: every
+                raise _agreed(e)  # rank judges the same config and data, and raises it here
             raise
         if sinks:
             sinks.close()
