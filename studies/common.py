@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import os
 import platform
+import shlex
 import subprocess
 import sys
 import time
@@ -96,7 +97,8 @@ class Output:
             self.logging.unlink(missing_ok=True)
         self.study = study
         self.t0 = time.time()
-        self.meta = {"study": study, "command": " ".join([Path(sys.argv[0]).name, *map(portable, sys.argv[1:])]),
+        # quoted as a shell would need it: a label such as "VR-LAMB first_moment" is one argument
+        self.meta = {"study": study, "command": shlex.join([Path(sys.argv[0]).name, *map(portable, sys.argv[1:])]),
                      "config": config, "machine": machine(), "started": time.strftime("%Y-%m-%d %H:%M:%S %Z")}
         self.sections: list[tuple[str, str]] = []
 

@@ -161,6 +161,32 @@ def test_a_record_keeps_no_machine_path_of_the_command():
         "--work", "runs/x", "wikitext=../shared/data/wikitext-2", "--lr-factor", "0.5"]
 
 
+def test_a_records_command_runs_as_recorded(monkeypatch, tmp_path):
+    """``meta.json``'s command is quoted as a shell needs it: an optimizer label with a space is
+    one argument. Every committed ``bert_batch`` record's command parses with the study's own
+    options. Fails on the old code, which joined the arguments with spaces: pasted, the command
+    stopped at ``--optimizer VR-LAMB`` ("invalid choice")."""
+    import shlex
+
+    sys.path.insert(0, str(STUDIES))
+    import bert_batch
+    from common import Output
+
+    argv = ["studies/bert_batch.py", "--optimizer", "VR-LAMB first_moment", "--lr-factor", "0.5"]
+    monkeypatch.setattr(sys, "argv", argv)
+    assert shlex.split(Output(tmp_path / "out", "bert_batch", {}).meta["command"]) == ["bert_batch.py", *argv[1:]]
+    records = [p for p in sorted((ROOT / "docs" / "studies").glob("*/meta.json"))
+               if json.loads(p.read_text())["study"] == "bert_batch"]
+    assert records
+    refused = []
+    for path in records:
+        try:
+            bert_batch.parser().parse_args(shlex.split(json.loads(path.read_text())["command"])[1:])
+        except SystemExit:  # argparse's error (printed to stderr)
+            refused.append(path.parent.name)
+    assert not refused, refused
+
+
 def fake_study(directory: Path, runs: list[tuple[str, int, str, float, int, float]], **settings) -> Path:
     """A bert_batch output directory holding the given (corpus, batch, optimizer, factor, seed, loss) runs."""
     config = {"corpora": ["embedded"], "samples": 10240, "seq_len": 64, "micro_batch": 8, "ranks": 1,
