@@ -17,7 +17,7 @@ Variants: glibc's defaults; glibc with ``GLIBC_TUNABLES`` mmap and trim threshol
 ``studies/bert_batch.py``, what the study gives its runs) where ``libtcmalloc_minimal`` is
 installed (Debian: ``libtcmalloc-minimal4``).
 
-    python benchmarks/cpu_allocator.py [--batch 3184] [--steps 4] [--rounds 2] [--optimizer LAMB]
+    python benchmarks/cpu_allocator.py [--batch 3184] [--steps 4] [--rounds 2] [--optimizer Lamb]
 """
 from __future__ import annotations
 
