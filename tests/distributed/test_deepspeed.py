@@ -392,6 +392,10 @@ BAD = {
     "bad-node-size-auto-zero3": "vrgd.node_size: 2 has no effect here: on ZeRO stage 3 \"squares\": \"auto\" picks "
                                 "'per_micro_step', never 'hierarchical'",
     "bad-elastic-checkpoint": "'zero_optimization.elastic_checkpoint' is not supported with VRGD optimizers",
+    "bad-bf16-nonfinite-unchecked": "'bf16.check_grad_overflow false' is not supported with VRGD optimizers and 2 "
+                                    "param groups",
+    "bad-fp32-nonfinite-unchecked": "'zero_optimization.compute_grad_norm false' is not supported with VRGD "
+                                    "optimizers and 2 param groups",
 }
 
 
@@ -549,6 +553,21 @@ def test_device_tables_across_ranks_step_as_the_torch_tables(pool, opt, launches
     assert "error" not in res, res.get("trace", res)
     assert res["same"] and res["gsnr_mean"] > 0, res
     assert res["launches"] == [3 * launches[0], 3 * launches[1]]
+
+
+@pytest.mark.exhaustive  # make test: the settings that would step some groups refused (bad-*-nonfinite-*)
+@pytest.mark.parametrize("stage", [2, 3])
+def test_a_non_finite_gradient_in_one_group_skips_the_whole_step_once(pool, stage):
+    """ZeRO steps the param groups one call at a time: a NaN in the second group's gradient (one
+    rank) skips the whole step, both groups untouched, counted once; the steps around it move
+    both. DeepSpeed 0.19.8 decides it over every group before the first call: ZeRO-1/2 by its
+    overflow check (bf16.check_grad_overflow, on by default) or, in fp32, its global norm; ZeRO-3
+    by its global norm."""
+    case = dict(stage=stage, dtype="bf16", gas=1, clip=0.0, opt="VRLamb", bucket=500, scheme="per_step")
+    res = run(pool, "run_nonfinite_group_case", case)
+    assert res["moved"] == [[True, True], [False, False], [True, True]], res
+    assert [m["step/skipped"] for m in res["metrics"]] == [0.0, 1.0, 0.0], res
+    assert res["metrics"][-1]["step/skipped_total"] == 1.0 and res["finite"], res
 
 
 @pytest.mark.parametrize("scheme, gas", [("per_step", 1), ("per_step", 2), ("hierarchical", 2)])

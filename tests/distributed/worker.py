@@ -758,14 +758,19 @@ def run_auto_on_unequal_memory(case: dict) -> dict:
     return dict(schemes=schemes)
 
 
-def run_bad_case(case: dict) -> dict:
-    cfg = config(case)
-    for key, value in case.get("set", {}).items():
+def with_settings(cfg: dict, settings: dict) -> dict:
+    """``cfg`` with each dotted key of ``settings`` set."""
+    for key, value in settings.items():
         node = cfg
         *path, last = key.split(".")
         for part in path:
             node = node.setdefault(part, {})
         node[last] = value
+    return cfg
+
+
+def run_bad_case(case: dict) -> dict:
+    cfg = with_settings(config(case), case.get("set", {}))
     kwargs = {}
     if case.get("client"):
         kwargs["optimizer"] = vrgd_ds.VRSGD(tiny_model().parameters(), lr=0.1)
@@ -781,6 +786,8 @@ def run_bad_case(case: dict) -> dict:
         model[0].weight.requires_grad_(False)
     if case.get("mpu"):
         kwargs["mpu"] = TensorParallelMpu()
+    if case.get("groups"):  # two param groups: decayed weights, then biases and norms
+        kwargs["model_parameters"] = vrgd_ds.param_groups(model, 0.01)
     from deepspeed.utils import groups
 
     from deepspeed.runtime import torch_autocast
@@ -985,6 +992,11 @@ def bad_cases():
     # before: accepted; its checkpoints then failed to load (AssertionError, KeyError 'base_optimizer_state_step') and
     # to convert
     yield "bad-elastic-checkpoint", dict(base, set={"zero_optimization.elastic_checkpoint": True})
+    # before: accepted; a NaN in one param group's gradient then skipped that group and stepped those before it
+    # (ZeRO-1/2 step the groups one call at a time, and DeepSpeed checked nothing first)
+    yield "bad-bf16-nonfinite-unchecked", dict(base, dtype="bf16", groups=True, set={"bf16.check_grad_overflow": False})
+    yield "bad-fp32-nonfinite-unchecked", dict(base, stage=1, groups=True,
+                                               set={"zero_optimization.compute_grad_norm": False})
     yield "bad-hierarchical-bf16-squares", dict(base, set={"vrgd.squares": "hierarchical", "vrgd.squares_dtype": "bf16"})
 
 
@@ -1196,6 +1208,40 @@ class LateCollectives:
         from vrgd_ds.stats.comm import all_gather
         self.land(group)
         return all_gather(self.inner, out, inp, group, async_op=async_op)
+
+
+def run_nonfinite_group_case(case: dict) -> dict:
+    """Two param groups (``vrgd_ds.param_groups``: the decayed weights first, then biases and
+    norms) stepped one at a time by ZeRO-1/2, 3 steps; at the second, a NaN in the gradient of one
+    bias of the second group, on rank 1 only. Returns whether each group moved at each step, the
+    skip metrics after each, and whether the parameters end finite."""
+    rank = dist.get_rank()
+    model = tiny_model()
+    groups = [list(g["params"]) for g in vrgd_ds.param_groups(model, 0.01)]  # before ZeRO-3 partitions them
+    bias = model[2].bias
+    assert len(groups) == 2 and any(p is bias for p in groups[1]), "the NaN's bias is in the second group"
+    engine, *_ = deepspeed.initialize(model=model, model_parameters=vrgd_ds.param_groups(model, 0.01),
+                                      config=with_settings(config(case), case.get("set", {})))
+    bias.register_hook(lambda g: g * float("nan") if engine.global_steps == 1 and rank == 1 else g)
+
+    def weights(i):
+        ps = groups[i]
+        if engine.zero_optimization_stage() == 3:
+            with deepspeed.zero.GatheredParameters(ps):
+                return [p.detach().float().clone() for p in ps]
+        return [p.detach().float().clone() for p in ps]
+
+    moved, metrics = [], []
+    for step in range(3):
+        before = [weights(0), weights(1)]
+        for j in range(case["gas"]):
+            engine.backward(loss_fn(engine, batch(step, rank, j), DTYPES[case["dtype"]]))
+            engine.step()
+        moved.append([any(not torch.equal(a, b) for a, b in zip(before[i], weights(i))) for i in (0, 1)])
+        m = engine.basic_optimizer.gsnr_metrics()
+        metrics.append({k: m.get(k) for k in ("step/skipped", "step/skipped_total")})
+    return {"moved": moved, "metrics": metrics,
+            "finite": all(bool(torch.isfinite(p).all()) for g in (weights(0), weights(1)) for p in g)}
 
 
 def run_late_collectives_case(case: dict) -> dict:

@@ -83,6 +83,20 @@ class Zero12:
         # DeepSpeedZeroOptimizer._optimizer_step calls step() once per param group (param_groups
         # narrowed to that group): one engine step's metrics merge over the calls.
         opt.merge_step_records = True
+        # a step skipped on a non-finite gradient is DeepSpeed's decision over every group, taken before
+        # the first call: its overflow check (bf16.check_grad_overflow) or, in fp32, its global norm
+        require(self.zopt, ("check_grad_overflow", "compute_grad_norm", "dtype"), type(self.zopt).__name__)
+        unchecked = None
+        if not self.zopt.check_grad_overflow and self.zopt.dtype == torch.bfloat16:
+            unchecked = "bf16.check_grad_overflow false"
+        elif not self.zopt.check_grad_overflow and not self.zopt.compute_grad_norm:
+            unchecked = "zero_optimization.compute_grad_norm false"
+        if unchecked and len(opt.param_groups) > 1:
+            raise UnsupportedConfiguration(
+                f"vrgd_ds: '{unchecked}' is not supported with VRGD optimizers and {len(opt.param_groups)} param "
+                "groups: DeepSpeed then checks no gradient for NaN/inf before ZeRO-1/2 step the groups one at a "
+                "time, so a non-finite gradient would skip the groups from its own on and step those before it; "
+                "remove the key")
         if len(opt.param_groups) > 1 and any(g.get("grad_pre_normalization") for g in opt.param_groups):
             raise UnsupportedConfiguration(
                 "vrgd_ds: grad_pre_normalization under ZeRO-1/2 with more than one param group is not supported: "
