@@ -35,7 +35,8 @@ from vrgd_ds.stats.local import LocalStats
 _REQUIRED = ("gradient_reduction_w_predivide", "average_tensor", "grad_start_offset",
              "grad_partition_insertion_offset", "single_partition_of_fp32_groups", "bit16_groups",
              "bit16_groups_flat", "ipg_buckets", "partition_size", "real_dp_process_group", "dp_process_group",
-             "loss_scale", "get_param_id", "unscale_and_clip_grads", "overlap_comm", "reduction_stream")
+             "loss_scale", "get_param_id", "unscale_and_clip_grads", "overlap_comm", "reduction_stream",
+             "check_grad_overflow", "compute_grad_norm", "dtype")
 
 
 def pieces(zopt: Any, i: int) -> list[tuple[Tensor, int, int, int]]:
@@ -85,7 +86,6 @@ class Zero12:
         opt.merge_step_records = True
         # a step skipped on a non-finite gradient is DeepSpeed's decision over every group, taken before
         # the first call: its overflow check (bf16.check_grad_overflow) or, in fp32, its global norm
-        require(self.zopt, ("check_grad_overflow", "compute_grad_norm", "dtype"), type(self.zopt).__name__)
         unchecked = None
         if not self.zopt.check_grad_overflow and self.zopt.dtype == torch.bfloat16:
             unchecked = "bf16.check_grad_overflow false"
