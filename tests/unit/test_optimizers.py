@@ -709,6 +709,36 @@ def test_a_param_group_s_own_option_out_of_range_is_rejected_naming_it(key, valu
     assert loading.param_groups[0]["lr"] == 0.5  # refused before anything was loaded
 
 
+def test_a_param_groups_own_lamb_options_act_as_the_constructors():
+    """A param group's ``max_grad_norm`` turns VRLamb's pre-normalisation on, as the keyword
+    does (the step is the same), its ``amsgrad=True`` is refused as the keyword's is, and a key a
+    letter from an option (``gama``) is refused naming it; an engine's own keys (Megatron's
+    ``lr_mult``, ``max_lr``, ...) stay the caller's. Fails on the code before, which kept a group's
+    ``max_grad_norm`` without clipping (its ``grad_pre_normalization`` the constructor's False),
+    and kept ``amsgrad`` and ``gama`` unread."""
+    torch.manual_seed(0)
+    w = torch.randn(6, 4)
+    grad = 50.0 * torch.randn(6, 4)  # a global norm far above 0.5: the pre-normalisation scales it
+    stepped = []
+    for build in (lambda p: vrgd_ds.Lamb([p], lr=0.1, max_grad_norm=0.5),
+                  lambda p: vrgd_ds.Lamb([{"params": [p], "max_grad_norm": 0.5}], lr=0.1),
+                  lambda p: vrgd_ds.Lamb([p], lr=0.1)):
+        p = nn.Parameter(w.clone())
+        opt = build(p)
+        for _ in range(2):
+            p.grad = grad.clone()
+            opt.step()
+        stepped.append(p.detach().clone())
+    assert torch.equal(stepped[0], stepped[1]) and not torch.equal(stepped[1], stepped[2])
+    p = nn.Parameter(w.clone())
+    with pytest.raises(ValueError, match=r"param group 0\): invalid amsgrad=True"):
+        vrgd_ds.VRLamb([{"params": [p], "amsgrad": True}])
+    with pytest.raises(ValueError, match="'gama' is not an option of VRLamb; did you mean 'gamma'"):
+        vrgd_ds.VRLamb([{"params": [p], "gama": 0.5}])
+    opt = vrgd_ds.VRLamb([{"params": [p], "lr_mult": 2.0, "wd_mult": 0.0, "max_lr": 1e-3, "min_lr": 0.0}])
+    assert opt.param_groups[0]["lr_mult"] == 2.0
+
+
 @pytest.mark.parametrize("cls, key, value", [
     (vrgd_ds.VRAdam, "betas", (1.0, 0.999)), (vrgd_ds.VRAdam, "eps", -1.0), (vrgd_ds.VRMerit, "betas", (0.9, 1.0)),
     (vrgd_ds.VRLamb, "betas", (1.0, 0.999)), (vrgd_ds.VRLamb, "min_coeff", -1.0), (vrgd_ds.VRLamb, "max_coeff", 0.005),

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import difflib
 import itertools
 import logging
 from typing import Any, Callable, Iterator
@@ -257,6 +258,13 @@ class GSNROptimizer(torch.optim.Optimizer):
 
     def _check_group(self, group: dict[str, Any]) -> None:
         where = f"{self.name} (param group {len(self.param_groups) - 1})"
+        for key in group:  # a key of its own beside the options (an engine's, a name) is the caller's;
+            # one a letter or two from an option is a misspelt option, which would be left unread
+            if key not in self._own_keys and key != "params":
+                close = difflib.get_close_matches(key, self._own_keys, n=1, cutoff=0.85)
+                if close:
+                    raise ValueError(f"{where}: {key!r} is not an option of {self.name}; did you mean {close[0]!r}? "
+                                     "(a param group's key the optimizer does not read is left unread)")
         check_common(where, group)
         check_dtypes(where, group["params"], self.fused)
         type(self)._check_options(where, group)

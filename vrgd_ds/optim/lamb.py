@@ -195,6 +195,16 @@ class VRLamb(GSNROptimizer):
         return dict({k: v for k, v in a.items() if k not in gsnr_keys}, betas=tuple(a["betas"]), trust_ratio=True,
                     **{k: a[k] for k in gsnr_keys})
 
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        """A group's own ``amsgrad`` and ``max_grad_norm`` as the constructor takes them: ``amsgrad``
+        refused, ``max_grad_norm`` turning the pre-normalisation on unless the group says otherwise."""
+        amsgrad = param_group.get("amsgrad", False)
+        check_arg(f"{self.name} (param group {len(self.param_groups)})", "amsgrad", not amsgrad, amsgrad,
+                  "False (LAMB has no AMSGrad variant; apex refuses it too)")
+        if param_group.get("max_grad_norm") is not None and "grad_pre_normalization" not in param_group:
+            param_group = {**param_group, "grad_pre_normalization": True}
+        super().add_param_group(param_group)
+
     @staticmethod
     def _check_options(owner: str, group: dict[str, Any]) -> None:
         check_adam_group(owner, group)
