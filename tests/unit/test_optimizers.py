@@ -709,6 +709,24 @@ def test_a_param_group_s_own_option_out_of_range_is_rejected_naming_it(key, valu
     assert loading.param_groups[0]["lr"] == 0.5  # refused before anything was loaded
 
 
+def test_a_scheduler_cycling_beta1_keeps_a_bounded_number_of_constants():
+    """``OneCycleLR``/``CyclicLR`` with ``cycle_momentum`` write new betas every step: the plan
+    shape's device columns of betas (the sync-free kernels' bias correction) keep the last few
+    and reuse a repeated one. Fails on the code before, which kept one per betas ever seen (a
+    device allocation per step, without bound)."""
+    from types import SimpleNamespace
+
+    from vrgd_ds.optim.plan import POWERS_KEPT, PlanShape
+
+    shape = SimpleNamespace(_constants={}, length=torch.zeros(3))
+    first = PlanShape.powers_base(shape, (0.9, 0.999, 0.9))
+    assert PlanShape.powers_base(shape, (0.9, 0.999, 0.9)) is first
+    for i in range(1000):
+        col = PlanShape.powers_base(shape, (0.85 + i * 1e-5, 0.999, 0.9))
+        assert col[:, 0].tolist() == [0.85 + i * 1e-5, 0.999, 0.9]
+    assert sum(len(v) if isinstance(v, dict) else 1 for v in shape._constants.values()) <= POWERS_KEPT
+
+
 def test_a_param_groups_own_lamb_options_act_as_the_constructors():
     """A param group's ``max_grad_norm`` turns VRLamb's pre-normalisation on, as the keyword
     does (the step is the same), its ``amsgrad=True`` is refused as the keyword's is, and a key a

@@ -103,6 +103,10 @@ class Plan:
         return {} if self.found is None else {"found_inf": self.found}
 
 
+#: how many ``betas`` columns a plan shape keeps (``PlanShape.powers_base``)
+POWERS_KEPT = 4
+
+
 @dataclass
 class PlanShape:
     """What a plan derives from its tensors' shapes and the layout alone, built once and reused
@@ -143,11 +147,16 @@ class PlanShape:
         return got
 
     def powers_base(self, betas: tuple[float, ...]) -> Tensor:
-        """``betas`` as a float64 ``[k, 1]`` column on the table device (made once per values)."""
-        got = self._constants.get(betas)
+        """``betas`` as a float64 ``[k, 1]`` column on the table device, made once per values, of
+        which the last ``POWERS_KEPT`` are kept (a scheduler that cycles beta1, as ``OneCycleLR``
+        does, gives every step new ones)."""
+        kept = self._constants.setdefault("powers", {})
+        got = kept.pop(betas, None)
         if got is None:
-            got = self._constants[betas] = to_device(torch.tensor(betas, dtype=torch.float64)[:, None],
-                                                     self.length.device)
+            got = to_device(torch.tensor(betas, dtype=torch.float64)[:, None], self.length.device)
+            while len(kept) >= POWERS_KEPT:
+                kept.pop(next(iter(kept)))
+        kept[betas] = got  # the newest last
         return got
 
     def constants(self, gsnr: bool) -> dict[str, Tensor]:
