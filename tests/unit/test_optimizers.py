@@ -906,6 +906,18 @@ def test_sparse_gradients_are_rejected():
     opt.zero_grad()
 
 
+@pytest.mark.parametrize("fused", [None, False])
+def test_a_channels_last_model_is_refused_naming_the_memory_format(fused):
+    """A CNN converted with ``.to(memory_format=torch.channels_last)`` (the usual set-up for LARS
+    on ResNets) has non-contiguous parameters and gradients, which the step refuses: the message
+    names the memory format and the fix. (Before, it said only that they were not contiguous.)"""
+    conv = nn.Conv2d(3, 4, 3).to(memory_format=torch.channels_last)
+    opt = vrgd_ds.Lars(conv.parameters(), lr=0.1, fused=fused)
+    conv(torch.randn(2, 3, 8, 8).to(memory_format=torch.channels_last)).sum().backward()
+    with pytest.raises(RuntimeError, match="channels_last memory format.*torch.contiguous_format"):
+        opt.step()
+
+
 def test_fused_true_rejects_unsupported_params():
     p = nn.Parameter(torch.zeros(6)[::2])  # not contiguous
     opt = vrgd_ds.VRSGD([p], fused=True)

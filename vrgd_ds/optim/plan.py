@@ -224,8 +224,9 @@ class Planner:
         """The segment table of a group's tensors (built when they change, not every step)."""
         for p in params:
             if not p.is_contiguous():
-                raise RuntimeError(f"{self.owner} needs contiguous parameters and gradients "
-                                   f"(a parameter of shape {tuple(p.shape)} is not)")
+                raise RuntimeError(f"{self.owner} needs contiguous parameters and gradients (a parameter of shape "
+                                   f"{tuple(p.shape)} is not: a model in channels_last memory format? keep its "
+                                   "parameters in torch.contiguous_format; channels_last inputs are fine)")
         if layout is None:  # every tensor is a whole model tensor
             rows = [[i, 0, p.numel(), key_base + i, p.numel(), 0] for i, p in enumerate(params)]
             shapes = {key_base + i: tuple(p.shape) for i, p in enumerate(params)}

@@ -89,8 +89,9 @@ def gather(group: dict[str, Any], attached: bool, sharded: dict[int, Tensor],
                 raise RuntimeError(f"{owner} does not support sparse gradients; "
                                    "use a dense layer (e.g. nn.Embedding(sparse=False))")
             if not gr.is_contiguous():
-                raise RuntimeError(f"{owner} needs contiguous parameters and gradients "
-                                   f"(the gradient of a parameter of shape {tuple(p.shape)} is not)")
+                raise RuntimeError(f"{owner} needs contiguous parameters and gradients (the gradient of a parameter "
+                                   f"of shape {tuple(p.shape)} is not: a model in channels_last memory format? keep "
+                                   "its parameters in torch.contiguous_format; channels_last inputs are fine)")
     return params, grads
 
 
