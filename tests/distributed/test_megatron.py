@@ -354,7 +354,8 @@ def test_sequence_parallel_twin_groups_resume_from_a_dist_checkpoint(megatron2, 
     assert _max_diff(resumed["weights"][0], straight["weights"][2]) <= TOL * scale
 
 
-@pytest.mark.parametrize("distributed", [False, pytest.param(True, marks=pytest.mark.exhaustive)])
+@pytest.mark.exhaustive  # make test: _aligned_groups through the twin groups' resume below
+@pytest.mark.parametrize("distributed", [False, True])
 def test_groups_megatrons_key_does_not_tell_apart_resume_into_their_own_options(megatron2, tmp_path, distributed):
     """``decoupled_lr`` puts the embedding's weight (here the column layer's) into a group of its
     own ``max_lr``, whose Megatron key (wd_mult, lr_mult, ...) is the default decayed group's. A
