@@ -40,6 +40,7 @@ import os
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from vrgd_ds.data_pipeline.corpus import Corpus, EmbeddedCorpus, PathLike, embedded_corpus
 from vrgd_ds.data_pipeline.errors import DataError
@@ -154,6 +155,14 @@ def _write_record(path: Path, record: dict) -> None:
     write_atomic(path, (json.dumps(record, indent=1, sort_keys=True) + "\n").encode())
 
 
+def _differs(old: dict[str, Any], wanted: dict[str, Any], built: str) -> str:
+    """What a step recorded against what it is asked for now, for ``keep_built``'s refusal."""
+    keys = [k for k in wanted if old.get(k) != wanted[k]]
+    if not keys:
+        return f"the same options, but its {built} no longer matches its record (edited or damaged)"
+    return "other " + ", ".join(f"{k} ({old.get(k)!r} there, {wanted[k]!r} now)" for k in keys)
+
+
 def prepare(
     output_dir: str | os.PathLike[str],
     inputs: PathLike | Iterable[PathLike] | None = None,
@@ -169,6 +178,7 @@ def prepare(
     tokenizer_threads: int = DEFAULT_TOKENIZER_THREADS,
     shard_tokens: int = DEFAULT_SHARD_TOKENS,
     next_sentence: str | None = None,
+    keep_built: bool = False,
 ) -> Prepared:
     """Build (or reuse) tokenizer, shards and sample indices in ``output_dir``.
 
@@ -188,6 +198,8 @@ def prepare(
         shard_tokens: tokens per shard.
         next_sentence: passed to ``build_sample_index`` when set (``"nsp"``/``"sop"``); by
             default its own default is used.
+        keep_built: a tokenizer or shards built here before from other inputs or options are
+            not rebuilt (other jobs may read them): a ``DataError`` names what differs.
     """
     from vrgd_ds.data_pipeline.samples import build_sample_index  # the sample builder imports torch
 
@@ -227,6 +239,9 @@ def prepare(
                 logger.info("reusing tokenizer %s", tokenizer)
             except DataError as e:
                 logger.warning("retraining the tokenizer: %s", e)
+        if tokenizer is None and keep_built and old:
+            raise DataError(f"{output_dir} holds a tokenizer built from {_differs(old, wanted, 'tokenizer.model')}, "
+                            "which would be trained again and the shards rewritten")
         if tokenizer is None:
             tokenizer = train_tokenizer(
                 corpus, tokenizer_path, vocab_size=vocab_size, model_type=model_type, seed=seed,
@@ -256,6 +271,9 @@ def prepare(
                 logger.info("reusing shards %s", shards)
             except DataError as e:
                 logger.warning("rewriting the shards: %s", e)
+        if shards is None and keep_built and old:
+            raise DataError(f"{output_dir} holds shards built from {_differs(old, wanted, MANIFEST)}, which would be "
+                            "rewritten")
         if shards is None:
             shards = write_shards(corpus, tokenizer_path, shards_dir, shard_tokens=shard_tokens, workers=workers, progress=progress)
             built.append("shards")

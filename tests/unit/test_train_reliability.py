@@ -154,6 +154,33 @@ def test_a_job_asked_to_prepare_finishes_a_preparation_left_half_done(tmp_path, 
     assert calls == [tmp_path / "half"]
 
 
+def test_a_prepared_data_directory_is_not_rebuilt_by_a_job_that_lists_other_inputs_or_options(tmp_path):
+    """A directory prepared by ``vrgd-data prepare`` (other jobs may read it), given to a job
+    with ``inputs`` and another ``vocab_size``: the job stops before anything is rebuilt, naming
+    what differs and the keys; the same inputs and options reuse it. Fails on the old code, which
+    trained the tokenizer again (the job's default 8000 pieces) and rewrote the shards in place."""
+    from pydoc_data.topics import topics
+
+    from vrgd_ds.data_pipeline.prepare import prepare
+    from vrgd_ds.train import data
+    from vrgd_ds.train.config import ConfigError, load_config
+
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text("\n\n".join(" ".join(topics[k].split()) for k in sorted(topics)[:40]) + "\n")
+    prepared = tmp_path / "prepared"
+    sets = [f'job.data.path="{prepared}"', f'job.data.inputs=["{corpus}"]', "job.data.prepare=true"]
+    _, job = load_config(TEST_CONFIG, sets + ["job.data.vocab_size=400"])
+    prepare(prepared, corpus, vocab_size=400, seq_lens=(64,), seed=job.seed, workers=1, progress=False)
+    tokenizer = (prepared / "tokenizer.model").read_bytes()
+    _, other = load_config(TEST_CONFIG, sets + ["job.data.vocab_size=500"])
+    with pytest.raises(ConfigError, match=r"job.data.inputs: .* holds a tokenizer built from other vocab_size \(400 "
+                                          r"there, 500 now\).*Drop job.data.inputs to train on"):
+        data.prepare_data(other, tmp_path / "run", 0, lambda: None, [64])
+    assert (prepared / "tokenizer.model").read_bytes() == tokenizer
+    reused = data.prepare_data(job, tmp_path / "run", 0, lambda: None, [64])  # the same inputs and options
+    assert reused.tokenizer.vocab_size == 400 and (prepared / "tokenizer.model").read_bytes() == tokenizer
+
+
 @pytest.mark.parametrize("given, warned", [("job.data.vocab_size=2000", True), ("job.data.vocab_size=400", False),
                                            (None, False)])
 def test_a_vocabulary_the_prepared_data_does_not_have_is_named(tmp_path, monkeypatch, caplog, given, warned):

@@ -97,8 +97,10 @@ class DataConfig(_Strict):
     """With ``path``: prepare ``inputs`` (or, without inputs, the embedded corpus) there when it
     holds no prepared data yet (idempotent: a prepared directory is reused)."""
     inputs: list[str] = Field(default_factory=list)
-    """Raw corpora (files or globs: plain text, WikiText, JSONL) to prepare when ``path`` is null.
-    Empty: the embedded default corpus (Python's own documentation; no download)."""
+    """Raw corpora (files or globs: plain text, WikiText, JSONL) to prepare in ``<run dir>/data``
+    when ``path`` is null, or in ``path`` with ``prepare``. Empty: the embedded default corpus
+    (Python's own documentation; no download). A ``path`` prepared already is not rebuilt: inputs
+    or options other than it was prepared from are refused, naming them."""
     format: Literal["auto", "text", "wikitext", "jsonl"] = "auto"
     """How ``inputs`` are read: each file by its suffix and first lines (auto), or all as one format
     (``data_pipeline/corpus.py``)."""

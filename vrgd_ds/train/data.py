@@ -276,6 +276,7 @@ def prepare_data(job: JobConfig, run_dir: Path, rank: int, barrier: Any, seq_len
     ``windows`` (the GPT), rank 0 also writes the token streams the windows are cut from
     (``JobData.write_streams``, beside the sample indices: ``sample_index``) unless they are
     there, and every rank maps them."""
+    from vrgd_ds.data_pipeline.errors import DataError
     from vrgd_ds.data_pipeline.prepare import SAMPLES_DIR, prepare, prepare_lock
 
     cfg = job.data
@@ -303,9 +304,17 @@ def prepare_data(job: JobConfig, run_dir: Path, rank: int, barrier: Any, seq_len
                                 job.seed, where)
                 build_sample_index(corpus, n, job.seed, where, next_sentence=cfg.next_sentence)
     elif rank == 0:  # idempotent: checks and reuses what an earlier start built
-        prepare(out, inputs=cfg.inputs or None, format=cfg.format, vocab_size=cfg.vocab_size,
-                seq_lens=tuple(seq_lens), seed=job.seed, workers=cfg.prepare_workers, progress=True,
-                next_sentence=cfg.next_sentence)
+        try:  # a directory given and prepared already (by vrgd-data prepare, another job) is not rebuilt
+            prepare(out, inputs=cfg.inputs or None, format=cfg.format, vocab_size=cfg.vocab_size,
+                    seq_lens=tuple(seq_lens), seed=job.seed, workers=cfg.prepare_workers, progress=True,
+                    next_sentence=cfg.next_sentence, keep_built=bool(cfg.path) and prepared)
+        except DataError as e:
+            if not (cfg.path and prepared):
+                raise
+            raise ConfigError(f"job.data.inputs: {e} (vocab_size: job.data.vocab_size, seed: job.seed, the corpus: "
+                              f"job.data.inputs and format); other jobs may read it. Drop job.data.inputs to train "
+                              f"on {out} as prepared (the job adds only its sample indices), or set job.data.path to "
+                              "another directory") from None
         ShardedCorpus(out / SHARDS_DIR, verify="size").check_token_ids()
     barrier()
     corpus = ShardedCorpus(out / SHARDS_DIR, verify="size")
