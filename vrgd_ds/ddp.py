@@ -201,8 +201,25 @@ def _served_fused_hook(served: _Served, bucket: dist.GradBucket) -> torch.future
     return fused_allreduce_hook(stats, bucket)
 
 
+def _refuse_join(ddp_model: DistributedDataParallel) -> None:
+    """A training forward under ``DistributedDataParallel.join()`` (torch's ``Join``: uneven inputs)
+    is refused: a rank out of data serves the others' reductions with zero buckets through the
+    communication hook, which the statistics would count as gradient groups (``per_micro_step``) or
+    answer with other collectives than the ranks still training (``per_step``)."""
+    config = getattr(ddp_model, "_join_config", None)
+    if config is not None and config.enable:
+        raise RuntimeError(
+            "vrgd_ds.ddp: DistributedDataParallel.join() (uneven inputs) is not supported: a rank that has run out "
+            "of data serves the others' reductions with zero gradients, which the statistics would count as "
+            "gradient groups (or, with squares='per_step', answer with other collectives than the ranks still "
+            "training). Give every rank the same number of batches (DistributedSampler(..., drop_last=True)) and "
+            "train outside join()")
+
+
 def _served_forward(served: _Served, ddp_model: DistributedDataParallel) -> None:
     stats = served.stats
+    if stats is not None and torch.is_grad_enabled():
+        _refuse_join(ddp_model)
     if stats is not None:
         _one_synchronised_backward(stats, ddp_model)
 
@@ -353,6 +370,7 @@ class _BucketPath(_HookState):
         stats = self.stats
         if stats is None or not torch.is_grad_enabled():  # none fed; an evaluation between steps
             return
+        _refuse_join(self.ddp)
         if stats.fresh_step() != self._step:  # the first forward of a step
             self._step = stats.fresh_step()
             self.accumulating = False

@@ -276,6 +276,26 @@ def bad_cases() -> dict[str, Any]:
     return out
 
 
+def join_case(squares: str) -> dict[str, Any]:
+    """A training forward under ``ddp.join()`` (uneven inputs), then (the refusal taken) an
+    evaluation under it: what each raised."""
+    rank = dist.get_rank()
+    ddp = DDP(tiny_model(), bucket_cap_mb=BUCKET_CAP_MB)
+    opt = VRSGD(ddp.parameters(), lr=0.05)  # held: the statistics go with their optimizer
+    attach(ddp, opt, squares=squares)
+    out: dict[str, Any] = {}
+    try:
+        with ddp.join():
+            loss_fn(ddp, batch(0, rank, 0)).backward()
+        out["train"] = "no error"
+    except RuntimeError as exc:
+        out["train"] = str(exc)
+    with torch.no_grad():
+        loss_fn(ddp, batch(0, rank, 0))  # an evaluation: no statistics, not refused
+    out["evaluated"] = True
+    return out
+
+
 def three_rank_case() -> dict[str, Any]:
     """DDP on 3 of the pool's ranks (a world size that is not a power of 2), one backward a step
     (the per-step scheme's bucket path): the gradients DDP hands the optimizer, and after 3 steps
@@ -473,6 +493,8 @@ def cases() -> dict[str, Callable[[], dict[str, Any]]]:
         "fp16": lambda: low_precision_case(torch.float16),
         "bad": bad_cases,
         "three_ranks": three_rank_case,
+        "join": lambda: join_case("per_step"),
+        "fused_join": lambda: join_case("per_micro_step"),
         "scaler": lambda: scaler_case("per_step"),
         "fused_scaler": lambda: scaler_case("per_micro_step"),
         "reattach": lambda: reattach_case("per_step"),

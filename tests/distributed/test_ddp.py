@@ -200,6 +200,18 @@ def test_a_grad_scaler_told_to_the_optimizer_trains_as_without_one(pool, name):
         assert res["diff"] == 0.0 and res["moved"] > 0, res
 
 
+@pytest.mark.parametrize("name", ["join", pytest.param("fused_join", marks=pytest.mark.exhaustive)])
+def test_training_under_ddps_join_is_refused(pool, name):
+    """``ddp.join()`` (uneven inputs): a rank out of data serves the others' reductions with zero
+    buckets through the communication hook. A training forward under it is refused on every rank,
+    naming the fix; an evaluation is not. Fails on the code before, which accepted it: the fused
+    scheme counted the zero buckets as gradient groups (the GSNR biased low), and the per-step
+    scheme's step collective met the joined rank's shadow all-reduces (a hang or a gloo error)."""
+    for res in _case(pool, name):
+        assert "DistributedDataParallel.join() (uneven inputs) is not supported" in res["train"], res
+        assert "drop_last=True" in res["train"] and res["evaluated"], res
+
+
 def test_bad_setups_raise(pool):
     """Among them ``micro_steps`` with ``squares="per_micro_step"``, whose communication hook reads
     every micro-step: it was accepted and ignored (fails on the old code)."""
