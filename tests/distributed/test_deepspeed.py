@@ -403,6 +403,10 @@ BAD = {
     ("no_sync", 1, 1, "engine.no_sync() with gradient_accumulation_steps 1 is not supported"),
     ("no_sync", 1, 2, None),
     ("coalesce", 2, 2, "engine.coalesce_grad_reduction() is not supported"),
+    # before: accepted, the two micro-steps read from the bucket as one group per rank (n = 2)
+    ("boundary", 1, 1, "engine.set_gradient_accumulation_boundary(False) with gradient_accumulation_steps 1"),
+    pytest.param("boundary", 0, 1, "engine.set_gradient_accumulation_boundary(False) with gradient_accumulation_steps 1",
+                 marks=pytest.mark.exhaustive),
 ])
 def test_backward_passes_summed_into_one_reduction_are_refused(pool, how, stage, gas, refused):
     """DeepSpeed's ``no_sync()`` with no accumulation, and ``coalesce_grad_reduction()``, sum

@@ -827,6 +827,16 @@ def run_accumulation_case(case: dict) -> dict:
 
     rank = dist.get_rank()
     engine, *_ = deepspeed.initialize(model=tiny_model(), config=config(case))
+    if case["how"] == "boundary":  # accumulation by hand: the boundary set False on the first micro-step
+        try:
+            for j in range(2):
+                engine.set_gradient_accumulation_boundary(j == 1)
+                engine.backward(loss_fn(engine, batch(0, rank, j), torch.float32))
+                engine.step()
+        except UnsupportedConfiguration as e:
+            return dict(raised=type(e).__name__, message=str(e))
+        return dict(raised=None, n=engine.basic_optimizer.gsnr_metrics().get("gsnr/n"),
+                    finite=all(bool(torch.isfinite(p).all()) for p in engine.module.parameters()))
     context = {"no_sync": engine.no_sync, "coalesce": engine.coalesce_grad_reduction}[case["how"]]
     try:
         with context():

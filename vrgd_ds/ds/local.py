@@ -40,12 +40,30 @@ def attach(engine: Any, path: Any, world: int, gbar: str, squares_dtype: torch.d
     return stats
 
 
-def buckets_or_hooks(engine: Any, stats: LocalStats, params: list, holds_micro_step: Callable[[], bool]) -> list[bool]:
+def buckets_or_hooks(engine: Any, stats: LocalStats, params: list, holds_micro_step: Callable[[], bool],
+                     reduced_at_boundary: bool = False) -> list[bool]:
     """Where each micro-step is read, chosen now and again whenever ``set_train_batch_size``
     changes the accumulation: DeepSpeed's bucket when ``holds_micro_step()`` (and the config does
     not ask for hooks), else a tensor hook per parameter. Returns a one-element list the engine
-    path's reduction wrapper reads (True: record the bucket)."""
+    path's reduction wrapper reads (True: record the bucket). ``reduced_at_boundary`` (stage 0,
+    ZeRO-1: the bucket is reduced at the accumulation boundary only): while the bucket is read,
+    ``engine.set_gradient_accumulation_boundary(False)`` is refused, since the backward passes up
+    to the boundary would reach the bucket as one sum."""
     use_buckets = [False]
+    if reduced_at_boundary:
+        set_boundary = engine.set_gradient_accumulation_boundary
+
+        def set_gradient_accumulation_boundary(is_boundary: bool) -> Any:
+            if not is_boundary and use_buckets[0]:
+                raise UnsupportedConfiguration(
+                    "vrgd_ds: engine.set_gradient_accumulation_boundary(False) with gradient_accumulation_steps 1 "
+                    "is not supported with VRGD optimizers on stage 0 and ZeRO-1: the backward passes up to the "
+                    "boundary are summed and reduced once, one group per rank to the statistics; set "
+                    "gradient_accumulation_steps to the backward passes per step (Accelerate: its "
+                    "gradient_accumulation_steps), or 'gsnr': false")
+            return set_boundary(is_boundary)
+
+        engine.set_gradient_accumulation_boundary = set_gradient_accumulation_boundary
 
     def choose() -> None:
         use_buckets[0] = holds_micro_step() and not stats.hooks_only

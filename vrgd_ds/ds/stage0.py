@@ -174,7 +174,7 @@ class Stage0:
 
         engine.allreduce_bucket = allreduce_bucket
         use_buckets = buckets_or_hooks(engine, stats, [p for p, _ in pairs],
-                                       lambda: int(engine.gradient_accumulation_steps()) == 1)
+                                       lambda: int(engine.gradient_accumulation_steps()) == 1, reduced_at_boundary=True)
 
     def capture_engine_gradient(self, stats: LocalStats) -> None:
         """``gbar="engine"``: the reduced gradient, read just before DeepSpeed unscales and clips it."""

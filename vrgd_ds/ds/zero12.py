@@ -233,7 +233,8 @@ class Zero12:
             return original(tensor, communication_data_type)
 
         zopt.average_tensor = average_tensor
-        use_buckets = buckets_or_hooks(engine, stats, params, self.bucket_holds_micro_step)
+        use_buckets = buckets_or_hooks(engine, stats, params, self.bucket_holds_micro_step,
+                                       reduced_at_boundary=not self.per_micro_step)
 
     def capture_engine_gradient(self, stats: LocalStats) -> None:
         """``gbar="engine"``: each group's reduced partition gradient, read just before DeepSpeed
