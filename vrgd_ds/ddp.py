@@ -235,9 +235,10 @@ def attach(ddp_model: DistributedDataParallel, optimizer: GSNROptimizer,
     backward passes per step (``vrgd_ds.stats.local``). ``"per_micro_step"``: a communication hook
     replaces DDP's all-reduce of every bucket by one fused fp32 ``[g | g²]`` (n = ranks; DDP
     allows one hook: a new optimizer attached to the same model takes it over, with the same
-    ``squares``). ``micro_steps`` (``"per_step"``): ``"auto"`` reads each
-    micro-step from DDP's buckets while every backward synchronises, from a tensor hook per
-    parameter in a step that accumulates under ``no_sync()``; ``"hooks"`` always from the hooks
+    ``squares``). ``micro_steps`` (``"per_step"``): ``"auto"`` reads a step's first
+    synchronised backward from DDP's buckets, and from a tensor hook per parameter the backward
+    passes after a step's second forward (the bucket then holds the reduced mean of the ones
+    before plus the new gradient) or under ``no_sync()``; ``"hooks"`` always from the hooks
     (the same statistics bit for bit, one launch per tensor). The optimizer's parameters must be those of
     ``ddp_model``. Needs >= 2 ranks in the DDP process group when any param group has
     ``gsnr=True``.
