@@ -79,16 +79,21 @@ def _cmd_shard(args: argparse.Namespace) -> int:
 
 
 def _cmd_samples(args: argparse.Namespace) -> int:
+    from vrgd_ds.data_pipeline.prepare import SAMPLES_DIR, SHARDS_DIR, TOKENIZER_FILE
     from vrgd_ds.data_pipeline.samples import build_sample_index
     from vrgd_ds.data_pipeline.shards import ShardedCorpus
 
     corpus = ShardedCorpus(args.shards, verify="size")
+    out = args.out
+    shards = Path(args.shards).resolve()
+    if out is None and shards.name == SHARDS_DIR and (shards.parent / TOKENIZER_FILE).is_file():
+        out = shards.parent / SAMPLES_DIR  # a prepared directory's: where its jobs look for them
     extra = {} if args.next_sentence is None else {
         "next_sentence": None if args.next_sentence == "none" else args.next_sentence}
     if args.short_seq_prob is not None:
         extra["short_seq_prob"] = args.short_seq_prob
     for n in args.seq_len:
-        print(build_sample_index(corpus, n, args.seed, args.out, **extra))
+        print(build_sample_index(corpus, n, args.seed, out, **extra))
     return 0
 
 
@@ -215,7 +220,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("shards", help="shard directory")
     p.add_argument("--seq-len", type=int, action="append", required=True, help="sequence length (repeatable)")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--out", default=None, help="directory for the indices (default: the shard directory)")
+    p.add_argument("--out", default=None, help="directory for the indices (default: a prepared directory's samples/, "
+                   "where its jobs look; else the shard directory)")
     p.add_argument("--next-sentence", choices=("nsp", "sop", "none"), default=None,
                    help="sentence-pair task (default: the sample builder's)")
     p.add_argument("--short-seq-prob", type=float, default=None, help="probability of a shorter target length (BERT: 0.1)")

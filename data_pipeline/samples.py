@@ -111,16 +111,25 @@ def corpus_identity(corpus: TokenCorpus) -> str:
     return hashlib.sha256(blob).hexdigest()
 
 
-def index_filename(max_seq_len: int, seed: int, next_sentence: str | None) -> str:
-    """``samples_seq128_seed42_nsp.npy`` — the name says what the index was built with."""
-    return f"samples_seq{max_seq_len}_seed{seed}_{next_sentence or 'none'}.npy"
+#: BERT's probability of a shorter target length, the sample builder's default
+SHORT_SEQ_PROB = 0.1
+
+
+def index_filename(max_seq_len: int, seed: int, next_sentence: str | None,
+                   short_seq_prob: float = SHORT_SEQ_PROB) -> str:
+    """``samples_seq128_seed42_nsp.npy`` — the name says what the index was built with (another
+    ``short_seq_prob`` than BERT's too: ``..._nsp_short0.5.npy``, which a job's index, built with
+    the default, then leaves alone)."""
+    short = "" if short_seq_prob == SHORT_SEQ_PROB else f"_short{short_seq_prob:g}"
+    return f"samples_seq{max_seq_len}_seed{seed}_{next_sentence or 'none'}{short}.npy"
 
 
 def _sidecar(index_path: pathlib.Path) -> pathlib.Path:
     return index_path.with_suffix(".json")
 
 
-def check_build_args(max_seq_len: int, seed: int, short_seq_prob: float = 0.1, next_sentence: str | None = None) -> None:
+def check_build_args(max_seq_len: int, seed: int, short_seq_prob: float = SHORT_SEQ_PROB,
+                     next_sentence: str | None = None) -> None:
     """``build_sample_index``'s arguments, checked (``prepare`` asks before any work)."""
     if next_sentence not in NEXT_SENTENCE_TASKS:
         raise DataError(
@@ -212,7 +221,7 @@ def _build_rows(corpus: TokenCorpus, max_seq_len: int, seed: int, short_seq_prob
 
 def build_sample_index(corpus: TokenCorpus, max_seq_len: int, seed: int,
                        out_dir: str | os.PathLike | None = None, *,
-                       short_seq_prob: float = 0.1,
+                       short_seq_prob: float = SHORT_SEQ_PROB,
                        next_sentence: str | None = None) -> pathlib.Path:
     """Build (or reuse) the sample index of ``corpus`` and return its path.
 
@@ -236,7 +245,7 @@ def build_sample_index(corpus: TokenCorpus, max_seq_len: int, seed: int,
     check_build_args(max_seq_len, seed, short_seq_prob, next_sentence)
     out = pathlib.Path(corpus.path if out_dir is None else out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    path = out / index_filename(max_seq_len, seed, next_sentence)
+    path = out / index_filename(max_seq_len, seed, next_sentence, short_seq_prob)
     meta = {
         "format_version": INDEX_FORMAT_VERSION,
         "columns": ["doc_a", "a_begin", "a_end", "doc_b", "b_begin", "b_end", "label",

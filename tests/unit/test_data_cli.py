@@ -52,6 +52,29 @@ def test_cli_end_to_end(corpus_file, tmp_path, capsys):
     assert "special_ids" in capsys.readouterr().out
 
 
+def test_indices_built_by_the_cli_go_where_jobs_look_and_another_short_seq_prob_keeps_its_own(corpus_file, tmp_path,
+                                                                                               capsys):
+    """``vrgd-data samples`` on a prepared directory's shards writes to its ``samples/``, where a
+    job looks; one built with another ``--short-seq-prob`` is named for it, so the job's index
+    (BERT's 0.1) is another file and leaves it alone. Fails on the old code, which wrote beside the
+    shards (the job never found it) under the name the job's index takes, and the job's build
+    rewrote it in place."""
+    import numpy as np
+
+    from vrgd_ds.data_pipeline.samples import build_sample_index
+
+    out = tmp_path / "prepared"
+    prepare(out, corpus_file, vocab_size=400, seq_lens=(64,), workers=1, progress=False, tokenizer_threads=1,
+            shard_tokens=10000)
+    assert main(["samples", str(out / "shards"), "--seq-len", "32", "--short-seq-prob", "0.5"]) == 0
+    built = Path(capsys.readouterr().out.split()[-1])
+    assert built == out / "samples" / "samples_seq32_seed0_none_short0.5.npy"
+    rows = np.load(built).copy()
+    job_index = build_sample_index(ShardedCorpus(out / "shards", verify="size"), 32, 0, out / "samples")
+    assert job_index == out / "samples" / "samples_seq32_seed0_none.npy"
+    assert np.array_equal(np.load(built), rows) and not np.array_equal(np.load(job_index), rows)
+
+
 def test_cli_errors_exit_2_without_traceback(tmp_path, capsys):
     assert main(["shard", "--tokenizer", str(tmp_path / "none.model"), "--out", str(tmp_path / "s"),
                  str(tmp_path / "missing.txt")]) == 2

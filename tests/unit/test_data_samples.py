@@ -234,8 +234,8 @@ def test_nsp_labels_are_correct_and_balanced(tmp_path):
     rng = np.random.default_rng(1)
     docs = [[rng.integers(5, 1000, size=6) for _ in range(150)] for _ in range(20)]
     corpus = FakeCorpus(docs, tmp_path / "c")
-    rows = np.load(S.build_sample_index(corpus, 64, 0, tmp_path, next_sentence="nsp",
-                                        short_seq_prob=0.0))
+    index = S.build_sample_index(corpus, 64, 0, tmp_path, next_sentence="nsp", short_seq_prob=0.0)
+    rows = np.load(index)
     rand = rows[:, S.LABEL] == 1
     assert (rows[rand, S.DOC_B] != rows[rand, S.DOC_A]).all()
     assert (rows[~rand, S.DOC_B] == rows[~rand, S.DOC_A]).all()
@@ -251,7 +251,7 @@ def test_nsp_labels_are_correct_and_balanced(tmp_path):
         if r[S.LABEL] == 0:
             seen[r[S.DOC_B], r[S.B_BEGIN]:r[S.B_END]] += 1
     assert (seen == 1).all()
-    ds = S.BertPretrainingDataset(corpus, tmp_path / "samples_seq64_seed0_nsp.npy", 64, seed=0)
+    ds = S.BertPretrainingDataset(corpus, index, 64, seed=0)
     assert ds[(0, 0)]["next_sentence_label"].item() == rows[0, S.LABEL]
 
 
