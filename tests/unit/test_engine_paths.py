@@ -346,7 +346,7 @@ def test_zero12_reduction_stream_waits_for_the_kernel_reading_the_bucket(monkeyp
 
     monkeypatch.setattr(zero12, "get_accelerator", lambda: Accelerator(), raising=False)
     monkeypatch.setattr(torch.cuda, "current_stream", lambda: current)  # the code before asked torch.cuda
-    monkeypatch.setattr(zero12, "buckets_or_hooks", lambda *args: [True])
+    monkeypatch.setattr(zero12, "buckets_or_hooks", lambda *args, **kwargs: [True])
     bucket = types.SimpleNamespace(params=[(0, 0, 0)], copy_streams={copy})
     zopt = types.SimpleNamespace(bit16_groups=[[torch.zeros(2)]], ipg_buckets={torch.float32: bucket},
                                  overlap_comm=True, reduction_stream=reduction,
