@@ -27,7 +27,7 @@ SHARED = REPO.parent / "shared" / "data" / "wikitext-2"
 
 def config(steps: int, inputs: list[str], workers: int, data_dir: str) -> dict:
     return {
-        "optimizer": {"type": "VRLamb", "params": {"lr": 1e-3, "weight_decay": 0.01, "gamma": 0.1, "beta3": 0.9}},
+        "optimizer": {"type": "VRLamb", "params": {"weight_decay": 0.01, "gamma": 0.1, "beta3": 0.9}},
         "zero_optimization": {"stage": 2},
         "gradient_clipping": 1.0,
         "job": {
