@@ -902,6 +902,9 @@ REFUSED = {
                                     "share_embeddings_and_output_weights"),
     # before: accepted; finalize_model_grads summed the embedders' main_grad over the stages after the squares
     "cond-embedder-across-stages": ("parallel", {"pipeline_model_parallel_size": 2}, "TransformerConfig.has_cond_embedder"),
+    # before: named share_embeddings_and_output_weights, which such a model may not set
+    "mtp-across-stages": ("parallel", {"pipeline_model_parallel_size": 2}, "multi-token prediction "
+                          "(TransformerConfig.mtp_num_layers) across pipeline stages"),
     "megatron-core-version": ("version", "0.15.0", "supports megatron-core 0.16.1, found 0.15.0"),
     "squares-unknown": ("squares", {"squares": "per_micro_step"}, "squares='per_micro_step': use 'per_step' or"),
     "hierarchical-without-distributed-optimizer": ("squares", {"squares": "hierarchical", "distributed": False},
@@ -951,9 +954,13 @@ def refused(case: dict) -> dict:
     try:
         cfg = _config(tp)
         torch.manual_seed(0)
-        if case["name"] in ("tied-embeddings-across-stages", "tied-embedding-on-one-stage", "cond-embedder-across-stages"):
+        if case["name"] in ("tied-embeddings-across-stages", "tied-embedding-on-one-stage", "cond-embedder-across-stages",
+                            "mtp-across-stages"):
             model = _Stage(TwoLayers(cfg).c, tanh=False)
-            if case["name"] == "cond-embedder-across-stages":  # a diffusion model's embedder, a copy per stage
+            if case["name"] == "mtp-across-stages":  # multi-token prediction: the embedding copied to the last stage
+                cfg.mtp_num_layers = 1
+                model.layer.weight.shared = model.layer.weight.shared_embedding = True
+            elif case["name"] == "cond-embedder-across-stages":  # a diffusion model's embedder, a copy per stage
                 cfg.has_cond_embedder = True
                 model.layer.weight.pipeline_parallel = True
             elif case["name"] == "tied-embeddings-across-stages" or ps.get_pipeline_model_parallel_rank() == 0:

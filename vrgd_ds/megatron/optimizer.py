@@ -100,6 +100,11 @@ def check_configuration(config: Any, chunks: list[Any], name: str, gsnr: bool | 
     if ps.get_pipeline_model_parallel_world_size() > 1:
         shared = [n for c in chunks for n, p in c.named_parameters() if getattr(p, "shared_embedding", False)
                   or getattr(p, "shared", False)]
+        if shared and getattr(model, "mtp_num_layers", None):  # MTP's embedding: a copy on the last stage
+            _refuse("multi-token prediction (TransformerConfig.mtp_num_layers) across pipeline stages",
+                    f"its embedding ({shared[0]}) is the first stage's, summed across stages once per step, after "
+                    "the squares", f"Set mtp_num_layers=None or pipeline_model_parallel_size=1, or use the base "
+                    f"optimizer ({REGISTRY[name].base})")
         if shared:
             _refuse("share_embeddings_and_output_weights across pipeline stages",
                     f"the tied weight ({shared[0]}) is summed across stages once per step, after the squares",
