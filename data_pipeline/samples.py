@@ -219,6 +219,48 @@ def _build_rows(corpus: TokenCorpus, max_seq_len: int, seed: int, short_seq_prob
     return np.asarray(rows, dtype=np.int64).reshape(-1, NUM_COLUMNS)
 
 
+def _index_meta(corpus: TokenCorpus, max_seq_len: int, seed: int, short_seq_prob: float,
+                next_sentence: str | None) -> dict[str, Any]:
+    """What an index's sidecar records of how it was built (``num_samples`` aside)."""
+    return {
+        "format_version": INDEX_FORMAT_VERSION,
+        "columns": ["doc_a", "a_begin", "a_end", "doc_b", "b_begin", "b_end", "label",
+                    "trunc_seed"],
+        "max_seq_len": max_seq_len,
+        "seed": seed,
+        "short_seq_prob": short_seq_prob,
+        "next_sentence": next_sentence,
+        "manifest_sha256": corpus_identity(corpus),
+    }
+
+
+def _current_rows(path: pathlib.Path, meta: dict[str, Any]) -> int | None:
+    """The rows of the index at ``path`` where its sidecar records ``meta`` and the file holds
+    them; else None (missing, stale or cut short)."""
+    sidecar = _sidecar(path)
+    if not (path.is_file() and sidecar.is_file()):
+        return None
+    try:
+        old = json.loads(sidecar.read_text())
+    except (OSError, ValueError):
+        return None
+    if {k: old.get(k) for k in meta} != meta:
+        return None
+    rows = old.get("num_samples")
+    try:
+        return rows if np.load(path, mmap_mode="r").shape == (rows, NUM_COLUMNS) else None
+    except (OSError, ValueError):
+        return None
+
+
+def index_is_current(corpus: TokenCorpus, path: str | os.PathLike, max_seq_len: int, seed: int, *,
+                     short_seq_prob: float = SHORT_SEQ_PROB, next_sentence: str | None = None) -> bool:
+    """Whether the index at ``path`` is the one ``build_sample_index`` would build with these
+    arguments (and so reuse)."""
+    meta = _index_meta(corpus, max_seq_len, seed, short_seq_prob, next_sentence)
+    return _current_rows(pathlib.Path(path), meta) is not None
+
+
 def build_sample_index(corpus: TokenCorpus, max_seq_len: int, seed: int,
                        out_dir: str | os.PathLike | None = None, *,
                        short_seq_prob: float = SHORT_SEQ_PROB,
@@ -246,31 +288,12 @@ def build_sample_index(corpus: TokenCorpus, max_seq_len: int, seed: int,
     out = pathlib.Path(corpus.path if out_dir is None else out_dir)
     out.mkdir(parents=True, exist_ok=True)
     path = out / index_filename(max_seq_len, seed, next_sentence, short_seq_prob)
-    meta = {
-        "format_version": INDEX_FORMAT_VERSION,
-        "columns": ["doc_a", "a_begin", "a_end", "doc_b", "b_begin", "b_end", "label",
-                    "trunc_seed"],
-        "max_seq_len": max_seq_len,
-        "seed": seed,
-        "short_seq_prob": short_seq_prob,
-        "next_sentence": next_sentence,
-        "manifest_sha256": corpus_identity(corpus),
-    }
+    meta = _index_meta(corpus, max_seq_len, seed, short_seq_prob, next_sentence)
     sidecar = _sidecar(path)
-    if path.is_file() and sidecar.is_file():
-        try:
-            old = json.loads(sidecar.read_text())
-        except (OSError, ValueError):
-            old = None
-        if old is not None and {k: old.get(k) for k in meta} == meta:
-            old_rows = old.get("num_samples")
-            try:
-                ok = np.load(path, mmap_mode="r").shape == (old_rows, NUM_COLUMNS)
-            except (OSError, ValueError):
-                ok = False
-            if ok:
-                logger.info("reusing sample index %s (%d samples)", path, old_rows)
-                return path
+    old_rows = _current_rows(path, meta)
+    if old_rows is not None:
+        logger.info("reusing sample index %s (%d samples)", path, old_rows)
+        return path
 
     rows = _build_rows(corpus, max_seq_len, seed, short_seq_prob, next_sentence)
     if len(rows) == 0:

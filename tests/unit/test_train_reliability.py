@@ -879,9 +879,11 @@ def test_a_read_only_prepared_directory_takes_a_job_of_another_seed(tmp_path, mo
     """A prepared directory on a read-only share (``vrgd-data prepare`` ran with its seed, 0 by
     default) and a job of another seed (the job's default is 1234): the job's sample index is not
     there and cannot be written there. It is built in the run directory's ``data/samples`` and
-    every rank reads it from there; an index the share has is read where it is. Fails on the old
-    code, which wrote into the share: rank 0 died with a PermissionError while the other ranks
-    waited at the barrier."""
+    every rank reads it from there; an index the share has is read where it is, unless it is stale
+    (built from other shards or options: seed 7 here), when the job builds its own in the run
+    directory too. Fails on the old code, which wrote into the share: rank 0 died with a
+    PermissionError while the other ranks waited at the barrier (and, for a stale index, on the
+    code before the ``current`` check)."""
     from vrgd_ds.data_pipeline import samples
     from vrgd_ds.data_pipeline.samples import index_filename
     from vrgd_ds.train import data
@@ -893,6 +895,7 @@ def test_a_read_only_prepared_directory_takes_a_job_of_another_seed(tmp_path, mo
     (share / "tokenizer.model").write_bytes(b"a tokenizer")
     (share / "shards" / "manifest.json").write_text("{}")
     (share / "samples" / index_filename(32, 0, None)).write_bytes(b"seed 0's index")
+    (share / "samples" / index_filename(32, 7, None)).write_bytes(b"a stale index")  # of other shards, say
 
     class Corpus:  # the share's shards, as ShardedCorpus reads them
         vocab_size, num_documents = 400, 10
@@ -923,11 +926,13 @@ def test_a_read_only_prepared_directory_takes_a_job_of_another_seed(tmp_path, mo
     monkeypatch.setattr(os, "open", os_open)
     monkeypatch.setattr(data, "ShardedCorpus", Corpus)
     monkeypatch.setattr(samples, "build_sample_index", build)
+    monkeypatch.setattr(samples, "index_is_current", lambda corpus, path, *a, **k: Path(path).read_bytes() != b"a stale index")
     monkeypatch.setattr(data.Tokenizer, "load", staticmethod(lambda path: object()))
     monkeypatch.setattr(os, "access", lambda path, mode: not str(path).startswith(str(share)) and
                         real_access(path, mode))
     before = sorted(p.relative_to(share) for p in share.rglob("*"))
-    for seed, where in ((1234, tmp_path / "run" / "data" / "samples"), (0, share / "samples")):
+    for seed, where in ((1234, tmp_path / "run" / "data" / "samples"), (0, share / "samples"),
+                        (7, tmp_path / "run" / "data" / "samples")):
         _, job = load_config(TEST_CONFIG, [f'job.data.path="{share}"', f"job.seed={seed}",
                                            'job.phases=[{"seq_len": 32, "fraction": 1.0, "global_batch": 16, '
                                            '"micro_batch": 4, "lr": 0.002}]'])

@@ -15,7 +15,7 @@ import logging
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import numpy as np
 import torch
@@ -255,16 +255,18 @@ def check_data_path(job: JobConfig) -> None:
                           "have the job prepare them there (job.data.prepare: true for the embedded corpus)")
 
 
-def sample_index(out: Path, run_dir: Path, filename: str, built: bool = False) -> Path:
+def sample_index(out: Path, run_dir: Path, filename: str, built: bool = False,
+                 current: Callable[[Path], bool] | None = None) -> Path:
     """Where a job's sample index (or GPT stream) ``filename`` is: beside the prepared data
-    (``out/samples``) where it is there or can be written there; else, for a prepared directory
-    this job may not write into (a read-only share prepared with another seed or length), in the
-    run directory's ``data/samples``. With ``built`` (every rank, after rank 0 has built it): where
-    it is, beside the data or else the run directory's, whatever this node's ``os.access`` says."""
+    (``out/samples``) where it is there (and ``current`` says it is the one the job builds) or can
+    be written there; else, for a prepared directory this job may not write into (a read-only
+    share prepared with another seed or length, or holding a stale index), in the run directory's
+    ``data/samples``. With ``built`` (every rank, after rank 0 has built it): where it is, beside
+    the data or else the run directory's, whatever this node's ``os.access`` says."""
     from vrgd_ds.data_pipeline.prepare import SAMPLES_DIR
 
     beside = out / SAMPLES_DIR / filename
-    if beside.is_file():
+    if beside.is_file() and (current is None or current(beside)):
         return beside
     writable = not built and os.access(out / SAMPLES_DIR if (out / SAMPLES_DIR).is_dir() else out, os.W_OK)
     return beside if writable else run_dir / "data" / SAMPLES_DIR / filename
@@ -282,6 +284,14 @@ def prepare_data(job: JobConfig, run_dir: Path, rank: int, barrier: Any, seq_len
     cfg = job.data
     out = Path(cfg.path) if cfg.path else run_dir / "data"
     check_data_path(job)
+
+    def index_check(corpus: Any, n: int) -> Callable[[Path], bool]:
+        """Whether an index found beside the data is the one this job builds (else it is stale:
+        another ``--short-seq-prob``, format or shards, and the job's own goes elsewhere if it
+        cannot replace it there)."""
+        from vrgd_ds.data_pipeline.samples import index_is_current
+
+        return lambda path: index_is_current(corpus, path, n, job.seed, next_sentence=cfg.next_sentence)
     prepared = (out / TOKENIZER_FILE).is_file() and (out / SHARDS_DIR / MANIFEST).is_file()
     if rank == 0 and cfg.path and not cfg.inputs and prepared:
         # A directory prepared beforehand (vrgd-data prepare): use its tokenizer and shards as
@@ -298,7 +308,8 @@ def prepare_data(job: JobConfig, run_dir: Path, rank: int, barrier: Any, seq_len
                                "which the job uses (the key sizes a tokenizer the job trains)", cfg.vocab_size, out,
                                corpus.vocab_size)
             for n in seq_lens:
-                where = sample_index(out, run_dir, index_filename(n, job.seed, cfg.next_sentence)).parent
+                where = sample_index(out, run_dir, index_filename(n, job.seed, cfg.next_sentence),
+                                     current=index_check(corpus, n)).parent
                 if where != out / SAMPLES_DIR:
                     logger.info("%s cannot be written: the sample index of seq_len %d and seed %d goes to %s", out, n,
                                 job.seed, where)
@@ -320,8 +331,8 @@ def prepare_data(job: JobConfig, run_dir: Path, rank: int, barrier: Any, seq_len
     corpus = ShardedCorpus(out / SHARDS_DIR, verify="size")
     tokenizer = Tokenizer.load(out / TOKENIZER_FILE)
     corpus.check_tokenizer(tokenizer)
-    samples = {n: sample_index(out, run_dir, index_filename(n, job.seed, cfg.next_sentence), built=True)
-               for n in seq_lens}
+    samples = {n: sample_index(out, run_dir, index_filename(n, job.seed, cfg.next_sentence), built=True,
+                               current=index_check(corpus, n)) for n in seq_lens}
     split = split_document(corpus.num_documents, cfg.heldout_fraction)
     data = JobData(tokenizer, corpus, samples, split, job.seed, cfg.next_sentence)
     if windows:
