@@ -910,7 +910,8 @@ def test_sparse_gradients_are_rejected():
 def test_a_channels_last_model_is_refused_naming_the_memory_format(fused):
     """A CNN converted with ``.to(memory_format=torch.channels_last)`` (the usual set-up for LARS
     on ResNets) has non-contiguous parameters and gradients, which the step refuses: the message
-    names the memory format and the fix. (Before, it said only that they were not contiguous.)"""
+    names the memory format and the fix. Fails on the old code, whose message said only that they
+    were not contiguous."""
     conv = nn.Conv2d(3, 4, 3).to(memory_format=torch.channels_last)
     opt = vrgd_ds.Lars(conv.parameters(), lr=0.1, fused=fused)
     conv(torch.randn(2, 3, 8, 8).to(memory_format=torch.channels_last)).sum().backward()

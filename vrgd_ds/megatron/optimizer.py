@@ -112,8 +112,9 @@ def check_configuration(config: Any, chunks: list[Any], name: str, gsnr: bool | 
                     f"({REGISTRY[name].base})")
         # finalize_model_grads' _allreduce_conditional_embedding_grads (diffusion models' timestep and
         # label embedders, a copy on every stage)
-        cond = [n for c in chunks for n, p in c.named_parameters() if getattr(p, "pipeline_parallel", False)]
-        if getattr(model, "has_cond_embedder", False) and cond:
+        cond = [n for c in chunks for n, p in c.named_parameters() if getattr(p, "pipeline_parallel", False)] \
+            if getattr(model, "has_cond_embedder", False) else []
+        if cond:
             _refuse("conditional embedders on every pipeline stage (TransformerConfig.has_cond_embedder)",
                     f"their gradient ({cond[0]}) is summed across the stages once per step, after each stage's "
                     "squares", f"Use pipeline_model_parallel_size=1, or the base optimizer ({REGISTRY[name].base})")

@@ -144,6 +144,18 @@ def check_coeffs(owner: str, options: dict[str, Any]) -> None:
               f">= min_coeff ({options['min_coeff']})")
 
 
+def _apex_options(owner: str, options: dict[str, Any]) -> dict[str, Any]:
+    """apex ``FusedLAMB``'s ``amsgrad`` (refused) and ``max_grad_norm`` (which turns the
+    pre-normalisation on unless ``grad_pre_normalization`` is given), as the constructor's keywords
+    and a param group's own options take them."""
+    out = dict(options)
+    amsgrad = out.pop("amsgrad", False)
+    check_arg(owner, "amsgrad", not amsgrad, amsgrad, "False (LAMB has no AMSGrad variant; apex refuses it too)")
+    if "max_grad_norm" in out and out.get("grad_pre_normalization") is None:
+        out["grad_pre_normalization"] = out["max_grad_norm"] is not None
+    return out
+
+
 class VRLamb(GSNROptimizer):
     r"""VR-LAMB; see the module docstring.
 
@@ -184,12 +196,8 @@ class VRLamb(GSNROptimizer):
     @classmethod
     def _group(cls, args: dict[str, Any]) -> dict[str, Any]:
         owner = BUILDING.get() or cls.__name__
-        a = dict(args)  # ranges: _check_options, on the built group
-        amsgrad = a.pop("amsgrad")
-        check_arg(owner, "amsgrad", not amsgrad, amsgrad, "False (LAMB has no AMSGrad variant; apex refuses it too)")
+        a = _apex_options(owner, args)  # ranges: _check_options, on the built group
         a.pop("set_grad_none")
-        if a["grad_pre_normalization"] is None:
-            a["grad_pre_normalization"] = a["max_grad_norm"] is not None
         a["max_grad_norm"] = 1.0 if a["max_grad_norm"] is None else a["max_grad_norm"]
         gsnr_keys = ("gamma", "beta3", "gsnr_eps", "gsnr_placement", "gsnr")
         return dict({k: v for k, v in a.items() if k not in gsnr_keys}, betas=tuple(a["betas"]), trust_ratio=True,
@@ -198,12 +206,7 @@ class VRLamb(GSNROptimizer):
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         """A group's own ``amsgrad`` and ``max_grad_norm`` as the constructor takes them: ``amsgrad``
         refused, ``max_grad_norm`` turning the pre-normalisation on unless the group says otherwise."""
-        amsgrad = param_group.get("amsgrad", False)
-        check_arg(f"{self.name} (param group {len(self.param_groups)})", "amsgrad", not amsgrad, amsgrad,
-                  "False (LAMB has no AMSGrad variant; apex refuses it too)")
-        if param_group.get("max_grad_norm") is not None and "grad_pre_normalization" not in param_group:
-            param_group = {**param_group, "grad_pre_normalization": True}
-        super().add_param_group(param_group)
+        super().add_param_group(_apex_options(f"{self.name} (param group {len(self.param_groups)})", param_group))
 
     @staticmethod
     def _check_options(owner: str, group: dict[str, Any]) -> None:

@@ -315,12 +315,13 @@ def prepare_data(job: JobConfig, run_dir: Path, rank: int, barrier: Any, seq_len
                                 job.seed, where)
                 build_sample_index(corpus, n, job.seed, where, next_sentence=cfg.next_sentence)
     elif rank == 0:  # idempotent: checks and reuses what an earlier start built
-        try:  # a directory given and prepared already (by vrgd-data prepare, another job) is not rebuilt
+        keep = bool(cfg.path) and prepared  # given and prepared already (vrgd-data prepare, another job)
+        try:
             prepare(out, inputs=cfg.inputs or None, format=cfg.format, vocab_size=cfg.vocab_size,
                     seq_lens=tuple(seq_lens), seed=job.seed, workers=cfg.prepare_workers, progress=True,
-                    next_sentence=cfg.next_sentence, keep_built=bool(cfg.path) and prepared)
+                    next_sentence=cfg.next_sentence, keep_built=keep)
         except DataError as e:
-            if not (cfg.path and prepared):
+            if not keep:
                 raise
             raise ConfigError(f"job.data.inputs: {e} (vocab_size: job.data.vocab_size, seed: job.seed, the corpus: "
                               f"job.data.inputs and format); other jobs may read it. Drop job.data.inputs to train "
