@@ -669,7 +669,8 @@ class Job:
         of the phase takes only what is left of its samples; a step that would leave less than
         ``min_batch`` after it takes that rest too, so that no step has fewer groups than
         ``min_batch`` gives, or, where that would pass ``max_batch``, leaves ``min_batch`` for the
-        last step)."""
+        last step; where no split keeps both steps in bounds, a rest below 2 × ``min_batch`` with
+        ``max_batch`` under it, the step takes the whole rest and passes ``max_batch``)."""
         p = self.job.phases[index]
         if controller is None:
             return p.global_batch, self.schedule.lr_in_phase(index, self.consumed[index] // p.global_batch)
