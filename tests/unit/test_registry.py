@@ -213,3 +213,32 @@ def test_the_import_hook_finds_deepspeed_where_an_editable_install_puts_it(monke
     assert spec is not None and isinstance(spec.loader, Loader)
     assert spec.loader.exec_module.__name__ == "exec_then_register"
 
+
+
+TWICE = """
+import sys
+sys.path.insert(0, sys.argv[1])
+import vrgd_ds
+for attempt in (1, 2):
+    try:
+        import deepspeed
+        print(attempt, "imported", deepspeed.__version__)
+    except RuntimeError as e:
+        print(attempt, "refused", str(e).split(":")[0])
+"""
+
+
+def test_an_unsupported_deepspeed_fails_every_import_not_the_first_only(tmp_path):
+    """``import vrgd_ds``, then a DeepSpeed of another version imported twice: both imports fail
+    with the version message. Fails on the code before, whose import hook left on the first try:
+    the second import succeeded with nothing registered, and a VRGD name in the config then met
+    DeepSpeed's unknown-optimizer error instead of the version's."""
+    import subprocess
+
+    (tmp_path / "deepspeed").mkdir()
+    (tmp_path / "deepspeed" / "__init__.py").write_text('__version__ = "0.20.0"\n')
+    run = subprocess.run([sys.executable, "-c", TWICE, str(tmp_path)], capture_output=True, text=True, cwd=ROOT,
+                         timeout=120)
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert run.stdout.splitlines() == ["1 refused vrgd_ds supports DeepSpeed 0.19.8, found 0.20.0",
+                                       "2 refused vrgd_ds supports DeepSpeed 0.19.8, found 0.20.0"], run.stdout

@@ -34,7 +34,13 @@ class _AfterImport(importlib.abc.MetaPathFinder):
             exec_module(module)
             from vrgd_ds.ds.integration import register
 
-            register()
+            try:
+                register()
+            except Exception:
+                # an unsupported DeepSpeed: every import of it fails alike, not the first only
+                # (the failed import leaves no module, and the next would register nothing)
+                sys.meta_path.insert(0, self)
+                raise
 
         spec.loader.exec_module = exec_then_register
         return spec
