@@ -448,10 +448,15 @@ def tp_case(case: dict) -> list[dict[str, Any]]:
     model = TPNet()
     ref, plain = copy.deepcopy(model), copy.deepcopy(model)
     p0 = flat(ref.parameters())
+    sp = case.get("sequence_parallel", True)
     parallelize_module(model, mesh["tp"], {
         "norm": SequenceParallel(), "a": ColwiseParallel(input_layouts=Shard(1)),
         "b": RowwiseParallel(output_layouts=Shard(1)),
-        "c": ColwiseParallel(input_layouts=Shard(1), output_layouts=Replicate())})
+        "c": ColwiseParallel(input_layouts=Shard(1), output_layouts=Replicate())} if sp else {
+        # the norm left to FSDP alone: a DTensor on the data-parallel mesh, the same on both
+        # tensor-parallel ranks of a pair (its input, and its gradient after ColwiseParallel's
+        # backward all-reduce, are)
+        "a": ColwiseParallel(), "b": RowwiseParallel(), "c": ColwiseParallel(output_layouts=Replicate())})
     for m in (model.norm, model.a, model.b, model.c):
         fully_shard(m, mesh=mesh["dp"])
     fully_shard(model, mesh=mesh["dp"])
@@ -472,7 +477,7 @@ def tp_case(case: dict) -> list[dict[str, Any]]:
     for step in range(STEPS):
         for j in range(acc):
             b = tp_batch(step, dp, j)
-            loss(model, b, b[0].chunk(2, dim=1)[tp]).backward()
+            loss(model, b, b[0].chunk(2, dim=1)[tp] if sp else None).backward()
         opt.step()
         ns.append(opt.gsnr_metrics()["gsnr/n"])
         opt.zero_grad()

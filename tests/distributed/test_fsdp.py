@@ -230,6 +230,21 @@ def test_fsdp_with_tensor_parallelism_equals_the_single_process_optimizer(pool4,
         assert res["dropped"] == (3 if rank % 2 else 0), res
 
 
+def test_fsdp_with_tensor_parallelism_and_a_norm_outside_it_equals_the_single_process_optimizer(pool4):
+    """Tensor parallelism without sequence parallelism (torchtitan's plan with it off): the norm
+    is no tensor-parallel DTensor, and FSDP gives it the data-parallel mesh alone, 2 of the 4
+    ranks. The meshes cover every rank together; the norm's copy on tensor-parallel rank 1 is
+    counted once. Fails on the code before, which asked each parameter's mesh to cover every rank
+    and refused the model as pipeline parallelism."""
+    for rank, res in enumerate(pool4.run("fsdp_worker", "tp_case", {"opt": "VRLamb", "acc": 2,
+                                                                     "sequence_parallel": False})):
+        assert "refused" not in res, res
+        assert res["placements"]["norm.weight"] == "(Shard(dim=0),)", res  # the case holds
+        assert res["err"] <= TOL and res["contrast"] >= CONTRAST * res["err"], res
+        assert res["n"] == [4.0] * 3, res
+        assert res["dropped"] == (3 if rank % 2 else 0), res
+
+
 def test_merit_under_tensor_parallelism_takes_row_and_column_maxima_across_shards(pool4):
     """MERIT's row and column maxima of a rowwise layer's ``Shard(1)`` shards (each cut into one
     run per row for MERIT) and of the colwise layers' ``_StridedShard`` ones equal the unsharded

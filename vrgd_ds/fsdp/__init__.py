@@ -225,10 +225,14 @@ def attach(model: torch.nn.Module, optimizer: GSNROptimizer, squares_dtype: str 
                                  "does not shard: build the optimizer on model.parameters() after fully_shard; a "
                                  "parameter left out with fully_shard(..., ignored_params=...) is reduced by no FSDP "
                                  "collective, so it has no statistics: give it an optimizer of its own")
+    # the ranks the model's meshes cover together: a parameter outside tensor parallelism (a norm
+    # without sequence parallelism) has the data-parallel mesh alone, its copies on the other
+    # tensor-parallel ranks counted once below
     world_ranks = dist.get_world_size()
-    covered = {fp.sharded_param.device_mesh.size() for _, g in groups for fp in g.fsdp_params}
-    if covered != {world_ranks}:
-        raise _refuse(f"a model whose device mesh covers {min(covered)} of the {world_ranks} ranks (pipeline "
+    covered = set().union(*(fp.sharded_param.device_mesh.mesh.flatten().tolist()
+                            for _, g in groups for fp in g.fsdp_params))
+    if len(covered) != world_ranks:
+        raise _refuse(f"a model whose device meshes cover {len(covered)} of the {world_ranks} ranks (pipeline "
                       "parallelism: each stage on ranks of its own)", "the per-tensor sums run over every rank as "
                       "one model's; shard the whole model over every rank (FSDP, HSDP or FSDP + TP)")
     tensors = ModelTensors.of(model)
