@@ -14,7 +14,8 @@ like FSDP's output, so the statistics are sharded like the parameters: no full-s
 replicas' all-reduce (times the shard count when the collective averaged): no second reduction of
 the gradient. Under HSDP one all-reduce of every bucket (one allocation) over the replicate
 group per step, in fp32, which also sums the replicas' counts of reductions: unequal ones (a
-replica that ran another micro-step with the replicas' all-reduce deferred) are refused.
+replica that ran another micro-step with the replicas' all-reduce deferred) are refused, on a
+GPU at the next step's start (the count read back behind the step's work).
 ``n`` = shard ranks × replicate ranks × reductions of a parameter in the step; a group is what one
 reduction carries: one micro-step's gradient when every backward reduces (FSDP's default), a
 rank's accumulated gradient when ``set_requires_gradient_sync(False)`` defers the reduction to the
