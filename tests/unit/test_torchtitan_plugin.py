@@ -202,3 +202,43 @@ def test_with_vrgd_turns_cuda_graphs_off_and_a_capture_is_refused(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
     with pytest.raises(UnsupportedFSDPConfiguration, match="CUDA graph.*training.disable_cuda_graphs"):
         object.__new__(FSDPStats).about_to_reduce(0)
+
+
+EXPERTS = """
+import torch, torch.distributed as dist
+from torch.testing._internal.distributed.fake_pg import FakeStore
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
+from torch.distributed.fsdp._fully_shard._fsdp_common import ShardPlacementResult
+from torch.distributed.fsdp._fully_shard._fsdp_init import _get_mesh_info
+from torch.distributed.tensor import Shard
+from vrgd_ds.fsdp import UnsupportedFSDPConfiguration
+from vrgd_ds.fsdp.torchtitan import VRGDOptimizersContainer, vrgd_optimizer
+
+dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=4)
+mesh = init_device_mesh("cpu", (4,), mesh_dim_names=("dp",))
+experts = init_device_mesh("cpu", (2, 2), mesh_dim_names=("ep", "efsdp"))["efsdp"]
+model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 4))
+moe = set(model[1].parameters())
+infos = {True: _get_mesh_info(experts, None), False: _get_mesh_info(mesh, None)}
+fully_shard(model, mesh=mesh, shard_placement_fn=lambda p: ShardPlacementResult(Shard(0), infos[p in moe]))
+try:
+    VRGDOptimizersContainer(vrgd_optimizer("VRLamb", lr=1e-3), model_parts=[model])
+except UnsupportedFSDPConfiguration as e:
+    print(e)
+"""
+
+
+def test_expert_parallelism_is_refused_by_the_container_naming_torchtitans_option():
+    """torchtitan under expert parallelism shards a MoE block's experts on a mesh of their own
+    (``shard_placement_fn``: two FSDP parameter groups in one module); the container, built before
+    ``with_vrgd``'s check runs, refuses it naming ``parallelism.expert_parallel_degree``. Fails on
+    the code before, whose refusal named ``shard_placement_fn`` only, which a torchtitan user does
+    not set. 4 ranks of a fake process group, in a process of its own."""
+    import subprocess
+    import sys
+
+    run = subprocess.run([sys.executable, "-c", EXPERTS], capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert "several FSDP parameter groups" in run.stdout, run.stdout
+    assert "set parallelism.expert_parallel_degree to 1" in run.stdout, run.stdout

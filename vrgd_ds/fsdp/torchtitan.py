@@ -33,8 +33,10 @@ torchtitan 0.3.0 calls ``torch.distributed.set_timeout``, which torch 2.13 (the 
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -182,18 +184,19 @@ class VRGDOptimizersContainer(OptimizersContainer):
                         module.set_force_sum_reduction_for_comms(True)
         #: why the VRGD optimizers were built without statistics (torchtitan's seed checkpoint), or None
         self.not_attached: str | None = None
-        if uses_vrgd:
-            self.not_attached = _unsharded(model_parts[0])
-        with built_for_engine():  # each VRGD optimizer is fed by vrgd_ds.fsdp.attach below
-            super().__init__(config, model_parts=model_parts)
-        self.statistics: list[Any] = []
-        if self.not_attached is not None:
-            logger.info("vrgd_ds.fsdp.torchtitan: %s", self.not_attached)
-            return
-        for optimizer in self.optimizers:
-            if isinstance(optimizer, GSNROptimizer):
-                self.statistics.append(vrgd_ds.fsdp.attach(model_parts[0], optimizer,
-                                                           squares_dtype=config.squares_dtype))
+        with _in_torchtitan_terms():
+            if uses_vrgd:
+                self.not_attached = _unsharded(model_parts[0])
+            with built_for_engine():  # each VRGD optimizer is fed by vrgd_ds.fsdp.attach below
+                super().__init__(config, model_parts=model_parts)
+            self.statistics: list[Any] = []
+            if self.not_attached is not None:
+                logger.info("vrgd_ds.fsdp.torchtitan: %s", self.not_attached)
+                return
+            for optimizer in self.optimizers:
+                if isinstance(optimizer, GSNROptimizer):
+                    self.statistics.append(vrgd_ds.fsdp.attach(model_parts[0], optimizer,
+                                                               squares_dtype=config.squares_dtype))
 
     def step(self, *args: Any, **kwargs: Any) -> None:
         if self.not_attached is not None:
@@ -205,6 +208,29 @@ class VRGDOptimizersContainer(OptimizersContainer):
         one optimizer over all their tensors (``Recorder.combined``)."""
         recorders = [o.records for o in self.optimizers if isinstance(o, GSNROptimizer)]
         return Recorder.combined(recorders).summary(per_tensor, samples_per_group) if recorders else {}
+
+
+#: what in a torchtitan run makes an FSDP set-up ``vrgd_ds.fsdp.attach`` refuses: the words of its
+#: refusal, and the torchtitan option to change
+_TORCHTITAN_CAUSES = (
+    ("several FSDP parameter groups", "torchtitan shards a MoE block's experts on a mesh of their own under "
+     "expert parallelism: set parallelism.expert_parallel_degree to 1"),
+    ("CPUOffloadPolicy", "torchtitan: set training.enable_cpu_offload to false"),
+    ("set_symm_mem_for_comm", "torchtitan: set parallelism.enable_fsdp_symm_mem to false"),
+)
+
+
+@contextlib.contextmanager
+def _in_torchtitan_terms() -> Iterator[None]:
+    """An FSDP refusal raised while the container is built, with the torchtitan option that makes
+    the refused set-up (its message names FSDP's API, which a torchtitan user does not call)."""
+    try:
+        yield
+    except UnsupportedFSDPConfiguration as e:
+        for words, option in _TORCHTITAN_CAUSES:
+            if words in str(e):
+                raise UnsupportedFSDPConfiguration(f"{e} ({option})") from e
+        raise
 
 
 def _unsharded(model: torch.nn.Module) -> str | None:
