@@ -200,6 +200,33 @@ def test_state_dict_round_trip_continues_trajectory(name, fused, tmp_path):
 
 
 @pytest.mark.parametrize("fused", IMPLS)
+@pytest.mark.parametrize("name", list(REGISTRY))
+def test_another_models_state_is_refused_at_the_first_step_naming_the_key(name, fused):
+    """An optimizer state saved for a model whose output layer had 3 rows, loaded for one with 5
+    (torch's ``load_state_dict`` matches tensors by position only): the first step refuses it,
+    naming the state key and both shapes, and the parameters are untouched. Fails on the code
+    before: the reference raised an indexing error, while the C++ and Triton kernels read and
+    wrote the parameter's length of the smaller state (past its end)."""
+    m1 = make_model()
+    o1 = build(name, m1, fused)
+    run(m1, o1, batches(1, 2))
+    wider = make_model()
+    wider[3] = nn.Linear(40, 5)
+    o2 = build(name, wider, fused)
+    o2.load_state_dict(o1.state_dict())
+    before = [p.detach().clone() for p in wider.parameters()]
+    for _ in range(2):
+        (wider(torch.randn(5, 6)).pow(2).mean()).backward()
+    if not any(v.dim() for st in o1.state.values() for v in st.values()):  # VRSGD at beta3 0: steps only
+        o2.step()
+        return
+    with pytest.raises(ValueError, match=r"optimizer state '\w+' of shape \((3, 40|3,)\) for a parameter of shape "
+                                         r"\((5, 40|5,)\) .*the loaded optimizer state is another model's"):
+        o2.step()
+    assert all(torch.equal(a, b) for a, b in zip(before, wider.parameters()))
+
+
+@pytest.mark.parametrize("fused", IMPLS)
 @pytest.mark.parametrize("name", ["VRAdam", "VRLamb"])
 def test_a_bf16_model_s_fp32_state_resumes_as_saved(name, fused):
     """torch's ``load_state_dict`` casts state to the parameter's dtype; the VRGD state stays fp32

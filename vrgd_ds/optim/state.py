@@ -207,7 +207,7 @@ def init_state(plan: Plan, state_keys: tuple[str, ...], epoch: int, counts: Step
 def _complete(plan: Plan, state_keys: tuple[str, ...], beta3: float) -> list[Tensor]:
     """Every state tensor of the plan, created where missing; returns the step counters."""
     counters = []
-    for p, st in zip(plan.params, plan.states):
+    for i, (p, st) in enumerate(zip(plan.params, plan.states)):
         step = st.get("step")
         if step is None:
             # torch.optim.SGD keeps no counter: its loaded momentum buffer has been applied, so the
@@ -220,6 +220,14 @@ def _complete(plan: Plan, state_keys: tuple[str, ...], beta3: float) -> list[Ten
         elif step.device != plan.tdev:
             st["step"] = step.to(plan.tdev)
         for key, value in list(st.items()):
+            if key != "step" and isinstance(value, Tensor) and value.dim() and value.numel() != p.numel():
+                # a loaded state of another model's tensor (a resized vocabulary or hidden size):
+                # torch's load_state_dict matches tensors by position only, and the kernels would
+                # read and write the parameter's length of it
+                raise ValueError(f"optimizer state {key!r} of shape {tuple(value.shape)} for a parameter of shape "
+                                 f"{tuple(p.shape)} (param group {plan.index}, its tensor {i}): the "
+                                 "loaded optimizer state is another model's; load the checkpoint into the model it "
+                                 "was saved from, or start the optimizer afresh")
             if key != "step" and isinstance(value, Tensor) and not value.is_contiguous():
                 # a loaded state keeps the saved strides (a transposed or sliced tensor): the kernels
                 # read each tensor's memory in order
