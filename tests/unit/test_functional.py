@@ -101,8 +101,32 @@ def test_statistics_not_fp32_or_not_shaped_like_their_parameter_are_named(fused)
     p, g = torch.zeros(2, 3), torch.ones(2, 3)
     with pytest.raises(ValueError, match=r"sum_g\[0\] is torch.bfloat16 .* the statistics are fp32"):
         vrgd_ds.optim.vr_adam([p], [g], [{}], [g.bfloat16()], [g.bfloat16()], 2, fused=fused)
-    with pytest.raises(ValueError, match=r"sum_sq\[0\] is torch.float32 of shape \(3, 2\)"):
+    with pytest.raises(ValueError, match=r"sum_sq\[0\] is a non-contiguous torch.float32 of shape \(3, 2\)"):
         vrgd_ds.optim.vr_adam([p], [g], [{}], [g], [g.t()], 2, fused=fused)
+
+
+@pytest.mark.parametrize("fused", [None, False])
+def test_gradients_unlike_their_parameter_are_named(fused):
+    """A gradient is its parameter's dtype, shape and device, and contiguous, as ``.grad`` is, and
+    the statistics are contiguous: the error names the index and the fix. Fails on the code before,
+    where the kernels read each tensor in memory order for the parameter's length: the C++ path
+    stepped with half a gradient (reading past it), and the Triton one applied a transposed
+    gradient untransposed and an fp32 gradient of a bf16 parameter as bf16 bits."""
+    p, g = torch.zeros(4, 3), torch.ones(4, 3)
+    step = vrgd_ds.optim.vr_adam
+    with pytest.raises(ValueError, match=r"grads\[0\] is a non-contiguous float32 of shape \(4, 3\).*contiguous"):
+        step([p], [torch.ones(3, 4).t()], [{}], gsnr=False, fused=fused)
+    with pytest.raises(ValueError, match=r"grads\[0\] is float32 .* its parameter's dtype \(bfloat16\)"):
+        step([p.bfloat16()], [g], [{}], gsnr=False, fused=fused)
+    with pytest.raises(ValueError, match=r"grads\[0\] is float32 of shape \(6,\)"):
+        step([p], [torch.ones(6)], [{}], gsnr=False, fused=fused)
+    with pytest.raises(ValueError, match=r"1 gradients and 2 states given for 1 parameters"):
+        step([p], [g], [{}, {}], gsnr=False, fused=fused)
+    with pytest.raises(ValueError, match=r"sum_g\[0\] is a non-contiguous torch.float32 .* and contiguous"):
+        step([p], [g], [{}], [torch.ones(3, 4).t()], [g], 2, fused=fused)
+    assert not p.any()  # nothing stepped
+    step([p], [g], [{}], [g], [g], 2, fused=fused)  # what is right steps
+    assert p.any()
 
 
 def test_options_are_the_classes_group_options():

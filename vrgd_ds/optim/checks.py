@@ -37,6 +37,21 @@ def check_dtypes(where: str, params: Any, fused: bool | str | None) -> None:
                          "fused=False")
 
 
+def check_given_tensors(where: str, params: Any, grads: Any, states: Any) -> None:
+    """A functional step's gradients and states against its parameters, as an optimizer's
+    ``.grad`` is (one per parameter, of its dtype, shape and device), and contiguous: the kernels
+    read each tensor's memory in order for the parameter's length."""
+    if len(grads) != len(params) or len(states) != len(params):
+        raise ValueError(f"{where}: {len(grads)} gradients and {len(states)} states given for {len(params)} "
+                         "parameters; pass one of each per parameter")
+    for i, (p, g) in enumerate(zip(params, grads)):
+        if g.dtype != p.dtype or g.shape != p.shape or g.device != p.device or not g.is_contiguous():
+            raise ValueError(f"{where}: grads[{i}] is {'' if g.is_contiguous() else 'a non-contiguous '}"
+                             f"{str(g.dtype).removeprefix('torch.')} of shape {tuple(g.shape)} on {g.device}; a "
+                             f"gradient is its parameter's dtype ({str(p.dtype).removeprefix('torch.')}), shape "
+                             f"({tuple(p.shape)}) and device ({p.device}), and contiguous (.contiguous())")
+
+
 #: the members' switches, wherever an options dict has them: a string such as "false" (a config
 #: from YAML or a template) is true to Python, and would turn on what it meant to turn off
 FLAGS = ("gsnr", "bias_correction", "grad_pre_normalization", "use_nvlamb", "grad_averaging", "adam_w_mode",

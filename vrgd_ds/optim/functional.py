@@ -30,7 +30,7 @@ from torch import Tensor
 from vrgd_ds import gsnr as G
 from vrgd_ds.log import warn_once
 from vrgd_ds.optim import _impl, columns
-from vrgd_ds.optim.checks import FP32_TINY, check_common, check_dtypes
+from vrgd_ds.optim.checks import FP32_TINY, check_common, check_dtypes, check_given_tensors
 from vrgd_ds.optim import metrics as M
 from vrgd_ds.optim import state as S
 from vrgd_ds.optim.plan import Plan, Planner
@@ -262,6 +262,7 @@ def functional_step(cls: type, params: Sequence[Tensor], grads: Sequence[Tensor]
     group = dict(options(cls, hyper), params=params)
     owner = cls.__name__
     check_dtypes(owner, params, fused)
+    check_given_tensors(owner, params, grads, list(states))
     kernels = _impl.select(fused, params, owner)
     if isinstance(kernels, _impl.WithFallback):
         kernels.new_step()

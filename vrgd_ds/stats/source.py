@@ -41,10 +41,11 @@ class GivenStatistics:
                              f"{len(params)} parameters; with gsnr=True pass Σg and Σg² for each")
         for name, given in (("sum_g", sum_g), ("sum_sq", sum_sq)):
             for i, (p, t) in enumerate(zip(params, given)):
-                if t.dtype != torch.float32 or t.shape != p.shape or t.device != p.device:
+                if t.dtype != torch.float32 or t.shape != p.shape or t.device != p.device or not t.is_contiguous():
                     raise ValueError(
-                        f"{name}[{i}] is {t.dtype} of shape {tuple(t.shape)} on {t.device}; the statistics are fp32, "
-                        f"shaped like their parameter ({tuple(p.shape)}) and on its device ({p.device})")
+                        f"{name}[{i}] is {'' if t.is_contiguous() else 'a non-contiguous '}{t.dtype} of shape "
+                        f"{tuple(t.shape)} on {t.device}; the statistics are fp32, shaped like their parameter "
+                        f"({tuple(p.shape)}), on its device ({p.device}) and contiguous")
         self._of = {id(p): (g, s) for p, g, s in zip(params, sum_g, sum_sq)}
         self._n = n
 
