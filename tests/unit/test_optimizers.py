@@ -946,12 +946,23 @@ def test_a_channels_last_model_is_refused_naming_the_memory_format(fused):
         opt.step()
 
 
-def test_fused_true_rejects_unsupported_params():
-    p = nn.Parameter(torch.zeros(6)[::2])  # not contiguous
-    opt = vrgd_ds.VRSGD([p], fused=True)
+@pytest.mark.parametrize("fused", [None, True, False])
+def test_a_parameter_that_is_not_contiguous_is_refused_on_every_path(fused, monkeypatch, caplog):
+    """A parameter that is not contiguous is refused at the step whatever ``fused`` is, with no
+    word of a fallback first. Fails on the code before, where ``fused=None`` logged that it took
+    the reference for it, which then refused it too."""
+    import logging
+
+    from vrgd_ds import log
+
+    monkeypatch.setattr(log, "_warned", set())
+    p = nn.Parameter(torch.zeros(6)[::2])
+    opt = vrgd_ds.VRSGD([p], fused=fused)
     p.grad = torch.ones(3)
-    with pytest.raises(ValueError, match="not contiguous"):
-        opt.kernels()
+    with caplog.at_level(logging.WARNING, logger="vrgd_ds"), pytest.raises(RuntimeError,
+                                                                          match="needs contiguous parameters"):
+        opt.step()
+    assert "using the reference implementation" not in caplog.text
 
 
 @pytest.mark.parametrize("dtype", [torch.float64, torch.complex64])
@@ -2103,20 +2114,27 @@ def test_a_deep_copied_or_pickled_optimizer_trains_on_as_the_original():
 
 
 def test_fused_none_says_when_it_takes_the_reference_on_the_cpu(monkeypatch, caplog):
-    """``fused=None`` with parameters the fused kernels do not take (not contiguous) steps with the
+    """``fused=None`` where the fused kernels cannot be built (no C++ toolchain) steps with the
     reference and says why, as docs/algorithm.md says it does. Fails on the old code, which fell
     back on the CPU without a word."""
     import logging
 
     from vrgd_ds import log
+    from vrgd_ds.optim import _fused, _impl
+
+    def unavailable():
+        raise _fused.FusedKernelsUnavailable("no C++ compiler found")
 
     monkeypatch.setattr(log, "_warned", set())
-    p = nn.Parameter(torch.zeros(6)[::2])
-    opt = vrgd_ds.VRSGD([p], lr=0.1)
+    monkeypatch.setattr(_impl, "Fused", unavailable)
+    p = nn.Parameter(torch.zeros(3))
+    opt = vrgd_ds.VRSGD([p], lr=0.1, gsnr=False)
     p.grad = torch.ones(3)
     with caplog.at_level(logging.WARNING, logger="vrgd_ds"):
-        opt.kernels()
-    assert "using the reference implementation: some parameters are not contiguous" in caplog.text
+        assert isinstance(opt.kernels(), _impl.Reference)
+    assert "using the reference implementation: no C++ compiler found" in caplog.text
+    opt.step()
+    assert torch.equal(p.detach(), torch.full((3,), -0.1))
 
 
 def test_an_optimizer_dropped_for_a_new_one_leaves_no_hooks_on_the_parameters():

@@ -394,8 +394,6 @@ def select(fused: bool | str | None, params: Sequence[Tensor], owner: str) -> Ke
     why_not = None
     if any(p.dtype not in _FUSED_DTYPES for p in params):
         why_not = "parameters are not fp32/bf16/fp16"
-    elif any(not p.is_contiguous() for p in params):
-        why_not = "some parameters are not contiguous"
     elif len({p.device for p in params}) > 1:
         why_not = "parameters are on more than one device"
     on_cpu = all(p.device.type == "cpu" for p in params)
