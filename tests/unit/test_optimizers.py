@@ -227,6 +227,35 @@ def test_another_models_state_is_refused_at_the_first_step_naming_the_key(name, 
 
 
 @pytest.mark.parametrize("fused", IMPLS)
+@pytest.mark.parametrize("name", ["VRFusedLAMB", "Lamb", "VRAdam"])
+def test_an_apex_state_with_the_step_in_its_group_continues_the_bias_correction(name, fused):
+    """apex's FusedLAMB and FusedAdam keep the step count in the param group, not per tensor: a
+    state saved that way (here the member's own after 3 steps, laid out as apex lays it out)
+    continues as the uninterrupted run, the bias corrections at step 4. Fails on the code before,
+    which started the loaded moments' counters at 0: the next step corrected 3-step-old moments
+    as a first step's."""
+    cls = vrgd_ds.VRFusedLAMB if name == "VRFusedLAMB" else REGISTRY[name].cls
+    kw = {} if name == "VRFusedLAMB" else REGISTRY[name].test_kwargs
+    data = batches(5, 2)
+    m1 = make_model()
+    o1 = cls(m1.parameters(), fused=fused, **kw)
+    run(m1, o1, data[:3])
+    saved = copy.deepcopy((m1.state_dict(), o1.state_dict()))
+    straight = run(m1, o1, data[3:])
+    apex = saved[1]
+    for st in apex["state"].values():
+        assert float(st.pop("step")) == 3.0
+    for group in apex["param_groups"]:
+        group["step"] = 3
+    m2 = make_model()
+    m2.load_state_dict(saved[0])
+    o2 = cls(m2.parameters(), fused=fused, **kw)
+    o2.load_state_dict(apex)
+    resumed = run(m2, o2, data[3:])
+    assert all(torch.equal(a, b) for a, b in zip(straight, resumed))
+
+
+@pytest.mark.parametrize("fused", IMPLS)
 @pytest.mark.parametrize("name", ["VRAdam", "VRLamb"])
 def test_a_bf16_model_s_fp32_state_resumes_as_saved(name, fused):
     """torch's ``load_state_dict`` casts state to the parameter's dtype; the VRGD state stays fp32

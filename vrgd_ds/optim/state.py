@@ -211,8 +211,17 @@ def _complete(plan: Plan, state_keys: tuple[str, ...], beta3: float) -> list[Ten
         step = st.get("step")
         if step is None:
             # torch.optim.SGD keeps no counter: its loaded momentum buffer has been applied, so the
-            # next step is not the buffer's first (``sgd_update``'s ``first`` would copy d over it)
-            st["step"] = torch.tensor(1.0 if "momentum_buffer" in st else 0.0, dtype=torch.float32, device=plan.tdev)
+            # next step is not the buffer's first (``sgd_update``'s ``first`` would copy d over it).
+            # apex's FusedLAMB/FusedAdam keep theirs in the param group: their loaded moments
+            # are that many steps old, and the bias corrections go on from there
+            taken = plan.group.get("step")
+            if "momentum_buffer" in st:
+                count = 1.0
+            elif any(key in st for key in state_keys) and isinstance(taken, (int, float, Tensor)):
+                count = float(taken)
+            else:
+                count = 0.0
+            st["step"] = torch.tensor(count, dtype=torch.float32, device=plan.tdev)
         elif not isinstance(step, Tensor) or step.dtype != torch.float32 or step.dim():
             # a loaded counter of another kind (an int, torch's float64 ones, an int64 tensor): the
             # kernels read one fp32 value (the Triton tables read its bits as fp32)
