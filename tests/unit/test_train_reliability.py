@@ -341,6 +341,85 @@ def saving_job(run_dir: Path, step: int, write, monkeypatch) -> loop.Job:
     return job
 
 
+def test_the_checkpoint_size_is_read_by_rank_0_alone_and_summed_on_every_rank(tmp_path, monkeypatch):
+    """Before a save, rank 0 reads the last complete checkpoint's size and then clears and rotates
+    checkpoints; another rank walking them meanwhile met files deleted under it
+    (``FileNotFoundError``, the others then waiting in a collective). Now only rank 0 walks them,
+    and the estimate's sum over the ranks runs on every rank whatever each sees on disk (a stale
+    view of a shared file system would otherwise leave one rank in a collective alone). Fails on
+    the code before: rank 1 walked the checkpoints, and rank 0 skipped the sum where it found one."""
+    from types import SimpleNamespace
+
+    fake_checkpoint(tmp_path / loop.CHECKPOINTS, 4)
+    summed = []
+    job = object.__new__(loop.Job)
+    job.run_dir, job.engine = tmp_path, SimpleNamespace(checkpoint_bytes=lambda: 1000)
+    job._sum_over_ranks = lambda values: summed.append(values) or [v * 2 for v in values]
+    job.rank = 1
+
+    def walked(*args):
+        raise AssertionError("rank 1 walked the checkpoints")
+
+    with monkeypatch.context() as m:
+        m.setattr(ckpt, "tags", walked)
+        assert job._checkpoint_bytes() == (2000, 2200 + (1 << 20), "the engine's estimate")
+    job.rank = 0
+    size = ckpt.size_of(job.ckpt_dir, ckpt.tag_of(4))
+    assert job._checkpoint_bytes() == (size, int(size * 1.05) + (1 << 20), f"the size of {ckpt.tag_of(4)}")
+    assert summed == [[1000.0], [1000.0]]
+
+
+def test_ranks_that_see_other_checkpoints_stop_together_before_any_loads(tmp_path, monkeypatch):
+    """Rank 1's view of a shared file system is stale: it sees no checkpoint where rank 0 sees
+    step 4 (then, with one in view, another newest one). Each rank stops at resume naming what
+    each saw, before anything loads. Fails on the code before: each rank chose on its own view,
+    so rank 0 resumed while rank 1 started afresh, and they met in different collectives."""
+    from types import SimpleNamespace
+
+    from vrgd_ds.train.config import ConfigError
+
+    fake_checkpoint(tmp_path / loop.CHECKPOINTS, 4)
+    job = object.__new__(loop.Job)
+    job.run_dir, job.rank, job.world = tmp_path, 0, 2
+    job.optimizer = SimpleNamespace(param_groups=[])
+    for rank1 in ([], [ckpt.tag_of(4), ckpt.tag_of(6)]):
+        def gather(out, mine, rank1=rank1):
+            out[:] = [mine, rank1 if isinstance(mine, list) else ckpt.tag_of(6)]
+
+        monkeypatch.setattr(loop, "dist", SimpleNamespace(all_gather_object=gather))
+        with pytest.raises(ConfigError, match=r"the ranks disagree on the checkpoints \(rank 0: \['step00000004'\]; "
+                                              r"rank 1: \[.*\]\).*view differs between nodes"):
+            job.resume()
+    monkeypatch.setattr(loop, "dist", SimpleNamespace(all_gather_object=lambda out, mine: out.__setitem__(
+        slice(None), [mine, mine if isinstance(mine, list) else ckpt.tag_of(6)])))
+    with pytest.raises(ConfigError, match=r"disagree on the checkpoint to resume from \(rank 0: 'step00000004'; "
+                                          r"rank 1: 'step00000006'\)"):
+        job.resume()
+
+
+def test_a_diverged_run_says_which_checkpoints_to_move_for_a_start_from_the_one_before(tmp_path):
+    """Skips from step 11 on, checkpoints at steps 10 (before them) and 12 (during them): the job
+    resumes from the newest complete checkpoint, so the message names step 12's to move away
+    for a start from step 10's. Fails on the code before, which said to start again from step
+    10's checkpoint, where a start resumed from step 12's."""
+    from types import SimpleNamespace
+
+    for step in (10, 12):
+        fake_checkpoint(tmp_path / loop.CHECKPOINTS, step)
+    job = object.__new__(loop.Job)
+    job.run_dir, job.rank, job.step, job.skip_streak_from = tmp_path, 0, 13, 10
+    job.job = SimpleNamespace(stop_after_skipped_steps=3)
+    with pytest.raises(loop.Diverged) as raised:
+        job._after_step(True)
+    ckpts = tmp_path / loop.CHECKPOINTS
+    assert str(raised.value) == (
+        "the run diverged: 3 consecutive optimizer steps (11-13) were skipped on non-finite gradients or fp16 "
+        f"overflow (job.stop_after_skipped_steps=3); the last checkpoint before them is {ckpts / 'step00000010'} "
+        "(kept by the rotation). To start again from it, move the checkpoints taken during the skips "
+        f"(step00000012) out of {ckpts}, lower the learning rate or the warmup's peak, and start the job again: "
+        "it resumes from the newest complete checkpoint")
+
+
 def test_a_save_over_a_save_cut_short_keeps_none_of_its_files(tmp_path, monkeypatch):
     """A save of step 4 on 4 ranks killed half-way left ranks 2-3's files and a conversion of the tag;
     the job, resumed on 2 ranks from an older checkpoint, reaches step 4 again and saves it: the

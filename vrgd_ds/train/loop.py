@@ -294,6 +294,22 @@ class Job:
 
     # -- checkpoints ---------------------------------------------------------------------------
 
+    def _seen_alike(self, what: str, seen: Any) -> Any:
+        """``seen``, what this rank read of the checkpoints, once every rank has read the same;
+        else an error on every rank naming what each saw (a shared file system whose view is
+        stale on some node: the ranks would otherwise resume from different checkpoints, or some
+        start afresh, and meet in different collectives)."""
+        if self.world > 1:
+            everyone: list[Any] = [None] * self.world
+            dist.all_gather_object(everyone, seen)
+            if any(other != seen for other in everyone):
+                views = "; ".join(f"rank {r}: {v!r}" for r, v in enumerate(everyone) if v != everyone[0])
+                raise _agreed(ConfigError(
+                    f"{self.ckpt_dir}: the ranks disagree on {what} (rank 0: {everyone[0]!r}; {views}); the "
+                    "file system's view differs between nodes: wait for it to settle (or remount it with "
+                    "consistent caching), then start again"))
+        return seen
+
     @property
     def ckpt_dir(self) -> Path:
         return self.run_dir / CHECKPOINTS
@@ -303,7 +319,7 @@ class Job:
         and passed over. No checkpoint at all: a fresh start. A checkpoint of another layout or
         another optimizer loads as the engine's plan says (``Engine.plan``: converted, carried
         over, started fresh, or refused, per ``checkpoint.optimizer_state``)."""
-        if not ckpt.tags(self.ckpt_dir):
+        if not self._seen_alike("the checkpoints", ckpt.tags(self.ckpt_dir)):
             return False
         failed: list[str] = []
         unconverted: list[ConversionFailed] = []  # checkpoints of another number of ranks that did not convert
@@ -311,6 +327,7 @@ class Job:
         built = [{k: v for k, v in g.items() if k != "params"} for g in self.optimizer.param_groups]
         while True:
             choice = ckpt.choose(self.ckpt_dir, tuple(failed))
+            self._seen_alike("the checkpoint to resume from", choice.tag)
             for why in choice.skipped:
                 if self.rank == 0 and why not in reported:
                     logger.warning("skipping checkpoint %s", why)
@@ -422,14 +439,18 @@ class Job:
     def _checkpoint_bytes(self) -> tuple[int, int, str]:
         """About how many bytes the next checkpoint will take, the room to ask for it, and where
         the figure comes from: the last complete checkpoint's size, else the engine's estimate
-        summed over the ranks."""
+        summed over the ranks. Rank 0's figures (it checks the space): the sum runs on every rank
+        alike, and rank 0 alone walks the checkpoints, which it then clears and rotates while no
+        other rank reads them."""
+        estimate = int(self._sum_over_ranks([float(self.engine.checkpoint_bytes())])[0])
+        if self.rank != 0:
+            return estimate, int(estimate * 1.1) + (1 << 20), "the engine's estimate"
         done = [t for t in ckpt.tags(self.ckpt_dir) if ckpt.problem(self.ckpt_dir, t) is None]
         if done:
             written = getattr(self, "written", None)  # (tag, bytes) of this job's last save: no second walk
             size = written[1] if written and written[0] == done[-1] else ckpt.size_of(self.ckpt_dir, done[-1])
             return size, int(size * 1.05) + (1 << 20), f"the size of {done[-1]}"
-        total = int(self._sum_over_ranks([float(self.engine.checkpoint_bytes())])[0])
-        return total, int(total * 1.1) + (1 << 20), "the engine's estimate"
+        return estimate, int(estimate * 1.1) + (1 << 20), "the engine's estimate"
 
     def save(self) -> None:
         if getattr(self, "saved_step", None) == self.step:  # e.g. a pre-emption right after a periodic save
@@ -591,14 +612,21 @@ class Job:
                                "row (job.stop_after_skipped_steps)", self.step, self.job.stop_after_skipped_steps)
         streak = self.step - self.skip_streak_from
         if streak >= self.job.stop_after_skipped_steps:
-            kept = [t for t in ckpt.tags(self.ckpt_dir) if ckpt.step_of(t) <= self.skip_streak_from
-                    and ckpt.problem(self.ckpt_dir, t) is None]
+            complete = [t for t in ckpt.tags(self.ckpt_dir) if ckpt.problem(self.ckpt_dir, t) is None]
+            kept = [t for t in complete if ckpt.step_of(t) <= self.skip_streak_from]
+            after = [t for t in complete if ckpt.step_of(t) > self.skip_streak_from]
             where = (f"the last checkpoint before them is {self.ckpt_dir / kept[-1]} (kept by the rotation)" if kept
                      else "no checkpoint was taken before them")
+            # a start resumes from the newest complete checkpoint: the ones taken during the skips
+            # have to go for the one before them to be the newest
+            move = (f"move the checkpoints taken during the skips ({', '.join(after)}) out of {self.ckpt_dir}, "
+                    if kept and after else "")
+            fix = (f"To start again from it, {move}lower the learning rate or the warmup's peak, and start the job "
+                   "again: it resumes from the newest complete checkpoint" if kept else
+                   "Lower the learning rate or the warmup's peak and start afresh (move the run directory away)")
             raise Diverged(f"the run diverged: {streak} consecutive optimizer steps ({self.skip_streak_from + 1}-"
                            f"{self.step}) were skipped on non-finite gradients or fp16 overflow "
-                           f"(job.stop_after_skipped_steps={self.job.stop_after_skipped_steps}); {where}. Lower the "
-                           "learning rate or the warmup's peak, then start again from that checkpoint")
+                           f"(job.stop_after_skipped_steps={self.job.stop_after_skipped_steps}); {where}. {fix}")
 
     def _run_phase(self, index: int, sinks, bar, held, gsnr_on: bool) -> None:
         """Steps of phase ``index`` until its sample budget is consumed: the batch and LR of each
