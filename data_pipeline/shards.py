@@ -31,6 +31,7 @@ bounded for corpora of any size.
 """
 from __future__ import annotations
 
+import contextlib
 import errno
 import hashlib
 import itertools
@@ -38,6 +39,7 @@ import json
 import logging
 import multiprocessing
 import os
+import signal
 from collections import deque
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
@@ -139,6 +141,32 @@ def _chunks(documents: Iterable[Sequence[str]], chunk_chars: int) -> Iterator[li
         yield chunk
 
 
+@contextlib.contextmanager
+def children_without_usr1() -> Iterator[None]:
+    """Child processes started inside have SIGUSR1 blocked for their lifetime. Slurm's warning
+    before a pre-emption (``--signal=USR1@120``) goes to every process of the step, and the job
+    handles it in the parent (a checkpoint, then exit); a child started by spawn or forkserver
+    would die of the signal's default action, losing its task (the parent then waits on it
+    forever). A signal that comes to the parent meanwhile is delivered when this ends."""
+    if not hasattr(signal, "pthread_sigmask"):  # no POSIX signal masks: nothing to inherit
+        yield
+        return
+    before = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGUSR1})
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, before)
+
+
+def start_pool(workers: int, tokenizer_path: str) -> multiprocessing.pool.Pool:
+    """``workers`` encoding processes, each with the tokenizer loaded (``_init_worker``).
+    Spawned, not forked: the caller may hold threads (torch, tokenizer) that a fork would copy in
+    a locked state."""
+    context = multiprocessing.get_context("spawn")
+    with children_without_usr1():
+        return context.Pool(workers, initializer=_init_worker, initargs=(tokenizer_path,))
+
+
 def _encoded_chunks(
     documents: Iterable[Sequence[str]], tokenizer: Tokenizer, workers: int, chunk_chars: int
 ) -> Iterator[tuple[int, _Encoded]]:
@@ -147,10 +175,7 @@ def _encoded_chunks(
         for chunk in _chunks(documents, chunk_chars):
             yield len(chunk), encode_documents(tokenizer, chunk)
         return
-    # spawn, not fork: the caller may hold threads (torch, tokenizer) that a fork would copy in
-    # a locked state. Each worker loads the tokenizer once, in _init_worker.
-    context = multiprocessing.get_context("spawn")
-    pool = context.Pool(workers, initializer=_init_worker, initargs=(str(tokenizer.path),))
+    pool = start_pool(workers, str(tokenizer.path))
     in_flight: deque = deque()
     try:
         # Pool.imap would read the whole input ahead of the workers; a bounded queue of

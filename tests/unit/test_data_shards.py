@@ -331,3 +331,66 @@ def test_another_users_lock_file_in_a_shared_directory_still_locks(tmp_path, mon
                                         r"\(chmod g\+w"):
         with locks.directory_lock(tmp_path, theirs.name, "prepare"):
             pass
+
+
+class _Squares:
+    def __len__(self):
+        return 4
+
+    def __getitem__(self, i):
+        return i * i
+
+
+def _usr1_to(pids):
+    import os
+    import signal
+    import time
+
+    for pid in pids:
+        os.kill(pid, signal.SIGUSR1)
+    time.sleep(1.0)
+
+
+@pytest.mark.slow  # two spawned interpreters (seconds)
+@pytest.mark.timeout(240)  # the old code hung in the pool's teardown
+def test_spawned_workers_outlive_the_jobs_preemption_signal(tokenizer):
+    """Slurm sends its pre-emption warning (SIGUSR1) to every process of the step; the job
+    handles it in the parent. The encoding pool's workers and a spawned DataLoader worker
+    (forkserver, Python 3.14's default, starts them alike) get it blocked, so they live on and
+    finish their work. Fails on the code before: they died of the signal's default action, the
+    pool's task was lost (the parent waited on it forever) and the loader stopped with "worker
+    exited unexpectedly"."""
+    import signal
+
+    import torch
+
+    from vrgd_ds.train.data import loader
+
+    previous = signal.signal(signal.SIGUSR1, lambda *unused: None)  # the job's handler
+    try:
+        pool = shards_module.start_pool(1, str(tokenizer.path))
+        try:
+            workers = list(pool._pool)
+            assert pool.apply_async(shards_module._encode_in_worker, ([["one two"]],)).get(timeout=120)
+            _usr1_to([w.pid for w in workers])
+            assert [w.exitcode for w in workers] == [None]
+            assert pool.apply_async(shards_module._encode_in_worker, ([["three four"]],)).get(timeout=120)
+        finally:
+            pool.terminate()
+            pool.join()
+        spawn = torch.multiprocessing.get_context("spawn")
+        original = torch.utils.data.DataLoader.__init__
+
+        def spawned(self, *args, **kwargs):
+            original(self, *args, multiprocessing_context=spawn, **kwargs)
+
+        torch.utils.data.DataLoader.__init__ = spawned
+        try:
+            batches = loader(_Squares(), [[0, 1], [2, 3]], 1, False, collate_fn=list)
+        finally:
+            torch.utils.data.DataLoader.__init__ = original
+        assert next(batches) == [0, 1]
+        _usr1_to([w.pid for w in batches._workers])
+        assert next(batches) == [4, 9]
+    finally:
+        signal.signal(signal.SIGUSR1, previous)

@@ -22,7 +22,7 @@ import torch
 
 from vrgd_ds.data_pipeline.sampler import PretrainingSampler
 from vrgd_ds.data_pipeline.samples import DOC_A, DOC_B, BertPretrainingDataset, collate, index_filename
-from vrgd_ds.data_pipeline.shards import MANIFEST, ShardedCorpus
+from vrgd_ds.data_pipeline.shards import MANIFEST, ShardedCorpus, children_without_usr1
 from vrgd_ds.data_pipeline.prepare import SHARDS_DIR, TOKENIZER_FILE
 from vrgd_ds.data_pipeline.tokenizer import Tokenizer
 from vrgd_ds.train.config import ConfigError, JobConfig
@@ -348,9 +348,14 @@ def prepare_data(job: JobConfig, run_dir: Path, rank: int, barrier: Any, seq_len
 
 
 def loader(dataset: torch.utils.data.Dataset, sampler: PretrainingSampler, workers: int, pin_memory: bool,
-           collate_fn: Any = collate) -> torch.utils.data.DataLoader:
-    return torch.utils.data.DataLoader(dataset, batch_sampler=sampler, collate_fn=collate_fn, num_workers=workers,
-                                       pin_memory=pin_memory, persistent_workers=False)
+           collate_fn: Any = collate) -> Iterator[Any]:
+    """The batches of ``sampler``, read by ``workers`` processes started now, SIGUSR1 blocked in
+    them (``children_without_usr1``: the job's pre-emption signal is the parent's, and a worker
+    that forkserver, Python 3.14's default, or spawn starts would die of it)."""
+    batches = torch.utils.data.DataLoader(dataset, batch_sampler=sampler, collate_fn=collate_fn, num_workers=workers,
+                                          pin_memory=pin_memory, persistent_workers=False)
+    with children_without_usr1():
+        return iter(batches)
 
 
 def eval_batches(held: torch.utils.data.Dataset, count: int, micro_batch: int, rank: int, world: int,

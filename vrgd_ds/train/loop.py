@@ -689,7 +689,7 @@ class Job:
             if self.job.data.workers:
                 raise ConfigError(f"{TRACE_ENV} needs job.data.workers = 0 (workers prefetch ahead of the steps)")
             sampler = _Recorder(sampler)
-        batches = iter(loader(train, sampler, self.job.data.workers, self.device.type == "cuda", self.engine.collate))
+        batches = loader(train, sampler, self.job.data.workers, self.device.type == "cuda", self.engine.collate)
         return sampler, batches, trace
 
     def _batch_and_lr(self, index: int, controller: BatchController | None) -> tuple[int, float]:
