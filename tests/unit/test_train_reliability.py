@@ -334,7 +334,7 @@ def saving_job(run_dir: Path, step: int, write, monkeypatch) -> loop.Job:
     job.lock, job.first_on_node = None, True
     job.engine = SimpleNamespace(save=write)
     job._checkpoint_bytes = lambda: (10, 10, "test")
-    job._any_rank = lambda flag: flag
+    job._any_rank, job._max_over_ranks = (lambda flag: flag), (lambda value: value)
     job.optimizer_info = job.resume_info = lambda: {}
     job.watchdog = SimpleNamespace(beat=lambda step, what: None)
     monkeypatch.setattr(loop, "dist", SimpleNamespace(barrier=lambda: None))
@@ -418,6 +418,24 @@ def test_a_diverged_run_says_which_checkpoints_to_move_for_a_start_from_the_one_
         "(kept by the rotation). To start again from it, move the checkpoints taken during the skips "
         f"(step00000012) out of {ckpts}, lower the learning rate or the warmup's peak, and start the job again: "
         "it resumes from the newest complete checkpoint")
+
+
+def test_a_save_after_the_directory_was_taken_over_leaves_the_new_owners_checkpoint(tmp_path, monkeypatch):
+    """The run directory is taken over between the step's agreement and its save, and the new
+    owner has already written a complete checkpoint of the same step: the save stops on every rank
+    (``RunDirBusy``) before rank 0 clears anything, and that checkpoint stays. Fails on the code
+    before, which cleared the tag (a save cut short, as it took it) and wrote its own files there."""
+    from types import SimpleNamespace
+
+    from vrgd_ds.train.rundir import RunDirBusy
+
+    tag = fake_checkpoint(tmp_path / loop.CHECKPOINTS, 4)
+    writes = []
+    job = saving_job(tmp_path, 4, lambda *args: writes.append(args), monkeypatch)
+    job.lock = SimpleNamespace(lost="run directory taken over by job 77 on host b", record={})
+    with pytest.raises(RunDirBusy, match="taken over by job 77"):
+        job.save()
+    assert writes == [] and ckpt.problem(tmp_path / loop.CHECKPOINTS, tag) is None
 
 
 def test_a_save_over_a_save_cut_short_keeps_none_of_its_files(tmp_path, monkeypatch):
@@ -757,7 +775,7 @@ def test_a_diverged_run_and_a_checkpoint_without_room_end_every_rank_together(mo
     job = object.__new__(loop.Job)
     job.saved_step, job.step, job.rank, job.run_dir = None, 3, 0, tmp_path
     job._checkpoint_bytes = lambda: (1, 1 << 62, "an estimate")  # more than any disk holds
-    job._any_rank = lambda flag: flag
+    job._any_rank, job._max_over_ranks, job.lock = (lambda flag: flag), (lambda value: value), None
     with pytest.raises(ckpt.NoSpace) as no_room:
         job.save()
     assert no_room.value.agreed is True

@@ -457,8 +457,8 @@ class Job:
             return
         tag = ckpt.tag_of(self.step)
         expected, need, basis = self._checkpoint_bytes()
-        short = None
-        if self.rank == 0:
+        short, lost = None, self._lost()
+        if self.rank == 0 and not lost:  # a directory taken over since the step: nothing cleared or written
             try:
                 self.ckpt_dir.mkdir(parents=True, exist_ok=True)
                 ckpt.check_space(self.ckpt_dir, need)
@@ -468,7 +468,11 @@ class Job:
                 # there, maybe of another number of ranks, that would join this one; cleared before
                 # any rank writes (the all-reduce below)
                 ckpt.remove(self.ckpt_dir, tag)
-        if self._any_rank(short is not None):
+        stop = self._max_over_ranks(2 if lost else 1 if short is not None else 0)
+        if stop == 2:
+            raise RunDirBusy(self.lock.lost if lost else "another job took the run directory over (rank 0 names "
+                             "it); this job stops without writing to it")
+        if stop == 1:
             # every rank raises it here (not so a write that fails on one rank's disk)
             raise _agreed(ckpt.NoSpace(short or f"no space left on {self.ckpt_dir} for the next checkpoint (see rank 0)"))
         state = {"step": self.step, "consumed": self.consumed, "evals": self.evals, "world_size": self.world,
@@ -791,6 +795,9 @@ class Job:
             self.save()
         if signal_code == 1:
             self.save()
+            if self._any_rank(self._lost()):  # taken over during the save: no requeue marker in its directory
+                raise RunDirBusy(self.lock.lost if self._lost() else "another job took the run directory over (rank "
+                                 "0 names it); this job's last checkpoint is not marked complete")
             if self.rank == 0:  # for the batch script: the exit code of srun is the first rank's to end;
                 # the Slurm job and start it was written by, which alone may requeue on it
                 owner = self.lock.record if self.lock is not None else {}
