@@ -178,6 +178,36 @@ def _train(case: dict) -> dict[str, Any]:
                                     if k != "step"}))
 
 
+def base_replicated_case(case: dict) -> list[dict[str, Any]]:
+    """Lamb (GSNR off) on HSDP of 2 replicas, each a shard of 1 rank, with FSDP's all-reduce hook
+    set: FSDP reduces as it would, and the per-tensor sums count each replica's copy once; the
+    trained parameters against Lamb in one process."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    model = Net(False)
+    ref = copy.deepcopy(model)
+    p0 = flat(ref.parameters())
+    shard(model, "hsdp", world)
+    hooked = []
+    model.b.set_all_reduce_hook(lambda reduced: hooked.append(reduced.numel()))
+    opt, ref_opt = vrgd_ds.Lamb(model.parameters(), lr=0.05), vrgd_ds.Lamb(ref.parameters(), lr=0.05)
+    attached = vrgd_ds.fsdp.attach(model, opt)
+    for step in range(STEPS):
+        for j in range(2):
+            backward(model, batch(step, rank, j), 0.5, 1)
+        opt.step()
+        opt.zero_grad()
+        for r in range(world):
+            for j in range(2):
+                backward(ref, batch(step, r, j), 0.5, 1)
+        for p in ref.parameters():
+            p.grad.div_(world)
+        ref_opt.step()
+        ref_opt.zero_grad()
+    full, want = flat(p.full_tensor() for p in model.parameters()), flat(ref.parameters())
+    return every_rank(dict(err=float((full - want).norm() / (want - p0).norm()), hooked=len(hooked),
+                           statistics=attached is not None))
+
+
 def refusal_case(case: dict) -> list[dict[str, Any]]:
     """What attach says to a set-up it does not cover (``case["what"]``), on every rank."""
     return every_rank(_refusal(case))

@@ -164,7 +164,7 @@ def test_a_model_sharded_over_part_of_the_ranks_is_refused(pool4):
     stage 1's trust ratios and GSNR means came from stage 0's tensors (about 20% off)."""
     for res in pool4.run("fsdp_worker", "refusal_case", {"what": "pipeline"}):
         assert res["type"] == "UnsupportedFSDPConfiguration", res
-        assert "a model whose device mesh covers 2 of the 4 ranks" in res["message"], res
+        assert "a model whose device meshes cover 2 of the 4 ranks" in res["message"], res
 
 
 def test_hsdp_replicas_that_reduced_unequally_often_are_refused(pool4):
@@ -208,6 +208,15 @@ def test_a_first_step_at_lr_0_is_taken_by_every_rank_whatever_its_shard_holds(po
     res = pool.run("fsdp_worker", "zero_shard_case", {})
     assert [r["local_zero"] for r in res] == [False, True], res  # the case holds
     assert all(r["steps"] == [2] for r in res), res
+
+
+def test_a_base_optimizer_takes_a_replicated_model_with_an_all_reduce_hook(pool):
+    """``Lamb`` without the GSNR on HSDP of 2 replicas × a shard of 1 rank, with
+    ``set_all_reduce_hook``: both are refused for the statistics only (no reduce-scatter to take
+    them at; a hook after they read the gradient), and a base optimizer takes none. It trains as
+    Lamb in one process. Fails on the code before, which refused both for every optimizer."""
+    for res in pool.run("fsdp_worker", "base_replicated_case", {}):
+        assert res["err"] <= TOL and res["hooked"] == 2 * 3 and not res["statistics"], res  # 3 steps
 
 
 def test_fsdps_reduction_is_untouched_and_gamma_1_is_the_base_optimizer_bit_for_bit(pool):

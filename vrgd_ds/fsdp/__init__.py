@@ -98,7 +98,7 @@ def _check_group(group: Any, gsnr: bool) -> tuple[Any, Any | None]:
     from torch.distributed.fsdp._fully_shard._fsdp_common import FSDPMeshInfo, HSDPMeshInfo
 
     info = group.mesh_info
-    if not isinstance(info, FSDPMeshInfo) or info.shard_mesh_size < 2:
+    if not isinstance(info, FSDPMeshInfo) or (gsnr and info.shard_mesh_size < 2):
         raise _refuse("a parameter group that is not sharded over >= 2 ranks", "FSDP does not reduce-scatter it, "
                       "so no statistics are taken there; shard over >= 2 ranks, or replicate the model with torch's "
                       "DistributedDataParallel and vrgd_ds.ddp.attach")
@@ -111,7 +111,7 @@ def _check_group(group: Any, gsnr: bool) -> tuple[Any, Any | None]:
         raise _refuse(f"FSDP's reduce-scatter replaced by {type(group._reduce_scatter_comm).__name__} "
                       "(set_custom_reduce_scatter, set_symm_mem_for_comm, allocation from the process group)",
                       "the statistics replace it themselves; leave FSDP's default reduce-scatter in place")
-    if group._all_reduce_hook is not None:
+    if gsnr and group._all_reduce_hook is not None:
         raise _refuse("set_all_reduce_hook", "it changes the reduced gradient after the statistics read it")
     for fp in group.fsdp_params:
         if fp.offload_to_cpu:
