@@ -311,6 +311,19 @@ def test_rotation_keeps_the_newest_and_the_protected_and_never_an_incomplete_one
     assert ckpt.tags(tmp_path) == [ckpt.tag_of(s) for s in (2, 6, 8, 10)]
 
 
+def test_rotation_deletes_an_incomplete_checkpoint_once_the_kept_ones_are_newer(tmp_path):
+    """Saves cut short at steps 3 and 7 (pre-emptions killed mid-save), complete ones at 2, 4, 6
+    and 8, 2 kept: step 3's is older than both kept ones and goes with the rotation; step 7's,
+    between them, stays for inspection. Fails on the code before, which kept every incomplete
+    checkpoint for good (each up to a checkpoint's size, until the disk filled)."""
+    for s in (2, 4, 6, 8):
+        fake_checkpoint(tmp_path, s)
+    for s in (3, 7):
+        fake_checkpoint(tmp_path, s, complete=False)
+    assert ckpt.rotate(tmp_path, keep=2, newest=ckpt.tag_of(8)) == [ckpt.tag_of(s) for s in (2, 4, 3)]
+    assert ckpt.tags(tmp_path) == [ckpt.tag_of(s) for s in (6, 7, 8)]
+
+
 def test_rotation_never_deletes_the_checkpoint_just_written_for_one_passed_over(tmp_path):
     """A later checkpoint that passed the size check but did not load (the resume passed it over)
     stays on disk; the job goes on from an earlier one and writes step 6. Rotation counts only

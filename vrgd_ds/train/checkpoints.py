@@ -181,18 +181,28 @@ def choose(ckpt_dir: Path, exclude: tuple[str, ...] = ()) -> Choice:
 
 def rotate(ckpt_dir: Path, keep: int, protect: str | None = None, newest: str | None = None) -> list[str]:
     """Deletes complete checkpoints beyond the newest ``keep``, never ``protect`` (the last one
-    before a run of skipped steps) and never an incomplete one (kept for inspection, and not
-    counted). ``newest``: the checkpoint just written; a later one is one the resume passed over
-    (it did not load), kept for inspection and not counted either, so that the one just written
-    is never the one deleted. Returns the deleted tags."""
+    before a run of skipped steps). An incomplete one (a save cut short, a damaged one) is not
+    counted, and is kept for inspection while the kept ones are older: once the oldest kept
+    complete checkpoint is newer, it is deleted too (each pre-emption cut short would otherwise
+    leave one behind, up to a checkpoint's size). ``newest``: the checkpoint just written; a
+    later one is one the resume passed over (it did not load), kept for inspection and not
+    counted either, so that the one just written is never the one deleted. Returns the deleted
+    tags."""
     last = step_of(newest) if newest is not None else None
-    complete = [t for t in tags(ckpt_dir) if problem(ckpt_dir, t) is None and (last is None or step_of(t) <= last)]
+    every = tags(ckpt_dir)
+    broken = {t for t in every if problem(ckpt_dir, t) is not None}
+    complete = [t for t in every if t not in broken and (last is None or step_of(t) <= last)]
     deleted = []
     for tag in complete[:-keep] if keep > 0 else complete:
         if tag == protect:
             continue
         remove(ckpt_dir, tag)
         deleted.append(tag)
+    window = complete[-keep:] if keep > 0 else []
+    for tag in sorted(broken, key=step_of):
+        if window and step_of(tag) < step_of(window[0]):
+            remove(ckpt_dir, tag)
+            deleted.append(tag)
     return deleted
 
 
