@@ -747,3 +747,41 @@ def test_pack_squares_of_a_strided_source_reads_its_elements():
     ref_g, ref_sq = torch.empty(8), torch.empty(8)
     _impl.Reference().pack_squares(src, ref_g, ref_sq, 1.0)
     assert torch.equal(g, ref_g) and torch.equal(sq, ref_sq)
+
+
+def _flags(flags: dict) -> tuple:
+    return tuple(sorted((k, str(v)) for k, v in flags.items()))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("name, over", [(n, {}) for n in REGISTRY] + [("Lamb", dict(adam_w_mode=False))],
+                         ids=[*REGISTRY, "Lamb-L2"])
+def test_every_launch_after_the_first_write_was_compiled_before_it(name, over, dtype, monkeypatch):
+    """A step's kernels from the one that first writes state on are compiled before it runs
+    (``then``), so that a compile failure on a GPU hands the whole step to the reference before
+    anything is written. Every launch after a launch that compiles ahead must be one it (or one
+    before it) compiled. Fails on the code before: the SGD family's and LARS's ``finish`` was
+    not compiled with ``sgd``, and LAMB's L2 mode on bf16 compiled ``lamb_apply`` for fp32 (the
+    copies its first pass reads) where it then stepped bf16; a compile failure there raised "cannot
+    be redone". Counted here, on the interpreter, for what a GPU would compile."""
+    launched = []
+    original = _triton.Triton._launch
+
+    def recorded(self, kernel, grid, *args, then=(), **flags):
+        launched.append((kernel, _flags(flags), [(n, _flags(f)) for n, f in then]))
+        return original(self, kernel, grid, *args, then=then, **flags)
+
+    monkeypatch.setattr(_triton.Triton, "_launch", recorded)
+    info = REGISTRY[name]
+    p = nn.Parameter(torch.randn(64, dtype=dtype, device=DEVICE))
+    opt = info.cls([p], fused="triton", **{**info.test_kwargs, **over})
+    for _ in range(2):
+        (p.float() * torch.randn(64, device=DEVICE)).sum().backward()
+    opt.step()
+    compiled, ahead, late = set(), False, []
+    for kernel, flags, then in launched:
+        if ahead and (kernel, flags) not in compiled:
+            late.append(kernel)
+        ahead = ahead or bool(then)
+        compiled |= set(then)
+    assert ahead and late == [], launched

@@ -131,7 +131,7 @@ class Reference:
         return out
 
     def adam_step(self, params, grads, exp_avg, exp_avg_sq, sum_g, sum_sq, avg, seg, segf, inv_n, eps_gsnr, beta3,
-                  lr, beta1, beta2, eps, weight_decay, apply, placement, found_inf=None):
+                  lr, beta1, beta2, eps, weight_decay, apply, placement, found_inf=None, apply_dtype=None):
         if placement not in range(len(PLACEMENTS)):
             raise ValueError(f"adam_step: unknown GSNR placement {placement}")
         scale = _Gsnr(sum_g, sum_sq, avg, inv_n, eps_gsnr, beta3)
@@ -249,7 +249,7 @@ class Fused:
     def sgd_step(self, *args, found_inf=None, **kwargs):
         return self._k.sgd_step(*args, **kwargs)
 
-    def adam_step(self, *args, found_inf=None, **kwargs):
+    def adam_step(self, *args, found_inf=None, apply_dtype=None, **kwargs):
         return self._k.adam_step(*args, **kwargs)
 
     def lamb_apply(self, *args, found_inf=None, **kwargs):

@@ -1421,11 +1421,14 @@ class Triton:
                          float(1.0 - beta3), float(lr),
                          float(weight_decay), float(momentum), float(1.0 - dampening), PDT=self._dtype(params),
                          ON=bool(sum_g), EMA=bool(avg), BUF=buf, NESTEROV=bool(nesterov) and buf, BLOCK=BLOCK,
-                         then=[_combine_flags(3, 3, False)])
+                         # the metric rows after it: SGD's (TRUST 0) or LARS's (2), not known here
+                         then=[_combine_flags(3, 3, False)] + [
+                             ("finish", dict(K=3, ON=bool(sum_g), TRUST=trust, ADAPT=False, BLOCK=_TABLE_BLOCK))
+                             for trust in (0, 2)])
         return self._combined(ch, part, 3, 3, False)
 
     def adam_step(self, params, grads, exp_avg, exp_avg_sq, sum_g, sum_sq, avg, seg, segf, inv_n, eps_gsnr, beta3,
-                  lr, beta1, beta2, eps, weight_decay, apply, placement, found_inf=None):
+                  lr, beta1, beta2, eps, weight_decay, apply, placement, found_inf=None, apply_dtype=None):
         if placement not in range(len(PLACEMENTS)):
             raise ValueError(f"adam_step: unknown GSNR placement {placement}")
         dev = self._device(params)
@@ -1445,7 +1448,8 @@ class Triton:
                          PDT=self._dtype(params), ON=on, EMA=bool(avg), APPLY=bool(apply),
                          PLACE=placement if on else BOTH_MOMENTS, BLOCK=BLOCK,
                          then=[_combine_flags(k, k, False)] + ([] if apply else [_lamb_apply_flags(
-                             self._dtype(params), on and placement == UPDATE, bool(avg) and placement == UPDATE)])
+                             _DTYPES[apply_dtype] if apply_dtype is not None else self._dtype(params),
+                             on and placement == UPDATE, bool(avg) and placement == UPDATE)])
                          + (_finish_flags(k, on) if segf.shape[1] == _ADAM_W.value else []))
         return self._combined(ch, part, k, k, False)
 

@@ -138,9 +138,12 @@ class Kernels(Protocol):
     def adam_step(self, params: Tensors, grads: Tensors, exp_avg: Tensors, exp_avg_sq: Tensors, sum_g: Tensors,
                   sum_sq: Tensors, avg: Tensors, seg: Tensor, segf: Tensor, inv_n: float, eps_gsnr: float,
                   beta3: float, lr: float, beta1: float, beta2: float, eps: float, weight_decay: float,
-                  apply: bool, placement: int, found_inf: Tensor | None = None) -> Tensor:
+                  apply: bool, placement: int, found_inf: Tensor | None = None,
+                  apply_dtype: torch.dtype | None = None) -> Tensor:
         """Returns per segment [clip low, clip high, Σ p̂] (apply) or [‖θ‖², ‖u‖², clip low,
-        clip high, Σ p̂] (LAMB's first pass); ``placement`` indexes ``PLACEMENTS``."""
+        clip high, Σ p̂] (LAMB's first pass); ``placement`` indexes ``PLACEMENTS``.
+        ``apply_dtype``: the dtype of the parameters ``lamb_apply`` then steps, where it is not
+        ``params``' (LAMB's L2 mode passes fp32 copies here); kernels compiled ahead take it."""
 
     def lamb_apply(self, params: Tensors, exp_avg: Tensors, exp_avg_sq: Tensors, sum_g: Tensors, sum_sq: Tensors,
                    avg: Tensors, seg: Tensor, segf: Tensor, inv_n: float, eps_gsnr: float, beta3: float, lr: float,

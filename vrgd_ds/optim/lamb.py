@@ -119,7 +119,8 @@ def lamb_update(plan: Plan, ctx: StepContext) -> dict[str, torch.Tensor]:
     out = kernels.adam_step(params, grads, m, v, seg=plan.seg, segf=table,
                             lr=g["lr"], beta1=g["betas"][0], beta2=g["betas"][1], eps=g["eps"],
                             weight_decay=decay, apply=False, placement=placement,
-                            eps_gsnr=plan.eps_gsnr, **gsnr_args, **plan.skip_args())
+                            eps_gsnr=plan.eps_gsnr, **gsnr_args, **plan.skip_args(),
+                            apply_dtype=plan.params[0].dtype if plan.params else None)
     norms = ctx.complete(plan, out[:, :2])
     if device:
         apply_table = torch.empty(plan.num_segments, len(columns.LAMB_APPLY) + 1, dtype=torch.float64,
