@@ -97,9 +97,20 @@ export TORCH_CUDA_ARCH_LIST=$cc
 
 PARTS=${PARTS:-plateau}
 BUDGET_S=${BUDGET_S:-540}  # the whole script: one call of at most 10 minutes
+(( BUDGET_S > 540 )) && BUDGET_S=540  # a budget left of more than a call's 600 s still gets one call
 PLATEAU_S=${PLATEAU_S:-300}  # kept for the study when it is among the parts
+# The study reads WikiText-2 with the pinned sentencepiece; without either it cannot start, and
+# keeps no time from the other parts
+wikitext=${WIKITEXT:-}
+for candidate in ../shared/data/wikitext-2 .data/wikitext-2; do
+    [[ -z $wikitext && -f $candidate/valid.txt ]] && wikitext=$candidate
+done
+no_wikitext="WikiText-2 not found (set WIKITEXT, or link .data to the folder holding wikitext-2 and carry .data/wikitext-2)"
+if ! trainer=$(python3 benchmarks/pinned_release.py 2>&1); then
+    wikitext="" no_wikitext=$(tail -n 1 <<<"$trainer")
+fi
 reserve=0
-[[ " $PARTS " == *" plateau "* ]] && reserve=$PLATEAU_S
+[[ " $PARTS " == *" plateau "* && -n $wikitext ]] && reserve=$PLATEAU_S
 part() {  # name, seconds, command... (capped by the time left before the study's reserve)
     local name=$1 limit=$2; shift 2
     if [[ " $PARTS " != *" $name "* ]]; then return; fi
@@ -128,14 +139,6 @@ part() {  # name, seconds, command... (capped by the time left before the study'
 pack  # something comes back even if the first part is cut short
 part fusedlamb_build 120 python3 -c "from deepspeed.ops.op_builder import FusedLambBuilder as B; B().load()"
 part triton_cuda 180 python3 -m pytest -q -p no:cacheprovider tests/unit/test_triton.py -k "pack_bucket or cuda"
-wikitext=${WIKITEXT:-}
-for candidate in ../shared/data/wikitext-2 .data/wikitext-2; do
-    [[ -z $wikitext && -f $candidate/valid.txt ]] && wikitext=$candidate
-done
-no_wikitext="WikiText-2 not found (set WIKITEXT, or link .data to the folder holding wikitext-2 and carry .data/wikitext-2)"
-if ! trainer=$(python3 benchmarks/pinned_release.py 2>&1); then
-    wikitext="" no_wikitext=$(tail -n 1 <<<"$trainer")
-fi
 # The same job, seed and data as on the CPU: 50 steps of LAMB and VR-LAMB at batch 64, fp32, dropout off
 # (a GPU's dropout stream is not a CPU's: with it on the two would differ by as much as the tolerance),
 # set beside the runs of docs/studies/bert_seed_check (a CPU's), loss by loss, with the data fingerprints.
@@ -155,7 +158,7 @@ zero2() {  # part name, seq, extra options
 }
 # the parts not measured since the bucket packing first, then those measured before
 zero2 zero2_seq128 128 --profile --repeats 4
-part megatron 45 python3 -m torch.distributed.run --nproc_per_node 1 --master_port 29641 \
+part megatron 90 python3 -m torch.distributed.run --nproc_per_node 1 --master_port 29641 \
     benchmarks/megatron_step.py --accumulation 2 16 --steps 10
 zero2 zero2_seq512 512 --profile --repeats 4
 part opt_step_flat 40 python3 benchmarks/gpu_optimizer_step.py --model large --flat --kernels --iters 10
@@ -211,7 +214,7 @@ if [[ " $PARTS " == *" plateau "* ]]; then
             --lr-factor 0.0625 --lr-factor 0.125 --lr-factor 0.25 --lr-factor 0.5 --lr-factor 1 --lr-factor 2 --lr-factor 4 \
             --bracket 1 --bracket-carry --samples 102400 --min-steps 128 --groups 8 \
             --heldout-fraction 0.1 --eval-points 16 --parallel "${PLATEAU_PARALLEL:-8}" \
-            --time-limit $((left - 10)) --expect-rate "${PLATEAU_RATE:-4000}" --expect-share 8 \
+            --time-limit $((left - 30)) --expect-rate "${PLATEAU_RATE:-4000}" --expect-share 8 \
             --workers "${PLATEAU_WORKERS:-7}" \
             "${reuse[@]}" --work "$STUDY_WORK" --out "$WORK/bert_plateau"
         pkill -P "$packer"; kill "$packer" "$sampler" 2>/dev/null; wait "$packer" "$sampler" 2>/dev/null
