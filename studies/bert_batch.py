@@ -452,12 +452,16 @@ class Launch:
         if before:
             r["segments"] = before + [{"machine": machine, "wall_s": round(wall_s, 1), "step": r["steps"],
                                        "samples": r["samples"]}]
-            (self.run_dir / PAUSED).unlink()
         curve = trajectory(self.run_dir)
         if len(curve) > 2:  # evaluated along the way (--eval-points)
             r["trajectory"] = curve
+        # the result first, whole (a stop in between leaves the run finished, not a directory the
+        # next start clears and runs again), then what it replaces
+        partial = self.run_dir / "result.json.partial"
+        partial.write_text(json.dumps(r))
+        os.replace(partial, self.run_dir / "result.json")
+        (self.run_dir / PAUSED).unlink(missing_ok=True)
         shutil.rmtree(self.run_dir / "checkpoints", ignore_errors=True)  # the figures are what the study keeps
-        (self.run_dir / "result.json").write_text(json.dumps(r))
         wait = "" if r["data_wait"] is None else f", {100 * r['data_wait']:.1f}% of it waiting for data"
         print(f"[{r['corpus']} b{r['batch']} {r['optimizer']} lr x{r['factor']:g} seed {r['seed']}] loss "
               f"{r['mlm_loss']:.4f} acc {r['mlm_acc']:.4f} lr {r['lr']:.3g} ({r['wall_s']:.0f} s{wait})", flush=True)
@@ -814,10 +818,10 @@ class Runner:
         ``record``), the machine's rate it showed into ``self.rates`` (this segment's samples over
         its time, times the runs in flight beside it on average). A failed run goes to ``self.failed``
         with its log's last lines, which are printed, and the others go on: the study assembles what
-        finished and then exits 1 (``main``); with ``finished_only`` (after a pause) the runs that did
-        not end well are left."""
+        finished and then exits 1 (``main``); with ``finished_only`` (after a pause) only the runs
+        that finished or diverged (a result too) are taken, the others left."""
         for slot, (i, proc, t0, log) in list(active.items()):
-            if proc.poll() is None or (finished_only and proc.returncode != 0):
+            if proc.poll() is None or (finished_only and proc.returncode not in (0, EXIT_DIVERGED)):
                 continue
             log.close()
             del active[slot]
@@ -870,8 +874,8 @@ class Runner:
                 except subprocess.TimeoutExpired:
                     pass
             marked = (launch.run_dir / "requeue.json").is_file()
-            if proc.poll() == 0 and not marked:
-                continue  # it finished its last step meanwhile: the caller records it
+            if proc.poll() in (0, EXIT_DIVERGED) and not marked:
+                continue  # it finished its last step, or diverged, meanwhile: the caller records it
             earlier = launch.segments()  # the segments before this one: a resumed run's checkpoint
             if proc.poll() is None and (marked or earlier):  # checkpointed (the marker follows the complete
                 stop(proc, grace=20.0)  # save), or resumed from one: either way kept, so stopped, not left running
@@ -1591,12 +1595,13 @@ def main() -> None:
                               "–" if g.get("data_wait") is None else f"{100 * g['data_wait']:.1f}%",
                               "paused" if g["paused"] else "removed")
                              for g in args.stopped]))
-    unrun_what = "the bracket needs next" if args.bracket is not None else "of the grid not run yet"
+    # a staged bracket lists its next round (a factor in play on every seed before it widens)
+    unrun_what = "the bracket's next round needs" if args.bracket is not None else "of the grid not run yet"
     if unrun:
         print(f"{len(unrun)} run(s) {unrun_what}: {'; '.join(unrun[:8])}{' ...' if len(unrun) > 8 else ''}",
               flush=True)
-    if args.noise_multiple:
-        batches = sorted({b for bs in corpus_batches.values() for b in bs})
+    if args.noise_multiple:  # the multiples' batches, in the record's settings too (not the default grid)
+        batches = config["batches"] = sorted({b for bs in corpus_batches.values() for b in bs})
     if not results and not probe_runs:
         if args.time_limit is None:
             raise SystemExit("--only-finished: no finished or reused run matches these corpora, batches and optimizers")

@@ -1073,6 +1073,30 @@ def test_a_run_the_job_stops_as_diverged_is_recorded_as_diverged_not_failed(tmp_
     assert json.loads((run_dir / "result.json").read_text())["mlm_loss"] == math.inf
 
 
+def test_a_run_that_diverges_while_a_pause_waits_is_recorded(tmp_path):
+    """A run the job stops as diverged (exit 4) just as the time limit pauses the runs: a result,
+    recorded as diverged and kept, like one that finishes meanwhile. Fails on the code before,
+    which reported it "stopped, removed" and deleted its directory, so the next start ran it
+    again."""
+    import argparse
+    import subprocess
+
+    sys.path.insert(0, str(STUDIES))
+    from bert_batch import Launch, Runner
+
+    run_dir = tmp_path / "diverging"
+    run_dir.mkdir()
+    launch = Launch(run_dir, [], {}, {"corpus": "c", "batch": 8, "optimizer": "LAMB", "seed": 1, "lr": 1e-2,
+                                      "factor": 4.0, "steps": 10, "samples": 80}, tmp_path / "no-data")
+    proc = subprocess.Popen([sys.executable, "-c", DIVERGING_RANK, "-m", "vrgd_ds.train", str(run_dir)])
+    proc.wait(timeout=60)
+    runner = Runner(argparse.Namespace(parallel=1, time_limit=60, started=time.monotonic(), ranks=1, port=None))
+    active, results = {0: (0, proc, time.monotonic() - 5.0, open(tmp_path / "log", "w"))}, [None]
+    runner.pause_active([launch], active, results, None, 1.0, "--time-limit")
+    assert active == {} and results[0]["diverged"] is True and runner.stopped == []
+    assert json.loads((run_dir / "result.json").read_text())["mlm_loss"] == math.inf
+
+
 def test_the_grid_takes_each_value_once_and_checks_the_batches_it_runs():
     """A repeated ``--lr-factor``, ``--seed`` or ``--batch`` ran one run directory twice and counted
     its result twice; with ``--noise-multiple`` the default ``--batch`` list, which that mode does
@@ -1297,6 +1321,9 @@ def test_batches_at_noise_multiples_get_a_verdict_each_and_the_unrun_cells_are_l
                              "embedded b64 LAMB ×4 seed 2", "embedded b64 VR-LAMB first_moment ×4 seed 1",
                              "embedded b64 VR-LAMB first_moment ×4 seed 2"]
     assert meta["noise_scale"] == {"embedded": 16.0}
+    # the settings name the batches run, not the default --batch grid (fails on the code before:
+    # [64, 256, 1024], which the results page printed for studies at 800 to 50,944)
+    assert meta["config"]["batches"] == [16, 64]
     # --bracket 1: the same runs, and only what a bracket needs is listed: LAMB's ×4 at 16, run on
     # one seed, on the other; nothing for VR-LAMB (bracketed by ×0.5 and ×2) nor at 64
     run_study("bert_batch.py", "--only-finished", "--bracket", "1", "--corpus", "embedded", "--optimizer", "LAMB",
@@ -1306,7 +1333,7 @@ def test_batches_at_noise_multiples_get_a_verdict_each_and_the_unrun_cells_are_l
     meta = json.loads((tmp_path / "bracket" / "meta.json").read_text())
     assert meta["config"]["bracket"] == 1.0 and meta["config"]["lr_factors"] == [0.5, 1.0, 2.0, 4.0]
     assert meta["unrun"] == ["embedded b16 LAMB ×4 seed 2"]
-    assert ("unigram level, nats: not computed; 1 run(s) the bracket needs next; each optimizer's best LR is chosen "
+    assert ("unigram level, nats: not computed; 1 run(s) the bracket's next round needs; each optimizer's best LR is chosen "
             "on the held-out loss it is judged by)") in (tmp_path / "bracket" / "tables.md").read_text()
     assert f"| embedded | 64 | 6.925 (6.900–6.950) | 6.725 (6.700–6.750) | – | {undecided}" in (
         tmp_path / "bracket" / "tables.md").read_text()
@@ -1663,6 +1690,30 @@ def test_a_runs_record_says_how_much_of_its_step_time_went_waiting_for_data(tmp_
     assert launch.progress(wall_s=100.0)["data_wait"] == pytest.approx(0.8 / 4.0)  # this segment's steps
     (run_dir / "metrics.jsonl").write_text(json.dumps({"step": 1, "time": now, "train/samples": 8.0}) + "\n")
     assert launch.data_wait() is None  # a job that logs no data time
+
+
+def test_a_finished_runs_result_is_written_before_its_checkpoints_go(tmp_path, monkeypatch):
+    """A stop (SIGTERM: ``end_on_sigterm`` raises ``SystemExit``) while a finished run's checkpoints
+    are removed leaves its result: the next start counts it finished, not a directory to clear and
+    run again (hours for a 64× run on a CPU). Fails on the code before, which removed the pause
+    marker and the checkpoints before it wrote ``result.json``."""
+    sys.path.insert(0, str(STUDIES))
+    import bert_batch
+
+    run_dir = tmp_path / "run"
+    (run_dir / "checkpoints").mkdir(parents=True)
+    (run_dir / "metrics.jsonl").write_text(json.dumps({"step": 1, "time": time.time(), "train/samples": 8.0}) + "\n")
+    launch = bert_batch.Launch(run_dir, [], {}, {"corpus": "c", "batch": 8, "optimizer": "o", "seed": 1,
+                                                 "factor": 1.0, "steps": 1, "samples": 8}, tmp_path / "no-data")
+
+    def stopped(*args, **kwargs):
+        raise SystemExit(143)
+
+    monkeypatch.setattr(bert_batch.shutil, "rmtree", stopped)
+    with pytest.raises(SystemExit):
+        launch.result(wall_s=5.0, machine="here", diverged=True)
+    assert json.loads((run_dir / "result.json").read_text())["diverged"] is True
+    assert not (run_dir / "result.json.partial").exists()
 
 
 def test_a_resumed_runs_pause_lead_counts_its_own_steps_only(tmp_path):
