@@ -276,13 +276,19 @@ def _refusal(case: dict) -> dict[str, Any]:
                 del opt, stats
                 freed = gone() is None
                 opt = vrgd_ds.VRAdam(model.parameters(), lr=0.1)
+                try:  # the last step's gradients are still there: refused, then cleared
+                    vrgd_ds.fsdp.attach(model, opt)
+                    held = ""
+                except vrgd_ds.fsdp.UnsupportedFSDPConfiguration as e:
+                    held = str(e)
+                model.zero_grad()
                 stats = vrgd_ds.fsdp.attach(model, opt)
                 for j in range(2):
                     backward(model, batch(0, rank, j), 0.5, 1)
                 opt.step()
             finally:
                 gc.enable()
-            return dict(type=None, message="", freed=freed, n=opt.gsnr_metrics()["gsnr/n"])
+            return dict(type=None, message="", freed=freed, n=opt.gsnr_metrics()["gsnr/n"], held=held)
     except Exception as e:  # noqa: BLE001 (the message is the result)
         return dict(type=type(e).__name__, message=str(e))
     if what == "unfrozen":  # a block frozen when attached, unfrozen after a step (progressive unfreezing)

@@ -217,6 +217,16 @@ def attach(model: torch.nn.Module, optimizer: GSNROptimizer, squares_dtype: str 
                           "MixedPrecisionPolicy(reduce_dtype=torch.float32) (torchtitan: "
                           "mixed_precision_reduce = 'float32'), or gsnr=False")
 
+    if any(g["gsnr"] for g in optimizer.param_groups):
+        # the statistics count the reductions from here on, and the step's gradient would also hold
+        # what the backward passes before left in it
+        held = [fp for _, g in groups for fp in g.fsdp_params if fp.sharded_param.grad is not None
+                and bool(fp.sharded_param.grad.to_local().any())]
+        if held:
+            raise _refuse("an attach while the parameters hold gradients (a backward, or a step without "
+                          "zero_grad, before it)", "the statistics count the reductions after attach, and the step "
+                          "would apply the earlier ones too; call optimizer.zero_grad() (or model.zero_grad()) "
+                          "before building the VRGD optimizer and attaching it")
     managed = {id(fp.sharded_param): fp for _, g in groups for fp in g.fsdp_params}
     for group in optimizer.param_groups:
         for p in group["params"]:
