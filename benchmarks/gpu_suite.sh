@@ -24,6 +24,8 @@
 #   PARTS="fusedlamb_build zero2_seq128 megatron zero2_seq512 opt_step_flat opt_step" \
 #       bash benchmarks/gpu_suite.sh     (the performance checks, run in this order, unmeasured first)
 #   PARTS="triton_cuda seed_check plateau" bash benchmarks/gpu_suite.sh   (the checks, then the study)
+#   (the parts named run in this script's order: FusedLamb's build, the performance parts, the
+#   checks, the study)
 #   PARTS=zero2_seq128 BUDGET_S=<budget_left_s - 60> bash benchmarks/gpu_suite.sh   (the lease's second
 #       call, warm: start-up counts against the lease, so size it from the device's budget left)
 #   PARTS=plateau BUDGET_S=<budget_left_s - 60> bash benchmarks/gpu_suite.sh    (a second call for the study instead: it
@@ -138,18 +140,6 @@ part() {  # name, seconds, command... (capped by the time left before the study'
   df -h /dev/shm | tail -n 1; } >>"$WORK/summary.log" 2>&1
 pack  # something comes back even if the first part is cut short
 part fusedlamb_build 120 python3 -c "from deepspeed.ops.op_builder import FusedLambBuilder as B; B().load()"
-part triton_cuda 180 python3 -m pytest -q -p no:cacheprovider tests/unit/test_triton.py -k "pack_bucket or cuda"
-# The same job, seed and data as on the CPU: 50 steps of LAMB and VR-LAMB at batch 64, fp32, dropout off
-# (a GPU's dropout stream is not a CPU's: with it on the two would differ by as much as the tolerance),
-# set beside the runs of docs/studies/bert_seed_check (a CPU's), loss by loss, with the data fingerprints.
-if [[ -n $wikitext ]]; then
-    part seed_check 120 python3 studies/bert_batch.py --model tiny --corpus "wikitext=$wikitext" --batch 64 \
-        --samples 3200 --min-steps 50 --groups 8 --heldout-fraction 0.1 --eval-points 5 --optimizer LAMB \
-        --optimizer "VR-LAMB first_moment" --lr-factor 1 --seed 1 --seed 2 --dropout 0 --parallel 4 \
-        --work /tmp/bert_seed_check --out "$WORK/bert_seed_check" --compare docs/studies/bert_seed_check
-elif [[ " $PARTS " == *" seed_check "* ]]; then
-    echo "== seed_check: not started, $no_wikitext" | tee -a "$WORK/summary.log"
-fi
 one_rank=(env RANK=0 LOCAL_RANK=0 WORLD_SIZE=1 MASTER_ADDR=127.0.0.1 MASTER_PORT=29631)
 zero2() {  # part name, seq, extra options
     local name=$1 seq=$2; shift 2
@@ -166,6 +156,19 @@ part opt_step 60 python3 benchmarks/gpu_optimizer_step.py --model large --kernel
 zero2 zero2_seq128_noprofile 128 --repeats 6
 part opt_step_adam 40 python3 benchmarks/gpu_optimizer_step.py --model large --iters 10 \
     --only "AdamW(fused)" VRAdam Lamb VRLamb "DS FusedLamb"
+# the CUDA kernels' tests and the seed check: after the performance parts, before the study
+part triton_cuda 180 python3 -m pytest -q -p no:cacheprovider tests/unit/test_triton.py -k "pack_bucket or cuda"
+# The same job, seed and data as on the CPU: 50 steps of LAMB and VR-LAMB at batch 64, fp32, dropout off
+# (a GPU's dropout stream is not a CPU's: with it on the two would differ by as much as the tolerance),
+# set beside the runs of docs/studies/bert_seed_check (a CPU's), loss by loss, with the data fingerprints.
+if [[ -n $wikitext ]]; then
+    part seed_check 120 python3 studies/bert_batch.py --model tiny --corpus "wikitext=$wikitext" --batch 64 \
+        --samples 3200 --min-steps 50 --groups 8 --heldout-fraction 0.1 --eval-points 5 --optimizer LAMB \
+        --optimizer "VR-LAMB first_moment" --lr-factor 1 --seed 1 --seed 2 --dropout 0 --parallel 4 \
+        --work /tmp/bert_seed_check --out "$WORK/bert_seed_check" --compare docs/studies/bert_seed_check
+elif [[ " $PARTS " == *" seed_check "* ]]; then
+    echo "== seed_check: not started, $no_wikitext" | tee -a "$WORK/summary.log"
+fi
 # The study past the plateau: tiny BERT on WikiText-2 (a file corpus: the same data on every machine,
 # checked by each run's data fingerprint), 102,400 samples per run (at least 128 steps, the 1x cells'
 # own count: at 50 steps every 4x run ended at the unigram level), 8 GSNR groups
