@@ -266,6 +266,12 @@ class Job:
         on it after each step: ``_after_training_step``)."""
         return self.lock is not None and self.lock.lost is not None
 
+    def _taken_over(self, then: str) -> RunDirBusy:
+        """The error every rank raises once the ranks agree another job took the run directory
+        over: rank 0's names that job, the others' say what ``then`` became of this one."""
+        return RunDirBusy(self.lock.lost if self._lost() else f"another job took the run directory over (rank 0 "
+                          f"names it); {then}")
+
     def _take_preempt_signal(self) -> None:
         """From here the job answers ``PREEMPT_SIGNAL``, and remembers one ``main`` caught earlier
         (during the config checks, the rendezvous or the run-directory lock). The handler goes in
@@ -443,9 +449,7 @@ class Job:
         alike, and rank 0 alone walks the checkpoints, which it then clears and rotates while no
         other rank reads them."""
         estimate = int(self._sum_over_ranks([float(self.engine.checkpoint_bytes())])[0])
-        if self.rank != 0:
-            return estimate, int(estimate * 1.1) + (1 << 20), "the engine's estimate"
-        done = [t for t in ckpt.tags(self.ckpt_dir) if ckpt.problem(self.ckpt_dir, t) is None]
+        done = [t for t in ckpt.tags(self.ckpt_dir) if ckpt.problem(self.ckpt_dir, t) is None] if self.rank == 0 else []
         if done:
             written = getattr(self, "written", None)  # (tag, bytes) of this job's last save: no second walk
             size = written[1] if written and written[0] == done[-1] else ckpt.size_of(self.ckpt_dir, done[-1])
@@ -470,8 +474,7 @@ class Job:
                 ckpt.remove(self.ckpt_dir, tag)
         stop = self._max_over_ranks(2 if lost else 1 if short is not None else 0)
         if stop == 2:
-            raise RunDirBusy(self.lock.lost if lost else "another job took the run directory over (rank 0 names "
-                             "it); this job stops without writing to it")
+            raise self._taken_over("this job stops without writing to it")
         if stop == 1:
             # every rank raises it here (not so a write that fails on one rank's disk)
             raise _agreed(ckpt.NoSpace(short or f"no space left on {self.ckpt_dir} for the next checkpoint (see rank 0)"))
@@ -600,8 +603,7 @@ class Job:
                 sinks.write(self.step, {k: v for k, v in self.evals[-1].items() if k != "step"})
         self.save()  # with the final evaluation (the last step takes no periodic checkpoint); none if saved
         if self._any_rank(self._lost()):
-            raise RunDirBusy(self.lock.lost if self._lost() else "another job took the run directory over (rank 0 "
-                             "names it); this job's last checkpoint is not marked complete")
+            raise self._taken_over("this job's last checkpoint is not marked complete")
         return {"before": self.evals[0], "after": self.evals[-1], "steps": self.step, "task": self.engine.task}
 
     def _after_step(self, skipped: bool) -> None:
@@ -783,8 +785,7 @@ class Job:
         lost = self._lost()
         signal_code = self._max_over_ranks(2 if lost else 1 if self.preempt_requested else 0)
         if signal_code == 2:  # another job took the directory over: write nothing more into it
-            raise RunDirBusy(self.lock.lost if lost else "another job took the run directory over (rank 0 "
-                             "names it); this job stops without writing to it")
+            raise self._taken_over("this job stops without writing to it")
         done = all(c >= b for c, b in zip(self.consumed, self.budget))  # train() saves after its evaluation
         if signal_code == 1 and done:  # nothing left to requeue for: train() ends the run, evaluated and saved
             if self.rank == 0:
@@ -796,8 +797,7 @@ class Job:
         if signal_code == 1:
             self.save()
             if self._any_rank(self._lost()):  # taken over during the save: no requeue marker in its directory
-                raise RunDirBusy(self.lock.lost if self._lost() else "another job took the run directory over (rank "
-                                 "0 names it); this job's last checkpoint is not marked complete")
+                raise self._taken_over("this job's last checkpoint is not marked complete")
             if self.rank == 0:  # for the batch script: the exit code of srun is the first rank's to end;
                 # the Slurm job and start it was written by, which alone may requeue on it
                 owner = self.lock.record if self.lock is not None else {}
