@@ -382,6 +382,10 @@ def micro_batch_for(batch: int, args: argparse.Namespace) -> int:
 #: "wall_s", "step", "samples"}; the next start of the same run resumes from its checkpoint
 PAUSED = "study_paused.json"
 
+#: how a run ends when the pause's SIGUSR1 reaches a rank before its job handles it (in its
+#: start-up): the rank dies of the signal, and DeepSpeed's launcher exits with that code (-10 & 255)
+ENDED_BY_SIGUSR1 = (-signal.SIGUSR1, -signal.SIGUSR1 & 255)
+
 
 def rank_pids(group: int) -> list[int]:
     """The training ranks among the processes of the launcher's process group ``group`` (read from
@@ -679,7 +683,8 @@ class Runner:
     record sums its segments. A run that has checkpointed but not exited by then is stopped and kept
     as paused; one that did not checkpoint in time (``lead``) is stopped and removed, the end of its
     log printed, unless it was resumed: that one is kept at the checkpoint it resumed from (a pause
-    in its start-up, before the job handles SIGUSR1, ends it so). SIGUSR1 to the study (``pause_on_signal``) pauses its runs in flight the same way at
+    in its start-up, before the job handles SIGUSR1, ends it so); one that crashed meanwhile is a
+    failed run (``collect``). SIGUSR1 to the study (``pause_on_signal``) pauses its runs in flight the same way at
     once and starts no more, so a study without a time limit (a long CPU run) can be stopped from
     outside and resumed later. Its runs get tcmalloc where it is installed (``cpu_allocator``)
     unless ``LD_PRELOAD`` is set. The study always assembles what finished and lists the rest as not
@@ -813,15 +818,15 @@ class Runner:
         return now
 
     def collect(self, launches: list[Launch], active: dict, results: list[dict | None],
-                record: Callable[[dict], None] | None, finished_only: bool = False) -> None:
+                record: Callable[[dict], None] | None, paused: bool = False) -> None:
         """Takes the runs that ended out of ``active``: each result into ``results`` (and to
         ``record``), the machine's rate it showed into ``self.rates`` (this segment's samples over
         its time, times the runs in flight beside it on average). A failed run goes to ``self.failed``
         with its log's last lines, which are printed, and the others go on: the study assembles what
-        finished and then exits 1 (``main``); with ``finished_only`` (after a pause) only the runs
-        that finished or diverged (a result too) are taken, the others left."""
+        finished and then exits 1 (``main``). After a pause (``paused``), a run the pause's signal
+        ended in its start-up (``ENDED_BY_SIGUSR1``) is left for the caller to remove."""
         for slot, (i, proc, t0, log) in list(active.items()):
-            if proc.poll() is None or (finished_only and proc.returncode not in (0, EXIT_DIVERGED)):
+            if proc.poll() is None or (paused and proc.returncode in ENDED_BY_SIGUSR1):
                 continue
             log.close()
             del active[slot]
@@ -842,19 +847,22 @@ class Runner:
 
     def pause_active(self, launches: list[Launch], active: dict, results: list[dict | None],
                      record: Callable[[dict], None] | None, wait_s: float | None, why: str) -> None:
-        """Pauses every active run (``pause``), then takes out of ``active`` the runs that finished
-        while it waited (``collect``); what is left there the caller stops."""
+        """Pauses every active run (``pause``), then takes out of ``active`` the runs that finished,
+        diverged or failed while it waited (``collect``); what is left there, a run the pause
+        stopped before it checkpointed, the caller stops and removes."""
         for slot in self.pause(launches, active, wait_s, why):
             del active[slot]
-        self.collect(launches, active, results, record, finished_only=True)
+        self.collect(launches, active, results, record, paused=True)
 
     def pause(self, launches: list[Launch], active: dict, wait_s: float | None, why: str = "--time-limit") -> list[int]:
         """At the time limit (or on ``why``): SIGUSR1 to every active run's ranks, then up to ``wait_s`` (None:
         until it exits, as for the study's own SIGUSR1) for each job to checkpoint and exit
         (``requeue.json`` in its directory). A paused run's segment is
         added to its ``PAUSED`` file; a resumed run that did not checkpoint again keeps the file as
-        it was. Every active run's progress goes to ``self.stopped``, and
-        is printed. Returns the slots of the runs paused (the rest are stopped by the caller)."""
+        it was. A run that ended on its own meanwhile (finished, diverged, or failed: any exit but
+        the checkpoint's or the signal's own, ``ENDED_BY_SIGUSR1``) is left to the caller. Every other
+        active run's progress goes to ``self.stopped``, and is printed. Returns the slots of the runs
+        paused (the rest are stopped by the caller)."""
         signalled = set()
         for slot, (i, proc, _, _) in active.items():
             ranks = rank_pids(proc.pid)
@@ -874,8 +882,8 @@ class Runner:
                 except subprocess.TimeoutExpired:
                     pass
             marked = (launch.run_dir / "requeue.json").is_file()
-            if proc.poll() in (0, EXIT_DIVERGED) and not marked:
-                continue  # it finished its last step, or diverged, meanwhile: the caller records it
+            if proc.poll() is not None and not marked and proc.returncode not in ENDED_BY_SIGUSR1:
+                continue  # it finished its last step, diverged or crashed meanwhile: the caller records it
             earlier = launch.segments()  # the segments before this one: a resumed run's checkpoint
             if proc.poll() is None and (marked or earlier):  # checkpointed (the marker follows the complete
                 stop(proc, grace=20.0)  # save), or resumed from one: either way kept, so stopped, not left running

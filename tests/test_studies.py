@@ -1097,6 +1097,47 @@ def test_a_run_that_diverges_while_a_pause_waits_is_recorded(tmp_path):
     assert json.loads((run_dir / "result.json").read_text())["mlm_loss"] == math.inf
 
 
+@pytest.mark.parametrize("resumed", [False, True])
+def test_a_run_that_crashes_while_a_pause_waits_is_a_failed_run_kept_with_its_log(tmp_path, capsys, resumed):
+    """A run whose job crashes (exit 1: an exception, not the pause's SIGUSR1) while the pause
+    waits is a failed run, its directory kept and its log's end printed, and the study exits 1;
+    one the signal ended in its start-up (DeepSpeed's launcher exits -SIGUSR1 & 255) is still a
+    stopped run. Fails on
+    the code before, which reported the crash "stopped, removed" and deleted its directory with
+    the log that said why (or, resumed, "kept at its last checkpoint"), and the study exited 0."""
+    import argparse
+    import signal
+    import subprocess
+
+    sys.path.insert(0, str(STUDIES))
+    from bert_batch import PAUSED, Launch, Runner
+
+    def ended(name: str, code: int) -> tuple[Launch, subprocess.Popen]:
+        run_dir = tmp_path / name
+        run_dir.mkdir()
+        if resumed:
+            (run_dir / PAUSED).write_text(json.dumps([{"machine": "m", "wall_s": 9.0, "step": 1, "samples": 8}]))
+        launch = Launch(run_dir, [], {}, {"corpus": "c", "batch": 8, "optimizer": name, "seed": 1, "lr": 1e-2,
+                                          "factor": 1.0, "steps": 10, "samples": 80}, tmp_path / "no-data")
+        (run_dir / "log.txt").write_text("Traceback (most recent call last):\nOSError: disk full\n")
+        proc = subprocess.Popen([sys.executable, "-c", f"import sys; sys.exit({code})"])
+        proc.wait(timeout=60)
+        return launch, proc
+
+    (crashed, p0), (signalled, p1) = ended("crashed", 1), ended("signalled", -signal.SIGUSR1 & 255)
+    runner = Runner(argparse.Namespace(parallel=2, time_limit=60, started=time.monotonic(), ranks=1, port=None))
+    active = {slot: (slot, proc, time.monotonic() - 5.0, open(tmp_path / f"log{slot}", "w"))
+              for slot, proc in enumerate((p0, p1))}
+    results = [None, None]
+    runner.pause_active([crashed, signalled], active, results, None, 1.0, "--time-limit")
+    assert [f["run"] for f in runner.failed] == [str(crashed.run_dir)] and results == [None, None]
+    assert runner.failed[0]["returncode"] == 1 and "OSError: disk full" in runner.failed[0]["log_tail"]
+    assert crashed.run_dir.is_dir() and 0 not in active
+    assert [g["paused"] for g in runner.stopped] == [resumed]  # the signalled run alone
+    out = capsys.readouterr().out
+    assert f"run failed (1): {crashed.run_dir / 'log.txt'} (kept)" in out and f"{crashed.run_dir} stopped" not in out
+
+
 def test_the_grid_takes_each_value_once_and_checks_the_batches_it_runs():
     """A repeated ``--lr-factor``, ``--seed`` or ``--batch`` ran one run directory twice and counted
     its result twice; with ``--noise-multiple`` the default ``--batch`` list, which that mode does
