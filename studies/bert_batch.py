@@ -1016,19 +1016,21 @@ def measured_noise_scale(results: list[dict | None], batch: int, seeds: Sequence
     return mean(r["b_simple"] for r in measured)
 
 
-def unigram_loss(data: Path, seed: int, seq_len: int, count: int, heldout_fraction: float | None = None) -> float:
+def unigram_loss(data: Path, seed: int, seq_len: int, count: int, heldout_fraction: float | None = None,
+                 ranks: int = 1) -> float:
     """The held-out MLM loss of the unigram model: every masked token predicted with its frequency
     over the training documents (add-one smoothing). The early loss of every run sits there (the
     decoder's bias learns the unigram distribution first); a run has learned something past it
-    only below it. Over the job's first ``count`` held-out samples with their epoch-0 masks, as
-    the job evaluates (``vrgd_ds.train.data``)."""
+    only below it. Over the held-out samples the job evaluates on ``ranks`` ranks (the first
+    ``count``, rounded down to a multiple of ``ranks``) with their epoch-0 masks
+    (``vrgd_ds.train.data.eval_batches``)."""
     import numpy as np
 
     from vrgd_ds.data_pipeline.prepare import SAMPLES_DIR, SHARDS_DIR, TOKENIZER_FILE
     from vrgd_ds.data_pipeline.samples import build_sample_index
     from vrgd_ds.data_pipeline.shards import ShardedCorpus
     from vrgd_ds.data_pipeline.tokenizer import Tokenizer
-    from vrgd_ds.train.data import JobData, split_document
+    from vrgd_ds.train.data import JobData, eval_batches, split_document
 
     corpus = ShardedCorpus(data / SHARDS_DIR)
     index = build_sample_index(corpus, seq_len, seed, data / SAMPLES_DIR)  # reuses a matching index, replaces a stale one
@@ -1039,7 +1041,8 @@ def unigram_loss(data: Path, seed: int, seq_len: int, count: int, heldout_fracti
     counts = np.bincount(np.asarray(text, dtype=np.int64), minlength=job_data.vocab_size) + 1.0
     log_p = np.log(counts / counts.sum())
     _, held = job_data.split(seq_len)
-    labels = np.concatenate([held[(0, i)]["labels"].numpy() for i in range(min(count, len(held)))])
+    labels = np.concatenate([batch["labels"].numpy().ravel() for rank in range(ranks)
+                             for batch in eval_batches(held, count, count, rank, ranks)])
     return float(-log_p[labels[labels != -100]].mean())
 
 
@@ -1573,7 +1576,7 @@ def main() -> None:
             if (data / "tokenizer.model").is_file():
                 per_seed = {seed: unigram_loss(data, seed, args.seq_len, base_config(
                     args.seq_len, args.micro_batch, args.ranks, args.workers)["job"]["data"]["eval_samples"],
-                    args.heldout_fraction) for seed in seeds}
+                    args.heldout_fraction, args.ranks) for seed in seeds}
                 unigram[name] = mean(per_seed.values())
                 unigram_by_seed[name] = per_seed
                 out.meta.setdefault("unigram_loss", {})[name] = unigram[name]

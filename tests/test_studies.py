@@ -1012,6 +1012,25 @@ def test_the_unigram_level_rebuilds_a_stale_sample_index(tmp_path):
     assert level == unigram_loss(prepared(tmp_path / "fresh", names[10:40]), 2, 64, 16, 0.2)
 
 
+def test_the_unigram_level_is_over_the_samples_the_job_evaluates_on_its_ranks(tmp_path):
+    """On several ranks the job evaluates the first ``eval_samples`` held-out samples rounded down
+    to a multiple of the ranks (``eval_batches``); the study's unigram level is over those same
+    samples. Fails on the code before, which took the first ``eval_samples`` whatever the ranks."""
+    from pydoc_data.topics import topics
+
+    from vrgd_ds.data_pipeline.prepare import prepare
+
+    sys.path.insert(0, str(STUDIES))
+    from bert_batch import unigram_loss
+
+    text = tmp_path / "corpus.txt"
+    text.write_text("\n\n".join(" ".join(topics[k].split()) for k in sorted(topics)[:30]) + "\n")
+    data = tmp_path / "data"
+    prepare(data, text, vocab_size=400, seq_lens=(64,), seed=1, workers=1, progress=False, tokenizer_threads=1)
+    on_two = unigram_loss(data, 1, 64, 7, 0.2, ranks=2)
+    assert on_two == unigram_loss(data, 1, 64, 6, 0.2) != unigram_loss(data, 1, 64, 7, 0.2)
+
+
 def bowl(optimum: float, seed: int, factor: float) -> float:
     """A loss over the LR factor with its minimum at ``optimum`` (seeds shift it alike)."""
     return 6.0 + 0.1 * math.log2(factor / optimum) ** 2 + 0.01 * seed
