@@ -181,7 +181,8 @@ def _train(case: dict) -> dict[str, Any]:
 def base_replicated_case(case: dict) -> list[dict[str, Any]]:
     """Lamb (GSNR off) on HSDP of 2 replicas, each a shard of 1 rank, with FSDP's all-reduce hook
     set: FSDP reduces as it would, and the per-tensor sums count each replica's copy once; the
-    trained parameters against Lamb in one process."""
+    trained parameters against Lamb in one process. With ``case["titan"]``, built by torchtitan's
+    container (``vrgd_optimizer("Lamb")``), as torchtitan does at data_parallel_shard_degree 1."""
     rank, world = dist.get_rank(), dist.get_world_size()
     model = Net(False)
     ref = copy.deepcopy(model)
@@ -189,8 +190,15 @@ def base_replicated_case(case: dict) -> list[dict[str, Any]]:
     shard(model, "hsdp", world)
     hooked = []
     model.b.set_all_reduce_hook(lambda reduced: hooked.append(reduced.numel()))
-    opt, ref_opt = vrgd_ds.Lamb(model.parameters(), lr=0.05), vrgd_ds.Lamb(ref.parameters(), lr=0.05)
-    attached = vrgd_ds.fsdp.attach(model, opt)
+    ref_opt = vrgd_ds.Lamb(ref.parameters(), lr=0.05)
+    if case.get("titan"):
+        from vrgd_ds.fsdp.torchtitan import VRGDOptimizersContainer, vrgd_optimizer
+
+        opt = VRGDOptimizersContainer(vrgd_optimizer("Lamb", lr=0.05), model_parts=[model])
+        attached = opt.statistics[0] if opt.statistics else None
+    else:
+        opt = vrgd_ds.Lamb(model.parameters(), lr=0.05)
+        attached = vrgd_ds.fsdp.attach(model, opt)
     for step in range(STEPS):
         for j in range(2):
             backward(model, batch(step, rank, j), 0.5, 1)

@@ -213,12 +213,17 @@ def test_a_first_step_at_lr_0_is_taken_by_every_rank_whatever_its_shard_holds(po
     assert all(r["steps"] == [2] for r in res), res
 
 
-def test_a_base_optimizer_takes_a_replicated_model_with_an_all_reduce_hook(pool):
+@pytest.mark.parametrize("titan", [False, True], ids=["attach", "torchtitan"])
+def test_a_base_optimizer_takes_a_replicated_model_with_an_all_reduce_hook(pool, titan):
     """``Lamb`` without the GSNR on HSDP of 2 replicas × a shard of 1 rank, with
     ``set_all_reduce_hook``: both are refused for the statistics only (no reduce-scatter to take
     them at; a hook after they read the gradient), and a base optimizer takes none. It trains as
-    Lamb in one process. Fails on the code before, which refused both for every optimizer."""
-    for res in pool.run("fsdp_worker", "base_replicated_case", {}):
+    Lamb in one process, attached by hand or built by torchtitan's container. Fails on the code
+    before, which refused both for every optimizer; the container case, on the code before it,
+    whose container refused a shard of one rank for a base optimizer too."""
+    if titan:
+        pytest.importorskip("torchtitan", reason="the torchtitan extra is not installed")
+    for res in pool.run("fsdp_worker", "base_replicated_case", {"titan": titan}):
         assert res["err"] <= TOL and res["hooked"] == 2 * 3 and not res["statistics"], res  # 3 steps
 
 

@@ -184,14 +184,20 @@ class VRGDOptimizersContainer(OptimizersContainer):
                         module.set_force_sum_reduction_for_comms(True)
         #: why the VRGD optimizers were built without statistics (torchtitan's seed checkpoint), or None
         self.not_attached: str | None = None
+        # a base member (Lamb, or gsnr=False) takes no statistics: on a shard of one rank, or a model
+        # with no FSDP module, its tensors are whole where it steps, and nothing needs attaching
+        with_gsnr = any(pg.optimizer_name in REGISTRY and REGISTRY[pg.optimizer_name].vr
+                        and pg.optimizer_kwargs.get("gsnr", True) for pg in config.param_groups)
         with _in_torchtitan_terms():
-            if uses_vrgd:
+            if with_gsnr:
                 self.not_attached = _unsharded(model_parts[0])
             with built_for_engine():  # each VRGD optimizer is fed by vrgd_ds.fsdp.attach below
                 super().__init__(config, model_parts=model_parts)
             self.statistics: list[Any] = []
             if self.not_attached is not None:
                 logger.info("vrgd_ds.fsdp.torchtitan: %s", self.not_attached)
+                return
+            if not with_gsnr and vrgd_ds.fsdp.shard_degree(model_parts[0]) is None:
                 return
             for optimizer in self.optimizers:
                 if isinstance(optimizer, GSNROptimizer):
@@ -234,7 +240,7 @@ def _in_torchtitan_terms() -> Iterator[None]:
 
 
 def _unsharded(model: torch.nn.Module) -> str | None:
-    """Why a VRGD optimizer of ``model`` is built without statistics: on one rank, a model with no
+    """Why a VRGD optimizer with the GSNR on, of ``model``, is built without statistics: on one rank, a model with no
     FSDP module is torchtitan's seed checkpoint (``--checkpoint.create_seed_checkpoint``, which skips
     ``parallelize_fn``), which saves the initial state and takes no step. A model sharded over fewer
     than 2 ranks otherwise is refused, naming torchtitan's option; None where it is sharded."""
