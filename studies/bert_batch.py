@@ -1254,11 +1254,13 @@ def ranked_loss(runs: Iterable[dict]) -> float:
 
 def plot(out: Output, best: dict, corpora: list[str], batches: list[int],
          labels: list[str]) -> None:
-    """Top: held-out loss at the best LR per batch. Bottom, the noise-scale view: each VR
+    """Top: held-out loss at the best LR per batch, with the corpus's unigram level
+    (``out.meta["unigram_loss"]``) where computed. Bottom, the noise-scale view: each VR
     optimizer's loss minus its baseline's (``BASELINE``; below 0: the GSNR scale helps) against
-    the batch, with the mean ``B_simple`` the VR runs measured at their best LR (it depends on
-    the LR: the further training got, the smaller ``|G|^2``). A corpus's panels show only the
-    optimizers run on it."""
+    the batch. The vertical line is the ``B_simple`` the batches are multiples of
+    (``out.meta["noise_scale"]``, measured at the small batch), or without one the mean the runs
+    measured at their best LR (it depends on how far training got: the further, the smaller
+    ``|G|^2``). A corpus's panels show only the optimizers run on it."""
     pyplot = plt()
     fig, axes = pyplot.subplots(2, len(corpora), figsize=(5 * len(corpora), 6.6), squeeze=False, sharex="col")
     for col, name in enumerate(corpora):
@@ -1276,11 +1278,19 @@ def plot(out: Output, best: dict, corpora: list[str], batches: list[int],
             if diff:
                 dax.plot([b for b, _ in diff], [d for _, d in diff], marker="o", label=f"{label} − {base}",
                          color=bars[0].get_color())
-        noise = [r["b_simple"] for (corpus, _, _), rs in best.items() if corpus == name  # at each cell's best LR
-                 for r in rs if r.get("b_simple") is not None]
+        unigram = out.meta.get("unigram_loss", {}).get(name)
+        if unigram is not None:
+            ax.axhline(unigram, color="black", ls=":", lw=0.8, label=f"unigram level {unigram:.3f}")
+        scale = out.meta.get("noise_scale", {}).get(name)
+        if scale is not None:
+            where, what = scale, f"B_simple {scale:.0f} (the ×1 batch)"
+        else:
+            noise = [r["b_simple"] for (corpus, _, _), rs in best.items() if corpus == name  # at each cell's best LR
+                     for r in rs if r.get("b_simple") is not None]
+            where, what = (mean(noise), f"mean B_simple {mean(noise):.0f} (best LRs)") if noise else (None, "")
         for a in (ax, dax):
-            if noise:
-                a.axvline(mean(noise), color="grey", ls="--", lw=0.8, label=f"mean B_simple {mean(noise):.0f}")
+            if where is not None:
+                a.axvline(where, color="grey", ls="--", lw=0.8, label=what)
             a.legend(fontsize=7)
         dax.axhline(0.0, color="black", lw=0.6)
         ax.set(xscale="log", ylabel="held-out MLM loss (best LR)", title=name)
@@ -1333,19 +1343,45 @@ def quarters(curve: list[dict]) -> list[str]:
 
 
 def plot_trajectories(out: Output, runs: list[dict]) -> None:
-    """Held-out loss (top) and ``B_simple`` (bottom) against the samples seen, one line per run."""
+    """Held-out loss (top) and ``B_simple`` (bottom) against the samples seen, one column per
+    corpus and batch: each optimizer's runs at its best LR there (``best_cells`` of ``runs``), a
+    colour per optimizer and a line style per seed (the table beside it lists every run)."""
+    from matplotlib.lines import Line2D
+    from matplotlib.ticker import EngFormatter, MaxNLocator
+
     pyplot = plt()
-    fig, (ax, nax) = pyplot.subplots(2, 1, figsize=(6.5, 6.6), sharex=True)
-    for r in runs:
-        label = f"{r['corpus']} b{r['batch']} {r['optimizer']} ×{r['factor']:g} s{r['seed']}"
-        curve = r["trajectory"]
-        lines = ax.plot([c["samples"] for c in curve], [c["mlm_loss"] for c in curve], label=label)
-        noisy = [c for c in curve if c["b_simple"] is not None]
-        if noisy:
-            nax.plot([c["samples"] for c in noisy], [c["b_simple"] for c in noisy], color=lines[0].get_color())
-    ax.set(ylabel="held-out MLM loss")
-    ax.legend(fontsize=6)
-    nax.set(xlabel="training samples", ylabel="B_simple (samples)", yscale="log")
+    best = best_cells(runs)
+    columns = sorted({(corpus, batch) for corpus, batch, _ in best}, key=lambda cb: (
+        [r["corpus"] for r in runs].index(cb[0]), cb[1]))
+    optimizers = list(dict.fromkeys(r["optimizer"] for r in runs))
+    seeds = sorted({r["seed"] for rs in best.values() for r in rs})
+    colors = {name: f"C{k % 10}" for k, name in enumerate(optimizers)}
+    styles = {seed: ("-", "--", ":", "-.")[k % 4] for k, seed in enumerate(seeds)}
+    fig, axes = pyplot.subplots(2, len(columns), figsize=(2.6 * len(columns) + 1.0, 6.6), squeeze=False,
+                                sharex="col", sharey="row")
+    for col, (corpus, batch) in enumerate(columns):
+        ax, nax = axes[0][col], axes[1][col]
+        for name in optimizers:
+            for r in best.get((corpus, batch, name), []):
+                curve = r["trajectory"]
+                style = dict(color=colors[name], ls=styles[r["seed"]], lw=1.2)
+                ax.plot([c["samples"] for c in curve], [c["mlm_loss"] for c in curve], **style)
+                noisy = [c for c in curve if c["b_simple"] is not None]
+                nax.plot([c["samples"] for c in noisy], [c["b_simple"] for c in noisy], **style)
+        factors = ", ".join(f"{name.replace('VR-LAMB ', '')} ×{best[corpus, batch, name][0]['factor']:g}"
+                            for name in optimizers if (corpus, batch, name) in best)
+        ax.set_title(f"{corpus} b{batch}\n{factors}", fontsize=7)
+        nax.set(xlabel="training samples", yscale="log")
+        nax.xaxis.set_major_locator(MaxNLocator(4))
+        nax.xaxis.set_major_formatter(EngFormatter(sep=""))  # 400k, 1.6M
+        for a in (ax, nax):
+            a.tick_params(labelsize=7)
+    axes[0][0].set_ylabel("held-out MLM loss")
+    axes[1][0].set_ylabel("B_simple (samples)")
+    handles = [Line2D([], [], color=colors[name], label=name) for name in optimizers] + [
+        Line2D([], [], color="black", ls=styles[seed], label=f"seed {seed}") for seed in seeds]
+    fig.legend(handles=handles, loc="lower center", ncol=len(handles), fontsize=7, frameon=False)
+    fig.tight_layout(rect=(0, 0.05, 1, 1))
     out.savefig(fig, "trajectories.png")
 
 
