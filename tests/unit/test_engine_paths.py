@@ -379,3 +379,52 @@ def test_a_zero3_universal_load_is_refused_before_it_loads(stage, refused):
         assert loads == []
     else:
         assert engine.load_checkpoint("ckpt") == ("tag", {}) and loads == [("ckpt",)]
+
+
+def test_a_misspelt_top_level_block_and_a_bad_gradient_clipping_are_refused_before_any_work(caplog):
+    """``"zero_optimisation"`` (DeepSpeed would ignore it and run ZeRO off), and a
+    ``gradient_clipping`` DeepSpeed would read as no clipping (-1) or fail on deep in ZeRO's
+    set-up (a string), are refused naming the key; a key nothing reads is said once. Fails on the
+    code before, which took all three without a word."""
+    from vrgd_ds.ds.config import check_config
+    from vrgd_ds.ds.internals import UnsupportedConfiguration
+
+    base = {"optimizer": {"type": "VRLamb", "params": {"lr": 1e-3}}}
+    with pytest.raises(UnsupportedConfiguration, match="zero_optimisation: not a DeepSpeed config key; did you mean "
+                                                       "'zero_optimization'"):
+        check_config({**base, "zero_optimisation": {"stage": 2}})
+    for clip in (-1.0, "0.5", True, float("inf")):
+        with pytest.raises(UnsupportedConfiguration, match=f"gradient_clipping: {clip!r}: must be a finite number >= 0"):
+            check_config({**base, "gradient_clipping": clip})
+    with caplog.at_level("WARNING"):
+        check_config({**base, "gradient_clipping": 1.0, "bf16": {"enabled": True}, "note": "x"})
+    assert [r.getMessage() for r in caplog.records] == ["note: not a key DeepSpeed or vrgd_ds reads; it has no effect"]
+
+
+def test_every_top_level_key_deepspeed_reads_is_known():
+    """``TOP_LEVEL_KEYS`` holds every top-level key DeepSpeed's config reads (its
+    ``_initialize_params`` on a dict that records the keys asked for): a DeepSpeed key missing
+    there would be said to have no effect, or refused as a near miss of another."""
+    from deepspeed.runtime.config import DeepSpeedConfig
+
+    from vrgd_ds.ds.config import TOP_LEVEL_KEYS
+
+    asked: set[str] = set()
+
+    class Recording(dict):
+        def get(self, key, default=None):
+            asked.add(key)
+            return super().get(key, default)
+
+        def __getitem__(self, key):
+            asked.add(key)
+            return super().__getitem__(key)
+
+        def __contains__(self, key):
+            asked.add(key)
+            return super().__contains__(key)
+
+    config = DeepSpeedConfig.__new__(DeepSpeedConfig)
+    config._param_dict = Recording({"train_batch_size": 8})
+    config._initialize_params(config._param_dict)
+    assert len(asked) > 30 and asked <= TOP_LEVEL_KEYS, sorted(asked - TOP_LEVEL_KEYS)

@@ -242,3 +242,48 @@ def test_an_unsupported_deepspeed_fails_every_import_not_the_first_only(tmp_path
     assert run.returncode == 0, run.stderr[-2000:]
     assert run.stdout.splitlines() == ["1 refused vrgd_ds supports DeepSpeed 0.19.8, found 0.20.0",
                                        "2 refused vrgd_ds supports DeepSpeed 0.19.8, found 0.20.0"], run.stdout
+
+
+@pytest.mark.parametrize("block, message", [
+    ({"type": "VRLamb", "parms": {"gamma": 0.5}}, 'optimizer.parms: not a key of the optimizer block; did you mean '
+                                                   "'params'"),
+    ({"type": "VRLamb", "params": {}, "gsnr": False}, 'optimizer.gsnr: not a key of the optimizer block.*go in "params"'),
+    ({"type": "VRLamb", "params": None}, r"optimizer.params: must be an object of VRLamb's arguments .*got null"),
+    ({"type": "VRLamb", "params": []}, r"optimizer.params: must be an object .*got a list"),
+    ({"type": "vrlamb"}, r"optimizer.type: 'vrlamb' is not a VRGD optimizer; did you mean 'VRLamb'\?"),
+    ({"type": "Lamb", "params": {"gsnr": True}}, r"optimizer.params.gsnr: Lamb \(type 'Lamb'\) is VRLamb with "
+                                                  r"gsnr=False; for gsnr=True use type 'VRLamb'"),
+    ({"type": "VRLamb", "params": {"eps": "1e-8"}}, r"optimizer.params.eps: .*invalid eps='1e-8': must be a finite"),
+    ({"type": "VRLamb", "params": {"betas": 0.9}}, r"optimizer.params.betas: .*must be a pair"),
+    ({"type": "VRAdam", "params": {"eps": 0}}, r"optimizer.params.eps: .*must be > 0"),
+    ({"type": "VRLamb", "params": {"weight_decay": True}}, r"optimizer.params.weight_decay: .*must be a finite"),
+])
+def test_an_optimizer_block_the_engine_would_misread_is_refused_naming_the_key(block, message):
+    """Keys and values DeepSpeed would drop or misread are refused before any work, naming the
+    key and the fix. Fails on the code before: a misspelt ``"parms"`` or an option beside
+    ``"params"`` was ignored (DeepSpeed trained on the defaults: VR-LAMB where LAMB was asked
+    for), ``"params": null`` passed and crashed after the data was prepared and ``[]`` was read
+    as no options, ``"vrlamb"`` suggested ``'Lamb'`` (DeepSpeed's FusedLamb on a GPU), ``Lamb``
+    with ``gsnr`` suggested ``gsnr_eps``, a string number raised a TypeError naming no key,
+    ``betas: 0.9`` "'float' object is not iterable", ``eps: 0`` trained to NaN where an
+    element's gradients were all 0, and ``true`` was a weight decay of 1."""
+    with pytest.raises(integration.UnsupportedConfiguration, match=message):
+        integration.check_optimizer_block({"optimizer": block})
+
+
+def test_a_base_variant_takes_its_own_fixed_value_and_the_gsnr_options_off_are_said_to_do_nothing(caplog):
+    """``Lamb`` with ``"gsnr": false`` (what it is) is accepted; the GSNR's own options with the
+    GSNR off are kept (turning it on stays one word) and said, once, to change nothing. Fails on
+    the code before, which refused Lamb's ``gsnr: false`` as not a parameter and took VRLamb's
+    ``gamma`` with ``gsnr: false`` without a word."""
+    from vrgd_ds.ds.names import DEEPSPEED_DEFAULTS
+
+    assert integration.check_optimizer_block({"optimizer": {"type": "Lamb", "params": {"gsnr": False}}})
+    with caplog.at_level(logging.WARNING):
+        built = integration.check_optimizer_block(
+            {"optimizer": {"type": "VRLamb", "params": {"gsnr": False, "gamma": 0.5, "beta3": 0.8}}})
+        integration.check_optimizer_block({"optimizer": {"type": "VRLamb", "params": {"gamma": 0.5}}})
+    assert built is DEEPSPEED_DEFAULTS["VRLamb"]
+    said = [r.getMessage() for r in caplog.records if "change(s) nothing" in r.getMessage()]
+    assert said == ["optimizer.params: gamma, beta3 with the GSNR off (gsnr: false) change(s) nothing: only the GSNR "
+                    "reads them"]

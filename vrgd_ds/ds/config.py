@@ -6,6 +6,9 @@ DeepSpeed ignores top-level keys it does not know, so the block sits beside Deep
 """
 from __future__ import annotations
 
+import difflib
+import logging
+import math
 from typing import Any, Literal
 
 import torch
@@ -15,6 +18,26 @@ from vrgd_ds.ds.internals import UnsupportedConfiguration
 from vrgd_ds.ds.names import check_optimizer_block
 
 KEY = "vrgd"
+
+logger = logging.getLogger(__name__)
+
+#: DeepSpeed 0.19.8's top-level config keys (its config-json documentation; ``runtime/config.py``
+#: and the engine read them), and the blocks of our own beside them: a key a letter or two from
+#: one of them is a misspelt block, which DeepSpeed would ignore (``"zero_optimisation"``: ZeRO off)
+TOP_LEVEL_KEYS = frozenset((
+    "train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps", "optimizer", "scheduler",
+    "communication_data_type", "seq_parallel_communication_data_type", "prescale_gradients",
+    "gradient_predivide_factor", "sparse_gradients", "fp16", "bf16", "bfloat16", "amp", "torch_autocast",
+    "gradient_clipping", "zero_optimization", "zero_allow_untested_optimizer", "zero_force_ds_cpu_optimizer",
+    "activation_checkpointing", "aio", "steps_per_print", "wall_clock_breakdown", "dump_state", "memory_breakdown",
+    "flops_profiler", "tensorboard", "wandb", "csv_monitor", "comet", "comms_logger", "elasticity", "autotuning",
+    "sparse_attention", "data_efficiency", "curriculum_learning", "compression_training", "nebula", "checkpoint",
+    "data_types", "dataloader_drop_last", "disable_allgather", "disable_python_gc", "expert_parallel",
+    "gradient_allreduce_op", "hybrid_engine", "log_level", "managed_gradient_accumulation", "pipeline",
+    "tensor_parallel", "timers", "use_data_before_expert_parallelism", "weight_quantization", "compile",
+    "datastates_ckpt", "progressive_layer_drop", "eigenvalue", "quantize_training", "vocabulary_size",
+    "zenflow", "graph_harvesting", "mics_shard_size", "use_node_local_storage",
+    KEY, "job", "megatron"))
 
 
 class ReductionConfig(BaseModel):
@@ -151,13 +174,36 @@ def _offload_device(block: Any) -> str:
     return str(block.get("device", "none")).lower()
 
 
+def check_top_level(raw_config: dict[str, Any]) -> None:
+    """A top-level key a letter or two from one DeepSpeed or this project reads (``TOP_LEVEL_KEYS``)
+    is refused naming it, as DeepSpeed would ignore the block; any other key it does not know is
+    said once (DeepSpeed ignores it too)."""
+    for key in raw_config:
+        if key in TOP_LEVEL_KEYS:
+            continue
+        close = difflib.get_close_matches(str(key), sorted(TOP_LEVEL_KEYS), n=1, cutoff=0.85)
+        if close:
+            raise UnsupportedConfiguration(f"{key}: not a DeepSpeed config key; did you mean {close[0]!r}? DeepSpeed "
+                                           "ignores a key it does not know, so the block would have no effect")
+        from vrgd_ds.log import warn_once
+
+        warn_once(logger, f"top-level-{key}", "%s: not a key DeepSpeed or vrgd_ds reads; it has no effect", key,
+                  scope="job")
+
+
 def check_config(raw_config: dict[str, Any]) -> None:
     """What can be checked in a DeepSpeed config dict before any work (no engine, no
-    process group): the optimizer block (``check_optimizer_block``), the ``"vrgd"`` block, and
-    the ZeRO options the hooks do not cover. ``deepspeed.initialize`` checks the rest."""
+    process group): its top-level keys (``check_top_level``), the optimizer block
+    (``check_optimizer_block``), the ``"vrgd"`` block, ``gradient_clipping``, and the ZeRO options
+    the hooks do not cover. ``deepspeed.initialize`` checks the rest."""
 
+    check_top_level(raw_config)
     check_optimizer_block(raw_config)
     reduction_config(raw_config)
+    clip = raw_config.get("gradient_clipping", 0.0)
+    if isinstance(clip, bool) or not isinstance(clip, (int, float)) or not math.isfinite(clip) or clip < 0:
+        raise UnsupportedConfiguration(f"gradient_clipping: {clip!r}: must be a finite number >= 0 (the global "
+                                       "gradient norm's threshold; 0, the default, turns clipping off)")
     zero = raw_config.get("zero_optimization") or {}
     for key in ("cpu_offload", "cpu_offload_param"):  # DeepSpeed's deprecated spellings of the blocks below
         if zero.get(key):

@@ -86,7 +86,7 @@ def check_optimizer_block(raw_config: dict[str, Any]) -> type[GSNROptimizer]:
     (``registry.check_optimizer``), reading its type as the engine will (``engine_spelling``,
     ``resolve``): ``"LAMB"`` is our Lamb on the CPU accelerator, and ``"Lamb"`` on a GPU is
     DeepSpeed's FusedLamb, which the job does not train with. Errors name the key."""
-    block = raw_config.get("optimizer")
+    block, given = raw_config.get("optimizer"), None
     if isinstance(block, dict) and engine_spelling(block.get("type")) != block.get("type"):
         given = block["type"]
         block = dict(block, type=engine_spelling(given))
@@ -96,6 +96,6 @@ def check_optimizer_block(raw_config: dict[str, Any]) -> type[GSNROptimizer]:
                 "optimizer" + ("; for LAMB exact under ZeRO use \"VRLamb\" with \"params\": {\"gsnr\": false}"
                                if block["type"] == "lamb" else f"; registered: {', '.join(NAMES)}"))
     try:
-        return registry.check_optimizer(block, CLIPPING, resolve)
+        return registry.check_optimizer(block, CLIPPING, resolve, given)
     except registry.OptimizerBlockError as e:
         raise UnsupportedConfiguration(str(e)) from None

@@ -2,6 +2,8 @@
 functions (``functional.options``)."""
 from __future__ import annotations
 
+import math
+import numbers
 from typing import Any
 
 import numpy as np
@@ -66,13 +68,51 @@ def check_flags(owner: str, options: dict[str, Any]) -> None:
                       "true or false (a bool, not a string or number)")
 
 
+#: the members' numeric options, wherever an options dict has them: each a finite real number
+#: (``max_coeff`` may be +inf: apex's unclamped trust ratio; ``max_grad_norm`` may be None)
+NUMBERS = ("lr", "gamma", "beta3", "gsnr_eps", "weight_decay", "eps", "momentum", "dampening", "trust_coefficient",
+           "min_coeff", "max_coeff", "max_grad_norm")
+
+
+def _is_number(value: Any) -> bool:
+    """A real number, not a bool (True is an int to Python, and 1.0 to ``float``) nor a string."""
+    return isinstance(value, numbers.Real) and not isinstance(value, (bool, np.bool_))
+
+
+def check_numbers(owner: str, options: dict[str, Any]) -> None:
+    """Each numeric option of ``options`` (``NUMBERS``, and both ``betas``) is a finite real number:
+    a string ("1e-8", from a template) would fail a comparison without the key's name, a bool
+    would be read as 0 or 1, and an infinite or NaN one passes no range check it should."""
+    for name in NUMBERS:
+        if name not in options or name == "max_grad_norm" and options[name] is None:
+            continue
+        value = options[name]
+        ok = _is_number(value) and (math.isfinite(value) or name == "max_coeff" and value == math.inf)
+        check_arg(owner, name, ok, value, "a finite number (not a string or a bool)" if name != "max_coeff" else
+                  "a number, finite or +inf (not a string or a bool)")
+    if "betas" in options:
+        betas = options["betas"]
+        check_arg(owner, "betas", isinstance(betas, (tuple, list)) and len(betas) == 2, betas, "a pair (beta1, beta2)")
+        for i, beta in enumerate(betas):
+            check_arg(owner, f"betas[{i}]", _is_number(beta) and math.isfinite(beta), beta,
+                      "a finite number (not a string or a bool)")
+
+
+def as_pair(betas: Any) -> Any:
+    """``betas`` as the tuple a group holds (a JSON config gives a list); anything else as given,
+    for ``check_numbers`` to refuse naming it."""
+    return tuple(betas) if isinstance(betas, (list, tuple)) else betas
+
+
 def check_common(owner: str, options: dict[str, Any]) -> None:
     """The ranges of the options every member has: the constructor's defaults, and each param
-    group's own (a group's ``beta3=1`` would make p̂ = 0/0); the switches are bools."""
+    group's own (a group's ``beta3=1`` would make p̂ = 0/0); the switches are bools, the numbers
+    finite numbers (``check_numbers``)."""
     check_flags(owner, options)
     lr = options["lr"]
     check_arg(owner, "lr", isinstance(lr, (int, float)) and not isinstance(lr, bool), lr,
               "a Python number (a tensor lr is not supported)")
+    check_numbers(owner, options)
     check_arg(owner, "lr", lr >= 0, lr, ">= 0")
     check_arg(owner, "gamma", 0.0 < options["gamma"] <= 1.0, options["gamma"], "in (0, 1]")
     check_arg(owner, "beta3", 0.0 <= options["beta3"] < 1.0, options["beta3"], "in [0, 1)")

@@ -47,7 +47,7 @@ from vrgd_ds.optim.adam import (GSNR_PLACEMENTS, UPDATE_PLACEMENT, adam_columns,
                                  device_adam_table, placement_index)
 from vrgd_ds.optim import columns
 from vrgd_ds.optim.base import BUILDING, GSNROptimizer, check_arg, constructor_args
-from vrgd_ds.optim.checks import check_flags
+from vrgd_ds.optim.checks import as_pair, check_flags
 from vrgd_ds.optim.functional import StepContext, finish_rows, member_step
 from vrgd_ds.optim.plan import Plan
 
@@ -201,7 +201,7 @@ class VRLamb(GSNROptimizer):
         a.pop("set_grad_none")
         a["max_grad_norm"] = 1.0 if a["max_grad_norm"] is None else a["max_grad_norm"]
         gsnr_keys = ("gamma", "beta3", "gsnr_eps", "gsnr_placement", "gsnr")
-        return dict({k: v for k, v in a.items() if k not in gsnr_keys}, betas=tuple(a["betas"]), trust_ratio=True,
+        return dict({k: v for k, v in a.items() if k not in gsnr_keys}, betas=as_pair(a["betas"]), trust_ratio=True,
                     **{k: a[k] for k in gsnr_keys})
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:

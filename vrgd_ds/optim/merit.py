@@ -53,6 +53,7 @@ from vrgd_ds.optim import _impl, columns
 from vrgd_ds.optim.adam import (GSNR_PLACEMENTS, UPDATE_PLACEMENT, adam_columns, check_adam_group,
                                 placement_index)
 from vrgd_ds.optim.base import GSNROptimizer, constructor_args
+from vrgd_ds.optim.checks import as_pair
 from vrgd_ds.optim.functional import StepContext, member_step
 from vrgd_ds.optim.plan import Plan
 
@@ -254,7 +255,7 @@ class VRMerit(GSNROptimizer):
     @classmethod
     def _group(cls, args: dict[str, Any]) -> dict[str, Any]:
         gsnr_keys = ("gamma", "beta3", "gsnr_eps", "gsnr_placement", "gsnr")
-        return dict({k: v for k, v in args.items() if k not in gsnr_keys}, betas=tuple(args["betas"]),
+        return dict({k: v for k, v in args.items() if k not in gsnr_keys}, betas=as_pair(args["betas"]),
                     trust_ratio=True, **{k: args[k] for k in gsnr_keys})
 
     _check_options = staticmethod(check_adam_group)

@@ -12,6 +12,7 @@ kernels in the three implementations (``columns.py`` lists them).
 from __future__ import annotations
 
 import inspect
+import logging
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -23,6 +24,8 @@ from vrgd_ds.optim.lamb import VRLamb, vr_lamb
 from vrgd_ds.optim.lars import VRLars, vr_lars
 from vrgd_ds.optim.merit import VRMerit, vr_merit
 from vrgd_ds.optim.sgd import VRSGD, VRMomentum, vr_momentum, vr_sgd
+
+logger = logging.getLogger(__name__)
 
 
 class Variant:
@@ -190,6 +193,18 @@ def info_of(optimizer: GSNROptimizer) -> OptimInfo:
     raise TypeError(f"{type(optimizer).__name__} is not a member of the VRGD family ({', '.join(REGISTRY)})")
 
 
+#: the keys of an ``"optimizer"`` block (DeepSpeed's ``runtime/constants.py``: TYPE,
+#: OPTIMIZER_PARAMS, LEGACY_FUSION)
+BLOCK_KEYS = ("type", "params", "legacy_fusion")
+
+
+def json_name(value: Any) -> str:
+    """``value``'s kind as a JSON config writes it (null, a list, a string, ...)."""
+    kinds = {type(None): "null", bool: "a boolean", list: "a list", tuple: "a list", str: "a string", int: "a number",
+             float: "a number"}
+    return f"{kinds.get(type(value), type(value).__name__)} ({value!r})"
+
+
 class OptimizerBlockError(ValueError):
     """An ``"optimizer"`` block of a job or engine config that names no member, a parameter the
     member does not take, or a value it refuses; the message names the key (and a close match)."""
@@ -199,9 +214,9 @@ def did_you_mean(word: str, choices: list[str]) -> str:
     """``"; did you mean 'gamma'?"`` for the closest choice, or ``""``."""
     import difflib
 
-    close = difflib.get_close_matches(word, choices, n=1, cutoff=0.6)
-    if not close:
-        close = [c for c in choices if c.lower() == word.lower()]
+    # the same name in other case first ("vrlamb" is VRLamb, which difflib ranks below Lamb)
+    close = [c for c in choices if c.lower() == word.lower()] or difflib.get_close_matches(word, choices, n=1,
+                                                                                          cutoff=0.6)
     return f"; did you mean {close[0]!r}?" if close else ""
 
 
@@ -211,14 +226,27 @@ def member_of(cls: Any) -> OptimInfo:
     return next(i for i in REGISTRY.values() if i.cls is cls or isinstance(cls, Variant) and i.name == cls.name)
 
 
+#: the options only the GSNR reads: given with it off, they change nothing
+GSNR_OPTIONS = ("gamma", "beta3", "gsnr_eps", "gsnr_placement")
+
+
 def check_params(cls: Any, type_name: str, params: dict[str, Any], clipping: str) -> None:
     """Rejects ``optimizer.params`` keys the member does not take, naming the key; ``clipping``
-    names the engine's own gradient clipping (what ``max_grad_norm`` should be instead)."""
+    names the engine's own gradient clipping (what ``max_grad_norm`` should be instead). A key a
+    variant fixes (``Lamb``'s ``gsnr``) is taken at that value and refused at another, naming the
+    member to use; the GSNR's own options with the GSNR off are said to change nothing (kept, so
+    that turning it on is one word)."""
     info = member_of(cls)
     accepted = info.accepted_params()
     if "max_grad_norm" in params and "max_grad_norm" not in accepted:
         raise OptimizerBlockError(f"optimizer.params.max_grad_norm: use {clipping} instead")
-    unknown = sorted(set(params) - set(accepted))
+    fixed = cls.fixed if isinstance(cls, Variant) else {}
+    for key, value in fixed.items():
+        if key in params and params[key] != value:
+            raise OptimizerBlockError(
+                f"optimizer.params.{key}: {info.name} (type {type_name!r}) is {cls.of.__name__} with "
+                f"{key}={value!r}; for {key}={params[key]!r} use type {cls.of.__name__!r}")
+    unknown = sorted(set(params) - set(accepted) - set(fixed))
     if unknown:
         raise OptimizerBlockError(
             f"optimizer.params.{unknown[0]}: not a parameter of {info.name} (type {type_name!r})"
@@ -228,6 +256,13 @@ def check_params(cls: Any, type_name: str, params: dict[str, Any], clipping: str
         raise OptimizerBlockError(
             f"optimizer.params.{auto[0]}: \"auto\" is left for HF Trainer or Accelerate to fill in, and nothing did "
             "here; give its value (or leave the key out for the default)")
+    idle = [k for k in GSNR_OPTIONS if k in params]
+    if idle and (fixed.get("gsnr") is False or params.get("gsnr") is False):
+        from vrgd_ds.log import warn_once
+
+        warn_once(logger, f"gsnr-off-{type_name}-{idle}", "optimizer.params: %s with the GSNR off (%s) change(s) "
+                  "nothing: only the GSNR reads them", ", ".join(idle),
+                  f"type {type_name!r}" if fixed.get("gsnr") is False else "gsnr: false", scope="job")
 
 
 def probe_group(cls: Any, params: dict[str, Any]) -> dict[str, Any]:
@@ -242,16 +277,18 @@ def probe_group(cls: Any, params: dict[str, Any]) -> dict[str, Any]:
     return {k: v for k, v in group.items() if k != "params"}
 
 
-def check_optimizer(block: Any, clipping: str, resolve: Callable[[str], Any] | None = None) -> Any:
+def check_optimizer(block: Any, clipping: str, resolve: Callable[[str], Any] | None = None,
+                    written: str | None = None) -> Any:
     """Validates an ``"optimizer": {"type": ..., "params": {...}}`` block before any work: the type
     is a member (``resolve`` maps an engine's own spelling, else the registry's names), every
     parameter is one it takes, and every value passes its checks. Returns the member's class (or
-    variant)."""
-    return checked_group(block, clipping, resolve)[0]
+    variant). ``written``: the type as the config wrote it, where the engine reads another
+    spelling (messages name what the user wrote)."""
+    return checked_group(block, clipping, resolve, written)[0]
 
 
-def checked_group(block: Any, clipping: str,
-                  resolve: Callable[[str], Any] | None = None) -> tuple[Any, dict[str, Any]]:
+def checked_group(block: Any, clipping: str, resolve: Callable[[str], Any] | None = None,
+                  written: str | None = None) -> tuple[Any, dict[str, Any]]:
     """``check_optimizer``, returning the member's class (or variant) and the options of the
     param group it builds of the block's ``params`` (``probe_group``)."""
     from vrgd_ds.optim.base import InvalidArgument
@@ -259,6 +296,11 @@ def checked_group(block: Any, clipping: str,
     if not isinstance(block, dict) or "type" not in block:
         raise OptimizerBlockError('optimizer: the config needs an "optimizer" block with a "type", e.g. '
                                   '{"type": "VRLamb", "params": {"lr": 6e-3}}')
+    stray = sorted(set(block) - set(BLOCK_KEYS))
+    if stray:  # DeepSpeed reads "type", "params" and "legacy_fusion" alone: an option here would be dropped
+        raise OptimizerBlockError(
+            f"optimizer.{stray[0]}: not a key of the optimizer block{did_you_mean(stray[0], list(BLOCK_KEYS))}; its "
+            'keys are "type", "params" and "legacy_fusion", and the optimizer\'s arguments go in "params"')
     name = block["type"]
     cls = None
     if isinstance(name, str):
@@ -266,11 +308,11 @@ def checked_group(block: Any, clipping: str,
     if cls is None:
         raise OptimizerBlockError(f"optimizer.type: {name!r} is not a VRGD optimizer{did_you_mean(str(name), list(REGISTRY))}; "
                                   f"registered: {', '.join(REGISTRY)}")
-    params = block.get("params") or {}
-    if not isinstance(params, dict):
-        raise OptimizerBlockError(f"optimizer.params: must be an object of {name}'s arguments, got "
-                                  f"{type(params).__name__}")
-    check_params(cls, name, params, clipping)
+    params = block.get("params", {})
+    if not isinstance(params, dict):  # null or [] too: the engine reads it as its arguments
+        raise OptimizerBlockError(f"optimizer.params: must be an object of {name}'s arguments (or left out), got "
+                                  f"{json_name(params)}")
+    check_params(cls, name if written is None else written, params, clipping)
     try:
         group = probe_group(cls, params)
     except InvalidArgument as e:
