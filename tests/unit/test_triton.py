@@ -13,6 +13,7 @@ from torch import nn
 import vrgd_ds
 from vrgd_ds import REGISTRY
 from vrgd_ds.optim.adam import GSNR_PLACEMENTS
+from numerics import within_one_ulp
 
 triton = pytest.importorskip("triton", reason="pip install triton (the tests run its interpreter on CPU)")
 from vrgd_ds.optim import _triton  # noqa: E402
@@ -120,15 +121,37 @@ LOW_CASES = [pytest.param(n, dt, id=f"{n}-{str(dt).removeprefix('torch.')}",
              for j, dt in enumerate(LOW_DTYPES)]
 
 
+#: the low-precision test's LR, in multiples of the member's ``test_kwargs`` one: steps of several
+#: bf16 ulps (at 1×, VRLamb's step moved 8% of the bf16 elements by more than one)
+LOW_LR = 8.0
+
+
 @pytest.mark.parametrize("name, dtype", LOW_CASES)
 def test_triton_low_precision_parameters(name, dtype):
-    """bf16/fp16 parameters, fp32 state. Rounding to the parameter dtype may differ by one unit
-    in the last place (Triton's interpreter truncates fp32 -> bf16)."""
-    batches = data(2, 3)
+    """bf16/fp16 parameters, fp32 state, step by step from the reference's parameters and state:
+    the parameters one unit in the last place apart at most (Triton's interpreter truncates fp32
+    -> bf16), each step moving them (``within_one_ulp``), and the fp32 state as in fp32. Fails on
+    the test before, whose tolerance of 2e-2 over two steps took a step that wrote nothing
+    (VRAdam moves a weight by 0.03 at most here, VRLamb by 0.008) and never read the state."""
+    batches = data(3, 3)
     m1, m2 = Net(dtype).to(DEVICE), Net(dtype).to(DEVICE)
-    o1, o2 = build(name, m1, False), build(name, m2, "triton")
-    for a, b in zip(run(m1, o1, batches), run(m2, o2, batches)):
-        torch.testing.assert_close(a, b, rtol=2e-2, atol=2e-2)
+    lr = dict(lr=LOW_LR * REGISTRY[name].test_kwargs["lr"])  # steps of several ulps
+    o1, o2 = build(name, m1, False, **lr), build(name, m2, "triton", **lr)
+    moved = 0.0
+    for i, step in enumerate(batches):
+        if i:
+            with torch.no_grad():
+                for p1, p2 in zip(m1.parameters(), m2.parameters()):
+                    p2.copy_(p1)
+                    for k, v in o1.state[p1].items():
+                        o2.state[p2][k].copy_(v)
+        before = [p.detach().clone() for p in m1.parameters()]
+        run(m1, o1, [step]), run(m2, o2, [step])
+        for p0, p1, p2 in zip(before, m1.parameters(), m2.parameters()):
+            moved += within_one_ulp(p0, p1.detach(), p2.detach()) * p0.numel()
+            for k, v in o1.state[p1].items():
+                torch.testing.assert_close(o2.state[p2][k].float().cpu(), v.float().cpu(), rtol=1e-4, atol=1e-5)
+    assert moved > 0.25 * len(batches) * sum(p.numel() for p in m1.parameters())
     for p2 in m2.parameters():
         assert p2.dtype == dtype and all(v.dtype == torch.float32 for v in o2.state[p2].values())
 
