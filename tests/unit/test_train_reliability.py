@@ -91,6 +91,14 @@ def run_main(capsys, *args: str, config: Path = TEST_CONFIG, run_dir: Path | Non
     # before: accepted, and the phase warmed up to its last step and ended at its peak LR, never decaying
     ("job.phases.0.warmup_fraction=0.6", "job.phases[0].warmup_fraction: 0.6 of the phase's 2 steps rounds up to 2 "
                                          "warmup steps, leaving none to decay; use a warmup_fraction of at most 0.5"),
+    # before (each fails on the old code): refused by transformers only when the model was built,
+    # after the data preparation, with its traceback on every rank (exit 1)
+    ('job.model.overrides={"hidden_act": "gleu"}', "job.model: the tiny BERT with job.model.overrides (hidden_act) is "
+                                                   "refused by transformers: KeyError: 'gleu'"),
+    ('job.model.overrides={"num_attention_heads": 3}', "refused by transformers: ValueError: The hidden size (128) is "
+                                                       "not a multiple of the number of attention heads (3)"),
+    # before: DeepSpeed read clipping at -1 as none
+    ("gradient_clipping=-1", "gradient_clipping: -1: must be a finite number >= 0"),
 ])
 def test_bad_configuration_fails_before_any_work_with_one_line(capsys, override, message):
     """Each of these used to surface late (at deepspeed.initialize, after data preparation and

@@ -27,7 +27,32 @@ def bert_config(cfg: ModelConfig, vocab_size: int, max_seq_len: int) -> Any:
     if unknown:
         raise ConfigError(f"job.model.overrides.{unknown[0]}: not a BertConfig field")
     fields.update(cfg.overrides)
-    return transformers.BertConfig(**fields)
+    try:
+        return transformers.BertConfig(**fields)
+    except Exception as e:  # transformers' validation: its own error types, which name the field
+        raise _refused(cfg, e) from None
+
+
+def _refused(cfg: ModelConfig, error: Exception) -> ConfigError:
+    """transformers' refusal of the model ``cfg`` makes, as the job's error naming the overrides."""
+    keys = ", ".join(sorted(cfg.overrides)) or "none"
+    return ConfigError(f"job.model: the {cfg.size} BERT with job.model.overrides ({keys}) is refused by transformers: "
+                       f"{type(error).__name__}: {' '.join(str(error).split())[:300]}")
+
+
+def check_model(cfg: ModelConfig, max_seq_len: int) -> None:
+    """Builds the model ``cfg`` describes on the meta device (no memory, no data: any vocabulary
+    size), so that an override transformers refuses (``"hidden_act": "gleu"``, a head count that
+    does not divide the hidden size, a string where a number goes) is a configuration error
+    before any work, not a traceback after the data is prepared."""
+    import torch
+
+    config = bert_config(cfg, cfg.vocab_size or 128, max_seq_len)
+    try:
+        with torch.device("meta"):
+            masked_positions_model(False)(config)
+    except Exception as e:
+        raise _refused(cfg, e) from None
 
 
 def build_model(cfg: ModelConfig, vocab_size: int, max_seq_len: int, next_sentence: bool) -> nn.Module:

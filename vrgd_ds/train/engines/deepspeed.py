@@ -30,7 +30,7 @@ from vrgd_ds.train import checkpoints as ckpt
 from vrgd_ds.train.config import ConfigError, JobConfig, deepspeed_config
 from vrgd_ds.train.data import JobData, prepare_data
 from vrgd_ds.train.engines.base import Engine, local_cuda_device
-from vrgd_ds.train.model import build_model, masked_positions_of
+from vrgd_ds.train.model import build_model, check_model, masked_positions_of
 from vrgd_ds.train.resume import ConversionFailed, ResumePlan, convert_command, plan_resume
 
 logger = logging.getLogger(__name__)
@@ -87,6 +87,7 @@ class DeepSpeedEngine(Engine):
             check_config(raw)
         except UnsupportedConfiguration as e:
             raise ConfigError(str(e)) from None
+        check_model(job.model, max(p.seq_len for p in job.phases))
         if (raw.get("fp16") or {}).get("enabled"):
             from deepspeed.accelerator import get_accelerator
 
