@@ -98,8 +98,10 @@ def _run(case: dict) -> dict:
     first = {k for stage, part in gathered if stage == 0 for k in part}
     clip_norm_of = {i for i, k in enumerate(names) if k in first} if case["stage"] == 0 else None
 
-    def reference(gamma: float | None) -> Reference:
+    def reference(gamma: float | None, gsnr: bool = True) -> Reference:
         kw = dict(opt_kw(case), **({} if gamma is None else {"gamma": gamma}))
+        if not gsnr:  # the base optimizer: the same class with the GSNR off
+            kw = {k: v for k, v in kw.items() if k != "gamma"} | {"gsnr": False}
         ref = Reference(tiny_model(), lambda ps: cls(ps, **kw), torch.float32, case["stage"], case["gas"], dp,
                         case["clip"], squares="per_step", gbar="engine", clip_norm_of=clip_norm_of)
         for step in range(STEPS):
@@ -107,7 +109,7 @@ def _run(case: dict) -> dict:
                      lambda mod, b: mse(mod(b[0]), b[1]), 1.0)
         return ref
 
-    want = dict(reference(None).master.named_parameters())
+    want = dict(reference(None, gsnr=not case.get("against_base")).master.named_parameters())
     init = dict(tiny_model().named_parameters())
     names = sorted(want)
     if sorted(got) != names:

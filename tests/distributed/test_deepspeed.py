@@ -28,7 +28,10 @@ import pytest
 
 HERE = Path(__file__).parent
 TOL = {"fp32": 1e-3, "fp16": 0.1, "bf16": 0.3}
-CONTRAST = {"fp32": 0.1, "fp16": 0.5, "bf16": None}  # err <= factor × distance to the gamma = 1 run
+# err <= factor × distance to the gamma = 1 run: a statistics bug moving the result by a share of the
+# GSNR's own effect shows (bf16: seen <= 0.33 over the 114 bf16 matrix and per-step cases; before,
+# bf16 was held to the tolerance of the distance trained alone)
+CONTRAST = {"fp32": 0.1, "fp16": 0.5, "bf16": 0.5}
 
 
 sys.path.insert(0, str(HERE))

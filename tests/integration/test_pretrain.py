@@ -66,7 +66,8 @@ def test_two_rank_run_trains_both_phases_with_vr_lamb(setup):
     assert {p.name for p in (full / "plots").glob("*.png")} >= {"loss.png", "gsnr.png", "lr.png"}
 
 
-@pytest.mark.exhaustive  # make test resumes exactly after preemption (test_reliability.py)
+@pytest.mark.exhaustive  # make test: the engine's checkpoints resumed exactly (test_deepspeed.py), the job's
+# resume decisions on a stand-in engine (test_job_spine.py), the sampler's stream (test_data_sampler.py)
 def test_killed_run_resumes_on_the_same_trajectory(setup):
     """SIGKILL after the step-4 checkpoint, restart with the same command: the job resumes
     by itself (model, optimizer with GSNR state, sampler position, LR, dropout RNG) and its
