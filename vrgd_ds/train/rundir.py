@@ -26,7 +26,10 @@ a trace of who held them. The run directory is instead owned through a record,
   training in the same allocation does not). Taking over is a
   ``rename`` of the dead record to a name of one's own (only one contender's rename succeeds)
   followed by a fresh ``link``.
-* **Leaving.** The owner removes the record when the job ends, whatever the exit.
+* **Leaving.** The owner removes the record when the job ends through Python's clean-up (its
+  end, an error, the pre-emption signal's checkpoint and exit). A job killed outright (SIGKILL,
+  or a SIGTERM, which the job leaves at its default action rather than unwind in the middle of a
+  collective) leaves it behind; the next start takes it over as a dead owner's, above.
 
 Heartbeat ages compare the owner host's clock with this one's: clusters keep them within a
 second (NTP), far below ``STALE_S``.
