@@ -1071,9 +1071,11 @@ def verdicts(best: dict, corpus: str, batches: list[int], label: str, baseline: 
     ``unbracketed``) and each of the baseline's runs ending below the unigram level of its seed's
     held-out masks (``unigram``: per seed, or one level for every seed; None, or a seed without
     one, decides nothing: not computed); it is "better" or "worse" only when the seed ranges do not
-    overlap. A batch not decided says everything it misses. Then the baseline's degradation from
-    the first batch to the last and the share of it ``label`` recovers there: "not decided" unless
-    both ends' verdicts are, saying why."""
+    overlap. Beside it, ``label``'s loss less the baseline's seed by seed (a seed's runs read the
+    same samples and masks under every optimizer). A batch not decided says everything it misses.
+    Then the baseline's degradation from the first batch to the last and the share of it
+    ``label`` recovers there: "not decided" unless both ends' verdicts are, with the end rows'
+    reasons."""
     rows = []
     for batch in batches:
         vr, base = best.get((corpus, batch, label)), best.get((corpus, batch, baseline))
@@ -1085,8 +1087,9 @@ def verdicts(best: dict, corpus: str, batches: list[int], label: str, baseline: 
                     if (edge := unbracketed(cells, (corpus, batch, name), rs, grid or sorted(cells.get(
                         (corpus, batch, name), {}))))]
         shown = [spread([r["mlm_loss"] for r in rs], "{:.3f}") if rs and len(rs) >= 2 else "–" for rs in (base, vr)]
+        paired = by_seed(base or [], vr or [])
         if why:
-            rows.append((corpus, batch, *shown, "–", f"not decided: {'; '.join(why)}"))
+            rows.append((corpus, batch, *shown, paired, "–", f"not decided: {'; '.join(why)}"))
             continue
         lv, lb = [r["mlm_loss"] for r in vr], [r["mlm_loss"] for r in base]
         diff = mean(lv) - mean(lb)
@@ -1102,31 +1105,39 @@ def verdicts(best: dict, corpus: str, batches: list[int], label: str, baseline: 
             verdict = f"{label} worse by {diff:.3f} nats (seed ranges apart)"
         else:
             verdict = f"no difference beyond the seeds ({diff:+.3f} nats)"
-        rows.append((corpus, batch, *shown, "–" if below is None else f"{below:.3f}", verdict))
+        rows.append((corpus, batch, *shown, paired, "–" if below is None else f"{below:.3f}", verdict))
     if len(batches) < 2:
         return rows
+    span = f"{batches[0]} → {batches[-1]}"
+    # the share counts only between batches whose verdicts are decided (2 seeds each, past the
+    # plateau, best LRs bracketed): otherwise the losses it divides are not the ones the verdicts
+    # stand on; the end rows say why not
+    ends = {row[1]: str(row[-1]) for row in (rows[0], rows[-1]) if str(row[-1]).startswith("not decided")}
+    undecided = "not decided: " + "; ".join(f"batch {batch}: {why.removeprefix('not decided: ')}"
+                                            for batch, why in ends.items())
     first, last = best.get((corpus, batches[0], baseline)), best.get((corpus, batches[-1], baseline))
     vr_last = best.get((corpus, batches[-1], label))
-    span = f"{batches[0]} → {batches[-1]}"
-    ends = [(name, batch) for name, batch, rs in ((baseline, batches[0], first), (baseline, batches[-1], last),
-                                                  (label, batches[-1], vr_last)) if not rs or len(rs) < 2]
-    if ends:
-        rows.append((corpus, span, "–", "–", "", "not decided: " + "; ".join(
-            f"{name} at batch {batch} lacks 2 seeds" for name, batch in ends)))
+    if any(not rs or len(rs) < 2 for rs in (first, last, vr_last)):  # no loss to show either
+        rows.append((corpus, span, "–", "–", "", "", undecided))
         return rows
     lost = mean(r["mlm_loss"] for r in last) - mean(r["mlm_loss"] for r in first)
     won = mean(r["mlm_loss"] for r in last) - mean(r["mlm_loss"] for r in vr_last)
-    share = f"{won / lost:.0%}" if lost > 0 else "– (no degradation)"
-    # the share counts only between batches whose verdicts are decided (past the plateau, best LRs
-    # bracketed): otherwise the losses it divides are not the ones the verdicts stand on
-    undecided = [str(row[1]) for row in (rows[0], rows[-1]) if str(row[-1]).startswith("not decided")]
-    share = (f"not decided: batch {' and '.join(dict.fromkeys(undecided))} not decided" if undecided
-             else f"recovered share {share}")
+    share = (undecided if ends else f"recovered share {won / lost:.0%}" if lost > 0 else
+             "recovered share – (no degradation)")
     samples = [rs[0].get("samples") for rs in (first, last)]
     if None not in samples and samples[0] != samples[1]:  # --min-steps: the larger batch trained on more samples
         share += f" (not at equal samples: {samples[0]:,} and {samples[1]:,})"
-    rows.append((corpus, span, f"{baseline} loses {lost:+.3f}", f"{label} recovers {won:+.3f}", "", share))
+    rows.append((corpus, span, f"{baseline} loses {lost:+.3f}", f"{label} recovers {won:+.3f}", "", "", share))
     return rows
+
+
+def by_seed(base: list[dict], other: list[dict]) -> str:
+    """``other``'s loss less ``base``'s for each seed both ran ("1: +0.061, 2: +0.076"), or "–"."""
+    losses = [{r.get("seed"): r["mlm_loss"] for r in rs} for rs in (base, other)]
+    seeds = [seed for seed in losses[0] if seed is not None and seed in losses[1]]
+    if not seeds or any(len(d) != len(rs) for d, rs in zip(losses, (base, other))):
+        return "–"
+    return ", ".join(f"{seed}: {losses[1][seed] - losses[0][seed]:+.3f}" for seed in sorted(seeds))
 
 
 def unrun_cells(results: list[dict], corpora: list[str], batches: list[int], labels: list[str],
@@ -1630,9 +1641,9 @@ def main() -> None:
     out.meta["unrun"] = unrun
     if getattr(args, "stopped", None):
         out.meta["stopped"] = args.stopped
-        out.add_table("Runs the time limit or SIGUSR1 stopped unfinished (paused: checkpointed, the next start in "
-                      "this work directory resumes them; their rate after start-up is what the next lease can plan "
-                      "with)",
+        out.add_table("Runs the time limit or SIGUSR1 stopped unfinished (paused ones checkpointed: the next start "
+                      "in this work directory resumes them; removed ones, stopped before their first checkpoint, start "
+                      "again from step 0; their rate after start-up is what the next lease can plan with)",
                       table(["run", "step", "samples", "seconds", "start-up (s)", "samples/s after",
                              "runs side by side", "waiting for data", "kept"],
                             [(g["run"], f"{g['step']} of {g['steps']}", f"{g['samples']:,.0f}", f"{g['wall_s']:.0f}",
@@ -1710,7 +1721,8 @@ def main() -> None:
             out.add_table(f"Verdict per batch (multiples {', '.join(f'×{m:g}' for m in args.noise_multiple)} of B_simple; "
                           f"unigram level, nats: {levels}; {len(unrun)} run(s) {unrun_what}; each optimizer's best LR "
                           "is chosen on the held-out loss it is judged by)",
-                          table(["corpus", "batch", "baseline loss", "VR loss", "baseline below unigram", "verdict"], rows))
+                          table(["corpus", "batch", "baseline loss", "VR loss", "VR − baseline by seed",
+                                 "baseline below unigram", "verdict"], rows))
         plot(out, best, corpora, batches, labels)
     if args.compare is not None:
         rows = compared(everyone, args.compare, config)

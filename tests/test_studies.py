@@ -913,7 +913,8 @@ def test_verdicts_hold_each_baseline_run_to_its_own_seeds_unigram_level():
     assert above[0][-1] == "not decided: LAMB ends 0.022 nats above the unigram level"
     best = {("c", 64, "LAMB"): cell(6.33, 6.20), ("c", 64, "VR"): cell(6.05, 6.10)}
     below = verdicts(best, "c", [64], "VR", "LAMB", unigram={1: 6.3521, 2: 6.2578})
-    assert below[0][-1] == "VR better by 0.190 nats (seed ranges apart)" and below[0][4] == "0.022"
+    assert below[0][-1] == "VR better by 0.190 nats (seed ranges apart)" and below[0][5] == "0.022"
+    assert below[0][4] == "1: -0.280, 2: -0.100"  # seed by seed: each seed's runs read the same data
 
 
 def test_verdicts_need_two_seeds_below_the_unigram_level_and_apart_ranges():
@@ -939,18 +940,20 @@ def test_verdicts_need_two_seeds_below_the_unigram_level_and_apart_ranges():
     assert [r[-1] for r in rows] == ["no difference beyond the seeds (+0.015 nats)",
                                      "VR better by 0.200 nats (seed ranges apart)",
                                      "not decided: VR lacks 2 seeds",
-                                     "not decided: VR at batch 256 lacks 2 seeds"]
+                                     "not decided: batch 256: VR lacks 2 seeds"]
     assert rows[2][2] == "7.150 (7.100–7.200)"  # the arm with 2 seeds is shown
-    assert rows[0][4] == "0.400" and rows[1][4] == "0.050"  # LAMB's margin below the unigram level
+    assert rows[0][5] == "0.400" and rows[1][5] == "0.050"  # LAMB's margin below the unigram level
+    assert rows[0][4] == "–"  # runs without seeds: none to pair
     best["c", 256, "VR"] = cell(7.00, 7.04)
     rows = verdicts(best, "c", [16, 64, 256], "VR", "LAMB", unigram=7.3)
     assert rows[2][-1] == "VR better by 0.130 nats (seed ranges apart)"
-    assert rows[3][2:] == ("LAMB loses +0.600", "VR recovers +0.130", "", "recovered share 22%")
-    # an end batch not decided (here LAMB above the unigram level at 256): no share. Fails on the old
-    # code, which gave "recovered share 22%" whatever the end batches' verdicts
+    assert rows[3][2:] == ("LAMB loses +0.600", "VR recovers +0.130", "", "", "recovered share 22%")
+    # an end batch not decided (here LAMB above the unigram level at 256): no share, and the end
+    # row's reason. Fails on the old code, which gave "recovered share 22%" whatever the end
+    # batches' verdicts, and on the code after it, which said "batch 256 not decided" without why
     rows = verdicts(best, "c", [16, 64, 256], "VR", "LAMB", unigram=7.15)
     assert rows[2][-1] == "not decided: LAMB ends 0.050 nats above the unigram level"
-    assert rows[3][-1] == "not decided: batch 256 not decided"
+    assert rows[3][-1] == "not decided: batch 256: LAMB ends 0.050 nats above the unigram level"
     above = verdicts({k: v for k, v in best.items() if k[1] == 64}, "c", [64], "VR", "LAMB", unigram=6.92)
     assert above[0][-1] == "not decided: LAMB ends 0.030 nats above the unigram level"
     # the best LR must be bracketed by its neighbours on the grid, run on its seeds: else no verdict
@@ -1371,10 +1374,13 @@ def test_batches_at_noise_multiples_get_a_verdict_each_and_the_unrun_cells_are_l
         in tables
     # no data prepared in --work: no unigram level, so no verdict (the verdicts themselves: the in-process test above)
     undecided = "not decided: the unigram level is not computed (no prepared data) |"
-    assert f"| embedded | 16 | 6.550 (6.500–6.600) | 6.565 (6.550–6.580) | – | {undecided}" in tables
-    assert f"| embedded | 64 | 6.925 (6.900–6.950) | 6.725 (6.700–6.750) | – | {undecided}" in tables
-    assert "| embedded | 16 → 64 | LAMB loses +0.375 | VR-LAMB first_moment recovers +0.200 |  | not decided: batch 16 " \
-           "and 64 not decided |" in tables
+    assert f"| embedded | 16 | 6.550 (6.500–6.600) | 6.565 (6.550–6.580) | 1: +0.050, 2: -0.020 | – | {undecided}" \
+        in tables
+    assert f"| embedded | 64 | 6.925 (6.900–6.950) | 6.725 (6.700–6.750) | 1: -0.200, 2: -0.200 | – | {undecided}" \
+        in tables
+    assert ("| embedded | 16 → 64 | LAMB loses +0.375 | VR-LAMB first_moment recovers +0.200 |  |  | not decided: batch "
+            "16: the unigram level is not computed (no prepared data); batch 64: the unigram level is not computed (no "
+            "prepared data) |") in tables
     meta = json.loads((tmp_path / "out" / "meta.json").read_text())
     assert meta["unrun"] == ["embedded b16 LAMB ×4 seed 2", "embedded b16 VR-LAMB first_moment ×4 seed 1",
                              "embedded b16 VR-LAMB first_moment ×4 seed 2", "embedded b64 LAMB ×4 seed 1",
@@ -1395,7 +1401,7 @@ def test_batches_at_noise_multiples_get_a_verdict_each_and_the_unrun_cells_are_l
     assert meta["unrun"] == ["embedded b16 LAMB ×4 seed 2"]
     assert ("unigram level, nats: not computed; 1 run(s) the bracket's next round needs; each optimizer's best LR is chosen "
             "on the held-out loss it is judged by)") in (tmp_path / "bracket" / "tables.md").read_text()
-    assert f"| embedded | 64 | 6.925 (6.900–6.950) | 6.725 (6.700–6.750) | – | {undecided}" in (
+    assert f"| embedded | 64 | 6.925 (6.900–6.950) | 6.725 (6.700–6.750) | 1: -0.200, 2: -0.200 | – | {undecided}" in (
         tmp_path / "bracket" / "tables.md").read_text()
 
 
