@@ -290,8 +290,8 @@ def test_every_member_under_zero_equals_unsharded(pool, name, case):
 @pytest.mark.parametrize("name, case", params(worker.merit_cut_cases()))
 def test_merit_row_and_column_maxima_across_partitions_equal_unsharded(pool, name, case):
     """One MAX all-reduce completes the maxima of a tensor cut between the ranks: the sharded
-    run equals the single-process one (to the reduction order of the gradients), and the
-    per-tensor max-norm ratios reported are the same on both sides."""
+    run's parameters equal the single-process one's (to the reduction order of the gradients),
+    which they would not with a ratio taken from one partition's maxima."""
     res = run(pool, "run_matrix_case", case)
     if res["contrast_l2"] is None:  # MERIT: only the gradients' reduction order differs
         assert res["l2"] <= 1e-5 and res["ulps"] <= 64, res
