@@ -196,6 +196,7 @@ def test_an_optimizer_lr_other_than_the_first_phases_is_refused_naming_the_phase
     assert loop.main(args) == loop.EXIT_CONFIG
     err = capsys.readouterr().err
     assert f"optimizer.params.lr: {lr * 2:g} has no effect" in err and f"job.phases[0].lr is {lr:g}" in err, err
+    assert "--set optimizer.params.lr=X beside it" in err  # how a sweep of the phases' LR is written
     assert not run_dir.exists()
     for value in (lr, None):  # the same LR, or none (the member's default builds the optimizer)
         check_optimizer_lr(*load_config(config, [f"optimizer.params.lr={json.dumps(value)}"]))

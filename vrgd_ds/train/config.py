@@ -467,7 +467,9 @@ def check_optimizer_lr(raw: dict[str, Any], job: JobConfig) -> None:
     if not math.isclose(given, first, rel_tol=1e-9, abs_tol=0.0):
         raise ConfigError(f"optimizer.params.lr: {given:g} has no effect, the job sets the learning rate from its "
                           f"phases (job.phases[*].lr, warmup_fraction, decay_power; job.phases[0].lr is {first:g}): "
-                          "set the LR there, and drop optimizer.params.lr or give it job.phases[0].lr")
+                          "set the LR there, and drop optimizer.params.lr or give it job.phases[0].lr (a sweep by "
+                          "--set job.phases.0.lr=X: --set optimizer.params.lr=X beside it, or no optimizer.params.lr "
+                          "in the config)")
 
 
 def check_gsnr_groups(raw: dict[str, Any], job: JobConfig) -> None:
