@@ -428,3 +428,30 @@ def test_every_top_level_key_deepspeed_reads_is_known():
     config._param_dict = Recording({"train_batch_size": 8})
     config._initialize_params(config._param_dict)
     assert len(asked) > 30 and asked <= TOP_LEVEL_KEYS, sorted(asked - TOP_LEVEL_KEYS)
+
+
+@pytest.mark.parametrize("extra, key", [
+    ({"zero_optimization": {"stage": 2, "zero_quantized_gradients": True}}, "zero_optimization.zero_quantized_gradients"),
+    ({"zero_optimization": {"stage": 3, "zero_hpz_partition_size": 2}}, "zero_optimization.zero_hpz_partition_size"),
+    ({"zero_optimization": {"stage": 1, "elastic_checkpoint": True}}, "zero_optimization.elastic_checkpoint"),
+    ({"zero_optimization": {"stage": 2, "contiguous_gradients": False}}, "zero_optimization.contiguous_gradients"),
+    ({"gradient_allreduce_op": "sum"}, "gradient_allreduce_op"),
+    ({"prescale_gradients": True}, "prescale_gradients"),
+    ({"gradient_predivide_factor": 2.0}, "gradient_predivide_factor"),
+    ({"fp16": {"enabled": True}}, "fp16 with zero_optimization.stage 0"),
+    ({"bf16": {"enabled": True}, "zero_optimization": {"stage": 1}, "data_types": {"grad_accum_dtype": "fp32"}},
+     "data_types.grad_accum_dtype"),
+])
+def test_a_set_up_the_hooks_do_not_cover_is_refused_from_the_raw_config(extra, key):
+    """The set-ups ``check_engine`` refuses on the engine, refused from the raw dict before any
+    work too, in the same words (``NOT_COVERED``). Fails on the code before, which took each of
+    them here and refused it only inside ``deepspeed.initialize``, after the job had prepared its
+    data and built the model."""
+    from vrgd_ds.ds.config import NOT_COVERED, check_config
+    from vrgd_ds.ds.internals import UnsupportedConfiguration
+
+    with pytest.raises(UnsupportedConfiguration) as e:
+        check_config({"optimizer": {"type": "VRLamb", "params": {"lr": 1e-3}}, **extra})
+    assert str(e.value) == f"vrgd_ds: '{key}' is not supported with VRGD optimizers: {NOT_COVERED[key]}"
+    check_config({"optimizer": {"type": "VRLamb", "params": {"lr": 1e-3}}, "bf16": {"enabled": True},
+                  "zero_optimization": {"stage": 2, "contiguous_gradients": True}, "gradient_allreduce_op": "mean"})

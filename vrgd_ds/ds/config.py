@@ -174,6 +174,66 @@ def _offload_device(block: Any) -> str:
     return str(block.get("device", "none")).lower()
 
 
+#: what the VRGD hooks do not cover, by the key a refusal names (``check_engine`` on the engine's
+#: parsed config, ``check_config`` on the raw dict where its value there says so): why, and the fix
+NOT_COVERED = {
+    "zero_optimization.zero_quantized_gradients": "ZeRO++ quantised gradients bypass the fused reduction; set it "
+                                                  "to false",
+    "zero_optimization.zero_hpz_partition_size": "ZeRO++ hierarchical partitioning is not covered; set it to 1",
+    "zero_optimization.elastic_checkpoint": "DeepSpeed's elastic ZeRO-1/2 checkpoint takes the step count from "
+                                            "param_groups[0]['step'], which VRGD optimizers keep per tensor: its "
+                                            "checkpoints do not load or convert; set it to false (to resume on another "
+                                            "number of ranks the job converts to a universal checkpoint: "
+                                            "vrgd_ds.ds.universal)",
+    "zero_optimization.contiguous_gradients": "false reduces through a path without the hooks; set it to true",
+    "gradient_allreduce_op": "VRGD needs DeepSpeed's mean gradient reduction (the default)",
+    "prescale_gradients": "set prescale_gradients to false (the default)",
+    "gradient_predivide_factor": "set it to 1.0 (the default)",
+    "fp16 with zero_optimization.stage 0": "DeepSpeed 0.19.8's engine.backward applies the fp16 loss scale only for "
+                                           "ZeRO optimizers, while FP16_UnfusedOptimizer.step divides by it: gradients "
+                                           "come out loss_scale times too small for any client optimizer. Use ZeRO "
+                                           "stage >= 1 with fp16, or bf16",
+    "data_types.grad_accum_dtype": "bf16 with ZeRO-1 and fp32 gradient accumulation uses BF16_Optimizer, which the "
+                                   "hooks do not cover; use ZeRO-2, or drop grad_accum_dtype",
+}
+
+
+def not_covered(key: str) -> UnsupportedConfiguration:
+    """The refusal of ``NOT_COVERED[key]``, naming the key."""
+    return UnsupportedConfiguration(f"vrgd_ds: '{key}' is not supported with VRGD optimizers: {NOT_COVERED[key]}")
+
+
+def check_not_covered(raw_config: dict[str, Any]) -> None:
+    """``NOT_COVERED``'s set-ups, refused from the raw dict before any work where its values say so
+    plainly (``check_engine`` refuses them again on the engine's parsed config, for every path
+    into DeepSpeed)."""
+    zero = raw_config.get("zero_optimization") or {}
+    stage = zero.get("stage", 0) if isinstance(zero, dict) else None
+    if not isinstance(zero, dict) or stage not in (0, 1, 2, 3):
+        return  # DeepSpeed's own parse names what is wrong there
+    hpz = zero.get("zero_hpz_partition_size", 1)
+    predivide = raw_config.get("gradient_predivide_factor", 1.0)
+    op = raw_config.get("gradient_allreduce_op", "mean")
+    enabled = {name: isinstance(raw_config.get(name), dict) and raw_config[name].get("enabled") is True
+               for name in ("fp16", "bf16", "bfloat16")}
+    accum = (raw_config.get("data_types") or {}).get("grad_accum_dtype") if isinstance(
+        raw_config.get("data_types"), dict) else None
+    for key, refused in (
+            ("zero_optimization.zero_quantized_gradients", zero.get("zero_quantized_gradients") is True),
+            ("zero_optimization.zero_hpz_partition_size", isinstance(hpz, int) and not isinstance(hpz, bool) and hpz > 1),
+            ("zero_optimization.elastic_checkpoint", stage in (1, 2) and zero.get("elastic_checkpoint") is True),
+            ("zero_optimization.contiguous_gradients", stage in (1, 2) and zero.get("contiguous_gradients") is False),
+            ("gradient_allreduce_op", isinstance(op, str) and op.lower() != "mean"),
+            ("prescale_gradients", raw_config.get("prescale_gradients") is True),
+            ("gradient_predivide_factor", isinstance(predivide, (int, float)) and not isinstance(predivide, bool)
+             and predivide != 1.0),
+            ("fp16 with zero_optimization.stage 0", stage == 0 and enabled["fp16"]),
+            ("data_types.grad_accum_dtype", stage == 1 and (enabled["bf16"] or enabled["bfloat16"])
+             and isinstance(accum, str) and accum.lower() in ("fp32", "float32", "float"))):
+        if refused:
+            raise not_covered(key)
+
+
 def check_top_level(raw_config: dict[str, Any]) -> None:
     """A top-level key a letter or two from one DeepSpeed or this project reads (``TOP_LEVEL_KEYS``)
     is refused naming it, as DeepSpeed would ignore the block; any other key it does not know is
@@ -194,12 +254,14 @@ def check_top_level(raw_config: dict[str, Any]) -> None:
 def check_config(raw_config: dict[str, Any]) -> None:
     """What can be checked in a DeepSpeed config dict before any work (no engine, no
     process group): its top-level keys (``check_top_level``), the optimizer block
-    (``check_optimizer_block``), the ``"vrgd"`` block, ``gradient_clipping``, and the ZeRO options
-    the hooks do not cover. ``deepspeed.initialize`` checks the rest."""
+    (``check_optimizer_block``), the ``"vrgd"`` block, ``gradient_clipping``, and the set-ups the
+    hooks do not cover (``check_not_covered``, and offload below). ``deepspeed.initialize`` checks
+    the rest."""
 
     check_top_level(raw_config)
     check_optimizer_block(raw_config)
     reduction_config(raw_config)
+    check_not_covered(raw_config)
     clip = raw_config.get("gradient_clipping", 0.0)
     if isinstance(clip, bool) or not isinstance(clip, (int, float)) or not math.isfinite(clip) or clip < 0:
         raise UnsupportedConfiguration(f"gradient_clipping: {clip!r}: must be a finite number >= 0 (the global "

@@ -22,7 +22,7 @@ from typing import Any
 import torch
 
 from vrgd_ds.ds import pipeline
-from vrgd_ds.ds.config import reduction_config
+from vrgd_ds.ds.config import not_covered, reduction_config
 from vrgd_ds.ds.internals import SUPPORTED_DEEPSPEED, UnsupportedConfiguration, check_version, require
 from vrgd_ds.ds.names import NAMES, accepted_params, check_optimizer_block, check_params, resolve
 from vrgd_ds.optim.base import GSNROptimizer, built_for_engine
@@ -137,17 +137,13 @@ def check_engine(engine: Any) -> None:
         scheme = reduction_config(getattr(engine._config, "_param_dict", {}) or {}).scheme(stage)
         pipeline.check(engine, "per_step" if scheme == "auto" else scheme)  # auto takes per_step on pipelines
     if engine.zero_quantized_gradients():
-        no("zero_optimization.zero_quantized_gradients", "ZeRO++ quantised gradients bypass the fused "
-           "reduction; set it to false")
+        raise not_covered("zero_optimization.zero_quantized_gradients")
     if engine.zero_hpz_partition_size() > 1:
-        no("zero_optimization.zero_hpz_partition_size", "ZeRO++ hierarchical partitioning is not covered; set it to 1")
+        raise not_covered("zero_optimization.zero_hpz_partition_size")
     if stage in (1, 2) and engine.zero_elastic_checkpoint():
-        no("zero_optimization.elastic_checkpoint", "DeepSpeed's elastic ZeRO-1/2 checkpoint takes the step count "
-           "from param_groups[0]['step'], which VRGD optimizers keep per tensor: its checkpoints do not load or "
-           "convert; set it to false (to resume on another number of ranks the job converts to a universal "
-           "checkpoint: vrgd_ds.ds.universal)")
+        raise not_covered("zero_optimization.elastic_checkpoint")
     if stage in (1, 2) and not engine.zero_contiguous_gradients():
-        no("zero_optimization.contiguous_gradients", "false reduces through a path without the hooks; set it to true")
+        raise not_covered("zero_optimization.contiguous_gradients")
     # ZeRO-3 without contiguous gradients: refused by attach, where whether statistics are read is known
     if getattr(engine, "sequence_parallel_size", 1) > 1:
         no("sequence_parallel_size", "sequence parallelism is not covered")
@@ -172,19 +168,16 @@ def check_engine(engine: Any) -> None:
     if getattr(engine, "zenflow", False):
         no("zero_optimization.zenflow", "ZenFlow is not covered; remove the block")
     if not engine.gradient_average:
-        no("gradient_allreduce_op", "VRGD needs DeepSpeed's mean gradient reduction (the default)")
+        raise not_covered("gradient_allreduce_op")
     if engine.postscale_gradients() is False:
-        no("prescale_gradients", "set prescale_gradients to false (the default)")
+        raise not_covered("prescale_gradients")
     if engine.gradient_predivide_factor() != 1.0:
-        no("gradient_predivide_factor", "set it to 1.0 (the default)")
+        raise not_covered("gradient_predivide_factor")
     model_dtype, accum_dtype = engine.get_data_types()
     if stage == 0 and model_dtype == torch.float16:
-        no("fp16 with zero_optimization.stage 0", "DeepSpeed 0.19.8's engine.backward applies the fp16 loss scale "
-           "only for ZeRO optimizers, while FP16_UnfusedOptimizer.step divides by it: gradients come out "
-           "loss_scale times too small for any client optimizer. Use ZeRO stage >= 1 with fp16, or bf16")
+        raise not_covered("fp16 with zero_optimization.stage 0")
     if stage == 0 and model_dtype == torch.bfloat16 and pipeline.is_pipeline(engine):
         no("bf16 with zero_optimization.stage 0 under pipeline parallelism", "DeepSpeed 0.19.8 wraps the optimizer "
            "of a PipelineModule in BF16_Optimizer there, which the hooks do not cover; use ZeRO stage 1")
     if stage == 1 and model_dtype == torch.bfloat16 and accum_dtype == torch.float32:
-        no("data_types.grad_accum_dtype", "bf16 with ZeRO-1 and fp32 gradient accumulation uses BF16_Optimizer, "
-           "which the hooks do not cover; use ZeRO-2, or drop grad_accum_dtype")
+        raise not_covered("data_types.grad_accum_dtype")
