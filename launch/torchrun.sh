@@ -27,6 +27,12 @@ if [[ -z "${NPROC:-}" ]]; then
     NPROC=$("$PYTHON" -c 'import torch; print(torch.cuda.device_count() or 2)')
 fi
 NNODES=${NNODES:-1}
+for name in NNODES NPROC ${NODE_RANK:+NODE_RANK}; do  # bash arithmetic reads "two" as 0: the checks below would pass
+    if [[ ! ${!name} =~ ^[0-9]+$ ]]; then
+        echo "error: $name=${!name} is not a whole number" >&2
+        exit 2
+    fi
+done
 if (( NNODES > 1 )) && [[ -z "${MASTER_ADDR:-}" ]]; then  # each node would wait at its own loopback
     echo "error: NNODES=$NNODES needs MASTER_ADDR, node 0's address that every node reaches" >&2
     exit 2

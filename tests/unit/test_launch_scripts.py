@@ -184,6 +184,18 @@ def test_torchrun_on_several_nodes_needs_the_rendezvous_address(tmp_path):
     assert run.returncode == 0 and args[args.index("--master_addr") + 1] == "node0", run.stderr[-2000:]
 
 
+@pytest.mark.parametrize("name, value", [("NNODES", "two"), ("NPROC", "8x"), ("NODE_RANK", "first")])
+def test_torchrun_refuses_a_count_that_is_not_a_number(tmp_path, name, value):
+    """Fails on the old script: bash's arithmetic read ``NNODES=two`` as 0, so the several-node
+    checks passed it by and torchrun got the word (and a bad NPROC or NODE_RANK went to it alike)."""
+    argv = stand_in(tmp_path / "python", 'printf "%s\\n" "$@"\n')
+    env = dict(os.environ) | {"NNODES": "2", "NODE_RANK": "1", "MASTER_ADDR": "node0", "NPROC": "8",
+                              "PYTHON": str(argv), name: value}
+    run = subprocess.run(["bash", str(ROOT / "launch" / "torchrun.sh")], env=env, capture_output=True, text=True,
+                         timeout=60)
+    assert run.returncode == 2 and f"error: {name}={value} is not a whole number" in run.stderr and not run.stdout
+
+
 def test_torchrun_on_several_nodes_needs_each_nodes_rank(tmp_path):
     """Fails on the old script: with ``NNODES=2`` and no ``NODE_RANK`` every node took node rank 0,
     and torchrun's rank-0 agents waited in the rendezvous store for a node 1 that never came,
