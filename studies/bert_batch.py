@@ -67,7 +67,7 @@ from common import DOCS, Output, hardware, machine, plt, portable, spread, table
 
 from vrgd_ds.data_pipeline.tokenizer import TRAINER_RELEASE, trainer
 from vrgd_ds.optim.adam import GSNR_PLACEMENTS
-from vrgd_ds.train.loop import EXIT_DIVERGED
+from vrgd_ds.train.loop import EXIT_DIVERGED, EXIT_REQUEUE
 from vrgd_ds.train.plots import METRICS_FILE, read_metrics as read_steps
 
 #: optimizer label -> the job's ``optimizer.params`` besides lr (``"type"``: another member than VRLamb)
@@ -824,9 +824,10 @@ class Runner:
         its time, times the runs in flight beside it on average). A failed run goes to ``self.failed``
         with its log's last lines, which are printed, and the others go on: the study assembles what
         finished and then exits 1 (``main``). After a pause (``paused``), a run the pause's signal
-        ended in its start-up (``ENDED_BY_SIGUSR1``) is left for the caller to remove."""
+        ended in its start-up (``ENDED_BY_SIGUSR1``), or that checkpointed and exited only after the
+        pause judged it (``EXIT_REQUEUE``), is left for the caller to remove, as the pause said."""
         for slot, (i, proc, t0, log) in list(active.items()):
-            if proc.poll() is None or (paused and proc.returncode in ENDED_BY_SIGUSR1):
+            if proc.poll() is None or (paused and proc.returncode in (*ENDED_BY_SIGUSR1, EXIT_REQUEUE)):
                 continue
             log.close()
             del active[slot]
@@ -875,14 +876,19 @@ class Runner:
                 signalled.add(slot)
         deadline, paused = None if wait_s is None else time.monotonic() + max(wait_s, 0.0), []
         for slot, (i, proc, t0, log) in active.items():
-            launch = launches[i]
             if slot in signalled:
                 try:
                     proc.wait(timeout=None if deadline is None else max(0.0, deadline - time.monotonic()))
                 except subprocess.TimeoutExpired:
                     pass
+        # the runs that have checkpointed first: stopping one (up to 20 s) gives the rest that long
+        # to finish their checkpoints before they are judged
+        order = sorted(active.items(), key=lambda kv: not (launches[kv[1][0]].run_dir / "requeue.json").is_file())
+        for slot, (i, proc, t0, log) in order:
+            launch = launches[i]
+            code = proc.poll()  # before the marker: one written after this poll is seen, with the run still going
             marked = (launch.run_dir / "requeue.json").is_file()
-            if proc.poll() is not None and not marked and proc.returncode not in ENDED_BY_SIGUSR1:
+            if code is not None and not marked and code not in ENDED_BY_SIGUSR1:
                 continue  # it finished its last step, diverged or crashed meanwhile: the caller records it
             earlier = launch.segments()  # the segments before this one: a resumed run's checkpoint
             if proc.poll() is None and (marked or earlier):  # checkpointed (the marker follows the complete

@@ -1124,7 +1124,8 @@ def test_a_run_that_crashes_while_a_pause_waits_is_a_failed_run_kept_with_its_lo
     """A run whose job crashes (exit 1: an exception, not the pause's SIGUSR1) while the pause
     waits is a failed run, its directory kept and its log's end printed, and the study exits 1;
     one the signal ended in its start-up (DeepSpeed's launcher exits -SIGUSR1 & 255) is still a
-    stopped run. Fails on
+    stopped run, and one that checkpointed and exited (75) only after the pause judged it is left
+    to the caller, not a failure. Fails on
     the code before, which reported the crash "stopped, removed" and deleted its directory with
     the log that said why (or, resumed, "kept at its last checkpoint"), and the study exited 0."""
     import argparse
@@ -1147,14 +1148,15 @@ def test_a_run_that_crashes_while_a_pause_waits_is_a_failed_run_kept_with_its_lo
         return launch, proc
 
     (crashed, p0), (signalled, p1) = ended("crashed", 1), ended("signalled", -signal.SIGUSR1 & 255)
-    runner = Runner(argparse.Namespace(parallel=2, time_limit=60, started=time.monotonic(), ranks=1, port=None))
+    late, p2 = ended("late", 75)  # checkpointed and exited after the pause judged it: the pause's, not a failure
+    runner = Runner(argparse.Namespace(parallel=3, time_limit=60, started=time.monotonic(), ranks=1, port=None))
     active = {slot: (slot, proc, time.monotonic() - 5.0, open(tmp_path / f"log{slot}", "w"))
-              for slot, proc in enumerate((p0, p1))}
-    results = [None, None]
-    runner.pause_active([crashed, signalled], active, results, None, 1.0, "--time-limit")
-    assert [f["run"] for f in runner.failed] == [str(crashed.run_dir)] and results == [None, None]
+              for slot, proc in enumerate((p0, p1, p2))}
+    results = [None, None, None]
+    runner.pause_active([crashed, signalled, late], active, results, None, 1.0, "--time-limit")
+    assert [f["run"] for f in runner.failed] == [str(crashed.run_dir)] and results == [None, None, None]
     assert runner.failed[0]["returncode"] == 1 and "OSError: disk full" in runner.failed[0]["log_tail"]
-    assert crashed.run_dir.is_dir() and 0 not in active
+    assert crashed.run_dir.is_dir() and 0 not in active and 2 in active
     assert [g["paused"] for g in runner.stopped] == [resumed]  # the signalled run alone
     out = capsys.readouterr().out
     assert f"run failed (1): {crashed.run_dir / 'log.txt'} (kept)" in out and f"{crashed.run_dir} stopped" not in out
