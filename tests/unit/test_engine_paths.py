@@ -396,6 +396,11 @@ def test_a_misspelt_top_level_block_and_a_bad_gradient_clipping_are_refused_befo
     for clip in (-1.0, "0.5", True, float("inf")):
         with pytest.raises(UnsupportedConfiguration, match=f"gradient_clipping: {clip!r}: must be a finite number >= 0"):
             check_config({**base, "gradient_clipping": clip})
+    # a block DeepSpeed 0.19.8 removed: its own words, before any work rather than at initialize
+    with pytest.raises(UnsupportedConfiguration, match="amp: NVIDIA Apex AMP integration has been removed"):
+        check_config({**base, "amp": {"enabled": True}})
+    with pytest.raises(UnsupportedConfiguration, match="zero_optimization.mics_shard_size: MiCS"):
+        check_config({**base, "zero_optimization": {"stage": 3, "mics_shard_size": 2}})
     with caplog.at_level("WARNING"):
         check_config({**base, "gradient_clipping": 1.0, "bf16": {"enabled": True}, "note": "x"})
     assert [r.getMessage() for r in caplog.records] == ["note: not a key DeepSpeed or vrgd_ds reads; it has no effect"]
@@ -428,6 +433,9 @@ def test_every_top_level_key_deepspeed_reads_is_known():
     config._param_dict = Recording({"train_batch_size": 8})
     config._initialize_params(config._param_dict)
     assert len(asked) > 30 and asked <= TOP_LEVEL_KEYS, sorted(asked - TOP_LEVEL_KEYS)
+    from deepspeed.runtime.config import _REMOVED_TOP_LEVEL_CONFIG_KEYS
+
+    assert not TOP_LEVEL_KEYS & set(_REMOVED_TOP_LEVEL_CONFIG_KEYS)  # refused by name, not taken as known
 
 
 @pytest.mark.parametrize("extra, key", [

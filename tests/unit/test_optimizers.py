@@ -733,7 +733,8 @@ def test_what_the_configuration_gives_every_rank_is_said_once_per_job(caplog, mo
 
 @pytest.mark.parametrize("kwargs, key", [
     (dict(gamma=0.0), "gamma"), (dict(gamma=1.1), "gamma"), (dict(lr=-1.0), "lr"),
-    (dict(betas=(0.9, 1.0)), "betas"), (dict(eps=-1e-8), "eps"), (dict(eps=0.0), "eps=0.0: must be > 0"),
+    (dict(betas=(0.9, 1.0)), "betas"), (dict(eps=-1e-8), "eps"), (dict(eps=0.0), "eps=0.0: must be >= 1.175e-38"),
+    (dict(eps=1e-45), "eps=1e-45"),
     (dict(beta3=1.0), "beta3"),
     (dict(weight_decay=-0.1), "weight_decay"), (dict(fused="yes"), "fused"),
     (dict(gsnr_placement="moments"), r"gsnr_placement='moments'.*'first_moment', 'both_moments', 'update'"),
@@ -893,16 +894,18 @@ def test_an_option_of_the_wrong_kind_is_refused_naming_it(cls, kwargs, message):
             cls([{"params": params[:2]}, {"params": params[2:], "max_grad_norm": None}])
 
 
-def test_a_state_saved_with_gsnr_eps_0_resumes_with_the_optimizers_value(caplog):
-    """Earlier releases accepted ``gsnr_eps=0``: such a state still loads, with this optimizer's
-    ``gsnr_eps`` and a warning saying so, rather than failing the resume."""
+@pytest.mark.parametrize("key, value", [("gsnr_eps", 1e-10), ("eps", 1e-7)])
+def test_a_state_saved_with_an_eps_of_0_resumes_with_the_optimizers_value(caplog, key, value):
+    """Earlier releases accepted ``gsnr_eps=0`` and ``eps=0``: such a state still loads, with this
+    optimizer's value and a warning saying so, rather than failing the resume. The ``eps`` case
+    fails on the code that first refused ``eps=0``, whose check stopped the resume."""
     m = make_model()
     saved = vrgd_ds.VRLamb(m.parameters()).state_dict()
-    saved["param_groups"][0]["gsnr_eps"] = 0.0
-    opt = vrgd_ds.VRLamb(m.parameters(), gsnr_eps=1e-10)
+    saved["param_groups"][0][key] = 0.0
+    opt = vrgd_ds.VRLamb(m.parameters(), **{key: value})
     with caplog.at_level("WARNING"):
         opt.load_state_dict(saved)
-    assert opt.param_groups[0]["gsnr_eps"] == 1e-10 and "saved with gsnr_eps=0" in caplog.text
+    assert opt.param_groups[0][key] == value and f"saved with {key}=0" in caplog.text
 
 
 def test_a_loaded_state_s_options_are_checked_with_this_optimizer_s_wiring():

@@ -21,22 +21,21 @@ KEY = "vrgd"
 
 logger = logging.getLogger(__name__)
 
-#: DeepSpeed 0.19.8's top-level config keys (its config-json documentation; ``runtime/config.py``
-#: and the engine read them), and the blocks of our own beside them: a key a letter or two from
-#: one of them is a misspelt block, which DeepSpeed would ignore (``"zero_optimisation"``: ZeRO off)
+#: DeepSpeed 0.19.8's top-level config keys (its config-json documentation; ``runtime/config.py``,
+#: ``deepspeed.initialize`` and the engine read them), and the blocks of our own beside them: a key
+#: a letter or two from one of them is a misspelt block, which DeepSpeed would ignore
+#: (``"zero_optimisation"``: ZeRO off). The keys 0.19.8 removed are refused by name (``check_top_level``).
 TOP_LEVEL_KEYS = frozenset((
     "train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps", "optimizer", "scheduler",
     "communication_data_type", "seq_parallel_communication_data_type", "prescale_gradients",
-    "gradient_predivide_factor", "sparse_gradients", "fp16", "bf16", "bfloat16", "amp", "torch_autocast",
-    "gradient_clipping", "zero_optimization", "zero_allow_untested_optimizer", "zero_force_ds_cpu_optimizer",
-    "activation_checkpointing", "aio", "steps_per_print", "wall_clock_breakdown", "dump_state", "memory_breakdown",
-    "flops_profiler", "tensorboard", "wandb", "csv_monitor", "comet", "comms_logger", "elasticity", "autotuning",
-    "sparse_attention", "data_efficiency", "curriculum_learning", "compression_training", "nebula", "checkpoint",
+    "gradient_predivide_factor", "fp16", "bf16", "bfloat16", "torch_autocast", "gradient_clipping",
+    "zero_optimization", "zero_allow_untested_optimizer", "zero_force_ds_cpu_optimizer", "activation_checkpointing",
+    "aio", "steps_per_print", "wall_clock_breakdown", "dump_state", "memory_breakdown", "flops_profiler",
+    "tensorboard", "wandb", "csv_monitor", "comet", "comms_logger", "autotuning", "data_efficiency", "checkpoint",
     "data_types", "dataloader_drop_last", "disable_allgather", "disable_python_gc", "expert_parallel",
     "gradient_allreduce_op", "hybrid_engine", "log_level", "managed_gradient_accumulation", "pipeline",
     "tensor_parallel", "timers", "use_data_before_expert_parallelism", "weight_quantization", "compile",
-    "datastates_ckpt", "progressive_layer_drop", "eigenvalue", "quantize_training", "vocabulary_size",
-    "zenflow", "graph_harvesting", "mics_shard_size", "use_node_local_storage",
+    "datastates_ckpt", "vocabulary_size", "sequence_parallel_size", "data_parallel_size",
     KEY, "job", "megatron"))
 
 
@@ -235,9 +234,20 @@ def check_not_covered(raw_config: dict[str, Any]) -> None:
 
 
 def check_top_level(raw_config: dict[str, Any]) -> None:
-    """A top-level key a letter or two from one DeepSpeed or this project reads (``TOP_LEVEL_KEYS``)
+    """A key DeepSpeed 0.19.8 removed (its ``_REMOVED_TOP_LEVEL_CONFIG_KEYS``, and ZeRO's) is refused
+    with DeepSpeed's own words, which ``deepspeed.initialize`` would raise after the work before it;
+    a top-level key a letter or two from one DeepSpeed or this project reads (``TOP_LEVEL_KEYS``)
     is refused naming it, as DeepSpeed would ignore the block; any other key it does not know is
     said once (DeepSpeed ignores it too)."""
+    from deepspeed.runtime import config as ds_config
+
+    zero = raw_config.get("zero_optimization")
+    for where, block, removed in (("", raw_config, ds_config._REMOVED_TOP_LEVEL_CONFIG_KEYS),
+                                  ("zero_optimization.", zero if isinstance(zero, dict) else {},
+                                   ds_config._REMOVED_ZERO_CONFIG_KEYS)):
+        for key in block:
+            if key in removed:
+                raise UnsupportedConfiguration(f"{where}{key}: {removed[key]}")
     for key in raw_config:
         if key in TOP_LEVEL_KEYS:
             continue

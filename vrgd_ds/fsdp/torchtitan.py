@@ -42,6 +42,7 @@ from typing import Any, Callable
 
 import torch
 from torch.distributed.fsdp import FSDPModule
+from torch.distributed.tensor import DTensor
 from torchtitan.components.optimizer import OptimizersContainer, ParamGroupConfig
 
 import vrgd_ds.fsdp
@@ -184,8 +185,9 @@ class VRGDOptimizersContainer(OptimizersContainer):
                         module.set_force_sum_reduction_for_comms(True)
         #: why the VRGD optimizers were built without statistics (torchtitan's seed checkpoint), or None
         self.not_attached: str | None = None
-        # a base member (Lamb, or gsnr=False) takes no statistics: on a shard of one rank, or a model
-        # with no FSDP module, its tensors are whole where it steps, and nothing needs attaching
+        # a base member (Lamb, or gsnr=False) takes no statistics, so a shard of one rank is no
+        # refusal (attach takes it), and a model with no FSDP module and no DTensor parameter (its
+        # tensors whole where it steps) needs nothing attached
         with_gsnr = any(pg.optimizer_name in REGISTRY and REGISTRY[pg.optimizer_name].vr
                         and pg.optimizer_kwargs.get("gsnr", True) for pg in config.param_groups)
         with _in_torchtitan_terms():
@@ -197,7 +199,8 @@ class VRGDOptimizersContainer(OptimizersContainer):
             if self.not_attached is not None:
                 logger.info("vrgd_ds.fsdp.torchtitan: %s", self.not_attached)
                 return
-            if not with_gsnr and vrgd_ds.fsdp.shard_degree(model_parts[0]) is None:
+            if not with_gsnr and vrgd_ds.fsdp.shard_degree(model_parts[0]) is None and not any(
+                    isinstance(p, DTensor) for p in model_parts[0].parameters()):
                 return
             for optimizer in self.optimizers:
                 if isinstance(optimizer, GSNROptimizer):

@@ -28,7 +28,7 @@ import torch
 
 from vrgd_ds.optim import _impl, columns
 from vrgd_ds.optim.base import GSNROptimizer, check_arg, constructor_args
-from vrgd_ds.optim.checks import as_pair
+from vrgd_ds.optim.checks import FP32_TINY, as_pair
 from vrgd_ds.optim.functional import StepContext, counted_by, finish_rows, member_step, step_powers
 from vrgd_ds.optim.plan import Plan
 
@@ -41,9 +41,10 @@ def check_adam_args(owner: str, betas: tuple[float, float], eps: float) -> None:
     check_arg(owner, "betas", isinstance(betas, (tuple, list)) and len(betas) == 2, betas, "a pair (beta1, beta2)")
     check_arg(owner, "betas[0]", 0.0 <= betas[0] < 1.0, betas[0], "in [0, 1)")
     check_arg(owner, "betas[1]", 0.0 <= betas[1] < 1.0, betas[1], "in [0, 1)")
-    # 0 would make m̂/(√v̂ + eps) 0/0 where an element's gradients have all been 0 (an embedding row no
-    # sample used): a NaN parameter after the first step
-    check_arg(owner, "eps", eps > 0.0, eps, "> 0")
+    # 0 (or a denormal, which the kernels may flush to 0) would make m̂/(√v̂ + eps) 0/0 where an
+    # element's gradients have all been 0 (an embedding row no sample used): a NaN parameter
+    check_arg(owner, "eps", eps >= FP32_TINY, eps, f">= {FP32_TINY:.4g}, the least normal fp32 (0 makes the update "
+              "0/0 where an element's gradients have all been 0)")
 
 
 def adam_update(plan: Plan, ctx: StepContext) -> dict[str, torch.Tensor]:

@@ -179,20 +179,26 @@ class GSNROptimizer(torch.optim.Optimizer):
         S.after_load(self.state, self.param_groups, built, self.name, self.report_load, gsnr_built)
 
     def _check_loaded(self, built: list[dict[str, Any]], gsnr_built: list[dict[str, Any]]) -> None:
-        """The groups as a load left them: a ``gsnr_eps`` of 0 (earlier releases') resumes with
-        the value built, with a warning; each group's options in range with its wiring as built.
+        """The groups as a load left them: a ``gsnr_eps`` or ``eps`` of 0 (earlier releases') resumes
+        with the value built, with a warning; each group's options in range with its wiring as built.
         After ``load_state_dict`` (``_checked_groups`` ran first) a no-op."""
         for i, group in enumerate(self.param_groups):
-            if i < len(gsnr_built) and "gsnr_eps" in gsnr_built[i]:
-                self._no_zero_eps(i, group, gsnr_built[i]["gsnr_eps"])
+            self._no_zero_eps(i, group, {**{k: self.defaults[k] for k in ("eps",) if k in self.defaults},
+                                         **(gsnr_built[i] if i < len(gsnr_built) else {})})
             self._check_as_loaded(i, {**group, **(built[i] if i < len(built) else {})})
 
-    def _no_zero_eps(self, index: int, group: dict[str, Any], built_eps: float) -> None:
-        """A ``gsnr_eps`` of 0, which earlier releases accepted, resumes as ``built_eps``, said."""
-        if group.get("gsnr_eps") == 0.0:
-            logger.warning("%s: param group %d was saved with gsnr_eps=0, which turns r into 0/0 where every "
-                           "gradient is equal; it resumes with gsnr_eps=%g", self.name, index, built_eps)
-            group["gsnr_eps"] = built_eps
+    #: the epsilons earlier releases accepted at 0, and the 0/0 that makes
+    ZERO_EPS = {"gsnr_eps": "turns r into 0/0 where every gradient is equal",
+                "eps": "turns the Adam update m/(sqrt(v) + eps) into 0/0 where an element's gradients have all been 0"}
+
+    def _no_zero_eps(self, index: int, group: dict[str, Any], built: dict[str, Any]) -> None:
+        """A ``gsnr_eps`` or ``eps`` of 0, which earlier releases accepted, resumes as ``built``'s
+        value (this optimizer's), said."""
+        for key, why in self.ZERO_EPS.items():
+            if group.get(key) == 0.0 and key in built:
+                logger.warning("%s: param group %d was saved with %s=0, which %s; it resumes with %s=%g",
+                               self.name, index, key, why, key, built[key])
+                group[key] = built[key]
 
     def _check_as_loaded(self, index: int, options: dict[str, Any]) -> None:
         where = f"{self.name} (param group {index} as loaded)"
@@ -202,13 +208,14 @@ class GSNROptimizer(torch.optim.Optimizer):
     def _checked_groups(self, state_dict: dict[str, Any], built: list[dict[str, Any]]) -> dict[str, Any]:
         """The saved groups' options checked as this optimizer will hold them (its wiring; defaults
         for keys an older state lacks; a group without ``gsnr``, a base optimizer's, saved with it
-        off, with the options it lacks as built), before anything is loaded. A saved ``gsnr_eps`` of 0, which
-        earlier releases accepted, resumes with this optimizer's value, with a warning."""
+        off, with the options it lacks as built), before anything is loaded. A saved ``gsnr_eps`` or
+        ``eps`` of 0, which earlier releases accepted, resumes with this optimizer's value, with a warning."""
         groups = []
         for i, saved in enumerate(state_dict["param_groups"]):
             saved = dict(saved)
             if i < len(self.param_groups):
-                self._no_zero_eps(i, saved, self.param_groups[i]["gsnr_eps"])
+                self._no_zero_eps(i, saved, {k: self.param_groups[i][k] for k in self.ZERO_EPS
+                                             if k in self.param_groups[i]})
             if "gsnr" not in saved and i < len(self.param_groups):  # a base optimizer's (torch's): the GSNR off, and
                 self._refuse_foreign_options(i, saved)
                 # the options it has no such key for (the GSNR's, never read; bias_correction ...) this group's as built

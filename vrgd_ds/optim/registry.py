@@ -242,6 +242,9 @@ def check_params(cls: Any, type_name: str, params: dict[str, Any], clipping: str
         raise OptimizerBlockError(f"optimizer.params.max_grad_norm: use {clipping} instead")
     fixed = cls.fixed if isinstance(cls, Variant) else {}
     for key, value in fixed.items():
+        if key in params and not isinstance(params[key], type(value)):
+            raise OptimizerBlockError(f"optimizer.params.{key}: {params[key]!r} is not a {type(value).__name__} "
+                                      f"({info.name} fixes {key}={value!r}: leave it out)")
         if key in params and params[key] != value:
             raise OptimizerBlockError(
                 f"optimizer.params.{key}: {info.name} (type {type_name!r}) is {cls.of.__name__} with "
