@@ -1359,15 +1359,17 @@ def quarters(curve: list[dict]) -> list[str]:
     return cells
 
 
-def plot_trajectories(out: Output, runs: list[dict]) -> None:
-    """Held-out loss (top) and ``B_simple`` (bottom) against the samples seen, one column per
-    corpus and batch: each optimizer's runs at its best LR there (``best_cells`` of ``runs``), a
-    colour per optimizer and a line style per seed (the table beside it lists every run)."""
+def plot_trajectories(out: Output, runs: list[dict], best: dict[tuple[str, int, str], list[dict]]) -> None:
+    """Held-out loss (top) and ``B_simple`` (bottom) against the samples seen (``runs``: those with a
+    trajectory), one column per corpus and batch: each optimizer's runs at its best LR there
+    (``best``: ``best_cells`` of every run, those with a trajectory drawn), a colour per optimizer
+    and a line style per seed (the table beside it lists every run)."""
     from matplotlib.lines import Line2D
     from matplotlib.ticker import EngFormatter, MaxNLocator
 
     pyplot = plt()
-    best = best_cells(runs)
+    traced = {id(r) for r in runs}
+    best = {key: drawn for key, rs in best.items() if (drawn := [r for r in rs if id(r) in traced])}
     columns = sorted({(corpus, batch) for corpus, batch, _ in best}, key=lambda cb: (
         [r["corpus"] for r in runs].index(cb[0]), cb[1]))
     optimizers = list(dict.fromkeys(r["optimizer"] for r in runs))
@@ -1693,7 +1695,7 @@ def main() -> None:
                       table(["corpus", "batch", "optimizer", "LR (factor)", "seed", "¼", "½", "¾", "end"],
                             [(r["corpus"], r["batch"], r["optimizer"], f"×{r['factor']:g}", r["seed"],
                               *quarters(r["trajectory"])) for r in traced]))
-        plot_trajectories(out, traced)
+        plot_trajectories(out, traced, best_cells(everyone))
     if results:
         cells = by_factor(results)  # every factor, to show how each optimizer's loss depends on the LR
         best = best_cells(results)
