@@ -13,7 +13,7 @@ import vrgd_ds
 from vrgd_ds import REGISTRY
 from vrgd_ds.optim import _fused
 from vrgd_ds.optim.adam import GSNR_PLACEMENTS
-from numerics import within_one_ulp
+from numerics import sync_from, within_one_ulp
 
 FUSED = pytest.param(True, marks=pytest.mark.skipif(not _fused.available(), reason="no C++ toolchain"))
 IMPLS = [False, FUSED]
@@ -123,11 +123,7 @@ def test_fused_equals_reference(name, over, dtype):
     moved = []
     for i, step in enumerate(data):
         if i:
-            with torch.no_grad():
-                for p1, p2 in zip(m1.parameters(), m2.parameters()):
-                    p2.copy_(p1)
-                    for k, v in o1.state[p1].items():
-                        o2.state[p2][k].copy_(v)
+            sync_from(m1, o1, m2, o2)
         before = [p.detach().clone() for p in m1.parameters()]
         a, b = run(m1, o1, [step]), run(m2, o2, [step])
         for p0, x, y in zip(before, a, b):

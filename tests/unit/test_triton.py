@@ -13,7 +13,7 @@ from torch import nn
 import vrgd_ds
 from vrgd_ds import REGISTRY
 from vrgd_ds.optim.adam import GSNR_PLACEMENTS
-from numerics import within_one_ulp
+from numerics import sync_from, within_one_ulp
 
 triton = pytest.importorskip("triton", reason="pip install triton (the tests run its interpreter on CPU)")
 from vrgd_ds.optim import _triton  # noqa: E402
@@ -140,11 +140,7 @@ def test_triton_low_precision_parameters(name, dtype):
     moved = 0.0
     for i, step in enumerate(batches):
         if i:
-            with torch.no_grad():
-                for p1, p2 in zip(m1.parameters(), m2.parameters()):
-                    p2.copy_(p1)
-                    for k, v in o1.state[p1].items():
-                        o2.state[p2][k].copy_(v)
+            sync_from(m1, o1, m2, o2)
         before = [p.detach().clone() for p in m1.parameters()]
         run(m1, o1, [step]), run(m2, o2, [step])
         for p0, p1, p2 in zip(before, m1.parameters(), m2.parameters()):
