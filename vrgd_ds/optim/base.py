@@ -190,11 +190,14 @@ class GSNROptimizer(torch.optim.Optimizer):
     #: the epsilons earlier releases accepted at 0, and the 0/0 that makes
     ZERO_EPS = {"gsnr_eps": "turns r into 0/0 where every gradient is equal",
                 "eps": "turns the Adam update m/(sqrt(v) + eps) into 0/0 where an element's gradients have all been 0"}
+    #: which of ``ZERO_EPS`` this member refuses at 0 now (LARS's eps may be 0)
+    zero_eps_keys: tuple[str, ...] = ("gsnr_eps",)
 
     def _no_zero_eps(self, index: int, group: dict[str, Any], built: dict[str, Any]) -> None:
-        """A ``gsnr_eps`` or ``eps`` of 0, which earlier releases accepted, resumes as ``built``'s
-        value (this optimizer's), said."""
-        for key, why in self.ZERO_EPS.items():
+        """A ``gsnr_eps`` or (Adam family) ``eps`` of 0, which earlier releases accepted, resumes as
+        ``built``'s value (this optimizer's), said."""
+        for key in self.zero_eps_keys:
+            why = self.ZERO_EPS[key]
             if group.get(key) == 0.0 and key in built:
                 logger.warning("%s: param group %d was saved with %s=0, which %s; it resumes with %s=%g",
                                self.name, index, key, why, key, built[key])

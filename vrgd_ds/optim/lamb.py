@@ -180,6 +180,7 @@ class VRLamb(GSNROptimizer):
     """
 
     state_keys = ("exp_avg", "exp_avg_sq")
+    zero_eps_keys = ("gsnr_eps", "eps")  # Adam's eps, accepted at 0 by earlier releases too
     device_tables = True  # the sync-free kernels build its tables on the device (functional.step_plans)
 
     def __init__(self, params: Any, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-6,

@@ -245,6 +245,7 @@ class VRMerit(GSNROptimizer):
     """
 
     state_keys = ("exp_avg", "exp_avg_sq")
+    zero_eps_keys = ("gsnr_eps", "eps")  # Adam's eps, accepted at 0 by earlier releases too
 
     def __init__(self, params: Any, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-6,
                  weight_decay: float = 0.0, bias_correction: bool = False, gamma: float = 0.1, beta3: float = 0.9,
