@@ -904,6 +904,18 @@ def test_a_state_saved_with_an_eps_of_0_resumes_with_the_optimizers_value(caplog
     assert opt.param_groups[0][key] == value and f"saved with {key}=0" in caplog.text
 
 
+def test_a_lars_state_saved_with_eps_0_resumes_as_saved(caplog):
+    """LARS's eps may be 0 (its ratio's guard, not Adam's denominator): a state saved so resumes
+    with it, without a word. Fails on the code that first replaced a saved eps of 0 for every
+    member."""
+    m = make_model()
+    saved = vrgd_ds.VRLars(m.parameters(), lr=0.1, eps=0.0).state_dict()
+    opt = vrgd_ds.VRLars(m.parameters(), lr=0.1, eps=1e-8)
+    with caplog.at_level("WARNING"):
+        opt.load_state_dict(saved)
+    assert opt.param_groups[0]["eps"] == 0.0 and "saved with eps=0" not in caplog.text
+
+
 def test_a_loaded_state_s_options_are_checked_with_this_optimizer_s_wiring():
     """A ``Lamb(adam_w_mode=False)`` state loaded into ``VRLamb`` keeps VRLamb's ``gsnr=True``
     (a wiring key) and the saved ``adam_w_mode=False``: a pair the constructor refuses, refused
