@@ -1,6 +1,9 @@
-"""The ``"vrgd"`` block of a DeepSpeed JSON config: options of the statistics reduction.
+"""The checks of a DeepSpeed JSON config before any work (``check_config``: its top-level keys, the
+optimizer block, ``gradient_clipping``, the set-ups the hooks do not cover), and its ``"vrgd"``
+block, the options of the statistics reduction.
 
-DeepSpeed ignores top-level keys it does not know, so the block sits beside DeepSpeed's own::
+DeepSpeed ignores top-level keys it does not know, so the block sits beside DeepSpeed's own (here
+an unknown key is said, and a near miss of a known one refused)::
 
     "vrgd": {"squares_dtype": "bf16"}
 """

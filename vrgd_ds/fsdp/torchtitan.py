@@ -16,7 +16,8 @@ or, in a config registry of one's own::
 
 ``VRGDOptimizersContainer`` resolves the family's names (``vrgd_ds.optim.registry``) beside
 torchtitan's own (AdamW, ...) and attaches each VRGD optimizer to the FSDP model it updates
-(``vrgd_ds.fsdp.attach``). Its ``implementation`` defaults to ``"for-loop"``: torchtitan's
+(``vrgd_ds.fsdp.attach``; a base member on a model with neither FSDP modules nor DTensor
+parameters needs nothing attached). Its ``implementation`` defaults to ``"for-loop"``: torchtitan's
 default ``"fused"`` injects ``fused=True`` into every param group, which the VRGD optimizers
 refuse (they choose their kernels themselves); ``"fused_opt_states_bf16"`` is refused here
 (bf16 optimizer states are not supported). torchtitan hands a param group's ``optimizer_kwargs``

@@ -179,8 +179,8 @@ class GSNROptimizer(torch.optim.Optimizer):
         S.after_load(self.state, self.param_groups, built, self.name, self.report_load, gsnr_built)
 
     def _check_loaded(self, built: list[dict[str, Any]], gsnr_built: list[dict[str, Any]]) -> None:
-        """The groups as a load left them: a ``gsnr_eps`` or ``eps`` of 0 (earlier releases') resumes
-        with the value built, with a warning; each group's options in range with its wiring as built.
+        """The groups as a load left them: a ``gsnr_eps``, or an Adam-family ``eps``
+        (``zero_eps_keys``), of 0 (earlier releases') resumes with the value built, with a warning; each group's options in range with its wiring as built.
         After ``load_state_dict`` (``_checked_groups`` ran first) a no-op."""
         for i, group in enumerate(self.param_groups):
             self._no_zero_eps(i, group, {**{k: self.defaults[k] for k in ("eps",) if k in self.defaults},
@@ -211,8 +211,8 @@ class GSNROptimizer(torch.optim.Optimizer):
     def _checked_groups(self, state_dict: dict[str, Any], built: list[dict[str, Any]]) -> dict[str, Any]:
         """The saved groups' options checked as this optimizer will hold them (its wiring; defaults
         for keys an older state lacks; a group without ``gsnr``, a base optimizer's, saved with it
-        off, with the options it lacks as built), before anything is loaded. A saved ``gsnr_eps`` or
-        ``eps`` of 0, which earlier releases accepted, resumes with this optimizer's value, with a warning."""
+        off, with the options it lacks as built), before anything is loaded. A saved ``gsnr_eps``, or an
+        Adam-family ``eps`` (``zero_eps_keys``), of 0, which earlier releases accepted, resumes with this optimizer's value, with a warning."""
         groups = []
         for i, saved in enumerate(state_dict["param_groups"]):
             saved = dict(saved)

@@ -1,5 +1,5 @@
-"""The range checks of the options every member has, shared by the optimizers and their step
-functions (``functional.options``)."""
+"""The kind checks (finite real numbers, bools) and range checks of the options every member has,
+shared by the optimizers and their step functions (``functional.options``)."""
 from __future__ import annotations
 
 import math

@@ -19,7 +19,8 @@ Failure handling (each case ends the job with a message naming the key, file, ra
 * a second job started on a run directory that a live job owns stops before touching it, naming
   the owner (``rundir``, exit ``EXIT_BUSY``); a dead owner's directory, or an earlier start of
   the same Slurm job, is taken over with a log line;
-* a bad config (optimizer block, engine block, ``--set`` path, data path, batch arithmetic) fails
+* a bad config (optimizer block, top-level keys, engine block, ``job.model.overrides``, ``--set``
+  path, data path, batch arithmetic) fails
   before any work, once, on the first rank (exit ``EXIT_CONFIG``);
 * a checkpoint counts once every rank has written it (``checkpoints``): resuming takes the
   newest complete one and names the broken ones it passed over; a save first checks the free
