@@ -227,8 +227,14 @@ def _refusal(case: dict) -> dict[str, Any]:
     what = case["what"]
     # replicated: HSDP over 2 ranks, a shard of 1 rank (replication alone)
     layouts = {"pipeline": "pipeline", "replicated": "hsdp", "titan_one_shard": "hsdp", "uneven_replicas": "hsdp"}
-    shard(model, layouts.get(what, "fsdp"), world,
-          {model.c.bias} if what == "ignored" else None)
+    if what == "titan_tp_base":  # tensor parallelism alone (a custom parallelize_fn): DTensors, no FSDP module
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.tensor.parallel import ColwiseParallel, parallelize_module
+
+        parallelize_module(model.a, init_device_mesh("cpu", (world,)), ColwiseParallel())
+    else:
+        shard(model, layouts.get(what, "fsdp"), world,
+              {model.c.bias} if what == "ignored" else None)
     if what == "offload":  # CPUOffloadPolicy needs an accelerator to offload from: its flag, as FSDP sets it
         next(fp for _, fp in _fsdp_params(model)).offload_to_cpu = True
     if what == "bf16_reduce":  # MixedPrecisionPolicy(param_dtype=torch.bfloat16): FSDP then reduces in bf16
@@ -240,11 +246,13 @@ def _refusal(case: dict) -> dict[str, Any]:
     if what == "unfrozen":
         for p in model.a.parameters():
             p.requires_grad_(False)
-    if what == "titan_one_shard":  # torchtitan's container on a model sharded over 1 rank (HSDP 2 × 1)
+    if what in ("titan_one_shard", "titan_tp_base"):  # torchtitan's container on a model sharded over 1 rank
+        # (HSDP 2 × 1), or a base member on a tensor-parallel model without FSDP
         from vrgd_ds.fsdp.torchtitan import VRGDOptimizersContainer, vrgd_optimizer
 
         try:
-            VRGDOptimizersContainer(vrgd_optimizer("VRLamb", lr=0.1), model_parts=[model])
+            VRGDOptimizersContainer(vrgd_optimizer("VRLamb" if what == "titan_one_shard" else "Lamb", lr=0.1),
+                                    model_parts=[model])
         except Exception as e:  # noqa: BLE001
             return dict(type=type(e).__name__, message=str(e))
         return dict(type=None, message="")

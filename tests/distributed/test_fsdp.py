@@ -135,6 +135,18 @@ def test_torchtitans_container_on_a_model_sharded_over_one_rank_names_torchtitan
         assert "DistributedDataParallel" not in res["message"], res
 
 
+def test_torchtitans_container_refuses_a_base_member_on_tensor_parallel_dtensors_without_fsdp(pool):
+    """A base member (``Lamb``) on a model whose parameters are DTensors of tensor parallelism and
+    that has no FSDP module (a custom ``parallelize_fn``): the container attaches it, and attach
+    refuses the set-up when the container is built, naming it. Fails on the code that first let a
+    base member skip attach on any model without an FSDP module, which built the container and
+    failed at the first step instead, telling a torchtitan user to call vrgd_ds.fsdp.attach."""
+    pytest.importorskip("torchtitan", reason="the torchtitan extra is not installed")
+    for res in pool.run("fsdp_worker", "refusal_case", {"what": "titan_tp_base"}):
+        assert res["type"] == "TypeError" and "needs a model sharded with torch.distributed.fsdp.fully_shard" in \
+            res["message"], res
+
+
 def test_a_base_optimizer_beside_a_vrgd_one_on_one_model_is_attached(pool):
     """A base optimizer (``Lamb``) leaves FSDP's reduce-scatter alone, so it attaches beside a VRGD
     optimizer with the GSNR on the same model (torchtitan's container, param groups split between
