@@ -19,6 +19,7 @@ from pydantic import BaseModel, ConfigDict, ValidationError, model_validator
 
 from vrgd_ds.ds.internals import UnsupportedConfiguration
 from vrgd_ds.ds.names import check_optimizer_block
+from vrgd_ds.optim.checks import is_number
 
 KEY = "vrgd"
 
@@ -222,13 +223,12 @@ def check_not_covered(raw_config: dict[str, Any]) -> None:
         raw_config.get("data_types"), dict) else None
     for key, refused in (
             ("zero_optimization.zero_quantized_gradients", zero.get("zero_quantized_gradients") is True),
-            ("zero_optimization.zero_hpz_partition_size", isinstance(hpz, int) and not isinstance(hpz, bool) and hpz > 1),
+            ("zero_optimization.zero_hpz_partition_size", is_number(hpz) and hpz > 1),
             ("zero_optimization.elastic_checkpoint", stage in (1, 2) and zero.get("elastic_checkpoint") is True),
             ("zero_optimization.contiguous_gradients", stage in (1, 2) and zero.get("contiguous_gradients") is False),
             ("gradient_allreduce_op", isinstance(op, str) and op.lower() != "mean"),
             ("prescale_gradients", raw_config.get("prescale_gradients") is True),
-            ("gradient_predivide_factor", isinstance(predivide, (int, float)) and not isinstance(predivide, bool)
-             and predivide != 1.0),
+            ("gradient_predivide_factor", is_number(predivide) and predivide != 1.0),
             ("fp16 with zero_optimization.stage 0", stage == 0 and enabled["fp16"]),
             ("data_types.grad_accum_dtype", stage == 1 and (enabled["bf16"] or enabled["bfloat16"])
              and isinstance(accum, str) and accum.lower() in ("fp32", "float32", "float"))):
@@ -276,7 +276,7 @@ def check_config(raw_config: dict[str, Any]) -> None:
     reduction_config(raw_config)
     check_not_covered(raw_config)
     clip = raw_config.get("gradient_clipping", 0.0)
-    if isinstance(clip, bool) or not isinstance(clip, (int, float)) or not math.isfinite(clip) or clip < 0:
+    if not is_number(clip) or not math.isfinite(clip) or clip < 0:
         raise UnsupportedConfiguration(f"gradient_clipping: {clip!r}: must be a finite number >= 0 (the global "
                                        "gradient norm's threshold; 0, the default, turns clipping off)")
     zero = raw_config.get("zero_optimization") or {}

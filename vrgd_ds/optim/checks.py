@@ -74,7 +74,7 @@ NUMBERS = ("lr", "gamma", "beta3", "gsnr_eps", "weight_decay", "eps", "momentum"
            "min_coeff", "max_coeff", "max_grad_norm")
 
 
-def _is_number(value: Any) -> bool:
+def is_number(value: Any) -> bool:
     """A real number, not a bool (True is an int to Python, and 1.0 to ``float``) nor a string."""
     return isinstance(value, numbers.Real) and not isinstance(value, (bool, np.bool_))
 
@@ -87,14 +87,14 @@ def check_numbers(owner: str, options: dict[str, Any]) -> None:
         if name not in options or name == "max_grad_norm" and options[name] is None:
             continue
         value = options[name]
-        ok = _is_number(value) and (math.isfinite(value) or name == "max_coeff" and value == math.inf)
+        ok = is_number(value) and (math.isfinite(value) or name == "max_coeff" and value == math.inf)
         check_arg(owner, name, ok, value, "a finite number (not a string or a bool)" if name != "max_coeff" else
                   "a number, finite or +inf (not a string or a bool)")
     if "betas" in options:
         betas = options["betas"]
         check_arg(owner, "betas", isinstance(betas, (tuple, list)) and len(betas) == 2, betas, "a pair (beta1, beta2)")
         for i, beta in enumerate(betas):
-            check_arg(owner, f"betas[{i}]", _is_number(beta) and math.isfinite(beta), beta,
+            check_arg(owner, f"betas[{i}]", is_number(beta) and math.isfinite(beta), beta,
                       "a finite number (not a string or a bool)")
 
 
