@@ -88,10 +88,11 @@ def release_model_parallel() -> None:
 
 
 @contextlib.contextmanager
-def model_parallel(tp: int, pp: int = 1):
+def model_parallel(tp: int, pp: int = 1, vpp: int | None = None):
     from megatron.core import parallel_state as ps
 
-    ps.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)
+    ps.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
+                                 virtual_pipeline_model_parallel_size=vpp)
     try:
         yield ps
     finally:
@@ -608,6 +609,125 @@ def pipeline_equals_unsharded(case: dict) -> dict:
         everyone = [None] * dist.get_world_size()
         dist.all_gather_object(everyone, {"rel": rel, "ok": bool(ok), "n": opt.vrgd_sources[0].n,
                                           "metric_rel": metric_rel, "rows": rows})
+        return {"worst": max(o["rel"] for o in everyone), "ranks": everyone}
+
+
+class _Chunk(torch.nn.Module):
+    """One virtual pipeline stage: a linear layer on activations [seq, micro-batch, hidden], its
+    input handed over by Megatron's schedule (``set_input_tensor``) past the model's first chunk,
+    tanh after every layer but the model's last."""
+
+    def __init__(self, layer, first: bool, last: bool) -> None:
+        from megatron.core.enums import ModelType
+
+        super().__init__()
+        self.layer, self.first, self.last, self.input_tensor = layer, first, last, None
+        self.model_type = ModelType.encoder_or_decoder  # what the schedule asks every chunk
+
+    def set_input_tensor(self, tensors) -> None:
+        self.input_tensor = tensors[0] if isinstance(tensors, list) else tensors
+
+    def forward(self, x):
+        y, _ = self.layer(x if self.first else self.input_tensor)
+        return y if self.last else torch.tanh(y)
+
+
+def _interleaved_batch(m: int, step: int) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(2000 + 97 * step + m)
+    return torch.randn(3, 2, 8, generator=gen) * (1.0 + 0.5 * m)  # [seq, micro-batch, hidden]
+
+
+def interleaved_pipeline_equals_unsharded(case: dict) -> dict:
+    """The interleaved schedule (virtual pipeline parallelism): 4 layers over 2 pipeline stages of
+    2 model chunks each (stage s holds layers s and s + 2, Megatron's assignment), one Megatron
+    DDP per chunk, ``vrgd_ds.megatron`` over both chunks of a stage, the micro-batches run by
+    Megatron's ``forward_backward_pipelining_with_interleaving``: the parameters after 3 steps
+    against the single-process optimizer on the whole model, and every stage's metrics against the
+    whole model's."""
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+    from megatron.core.optimizer import OptimizerConfig
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+    from megatron.core.tensor_parallel import ColumnParallelLinear
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    from vrgd_ds.megatron import get_megatron_optimizer
+    from vrgd_ds.optim.registry import REGISTRY
+
+    accumulation, layers = case["accumulation"], 4
+    with model_parallel(1, pp=2, vpp=2) as ps:
+        stage = ps.get_pipeline_model_parallel_rank()
+        cfg = TransformerConfig(num_layers=layers, hidden_size=8, num_attention_heads=2, use_cpu_initialization=True,
+                                pipeline_model_parallel_size=2, virtual_pipeline_model_parallel_size=2,
+                                pipeline_dtype=torch.float32, batch_p2p_comm=False)
+        # batch_p2p_comm=False: between 2 stages the interleaved schedule sends an activation and a
+        # gradient to the same rank in one exchange; gloo matches a pair of ranks' messages in the
+        # order they were posted, so the batched exchange handed each stage the other's tensor (seen:
+        # every micro-batch from the third on trained on the wrong input). Megatron's unbatched
+        # exchange sends the two directions over two groups.
+        torch.manual_seed(0)
+        init = functools.partial(torch.nn.init.normal_, std=0.3)
+        whole = [ColumnParallelLinear(8, 8, config=cfg, init_method=init, bias=True, gather_output=False)
+                 for _ in range(layers)]
+        ref = torch.nn.Sequential(*[m for i in range(layers)
+                                    for m in (torch.nn.Linear(8, 8), torch.nn.Tanh())][:-1])
+        ref_linear = [m for m in ref if isinstance(m, torch.nn.Linear)]
+        with torch.no_grad():
+            for mine, theirs in zip(whole, ref_linear):
+                theirs.weight.copy_(mine.weight)
+                theirs.bias.copy_(mine.bias)
+        held = [stage, stage + 2]  # chunk v of stage s: layer v * stages + s
+        ddps = [DistributedDataParallel(cfg, DistributedDataParallelConfig(
+            grad_reduce_in_fp32=True, use_distributed_optimizer=case["distributed"], bucket_size=40),
+            _Chunk(whole[i], first=i == 0, last=i == layers - 1)) for i in held]
+        cfg.no_sync_func = [d.no_sync for d in ddps]
+        ocfg = OptimizerConfig(optimizer="adam", lr=1e-2, weight_decay=0.1, clip_grad=1.0,
+                               use_distributed_optimizer=case["distributed"])
+        opt = get_megatron_optimizer(ocfg, ddps, optimizer=case["optimizer"], optimizer_kwargs=case.get("kwargs", {}))
+        inner = opt.chained_optimizers[0].optimizer
+        defaults = {k: v for k, v in inner.defaults.items() if k in REGISTRY[case["optimizer"]].accepted_params()}
+        ref_opt = REGISTRY[case["optimizer"]].cls([{"params": [m.weight for m in ref_linear]},
+                                                   {"params": [m.bias for m in ref_linear]}], **defaults)
+        flat = copy.deepcopy(ref)  # the reference at gamma = 1: how far the statistics move the result
+        flat_linear = [m for m in flat if isinstance(m, torch.nn.Linear)]
+        flat_opt = REGISTRY[case["optimizer"]].cls([{"params": [m.weight for m in flat_linear]},
+                                                    {"params": [m.bias for m in flat_linear]}], **{**defaults, "gamma": 1.0})
+        forward_backward = get_forward_backward_func()
+        seen = []
+
+        def forward_step(data, model):
+            m, x = next(data)
+            seen.append(m)
+            return model(x), lambda out: (out.pow(2).sum(), {})  # the schedule divides by the micro-batches
+
+        for step in range(3):
+            for d in ddps:
+                d.zero_grad_buffer()
+            opt.zero_grad()
+            batches = [iter([(m, _interleaved_batch(m, step)) for m in range(accumulation)]) for _ in ddps]
+            forward_backward(forward_step_func=forward_step, data_iterator=batches, model=ddps,
+                             num_microbatches=accumulation, seq_length=3, micro_batch_size=2)
+            for d in ddps:
+                d.finish_grad_sync()
+            ok, _, _ = opt.step()
+            for net, o in ((ref, ref_opt), (flat, flat_opt)):
+                o.zero_grad()
+                for m in range(accumulation):
+                    net(_interleaved_batch(m, step)).pow(2).sum().backward()
+                for p in net.parameters():
+                    p.grad /= accumulation
+                torch.nn.utils.clip_grad_norm_(net.parameters(), ocfg.clip_grad)
+                o.step()
+        got = [p for d in ddps for p in d.module.parameters()]
+        want = [p for i in held for p in (ref_linear[i].weight, ref_linear[i].bias)]
+        metrics = inner.gsnr_metrics(per_tensor=True)
+        theirs = ref_opt.gsnr_metrics(per_tensor=True)
+        metric_rel = {k: abs(metrics[k] - theirs[k]) / max(abs(theirs[k]), 1e-12) for k in PIPELINE_METRICS}
+        everyone = [None] * dist.get_world_size()
+        dist.all_gather_object(everyone, {
+            "rel": relative(got, want), "contrast": relative(flat.parameters(), ref.parameters()), "ok": bool(ok),
+            "n": opt.vrgd_sources[0].n, "metric_rel": metric_rel,
+            "rows": sorted({k.split("/")[1] for k in metrics if k.startswith("tensor/")}),
+            "chunk_order": seen[:2 * accumulation]})
         return {"worst": max(o["rel"] for o in everyone), "ranks": everyone}
 
 

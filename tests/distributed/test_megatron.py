@@ -217,6 +217,27 @@ def test_two_pipeline_stages_equal_the_unsharded_optimizer(megatron2, optimizer,
         assert max(r["metric_rel"].values()) <= 1e-5, r["metric_rel"]
 
 
+@pytest.mark.parametrize("optimizer, distributed", [
+    ("VRLamb", True), ("VRAdam", False), ("VRSGD", True),  # make test: each optimizer, each wrapper
+    *(pytest.param(o, d, marks=pytest.mark.exhaustive) for o, d in (("VRLamb", False), ("VRAdam", True),
+                                                                    ("VRSGD", False)))])
+def test_interleaved_pipeline_stages_equal_the_unsharded_optimizer(megatron2, optimizer, distributed):
+    """PP2 with 2 model chunks per stage (virtual pipeline parallelism), the micro-batches run by
+    Megatron's interleaved schedule, which takes a chunk's micro-batches in groups of 2 between the
+    other chunk's: each stage's optimizer over both of its chunks equals the unsharded optimizer
+    over the 4 layers, 1e-3 of the distance to the reference at ``gamma = 1`` at most, and every
+    stage reports the whole model's metrics, one row per tensor named by stage and chunk."""
+    res = megatron2.run("megatron_worker", "interleaved_pipeline_equals_unsharded",
+                        {"accumulation": 4, "distributed": distributed, "optimizer": optimizer,
+                         "kwargs": KWARGS[optimizer]})
+    for r in res["ranks"]:
+        assert r["ok"] and r["n"] == 4 and r["chunk_order"] == [0, 1, 0, 1, 2, 3, 2, 3], r
+        assert r["rel"] <= TOL and r["rel"] <= 1e-3 * r["contrast"], r
+        assert r["rows"] == [f"stage{s}.chunk{c}.module.layer.{w}" for s in (0, 1) for c in (0, 1)
+                             for w in ("bias", "weight")], r["rows"]
+        assert max(r["metric_rel"].values()) <= 1e-5, r["metric_rel"]
+
+
 @pytest.mark.parametrize("distributed", [False, pytest.param(True, marks=pytest.mark.exhaustive)])
 def test_pipeline_stages_with_different_param_groups_resume_from_a_dist_checkpoint(megatron2, tmp_path, distributed):
     """PP2 with a bias on stage 0 only: every stage keeps Megatron's param groups, empty ones
