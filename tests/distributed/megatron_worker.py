@@ -731,6 +731,71 @@ def interleaved_pipeline_equals_unsharded(case: dict) -> dict:
         return {"worst": max(o["rel"] for o in everyone), "ranks": everyone}
 
 
+def fp16_pipeline_case(case: dict) -> dict:
+    """Two pipeline stages in fp16, each in Megatron's ``Float16Module``, VRLamb with Megatron's
+    dynamic loss scale from each of ``case["scales"]``, 3 steps of ``case["accumulation"]``
+    micro-batches (activations and their gradients sent between the stages by hand, in fp16); in
+    step 1's first micro-batch the gradient stage 1 sends back is NaN, so that only stage 0's
+    gradients overflow. Per scale and stage: each step's ``step/skipped``, the final scale, whether
+    the weights are finite, and whether the weights and every step's metrics equal the first
+    scale's bit for bit."""
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+    from megatron.core.optimizer import OptimizerConfig
+    from megatron.core.transformer.module import Float16Module
+
+    from vrgd_ds.megatron import get_megatron_optimizer
+
+    accumulation = case["accumulation"]
+    with model_parallel(1, pp=2) as ps:
+        stage, other = ps.get_pipeline_model_parallel_rank(), 1 - ps.get_pipeline_model_parallel_rank()
+        runs = {}
+        for scale in case["scales"]:
+            half = {"fp16": True, "params_dtype": torch.float16}
+            cfg = _config(1, **half)
+            torch.manual_seed(0)
+            whole = TwoLayers(cfg)
+            mine = _Stage(whole.c if stage == 0 else whole.r, tanh=stage == 0)
+            ddp = DistributedDataParallel(cfg, DistributedDataParallelConfig(
+                grad_reduce_in_fp32=True, use_distributed_optimizer=case["distributed"], bucket_size=40),
+                Float16Module(cfg, mine))
+            opt = get_megatron_optimizer(OptimizerConfig(
+                optimizer="adam", lr=1e-2, weight_decay=0.1, clip_grad=1.0, initial_loss_scale=scale,
+                use_distributed_optimizer=case["distributed"], **half), [ddp], optimizer="VRLamb",
+                optimizer_kwargs=case.get("kwargs", {}))
+            inner, metrics = opt.chained_optimizers[0], []
+            for step in range(3):
+                ddp.zero_grad_buffer()
+                opt.zero_grad()
+                for m in range(accumulation):
+                    with contextlib.nullcontext() if m == accumulation - 1 else ddp.no_sync():
+                        if stage == 0:
+                            h = ddp(_batch(0, m, step))  # Float16Module casts the input to fp16
+                            dist.send(h.detach().contiguous(), other)
+                            grad_h = torch.empty_like(h)
+                            dist.recv(grad_h, other)
+                            h.backward(grad_h)
+                        else:
+                            h = torch.empty(6, 16, dtype=torch.float16)
+                            dist.recv(h, other)
+                            h.requires_grad_(True)
+                            opt.scale_loss(ddp(h).pow(2).sum() / accumulation).backward()
+                            sent = h.grad * float("nan") if (step, m) == (1, 0) else h.grad
+                            dist.send(sent.contiguous(), other)
+                ddp.finish_grad_sync()
+                opt.step()
+                metrics.append(inner.optimizer.gsnr_metrics())
+            runs[scale] = (list(mine.parameters()), metrics, float(inner.get_loss_scale()))
+        first, out = runs[case["scales"][0]], {}
+        for scale, (weights, metrics, final) in runs.items():
+            out[str(scale)] = {"skipped": [m.get("step/skipped") for m in metrics], "final_scale": final,
+                               "finite": all(bool(torch.isfinite(w).all()) for w in weights),
+                               "same": all(torch.equal(a, b) for a, b in zip(weights, first[0]))
+                               and json.dumps(metrics) == json.dumps(first[1])}
+        everyone = [None] * dist.get_world_size()
+        dist.all_gather_object(everyone, out)
+        return {"stages": everyone}
+
+
 #: the whole model's metrics every pipeline stage reports (``Layout.join_stages``)
 PIPELINE_METRICS = ("gsnr/mean", "gsnr/tensor_mean_min", "gsnr/tensor_mean_max", "gsnr/clip_low_frac",
                     "gsnr/scale_mean", "noise_scale/trace_cov", "noise_scale/grad_sq")

@@ -217,6 +217,22 @@ def test_two_pipeline_stages_equal_the_unsharded_optimizer(megatron2, optimizer,
         assert max(r["metric_rel"].values()) <= 1e-5, r["metric_rel"]
 
 
+@pytest.mark.parametrize("distributed", [False, pytest.param(True, marks=pytest.mark.exhaustive)])
+def test_fp16_pipeline_stages_skip_an_overflow_on_one_stage_together_and_train_alike_at_any_scale(
+        megatron2, distributed):
+    """PP2 in fp16 (each stage in Megatron's ``Float16Module``), step 1's gradients overflowing on
+    stage 0 only: both stages skip that step and stay finite, and the runs at loss scales 2^6 and
+    2^12 are equal bit for bit, weights and every step's metrics, on each stage (the first stage's
+    gradients carry the scale the last stage's loss was multiplied by, and the statistics take it
+    out on both)."""
+    res = megatron2.run("megatron_worker", "fp16_pipeline_case",
+                        {"accumulation": 2, "distributed": distributed, "scales": [2.0 ** 6, 2.0 ** 12]})
+    for stage in res["stages"]:
+        for scale, run in stage.items():
+            assert run["final_scale"] == float(scale), res  # one overflow: Megatron's hysteresis keeps the scale
+            assert run["skipped"] == [0.0, 1.0, 0.0] and run["finite"] and run["same"], res
+
+
 @pytest.mark.parametrize("optimizer, distributed", [
     ("VRLamb", True), ("VRAdam", False), ("VRSGD", True),  # make test: each optimizer, each wrapper
     *(pytest.param(o, d, marks=pytest.mark.exhaustive) for o, d in (("VRLamb", False), ("VRAdam", True),
