@@ -796,6 +796,117 @@ def fp16_pipeline_case(case: dict) -> dict:
         return {"stages": everyone}
 
 
+class _TiedOutput(torch.nn.Module):
+    """The last stage of the tied case: its copy of the first stage's weight W used transposed
+    (``tanh(h W + c)``, as an output layer tied to a word embedding), then a linear layer of its own.
+    Megatron marks a tied copy on the last stage ``shared`` and ``shared_embedding``."""
+
+    def __init__(self, tied: torch.Tensor, cfg) -> None:
+        from megatron.core.tensor_parallel import ColumnParallelLinear
+
+        super().__init__()
+        self.tied = torch.nn.Parameter(tied.detach().clone())
+        self.tied.shared = self.tied.shared_embedding = True
+        self.c = torch.nn.Parameter(torch.linspace(-0.2, 0.2, tied.shape[1]))
+        init = functools.partial(torch.nn.init.normal_, std=0.3)
+        self.out = ColumnParallelLinear(tied.shape[1], 4, config=cfg, init_method=init, bias=True, gather_output=False)
+
+    def forward(self, h):
+        y, _ = self.out(torch.tanh(h @ self.tied + self.c))
+        return y
+
+
+def tied_across_stages_equals_unsharded(case: dict) -> dict:
+    """A weight tied across 2 pipeline stages (an embedding and an output layer, each stage a copy,
+    their gradients summed across the stages after the data-parallel reduction, as Megatron's
+    ``finalize_model_grads`` does), ``get_megatron_optimizer(..., tied_across_stages="gsnr_off")``:
+    the parameters after 3 steps against the single-process optimizer on the untied-in-memory
+    model (one W used twice) with W in a ``gsnr=False`` group, and against the same with the GSNR on
+    W (how far switching it off moves the result); whether the two stages' copies of W are equal
+    bit for bit; every stage's metrics against the reference's."""
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+    from megatron.core.optimizer import OptimizerConfig
+
+    from vrgd_ds.megatron import get_megatron_optimizer
+    from vrgd_ds.optim.registry import REGISTRY
+
+    accumulation = case["accumulation"]
+    with model_parallel(1, pp=2) as ps:
+        stage, other = ps.get_pipeline_model_parallel_rank(), 1 - ps.get_pipeline_model_parallel_rank()
+        cfg = _config(1)
+        torch.manual_seed(0)
+        first = _Stage(TwoLayers(cfg).c, tanh=True)  # W [16, 8], b0
+        first.layer.weight.shared_embedding = True  # what Megatron marks on a tied word embedding
+        last = _TiedOutput(first.layer.weight, cfg)
+        W, b0 = (t.detach().clone() for t in (first.layer.weight, first.layer.bias))
+        c, Lw, Lb = (t.detach().clone() for t in (last.c, last.out.weight, last.out.bias))
+        mine = first if stage == 0 else last
+        ddp = DistributedDataParallel(cfg, DistributedDataParallelConfig(
+            grad_reduce_in_fp32=True, use_distributed_optimizer=case["distributed"], bucket_size=40), mine)
+        tied = first.layer.weight if stage == 0 else last.tied
+        ocfg = OptimizerConfig(optimizer="adam", lr=1e-2, weight_decay=0.1, clip_grad=1.0,
+                               use_distributed_optimizer=case["distributed"])
+        opt = get_megatron_optimizer(ocfg, [ddp], optimizer=case["optimizer"], optimizer_kwargs=case.get("kwargs", {}),
+                                     tied_across_stages="gsnr_off")
+        inner = opt.chained_optimizers[0].optimizer
+        defaults = {k: v for k, v in inner.defaults.items() if k in REGISTRY[case["optimizer"]].accepted_params()}
+
+        def reference(w_gsnr: bool):
+            ps_ = [torch.nn.Parameter(t.clone()) for t in (W, b0, c, Lw, Lb)]
+            groups = [{"params": [ps_[3]]}, {"params": [ps_[0]], **({} if w_gsnr else {"gsnr": False})},
+                      {"params": [ps_[1], ps_[2], ps_[4]]}]
+            return ps_, REGISTRY[case["optimizer"]].cls(groups, **defaults)
+
+        def forward(ps_, x):
+            w, bias0, cc, lw, lb = ps_
+            return (torch.tanh(torch.tanh(x @ w.T + bias0) @ w + cc) @ lw.T + lb).pow(2).sum()
+
+        refs = [reference(False), reference(True)]
+        for step in range(3):
+            ddp.zero_grad_buffer()
+            opt.zero_grad()
+            for m in range(accumulation):
+                with contextlib.nullcontext() if m == accumulation - 1 else ddp.no_sync():
+                    if stage == 0:
+                        h = ddp(_batch(0, m, step))
+                        dist.send(h.detach().contiguous(), other)
+                        grad_h = torch.empty_like(h)
+                        dist.recv(grad_h, other)
+                        h.backward(grad_h)
+                    else:
+                        h = torch.empty(6, 16)
+                        dist.recv(h, other)
+                        h.requires_grad_(True)
+                        (ddp(h).pow(2).sum() / accumulation).backward()
+                        dist.send(h.grad.contiguous(), other)
+            ddp.finish_grad_sync()
+            dist.all_reduce(tied.main_grad, group=ps.get_pipeline_model_parallel_group())  # finalize_model_grads'
+            ok, _, _ = opt.step()
+            for ps_, o in refs:
+                o.zero_grad()
+                for m in range(accumulation):
+                    forward(ps_, _batch(0, m, step)).backward()
+                for t in ps_:
+                    t.grad /= accumulation
+                torch.nn.utils.clip_grad_norm_(ps_, ocfg.clip_grad)
+                o.step()
+        (want, ref_opt), (gsnr_on_w, _) = refs
+        index = {"W": 0, "b0": 1, "c": 2, "Lw": 3, "Lb": 4}
+        got = ([first.layer.weight, first.layer.bias] if stage == 0 else [last.tied, last.c, last.out.weight, last.out.bias])
+        names = ["W", "b0"] if stage == 0 else ["W", "c", "Lw", "Lb"]
+        theirs = [want[index[n]] for n in names]
+        copies = [None] * dist.get_world_size()
+        dist.all_gather_object(copies, tied.detach().clone())
+        metrics, expected = inner.gsnr_metrics(), ref_opt.gsnr_metrics()
+        everyone = [None] * dist.get_world_size()
+        dist.all_gather_object(everyone, {
+            "rel": relative(got, theirs), "contrast": relative([gsnr_on_w[index[n]] for n in names], theirs),
+            "ok": bool(ok), "n": opt.vrgd_sources[0].n, "copies_equal": torch.equal(copies[0], copies[1]),
+            "twin": [len(g["params"]) for g in inner.param_groups if g.get("tp_partial_grads")],
+            "metric_rel": {k: abs(metrics[k] - expected[k]) / max(abs(expected[k]), 1e-12) for k in PIPELINE_METRICS}})
+        return {"worst": max(o["rel"] for o in everyone), "ranks": everyone}
+
+
 #: the whole model's metrics every pipeline stage reports (``Layout.join_stages``)
 PIPELINE_METRICS = ("gsnr/mean", "gsnr/tensor_mean_min", "gsnr/tensor_mean_max", "gsnr/clip_low_frac",
                     "gsnr/scale_mean", "noise_scale/trace_cov", "noise_scale/grad_sq")
@@ -1080,7 +1191,7 @@ REFUSED = {
     "adam-checkpoint-format": ("checkpoint-format", "fully_reshardable", "checkpoint format 'fully_reshardable'"),
     "context-parallel": ("parallel", {"context_parallel_size": 2}, "context_parallel_size"),
     "tied-embeddings-across-stages": ("parallel", {"pipeline_model_parallel_size": 2},
-                                      "share_embeddings_and_output_weights"),
+                                      'Set share_embeddings_and_output_weights=False, or tied_across_stages="gsnr_off"'),
     # the tied weight on the first stage only (as on the first and last of 3 or more): before, the
     # other stage went on into Megatron's gather of the param groups and waited there
     "tied-embedding-on-one-stage": ("parallel", {"pipeline_model_parallel_size": 2},
@@ -1092,6 +1203,8 @@ REFUSED = {
                           "(TransformerConfig.mtp_num_layers) across pipeline stages"),
     "megatron-core-version": ("version", "0.15.0", "supports megatron-core 0.16.1, found 0.15.0"),
     "squares-unknown": ("squares", {"squares": "per_micro_step"}, "squares='per_micro_step': use 'per_step' or"),
+    "tied-across-stages-unknown": ("squares", {"tied_across_stages": "auto"},
+                                   "tied_across_stages='auto': use 'refuse' or 'gsnr_off'"),
     "hierarchical-without-distributed-optimizer": ("squares", {"squares": "hierarchical", "distributed": False},
                                                    "squares='hierarchical' needs the distributed optimizer"),
     "hierarchical-tensor-parallel": ("squares", {"squares": "hierarchical"},

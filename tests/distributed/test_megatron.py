@@ -217,6 +217,27 @@ def test_two_pipeline_stages_equal_the_unsharded_optimizer(megatron2, optimizer,
         assert max(r["metric_rel"].values()) <= 1e-5, r["metric_rel"]
 
 
+@pytest.mark.parametrize("optimizer, distributed", [
+    ("VRLamb", True), ("VRAdam", False), ("VRSGD", True),
+    *(pytest.param(o, d, marks=pytest.mark.exhaustive) for o, d in (("VRLamb", False), ("VRAdam", True),
+                                                                    ("VRSGD", False)))])
+def test_a_weight_tied_across_stages_steps_without_gsnr_where_asked(megatron2, optimizer, distributed):
+    """An embedding tied to the last stage's output layer (PP2, each stage a copy, their gradients
+    summed across the stages once per step), ``tied_across_stages="gsnr_off"``: the tied weight
+    steps as the base optimizer in its group's twin, every other tensor with its GSNR, equal to the
+    unsharded optimizer with W in a ``gsnr=False`` group (and 1e-3 of the distance to the same with
+    the GSNR on W at most); the two copies stay equal bit for bit, and every stage's metrics are
+    the reference's. Replaces the refusal, which stays the default."""
+    res = megatron2.run("megatron_worker", "tied_across_stages_equals_unsharded",
+                        {"accumulation": 4, "distributed": distributed, "optimizer": optimizer,
+                         "kwargs": KWARGS[optimizer]})
+    for r in res["ranks"]:
+        assert r["ok"] and r["n"] == 4 and r["copies_equal"], r
+        assert r["twin"] == [1, 0], r  # the weights' twin holds W; the biases' is empty
+        assert r["rel"] <= TOL and r["rel"] <= 1e-3 * r["contrast"], r
+        assert max(r["metric_rel"].values()) <= 1e-5, r["metric_rel"]
+
+
 @pytest.mark.parametrize("distributed", [False, pytest.param(True, marks=pytest.mark.exhaustive)])
 def test_fp16_pipeline_stages_skip_an_overflow_on_one_stage_together_and_train_alike_at_any_scale(
         megatron2, distributed):

@@ -2,8 +2,9 @@
 optimizer wrapped as Megatron wraps its own (``FP32Optimizer``, ``Float16OptimizerWithFloat16Params``
 or ``DistributedOptimizer``, in a ``ChainedOptimizer``), the statistics attached
 (``vrgd_ds/megatron/stats.py``). Tensors whose per-micro-batch gradient is partial per
-tensor-parallel rank step with GSNR off (``partial_gradient_tensors``); what is not covered yet is
-refused here, naming the option."""
+tensor-parallel rank step with GSNR off (``partial_gradient_tensors``), and so, where asked
+(``tied_across_stages="gsnr_off"``), do the tensors summed across pipeline stages
+(``stage_tied_tensors``); what is not covered yet is refused here, naming the option."""
 from __future__ import annotations
 
 import contextlib
@@ -33,10 +34,13 @@ def _refuse(option: str, why: str, fix: str) -> None:
                                            f"{why}. {fix}")
 
 
-def check_configuration(config: Any, chunks: list[Any], name: str, gsnr: bool | None = None) -> None:
+def check_configuration(config: Any, chunks: list[Any], name: str, gsnr: bool | None = None,
+                        tied_across_stages: str = "refuse") -> None:
     """Refuses what the statistics do not cover yet, naming the option (docs/megatron.md).
     ``gsnr``: whether the member steps with the GSNR (its ``gsnr`` argument; default: a VR
-    member does); the refusals that concern the statistics apply only then."""
+    member does); the refusals that concern the statistics apply only then.
+    ``tied_across_stages``: ``"gsnr_off"`` lifts the refusals of tensors summed across pipeline
+    stages (they step with the GSNR off instead: ``stage_tied_tensors``)."""
     from megatron.core import parallel_state as ps
 
     if name not in REGISTRY:
@@ -95,29 +99,26 @@ def check_configuration(config: Any, chunks: list[Any], name: str, gsnr: bool | 
     if ps.get_tensor_model_parallel_world_size() > 1 and REGISTRY[name].row_col_maxima:  # GSNR on or off
         _refuse(f"{name} with tensor parallelism", "its row and column maxima would span tensor-parallel shards",
                 "Use tensor_model_parallel_size=1 or another member")
+    if tied_across_stages not in ("refuse", "gsnr_off"):
+        raise ValueError(f"vrgd_ds.megatron: tied_across_stages={tied_across_stages!r}: use 'refuse' or 'gsnr_off'")
     if not gsnr:
         return
-    if ps.get_pipeline_model_parallel_world_size() > 1:
-        shared = [n for c in chunks for n, p in c.named_parameters() if getattr(p, "shared_embedding", False)
-                  or getattr(p, "shared", False)]
-        if shared and getattr(model, "mtp_num_layers", None):  # MTP's embedding: a copy on the last stage
+    tied = stage_tied_tensors(chunks) if tied_across_stages == "refuse" else {}
+    if tied:
+        kind, tensor = next(iter(tied.values()))
+        off = ('or tied_across_stages="gsnr_off" (those tensors then step as the base optimizer, every other '
+               f'tensor with its GSNR), or the base optimizer ({REGISTRY[name].base})')
+        if kind == "mtp":
             _refuse("multi-token prediction (TransformerConfig.mtp_num_layers) across pipeline stages",
-                    f"its embedding ({shared[0]}) is the first stage's, summed across stages once per step, after "
-                    "the squares", f"Set mtp_num_layers=None or pipeline_model_parallel_size=1, or use the base "
-                    f"optimizer ({REGISTRY[name].base})")
-        if shared:
+                    f"its embedding ({tensor}) is the first stage's, summed across stages once per step, after "
+                    f"the squares", f"Set mtp_num_layers=None or pipeline_model_parallel_size=1, {off}")
+        if kind == "tied":
             _refuse("share_embeddings_and_output_weights across pipeline stages",
-                    f"the tied weight ({shared[0]}) is summed across stages once per step, after the squares",
-                    "Set share_embeddings_and_output_weights=False, or use the base optimizer "
-                    f"({REGISTRY[name].base})")
-        # finalize_model_grads' _allreduce_conditional_embedding_grads (diffusion models' timestep and
-        # label embedders, a copy on every stage)
-        cond = [n for c in chunks for n, p in c.named_parameters() if getattr(p, "pipeline_parallel", False)] \
-            if getattr(model, "has_cond_embedder", False) else []
-        if cond:
-            _refuse("conditional embedders on every pipeline stage (TransformerConfig.has_cond_embedder)",
-                    f"their gradient ({cond[0]}) is summed across the stages once per step, after each stage's "
-                    "squares", f"Use pipeline_model_parallel_size=1, or the base optimizer ({REGISTRY[name].base})")
+                    f"the tied weight ({tensor}) is summed across stages once per step, after the squares",
+                    f"Set share_embeddings_and_output_weights=False, {off}")
+        _refuse("conditional embedders on every pipeline stage (TransformerConfig.has_cond_embedder)",
+                f"their gradient ({tensor}) is summed across the stages once per step, after each stage's squares",
+                f"Use pipeline_model_parallel_size=1, {off}")
     if getattr(model, "calculate_per_token_loss", False):
         _refuse("TransformerConfig.calculate_per_token_loss",
                 "Megatron then divides the reduced gradient by the step's token count after the micro-batches' "
@@ -169,29 +170,59 @@ def partial_gradient_tensors(model_chunks: list[Any]) -> dict[int, str]:
     return out
 
 
+def stage_tied_tensors(model_chunks: list[Any]) -> dict[int, tuple[str, str]]:
+    """The parameters Megatron sums across pipeline stages once per step (``finalize_model_grads``),
+    by id, with their kind and name: a word embedding tied to the output layer of the last stage
+    (``share_embeddings_and_output_weights``: ``shared_embedding``/``shared``; ``"tied"``), the
+    embedding multi-token prediction copies to the last stage (``"mtp"``) and a diffusion model's
+    conditional embedders, a copy on every stage (``has_cond_embedder``: ``pipeline_parallel``;
+    ``"cond"``). Each stage holds a partial of their gradient of a micro-batch, so the square of
+    none is exact. Empty without pipeline stages."""
+    from megatron.core import parallel_state as ps
+
+    if ps.get_pipeline_model_parallel_world_size() == 1:
+        return {}
+    config = model_chunks[0].config
+    shared_kind = "mtp" if getattr(config, "mtp_num_layers", None) else "tied"
+    cond = getattr(config, "has_cond_embedder", False)
+    out = {}
+    for chunk in model_chunks:
+        for name, p in chunk.named_parameters():
+            if getattr(p, "shared_embedding", False) or getattr(p, "shared", False):
+                out[id(p)] = (shared_kind, name)
+            elif cond and getattr(p, "pipeline_parallel", False):
+                out[id(p)] = ("cond", name)
+    return out
+
+
 #: the param-group key that tells a twin group (``_twin_groups``) from its original: True on the twin
 TWIN_KEY = "tp_partial_grads"
 
 
-def _twin_groups(param_groups: list[dict], partial: dict[int, str]) -> list[dict]:
+def _twin_groups(param_groups: list[dict], partial: dict[int, str], tied: dict[int, tuple[str, str]]) -> list[dict]:
     """Each Megatron param group followed by its twin (same LR and weight decay, ``gsnr=False``,
-    ``TWIN_KEY`` True) holding the ``partial`` tensors, which step as the base optimizer on the mean
-    gradient Megatron completes over TP; the rest keep their GSNR. Every rank, layout and member
-    has the twins, empty where nothing is moved (TP1, a member without GSNR, a group without
-    such tensors), so that a dist checkpoint's param groups are the same list on every rank and
-    in a resume on another tensor-parallel size or with the member's base, as dist-checkpointing
-    needs (it merges the saved list with the loading optimizer's). Logged once, naming the tensors."""
-    out, off = [], []
+    ``TWIN_KEY`` True) holding the ``partial`` and ``tied`` tensors, which step as the base
+    optimizer on the gradient Megatron completes over TP or across the stages; the rest keep their
+    GSNR. Every rank, layout and member has the twins, empty where nothing is moved (TP1 and one
+    stage, a member without GSNR, a group without such tensors), so that a dist checkpoint's param
+    groups are the same list on every rank and in a resume on another tensor-parallel size or
+    with the member's base, as dist-checkpointing needs (it merges the saved list with the loading
+    optimizer's). Logged once per reason, naming the tensors."""
+    out = []
     for g in param_groups:
-        keep = [p for p in g["params"] if id(p) not in partial]
-        moved = [p for p in g["params"] if id(p) in partial]
+        keep = [p for p in g["params"] if id(p) not in partial and id(p) not in tied]
+        moved = [p for p in g["params"] if id(p) in partial or id(p) in tied]
         out += [{**g, "params": keep, TWIN_KEY: False}, {**g, "params": moved, "gsnr": False, TWIN_KEY: True}]
-        off += [partial[id(p)] for p in moved]
-    if off:
-        logger.warning("vrgd_ds.megatron: GSNR switched off for %d tensors (%s%s): under tensor parallelism "
-                       "their gradient of a micro-batch is partial on each rank (sequence parallelism, "
-                       "qk_layernorm), so their GSNR cannot be taken exactly; they step as the base optimizer",
-                       len(off), ", ".join(off[:4]), ", ..." if len(off) > 4 else "")
+    held = {id(p) for g in param_groups for p in g["params"]}
+    for off, why in (([n for i, n in partial.items() if i in held], "under tensor parallelism their gradient of a "
+                      "micro-batch is partial on each rank (sequence parallelism, qk_layernorm)"),
+                     ([n for i, (_, n) in tied.items() if i in held], "Megatron sums their gradient across "
+                      "pipeline stages once per step, so each stage holds a partial of a micro-batch's "
+                      '(tied_across_stages="gsnr_off")')):
+        if off:
+            logger.warning("vrgd_ds.megatron: GSNR switched off for %d tensors (%s%s): %s, so their GSNR cannot be "
+                           "taken exactly; they step as the base optimizer", len(off), ", ".join(off[:4]),
+                           ", ..." if len(off) > 4 else "", why)
     return out
 
 
@@ -383,7 +414,8 @@ def _wrap(config: Any, chunks: list[Any], inner: GSNROptimizer, groups: dict[str
 def get_megatron_optimizer(config: Any, model_chunks: list[Any], optimizer: str = "VRLamb",
                            optimizer_kwargs: dict[str, Any] | None = None, config_overrides: Any = None,
                            use_gloo_process_groups: bool = True, micro_steps: str = "auto",
-                           squares: str = "per_step", node_size: int | None = None) -> Any:
+                           squares: str = "per_step", node_size: int | None = None,
+                           tied_across_stages: str = "refuse") -> Any:
     """Megatron's ``get_megatron_optimizer`` with a VRGD member as the inner optimizer.
 
     ``config`` (``OptimizerConfig``: lr, weight decay, Adam betas/eps, clipping, precision,
@@ -401,6 +433,12 @@ def get_megatron_optimizer(config: Any, model_chunks: list[Any], optimizer: str 
     (the distributed optimizer over every rank: each micro-step's statistics reduce-scattered
     within nodes of ``node_size`` ranks, default those sharing a host, then once per step across
     nodes; ``vrgd_ds/stats/hierarchical.py``).
+    ``tied_across_stages``: the tensors Megatron sums across pipeline stages once per step (an
+    embedding tied to the last stage's output layer, multi-token prediction's copy of it, a
+    diffusion model's conditional embedders) hold a partial gradient of a micro-batch on each
+    stage, so their GSNR cannot be taken exactly: ``"refuse"`` (default) refuses a VR member on
+    them, naming the option; ``"gsnr_off"`` steps them as the base optimizer (logged, as the
+    tensors partial per tensor-parallel rank), every other tensor with its GSNR.
     """
     check_version()
     if micro_steps not in ("auto", "hooks"):
@@ -415,7 +453,7 @@ def get_megatron_optimizer(config: Any, model_chunks: list[Any], optimizer: str 
     from megatron.core.process_groups_config import ProcessGroupCollection
 
     def check() -> None:
-        check_configuration(config, model_chunks, optimizer, (optimizer_kwargs or {}).get("gsnr"))
+        check_configuration(config, model_chunks, optimizer, (optimizer_kwargs or {}).get("gsnr"), tied_across_stages)
         if not any(p.requires_grad for chunk in model_chunks for p in chunk.parameters()):
             raise ValueError("vrgd_ds.megatron: no trainable parameter in the model chunks of this rank")
 
@@ -426,9 +464,10 @@ def get_megatron_optimizer(config: Any, model_chunks: list[Any], optimizer: str 
     # the empty groups stay: dist-checkpointing saves rank 0's param groups for every rank (Megatron
     # gives each rank the same groups, empty ones included, for that)
     kwargs = _inner_kwargs(config, optimizer, optimizer_kwargs or {})
-    partial = (partial_gradient_tensors(model_chunks) if ps.get_tensor_model_parallel_world_size() > 1
-               and kwargs.get("gsnr", REGISTRY[optimizer].vr) else {})
-    param_groups = _twin_groups(param_groups, partial)
+    gsnr = kwargs.get("gsnr", REGISTRY[optimizer].vr)
+    partial = partial_gradient_tensors(model_chunks) if ps.get_tensor_model_parallel_world_size() > 1 and gsnr else {}
+    tied = stage_tied_tensors(model_chunks) if tied_across_stages == "gsnr_off" and gsnr else {}
+    param_groups = _twin_groups(param_groups, partial, tied)
     with built_for_engine():  # fed from Megatron's grad buffers (attach below)
         inner = REGISTRY[optimizer].cls(param_groups, **kwargs)
     mopt = _wrap(config, model_chunks, inner, groups)
