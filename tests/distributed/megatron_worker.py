@@ -816,6 +816,25 @@ class _TiedOutput(torch.nn.Module):
         return y
 
 
+def _tied_model(cfg):
+    """The tied case's two stages (seed 0): the first's column layer (W [16, 8], b0, tanh), marked
+    as Megatron marks a tied word embedding, and the last stage's ``_TiedOutput`` on a copy of W."""
+    torch.manual_seed(0)
+    first = _Stage(TwoLayers(cfg).c, tanh=True)
+    first.layer.weight.shared_embedding = True
+    return first, _TiedOutput(first.layer.weight, cfg)
+
+
+def _tied_micro_steps(ddp, tied, stage: int, step: int, accumulation: int) -> None:
+    """One step's micro-batches through the tied case's two stages (as ``_pipeline_micro_steps``),
+    then the tied copies' gradients summed across the stages, as Megatron's
+    ``finalize_model_grads`` does after the data-parallel reduction."""
+    from megatron.core import parallel_state as ps
+
+    _pipeline_micro_steps(ddp, stage, step, accumulation)
+    dist.all_reduce(tied.main_grad, group=ps.get_pipeline_model_parallel_group())
+
+
 def tied_across_stages_equals_unsharded(case: dict) -> dict:
     """A weight tied across 2 pipeline stages (an embedding and an output layer, each stage a copy,
     their gradients summed across the stages after the data-parallel reduction, as Megatron's
@@ -832,12 +851,9 @@ def tied_across_stages_equals_unsharded(case: dict) -> dict:
 
     accumulation = case["accumulation"]
     with model_parallel(1, pp=2) as ps:
-        stage, other = ps.get_pipeline_model_parallel_rank(), 1 - ps.get_pipeline_model_parallel_rank()
+        stage = ps.get_pipeline_model_parallel_rank()
         cfg = _config(1)
-        torch.manual_seed(0)
-        first = _Stage(TwoLayers(cfg).c, tanh=True)  # W [16, 8], b0
-        first.layer.weight.shared_embedding = True  # what Megatron marks on a tied word embedding
-        last = _TiedOutput(first.layer.weight, cfg)
+        first, last = _tied_model(cfg)
         W, b0 = (t.detach().clone() for t in (first.layer.weight, first.layer.bias))
         c, Lw, Lb = (t.detach().clone() for t in (last.c, last.out.weight, last.out.bias))
         mine = first if stage == 0 else last
@@ -865,22 +881,7 @@ def tied_across_stages_equals_unsharded(case: dict) -> dict:
         for step in range(3):
             ddp.zero_grad_buffer()
             opt.zero_grad()
-            for m in range(accumulation):
-                with contextlib.nullcontext() if m == accumulation - 1 else ddp.no_sync():
-                    if stage == 0:
-                        h = ddp(_batch(0, m, step))
-                        dist.send(h.detach().contiguous(), other)
-                        grad_h = torch.empty_like(h)
-                        dist.recv(grad_h, other)
-                        h.backward(grad_h)
-                    else:
-                        h = torch.empty(6, 16)
-                        dist.recv(h, other)
-                        h.requires_grad_(True)
-                        (ddp(h).pow(2).sum() / accumulation).backward()
-                        dist.send(h.grad.contiguous(), other)
-            ddp.finish_grad_sync()
-            dist.all_reduce(tied.main_grad, group=ps.get_pipeline_model_parallel_group())  # finalize_model_grads'
+            _tied_micro_steps(ddp, tied, stage, step, accumulation)
             ok, _, _ = opt.step()
             for ps_, o in refs:
                 o.zero_grad()
@@ -905,6 +906,78 @@ def tied_across_stages_equals_unsharded(case: dict) -> dict:
             "twin": [len(g["params"]) for g in inner.param_groups if g.get("tp_partial_grads")],
             "metric_rel": {k: abs(metrics[k] - expected[k]) / max(abs(expected[k]), 1e-12) for k in PIPELINE_METRICS}})
         return {"worst": max(o["rel"] for o in everyone), "ranks": everyone}
+
+
+def tied_checkpoint_case(case: dict) -> dict:
+    """The tied case (``tied_across_stages="gsnr_off"``) saved to a dist checkpoint after one step,
+    the last stage's copy of W saved as a replica of the first stage's tensor (as Megatron's
+    ``tie_embeddings_and_output_weights_state_dict`` does), and loaded back into a fresh build:
+    per stage, the difference between the step after the load and the same step without it, and
+    whether the two copies of W are equal after it."""
+    from megatron.core import dist_checkpointing
+    from megatron.core.dist_checkpointing import ShardedTensor
+    from megatron.core.dist_checkpointing.validation import StrictHandling
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+    from megatron.core.optimizer import OptimizerConfig
+    from megatron.core.transformer.utils import sharded_state_dict_default
+
+    from vrgd_ds.megatron import get_megatron_optimizer
+
+    with model_parallel(1, pp=2) as ps:
+        stage = ps.get_pipeline_model_parallel_rank()
+        cfg = _config(1)
+        ocfg = OptimizerConfig(optimizer="adam", lr=1e-2, weight_decay=0.1, clip_grad=1.0,
+                               use_distributed_optimizer=case["distributed"])
+        groups = {"dp_cp_group": ps.get_data_parallel_group()}
+
+        def build():
+            first, last = _tied_model(cfg)
+            mine = first if stage == 0 else last
+            ddp = DistributedDataParallel(cfg, DistributedDataParallelConfig(
+                grad_reduce_in_fp32=True, use_distributed_optimizer=case["distributed"], bucket_size=40), mine)
+            opt = get_megatron_optimizer(ocfg, [ddp], optimizer=case["optimizer"],
+                                         optimizer_kwargs=case.get("kwargs", {}), tied_across_stages="gsnr_off")
+            return mine, (first.layer.weight if stage == 0 else last.tied), ddp, opt
+
+        def state(mine, opt, is_loading):
+            if stage == 0:
+                model_sd = sharded_state_dict_default(mine.layer, "embedding.", (), groups,
+                                                      tp_group=ps.get_tensor_model_parallel_group())
+            else:
+                model_sd = {"tied": ShardedTensor.from_rank_offsets("embedding.weight", mine.tied, replica_id=1),
+                            "c": ShardedTensor.from_rank_offsets("output.c", mine.c),
+                            **sharded_state_dict_default(mine.out, "output.out.", (), groups,
+                                                         tp_group=ps.get_tensor_model_parallel_group())}
+            return {"model": model_sd, "optimizer": opt.sharded_state_dict(model_sd, is_loading)}
+
+        def train(ddp, tied, opt, step):
+            ddp.zero_grad_buffer()
+            opt.zero_grad()
+            _tied_micro_steps(ddp, tied, stage, step, 2)
+            opt.step()
+
+        mine, tied, ddp, opt = build()
+        train(ddp, tied, opt, 0)
+        Path(case["save"]).mkdir(parents=True, exist_ok=True)
+        dist_checkpointing.save(state(mine, opt, False), case["save"])
+        train(ddp, tied, opt, 1)
+        straight = [p.detach().clone() for p in mine.parameters()]
+        mine, tied, ddp, opt = build()
+        loaded = dist_checkpointing.load(state(mine, opt, True), case["save"], strict=StrictHandling.ASSUME_OK_UNEXPECTED)
+        # the model's tensors were loaded in place (dist-checkpointing's torch_dist strategy fills the
+        # ShardedTensors' own tensors; the step after the load tells if they were not)
+        for mopt in opt.chained_optimizers:
+            if hasattr(mopt, "reload_model_params"):
+                mopt.reload_model_params()
+        opt.load_state_dict(loaded["optimizer"])
+        train(ddp, tied, opt, 1)
+        copies = [None] * dist.get_world_size()
+        dist.all_gather_object(copies, tied.detach().clone())
+        everyone = [None] * dist.get_world_size()
+        dist.all_gather_object(everyone, {"rel": relative(list(mine.parameters()), straight),
+                                          "copies_equal": torch.equal(copies[0], copies[1]),
+                                          "loaded": sorted(loaded["model"])})
+        return {"ranks": everyone}
 
 
 #: the whole model's metrics every pipeline stage reports (``Layout.join_stages``)
