@@ -659,11 +659,11 @@ def interleaved_pipeline_equals_unsharded(case: dict) -> dict:
         cfg = TransformerConfig(num_layers=layers, hidden_size=8, num_attention_heads=2, use_cpu_initialization=True,
                                 pipeline_model_parallel_size=2, virtual_pipeline_model_parallel_size=2,
                                 pipeline_dtype=torch.float32, batch_p2p_comm=False)
-        # batch_p2p_comm=False: between 2 stages the interleaved schedule sends an activation and a
-        # gradient to the same rank in one exchange; gloo matches a pair of ranks' messages in the
-        # order they were posted, so the batched exchange handed each stage the other's tensor (seen:
-        # every micro-batch from the third on trained on the wrong input). Megatron's unbatched
-        # exchange sends the two directions over two groups.
+        # batch_p2p_comm=False: with 2 stages the batched exchange (megatron-core's default) posts a send
+        # and a receive for each direction, to and from the same rank, in the same order on both ranks;
+        # messages between two ranks match in the order posted, so each stage's gradient met the other's
+        # activation receive (seen: every micro-batch from the third on trained on the wrong input).
+        # The unbatched exchange orders them by the rank's parity.
         torch.manual_seed(0)
         init = functools.partial(torch.nn.init.normal_, std=0.3)
         whole = [ColumnParallelLinear(8, 8, config=cfg, init_method=init, bias=True, gather_output=False)
@@ -696,7 +696,7 @@ def interleaved_pipeline_equals_unsharded(case: dict) -> dict:
 
         def forward_step(data, model):
             m, x = next(data)
-            seen.append(m)
+            seen.append([next(i for i, d in enumerate(ddps) if d is model), m])  # (chunk, micro-batch)
             return model(x), lambda out: (out.pow(2).sum(), {})  # the schedule divides by the micro-batches
 
         for step in range(3):
@@ -727,7 +727,7 @@ def interleaved_pipeline_equals_unsharded(case: dict) -> dict:
             "rel": relative(got, want), "contrast": relative(flat.parameters(), ref.parameters()), "ok": bool(ok),
             "n": opt.vrgd_sources[0].n, "metric_rel": metric_rel,
             "rows": sorted({k.split("/")[1] for k in metrics if k.startswith("tensor/")}),
-            "chunk_order": seen[:2 * accumulation]})
+            "order": seen[:2 * accumulation]})
         return {"worst": max(o["rel"] for o in everyone), "ranks": everyone}
 
 
@@ -908,12 +908,42 @@ def tied_across_stages_equals_unsharded(case: dict) -> dict:
         return {"worst": max(o["rel"] for o in everyone), "ranks": everyone}
 
 
+def gpt_tied_marking(case: dict) -> dict:
+    """megatron-core's own GPT (local layer spec, 2 layers) on ``case["pp"]`` stages, its embeddings
+    tied or not (``case["tied"]``): what ``stage_tied_tensors`` finds on each rank, by name and
+    kind, from the attributes Megatron's ``LanguageModule`` sets (its copy of the embedding on the
+    last stage is filled from the first stage's with ``.cuda()``, which these CPU ranks make a
+    no-op while the model is built)."""
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    from vrgd_ds.megatron.optimizer import stage_tied_tensors
+
+    with model_parallel(1, pp=case["pp"]) as ps:
+        cfg = TransformerConfig(num_layers=2, hidden_size=8, num_attention_heads=2, use_cpu_initialization=True,
+                                pipeline_model_parallel_size=case["pp"], pipeline_dtype=torch.float32)
+        cuda = torch.Tensor.cuda
+        torch.Tensor.cuda = lambda t, *args, **kwargs: t
+        try:
+            model = GPTModel(cfg, get_gpt_layer_local_spec(), vocab_size=16, max_sequence_length=8,
+                             pre_process=ps.is_pipeline_first_stage(), post_process=ps.is_pipeline_last_stage(),
+                             share_embeddings_and_output_weights=case["tied"])
+        finally:
+            torch.Tensor.cuda = cuda
+        found = sorted(f"{kind} {name}" for kind, name in stage_tied_tensors([model]).values())
+        everyone = [None] * dist.get_world_size()
+        dist.all_gather_object(everyone, found)
+        return {"ranks": everyone}
+
+
 def tied_checkpoint_case(case: dict) -> dict:
     """The tied case (``tied_across_stages="gsnr_off"``) saved to a dist checkpoint after one step,
     the last stage's copy of W saved as a replica of the first stage's tensor (as Megatron's
     ``tie_embeddings_and_output_weights_state_dict`` does), and loaded back into a fresh build:
-    per stage, the difference between the step after the load and the same step without it, and
-    whether the two copies of W are equal after it."""
+    per stage, the difference between the step after the load and the same step without it, the
+    same with the model's tensors loaded alone (a fresh optimizer state), and whether the two
+    copies of W are equal after the whole load."""
     from megatron.core import dist_checkpointing
     from megatron.core.dist_checkpointing import ShardedTensor
     from megatron.core.dist_checkpointing.validation import StrictHandling
@@ -962,21 +992,26 @@ def tied_checkpoint_case(case: dict) -> dict:
         dist_checkpointing.save(state(mine, opt, False), case["save"])
         train(ddp, tied, opt, 1)
         straight = [p.detach().clone() for p in mine.parameters()]
-        mine, tied, ddp, opt = build()
-        loaded = dist_checkpointing.load(state(mine, opt, True), case["save"], strict=StrictHandling.ASSUME_OK_UNEXPECTED)
-        # the model's tensors were loaded in place (dist-checkpointing's torch_dist strategy fills the
-        # ShardedTensors' own tensors; the step after the load tells if they were not)
-        for mopt in opt.chained_optimizers:
-            if hasattr(mopt, "reload_model_params"):
-                mopt.reload_model_params()
-        opt.load_state_dict(loaded["optimizer"])
-        train(ddp, tied, opt, 1)
+        out = {}
+        for what in ("model", "both"):  # the model alone: how far the optimizer state's load moves the step
+            mine, tied, ddp, opt = build()
+            request = state(mine, opt, True)
+            loaded = dist_checkpointing.load(request if what == "both" else {"model": request["model"]}, case["save"],
+                                             strict=StrictHandling.ASSUME_OK_UNEXPECTED)
+            # the model's tensors were loaded in place (dist-checkpointing's torch_dist strategy fills the
+            # ShardedTensors' own tensors; the step after the load tells if they were not)
+            for mopt in opt.chained_optimizers:
+                if hasattr(mopt, "reload_model_params"):
+                    mopt.reload_model_params()
+            if what == "both":
+                opt.load_state_dict(loaded["optimizer"])
+            train(ddp, tied, opt, 1)
+            out[what] = relative(list(mine.parameters()), straight)
         copies = [None] * dist.get_world_size()
         dist.all_gather_object(copies, tied.detach().clone())
         everyone = [None] * dist.get_world_size()
-        dist.all_gather_object(everyone, {"rel": relative(list(mine.parameters()), straight),
-                                          "copies_equal": torch.equal(copies[0], copies[1]),
-                                          "loaded": sorted(loaded["model"])})
+        dist.all_gather_object(everyone, {"rel": out["both"], "model_only": out["model"],
+                                          "copies_equal": torch.equal(copies[0], copies[1])})
         return {"ranks": everyone}
 
 

@@ -99,13 +99,11 @@ def check_configuration(config: Any, chunks: list[Any], name: str, gsnr: bool | 
     if ps.get_tensor_model_parallel_world_size() > 1 and REGISTRY[name].row_col_maxima:  # GSNR on or off
         _refuse(f"{name} with tensor parallelism", "its row and column maxima would span tensor-parallel shards",
                 "Use tensor_model_parallel_size=1 or another member")
-    if tied_across_stages not in ("refuse", "gsnr_off"):
-        raise ValueError(f"vrgd_ds.megatron: tied_across_stages={tied_across_stages!r}: use 'refuse' or 'gsnr_off'")
     if not gsnr:
         return
     tied = stage_tied_tensors(chunks) if tied_across_stages == "refuse" else {}
     if tied:
-        kind, tensor = next(iter(tied.values()))
+        kind, tensor = min(tied.values(), key=lambda kt: ("mtp", "tied", "cond").index(kt[0]))  # the first named
         off = ('or tied_across_stages="gsnr_off" (those tensors then step as the base optimizer, every other '
                f'tensor with its GSNR), or the base optimizer ({REGISTRY[name].base})')
         if kind == "mtp":
@@ -195,7 +193,9 @@ def stage_tied_tensors(model_chunks: list[Any]) -> dict[int, tuple[str, str]]:
     return out
 
 
-#: the param-group key that tells a twin group (``_twin_groups``) from its original: True on the twin
+#: the param-group key that tells a twin group (``_twin_groups``) from its original: True on the twin.
+#: Named for its first use; the twin also holds the tensors tied across pipeline stages, and the name
+#: stays, being in saved checkpoints' param groups
 TWIN_KEY = "tp_partial_grads"
 
 
@@ -447,6 +447,8 @@ def get_megatron_optimizer(config: Any, model_chunks: list[Any], optimizer: str 
         raise ValueError(f"vrgd_ds.megatron: squares={squares!r}: use 'per_step' or 'hierarchical'")
     if node_size is not None and squares != "hierarchical":
         raise ValueError("vrgd_ds.megatron: node_size applies to squares='hierarchical' only")
+    if tied_across_stages not in ("refuse", "gsnr_off"):
+        raise ValueError(f"vrgd_ds.megatron: tied_across_stages={tied_across_stages!r}: use 'refuse' or 'gsnr_off'")
     from megatron.core import parallel_state as ps
     from megatron.core.optimizer import _get_param_groups_and_buffers
     from megatron.core.optimizer.optimizer import ChainedOptimizer
