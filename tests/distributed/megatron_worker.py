@@ -912,8 +912,7 @@ def gpt_tied_marking(case: dict) -> dict:
     """megatron-core's own GPT (local layer spec, 2 layers) on ``case["pp"]`` stages, its embeddings
     tied or not (``case["tied"]``): what ``stage_tied_tensors`` finds on each rank, by name and
     kind, from the attributes Megatron's ``LanguageModule`` sets (its copy of the embedding on the
-    last stage is filled from the first stage's with ``.cuda()``, which these CPU ranks make a
-    no-op while the model is built)."""
+    last stage is filled from the first stage's after a ``.cuda()``, which ``cpu_ranks`` answers)."""
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.transformer.transformer_config import TransformerConfig
@@ -923,14 +922,9 @@ def gpt_tied_marking(case: dict) -> dict:
     with model_parallel(1, pp=case["pp"]) as ps:
         cfg = TransformerConfig(num_layers=2, hidden_size=8, num_attention_heads=2, use_cpu_initialization=True,
                                 pipeline_model_parallel_size=case["pp"], pipeline_dtype=torch.float32)
-        cuda = torch.Tensor.cuda
-        torch.Tensor.cuda = lambda t, *args, **kwargs: t
-        try:
-            model = GPTModel(cfg, get_gpt_layer_local_spec(), vocab_size=16, max_sequence_length=8,
-                             pre_process=ps.is_pipeline_first_stage(), post_process=ps.is_pipeline_last_stage(),
-                             share_embeddings_and_output_weights=case["tied"])
-        finally:
-            torch.Tensor.cuda = cuda
+        model = GPTModel(cfg, get_gpt_layer_local_spec(), vocab_size=16, max_sequence_length=8,
+                         pre_process=ps.is_pipeline_first_stage(), post_process=ps.is_pipeline_last_stage(),
+                         share_embeddings_and_output_weights=case["tied"])
         found = sorted(f"{kind} {name}" for kind, name in stage_tied_tensors([model]).values())
         everyone = [None] * dist.get_world_size()
         dist.all_gather_object(everyone, found)

@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import math
 import re
+import shutil
 import sys
 from pathlib import Path
 
@@ -129,8 +130,6 @@ def test_a_half_precision_run_resumes_exactly(tmp_path, corpus, precision, distr
     stepped from bf16-rounded weights, its loss 2.8e-5 off at step 5, with no warning; (fp16) the
     loss scale's load called ``.cuda()``, so on CPU ranks no fp16 checkpoint loaded and the job
     stopped with "no complete checkpoint to resume from"."""
-    import shutil
-
     sets = ("job.total_steps=6", "job.checkpoint_every=3", f'megatron.precision="{precision}"',
             f"megatron.use_distributed_optimizer={distributed}", "megatron.model.hidden_dropout=0.0",
             "megatron.model.attention_dropout=0.0")
@@ -182,3 +181,38 @@ def test_a_longer_phase_added_at_a_resume_needs_the_positions_from_the_start(tmp
     _train(tmp_path / "b", corpus, *short, positions)
     rec, out = _launch(tmp_path / "b", corpus, *grown, positions)
     assert "resumed from" in out and [rec[s]["train/seq_len"] for s in (3, 4)] == [64, 64]
+
+
+@pytest.mark.exhaustive  # three launches (make test: the checks, tests/unit/test_engines.py)
+def test_a_gpt_tied_across_stages_trains_with_its_gsnr_off_and_resumes_only_tied(tmp_path, corpus):
+    """A GPT whose embeddings are tied across 2 pipeline stages, with
+    ``megatron.tied_across_stages`` "gsnr_off": the tied weight steps as the base optimizer and the
+    other tensors with their GSNR (n = 8 per step: 8 micro-batches on 1 data-parallel rank); a run
+    cut back to its step-2 checkpoint and resumed takes steps 3-4 bit for bit as the uninterrupted
+    run did; and a resume of it as an untied GPT stops before loading, naming the key (the output
+    layer does not carry over)."""
+    sets = ("job.total_steps=4", "job.checkpoint_every=2", "job.eval_every=0", "job.data.eval_samples=8",
+            "megatron.pipeline_model_parallel_size=2", "megatron.model.share_embeddings_and_output_weights=true",
+            'megatron.tied_across_stages="gsnr_off"', "megatron.model.hidden_dropout=0.0",
+            "megatron.model.attention_dropout=0.0")
+    whole, out = _launch(tmp_path / "whole", corpus, *sets)
+    assert "GSNR switched off for 1 tensors (module.embedding.word_embeddings.weight)" in out, out[-3000:]
+    taken = _taken(whole)
+    assert len(taken) == 4 and all(r["gsnr/n"] == 8.0 and 0.0 < r["gsnr/scale_mean"] < 1.0 for r in taken)
+    shutil.copytree(tmp_path / "whole" / "run", tmp_path / "cut" / "run")
+    checkpoints = tmp_path / "cut" / "run" / "checkpoints"
+    shutil.rmtree(checkpoints / "step00000004")
+    (checkpoints / "latest").write_text("step00000002")
+    shutil.copytree(tmp_path / "cut", tmp_path / "untied")
+    resumed = _train(tmp_path / "cut", corpus, *sets)
+    assert [resumed[s]["train/loss"] for s in (3, 4)] == [whole[s]["train/loss"] for s in (3, 4)]
+    run_dir = tmp_path / "untied" / "run"
+    untied = [s for s in sets if "share_embeddings" not in s]
+    res = launching.run([Path(sys.executable).parent / "torchrun", "--nproc_per_node", "2", "--master_port",
+                         str(launching.free_port()), "-m", "vrgd_ds.train", "--config", CONFIG, "--run-dir", run_dir,
+                         "--set", f"job.data.path={json.dumps(str(corpus))}", *[a for s in untied for a in ("--set", s)]],
+                        timeout=420, marker=run_dir)
+    out = res.stdout + res.stderr
+    assert res.returncode != 0, out[-3000:]  # torchrun's 1 for a rank's exit 2
+    assert (str(run_dir / "checkpoints" / "step00000002") + ": its GPT was saved with megatron.model."
+            "share_embeddings_and_output_weights true, this configuration builds false") in out, out[-3000:]

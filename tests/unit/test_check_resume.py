@@ -627,3 +627,15 @@ def test_check_resume_makes_the_deepspeed_engines_config_checks(run_dir):
     raw["optimizer"]["params"]["lr"] = 0.5  # the job's check too (test_engines.py: ignored, the phases set the LR)
     report, ok = check(run_dir, raw, 2)
     assert not ok and "would stop: optimizer.params.lr: 0.5 has no effect" in report, report
+
+
+def test_check_resume_stops_on_a_change_of_the_gpts_tie(tmp_path):
+    """``--check-resume`` says a tied GPT's checkpoint would not resume untied (nor the other way
+    round), naming the key, as the job stops on it before loading; the same tie resumes."""
+    raw = megatron_checkpoint(tmp_path, {}, share_embeddings_and_output_weights=True)
+    report, ok = check(tmp_path / "run", copy.deepcopy(raw), 2)
+    assert not ok and ("its GPT was saved with megatron.model.share_embeddings_and_output_weights true, this "
+                       "configuration builds false") in report
+    raw["megatron"]["model"]["share_embeddings_and_output_weights"] = True
+    report, ok = check(tmp_path / "run", raw, 2)
+    assert ok, report

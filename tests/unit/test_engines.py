@@ -100,6 +100,36 @@ def test_a_megatron_config_error_names_the_key(change, message):
     assert message in str(e.value)
 
 
+def test_embeddings_tied_across_stages_need_the_gsnr_off_for_them():
+    """A GPT tied across 2 stages with VRLamb is refused before any work, naming
+    megatron.tied_across_stages; with that set to "gsnr_off", with the base optimizer, or on one
+    stage, it passes."""
+    tied = dict(megatron__model__share_embeddings_and_output_weights=True, megatron__pipeline_model_parallel_size=2)
+    with pytest.raises(ConfigError, match=r'megatron.model.share_embeddings_and_output_weights: with 2 pipeline '
+                                          r'stages .* set megatron.tied_across_stages to "gsnr_off"'):
+        _check(_raw(**tied))
+    _check(_raw(**tied, megatron__tied_across_stages="gsnr_off"))
+    _check(_raw(**tied, optimizer__type="Lamb"))
+    _check(_raw(megatron__model__share_embeddings_and_output_weights=True))
+    with pytest.raises(ConfigError, match=r"megatron.tied_across_stages: Input should be 'refuse' or 'gsnr_off'"):
+        _check(_raw(megatron__tied_across_stages="off"))
+
+
+def test_a_resume_that_changes_the_gpts_tie_is_refused(tmp_path):
+    """The output layer does not carry over between a tied and an untied GPT (dist-checkpointing
+    would drop the saved one, or leave the built one fresh), so a resume across that change stops
+    naming the key; a marker without the record holds an untied GPT."""
+    from vrgd_ds.train.resume import tie_change
+
+    tie_change(tmp_path, {"engine": "megatron", "share_embeddings_and_output_weights": True}, True)
+    tie_change(tmp_path, {"engine": "megatron"}, False)
+    for saved, now in (({"engine": "megatron"}, True), ({"engine": "megatron",
+                                                         "share_embeddings_and_output_weights": True}, False)):
+        with pytest.raises(ConfigError, match=r"saved with megatron.model.share_embeddings_and_output_weights "
+                                              rf"{str(not now).lower()}, this configuration builds {str(now).lower()}"):
+            tie_change(tmp_path, saved, now)
+
+
 def test_parallel_sizes_and_batch_arithmetic_are_checked_against_the_ranks():
     with pytest.raises(ConfigError, match=r"megatron.tensor_model_parallel_size × pipeline_model_parallel_size = "
                                           r"4 × 1 does not divide the 2 ranks"):

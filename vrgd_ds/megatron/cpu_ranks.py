@@ -9,7 +9,10 @@ for models from ``megatron.core.models``: the model-parallel RNG tracker's ``for
 regions) runs on torch's CPU generator instead of a CUDA RNG state. A fifth for
 dist-checkpointing saves: its file writer calls ``torch.cuda.synchronize()`` (nothing to wait
 for on CPU ranks). A sixth for fp16 resumes: ``DynamicGradScaler.load_state_dict`` moves the
-saved loss scale with ``.cuda()``; it stays on the CPU.
+saved loss scale with ``.cuda()``; it stays on the CPU. A seventh for a GPT whose embeddings are
+tied across pipeline stages: ``LanguageModule.setup_embeddings_and_output_layer`` moves the tied
+weight with ``.cuda()`` before it sums the stages' copies; while it runs, ``Tensor.cuda`` leaves a
+tensor where it is.
 """
 from __future__ import annotations
 
@@ -57,4 +60,18 @@ def apply() -> None:
         self._hysteresis_tracker = state_dict["hysteresis_tracker"]
 
     DynamicGradScaler.load_state_dict = load_scaler
+    from megatron.core.models.common.language_module.language_module import LanguageModule
+
+    setup = LanguageModule.setup_embeddings_and_output_layer
+
+    @functools.wraps(setup)
+    def setup_on_cpu(self, *args, **kwargs):
+        cuda = torch.Tensor.cuda
+        torch.Tensor.cuda = lambda t, *a, **k: t
+        try:
+            return setup(self, *args, **kwargs)
+        finally:
+            torch.Tensor.cuda = cuda
+
+    LanguageModule.setup_embeddings_and_output_layer = setup_on_cpu
     _APPLIED = True

@@ -11,7 +11,7 @@ from vrgd_ds.train import checkpoints as ckpt
 from vrgd_ds.train.config import ConfigError
 from vrgd_ds.train.engines import engine_class
 from vrgd_ds.train.resume import (data_change, engine_switch, named_params, option_changes, plan_resume,
-                                  positions_change, resumed_optimizer, saved_positions, wrapper_change)
+                                  positions_change, resumed_optimizer, saved_positions, tie_change, wrapper_change)
 
 
 def _layout(info: dict[str, Any]) -> str:
@@ -95,6 +95,9 @@ def check(run_dir: Path, raw: dict[str, Any] | None, world: int | None) -> tuple
         engine_class(job.engine).check_for_ranks(raw, job, ranks, finished)  # the job's checks before any work
         positions_change(ckpt_dir / choice.tag, saved_positions(info), positions, key,
                          max(p.seq_len for p in job.phases))
+        if job.engine == "megatron":
+            tie_change(ckpt_dir / choice.tag, info,
+                       bool((block.get("model") or {}).get("share_embeddings_and_output_weights", False)))
         if data is not None and (note := data_change(ckpt_dir / choice.tag, info.get("data"), data,
                                                      data_change_policy(raw))):
             changes.append(note)

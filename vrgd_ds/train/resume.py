@@ -110,6 +110,18 @@ def wrapper_change(where: Path, saved: dict[str, Any], distributed: bool, precis
             "state (checkpoint.optimizer_state = reset_if_incompatible)")
 
 
+def tie_change(where: Path, saved: dict[str, Any], tied: bool) -> None:
+    """A ``ConfigError`` where the Megatron GPT of checkpoint ``where`` (``saved``: its marker's info;
+    a marker that predates the record holds an untied one, the only one built then) was tied
+    otherwise than ``tied``: an untied checkpoint's output layer would be dropped from the load, and a
+    tied one has no output layer to load, so the layer would keep its fresh weights."""
+    was = bool(saved.get("share_embeddings_and_output_weights", False))
+    if saved.get("engine") == "megatron" and was != tied:
+        raise ConfigError(f"{where}: its GPT was saved with megatron.model.share_embeddings_and_output_weights "
+                          f"{str(was).lower()}, this configuration builds {str(tied).lower()}: the output layer does "
+                          "not carry over between the two; resume with the tie the run was saved with")
+
+
 def family(optimizer_type: str) -> str:
     """The optimizer whose state a type shares: a member and its base are one family."""
     from vrgd_ds.optim.registry import REGISTRY

@@ -37,7 +37,7 @@ from vrgd_ds.optim.registry import REGISTRY, OptimizerBlockError, check_optimize
 from vrgd_ds.train.config import ConfigError, JobConfig, gradient_accumulation, position_table, validation_error
 from vrgd_ds.train.data import JobData, prepare_data, stack
 from vrgd_ds.train.engines.base import LAUNCHER_RANK, LAUNCHER_WORLD, Engine, launcher_value, local_cuda_device
-from vrgd_ds.train.resume import ResumePlan, plan_resume, wrapper_change
+from vrgd_ds.train.resume import ResumePlan, plan_resume, tie_change, wrapper_change
 
 logger = logging.getLogger(__name__)
 
@@ -73,6 +73,10 @@ class GPTShape(_Strict):
     vocab_size: int | None = Field(None, ge=1)
     """Default: the tokenizer's, padded to a multiple of 128 × tensor-parallel size (Megatron's
     ``make_vocab_size_divisible_by``); given, it must hold every token id."""
+    share_embeddings_and_output_weights: bool = False
+    """The output layer uses the word embedding's weight (Megatron's tie). With pipeline stages the
+    last stage holds a copy, summed with the first stage's once per step: a member with the GSNR
+    needs ``megatron.tied_across_stages`` \"gsnr_off\" there. A checkpoint resumes only into the same tie."""
 
 
 class MegatronBlock(_Strict):
@@ -95,6 +99,10 @@ class MegatronBlock(_Strict):
     """Elements per gradient bucket (default: Megatron's); Megatron buckets only with ``overlap_grad_reduce``."""
     clip_grad: float = Field(1.0, ge=0.0)
     """Global gradient-norm clipping (0: off)."""
+    tied_across_stages: Literal["refuse", "gsnr_off"] = "refuse"
+    """The tensors Megatron sums across pipeline stages (an embedding tied across them):
+    ``"refuse"`` a member with the GSNR on them, ``"gsnr_off"`` step them as the base optimizer,
+    every other tensor with its GSNR (``get_megatron_optimizer``'s argument, docs/megatron.md)."""
 
 
 def parse_block(raw: dict[str, Any]) -> MegatronBlock:
@@ -150,6 +158,15 @@ def check(raw: dict[str, Any], job: JobConfig, world: int | None,
     if block.model.num_layers % pp:
         raise ConfigError(f"{BLOCK}.model.num_layers: {block.model.num_layers} layers do not split into "
                           f"pipeline_model_parallel_size {pp} stages")
+    params = (raw.get("optimizer") or {}).get("params") or {}
+    member = REGISTRY.get(raw["optimizer"]["type"])
+    gsnr = member is not None and member.vr and params.get("gsnr", True) is not False
+    if block.model.share_embeddings_and_output_weights and pp > 1 and gsnr and block.tied_across_stages == "refuse":
+        raise ConfigError(f"{BLOCK}.model.share_embeddings_and_output_weights: with {pp} pipeline stages the tied "
+                          "weight's copies on the first and last stage are summed once per step, so no micro-batch "
+                          f"gradient of it is whole and {raw['optimizer']['type']} cannot take its GSNR; set "
+                          f"{BLOCK}.tied_across_stages to \"gsnr_off\" (it then steps as the base optimizer, every "
+                          "other tensor with its GSNR), untie the embeddings, or use pipeline_model_parallel_size 1")
     ffn = block.model.ffn_hidden_size or 4 * block.model.hidden_size
     for key, size in (("vocab_size", block.model.vocab_size), ("ffn_hidden_size", ffn)):
         if size is not None and size % tp:
@@ -224,7 +241,7 @@ def build_gpt(block: MegatronBlock, optimizer: dict[str, Any], vocab_size: int, 
                                pipeline_model_parallel_size=pp, params_dtype=dtype, pipeline_dtype=dtype, **half)
     model = GPTModel(config, get_gpt_layer_local_spec(), vocab_size=vocab_size, max_sequence_length=max_seq,
                      pre_process=ps.is_pipeline_first_stage(), post_process=ps.is_pipeline_last_stage(),
-                     share_embeddings_and_output_weights=False)
+                     share_embeddings_and_output_weights=m.share_embeddings_and_output_weights)
     if device.type == "cuda":
         model.cuda()
     if block.precision != "fp32":
@@ -241,7 +258,8 @@ def build_gpt(block: MegatronBlock, optimizer: dict[str, Any], vocab_size: int, 
                            weight_decay=params.pop("weight_decay", member["weight_decay"]),
                            clip_grad=block.clip_grad, use_distributed_optimizer=block.use_distributed_optimizer,
                            params_dtype=dtype, **half)
-    opt = get_megatron_optimizer(ocfg, [ddp], optimizer=optimizer["type"], optimizer_kwargs=params)
+    opt = get_megatron_optimizer(ocfg, [ddp], optimizer=optimizer["type"], optimizer_kwargs=params,
+                                 tied_across_stages=block.tied_across_stages)
     for chained in opt.chained_optimizers:  # Megatron's per-group multiplier, which its own scheduler applies
         for g in chained.optimizer.param_groups:  # (this job sets the LR itself): no decay on biases and norms
             g["weight_decay"] = ocfg.weight_decay * g.get("wd_mult", 1.0)
@@ -411,7 +429,8 @@ class MegatronEngine(Engine):
         return {"tensor_model_parallel_size": self.block.tensor_model_parallel_size,
                 "pipeline_model_parallel_size": self.block.pipeline_model_parallel_size,
                 "data_parallel_size": self.data_world, "precision": self.block.precision,
-                "use_distributed_optimizer": self.block.use_distributed_optimizer}
+                "use_distributed_optimizer": self.block.use_distributed_optimizer,
+                "share_embeddings_and_output_weights": self.block.model.share_embeddings_and_output_weights}
 
     def _state(self, is_loading: bool, with_optimizer: bool = True) -> dict[str, Any]:
         model = self.ddp.module
@@ -424,8 +443,9 @@ class MegatronEngine(Engine):
     def plan(self, ckpt_dir: Path, tag: str, optimizer: dict[str, Any], policy: str) -> ResumePlan:
         from vrgd_ds.train import checkpoints as ckpt
 
-        plan = plan_resume(ckpt_dir, tag, optimizer, self.world, 0, policy)  # dist-checkpointing reshards
         saved = ckpt.marker(ckpt_dir, tag).get("info") or {}
+        tie_change(ckpt_dir / tag, saved, self.block.model.share_embeddings_and_output_weights)
+        plan = plan_resume(ckpt_dir, tag, optimizer, self.world, 0, policy)  # dist-checkpointing reshards
         if plan.optimizer_states and (note := wrapper_change(ckpt_dir / tag, saved, self.block.use_distributed_optimizer,
                                                              self.block.precision, policy)):
             # a fresh state: nothing of the saved one carries over (plan_resume's only note here is a switch's)
