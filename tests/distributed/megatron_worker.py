@@ -540,14 +540,17 @@ class _Stage(torch.nn.Module):
         return torch.tanh(y) if self.tanh else y
 
 
-def _pipeline_micro_steps(ddp, stage: int, step: int, accumulation: int) -> None:
-    """One step's micro-batches through two pipeline stages (the column layer's output and its
-    gradient sent between them by hand), the last one synchronising, then the gradients' sync."""
-    other = 1 - stage
+def _pipeline_micro_steps(ddp, stage: int, step: int, accumulation: int, dp_rank: int = 0) -> None:
+    """One step's micro-batches (data-parallel rank ``dp_rank``'s) through two pipeline stages (the
+    column layer's output and its gradient sent between them by hand, to the other stage of this
+    rank's pipeline), the last one synchronising, then the gradients' sync."""
+    from megatron.core import parallel_state as ps
+
+    other = ps.get_pipeline_model_parallel_next_rank()  # with 2 stages, also the previous one
     for m in range(accumulation):
         with contextlib.nullcontext() if m == accumulation - 1 else ddp.no_sync():
             if stage == 0:
-                h = ddp(_batch(0, m, step))
+                h = ddp(_batch(dp_rank, m, step))
                 dist.send(h.detach().contiguous(), other)
                 grad_h = torch.empty_like(h)
                 dist.recv(grad_h, other)
@@ -825,13 +828,13 @@ def _tied_model(cfg):
     return first, _TiedOutput(first.layer.weight, cfg)
 
 
-def _tied_micro_steps(ddp, tied, stage: int, step: int, accumulation: int) -> None:
+def _tied_micro_steps(ddp, tied, stage: int, step: int, accumulation: int, dp_rank: int = 0) -> None:
     """One step's micro-batches through the tied case's two stages (as ``_pipeline_micro_steps``),
     then the tied copies' gradients summed across the stages, as Megatron's
     ``finalize_model_grads`` does after the data-parallel reduction."""
     from megatron.core import parallel_state as ps
 
-    _pipeline_micro_steps(ddp, stage, step, accumulation)
+    _pipeline_micro_steps(ddp, stage, step, accumulation, dp_rank)
     dist.all_reduce(tied.main_grad, group=ps.get_pipeline_model_parallel_group())
 
 
@@ -841,8 +844,9 @@ def tied_across_stages_equals_unsharded(case: dict) -> dict:
     ``finalize_model_grads`` does), ``get_megatron_optimizer(..., tied_across_stages="gsnr_off")``:
     the parameters after 3 steps against the single-process optimizer on the untied-in-memory
     model (one W used twice) with W in a ``gsnr=False`` group, and against the same with the GSNR on
-    W (how far switching it off moves the result); whether the two stages' copies of W are equal
-    bit for bit; every stage's metrics against the reference's."""
+    W (how far switching it off moves the result); whether every rank's copy of W is the same bit
+    for bit; every stage's metrics against the reference's. On 4 ranks, 2 data-parallel ranks each
+    run the two stages on micro-batches of their own."""
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
     from megatron.core.optimizer import OptimizerConfig
 
@@ -852,6 +856,7 @@ def tied_across_stages_equals_unsharded(case: dict) -> dict:
     accumulation = case["accumulation"]
     with model_parallel(1, pp=2) as ps:
         stage = ps.get_pipeline_model_parallel_rank()
+        dp, dp_rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
         cfg = _config(1)
         first, last = _tied_model(cfg)
         W, b0 = (t.detach().clone() for t in (first.layer.weight, first.layer.bias))
@@ -881,14 +886,15 @@ def tied_across_stages_equals_unsharded(case: dict) -> dict:
         for step in range(3):
             ddp.zero_grad_buffer()
             opt.zero_grad()
-            _tied_micro_steps(ddp, tied, stage, step, accumulation)
+            _tied_micro_steps(ddp, tied, stage, step, accumulation, dp_rank)
             ok, _, _ = opt.step()
             for ps_, o in refs:
                 o.zero_grad()
-                for m in range(accumulation):
-                    forward(ps_, _batch(0, m, step)).backward()
+                for d in range(dp):
+                    for m in range(accumulation):
+                        forward(ps_, _batch(d, m, step)).backward()
                 for t in ps_:
-                    t.grad /= accumulation
+                    t.grad /= dp * accumulation
                 torch.nn.utils.clip_grad_norm_(ps_, ocfg.clip_grad)
                 o.step()
         (want, ref_opt), (gsnr_on_w, _) = refs
@@ -902,7 +908,7 @@ def tied_across_stages_equals_unsharded(case: dict) -> dict:
         everyone = [None] * dist.get_world_size()
         dist.all_gather_object(everyone, {
             "rel": relative(got, theirs), "contrast": relative([gsnr_on_w[index[n]] for n in names], theirs),
-            "ok": bool(ok), "n": opt.vrgd_sources[0].n, "copies_equal": torch.equal(copies[0], copies[1]),
+            "ok": bool(ok), "n": opt.vrgd_sources[0].n, "copies_equal": all(torch.equal(copies[0], w) for w in copies),
             "twin": [len(g["params"]) for g in inner.param_groups if g.get("tp_partial_grads")],
             "metric_rel": {k: abs(metrics[k] - expected[k]) / max(abs(expected[k]), 1e-12) for k in PIPELINE_METRICS}})
         return {"worst": max(o["rel"] for o in everyone), "ranks": everyone}

@@ -231,11 +231,27 @@ def test_a_weight_tied_across_stages_steps_without_gsnr_where_asked(megatron2, o
     res = megatron2.run("megatron_worker", "tied_across_stages_equals_unsharded",
                         {"accumulation": 4, "distributed": distributed, "optimizer": optimizer,
                          "kwargs": KWARGS[optimizer]})
+    _tied_agrees(res, n=4)
+
+
+def _tied_agrees(res: dict, n: int) -> None:
     for r in res["ranks"]:
-        assert r["ok"] and r["n"] == 4 and r["copies_equal"], r
+        assert r["ok"] and r["n"] == n and r["copies_equal"], r
         assert r["twin"] == [1, 0], r  # the weights' twin holds W; the biases' is empty
         assert r["rel"] <= TOL and r["rel"] <= 1e-3 * r["contrast"], r
         assert max(r["metric_rel"].values()) <= 1e-5, r["metric_rel"]
+
+
+@pytest.mark.exhaustive
+@pytest.mark.parametrize("distributed", [False, True])
+def test_a_weight_tied_across_stages_over_two_data_parallel_ranks(megatron, distributed):
+    """PP2 × DP2 (4 ranks), the tied weight with its GSNR off: each data-parallel rank runs the
+    pipeline on micro-batches of its own, the distributed optimizer shards W's state over them, and
+    the result equals the unsharded optimizer over both ranks' micro-batches (n = 8)."""
+    res = megatron(4).run("megatron_worker", "tied_across_stages_equals_unsharded",
+                          {"accumulation": 4, "distributed": distributed, "optimizer": "VRLamb",
+                           "kwargs": KWARGS["VRLamb"]})
+    _tied_agrees(res, n=8)
 
 
 @pytest.mark.parametrize("tied, pp", [(True, 2), (False, 2), (True, 1)])
