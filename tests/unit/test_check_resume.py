@@ -639,3 +639,13 @@ def test_check_resume_stops_on_a_change_of_the_gpts_tie(tmp_path):
     raw["megatron"]["model"]["share_embeddings_and_output_weights"] = True
     report, ok = check(tmp_path / "run", raw, 2)
     assert ok, report
+
+
+def test_check_resume_reads_the_gpts_tie_as_the_job_does(tmp_path):
+    """The tie as the job's block parses it: the string "false" is pydantic's false, so an untied
+    checkpoint resumes. Fails on the code before, whose ``bool("false")`` made --check-resume say it
+    would stop."""
+    raw = megatron_checkpoint(tmp_path, {})
+    raw["megatron"]["model"]["share_embeddings_and_output_weights"] = "false"
+    report, ok = check(tmp_path / "run", raw, 2)
+    assert ok, report

@@ -95,9 +95,6 @@ def check(run_dir: Path, raw: dict[str, Any] | None, world: int | None) -> tuple
         engine_class(job.engine).check_for_ranks(raw, job, ranks, finished)  # the job's checks before any work
         positions_change(ckpt_dir / choice.tag, saved_positions(info), positions, key,
                          max(p.seq_len for p in job.phases))
-        if job.engine == "megatron":
-            tie_change(ckpt_dir / choice.tag, info,
-                       bool((block.get("model") or {}).get("share_embeddings_and_output_weights", False)))
         if data is not None and (note := data_change(ckpt_dir / choice.tag, info.get("data"), data,
                                                      data_change_policy(raw))):
             changes.append(note)
@@ -113,6 +110,10 @@ def check(run_dir: Path, raw: dict[str, Any] | None, world: int | None) -> tuple
         check_gsnr_groups(raw, job)
         phase_settings(job, data_world, PhaseSchedule(job).steps, finished)
         check_resume_marker(job, info, data_world)
+        if job.engine == "megatron":  # the block as the job reads it (checked above)
+            from vrgd_ds.train.engines.megatron import parse_block
+
+            tie_change(ckpt_dir / choice.tag, info, parse_block(raw).model.share_embeddings_and_output_weights)
         plan = plan_resume(ckpt_dir, choice.tag, resumed_optimizer(now, opt, named_params(raw)), ranks, stage,
                            optimizer_state_policy(raw))
     except ConfigError as e:
