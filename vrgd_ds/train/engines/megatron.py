@@ -500,14 +500,28 @@ class MegatronEngine(Engine):
         """This rank's optimizer state and fp32 main weights (its shard with the distributed
         optimizer; else the first data-parallel rank's, whose copies the others hold), and its
         model shard on the first data-parallel rank. fp32 without the distributed optimizer has no
-        main weights apart from the model's."""
+        main weights apart from the model's. The distributed optimizer's checkpoint
+        (``vrgd_model_space``) holds every key of the optimizer for every tensor, NaN where a
+        tensor's state lacks it (a GSNR key of a tensor in a twin group), and its fp32 weights. The
+        last stage's copy of an embedding tied across stages (``shared``) is saved as a replica of
+        the first stage's: neither it nor its state is written."""
+        from vrgd_ds.megatron.stats import pairs
+
         if self.data_rank and not self.block.use_distributed_optimizer:
             return 0
         opt = self.optimizer
-        local = 0 if self.data_rank else sum(p.numel() * p.element_size() for p in self.ddp.module.parameters())
-        local += sum(t.numel() * t.element_size() for st in opt.state.values() for t in st.values() if torch.is_tensor(t))
-        if self.block.use_distributed_optimizer or self.block.precision != "fp32":
-            local += sum(p.numel() * 4 for g in opt.param_groups for p in g["params"])
+        copies = {id(t) for mopt in self.megatron_optimizer.chained_optimizers for p, t in pairs(mopt)
+                  if getattr(p, "shared", False)}
+        local = 0 if self.data_rank else sum(p.numel() * p.element_size() for p in self.ddp.module.parameters()
+                                             if not getattr(p, "shared", False))
+        if self.block.use_distributed_optimizer:
+            per_element = 4 * (1 + len({k for g in opt.param_groups for k in opt.element_state_keys(g)}))
+            return local + sum(p.numel() * per_element for g in opt.param_groups for p in g["params"]
+                               if id(p) not in copies)
+        local += sum(t.numel() * t.element_size() for p, st in opt.state.items() if id(p) not in copies
+                     for t in st.values() if torch.is_tensor(t))
+        if self.block.precision != "fp32":
+            local += sum(p.numel() * 4 for g in opt.param_groups for p in g["params"] if id(p) not in copies)
         return local
 
     def close(self) -> None:
