@@ -76,7 +76,7 @@ class GPTShape(_Strict):
     share_embeddings_and_output_weights: bool = False
     """The output layer uses the word embedding's weight (Megatron's tie). With pipeline stages the
     last stage holds a copy, summed with the first stage's once per step: a member with the GSNR
-    needs ``megatron.tied_across_stages`` \"gsnr_off\" there. A checkpoint resumes only into the same tie."""
+    needs ``megatron.tied_across_stages`` "gsnr_off" there. A checkpoint resumes only into the same tie."""
 
 
 class MegatronBlock(_Strict):
