@@ -1371,6 +1371,8 @@ def refused(case: dict) -> dict:
                 model.layer.weight.pipeline_parallel = True
             elif case["name"] == "tied-embeddings-across-stages" or ps.get_pipeline_model_parallel_rank() == 0:
                 model.layer.weight.shared_embedding = True  # what Megatron marks on a tied word embedding
+            if case.get("frozen"):  # the marked weight frozen: no gradient of it, nothing to refuse
+                model.layer.weight.requires_grad_(False)
         else:
             model = TwoLayers(cfg)
         ddp = DistributedDataParallel(cfg, DistributedDataParallelConfig(

@@ -265,6 +265,14 @@ def test_the_tensors_tied_across_stages_are_those_megatron_marks_on_its_gpt(mega
     assert res["ranks"] == want, res
 
 
+def test_a_frozen_weight_tied_across_stages_is_not_refused(megatron2):
+    """A tied embedding frozen (``requires_grad=False``): Megatron sums no gradient of it and no
+    optimizer steps it, so nothing is refused. Fails on the old code, which refused the marks
+    whatever the parameter's ``requires_grad``."""
+    res = megatron2.run("megatron_worker", "refused", {"name": "tied-embeddings-across-stages", "frozen": True})
+    assert res["type"] is None, res
+
+
 @pytest.mark.parametrize("distributed", [pytest.param(False, marks=pytest.mark.exhaustive), True])
 def test_a_weight_tied_across_stages_resumes_from_a_dist_checkpoint(megatron2, tmp_path, distributed):
     """The tied case (``tied_across_stages="gsnr_off"``) saved after one step, the last stage's copy

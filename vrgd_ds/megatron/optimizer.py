@@ -175,7 +175,8 @@ def stage_tied_tensors(model_chunks: list[Any]) -> dict[int, tuple[str, str]]:
     embedding multi-token prediction copies to the last stage (``"mtp"``) and a diffusion model's
     conditional embedders, a copy on every stage (``has_cond_embedder``: ``pipeline_parallel``;
     ``"cond"``). Each stage holds a partial of their gradient of a micro-batch, so the square of
-    none is exact. Empty without pipeline stages."""
+    none is exact. Empty without pipeline stages; a frozen one is left out (Megatron sums no
+    gradient of it, and no optimizer steps it)."""
     from megatron.core import parallel_state as ps
 
     if ps.get_pipeline_model_parallel_world_size() == 1:
@@ -186,6 +187,8 @@ def stage_tied_tensors(model_chunks: list[Any]) -> dict[int, tuple[str, str]]:
     out = {}
     for chunk in model_chunks:
         for name, p in chunk.named_parameters():
+            if not p.requires_grad:
+                continue
             if getattr(p, "shared_embedding", False) or getattr(p, "shared", False):
                 out[id(p)] = (shared_kind, name)
             elif cond and getattr(p, "pipeline_parallel", False):
