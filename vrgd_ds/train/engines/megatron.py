@@ -33,7 +33,7 @@ import torch
 import torch.distributed as dist
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from vrgd_ds.optim.registry import REGISTRY, OptimizerBlockError, check_optimizer
+from vrgd_ds.optim.registry import REGISTRY, OptimizerBlockError, checked_group
 from vrgd_ds.train.config import ConfigError, JobConfig, gradient_accumulation, position_table, validation_error
 from vrgd_ds.train.data import JobData, prepare_data, stack
 from vrgd_ds.train.engines.base import LAUNCHER_RANK, LAUNCHER_WORLD, Engine, launcher_value, local_cuda_device
@@ -128,7 +128,7 @@ def check(raw: dict[str, Any], job: JobConfig, world: int | None,
                           "job.engine \"deepspeed\": set precision and clipping in the megatron block")
     block = parse_block(raw)
     try:
-        check_optimizer(raw.get("optimizer"), CLIPPING)
+        _, group = checked_group(raw.get("optimizer"), CLIPPING)  # the options the member's param group gets
     except OptimizerBlockError as e:
         raise ConfigError(str(e)) from None
     if "model" in raw.get("job", {}):
@@ -158,10 +158,8 @@ def check(raw: dict[str, Any], job: JobConfig, world: int | None,
     if block.model.num_layers % pp:
         raise ConfigError(f"{BLOCK}.model.num_layers: {block.model.num_layers} layers do not split into "
                           f"pipeline_model_parallel_size {pp} stages")
-    params = (raw.get("optimizer") or {}).get("params") or {}
-    member = REGISTRY.get(raw["optimizer"]["type"])
-    gsnr = member is not None and member.vr and params.get("gsnr", True) is not False
-    if block.model.share_embeddings_and_output_weights and pp > 1 and gsnr and block.tied_across_stages == "refuse":
+    if (block.model.share_embeddings_and_output_weights and pp > 1 and group.get("gsnr")
+            and block.tied_across_stages == "refuse"):
         raise ConfigError(f"{BLOCK}.model.share_embeddings_and_output_weights: with {pp} pipeline stages the tied "
                           "weight's copies on the first and last stage are summed once per step, so no micro-batch "
                           f"gradient of it is whole and {raw['optimizer']['type']} cannot take its GSNR; set "
