@@ -234,14 +234,15 @@ def megatron_step(ddp, opt, dp_rank: int, accumulation: int, step: int, rows=Non
     return bool(ok)
 
 
-def reference_step(net, opt, dp: int, accumulation: int, step: int, clip: float) -> None:
+def reference_step(net, opt, dp: int, accumulation: int, step: int, clip: float, batch=_batch) -> None:
     """One step of the single-process reference: a backward per micro-batch of every
     data-parallel rank (each one gradient group: one micro-batch's gradient, as on DeepSpeed,
-    whatever Megatron divides each micro-batch's loss by), the mean gradient, Megatron's clipping."""
+    whatever Megatron divides each micro-batch's loss by; ``batch(dp_rank, micro, step)``), the
+    mean gradient, Megatron's clipping."""
     opt.zero_grad()
     for d in range(dp):
         for m in range(accumulation):
-            net(_batch(d, m, step)).pow(2).sum().backward()
+            net(batch(d, m, step)).pow(2).sum().backward()
     for p in net.parameters():
         p.grad /= dp * accumulation
     if clip > 0:
@@ -540,10 +541,13 @@ class _Stage(torch.nn.Module):
         return torch.tanh(y) if self.tanh else y
 
 
-def _pipeline_micro_steps(ddp, stage: int, step: int, accumulation: int, dp_rank: int = 0) -> None:
+def _pipeline_micro_steps(ddp, stage: int, step: int, accumulation: int, dp_rank: int = 0,
+                          dtype: torch.dtype = torch.float32, scale_loss=None, spoiled=None) -> None:
     """One step's micro-batches (data-parallel rank ``dp_rank``'s) through two pipeline stages (the
-    column layer's output and its gradient sent between them by hand, to the other stage of this
-    rank's pipeline), the last one synchronising, then the gradients' sync."""
+    column layer's output and its gradient sent between them by hand in ``dtype``, to the other
+    stage of this rank's pipeline), the last one synchronising, then the gradients' sync.
+    ``scale_loss``: the last stage's loss through it (fp16's loss scale); ``spoiled``: the
+    ``(step, micro)`` whose gradient the last stage sends back as NaN."""
     from megatron.core import parallel_state as ps
 
     other = ps.get_pipeline_model_parallel_next_rank()  # with 2 stages, also the previous one
@@ -556,11 +560,12 @@ def _pipeline_micro_steps(ddp, stage: int, step: int, accumulation: int, dp_rank
                 dist.recv(grad_h, other)
                 h.backward(grad_h)
             else:
-                h = torch.empty(6, 16)
+                h = torch.empty(6, 16, dtype=dtype)
                 dist.recv(h, other)
                 h.requires_grad_(True)
-                (ddp(h).pow(2).sum() / accumulation).backward()
-                dist.send(h.grad.contiguous(), other)
+                loss = ddp(h).pow(2).sum() / accumulation
+                (loss if scale_loss is None else scale_loss(loss)).backward()
+                dist.send((h.grad * float("nan") if (step, m) == spoiled else h.grad).contiguous(), other)
     ddp.finish_grad_sync()
 
 
@@ -713,13 +718,8 @@ def interleaved_pipeline_equals_unsharded(case: dict) -> dict:
                 d.finish_grad_sync()
             ok, _, _ = opt.step()
             for net, o in ((ref, ref_opt), (flat, flat_opt)):
-                o.zero_grad()
-                for m in range(accumulation):
-                    net(_interleaved_batch(m, step)).pow(2).sum().backward()
-                for p in net.parameters():
-                    p.grad /= accumulation
-                torch.nn.utils.clip_grad_norm_(net.parameters(), ocfg.clip_grad)
-                o.step()
+                reference_step(net, o, 1, accumulation, step, ocfg.clip_grad,
+                               batch=lambda d, m, s: _interleaved_batch(m, s))
         got = [p for d in ddps for p in d.module.parameters()]
         want = [p for i in held for p in (ref_linear[i].weight, ref_linear[i].bias)]
         metrics = inner.gsnr_metrics(per_tensor=True)
@@ -748,9 +748,8 @@ def fp16_pipeline_case(case: dict) -> dict:
 
     from vrgd_ds.megatron import get_megatron_optimizer
 
-    accumulation = case["accumulation"]
     with model_parallel(1, pp=2) as ps:
-        stage, other = ps.get_pipeline_model_parallel_rank(), 1 - ps.get_pipeline_model_parallel_rank()
+        stage = ps.get_pipeline_model_parallel_rank()
         runs = {}
         for scale in case["scales"]:
             half = {"fp16": True, "params_dtype": torch.float16}
@@ -768,23 +767,9 @@ def fp16_pipeline_case(case: dict) -> dict:
             inner, metrics = opt.chained_optimizers[0], []
             for step in range(3):
                 ddp.zero_grad_buffer()
-                opt.zero_grad()
-                for m in range(accumulation):
-                    with contextlib.nullcontext() if m == accumulation - 1 else ddp.no_sync():
-                        if stage == 0:
-                            h = ddp(_batch(0, m, step))  # Float16Module casts the input to fp16
-                            dist.send(h.detach().contiguous(), other)
-                            grad_h = torch.empty_like(h)
-                            dist.recv(grad_h, other)
-                            h.backward(grad_h)
-                        else:
-                            h = torch.empty(6, 16, dtype=torch.float16)
-                            dist.recv(h, other)
-                            h.requires_grad_(True)
-                            opt.scale_loss(ddp(h).pow(2).sum() / accumulation).backward()
-                            sent = h.grad * float("nan") if (step, m) == (1, 0) else h.grad
-                            dist.send(sent.contiguous(), other)
-                ddp.finish_grad_sync()
+                opt.zero_grad()  # (Float16Module casts the first stage's input to fp16)
+                _pipeline_micro_steps(ddp, stage, step, case["accumulation"], dtype=torch.float16,
+                                      scale_loss=opt.scale_loss, spoiled=(1, 0))
                 opt.step()
                 metrics.append(inner.optimizer.gsnr_metrics())
             runs[scale] = (list(mine.parameters()), metrics, float(inner.get_loss_scale()))
@@ -817,6 +802,19 @@ class _TiedOutput(torch.nn.Module):
     def forward(self, h):
         y, _ = self.out(torch.tanh(h @ self.tied + self.c))
         return y
+
+
+class _TiedReference(torch.nn.Module):
+    """The tied case unsharded, in one process: one W used by both layers."""
+
+    def __init__(self, first: _Stage, last: _TiedOutput) -> None:
+        super().__init__()
+        copy_of = lambda t: torch.nn.Parameter(t.detach().clone())  # noqa: E731
+        self.W, self.b0 = copy_of(first.layer.weight), copy_of(first.layer.bias)
+        self.c, self.Lw, self.Lb = copy_of(last.c), copy_of(last.out.weight), copy_of(last.out.bias)
+
+    def forward(self, x):
+        return torch.tanh(torch.tanh(x @ self.W.T + self.b0) @ self.W + self.c) @ self.Lw.T + self.Lb
 
 
 def _tied_model(cfg):
@@ -859,8 +857,6 @@ def tied_across_stages_equals_unsharded(case: dict) -> dict:
         dp, dp_rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
         cfg = _config(1)
         first, last = _tied_model(cfg)
-        W, b0 = (t.detach().clone() for t in (first.layer.weight, first.layer.bias))
-        c, Lw, Lb = (t.detach().clone() for t in (last.c, last.out.weight, last.out.bias))
         mine = first if stage == 0 else last
         ddp = DistributedDataParallel(cfg, DistributedDataParallelConfig(
             grad_reduce_in_fp32=True, use_distributed_optimizer=case["distributed"], bucket_size=40), mine)
@@ -873,14 +869,10 @@ def tied_across_stages_equals_unsharded(case: dict) -> dict:
         defaults = {k: v for k, v in inner.defaults.items() if k in REGISTRY[case["optimizer"]].accepted_params()}
 
         def reference(w_gsnr: bool):
-            ps_ = [torch.nn.Parameter(t.clone()) for t in (W, b0, c, Lw, Lb)]
-            groups = [{"params": [ps_[3]]}, {"params": [ps_[0]], **({} if w_gsnr else {"gsnr": False})},
-                      {"params": [ps_[1], ps_[2], ps_[4]]}]
-            return ps_, REGISTRY[case["optimizer"]].cls(groups, **defaults)
-
-        def forward(ps_, x):
-            w, bias0, cc, lw, lb = ps_
-            return (torch.tanh(torch.tanh(x @ w.T + bias0) @ w + cc) @ lw.T + lb).pow(2).sum()
+            net = _TiedReference(first, last)
+            groups = [{"params": [net.Lw]}, {"params": [net.W], **({} if w_gsnr else {"gsnr": False})},
+                      {"params": [net.b0, net.c, net.Lb]}]
+            return net, REGISTRY[case["optimizer"]].cls(groups, **defaults)
 
         refs = [reference(False), reference(True)]
         for step in range(3):
@@ -888,26 +880,18 @@ def tied_across_stages_equals_unsharded(case: dict) -> dict:
             opt.zero_grad()
             _tied_micro_steps(ddp, tied, stage, step, accumulation, dp_rank)
             ok, _, _ = opt.step()
-            for ps_, o in refs:
-                o.zero_grad()
-                for d in range(dp):
-                    for m in range(accumulation):
-                        forward(ps_, _batch(d, m, step)).backward()
-                for t in ps_:
-                    t.grad /= dp * accumulation
-                torch.nn.utils.clip_grad_norm_(ps_, ocfg.clip_grad)
-                o.step()
+            for net, o in refs:
+                reference_step(net, o, dp, accumulation, step, ocfg.clip_grad)
         (want, ref_opt), (gsnr_on_w, _) = refs
-        index = {"W": 0, "b0": 1, "c": 2, "Lw": 3, "Lb": 4}
         got = ([first.layer.weight, first.layer.bias] if stage == 0 else [last.tied, last.c, last.out.weight, last.out.bias])
         names = ["W", "b0"] if stage == 0 else ["W", "c", "Lw", "Lb"]
-        theirs = [want[index[n]] for n in names]
+        theirs = [getattr(want, n) for n in names]
         copies = [None] * dist.get_world_size()
         dist.all_gather_object(copies, tied.detach().clone())
         metrics, expected = inner.gsnr_metrics(), ref_opt.gsnr_metrics()
         everyone = [None] * dist.get_world_size()
         dist.all_gather_object(everyone, {
-            "rel": relative(got, theirs), "contrast": relative([gsnr_on_w[index[n]] for n in names], theirs),
+            "rel": relative(got, theirs), "contrast": relative([getattr(gsnr_on_w, n) for n in names], theirs),
             "ok": bool(ok), "n": opt.vrgd_sources[0].n, "copies_equal": all(torch.equal(copies[0], w) for w in copies),
             "twin": [len(g["params"]) for g in inner.param_groups if g.get("tp_partial_grads")],
             "metric_rel": {k: abs(metrics[k] - expected[k]) / max(abs(expected[k]), 1e-12) for k in PIPELINE_METRICS}})
