@@ -234,15 +234,20 @@ def megatron_step(ddp, opt, dp_rank: int, accumulation: int, step: int, rows=Non
     return bool(ok)
 
 
-def reference_step(net, opt, dp: int, accumulation: int, step: int, clip: float, batch=_batch) -> None:
+def _square_loss(net, x) -> torch.Tensor:
+    return net(x).pow(2).sum()
+
+
+def reference_step(net, opt, dp: int, accumulation: int, step: int, clip: float, batch=_batch,
+                   loss=_square_loss) -> None:
     """One step of the single-process reference: a backward per micro-batch of every
     data-parallel rank (each one gradient group: one micro-batch's gradient, as on DeepSpeed,
-    whatever Megatron divides each micro-batch's loss by; ``batch(dp_rank, micro, step)``), the
-    mean gradient, Megatron's clipping."""
+    whatever Megatron divides each micro-batch's loss by; ``batch(dp_rank, micro, step)``, its loss
+    ``loss(net, batch)``), the mean gradient, Megatron's clipping."""
     opt.zero_grad()
     for d in range(dp):
         for m in range(accumulation):
-            net(batch(d, m, step)).pow(2).sum().backward()
+            loss(net, batch(d, m, step)).backward()
     for p in net.parameters():
         p.grad /= dp * accumulation
     if clip > 0:
@@ -904,17 +909,20 @@ def gpt_tied_marking(case: dict) -> dict:
     kind, from the attributes Megatron's ``LanguageModule`` sets (its copy of the embedding on the
     last stage is filled from the first stage's after a ``.cuda()``, which ``cpu_ranks`` answers)."""
     from megatron.core.models.gpt import GPTModel
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec, get_gpt_mtp_block_spec
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     from vrgd_ds.megatron.optimizer import stage_tied_tensors
 
     with model_parallel(1, pp=case["pp"]) as ps:
         cfg = TransformerConfig(num_layers=2, hidden_size=8, num_attention_heads=2, use_cpu_initialization=True,
-                                pipeline_model_parallel_size=case["pp"], pipeline_dtype=torch.float32)
-        model = GPTModel(cfg, get_gpt_layer_local_spec(), vocab_size=16, max_sequence_length=8,
+                                pipeline_model_parallel_size=case["pp"], pipeline_dtype=torch.float32,
+                                mtp_num_layers=case.get("mtp"))
+        spec = get_gpt_layer_local_spec()
+        mtp = get_gpt_mtp_block_spec(cfg, spec, use_transformer_engine=False) if case.get("mtp") else None
+        model = GPTModel(cfg, spec, vocab_size=16, max_sequence_length=8,
                          pre_process=ps.is_pipeline_first_stage(), post_process=ps.is_pipeline_last_stage(),
-                         share_embeddings_and_output_weights=case["tied"])
+                         share_embeddings_and_output_weights=case["tied"], mtp_block_spec=mtp)
         found = sorted(f"{kind} {name}" for kind, name in stage_tied_tensors([model]).values())
         everyone = [None] * dist.get_world_size()
         dist.all_gather_object(everyone, found)
@@ -1414,3 +1422,114 @@ def gpt_weight_decay(case: dict) -> dict:
 
 
 
+
+
+def _mtp_gpt(cfg, pre: bool, post: bool):
+    """megatron-core's GPT with one multi-token prediction layer (local layer spec, rotary
+    positions: a learned position table would be a second, untied copy on the last stage)."""
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec, get_gpt_mtp_block_spec
+
+    spec = get_gpt_layer_local_spec()
+    return GPTModel(cfg, spec, vocab_size=16, max_sequence_length=8, pre_process=pre, post_process=post,
+                    share_embeddings_and_output_weights=False, position_embedding_type="rope",
+                    mtp_block_spec=get_gpt_mtp_block_spec(cfg, spec, use_transformer_engine=False))
+
+
+def _mtp_batch(m: int, step: int) -> dict:
+    gen = torch.Generator().manual_seed(3000 + 97 * step + m)
+    tokens = torch.randint(0, 16, (2, 8), generator=gen)
+    return {"input_ids": tokens, "position_ids": torch.arange(8).expand(2, 8),
+            "attention_mask": torch.triu(torch.ones(8, 8, dtype=torch.bool), 1)[None, None],
+            "labels": torch.roll(tokens, -1, dims=1)}
+
+
+def mtp_across_stages_equals_unsharded(case: dict) -> dict:
+    """megatron-core's GPT with multi-token prediction on 2 pipeline stages: the embedding on the
+    first stage, the copy MTP embeds with on the last, their gradients summed by Megatron's own
+    ``finalize_model_grads``; the micro-batches run by Megatron's 1F1B schedule;
+    ``get_megatron_optimizer(..., tied_across_stages="gsnr_off")``. Against the same model whole
+    (one stage, one embedding), built first on every rank from the same seed, stepped by the
+    single-process optimizer with the embedding in a ``gsnr=False`` group (and with its GSNR on,
+    how far that moves the result): per stage, the parameters after 3 steps, whether the two
+    copies are equal bit for bit, ``n``, what the twin groups hold, and the default's refusal."""
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
+    from megatron.core.optimizer import OptimizerConfig
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+    from megatron.core.transformer.multi_token_prediction import MTPLossAutoScaler
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    from vrgd_ds.megatron import get_megatron_optimizer
+    from vrgd_ds.optim.registry import REGISTRY
+
+    accumulation, embedding = case["accumulation"], "embedding.word_embeddings.weight"
+    settings = dict(num_layers=2, hidden_size=8, num_attention_heads=2, use_cpu_initialization=True, mtp_num_layers=1,
+                    hidden_dropout=0.0, attention_dropout=0.0)
+    ocfg = OptimizerConfig(optimizer="adam", lr=1e-2, weight_decay=0.1, clip_grad=1.0,
+                           use_distributed_optimizer=case["distributed"])
+
+    def whole():  # the model on one stage, the same on every rank
+        torch.manual_seed(0)
+        return _mtp_gpt(TransformerConfig(**settings), pre=True, post=True)
+
+    with model_parallel(1):
+        start = {k: v.detach().clone() for k, v in whole().state_dict().items() if isinstance(v, torch.Tensor)}
+    with model_parallel(1, pp=2) as ps:
+        stage = ps.get_pipeline_model_parallel_rank()
+        cfg = TransformerConfig(**settings, pipeline_model_parallel_size=2, pipeline_dtype=torch.float32,
+                                batch_p2p_comm=False)  # see interleaved_pipeline_equals_unsharded
+        model = _mtp_gpt(cfg, pre=stage == 0, post=stage == 1)
+        # stage s's decoder layer i is the whole model's layer s + i (one layer a stage)
+        name_in_whole = lambda n: n.replace("decoder.layers.0.", f"decoder.layers.{stage}.")  # noqa: E731
+        model.load_state_dict({k: start[name_in_whole(k)] for k, v in model.state_dict().items()
+                               if isinstance(v, torch.Tensor)}, strict=False)
+        ddp = DistributedDataParallel(cfg, DistributedDataParallelConfig(
+            grad_reduce_in_fp32=True, use_distributed_optimizer=case["distributed"], bucket_size=4000), model)
+        cfg.no_sync_func, cfg.finalize_model_grads_func = ddp.no_sync, finalize_model_grads
+        try:  # the default
+            get_megatron_optimizer(ocfg, [ddp], optimizer=case["optimizer"], optimizer_kwargs=case.get("kwargs", {}))
+            refusal = None
+        except ValueError as e:
+            refusal = str(e)
+        opt = get_megatron_optimizer(ocfg, [ddp], optimizer=case["optimizer"], optimizer_kwargs=case.get("kwargs", {}),
+                                     tied_across_stages="gsnr_off")
+        inner = opt.chained_optimizers[0].optimizer
+        defaults = {k: v for k, v in inner.defaults.items() if k in REGISTRY[case["optimizer"]].accepted_params()}
+
+        def forward_step(data, model):
+            batch = next(data)
+            return model(**batch), lambda out: (out.float().mean(), {})  # the schedule divides by the micro-batches
+
+        for step in range(3):
+            ddp.zero_grad_buffer()
+            opt.zero_grad()
+            get_forward_backward_func()(forward_step_func=forward_step,
+                                        data_iterator=iter([_mtp_batch(m, step) for m in range(accumulation)]),
+                                        model=[ddp], num_microbatches=accumulation, seq_length=8, micro_batch_size=2)
+            ok, _, _ = opt.step()
+        mine = {name_in_whole(n): p.detach().clone() for n, p in model.named_parameters()}
+        twin = [len(g["params"]) for g in inner.param_groups if g.get("tp_partial_grads")]
+        n = opt.vrgd_sources[0].n
+        copies = [None] * dist.get_world_size()
+        dist.all_gather_object(copies, mine[embedding])
+
+    def reference(w_gsnr: bool) -> dict:
+        net = whole()
+        params = dict(net.named_parameters())
+        opt = REGISTRY[case["optimizer"]].cls([
+            {"params": [params[embedding]], **({} if w_gsnr else {"gsnr": False})},
+            {"params": [p for n, p in params.items() if n != embedding]}], **defaults)
+        for step in range(3):  # each micro-batch's loss whole, its MTP term's gradient scaled by 1 as Megatron's
+            MTPLossAutoScaler.set_loss_scale(torch.ones(1))
+            reference_step(net, opt, 1, accumulation, step, ocfg.clip_grad, batch=lambda d, m, s: _mtp_batch(m, s),
+                           loss=lambda net, batch: net(**batch).float().mean())
+        return {k: v.detach() for k, v in net.named_parameters()}
+
+    with model_parallel(1):
+        want, gsnr_on = reference(False), reference(True)
+    everyone = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, {
+        "rel": relative(mine.values(), [want[k] for k in mine]),
+        "contrast": relative([gsnr_on[k] for k in mine], [want[k] for k in mine]), "ok": bool(ok), "n": n,
+        "copies_equal": all(torch.equal(copies[0], w) for w in copies), "twin": twin, "refusal": refusal})
+    return {"worst": max(o["rel"] for o in everyone), "ranks": everyone}

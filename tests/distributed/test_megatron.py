@@ -254,15 +254,42 @@ def test_a_weight_tied_across_stages_over_two_data_parallel_ranks(megatron, dist
     _tied_agrees(res, n=8)
 
 
-@pytest.mark.parametrize("tied, pp", [(True, 2), (False, 2), (True, 1)])
-def test_the_tensors_tied_across_stages_are_those_megatron_marks_on_its_gpt(megatron2, tied, pp):
+@pytest.mark.parametrize("tied, pp, mtp", [(True, 2, None), (False, 2, None), (True, 1, None), (False, 2, 1),
+                                           pytest.param(True, 2, 1, marks=pytest.mark.exhaustive)])
+def test_the_tensors_tied_across_stages_are_those_megatron_marks_on_its_gpt(megatron2, tied, pp, mtp):
     """megatron-core's GPT: with embeddings tied across 2 stages, ``stage_tied_tensors`` finds the
     word embedding on the first stage and the output layer's copy on the last, from the attributes
-    Megatron sets; untied, or tied on one stage (whole per micro-batch), nothing."""
-    res = megatron2.run("megatron_worker", "gpt_tied_marking", {"tied": tied, "pp": pp})
-    want = ([["tied embedding.word_embeddings.weight"], ["tied output_layer.weight"]] if tied and pp == 2
-            else [[], []])
+    Megatron sets; untied, or tied on one stage (whole per micro-batch), nothing. With a
+    multi-token prediction layer on 2 stages, tied or not: the word embedding on the first stage
+    and the last stage's copy MTP embeds with (which a tied output layer shares), as ``"mtp"``."""
+    res = megatron2.run("megatron_worker", "gpt_tied_marking", {"tied": tied, "pp": pp, "mtp": mtp})
+    if mtp:
+        want = [["mtp embedding.word_embeddings.weight"]] * 2
+    else:
+        want = ([["tied embedding.word_embeddings.weight"], ["tied output_layer.weight"]] if tied and pp == 2
+                else [[], []])
     assert res["ranks"] == want, res
+
+
+@pytest.mark.parametrize("optimizer, distributed", [
+    ("VRLamb", True), *(pytest.param(o, d, marks=pytest.mark.exhaustive) for o, d in (("VRLamb", False),
+                                                                                     ("VRAdam", True)))])
+def test_a_gpt_with_multi_token_prediction_across_stages_steps_its_embedding_without_gsnr(megatron2, optimizer,
+                                                                                          distributed):
+    """megatron-core's GPT with a multi-token prediction layer on 2 stages, trained by Megatron's
+    1F1B schedule and ``finalize_model_grads`` (which sums the embedding's two copies), with
+    ``tied_across_stages="gsnr_off"``: every stage's tensors after 3 steps equal the whole model's
+    under the single-process optimizer with the embedding in a ``gsnr=False`` group (and at most 1e-3
+    of the distance to the same with its GSNR on); the copies stay equal bit for bit. The default
+    refuses, naming multi-token prediction and the option."""
+    res = megatron2.run("megatron_worker", "mtp_across_stages_equals_unsharded",
+                        {"accumulation": 4, "distributed": distributed, "optimizer": optimizer,
+                         "kwargs": KWARGS[optimizer]})
+    for r in res["ranks"]:
+        assert r["ok"] and r["n"] == 4 and r["copies_equal"], r
+        assert r["twin"] == [1, 0], r  # the embedding, in the first group's twin
+        assert r["rel"] <= TOL and r["rel"] <= 1e-3 * r["contrast"], r
+        assert "multi-token prediction" in r["refusal"] and 'tied_across_stages="gsnr_off"' in r["refusal"], r
 
 
 def test_a_frozen_weight_tied_across_stages_is_not_refused(megatron2):
