@@ -841,6 +841,55 @@ def _tied_micro_steps(ddp, tied, stage: int, step: int, accumulation: int, dp_ra
     dist.all_reduce(tied.main_grad, group=ps.get_pipeline_model_parallel_group())
 
 
+class _CondFirst(_Stage):
+    """The first stage of the conditional-embedder case: the column layer, then ``tanh(· + e)``
+    with ``e`` [16] an embedder's output (a diffusion model's timestep embedding), a copy on every
+    stage, marked ``pipeline_parallel`` as Megatron's diffusion models mark theirs."""
+
+    def __init__(self, layer, e: torch.Tensor) -> None:
+        super().__init__(layer, tanh=False)
+        self.e = torch.nn.Parameter(e.detach().clone())
+        self.e.pipeline_parallel = True
+
+    def forward(self, x):
+        y, _ = self.layer(x)
+        return torch.tanh(y + self.e)
+
+
+class _CondLast(_CondFirst):
+    """The last stage: its copy of ``e`` added to its input, then its own linear layer."""
+
+    def forward(self, h):
+        y, _ = self.layer(torch.tanh(h + self.e))
+        return y
+
+
+class _CondReference(torch.nn.Module):
+    """The conditional-embedder case in one process: one ``e`` used on both stages."""
+
+    def __init__(self, first: _CondFirst, last: _CondLast) -> None:
+        super().__init__()
+        copy_of = lambda t: torch.nn.Parameter(t.detach().clone())  # noqa: E731
+        self.W, self.b0, self.e = copy_of(first.layer.weight), copy_of(first.layer.bias), copy_of(first.e)
+        self.Lw, self.Lb = copy_of(last.layer.weight), copy_of(last.layer.bias)
+
+    def forward(self, x):
+        return torch.tanh(torch.tanh(x @ self.W.T + self.b0 + self.e) + self.e) @ self.Lw.T + self.Lb
+
+
+def _cond_model(cfg):
+    """The conditional-embedder case's two stages (seed 0): the column layer and ``e`` (16 values
+    in [-0.3, 0.3]), then a column layer 16 → 4 on the last stage, each stage with a copy of ``e``."""
+    from megatron.core.tensor_parallel import ColumnParallelLinear
+
+    torch.manual_seed(0)
+    e = torch.linspace(-0.3, 0.3, 16)
+    init = functools.partial(torch.nn.init.normal_, std=0.3)
+    first = _CondFirst(TwoLayers(cfg).c, e)
+    last = _CondLast(ColumnParallelLinear(16, 4, config=cfg, init_method=init, bias=True, gather_output=False), e)
+    return first, last
+
+
 def tied_across_stages_equals_unsharded(case: dict) -> dict:
     """A weight tied across 2 pipeline stages (an embedding and an output layer, each stage a copy,
     their gradients summed across the stages after the data-parallel reduction, as Megatron's
@@ -849,24 +898,29 @@ def tied_across_stages_equals_unsharded(case: dict) -> dict:
     model (one W used twice) with W in a ``gsnr=False`` group, and against the same with the GSNR on
     W (how far switching it off moves the result); whether every rank's copy of W is the same bit
     for bit; every stage's metrics against the reference's. On 4 ranks, 2 data-parallel ranks each
-    run the two stages on micro-batches of their own."""
+    run the two stages on micro-batches of their own. ``case["kind"]`` ``"cond"``: a diffusion
+    model's conditional embedder instead (``e``, a copy on each stage, ``has_cond_embedder``), its
+    copies summed by Megatron's own ``_allreduce_conditional_embedding_grads``; without clipping,
+    since Megatron's grad norm counts such a tensor on every stage (the reference counts it once)."""
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+    from megatron.core.distributed.finalize_model_grads import _allreduce_conditional_embedding_grads
     from megatron.core.optimizer import OptimizerConfig
 
     from vrgd_ds.megatron import get_megatron_optimizer
     from vrgd_ds.optim.registry import REGISTRY
 
-    accumulation = case["accumulation"]
+    accumulation, cond = case["accumulation"], case.get("kind") == "cond"
     with model_parallel(1, pp=2) as ps:
         stage = ps.get_pipeline_model_parallel_rank()
         dp, dp_rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
         cfg = _config(1)
-        first, last = _tied_model(cfg)
+        cfg.has_cond_embedder = cond  # not a TransformerConfig field: a diffusion model's config sets it
+        first, last = (_cond_model if cond else _tied_model)(cfg)
         mine = first if stage == 0 else last
         ddp = DistributedDataParallel(cfg, DistributedDataParallelConfig(
             grad_reduce_in_fp32=True, use_distributed_optimizer=case["distributed"], bucket_size=40), mine)
-        tied = first.layer.weight if stage == 0 else last.tied
-        ocfg = OptimizerConfig(optimizer="adam", lr=1e-2, weight_decay=0.1, clip_grad=1.0,
+        tied = mine.e if cond else first.layer.weight if stage == 0 else last.tied
+        ocfg = OptimizerConfig(optimizer="adam", lr=1e-2, weight_decay=0.1, clip_grad=0.0 if cond else 1.0,
                                use_distributed_optimizer=case["distributed"])
         opt = get_megatron_optimizer(ocfg, [ddp], optimizer=case["optimizer"], optimizer_kwargs=case.get("kwargs", {}),
                                      tied_across_stages="gsnr_off")
@@ -874,22 +928,33 @@ def tied_across_stages_equals_unsharded(case: dict) -> dict:
         defaults = {k: v for k, v in inner.defaults.items() if k in REGISTRY[case["optimizer"]].accepted_params()}
 
         def reference(w_gsnr: bool):
-            net = _TiedReference(first, last)
-            groups = [{"params": [net.Lw]}, {"params": [net.W], **({} if w_gsnr else {"gsnr": False})},
-                      {"params": [net.b0, net.c, net.Lb]}]
+            net = (_CondReference if cond else _TiedReference)(first, last)
+            off = {} if w_gsnr else {"gsnr": False}
+            groups = ([{"params": [net.W, net.Lw]}, {"params": [net.e], **off}, {"params": [net.b0, net.Lb]}] if cond
+                      else [{"params": [net.Lw]}, {"params": [net.W], **off}, {"params": [net.b0, net.c, net.Lb]}])
             return net, REGISTRY[case["optimizer"]].cls(groups, **defaults)
 
         refs = [reference(False), reference(True)]
         for step in range(3):
             ddp.zero_grad_buffer()
             opt.zero_grad()
-            _tied_micro_steps(ddp, tied, stage, step, accumulation, dp_rank)
+            if cond:
+                _pipeline_micro_steps(ddp, stage, step, accumulation, dp_rank)
+                _allreduce_conditional_embedding_grads([ddp], cfg, ps.get_pipeline_model_parallel_group())
+            else:
+                _tied_micro_steps(ddp, tied, stage, step, accumulation, dp_rank)
             ok, _, _ = opt.step()
             for net, o in refs:
                 reference_step(net, o, dp, accumulation, step, ocfg.clip_grad)
         (want, ref_opt), (gsnr_on_w, _) = refs
-        got = ([first.layer.weight, first.layer.bias] if stage == 0 else [last.tied, last.c, last.out.weight, last.out.bias])
-        names = ["W", "b0"] if stage == 0 else ["W", "c", "Lw", "Lb"]
+        if cond:
+            names = ["W", "b0", "e"] if stage == 0 else ["e", "Lw", "Lb"]
+            got = [first.layer.weight, first.layer.bias, first.e] if stage == 0 else [last.e, last.layer.weight,
+                                                                                       last.layer.bias]
+        else:
+            names = ["W", "b0"] if stage == 0 else ["W", "c", "Lw", "Lb"]
+            got = [first.layer.weight, first.layer.bias] if stage == 0 else [last.tied, last.c, last.out.weight,
+                                                                               last.out.bias]
         theirs = [getattr(want, n) for n in names]
         copies = [None] * dist.get_world_size()
         dist.all_gather_object(copies, tied.detach().clone())

@@ -234,10 +234,24 @@ def test_a_weight_tied_across_stages_steps_without_gsnr_where_asked(megatron2, o
     _tied_agrees(res, n=4)
 
 
-def _tied_agrees(res: dict, n: int) -> None:
+@pytest.mark.parametrize("optimizer, distributed", [
+    ("VRLamb", True), pytest.param("VRAdam", False, marks=pytest.mark.exhaustive)])
+def test_a_conditional_embedder_on_every_stage_steps_without_gsnr_where_asked(megatron2, optimizer, distributed):
+    """A diffusion model's conditional embedder (``has_cond_embedder``: a copy on each of 2 stages,
+    marked ``pipeline_parallel``, summed by Megatron's own ``_allreduce_conditional_embedding_grads``),
+    ``tied_across_stages="gsnr_off"``: as the tied weight, equal to the unsharded optimizer with the
+    embedder in a ``gsnr=False`` group, the copies equal bit for bit, the reference's metrics. No
+    clipping or LAMB pre-normalisation: Megatron's grad norm counts such a tensor on every stage,
+    the reference once."""
+    res = megatron2.run("megatron_worker", "tied_across_stages_equals_unsharded",
+                        {"kind": "cond", "accumulation": 4, "distributed": distributed, "optimizer": optimizer})
+    _tied_agrees(res, n=4, twin=(0, 1))  # the embedder is 1-D: in the biases' twin
+
+
+def _tied_agrees(res: dict, n: int, twin: tuple[int, int] = (1, 0)) -> None:
     for r in res["ranks"]:
         assert r["ok"] and r["n"] == n and r["copies_equal"], r
-        assert r["twin"] == [1, 0], r  # the weights' twin holds W; the biases' is empty
+        assert r["twin"] == list(twin), r  # by default the weights' twin holds W; the biases' is empty
         assert r["rel"] <= TOL and r["rel"] <= 1e-3 * r["contrast"], r
         assert max(r["metric_rel"].values()) <= 1e-5, r["metric_rel"]
 
