@@ -76,7 +76,7 @@ def main() -> None:
             return out, lambda o: (o.float().mean(), {})
 
         for step in range(args.steps + 2):
-            for name, (config, ddp, optimizer) in built.items():
+            for name, (config, (ddp,), optimizer) in built.items():
                 synchronize(device)
                 dist.barrier()
                 start = time.perf_counter()
@@ -95,7 +95,7 @@ def main() -> None:
                 if step >= 2:
                     times[name].append(end - start)
                     step_times[name].append(end - before)
-        _, ddp, vr = built["VRLamb"]
+        _, (ddp,), vr = built["VRLamb"]
         source = vr.vrgd_sources[0]
         extra = source.counters.bytes_sent / (args.steps + 2)
         params = sum(p.numel() for p in ddp.parameters())

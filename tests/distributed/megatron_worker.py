@@ -695,6 +695,13 @@ def interleaved_pipeline_equals_unsharded(case: dict) -> dict:
         cfg.no_sync_func = [d.no_sync for d in ddps]
         ocfg = OptimizerConfig(optimizer="adam", lr=1e-2, weight_decay=0.1, clip_grad=1.0,
                                use_distributed_optimizer=case["distributed"])
+        if case.get("batched"):  # megatron-core's default exchange: refused
+            cfg.batch_p2p_comm = True
+            try:
+                get_megatron_optimizer(ocfg, ddps, optimizer=case["optimizer"], optimizer_kwargs=case.get("kwargs", {}))
+            except ValueError as e:
+                return {"refusal": str(e)}
+            return {"refusal": None}
         opt = get_megatron_optimizer(ocfg, ddps, optimizer=case["optimizer"], optimizer_kwargs=case.get("kwargs", {}))
         inner = opt.chained_optimizers[0].optimizer
         defaults = {k: v for k, v in inner.defaults.items() if k in REGISTRY[case["optimizer"]].accepted_params()}
@@ -1476,7 +1483,7 @@ def gpt_weight_decay(case: dict) -> dict:
     block = MegatronBlock(model={"num_layers": 1, "hidden_size": 8, "num_attention_heads": 2},
                           tensor_model_parallel_size=case["tp"], use_distributed_optimizer=case["distributed"])
     try:
-        _, ddp, opt = build_gpt(block, {"type": "VRLamb", "params": {"weight_decay": case["weight_decay"]}},
+        _, (ddp,), opt = build_gpt(block, {"type": "VRLamb", "params": {"weight_decay": case["weight_decay"]}},
                                 128, 16, 0, torch.device("cpu"))
         names = {p: n for n, p in ddp.module.named_parameters()}
         return {"groups": [{"wd_mult": g.get("wd_mult"), "weight_decay": g["weight_decay"], "eps": g["eps"],

@@ -366,6 +366,19 @@ def test_interleaved_pipeline_stages_equal_the_unsharded_optimizer(megatron2, op
         assert max(r["metric_rel"].values()) <= 1e-5, r["metric_rel"]
 
 
+def test_model_chunks_on_two_stages_with_megatrons_batched_exchange_are_refused(megatron2):
+    """Model chunks on 2 stages with ``batch_p2p_comm=True`` (megatron-core's default): its batched
+    exchange mismatches a gradient with an activation between the two ranks and the model trains on
+    the wrong tensors without an error (seen in the Megatron job: a 4-layer GPT's global grad norm
+    5.02 against 0.66 with one chunk a stage, same weights and batches). Refused, whatever the
+    GSNR, naming the options; fails on the old code, which accepted it."""
+    for optimizer in ("VRLamb", "Lamb"):
+        res = megatron2.run("megatron_worker", "interleaved_pipeline_equals_unsharded",
+                            {"accumulation": 4, "distributed": True, "optimizer": optimizer, "batched": True})
+        assert res["refusal"] and "batch_p2p_comm=True with model chunks on 2 pipeline stages" in res["refusal"], res
+        assert "overlap_p2p_comm=True" in res["refusal"], res
+
+
 @pytest.mark.parametrize("distributed", [False, pytest.param(True, marks=pytest.mark.exhaustive)])
 def test_pipeline_stages_with_different_param_groups_resume_from_a_dist_checkpoint(megatron2, tmp_path, distributed):
     """PP2 with a bias on stage 0 only: every stage keeps Megatron's param groups, empty ones

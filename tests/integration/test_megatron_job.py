@@ -225,3 +225,35 @@ def test_a_gpt_tied_across_stages_trains_with_its_gsnr_off_and_resumes_only_tied
     assert res.returncode != 0, out[-3000:]  # torchrun's 1 for a rank's exit 2
     assert (str(run_dir / "checkpoints" / "step00000002") + ": its GPT was saved with megatron.model."
             "share_embeddings_and_output_weights true, this configuration builds false") in out, out[-3000:]
+
+
+@pytest.mark.exhaustive  # three launches (make test: the checks, tests/unit/test_engines.py)
+def test_a_gpt_in_model_chunks_trains_interleaved_and_resumes_on_other_chunks(tmp_path, corpus):
+    """4 layers over 2 pipeline stages of 2 model chunks each (``megatron.virtual_pipeline_model_
+    parallel_size`` 2, Megatron's interleaved schedule): it trains with n = 8 (8 micro-batches on 1
+    data-parallel rank) and the GSNR damping; 30 held-out windows at micro-batch 4 are all evaluated
+    (the last 2 in a pass padded to the 2 stages with repeats that are not counted); a run cut back
+    to its step-2 checkpoint and resumed takes steps 3-4 bit for bit as the uninterrupted run did;
+    and the same checkpoint resumed with one chunk a stage (dist-checkpointing reshards the layers)
+    takes them to within rounding of the chunked run."""
+    base = ("job.total_steps=4", "job.checkpoint_every=2", "job.eval_every=2", "job.data.eval_samples=30",
+            "megatron.pipeline_model_parallel_size=2", "megatron.model.num_layers=4",
+            "megatron.model.hidden_dropout=0.0", "megatron.model.attention_dropout=0.0")
+    sets = (*base, "megatron.virtual_pipeline_model_parallel_size=2")
+    whole, out = _launch(tmp_path / "whole", corpus, *sets)
+    taken = _taken(whole)
+    assert len(taken) == 4 and all(r["gsnr/n"] == 8.0 and 0.0 < r["gsnr/scale_mean"] < 1.0 for r in taken)
+    assert [whole[s]["eval/tokens"] for s in (0, 2, 4)] == [30 * 64] * 3
+    assert whole[4]["eval/lm_loss"] < whole[0]["eval/lm_loss"]
+    shutil.copytree(tmp_path / "whole" / "run", tmp_path / "cut" / "run")
+    checkpoints = tmp_path / "cut" / "run" / "checkpoints"
+    shutil.rmtree(checkpoints / "step00000004")
+    (checkpoints / "latest").write_text("step00000002")
+    shutil.copytree(tmp_path / "cut", tmp_path / "one")
+    resumed = _train(tmp_path / "cut", corpus, *sets)
+    assert [resumed[s]["train/loss"] for s in (3, 4)] == [whole[s]["train/loss"] for s in (3, 4)]
+    assert resumed[4]["eval/lm_loss"] == whole[4]["eval/lm_loss"]
+    one, out = _launch(tmp_path / "one", corpus, *base)
+    assert "was saved with 2 model chunk(s) a pipeline stage; resuming with 1" in out, out[-3000:]
+    for s in (3, 4):
+        assert one[s]["train/loss"] == pytest.approx(whole[s]["train/loss"], rel=1e-6), s

@@ -159,7 +159,8 @@ def megatron_checkpoint(tmp_path, block: dict, **saved) -> dict:
     (ckpt_dir / "step00000004" / "__0_0.distcp").write_bytes(b"x" * 10)
     info = {k: v for k, v in INFO.items() if k != "zero_stage"}
     info.update(engine="megatron", tensor_model_parallel_size=1, pipeline_model_parallel_size=1, data_parallel_size=2,
-                phases=[p.model_dump(mode="json") for p in parse_job(raw).phases], **saved)
+                phases=[p.model_dump(mode="json") for p in parse_job(raw).phases])
+    info.update(saved)
     ckpt.mark_complete(ckpt_dir, "step00000004", 4, 2, info)
     return raw
 
@@ -274,6 +275,27 @@ def test_a_gpt_checkpoint_is_checked_against_the_gpt_windows_fingerprint(tmp_pat
     ckpt.mark_complete(marker.parent, marker.name, 4, 2, info)
     report, ok = check(tmp_path / "run", raw, 2)
     assert ok == windows and ("the data differs from the checkpoint's" in report) != windows, report
+
+
+def test_a_change_of_model_chunks_is_reported_and_resumes(tmp_path):
+    """A checkpoint saved with 2 model chunks a stage, configured with one (the key left out), or
+    the other way round (a marker from before the record: one chunk): the report notes the change
+    and the resume goes ahead (the sharded keys are global; the job's test resumes it)."""
+    layout = {"pipeline_model_parallel_size": 2}
+    raw = megatron_checkpoint(tmp_path, {"model": {"num_layers": 4, "hidden_size": 64, "num_attention_heads": 4},
+                                         **layout}, pipeline_model_parallel_size=2, data_parallel_size=1,
+                              virtual_pipeline_model_parallel_size=2)
+    report, ok = check(tmp_path / "run", copy.deepcopy(raw), 2)
+    assert ok and "was saved with 2 model chunk(s) a pipeline stage; resuming with 1 (dist-checkpointing" in report
+    raw["megatron"]["virtual_pipeline_model_parallel_size"] = 2
+    report, ok = check(tmp_path / "run", copy.deepcopy(raw), 2)
+    assert ok and "model chunk" not in report, report
+    raw = megatron_checkpoint(tmp_path / "old", {"model": {"num_layers": 4, "hidden_size": 64,
+                                                           "num_attention_heads": 4}, **layout,
+                                                 "virtual_pipeline_model_parallel_size": 2},
+                              pipeline_model_parallel_size=2, data_parallel_size=1)
+    report, ok = check(tmp_path / "old" / "run", raw, 2)
+    assert ok and "was saved with 1 model chunk(s) a pipeline stage; resuming with 2" in report, report
 
 
 @pytest.mark.parametrize("saved, now, ok", [

@@ -52,7 +52,7 @@ def _raw(**changes) -> dict:
         node = raw
         *path, last = key.split("__")
         for part in path:
-            node = node[part]
+            node = node[int(part)] if isinstance(node, list) else node[part]
         node[last] = value
     return raw
 
@@ -113,6 +113,28 @@ def test_embeddings_tied_across_stages_need_the_gsnr_off_for_them():
     _check(_raw(megatron__model__share_embeddings_and_output_weights=True))
     with pytest.raises(ConfigError, match=r"megatron.tied_across_stages: Input should be 'refuse' or 'gsnr_off'"):
         _check(_raw(megatron__tied_across_stages="off"))
+
+
+def test_model_chunks_per_stage_are_checked_against_the_stages_layers_and_micro_batches():
+    """``megatron.virtual_pipeline_model_parallel_size``: refused on one stage, with layers that do not
+    split into stages × chunks, and where a phase's micro-batches per data-parallel rank are not a
+    multiple of the stages (Megatron's interleaved schedule would raise at the first step); 4
+    layers over 2 stages of 2 chunks with 8 micro-batches pass."""
+    chunks = dict(megatron__model__num_layers=4, megatron__pipeline_model_parallel_size=2,
+                  megatron__virtual_pipeline_model_parallel_size=2)
+    _check(_raw(**chunks))  # 2 ranks, PP 2: DP 1, 32 = 4 × 8 micro-batches
+    with pytest.raises(ConfigError, match=r"megatron.virtual_pipeline_model_parallel_size: model chunks interleave "
+                                          r"pipeline stages, and pipeline_model_parallel_size is 1"):
+        _check(_raw(megatron__virtual_pipeline_model_parallel_size=2))
+    with pytest.raises(ConfigError, match=r"megatron.model.num_layers: 2 layers do not split into 2 stages × 2 model "
+                                          r"chunks"):
+        _check(_raw(**{**chunks, "megatron__model__num_layers": 2}))
+    with pytest.raises(ConfigError, match=r"job.phases\[0\].global_batch: 12 gives 3 micro-batches of 4 per "
+                                          r"data-parallel rank, .* groups of pipeline_model_parallel_size 2"):
+        _check(_raw(**chunks, job__phases__0__global_batch=12))
+    with pytest.raises(ConfigError, match=r"virtual_pipeline_model_parallel_size: Input should be greater than or "
+                                          r"equal to 2"):
+        _check(_raw(**{**chunks, "megatron__virtual_pipeline_model_parallel_size": 1}))
 
 
 def test_a_resume_that_changes_the_gpts_tie_is_refused(tmp_path):

@@ -90,6 +90,14 @@ def check_configuration(config: Any, chunks: list[Any], name: str, gsnr: bool | 
         _refuse("TransformerConfig.gradient_accumulation_fusion",
                 "it writes weight gradients straight into main_grad, so no per-micro-batch gradient reaches a hook",
                 "Set gradient_accumulation_fusion=False")
+    if (len(chunks) > 1 and ps.get_pipeline_model_parallel_world_size() == 2 and getattr(model, "batch_p2p_comm", False)
+            and not getattr(model, "use_ring_exchange_p2p", False)):  # training, whatever the GSNR
+        _refuse("TransformerConfig.batch_p2p_comm=True with model chunks on 2 pipeline stages",
+                "megatron-core's batched exchange posts a send and a receive for each direction to and from the same "
+                "rank, in the same order on both ranks, so a gradient meets an activation's receive and every stage "
+                "trains on the wrong tensors without an error",
+                "Set batch_p2p_comm=False and overlap_p2p_comm=True (Megatron-LM's default with model chunks), or "
+                "batch_p2p_comm=False alone")
     if ps.get_context_parallel_world_size() > 1:
         _refuse("context_parallel_size > 1", "context-parallel ranks hold partial gradients of the same samples",
                 "Use context_parallel_size=1")

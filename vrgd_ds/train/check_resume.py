@@ -10,8 +10,9 @@ from typing import Any
 from vrgd_ds.train import checkpoints as ckpt
 from vrgd_ds.train.config import ConfigError
 from vrgd_ds.train.engines import engine_class
-from vrgd_ds.train.resume import (data_change, engine_switch, named_params, option_changes, plan_resume,
-                                  positions_change, resumed_optimizer, saved_positions, tie_change, wrapper_change)
+from vrgd_ds.train.resume import (chunks_change, data_change, engine_switch, named_params, option_changes,
+                                  plan_resume, positions_change, resumed_optimizer, saved_positions, tie_change,
+                                  wrapper_change)
 
 
 def _layout(info: dict[str, Any]) -> str:
@@ -113,7 +114,10 @@ def check(run_dir: Path, raw: dict[str, Any] | None, world: int | None) -> tuple
         if job.engine == "megatron":  # the block as the job reads it (checked above)
             from vrgd_ds.train.engines.megatron import parse_block
 
-            tie_change(ckpt_dir / choice.tag, info, parse_block(raw).model.share_embeddings_and_output_weights)
+            block_now = parse_block(raw)
+            tie_change(ckpt_dir / choice.tag, info, block_now.model.share_embeddings_and_output_weights)
+            if note := chunks_change(ckpt_dir / choice.tag, info, block_now.virtual_pipeline_model_parallel_size):
+                changes.append(note)
         plan = plan_resume(ckpt_dir, choice.tag, resumed_optimizer(now, opt, named_params(raw)), ranks, stage,
                            optimizer_state_policy(raw))
     except ConfigError as e:

@@ -167,9 +167,14 @@ def micro_batch_seed(seed: int, step: int, slot: int) -> int:
     Megatron's CUDA seed takes it, still a 64-bit seed)."""
     if slot < SEED_SLOTS:
         return (seed * 1_000_003 + step) * SEED_SLOTS + slot
+    return hashed_seed(seed, step, slot)
+
+
+def hashed_seed(*entropy: int) -> int:
+    """A seed in [2^50, 2^51) hashed from ``entropy`` (``numpy``'s ``SeedSequence``)."""
     import numpy as np
 
-    state = int(np.random.SeedSequence([seed, step, slot]).generate_state(1, np.uint64)[0])
+    state = int(np.random.SeedSequence(list(entropy)).generate_state(1, np.uint64)[0])
     return (1 << 50) | (state & ((1 << 50) - 1))
 
 
