@@ -41,6 +41,12 @@ def _launch(tmp_path: Path, corpus: Path, *sets: str) -> tuple[dict[int, dict], 
     return records(run_dir), res.stdout + res.stderr
 
 
+def _estimate(out: str) -> tuple[float, float]:
+    """The first checkpoint's size written and as estimated before it was written (the free-space check)."""
+    found = re.search(r"checkpoint \S+: ([\d.]+) MB written \(expected ([\d.]+) MB: the engine's estimate\)", out)
+    return float(found.group(1)), float(found.group(2))
+
+
 def _taken(rec: dict[int, dict]) -> list[dict]:
     return [r for s, r in sorted(rec.items()) if s > 0 and r.get("step/skipped") == 0.0]
 
@@ -61,8 +67,7 @@ def test_gpt_job_trains_with_vr_lamb_on_two_ranks(tmp_path, corpus):
     # the first checkpoint's size, estimated before it was written (the free-space check): the model
     # once (the old code counted it on every data-parallel rank: 1.15x here), the fp32 main weights
     # and the optimizer state over the ranks
-    written, expected = map(float, re.search(r"checkpoint \S+: ([\d.]+) MB written \(expected ([\d.]+) MB: "
-                                             r"the engine's estimate\)", out).groups())
+    written, expected = _estimate(out)
     assert 0.9 < expected / written < 1.1, (written, expected)
 
 
@@ -145,8 +150,7 @@ def test_a_half_precision_run_resumes_exactly(tmp_path, corpus, precision, distr
     if distributed == "false":  # (fp16 has taken no step by the first checkpoint: no optimizer state to count)
         # the first checkpoint's size estimated before it was written: without the distributed optimizer its
         # state and fp32 main weights once, not once per data-parallel rank (2.2x for fp32 before)
-        written, expected = map(float, re.search(r"checkpoint \S+: ([\d.]+) MB written \(expected ([\d.]+) MB: "
-                                                 r"the engine's estimate\)", out).groups())
+        written, expected = _estimate(out)
         assert 0.9 < expected / written < 1.1, (written, expected)
 
 
@@ -203,8 +207,7 @@ def test_a_gpt_tied_across_stages_trains_with_its_gsnr_off_and_resumes_only_tied
     # the first checkpoint's size estimated before it was written: the last stage's copy of the tied
     # weight is a replica, not written, and the distributed optimizer's checkpoint holds the GSNR keys
     # for the tied weight too (NaN)
-    written, expected = map(float, re.search(r"checkpoint \S+: ([\d.]+) MB written \(expected ([\d.]+) MB: "
-                                             r"the engine's estimate\)", out).groups())
+    written, expected = _estimate(out)
     assert 0.9 < expected / written < 1.1, (written, expected)
     taken = _taken(whole)
     assert len(taken) == 4 and all(r["gsnr/n"] == 8.0 and 0.0 < r["gsnr/scale_mean"] < 1.0 for r in taken)
@@ -241,6 +244,8 @@ def test_a_gpt_in_model_chunks_trains_interleaved_and_resumes_on_other_chunks(tm
             "megatron.model.hidden_dropout=0.0", "megatron.model.attention_dropout=0.0")
     sets = (*base, "megatron.virtual_pipeline_model_parallel_size=2")
     whole, out = _launch(tmp_path / "whole", corpus, *sets)
+    written, expected = _estimate(out)
+    assert 0.9 < expected / written < 1.1, (written, expected)  # every chunk's tensors and state
     taken = _taken(whole)
     assert len(taken) == 4 and all(r["gsnr/n"] == 8.0 and 0.0 < r["gsnr/scale_mean"] < 1.0 for r in taken)
     assert [whole[s]["eval/tokens"] for s in (0, 2, 4)] == [30 * 64] * 3
