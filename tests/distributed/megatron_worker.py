@@ -650,6 +650,52 @@ def _interleaved_batch(m: int, step: int) -> torch.Tensor:
     return torch.randn(3, 2, 8, generator=gen) * (1.0 + 0.5 * m)  # [seq, micro-batch, hidden]
 
 
+def _interleaved_chunks(ps, distributed: bool, layers: int = 4, batched: bool = False):
+    """The interleaved case's model: ``layers`` linear layers (seed 0) over 2 stages of 2 chunks
+    (chunk v of stage s: layer v × stages + s), one Megatron DDP per chunk of this stage. Returns
+    ``(every layer, this stage's layer indices, its DDPs)``. ``batched``: megatron-core's
+    default exchange (refused with chunks on 2 stages)."""
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+    from megatron.core.tensor_parallel import ColumnParallelLinear
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    stage = ps.get_pipeline_model_parallel_rank()
+    cfg = TransformerConfig(num_layers=layers, hidden_size=8, num_attention_heads=2, use_cpu_initialization=True,
+                            pipeline_model_parallel_size=2, virtual_pipeline_model_parallel_size=2,
+                            pipeline_dtype=torch.float32, batch_p2p_comm=batched)
+    # batch_p2p_comm=False: with 2 stages the batched exchange (megatron-core's default) posts a send
+    # and a receive for each direction, to and from the same rank, in the same order on both ranks;
+    # messages between two ranks match in the order posted, so each stage's gradient met the other's
+    # activation receive (seen: every micro-batch from the third on trained on the wrong input).
+    # The unbatched exchange orders them by the rank's parity.
+    torch.manual_seed(0)
+    init = functools.partial(torch.nn.init.normal_, std=0.3)
+    whole = [ColumnParallelLinear(8, 8, config=cfg, init_method=init, bias=True, gather_output=False)
+             for _ in range(layers)]
+    held = [stage, stage + 2]
+    ddps = [DistributedDataParallel(cfg, DistributedDataParallelConfig(
+        grad_reduce_in_fp32=True, use_distributed_optimizer=distributed, bucket_size=40),
+        _Chunk(whole[i], first=i == 0, last=i == layers - 1)) for i in held]
+    cfg.no_sync_func = [d.no_sync for d in ddps]
+    return whole, held, ddps
+
+
+def interleaved_batched_exchange(case: dict) -> dict:
+    """The interleaved case with megatron-core's batched exchange: the refusal's message (None: built)."""
+    from megatron.core.optimizer import OptimizerConfig
+
+    from vrgd_ds.megatron import get_megatron_optimizer
+
+    with model_parallel(1, pp=2, vpp=2) as ps:
+        _, _, ddps = _interleaved_chunks(ps, case["distributed"], batched=True)
+        ocfg = OptimizerConfig(optimizer="adam", lr=1e-2, use_distributed_optimizer=case["distributed"])
+        try:
+            get_megatron_optimizer(ocfg, ddps, optimizer=case["optimizer"])
+        except ValueError as e:
+            return {"refusal": str(e)}
+        return {"refusal": None}
+
+
 def interleaved_pipeline_equals_unsharded(case: dict) -> dict:
     """The interleaved schedule (virtual pipeline parallelism): 4 layers over 2 pipeline stages of
     2 model chunks each (stage s holds layers s and s + 2, Megatron's assignment), one Megatron
@@ -657,30 +703,15 @@ def interleaved_pipeline_equals_unsharded(case: dict) -> dict:
     Megatron's ``forward_backward_pipelining_with_interleaving``: the parameters after 3 steps
     against the single-process optimizer on the whole model, and every stage's metrics against the
     whole model's."""
-    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
     from megatron.core.optimizer import OptimizerConfig
     from megatron.core.pipeline_parallel import get_forward_backward_func
-    from megatron.core.tensor_parallel import ColumnParallelLinear
-    from megatron.core.transformer.transformer_config import TransformerConfig
 
     from vrgd_ds.megatron import get_megatron_optimizer
     from vrgd_ds.optim.registry import REGISTRY
 
     accumulation, layers = case["accumulation"], 4
     with model_parallel(1, pp=2, vpp=2) as ps:
-        stage = ps.get_pipeline_model_parallel_rank()
-        cfg = TransformerConfig(num_layers=layers, hidden_size=8, num_attention_heads=2, use_cpu_initialization=True,
-                                pipeline_model_parallel_size=2, virtual_pipeline_model_parallel_size=2,
-                                pipeline_dtype=torch.float32, batch_p2p_comm=False)
-        # batch_p2p_comm=False: with 2 stages the batched exchange (megatron-core's default) posts a send
-        # and a receive for each direction, to and from the same rank, in the same order on both ranks;
-        # messages between two ranks match in the order posted, so each stage's gradient met the other's
-        # activation receive (seen: every micro-batch from the third on trained on the wrong input).
-        # The unbatched exchange orders them by the rank's parity.
-        torch.manual_seed(0)
-        init = functools.partial(torch.nn.init.normal_, std=0.3)
-        whole = [ColumnParallelLinear(8, 8, config=cfg, init_method=init, bias=True, gather_output=False)
-                 for _ in range(layers)]
+        whole, held, ddps = _interleaved_chunks(ps, case["distributed"], layers)
         ref = torch.nn.Sequential(*[m for i in range(layers)
                                     for m in (torch.nn.Linear(8, 8), torch.nn.Tanh())][:-1])
         ref_linear = [m for m in ref if isinstance(m, torch.nn.Linear)]
@@ -688,20 +719,8 @@ def interleaved_pipeline_equals_unsharded(case: dict) -> dict:
             for mine, theirs in zip(whole, ref_linear):
                 theirs.weight.copy_(mine.weight)
                 theirs.bias.copy_(mine.bias)
-        held = [stage, stage + 2]  # chunk v of stage s: layer v * stages + s
-        ddps = [DistributedDataParallel(cfg, DistributedDataParallelConfig(
-            grad_reduce_in_fp32=True, use_distributed_optimizer=case["distributed"], bucket_size=40),
-            _Chunk(whole[i], first=i == 0, last=i == layers - 1)) for i in held]
-        cfg.no_sync_func = [d.no_sync for d in ddps]
         ocfg = OptimizerConfig(optimizer="adam", lr=1e-2, weight_decay=0.1, clip_grad=1.0,
                                use_distributed_optimizer=case["distributed"])
-        if case.get("batched"):  # megatron-core's default exchange: refused
-            cfg.batch_p2p_comm = True
-            try:
-                get_megatron_optimizer(ocfg, ddps, optimizer=case["optimizer"], optimizer_kwargs=case.get("kwargs", {}))
-            except ValueError as e:
-                return {"refusal": str(e)}
-            return {"refusal": None}
         opt = get_megatron_optimizer(ocfg, ddps, optimizer=case["optimizer"], optimizer_kwargs=case.get("kwargs", {}))
         inner = opt.chained_optimizers[0].optimizer
         defaults = {k: v for k, v in inner.defaults.items() if k in REGISTRY[case["optimizer"]].accepted_params()}
@@ -999,6 +1018,119 @@ def gpt_tied_marking(case: dict) -> dict:
         everyone = [None] * dist.get_world_size()
         dist.all_gather_object(everyone, found)
         return {"ranks": everyone}
+
+
+def _mtp_gpt(cfg, pre: bool, post: bool):
+    """megatron-core's GPT with one multi-token prediction layer (local layer spec, rotary
+    positions: a learned position table would be a second, untied copy on the last stage)."""
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec, get_gpt_mtp_block_spec
+
+    spec = get_gpt_layer_local_spec()
+    return GPTModel(cfg, spec, vocab_size=16, max_sequence_length=8, pre_process=pre, post_process=post,
+                    share_embeddings_and_output_weights=False, position_embedding_type="rope",
+                    mtp_block_spec=get_gpt_mtp_block_spec(cfg, spec, use_transformer_engine=False))
+
+
+def _mtp_batch(m: int, step: int) -> dict:
+    gen = torch.Generator().manual_seed(3000 + 97 * step + m)
+    tokens = torch.randint(0, 16, (2, 8), generator=gen)
+    return {"input_ids": tokens, "position_ids": torch.arange(8).expand(2, 8),
+            "attention_mask": torch.triu(torch.ones(8, 8, dtype=torch.bool), 1)[None, None],
+            "labels": torch.roll(tokens, -1, dims=1)}
+
+
+def mtp_across_stages_equals_unsharded(case: dict) -> dict:
+    """megatron-core's GPT with multi-token prediction on 2 pipeline stages: the embedding on the
+    first stage, the copy MTP embeds with on the last, their gradients summed by Megatron's own
+    ``finalize_model_grads``; the micro-batches run by Megatron's 1F1B schedule;
+    ``get_megatron_optimizer(..., tied_across_stages="gsnr_off")``. Against the same model whole
+    (one stage, one embedding), built first on every rank from the same seed, stepped by the
+    single-process optimizer with the embedding in a ``gsnr=False`` group (and with its GSNR on,
+    how far that moves the result): per stage, the parameters after 3 steps, whether the two
+    copies are equal bit for bit, ``n``, what the twin groups hold, every stage's metrics against the
+    reference's, and the default's refusal."""
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
+    from megatron.core.optimizer import OptimizerConfig
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+    from megatron.core.transformer.multi_token_prediction import MTPLossAutoScaler
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    from vrgd_ds.megatron import get_megatron_optimizer
+    from vrgd_ds.optim.registry import REGISTRY
+
+    accumulation, embedding = case["accumulation"], "embedding.word_embeddings.weight"
+    settings = dict(num_layers=2, hidden_size=8, num_attention_heads=2, use_cpu_initialization=True, mtp_num_layers=1,
+                    hidden_dropout=0.0, attention_dropout=0.0)
+    ocfg = OptimizerConfig(optimizer="adam", lr=1e-2, weight_decay=0.1, clip_grad=1.0,
+                           use_distributed_optimizer=case["distributed"])
+
+    def whole():  # the model on one stage, the same on every rank
+        torch.manual_seed(0)
+        return _mtp_gpt(TransformerConfig(**settings), pre=True, post=True)
+
+    with model_parallel(1):
+        start = {k: v.detach().clone() for k, v in whole().state_dict().items() if isinstance(v, torch.Tensor)}
+    with model_parallel(1, pp=2) as ps:
+        stage = ps.get_pipeline_model_parallel_rank()
+        cfg = TransformerConfig(**settings, pipeline_model_parallel_size=2, pipeline_dtype=torch.float32,
+                                batch_p2p_comm=False)  # see interleaved_pipeline_equals_unsharded
+        model = _mtp_gpt(cfg, pre=stage == 0, post=stage == 1)
+        # stage s's decoder layer i is the whole model's layer s + i (one layer a stage)
+        name_in_whole = lambda n: n.replace("decoder.layers.0.", f"decoder.layers.{stage}.")  # noqa: E731
+        model.load_state_dict({k: start[name_in_whole(k)] for k, v in model.state_dict().items()
+                               if isinstance(v, torch.Tensor)}, strict=False)
+        ddp = DistributedDataParallel(cfg, DistributedDataParallelConfig(
+            grad_reduce_in_fp32=True, use_distributed_optimizer=case["distributed"], bucket_size=4000), model)
+        cfg.no_sync_func, cfg.finalize_model_grads_func = ddp.no_sync, finalize_model_grads
+        try:  # the default
+            get_megatron_optimizer(ocfg, [ddp], optimizer=case["optimizer"], optimizer_kwargs=case.get("kwargs", {}))
+            refusal = None
+        except ValueError as e:
+            refusal = str(e)
+        opt = get_megatron_optimizer(ocfg, [ddp], optimizer=case["optimizer"], optimizer_kwargs=case.get("kwargs", {}),
+                                     tied_across_stages="gsnr_off")
+        inner = opt.chained_optimizers[0].optimizer
+        defaults = {k: v for k, v in inner.defaults.items() if k in REGISTRY[case["optimizer"]].accepted_params()}
+
+        def forward_step(data, model):
+            batch = next(data)
+            return model(**batch), lambda out: (out.float().mean(), {})  # the schedule divides by the micro-batches
+
+        for step in range(3):
+            ddp.zero_grad_buffer()
+            opt.zero_grad()
+            get_forward_backward_func()(forward_step_func=forward_step,
+                                        data_iterator=iter([_mtp_batch(m, step) for m in range(accumulation)]),
+                                        model=[ddp], num_microbatches=accumulation, seq_length=8, micro_batch_size=2)
+            ok, _, _ = opt.step()
+        mine = {name_in_whole(n): p.detach().clone() for n, p in model.named_parameters()}
+        twin = [len(g["params"]) for g in inner.param_groups if g.get("tp_partial_grads")]
+        n, metrics = opt.vrgd_sources[0].n, inner.gsnr_metrics()
+        copies = [None] * dist.get_world_size()
+        dist.all_gather_object(copies, mine[embedding])
+
+    def reference(w_gsnr: bool) -> tuple[dict, dict]:
+        net = whole()
+        params = dict(net.named_parameters())
+        opt = REGISTRY[case["optimizer"]].cls([
+            {"params": [params[embedding]], **({} if w_gsnr else {"gsnr": False})},
+            {"params": [p for n, p in params.items() if n != embedding]}], **defaults)
+        for step in range(3):  # each micro-batch's loss whole, its MTP term's gradient scaled by 1 as Megatron's
+            MTPLossAutoScaler.set_loss_scale(torch.ones(1))
+            reference_step(net, opt, 1, accumulation, step, ocfg.clip_grad, batch=lambda d, m, s: _mtp_batch(m, s),
+                           loss=lambda net, batch: net(**batch).float().mean())
+        return {k: v.detach() for k, v in net.named_parameters()}, opt.gsnr_metrics()
+
+    with model_parallel(1):
+        (want, expected), (gsnr_on, _) = reference(False), reference(True)
+    everyone = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, {
+        "rel": relative(mine.values(), [want[k] for k in mine]),
+        "contrast": relative([gsnr_on[k] for k in mine], [want[k] for k in mine]), "ok": bool(ok), "n": n,
+        "copies_equal": all(torch.equal(copies[0], w) for w in copies), "twin": twin, "refusal": refusal,
+        "metric_rel": {k: abs(metrics[k] - expected[k]) / max(abs(expected[k]), 1e-12) for k in PIPELINE_METRICS}})
+    return {"worst": max(o["rel"] for o in everyone), "ranks": everyone}
 
 
 def tied_checkpoint_case(case: dict) -> dict:
@@ -1484,124 +1616,10 @@ def gpt_weight_decay(case: dict) -> dict:
                           tensor_model_parallel_size=case["tp"], use_distributed_optimizer=case["distributed"])
     try:
         _, (ddp,), opt = build_gpt(block, {"type": "VRLamb", "params": {"weight_decay": case["weight_decay"]}},
-                                128, 16, 0, torch.device("cpu"))
+                                   128, 16, 0, torch.device("cpu"))
         names = {p: n for n, p in ddp.module.named_parameters()}
         return {"groups": [{"wd_mult": g.get("wd_mult"), "weight_decay": g["weight_decay"], "eps": g["eps"],
                             "betas": list(g["betas"]), "names": sorted(names[p] for p in g["params"] if p in names)}
                            for chained in opt.chained_optimizers for g in chained.optimizer.param_groups]}
     finally:
         release_model_parallel()
-
-
-
-
-
-def _mtp_gpt(cfg, pre: bool, post: bool):
-    """megatron-core's GPT with one multi-token prediction layer (local layer spec, rotary
-    positions: a learned position table would be a second, untied copy on the last stage)."""
-    from megatron.core.models.gpt import GPTModel
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec, get_gpt_mtp_block_spec
-
-    spec = get_gpt_layer_local_spec()
-    return GPTModel(cfg, spec, vocab_size=16, max_sequence_length=8, pre_process=pre, post_process=post,
-                    share_embeddings_and_output_weights=False, position_embedding_type="rope",
-                    mtp_block_spec=get_gpt_mtp_block_spec(cfg, spec, use_transformer_engine=False))
-
-
-def _mtp_batch(m: int, step: int) -> dict:
-    gen = torch.Generator().manual_seed(3000 + 97 * step + m)
-    tokens = torch.randint(0, 16, (2, 8), generator=gen)
-    return {"input_ids": tokens, "position_ids": torch.arange(8).expand(2, 8),
-            "attention_mask": torch.triu(torch.ones(8, 8, dtype=torch.bool), 1)[None, None],
-            "labels": torch.roll(tokens, -1, dims=1)}
-
-
-def mtp_across_stages_equals_unsharded(case: dict) -> dict:
-    """megatron-core's GPT with multi-token prediction on 2 pipeline stages: the embedding on the
-    first stage, the copy MTP embeds with on the last, their gradients summed by Megatron's own
-    ``finalize_model_grads``; the micro-batches run by Megatron's 1F1B schedule;
-    ``get_megatron_optimizer(..., tied_across_stages="gsnr_off")``. Against the same model whole
-    (one stage, one embedding), built first on every rank from the same seed, stepped by the
-    single-process optimizer with the embedding in a ``gsnr=False`` group (and with its GSNR on,
-    how far that moves the result): per stage, the parameters after 3 steps, whether the two
-    copies are equal bit for bit, ``n``, what the twin groups hold, and the default's refusal."""
-    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
-    from megatron.core.optimizer import OptimizerConfig
-    from megatron.core.pipeline_parallel import get_forward_backward_func
-    from megatron.core.transformer.multi_token_prediction import MTPLossAutoScaler
-    from megatron.core.transformer.transformer_config import TransformerConfig
-
-    from vrgd_ds.megatron import get_megatron_optimizer
-    from vrgd_ds.optim.registry import REGISTRY
-
-    accumulation, embedding = case["accumulation"], "embedding.word_embeddings.weight"
-    settings = dict(num_layers=2, hidden_size=8, num_attention_heads=2, use_cpu_initialization=True, mtp_num_layers=1,
-                    hidden_dropout=0.0, attention_dropout=0.0)
-    ocfg = OptimizerConfig(optimizer="adam", lr=1e-2, weight_decay=0.1, clip_grad=1.0,
-                           use_distributed_optimizer=case["distributed"])
-
-    def whole():  # the model on one stage, the same on every rank
-        torch.manual_seed(0)
-        return _mtp_gpt(TransformerConfig(**settings), pre=True, post=True)
-
-    with model_parallel(1):
-        start = {k: v.detach().clone() for k, v in whole().state_dict().items() if isinstance(v, torch.Tensor)}
-    with model_parallel(1, pp=2) as ps:
-        stage = ps.get_pipeline_model_parallel_rank()
-        cfg = TransformerConfig(**settings, pipeline_model_parallel_size=2, pipeline_dtype=torch.float32,
-                                batch_p2p_comm=False)  # see interleaved_pipeline_equals_unsharded
-        model = _mtp_gpt(cfg, pre=stage == 0, post=stage == 1)
-        # stage s's decoder layer i is the whole model's layer s + i (one layer a stage)
-        name_in_whole = lambda n: n.replace("decoder.layers.0.", f"decoder.layers.{stage}.")  # noqa: E731
-        model.load_state_dict({k: start[name_in_whole(k)] for k, v in model.state_dict().items()
-                               if isinstance(v, torch.Tensor)}, strict=False)
-        ddp = DistributedDataParallel(cfg, DistributedDataParallelConfig(
-            grad_reduce_in_fp32=True, use_distributed_optimizer=case["distributed"], bucket_size=4000), model)
-        cfg.no_sync_func, cfg.finalize_model_grads_func = ddp.no_sync, finalize_model_grads
-        try:  # the default
-            get_megatron_optimizer(ocfg, [ddp], optimizer=case["optimizer"], optimizer_kwargs=case.get("kwargs", {}))
-            refusal = None
-        except ValueError as e:
-            refusal = str(e)
-        opt = get_megatron_optimizer(ocfg, [ddp], optimizer=case["optimizer"], optimizer_kwargs=case.get("kwargs", {}),
-                                     tied_across_stages="gsnr_off")
-        inner = opt.chained_optimizers[0].optimizer
-        defaults = {k: v for k, v in inner.defaults.items() if k in REGISTRY[case["optimizer"]].accepted_params()}
-
-        def forward_step(data, model):
-            batch = next(data)
-            return model(**batch), lambda out: (out.float().mean(), {})  # the schedule divides by the micro-batches
-
-        for step in range(3):
-            ddp.zero_grad_buffer()
-            opt.zero_grad()
-            get_forward_backward_func()(forward_step_func=forward_step,
-                                        data_iterator=iter([_mtp_batch(m, step) for m in range(accumulation)]),
-                                        model=[ddp], num_microbatches=accumulation, seq_length=8, micro_batch_size=2)
-            ok, _, _ = opt.step()
-        mine = {name_in_whole(n): p.detach().clone() for n, p in model.named_parameters()}
-        twin = [len(g["params"]) for g in inner.param_groups if g.get("tp_partial_grads")]
-        n = opt.vrgd_sources[0].n
-        copies = [None] * dist.get_world_size()
-        dist.all_gather_object(copies, mine[embedding])
-
-    def reference(w_gsnr: bool) -> dict:
-        net = whole()
-        params = dict(net.named_parameters())
-        opt = REGISTRY[case["optimizer"]].cls([
-            {"params": [params[embedding]], **({} if w_gsnr else {"gsnr": False})},
-            {"params": [p for n, p in params.items() if n != embedding]}], **defaults)
-        for step in range(3):  # each micro-batch's loss whole, its MTP term's gradient scaled by 1 as Megatron's
-            MTPLossAutoScaler.set_loss_scale(torch.ones(1))
-            reference_step(net, opt, 1, accumulation, step, ocfg.clip_grad, batch=lambda d, m, s: _mtp_batch(m, s),
-                           loss=lambda net, batch: net(**batch).float().mean())
-        return {k: v.detach() for k, v in net.named_parameters()}
-
-    with model_parallel(1):
-        want, gsnr_on = reference(False), reference(True)
-    everyone = [None] * dist.get_world_size()
-    dist.all_gather_object(everyone, {
-        "rel": relative(mine.values(), [want[k] for k in mine]),
-        "contrast": relative([gsnr_on[k] for k in mine], [want[k] for k in mine]), "ok": bool(ok), "n": n,
-        "copies_equal": all(torch.equal(copies[0], w) for w in copies), "twin": twin, "refusal": refusal})
-    return {"worst": max(o["rel"] for o in everyone), "ranks": everyone}

@@ -248,12 +248,12 @@ def test_a_conditional_embedder_on_every_stage_steps_without_gsnr_where_asked(me
     _tied_agrees(res, n=4, twin=(0, 1))  # the embedder is 1-D: in the biases' twin
 
 
-def _tied_agrees(res: dict, n: int, twin: tuple[int, int] = (1, 0)) -> None:
+def _tied_agrees(res: dict, n: int, twin: tuple[int, int] = (1, 0), metric_tol: float = 1e-5) -> None:
     for r in res["ranks"]:
         assert r["ok"] and r["n"] == n and r["copies_equal"], r
         assert r["twin"] == list(twin), r  # by default the weights' twin holds W; the biases' is empty
         assert r["rel"] <= TOL and r["rel"] <= 1e-3 * r["contrast"], r
-        assert max(r["metric_rel"].values()) <= 1e-5, r["metric_rel"]
+        assert max(r["metric_rel"].values()) <= metric_tol, r["metric_rel"]
 
 
 @pytest.mark.exhaustive
@@ -294,15 +294,15 @@ def test_a_gpt_with_multi_token_prediction_across_stages_steps_its_embedding_wit
     1F1B schedule and ``finalize_model_grads`` (which sums the embedding's two copies), with
     ``tied_across_stages="gsnr_off"``: every stage's tensors after 3 steps equal the whole model's
     under the single-process optimizer with the embedding in a ``gsnr=False`` group (and at most 1e-3
-    of the distance to the same with its GSNR on); the copies stay equal bit for bit. The default
-    refuses, naming multi-token prediction and the option."""
+    of the distance to the same with its GSNR on); the copies stay equal bit for bit, and every stage
+    reports the reference's metrics. The default refuses, naming multi-token prediction and the option."""
     res = megatron2.run("megatron_worker", "mtp_across_stages_equals_unsharded",
                         {"accumulation": 4, "distributed": distributed, "optimizer": optimizer,
                          "kwargs": KWARGS[optimizer]})
+    # the embedding in the weights' twin; a tensor's largest mean GSNR is a ratio over s − ḡ² of a real
+    # GPT's gradients, whose rounding (summation order across the stages) it amplifies: seen 2.0e-5
+    _tied_agrees(res, n=4, metric_tol=1e-4)
     for r in res["ranks"]:
-        assert r["ok"] and r["n"] == 4 and r["copies_equal"], r
-        assert r["twin"] == [1, 0], r  # the embedding, in the first group's twin
-        assert r["rel"] <= TOL and r["rel"] <= 1e-3 * r["contrast"], r
         assert "multi-token prediction" in r["refusal"] and 'tied_across_stages="gsnr_off"' in r["refusal"], r
 
 
@@ -369,12 +369,11 @@ def test_interleaved_pipeline_stages_equal_the_unsharded_optimizer(megatron2, op
 def test_model_chunks_on_two_stages_with_megatrons_batched_exchange_are_refused(megatron2):
     """Model chunks on 2 stages with ``batch_p2p_comm=True`` (megatron-core's default): its batched
     exchange mismatches a gradient with an activation between the two ranks and the model trains on
-    the wrong tensors without an error (seen in the Megatron job: a 4-layer GPT's global grad norm
-    5.02 against 0.66 with one chunk a stage, same weights and batches). Refused, whatever the
-    GSNR, naming the options; fails on the old code, which accepted it."""
+    the wrong tensors without an error (seen in the Megatron job, 4 layers over 2 stages of 2
+    chunks: a first step's global grad norm of 98.8, against 1.44 with the unbatched exchange).
+    Refused, whatever the GSNR, naming the options; fails on the old code, which accepted it."""
     for optimizer in ("VRLamb", "Lamb"):
-        res = megatron2.run("megatron_worker", "interleaved_pipeline_equals_unsharded",
-                            {"accumulation": 4, "distributed": True, "optimizer": optimizer, "batched": True})
+        res = megatron2.run("megatron_worker", "interleaved_batched_exchange", {"distributed": True, "optimizer": optimizer})
         assert res["refusal"] and "batch_p2p_comm=True with model chunks on 2 pipeline stages" in res["refusal"], res
         assert "overlap_p2p_comm=True" in res["refusal"], res
 

@@ -235,7 +235,8 @@ def test_a_gpt_in_model_chunks_trains_interleaved_and_resumes_on_other_chunks(tm
     """4 layers over 2 pipeline stages of 2 model chunks each (``megatron.virtual_pipeline_model_
     parallel_size`` 2, Megatron's interleaved schedule): it trains with n = 8 (8 micro-batches on 1
     data-parallel rank) and the GSNR damping; 30 held-out windows at micro-batch 4 are all evaluated
-    (the last 2 in a pass padded to the 2 stages with repeats that are not counted); a run cut back
+    (each pass padded to a multiple of the 2 stages with repeats that are not counted: the 7 full
+    micro-batches to 8, the last 2 windows to 2 micro-batches); a run cut back
     to its step-2 checkpoint and resumed takes steps 3-4 bit for bit as the uninterrupted run did;
     and the same checkpoint resumed with one chunk a stage (dist-checkpointing reshards the layers)
     takes them to within rounding of the chunked run."""

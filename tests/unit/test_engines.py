@@ -137,6 +137,91 @@ def test_model_chunks_per_stage_are_checked_against_the_stages_layers_and_micro_
         _check(_raw(**{**chunks, "megatron__virtual_pipeline_model_parallel_size": 1}))
 
 
+class _Chunk:
+    """A model chunk that records the dropout seed each forward runs under."""
+
+    def __init__(self) -> None:
+        self.seeds: list[int] = []
+
+    def __call__(self, tokens, position, mask, labels=None):
+        import torch
+
+        self.seeds.append(torch.initial_seed())
+        return tokens.float().sum()
+
+
+def _interleaved(forward_step_func, data_iterator, model, num_microbatches, seq_length, micro_batch_size,
+                 forward_only):
+    """Megatron's interleaved order on one stage: each chunk's micro-batches in groups of PP = 2,
+    the loss of the last chunk's in micro-batch order (``forward_backward_pipelining_with_interleaving``)."""
+    assert num_microbatches % 2 == 0, num_microbatches  # what megatron-core 0.16.1 raises on
+    out = []
+    for group in range(0, num_microbatches, 2):
+        for v, chunk in enumerate(model):
+            for _ in range(2):
+                output, loss = forward_step_func(data_iterator[v], chunk)
+                if v == len(model) - 1:
+                    out.append(loss(output)[1])
+    return out
+
+
+def _chunked_engine() -> megatron.MegatronEngine:
+    import torch
+
+    engine = object.__new__(megatron.MegatronEngine)  # the schedule's side only: no process group
+    engine.block = megatron.parse_block(_raw(megatron__model__num_layers=4, megatron__pipeline_model_parallel_size=2,
+                                             megatron__virtual_pipeline_model_parallel_size=2))
+    engine.device, engine.seq_len, engine.micro_batch = torch.device("cpu"), 4, 2
+    engine.chunks, engine.forward_backward = [_Chunk(), _Chunk()], _interleaved
+    return engine
+
+
+def test_model_chunks_take_dropout_seeds_of_their_own_the_same_at_every_run():
+    """Chunk 0 of a micro-batch runs under the micro-batch's seed (as one chunk a stage does), chunk
+    v > 0 under a hash of the two: every chunk of every micro-batch apart, the same again on a
+    second run (a resume's), whatever order the interleaved schedule runs them in."""
+    import torch
+
+    from vrgd_ds.train.seeds import hashed_seed
+
+    engine = _chunked_engine()
+    batch = {"tokens": torch.ones(2, 4, dtype=torch.long), "labels": torch.ones(2, 4, dtype=torch.long)}
+    seeds = [101, 102, 103, 104]
+    for _ in range(2):
+        engine._run(iter([batch] * 4), 4, False, lambda b, out: (out, {}), seeds)
+    first, second = engine.chunks
+    assert first.seeds == seeds * 2 and second.seeds == [hashed_seed(s, 1) for s in seeds] * 2
+    assert len(set(first.seeds + second.seeds)) == 8
+
+
+def test_an_evaluation_pass_over_model_chunks_is_padded_to_the_stages_and_counts_its_windows_only():
+    """3 micro-batches over 2 stages of chunks: the schedule gets 4 (a repeat of the first), and the
+    loss function sees the 3, in order."""
+    import torch
+
+    engine = _chunked_engine()
+    items = [{"tokens": torch.full((2, 4), i), "labels": torch.full((2, 4), i)} for i in range(3)]
+    seen = []
+    engine._forward_only(items, lambda b, out: (seen.append(int(b["tokens"][0, 0])), (out, {}))[1])
+    assert seen == [0, 1, 2] and len(engine.chunks[0].seeds) == 4
+
+
+def test_a_megatron_key_the_config_lacks_is_set_from_the_command_line_and_a_misspelt_one_named():
+    """``--set megatron.virtual_pipeline_model_parallel_size=2`` on a config without the key: --set's
+    guard took it for a misspelling of pipeline_model_parallel_size and refused it (fails on the old
+    code); the megatron block is checked by name where it is read, so a misspelt key still stops
+    there, naming the close one."""
+    from vrgd_ds.train.config import apply_overrides
+
+    raw = apply_overrides(_raw(megatron__model__num_layers=4, megatron__pipeline_model_parallel_size=2),
+                          ["megatron.virtual_pipeline_model_parallel_size=2"])
+    _check(raw)
+    assert megatron.parse_block(raw).virtual_pipeline_model_parallel_size == 2
+    with pytest.raises(ConfigError, match=r"megatron.pipeline_model_paralel_size: Extra inputs are not permitted; "
+                                          r"did you mean 'pipeline_model_parallel_size'\?"):
+        _check(apply_overrides(_raw(), ["megatron.pipeline_model_paralel_size=2"]))
+
+
 def test_a_resume_that_changes_the_gpts_tie_is_refused(tmp_path):
     """The output layer does not carry over between a tied and an untied GPT (dist-checkpointing
     would drop the saved one, or leave the built one fresh), so a resume across that change stops

@@ -10,9 +10,8 @@ from typing import Any
 from vrgd_ds.train import checkpoints as ckpt
 from vrgd_ds.train.config import ConfigError
 from vrgd_ds.train.engines import engine_class
-from vrgd_ds.train.resume import (chunks_change, data_change, engine_switch, named_params, option_changes,
-                                  plan_resume, positions_change, resumed_optimizer, saved_positions, tie_change,
-                                  wrapper_change)
+from vrgd_ds.train.resume import (data_change, engine_switch, gpt_change, named_params, option_changes, plan_resume,
+                                  positions_change, resumed_optimizer, saved_positions, wrapper_change)
 
 
 def _layout(info: dict[str, Any]) -> str:
@@ -115,9 +114,8 @@ def check(run_dir: Path, raw: dict[str, Any] | None, world: int | None) -> tuple
             from vrgd_ds.train.engines.megatron import parse_block
 
             block_now = parse_block(raw)
-            tie_change(ckpt_dir / choice.tag, info, block_now.model.share_embeddings_and_output_weights)
-            if note := chunks_change(ckpt_dir / choice.tag, info, block_now.virtual_pipeline_model_parallel_size):
-                changes.append(note)
+            changes += gpt_change(ckpt_dir / choice.tag, info, block_now.model.share_embeddings_and_output_weights,
+                                  block_now.virtual_pipeline_model_parallel_size)
         plan = plan_resume(ckpt_dir, choice.tag, resumed_optimizer(now, opt, named_params(raw)), ranks, stage,
                            optimizer_state_policy(raw))
     except ConfigError as e:

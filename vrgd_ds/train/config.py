@@ -750,9 +750,10 @@ def apply_overrides(raw: dict[str, Any], overrides: list[str]) -> dict[str, Any]
                 close = [] if part in node else difflib.get_close_matches(
                     part, [k for k in node if isinstance(k, str)], n=1, cutoff=0.8)  # a misspelt key's
                 if last:
-                    # a new key; a misspelt one would do nothing (DeepSpeed ignores it). The job block, the
-                    # optimizer block and its params, and the top-level keys are checked by name where they are read
-                    if close and parts[0] != "job" and parts[:2] != ["optimizer", "params"]:
+                    # a new key; a misspelt one would do nothing (DeepSpeed ignores it). The job and megatron
+                    # blocks, the optimizer block and its params, and the top-level keys are checked by name where
+                    # they are read
+                    if close and parts[0] not in ("job", "megatron") and parts[:2] != ["optimizer", "params"]:
                         raise ConfigError(f"--set {key}: no key '{here}' in the config; did you mean "
                                           f"'{'.'.join(parts[:j] + close)}'? (a new key is added only when "
                                           "none of its block's keys is spelt this close to it)")

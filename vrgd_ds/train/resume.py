@@ -122,15 +122,17 @@ def tie_change(where: Path, saved: dict[str, Any], tied: bool) -> None:
                           "not carry over between the two; resume with the tie the run was saved with")
 
 
-def chunks_change(where: Path, saved: dict[str, Any], chunks: int | None) -> str | None:
-    """A note where the Megatron GPT of checkpoint ``where`` was saved with another number of model
-    chunks a stage than ``chunks`` (``virtual_pipeline_model_parallel_size``; None, as a marker that
-    predates the record: one chunk). The sharded keys are global: it loads either way."""
+def gpt_change(where: Path, saved: dict[str, Any], tied: bool, chunks: int | None) -> list[str]:
+    """What a resume changes in the Megatron GPT of checkpoint ``where`` (``saved``: its marker's
+    info): ``tie_change``'s error where the tie differs; a note where the model chunks a stage
+    differ (``virtual_pipeline_model_parallel_size``; None, as a marker that predates the record:
+    one chunk), which load either way (the sharded keys are global)."""
+    tie_change(where, saved, tied)
     was = saved.get("virtual_pipeline_model_parallel_size")
     if saved.get("engine") != "megatron" or was == chunks:
-        return None
-    return (f"{where} was saved with {was or 1} model chunk(s) a pipeline stage; resuming with {chunks or 1} "
-            "(dist-checkpointing reshards every tensor)")
+        return []
+    return [f"{where} was saved with {was or 1} model chunk(s) a pipeline stage; resuming with {chunks or 1} "
+            "(dist-checkpointing reshards every tensor)"]
 
 
 def family(optimizer_type: str) -> str:
