@@ -47,6 +47,17 @@ def _estimate(out: str) -> tuple[float, float]:
     return float(found.group(1)), float(found.group(2))
 
 
+def _cut_back(tmp_path: Path, last: int, to: int, *copies: str) -> None:
+    """``tmp_path/cut``: the run in ``tmp_path/whole`` cut back to its step-``to`` checkpoint (the
+    step-``last`` one removed), and each of ``copies`` a copy of that."""
+    shutil.copytree(tmp_path / "whole" / "run", tmp_path / "cut" / "run")
+    checkpoints = tmp_path / "cut" / "run" / "checkpoints"
+    shutil.rmtree(checkpoints / f"step{last:08d}")
+    (checkpoints / "latest").write_text(f"step{to:08d}")
+    for name in copies:
+        shutil.copytree(tmp_path / "cut", tmp_path / name)
+
+
 def _taken(rec: dict[int, dict]) -> list[dict]:
     return [r for s, r in sorted(rec.items()) if s > 0 and r.get("step/skipped") == 0.0]
 
@@ -139,10 +150,7 @@ def test_a_half_precision_run_resumes_exactly(tmp_path, corpus, precision, distr
             f"megatron.use_distributed_optimizer={distributed}", "megatron.model.hidden_dropout=0.0",
             "megatron.model.attention_dropout=0.0")
     whole, out = _launch(tmp_path / "whole", corpus, *sets)
-    shutil.copytree(tmp_path / "whole" / "run", tmp_path / "cut" / "run")
-    checkpoints = tmp_path / "cut" / "run" / "checkpoints"
-    shutil.rmtree(checkpoints / "step00000006")
-    (checkpoints / "latest").write_text("step00000003")
+    _cut_back(tmp_path, 6, 3)
     resumed = _train(tmp_path / "cut", corpus, *sets)
     assert [resumed[s]["train/loss"] for s in (4, 5, 6)] == [whole[s]["train/loss"] for s in (4, 5, 6)]
     for key in ("train/grad_norm", "train/loss_scale"):
@@ -211,11 +219,7 @@ def test_a_gpt_tied_across_stages_trains_with_its_gsnr_off_and_resumes_only_tied
     assert 0.9 < expected / written < 1.1, (written, expected)
     taken = _taken(whole)
     assert len(taken) == 4 and all(r["gsnr/n"] == 8.0 and 0.0 < r["gsnr/scale_mean"] < 1.0 for r in taken)
-    shutil.copytree(tmp_path / "whole" / "run", tmp_path / "cut" / "run")
-    checkpoints = tmp_path / "cut" / "run" / "checkpoints"
-    shutil.rmtree(checkpoints / "step00000004")
-    (checkpoints / "latest").write_text("step00000002")
-    shutil.copytree(tmp_path / "cut", tmp_path / "untied")
+    _cut_back(tmp_path, 4, 2, "untied")
     resumed = _train(tmp_path / "cut", corpus, *sets)
     assert [resumed[s]["train/loss"] for s in (3, 4)] == [whole[s]["train/loss"] for s in (3, 4)]
     run_dir = tmp_path / "untied" / "run"
@@ -251,11 +255,7 @@ def test_a_gpt_in_model_chunks_trains_interleaved_and_resumes_on_other_chunks(tm
     assert len(taken) == 4 and all(r["gsnr/n"] == 8.0 and 0.0 < r["gsnr/scale_mean"] < 1.0 for r in taken)
     assert [whole[s]["eval/tokens"] for s in (0, 2, 4)] == [30 * 64] * 3
     assert whole[4]["eval/lm_loss"] < whole[0]["eval/lm_loss"]
-    shutil.copytree(tmp_path / "whole" / "run", tmp_path / "cut" / "run")
-    checkpoints = tmp_path / "cut" / "run" / "checkpoints"
-    shutil.rmtree(checkpoints / "step00000004")
-    (checkpoints / "latest").write_text("step00000002")
-    shutil.copytree(tmp_path / "cut", tmp_path / "one")
+    _cut_back(tmp_path, 4, 2, "one")
     resumed = _train(tmp_path / "cut", corpus, *sets)
     assert [resumed[s]["train/loss"] for s in (3, 4)] == [whole[s]["train/loss"] for s in (3, 4)]
     assert resumed[4]["eval/lm_loss"] == whole[4]["eval/lm_loss"]
