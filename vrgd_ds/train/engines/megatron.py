@@ -1,7 +1,8 @@
 """The Megatron-core engine of the job: a GPT from ``megatron.core.models`` in Megatron's
 ``DistributedDataParallel`` (its distributed optimizer by default), tensor, pipeline and data
-parallelism, Megatron's schedule (``get_forward_backward_func``) and gradient finalisation, and a
-VRGD optimizer through ``vrgd_ds.megatron.get_megatron_optimizer``.
+parallelism (several model chunks a stage with ``virtual_pipeline_model_parallel_size``),
+Megatron's schedule (``get_forward_backward_func``; the interleaved one with chunks) and gradient
+finalisation, and a VRGD optimizer through ``vrgd_ds.megatron.get_megatron_optimizer``.
 
 The config is the job's file with ``"job": {"engine": "megatron", ...}``, the ``"optimizer"``
 block (``type`` and ``params``, as in a DeepSpeed config) and a ``"megatron"`` block
