@@ -27,11 +27,11 @@ def _train(tmp_path: Path, corpus: Path, *sets: str) -> dict[int, dict]:
     return _launch(tmp_path, corpus, *sets)[0]
 
 
-def _launch(tmp_path: Path, corpus: Path, *sets: str) -> tuple[dict[int, dict], str]:
+def _launch(tmp_path: Path, corpus: Path, *sets: str, ranks: int = 2) -> tuple[dict[int, dict], str]:
     """The job's records, and its output."""
     run_dir = tmp_path / "run"
     torchrun = Path(sys.executable).parent / "torchrun"
-    res = launching.run([torchrun, "--nproc_per_node", "2", "--master_port", str(launching.free_port()), "-m",
+    res = launching.run([torchrun, "--nproc_per_node", str(ranks), "--master_port", str(launching.free_port()), "-m",
                          "vrgd_ds.train", "--config", CONFIG, "--run-dir", run_dir, "--set",
                          f"job.data.path={json.dumps(str(corpus))}", *[a for s in sets for a in ("--set", s)]],
                         timeout=420, marker=run_dir)
@@ -284,3 +284,15 @@ def test_a_tied_gpt_in_model_chunks_trains_in_half_precision(tmp_path, corpus, p
     assert taken and all(r["gsnr/n"] == 8.0 and 0.0 < r["gsnr/scale_mean"] < 1.0 for r in taken)
     assert (len(taken) == steps) if precision == "bf16" else (skipped and ran.index(taken[0]) == len(skipped))
     assert rec[steps]["eval/lm_loss"] < rec[0]["eval/lm_loss"]
+
+
+@pytest.mark.exhaustive
+def test_a_gpt_in_model_chunks_trains_with_tensor_parallelism(tmp_path, corpus):
+    """TP 2 × PP 2 with 2 model chunks a stage on 4 ranks: n = 8 (8 micro-batches on 1 data-parallel
+    rank), the GSNR damping, and the held-out loss falls."""
+    rec, _ = _launch(tmp_path, corpus, "job.total_steps=4", "job.eval_every=4", "job.data.eval_samples=8",
+                     "megatron.tensor_model_parallel_size=2", "megatron.pipeline_model_parallel_size=2",
+                     "megatron.model.num_layers=4", "megatron.virtual_pipeline_model_parallel_size=2", ranks=4)
+    taken = _taken(rec)
+    assert len(taken) == 4 and all(r["gsnr/n"] == 8.0 and 0.0 < r["gsnr/scale_mean"] < 1.0 for r in taken)
+    assert rec[4]["eval/lm_loss"] < rec[0]["eval/lm_loss"]
