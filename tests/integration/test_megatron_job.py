@@ -296,3 +296,21 @@ def test_a_gpt_in_model_chunks_trains_with_tensor_parallelism(tmp_path, corpus):
     taken = _taken(rec)
     assert len(taken) == 4 and all(r["gsnr/n"] == 8.0 and 0.0 < r["gsnr/scale_mean"] < 1.0 for r in taken)
     assert rec[4]["eval/lm_loss"] < rec[0]["eval/lm_loss"]
+
+
+@pytest.mark.exhaustive
+@pytest.mark.parametrize("precision, distributed", [("fp32", "true"), ("bf16", "false")])
+def test_a_gpt_resumes_into_model_chunks(tmp_path, corpus, precision, distributed):
+    """A run with one model chunk a stage (PP 2), cut back to its step-2 checkpoint and resumed with 2
+    chunks a stage (the layers resharded, the optimizer state with them, with and without the
+    distributed optimizer): steps 3-4 take the losses of the uninterrupted run."""
+    base = ("job.total_steps=4", "job.checkpoint_every=2", "job.eval_every=0", "job.data.eval_samples=8",
+            "megatron.pipeline_model_parallel_size=2", "megatron.model.num_layers=4",
+            "megatron.model.hidden_dropout=0.0", "megatron.model.attention_dropout=0.0",
+            f'megatron.precision="{precision}"', f"megatron.use_distributed_optimizer={distributed}")
+    whole, _ = _launch(tmp_path / "whole", corpus, *base)
+    _cut_back(tmp_path, 4, 2)
+    chunked, out = _launch(tmp_path / "cut", corpus, *base, "megatron.virtual_pipeline_model_parallel_size=2")
+    assert "was saved with 1 model chunk(s) a pipeline stage; resuming with 2" in out, out[-3000:]
+    for s in (3, 4):
+        assert chunked[s]["train/loss"] == pytest.approx(whole[s]["train/loss"], rel=1e-6), s

@@ -95,7 +95,7 @@ class MegatronBlock(_Strict):
     s, s + PP, ...; a smaller bubble for more exchanges). Needs 2 or more stages, the layers a
     multiple of PP × this, and each phase's micro-batches per data-parallel rank a multiple of PP.
     A checkpoint resumes on another number of chunks (dist-checkpointing reshards; tested from 2
-    chunks to 1)."""
+    chunks to 1 and from 1 to 2)."""
     precision: Literal["fp32", "bf16", "fp16"] = "fp32"
     """bf16/fp16: the model in that dtype inside Megatron's ``Float16Module``, gradients reduced in
     fp32, fp32 main parameters in the optimizer (fp16 with Megatron's dynamic loss scale)."""
