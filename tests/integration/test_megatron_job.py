@@ -287,14 +287,19 @@ def test_a_tied_gpt_in_model_chunks_trains_in_half_precision(tmp_path, corpus, p
 
 
 @pytest.mark.exhaustive
-def test_a_gpt_in_model_chunks_trains_with_tensor_parallelism(tmp_path, corpus):
-    """TP 2 × PP 2 with 2 model chunks a stage on 4 ranks: n = 8 (8 micro-batches on 1 data-parallel
-    rank), the GSNR damping, and the held-out loss falls."""
+def test_a_gpt_in_model_chunks_trains_with_tensor_parallelism_over_two_phases(tmp_path, corpus):
+    """TP 2 × PP 2 with 2 model chunks a stage on 4 ranks, a phase of seq 32 then one of seq 64 (the
+    interleaved schedule's tensors reshaped at the switch): n = 8 (8 micro-batches on 1
+    data-parallel rank) and the GSNR damping in both, and the held-out loss falls."""
+    phases = json.dumps([{"seq_len": 32, "fraction": 0.5, "global_batch": 32, "micro_batch": 4, "lr": 4e-3},
+                         {"seq_len": 64, "fraction": 0.5, "global_batch": 32, "micro_batch": 4, "lr": 2e-3}])
     rec, _ = _launch(tmp_path, corpus, "job.total_steps=4", "job.eval_every=4", "job.data.eval_samples=8",
-                     "megatron.tensor_model_parallel_size=2", "megatron.pipeline_model_parallel_size=2",
-                     "megatron.model.num_layers=4", "megatron.virtual_pipeline_model_parallel_size=2", ranks=4)
+                     f"job.phases={phases}", "megatron.tensor_model_parallel_size=2",
+                     "megatron.pipeline_model_parallel_size=2", "megatron.model.num_layers=4",
+                     "megatron.virtual_pipeline_model_parallel_size=2", ranks=4)
     taken = _taken(rec)
-    assert len(taken) == 4 and all(r["gsnr/n"] == 8.0 and 0.0 < r["gsnr/scale_mean"] < 1.0 for r in taken)
+    assert [r["train/seq_len"] for r in taken] == [32, 32, 64, 64]
+    assert all(r["gsnr/n"] == 8.0 and 0.0 < r["gsnr/scale_mean"] < 1.0 for r in taken)
     assert rec[4]["eval/lm_loss"] < rec[0]["eval/lm_loss"]
 
 
