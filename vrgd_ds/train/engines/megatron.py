@@ -399,18 +399,16 @@ class MegatronEngine(Engine):
         seq, device = self.seq_len, self.device
         mask = _attention_mask(seq, device)
         position = torch.arange(seq, device=device).expand(self.micro_batch, seq)
-        chunks = self.chunks
-        if len(chunks) > 1:
-            items = [next(batches) for _ in range(count)]
+        chunks, slots = self.chunks, enumerate(batches)
+        if len(chunks) > 1:  # each chunk reads the same micro-batches
+            items = [next(slots) for _ in range(count)]
             data: Any = [iter(items) for _ in chunks]
         else:
-            data = batches
-        index = [iter(range(count)) for _ in chunks]
+            data = slots
 
         def forward_step(data: Iterator, model: Any):
-            b = next(data)
-            v = next(i for i, c in enumerate(chunks) if c is model) if len(chunks) > 1 else 0
-            j = next(index[v])
+            j, b = next(data)  # the micro-batch's slot in the step, and the micro-batch
+            v = chunks.index(model)
             if seeds is not None:
                 seed = seeds[j] if v == 0 else hashed_seed(seeds[j], v)
                 torch.manual_seed(seed)
@@ -510,8 +508,7 @@ class MegatronEngine(Engine):
         models = {key: chunk.module.sharded_state_dict() for key, chunk in zip(self._model_keys(), self.chunks)}
         out = {**models, STATE_KEY: ""}
         if with_optimizer:
-            out["optimizer"] = self.megatron_optimizer.sharded_state_dict(
-                models if len(models) > 1 else models["model"], is_loading)
+            out["optimizer"] = self.megatron_optimizer.sharded_state_dict(models, is_loading)
         return out
 
     def plan(self, ckpt_dir: Path, tag: str, optimizer: dict[str, Any], policy: str) -> ResumePlan:
