@@ -139,27 +139,30 @@ def test_gpt_job_on_other_layouts_and_phases(tmp_path, corpus):
 @pytest.mark.exhaustive
 @pytest.mark.parametrize("precision, distributed", [("bf16", "false"), ("fp16", "true"), ("fp32", "false")])
 def test_a_half_precision_run_resumes_exactly(tmp_path, corpus, precision, distributed):
-    """A run cut back to its step-3 checkpoint and resumed takes steps 4-6 bit for bit as the
-    uninterrupted run did. Fails on the code before: (bf16 without the distributed optimizer,
-    ``Float16OptimizerWithFloat16Params``) its load copied the bf16 model over the fp32 main weights
-    the checkpoint had just restored (Megatron's ``reload_model_params``), and the resumed run
-    stepped from bf16-rounded weights, its loss 2.8e-5 off at step 5, with no warning; (fp16) the
-    loss scale's load called ``.cuda()``, so on CPU ranks no fp16 checkpoint loaded and the job
-    stopped with "no complete checkpoint to resume from"."""
-    sets = ("job.total_steps=6", "job.checkpoint_every=3", f'megatron.precision="{precision}"',
+    """A run cut back to a checkpoint and resumed takes the next steps bit for bit as the
+    uninterrupted run did (fp16: 18 steps cut back to step 15, the first 13 skipped while Megatron's
+    loss scale comes down from 2^32, so that the checkpoint holds stepped optimizer state and the
+    steps compared are taken; else 6 steps cut back to step 3). Fails on the code before: (bf16
+    without the distributed optimizer, ``Float16OptimizerWithFloat16Params``) its load copied the
+    bf16 model over the fp32 main weights the checkpoint had just restored (Megatron's
+    ``reload_model_params``), and the resumed run stepped from bf16-rounded weights, its loss 2.8e-5
+    off at step 5, with no warning; (fp16) the loss scale's load called ``.cuda()``, so on CPU ranks
+    no fp16 checkpoint loaded and the job stopped with "no complete checkpoint to resume from"."""
+    last, cut = (18, 15) if precision == "fp16" else (6, 3)
+    sets = (f"job.total_steps={last}", f"job.checkpoint_every={cut}", f'megatron.precision="{precision}"',
             f"megatron.use_distributed_optimizer={distributed}", "megatron.model.hidden_dropout=0.0",
             "megatron.model.attention_dropout=0.0")
     whole, out = _launch(tmp_path / "whole", corpus, *sets)
-    _cut_back(tmp_path, 6, 3)
+    _cut_back(tmp_path, last, cut)
     resumed = _train(tmp_path / "cut", corpus, *sets)
-    assert [resumed[s]["train/loss"] for s in (4, 5, 6)] == [whole[s]["train/loss"] for s in (4, 5, 6)]
-    for key in ("train/grad_norm", "train/loss_scale"):
-        assert [resumed[s].get(key) for s in (4, 5, 6)] == [whole[s].get(key) for s in (4, 5, 6)], key
-    if distributed == "false":  # (fp16 has taken no step by the first checkpoint: no optimizer state to count)
-        # the first checkpoint's size estimated before it was written: without the distributed optimizer its
-        # state and fp32 main weights once, not once per data-parallel rank (2.2x for fp32 before)
-        written, expected = _estimate(out)
-        assert 0.9 < expected / written < 1.1, (written, expected)
+    after = range(cut + 1, last + 1)
+    assert all(whole[s]["step/skipped"] == 0.0 for s in (cut, *after)), [whole[s]["step/skipped"] for s in whole if s]
+    for key in ("train/loss", "train/grad_norm", "train/loss_scale"):
+        assert [resumed[s].get(key) for s in after] == [whole[s].get(key) for s in after], key
+    # the first checkpoint's size estimated before it was written: without the distributed optimizer its
+    # state and fp32 main weights once, not once per data-parallel rank (2.2x for fp32 before)
+    written, expected = _estimate(out)
+    assert 0.9 < expected / written < 1.1, (written, expected)
 
 
 @pytest.mark.exhaustive  # three launches (make test: the refusal before loading, tests/unit/test_check_resume.py)
@@ -304,18 +307,27 @@ def test_a_gpt_in_model_chunks_trains_with_tensor_parallelism_over_two_phases(tm
 
 
 @pytest.mark.exhaustive
-@pytest.mark.parametrize("precision, distributed", [("fp32", "true"), ("bf16", "false")])
-def test_a_gpt_resumes_into_model_chunks(tmp_path, corpus, precision, distributed):
-    """A run with one model chunk a stage (PP 2), cut back to its step-2 checkpoint and resumed with 2
-    chunks a stage (the layers resharded, the optimizer state with them, with and without the
-    distributed optimizer): steps 3-4 take the losses of the uninterrupted run."""
-    base = ("job.total_steps=4", "job.checkpoint_every=2", "job.eval_every=0", "job.data.eval_samples=8",
+@pytest.mark.parametrize("precision, distributed, saved, resumed", [
+    ("fp32", "true", 1, 2), ("bf16", "false", 1, 2), ("bf16", "false", 2, 1), ("fp16", "true", 1, 2),
+    ("fp16", "false", 2, 1)])
+def test_a_gpt_resumes_on_other_model_chunks(tmp_path, corpus, precision, distributed, saved, resumed):
+    """A run with ``saved`` model chunks a stage (PP 2), cut back to a checkpoint and resumed with
+    ``resumed`` chunks a stage (the layers resharded, the optimizer state with them, with and without
+    the distributed optimizer): the next steps take the uninterrupted run's losses, and fp16 its
+    loss scale (fp16: 18 steps cut back to step 16, the first 13 skipped while the loss scale comes
+    down, so that the checkpoint holds stepped optimizer state; else 4 steps cut back to step 2)."""
+    last, cut = (18, 16) if precision == "fp16" else (4, 2)
+    base = (f"job.total_steps={last}", f"job.checkpoint_every={cut}", "job.eval_every=0", "job.data.eval_samples=8",
             "megatron.pipeline_model_parallel_size=2", "megatron.model.num_layers=4",
             "megatron.model.hidden_dropout=0.0", "megatron.model.attention_dropout=0.0",
             f'megatron.precision="{precision}"', f"megatron.use_distributed_optimizer={distributed}")
-    whole, _ = _launch(tmp_path / "whole", corpus, *base)
-    _cut_back(tmp_path, 4, 2)
-    chunked, out = _launch(tmp_path / "cut", corpus, *base, "megatron.virtual_pipeline_model_parallel_size=2")
-    assert "was saved with 1 model chunk(s) a pipeline stage; resuming with 2" in out, out[-3000:]
-    for s in (3, 4):
-        assert chunked[s]["train/loss"] == pytest.approx(whole[s]["train/loss"], rel=1e-6), s
+    chunks = {n: (f"megatron.virtual_pipeline_model_parallel_size={n}",) if n > 1 else () for n in (saved, resumed)}
+    whole, _ = _launch(tmp_path / "whole", corpus, *base, *chunks[saved])
+    _cut_back(tmp_path, last, cut)
+    other, out = _launch(tmp_path / "cut", corpus, *base, *chunks[resumed])
+    assert f"was saved with {saved} model chunk(s) a pipeline stage; resuming with {resumed}" in out, out[-3000:]
+    after = range(cut + 1, last + 1)
+    assert all(whole[s]["step/skipped"] == 0.0 for s in (cut, *after)), [whole[s]["step/skipped"] for s in whole if s]
+    for s in after:
+        assert other[s]["train/loss"] == pytest.approx(whole[s]["train/loss"], rel=1e-6), s
+        assert other[s]["train/loss_scale"] == whole[s]["train/loss_scale"], s
