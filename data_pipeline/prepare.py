@@ -157,6 +157,9 @@ def _write_record(path: Path, record: dict) -> None:
 
 def _differs(old: dict[str, Any], wanted: dict[str, Any], built: str) -> str:
     """What a step recorded against what it is asked for now, for ``keep_built``'s refusal."""
+    if not old:  # built by another command (vrgd-data tokenizer/shard), or the record lost
+        return (f"inputs or options it has no record of ({RECORD} missing or unreadable, or without this step: "
+                f"its {built} built by another command)")
     keys = [k for k in wanted if old.get(k) != wanted[k]]
     if not keys:
         return f"the same options, but its {built} no longer matches its record (edited or damaged)"
@@ -198,7 +201,8 @@ def prepare(
         shard_tokens: tokens per shard.
         next_sentence: passed to ``build_sample_index`` when set (``"nsp"``/``"sop"``); by
             default its own default is used.
-        keep_built: a tokenizer or shards built here before from other inputs or options are
+        keep_built: a tokenizer or shards built here before from other inputs or options, or
+            with no record of how (``prepare.json`` missing, unreadable or without that step), are
             not rebuilt (other jobs may read them): a ``DataError`` names what differs.
     """
     from vrgd_ds.data_pipeline.samples import build_sample_index  # the sample builder imports torch
@@ -239,7 +243,7 @@ def prepare(
                 logger.info("reusing tokenizer %s", tokenizer)
             except DataError as e:
                 logger.warning("retraining the tokenizer: %s", e)
-        if tokenizer is None and keep_built and old:
+        if tokenizer is None and keep_built and (old or tokenizer_path.is_file()):
             raise DataError(f"{output_dir} holds a tokenizer built from {_differs(old, wanted, 'tokenizer.model')}, "
                             "which would be trained again and the shards rewritten")
         if tokenizer is None:
@@ -271,7 +275,7 @@ def prepare(
                 logger.info("reusing shards %s", shards)
             except DataError as e:
                 logger.warning("rewriting the shards: %s", e)
-        if shards is None and keep_built and old:
+        if shards is None and keep_built and (old or manifest_path.exists()):
             raise DataError(f"{output_dir} holds shards built from {_differs(old, wanted, MANIFEST)}, which would be "
                             "rewritten")
         if shards is None:

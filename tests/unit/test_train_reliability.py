@@ -189,6 +189,45 @@ def test_a_prepared_data_directory_is_not_rebuilt_by_a_job_that_lists_other_inpu
     assert reused.tokenizer.vocab_size == 400 and (prepared / "tokenizer.model").read_bytes() == tokenizer
 
 
+@pytest.mark.parametrize("record", ["missing", "unreadable", "without the shards"])
+def test_a_prepared_data_directory_without_its_record_is_not_rebuilt_by_a_job_with_inputs(tmp_path, record):
+    """A tokenizer and shards with no record of how they were built (``vrgd-data tokenizer`` and
+    ``vrgd-data shard`` write none; a lost or damaged ``prepare.json``; a record of the tokenizer
+    only), given to a job with ``inputs``: the job stops before anything is rebuilt, naming the
+    record and the keys, and the files are as they were. Fails on the old code, whose refusal
+    needed a record: it trained the tokenizer again and rewrote the shards other jobs may read."""
+    import json
+
+    from pydoc_data.topics import topics
+
+    from vrgd_ds.data_pipeline.prepare import prepare
+    from vrgd_ds.train import data
+    from vrgd_ds.train.config import ConfigError, load_config
+
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text("\n\n".join(" ".join(topics[k].split()) for k in sorted(topics)[:40]) + "\n")
+    prepared = tmp_path / "prepared"
+    sets = [f'job.data.path="{prepared}"', f'job.data.inputs=["{corpus}"]', "job.data.prepare=true",
+            "job.data.vocab_size=400"]
+    _, job = load_config(TEST_CONFIG, sets)
+    prepare(prepared, corpus, vocab_size=400, seq_lens=(64,), seed=job.seed, workers=1, progress=False)
+    path = prepared / "prepare.json"
+    if record == "missing":
+        path.unlink()
+    elif record == "unreadable":
+        path.write_text("{not json")
+    else:
+        path.write_text(json.dumps({"tokenizer": json.loads(path.read_text())["tokenizer"]}))
+    before = {f: f.read_bytes() for f in [prepared / "tokenizer.model", *sorted((prepared / "shards").iterdir())]}
+    built = "manifest.json" if record == "without the shards" else "tokenizer.model"
+    with pytest.raises(ConfigError, match=rf"job.data.inputs: .* inputs or options it has no record of \(prepare.json "
+                                          rf"missing or unreadable.*its {built} built by another command.*Drop "
+                                          r"job.data.inputs to train on"):
+        data.prepare_data(job, tmp_path / "run", 0, lambda: None, [64])
+    assert {f: f.read_bytes() for f in before} == before
+    assert sorted((prepared / "shards").iterdir()) == sorted(p for p in before if p.parent.name == "shards")
+
+
 @pytest.mark.parametrize("given, warned", [("job.data.vocab_size=2000", True), ("job.data.vocab_size=400", False),
                                            (None, False)])
 def test_a_vocabulary_the_prepared_data_does_not_have_is_named(tmp_path, monkeypatch, caplog, given, warned):
