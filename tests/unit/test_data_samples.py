@@ -516,6 +516,38 @@ def test_the_gpt_streams_are_written_once_and_mapped_by_every_rank(tmp_path):
     assert not list((tmp_path / "samples").glob(".*tmp*"))  # each file replaced its path once complete
 
 
+def test_mapped_gpt_windows_go_to_a_spawned_worker_as_their_path(tmp_path):
+    """A DataLoader worker that forkserver (Python 3.14's default) or spawn starts receives the
+    dataset pickled: the windows of a mapped stream go as its path and length, mapped again there
+    (the same windows), not as the stream's bytes; a stream built in memory goes whole, and a file
+    written again with another length is refused when mapped again. Fails on the old code, which
+    pickled the memmap's data: every worker held a copy of the training stream (about 20 GB for a
+    10-billion-token uint16 corpus)."""
+    import pickle
+    from types import SimpleNamespace
+
+    from vrgd_ds.data_pipeline.errors import DataError
+    from vrgd_ds.train.data import JobData
+
+    corpus = FakeCorpus(random_docs(np.random.default_rng(5), num_docs=15), tmp_path / "corpus")
+    tokenizer = SimpleNamespace(sep_id=S.SEP_ID, sha256="0" * 64)
+    on_disk, in_memory = JobData(tokenizer, corpus, {}, 11, 1, None), JobData(tokenizer, corpus, {}, 11, 1, None)
+    paths = tuple(tmp_path / "samples" / n for n in on_disk.stream_names())
+    on_disk.write_streams(paths)
+    on_disk.streams = paths
+    train = on_disk.windows(16)[0]
+    sent = pickle.dumps(train)
+    assert len(sent) < 600 < 2000 < train.stream.nbytes, (train.stream.nbytes, len(sent))
+    there = pickle.loads(sent)
+    assert isinstance(there.stream, np.memmap) and len(there) == len(train) > 0
+    assert all(torch.equal(there[(0, i)]["tokens"], train[(0, i)]["tokens"]) for i in range(len(train)))
+    built = in_memory.windows(16)[0]
+    assert len(pickle.dumps(built)) > built.stream.nbytes  # not mapped from a file: its data goes
+    np.save(paths[0], np.asarray(train.stream[:-5]))
+    with pytest.raises(DataError, match=r"tokens, not the \d+ of the stream it was opened as"):
+        pickle.loads(sent)
+
+
 def test_gpt_streams_the_disk_has_no_room_for_are_refused_before_writing(tmp_path, monkeypatch):
     """Too little free space for the streams: a DataError naming the directory and both sizes
     before a byte is written (a full disk met through a mapping would end rank 0 with SIGBUS,

@@ -20,6 +20,7 @@ from typing import Any, Callable, Iterator
 import numpy as np
 import torch
 
+from vrgd_ds.data_pipeline.errors import DataError
 from vrgd_ds.data_pipeline.sampler import PretrainingSampler
 from vrgd_ds.data_pipeline.samples import DOC_A, DOC_B, BertPretrainingDataset, collate, index_filename
 from vrgd_ds.data_pipeline.shards import MANIFEST, ShardedCorpus, children_without_usr1
@@ -106,7 +107,6 @@ class JobData:
 
         from numpy.lib import format as npy
 
-        from vrgd_ds.data_pipeline.errors import DataError
         from vrgd_ds.data_pipeline.tokenizer import atomic_file
 
         dtype = self.corpus.dtype
@@ -162,6 +162,23 @@ class Windows(torch.utils.data.Dataset):
 
     def __init__(self, stream: np.ndarray, seq_len: int) -> None:
         self.stream, self.seq_len = stream, seq_len
+
+    def __getstate__(self) -> dict:
+        # a stream mapped from its file goes to a DataLoader worker that forkserver (Python 3.14's
+        # default) or spawn starts as its path, mapped again there: pickled, a memmap is its data
+        state = self.__dict__.copy()
+        if isinstance(self.stream, np.memmap) and self.stream.filename is not None:
+            state["stream"] = (Path(self.stream.filename), len(self.stream))
+        return state
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state)
+        if isinstance(self.stream, tuple):
+            path, length = self.stream
+            self.stream = np.load(path, mmap_mode="r")
+            if len(self.stream) != length:  # a part of the file's stream, or the file written again since
+                raise DataError(f"{path}: {len(self.stream)} tokens, not the {length} of the stream it was opened "
+                                "as; was it written again while the job ran?")
 
     def __len__(self) -> int:
         return max((len(self.stream) - 1) // self.seq_len, 0)
@@ -278,7 +295,6 @@ def prepare_data(job: JobConfig, run_dir: Path, rank: int, barrier: Any, seq_len
     ``windows`` (the GPT), rank 0 also writes the token streams the windows are cut from
     (``JobData.write_streams``, beside the sample indices: ``sample_index``) unless they are
     there, and every rank maps them."""
-    from vrgd_ds.data_pipeline.errors import DataError
     from vrgd_ds.data_pipeline.prepare import SAMPLES_DIR, prepare, prepare_lock
 
     cfg = job.data
