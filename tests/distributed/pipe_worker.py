@@ -168,10 +168,13 @@ class Embed(torch.nn.Module):
 
 def tied_model(stages: int) -> PipelineModule:
     torch.manual_seed(0)
-    # stages: Embed, Linear, Tanh | Linear, Embed: each stage holds a tied and an untied tensor, so
-    # both have the same param groups (DeepSpeed's ZeRO-1 takes one grad-norm collective per group)
+    # 2 stages: Embed, Linear, Tanh | Linear, Embed: each stage holds a tied and an untied tensor, so
+    # both have the same param groups (DeepSpeed's ZeRO-1 takes one grad-norm collective per group);
+    # more: a Linear(7, 7) more for each stage between, which holds no tied module (4 stages: Embed,
+    # Linear | Tanh, Linear | Linear, Linear | Embed)
     layers = [TiedLayerSpec("embed", Embed), LayerSpec(torch.nn.Linear, 7, 7), LayerSpec(torch.nn.Tanh),
-              LayerSpec(torch.nn.Linear, 7, 5), TiedLayerSpec("embed", Embed)]
+              *[LayerSpec(torch.nn.Linear, 7, 7) for _ in range(stages - 2)], LayerSpec(torch.nn.Linear, 7, 5),
+              TiedLayerSpec("embed", Embed)]
     return PipelineModule(layers=layers, num_stages=stages, loss_fn=mse, partition_method="uniform")
 
 
@@ -181,7 +184,8 @@ def run_bad_pipe_case(case: dict) -> dict:
     accepted and trains one step."""
     restore = _restore_groups()
     try:
-        model = tied_model(2) if case.get("tied") else pipe_model(2)
+        stages = case.get("stages", 2)
+        model = tied_model(stages) if case.get("tied") else pipe_model(stages)
         params: list = [p for p in model.parameters() if p.requires_grad]
         if case.get("uneven_groups") and model.stage_id == 0:  # a second group on the first stage only
             params = [{"params": params[:1]}, {"params": params[1:], "weight_decay": 0.0}]
@@ -193,7 +197,12 @@ def run_bad_pipe_case(case: dict) -> dict:
         try:
             engine, *_ = deepspeed.initialize(model=model, config=config(case), model_parameters=params)
         except Exception as e:
-            return dict(raised=type(e).__name__, message=str(e))
+            out = dict(raised=type(e).__name__, message=str(e))
+            if case.get("every_rank"):  # what each rank raised, by stage
+                ranks: list = [None] * dist.get_world_size()
+                dist.all_gather_object(ranks, dict(out, stage=model.stage_id))
+                out["ranks"] = ranks
+            return out
         dp_rank = engine.grid.get_data_parallel_rank()
         dtype = torch.bfloat16 if case.get("dtype") == "bf16" else torch.float32
         micro = [(torch.randn(MICRO, 5), torch.randn(MICRO, 7)) if case.get("tied") else batch(0, dp_rank, j)

@@ -130,6 +130,25 @@ def test_a_nonfinite_gradient_on_one_stage_skips_the_step_on_every_stage(pool, s
         assert r["skipped"] == [0.0, 1.0, 0.0] and r["finite"], res
 
 
+@pytest.mark.exhaustive  # 4 ranks (make test: the refusal on 2 stages, above)
+def test_a_tied_module_with_gsnr_on_is_refused_on_the_stages_between_too(pool4):
+    """4 stages, the tied module on the first and the last: the stages between, which do not hold
+    it, refuse at ``initialize`` as well (their message says the stages holding it name it): every
+    rank returns what it raised. Fails on the old code, where only the stages holding the module
+    raised and the two between went on into the engine's first collective, waiting for ranks that
+    had stopped (a hang until the launcher or the collective timeout ends the job)."""
+    res = pool4.run("pipe_worker", "run_bad_pipe_case", dict(stage=1, opt="VRLamb", gas=2, clip=0.0, tied=True,
+                                                             stages=4, every_rank=True), timeout=120)
+    by_stage = {r["stage"]: r for r in res["ranks"]}
+    assert sorted(by_stage) == [0, 1, 2, 3] and {r["raised"] for r in res["ranks"]} == {"UnsupportedConfiguration"}
+    for stage in (0, 3):
+        assert "the tied module 'embed' (TiedLayerSpec) is used on 2 pipeline stages" in by_stage[stage]["message"]
+    for stage in (1, 2):
+        assert "not this one, has a weight in a param group with GSNR on (the stages holding it name it)" in \
+            by_stage[stage]["message"], by_stage[stage]
+    assert all("'gsnr': false" in r["message"] for r in res["ranks"])
+
+
 def test_stages_with_unequally_many_param_groups_are_refused_at_initialize(pool):
     """The first stage's optimizer with 2 param groups, the second's with 1 (a stage without the
     tensors of a no-decay group): refused at ``initialize`` on every rank, naming the counts.

@@ -91,20 +91,34 @@ def replicated(engine: Any, keys: dict[int, int], num_keys: int) -> Any | None:
 
 
 def check_tied(engine: Any, opt: Any) -> None:
-    """Refuses GSNR on a tied module's weights held by more than one stage."""
+    """Refuses GSNR on a tied module's weights held by more than one stage, on every rank alike:
+    only the stages holding the module find it (``tied_comms``), and a stage between them that went
+    on would wait at the engine's first collective for ranks that have stopped."""
     module = engine.module
     require(module, _MODULE, "PipelineModule")
     groups = model_groups(engine, opt)
+    refused = None
     for key, comm in module.tied_comms.items():
         if len(comm["ranks"]) <= 1:  # every use on this stage: the gradient is whole per micro-batch
             continue
         for attr in comm["weight_attr"]:
             weight = module._recursive_getattr(comm["module"], attr)
             i = next((i for i, params in enumerate(groups) if any(q is weight for q in params)), None)
-            if i is not None and opt.param_groups[i]["gsnr"]:
-                raise UnsupportedConfiguration(
-                    f"vrgd_ds: the tied module {key!r} (TiedLayerSpec) is used on {len(comm['ranks'])} pipeline stages "
-                    f"(ranks {comm['ranks']}) and its weight {attr!r} is in a param group with GSNR on: each stage "
-                    "holds only a partial gradient per micro-batch, summed over the stages once per step, so its "
-                    "squares would be wrong. Put its parameters in a param group with 'gsnr': false, or keep the "
-                    "tied layers on one stage")
+            if i is not None and opt.param_groups[i]["gsnr"] and refused is None:
+                refused = (f"the tied module {key!r} (TiedLayerSpec) is used on {len(comm['ranks'])} pipeline stages "
+                           f"(ranks {comm['ranks']}) and its weight {attr!r} is in a param group with GSNR on")
+    group = stage_group(engine)
+    if group is not None:
+        import torch
+        import torch.distributed as dist
+
+        flag = torch.tensor([refused is not None], dtype=torch.int64, device=next(module.parameters()).device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
+        if int(flag) and refused is None:
+            refused = ("a tied module (TiedLayerSpec) used on several pipeline stages, not this one, has a weight in "
+                       "a param group with GSNR on (the stages holding it name it)")
+    if refused is not None:
+        raise UnsupportedConfiguration(
+            f"vrgd_ds: {refused}: each stage holds only a partial gradient per micro-batch, summed over the stages "
+            "once per step, so its squares would be wrong. Put its parameters in a param group with 'gsnr': false, "
+            "or keep the tied layers on one stage")

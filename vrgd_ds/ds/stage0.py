@@ -55,7 +55,7 @@ class Stage0:
         else:
             raise UnsupportedConfiguration(
                 f"vrgd_ds: DeepSpeed wrapped the VRGD optimizer in {type(self.wrapper).__name__}, which the hooks "
-                "do not cover (stage 0 supports fp32, fp16 and bf16)")
+                "do not cover (stage 0 supports fp32 and bf16; fp16 needs ZeRO stage 1 or more)")
 
     def targets(self) -> list[Tensor]:
         """The tensors the basic optimizer updates: the parameters, or their fp32 master copies."""
