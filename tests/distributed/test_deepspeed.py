@@ -475,6 +475,22 @@ def test_gbar_auto_follows_the_dtype_gradients_are_reduced_in(pool, low, stage, 
     assert res["raised"] is None and res["gbar"] == gbar, res
 
 
+@pytest.mark.exhaustive  # make test: the per-micro-step reduction against the reference on ZeRO-2 (fp32, bf16)
+def test_a_bf16_model_accumulating_in_fp32_gets_the_same_gradient_under_either_scheme(pool):
+    """bf16 on ZeRO-2 with ``data_types.grad_accum_dtype`` and ``communication_data_type`` fp32:
+    DeepSpeed stages each micro-step's gradient in a bf16 bucket, reduces it in fp32 and adds the
+    fp32 result to the fp32 partition. The per-micro-step scheme's fused reduction must hand back
+    that fp32 result too: the optimizer then steps with the gradient of the per-step scheme (which
+    leaves DeepSpeed's reduction as it is), bit for bit. Fails on the code before, which returned
+    the bf16 bucket: every micro-step's averaged gradient rounded to bf16 before it was
+    accumulated, with no warning."""
+    sets = {"data_types.grad_accum_dtype": "fp32", "communication_data_type": "fp32"}
+    grads = {scheme: run(pool, "run_stepped_grads_case", dict(stage=2, dtype="bf16", gas=2, clip=0.0, opt="VRLamb",
+                                                              bucket=500, set={**sets, "vrgd.squares": scheme}))["grads"]
+             for scheme in ("per_step", "per_micro_step")}
+    assert len(grads["per_step"]) > 0 and grads["per_micro_step"] == grads["per_step"]
+
+
 def test_lamb_by_name_trains_in_bf16_on_stage_0(pool):
     """``"type": "Lamb"`` (our LAMB on the CPU accelerator) in bf16 without ZeRO: DeepSpeed wraps it in
     FP16_UnfusedOptimizer, which for an optimizer named "lamb" takes FusedLamb's legacy step

@@ -904,6 +904,27 @@ def run_steps_case(case: dict) -> dict:
                 moved=any(not torch.equal(a, b) for a, b in zip(before, after)))
 
 
+def run_stepped_grads_case(case: dict) -> dict:
+    """One step of ``case["gas"]`` micro-steps under the case's config (``case["set"]``): the
+    gradient the basic optimizer steps with (this rank's fp32 partition), flat, as a list."""
+    rank = dist.get_rank()
+    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[case["dtype"]]
+    engine, *_ = deepspeed.initialize(model=tiny_model(), config=with_settings(config(case), case.get("set", {})))
+    opt, seen = engine.basic_optimizer, []
+    step = opt.step
+
+    def recording_step(*args, **kwargs):
+        seen.extend(p.grad.detach().float().reshape(-1).clone() for g in opt.param_groups for p in g["params"]
+                    if p.grad is not None)
+        return step(*args, **kwargs)
+
+    opt.step = recording_step
+    for j in range(case["gas"]):
+        engine.backward(loss_fn(engine, batch(0, rank, j), dtype))
+        engine.step()
+    return dict(grads=torch.cat(seen).tolist())
+
+
 class SparseInput(torch.nn.Module):
     """``tiny_model`` after a sparse embedding of the input's rounded magnitudes (an
     ``nn.Embedding(sparse=True)``, as recommender and word-embedding models have)."""

@@ -140,9 +140,11 @@ class Zero12:
             flat = tensor.view(-1)
             if flat.dtype == torch.float32:
                 torch.mul(red_g, 1.0 / k, out=flat)  # DeepSpeed's postscale average
-            else:
-                flat.copy_(red_g.mul_(1.0 / k))
-            return tensor
+                return tensor
+            flat.copy_(red_g.mul_(1.0 / k))
+            # as DeepSpeed's: a reduction in another dtype than the bucket's returns its result in that
+            # dtype (ZeRO-2 with fp32 grad_accum_dtype adds it to the fp32 partition), else the bucket
+            return red_g if communication_data_type != tensor.dtype else tensor
 
         zopt.gradient_reduction_w_predivide = gradient_reduction_w_predivide
 
