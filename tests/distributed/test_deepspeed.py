@@ -199,6 +199,19 @@ def test_hierarchical_statistics_on_two_nodes_equal_the_reference(pool4, name, c
         assert res["l2"] <= CONTRAST["fp32"] * res["contrast_l2"], res
 
 
+@pytest.mark.parametrize("gbar, squares", [("local", "fp32"), pytest.param("engine", "bf16", marks=pytest.mark.exhaustive)])
+def test_zero3_per_step_counts_the_copy_its_step_collective_makes(pool, gbar, squares):
+    """ZeRO-3 under the per-step scheme reduce-scatters its sums with DeepSpeed's coalesced helper,
+    which copies its inputs (padded and interleaved by rank; bf16 squares copied to bf16 first):
+    the statistics' ``memory()`` counts the largest such call as transient, the bytes measured
+    around the calls. Fails on the code before, which said 0 (the attach log and the memory table
+    understated the step's peak by 4 B/param)."""
+    res = run(pool, "run_step_copy_case", dict(stage=3, dtype="fp32", gas=2, clip=0.0, opt="VRLamb", bucket=40,
+                                               gbar=gbar, sq_dtype=squares))
+    assert len(res["calls"]) == (2 if gbar == "local" else 1) and min(res["calls"]) > 0, res
+    assert res["memory"]["transient"] == max(res["calls"]), res
+
+
 @pytest.mark.parametrize("gbar", [pytest.param("engine", marks=pytest.mark.exhaustive), "local"])
 def test_hierarchical_statistics_hold_a_node_share_of_per_steps_memory(pool4, gbar):
     """4 ranks as 2 nodes × 2, ZeRO-2, accumulation 2, a bucket of 40 elements: the buffers that

@@ -693,6 +693,46 @@ def run_scheme_costs(case: dict) -> dict:
     return out
 
 
+def run_step_copy_case(case: dict) -> dict:
+    """ZeRO-3 under the per-step scheme, one step: the statistics' ``memory()``, and the most bytes
+    one call of DeepSpeed's coalesced reduce-scatter (the statistics' step collective) had
+    allocated, measured: its low-precision inputs (copies made for it) and what its ``torch.cat``
+    returned (the padded, interleaved copy)."""
+    from vrgd_ds.ds import zero3
+
+    rank, calls = dist.get_rank(), []
+    get = zero3._reduce_scatter_coalesced
+
+    def measured():
+        helper = get()
+
+        def call(tensors, group=None):
+            cat, made = torch.cat, [sum(t.numel() * t.element_size() for t in tensors if t.dtype != torch.float32)]
+
+            def counted(*a, **k):
+                out = cat(*a, **k)
+                made.append(out.numel() * out.element_size())
+                return out
+
+            torch.cat = counted
+            try:
+                return helper(tensors, group)
+            finally:
+                torch.cat = cat
+                calls.append(sum(made))
+        return call
+
+    zero3._reduce_scatter_coalesced = measured
+    try:
+        engine, *_ = deepspeed.initialize(model=tiny_model(), config=config(dict(case, scheme="per_step")))
+        for j in range(case["gas"]):
+            engine.backward(loss_fn(engine, batch(0, rank, j), DTYPES[case["dtype"]]))
+            engine.step()
+    finally:
+        zero3._reduce_scatter_coalesced = get
+    return dict(memory=engine.vrgd_stats.memory(), calls=calls)
+
+
 def checkpoint_cases(tmp: str):
     for stage in (0, 1, 2, 3):
         yield f"checkpoint-stage{stage}", dict(stage=stage, dtype="fp32", gas=2, clip=1.0, opt="VRLamb", bucket=40,

@@ -239,6 +239,13 @@ class Zero3:
         for t in targets:
             stats.alias(t, torch.zeros(t.numel(), dtype=torch.float32, device=t.device) if stats.gbar == "local"
                         else None, torch.zeros(t.numel(), dtype=torch.float32, device=t.device))
+        # what a call of the helper allocates for the step (the calls one after another): a copy of its
+        # inputs padded to k and interleaved by rank (none for one tensor that k divides), and for
+        # low-precision squares their copies before it
+        copy = 0 if len(sizes) == 1 and sizes[0] % k == 0 else sum(-(-n // k) * k for n in sizes)
+        size = torch.finfo(squares_dtype).bits // 8
+        squares_call = copy * 4 if size == 4 else (off + copy) * size
+        stats.step_copy_bytes = max(squares_call, copy * 4 if stats.gbar == "local" else 0)
 
         def scatter(views: list[Tensor], dtype: torch.dtype, squares: bool) -> list[Tensor]:
             # the helper pads every tensor to a multiple of k, as it does for DeepSpeed's own fp32

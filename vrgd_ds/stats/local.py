@@ -267,6 +267,9 @@ class LocalStats:
         self._bufs: dict[int, tuple[Tensor, Tensor]] = {}
         self.stat_buckets: list[StatsBucket] = []
         self._size = 0
+        #: bytes an engine's collective allocates for the step's reduction and frees after it (ZeRO-3:
+        #: DeepSpeed's coalesced reduce-scatter copies its inputs, padded and interleaved), set by the path
+        self.step_copy_bytes = 0
         self._arena: Tensor | None = None
         self._device: torch.device | None = None
         # parameters, by index: their placement (rows in the allocation) and micro-step counts
@@ -595,7 +598,7 @@ class LocalStats:
     def memory(self) -> dict[str, int]:
         """Bytes the statistics hold on this rank, by kind: ``local`` the buffers that mirror the
         model's gradients (full size), ``partition`` the sums the optimizer reads (shaped like its
-        partition), ``transient`` the buffers one bucket at a time uses."""
+        partition), ``transient`` what the step's reduction allocates for a while (``step_copy_bytes``)."""
         storages = {}  # the allocations behind the views the optimizer reads, each once
         for g, sq in self._bufs.values():
             for t in (g, sq):
@@ -603,7 +606,7 @@ class LocalStats:
                     storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
         if self._arena is not None:
             storages.pop(self._arena.untyped_storage().data_ptr(), None)  # counted as local
-        return {"local": self._size * 4, "partition": sum(storages.values()), "transient": 0}
+        return {"local": self._size * 4, "partition": sum(storages.values()), "transient": self.step_copy_bytes}
 
     def buffer_bytes(self) -> int:
         """Bytes of every buffer the statistics hold on this rank (``memory()``'s sum)."""
