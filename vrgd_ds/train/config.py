@@ -269,12 +269,14 @@ class JobConfig(_Strict):
     timeout_minutes: float = Field(30.0, gt=0.0, le=1e6, allow_inf_nan=False)
     """A rank without progress (a step, an evaluation, a checkpoint) for this long ends the job
     with a message naming the rank that stalled; every collective times out a little later
-    (``watchdog.collective_timeout``), so the watchdog's message comes first. Preparing a
-    large corpus inside the job counts against it on the waiting ranks: prepare it beforehand
-    with ``vrgd-data prepare``. At most 1e6 (about two years: no limit in effect)."""
+    (``watchdog.collective_timeout``), so the watchdog's message comes first. At most 1e6
+    (about two years: no limit in effect)."""
     startup_timeout_minutes: float = Field(10.0, gt=0.0, le=1e6, allow_inf_nan=False)
     """The same limit until the first step finishes (set-up, kernels built on first use, a
-    resume or a checkpoint conversion), when it is longer than ``timeout_minutes``."""
+    resume or a checkpoint conversion), when it is longer than ``timeout_minutes``. Data the job
+    prepares itself (``job.data.inputs``: the tokenizer trained, the corpus sharded) counts
+    against it on every rank: prepare a large corpus beforehand with ``vrgd-data prepare``, or
+    raise this."""
     telemetry: TelemetryConfig = Field(default_factory=TelemetryConfig)
     """Where the metrics go."""
 

@@ -332,6 +332,11 @@ def prepare_data(job: JobConfig, run_dir: Path, rank: int, barrier: Any, seq_len
                 build_sample_index(corpus, n, job.seed, where, next_sentence=cfg.next_sentence)
     elif rank == 0:  # idempotent: checks and reuses what an earlier start built
         keep = bool(cfg.path) and prepared  # given and prepared already (vrgd-data prepare, another job)
+        if not prepared:
+            logger.info("preparing %s in the job (tokenizer, shards, sample indices): every rank waits for it within "
+                        "job.startup_timeout_minutes (%g min, or job.timeout_minutes where longer); prepare a large "
+                        "corpus beforehand with vrgd-data prepare, or raise the key", out,
+                        max(job.startup_timeout_minutes, job.timeout_minutes))
         try:
             prepare(out, inputs=cfg.inputs or None, format=cfg.format, vocab_size=cfg.vocab_size,
                     seq_lens=tuple(seq_lens), seed=job.seed, workers=cfg.prepare_workers, progress=True,
