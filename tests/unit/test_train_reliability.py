@@ -189,6 +189,33 @@ def test_a_prepared_data_directory_is_not_rebuilt_by_a_job_that_lists_other_inpu
     assert reused.tokenizer.vocab_size == 400 and (prepared / "tokenizer.model").read_bytes() == tokenizer
 
 
+def test_ranks_other_than_0_look_the_prepared_files_up_only_after_the_barrier(tmp_path, monkeypatch):
+    """Rank 0 prepares the data into the run directory while the others wait at the barrier: a
+    rank other than 0 must not look up the tokenizer or the shards' manifest before it (on a
+    network filesystem a lookup of a file not yet written can be cached as missing, and the rank
+    then fails to open what rank 0 wrote). Fails on the old code, where every rank looked both up
+    before the barrier (whether the directory was prepared, which only rank 0 uses)."""
+    import pathlib
+
+    from vrgd_ds.train import data
+    from vrgd_ds.train.config import load_config
+
+    _, job = load_config(TEST_CONFIG, [])
+    run_dir = tmp_path / "run"
+    data.prepare_data(job, run_dir, 0, lambda: None, [64])  # rank 0's part (what the others wait for)
+    early, passed = [], []
+    is_file = pathlib.Path.is_file
+
+    def looked_up(path: pathlib.Path) -> bool:
+        if not passed and path.name in ("tokenizer.model", "manifest.json"):
+            early.append(path.name)
+        return is_file(path)
+
+    monkeypatch.setattr(pathlib.Path, "is_file", looked_up)
+    opened = data.prepare_data(job, run_dir, 1, lambda: passed.append(True), [64])
+    assert passed and early == [] and opened.tokenizer.vocab_size > 0
+
+
 @pytest.mark.parametrize("record", ["missing", "unreadable", "without the shards"])
 def test_a_prepared_data_directory_without_its_record_is_not_rebuilt_by_a_job_with_inputs(tmp_path, record):
     """A tokenizer and shards with no record of how they were built (``vrgd-data tokenizer`` and

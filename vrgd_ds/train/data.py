@@ -308,7 +308,9 @@ def prepare_data(job: JobConfig, run_dir: Path, rank: int, barrier: Any, seq_len
         from vrgd_ds.data_pipeline.samples import index_is_current
 
         return lambda path: index_is_current(corpus, path, n, job.seed, next_sentence=cfg.next_sentence)
-    prepared = (out / TOKENIZER_FILE).is_file() and (out / SHARDS_DIR / MANIFEST).is_file()
+    # rank 0's alone: the other ranks look the files up after the barrier only (a lookup before rank 0
+    # wrote them could be cached as missing on a network filesystem)
+    prepared = rank == 0 and (out / TOKENIZER_FILE).is_file() and (out / SHARDS_DIR / MANIFEST).is_file()
     if rank == 0 and cfg.path and not cfg.inputs and prepared:
         # A directory prepared beforehand (vrgd-data prepare): use its tokenizer and shards as
         # they are; only sample indices for this job's seed / lengths are added if missing. One
