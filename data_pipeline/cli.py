@@ -13,6 +13,7 @@ file or option at fault and the fix) and exits with status 2, without a tracebac
 from __future__ import annotations
 
 import argparse
+import contextlib
 import errno
 import json
 import logging
@@ -79,7 +80,7 @@ def _cmd_shard(args: argparse.Namespace) -> int:
 
 
 def _cmd_samples(args: argparse.Namespace) -> int:
-    from vrgd_ds.data_pipeline.prepare import SAMPLES_DIR, SHARDS_DIR, TOKENIZER_FILE
+    from vrgd_ds.data_pipeline.prepare import SAMPLES_DIR, SHARDS_DIR, TOKENIZER_FILE, prepare_lock
     from vrgd_ds.data_pipeline.samples import build_sample_index
     from vrgd_ds.data_pipeline.shards import ShardedCorpus
 
@@ -92,8 +93,11 @@ def _cmd_samples(args: argparse.Namespace) -> int:
         "next_sentence": None if args.next_sentence == "none" else args.next_sentence}
     if args.short_seq_prob is not None:
         extra["short_seq_prob"] = args.short_seq_prob
-    for n in args.seq_len:
-        print(build_sample_index(corpus, n, args.seed, out, **extra))
+    prepared = out is not None and Path(out).resolve() == shards.parent / SAMPLES_DIR
+    # into a prepared directory's samples/: one writer at a time, as the jobs that add theirs there
+    with prepare_lock(shards.parent) if prepared else contextlib.nullcontext():
+        for n in args.seq_len:
+            print(build_sample_index(corpus, n, args.seed, out, **extra))
     return 0
 
 

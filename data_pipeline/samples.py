@@ -54,6 +54,7 @@ import json
 import logging
 import os
 import pathlib
+import socket
 from collections.abc import Sequence
 from typing import Any, Protocol
 
@@ -304,13 +305,14 @@ def build_sample_index(corpus: TokenCorpus, max_seq_len: int, seed: int,
     meta["num_samples"] = int(len(rows))
     # The .npy goes first and the sidecar last: a sidecar never vouches for a file that
     # is not yet in place, and a crash in between leaves a sidecar mismatch -> rebuild.
-    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+    here = f"{socket.gethostname()}.{os.getpid()}"  # a writer on another node may have this pid
+    tmp = path.with_name(f".{path.name}.tmp.{here}")
     with open(tmp, "wb") as f:
         np.save(f, rows)
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path)
-    tmp_meta = sidecar.with_name(f".{sidecar.name}.tmp{os.getpid()}")
+    tmp_meta = sidecar.with_name(f".{sidecar.name}.tmp.{here}")
     tmp_meta.write_text(json.dumps(meta, indent=2, sort_keys=True) + "\n")
     os.replace(tmp_meta, sidecar)
     logger.info("wrote sample index %s: %d samples from %d documents", path, len(rows),

@@ -75,6 +75,37 @@ def test_indices_built_by_the_cli_go_where_jobs_look_and_another_short_seq_prob_
     assert np.array_equal(np.load(built), rows) and not np.array_equal(np.load(job_index), rows)
 
 
+def test_indices_the_cli_adds_to_a_prepared_directory_wait_for_its_lock_and_name_the_host(corpus_file, tmp_path,
+                                                                                        caplog, monkeypatch):
+    """``vrgd-data samples`` into a prepared directory's ``samples/`` takes the directory's prepare
+    lock, as a job adding its indices there does: while another holds it, the command waits
+    (saying so) and writes nothing, then builds. Its temporary files are named for the host and
+    the process (a writer on another node may have the same pid). Fails on the old code, which
+    wrote without the lock, under names of the pid alone."""
+    from vrgd_ds.data_pipeline import samples
+    from vrgd_ds.data_pipeline.locks import directory_lock
+
+    out = tmp_path / "prepared"
+    prepare(out, corpus_file, vocab_size=400, seq_lens=(64,), workers=1, progress=False, tokenizer_threads=1,
+            shard_tokens=10000)
+    caplog.set_level(logging.INFO, logger="vrgd_ds.data_pipeline.locks")
+    monkeypatch.setattr(samples.socket, "gethostname", lambda: "node7")
+    moved, replace = [], os.replace
+    monkeypatch.setattr(samples.os, "replace", lambda a, b: (moved.append(Path(a).name), replace(a, b)))
+    index = out / "samples" / "samples_seq32_seed0_none.npy"
+    done: dict = {}
+    with directory_lock(out, LOCK_FILE, "prepare"):  # a job adding its indices, still at work
+        thread = threading.Thread(target=lambda: done.update(code=main(["samples", str(out / "shards"),
+                                                                        "--seq-len", "32"])))
+        thread.start()
+        wait_until(lambda: "waiting for another prepare" in caplog.text or not thread.is_alive(),
+                   "the command to wait or finish")
+        assert thread.is_alive() and not index.exists()
+    thread.join(timeout=120)
+    assert done["code"] == 0 and index.is_file()
+    assert moved and all(f".tmp.node7.{os.getpid()}" in name for name in moved), moved
+
+
 def test_cli_errors_exit_2_without_traceback(tmp_path, capsys):
     assert main(["shard", "--tokenizer", str(tmp_path / "none.model"), "--out", str(tmp_path / "s"),
                  str(tmp_path / "missing.txt")]) == 2
