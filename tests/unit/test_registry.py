@@ -244,6 +244,29 @@ def test_an_unsupported_deepspeed_fails_every_import_not_the_first_only(tmp_path
                                        "2 refused vrgd_ds supports DeepSpeed 0.19.8, found 0.20.0"], run.stdout
 
 
+@pytest.mark.parametrize("name", ["Lamb", "Lars", "Merit"])
+def test_a_base_variant_refuses_a_param_group_that_switches_the_gsnr_on(name):
+    """``Lamb`` is ``VRLamb`` with ``gsnr=False``, so that VR-X against X differs in nothing
+    else: a param group that sets ``gsnr`` True, given at construction or added later, is refused
+    naming the group and the member to use, and the optimizer keeps its groups; ``gsnr`` False
+    is accepted. Fails on the code before, which refused only the keyword: such a group ran the
+    member's GSNR (metrics with n, damping) under the base optimizer's name."""
+    import vrgd_ds
+
+    variant = getattr(vrgd_ds, name)
+    member = variant.of.__name__
+    a, b = torch.nn.Parameter(torch.randn(3, 2)), torch.nn.Parameter(torch.randn(2))
+    with pytest.raises(ValueError, match=rf"{name} \(param group 1\): {name} is {member} with gsnr=False; use "
+                                         rf"{member} for a param group with gsnr=True"):
+        variant([{"params": [a]}, {"params": [b], "gsnr": True}], lr=0.1)
+    opt = variant([a], lr=0.1)
+    with pytest.raises(ValueError, match=rf"{name} \(param group 1\): {name} is {member} with gsnr=False"):
+        opt.add_param_group({"params": [b], "gsnr": True})
+    assert len(opt.param_groups) == 1
+    opt.add_param_group({"params": [b], "gsnr": False})
+    assert [g["gsnr"] for g in opt.param_groups] == [False, False]
+
+
 @pytest.mark.parametrize("block, message", [
     ({"type": "VRLamb", "parms": {"gamma": 0.5}}, 'optimizer.parms: not a key of the optimizer block; did you mean '
                                                    "'params'"),

@@ -43,6 +43,8 @@ gsnr_switch = S.gsnr_switch
 _SERIALS = itertools.count()
 #: the registry name an optimizer is being built as (``registry.Variant``: Lamb is VRLamb, gsnr off)
 BUILDING: contextvars.ContextVar[str | None] = contextvars.ContextVar("vrgd_building", default=None)
+#: the options that variant fixes (``Lamb``: ``gsnr=False``), which no param group may set otherwise
+FIXED: contextvars.ContextVar[dict[str, Any] | None] = contextvars.ContextVar("vrgd_fixed", default=None)
 _FOR_ENGINE: contextvars.ContextVar[bool] = contextvars.ContextVar("vrgd_for_engine", default=False)
 
 
@@ -104,6 +106,7 @@ class GSNROptimizer(torch.optim.Optimizer):
         #: the kernel choice (``_impl.select``); an engine's statistics source takes the same
         self.fused = fused
         self._own_keys = tuple(defaults)  # torch adds keys of its own ("differentiable") to defaults
+        self._fixed = dict(FIXED.get() or {})
         #: set by an integration whose wrapper calls step() once per sub-group (ZeRO-3): metrics
         #: then merge over the calls until ``begin_step_records()``
         self.merge_step_records = False
@@ -275,6 +278,10 @@ class GSNROptimizer(torch.optim.Optimizer):
                 if close:
                     raise ValueError(f"{where}: {key!r} is not an option of {self.name}; did you mean {close[0]!r}? "
                                      "(a param group's key the optimizer does not read is left unread)")
+        for key, value in getattr(self, "_fixed", {}).items():  # (an optimizer unpickled from before: none)
+            if group.get(key, value) != value:
+                raise ValueError(f"{where}: {self.name} is {type(self).__name__} with {key}={value!r}; use "
+                                 f"{type(self).__name__} for a param group with {key}={group[key]!r}")
         check_common(where, group)
         check_dtypes(where, group["params"], self.fused)
         type(self)._check_options(where, group)

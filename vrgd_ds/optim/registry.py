@@ -19,7 +19,7 @@ from typing import Any, Callable
 import torch
 
 from vrgd_ds.optim.adam import VRAdam, vr_adam
-from vrgd_ds.optim.base import BUILDING, GSNROptimizer
+from vrgd_ds.optim.base import BUILDING, FIXED, GSNROptimizer
 from vrgd_ds.optim.lamb import VRLamb, vr_lamb
 from vrgd_ds.optim.lars import VRLars, vr_lars
 from vrgd_ds.optim.merit import VRMerit, vr_merit
@@ -58,11 +58,12 @@ class Variant:
             if key in kwargs and kwargs[key] != value:
                 raise ValueError(f"{self.name} is {self.of.__name__} with {key}={value!r}; use {self.of.__name__} "
                                  f"for {key}={kwargs[key]!r}")
-        token = BUILDING.set(self.name)
+        token, fixed = BUILDING.set(self.name), FIXED.set(self.fixed)
         try:
             return self.of(params, **{**self.defaults, **kwargs, **self.fixed})
         finally:
             BUILDING.reset(token)
+            FIXED.reset(fixed)
 
     def __instancecheck__(self, obj: Any) -> bool:
         return isinstance(obj, self.of) and getattr(obj, "name", None) == self.name
