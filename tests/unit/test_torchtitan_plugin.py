@@ -242,3 +242,20 @@ def test_expert_parallelism_is_refused_by_the_container_naming_torchtitans_optio
     assert run.returncode == 0, run.stderr[-2000:]
     assert "several FSDP parameter groups" in run.stdout, run.stdout
     assert "set parallelism.expert_parallel_degree to 1" in run.stdout, run.stdout
+
+
+@pytest.mark.parametrize("comm, hinted", [("SymmMemReduceScatter", True), ("ProcessGroupAllocReduceScatter", False)])
+def test_a_replaced_reduce_scatter_names_torchtitans_option_only_for_symmetric_memory(comm, hinted):
+    """FSDP's refusal of a replaced reduce-scatter names every FSDP option that replaces it and the
+    class that did; the container adds torchtitan's ``parallelism.enable_fsdp_symm_mem`` only where
+    that class is symmetric memory's, the one torchtitan's option installs. Fails on the code
+    before, which matched the option's name, in every such refusal: a custom ``parallelize_fn``
+    allocating from the process group was told to turn symmetric memory off."""
+    from vrgd_ds.fsdp.torchtitan import _in_torchtitan_terms
+
+    refusal = (f"vrgd_ds.fsdp: FSDP's reduce-scatter replaced by {comm} (set_custom_reduce_scatter, "
+               "set_symm_mem_for_comm, allocation from the process group) is not supported")
+    with pytest.raises(UnsupportedFSDPConfiguration) as raised, _in_torchtitan_terms():
+        raise UnsupportedFSDPConfiguration(refusal)
+    assert str(raised.value).startswith(refusal)
+    assert ("set parallelism.enable_fsdp_symm_mem to false" in str(raised.value)) == hinted

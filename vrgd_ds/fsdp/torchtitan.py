@@ -226,7 +226,8 @@ _TORCHTITAN_CAUSES = (
     ("several FSDP parameter groups", "torchtitan shards a MoE block's experts on a mesh of their own under "
      "expert parallelism: set parallelism.expert_parallel_degree to 1"),
     ("CPUOffloadPolicy", "torchtitan: set training.enable_cpu_offload to false"),
-    ("set_symm_mem_for_comm", "torchtitan: set parallelism.enable_fsdp_symm_mem to false"),
+    # (the refusals name every FSDP option that replaces the reduce-scatter, and the class that did it)
+    ("by SymmMemReduceScatter", "torchtitan: set parallelism.enable_fsdp_symm_mem to false"),
 )
 
 
