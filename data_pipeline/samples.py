@@ -112,6 +112,21 @@ def corpus_identity(corpus: TokenCorpus) -> str:
     return hashlib.sha256(blob).hexdigest()
 
 
+def generator_streams() -> str:
+    """16 hex digits of what numpy's ``Generator`` draws, from fixed seeds, in the calls the sample
+    streams make at read time (the sampler's ``permutation``; the masking's ``choice`` without
+    replacement, ``random`` and ``integers``). The same seed gives the same draws within a numpy
+    release only (NEP 19): a resume compares it with its checkpoint's, since another release would
+    put the rest of an epoch in another order, repeating some samples and skipping others."""
+    rng = np.random.default_rng([_TAG_INDEX, _TAG_MASK, 1])
+    draws = (rng.permutation(1000), rng.choice(np.arange(5, 517), size=77, replace=False), rng.random(33),
+             rng.integers(5, 30522, size=33))
+    digest = hashlib.sha256()
+    for d in draws:
+        digest.update(np.ascontiguousarray(d, dtype=np.float64 if d.dtype.kind == "f" else np.int64).tobytes())
+    return digest.hexdigest()[:16]
+
+
 #: BERT's probability of a shorter target length, the sample builder's default
 SHORT_SEQ_PROB = 0.1
 

@@ -534,6 +534,31 @@ def test_other_data_would_stop_unless_the_config_says_continue(run_dir, monkeypa
     assert ("would stop:" in report and "data_change" in report) != ok, report
 
 
+@pytest.mark.parametrize("policy, ok", [(None, False), ("continue", True)])
+def test_a_checkpoint_whose_numpy_drew_other_samples_would_stop_unless_the_config_says_continue(run_dir, policy, ok):
+    """A checkpoint whose marker records other draws of numpy's ``Generator`` than this numpy's
+    (another release: the rest of the epoch in another order, samples repeated and skipped):
+    ``--check-resume`` says the job would stop, naming numpy's releases and
+    ``checkpoint.data_change``; with ``"continue"`` it goes ahead and lists the change; the
+    same draws say nothing. Fails on the code before, which recorded neither and resumed in the
+    new order without a word."""
+    from vrgd_ds.data_pipeline.samples import generator_streams
+
+    tag = run_dir / "checkpoints" / "step00000004"
+    marker = ckpt.marker(run_dir / "checkpoints", "step00000004")
+    raw = copy.deepcopy(RAW)
+    if policy:
+        raw["checkpoint"] = {"data_change": policy}
+    for streams, said in ((generator_streams(), False), ("0123456789abcdef", True)):
+        ckpt.mark_complete(run_dir / "checkpoints", "step00000004", 4, 2,
+                           dict(marker["info"], numpy_streams=streams, numpy="1.0.0"))
+        report, go = check(run_dir, raw, 2)
+        assert ("numpy 1.0.0 drew this run's sample order and masks" in report) == said, report
+        assert go == (ok or not said), report
+        if said and not ok:
+            assert f"would stop: {tag}" in report and "pip install numpy==1.0.0" in report and "data_change" in report
+
+
 def test_a_global_batch_the_ranks_do_not_split_would_stop_as_the_job_does(run_dir):
     """On 8 ranks a global batch of 16 in micro-batches of 4 does not split: the job stops at its
     set-up (``phase_settings``), and ``--check-resume`` says it would. Fails on the old code, whose

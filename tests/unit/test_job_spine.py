@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import logging
 import pickle
+import re
 import signal
 from pathlib import Path
 
@@ -402,6 +403,36 @@ def test_a_resume_on_other_data_stops_unless_the_config_says_continue(start, tmp
     bad = dict(go_on, checkpoint={"data_change": "keep"})
     with pytest.raises(loop.ConfigError, match="checkpoint.data_change: 'keep' is not one of 'refuse', 'continue'"):
         parse_job(bad)
+
+
+def test_a_resume_under_a_numpy_that_draws_other_samples_stops_unless_the_config_says_continue(start, tmp_path,
+                                                                                                   monkeypatch, caplog):
+    """The job's checkpoint records what this numpy's ``Generator`` draws from fixed seeds (the
+    calls the sample order and the masks make) and its release; started again where numpy draws
+    otherwise (another release), the job stops naming both releases and ``checkpoint.data_change``,
+    and with ``"continue"`` goes on from the saved position, saying so. Fails on the code before,
+    which recorded neither: the rest of the epoch in another order, samples repeated and skipped."""
+    import numpy as np
+
+    from vrgd_ds.data_pipeline import samples
+
+    run_dir = tmp_path / "run"
+    StandIn.during[1] = lambda job: signal.raise_signal(loop.PREEMPT_SIGNAL)
+    assert isinstance(start(run_dir), loop.Preempted)
+    StandIn.during.clear()
+    info = ckpt.marker(run_dir / "checkpoints", ckpt.tags(run_dir / "checkpoints")[-1])["info"]
+    assert info["numpy_streams"] == samples.generator_streams() and info["numpy"] == np.__version__
+    monkeypatch.setattr(samples, "generator_streams", lambda: "fedcba9876543210")
+    with pytest.raises(loop.ConfigError, match=rf"numpy {re.escape(np.__version__)} drew this run's sample order and "
+                       r"masks.*pip install numpy==.*checkpoint.*data_change.*continue"):
+        start(run_dir)
+    go_on = json.loads(json.dumps(CONFIG))
+    go_on["checkpoint"] = {"data_change": "continue"}
+    with caplog.at_level(logging.WARNING):
+        out = start(run_dir, go_on)
+    assert isinstance(out, dict) and out["steps"] == 4, out
+    assert any("drew this run's sample order" in r.getMessage() and "going on from the saved position" in r.getMessage()
+               for r in caplog.records)
 
 
 def test_dropout_seeds_of_a_step_with_more_slots_than_the_stride_are_not_the_next_steps():

@@ -11,7 +11,7 @@ from vrgd_ds.train import checkpoints as ckpt
 from vrgd_ds.train.config import ConfigError
 from vrgd_ds.train.engines import engine_class
 from vrgd_ds.train.resume import (data_change, engine_switch, gpt_change, named_params, option_changes, plan_resume,
-                                  positions_change, resumed_optimizer, saved_positions, wrapper_change)
+                                  positions_change, resumed_optimizer, saved_positions, streams_change, wrapper_change)
 
 
 def _layout(info: dict[str, Any]) -> str:
@@ -97,6 +97,8 @@ def check(run_dir: Path, raw: dict[str, Any] | None, world: int | None) -> tuple
                          max(p.seq_len for p in job.phases))
         if data is not None and (note := data_change(ckpt_dir / choice.tag, info.get("data"), data,
                                                      data_change_policy(raw))):
+            changes.append(note)
+        if note := streams_change(ckpt_dir / choice.tag, info, data_change_policy(raw)):
             changes.append(note)
         fresh = job.engine == "megatron" and wrapper_change(
             ckpt_dir / choice.tag, info, block.get("use_distributed_optimizer", True),

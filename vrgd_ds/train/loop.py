@@ -51,10 +51,12 @@ import time
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
 from vrgd_ds.adaptive_batch import BatchController, SettingsDiffer, lr_factor
+from vrgd_ds.data_pipeline.samples import generator_streams
 from vrgd_ds.run import leave_together
 from vrgd_ds.train import checkpoints as ckpt
 from vrgd_ds.train.config import (ADAPTIVE_NEEDS_GSNR, ConfigError, JobConfig, adaptive_setting_keys,
@@ -66,7 +68,8 @@ from vrgd_ds.train.data import check_data_path, eval_batches, loader
 from vrgd_ds.train.engines import Engine, engine_class
 from vrgd_ds.train.engines.base import LAUNCHER_RANK, LAUNCHER_WORLD, launcher_value
 from vrgd_ds.train.resume import (ConversionFailed, configured_options, data_change, engine_switch, named_params,
-                                  option_note, positions_change, resumed_optimizer, resumed_options, saved_positions)
+                                  option_note, positions_change, resumed_optimizer, resumed_options, saved_positions,
+                                  streams_change)
 from vrgd_ds.train.rundir import RunDirBusy, RunDirLock
 from vrgd_ds.train.schedule import PhaseSchedule
 from vrgd_ds.train.seeds import micro_batch_seed
@@ -334,6 +337,7 @@ class Job:
                                                 self.job.engine))
             data_note = data_change(self.ckpt_dir / choice.tag, saved.get("data"), self.engine.fingerprint,
                                     data_change_policy(self.raw))
+            streams_note = streams_change(self.ckpt_dir / choice.tag, saved, data_change_policy(self.raw))
             positions_change(self.ckpt_dir / choice.tag, saved_positions(saved), self.engine.positions,
                              position_table(self.job, self.raw)[1], max(p.seq_len for p in self.job.phases))
             try:  # before anything loads or converts, as --check-resume (the loaded state is checked again)
@@ -390,7 +394,7 @@ class Job:
                 raise ConfigError(f"{path}: job.phases[{index}].adaptive_batch: {e}") from None
         # after the adaptive phases' checks (as --check-resume): an adaptive phase made fixed is that error
         check_resume_position(self.job, self.consumed, self.budget, self.engine.data_world)
-        notes = ([data_note] if data_note else []) + plan.notes + (
+        notes = [n for n in (data_note, streams_note) if n] + plan.notes + (
             self._apply_configured_options(built) if plan.optimizer_states else [])
         if plan.optimizer_states:  # the keys the config leaves out keep the checkpoint's values
             self.options = resumed_options(saved_options, self.raw)
@@ -412,7 +416,8 @@ class Job:
         """What a resume from the next checkpoint will find (its marker; ``--check-resume``)."""
         return {"engine": self.job.engine, "optimizer": self.optimizer_info(), **self.engine.layout(),
                 "total_steps": self.job.total_steps, "phases": [p.model_dump(mode="json") for p in self.job.phases],
-                "data": self.engine.fingerprint, "consumed": list(self.consumed), "seed": self.job.seed,
+                "data": self.engine.fingerprint, "numpy_streams": generator_streams(), "numpy": np.__version__,
+                "consumed": list(self.consumed), "seed": self.job.seed,
                 "options": self.options, "max_position_embeddings": self.engine.positions}
 
     def _apply_configured_options(self, built: list[dict[str, Any]]) -> list[str]:

@@ -43,6 +43,28 @@ def data_change(path: Path, saved: str | None, now: str, policy: str) -> str | N
     return f"{what}: going on from the saved position in the new stream ({CHECKPOINT_KEY}.{DATA_CHANGE_KEY} \"continue\")"
 
 
+def streams_change(path: Path, saved: dict[str, Any], policy: str) -> str | None:
+    """Checkpoint ``path`` (its marker's ``info``, ``saved``) drew its sample order and masks with
+    the numpy its ``numpy_streams`` records: None where this numpy draws the same (or the marker
+    predates the record); else, per ``checkpoint.data_change`` (``policy``), a ``ConfigError`` or
+    the warning to log."""
+    import numpy as np
+
+    from vrgd_ds.data_pipeline.samples import generator_streams
+
+    then = saved.get("numpy_streams")
+    if then is None or then == generator_streams():
+        return None
+    release = saved.get("numpy", "another release")
+    what = (f"{path}: numpy {release} drew this run's sample order and masks; numpy {np.__version__} draws others from "
+            "the same seeds (numpy keeps a Generator's draws within a release only)")
+    if policy == "refuse":
+        raise ConfigError(f"{what}: the rest of the epoch would repeat samples already seen and skip others. Resume "
+                          f"with numpy {release} (pip install numpy=={release}), or set \"{CHECKPOINT_KEY}\": "
+                          f"{{\"{DATA_CHANGE_KEY}\": \"continue\"}} to go on from the saved position in the new stream")
+    return f"{what}: going on from the saved position in the new stream ({CHECKPOINT_KEY}.{DATA_CHANGE_KEY} \"continue\")"
+
+
 def saved_positions(info: dict[str, Any]) -> int | None:
     """The learned positions of the model a checkpoint holds (its marker's ``info``): recorded,
     or for a Megatron GPT saved before they were, its longest phase's ``seq_len`` (the only size
