@@ -180,8 +180,10 @@ def complete(layout: Layout | None, keys: Tensor, values: Tensor) -> Tensor:
     """Per-segment sums ``[S, k]`` -> sums over each segment's whole model tensor (float64).
     ``keys``: the model tensor of each segment; no layout (or one without a group): the values
     themselves, every segment being a whole tensor or held whole by every rank."""
-    # Per rank a model tensor is at most one segment (one piece of one flat partition), so
-    # index_add_ has no colliding rows here (deterministic also with CUDA atomics).
+    # Per rank a model tensor is mostly one segment (one piece of one flat partition): no colliding
+    # rows in index_add_. A tensor cut into several runs on one rank (FSDP2 with a Shard(1) tensor-
+    # parallel layout: MERIT's runs per row) collides: in float64, on CUDA in no fixed order (the
+    # last bits may differ between runs; every rank gets the same sums from the all-reduce).
     if layout is None or getattr(layout, "group", False) is None:
         return values.double()
     buf = torch.zeros(layout.num_keys, values.shape[1], dtype=torch.float64, device=values.device)
