@@ -35,7 +35,7 @@ if [[ -z "${DEEPSPEED:-}" ]]; then
     [[ -x "$DEEPSPEED" ]] || DEEPSPEED=deepspeed
 fi
 [[ -f "$HOSTFILE" ]] || { echo "error: no hostfile '$HOSTFILE' (lines '<host> slots=<n>'; set HOSTFILE)" >&2; exit 2; }
-source "$(dirname "$0")/args.sh"
+source launch/args.sh  # (the repository's root is the working directory now: $0 may be relative to the caller's)
 split_words DS_ARGS  # quoted as in a shell: --launcher_args "-x A=1 -x B=2" stays one argument
 EXTRA=(${WORDS[@]+"${WORDS[@]}"})
 # Rank 0 runs on the first host DeepSpeed uses: the hostfile's first unless --include/--exclude
@@ -62,7 +62,27 @@ RUN_DIR=$(realpath -m "$RUN_DIR")
 # (launch/hold_usr1.py), the launcher here never takes it. With one host its ranks run here and
 # inherit the mask; with several, DeepSpeed starts every node's ranks over pdsh/ssh, this node's
 # too, and none inherits it: send it to the ranks on every node (docs/pretraining.md).
+JOB_ARGS=(--config "$CONFIG" --run-dir "$RUN_DIR" ${BACKEND_ARGS[@]+"${BACKEND_ARGS[@]}"} "$@")
+# With pdsh DeepSpeed hands the job's arguments to every node's shell joined into one command, in
+# double quotes where one holds a space (its '"' escaped) and as they are otherwise: a JSON value
+# ("--set job.data.inputs=[\"/data/*.txt\"]") would be split, unquoted and globbed there. Each is
+# quoted here for that shell (with a space: its \, $ and ` escaped inside DeepSpeed's quotes), and
+# --force_multi keeps DeepSpeed on pdsh (its own local start, which takes the arguments as they
+# are, only for one host: a hostfile of one line).
+if [[ "$LAUNCHER" == pdsh && $(awk '!/^[[:space:]]*(#|$)/' "$HOSTFILE" | wc -l) -gt 1 ]]; then
+    EXTRA+=(--force_multi)
+    for i in ${JOB_ARGS[@]+"${!JOB_ARGS[@]}"}; do
+        arg=${JOB_ARGS[i]}
+        if [[ "$arg" == *" "* ]]; then
+            arg=${arg//\\/\\\\}; arg=${arg//\$/\\\$}; arg=${arg//\`/\\\`}
+        else
+            printf -v arg '%q' "$arg"
+        fi
+        JOB_ARGS[i]=$arg
+    done
+fi
+
 set -x
 exec launch/hold_usr1.py "$DEEPSPEED" --hostfile "$HOSTFILE" --launcher "$LAUNCHER" \
     ${ADDR_ARGS[@]+"${ADDR_ARGS[@]}"} --master_port "$MASTER_PORT" ${EXTRA[@]+"${EXTRA[@]}"} \
-    --module vrgd_ds.train --config "$CONFIG" --run-dir "$RUN_DIR" ${BACKEND_ARGS[@]+"${BACKEND_ARGS[@]}"} "$@"
+    --module vrgd_ds.train ${JOB_ARGS[@]+"${JOB_ARGS[@]}"}

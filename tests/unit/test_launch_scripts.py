@@ -146,6 +146,48 @@ def test_the_hostfile_launch_names_a_rendezvous_host_only_where_rank_0_runs_ther
     assert (args[args.index("--master_addr") + 1] if "--master_addr" in args else None) == addr, args
 
 
+#: DeepSpeed 0.19.8's launcher as far as the job's arguments go: parsed by its own parser; on one
+#: host as they are, else (pdsh) through its runner's quoting and a node's shell (``bash -c``)
+DEEPSPEED_STAND_IN = """import subprocess, sys
+from deepspeed.launcher.multinode_runner import PDSHRunner
+from deepspeed.launcher.runner import parse_args
+args = parse_args(sys.argv[1:])
+hosts = [line for line in open(args.hostfile) if line.strip() and not line.lstrip().startswith("#")]
+if args.force_multi or len(hosts) > 1:
+    command = " ".join(PDSHRunner(args, "").user_arguments)
+    print(subprocess.run(["bash", "-c", "printf '%s\\n' " + command], capture_output=True, text=True).stdout, end="")
+else:
+    print("\\n".join(args.user_args))
+"""
+
+
+@pytest.mark.parametrize("hosts", [1, 2])
+def test_the_hostfile_launch_hands_the_job_its_arguments_as_given_on_one_host_or_several(tmp_path, hosts):
+    """Arguments a shell would take apart — JSON with quotes, braces and brackets, a glob, a space,
+    ``$``, a backslash, a backtick — reach the job as given: on one host (DeepSpeed starts the
+    ranks without a shell) and on several (pdsh: DeepSpeed joins them into one command for every
+    node's shell), the script started by a path relative to another directory. Fails on the old
+    script: on several hosts ``--set 'job.model.overrides={"a":0.0,"b":0.0}'`` reached the job as two
+    arguments without quotes, a JSON list lost its quotes, and ``$HOME`` was expanded; started by a
+    relative path from outside the repository, it did not find ``launch/args.sh``."""
+    given = ['job.model.overrides={"hidden_dropout_prob":0.0,"attention_probs_dropout_prob":0.0}',
+             'job.data.inputs=["/shared/wiki/*.txt"]', 'job.comment="two words, $HOME and `date`"',
+             "job.data.path=/a\\b", "job.seed=3"]
+    (tmp_path / "hosts").write_text("".join(f"node-{i} slots=8\n" for i in range(hosts)))
+    (tmp_path / "ds.py").write_text(DEEPSPEED_STAND_IN)
+    argv = stand_in(tmp_path / "deepspeed", f'exec {sys.executable} {tmp_path / "ds.py"} "$@"\n')
+    caller = tmp_path / "elsewhere"
+    caller.mkdir()
+    script = os.path.relpath(ROOT / "launch" / "deepspeed_hostfile.sh", caller)
+    run = subprocess.run(["bash", script, *[a for g in given for a in ("--set", g)]], cwd=caller,
+                         env={**os.environ, "HOSTFILE": str(tmp_path / "hosts"), "DEEPSPEED": str(argv),
+                              "RUN_DIR": str(tmp_path / "run dir")}, capture_output=True, text=True, timeout=60)
+    assert run.returncode == 0, run.stderr[-2000:]
+    args = run.stdout.splitlines()
+    assert args[args.index("--run-dir") + 1] == str(tmp_path / "run dir"), args
+    assert args[args.index("--set"):] == [a for g in given for a in ("--set", g)], args
+
+
 @pytest.mark.parametrize("script, name, value, want", [
     ("deepspeed_hostfile.sh", "DS_ARGS", '--launcher openmpi --launcher_args "-x NCCL_DEBUG=INFO -x FOO=1"',
      ["--launcher", "openmpi", "--launcher_args", "-x NCCL_DEBUG=INFO -x FOO=1"]),
