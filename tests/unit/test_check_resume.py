@@ -384,6 +384,26 @@ def test_a_fixed_phase_resumed_with_a_batch_its_position_is_no_multiple_of_is_re
     assert not ok and "would stop: job.phases[0].global_batch: the checkpoint is 128 samples" in report, report
 
 
+def test_an_adaptive_phase_resumed_with_fewer_samples_left_than_its_min_batch_is_refused():
+    """An adaptive phase 1,216 samples in, resumed with another budget (``job.total_steps``
+    changed) that leaves it 64 samples, below ``min_batch`` 128: refused, naming the key and the
+    budgets that resume; 128 left, or none, resume. Fails on the code before, which went ahead: the
+    last step took the 64 left (one gradient group on one rank: the optimizer refused it, exit 1 on
+    every restart)."""
+    from vrgd_ds.train.config import ConfigError, check_resume_position, parse_job
+
+    raw = copy.deepcopy(RAW)
+    raw["job"]["phases"][0].update(global_batch=128, micro_batch=64,
+                                   adaptive_batch={"target_ratio": 1.0, "min_batch": 128, "max_batch": 512})
+    job = parse_job(raw)
+    with pytest.raises(ConfigError, match=r"job.phases\[0\].adaptive_batch.min_batch: the checkpoint is 1216 samples "
+                                          r"into the phase, and this config gives it 1280: its last step would take the "
+                                          r"64 left, fewer than min_batch 128 .*at least 1344 samples, or end it at 1216"):
+        check_resume_position(job, [1216], [1280], 1)
+    check_resume_position(job, [1216], [1344], 1)
+    check_resume_position(job, [1216], [1216], 1)
+
+
 def test_a_longer_run_that_would_go_back_to_an_earlier_phase_is_refused(run_dir):
     """Two phases of 2 steps at 16 (32 samples each), saved in the second (16 samples in) and
     resumed with job.total_steps 8: phase 0 would have 64 samples, 32 more than it trained, and

@@ -572,6 +572,14 @@ def check_resume_position(job: JobConfig, consumed: list[int], budget: list[int]
                 f"micro_batch x ranks = {phase.micro_batch} x {world_size} (an adaptive batch saved on another "
                 f"number of ranks); resume on {', '.join(map(str, fits)) or 'another number of'} data-parallel "
                 f"rank(s), or with a micro_batch that divides {done} and the global batch")
+        if phase.adaptive_batch is not None and 0 < done and total - done < phase.adaptive_batch.min_batch:
+            # the batch rule keeps the rest at 0 or >= min_batch for the budget it started with; another
+            # budget (job.total_steps or the phase's fraction changed) can leave less for the last step
+            raise ConfigError(
+                f"job.phases[{index}].adaptive_batch.min_batch: the checkpoint is {done} samples into the phase, "
+                f"and this config gives it {total}: its last step would take the {total - done} left, fewer than "
+                f"min_batch {phase.adaptive_batch.min_batch} (job.total_steps or the phase's fraction changed). "
+                f"Give the phase at least {done + phase.adaptive_batch.min_batch} samples, or end it at {done}")
         if phase.adaptive_batch is None and done % phase.global_batch:  # its samples: steps x global_batch
             raise ConfigError(
                 f"job.phases[{index}].global_batch: the checkpoint is {done} samples into the phase, no multiple of "
