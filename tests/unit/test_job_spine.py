@@ -435,6 +435,29 @@ def test_a_resume_under_a_numpy_that_draws_other_samples_stops_unless_the_config
                for r in caplog.records)
 
 
+@pytest.mark.parametrize("where", ["engine", "marker"])
+def test_a_full_disk_met_writing_a_checkpoint_ends_the_job_naming_the_directory(start, tmp_path, monkeypatch, where):
+    """The engine's save fails as Megatron's dist-checkpointing reports it (a ``CheckpointException``,
+    a ``BaseException``, holding a rank's ENOSPC), or the marker's write does (an ENOSPC from its
+    fsync, as a network filesystem reports it): the job ends with ``NoSpace`` (exit 5) naming the
+    checkpoint directory and the step's tag. Fails on the code before, which caught ``Exception``
+    around the engine's save only: the job ended with the bare error (exit 1)."""
+    import traceback
+
+    from torch.distributed.checkpoint import CheckpointException
+
+    def full(*args, **kwargs):
+        if where == "engine":
+            raise CheckpointException("write", {0: (OSError(28, "No space left on device"), traceback.StackSummary())})
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(StandIn if where == "engine" else ckpt, "save" if where == "engine" else "mark_complete",
+                        full)
+    with pytest.raises(ckpt.NoSpace, match=rf"no space left on {re.escape(str(tmp_path / 'run' / 'checkpoints'))} while "
+                                           r"writing step00000002"):
+        start(tmp_path / "run")
+
+
 def test_dropout_seeds_of_a_step_with_more_slots_than_the_stride_are_not_the_next_steps():
     """A global batch of 8,192 micro-batch slots (65,536 / micro-batch 8): no slot of a step shares
     its dropout seed with a slot of the next step or of its own, and the slots below 4,099 keep

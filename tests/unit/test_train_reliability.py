@@ -637,6 +637,28 @@ def test_disk_full_errors_are_recognised():
     assert not ckpt.is_disk_full(RuntimeError("CUDA out of memory"))
 
 
+def test_a_full_disk_under_dist_checkpointing_or_at_a_writes_last_chunk_is_recognised(tmp_path, monkeypatch):
+    """Megatron's dist-checkpointing reports a rank's failed write as a ``CheckpointException``
+    (a ``BaseException``) holding each rank's error; torch.save failing on a file's last chunk
+    raises a bare iostream error, a full disk then told by the free space left. Both are a full
+    disk (the job's exit 5 naming the directory); an iostream error with room left, or another
+    rank failure, is not. Fails on the code before, which read neither (and the job caught
+    ``Exception`` only: exit 1 with a traceback)."""
+    import traceback
+
+    from torch.distributed.checkpoint import CheckpointException
+
+    wrapped = CheckpointException("write", {1: (OSError(28, "No space left on device"), traceback.StackSummary())})
+    assert ckpt.is_disk_full(wrapped)
+    other = CheckpointException("write", {0: (ValueError("a bad shape"), traceback.StackSummary())})
+    assert not ckpt.is_disk_full(other)
+    stream = RuntimeError("basic_ios::clear: iostream error")
+    monkeypatch.setattr(ckpt, "free_bytes", lambda path: 4096)
+    assert ckpt.is_disk_full(stream, tmp_path) and not ckpt.is_disk_full(stream)
+    monkeypatch.setattr(ckpt, "free_bytes", lambda path: 10 * 2**30)
+    assert not ckpt.is_disk_full(stream, tmp_path)
+
+
 # ---- watchdog ------------------------------------------------------------------------------
 
 

@@ -238,11 +238,35 @@ def check_space(ckpt_dir: Path, need_bytes: int) -> None:
                       "--run-dir at a larger filesystem")
 
 
-def is_disk_full(exc: BaseException) -> bool:
-    """torch.save on a full disk raises ``RuntimeError: ... unexpected pos ...`` or ``OSError`` ENOSPC."""
-    for e in (exc, exc.__cause__, exc.__context__):
+#: what a write's last buffered chunk raises through torch.save's stream when the disk is full:
+#: no errno, so a full disk is told by the free space left (``is_disk_full``'s ``where``)
+_STREAM_ERROR = "basic_ios::clear: iostream error"
+
+
+def is_disk_full(exc: BaseException, where: Path | None = None) -> bool:
+    """torch.save on a full disk raises ``RuntimeError: ... unexpected pos ...``, ``OSError``
+    ENOSPC (also from an fsync, where a network filesystem reports it), or, failing on its last
+    chunk, an iostream error (counted as such where ``where``'s filesystem has under 16 MiB free);
+    dist-checkpointing (Megatron) wraps each rank's in a ``CheckpointException`` (a
+    ``BaseException``) of its ``failures``."""
+    seen, todo = set(), [exc]
+    while todo:
+        e = todo.pop()
+        if e is None or id(e) in seen:
+            continue
+        seen.add(id(e))
         if isinstance(e, OSError) and e.errno == 28:
             return True
         if isinstance(e, RuntimeError) and ("unexpected pos" in str(e) or "No space left" in str(e)):
             return True
+        if isinstance(e, RuntimeError) and _STREAM_ERROR in str(e) and where is not None:
+            try:
+                if free_bytes(where) < 16 * 2**20:
+                    return True
+            except OSError:
+                pass
+        failures = getattr(e, "failures", None)
+        if isinstance(failures, dict):
+            todo += [f[0] if isinstance(f, tuple) else f for f in failures.values()]
+        todo += [e.__cause__, e.__context__]
     return False

@@ -38,6 +38,7 @@ Failure handling (each case ends the job with a message naming the key, file, ra
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import hashlib
 import json
@@ -49,7 +50,7 @@ import socket
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 import numpy as np
 import torch
@@ -248,6 +249,19 @@ class Job:
         self.skipped_before = 0  # steps the run skipped before this process (its checkpoint's count)
         self.watchdog.beat(0, "set-up")
         return self
+
+    @contextlib.contextmanager
+    def _disk_full_named(self, tag: str, need: int) -> Iterator[None]:
+        """A full disk met writing checkpoint ``tag`` (the engine's files, their flush, the marker)
+        as ``NoSpace`` (exit 5), naming the directory: torch.save's and dist-checkpointing's errors
+        (the latter a ``BaseException``) name neither."""
+        try:
+            yield
+        except BaseException as e:
+            if ckpt.is_disk_full(e, self.ckpt_dir):
+                raise ckpt.NoSpace(f"no space left on {self.ckpt_dir} while writing {tag} (need about "
+                                   f"{need / 2**20:,.0f} MB); the previous checkpoint is intact") from e
+            raise
 
     def _lost(self) -> bool:
         """Whether another job took the run directory over (rank 0 holds the lock; the ranks agree
@@ -472,20 +486,16 @@ class Job:
                  "skip_streak_from": self.skip_streak_from, "optimizer": self.optimizer_info(),
                  "skipped_total": self.skipped_before + int(self.optimizer.skipped_steps),
                  "adaptive": {str(i): c.state_dict() for i, c in self.controllers.items()}}
-        try:
+        with self._disk_full_named(tag, need):
             self.engine.save(self.ckpt_dir, tag, state)
-        except Exception as e:
-            if ckpt.is_disk_full(e):
-                raise ckpt.NoSpace(f"no space left on {self.ckpt_dir} while writing {tag} (need about "
-                                   f"{need / 2**20:,.0f} MB); the previous checkpoint is intact") from e
-            raise
-        if self.first_on_node:  # before the marker can be durable (``checkpoints.flush``)
-            ckpt.flush(self.ckpt_dir / tag)
+            if self.first_on_node:  # before the marker can be durable (``checkpoints.flush``)
+                ckpt.flush(self.ckpt_dir / tag)
         dist.barrier()  # every rank's files are written and on disk
         if self._lost():  # taken over while writing: neither marked nor rotated (the new owner's checkpoints stay)
             logger.error("checkpoint %s not marked complete: %s", tag, self.lock.lost)
         elif self.rank == 0:
-            ckpt.mark_complete(self.ckpt_dir, tag, self.step, self.world, self.resume_info())
+            with self._disk_full_named(tag, need):
+                ckpt.mark_complete(self.ckpt_dir, tag, self.step, self.world, self.resume_info())
             self.written = (tag, ckpt.size_of(self.ckpt_dir, tag))
             logger.info("checkpoint %s: %.2f MB written (expected %.2f MB: %s)", tag, self.written[1] / 2**20,
                         expected / 2**20, basis)
