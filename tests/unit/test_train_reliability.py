@@ -850,6 +850,45 @@ def test_a_refused_resume_ends_every_rank_together(monkeypatch, capsys):
         assert ended_by(monkeypatch, capsys, error) == (loop.EXIT_CONFIG, together)
 
 
+def test_rank_0_plots_a_finished_run_with_its_watchdog_stopped(monkeypatch, capsys, tmp_path):
+    """After the last step the other ranks stop their watchdogs and wait for rank 0, which draws
+    the plots: its watchdog is stopped first, so a plotting longer than ``job.timeout_minutes``
+    cannot take the others' silence for a stall (exit 3, the silent ranks on its host SIGKILLed).
+    Fails on the code before, which plotted with the watchdog running."""
+    class Watchdog:  # rank 0's, as far as main reaches it
+        stopped = False
+
+        def stop(self):
+            self.stopped = True
+
+    watchdog, seen = Watchdog(), []
+
+    class Finished:  # the job as far as main sees it
+        rank = 0
+
+        def __init__(self, *args):
+            self.watchdog = watchdog
+
+        def setup(self):
+            return self
+
+        def train(self):
+            (tmp_path / "run" / "checkpoints").mkdir(parents=True)
+            (tmp_path / "run" / "checkpoints" / "latest").write_text("step00000004")
+            held = {"eval/mlm_loss": 7.0, "eval/mlm_acc": 0.1}
+            return {"before": held, "after": held, "task": "mlm", "steps": 4}
+
+        def release(self):
+            pass
+
+    monkeypatch.setattr(loop, "Job", Finished)
+    monkeypatch.setattr(loop, "leave_together", lambda: None)
+    monkeypatch.setattr(loop, "_plot", lambda run_dir: seen.append(watchdog.stopped) or [])
+    rc, err = run_main(capsys, run_dir=tmp_path / "run")
+    assert rc == 0, err
+    assert seen == [True]
+
+
 def ended_by(monkeypatch, capsys, error: Exception) -> tuple[int, bool]:
     """``main``'s exit code for a job whose set-up raises ``error``, and whether its ranks left the
     process group together (``leave_together``); the error is printed."""

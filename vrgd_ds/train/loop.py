@@ -936,6 +936,9 @@ def main(argv: list[str] | None = None) -> int:
         run = Job(raw, job, run_dir, args.backend)
         result = run.setup().train()
         if run.rank == 0 and job.telemetry.jsonl:  # while the run directory is still this job's
+            # the run has finished, the other ranks' watchdogs stopped: rank 0's would take their
+            # silence while it plots for a stall (and SIGKILL those on its host)
+            run.watchdog.stop()
             plots = _plot(run_dir)
     except RunDirBusy as e:  # agreed over the ranks (_take_run_dir, _max_over_ranks): all of them are here
         if first:
