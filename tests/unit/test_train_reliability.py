@@ -850,45 +850,6 @@ def test_a_refused_resume_ends_every_rank_together(monkeypatch, capsys):
         assert ended_by(monkeypatch, capsys, error) == (loop.EXIT_CONFIG, together)
 
 
-def test_rank_0_plots_a_finished_run_with_its_watchdog_stopped(monkeypatch, capsys, tmp_path):
-    """After the last step the other ranks stop their watchdogs and wait for rank 0, which draws
-    the plots: its watchdog is stopped first, so a plotting longer than ``job.timeout_minutes``
-    cannot take the others' silence for a stall (exit 3, the silent ranks on its host SIGKILLed).
-    Fails on the code before, which plotted with the watchdog running."""
-    class Watchdog:  # rank 0's, as far as main reaches it
-        stopped = False
-
-        def stop(self):
-            self.stopped = True
-
-    watchdog, seen = Watchdog(), []
-
-    class Finished:  # the job as far as main sees it
-        rank = 0
-
-        def __init__(self, *args):
-            self.watchdog = watchdog
-
-        def setup(self):
-            return self
-
-        def train(self):
-            (tmp_path / "run" / "checkpoints").mkdir(parents=True)
-            (tmp_path / "run" / "checkpoints" / "latest").write_text("step00000004")
-            held = {"eval/mlm_loss": 7.0, "eval/mlm_acc": 0.1}
-            return {"before": held, "after": held, "task": "mlm", "steps": 4}
-
-        def release(self):
-            pass
-
-    monkeypatch.setattr(loop, "Job", Finished)
-    monkeypatch.setattr(loop, "leave_together", lambda: None)
-    monkeypatch.setattr(loop, "_plot", lambda run_dir: seen.append(watchdog.stopped) or [])
-    rc, err = run_main(capsys, run_dir=tmp_path / "run")
-    assert rc == 0, err
-    assert seen == [True]
-
-
 def ended_by(monkeypatch, capsys, error: Exception) -> tuple[int, bool]:
     """``main``'s exit code for a job whose set-up raises ``error``, and whether its ranks left the
     process group together (``leave_together``); the error is printed."""
@@ -1085,7 +1046,9 @@ def test_plots_come_from_this_runs_metrics_while_it_holds_the_run_directory(monk
     """The plots were drawn after the run directory was given back (another job could have taken it
     and be writing its metrics), and with ``job.telemetry.jsonl`` false they were drawn from a
     ``metrics.jsonl`` an earlier run had left, and its path printed as this run's metrics. Now they
-    are drawn before the release, and only from metrics this run writes. Fails on the old code."""
+    are drawn before the release, and only from metrics this run writes, rank 0's watchdog stopped
+    first (the other ranks' are: a long plotting took their silence for a stall, exit 3, and
+    SIGKILLed them). Fails on the old code."""
     from vrgd_ds.train import plots
 
     run_dir = tmp_path / "run"
@@ -1094,8 +1057,12 @@ def test_plots_come_from_this_runs_metrics_while_it_holds_the_run_directory(monk
     (run_dir / "metrics.jsonl").write_text('{"step": 1, "time": 0.0, "train/loss": 9.0}\n')  # an earlier run's
     events = []
 
+    class Watchdog:  # rank 0's, as far as main reaches it
+        def stop(self):
+            events.append("watchdog stopped")
+
     class Finished:  # the job as far as main sees it
-        rank = 0
+        rank, watchdog = 0, Watchdog()
 
         def __init__(self, *args):
             pass
@@ -1116,7 +1083,7 @@ def test_plots_come_from_this_runs_metrics_while_it_holds_the_run_directory(monk
                     "--set", f"job.telemetry.jsonl={json.dumps(jsonl)}"])
     out = capsys.readouterr().out
     assert rc == 0
-    assert events == (["plot", "release"] if jsonl else ["release"])
+    assert events == (["watchdog stopped", "plot", "release"] if jsonl else ["release"])
     assert ("metrics:" in out) is jsonl and ("plots:" in out) is jsonl
 
 
