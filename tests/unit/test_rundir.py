@@ -152,6 +152,26 @@ def test_a_failed_read_of_its_own_record_is_retried_not_taken_for_a_take_over(tm
     assert not (tmp_path / OWNER).exists()
 
 
+def test_a_link_retried_by_nfs_after_its_reply_was_lost_still_takes_the_run_directory(tmp_path, monkeypatch):
+    """NFS retries a ``link()`` whose reply was lost; the retry finds the link made and answers
+    EEXIST. The job checks the link count (2: the record is its own) and takes the directory,
+    as open(2) advises. Fails on the old code, which took EEXIST for another job's record: the
+    job read its own record as a live owner and stopped (exit 6), leaving it behind."""
+    link = os.link
+
+    def lost_reply(src, dst, *a, **k):
+        link(src, dst, *a, **k)
+        raise FileExistsError(17, "File exists")
+
+    monkeypatch.setattr(os, "link", lost_reply)
+    lock = RunDirLock(tmp_path)
+    lock.acquire()
+    assert json.loads((tmp_path / OWNER).read_text())["pid"] == os.getpid()
+    monkeypatch.setattr(os, "link", link)
+    lock.release()
+    assert not (tmp_path / OWNER).exists()
+
+
 def test_a_file_system_without_hard_links_is_refused_naming_the_cause(tmp_path, monkeypatch):
     """Fails on the old code: a ``link`` refused with EPERM (some FUSE and SMB mounts) counted as a
     lost race five times over, and the job stopped blaming several jobs starting at once."""

@@ -167,8 +167,8 @@ class RunDirLock:
         try:
             os.link(tmp, self.path)
             return True
-        except FileExistsError:
-            return False
+        except FileExistsError:  # another's record, or (NFS) this link's retry after its reply was lost
+            return os.stat(tmp).st_nlink == 2
         except OSError as e:
             if os.stat(tmp).st_nlink == 2:  # NFS: the link happened, its reply was lost
                 return True
