@@ -374,6 +374,33 @@ def test_a_newest_checkpoint_that_does_not_convert_falls_back_to_the_one_before(
         start(run_dir, longer)
 
 
+def test_a_checkpoint_that_did_not_load_is_not_counted_by_rotation_once_the_run_is_past_it(start, tmp_path):
+    """A run pre-empted at step 7 (checkpoints 3, 6 and 7, every 3), its step-7 checkpoint then
+    damaged in place (its size unchanged: it passes the size check and does not load), resumed with
+    ``checkpoint_every`` 2 and ``keep_checkpoints`` 2: it goes on from step 6, and once it writes
+    step 8 the kept pair is 6 and 8, with 7 left for inspection. Fails on the code before, whose
+    rotation counted 7 once the run was past it: it deleted 6, leaving 8 the one checkpoint that
+    loads."""
+    run_dir = tmp_path / "run"
+    first = json.loads(json.dumps(CONFIG))
+    first["job"].update(total_steps=10, checkpoint_every=3, keep_checkpoints=3)
+    StandIn.during[6] = lambda job: signal.raise_signal(loop.PREEMPT_SIGNAL)
+    assert isinstance(start(run_dir, first), loop.Preempted)
+    StandIn.during.clear()
+    ckpt_dir = run_dir / "checkpoints"
+    assert ckpt.tags(ckpt_dir) == [ckpt.tag_of(s) for s in (3, 6, 7)]
+    state = ckpt_dir / ckpt.tag_of(7) / "state.pkl"
+    state.write_bytes(bytes(len(state.read_bytes())))
+    seen = []
+    StandIn.during[8] = lambda job: seen.append(ckpt.tags(ckpt_dir))
+    second = json.loads(json.dumps(first))
+    second["job"].update(checkpoint_every=2, keep_checkpoints=2)
+    out = start(run_dir, second)
+    assert isinstance(out, dict) and out["steps"] == 10, out
+    assert seen == [[ckpt.tag_of(s) for s in (6, 7, 8)]]
+    assert ckpt.tags(ckpt_dir) == [ckpt.tag_of(8), ckpt.tag_of(10)]
+
+
 def test_a_resume_on_other_data_stops_unless_the_config_says_continue(start, tmp_path, monkeypatch, caplog):
     """A run pre-empted, then started again on data of another fingerprint (another held-out
     split, seed, tokenizer or shards): the job stops naming ``checkpoint.data_change``, and with

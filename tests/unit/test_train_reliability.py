@@ -409,6 +409,23 @@ def test_rotation_never_deletes_the_checkpoint_just_written_for_one_passed_over(
     assert ckpt.tags(tmp_path) == [ckpt.tag_of(6), ckpt.tag_of(8)]
 
 
+def test_a_checkpoint_the_resume_passed_over_is_not_counted_once_the_run_is_past_it(tmp_path):
+    """The resume passed over step 200 (complete by its marker, but it did not load) and went on
+    from step 100 with another ``checkpoint_every`` (75): at step 250, keeping 2, the kept pair
+    is 175 and 250, and 200 stays for inspection until both are newer. Fails on the code before,
+    which counted 200 once the run was past it: it deleted 100 and 175, leaving 250 as the one
+    checkpoint that loads."""
+    for s in (100, 175, 200, 250):
+        fake_checkpoint(tmp_path, s)
+    passed = (ckpt.tag_of(200),)
+    assert ckpt.rotate(tmp_path, keep=2, newest=ckpt.tag_of(250), passed_over=passed) == [ckpt.tag_of(100)]
+    assert ckpt.tags(tmp_path) == [ckpt.tag_of(s) for s in (175, 200, 250)]
+    fake_checkpoint(tmp_path, 325)
+    assert ckpt.rotate(tmp_path, keep=2, newest=ckpt.tag_of(325), passed_over=passed) == [ckpt.tag_of(s)
+                                                                                            for s in (175, 200)]
+    assert ckpt.tags(tmp_path) == [ckpt.tag_of(250), ckpt.tag_of(325)]
+
+
 def saving_job(run_dir: Path, step: int, write, monkeypatch) -> loop.Job:
     """Rank 0 of 2 of a job at ``step`` whose engine's save is ``write`` (``Job.save`` alone: no
     run-directory owner record, no collectives)."""

@@ -32,6 +32,7 @@ import json
 import os
 import re
 import shutil
+from collections.abc import Collection
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -179,18 +180,21 @@ def choose(ckpt_dir: Path, exclude: tuple[str, ...] = ()) -> Choice:
     return Choice(None, skipped)
 
 
-def rotate(ckpt_dir: Path, keep: int, protect: str | None = None, newest: str | None = None) -> list[str]:
+def rotate(ckpt_dir: Path, keep: int, protect: str | None = None, newest: str | None = None,
+           passed_over: Collection[str] = ()) -> list[str]:
     """Deletes complete checkpoints beyond the newest ``keep``, never ``protect`` (the last one
     before a run of skipped steps). An incomplete one (a save cut short, a damaged one) is not
     counted, and is kept for inspection while the kept ones are older: once the oldest kept
     complete checkpoint is newer, it is deleted too (each pre-emption cut short would otherwise
     leave one behind, up to a checkpoint's size). ``newest``: the checkpoint just written; a
     later one is one the resume passed over (it did not load), kept for inspection and not
-    counted either, so that the one just written is never the one deleted. Returns the deleted
-    tags."""
+    counted either, so that the one just written is never the one deleted. ``passed_over``: the
+    ones this process's resume passed over, counted as incomplete also once the run is past
+    them (a run going on with another ``checkpoint_every`` never writes their tags again).
+    Returns the deleted tags."""
     last = step_of(newest) if newest is not None else None
     every = tags(ckpt_dir)
-    broken = {t for t in every if problem(ckpt_dir, t) is not None}
+    broken = {t for t in every if t in passed_over or problem(ckpt_dir, t) is not None}
     complete = [t for t in every if t not in broken and (last is None or step_of(t) <= last)]
     deleted = []
     for tag in complete[:-keep] if keep > 0 else complete:

@@ -172,6 +172,9 @@ def newest_finished(job: JobConfig, run_dir: Path) -> frozenset[int]:
 class Job:
     """One run of the job on this rank: ``Job(...).setup().train()``."""
 
+    #: the checkpoints the resume passed over (they did not load or convert): rotation does not count them
+    passed_over: tuple[str, ...] = ()
+
     def __init__(self, raw: dict[str, Any], job: JobConfig, run_dir: Path, backend: str | None) -> None:
         self.raw, self.job, self.run_dir = raw, job, run_dir
         self.options = configured_options(raw)  # the optimizer's, as the next checkpoint's marker records them
@@ -378,6 +381,7 @@ class Job:
             if not self._any_rank(not ok):
                 break
             failed.append(choice.tag)
+        self.passed_over = tuple(failed)
         path, saved_options = self.ckpt_dir / choice.tag, saved.get("options")
         self.step, self.evals = state["step"], list(state["evals"])
         self.consumed = resumed_consumed(self.job, state["consumed"], saved.get("phases"))
@@ -504,7 +508,8 @@ class Job:
                 before = [t for t in ckpt.tags(self.ckpt_dir) if ckpt.step_of(t) <= self.skip_streak_from
                           and ckpt.problem(self.ckpt_dir, t) is None]
                 protect = before[-1] if before else None
-            deleted = ckpt.rotate(self.ckpt_dir, self.job.keep_checkpoints, protect, newest=tag)
+            deleted = ckpt.rotate(self.ckpt_dir, self.job.keep_checkpoints, protect, newest=tag,
+                                  passed_over=self.passed_over)
             if protect is not None and protect not in deleted and (self.ckpt_dir / protect).exists():
                 logger.warning("keeping checkpoint %s beyond keep_checkpoints=%d: it is the last one before the "
                                "skipped steps that began at step %d", protect, self.job.keep_checkpoints,
