@@ -401,6 +401,28 @@ def test_a_checkpoint_that_did_not_load_is_not_counted_by_rotation_once_the_run_
     assert ckpt.tags(ckpt_dir) == [ckpt.tag_of(8), ckpt.tag_of(10)]
 
 
+def _preempted_at_step_1(start, run_dir: Path) -> None:
+    """A first start of the job in ``run_dir``, pre-empted during step 2 (its checkpoint at step 1)."""
+    StandIn.during[1] = lambda job: signal.raise_signal(loop.PREEMPT_SIGNAL)
+    assert isinstance(start(run_dir), loop.Preempted)
+    StandIn.during.clear()
+
+
+def _refused_unless_it_says_continue(start, run_dir: Path, caplog, refused: str, warned) -> dict:
+    """The job started again in ``run_dir`` stops (``refused``: its message), and with
+    ``checkpoint.data_change`` "continue" finishes, logging a warning ``warned`` accepts; returns
+    that config."""
+    with pytest.raises(loop.ConfigError, match=refused):
+        start(run_dir)
+    go_on = json.loads(json.dumps(CONFIG))
+    go_on["checkpoint"] = {"data_change": "continue"}
+    with caplog.at_level(logging.WARNING):
+        out = start(run_dir, go_on)
+    assert isinstance(out, dict) and out["steps"] == 4, out
+    assert any(warned(r.getMessage()) for r in caplog.records)
+    return go_on
+
+
 def test_a_resume_on_other_data_stops_unless_the_config_says_continue(start, tmp_path, monkeypatch, caplog):
     """A run pre-empted, then started again on data of another fingerprint (another held-out
     split, seed, tokenizer or shards): the job stops naming ``checkpoint.data_change``, and with
@@ -408,9 +430,7 @@ def test_a_resume_on_other_data_stops_unless_the_config_says_continue(start, tmp
     compared the checkpoint's fingerprint and resumed silently: with ``heldout_fraction`` 0.1 -> 0.2,
     96 of the first 256 held-out samples evaluated had been trained on."""
     run_dir = tmp_path / "run"
-    StandIn.during[1] = lambda job: signal.raise_signal(loop.PREEMPT_SIGNAL)
-    assert isinstance(start(run_dir), loop.Preempted)
-    StandIn.during.clear()
+    _preempted_at_step_1(start, run_dir)
     real_init = StandIn.__init__
 
     def other_data(self, *args):
@@ -418,15 +438,9 @@ def test_a_resume_on_other_data_stops_unless_the_config_says_continue(start, tmp
         self.fingerprint = "other"
 
     monkeypatch.setattr(StandIn, "__init__", other_data)
-    with pytest.raises(loop.ConfigError, match=r"the data differs from the checkpoint's, fingerprint stand-in -> other "
-                       r".*checkpoint.*data_change.*continue"):
-        start(run_dir)
-    go_on = json.loads(json.dumps(CONFIG))
-    go_on["checkpoint"] = {"data_change": "continue"}
-    with caplog.at_level(logging.WARNING):
-        out = start(run_dir, go_on)
-    assert isinstance(out, dict) and out["steps"] == 4, out
-    assert any("going on from the saved position in the new stream" in r.getMessage() for r in caplog.records)
+    go_on = _refused_unless_it_says_continue(
+        start, run_dir, caplog, r"the data differs from the checkpoint's, fingerprint stand-in -> other .*checkpoint.*"
+        r"data_change.*continue", lambda said: "going on from the saved position in the new stream" in said)
     bad = dict(go_on, checkpoint={"data_change": "keep"})
     with pytest.raises(loop.ConfigError, match="checkpoint.data_change: 'keep' is not one of 'refuse', 'continue'"):
         parse_job(bad)
@@ -444,22 +458,14 @@ def test_a_resume_under_a_numpy_that_draws_other_samples_stops_unless_the_config
     from vrgd_ds.data_pipeline import samples
 
     run_dir = tmp_path / "run"
-    StandIn.during[1] = lambda job: signal.raise_signal(loop.PREEMPT_SIGNAL)
-    assert isinstance(start(run_dir), loop.Preempted)
-    StandIn.during.clear()
+    _preempted_at_step_1(start, run_dir)
     info = ckpt.marker(run_dir / "checkpoints", ckpt.tags(run_dir / "checkpoints")[-1])["info"]
     assert info["numpy_streams"] == samples.generator_streams() and info["numpy"] == np.__version__
     monkeypatch.setattr(samples, "generator_streams", lambda: "fedcba9876543210")
-    with pytest.raises(loop.ConfigError, match=rf"numpy {re.escape(np.__version__)} drew this run's sample order and "
-                       r"masks.*pip install numpy==.*checkpoint.*data_change.*continue"):
-        start(run_dir)
-    go_on = json.loads(json.dumps(CONFIG))
-    go_on["checkpoint"] = {"data_change": "continue"}
-    with caplog.at_level(logging.WARNING):
-        out = start(run_dir, go_on)
-    assert isinstance(out, dict) and out["steps"] == 4, out
-    assert any("drew this run's sample order" in r.getMessage() and "going on from the saved position" in r.getMessage()
-               for r in caplog.records)
+    _refused_unless_it_says_continue(
+        start, run_dir, caplog, rf"numpy {re.escape(np.__version__)} drew this run's sample order and masks.*pip "
+        r"install numpy==.*checkpoint.*data_change.*continue",
+        lambda said: "drew this run's sample order" in said and "going on from the saved position" in said)
 
 
 @pytest.mark.parametrize("where", ["engine", "marker"])
