@@ -62,7 +62,9 @@ def noise_signal_ratio(make_optimizer: OptimizerFactory, *, dim: int = 512, grou
 
 
 def family_table(**problem) -> list[tuple[str, float]]:
-    """The ratio for every family member (each Adam-family placement) and torch's SGD/AdamW."""
+    """The ratio for every family member (each Adam-family placement) and torch's SGD/AdamW, on
+    the one-row problem; MERIT, whose ratios are per row and column, only on a matrix
+    (``noise_signal_ratio(..., rows=16)``, as tests/unit/test_damping.py measures it)."""
     import vrgd_ds
     from vrgd_ds.optim.adam import GSNR_PLACEMENTS
 
