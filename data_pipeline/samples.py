@@ -353,6 +353,11 @@ def load_sample_index(corpus: TokenCorpus, index_path: str | os.PathLike,
         raise DataError(f"sample index {path} has format {meta.get('format_version')!r}, "
                         f"this code reads {INDEX_FORMAT_VERSION}; {rebuild}")
     if meta.get("manifest_sha256") != corpus_identity(corpus):
+        on_disk = pathlib.Path(corpus.path) / "manifest.json"
+        if isinstance(getattr(corpus, "manifest", None), dict) and "shards" in corpus.manifest and not on_disk.is_file():
+            # shards whose manifest went missing since they were opened: being written again (or moved)
+            raise DataError(f"{on_disk} is missing (the shards being written again, or moved), so sample index {path} "
+                            "cannot be checked against them; start again once the shards are complete")
         raise DataError(
             f"sample index {path} is stale: it was built from a different corpus than the "
             f"one at {corpus.path} (manifest sha256 differs); {rebuild}")

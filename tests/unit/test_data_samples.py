@@ -394,8 +394,9 @@ def test_dataloader_with_workers_matches_direct_reads(dataset):
 
 def test_on_real_shards_and_stale_after_resharding(tmp_path):
     """End to end on ShardedCorpus: the index sits next to the shards, samples are the
-    shard's sentences, the dataset survives pickling with the corpus, and re-sharding other
-    text into the same directory makes the index stale."""
+    shard's sentences, the dataset survives pickling with the corpus, its manifest missing while
+    it is reopened is named as such (fails on the code before, which called the index stale), and
+    re-sharding other text into the same directory makes the index stale."""
     shards = pytest.importorskip("vrgd_ds.data_pipeline.shards")
     tokenizer = pytest.importorskip("vrgd_ds.data_pipeline.tokenizer")
     rng = np.random.default_rng(0)
@@ -423,6 +424,13 @@ def test_on_real_shards_and_stale_after_resharding(tmp_path):
         assert len(ids) <= 32 and is_substring(got_a, a)
         item = ds[(0, i)]
         assert (item["input_ids"][item["labels"] != -100] != S.SEP_ID).all()
+    # the manifest gone while the dataset goes to a worker (the shards being written again): the
+    # message names the manifest, not the index (before: "stale", a different corpus)
+    manifest = corpus.path / "manifest.json"
+    manifest.rename(tmp_path / "manifest.aside")
+    with pytest.raises(DataError, match=r"manifest.json is missing \(the shards being written again, or moved\)"):
+        pickle.loads(pickle.dumps(S.BertPretrainingDataset(corpus, path, 32, seed=0)))
+    (tmp_path / "manifest.aside").rename(manifest)
     shards.write_shards(docs(50), tmp_path / "tok.model", tmp_path / "shards", workers=1,
                         progress=False, shard_tokens=500)
     resharded = shards.ShardedCorpus(tmp_path / "shards")
