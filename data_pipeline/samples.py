@@ -49,6 +49,7 @@ Edge cases (documented choices):
 """
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import logging
@@ -112,6 +113,7 @@ def corpus_identity(corpus: TokenCorpus) -> str:
     return hashlib.sha256(blob).hexdigest()
 
 
+@functools.cache  # the same for the process: every checkpoint's marker records it
 def generator_streams() -> str:
     """16 hex digits of what numpy's ``Generator`` draws, from fixed seeds, in the calls the sample
     streams make at read time (the sampler's ``permutation``; the masking's ``choice`` without

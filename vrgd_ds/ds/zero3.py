@@ -239,18 +239,19 @@ class Zero3:
         for t in targets:
             stats.alias(t, torch.zeros(t.numel(), dtype=torch.float32, device=t.device) if stats.gbar == "local"
                         else None, torch.zeros(t.numel(), dtype=torch.float32, device=t.device))
-        # what a call of the helper allocates for the step (the calls one after another): a copy of its
-        # inputs padded to k and interleaved by rank (none for one tensor that k divides), and for
-        # low-precision squares their copies before it
-        copy = 0 if len(sizes) == 1 and sizes[0] % k == 0 else sum(-(-n // k) * k for n in sizes)
+        # the helper pads every tensor to a multiple of k, as it does for DeepSpeed's own fp32 gradient
+        # reduce-scatter: the padded size is what one fp32 gradient costs on this path, and what a call
+        # of it allocates for the step (the calls one after another): its inputs copied, padded and
+        # interleaved by rank (no copy for one tensor that k divides), and for low-precision squares
+        # their copies before it
+        sent = sum(-(-n // k) * k for n in sizes)
+        copy = 0 if len(sizes) == 1 and sizes[0] % k == 0 else sent
         size = torch.finfo(squares_dtype).bits // 8
         squares_call = copy * 4 if size == 4 else (off + copy) * size
         stats.step_copy_bytes = max(squares_call, copy * 4 if stats.gbar == "local" else 0)
 
         def scatter(views: list[Tensor], dtype: torch.dtype, squares: bool) -> list[Tensor]:
-            # the helper pads every tensor to a multiple of k, as it does for DeepSpeed's own fp32
-            # gradient reduce-scatter: the padded size is what one fp32 gradient costs on this path
-            sent = sum(-(-v.numel() // k) * k for v in views)
+            # views: one per parameter, of ``sizes``
             if dtype != torch.float32:
                 low = [v.to(dtype) for v in views]
                 stats.counters.add(sent if squares else 0, sent * low[0].element_size())

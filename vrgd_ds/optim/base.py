@@ -278,7 +278,7 @@ class GSNROptimizer(torch.optim.Optimizer):
                 if close:
                     raise ValueError(f"{where}: {key!r} is not an option of {self.name}; did you mean {close[0]!r}? "
                                      "(a param group's key the optimizer does not read is left unread)")
-        for key, value in getattr(self, "_fixed", {}).items():  # (an optimizer unpickled from before: none)
+        for key, value in self._fixed.items():
             if group.get(key, value) != value:
                 raise ValueError(f"{where}: {self.name} is {type(self).__name__} with {key}={value!r}; use "
                                  f"{type(self).__name__} for a param group with {key}={group[key]!r}")

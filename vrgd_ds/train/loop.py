@@ -352,9 +352,9 @@ class Job:
             if saved.get("engine", "deepspeed") != self.job.engine:
                 raise ConfigError(engine_switch(self.ckpt_dir / choice.tag, saved.get("engine", "deepspeed"),
                                                 self.job.engine))
-            data_note = data_change(self.ckpt_dir / choice.tag, saved.get("data"), self.engine.fingerprint,
-                                    data_change_policy(self.raw))
-            streams_note = streams_change(self.ckpt_dir / choice.tag, saved, data_change_policy(self.raw))
+            policy = data_change_policy(self.raw)
+            data_note = data_change(self.ckpt_dir / choice.tag, saved.get("data"), self.engine.fingerprint, policy)
+            streams_note = streams_change(self.ckpt_dir / choice.tag, saved, policy)
             positions_change(self.ckpt_dir / choice.tag, saved_positions(saved), self.engine.positions,
                              position_table(self.job, self.raw)[1], max(p.seq_len for p in self.job.phases))
             try:  # before anything loads or converts, as --check-resume (the loaded state is checked again)
