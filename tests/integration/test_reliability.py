@@ -461,6 +461,24 @@ def test_a_rank_that_comes_late_to_the_conversion_takes_part_in_its_collective(c
     assert sorted(records(run))[-1] == 4
 
 
+@pytest.mark.exhaustive  # one launch, about 25 s
+@pytest.mark.parametrize("config", ["deepspeed"], indirect=True)
+def test_a_sink_that_rank_0_cannot_open_ends_every_rank_with_the_config_exit(config, tmp_path):
+    """Rank 0 opens the telemetry sinks alone (here ``metrics.jsonl`` is a directory; wandb online
+    without credentials is the usual case). Fails on the old code: rank 0 raised a bare traceback
+    (exit 1) while the other ranks went on into the first evaluation's all-reduce, where they
+    waited (NCCL: until the launcher or the startup watchdog ended them). Now every rank raises it
+    before the first evaluation: exit 2, naming ``job.telemetry`` and the error."""
+    run = tmp_path / "run"
+    (run / "metrics.jsonl").mkdir(parents=True)
+    proc = launching.run(command(config, run, "job.total_steps=2"), timeout=TIMEOUT, marker=run)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 2, out[-4000:]
+    assert "error: job.telemetry: rank 0 could not open its sinks: IsADirectoryError" in out, out[-4000:]
+    assert "Traceback" not in out, out[-4000:]
+    assert not (run / "checkpoints").exists()
+
+
 @pytest.mark.exhaustive  # one launch beside the shared run, about 25 s
 @pytest.mark.parametrize("config", ["deepspeed"], indirect=True)
 def test_a_gradient_clipping_changed_at_a_resume_is_the_configs(config, alone, tmp_path):

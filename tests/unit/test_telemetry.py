@@ -320,7 +320,7 @@ def test_a_fresh_start_replaces_an_earlier_starts_records_and_any_exit_closes_th
     (run / "metrics.jsonl").write_text("".join(json.dumps({"step": s, "time": 0.0, "train/loss": 9.0}) + "\n"
                                                for s in range(4)))
     job = object.__new__(loop.Job)
-    job.run_dir, job.rank, job.step, job.evals, job.consumed, job.budget = run, 0, 0, [], [0], [2]
+    job.run_dir, job.rank, job.world, job.step, job.evals, job.consumed, job.budget = run, 0, 1, 0, [], [0], [2]
     job.job = SimpleNamespace(telemetry=SimpleNamespace(jsonl=True, tensorboard=True, wandb=None),
                               phases=[SimpleNamespace(seq_len=8)], total_steps=2)
     job.resume = lambda: False

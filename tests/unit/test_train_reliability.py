@@ -88,6 +88,10 @@ def run_main(capsys, *args: str, config: Path = TEST_CONFIG, run_dir: Path | Non
                            "text as a JSON string: \"2024\", with --set: 'job.data.path=\"2024\"')"),
     ("job.timeout_minutes=Infinity", "job.timeout_minutes: Input should be a finite number"),
     ("job.startup_timeout_minutes=1e12", "job.startup_timeout_minutes: Input should be less than or equal to 1000000"),
+    # before (fails on the old code): an infinite LR or decay power passed its bound (> 0) and the
+    # run trained at an LR of inf, or of 0 after the warmup
+    ("job.phases.0.lr=Infinity", "job.phases.0.lr: Input should be a finite number"),
+    ("job.phases.0.decay_power=Infinity", "job.phases.0.decay_power: Input should be a finite number"),
     # before: accepted, and the phase warmed up to its last step and ended at its peak LR, never decaying
     ("job.phases.0.warmup_fraction=0.6", "job.phases[0].warmup_fraction: 0.6 of the phase's 2 steps rounds up to 2 "
                                          "warmup steps, leaving none to decay; use a warmup_fraction of at most 0.5"),
@@ -1042,7 +1046,7 @@ def test_a_sink_that_fails_to_close_does_not_replace_the_error_that_ends_the_tra
 
     monkeypatch.setattr(telemetry, "build_sinks", lambda *a, **k: telemetry.MultiSink([Failing()]))
     job = object.__new__(loop.Job)
-    job.rank, job.step, job.run_dir = 0, 3, tmp_path
+    job.rank, job.world, job.step, job.run_dir = 0, 1, 3, tmp_path
     job.job = SimpleNamespace(telemetry=SimpleNamespace(jsonl=True, tensorboard=True, wandb=None))
     job.resume = lambda: True
 

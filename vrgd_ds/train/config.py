@@ -48,7 +48,10 @@ class ConfigError(ValueError):
 
 
 class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True, use_attribute_docstrings=True, strict=True)
+    # allow_inf_nan: JSON's Infinity passes a bound such as lr > 0 (an infinite LR, or a decay
+    # power that leaves the LR 0 after the warmup); no key of the job means "no limit" by inf
+    model_config = ConfigDict(extra="forbid", frozen=True, use_attribute_docstrings=True, strict=True,
+                              allow_inf_nan=False)
 
 
 MODEL_SIZES: dict[str, dict[str, int]] = {
@@ -266,12 +269,12 @@ class JobConfig(_Strict):
     """The job stops (non-zero exit) after this many consecutive optimizer steps skipped on
     non-finite gradients or fp16 overflow: the run has diverged. fp16's dynamic loss scale
     skips a handful in a row while it settles; 50 leaves room for that."""
-    timeout_minutes: float = Field(30.0, gt=0.0, le=1e6, allow_inf_nan=False)
+    timeout_minutes: float = Field(30.0, gt=0.0, le=1e6)
     """A rank without progress (a step, an evaluation, a checkpoint) for this long ends the job
     with a message naming the rank that stalled; every collective times out a little later
     (``watchdog.collective_timeout``), so the watchdog's message comes first. At most 1e6
     (about two years: no limit in effect)."""
-    startup_timeout_minutes: float = Field(10.0, gt=0.0, le=1e6, allow_inf_nan=False)
+    startup_timeout_minutes: float = Field(10.0, gt=0.0, le=1e6)
     """The same limit until the first step finishes (set-up, kernels built on first use, a
     resume or a checkpoint conversion), when it is longer than ``timeout_minutes``. Data the job
     prepares itself (``job.data.inputs``: the tokenizer trained, the corpus sharded) counts

@@ -554,18 +554,13 @@ class Job:
     def train(self) -> dict[str, Any]:
         """Resumes (or starts), trains every phase's budget, evaluates and checkpoints at the end;
         the telemetry sinks are closed however it ends."""
-        from vrgd_ds.train import telemetry
-
         try:
             resumed = self.resume()
         except ConfigError as e:  # from the marker and the config (a load failure is agreed first): every rank
             raise _agreed(e)  # raises it here
         # A fresh start drops what an earlier start of this run directory logged before it was
         # killed without a checkpoint (-1: every step), as a resume drops the steps after its checkpoint
-        sinks = telemetry.build_sinks(self.run_dir, jsonl=self.job.telemetry.jsonl,
-                                      tensorboard=self.job.telemetry.tensorboard,
-                                      wandb=wandb.model_dump() if (wandb := self.job.telemetry.wandb) else None,
-                                      resume_step=self.step if resumed else -1) if self.rank == 0 else None
+        sinks = self._open_sinks(resumed)
         try:
             result = self._train(sinks)
         except BaseException as e:  # Preempted, Diverged or a failure: the sinks' buffered records are written,
@@ -580,6 +575,30 @@ class Job:
         if sinks:
             sinks.close()
         return result
+
+    def _open_sinks(self, resumed: bool):
+        """Rank 0's telemetry sinks (None on the other ranks). A sink that fails to open (wandb
+        online without credentials, a run directory it cannot write) is agreed over the ranks:
+        every rank raises it here, where the others would wait in the first evaluation's
+        all-reduce until the launcher or the watchdog killed them."""
+        from vrgd_ds.train import telemetry
+
+        sinks, failed = None, [None]
+        if self.rank == 0:
+            try:
+                sinks = telemetry.build_sinks(
+                    self.run_dir, jsonl=self.job.telemetry.jsonl, tensorboard=self.job.telemetry.tensorboard,
+                    wandb=wandb.model_dump() if (wandb := self.job.telemetry.wandb) else None,
+                    resume_step=self.step if resumed else -1)
+            except Exception as e:  # noqa: BLE001 (named in the agreed error)
+                hint = (" (wandb: log in, or set WANDB_API_KEY, or set job.telemetry.wandb.mode to \"offline\")"
+                        if self.job.telemetry.wandb else "")
+                failed[0] = f"job.telemetry: rank 0 could not open its sinks: {type(e).__name__}: {e}{hint}"
+        if self.world > 1:
+            dist.broadcast_object_list(failed, src=0)
+        if failed[0] is not None:
+            raise _agreed(ConfigError(failed[0]))
+        return sinks
 
     def _train(self, sinks) -> dict[str, Any]:
         """``train`` from its first evaluation on, with the sinks open."""
