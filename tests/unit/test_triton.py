@@ -753,6 +753,30 @@ def test_lamb_without_trust_ratio_keeps_a_nan_to_its_element():
     assert out["triton"].sum() == 1 and torch.equal(out["triton"], out[False])
 
 
+def test_a_nan_in_the_loaded_gsnr_average_reaches_its_element_on_every_implementation():
+    """A loaded state whose GSNR momentum holds a NaN (a damaged checkpoint): the NaN reaches its
+    weight on Triton as on the reference and the C++ kernels, where a check of the weights sees it.
+    Fails on the code before: Triton's clamp to [lo, 1] returned lo for a NaN, so that element was
+    damped to gamma for good while its state stayed NaN, and nothing reported it."""
+    torch.manual_seed(0)
+    w0, zs = torch.randn(8), [torch.randn(8) + 0.3 for _ in range(4)]
+    out = {}
+    for fused in (False, True, "triton"):
+        w = nn.Parameter(w0.clone())
+        opt = vrgd_ds.VRAdam([w], lr=0.1, fused=fused)
+        for k in (0, 2):
+            for z in zs[k:k + 2]:
+                (w * z).sin().sum().backward()
+            opt.step()
+            opt.zero_grad()
+            if k == 0:
+                opt.state[w]["gsnr_avg"][3] = float("nan")
+        out[fused] = w.detach().isnan()
+    assert out[False].tolist() == [i == 3 for i in range(8)]
+    for fused in (True, "triton"):
+        assert torch.equal(out[fused], out[False]), fused
+
+
 def test_pack_squares_of_a_strided_source_reads_its_elements():
     """A strided 1-D source (every other element): Triton packs its elements, as the reference and
     the fused kernels do. Fails on the code before, whose ``reshape(-1)`` kept the view strided

@@ -199,8 +199,10 @@ def _gsnr_raw(sg, sq, inv_n, eps):
 
 @triton.jit
 def _clamp_unit(x, lo):
-    """Every GSNR scale is clamped to [lo, 1]."""
-    return tl.minimum(tl.maximum(x, lo), 1.0)
+    """Every GSNR scale is clamped to [lo, 1]; a NaN stays NaN, as in the reference and the C++
+    kernels (Triton's default maximum/minimum return the other operand)."""
+    return tl.minimum(tl.maximum(x, lo, propagate_nan=tl.PropagateNan.ALL), 1.0,
+                      propagate_nan=tl.PropagateNan.ALL)
 
 
 @triton.jit
