@@ -304,7 +304,10 @@ def _attach_per_step(ddp_model: DistributedDataParallel, optimizer: GSNROptimize
     """Local sums of every backward's gradient and square, one fused all-reduce per step. Where
     every backward synchronises, DDP's own gradient buckets hold each micro-step's local
     gradient when its communication hook runs: one ``pack_bucket`` launch per bucket, then the
-    all-reduce DDP makes without a hook, bit for bit (``_ddp_all_reduce``). A step that accumulates under
+    all-reduce DDP makes without a hook, bit for bit (``_ddp_all_reduce``; with
+    ``gradient_as_bucket_view=True`` DDP divides a gradient that already is its bucket's view, a
+    second synchronised backward or one after ``zero_grad(set_to_none=False)``, where this
+    multiplies: the mean differs in rounding on a world size that is not a power of 2). A step that accumulates under
     ``no_sync()`` reduces the accumulated gradient, so its micro-steps are read by a tensor hook
     per parameter, installed when a forward pass runs under ``no_sync()`` and removed when a step
     synchronises every backward again (``_BucketPath``)."""
