@@ -198,6 +198,34 @@ def test_a_longer_phase_added_at_a_resume_needs_the_positions_from_the_start(tmp
     assert "resumed from" in out and [rec[s]["train/seq_len"] for s in (3, 4)] == [64, 64]
 
 
+@pytest.mark.exhaustive  # two launches
+def test_a_gpt_of_another_shape_is_refused_at_the_resume_naming_its_tensors(tmp_path, corpus):
+    """A 2-layer run resumed with ``megatron.model.num_layers=3``: the stacked layers' tensors have
+    another global shape, which dist-checkpointing does not load. Fails on the old code, where the
+    load failed on every checkpoint of the run and the job said there was no complete checkpoint
+    to resume from, to move the directory away (exit 2 after a load attempt per checkpoint). Now
+    it stops before loading, naming the tensors and the settings to resume with; the checkpoint
+    is untouched."""
+    sets = ("job.checkpoint_every=2", "job.eval_every=0", "job.data.eval_samples=8")
+    _train(tmp_path, corpus, "job.total_steps=2", *sets)
+    run_dir = tmp_path / "run"
+    saved = run_dir / "checkpoints" / "step00000002"
+    before = {f: f.stat().st_mtime_ns for f in saved.rglob("*") if f.is_file()}
+    torchrun = Path(sys.executable).parent / "torchrun"
+    res = launching.run([torchrun, "--nproc_per_node", "2", "--master_port", str(launching.free_port()), "-m",
+                         "vrgd_ds.train", "--config", CONFIG, "--run-dir", run_dir, "--set",
+                         f"job.data.path={json.dumps(str(corpus))}", "--set", "job.total_steps=4",
+                         "--set", "megatron.model.num_layers=3", *[a for s in sets for a in ("--set", s)]],
+                        timeout=420, marker=run_dir)
+    out = res.stdout + res.stderr
+    assert res.returncode != 0, out[-3000:]  # torchrun's 1 for a rank's exit 2
+    assert (f"vrgd-pretrain: error: {saved}: the GPT differs from the one saved: 12 tensors of other shapes "
+            "(decoder.layers.mlp.linear_fc1.bias (2, 256) saved, (3, 256) built") in out, out[-3000:]
+    assert "Resume with the megatron.model settings it was saved with" in out
+    assert "no complete checkpoint" not in out and "does not load" not in out
+    assert {f: f.stat().st_mtime_ns for f in saved.rglob("*") if f.is_file()} == before
+
+
 @pytest.mark.exhaustive  # three launches (make test: the checks, tests/unit/test_engines.py)
 def test_a_gpt_tied_across_stages_trains_with_its_gsnr_off_and_resumes_only_tied(tmp_path, corpus):
     """A GPT whose embeddings are tied across 2 pipeline stages, with

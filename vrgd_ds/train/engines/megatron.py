@@ -511,12 +511,52 @@ class MegatronEngine(Engine):
             out["optimizer"] = self.megatron_optimizer.sharded_state_dict(models, is_loading)
         return out
 
+    def _check_model_tensors(self, path: Path) -> None:
+        """The model's tensors are the checkpoint's, by key and global shape, else an error naming
+        those that differ, the same on every rank (the keys are gathered): a GPT built with another
+        ``megatron.model`` (num_layers, hidden_size, ffn_hidden_size, vocab_size) does not load it,
+        and the job would otherwise pass over every checkpoint of the run as failing to load and
+        advise moving the directory away; a tensor one side lacks would be left as built or
+        dropped. A checkpoint whose metadata does not read is left to the load, which passes it over."""
+        from megatron.core import dist_checkpointing
+        from megatron.core.dist_checkpointing.dict_utils import nested_values
+        from megatron.core.dist_checkpointing.mapping import ShardedTensor, apply_factories
+
+        try:
+            saved = {k: tuple(t.global_shape) for k, t in dist_checkpointing.load_tensors_metadata(str(path)).items()
+                     if not k.startswith("optimizer.")}
+        except Exception:  # noqa: BLE001 (the load fails on it and says so)
+            saved = None
+        mine = {}
+        for chunk in self.chunks:
+            sd = chunk.module.sharded_state_dict()
+            apply_factories(sd)  # a factory's tensors may be keyed otherwise (a SwiGLU's _w and _v halves)
+            mine.update((sh.key, tuple(sh.global_shape)) for sh in nested_values(sd) if isinstance(sh, ShardedTensor))
+        everyone: list[Any] = [None] * self.world
+        dist.all_gather_object(everyone, (mine, saved is None))
+        if any(unread for _, unread in everyone):
+            return
+        model = {k: v for shapes, _ in everyone for k, v in shapes.items()}
+        new, gone = sorted(model.keys() - saved.keys()), sorted(saved.keys() - model.keys())
+        reshaped = [f"{k} {saved[k]} saved, {model[k]} built" for k in sorted(model.keys() & saved.keys())
+                    if model[k] != saved[k]]
+        if new or gone or reshaped:
+            def some(items: list[str]) -> str:
+                return ", ".join(items[:3]) + (f" and {len(items) - 3} more" if len(items) > 3 else "")
+
+            what = [f"{len(reshaped)} tensors of other shapes ({some(reshaped)})"] if reshaped else []
+            what += [f"{len(new)} of the model's tensors are not in it ({some(new)})"] if new else []
+            what += [f"{len(gone)} of its tensors are not in the model ({some(gone)})"] if gone else []
+            raise ConfigError(f"{path}: the GPT differs from the one saved: {'; '.join(what)}. Resume with the "
+                              "megatron.model settings it was saved with, or give a new run directory")
+
     def plan(self, ckpt_dir: Path, tag: str, optimizer: dict[str, Any], policy: str) -> ResumePlan:
         from vrgd_ds.train import checkpoints as ckpt
 
         saved = ckpt.marker(ckpt_dir, tag).get("info") or {}
         changes = gpt_change(ckpt_dir / tag, saved, self.block.model.share_embeddings_and_output_weights,
                              self.block.virtual_pipeline_model_parallel_size)
+        self._check_model_tensors(ckpt_dir / tag)
         plan = plan_resume(ckpt_dir, tag, optimizer, self.world, 0, policy)  # dist-checkpointing reshards
         if plan.optimizer_states and (note := wrapper_change(ckpt_dir / tag, saved, self.block.use_distributed_optimizer,
                                                              self.block.precision, policy)):
