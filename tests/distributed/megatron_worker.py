@@ -353,6 +353,27 @@ def stepped_or_discarded(case: dict) -> dict:
                 "groups": groups}
 
 
+def stepped_again(case: dict) -> dict:
+    """A step, then ``optimizer.step()`` again with no backward pass (after ``zero_grad_buffer``
+    when ``case["zeroed"]``): the error the second step raises, and whether the weights stayed."""
+    with model_parallel(1) as ps:
+        dp_rank = ps.get_data_parallel_rank()
+        model, ddp, opt = _build(1, case["distributed"], "VRLamb", {})
+        megatron_step(ddp, opt, dp_rank, 2, 0)
+        before = _full(model, ps)
+        if case["zeroed"]:
+            ddp.zero_grad_buffer()
+        try:
+            opt.step()
+        except RuntimeError as e:
+            error = str(e)
+        else:
+            error = None
+        kept = all(torch.equal(a, b) for a, b in zip(before, _full(model, ps)))
+        megatron_step(ddp, opt, dp_rank, 2, 1)  # the next step with its backward passes is taken
+        return {"error": error, "kept": kept, "n": opt.chained_optimizers[0].optimizer.gsnr_metrics()["gsnr/n"]}
+
+
 def decay_mode(case: dict) -> dict:
     """3 steps of Lamb with ``OptimizerConfig.decoupled_weight_decay=False`` against Lamb with
     ``adam_w_mode=False`` given, and against the default (decoupled): whether the weights agree."""
@@ -650,11 +671,12 @@ def _interleaved_batch(m: int, step: int) -> torch.Tensor:
     return torch.randn(3, 2, 8, generator=gen) * (1.0 + 0.5 * m)  # [seq, micro-batch, hidden]
 
 
-def _interleaved_chunks(ps, distributed: bool, layers: int = 4, batched: bool = False):
+def _interleaved_chunks(ps, distributed: bool, layers: int = 4, batched: bool = False, frozen: tuple = ()):
     """The interleaved case's model: ``layers`` linear layers (seed 0) over 2 stages of 2 chunks
     (chunk v of stage s: layer v × stages + s), one Megatron DDP per chunk of this stage. Returns
     ``(every layer, this stage's layer indices, its DDPs)``. ``batched``: megatron-core's
-    default exchange (refused with chunks on 2 stages)."""
+    default exchange (refused with chunks on 2 stages); ``frozen``: layers whose parameters are
+    frozen before their DDP is built (which then holds no buffer)."""
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
     from megatron.core.tensor_parallel import ColumnParallelLinear
     from megatron.core.transformer.transformer_config import TransformerConfig
@@ -673,6 +695,8 @@ def _interleaved_chunks(ps, distributed: bool, layers: int = 4, batched: bool = 
     whole = [ColumnParallelLinear(8, 8, config=cfg, init_method=init, bias=True, gather_output=False)
              for _ in range(layers)]
     held = [stage, stage + 2]
+    for i in frozen:
+        whole[i].requires_grad_(False)
     ddps = [DistributedDataParallel(cfg, DistributedDataParallelConfig(
         grad_reduce_in_fp32=True, use_distributed_optimizer=distributed, bucket_size=40),
         _Chunk(whole[i], first=i == 0, last=i == layers - 1)) for i in held]
@@ -694,6 +718,26 @@ def interleaved_batched_exchange(case: dict) -> dict:
         except ValueError as e:
             return {"refusal": str(e)}
         return {"refusal": None}
+
+
+def interleaved_first_chunk_frozen(case: dict) -> dict:
+    """The interleaved case with layer 0 frozen (stage 0's first chunk then has no buffer): every
+    rank's outcome of building the optimizer, None where it was built."""
+    from megatron.core.optimizer import OptimizerConfig
+
+    from vrgd_ds.megatron import get_megatron_optimizer
+
+    with model_parallel(1, pp=2, vpp=2) as ps:
+        _, _, ddps = _interleaved_chunks(ps, case["distributed"], frozen=(0,))
+        ocfg = OptimizerConfig(optimizer="adam", lr=1e-2, use_distributed_optimizer=case["distributed"])
+        try:
+            get_megatron_optimizer(ocfg, ddps, optimizer="VRLamb")
+            outcome = None
+        except Exception as e:  # noqa: BLE001 (returned to the test)
+            outcome = f"{type(e).__name__}: {e}"
+        everyone = [None] * dist.get_world_size()
+        dist.all_gather_object(everyone, {"buffers": [len(d.buffers) for d in ddps], "outcome": outcome})
+        return {"ranks": everyone}
 
 
 def interleaved_pipeline_equals_unsharded(case: dict) -> dict:

@@ -366,6 +366,16 @@ def test_interleaved_pipeline_stages_equal_the_unsharded_optimizer(megatron2, op
         assert max(r["metric_rel"].values()) <= 1e-5, r["metric_rel"]
 
 
+def test_a_first_model_chunk_with_every_parameter_frozen_builds_on_every_stage(megatron2):
+    """Layer 0 frozen (a fine-tune), on 2 stages of 2 model chunks: stage 0's first chunk holds no
+    gradient buffer. Fails on the old code, which read the data-parallel group from the first
+    chunk's first buffer: an IndexError on stage 0 alone, after Megatron's collectives, where the
+    other stage went on (in a run, to wait in its first collective)."""
+    res = megatron2.run("megatron_worker", "interleaved_first_chunk_frozen", {"distributed": True})
+    assert [r["buffers"] for r in res["ranks"]] == [[0, 1], [1, 1]], res
+    assert [r["outcome"] for r in res["ranks"]] == [None, None], res
+
+
 def test_model_chunks_on_two_stages_with_megatrons_batched_exchange_are_refused(megatron2):
     """Model chunks on 2 stages with ``batch_p2p_comm=True`` (megatron-core's default): its batched
     exchange mismatches a gradient with an activation between the two ranks and the model trains on
@@ -457,6 +467,18 @@ def test_a_step_through_megatrons_optimizer_or_after_a_dropped_accumulation_is_t
                         {"tp": 1, "distributed": True, "accumulation": 2, "how": how})
     assert res["groups"] == {"chain": [4.0] * 3, how: [4.0] * 3}, res
     assert res["same"], res
+
+
+@pytest.mark.parametrize("zeroed", [False, True], ids=["as-is", "zero_grad_buffer"])
+def test_a_step_with_no_backward_since_the_last_is_refused(megatron2, zeroed):
+    """``optimizer.step()`` twice on one backward (a hand-written loop; Megatron's own never does):
+    refused before Megatron touches the gradients, the weights unchanged, and the next step with
+    its micro-batches is taken (n = 4). Fails on the old code, which took the step with the last
+    step's n and squares beside the gradient now in ``main_grad`` (zeros after
+    ``zero_grad_buffer``), and so updated the GSNR momentum from a mix of two steps."""
+    res = megatron2.run("megatron_worker", "stepped_again", {"distributed": True, "zeroed": zeroed})
+    assert res["error"] is not None and "an optimizer step with no backward pass since the last step" in res["error"]
+    assert res["kept"] and res["n"] == 4.0, res
 
 
 @pytest.mark.parametrize("name", list(megatron_worker.REFUSED))

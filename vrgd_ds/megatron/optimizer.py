@@ -494,14 +494,17 @@ def get_megatron_optimizer(config: Any, model_chunks: list[Any], optimizer: str 
         source = None
         supersede(model_chunks)  # an earlier optimizer's hooks on these chunks go all the same
     names, keys, numel, shapes, duplicate = model_tensors(model_chunks, tp[2])
-    distributed = config.use_distributed_optimizer and model_chunks[0].buffers[0].data_parallel_group.size() > 1
+    # the first chunk with a buffer: a chunk whose parameters are all frozen has none (a frozen first
+    # layer on model chunks), and this rank has one somewhere (check)
+    buffer = next(b for chunk in model_chunks for b in chunk.buffers)
+    distributed = config.use_distributed_optimizer and buffer.data_parallel_group.size() > 1
     if distributed and tp[2] > 1:
         group = ps.get_tensor_and_data_parallel_group()
     elif distributed:
-        group = model_chunks[0].buffers[0].data_parallel_group
+        group = buffer.data_parallel_group
     else:
         group = tp_group if tp[2] > 1 else None
-    device = model_chunks[0].buffers[0].grad_data.device
+    device = buffer.grad_data.device
     layout = MegatronLayout(names, numel, shapes, group, duplicate, tp[1], stages, device)
     if stages is not None:  # the last stage's copy of embeddings tied across stages (Megatron's grad norm skips it)
         layout.replicated = key_mask(keys, layout.num_keys,

@@ -155,6 +155,10 @@ def attach(mopt: Any, chunks: list[Any], kernels: Any, fold: bool = True, square
         if stats.superseded:
             raise RuntimeError("vrgd_ds.megatron: this optimizer's statistics were handed to an optimizer built "
                                "later on the same model chunks (get_megatron_optimizer); step that one")
+        if stats.ended_unrecorded():  # Megatron's own loop never steps twice on one backward: a hand-written one may
+            raise RuntimeError("vrgd_ds.megatron: an optimizer step with no backward pass since the last step; the "
+                               "statistics (n, the squares) would be that step's. Run the micro-batches' forward and "
+                               "backward (forward_backward_func) before each optimizer.step()")
         stats.start()
         # Megatron divides each micro-batch's loss by the step's micro-batches (its schedules'
         # forward_step) and fp16's scaler multiplies it by S: Σg and Σg² carry S/M and S²/M²,

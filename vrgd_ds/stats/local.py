@@ -564,6 +564,11 @@ class LocalStats:
         if self._recorded():
             self.end_step()
 
+    def ended_unrecorded(self) -> bool:
+        """A step has ended and none of this rank's tensors recorded a micro-step since: statistics
+        read now would be the ended step's (where the engine ends the step, ``n`` keeps its count)."""
+        return self._stale and bool(self._dests)
+
     def _recorded(self) -> bool:
         """Whether this step has recorded a micro-step or launched its reduction."""
         return self._started or (not self._stale and bool(self._counts.any()))
