@@ -1025,6 +1025,33 @@ def test_warnings_after_the_job_has_ended_do_not_end_the_rank(tmp_path, ended, r
     assert child.returncode == rc, (child.returncode, sent, child.stderr.read()[-2000:])
 
 
+def test_a_sink_that_fails_to_open_is_a_config_error_naming_job_telemetry(monkeypatch, tmp_path):
+    """A sink rank 0 cannot open ends the job as a configuration error (agreed over the ranks:
+    tests/integration/test_reliability.py), naming ``job.telemetry`` and the error; the wandb
+    advice comes with wandb's own errors only. Fails on the old code, which raised the sink's
+    error itself (exit 1, a traceback)."""
+    from types import SimpleNamespace
+
+    from vrgd_ds.train import telemetry
+    from vrgd_ds.train.config import ConfigError
+
+    job = object.__new__(loop.Job)
+    job.rank, job.world, job.step, job.run_dir = 0, 1, 0, tmp_path
+    job.job = SimpleNamespace(telemetry=SimpleNamespace(jsonl=True, tensorboard=False,
+                                                        wandb=SimpleNamespace(model_dump=lambda: {"project": "p"})))
+    job.resume = lambda: False
+    job._train = lambda sinks: pytest.fail("trained without its sinks")
+    usage = type("UsageError", (Exception,), {"__module__": "wandb.errors.errors"})  # a stand-in: wandb is optional
+    for error, hint in ((usage("api_key not configured (no-tty)"), True),
+                        (IsADirectoryError(21, "Is a directory"), False)):
+        monkeypatch.setattr(telemetry, "build_sinks", lambda *a, e=error, **k: (_ for _ in ()).throw(e))
+        with pytest.raises(ConfigError) as raised:
+            job.train()
+        assert str(raised.value).startswith(f"job.telemetry: rank 0 could not open its sinks: {type(error).__name__}: ")
+        assert ("set job.telemetry.wandb.mode to \"offline\"" in str(raised.value)) == hint, str(raised.value)
+        assert raised.value.agreed
+
+
 def test_a_sink_that_fails_to_close_does_not_replace_the_error_that_ends_the_training(monkeypatch, tmp_path):
     """Fails on the old code: the sinks were closed in a ``finally``, so a TensorBoard or wandb
     close that failed (a full disk) while ``Preempted`` propagated replaced it, and ``main`` missed

@@ -592,7 +592,7 @@ class Job:
                     resume_step=self.step if resumed else -1)
             except Exception as e:  # noqa: BLE001 (named in the agreed error)
                 hint = (" (wandb: log in, or set WANDB_API_KEY, or set job.telemetry.wandb.mode to \"offline\")"
-                        if self.job.telemetry.wandb else "")
+                        if type(e).__module__.startswith("wandb") else "")
                 failed[0] = f"job.telemetry: rank 0 could not open its sinks: {type(e).__name__}: {e}{hint}"
         if self.world > 1:
             dist.broadcast_object_list(failed, src=0)
