@@ -5,6 +5,9 @@ PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 TORCH_INDEX ?=
+# the package's own modules are compiled once, not in each of the suite's hundreds of processes
+# (ranks, launchers), where the environment says not to write bytecode (PYTHONDONTWRITEBYTECODE)
+unexport PYTHONDONTWRITEBYTECODE
 
 .PHONY: install test test-unit test-all test-exhaustive demo demo-mlp bench
 
