@@ -1576,6 +1576,7 @@ Runner(args).run([stand_in(Path(sys.argv[3]), 120)])
 """
 
 
+@pytest.mark.exhaustive  # about 7 s (make test: the runs stopped together, test_stopping_runs_gives_them_one_deadline_together)
 def test_sigterm_to_a_study_stops_its_runs_with_it(tmp_path):
     """``timeout`` ends a study with SIGTERM (``benchmarks/gpu_suite.sh``'s parts); the study's
     runs are in sessions of their own, which the signal does not reach: the study stops them
@@ -2290,6 +2291,7 @@ def test_a_pause_signalled_early_for_slow_steps_ends_the_studys_starts(tmp_path)
     assert [g["paused"] for g in args.stopped] == [True] and args.only_finished is True
 
 
+@pytest.mark.exhaustive  # about 9 s (make test: the record's reuse, test_adaptive_batch_reuses_only_a_record_with_its_settings)
 def test_out_among_reuse_keeps_the_records_runs_the_study_does_not_use(tmp_path):
     """``--out`` naming a ``--reuse`` directory (the way the plateau record is assembled): the
     record's runs this invocation does not write again (a 10-step run, an optimizer it was not

@@ -223,6 +223,7 @@ def test_bad_setups_raise(pool):
         assert "not reduced by this DDP model" in res["foreign_params"]
 
 
+@pytest.mark.exhaustive  # about 10 s (a world of 3: on 2 and 4 ranks the two roundings agree)
 def test_the_per_step_scheme_leaves_ddps_reduction_bit_for_bit_on_3_ranks(pool4):
     """DDP on 3 ranks (of the 4-rank pool): with the statistics attached, the gradients DDP hands
     the optimizer are its own bit for bit, and VRAdam with ``gamma=1`` trains exactly as with its

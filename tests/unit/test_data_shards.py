@@ -351,7 +351,7 @@ def _usr1_to(pids):
     time.sleep(1.0)
 
 
-@pytest.mark.slow  # two spawned interpreters (seconds)
+@pytest.mark.exhaustive  # two spawned interpreters (about 9 s)
 @pytest.mark.timeout(240)  # the old code hung in the pool's teardown
 def test_spawned_workers_outlive_the_jobs_preemption_signal(tokenizer):
     """Slurm sends its pre-emption warning (SIGUSR1) to every process of the step; the job

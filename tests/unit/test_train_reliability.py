@@ -756,7 +756,7 @@ def test_a_preemption_signal_while_the_job_takes_the_signal_over_is_kept():
     assert fired and job.preempt_requested and not loop._EARLY_PREEMPT[0]
 
 
-@pytest.mark.slow  # one job of 3 steps in a subprocess (8 s)
+@pytest.mark.exhaustive  # one job of 3 steps in a subprocess (about 15 s; make test: the watchdog's own cases)
 def test_the_watchdog_times_a_step_and_the_evaluation_after_it_apart(tmp_path):
     """The heartbeat says a step finished before the evaluation that follows it starts, so the
     watchdog's limit applies to each, as docs/pretraining.md says, and its message names the
