@@ -81,6 +81,7 @@ def test_linreg_group_gradients_equal_one_backward_per_group():
     assert not torch.equal(direct.detach(), torch.full((linreg.DIM,), 0.5))
 
 
+@pytest.mark.exhaustive  # about 8 s (make test: the page from the committed records, test_results_page_is_generated_from_the_committed_outputs)
 def test_the_collapse_records_tables_are_what_its_runs_give(tmp_path):
     """``--tables-from`` writes a record's tables again from its runs, training nothing; on the
     committed record that reproduces its committed tables.md. Before, the record's tables

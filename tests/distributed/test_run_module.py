@@ -122,6 +122,7 @@ def test_the_scripts_file_is_absolute_as_under_python(tmp_path, monkeypatch):
     assert (tmp_path / "seen.txt").read_text() == f"{tmp_path / 's.py'} {tmp_path / 's.py'}"
 
 
+@pytest.mark.exhaustive  # a subprocess, about 7 s
 def test_the_script_chooses_deepspeeds_accelerator_itself(tmp_path):
     """Nothing before the script fixes DeepSpeed's accelerator: a script that sets
     ``DS_ACCELERATOR`` at its top gets that accelerator, as under ``python SCRIPT``. Fails on the

@@ -303,7 +303,8 @@ def _mpirun_port():
 
 
 @pytest.mark.parametrize("script", [
-    "deepspeed_hostfile.sh",
+    pytest.param("deepspeed_hostfile.sh", marks=pytest.mark.exhaustive),  # about 20 s (make test: the early
+    # handler in-process, test_a_preemption_signal_while_the_job_takes_the_signal_over_is_kept)
     pytest.param("torchrun.sh", marks=pytest.mark.exhaustive),
     pytest.param("mpirun.sh", marks=[pytest.mark.exhaustive, pytest.mark.skipif(
         _skip_mpi_reason() is not None, reason=str(_skip_mpi_reason()))])])

@@ -229,6 +229,7 @@ except UnsupportedFSDPConfiguration as e:
 """
 
 
+@pytest.mark.exhaustive  # a subprocess, about 5 s
 def test_expert_parallelism_is_refused_by_the_container_naming_torchtitans_option():
     """torchtitan under expert parallelism shards a MoE block's experts on a mesh of their own
     (``shard_placement_fn``: two FSDP parameter groups in one module); the container, built before
