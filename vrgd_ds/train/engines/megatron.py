@@ -513,12 +513,14 @@ class MegatronEngine(Engine):
 
     def _check_model_tensors(self, path: Path) -> None:
         """The model's tensors are the checkpoint's, by key and global shape, else an error naming
-        those that differ, the same on every rank (the keys are gathered): a GPT built with another
+        those that differ, the same on every rank (the keys are global: each rank gathers its
+        pipeline stages' and has the whole model's, as the others do): a GPT built with another
         ``megatron.model`` (num_layers, hidden_size, ffn_hidden_size, vocab_size) does not load it,
         and the job would otherwise pass over every checkpoint of the run as failing to load and
         advise moving the directory away; a tensor one side lacks would be left as built or
         dropped. A checkpoint whose metadata does not read is left to the load, which passes it over."""
         from megatron.core import dist_checkpointing
+        from megatron.core import parallel_state as ps
         from megatron.core.dist_checkpointing.dict_utils import nested_values
         from megatron.core.dist_checkpointing.mapping import ShardedTensor, apply_factories
 
@@ -532,11 +534,14 @@ class MegatronEngine(Engine):
             sd = chunk.module.sharded_state_dict()
             apply_factories(sd)  # a factory's tensors may be keyed otherwise (a SwiGLU's _w and _v halves)
             mine.update((sh.key, tuple(sh.global_shape)) for sh in nested_values(sd) if isinstance(sh, ShardedTensor))
-        everyone: list[Any] = [None] * self.world
-        dist.all_gather_object(everyone, (mine, saved is None))
-        if any(unread for _, unread in everyone):
+        unread = torch.tensor([float(saved is None)], device=self.device)
+        dist.all_reduce(unread, op=dist.ReduceOp.MAX)
+        if unread.item():
             return
-        model = {k: v for shapes, _ in everyone for k, v in shapes.items()}
+        stages = ps.get_pipeline_model_parallel_group()
+        everyone: list[Any] = [None] * dist.get_world_size(stages)
+        dist.all_gather_object(everyone, mine, group=stages)
+        model = {k: v for shapes in everyone for k, v in shapes.items()}
         new, gone = sorted(model.keys() - saved.keys()), sorted(saved.keys() - model.keys())
         reshaped = [f"{k} {saved[k]} saved, {model[k]} built" for k in sorted(model.keys() & saved.keys())
                     if model[k] != saved[k]]
