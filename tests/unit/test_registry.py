@@ -267,6 +267,22 @@ def test_a_base_variant_refuses_a_param_group_that_switches_the_gsnr_on(name):
     assert [g["gsnr"] for g in opt.param_groups] == [False, False]
 
 
+def test_an_optimizer_pickled_without_fixed_options_takes_param_groups():
+    """An optimizer pickled before the variants recorded their fixed options (no ``_fixed`` in its
+    state) takes a param group after unpickling, as every attribute added since has a default
+    there. Fails on the code before, whose group check read ``self._fixed`` directly: an
+    AttributeError at ``add_param_group``."""
+    import vrgd_ds
+
+    a, b = torch.nn.Parameter(torch.randn(3, 2)), torch.nn.Parameter(torch.randn(2))
+    state = vrgd_ds.VRLamb([a], lr=0.1).__getstate__()
+    del state["_fixed"]
+    opt = vrgd_ds.VRLamb.__new__(vrgd_ds.VRLamb)  # as pickle restores it
+    opt.__setstate__(state)
+    opt.add_param_group({"params": [b]})
+    assert len(opt.param_groups) == 2
+
+
 @pytest.mark.parametrize("block, message", [
     ({"type": "VRLamb", "parms": {"gamma": 0.5}}, 'optimizer.parms: not a key of the optimizer block; did you mean '
                                                    "'params'"),

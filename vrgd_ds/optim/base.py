@@ -148,6 +148,7 @@ class GSNROptimizer(torch.optim.Optimizer):
             self.__dict__.setdefault("fused", None)
             self.__dict__.setdefault("_own_keys", tuple(k for k in self.defaults if k != "differentiable"))
             self.__dict__.setdefault("merge_step_records", False)
+            self.__dict__.setdefault("_fixed", {})  # pickled before a variant recorded its fixed options
             self._start_runtime()
             self._watch(self.param_groups)
         self._epoch = getattr(self, "_epoch", 0) + 1
