@@ -9,12 +9,12 @@ parameters add every ``backward()``'s local gradient and its fp32 square into lo
 each rank (micro-steps under ``model.no_sync()`` included), and one all-reduce of
 ``[Σg | Σg²]`` per optimizer step completes them: n = ranks × backward passes per step, at twice
 the fp32 gradient's bytes per step whatever the accumulation. Every rank must run the same
-number of backward passes per step: the collective carries each rank's count, and a step whose
-counts differ raises (on a GPU at the next step's start, read back without a wait). The mean gradient of the
-statistics is the local fp32 one (the user may clip ``.grad`` before ``step()``; the GSNR needs
-the unclipped scale). The same ``LocalStats`` serves DeepSpeed's per-step scheme
-(``vrgd_ds/stats/local.py``: the loss scale is removed in exactly one place, its hooks; nothing
-is divided by the world size: the collective sums).
+number of backward passes per step: the collective carries each rank's count and its square, and
+a step whose counts differ raises on every rank (on a GPU at the next step's start, read back
+without a wait). The mean gradient of the statistics is the local fp32 one (the user may clip
+``.grad`` before ``step()``; the GSNR needs the unclipped scale). The same ``LocalStats`` serves
+DeepSpeed's per-step scheme (``vrgd_ds/stats/local.py``: the loss scale is removed in exactly
+one place, its hooks; nothing is divided by the world size: the collective sums).
 
 ``squares="per_micro_step"``: a DDP communication hook replaces the all-reduce of every
 gradient bucket by a single fused fp32 all-reduce of ``[g | g²]``, where ``g`` is this rank's
@@ -317,7 +317,8 @@ def _attach_per_step(ddp_model: DistributedDataParallel, optimizer: GSNROptimize
     stats.hooks_only = hooks_only
     total = sum(p.numel() for p in params)
     device = params[0].device if params else torch.device("cpu")
-    # one more element: the step's backward passes, which every rank must have run alike
+    # one more element: the step's backward passes (in the Σg half, their square in the Σg² half),
+    # which every rank must have run alike
     bucket = stats.add_bucket(total + 1, device, lambda b: b.all_reduce_in_place(group))
     stats.count_slot = CountSlot(
         bucket, total, world, "backward passes",

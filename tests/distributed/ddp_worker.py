@@ -322,6 +322,26 @@ def three_rank_case() -> dict[str, Any]:
                 weights_differ=int((mine != plain).sum()), moved=float((plain - flat(tiny_model())).norm()))
 
 
+def spread_case() -> dict[str, Any]:
+    """One step of VRAdam on DDP where the ranks accumulate 1, 2, 3 and 2 micro-batches under
+    ``no_sync()`` (4 ranks): the counts sum to 4 × 2, as if every rank had run 2. Returns the
+    step's error on this rank, or that it stepped."""
+    rank = dist.get_rank()
+    ddp = DDP(tiny_model(), bucket_cap_mb=BUCKET_CAP_MB)
+    opt = VRAdam(ddp.parameters(), lr=1e-2)
+    attach(ddp, opt)
+    mine = (1, 2, 3, 2)[rank]
+    opt.zero_grad()
+    for j in range(mine):
+        with contextlib.nullcontext() if j == mine - 1 else ddp.no_sync():
+            loss_fn(ddp, batch(0, rank, j)).backward()
+    try:
+        opt.step()
+    except RuntimeError as exc:
+        return dict(error=str(exc))
+    return dict(stepped=True)
+
+
 def step(ddp: DDP, opt: Any, at: int) -> torch.Tensor:
     """Step ``at`` of 2 micro-steps, the first under ``no_sync()``; returns the gradient stepped on."""
     rank = dist.get_rank()
@@ -493,6 +513,7 @@ def cases() -> dict[str, Callable[[], dict[str, Any]]]:
         "fp16": lambda: low_precision_case(torch.float16),
         "bad": bad_cases,
         "three_ranks": three_rank_case,
+        "spread": spread_case,
         "join": lambda: join_case("per_step"),
         "fused_join": lambda: join_case("per_micro_step"),
         "scaler": lambda: scaler_case("per_step"),

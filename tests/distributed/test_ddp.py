@@ -129,6 +129,20 @@ def test_ranks_that_ran_unequal_backward_passes_are_refused(pool):
         assert "ran 3 backward passes" in res["error"] or "ran 2 backward passes" in res["error"], res
 
 
+@pytest.mark.exhaustive  # 4 ranks; make test: two ranks' unequal counts refused
+def test_a_rank_whose_count_is_the_mean_of_unequal_counts_refuses_too(pool4):
+    """4 ranks accumulate 1, 2, 3 and 2 micro-batches: the counts sum to 4 × 2, so ranks 1 and 3
+    found the sum they expected. Every rank refuses the step now (the collective carries the
+    squared counts too, whose sum is 4 × 2² only where every count is 2). Fails on the old code:
+    ranks 1 and 3 took the step, the others raised, and the two halves went on apart."""
+    per_rank = pool4.run("ddp_worker", "run_case", {"name": "spread"})
+    for rank, res in enumerate(per_rank):
+        assert "needs the same number of backward() calls per step on every rank" in res.get("error", ""), res
+        count = (1, 2, 3, 2)[rank]
+        assert f"this rank ran {count} backward passes in an optimizer step, the 4 ranks 8 together" \
+               + (", not 2 each:" if count == 2 else ":") in res["error"], res
+
+
 @pytest.mark.parametrize("name", TRAIN_CASES)
 def test_per_step_groups_are_ranks_times_backward_passes(pool, name):
     """The default scheme: every backward of every rank is a group, no_sync() micro-steps

@@ -77,7 +77,8 @@ class FSDPStats(LocalStats):
         # (held weakly, as the buckets hold their source: ``StatsBucket``)
         first_hsdp = replicate is not None and not self._groups
         reduce = None if not first_hsdp else lambda b, g=replicate, ref=weakref.ref(self): ref()._replicas(g)
-        # and one more element there: the reductions of the step, which every replica must have made alike
+        # and one more element there: the reductions of the step (and their square in the Σg² half),
+        # which every replica must have made alike
         # (a replica's micro-steps are its own where the replicas' all-reduce is deferred)
         bucket = self.add_bucket(sum(sizes) + first_hsdp, device, reduce)
         if first_hsdp:

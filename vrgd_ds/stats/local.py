@@ -221,10 +221,11 @@ class StatsBucket:
 
 @dataclass(frozen=True)
 class CountSlot:
-    """An element of ``bucket``'s ``Σg`` half that the step's collective sums over ``ranks`` ranks:
-    each writes its count of the step's gradient groups there, and every rank must have counted
-    alike (``LocalStats._verify_count``). ``counted``: what the count is, for the refusal;
-    ``fix``: the refusal's reason and fix."""
+    """An element of ``bucket``'s halves that the step's collective sums over ``ranks`` ranks:
+    each writes its count ``c`` of the step's gradient groups in the ``Σg`` half and ``c²`` in the
+    ``Σg²`` half, and every rank must have counted alike (``LocalStats._verify_count``: the sums
+    are ``ranks · c`` and ``ranks · c²`` on every rank only where every count is ``c``).
+    ``counted``: what the count is, for the refusal; ``fix``: the refusal's reason and fix."""
 
     bucket: StatsBucket
     slot: int
@@ -284,7 +285,8 @@ class LocalStats:
         self._c = 1.0
         self._scale = 1.0
         self._n_local = 0
-        self._count_check: tuple[Tensor, Any, int] | None = None  # (Σ counts on the host, event, this rank's)
+        #: (Σ counts and Σ counts² on the host, event, this rank's)
+        self._count_check: tuple[Tensor, Any, int] | None = None
         self._count_host: Tensor | None = None
         self._handles: dict[int, Any] = {}
         weakref.finalize(self, remove_hooks, self._handles)  # statistics gone with their optimizer leave no hooks
@@ -453,8 +455,9 @@ class LocalStats:
             self._verify_count()  # the last step's, read back by now
             g, sq = self.count_slot.bucket.halves()
             slot = self.count_slot.slot
-            g.narrow(0, slot, 1).fill_(float(self._n_local))  # summed over the ranks by the step's collective
-            sq.narrow(0, slot, 1).zero_()
+            # summed over the ranks by the step's collective
+            g.narrow(0, slot, 1).fill_(float(self._n_local))
+            sq.narrow(0, slot, 1).fill_(float(self._n_local) ** 2)
         for idx in np.flatnonzero(self._counts == 0).tolist():  # no gradient this step: old sums must not count
             for _, g, q, n in self._dests[idx]:
                 arena.narrow(0, q, n).zero_()
@@ -489,22 +492,29 @@ class LocalStats:
         for bucket in self.stat_buckets:
             bucket.finish()
         if self.count_slot is not None and self._started:
-            total = self.count_slot.bucket.halves()[0].narrow(0, self.count_slot.slot, 1)
+            g, sq = self.count_slot.bucket.halves()
+            slot = self.count_slot.slot
+            total, squares = g.narrow(0, slot, 1), sq.narrow(0, slot, 1)
             if total.device.type == "cpu":
-                self._count_check = (total.clone(), None, self._n_local)
+                self._count_check = (torch.cat([total, squares]), None, self._n_local)
                 self._verify_count()
-            else:  # read at the next step's start: a copy behind the step's work, no wait for it now
+            else:  # read at the next step's start: copies behind the step's work, no wait for them now
                 if self._count_host is None:  # one pinned buffer: a step's copy is read before the next one's
-                    self._count_host = torch.empty(1, dtype=torch.float32, pin_memory=True)
+                    self._count_host = torch.empty(2, dtype=torch.float32, pin_memory=True)
                 host = self._count_host
-                host.copy_(total, non_blocking=True)
+                host.narrow(0, 0, 1).copy_(total, non_blocking=True)
+                host.narrow(0, 1, 1).copy_(squares, non_blocking=True)
                 event = torch.cuda.Event()
                 event.record()
                 self._count_check = (host, event, self._n_local)
 
     def _verify_count(self) -> None:
         """``count_slot``: every rank counted as many gradient groups in the step as this one (``n``
-        is the world size times this rank's count), else an error naming the fix."""
+        is the world size times this rank's count), else an error naming the fix. The sum of the
+        counts alone passes a rank whose count is their mean (counts 1, 2, 3); with the sum of
+        their squares, ``Σ(c - mine)² = Σc² - ranks·mine²`` once ``Σc = ranks·mine``, which is 0
+        only where every count is this rank's, so every rank refuses (fp32 sums of counts and
+        squares: exact up to 2^24)."""
         if self._count_check is None:
             return
         total, event, mine = self._count_check
@@ -512,10 +522,13 @@ class LocalStats:
         if event is not None:
             event.synchronize()
         slot = self.count_slot
-        total, expected = float(total[0]), slot.ranks * mine
-        if abs(total - expected) > max(0.5, expected * 2.0**-23):  # fp32 sums of counts: exact up to 2^24
+        (total, squares), expected = total.tolist(), slot.ranks * mine
+        summed = abs(total - expected) <= max(0.5, expected * 2.0**-23)
+        spread = squares - slot.ranks * mine * mine  # Σ(c - mine)² where the sum agrees
+        if not summed or abs(spread) > max(0.5, squares * 2.0**-23):
             raise RuntimeError(f"vrgd_ds: this rank ran {mine} {slot.counted} in an optimizer step, the {slot.ranks} "
-                               f"ranks {total:.0f} together: {slot.fix}")
+                               f"ranks {total:.0f} together{'' if not summed else ', not ' + str(mine) + ' each'}: "
+                               f"{slot.fix}")
 
     def moments(self, params) -> tuple[list[Tensor], list[Tensor]]:
         self.start()  # a caller that steps the optimizer directly
