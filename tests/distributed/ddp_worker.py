@@ -342,6 +342,41 @@ def spread_case() -> dict[str, Any]:
     return dict(stepped=True)
 
 
+class _Branches(torch.nn.Module):
+    """``a(x)``, plus ``b(x)`` where ``use_b``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.a, self.b = torch.nn.Linear(5, 3), torch.nn.Linear(5, 3)
+
+    def forward(self, x: torch.Tensor, use_b: bool) -> torch.Tensor:
+        return self.a(x) + self.b(x) if use_b else self.a(x)
+
+
+def branch_case(micro_steps: int = 2) -> dict[str, Any]:
+    """One step of VRAdam on DDP (``find_unused_parameters``) whose GSNR group holds only branch
+    ``b``, which rank 1's ``micro_steps`` micro-batches (under ``no_sync()`` but the last: the
+    tensor hooks' path) skip: rank 0 counts ``micro_steps`` backward passes, rank 1 none. Returns
+    the step's error on this rank, or that it stepped."""
+    rank = dist.get_rank()
+    model = _Branches()
+    ddp = DDP(model, find_unused_parameters=True)
+    opt = VRAdam([{"params": list(model.a.parameters()), "gsnr": False}, {"params": list(model.b.parameters())}],
+                 lr=1e-2)
+    attach(ddp, opt)
+    opt.zero_grad()
+    for j in range(micro_steps):
+        with contextlib.nullcontext() if j == micro_steps - 1 else ddp.no_sync():
+            x, y = batch(0, rank, j)
+            torch.nn.functional.mse_loss(ddp(x, rank == 0), y).backward()
+    try:
+        opt.step()
+    except RuntimeError as exc:
+        return dict(error=str(exc))
+    return dict(stepped=True)
+
+
 def step(ddp: DDP, opt: Any, at: int) -> torch.Tensor:
     """Step ``at`` of 2 micro-steps, the first under ``no_sync()``; returns the gradient stepped on."""
     rank = dist.get_rank()
@@ -514,6 +549,7 @@ def cases() -> dict[str, Callable[[], dict[str, Any]]]:
         "bad": bad_cases,
         "three_ranks": three_rank_case,
         "spread": spread_case,
+        "branch_no_sync": branch_case,
         "join": lambda: join_case("per_step"),
         "fused_join": lambda: join_case("per_micro_step"),
         "scaler": lambda: scaler_case("per_step"),

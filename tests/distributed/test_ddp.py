@@ -143,6 +143,17 @@ def test_a_rank_whose_count_is_the_mean_of_unequal_counts_refuses_too(pool4):
                + (", not 2 each:" if count == 2 else ":") in res["error"], res
 
 
+def test_a_rank_whose_passes_skip_the_gsnr_groups_refuses_with_the_others(pool):
+    """The GSNR group holds only a branch that rank 1's 2 micro-batches (under ``no_sync()``)
+    skip: rank 1's tensor hooks count no backward pass, rank 0's two. Both ranks refuse the step,
+    naming the counts. Fails on the old code: rank 1 raised alone (fewer than 2 gradient groups)
+    before the statistics' all-reduce, which rank 0 entered and waited in (the case's 180 s)."""
+    for rank, res in enumerate(pool.run("ddp_worker", "run_case", {"name": "branch_no_sync"})):
+        assert "needs the same number of backward() calls per step on every rank" in res.get("error", ""), res
+        assert f"this rank ran {2 - 2 * rank} backward passes in an optimizer step, the 2 ranks 2 together" \
+            in res["error"], res
+
+
 @pytest.mark.parametrize("name", TRAIN_CASES)
 def test_per_step_groups_are_ranks_times_backward_passes(pool, name):
     """The default scheme: every backward of every rank is a group, no_sync() micro-steps

@@ -102,6 +102,9 @@ def groups_now(source: StatisticsSource | None, owner: str, serial: int = 0) -> 
         raise RuntimeError(f"{owner}: no statistics source is attached")
     n = source.n
     if n < MIN_GROUPS:
+        agree = getattr(source, "agree_on_count", None)
+        if agree is not None:  # ranks with other counts refuse together
+            agree()
         raise RuntimeError(
             f"{owner}.step(): GSNR needs at least {MIN_GROUPS} gradient groups per step, got n={n}. "
             "In one process every backward() between two step() calls is one group: split the batch into "

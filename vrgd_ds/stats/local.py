@@ -530,6 +530,22 @@ class LocalStats:
                                f"ranks {total:.0f} together{'' if not summed else ', not ' + str(mine) + ' each'}: "
                                f"{slot.fix}")
 
+    def agree_on_count(self) -> None:
+        """A step about to be refused for too few gradient groups: where the step's collective
+        carries the ranks' counts (``count_slot``), it runs first and the counts are read back now,
+        so that ranks whose counts differ (one whose micro-steps reached no parameter of a GSNR
+        group, counting none) refuse together, naming the counts, where this rank would have
+        refused alone and the others waited in the collective."""
+        if self.count_slot is None:
+            return
+        if self._stale:  # nothing recorded since the last step: this step's count is 0
+            self._new_step()
+        self.start()
+        if not self._finished:
+            self.wait()
+            self._finished = True
+        self._verify_count()
+
     def moments(self, params) -> tuple[list[Tensor], list[Tensor]]:
         self.start()  # a caller that steps the optimizer directly
         if not self._finished:
