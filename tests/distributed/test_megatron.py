@@ -680,7 +680,10 @@ def test_the_gpt_jobs_optimizer_decays_weights_but_not_biases_and_norms(megatron
 def test_partial_gradient_tensors_follow_megatrons_rule():
     """The tensors switched off are the ones Megatron sums over TP once per step: marked
     ``sequence_parallel`` (under ``sequence_parallel``) and q/k LayerNorms by name (under
-    ``qk_layernorm``) — and no others."""
+    ``qk_layernorm``), and those it averages there (marked ``average_gradients_across_tp_domain``,
+    as megatron-core's ``HuggingFaceModule`` marks every parameter) — and no others. The last
+    fails on the code before, which kept GSNR on for them: each rank's statistics were its own
+    gradient's, where Megatron steps on the TP ranks' mean."""
     from types import SimpleNamespace
 
     from vrgd_ds.megatron.optimizer import partial_gradient_tensors
@@ -695,6 +698,8 @@ def test_partial_gradient_tensors_follow_megatrons_rule():
     assert names(sequence_parallel=True, qk_layernorm=False) == ["norm.bias", "norm.weight"]
     assert names(sequence_parallel=False, qk_layernorm=True) == ["k_layernorm.bias", "k_layernorm.weight",
                                                                  "q_layernorm.bias", "q_layernorm.weight"]
+    chunk.dense.weight.average_gradients_across_tp_domain = True
+    assert names(sequence_parallel=False, qk_layernorm=False) == ["dense.weight"]
 
 
 def _max_diff(a, b) -> float:

@@ -162,16 +162,20 @@ def _refused_on_every_rank(check: Any) -> None:
 def partial_gradient_tensors(model_chunks: list[Any]) -> dict[int, str]:
     """The parameters whose gradient of a micro-batch is partial on each tensor-parallel rank, by
     id, with their names: sequence-parallel ones (LayerNorms, row-parallel biases) and the q/k
-    LayerNorms under ``qk_layernorm`` — Megatron's own rule for the tensors it sums over TP once
-    per step (``finalize_model_grads._allreduce_non_tensor_model_parallel_grads``). The square
-    of a partial is not a partial of the square, so no per-micro-batch statistic of theirs is
-    exact; they step with GSNR switched off (``_twin_groups``)."""
+    LayerNorms under ``qk_layernorm``, which Megatron sums over TP once per step, and those marked
+    ``average_gradients_across_tp_domain`` (every parameter of a wrapped HuggingFace module), which
+    it averages there — Megatron's own rule
+    (``finalize_model_grads._allreduce_non_tensor_model_parallel_grads``). The square of a partial
+    is not a partial of the square, nor one rank's square that of the ranks' mean, so no
+    per-micro-batch statistic of theirs is exact; they step with GSNR switched off
+    (``_twin_groups``)."""
     config = model_chunks[0].config
     out = {}
     for chunk in model_chunks:
         for name, p in chunk.named_parameters():
             if (config.sequence_parallel and getattr(p, "sequence_parallel", False)) or (
-                    config.qk_layernorm and ("q_layernorm" in name or "k_layernorm" in name)):
+                    config.qk_layernorm and ("q_layernorm" in name or "k_layernorm" in name)) or getattr(
+                    p, "average_gradients_across_tp_domain", False):
                 out[id(p)] = name
     return out
 
@@ -226,7 +230,8 @@ def _twin_groups(param_groups: list[dict], partial: dict[int, str], tied: dict[i
         out += [{**g, "params": keep, TWIN_KEY: False}, {**g, "params": moved, "gsnr": False, TWIN_KEY: True}]
     held = {id(p) for g in param_groups for p in g["params"]}
     for off, why in (([n for i, n in partial.items() if i in held], "under tensor parallelism their gradient of a "
-                      "micro-batch is partial on each rank (sequence parallelism, qk_layernorm)"),
+                      "micro-batch is partial on each rank (sequence parallelism, qk_layernorm) or averaged over "
+                      "the ranks (average_gradients_across_tp_domain)"),
                      ([n for i, (_, n) in tied.items() if i in held], "Megatron sums their gradient across "
                       "pipeline stages once per step, so each stage holds a partial of a micro-batch's "
                       '(tied_across_stages="gsnr_off")')):
