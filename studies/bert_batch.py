@@ -210,11 +210,14 @@ def carried_recipe(ours: dict, carried: list[dict], out_dir: Path) -> dict:
     return {**ours, "optimizers": {**ours["optimizers"], **kept}}
 
 
-def same_recipe(d: Path, theirs: dict | None, ours: dict) -> None:
+def same_recipe(d: Path, theirs: dict | None, ours: dict) -> set[str]:
     """``--reuse d`` with its record's recipe ``theirs``: the same fixed settings, and the same
     parameters for every optimizer label both know, else an error naming what differs. A record
     written before recipes were recorded has none: its runs are taken as this code's (the
-    parameters and fixed settings had not changed since the first record), and that is said."""
+    parameters and fixed settings had not changed since the first record), and that is said.
+    Returns the labels outside ``ours`` whose parameters there differ from this code's
+    (``OPTIMIZERS``): their runs are no cell of this study, but one may be its noise-scale probe
+    (``probe_label``), so they are left out (``load_reused``)."""
     unrecorded = [label for label, digest in (theirs or {}).get("optimizers", {}).items()
                   if digest == UNRECORDED and label in ours["optimizers"]]
     if theirs is None or unrecorded:
@@ -222,13 +225,16 @@ def same_recipe(d: Path, theirs: dict | None, ours: dict) -> None:
               "before the recipe was (optimizer parameters, fixed job settings); taken as made with this study's",
               flush=True)
         if theirs is None:
-            return
+            return set()
     differ = (["fixed job settings (base_config)"] if theirs.get("job") != ours["job"] else []) + [
         f"parameters for {label}" for label, digest in theirs.get("optimizers", {}).items()
         if label in ours["optimizers"] and digest not in (ours["optimizers"][label], UNRECORDED)]
     if differ:
         raise SystemExit(f"--reuse {d}: its runs were made with other {' and other '.join(differ)} than this "
                          "study's: run them again, or leave that directory out")
+    return {label for label, digest in (theirs or {}).get("optimizers", {}).items()
+            if label not in ours["optimizers"] and label in OPTIMIZERS
+            and digest not in (_digest(OPTIMIZERS[label]), UNRECORDED)}
 
 
 RunKey = tuple[str, int, str, float, int]  # corpus, batch, optimizer, LR factor, seed
@@ -299,14 +305,18 @@ def load_reused(dirs: list[Path], config: dict, settings: tuple[str, ...] = RUN_
             raise SystemExit(f"--reuse {d}: needs meta.json and runs.jsonl there (a study's --out directory)")
         meta = json.loads(meta_path.read_text())
         theirs = meta["config"]
-        if "recipe" in config:
-            same_recipe(d, theirs.get("recipe"), config["recipe"])
+        stale = same_recipe(d, theirs.get("recipe"), config["recipe"]) if "recipe" in config else set()
         for key in settings:
             if theirs.get(key) != config[key]:
                 raise SystemExit(f"--reuse {d}: its runs used {key}={theirs.get(key)!r}, this study {config[key]!r}: "
                                  "run with its settings or leave that directory out")
         their_specs = dict(spec.partition("=")[::2] for spec in theirs["corpora"])
         records = [json.loads(line) for line in runs_path.read_text().splitlines()]
+        if dropped := sum(r["optimizer"] in stale for r in records):
+            print(f"--reuse {d}: {dropped} run(s) of {', '.join(sorted(stale))}, which this study does not run, were "
+                  "made with other parameters than this code gives them; not reused here (not as the noise-scale "
+                  "probe either): they stay in that record", flush=True)
+            records = [r for r in records if r["optimizer"] not in stale]
         where = portable(str(d))  # as the record keeps it: no scratch path of this machine
         for name, source in their_specs.items():
             # a file corpus found elsewhere on another machine is the same corpus when every run of it
@@ -437,7 +447,8 @@ class Launch:
 
     def result(self, wall_s: float, machine: str, diverged: bool = False) -> dict:
         """The run's record, with the ``machine`` it ran on (a grid that grows piecewise mixes
-        machines; the page names each cell's). ``diverged``: the job stopped on its skipped steps
+        machines; the page names each cell's; a run paused on one and resumed on another names
+        both, joined by " + "). ``diverged``: the job stopped on its skipped steps
         (``EXIT_DIVERGED``); such a run, or one whose held-out loss is not finite, is recorded
         with a loss of +inf and ``"diverged"``, so that a bracket and a verdict rank it last."""
         ev, noise = read_metrics(self.run_dir)
@@ -450,7 +461,9 @@ class Launch:
                            "eval_tokens": None if diverged else ev.get("eval/tokens"), "b_simple": noise,
                            "wall_s": round(wall_s + sum(g["wall_s"] for g in before), 1),
                            "data": data_fingerprint(self.data, self.record["seed"], self.heldout_fraction),
-                           "machine": machine, "data_wait": self.data_wait()}
+                           # a run resumed on another machine: each one, the first first
+                           "machine": " + ".join(dict.fromkeys([*(g["machine"] for g in before), machine])),
+                           "data_wait": self.data_wait()}
         if diverged:
             r["diverged"] = True
         if before:
@@ -617,6 +630,12 @@ def plan_run(label: str, corpus: str, data: Path, batch: int, factor: float, see
         same_settings(run_dir, cfg)
         result = json.loads(done.read_text())
         same_data(run_dir, "finished", result.get("data"), data, seed, args)
+        if result.get("steps") != steps or not math.isclose(result.get("lr", math.nan), lr, rel_tol=1e-9):
+            # a run finished before runs kept their config: its directory's name holds neither the samples
+            # (a budget of samples // batch steps is named without them) nor the LR rule
+            raise SystemExit(f"{run_dir}: a finished run of {result.get('steps')} steps at LR {result.get('lr')!r}, "
+                             f"this study's {steps} at {lr!r}: give the settings it ran with (--samples, --lr-rule, "
+                             "--base-lr), another --work, or remove the directory to run it again")
         return result | {"b_simple": read_metrics(run_dir)[1], "run_dir": str(run_dir.relative_to(args.work))}
     if (run_dir / PAUSED).is_file():  # the job would refuse its checkpoint (checkpoint.data_change), every start
         from vrgd_ds.train import checkpoints as ckpt
@@ -814,7 +833,7 @@ class Runner:
         """Adds the runs in flight since ``since`` to each active run's ``load``; returns now."""
         now = time.monotonic()
         for i, *_ in active.values():
-            self.load[i] += (now - since) * len(active)
+            self.load[i] = self.load.get(i, 0.0) + (now - since) * len(active)
         return now
 
     def collect(self, launches: list[Launch], active: dict, results: list[dict | None],
@@ -825,12 +844,21 @@ class Runner:
         with its log's last lines, which are printed, and the others go on: the study assembles what
         finished and then exits 1 (``main``). After a pause (``paused``), a run the pause's signal
         ended in its start-up (``ENDED_BY_SIGUSR1``), or that checkpointed and exited only after the
-        pause judged it (``EXIT_REQUEUE``), is left for the caller to remove, as the pause said."""
+        pause judged it (``EXIT_REQUEUE``), is left for the caller to remove, as the pause said.
+        Outside a pause, a run that checkpointed and exited for a ``SIGUSR1`` sent to its ranks from
+        outside the study (``requeue.json`` written) is paused, not failed: its segment is kept
+        beside its checkpoint (``PAUSED``), which the next start resumes."""
         for slot, (i, proc, t0, log) in list(active.items()):
             if proc.poll() is None or (paused and proc.returncode in (*ENDED_BY_SIGUSR1, EXIT_REQUEUE)):
                 continue
             log.close()
             del active[slot]
+            if proc.returncode == EXIT_REQUEUE and (launches[i].run_dir / "requeue.json").is_file():
+                got = self.keep_paused(launches[i], i, t0)
+                self.stopped.append(got)
+                print(f"run paused by a signal from outside the study at step {got['step']} of {got['steps']}: "
+                      f"{launches[i].run_dir} (checkpoint kept: the next start resumes it)", flush=True)
+                continue
             if proc.returncode not in (0, EXIT_DIVERGED):
                 path = launches[i].run_dir / "log.txt"
                 tail = path.read_text(errors="replace").splitlines()[-40:] if path.is_file() else []
@@ -845,6 +873,21 @@ class Runner:
                 record(results[i])
             if i not in self.resumed:  # a resumed segment's few steps after its start-up would set the rate
                 self.rates.append(samples / wall * max(self.load.get(i, 0.0) / wall, 1.0))
+
+    def progress(self, launch: Launch, i: int, t0: float) -> dict:
+        """``launch.progress`` of the segment started at ``t0``, with the runs side by side."""
+        got = launch.progress(time.monotonic() - t0)
+        got["side_by_side"] = round(self.load.get(i, 0.0) / max(got["wall_s"], 1e-3), 2)  # with its rate: the machine's
+        return got
+
+    def keep_paused(self, launch: Launch, i: int, t0: float) -> dict:
+        """A run that checkpointed and exited: this segment (begun at ``t0``) added to its ``PAUSED``
+        file, beside the segments before it; returns its progress."""
+        got = self.progress(launch, i, t0)
+        got["paused"] = True
+        segment = {"machine": self.machine, "wall_s": got["wall_s"], "step": got["step"], "samples": got["samples"]}
+        (launch.run_dir / PAUSED).write_text(json.dumps(launch.segments() + [segment]))
+        return got
 
     def pause_active(self, launches: list[Launch], active: dict, results: list[dict | None],
                      record: Callable[[dict], None] | None, wait_s: float | None, why: str) -> None:
@@ -875,12 +918,14 @@ class Runner:
             if ranks:
                 signalled.add(slot)
         deadline, paused = None if wait_s is None else time.monotonic() + max(wait_s, 0.0), []
+        since = time.monotonic()
         for slot, (i, proc, t0, log) in active.items():
             if slot in signalled:
                 try:
                     proc.wait(timeout=None if deadline is None else max(0.0, deadline - time.monotonic()))
                 except subprocess.TimeoutExpired:
                     pass
+        self.tick(active, since)  # the wait is in each run's wall time: the runs beside it count through it
         # the runs that have checkpointed first: stopping one (up to 20 s) gives the rest that long
         # to finish their checkpoints before they are judged
         order = sorted(active.items(), key=lambda kv: not (launches[kv[1][0]].run_dir / "requeue.json").is_file())
@@ -893,20 +938,17 @@ class Runner:
             earlier = launch.segments()  # the segments before this one: a resumed run's checkpoint
             if proc.poll() is None and (marked or earlier):  # checkpointed (the marker follows the complete
                 stop(proc, grace=20.0)  # save), or resumed from one: either way kept, so stopped, not left running
-            got = launch.progress(time.monotonic() - t0)
-            got["side_by_side"] = round(self.load.get(i, 0.0) / max(got["wall_s"], 1e-3), 2)  # with its rate: the machine's
             if proc.poll() is not None and marked:
-                got["paused"] = True
-                log.close()
-                segment = {"machine": self.machine, "wall_s": got["wall_s"], "step": got["step"],
-                           "samples": got["samples"]}
-                (launch.run_dir / PAUSED).write_text(json.dumps(earlier + [segment]))
-                paused.append(slot)
-            elif earlier:  # resumed, stopped before it checkpointed again (e.g. in its start-up): the
-                # checkpoint it resumed from still stands, and its segments; this segment is lost
-                got.update(paused=True, step=earlier[-1]["step"], samples=earlier[-1]["samples"])
+                got = self.keep_paused(launch, i, t0)
                 log.close()
                 paused.append(slot)
+            else:
+                got = self.progress(launch, i, t0)
+                if earlier:  # resumed, stopped before it checkpointed again (e.g. in its start-up): the
+                    # checkpoint it resumed from still stands, and its segments; this segment is lost
+                    got.update(paused=True, step=earlier[-1]["step"], samples=earlier[-1]["samples"])
+                    log.close()
+                    paused.append(slot)
             self.stopped.append(got)
             rate = "–" if got["samples_per_s"] is None else (f"{got['samples_per_s']:,.0f} samples/s, "
                                                              f"{got['side_by_side']:g} run(s) side by side")
@@ -1076,7 +1118,8 @@ def verdicts(best: dict, corpus: str, batches: list[int], label: str, baseline: 
     each one's best LR bracketed on ``grid`` (when ``cells``, ``by_factor``, is given:
     ``unbracketed``) and each of the baseline's runs ending below the unigram level of its seed's
     held-out masks (``unigram``: per seed, or one level for every seed; None, or a seed without
-    one, decides nothing: not computed); it is "better" or "worse" only when the seed ranges do not
+    one, decides nothing: not computed), the same seeds in both arms, and no seed diverged at a
+    best LR where another did not; it is "better" or "worse" only when the seed ranges do not
     overlap. Beside it, ``label``'s loss less the baseline's seed by seed (a seed's runs read the
     same samples and masks under every optimizer). A batch not decided says everything it misses.
     Then the baseline's degradation from the first batch to the last and the share of it
@@ -1088,6 +1131,14 @@ def verdicts(best: dict, corpus: str, batches: list[int], label: str, baseline: 
         arms = ((baseline, base), (label, vr))
         missing = [name for name, rs in arms if rs is None or len(rs) < 2]
         why = [f"{' and '.join(missing)} {'lacks' if len(missing) == 1 else 'lack'} 2 seeds"] if missing else []
+        seeds = [sorted({r.get("seed") for r in rs}, key=str) for _, rs in arms if rs]
+        if not missing and seeds[0] != seeds[1]:  # each seed has its own samples and masks: compare like with like
+            why.append(f"not the same seeds ({baseline} {', '.join(map(str, seeds[0]))}; "
+                       f"{label} {', '.join(map(str, seeds[1]))})")
+        for name, rs in arms:  # a seed diverged at the best LR and another not: no difference (+inf) to give
+            gone = [str(r.get("seed")) for r in rs or [] if not math.isfinite(r["mlm_loss"])]
+            if rs and 0 < len(gone) < len(rs):
+                why.append(f"{name} diverged on seed {', '.join(gone)} at its best LR")
         if cells is not None:
             why += [edge for name, rs in arms if rs and len(rs) >= 2
                     if (edge := unbracketed(cells, (corpus, batch, name), rs, grid or sorted(cells.get(
@@ -1613,6 +1664,8 @@ def main() -> None:
                 # the probe's baseline beside it: the budget's margin below the unigram level at a small batch
                 probes = [probe] + [BASELINE[probe]] * (BASELINE[probe] in labels or recorded(
                     args.reused, name, args.base_batch, BASELINE[probe], seeds))
+                for lab in probes:  # runs this record writes: a later --reuse checks their parameters too
+                    config["recipe"]["optimizers"].setdefault(lab, _digest(OPTIMIZERS[lab]))
                 measured = run_all([(lab, name, data, args.base_batch, 1.0, seed) for lab in probes for seed in seeds],
                                    args, log_run)
                 probe_runs += measured

@@ -245,6 +245,20 @@ def test_reuse_refuses_a_record_made_with_other_optimizer_parameters_or_fixed_se
     merit = {**config, "recipe": recipe({"MERIT": OPTIMIZERS["MERIT"]})}
     with pytest.raises(SystemExit, match=r"other parameters for MERIT"):
         load_reused([record("carried_again", kept)], merit)
+    # a label this study does not run, made with other parameters than this code's, may still be its
+    # noise-scale probe (probe_label looks beyond --optimizer): its runs are left out, and that is said.
+    # Fails on the code before, which reused them and took their B_simple for the grid's batches
+    probe = [("embedded", 64, "VR-LAMB first_moment", 1.0, seed, 6.4) for seed in (1, 2)]
+    beta = recipe({"VR-LAMB first_moment": dict(OPTIMIZERS["VR-LAMB first_moment"], beta3=0.5)})["optimizers"]
+    capsys.readouterr()
+    reused = load_reused([fake_study(tmp_path / "probe", runs + probe, recipe={
+        **ours, "optimizers": {**ours["optimizers"], **beta}})], config)[0]
+    assert [key[2] for key in reused] == ["VR-LAMB update"]
+    assert "2 run(s) of VR-LAMB first_moment, which this study does not run, were made with other parameters" \
+        in capsys.readouterr().out
+    current = {**ours, "optimizers": {**ours["optimizers"], **recipe({"VR-LAMB first_moment": OPTIMIZERS[
+        "VR-LAMB first_moment"]})["optimizers"]}}
+    assert len(load_reused([fake_study(tmp_path / "probe_now", runs + probe, recipe=current)], config)[0]) == 3
     unrecorded = carried_recipe(ours, carried, record("legacy_out", None))
     assert unrecorded["optimizers"]["MERIT"] == "unrecorded"
     capsys.readouterr()
@@ -574,6 +588,15 @@ def test_a_finished_run_in_the_work_directory_is_read_back_only_with_the_studys_
         bert_batch.plan_run("LAMB", "embedded", tmp_path / "data", 64, 1.0, 1, args(base_lr=8e-3))
     with pytest.raises(SystemExit, match=r"job\.data\.heldout_fraction: None there, 0\.1 here"):
         bert_batch.plan_run("LAMB", "embedded", tmp_path / "data", 64, 1.0, 1, args(heldout_fraction=0.1))
+    # finished before runs kept their config: its result's steps and LR must be this study's. At
+    # twice the samples its directory is still seed1 (samples // batch steps are not named).
+    # Fails on the code before, which read the 160-step run back into a 320-step cell
+    (launch.run_dir / "study_config.json").unlink()
+    with pytest.raises(SystemExit, match=r"a finished run of 160 steps at LR 0\.004, this study's 320 at 0\.004"):
+        bert_batch.plan_run("LAMB", "embedded", tmp_path / "data", 64, 1.0, 1, args(samples=20480))
+    with pytest.raises(SystemExit, match=r"a finished run of 160 steps at LR 0\.004, this study's 160 at 0\.008"):
+        bert_batch.plan_run("LAMB", "embedded", tmp_path / "data", 64, 1.0, 1, args(base_lr=8e-3))
+    assert bert_batch.plan_run("LAMB", "embedded", tmp_path / "data", 64, 1.0, 1, args())["mlm_loss"] == 6.9
 
 
 def test_a_run_in_the_work_directory_is_read_back_or_resumed_only_on_its_data(tmp_path, monkeypatch):
@@ -916,6 +939,61 @@ def test_verdicts_hold_each_baseline_run_to_its_own_seeds_unigram_level():
     below = verdicts(best, "c", [64], "VR", "LAMB", unigram={1: 6.3521, 2: 6.2578})
     assert below[0][-1] == "VR better by 0.190 nats (seed ranges apart)" and below[0][5] == "0.022"
     assert below[0][4] == "1: -0.280, 2: -0.100"  # seed by seed: each seed's runs read the same data
+
+
+def test_verdicts_compare_the_same_seeds_and_no_seed_diverged_at_a_best_lr():
+    """Each seed has its own samples and held-out masks, so the arms must hold the same seeds:
+    with LAMB's best LR finished on seeds 1 and 2 and VR's on 2 and 3, the old code gave "VR
+    better by 0.155 nats (seed ranges apart)" where the one shared seed differs by -0.010. And a
+    best LR where one seed diverged and another did not gave "no difference beyond the seeds
+    (+inf nats)". Both are "not decided" now, saying why (both fail on the old code)."""
+    sys.path.insert(0, str(STUDIES))
+    from bert_batch import verdicts
+
+    def cell(**losses):
+        return [{"mlm_loss": x, "seed": int(seed[1:])} for seed, x in losses.items()]
+
+    best = {("c", 64, "LAMB"): cell(s1=6.30, s2=6.20), ("c", 64, "VR"): cell(s2=6.19, s3=6.00)}
+    (row,) = verdicts(best, "c", [64], "VR", "LAMB", unigram=7.0)
+    assert row[-1] == "not decided: not the same seeds (LAMB 1, 2; VR 2, 3)"
+    best["c", 64, "VR"] = cell(s1=6.10, s2=math.inf)
+    (row,) = verdicts(best, "c", [64], "VR", "LAMB", unigram=7.0)
+    assert row[-1] == "not decided: VR diverged on seed 2 at its best LR"
+    best["c", 64, "VR"] = cell(s1=math.inf, s2=math.inf)  # diverged on every seed: worse, ranges apart
+    (row,) = verdicts(best, "c", [64], "VR", "LAMB", unigram=7.0)
+    assert row[-1] == "VR worse by inf nats (seed ranges apart)"
+
+
+def test_a_run_checkpointed_by_a_signal_from_outside_the_study_is_kept_paused(tmp_path, capsys):
+    """A ``SIGUSR1`` sent to a run's ranks from outside the study (Slurm's ``--signal=USR1``, a
+    ``kill`` of the process group) makes the job checkpoint and exit with ``EXIT_REQUEUE``: the
+    run is paused, its segment kept beside its checkpoint for the next start, not failed. Fails on
+    the code before, which recorded it failed, and the next start removed its directory, checkpoint
+    and all. And a run paused on one machine and finished on another names both."""
+    import argparse
+
+    sys.path.insert(0, str(STUDIES))
+    from bert_batch import PAUSED, Launch, Runner
+
+    from vrgd_ds.train.loop import EXIT_REQUEUE
+
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    (run_dir / "metrics.jsonl").write_text(json.dumps({"step": 3, "time": time.time(), "train/samples": 24.0}) + "\n")
+    (run_dir / "requeue.json").write_text("{}")
+    launch = Launch(run_dir, [], {}, {"corpus": "c", "batch": 8, "optimizer": "o", "seed": 1, "factor": 1.0,
+                                      "lr": 1e-3, "steps": 10, "samples": 80}, tmp_path / "no-data")
+    proc = type("Exited", (), {"returncode": EXIT_REQUEUE, "poll": lambda self: EXIT_REQUEUE})()
+    log = type("Log", (), {"close": lambda self: None})()
+    runner = Runner(argparse.Namespace(parallel=1, time_limit=None, started=time.monotonic(), ranks=1, port=None))
+    runner.machine = "cpu"
+    active, results = {0: (0, proc, time.monotonic() - 30.0, log)}, [None]
+    runner.collect([launch], active, results, None)
+    assert not active and results == [None] and runner.failed == []
+    assert [(g["machine"], g["step"], g["samples"]) for g in launch.segments()] == [("cpu", 3, 24.0)]
+    assert (run_dir / PAUSED).is_file() and [g["paused"] for g in runner.stopped] == [True]
+    assert "run paused by a signal from outside the study at step 3 of 10" in capsys.readouterr().out
+    assert launch.result(wall_s=5.0, machine="gpu", diverged=True)["machine"] == "cpu + gpu"
 
 
 def test_verdicts_need_two_seeds_below_the_unigram_level_and_apart_ranges():
@@ -1858,6 +1936,10 @@ def test_a_run_that_checkpointed_but_did_not_exit_is_kept_paused_and_a_removed_r
         assert active[0][1].poll() is not None  # stopped, not left running
         assert [g["step"] for g in hang.segments()] == [1] and (hang.run_dir / PAUSED).is_file()
         assert [g["paused"] for g in runner.stopped] == [True, False]
+        # the 3 s the pause waited for them count 2 runs side by side in each one's wall time. Fails
+        # on the code before, which counted none of it (a CPU record's 0.64 runs at --parallel 1)
+        for got in runner.stopped:
+            assert got["side_by_side"] * got["wall_s"] == pytest.approx(2 * 3.0, abs=0.3), got
         assert "    | step 1 done" in capsys.readouterr().out
     finally:
         for _, proc, _, log in active.values():  # what Runner.run does with the slots not paused
