@@ -234,6 +234,53 @@ def test_another_models_state_is_refused_at_the_first_step_naming_the_key(name, 
 
 
 @pytest.mark.parametrize("fused", IMPLS)
+def test_a_scalar_parameters_state_is_refused_for_a_larger_one(fused):
+    """A 0-d state (a scalar parameter's, such as a logit scale) loaded by position for a
+    parameter of 64 elements: the first step refuses it as another model's, the parameter
+    untouched. Fails on the code before, which checked the sizes of states with a dimension
+    only: the reference raised an indexing error and the C++ kernels wrote past the state's end
+    (heap corruption, seen as an abort at exit)."""
+    scalar = nn.Parameter(torch.tensor(0.5))
+    o1 = vrgd_ds.VRAdam([scalar], lr=1e-2, fused=fused)
+    for _ in range(2):
+        for k in range(2):
+            (scalar * (k + 1.5)).pow(2).backward()
+        o1.step()
+        o1.zero_grad()
+    wide = nn.Parameter(torch.randn(64))
+    o2 = vrgd_ds.VRAdam([wide], lr=1e-2, fused=fused)
+    o2.load_state_dict(o1.state_dict())
+    before = wide.detach().clone()
+    for k in range(2):
+        (wide * (k + 1.5)).pow(2).sum().backward()
+    with pytest.raises(ValueError, match=r"optimizer state 'exp_avg' of shape \(\) for a parameter of shape \(64,\) "
+                                         r".*the loaded optimizer state is another model's"):
+        o2.step()
+    assert torch.equal(wide, before)
+
+
+@pytest.mark.parametrize("saved", ["VRSGD", "VRMomentum", "VRLars"])
+@pytest.mark.parametrize("name", ["VRAdam", "VRLamb", "VRMerit"])
+def test_a_state_without_the_members_moments_is_refused_at_load(name, saved):
+    """VRSGD's state after 3 steps (a step count and the GSNR momentum, no Adam moments) loaded
+    into VRAdam: refused at the load, naming the tensor, its step count and the fix. Fails on the
+    code before, which took it with a warning that the state was "saved by an older version" and
+    went on with moments started at zero under step 4's bias corrections (the first steps about
+    1.2 to 2 times a fresh VRAdam's). A state with the moments (VRLamb's into VRAdam) still loads."""
+    m1 = make_model()
+    o1 = build(saved, m1, False)
+    run(m1, o1, batches(3, 2))
+    m2 = make_model()
+    o2 = build(name, m2, False)
+    with pytest.raises(ValueError, match=rf"{name}\.load_state_dict: param group 0's tensor 0 has taken 3 steps but "
+                                         r"its saved state holds no exp_avg or exp_avg_sq: .*start \w+ afresh"):
+        o2.load_state_dict(o1.state_dict())
+    other = build("VRLamb" if name != "VRLamb" else "VRAdam", m1, False)
+    run(m1, other, batches(2, 2))
+    o2.load_state_dict(other.state_dict())
+
+
+@pytest.mark.parametrize("fused", IMPLS)
 @pytest.mark.parametrize("name", ["VRFusedLAMB", "Lamb", "VRAdam"])
 def test_an_apex_state_with_the_step_in_its_group_continues_the_bias_correction(name, fused):
     """apex's FusedLAMB and FusedAdam keep the step count in the param group, not per tensor: a

@@ -228,8 +228,27 @@ class GSNROptimizer(torch.optim.Optimizer):
                 # the options it has no such key for (the GSNR's, never read; bias_correction ...) this group's as built
                 saved = {**{k: v for k, v in self.param_groups[i].items() if k != "params"}, **saved, "gsnr": False}
             self._check_as_loaded(i, {**self.defaults, **saved, **(built[i] if i < len(built) else {})})
+            self._own_moments(i, saved, state_dict.get("state", {}))
             groups.append(saved)
         return {**state_dict, "param_groups": groups}
+
+    def _own_moments(self, index: int, saved: dict[str, Any], states: dict[Any, dict[str, Any]]) -> None:
+        """A saved tensor that has stepped holds this member's moments (``state_keys``): one without
+        them is another member's (VRSGD's, VRMomentum's, VRLars'), whose step count would go on
+        with moments started at zero, their bias corrections as good as gone."""
+        for key in saved.get("params", []):
+            st = states.get(key) or {}
+            step = st.get("step")
+            if (not self.state_keys or step is None or any(k in st for k in self.state_keys)
+                    or (isinstance(step, Tensor) and step.numel() != 1)):
+                continue
+            if float(step) > 0:
+                raise ValueError(
+                    f"{self.name}.load_state_dict: param group {index}'s tensor {key} has taken {float(step):g} steps "
+                    f"but its saved state holds no {' or '.join(self.state_keys)}: it is the state of an optimizer "
+                    f"without them (VRSGD, VRMomentum, VRLars), and {self.name} would start them at zero with the "
+                    f"bias corrections of step {float(step):g}; load it into the optimizer it was saved from, or "
+                    f"start {self.name} afresh")
 
     #: options of torch's optimizers that change the update unless at these values (a callable:
     #: of the saved group), for the members without the option

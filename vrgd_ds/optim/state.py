@@ -229,10 +229,10 @@ def _complete(plan: Plan, state_keys: tuple[str, ...], beta3: float) -> list[Ten
         elif step.device != plan.tdev:
             st["step"] = step.to(plan.tdev)
         for key, value in list(st.items()):
-            if key != "step" and isinstance(value, Tensor) and value.dim() and value.numel() != p.numel():
-                # a loaded state of another model's tensor (a resized vocabulary or hidden size):
-                # torch's load_state_dict matches tensors by position only, and the kernels would
-                # read and write the parameter's length of it
+            if key != "step" and isinstance(value, Tensor) and value.numel() != p.numel():
+                # a loaded state of another model's tensor (a resized vocabulary or hidden size, or a
+                # scalar parameter's 0-d state): torch's load_state_dict matches tensors by position
+                # only, and the kernels would read and write the parameter's length of it
                 raise ValueError(f"optimizer state {key!r} of shape {tuple(value.shape)} for a parameter of shape "
                                  f"{tuple(p.shape)} (param group {plan.index}, its tensor {i}): the "
                                  "loaded optimizer state is another model's; load the checkpoint into the model it "
