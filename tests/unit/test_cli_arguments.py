@@ -51,3 +51,27 @@ def test_run_with_a_module_that_does_not_exist_exits_2(capsys):
     err = capsys.readouterr().err
     assert stop.value.code == 2 and err.startswith("vrgd_ds.run: -m no_such_module_here: no module named "
                                                    "'no_such_module_here'"), err
+
+
+def test_the_demo_reports_a_skipped_step_instead_of_failing(monkeypatch, capsys):
+    """Labels with a NaN make every step's gradients non-finite: the optimizer skips the steps,
+    whose metrics have no trust ratio, and the demo says so on its log line. Fails on the code
+    before, which read ``trust_ratio/mean`` unguarded: a KeyError at the first log line."""
+    import torch
+
+    from vrgd_ds import demo
+
+    make_data = demo.make_data
+
+    def with_nan(n, dim, seed):
+        x, y = make_data(n, dim, seed)
+        y[0] = float("nan")
+        return x, y
+
+    monkeypatch.setattr(demo, "make_data", with_nan)
+    monkeypatch.setattr(demo, "student", lambda dim: torch.nn.Linear(dim, 1))
+    monkeypatch.setattr(sys, "argv", ["vrgd_ds.demo", "--steps", "1", "--micro-batches", "2",
+                                      "--micro-batch-size", "45000"])
+    demo.main()
+    out = capsys.readouterr().out
+    assert "trust – (step skipped: non-finite gradients)" in out, out
