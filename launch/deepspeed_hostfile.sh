@@ -23,7 +23,9 @@ set -euo pipefail
 for name in CONFIG RUN_DIR HOSTFILE; do
     if [[ -n "${!name:-}" ]]; then printf -v "$name" '%s' "$(realpath -ms -- "${!name}")"; fi
 done
-if [[ "${PYTHON:-}" == */* ]]; then PYTHON=$(realpath -ms -- "$PYTHON"); fi  # a path, not a command name
+for name in PYTHON DEEPSPEED; do  # a path, not a command name
+    if [[ "${!name:-}" == */* ]]; then printf -v "$name" '%s' "$(realpath -ms -- "${!name}")"; fi
+done
 cd "$(dirname "$0")/.."
 
 CONFIG=${CONFIG:-configs/bert_large_64k_32k_vr_lamb.json}
@@ -50,6 +52,16 @@ elif ! printf '%s\n' ${EXTRA[@]+"${EXTRA[@]}"} | grep -qE '^(-i|-e|--include|--e
 fi
 MASTER_PORT=${MASTER_PORT:-29500}
 LAUNCHER=${LAUNCHER:-pdsh}
+# the launcher DeepSpeed will use: the last --launcher given (DS_ARGS's come after LAUNCHER's), in
+# lower case as DeepSpeed compares it
+USED=$LAUNCHER
+for i in ${EXTRA[@]+"${!EXTRA[@]}"}; do
+    case "${EXTRA[i]}" in
+        --launcher) USED=${EXTRA[i+1]:-} ;;
+        --launcher=*) USED=${EXTRA[i]#--launcher=} ;;
+    esac
+done
+USED=${USED,,}
 BACKEND_ARGS=()
 [[ -n "${BACKEND:-}" ]] && BACKEND_ARGS=(--backend "$BACKEND")
 
@@ -69,7 +81,7 @@ JOB_ARGS=(--config "$CONFIG" --run-dir "$RUN_DIR" ${BACKEND_ARGS[@]+"${BACKEND_A
 # quoted here for that shell (with a space: its \, $ and ` escaped inside DeepSpeed's quotes), and
 # --force_multi keeps DeepSpeed on pdsh (its own local start, which takes the arguments as they
 # are, only for one host: a hostfile of one line).
-if [[ "$LAUNCHER" == pdsh && $(awk '!/^[[:space:]]*(#|$)/' "$HOSTFILE" | wc -l) -gt 1 ]]; then
+if [[ "$USED" == pdsh && $(awk '!/^[[:space:]]*(#|$)/' "$HOSTFILE" | wc -l) -gt 1 ]]; then
     EXTRA+=(--force_multi)
     for i in ${JOB_ARGS[@]+"${!JOB_ARGS[@]}"}; do
         arg=${JOB_ARGS[i]}

@@ -24,7 +24,9 @@ set -euo pipefail
 for name in CONFIG RUN_DIR; do
     if [[ -n "${!name:-}" ]]; then printf -v "$name" '%s' "$(realpath -ms -- "${!name}")"; fi
 done
-if [[ "${PYTHON:-}" == */* ]]; then PYTHON=$(realpath -ms -- "$PYTHON"); fi  # a path, not a command name
+for name in PYTHON MPIRUN; do  # a path, not a command name
+    if [[ "${!name:-}" == */* ]]; then printf -v "$name" '%s' "$(realpath -ms -- "${!name}")"; fi
+done
 # so are the files MPI_ARGS names (--hostfile, --machinefile, --default-hostfile, --rankfile, --app)
 source "$(dirname "$0")/args.sh"
 split_words MPI_ARGS  # quoted as in a shell: --mca btl_tcp_if_include "eth0,ib0" stays whole

@@ -147,13 +147,14 @@ def test_the_hostfile_launch_names_a_rendezvous_host_only_where_rank_0_runs_ther
 
 
 #: DeepSpeed 0.19.8's launcher as far as the job's arguments go: parsed by its own parser; on one
-#: host as they are, else (pdsh) through its runner's quoting and a node's shell (``bash -c``)
+#: host as they are, else with pdsh (the last --launcher, in any case) through its runner's quoting
+#: and a node's shell (``bash -c``), with another launcher (OpenMPI's) as a list, as they are
 DEEPSPEED_STAND_IN = """import subprocess, sys
 from deepspeed.launcher.multinode_runner import PDSHRunner
 from deepspeed.launcher.runner import parse_args
 args = parse_args(sys.argv[1:])
 hosts = [line for line in open(args.hostfile) if line.strip() and not line.lstrip().startswith("#")]
-if args.force_multi or len(hosts) > 1:
+if (args.force_multi or len(hosts) > 1) and args.launcher.lower() == "pdsh":
     command = " ".join(PDSHRunner(args, "").user_arguments)
     print(subprocess.run(["bash", "-c", "printf '%s\\n' " + command], capture_output=True, text=True).stdout, end="")
 else:
@@ -161,15 +162,21 @@ else:
 """
 
 
-@pytest.mark.parametrize("hosts", [1, 2])
-def test_the_hostfile_launch_hands_the_job_its_arguments_as_given_on_one_host_or_several(tmp_path, hosts):
+@pytest.mark.parametrize("hosts, env", [(1, {}), (2, {}), (2, {"DS_ARGS": "--launcher openmpi"}),
+                                        (2, {"DS_ARGS": "--launcher=OpenMPI"}), (2, {"LAUNCHER": "PDSH"}),
+                                        (2, {"LAUNCHER": "openmpi", "DS_ARGS": "--launcher pdsh"})])
+def test_the_hostfile_launch_hands_the_job_its_arguments_as_given_on_one_host_or_several(tmp_path, hosts, env):
     """Arguments a shell would take apart — JSON with quotes, braces and brackets, a glob, a space,
     ``$``, a backslash, a backtick — reach the job as given: on one host (DeepSpeed starts the
     ranks without a shell) and on several (pdsh: DeepSpeed joins them into one command for every
-    node's shell), the script started by a path relative to another directory. Fails on the old
-    script: on several hosts ``--set 'job.model.overrides={"a":0.0,"b":0.0}'`` reached the job as two
-    arguments without quotes, a JSON list lost its quotes, and ``$HOME`` was expanded; started by a
-    relative path from outside the repository, it did not find ``launch/args.sh``."""
+    node's shell; OpenMPI: a list, no shell), the script started by a path relative to another
+    directory. Fails on the old script: on several hosts ``--set 'job.model.overrides={"a":0.0,"b":0.0}'``
+    reached the job as two arguments without quotes, a JSON list lost its quotes, and ``$HOME`` was
+    expanded; started by a relative path from outside the repository, it did not find
+    ``launch/args.sh``. And on the script after it, which chose the quoting by ``LAUNCHER`` alone:
+    with the launcher chosen in ``DS_ARGS`` (``--launcher openmpi``, as docs/pretraining.md shows)
+    the arguments reached the job with pdsh's backslashes, and with ``LAUNCHER=PDSH`` (DeepSpeed
+    reads it in lower case) unquoted."""
     given = ['job.model.overrides={"hidden_dropout_prob":0.0,"attention_probs_dropout_prob":0.0}',
              'job.data.inputs=["/shared/wiki/*.txt"]', 'job.comment="two words, $HOME and `date`"',
              "job.data.path=/a\\b", "job.seed=3"]
@@ -180,8 +187,9 @@ def test_the_hostfile_launch_hands_the_job_its_arguments_as_given_on_one_host_or
     caller.mkdir()
     script = os.path.relpath(ROOT / "launch" / "deepspeed_hostfile.sh", caller)
     run = subprocess.run(["bash", script, *[a for g in given for a in ("--set", g)]], cwd=caller,
-                         env={**os.environ, "HOSTFILE": str(tmp_path / "hosts"), "DEEPSPEED": str(argv),
-                              "RUN_DIR": str(tmp_path / "run dir")}, capture_output=True, text=True, timeout=60)
+                         env={**{k: v for k, v in os.environ.items() if k not in ("LAUNCHER", "DS_ARGS")},
+                              "HOSTFILE": str(tmp_path / "hosts"), "DEEPSPEED": str(argv),
+                              "RUN_DIR": str(tmp_path / "run dir"), **env}, capture_output=True, text=True, timeout=60)
     assert run.returncode == 0, run.stderr[-2000:]
     args = run.stdout.splitlines()
     assert args[args.index("--run-dir") + 1] == str(tmp_path / "run dir"), args
@@ -193,11 +201,16 @@ def test_the_hostfile_launch_hands_the_job_its_arguments_as_given_on_one_host_or
      ["--launcher", "openmpi", "--launcher_args", "-x NCCL_DEBUG=INFO -x FOO=1"]),
     ("mpirun.sh", "MPI_ARGS", "--mca btl_tcp_if_include 'eth0,ib0' -x 'A=two words'",
      ["--mca", "btl_tcp_if_include", "eth0,ib0", "-x", "A=two words"]),
+    ("mpirun.sh", "MPI_ARGS", '-x "FOO=a\\"b" -x "B=a\\\\b" -x "C=tab\tin quotes"',
+     ["-x", 'FOO=a"b', "-x", "B=a\\b", "-x", "C=tab\tin quotes"]),
 ])
 def test_extra_launcher_arguments_are_split_as_a_shell_splits_them(tmp_path, script, name, value, want):
     """Fails on the old scripts, which split ``DS_ARGS``/``MPI_ARGS`` at every space: DeepSpeed's
     ``--launcher_args "-x A -x B"`` came apart and its parser took ``NCCL_DEBUG=INFO`` for the
-    script to run. An unmatched quote ends the launch naming the variable."""
+    script to run. An unmatched quote ends the launch naming the variable. The escapes inside
+    double quotes (``\\"``, ``\\\\``) are read as a shell reads them: the script after them, which
+    split with ``xargs``, called the first an unmatched quote and kept both backslashes of the
+    second."""
     (tmp_path / "hosts").write_text("node-a slots=8\n")
     argv = stand_in(tmp_path / "argv", 'printf "%s\\n" "$@"\n')
     base = {**os.environ, "HOSTFILE": str(tmp_path / "hosts"), "NP": "2", "DEEPSPEED": str(argv), "MPIRUN": str(argv)}
