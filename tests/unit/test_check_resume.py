@@ -138,6 +138,14 @@ def test_zero3_on_other_ranks_is_refused_naming_both_world_sizes(run_dir):
     raw["zero_optimization"]["stage"] = 3
     report, ok = check(run_dir, raw, 4)
     assert not ok and "saved on 2 ranks, resumed on 4: a ZeRO-3 checkpoint is not converted" in report
+    # with another optimizer family and its state reset too: DeepSpeed reads ZeRO-3's weights from
+    # each rank's own file, which ranks 2 and 3 lack. Fails on the code before, which let the reset
+    # policy through ("the weights load on any number of ranks"): at the load rank 1 failed while
+    # rank 0 went on into the load's collectives
+    raw["optimizer"] = {"type": "VRSGD", "params": {}}
+    raw["checkpoint"] = {"optimizer_state": "reset_if_incompatible"}
+    report, ok = check(run_dir, raw, 4)
+    assert not ok and "saved on 2 ranks, resumed on 4: a ZeRO-3 checkpoint is not converted" in report
 
 
 def test_a_run_directory_without_checkpoints_would_start_afresh(tmp_path):

@@ -546,6 +546,54 @@ def test_a_save_after_the_directory_was_taken_over_leaves_the_new_owners_checkpo
     assert writes == [] and ckpt.problem(tmp_path / loop.CHECKPOINTS, tag) is None
 
 
+def test_the_last_checkpoint_before_skipped_steps_survives_a_resume_that_passed_one_over(tmp_path, monkeypatch):
+    """Keeping 1 checkpoint every 20 steps: step 120's checkpoint failed to load once (an
+    out-of-memory error), so the job resumed from step 100 with step 120 passed over; it wrote
+    step 120 again, good, then every step from 125 on was skipped. The save at step 140 keeps step
+    120's, the last one before the skipped steps. Fails on the code before, which protected step
+    120's from the count of kept checkpoints (deleting step 100's) and then deleted it as passed
+    over: with only step 140's left, the job had no checkpoint from before the skips to suggest."""
+    def write(ckpt_dir, tag, state):
+        (ckpt_dir / tag).mkdir(parents=True, exist_ok=True)
+        (ckpt_dir / tag / "model.pt").write_bytes(b"w" * 64)
+
+    ckpt_dir = tmp_path / loop.CHECKPOINTS
+    for step in (100, 120):
+        fake_checkpoint(ckpt_dir, step)
+    job = saving_job(tmp_path, 120, write, monkeypatch)
+    job.job.keep_checkpoints, job.passed_over = 1, (ckpt.tag_of(120),)
+    job.save()  # step 120 again
+    assert ckpt.tags(ckpt_dir) == [ckpt.tag_of(120)] and job.passed_over == ()
+    job.step, job.skip_streak_from = 140, 124
+    job.save()
+    assert ckpt.tags(ckpt_dir) == [ckpt.tag_of(120), ckpt.tag_of(140)]
+    assert ckpt.problem(ckpt_dir, ckpt.tag_of(120)) is None
+    # passed over and not written again (another checkpoint_every): never the one protected
+    for step in (100, 120):
+        fake_checkpoint(tmp_path / "other" / loop.CHECKPOINTS, step)
+    job = saving_job(tmp_path / "other", 130, write, monkeypatch)
+    job.job.keep_checkpoints, job.passed_over, job.skip_streak_from = 1, (ckpt.tag_of(120),), 124
+    job.save()
+    # step 100's kept beyond the count; step 120's, older than the kept ones, goes
+    assert ckpt.tags(tmp_path / "other" / loop.CHECKPOINTS) == [ckpt.tag_of(100), ckpt.tag_of(130)]
+
+
+def test_a_checkpoint_file_removed_while_it_is_checked_is_missing(tmp_path, monkeypatch):
+    """Another job reading a run directory while its owner rotates checkpoints: a file removed
+    between ``is_file()`` and ``stat()`` makes the checkpoint "missing" a file. Fails on the code
+    before, which raised FileNotFoundError (exit 1 with a traceback, before the "in use" message)."""
+    fake_checkpoint(tmp_path, 4)
+    real_stat = Path.stat
+
+    def gone(self, *args, **kwargs):
+        if self.suffix == ".pt":
+            raise FileNotFoundError(self)
+        return real_stat(self, *args, **kwargs)
+
+    monkeypatch.setattr(Path, "stat", gone)
+    assert "missing" in ckpt.problem(tmp_path, ckpt.tag_of(4))
+
+
 def test_a_save_over_a_save_cut_short_keeps_none_of_its_files(tmp_path, monkeypatch):
     """A save of step 4 on 4 ranks killed half-way left ranks 2-3's files and a conversion of the tag;
     the job, resumed on 2 ranks from an older checkpoint, reaches step 4 again and saves it: the

@@ -147,9 +147,12 @@ def problem(ckpt_dir: Path, tag: str) -> str | None:
         return f"{marker}: unreadable ({e})"
     for rel, size in files.items():
         path = root / rel
-        if not path.is_file():
+        try:
+            got = path.stat().st_size if path.is_file() else None
+        except OSError:  # removed since is_file() (a rotation by the run that owns the directory)
+            got = None
+        if got is None:
             return f"{path}: missing"
-        got = path.stat().st_size
         if got != size:
             return f"{path}: {got} bytes, {size} when it was written (truncated or overwritten)"
     return None
@@ -204,7 +207,7 @@ def rotate(ckpt_dir: Path, keep: int, protect: str | None = None, newest: str | 
         deleted.append(tag)
     window = complete[-keep:] if keep > 0 else []
     for tag in sorted(broken, key=step_of):
-        if window and step_of(tag) < step_of(window[0]):
+        if tag != protect and window and step_of(tag) < step_of(window[0]):
             remove(ckpt_dir, tag)
             deleted.append(tag)
     return deleted

@@ -500,13 +500,15 @@ class Job:
         elif self.rank == 0:
             with self._disk_full_named(tag, need):
                 ckpt.mark_complete(self.ckpt_dir, tag, self.step, self.world, self.resume_info())
+            # written again: no longer the checkpoint the resume passed over
+            self.passed_over = tuple(t for t in self.passed_over if t != tag)
             self.written = (tag, ckpt.size_of(self.ckpt_dir, tag))
             logger.info("checkpoint %s: %.2f MB written (expected %.2f MB: %s)", tag, self.written[1] / 2**20,
                         expected / 2**20, basis)
             protect = None
             if self.skip_streak_from is not None:
                 before = [t for t in ckpt.tags(self.ckpt_dir) if ckpt.step_of(t) <= self.skip_streak_from
-                          and ckpt.problem(self.ckpt_dir, t) is None]
+                          and t not in self.passed_over and ckpt.problem(self.ckpt_dir, t) is None]
                 protect = before[-1] if before else None
             deleted = ckpt.rotate(self.ckpt_dir, self.job.keep_checkpoints, protect, newest=tag,
                                   passed_over=self.passed_over)

@@ -236,6 +236,13 @@ def plan_resume(ckpt_dir: Path, tag: str, optimizer: dict[str, Any], world: int,
                           f"{zero_stage}: DeepSpeed's checkpoint of one does not load into the other (stages 1 and 2 "
                           f"load each other's). Resume with zero_optimization.stage {saved_stage}")
     plan = ResumePlan(saved_world=ckpt.saved_world_size(ckpt_dir, tag))
+    if zero_stage == 3 and plan.saved_world is not None and plan.saved_world != world:
+        # before the optimizer's policy: DeepSpeed reads ZeRO-3's weights from each rank's own file
+        # too, which a rank beyond the saved ones lacks (its load fails while the others go on
+        # into the load's collectives)
+        raise ConfigError(f"{where}: saved on {plan.saved_world} ranks, resumed on {world}: a ZeRO-3 checkpoint is "
+                          f"not converted to another number of ranks ({convert_command(ckpt_dir, tag)} handles "
+                          f"ZeRO-1/2). Resume it on {plan.saved_world} ranks")
     if saved and family(saved["type"]) != family(optimizer["type"]):
         if policy == "require":
             raise ConfigError(
@@ -246,7 +253,7 @@ def plan_resume(ckpt_dir: Path, tag: str, optimizer: dict[str, Any], world: int,
         plan.optimizer_states = False
         plan.notes.append(f"{where} was saved with {saved['type']}; resuming its weights and data position with a "
                           f"fresh {optimizer['type']} state (checkpoint.optimizer_state = reset_if_incompatible)")
-        return plan  # the weights load on any number of ranks
+        return plan  # the weights load on any number of ranks (ZeRO-3's on the saved number: above)
     if saved and saved != optimizer:
         plan.switched = True
         gsnr = gsnr_switch(saved["gsnr"], optimizer["gsnr"])
@@ -256,10 +263,6 @@ def plan_resume(ckpt_dir: Path, tag: str, optimizer: dict[str, Any], world: int,
                           f"moments carry over, {gsnr}")
     if zero_stage == 0 or plan.saved_world is None or plan.saved_world == world:
         return plan
-    if zero_stage == 3:
-        raise ConfigError(f"{where}: saved on {plan.saved_world} ranks, resumed on {world}: a ZeRO-3 checkpoint is "
-                          f"not converted to another number of ranks ({convert_command(ckpt_dir, tag)} handles "
-                          f"ZeRO-1/2). Resume it on {plan.saved_world} ranks")
     plan.universal = True
     out = ckpt_dir / ckpt.UNIVERSAL / tag
     if ckpt.converted(ckpt_dir, tag) is not None:
