@@ -55,7 +55,8 @@ def train(name: str, x: torch.Tensor, y: torch.Tensor, xv: torch.Tensor, yv: tor
             with torch.no_grad():
                 val = loss_fn(model(xv), yv).item()
             gsnr = (f" gsnr mean {m['gsnr/mean']:.3g} clip low/high {m['gsnr/clip_low_frac']:.2f}/"
-                    f"{m['gsnr/clip_high_frac']:.2f} B_simple {m['noise_scale/b_simple']:.0f}") if "gsnr/mean" in m else ""
+                    f"{m['gsnr/clip_high_frac']:.2f} B_simple {m['noise_scale/b_simple']:.0f}"
+                    ) if "gsnr/mean" in m else ""
             trust = m.get("trust_ratio/mean")  # none on a step skipped for non-finite gradients
             shown = "– (step skipped: non-finite gradients)" if trust is None else f"{trust:.3f}"
             print(f"  {name:7s} step {step:4d}  held-out MSE {val:.4f}  trust {shown}{gsnr}")
