@@ -80,8 +80,14 @@ JOB_ARGS=(--config "$CONFIG" --run-dir "$RUN_DIR" ${BACKEND_ARGS[@]+"${BACKEND_A
 # ("--set job.data.inputs=[\"/data/*.txt\"]") would be split, unquoted and globbed there. Each is
 # quoted here for that shell (with a space: its \, $ and ` escaped inside DeepSpeed's quotes), and
 # --force_multi keeps DeepSpeed on pdsh (its own local start, which takes the arguments as they
-# are, only for one host: a hostfile of one line).
-if [[ "$USED" == pdsh && $(awk '!/^[[:space:]]*(#|$)/' "$HOSTFILE" | wc -l) -gt 1 ]]; then
+# are, only for one host: a hostfile of one line naming this machine; DeepSpeed would start the
+# ranks of a one-line hostfile here whatever host it names).
+this_machine() {
+    [[ $1 == localhost || $1 == 127.* || $1 == "$(hostname)" || $1 == "$(hostname -s 2>/dev/null)" ||
+       $1 == "$(hostname -f 2>/dev/null)" ]] || { hostname -I 2>/dev/null | tr ' ' '\n' | grep -qxF -- "$1"; }
+}
+HOSTS=$(awk '!/^[[:space:]]*(#|$)/ {print $1}' "$HOSTFILE")
+if [[ "$USED" == pdsh ]] && { [[ $(wc -l <<< "$HOSTS") -gt 1 ]] || ! this_machine "$HOSTS"; }; then
     EXTRA+=(--force_multi)
     for i in ${JOB_ARGS[@]+"${!JOB_ARGS[@]}"}; do
         arg=${JOB_ARGS[i]}

@@ -7,6 +7,7 @@ from __future__ import annotations
 import os
 import re
 import signal
+import socket
 import stat
 import subprocess
 import sys
@@ -144,6 +145,24 @@ def test_the_hostfile_launch_names_a_rendezvous_host_only_where_rank_0_runs_ther
     assert run.returncode == 0, run.stderr[-2000:]
     args = run.stdout.splitlines()
     assert (args[args.index("--master_addr") + 1] if "--master_addr" in args else None) == addr, args
+
+
+@pytest.mark.parametrize("host, remote", [("localhost", False), ("127.0.0.1", False), (socket.gethostname(), False),
+                                          ("node-a", True)])
+def test_a_one_line_hostfile_naming_another_machine_starts_the_ranks_there(tmp_path, host, remote):
+    """DeepSpeed starts the ranks of a one-line hostfile on this machine, whatever host it names:
+    with another machine's name the ranks ran here and waited for a rendezvous at that host. Such
+    a hostfile now goes over pdsh (``--force_multi``, the job's arguments quoted for its shell);
+    one naming this machine keeps DeepSpeed's own local start. Fails on the old script, which
+    passed ``--force_multi`` only for several hosts."""
+    (tmp_path / "hosts").write_text(f"{host} slots=2\n")
+    argv = stand_in(tmp_path / "argv", 'printf "%s\\n" "$@"\n')
+    run = subprocess.run(["bash", str(ROOT / "launch" / "deepspeed_hostfile.sh")], cwd=tmp_path,
+                         env={**{k: v for k, v in os.environ.items() if k not in ("LAUNCHER", "DS_ARGS")},
+                              "HOSTFILE": str(tmp_path / "hosts"), "DEEPSPEED": str(argv)},
+                         capture_output=True, text=True, timeout=60)
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert ("--force_multi" in run.stdout.splitlines()) == remote, run.stdout
 
 
 #: DeepSpeed 0.19.8's launcher as far as the job's arguments go: parsed by its own parser; on one
