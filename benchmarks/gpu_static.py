@@ -198,6 +198,12 @@ class SyncSpy:
             setattr(torch.Tensor, m, f)
 
 
+def host_syncs(syncs: SyncSpy, ops: "OpCount") -> int:
+    """Host reads of a tensor's value: each dispatches ``_local_scalar_dense`` (``ops.syncs``)
+    except ``tolist``, which reads the storage without a dispatch (counted by ``syncs``)."""
+    return ops.syncs + syncs.calls.count("tolist")
+
+
 # ---- measurements -----------------------------------------------------------------------------------
 
 
@@ -255,7 +261,7 @@ def measure_step(name: str, over: dict[str, Any], tensors: int = 5, micro: int =
     out["torch_ops"] = sum(ops.ops.values())
     out["torch_ops_by_name"] = dict(ops.ops)
     out["largest_torch_op_tensor"] = ops.largest
-    out["host_syncs"] = len(syncs.calls) + ops.syncs
+    out["host_syncs"] = host_syncs(syncs, ops)
     out["numel"], out["tensors"] = numel, tensors
     return out
 
@@ -301,7 +307,7 @@ def measure_flat_step(name: str, segments: int) -> dict[str, Any]:
         opt.step()
     kernels._launch = launch
     return {"triton_launches": kernels.counts["launches"] - before, "torch_ops": sum(ops.ops.values()),
-            "torch_ops_by_name": dict(ops.ops), "host_syncs": len(syncs.calls) + ops.syncs, "segments": segments}
+            "torch_ops_by_name": dict(ops.ops), "host_syncs": host_syncs(syncs, ops), "segments": segments}
 
 
 def measure_hooks() -> dict[str, dict[str, float]]:

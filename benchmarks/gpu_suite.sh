@@ -6,10 +6,10 @@
 # and docs/studies/bert_plateau: the B_simple probe measured there, the 1x cells, and the cells run
 # before), with the whole call: a 16x run takes about 410 s on one H200, 8 side by side (4,000
 # samples/s each over the whole run, 2026-11-28), so a call that keeps time for another part first
-# finishes none. The second call of the lease, sent while the machine is still warm, runs the
-# performance check still unmeasured since the bucket packing (zero2_seq128: the whole ZeRO-2
-# BERT-large bf16 step at seq 128, VRLamb against Lamb and FusedLamb, with a profile; over 140 s on a
-# fresh H200, FusedLamb's build included). When the study runs after other parts, they keep its last
+# finishes none. The performance check still unmeasured since the bucket packing (zero2_seq128: the
+# whole ZeRO-2 BERT-large bf16 step at seq 128, VRLamb against Lamb and FusedLamb, with a profile;
+# over 140 s on a fresh H200, FusedLamb's build included) needs a call of its own, the lease's first
+# (below): a second call after 540 s has too little left. When the study runs after other parts, they keep its last
 # PLATEAU_S seconds (default 300) for it. Further parts run when PARTS names them: the
 # Triton kernels on CUDA tensors, pack_bucket included (triton_cuda: 25 of 25 passed on one H200,
 # 2026-11-28), the same 50-step BERT job, seeds and data as a CPU's record (seed_check, against
@@ -22,12 +22,13 @@
 #
 #   bash benchmarks/gpu_suite.sh [OUTDIR]          (default: $OUT, else ./gpu_out)
 #   PARTS="fusedlamb_build zero2_seq128 megatron zero2_seq512 opt_step_flat opt_step" \
-#       bash benchmarks/gpu_suite.sh     (the performance checks, run in this order, unmeasured first)
+#       bash benchmarks/gpu_suite.sh     (the performance checks, run in this order, unmeasured first:
+#       their limits add up to 790 s, so the later ones are cut to the time left or not started)
 #   PARTS="triton_cuda seed_check plateau" bash benchmarks/gpu_suite.sh   (the checks, then the study)
 #   (the parts named run in this script's order: FusedLamb's build, the performance parts, the
 #   checks, the study)
-#   PARTS=zero2_seq128 BUDGET_S=<budget_left_s - 60> bash benchmarks/gpu_suite.sh   (the lease's second
-#       call, warm: start-up counts against the lease, so size it from the device's budget left)
+#   PARTS="fusedlamb_build zero2_seq128" bash benchmarks/gpu_suite.sh   (a lease's first call where it is
+#       to measure that step: up to 360 s; after a first call of 540 s a second has 100-220 s, too little)
 #   PARTS=plateau BUDGET_S=<budget_left_s - 60> bash benchmarks/gpu_suite.sh    (a second call for the study instead: it
 #       goes on from the record the first call wrote, kept in GPU_SUITE_WORK.prev, and resumes the runs
 #       whose checkpoints the first call's time limit left in /tmp/bert_plateau)

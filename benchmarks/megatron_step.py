@@ -26,7 +26,8 @@ from vrgd_ds.train.engines.megatron import MegatronBlock, build_gpt, init_proces
 
 BLOCK = MegatronBlock.model_validate({"model": {"num_layers": 4, "hidden_size": 128, "num_attention_heads": 4},
                                       "use_distributed_optimizer": True, "clip_grad": 1.0})
-PARAMS = {"lr": 2e-3, "weight_decay": 0.01}
+# on a GPU the Triton kernels or an error (fused=None would time the reference after a kernel failed)
+PARAMS = {"lr": 2e-3, "weight_decay": 0.01, **({"fused": True} if torch.cuda.is_available() else {})}
 SEQ, MICRO_BATCH, VOCAB, SEED = 64, 4, 2048, 1
 
 

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import statistics
 import subprocess
@@ -109,7 +110,10 @@ def worker(args: argparse.Namespace) -> None:
         if squares is None:  # an anchor
             ds_cfg.update(optimizer=extra, zero_allow_untested_optimizer=True)
         else:
-            ds_cfg.update(optimizer={"type": "VRLamb", "params": {"lr": 1e-4, "weight_decay": 0.01, **extra}},
+            # on a GPU the Triton kernels or an error: with fused=None a kernel that failed would hand the
+            # timed steps to the reference implementation, with one warning
+            fused = {"fused": True} if torch.cuda.is_available() else {}
+            ds_cfg.update(optimizer={"type": "VRLamb", "params": {"lr": 1e-4, "weight_decay": 0.01, **fused, **extra}},
                           vrgd={"squares_dtype": squares,
                                 "squares": "per_micro_step" if name == "VRLamb/micro" else "per_step",
                                 "micro_steps": "hooks" if name == "VRLamb/hooks" else "auto"})
@@ -244,13 +248,14 @@ def worker(args: argparse.Namespace) -> None:
             print(f"  {k:13s} launches {sum(e.name in launch for e in ev):6d}  syncs {sum(e.name in syncs for e in ev):5d}")
         # Where the backward's time goes: until backward() returns (the host's part: autograd, DeepSpeed's
         # gradient hooks, the statistics' hook), against the GPU's kernel time in it.
-        print("one micro-step's backward: ms until it returns (median of 3), GPU kernel ms, launches, host ms in "
+        print(f"one micro-step's backward: ms until it returns (median of {args.gas - 1}: the accumulation's "
+              "micro-steps before its boundary), GPU kernel ms, launches, host ms in "
               "the parameters' gradient nodes (their hooks: the statistics' and DeepSpeed's)")
         grad_nodes = ("torch::autograd::AccumulateGrad", "autograd::engine::evaluate_function: torch::autograd::"
                       "AccumulateGrad")
         for k, engine in engines.items():
             returned = []
-            for ids in batches[:3]:
+            for ids in batches[:-1]:  # every micro-step of the accumulation but the boundary's, profiled below
                 loss = engine(input_ids=ids, labels=ids).loss
                 torch.cuda.synchronize()
                 t0 = time.perf_counter()
@@ -267,7 +272,7 @@ def worker(args: argparse.Namespace) -> None:
             ev = prof.events()
             kernel_ms = sum(e.time_range.elapsed_us() for e in ev if e.device_type == DeviceType.CUDA) / 1e3
             hooks_ms = sum(a.self_cpu_time_total for a in prof.key_averages() if a.key in grad_nodes) / 1e3
-            print(f"  {k:13s} returns {statistics.median(returned) * 1e3:7.1f}  GPU {kernel_ms:6.1f}  launches "
+            print(f"  {k:13s} returns {statistics.median(returned or [math.nan]) * 1e3:7.1f}  GPU {kernel_ms:6.1f}  launches "
                   f"{sum(e.name in launch for e in ev):6d}  gradient nodes {hooks_ms:6.1f}")
     if "VRLamb/bf16sq" in med:
         sq = engines["VRLamb/bf16sq"].vrgd_stats.counters

@@ -133,3 +133,13 @@ def test_the_host_benchmark_times_the_step_without_running_a_kernel():
         assert host_step.host_ms(host_step.build("VRLars", 8, flat=True), 1, launches)[1] == 9
         assert torch.equal(opt.param_groups[0]["params"][0], before)
     assert interpreter.InterpretedFunction.run is run
+
+
+def test_a_host_read_is_counted_once():
+    """``item()``, ``float()`` and ``bool()`` dispatch ``_local_scalar_dense``, which the op
+    counter counts too; ``tolist()`` reads without a dispatch. Three reads of each kind count 4.
+    Fails on the code before, which counted the spy's calls and the dispatches both (7)."""
+    with gpu_static.OpCount() as ops, gpu_static.SyncSpy() as syncs:
+        x = torch.tensor([1.5, 2.0])
+        x[0].item(), float(x[1]), bool(x[0]), x.tolist()
+    assert gpu_static.host_syncs(syncs, ops) == 4
