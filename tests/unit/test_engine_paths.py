@@ -248,6 +248,10 @@ def test_deepspeeds_spellings_of_its_own_names_are_read_as_the_engine_reads_them
     with pytest.raises(UnsupportedConfiguration, match=r"optimizer.type: 'Lamb' is DeepSpeed's own 'lamb' on this "
                                                        r'accelerator.*use "VRLamb" with "params": \{"gsnr": false\}'):
         check_optimizer_block({"optimizer": {"type": "Lamb", "params": {"lr": 1e-3, "gamma": 0.1}}})
+    # written in DeepSpeed's own lower case: the same refusal (the code before suggested "Lamb")
+    with pytest.raises(UnsupportedConfiguration, match=r"optimizer.type: 'lamb' is DeepSpeed's own 'lamb' on this "
+                                                       r'accelerator.*use "VRLamb" with "params": \{"gsnr": false\}'):
+        check_optimizer_block({"optimizer": {"type": "lamb", "params": {"lr": 1e-3}}})
     from vrgd_ds.ds.names import DEEPSPEED_DEFAULTS
 
     assert check_optimizer_block({"optimizer": {"type": "VRLamb", "params": {"lr": 1e-3}}}) is DEEPSPEED_DEFAULTS["VRLamb"]
@@ -404,6 +408,50 @@ def test_a_misspelt_top_level_block_and_a_bad_gradient_clipping_are_refused_befo
     with caplog.at_level("WARNING"):
         check_config({**base, "gradient_clipping": 1.0, "bf16": {"enabled": True}, "note": "x"})
     assert [r.getMessage() for r in caplog.records] == ["note: not a key DeepSpeed or vrgd_ds reads; it has no effect"]
+
+
+@pytest.mark.parametrize("key, meant", [("BF16", "bf16"), ("FP16", "fp16"), ("VRGD", "vrgd"), ("vrdg", "vrgd"),
+                                       ("vgrd", "vrgd"), ("bf61", "bf16"), ("Gradient_Clipping", "gradient_clipping")])
+def test_a_misspelt_short_or_other_case_top_level_key_is_refused(key, meant):
+    """``"BF16": {"enabled": true}`` would train in fp32 and ``"vrdg": {...}`` run the default
+    scheme, DeepSpeed ignoring both; each is refused naming the key meant. Fails on the code
+    before, whose difflib match was case-sensitive and, for a key of 4 letters, took one wrong
+    letter (0.75) for no match: it only said they had no effect."""
+    from vrgd_ds.ds.config import check_config
+    from vrgd_ds.ds.internals import UnsupportedConfiguration
+
+    with pytest.raises(UnsupportedConfiguration, match=rf"^{key}: not a DeepSpeed config key; did you mean '{meant}'"):
+        check_config({"optimizer": {"type": "VRLamb", "params": {"lr": 1e-3}}, key: {"enabled": True}})
+
+
+def test_a_zero_block_deepspeed_reads_another_way_is_checked_as_it_reads_it(monkeypatch):
+    """DeepSpeed takes ``"stage": "2"`` as stage 2 and ``"zero_optimization": true`` as stage 1:
+    the early checks read them so too. Fails on the code before, which skipped every early check
+    for a stage given as a string (``gradient_allreduce_op: "sum"`` passed) and raised
+    AttributeError on ``true``; and its refusal of offload on the engine named
+    ``offload_optimizer`` where the config wrote DeepSpeed's deprecated ``cpu_offload``."""
+    from types import SimpleNamespace
+
+    from vrgd_ds.ds.config import NOT_COVERED, check_config
+    from vrgd_ds.ds.integration import check_engine
+    from vrgd_ds.ds.internals import UnsupportedConfiguration
+
+    base = {"optimizer": {"type": "VRLamb", "params": {"lr": 1e-3}}}
+    with pytest.raises(UnsupportedConfiguration, match=rf"'gradient_allreduce_op' is not supported"):
+        check_config({**base, "zero_optimization": {"stage": "2"}, "gradient_allreduce_op": "sum"})
+    with pytest.raises(UnsupportedConfiguration, match=r"'fp16 with zero_optimization.stage 0' is not supported"):
+        check_config({**base, "zero_optimization": False, "fp16": {"enabled": True}})
+    check_config({**base, "zero_optimization": True})
+    assert "fp16 with zero_optimization.stage 0" in NOT_COVERED
+    offload = SimpleNamespace(device="cpu")
+    engine = SimpleNamespace(zero_optimization_stage=lambda: 2, zero_offload_optimizer=lambda: offload,
+                             _config=SimpleNamespace(_param_dict={"zero_optimization": {"stage": 2,
+                                                                                         "cpu_offload": True}}))
+    with pytest.raises(UnsupportedConfiguration, match=r"'zero_optimization.cpu_offload' is not supported"):
+        check_engine(engine)
+    engine._config._param_dict["zero_optimization"] = {"stage": 2, "offload_optimizer": {"device": "cpu"}}
+    with pytest.raises(UnsupportedConfiguration, match=r"'zero_optimization.offload_optimizer' is not supported"):
+        check_engine(engine)
 
 
 def test_every_top_level_key_deepspeed_reads_is_known():

@@ -206,14 +206,32 @@ def not_covered(key: str) -> UnsupportedConfiguration:
     return UnsupportedConfiguration(f"vrgd_ds: '{key}' is not supported with VRGD optimizers: {NOT_COVERED[key]}")
 
 
+def zero_block(raw_config: dict[str, Any]) -> dict[str, Any] | None:
+    """``zero_optimization`` as DeepSpeed reads it: ``true``/``false`` is its old spelling of
+    stage 1/0 (``read_zero_config_deprecated``), a stage written as a string of digits is that
+    number (its pydantic model converts it); None for anything else that is no dict, or a stage
+    DeepSpeed would not take (its own parse names what is wrong there)."""
+    zero = raw_config.get("zero_optimization")
+    if zero is None:
+        return {}
+    if isinstance(zero, bool):
+        return {"stage": int(zero)}
+    if not isinstance(zero, dict):
+        return None
+    stage = zero.get("stage", 0)
+    if isinstance(stage, str) and stage.strip().isdigit():
+        stage = int(stage)
+    return dict(zero, stage=stage) if stage in (0, 1, 2, 3) and not isinstance(stage, float) else None
+
+
 def check_not_covered(raw_config: dict[str, Any]) -> None:
     """``NOT_COVERED``'s set-ups, refused from the raw dict before any work where its values say so
     plainly (``check_engine`` refuses them again on the engine's parsed config, for every path
-    into DeepSpeed)."""
-    zero = raw_config.get("zero_optimization") or {}
-    stage = zero.get("stage", 0) if isinstance(zero, dict) else None
-    if not isinstance(zero, dict) or stage not in (0, 1, 2, 3):
-        return  # DeepSpeed's own parse names what is wrong there
+    into DeepSpeed); a ``zero_optimization`` block DeepSpeed would refuse is left to its parse,
+    the other set-ups still checked."""
+    zero = zero_block(raw_config)
+    stage = zero.get("stage", 0) if zero is not None else None
+    zero = zero or {}
     hpz = zero.get("zero_hpz_partition_size", 1)
     predivide = raw_config.get("gradient_predivide_factor", 1.0)
     op = raw_config.get("gradient_allreduce_op", "mean")
@@ -236,6 +254,31 @@ def check_not_covered(raw_config: dict[str, Any]) -> None:
             raise not_covered(key)
 
 
+def _one_edit(a: str, b: str) -> bool:
+    """Whether ``a`` and ``b`` differ by one letter changed, added or removed, or two swapped."""
+    if abs(len(a) - len(b)) > 1 or a == b:
+        return False
+    if len(a) == len(b):
+        diff = [i for i in range(len(a)) if a[i] != b[i]]
+        return len(diff) == 1 or (len(diff) == 2 and diff[1] == diff[0] + 1
+                                  and a[diff[0]] == b[diff[1]] and a[diff[1]] == b[diff[0]])
+    short, long = sorted((a, b), key=len)
+    return any(long[:i] + long[i + 1:] == short for i in range(len(long)))
+
+
+def near_miss(key: str, known: frozenset[str]) -> list[str]:
+    """The known key ``key`` misspells, if any: the same in another case, a close match
+    (difflib's, in lower case), or for a short key (5 letters or fewer, where one letter is too
+    much of it for difflib) one edit away."""
+    lower = {k.lower(): k for k in known}
+    if key.lower() in lower:
+        return [lower[key.lower()]]
+    close = difflib.get_close_matches(key.lower(), sorted(lower), n=1, cutoff=0.85)
+    if not close and len(key) <= 5:
+        close = [k for k in sorted(lower) if _one_edit(key.lower(), k)][:1]
+    return [lower[k] for k in close]
+
+
 def check_top_level(raw_config: dict[str, Any]) -> None:
     """A key DeepSpeed 0.19.8 removed (its ``_REMOVED_TOP_LEVEL_CONFIG_KEYS``, and ZeRO's) is refused
     with DeepSpeed's own words, which ``deepspeed.initialize`` would raise after the work before it;
@@ -254,7 +297,7 @@ def check_top_level(raw_config: dict[str, Any]) -> None:
     for key in raw_config:
         if key in TOP_LEVEL_KEYS:
             continue
-        close = difflib.get_close_matches(str(key), sorted(TOP_LEVEL_KEYS), n=1, cutoff=0.85)
+        close = near_miss(str(key), TOP_LEVEL_KEYS)
         if close:
             raise UnsupportedConfiguration(f"{key}: not a DeepSpeed config key; did you mean {close[0]!r}? DeepSpeed "
                                            "ignores a key it does not know, so the block would have no effect")
@@ -279,7 +322,7 @@ def check_config(raw_config: dict[str, Any]) -> None:
     if not is_number(clip) or not math.isfinite(clip) or clip < 0:
         raise UnsupportedConfiguration(f"gradient_clipping: {clip!r}: must be a finite number >= 0 (the global "
                                        "gradient norm's threshold; 0, the default, turns clipping off)")
-    zero = raw_config.get("zero_optimization") or {}
+    zero = zero_block(raw_config) or {}
     for key in ("cpu_offload", "cpu_offload_param"):  # DeepSpeed's deprecated spellings of the blocks below
         if zero.get(key):
             raise UnsupportedConfiguration(

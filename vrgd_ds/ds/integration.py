@@ -126,13 +126,20 @@ def check_engine(engine: Any) -> None:
     def no(key: str, why: str) -> None:
         raise UnsupportedConfiguration(f"vrgd_ds: '{key}' is not supported with VRGD optimizers: {why}")
 
+    # the key as the config wrote it: DeepSpeed reads its deprecated cpu_offload(_param) as the blocks
+    written = (getattr(engine._config, "_param_dict", None) or {}).get("zero_optimization")
+    written = written if isinstance(written, dict) else {}
+
+    def key(block: str, deprecated: str) -> str:
+        return f"zero_optimization.{deprecated if written.get(deprecated) and block not in written else block}"
+
     if engine.zero_offload_optimizer() is not None and str(engine.zero_offload_optimizer().device) not in (
             "none", "OffloadDeviceEnum.none"):
-        no("zero_optimization.offload_optimizer", "CPU/NVMe optimizer offload moves the update off the path the "
-           "statistics hooks feed; remove the block")
+        no(key("offload_optimizer", "cpu_offload"), "CPU/NVMe optimizer offload moves the update off the path the "
+           "statistics hooks feed; remove it")
     if engine.zero_offload_param() is not None and str(engine.zero_offload_param().device) not in (
             "none", "OffloadDeviceEnum.none"):
-        no("zero_optimization.offload_param", "parameter offload is not covered by the hooks; remove the block")
+        no(key("offload_param", "cpu_offload_param"), "parameter offload is not covered by the hooks; remove it")
     if pipeline.is_pipeline(engine):
         scheme = reduction_config(getattr(engine._config, "_param_dict", {}) or {}).scheme(stage)
         pipeline.check(engine, "per_step" if scheme == "auto" else scheme)  # auto takes per_step on pipelines

@@ -70,15 +70,18 @@ def check_params(cls: type[GSNROptimizer], type_name: str, params: dict[str, Any
         raise UnsupportedConfiguration(str(e)) from None
 
 
+def deepspeed_own(name: Any) -> bool:
+    """Whether a config ``"type"`` is one of DeepSpeed's own names, in any case."""
+    from deepspeed.runtime.config import DEEPSPEED_OPTIMIZERS
+
+    return isinstance(name, str) and name.lower() in DEEPSPEED_OPTIMIZERS
+
+
 def engine_spelling(name: Any) -> Any:
     """A config ``"type"`` as DeepSpeed's engine reads it: one of DeepSpeed's own names in any case
     is lower-cased (``"LAMB"``, ``"Lamb"``: ``lamb``; ``deepspeed/runtime/config.py``), any other
     name is kept."""
-    if not isinstance(name, str):
-        return name
-    from deepspeed.runtime.config import DEEPSPEED_OPTIMIZERS
-
-    return name.lower() if name.lower() in DEEPSPEED_OPTIMIZERS else name
+    return name.lower() if deepspeed_own(name) else name
 
 
 def check_optimizer_block(raw_config: dict[str, Any]) -> type[GSNROptimizer]:
@@ -87,7 +90,10 @@ def check_optimizer_block(raw_config: dict[str, Any]) -> type[GSNROptimizer]:
     ``resolve``): ``"LAMB"`` is our Lamb on the CPU accelerator, and ``"Lamb"`` on a GPU is
     DeepSpeed's FusedLamb, which the job does not train with. Errors name the key."""
     block, given = raw_config.get("optimizer"), None
-    if isinstance(block, dict) and engine_spelling(block.get("type")) != block.get("type"):
+    written = block.get("type") if isinstance(block, dict) else None
+    # DeepSpeed's own name in any case, lower case included ("lamb"): where ours does not serve it,
+    # said so (a did-you-mean of ours would suggest "Lamb", which is the same name to DeepSpeed)
+    if deepspeed_own(written):
         given = block["type"]
         block = dict(block, type=engine_spelling(given))
         if resolve(block["type"]) is None:
