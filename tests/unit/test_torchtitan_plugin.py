@@ -65,6 +65,22 @@ def test_a_param_groups_optimizer_kwargs_are_made_as_the_constructor_makes_them(
         VRGDOptimizersContainer(config, model_parts=[torch.nn.Linear(2, 2)])
 
 
+@pytest.mark.parametrize("name", ["VRLamb", "VRLars", "VRMerit", "Lamb"])
+def test_a_param_group_left_unadapted_by_the_trust_ratio_is_taken(name):
+    """LAMB's and LARS's recipe leaves biases and norms unadapted (``trust_ratio=False``, as
+    ``vrgd_ds.param_groups`` sets it): a group option the constructor does not take. A torchtitan
+    param group with it builds that group; the members without it still refuse it. Fails on the
+    code before, which took only the constructor's keywords and said the groups took no
+    ``trust_ratio``."""
+    build = VRGDOptimizersContainer._resolve_optimizer_factory
+    group = build(name)(titan_groups(lr=1e-3, weight_decay=0.0, trust_ratio=False)).param_groups[0]
+    assert group["trust_ratio"] is False and group["weight_decay"] == 0.0
+    assert build(name)(titan_groups(lr=1e-3)).param_groups[0]["trust_ratio"] is True
+    assert vrgd_optimizer(name, lr=1e-3, trust_ratio=False).param_groups[0].optimizer_kwargs["trust_ratio"] is False
+    with pytest.raises(ValueError, match="VRAdam takes no 'trust_ratio'"):
+        build("VRAdam")(titan_groups(lr=1e-3, trust_ratio=False))
+
+
 def test_a_group_option_among_the_factory_kwargs_is_refused_naming_where_it_goes():
     """Every VRGD param group is built with all of its options (``group_options``), so a group
     option in ``optimizer_factory_kwargs_by_name`` changed only the optimizer's ``defaults``:

@@ -82,6 +82,10 @@ _TORCHTITAN_GROUP_KEYS = ("params", "param_names", "fused", "foreach")
 # the optimizer's own settings, not a param group's
 _OPTIMIZER_KEYS = ("fused", "set_grad_none")
 
+# options a param group takes and the constructor does not, where the member has them (a LAMB or
+# LARS group left unadapted: vrgd_ds.param_groups sets it for biases and norms)
+_GROUP_ONLY_KEYS = ("trust_ratio",)
+
 
 def _takes(name: str) -> list[str]:
     """Family member ``name``'s keyword arguments (``OptimInfo.accepted_params``), a variant's fixed
@@ -96,6 +100,7 @@ def group_options(name: str, given: dict[str, Any], where: str) -> dict[str, Any
     them (it builds them, on a throwaway parameter). A key it does not take, or one that sets the
     optimizer and not a group (``fused``, ``set_grad_none``), is an error naming ``where``."""
     takes = _takes(name)
+    takes += [k for k in _GROUP_ONLY_KEYS if k in probe_group(REGISTRY[name].cls, {})]
     unknown = [k for k in given if k not in takes]
     if unknown:
         groups_take = [k for k in takes if k not in _OPTIMIZER_KEYS]
@@ -106,7 +111,8 @@ def group_options(name: str, given: dict[str, Any], where: str) -> dict[str, Any
             raise ValueError(f"{where}: {key} is the {name} optimizer's setting, not a param group's: pass it as "
                              f"optimizer_factory_kwargs_by_name={{{name!r}: {{{key!r}: {given[key]!r}}}}}")
     try:
-        return probe_group(REGISTRY[name].cls, given)
+        return probe_group(REGISTRY[name].cls, {k: v for k, v in given.items() if k not in _GROUP_ONLY_KEYS},
+                           {k: v for k, v in given.items() if k in _GROUP_ONLY_KEYS})
     except (TypeError, ValueError) as e:  # the constructor's refusal (amsgrad=True, Lamb with gsnr=True, ...)
         raise ValueError(f"{where}: {e}") from e
 

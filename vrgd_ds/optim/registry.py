@@ -269,15 +269,17 @@ def check_params(cls: Any, type_name: str, params: dict[str, Any], clipping: str
                   f"type {type_name!r}" if fixed.get("gsnr") is False else "gsnr: false", scope="job")
 
 
-def probe_group(cls: Any, params: dict[str, Any]) -> dict[str, Any]:
+def probe_group(cls: Any, params: dict[str, Any], group_only: dict[str, Any] | None = None) -> dict[str, Any]:
     """The param-group options member ``cls`` (a class or variant) makes of the keyword arguments
     ``params``, as its constructor makes them: derived where it derives them (``gsnr``'s default),
-    refused where it refuses them. It is built on a throwaway one-element parameter, with no
-    tensor hooks (``built_for_engine``)."""
+    refused where it refuses them; ``group_only``: options a param group takes and the constructor
+    does not (``trust_ratio``), checked as a group's. It is built on a throwaway one-element
+    parameter, with no tensor hooks (``built_for_engine``)."""
     from vrgd_ds.optim.base import built_for_engine
 
     with built_for_engine():
-        group = cls([torch.nn.Parameter(torch.zeros(1))], **params).param_groups[0]
+        group = cls([{"params": [torch.nn.Parameter(torch.zeros(1))], **(group_only or {})}],
+                    **params).param_groups[0]
     return {k: v for k, v in group.items() if k != "params"}
 
 
