@@ -92,6 +92,15 @@ def test_the_auto_scheme_follows_the_memory_rule():
     assert auto_scheme(2, False, 64, 8, 56 * gb, 40 * gb) == "hierarchical"  # 7B in bf16: does not fit
     assert auto_scheme(2, False, 64, 8, 3 * gb, 40 * gb) == "per_step"  # BERT-large: fits
     assert auto_scheme(2, False, 64, 8, 56 * gb, None) == "per_step"  # no device memory limit known
+    # one rank a node: the node buffers are the full size, nothing saved. Fails on the code before,
+    # which took one GPU, or hosts of one GPU each short of memory, for a node
+    assert auto_scheme(2, False, 1, 1, 1 * gb, 40 * gb) == "per_step"
+    assert auto_scheme(2, False, 4, 1, 56 * gb, 40 * gb) == "per_step"
+    # ZeRO-1 with accumulation on one node (a hook per parameter, whose within-node collectives hang
+    # a model some ranks skip a branch of): hierarchical only where per_step does not fit. Fails on
+    # the code before, which took hierarchical on one node whatever the memory
+    assert auto_scheme(1, False, 8, 8, 1 * gb, 40 * gb, hooks=True) == "per_step"
+    assert auto_scheme(1, False, 8, 8, 56 * gb, 40 * gb, hooks=True) == "hierarchical"
 
 
 @pytest.mark.parametrize("world,gas,stage,scheme,fix", [

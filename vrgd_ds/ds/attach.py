@@ -243,7 +243,9 @@ def _auto(engine: Any, options: Any, stage: int, world: int) -> str:
     words = 2 if options.gbar_for(reduction_dtype(engine)) == "local" else 1
     device = next(engine.module.parameters()).device
     free = least_free(device, engine.seq_data_parallel_group)
-    scheme = auto_scheme(stage, pipeline.is_pipeline(engine), world, node_size or 0, 4 * words * params, free)
+    # where hierarchical would read each micro-step by a tensor hook per parameter (local.attach_hierarchical)
+    hooks = options.micro_steps == "hooks" or (stage == 1 and engine.gradient_accumulation_steps() > 1)
+    scheme = auto_scheme(stage, pipeline.is_pipeline(engine), world, node_size or 0, 4 * words * params, free, hooks)
     logger.info("vrgd_ds: \"squares\": \"auto\" chose %s (ZeRO stage %d, %d rank(s), node size %s, per_step's "
                 "buffer %.2f GB, free device memory %s)", scheme, stage, world, node_size, 4 * words * params / 1e9,
                 "n/a" if free is None else f"{free / 1e9:.1f} GB")

@@ -136,17 +136,24 @@ class ReductionConfig(BaseModel):
 AUTO_FREE_SHARE = 0.5
 
 
-def auto_scheme(stage: int, pipeline: bool, world: int, node_size: int, full_bytes: int, free_bytes: int | None) -> str:
+def auto_scheme(stage: int, pipeline: bool, world: int, node_size: int, full_bytes: int, free_bytes: int | None,
+                hooks: bool = False) -> str:
     """``"squares": "auto"``: ZeRO-3 ``per_micro_step`` (no full-size buffer); stage 0 (whose ranks
-    hold the whole model's sums at the step whatever the scheme) and pipelines ``per_step``; ZeRO-1/2 ``hierarchical`` on a single node (nothing crosses InfiniBand) or where
-    the per-step scheme's full-size buffer (``full_bytes``) does not fit in ``AUTO_FREE_SHARE`` of
-    the free device memory, else ``per_step`` (``free_bytes`` None: a host without a device
-    memory limit)."""
+    hold the whole model's sums at the step whatever the scheme) and pipelines ``per_step``;
+    ZeRO-1/2 ``hierarchical`` on a single node (nothing crosses InfiniBand) or where the per-step
+    scheme's full-size buffer (``full_bytes``) does not fit in ``AUTO_FREE_SHARE`` of the free
+    device memory, else ``per_step`` (``free_bytes`` None: a host without a device memory limit).
+    Never ``hierarchical`` with one rank a node (``node_size`` 1: its node buffers are the full
+    size, nothing saved); and on a single node where the micro-steps are read by a tensor hook
+    per parameter (``hooks``: ZeRO-1 with accumulation), whose within-node collectives need every
+    rank's backward to reach every parameter, only where ``per_step`` does not fit."""
     if stage == 0 or pipeline:
         return "per_step"
     if stage == 3:  # its point: no full-size buffer per rank
         return "per_micro_step"
-    if world == node_size:
+    if node_size <= 1:
+        return "per_step"
+    if world == node_size and not hooks:
         return "hierarchical"
     if free_bytes is not None and full_bytes > AUTO_FREE_SHARE * free_bytes:
         return "hierarchical"
