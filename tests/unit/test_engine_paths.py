@@ -461,6 +461,11 @@ def test_a_zero_block_deepspeed_reads_another_way_is_checked_as_it_reads_it(monk
     engine._config._param_dict["zero_optimization"] = {"stage": 2, "offload_optimizer": {"device": "cpu"}}
     with pytest.raises(UnsupportedConfiguration, match=r"'zero_optimization.offload_optimizer' is not supported"):
         check_engine(engine)
+    # bf16 master weights, refused on the engine too (for a script's own config dict)
+    engine.zero_offload_optimizer, engine.zero_offload_param = (lambda: None), (lambda: None)
+    engine._config.bfloat16_config = SimpleNamespace(enabled=True, bf16_master_weights_and_grads=True)
+    with pytest.raises(UnsupportedConfiguration, match=r"'bf16.bf16_master_weights_and_grads' is not supported"):
+        check_engine(engine)
 
 
 def test_every_top_level_key_deepspeed_reads_is_known():
@@ -506,6 +511,9 @@ def test_every_top_level_key_deepspeed_reads_is_known():
     ({"fp16": {"enabled": True}}, "fp16 with zero_optimization.stage 0"),
     ({"bf16": {"enabled": True}, "zero_optimization": {"stage": 1}, "data_types": {"grad_accum_dtype": "fp32"}},
      "data_types.grad_accum_dtype"),
+    # accepted before, and untested: VRGD stepped bf16 master partitions
+    ({"bf16": {"enabled": True, "bf16_master_weights_and_grads": True}, "zero_optimization": {"stage": 2}},
+     "bf16.bf16_master_weights_and_grads"),
 ])
 def test_a_set_up_the_hooks_do_not_cover_is_refused_from_the_raw_config(extra, key):
     """The set-ups ``check_engine`` refuses on the engine, refused from the raw dict before any

@@ -205,6 +205,9 @@ NOT_COVERED = {
                                            "stage >= 1 with fp16, or bf16",
     "data_types.grad_accum_dtype": "bf16 with ZeRO-1 and fp32 gradient accumulation uses BF16_Optimizer, which the "
                                    "hooks do not cover; use ZeRO-2, or drop grad_accum_dtype",
+    "bf16.bf16_master_weights_and_grads": "ZeRO's master weights and gradients in bf16 (and the optimizer states "
+                                          "with bf16_optimizer_states) are not what the statistics and the update "
+                                          "are checked with; set it to false (the default: fp32 master weights)",
 }
 
 
@@ -244,6 +247,8 @@ def check_not_covered(raw_config: dict[str, Any]) -> None:
     op = raw_config.get("gradient_allreduce_op", "mean")
     enabled = {name: isinstance(raw_config.get(name), dict) and raw_config[name].get("enabled") is True
                for name in ("fp16", "bf16", "bfloat16")}
+    bf16_master = any(enabled[name] and raw_config[name].get("bf16_master_weights_and_grads") is True
+                      for name in ("bf16", "bfloat16"))
     accum = (raw_config.get("data_types") or {}).get("grad_accum_dtype") if isinstance(
         raw_config.get("data_types"), dict) else None
     for key, refused in (
@@ -256,7 +261,8 @@ def check_not_covered(raw_config: dict[str, Any]) -> None:
             ("gradient_predivide_factor", is_number(predivide) and predivide != 1.0),
             ("fp16 with zero_optimization.stage 0", stage == 0 and enabled["fp16"]),
             ("data_types.grad_accum_dtype", stage == 1 and (enabled["bf16"] or enabled["bfloat16"])
-             and isinstance(accum, str) and accum.lower() in ("fp32", "float32", "float"))):
+             and isinstance(accum, str) and accum.lower() in ("fp32", "float32", "float")),
+            ("bf16.bf16_master_weights_and_grads", bf16_master)):
         if refused:
             raise not_covered(key)
 

@@ -140,6 +140,9 @@ def check_engine(engine: Any) -> None:
     if engine.zero_offload_param() is not None and str(engine.zero_offload_param().device) not in (
             "none", "OffloadDeviceEnum.none"):
         no(key("offload_param", "cpu_offload_param"), "parameter offload is not covered by the hooks; remove it")
+    bf16 = getattr(engine._config, "bfloat16_config", None)
+    if getattr(bf16, "enabled", False) and getattr(bf16, "bf16_master_weights_and_grads", False):
+        raise not_covered("bf16.bf16_master_weights_and_grads")
     if pipeline.is_pipeline(engine):
         scheme = reduction_config(getattr(engine._config, "_param_dict", {}) or {}).scheme(stage)
         pipeline.check(engine, "per_step" if scheme == "auto" else scheme)  # auto takes per_step on pipelines
