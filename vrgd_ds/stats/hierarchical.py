@@ -21,9 +21,12 @@ block with ``gbar`` local, so one collective carries both).
   partition, ``[Σg | Σg²]``, shaped like the flat partition its optimizer updates.
 
 ``n`` = ranks × micro-steps, as with ``per_step``. Memory per rank: the node buffers (``1/L`` of
-``per_step``'s full-size buffer), the transient bucket buffer (the largest bucket, twice with
-``gbar`` local), and the reduced partition. Bytes into collectives per rank: per micro-step about
-one bucket's fp32 statistics within the node, per step ``1/L`` of the flat group's across nodes;
+``per_step``'s full-size buffer), the transient bucket buffer (``L`` chunks, each as long as the
+largest local rank's share of the bucket, twice with ``gbar`` local: one bucket where its elements
+spread evenly over the local ranks, up to ``L`` buckets where one local rank owns nearly all of
+them, as where a partition is longer than a bucket; kept between micro-steps), and the reduced
+partition. Bytes into collectives per rank: per micro-step that buffer within the node (about one
+bucket's fp32 statistics where evenly spread), per step ``1/L`` of the flat group's across nodes;
 what leaves a node per step equals ``per_step``'s (``(N − 1)/N`` of the flat group's statistics per
 node, the bandwidth-optimal volume of both).
 """
