@@ -64,9 +64,7 @@ def check(run_dir: Path, raw: dict[str, Any] | None, world: int | None) -> tuple
     except OptimizerBlockError as e:
         raise ConfigError(str(e)) from None
     now = {"type": cls.__name__, "gsnr": bool(group["gsnr"]), "gsnr_placement": group.get("gsnr_placement")}
-    from vrgd_ds.ds.config import zero_block
-
-    stage = int((zero_block(raw) or {}).get("stage", 0))
+    stage = engine_class(job.engine).zero_stage(raw)
     ranks = world if world is not None else saved_world or record.get("world_size") or 1
     lines.append(f"with this configuration on {ranks} ranks:")
     changes = []

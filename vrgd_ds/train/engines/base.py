@@ -92,6 +92,11 @@ class Engine(abc.ABC):
         cls.check_config(raw, job, finished)
 
     @staticmethod
+    def zero_stage(raw: dict[str, Any]) -> int:
+        """The ZeRO stage the configuration asks for, as the engine reads it (0: none)."""
+        return 0
+
+    @staticmethod
     def config_errors() -> tuple[type[Exception], ...]:
         """The engine's own exceptions for a configuration it refuses (exit ``EXIT_CONFIG``)."""
         return ()

@@ -97,6 +97,13 @@ class DeepSpeedEngine(Engine):
                                   "(its CPU one only with native fp16 kernels, AVX512-FP16 or AMX-FP16); --set "
                                   "fp16.enabled=false for fp32, or use bf16")
 
+    @staticmethod
+    def zero_stage(raw: dict[str, Any]) -> int:
+        """``zero_optimization``'s stage as DeepSpeed reads it (``true`` is stage 1, ``"2"`` is 2)."""
+        from vrgd_ds.ds.config import zero_block
+
+        return int((zero_block(raw) or {}).get("stage", 0))
+
     @classmethod
     def check_for_ranks(cls, raw: dict[str, Any], job: JobConfig, world: int,
                         finished: frozenset[int] = frozenset()) -> None:
