@@ -18,6 +18,13 @@ $(VENV)/.installed: pyproject.toml
 	# where pip's own configuration does not provide it, https://download.pytorch.org/whl/cpu)
 	$(PY) -m pip install -q "torch==2.13.0" $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX))
 	$(PY) -m pip install -q -e ".[test]"
+	# the JIT extensions the package and DeepSpeed's CPU ranks load, built once here rather than by the
+	# first run or test that loads them (each build is one compiler on one core: the two side by side);
+	# a build that fails is reported here and again, with its message, where it is used
+	( $(PY) -c "from vrgd_ds.optim import _fused; _fused.load()" \
+		|| echo "make install: the fused CPU kernels did not build (the reference implementation serves)" ) & \
+	( $(PY) -c "from deepspeed.comm.torch import build_shm_op; build_shm_op()" >/dev/null 2>&1 \
+		|| echo "make install: DeepSpeed's CPU shared-memory op did not build" ) & wait
 	touch $@
 
 install: $(VENV)/.installed

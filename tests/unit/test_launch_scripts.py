@@ -181,9 +181,13 @@ else:
 """
 
 
-@pytest.mark.parametrize("hosts, env", [(1, {}), (2, {}), (2, {"DS_ARGS": "--launcher openmpi"}),
-                                        (2, {"DS_ARGS": "--launcher=OpenMPI"}), (2, {"LAUNCHER": "PDSH"}),
-                                        (2, {"LAUNCHER": "openmpi", "DS_ARGS": "--launcher pdsh"})])
+# each case about 3 s (DeepSpeed's parser imported): make test keeps one host, several, and the
+# launcher chosen in DS_ARGS
+@pytest.mark.parametrize("hosts, env", [
+    (1, {}), (2, {}), (2, {"DS_ARGS": "--launcher openmpi"}),
+    pytest.param(2, {"DS_ARGS": "--launcher=OpenMPI"}, marks=pytest.mark.exhaustive),
+    pytest.param(2, {"LAUNCHER": "PDSH"}, marks=pytest.mark.exhaustive),
+    pytest.param(2, {"LAUNCHER": "openmpi", "DS_ARGS": "--launcher pdsh"}, marks=pytest.mark.exhaustive)])
 def test_the_hostfile_launch_hands_the_job_its_arguments_as_given_on_one_host_or_several(tmp_path, hosts, env):
     """Arguments a shell would take apart — JSON with quotes, braces and brackets, a glob, a space,
     ``$``, a backslash, a backtick — reach the job as given: on one host (DeepSpeed starts the
