@@ -330,6 +330,24 @@ def test_auto_squares_fall_back_to_per_step_on_hosts_of_unequally_many_ranks(mon
     assert "chose per_step: the hierarchical scheme needs nodes" in caplog.text and "a: 8, b: 4" in caplog.text
 
 
+def test_a_node_size_that_does_not_divide_the_ranks_is_refused_under_auto_whatever_the_memory():
+    """``"node_size": 3`` on 8 ranks under ``"auto"``: refused naming it whether or not
+    ``per_step`` fits (no device memory limit here, where it fits). Fails on the code before,
+    which refused it only where memory made ``auto`` pick ``hierarchical``: the same config
+    passed on one cluster and failed on another."""
+    import torch
+
+    from vrgd_ds.ds import attach
+    from vrgd_ds.ds.config import reduction_config
+    from vrgd_ds.ds.internals import UnsupportedConfiguration
+
+    param = types.SimpleNamespace(requires_grad=True, numel=lambda: 1000, device=torch.device("cpu"))
+    engine = types.SimpleNamespace(seq_data_parallel_group=None,
+                                   module=types.SimpleNamespace(parameters=lambda: iter([param])))
+    with pytest.raises(UnsupportedConfiguration, match="vrgd.node_size: 3 does not divide the 8 data-parallel ranks"):
+        attach._auto(engine, reduction_config({"vrgd": {"squares": "auto", "node_size": 3}}), 2, 8)
+
+
 def test_zero12_reduction_stream_waits_for_the_kernel_reading_the_bucket(monkeypatch):
     """With ``overlap_comm`` on a GPU, DeepSpeed 0.19.8's ``average_tensor`` makes its reduction
     stream wait for the streams that copied into the bucket (``copy_streams``), or the current

@@ -232,6 +232,8 @@ def _auto(engine: Any, options: Any, stage: int, world: int) -> str:
             f"vrgd.node_size: {node_size} has no effect here: on {where} \"squares\": \"auto\" picks "
             f"{auto_scheme(stage, pipeline.is_pipeline(engine), world, node_size, 0, None)!r}, never 'hierarchical' "
             "(ZeRO-1/2 only), and reads no node size; remove vrgd.node_size")
+    if node_size is not None and world % node_size:  # whatever auto then picks (it would pick by memory)
+        raise UnsupportedConfiguration(f"vrgd.node_size: {node_size} does not divide the {world} data-parallel ranks")
     if node_size is None and stage in (1, 2) and not pipeline.is_pipeline(engine):
         try:
             node_size = local.host_node_size(engine.seq_data_parallel_group, world)
