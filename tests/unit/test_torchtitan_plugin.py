@@ -104,6 +104,8 @@ def test_the_container_injects_no_fused_kernels_by_default():
     ("implementation", "fused", "optimizer.implementation='fused' is not supported with a VRGD optimizer"),
     ("implementation", "foreach", "--optimizer.implementation for-loop"),
     ("parts", 2, "pipeline parallelism (2 model parts"),
+    # the option to change, in torchtitan's words (the message before named none)
+    ("parts", 2, "set parallelism.pipeline_parallel_degree to 1"),
 ])
 def test_container_refusals_name_the_option(field, value, words):
     config = vrgd_optimizer("VRLamb", lr=1e-3)

@@ -184,7 +184,8 @@ class VRGDOptimizersContainer(OptimizersContainer):
         if uses_vrgd and len(model_parts) != 1:
             raise UnsupportedFSDPConfiguration(
                 f"vrgd_ds.fsdp.torchtitan: pipeline parallelism ({len(model_parts)} model parts on this rank) is not "
-                "supported: the statistics' per-tensor sums run over every rank of one model")
+                "supported: the statistics' per-tensor sums run over every rank of one model; set "
+                "parallelism.pipeline_parallel_degree to 1")
         if config.force_sum_reduction_for_comms:
             for part in model_parts:
                 for module in part.modules():
