@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import logging
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -94,13 +95,19 @@ def _takes(name: str) -> list[str]:
     return info.accepted_params() + list(getattr(info.cls, "fixed", {}))
 
 
+@functools.lru_cache(maxsize=None)
+def _group_only(name: str) -> tuple[str, ...]:
+    """``_GROUP_ONLY_KEYS`` that member ``name``'s param groups have (built once per member)."""
+    return tuple(k for k in _GROUP_ONLY_KEYS if k in probe_group(REGISTRY[name].cls, {}))
+
+
 def group_options(name: str, given: dict[str, Any], where: str) -> dict[str, Any]:
     """The param-group options of family member ``name`` that the keyword arguments ``given``
     make, as its constructor makes them: derived where it derives them, refused where it refuses
     them (it builds them, on a throwaway parameter). A key it does not take, or one that sets the
     optimizer and not a group (``fused``, ``set_grad_none``), is an error naming ``where``."""
     takes = _takes(name)
-    takes += [k for k in _GROUP_ONLY_KEYS if k in probe_group(REGISTRY[name].cls, {})]
+    takes += _group_only(name)
     unknown = [k for k in given if k not in takes]
     if unknown:
         groups_take = [k for k in takes if k not in _OPTIMIZER_KEYS]

@@ -540,17 +540,19 @@ class LocalStats:
             return
         if self._stale:  # nothing recorded since the last step: this step's count is 0
             self._new_step()
+        self._reduced()
+        self._verify_count()
+
+    def _reduced(self) -> None:
+        """The step's collectives launched (where the engine has not: a caller that steps the
+        optimizer directly) and waited for, once."""
         self.start()
         if not self._finished:
             self.wait()
             self._finished = True
-        self._verify_count()
 
     def moments(self, params) -> tuple[list[Tensor], list[Tensor]]:
-        self.start()  # a caller that steps the optimizer directly
-        if not self._finished:
-            self.wait()
-            self._finished = True
+        self._reduced()
         params = list(params)
         for p in params:
             if id(p) in self._targets and id(p) not in self._bufs:  # no bucket covers it: nothing was recorded
