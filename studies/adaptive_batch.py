@@ -118,16 +118,18 @@ def main() -> None:
                 results.append(r)
     rows = []
     for r in results:
-        batches = r["batches"]
+        batches = chosen(r["batches"])
         rows.append((r["corpus"], r["seed"], r["optimizer"], f"{r['mlm_loss']:.4f}", f"{r['mlm_acc']:.4f}",
                      r["optimizer_steps"], f"{batches[0]:.0f} / {min(batches):.0f}–{max(batches):.0f} / {median(batches):.0f}",
-                     r["changes"], "–" if r["b_simple"] is None else f"{r['b_simple']:.0f}",
+                     changes(r["batches"]), "–" if r["b_simple"] is None else f"{r['b_simple']:.0f}",
                      "–" if r["controller_ms"] is None else f"{r['controller_ms']:.2f} ms ({r['controller_share']:.2%})"))
     out.add_table(f"Fixed vs adaptive batch at {args.samples} samples per run (first batch {args.batch}, peak LR "
                   f"{args.lr:g}; adaptive: B → {args.target_ratio:g} × B_simple in [{args.min_batch}, {args.max_batch}],"
                   f" every {args.every} steps, LR {args.lr_rule})",
                   table(["corpus", "seed", "run", "MLM loss", "MLM accuracy", "optimizer steps", "batch: first / range / median",
-                         "changes", "B_simple (2nd half)", "controller per step"], rows))
+                         "changes", "B_simple (2nd half)", "controller per step"], rows)
+                  + "\nBatch range, median and changes are the controller's: a last step smaller than the one "
+                    "before takes what is left of the sample budget and is left out of them.\n")
     pyplot = plt()
     fig, axes = pyplot.subplots(1, len(specs), figsize=(5 * len(specs), 3.6), squeeze=False)
     for ax, spec in zip(axes[0], specs):
@@ -148,6 +150,17 @@ def study_args(args: argparse.Namespace) -> argparse.Namespace:
     return ns
 
 
+def chosen(batches: list[float]) -> list[float]:
+    """The batches the controller chose: a last step smaller than the one before takes the budget's remainder
+    (the job's loop cuts it to what is left), not a size the controller picked."""
+    return batches[:-1] if len(batches) > 1 and batches[-1] < batches[-2] else batches
+
+
+def changes(batches: list[float]) -> int:
+    """How many times the controller changed the batch."""
+    return sum(1 for a, b in itertools.pairwise(chosen(batches)) if a != b)
+
+
 def trajectory(run_dir: Path) -> dict:
     """Per-step global batch, the samples before each step, the controller's time share."""
     batches, at, ctrl, step_s, done = [], [], [], [], 0
@@ -160,8 +173,7 @@ def trajectory(run_dir: Path) -> dict:
         step_s.append(rec["train/step_time_s"])
         if "adaptive/controller_s" in rec:
             ctrl.append(rec["adaptive/controller_s"])
-    changes = sum(1 for a, b in itertools.pairwise(batches) if a != b)
-    return {"batches": batches, "samples_at": at, "optimizer_steps": len(batches), "changes": changes,
+    return {"batches": batches, "samples_at": at, "optimizer_steps": len(batches), "changes": changes(batches),
             "controller_ms": 1e3 * mean(ctrl) if ctrl else None,
             "controller_share": sum(ctrl) / sum(step_s) if ctrl else None}
 

@@ -18,6 +18,8 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 DOCS = ROOT / "docs" / "studies"
+#: the checkout's folders whose code a study runs: a change there not yet committed marks the record's commit
+CODE = ("vrgd_ds", "data_pipeline", "studies")
 
 
 def hardware(m: dict[str, Any]) -> str:
@@ -46,8 +48,8 @@ def machine() -> dict[str, Any]:
         git = ["git", "-C", str(ROOT)]
         out["commit"] = subprocess.run([*git, "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
                                        check=True).stdout.strip()
-        changed = subprocess.run([*git, "status", "--porcelain", "--untracked-files=no", "--", "vrgd_ds", "studies",
-                                  "vrgd_ds.data_pipeline"], capture_output=True, text=True, check=True).stdout.strip()
+        changed = subprocess.run([*git, "status", "--porcelain", "--untracked-files=no", "--", *CODE],
+                                 capture_output=True, text=True, check=True).stdout.strip()
         if changed:  # the code that ran is not the commit's
             out["commit"] += "+uncommitted changes"
     except (OSError, subprocess.CalledProcessError):

@@ -11,6 +11,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from statistics import median
 
 import pytest
 import torch
@@ -160,6 +161,50 @@ def test_a_record_keeps_no_machine_path_of_the_command():
     assert portable("wikitext=/data/corpora/wikitext-2") == "wikitext=.../wikitext-2"
     assert [portable(a) for a in ("--work", "runs/x", "wikitext=../shared/data/wikitext-2", "--lr-factor", "0.5")] == [
         "--work", "runs/x", "wikitext=../shared/data/wikitext-2", "--lr-factor", "0.5"]
+
+
+def test_a_record_marks_its_commit_when_the_data_pipelines_code_is_changed(monkeypatch, tmp_path):
+    """A study's record names its commit "+uncommitted changes" where the code it ran differs from
+    the commit: the data pipeline's too (its tokenizer, shards and samples make every run's data).
+    Fails on the old code, whose pathspec named a folder the checkout does not have
+    (``vrgd_ds.data_pipeline``): a changed sampler left the commit unmarked."""
+    sys.path.insert(0, str(STUDIES))
+    import common
+
+    clone = tmp_path / "clone"
+    subprocess.run(["git", "clone", "-q", "--depth", "1", f"file://{ROOT}", str(clone)], check=True)
+    monkeypatch.setattr(common, "ROOT", clone)
+    assert not common.machine()["commit"].endswith("+uncommitted changes")
+    for folder in common.CODE:
+        assert (clone / folder).is_dir(), folder
+    sampler = clone / "data_pipeline" / "sampler.py"
+    sampler.write_text(sampler.read_text() + "\n# changed\n")
+    assert common.machine()["commit"].endswith("+uncommitted changes")
+
+
+def test_the_adaptive_batch_tables_leave_the_budgets_remainder_out_of_the_controllers_batches():
+    """The last step of a run takes what is left of the sample budget (the job cuts the batch to
+    it): its batch is not one the controller chose, and the table's range, median and changes
+    leave it out. The committed record's table is what its runs give by that rule. Fails on the
+    old code, which counted the remainder: the embedded corpus's seed-2 VR-LAMB run read as
+    shrinking to 24 (its controller never went below 48) and a 288 → 64 remainder as a change."""
+    sys.path.insert(0, str(STUDIES))
+    from adaptive_batch import changes, chosen
+
+    assert chosen([64, 56, 56, 24]) == [64, 56, 56] and changes([64, 56, 56, 24]) == 1
+    assert chosen([64, 64]) == [64, 64] and chosen([64, 96]) == [64, 96] and chosen([40]) == [40]
+    record = ROOT / "docs" / "studies" / "adaptive_batch"
+    rows = {tuple(cells[:3]): cells for line in (record / "tables.md").read_text().splitlines()
+            if line.startswith("| ") and not line.startswith(("| corpus", "| ---"))
+            for cells in [[c.strip() for c in line.strip("|").split("|")]]}
+    runs = [json.loads(line) for line in (record / "runs.jsonl").read_text().splitlines()]
+    assert len(rows) == len(runs) == 16
+    for r in runs:
+        row, b = rows[(r["corpus"], str(r["seed"]), r["optimizer"])], chosen(r["batches"])
+        assert row[6] == f"{b[0]:.0f} / {min(b):.0f}–{max(b):.0f} / {median(b):.0f}" and row[7] == str(changes(r["batches"])), row
+    assert "| embedded | 2 | VR-LAMB adaptive |" in (record / "tables.md").read_text()
+    assert min(chosen(next(r["batches"] for r in runs if (r["corpus"], r["seed"], r["optimizer"]) ==
+                           ("embedded", 2, "VR-LAMB adaptive")))) == 48
 
 
 def test_a_records_command_runs_as_recorded(monkeypatch, tmp_path):
