@@ -326,12 +326,17 @@ def test_metrics_cover_every_param_group(pool, name, case):
     the mean is decided by elements whose two gradients nearly agree, and the reduction order
     moved it by 0.16% on an AVX-512 machine). Fails on the code before: ZeRO-1/2 step the basic optimizer
     once per param group, each call started the metrics afresh, so the job's telemetry showed
-    the last group only (biases and LayerNorm: no trust_ratio/* at all)."""
+    the last group only (biases and LayerNorm: no trust_ratio/* at all). With the first group's
+    GSNR off (``-first-off``), the step's gradient groups and noise scale are the other group's:
+    fails on the old code, where the merged record kept the first call's n = 0 and
+    ``gsnr_metrics()`` raised (the job reads it every step: its first step died)."""
     res = run(pool, "run_groups_case", case)
     assert res["groups"] == 2
     assert res["tensors"] == res["names"]
     assert res["adapted"]
     assert res["gsnr_mean"] == pytest.approx(res["ref_gsnr_mean"], rel=1e-4)  # seen: <= 2e-5
+    assert res["gsnr_n"] == res["ref_gsnr_n"] == 4
+    assert res["b_simple"] == pytest.approx(res["ref_b_simple"], rel=1e-4)
 
 
 def squares(pool, stage: int, opt: str, dtype: str) -> dict:

@@ -349,6 +349,9 @@ def groups_cases():
         # moved it by 0.16% on an AVX-512 machine (ill-conditioned, not a metrics question)
         yield f"groups-stage{stage}", dict(stage=stage, dtype="fp32", gas=2, clip=1.0, opt="VRLamb", bucket=40,
                                            scheme="per_step" if stage < 3 else "per_micro_step")
+    # the first group (decay) with the GSNR off: its call of the step records no gradient groups
+    yield "groups-stage2-first-off", dict(stage=2, dtype="fp32", gas=2, clip=1.0, opt="VRLamb", bucket=40,
+                                          scheme="per_step", first_off=True)
 
 
 def run_groups_case(case: dict) -> dict:
@@ -360,13 +363,20 @@ def run_groups_case(case: dict) -> dict:
     from vrgd_ds.ds.names import resolve
 
     cls = resolve("VRLamb")  # what the config's "type" builds (DeepSpeed FusedLamb's defaults)
+
+    def groups(params):
+        out = vrgd_ds.param_groups(params, 0.01)
+        if case.get("first_off"):
+            out[0]["gsnr"] = False
+        return out
+
     if rank == 0:  # the reference runs once
         ref = Reference(model, lambda ps: cls(ps, **OPT_KW["VRLamb"]), torch.float32, case["stage"],
                         case["gas"], world, case["clip"], squares=case["scheme"], gbar="engine")  # fp32: auto = engine
-        ref.opt = cls(vrgd_ds.param_groups(ref.master, 0.01), **OPT_KW["VRLamb"])  # the same two groups
+        ref.opt = cls(groups(ref.master), **OPT_KW["VRLamb"])  # the same two groups
         ref.opt.set_statistics_source(ref.stats)
     cfg = config(case)
-    engine, *_ = deepspeed.initialize(model=model, model_parameters=vrgd_ds.param_groups(model, 0.01), config=cfg)
+    engine, *_ = deepspeed.initialize(model=model, model_parameters=groups(model), config=cfg)
     for step in range(STEPS):
         for j in range(case["gas"]):
             engine.backward(loss_fn(engine, batch(step, rank, j), torch.float32))
@@ -381,7 +391,9 @@ def run_groups_case(case: dict) -> dict:
     return dict(groups=len(engine.basic_optimizer.param_groups),
                 tensors=sorted({k.split("/")[1] for k in m if k.startswith("tensor/")}),
                 names=sorted(n for n, _ in model.named_parameters()),
-                adapted="trust_ratio/mean" in m, gsnr_mean=m.get("gsnr/mean"), ref_gsnr_mean=want.get("gsnr/mean"))
+                adapted="trust_ratio/mean" in m, gsnr_mean=m.get("gsnr/mean"), ref_gsnr_mean=want.get("gsnr/mean"),
+                gsnr_n=m.get("gsnr/n"), ref_gsnr_n=want.get("gsnr/n"),
+                b_simple=m.get("noise_scale/b_simple_groups"), ref_b_simple=want.get("noise_scale/b_simple_groups"))
 
 
 def bytes_cases():

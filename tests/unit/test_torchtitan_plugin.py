@@ -202,6 +202,15 @@ def test_the_containers_metrics_are_over_every_vrgd_optimizers_tensors():
     got = VRGDOptimizersContainer.gsnr_metrics(container)
     assert got["step/skipped"] == 1.0 and got["step/skipped_total"] == 1.0
     assert not any(k.startswith(("noise_scale/", "gsnr/mean")) for k in got), got
+    # the first optimizer with the GSNR off records no gradient groups (n = 0): the container's
+    # are the other's. Fails on the old code, which took the first record's n: the noise scale raised
+    off = vrgd_ds.VRLamb([wa], lr=0.0, gsnr=False)
+    step(off, wa, torch.full((1000,), 1.0))
+    step(b, wb, torch.full((1000,), 0.01))
+    got, mb = VRGDOptimizersContainer.gsnr_metrics(SimpleNamespace(optimizers=[off, b])), b.gsnr_metrics()
+    assert got["gsnr/n"] == mb["gsnr/n"] == 8
+    for key in ("noise_scale/trace_cov", "noise_scale/grad_sq", "gsnr/mean"):
+        assert math.isclose(got[key], mb[key], rel_tol=1e-9), key
 
 
 def test_with_vrgd_turns_cuda_graphs_off_and_a_capture_is_refused(monkeypatch):

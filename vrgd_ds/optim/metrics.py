@@ -53,7 +53,11 @@ class StepRecord:
     unit: float = 1.0
 
     def merge(self, other: "StepRecord") -> None:
-        """Another call of the same engine step (ZeRO-3 steps sub-groups one at a time)."""
+        """Another call of the same engine step (ZeRO-1/2 step each param group, ZeRO-3 each
+        sub-group, one at a time): the gradient groups and their unit are those of the calls with
+        the GSNR on (a call over groups with it off records ``n = 0``)."""
+        if other.n and not self.n:
+            self.n, self.unit = other.n, other.unit
         self.sums += other.sums
         torch.maximum(self.maxs, other.maxs, out=self.maxs)
         if other.found is not None:
@@ -269,10 +273,11 @@ class Recorder:
             device = records[0].sums.device
             founds = [rec.found.reshape(()).to(device) for rec in records if rec.found is not None]
             found = torch.stack(founds).amax() if founds else None
+            gsnr_on = next((rec for rec in records if rec.n), records[0])  # an optimizer with it off records n = 0
             out._record = StepRecord(torch.cat([rec.sums.to(device) for rec in records]),
                                      torch.cat([rec.maxs.to(device) for rec in records]),
-                                     [name for rec in records for name in rec.names], records[0].n, found,
-                                     counted=True, unit=records[0].unit)
+                                     [name for rec in records for name in rec.names], gsnr_on.n, found,
+                                     counted=True, unit=gsnr_on.unit)
         out._skipped_host = max((r.skipped_steps for r in recorders), default=0)
         return out
 
