@@ -186,3 +186,48 @@ def test_cli_errors_on_a_file_that_is_no_metrics_and_an_output_that_cannot_be_ma
     assert P.main([str(run_dir), "--out", str(taken)]) == 2
     err = capsys.readouterr().err
     assert err.startswith("error: ") and str(taken) in err and len(err.splitlines()) == 1, err
+
+
+def test_a_non_finite_stretch_breaks_the_line_and_is_ticked_and_skipped_steps_are_marked(tmp_path, caplog):
+    """A loss that is NaN from step 15 to 30 (the sink writes null) is a gap in the line, ticked
+    at the bottom of the axes and warned about with its count; the optimizer's skipped steps are
+    marked on the loss plot; a key null on every step is named as such, not as absent. Fails on
+    the old code, which dropped the null steps and joined step 14 to step 31 with a straight line,
+    never drew a skipped step, and said "none of ... in" for a key written only as null."""
+    from matplotlib.figure import Figure
+
+    records = [{"step": s, "train/loss": math.nan if 15 <= s <= 30 else 8.0 / s,
+                "step/skipped": 1.0 if s in (15, 16) else 0.0, "gsnr/mean": math.nan} for s in range(1, 41)]
+    with JsonlSink(tmp_path / "metrics.jsonl") as sink:
+        for r in records:
+            sink.write(r["step"], {k: v for k, v in r.items() if k != "step"})
+    recs = P.read_metrics(tmp_path / "metrics.jsonl")
+    assert recs[20]["train/loss"] is None
+    fig = Figure()
+    P._draw_loss(fig, recs)
+    (ax,) = fig.axes
+    lines = {line.get_label(): line for line in ax.get_lines()}
+    x, y = (list(v) for v in lines["train/loss"].get_data())
+    assert x == list(range(1, 41)) and all(math.isnan(v) for v in y[14:30]) and not any(map(math.isnan, y[:14]))
+    assert list(lines["train/loss: not finite"].get_xdata()) == list(range(15, 31))
+    assert list(lines["skipped step"].get_xdata()) == [15, 16]
+    with caplog.at_level(logging.INFO, logger=P.__name__):
+        written = {p.name for p in P.plot_run(tmp_path)}
+    assert "loss.png" in written and "gsnr.png" not in written
+    assert "loss.png: steps where train/loss is not finite are gaps in the lines, ticked at the bottom " \
+           "(train/loss: 16)" in caplog.text
+    assert "skipping gsnr.png: gsnr/mean in " in caplog.text and "with no finite value (gsnr/mean: 40 step(s))" \
+        in caplog.text
+
+
+def test_the_gsnr_axis_stays_linear_where_the_bands_minimum_is_zero():
+    """``gsnr/min`` is 0 where a tensor's elements had no gradient (embedding rows of absent
+    tokens): the min..max band would be clipped on a log axis, so the axis stays linear; a
+    positive band still gets a log axis. Fails on the old code, which judged by the lines alone
+    (the mean) and clipped the band's floor at the axis' lower limit."""
+    from matplotlib.figure import Figure
+
+    for floor, scale in ((0.0, "linear"), (1e-4, "log")):
+        fig = Figure()
+        P._draw_gsnr(fig, [{"step": s, "gsnr/mean": 0.1 * s, "gsnr/min": floor, "gsnr/max": 5.0} for s in range(1, 9)])
+        assert fig.axes[0].get_yscale() == scale, floor

@@ -67,17 +67,27 @@ def read_metrics(path: str | os.PathLike[str]) -> list[dict[str, Any]]:
     return [by_step[s] for s in sorted(by_step)]
 
 
+def _finite(v: Any) -> bool:
+    return not isinstance(v, bool) and isinstance(v, (int, float)) and math.isfinite(v)
+
+
 def _series(records: Sequence[dict[str, Any]], key: str) -> tuple[list[int], list[float]]:
     """Steps and values of ``key`` over the records that hold a finite number for it."""
     xs: list[int] = []
     ys: list[float] = []
     for r in records:
         v = r.get(key)
-        if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+        if not _finite(v):
             continue
         xs.append(r["step"])
         ys.append(float(v))
     return xs, ys
+
+
+def _gaps(records: Sequence[dict[str, Any]], key: str) -> list[int]:
+    """Steps whose record holds ``key`` without a finite number: the sink writes a non-finite
+    value as null (a step without the key, such as one between evaluations, is no gap)."""
+    return [r["step"] for r in records if key in r and not _finite(r[key])]
 
 
 def _present(records: Sequence[dict[str, Any]], key: str) -> bool:
@@ -120,13 +130,32 @@ class _Plot:
         self.file, self.keys, self.draw = file, tuple(keys), draw
 
 
+#: the ``gid`` of the marks under an axis (steps with a non-finite value, skipped steps): not data
+MARK = "vrgd-mark"
+
+
+def _mark(ax: Any, steps: Sequence[int], label: str, marker: str, color: str) -> None:
+    """Ticks at the bottom of ``ax`` at ``steps`` (in axes height, whatever the y scale)."""
+    ax.plot(steps, [0.0] * len(steps), transform=ax.get_xaxis_transform(), linestyle="none", marker=marker,
+            markersize=9, color=color, label=label, gid=MARK, clip_on=False)
+
+
 def _line(ax: Any, records: Sequence[dict[str, Any]], key: str, **kw: Any) -> bool:
+    """``key`` over the steps; a step where it is not finite breaks the line there and is
+    ticked at the bottom of the axes (not joined across, as if the run had been fine)."""
     xs, ys = _series(records, key)
     if not xs:
         return False
     # Markers when there are few points: evaluation runs every few thousand steps.
     kw.setdefault("marker", "o" if len(xs) < 30 else None)
-    ax.plot(xs, ys, label=kw.pop("label", key), markersize=3, **kw)
+    label = kw.pop("label", key)
+    gaps = _gaps(records, key)
+    if gaps:
+        points = sorted([*zip(xs, ys), *((x, math.nan) for x in gaps)])
+        xs, ys = [x for x, _ in points], [y for _, y in points]
+    ax.plot(xs, ys, label=label, markersize=3, **kw)
+    if gaps:
+        _mark(ax, gaps, f"{label}: not finite", "|", "red")
     return True
 
 
@@ -145,6 +174,9 @@ EVAL_TASKS = (("mlm", "MLM"), ("lm", "LM"))
 def _draw_loss(fig: Figure, records: Sequence[dict[str, Any]]) -> None:
     ax = fig.add_subplot()
     _line(ax, records, "train/loss", alpha=0.8)
+    skipped = [r["step"] for r in records if _finite(r.get("step/skipped")) and r["step/skipped"] > 0]
+    if skipped:  # the optimizer left its state untouched there (non-finite gradients, fp16 overflow)
+        _mark(ax, skipped, "skipped step", "x", "black")
     for task, _ in EVAL_TASKS:
         _line(ax, records, f"eval/{task}_loss", color="C1")
     _finish(ax, "loss")
@@ -168,9 +200,11 @@ def _draw_lr(fig: Figure, records: Sequence[dict[str, Any]]) -> None:
     ax.set_title("learning rate")
 
 
-def _log_if_positive(ax: Any) -> None:
-    """Log y when every plotted value is positive; GSNR spans decades across layers."""
-    ys = [y for line in ax.get_lines() for y in line.get_ydata()]
+def _log_if_positive(ax: Any, *extra: Sequence[float]) -> None:
+    """Log y when every value drawn (the lines', and ``extra``: a band's edges) is positive;
+    GSNR spans decades across layers."""
+    ys = [y for line in ax.get_lines() if line.get_gid() != MARK for y in line.get_ydata()]
+    ys = [y for y in (*ys, *(y for values in extra for y in values)) if math.isfinite(y)]
     if ys and min(ys) > 0:
         ax.set_yscale("log")
 
@@ -191,7 +225,8 @@ def _draw_gsnr(fig: Figure, records: Sequence[dict[str, Any]]) -> None:
         else:
             _line(ax, records, "gsnr/min", color="C0", linestyle=":")
             _line(ax, records, "gsnr/max", color="C0", linestyle="--")
-        _log_if_positive(ax)
+            lo = hi = []
+        _log_if_positive(ax, lo, hi)  # a min of 0 (a tensor's elements with no gradient) keeps it linear
         _finish(ax, "GSNR (before normalisation)")
         ax.set_title("GSNR")
     if groups:
@@ -233,6 +268,9 @@ def _draw_noise_scale(fig: Figure, records: Sequence[dict[str, Any]]) -> None:
         ax.plot([p[0] for p in pos], [p[1] for p in pos], label=key,
                 marker="o" if len(pos) < 30 else None, markersize=3)
         ax.set_yscale("log")
+    gaps = _gaps(records, key)
+    if gaps:
+        _mark(ax, gaps, f"{key}: not finite", "|", "red")
     _finish(ax, "B_simple (samples)" if key == "noise_scale/b_simple" else "B_simple (gradient groups)")
     ax.set_title("gradient noise scale B_simple = tr(Σ)/|G|²")
 
@@ -278,16 +316,16 @@ PLOTS = (
 )
 
 
-def _has_any(records: Sequence[dict[str, Any]], keys: Sequence[str]) -> bool:
+def _keys(records: Sequence[dict[str, Any]], keys: Sequence[str]) -> list[str]:
+    """``keys`` with each pattern (``group/*/gsnr_mean``) replaced by the keys of the records it matches."""
+    out: list[str] = []
     for key in keys:
         if "*" in key:
             prefix, _, suffix = key.partition("*")
-            if any(_series(records, k)[0] for k in {k for r in records for k in r
-                                                    if k.startswith(prefix) and k.endswith(suffix)}):
-                return True
-        elif _present(records, key):
-            return True
-    return False
+            out += sorted({k for r in records for k in r if k.startswith(prefix) and k.endswith(suffix)})
+        else:
+            out.append(key)
+    return out
 
 
 def _metrics_path(run_dir: Path) -> Path:
@@ -317,9 +355,18 @@ def plot_run(run_dir: str | os.PathLike[str], out_dir: str | os.PathLike[str] | 
     phases = _phase_changes(records)
     written: list[Path] = []
     for plot in PLOTS:
-        if not _has_any(records, plot.keys):
-            logger.info("skipping %s: none of %s in %s", plot.file, ", ".join(plot.keys), path)
+        keys = _keys(records, plot.keys)
+        gaps = {key: n for key in keys if (n := len(_gaps(records, key)))}
+        if not any(_present(records, key) for key in keys):
+            if gaps:
+                logger.warning("skipping %s: %s in %s with no finite value (%s)", plot.file, ", ".join(gaps), path,
+                               ", ".join(f"{key}: {n} step(s)" for key, n in gaps.items()))
+            else:
+                logger.info("skipping %s: none of %s in %s", plot.file, ", ".join(plot.keys), path)
             continue
+        if gaps:
+            logger.warning("%s: steps where %s is not finite are gaps in the lines, ticked at the bottom (%s)",
+                           plot.file, ", ".join(gaps), ", ".join(f"{key}: {n}" for key, n in gaps.items()))
         fig = Figure(figsize=(9, 6 if plot.file in ("gsnr.png", "throughput.png", "batch.png") else 4.5))
         FigureCanvasAgg(fig)
         plot.draw(fig, records)
