@@ -36,7 +36,7 @@ from torch import Tensor
 from torch.nn.parallel import DistributedDataParallel
 
 from vrgd_ds.optim.base import MIN_GROUPS, GSNROptimizer
-from vrgd_ds.optim.registry import REGISTRY
+from vrgd_ds.optim.registry import vrgd_optimizer
 from vrgd_ds.stats.comm import CommCounters, fused_all_reduce
 from vrgd_ds.stats.hooks import gradients_cleared
 from vrgd_ds.stats.local import CountSlot, LocalStats
@@ -250,9 +250,7 @@ def attach(ddp_model: DistributedDataParallel, optimizer: GSNROptimizer,
     ``zero_grad()`` clears them (``model.zero_grad()`` too: the next forward finds the gradients
     cleared).
     """
-    if not isinstance(optimizer, GSNROptimizer):
-        raise TypeError(f"vrgd_ds.ddp.attach needs a VRGD optimizer ({', '.join(REGISTRY)}), got "
-                        f"{type(optimizer).__name__}")
+    optimizer = vrgd_optimizer(optimizer, "vrgd_ds.ddp.attach")
     if not isinstance(ddp_model, DistributedDataParallel):
         raise TypeError(f"vrgd_ds.ddp.attach needs a torch.nn.parallel.DistributedDataParallel model, got "
                         f"{type(ddp_model).__name__}")

@@ -11,6 +11,7 @@ import copy
 import os
 import sys
 import traceback
+from types import SimpleNamespace
 from typing import Any, Callable
 
 import torch
@@ -261,6 +262,10 @@ def bad_cases() -> dict[str, Any]:
     ddp1b = DDP(tiny_model(), process_group=singles[rank])
     out["one_rank_gsnr_off"] = isinstance(attach(ddp1b, VRSGD(ddp1b.parameters(), lr=0.05, gsnr=False)),
                                          (DDPStats, LocalStats))
+    # the optimizer inside a wrapper (Accelerate's AcceleratedOptimizer: HF Trainer's trainer.optimizer)
+    ddpw = DDP(tiny_model(), bucket_cap_mb=BUCKET_CAP_MB)
+    wrapped = VRSGD(ddpw.parameters(), lr=0.05)
+    out["wrapped"] = attach(ddpw, SimpleNamespace(optimizer=wrapped)) is wrapped.statistics_source
     ddp2 = DDP(tiny_model(), bucket_cap_mb=BUCKET_CAP_MB)
     try:
         attach(ddp2, VRSGD(tiny_model().parameters(), lr=0.05))

@@ -239,10 +239,13 @@ def test_training_under_ddps_join_is_refused(pool, name):
 
 def test_bad_setups_raise(pool):
     """Among them ``micro_steps`` with ``squares="per_micro_step"``, whose communication hook reads
-    every micro-step: it was accepted and ignored (fails on the old code)."""
+    every micro-step: it was accepted and ignored (fails on the old code). A VRGD optimizer inside
+    a wrapper (``trainer.optimizer`` under HF Trainer is Accelerate's ``AcceleratedOptimizer``) is
+    attached, not refused as "not a VRGD optimizer" (fails on the old code)."""
     for res in _case(pool, "bad"):
         assert "micro_steps='hooks' applies to squares='per_step' only" in res["micro_steps_fused"], res
         assert "needs a VRGD optimizer" in res["non_gsnr"] and "got SGD" in res["non_gsnr"]
+        assert res["wrapped"] is True
         assert "needs >= 2 ranks" in res["one_rank"] and "use >= 2 ranks or gsnr=False" in res["one_rank"]
         assert res["one_rank_gsnr_off"] is True
         assert "not reduced by this DDP model" in res["foreign_params"]

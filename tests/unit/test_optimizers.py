@@ -1856,6 +1856,7 @@ def test_statistics_from_one_process_while_several_ranks_run_are_warned_of(monke
         run(m, vrgd_ds.VRAdam(m.parameters()), batches(2, 4))
     said = [r.getMessage() for r in caplog.records if "while 2 ranks run" in r.getMessage()]
     assert len(said) == 1 and "vrgd_ds.ddp.attach(model, optimizer)" in said[0]
+    assert "under FSDP2 (fully_shard) vrgd_ds.fsdp.attach(model, optimizer)" in said[0]
 
 
 def test_a_load_that_bypasses_load_state_dict_has_its_groups_checked_as_one_through_it(caplog):

@@ -31,7 +31,7 @@ from torch.distributed.fsdp._fully_shard._fsdp_collectives import DefaultReduceS
 from vrgd_ds.fsdp.internals import UnsupportedFSDPConfiguration, check_version, require
 from vrgd_ds.fsdp.stats import FSDPStats, ReduceScatterWithSquares
 from vrgd_ds.optim.base import MIN_GROUPS, GSNROptimizer
-from vrgd_ds.optim.registry import REGISTRY, info_of
+from vrgd_ds.optim.registry import info_of, vrgd_optimizer
 from vrgd_ds.stats.layout import Layout, ModelTensors
 from vrgd_ds.optim._impl import select_for
 
@@ -180,9 +180,7 @@ def attach(model: torch.nn.Module, optimizer: GSNROptimizer, squares_dtype: str 
     optimizer without GSNR (``Lamb``, ``Lars``, ``Merit``: they need the per-tensor sums across
     shards only, and FSDP's reduce-scatter stays its own)."""
     check_version()
-    if not isinstance(optimizer, GSNROptimizer):
-        raise TypeError(f"vrgd_ds.fsdp.attach needs a VRGD optimizer ({', '.join(REGISTRY)}), got "
-                        f"{type(optimizer).__name__}")
+    optimizer = vrgd_optimizer(optimizer, "vrgd_ds.fsdp.attach")
     if squares_dtype not in _SQUARES:
         raise ValueError(f"vrgd_ds.fsdp.attach: squares_dtype={squares_dtype!r}: use 'fp32' or 'bf16'")
     for group in optimizer.param_groups:

@@ -75,9 +75,10 @@ def _warn_if_replicated(owner: str, serial: int) -> None:
     if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
         warn_once(logger, f"replicated-{serial}", "%s: the GSNR statistics come from this process's backward passes "
                   "only, while %d ranks run. Under DistributedDataParallel (also HF Trainer or Accelerate without "
-                  "DeepSpeed) call vrgd_ds.ddp.attach(model, optimizer) after wrapping the model, or every rank "
-                  "steps with its own statistics and the replicas drift apart; a model of this rank alone needs "
-                  "nothing", owner, dist.get_world_size(), scope="job")
+                  "DeepSpeed) call vrgd_ds.ddp.attach(model, optimizer) after wrapping the model, under FSDP2 "
+                  "(fully_shard) vrgd_ds.fsdp.attach(model, optimizer), or every rank steps with its own "
+                  "statistics and the replicas drift apart (trainer.optimizer, Accelerate's wrapper, is taken as "
+                  "it is); a model of this rank alone needs nothing", owner, dist.get_world_size(), scope="job")
 
 
 class GSNROptimizer(torch.optim.Optimizer):

@@ -199,6 +199,19 @@ def info_of(optimizer: GSNROptimizer) -> OptimInfo:
 BLOCK_KEYS = ("type", "params", "legacy_fusion")
 
 
+def vrgd_optimizer(optimizer: Any, caller: str) -> GSNROptimizer:
+    """``optimizer``, or the VRGD optimizer a wrapper holds as ``.optimizer``: Accelerate's
+    ``AcceleratedOptimizer``, which HF Trainer's ``trainer.optimizer`` is after ``prepare`` (its
+    ``step()`` and ``zero_grad()`` call the one inside, and the param groups are the same)."""
+    inner = optimizer
+    for _ in range(3):  # a wrapper of a wrapper at most
+        if isinstance(inner, GSNROptimizer):
+            return inner
+        inner = getattr(inner, "optimizer", None)
+    raise TypeError(f"{caller} needs a VRGD optimizer ({', '.join(REGISTRY)}), or a wrapper holding one as "
+                    f"its .optimizer (Accelerate's AcceleratedOptimizer), got {type(optimizer).__name__}")
+
+
 def json_name(value: Any) -> str:
     """``value``'s kind as a JSON config writes it (null, a list, a string, ...)."""
     kinds = {type(None): "null", bool: "a boolean", list: "a list", tuple: "a list", str: "a string", int: "a number",
