@@ -269,15 +269,18 @@ def test_deepspeeds_spellings_of_its_own_names_are_read_as_the_engine_reads_them
 @pytest.mark.parametrize("files, free, message", [
     (["mp_rank_00_model_states.pt", "mp_rank_01_model_states.pt"], None,
      "saved by 2 model-parallel ranks (pipeline stages × tensor-parallel ranks)"),
-    (["mp_rank_00_model_states.pt"], None, "can't find *_optim_states.pt files in directory"),
+    (["mp_rank_00_model_states.pt"], None, "saved without ZeRO (stage 0): its optimizer state is whole in the "
+     "model-state file and loads on any number of ranks as it is; nothing to convert"),
+    ([], None, "can't find *_optim_states.pt files in directory"),
     (["mp_rank_00_model_states.pt", "zero_pp_rank_0_mp_rank_00_optim_states.pt"], 0,
      "(twice the checkpoint), 0 MB are free there"),
 ])
 def test_the_universal_conversion_command_refuses_with_one_line_and_writes_nothing(tmp_path, monkeypatch, capsys,
                                                                                  files, free, message):
     """``python -m vrgd_ds.ds.universal`` on a checkpoint it does not convert (a pipeline's or a
-    tensor-parallel one's: one model-state file per model-parallel rank; a folder without ZeRO
-    optimizer files), or where the output's filesystem has less free space than the conversion
+    tensor-parallel one's: one model-state file per model-parallel rank; a stage-0 checkpoint, which
+    needs no conversion (said so: fails on the old code, which passed on DeepSpeed's "can't find
+    *_optim_states.pt"); a folder without any checkpoint), or where the output's filesystem has less free space than the conversion
     writes (``free`` bytes), exits 2 with one line naming it, and leaves no output folder. Fails
     on the old code: tracebacks, for the pipeline's a partial ``tmp`` in the output folder, and
     on a full disk a conversion started (that case on the code before the space check)."""

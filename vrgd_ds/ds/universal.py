@@ -64,6 +64,11 @@ def convert(input_folder: str, output_folder: str, keep_temp_folder: bool = Fals
     from deepspeed.checkpoint.constants import (BASE_OPTIMIZER_STATE, OPTIMIZER_STATE_DICT, PARAM,
                                                 PARAM_SLICE_MAPPINGS, SINGLE_PARTITION_OF_FP32_GROUPS)
 
+    if not glob.glob(os.path.join(input_folder, "*_optim_states.pt")) and glob.glob(
+            os.path.join(input_folder, "mp_rank_*_model_states.pt")):
+        raise NotImplementedError(
+            f"{input_folder}: saved without ZeRO (stage 0): its optimizer state is whole in the model-state file "
+            "and loads on any number of ranks as it is; nothing to convert")
     if u._get_zero_stage(u._get_optim_files(input_folder)) > 2:
         raise NotImplementedError("vrgd_ds universal conversion supports ZeRO-1/2 checkpoints; this one is ZeRO-3")
     # one model-state file per pipeline stage × tensor-parallel rank (DeepSpeed's mp_rank_XX), read by
