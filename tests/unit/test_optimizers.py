@@ -548,6 +548,38 @@ def test_vradam_first_step_by_hand(placement, fused):
     torch.testing.assert_close(w.detach().double(), w0 - 0.1 * step, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("placement", GSNR_PLACEMENTS)
+def test_vradam_two_steps_by_hand_tell_the_placements_apart(placement):
+    """Two VR-Adam steps in float64 with the moments carried over (beta3 = 0: p̂ = clamp(r/mean r,
+    gamma, 1) of each step's own groups). At step 1 ``first_moment`` and ``update`` take the same
+    step by definition; at step 2 they differ, as p̂ enters the first moment (and stays in it)
+    or scales the update after the moments. Fails on an implementation that treats one placement
+    as another (the first-step test alone cannot tell ``update`` from ``first_moment``)."""
+    torch.manual_seed(5)
+    w = nn.Parameter(torch.randn(6, 5))
+    b1, b2, eps, lr = 0.9, 0.999, 1e-3, 0.1
+    opt = vrgd_ds.VRAdam([w], lr=lr, betas=(b1, b2), weight_decay=0.0, eps=eps, gamma=0.2, beta3=0.0,
+                         gsnr_placement=placement)
+    theta = w.detach().double().clone()
+    m, v = torch.zeros_like(theta), torch.zeros_like(theta)
+    for t in (1, 2):
+        gs = [torch.randn(6, 5) + 0.5 * t for _ in range(4)]
+        for g in gs:
+            (w * g).sum().div(4).backward()
+        opt.step()
+        opt.zero_grad()
+        gd = torch.stack(gs).double()
+        g = gd.mean(0)
+        r = g.pow(2) / ((gd.pow(2).mean(0) - g.pow(2)).clamp_min(0) + 1e-12)
+        p = (r / r.mean()).clamp(0.2, 1.0)
+        m = b1 * m + (1 - b1) * (g if placement == "update" else p * g)
+        v = b2 * v + (1 - b2) * (p * g if placement == "both_moments" else g).pow(2)
+        a = (m / (1 - b1 ** t)) / ((v / (1 - b2 ** t)).sqrt() + eps)
+        theta = theta - lr * (p * a if placement == "update" else a)
+        torch.testing.assert_close(w.detach().double(), theta, rtol=1e-5, atol=1e-6)
+    assert opt.state[w]["exp_avg"].double().sub(m).abs().max() < 1e-6
+
+
 @pytest.mark.parametrize("fused", IMPLS)
 @pytest.mark.parametrize("placement", GSNR_PLACEMENTS)
 def test_vrlamb_keeps_lambs_step_norm_and_moves_it_to_high_gsnr_elements(placement, fused):
