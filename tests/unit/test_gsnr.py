@@ -62,6 +62,9 @@ def test_zero_variance_is_clamped_not_infinite():
     assert torch.isfinite(r).all() and r[1:].min() > 1e10
     out = normalize_segments(r.double(), [5], 0.1)
     assert out[0] == pytest.approx(0.1) and (out[1:] <= 1).all()
+    # a mean of 1e4 with no variance: gbar²/eps = 1e20 is past R_MAX = 2^64, which bounds it
+    big = torch.full((4, 3), 1e4, dtype=torch.float32)
+    assert (G.gsnr(big.sum(0), (big * big).sum(0), 4, 1e-12) == G.R_MAX).all()
 
 
 @pytest.mark.parametrize("gamma", [0.0, -0.5, 1.5])
