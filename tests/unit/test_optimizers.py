@@ -755,14 +755,30 @@ def test_closure_is_called_and_counts_its_backwards():
     assert torch.is_tensor(loss) and opt.gsnr_metrics()["gsnr/n"] == 2
 
 
-def test_lr_scheduler_drives_groups():
-    m = make_model()
-    opt = vrgd_ds.VRLamb(m.parameters(), lr=0.1)
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 0.5**s)
-    for step in batches(3, 2):
-        run(m, opt, [step])
-        sched.step()
-    assert opt.param_groups[0]["lr"] == pytest.approx(0.1 * 0.125)
+@pytest.mark.parametrize("fused", IMPLS)
+@pytest.mark.parametrize("cls", [vrgd_ds.VRLamb, vrgd_ds.VRAdam])
+def test_lr_scheduler_drives_groups(cls, fused):
+    """A torch LR scheduler's value is the one the next step takes: with the LR halved after the
+    first step, the second step (from the same weights and moments as a constant-LR run's) is
+    half the constant-LR run's second step, element by element to the rounding of the weights
+    (the step is linear in lr given the weights and state). A step that read an LR cached in its plan would take the
+    first step's LR again and fail; the group's ``lr`` value alone, which the scheduler writes
+    itself, would not show it."""
+    last = {}
+    for scheduled in (False, True):
+        m = make_model()
+        opt = cls(m.parameters(), lr=0.1, weight_decay=0.0, fused=fused)
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 0.5**s) if scheduled else None
+        for step in batches(2, 2):
+            before = [p.detach().clone() for p in m.parameters()]
+            run(m, opt, [step])
+            if sched is not None:
+                sched.step()
+        last[scheduled] = [p.detach() - b for p, b in zip(m.parameters(), before)]
+    assert opt.param_groups[0]["lr"] == pytest.approx(0.1 * 0.25)
+    for halved, whole in zip(last[True], last[False]):
+        assert whole.abs().max() > 1e-4
+        torch.testing.assert_close(halved, 0.5 * whole, rtol=1e-5, atol=1e-7)  # the subtraction: an ulp of θ
 
 
 # ---- bad input -----------------------------------------------------------------------------
