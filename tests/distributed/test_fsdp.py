@@ -253,7 +253,7 @@ def test_fsdp_with_tensor_parallelism_equals_the_single_process_optimizer(pool4,
     tensor-parallel matmuls' summation order is amplified as in the Megatron tests (seen 4e-5 and
     7e-5 for VRAdam and VRLamb), so the cases accumulate 2 micro-steps."""
     for rank, res in enumerate(pool4.run("fsdp_worker", "tp_case", {"opt": opt, "acc": 2})):
-        assert res["err"] <= TOL and res["contrast"] >= CONTRAST * res["err"], res
+        assert res["err"] <= TOL and res["contrast"] >= CONTRAST * res["err"] and res["contrast"] > 0.1, res
         assert res["n"] == [4.0] * 3, res
         # the norm's weight and bias and the rowwise bias are copies on tensor-parallel rank 1
         assert res["dropped"] == (3 if rank % 2 else 0), res
@@ -269,7 +269,7 @@ def test_fsdp_with_tensor_parallelism_and_a_norm_outside_it_equals_the_single_pr
                                                                      "sequence_parallel": False})):
         assert "refused" not in res, res
         assert res["placements"]["norm.weight"] == "(Shard(dim=0),)", res  # the case holds
-        assert res["err"] <= TOL and res["contrast"] >= CONTRAST * res["err"], res
+        assert res["err"] <= TOL and res["contrast"] >= CONTRAST * res["err"] and res["contrast"] > 0.1, res
         assert res["n"] == [4.0] * 3, res
         assert res["dropped"] == (3 if rank % 2 else 0), res
 
@@ -279,4 +279,4 @@ def test_merit_under_tensor_parallelism_takes_row_and_column_maxima_across_shard
     run per row for MERIT) and of the colwise layers' ``_StridedShard`` ones equal the unsharded
     optimizer's."""
     for res in pool4.run("fsdp_worker", "tp_case", {"opt": "VRMerit", "acc": 2}):
-        assert res["err"] <= TOL and res["contrast"] >= CONTRAST * res["err"], res
+        assert res["err"] <= TOL and res["contrast"] >= CONTRAST * res["err"] and res["contrast"] > 0.1, res
