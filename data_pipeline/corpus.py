@@ -251,6 +251,15 @@ def _undecodable_line(path: Path) -> int | None:
     return None
 
 
+def _unreadable(path: Path, e: OSError, line: int | None = None) -> DataError:
+    """The error of an input that cannot be opened or read (gone, no permission, a directory, an
+    I/O error), naming it, and the line where the reading stopped when that is known."""
+    where = f"{path}:{line}" if line is not None else str(path)
+    gone = " (moved or deleted since the inputs were listed?)" if isinstance(e, FileNotFoundError) else ""
+    return DataError(f"{where}: the input cannot be read ({type(e).__name__}: {e.strerror or e}){gone}; check that "
+                     "the file is there and readable, or leave it out of the inputs")
+
+
 def _not_utf8(path: Path) -> DataError:
     line = _undecodable_line(path)
     where = f"{path}:{line}" if line is not None else str(path)
@@ -283,7 +292,7 @@ def detect_format(path: PathLike) -> str:
         raise _not_utf8(path) from None
     except _CORRUPT as e:
         if not _corrupt(path, e):
-            raise
+            raise _unreadable(path, e) from e
         raise DataError(f"{path}: cannot be read ({type(e).__name__}: {e}); a truncated or corrupt "
                         "compressed file? Fetch it again or leave it out of the inputs") from None
     lines = head.split("\n")  # as the JSONL reader splits (not splitlines: U+2028 may sit inside a record)
@@ -348,7 +357,11 @@ def read_file(path: PathLike, format: str = "auto", field: str = "text") -> Iter
     if format == "auto":
         format = detect_format(path)
         logger.debug("%s: detected format %s", path, format)
-    with _open_text(path) as fh:
+    try:
+        fh = _open_text(path)  # opens only: a compressed file's header is read with the first line
+    except OSError as e:
+        raise _unreadable(path, e) from e
+    with fh:
         lineno = 0
 
         def counted() -> Iterator[str]:
@@ -367,7 +380,7 @@ def read_file(path: PathLike, format: str = "auto", field: str = "text") -> Iter
             raise _not_utf8(path) from None
         except _CORRUPT as e:
             if not _corrupt(path, e):
-                raise
+                raise _unreadable(path, e, lineno + 1) from e
             raise DataError(f"{path}:{lineno + 1}: cannot be read ({type(e).__name__}: {e}); a truncated or "
                             "corrupt compressed file? Fetch it again or leave it out of the inputs") from None
 

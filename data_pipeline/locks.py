@@ -1,8 +1,10 @@
 """A directory's writers take turns: an exclusive ``flock`` on a file inside it.
 
 ``prepare`` holds ``<dir>/.prepare.lock`` from its first check to its last write, and
-``write_shards`` holds ``.<shards>.lock`` beside its directory while it clears and writes a shard
-set there, so two
+``write_shards`` holds ``.<shards>.lock`` beside its directory (named from its resolved path, so a
+symlink to it takes the same lock; inside it, ``.shard-write.lock``, where only the directory
+itself may be written: ``shards.shard_write_lock``) while it clears and writes a shard set there,
+so two
 writers of one directory (jobs started together, a ``vrgd-data shard`` beside a ``prepare``)
 never delete or rename each other's files. The holder writes its host and pid into the file; a
 waiting one logs them.
@@ -25,6 +27,7 @@ import fcntl
 import logging
 import os
 import socket
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -33,10 +36,22 @@ from vrgd_ds.data_pipeline.errors import DataError
 logger = logging.getLogger(__name__)
 
 
+_held = threading.local()  # .paths: the lock files this thread holds (directory_lock is reentrant)
+
+
 @contextlib.contextmanager
 def directory_lock(directory: Path, name: str, what: str) -> Iterator[None]:
-    """Hold ``directory/name`` exclusively while the block runs (``what``: the work, for the log)."""
+    """Hold ``directory/name`` exclusively while the block runs (``what``: the work, for the log).
+
+    Reentrant within a thread: a block that holds the lock (a job deciding, under ``prepare``'s
+    lock, whether to prepare) may call code that takes it again (``prepare``), which then goes on
+    without waiting for itself (``flock`` on a second descriptor would)."""
     path = directory / name
+    held = _held.__dict__.setdefault("paths", set())
+    key = os.path.realpath(path)
+    if key in held:
+        yield
+        return
     fh, writable = _open(path)
     if fh is None:  # a read-only directory: no one writes into it, nothing to take turns on
         yield
@@ -57,8 +72,10 @@ def directory_lock(directory: Path, name: str, what: str) -> Iterator[None]:
                 fh.truncate()
                 fh.write(f"{socket.gethostname()} pid {os.getpid()}\n")
                 fh.flush()
+            held.add(key)
             yield
         finally:
+            held.discard(key)
             if locked:
                 fcntl.flock(fh, fcntl.LOCK_UN)
 

@@ -37,8 +37,15 @@ Edge cases (documented choices):
 
 * A chunk of a single sentence (for instance a one-sentence document) has no boundary to
   cut at. With ``next_sentence="nsp"`` it takes a random-next B (label 1), as in Google's
-  script; with ``"sop"`` it is skipped, since there is no order to predict; with ``None``
-  it becomes an A-only sample ``[CLS] A [SEP]``.
+  script; with ``None`` it becomes an A-only sample ``[CLS] A [SEP]``. With ``"sop"`` a
+  chunk is not closed while it holds one sentence and its document has more: it takes the
+  next sentence too (the pair truncated when read, as any pair over the length), and a chunk
+  that would leave its document's last sentence alone takes that one as well; so every chunk
+  of a document of two or more sentences is a pair, and a sentence longer than
+  ``max_seq_len - 3`` is trained on (truncated) rather than dropped. Only a one-sentence
+  document's chunk has no order to predict: it makes no sample, and the build logs (once) how
+  many chunks and sentences that leaves out. (The ``"sop"`` sidecar records this rule,
+  ``sop_pairs``: an index built before it, which skipped every one-sentence chunk, is rebuilt.)
 * Documents without sentences are skipped.
 * A pair longer than ``max_seq_len - 3`` tokens (a single long sentence, or the sentence
   that overshoots the target) is truncated when read, by Google's ``truncate_seq_pair``
@@ -49,6 +56,7 @@ Edge cases (documented choices):
 """
 from __future__ import annotations
 
+import errno
 import functools
 import hashlib
 import json
@@ -188,6 +196,7 @@ def _build_rows(corpus: TokenCorpus, max_seq_len: int, seed: int, short_seq_prob
             f"next sentence from, but the corpus at {corpus.path} has {len(nonempty)}; use "
             "next_sentence=None or 'sop', or prepare a larger corpus")
     rows: list[tuple[int, ...]] = []
+    skipped = 0  # SOP: one-sentence documents, each a chunk of one sentence
     for doc in nonempty.tolist():
         lens = lengths(doc)
         rng = np.random.default_rng([seed, _TAG_INDEX, doc])
@@ -197,7 +206,12 @@ def _build_rows(corpus: TokenCorpus, max_seq_len: int, seed: int, short_seq_prob
         chunk_begin, chunk_tokens, i = 0, 0, 0
         while i < len(lens):
             chunk_tokens += int(lens[i])
-            if i == len(lens) - 1 or chunk_tokens >= target:
+            close = i == len(lens) - 1 or chunk_tokens >= target
+            if close and next_sentence == "sop" and i < len(lens) - 1 and (i == chunk_begin or i == len(lens) - 2):
+                # SOP orders two segments: a chunk of one sentence takes the next, and one that
+                # would leave the document's last sentence alone takes it (module docstring)
+                close = False
+            if close:
                 begin, end = chunk_begin, i + 1
                 n = end - begin
                 a_end = begin + (int(rng.integers(1, n)) if n >= 2 else 1)
@@ -222,7 +236,7 @@ def _build_rows(corpus: TokenCorpus, max_seq_len: int, seed: int, short_seq_prob
                     i = a_end - 1  # the loop's i += 1 resumes right after A
                 if row is None:
                     if next_sentence == "sop" and n == 1:
-                        pass  # nothing to order: skipped (module docstring)
+                        skipped += 1  # a one-sentence document: nothing to order (module docstring)
                     elif next_sentence == "sop" and rng.random() < 0.5:
                         row = (doc, a_end, end, doc, begin, a_end, 1, trunc_seed)
                     else:
@@ -234,6 +248,10 @@ def _build_rows(corpus: TokenCorpus, max_seq_len: int, seed: int, short_seq_prob
                 if rng.random() < short_seq_prob:
                     target = int(rng.integers(2, max_tokens + 1))
             i += 1
+    if skipped:
+        total = sum(len(corpus.sentence_lengths(d)) for d in range(num_docs))
+        logger.warning("next_sentence='sop': %d chunks (%d sentences of %d, the documents of one sentence) have no "
+                       "sentence order to predict and make no sample of %s", skipped, skipped, total, corpus.path)
     return np.asarray(rows, dtype=np.int64).reshape(-1, NUM_COLUMNS)
 
 
@@ -249,6 +267,9 @@ def _index_meta(corpus: TokenCorpus, max_seq_len: int, seed: int, short_seq_prob
         "short_seq_prob": short_seq_prob,
         "next_sentence": next_sentence,
         "manifest_sha256": corpus_identity(corpus),
+        # SOP's chunks hold two sentences wherever the document has them (module docstring); an
+        # index without this key skipped every one-sentence chunk and is rebuilt
+        **({"sop_pairs": "two sentences at least"} if next_sentence == "sop" else {}),
     }
 
 
@@ -287,8 +308,9 @@ def build_sample_index(corpus: TokenCorpus, max_seq_len: int, seed: int,
 
     The index is written to ``out_dir`` (default: the shard directory ``corpus.path``) as
     ``samples_seq{max_seq_len}_seed{seed}_{next_sentence or 'none'}.npy`` with its JSON
-    sidecar, atomically (temporary file + ``os.replace``), so a crash never leaves a
-    half-written index behind a valid name. An existing index whose sidecar matches the
+    sidecar, atomically (temporary file + ``os.replace``, the temporary file removed on an
+    error), so a crash never leaves a half-written index behind a valid name; a failed write is
+    a ``DataError`` naming the file. An existing index whose sidecar matches the
     corpus and the arguments is reused; anything else is rebuilt. The result is a pure
     function of the corpus contents and the arguments. In a multi-process job, build on
     one rank and let the others wait at a barrier before opening the index.
@@ -304,7 +326,11 @@ def build_sample_index(corpus: TokenCorpus, max_seq_len: int, seed: int,
     """
     check_build_args(max_seq_len, seed, short_seq_prob, next_sentence)
     out = pathlib.Path(corpus.path if out_dir is None else out_dir)
-    out.mkdir(parents=True, exist_ok=True)
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise DataError(f"cannot create the sample index directory {out} ({e.strerror or e}); check its "
+                        "permissions, or pass another out_dir") from e
     path = out / index_filename(max_seq_len, seed, next_sentence, short_seq_prob)
     meta = _index_meta(corpus, max_seq_len, seed, short_seq_prob, next_sentence)
     sidecar = _sidecar(path)
@@ -322,16 +348,20 @@ def build_sample_index(corpus: TokenCorpus, max_seq_len: int, seed: int,
     meta["num_samples"] = int(len(rows))
     # The .npy goes first and the sidecar last: a sidecar never vouches for a file that
     # is not yet in place, and a crash in between leaves a sidecar mismatch -> rebuild.
-    here = f"{socket.gethostname()}.{os.getpid()}"  # a writer on another node may have this pid
-    tmp = path.with_name(f".{path.name}.tmp.{here}")
-    with open(tmp, "wb") as f:
-        np.save(f, rows)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-    tmp_meta = sidecar.with_name(f".{sidecar.name}.tmp.{here}")
-    tmp_meta.write_text(json.dumps(meta, indent=2, sort_keys=True) + "\n")
-    os.replace(tmp_meta, sidecar)
+    # Each file through a temporary name of this host and process (a writer on another node may have
+    # this pid), removed on an error: atomic_file.
+    from vrgd_ds.data_pipeline.tokenizer import atomic_file  # the sentencepiece wrapper, imported when writing
+
+    here = f"{socket.gethostname()}.{os.getpid()}"
+    for target, write in ((path, lambda f: np.save(f, rows)),
+                          (sidecar, lambda f: f.write((json.dumps(meta, indent=2, sort_keys=True) + "\n").encode()))):
+        try:
+            with atomic_file(target, target.with_name(f".{target.name}.tmp.{here}")) as f:
+                write(f)
+        except OSError as e:
+            hint = "free disk space there" if e.errno == errno.ENOSPC else "check the directory's permissions and space"
+            raise DataError(f"writing sample index file {target} failed ({e.strerror or e}); {hint} and build it "
+                            "again (an index without its sidecar is rebuilt, never read)") from e
     logger.info("wrote sample index %s: %d samples from %d documents", path, len(rows),
                 corpus.num_documents)
     return path

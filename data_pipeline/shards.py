@@ -21,7 +21,8 @@ to its final name; the manifest is written last, the same way. A crash or a full
 therefore leaves either no shard file or a complete one, and never a manifest describing files
 that are not all there. Writing into a directory first deletes its old manifest, so a rewrite
 that dies halfway leaves shard files without a manifest, which :class:`ShardedCorpus` rejects
-with a message saying to rerun. Sizes (cheap) or sha256 sums (a full read) catch later damage.
+with a message saying to rerun. Sizes and offsets (cheap) or sha256 sums (a full read) catch
+later damage.
 
 Parallelism. The main process reads documents and cuts them into chunks of about
 ``chunk_chars`` characters; ``workers`` spawned processes (each loads the tokenizer once)
@@ -57,7 +58,8 @@ logger = logging.getLogger(__name__)
 FORMAT_NAME = "vrgd-data-shards"
 FORMAT_VERSION = 1
 MANIFEST = "manifest.json"
-LOCK_SUFFIX = ".lock"  # write_shards holds <parent>/.<out_dir name>.lock (locks.directory_lock)
+LOCK_SUFFIX = ".lock"  # write_shards holds <parent>/.<out_dir name>.lock (shard_write_lock)
+INSIDE_LOCK = ".shard-write.lock"  # or <out_dir>/.shard-write.lock where the parent is read-only
 FILE_KINDS = ("tokens", "sentences", "documents")
 VERIFY_LEVELS = ("none", "size", "full")
 DEFAULT_SHARD_TOKENS = 1 << 25  # 64 MiB of uint16 tokens per shard
@@ -333,10 +335,36 @@ def write_shards(
     dtype = token_dtype(tokenizer.vocab_size)
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    # beside out_dir, not in it: another writer of out_dir finishes first
-    with directory_lock(out_dir.parent, f".{out_dir.name}{LOCK_SUFFIX}", "shard write"):
+    with shard_write_lock(out_dir):
         return _write_shards(documents, tokenizer, dtype, out_dir, shard_tokens, workers, progress, source,
                              chunk_chars)
+
+
+def _writing(out_dir: Path, write, *args) -> None:
+    """``write(*args)``, a write of shard files into ``out_dir``; an OSError there is a DataError
+    saying what to do (its temporary files removed)."""
+    try:
+        write(*args)
+    except OSError as e:
+        for tmp in out_dir.glob(".shard_*.tmp"):
+            tmp.unlink(missing_ok=True)
+        hint = "free disk space" if e.errno == errno.ENOSPC else "check the directory"
+        raise DataError(
+            f"writing shards to {out_dir} failed ({e}); {hint} and rerun: the shards written so far "
+            "have no manifest and will not load"
+        ) from e
+
+
+def shard_write_lock(out_dir: Path) -> contextlib.AbstractContextManager[None]:
+    """The lock a writer of the shard directory ``out_dir`` holds (``locks.directory_lock``), named
+    from its resolved path so that every path to it (a symlink, a relative path) takes the same one:
+    ``.<name>.lock`` beside it where its parent may be written (another writer finishes first, even
+    one that clears the directory), else ``.shard-write.lock`` inside it; unlocked only where
+    ``out_dir`` itself may not be written (no one here changes it)."""
+    out_dir = out_dir.resolve()
+    if os.access(out_dir.parent, os.W_OK):
+        return directory_lock(out_dir.parent, f".{out_dir.name}{LOCK_SUFFIX}", "shard write")
+    return directory_lock(out_dir, INSIDE_LOCK, "shard write")
 
 
 def _write_shards(documents: Iterable[Sequence[str]], tokenizer: Tokenizer, dtype: np.dtype, out_dir: Path,
@@ -347,19 +375,12 @@ def _write_shards(documents: Iterable[Sequence[str]], tokenizer: Tokenizer, dtyp
     text_chars = 0
     bar = tqdm(desc=f"sharding -> {out_dir.name}", unit=" docs", unit_scale=True, disable=not progress)
     try:
+        # only the writes are a shard-write failure: the corpus readers name an input they cannot read
         for n, encoded in _encoded_chunks(documents, tokenizer, workers, chunk_chars):
-            writer.add(encoded)
+            _writing(out_dir, writer.add, encoded)
             text_chars += encoded.text_chars
             bar.update(n)
-        writer.flush()
-    except OSError as e:
-        for tmp in out_dir.glob(".shard_*.tmp"):
-            tmp.unlink(missing_ok=True)
-        hint = "free disk space" if e.errno == errno.ENOSPC else "check the directory"
-        raise DataError(
-            f"writing shards to {out_dir} failed ({e}); {hint} and rerun: the shards written so far "
-            "have no manifest and will not load"
-        ) from e
+        _writing(out_dir, writer.flush)
     finally:
         bar.close()
     if not writer.entries:
@@ -407,6 +428,16 @@ def _npy_header(path: Path) -> tuple[tuple[int, ...], np.dtype]:
     return shape, dtype
 
 
+def _first_decrease(offsets: np.ndarray, block: int = 1 << 22) -> int | None:
+    """The first ``i`` with ``offsets[i + 1] < offsets[i]`` (None if there is none), read a block at a time."""
+    for start in range(0, len(offsets) - 1, block):
+        part = np.asarray(offsets[start:start + block + 1])
+        down = np.flatnonzero(part[1:] < part[:-1])
+        if down.size:
+            return start + int(down[0])
+    return None
+
+
 class ShardedCorpus:
     """Read-only view of a shard directory; documents are views into memory-mapped files.
 
@@ -416,7 +447,9 @@ class ShardedCorpus:
     Args:
         path: the shard directory (with ``manifest.json``).
         verify: ``"size"`` (default) checks that every file exists with the size, dtype and shape
-            the manifest records; ``"full"`` also recomputes every sha256 (reads everything);
+            the manifest records, and that the sentence and document offsets run from 0 to the
+            shard's token and sentence counts without decreasing (reads the offsets, not the
+            tokens); ``"full"`` also recomputes every sha256 (reads everything);
             ``"none"`` trusts the manifest.
 
     Attributes:
@@ -484,8 +517,8 @@ class ShardedCorpus:
     def verify(self, level: str = "size") -> None:
         """Check the files against the manifest (``level`` as the constructor's ``verify``).
 
-        Raises DataError naming the first file that is missing, has the wrong size/shape/dtype,
-        or (``"full"``) the wrong sha256.
+        Raises DataError naming the first file that is missing, has the wrong size/shape/dtype or
+        corrupt offsets, or (``"full"``) the wrong sha256.
         """
         if level not in VERIFY_LEVELS:
             raise DataError(f"verify={level!r} is not one of {VERIFY_LEVELS}")
@@ -513,8 +546,30 @@ class ShardedCorpus:
                     )
                 if level == "full" and sha256_file(path) != record["sha256"]:
                     raise DataError(f"shard file {path} is corrupt (sha256 differs from the manifest); {rerun}")
+            self._check_offsets(entry, rerun)
         if level == "full":
             self.check_token_ids()
+
+    def _check_offsets(self, entry: dict, rerun: str) -> None:
+        """Raise DataError naming a shard's offsets file unless its sentence offsets run from 0 to its
+        token count and its document offsets from 0 to its sentence count, neither ever decreasing. Part
+        of the size check: it reads the offsets (int64 per sentence and per document, a fraction of the
+        tokens), and a flipped byte there, which sizes and headers do not see, would make sentences of
+        another text or lengths past the end of the shard."""
+        for kind, last, of in (("sentences", int(entry["num_tokens"]), "tokens"),
+                               ("documents", int(entry["num_sentences"]), "sentences")):
+            path = self.path / entry["files"][kind]["file"]
+            offsets = np.load(path, mmap_mode="r", allow_pickle=False)
+            if int(offsets[0]) != 0 or int(offsets[-1]) != last:
+                what = (f"starts at {int(offsets[0])}, not 0" if int(offsets[0]) != 0 else
+                        f"ends at {int(offsets[-1])}, not at the shard's {last} {of}")
+            else:
+                at = _first_decrease(offsets)
+                if at is None:
+                    continue
+                what = f"offset {at + 1} ({int(offsets[at + 1])}) is below offset {at} ({int(offsets[at])})"
+            raise DataError(f"shard file {path} holds corrupt {kind[:-1]} offsets ({what}); {rerun}. "
+                            f"`vrgd-data verify {self.path} --full` checks every shard file against its sha256")
 
     def check_token_ids(self) -> None:
         """Raise DataError naming the first shard whose tokens leave ``[0, vocab_size)``.

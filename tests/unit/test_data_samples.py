@@ -627,3 +627,213 @@ def test_the_samples_are_those_the_records_were_made_with(tmp_path):
     """A faster sample path makes the same samples: the same tokens, truncation, masks, padding
     and labels, bit for bit (a changed sample would change every record's data fingerprint)."""
     assert pinned_samples(tmp_path) == PINNED_SAMPLES_SHA256
+
+
+# -- SOP pairs, the index's write, and the job's decision to prepare (review fixes) ----------------
+
+
+def test_sop_pairs_every_sentence_of_a_document_that_has_two(tmp_path, caplog):
+    """``next_sentence="sop"`` at seq 16 on documents whose sentences mostly exceed the 13 tokens a
+    chunk holds: every sentence of a document of two or more sentences is in exactly one sample, each
+    sample a pair (A and B non-empty, from its own document), and only the one-sentence documents
+    make none, which the build logs once with their count. Fails on the old code, which closed a
+    chunk at its first over-long sentence and skipped every one-sentence chunk silently (on
+    WikiText-2 at seq 16: 131 of 2596 sentences trained on). Also pins that an index built before
+    this rule (its sidecar without ``sop_pairs``) is rebuilt, not reused."""
+    import logging
+
+    rng = np.random.default_rng(11)
+    docs = [[rng.integers(5, 1000, size=int(rng.integers(4, 40))) for _ in range(int(rng.integers(2, 9)))]
+            for _ in range(30)]
+    docs += [[rng.integers(5, 1000, size=30)] for _ in range(3)]  # one sentence each: no order to predict
+    corpus = FakeCorpus(docs, tmp_path / "c")
+    with caplog.at_level(logging.WARNING, logger=S.__name__):
+        path = S.build_sample_index(corpus, 16, 0, tmp_path, next_sentence="sop")
+    rows = np.load(path)
+    assert (rows[:, S.DOC_A] == rows[:, S.DOC_B]).all()
+    assert (rows[:, S.A_END] > rows[:, S.A_BEGIN]).all() and (rows[:, S.B_END] > rows[:, S.B_BEGIN]).all()
+    seen = [np.zeros(len(d), dtype=int) for d in docs]
+    for r in rows:
+        seen[r[S.DOC_A]][r[S.A_BEGIN]:r[S.A_END]] += 1
+        seen[r[S.DOC_B]][r[S.B_BEGIN]:r[S.B_END]] += 1
+    assert all((s == 1).all() for s in seen[:30]) and all((s == 0).all() for s in seen[30:])
+    total = sum(len(d) for d in docs)
+    warned = [r.getMessage() for r in caplog.records if "sop" in r.getMessage()]
+    assert len(warned) == 1 and f"3 chunks (3 sentences of {total}" in warned[0], warned
+    sidecar = path.with_suffix(".json")
+    meta = json.loads(sidecar.read_text())
+    del meta["sop_pairs"]  # as the old code wrote it
+    sidecar.write_text(json.dumps(meta))
+    assert not S.index_is_current(corpus, path, 16, 0, next_sentence="sop")
+    S.build_sample_index(corpus, 16, 0, tmp_path, next_sentence="sop")
+    assert json.loads(sidecar.read_text())["sop_pairs"]
+
+
+def test_the_none_and_nsp_indices_are_those_the_records_were_made_with(tmp_path):
+    """The SOP rule leaves ``None`` and ``"nsp"`` alone: their index rows, at lengths where most
+    chunks hold one sentence (8, 16) and at 64, with BERT's and a larger short-target share, hash as
+    they did before it (they feed the committed records, whose data fingerprints must not change).
+    A pin: it passes on the old code too (the hash was taken there)."""
+    docs = random_docs(np.random.default_rng(7), num_docs=40, max_sentences=8, max_len=20, long_every=5)
+    docs += [[np.arange(5, 30)] for _ in range(3)]
+    corpus = FakeCorpus(docs, tmp_path / "c")
+    digest = hashlib.sha256()
+    for next_sentence in (None, "nsp"):
+        for max_seq_len in (8, 16, 64):
+            for short in (0.1, 0.5):
+                rows = np.load(S.build_sample_index(corpus, max_seq_len, 4, tmp_path / "idx", short_seq_prob=short,
+                                                    next_sentence=next_sentence))
+                digest.update(np.ascontiguousarray(rows).tobytes())
+    assert digest.hexdigest() == "c1ba28e73f6c221f77e420b0f9fc9171892a60a4a290a914e48ee9b57366593a"
+
+
+def test_a_failed_index_write_names_the_file_and_leaves_no_temporary(corpus, tmp_path, monkeypatch):
+    """A full disk while the index is written, or a refused rename of its sidecar: a DataError
+    naming the file, and no ``.samples_*.tmp.<host>.<pid>`` left behind; an index without its
+    sidecar is rebuilt by the next build. Fails on the old code: a raw OSError without the file's
+    name, and the temporary file left in the directory."""
+    import errno
+
+    out = tmp_path / "idx"
+    real_save = np.save
+
+    def full(*args, **kwargs):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(np, "save", full)
+    with pytest.raises(DataError, match=r"samples_seq64_seed0_none\.npy failed \(No space left on device\); free "
+                                        r"disk space"):
+        S.build_sample_index(corpus, 64, 0, out)
+    assert list(out.iterdir()) == []
+    monkeypatch.setattr(np, "save", real_save)
+    real_replace = os.replace
+
+    def refused(src, dst):
+        if str(dst).endswith(".json"):
+            raise PermissionError(errno.EACCES, "Permission denied")
+        return real_replace(src, dst)
+
+    monkeypatch.setattr(os, "replace", refused)
+    with pytest.raises(DataError, match=r"samples_seq64_seed0_none\.json failed \(Permission denied\)"):
+        S.build_sample_index(corpus, 64, 0, out)
+    assert [p.name for p in out.iterdir()] == ["samples_seq64_seed0_none.npy"]
+    monkeypatch.setattr(os, "replace", real_replace)
+    assert not S.index_is_current(corpus, out / "samples_seq64_seed0_none.npy", 64, 0)
+    S.build_sample_index(corpus, 64, 0, out)
+    assert S.index_is_current(corpus, out / "samples_seq64_seed0_none.npy", 64, 0)
+
+
+JOB_CONFIG = pathlib.Path(__file__).resolve().parents[2] / "configs" / "bert_tiny_cpu_test.json"
+
+
+def _users_prepared_directory(root: pathlib.Path) -> pathlib.Path:
+    """What ``vrgd-data prepare`` of a user's corpus leaves (files as placeholders)."""
+    out = root / "prepared"
+    (out / "shards").mkdir(parents=True)
+    (out / "tokenizer.model").write_bytes(b"the user's tokenizer")
+    (out / "shards" / "manifest.json").write_text("{}")
+    record = {"tokenizer": {"corpus_fingerprint": "the user's corpus", "vocab_size": 400, "model_type": "unigram",
+                            "seed": 0, "num_threads": 8, "sha256": "0" * 64}}
+    (out / "prepare.json").write_text(json.dumps(record))
+    return out
+
+
+def test_a_job_decides_under_the_lock_whether_a_given_directory_is_prepared(tmp_path, monkeypatch, caplog):
+    """A job with ``job.data.path`` and no ``inputs`` starts while another preparation rewrites that
+    directory (holding its lock, the manifest deleted first): the job waits for the lock, then takes
+    the directory as prepared, never preparing it from the embedded corpus. Fails on the old code,
+    which looked before taking the lock, found no manifest and ran ``prepare`` with the embedded
+    corpus into the user's directory."""
+    import logging
+    import threading
+    import time
+
+    from vrgd_ds.data_pipeline import prepare as prepare_module
+    from vrgd_ds.data_pipeline import samples
+    from vrgd_ds.data_pipeline.prepare import prepare_lock
+    from vrgd_ds.train import data
+    from vrgd_ds.train.config import load_config
+
+    out = _users_prepared_directory(tmp_path)
+    manifest = out / "shards" / "manifest.json"
+
+    class Corpus:  # the directory's shards, as ShardedCorpus reads them
+        vocab_size = 400
+
+        def __init__(self, path, verify):
+            assert manifest.is_file()
+
+        def check_token_ids(self):
+            pass
+
+    def checked_then_rewritten(job):  # the other preparation starts right after the job's first look
+        check_data_path(job)
+        manifest.unlink(missing_ok=True)
+
+    def prepare(out, **kwargs):
+        calls.append(kwargs)
+        raise RuntimeError("prepared from the embedded corpus")
+
+    def load(path):
+        raise RuntimeError("tokenizer loaded")
+
+    calls: list = []
+    check_data_path = data.check_data_path
+    monkeypatch.setattr(data, "check_data_path", checked_then_rewritten)
+    monkeypatch.setattr(data, "ShardedCorpus", Corpus)
+    monkeypatch.setattr(samples, "build_sample_index", lambda *args, **kwargs: None)
+    monkeypatch.setattr(prepare_module, "prepare", prepare)
+    monkeypatch.setattr(data.Tokenizer, "load", staticmethod(load))
+    _, job = load_config(JOB_CONFIG, [f'job.data.path="{out}"'])
+    caplog.set_level(logging.INFO, logger="vrgd_ds.data_pipeline.locks")
+    result: dict = {}
+
+    def run():
+        try:
+            data.prepare_data(job, tmp_path / "run", 0, lambda: None, [64])
+        except Exception as e:  # noqa: BLE001 - read back below
+            result["error"] = e
+
+    with prepare_lock(out):  # the other preparation, at work
+        thread = threading.Thread(target=run)
+        thread.start()
+        deadline = time.monotonic() + 30
+        while "waiting for another prepare" not in caplog.text and thread.is_alive() and time.monotonic() < deadline:
+            time.sleep(0.01)
+        manifest.write_text("{}")  # its shards written
+    thread.join(timeout=30)
+    assert calls == [] and "tokenizer loaded" in str(result.get("error")), (calls, result)
+    assert "waiting for another prepare" in caplog.text
+
+
+def test_a_job_never_prepares_the_embedded_corpus_over_a_users_data(tmp_path, monkeypatch):
+    """``job.data.prepare: true`` and no ``inputs`` on a directory holding a user's preparation whose
+    shards are being rewritten (no manifest now): the job stops with a ConfigError naming the key
+    and what differs, and nothing there changes, where the old code ran ``prepare`` with the
+    embedded corpus and ``keep_built`` off, training a tokenizer over the user's and rewriting the
+    shards. Fails on the old code (prepare called to rebuild)."""
+    from vrgd_ds.data_pipeline import prepare as prepare_module
+    from vrgd_ds.train import data
+    from vrgd_ds.train.config import ConfigError, load_config
+
+    out = _users_prepared_directory(tmp_path)
+    (out / "shards" / "manifest.json").unlink()
+    before = {p: p.read_bytes() for p in out.rglob("*") if p.is_file()}
+    real = prepare_module.prepare
+    kept = []
+
+    def prepare(out, **kwargs):
+        kept.append(kwargs["keep_built"])
+        if not kwargs["keep_built"]:
+            raise RuntimeError("rebuilt from the embedded corpus")
+        return real(out, **kwargs)
+
+    monkeypatch.setattr(prepare_module, "prepare", prepare)
+    monkeypatch.setattr(prepare_module, "corpus_fingerprint", lambda corpus: "the embedded corpus")  # not collected
+    _, job = load_config(JOB_CONFIG, [f'job.data.path="{out}"', "job.data.prepare=true"])
+    with pytest.raises(ConfigError, match=r"job.data.path: .* holds a tokenizer built from other corpus_fingerprint "
+                                          r".*does not fill a directory holding prepared data with the embedded "
+                                          r"corpus"):
+        data.prepare_data(job, tmp_path / "run", 0, lambda: None, [64])
+    assert kept == [True]
+    assert {p: p.read_bytes() for p in out.rglob("*") if p.is_file() and p.name != ".prepare.lock"} == before

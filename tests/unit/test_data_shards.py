@@ -394,3 +394,102 @@ def test_spawned_workers_outlive_the_jobs_preemption_signal(tokenizer):
         assert next(batches) == [4, 9]
     finally:
         signal.signal(signal.SIGUSR1, previous)
+
+
+# -- offsets in the size check, read errors, the writer's lock (review fixes) ---------------------
+
+
+@pytest.mark.parametrize("kind, index, value, what", [
+    ("sentences", 10, 1 << 40, r"offset 11 \(\d+\) is below offset 10 \(1099511"),  # a high byte flipped
+    ("sentences", 0, 3, "starts at 3, not 0"),
+    ("sentences", -1, 7, r"ends at 7, not at the shard's \d+ tokens"),
+    ("documents", -1, 1, r"ends at 1, not at the shard's \d+ sentences"),
+    ("documents", 2, 0, r"offset 2 \(0\) is below offset 1 \(\d+\)"),
+])
+def test_corrupt_offsets_fail_the_size_check(written, tmp_path, kind, index, value, what):
+    """A flipped byte in a shard's sentence or document offsets keeps its size and header, so the
+    size check passed it and the corpus read sentences of 1099511627807 tokens (or another text).
+    The size check now reads the offsets: they run from 0 to the shard's token (sentence) count,
+    never decreasing; a DataError names the file, what is wrong and the fixes (the shard step, and
+    the sha256 check). Fails on the old code (no error at verify="size")."""
+    path = copy_dir(written.path, tmp_path / "offsets")
+    victim = path / f"shard_00001.{kind}.npy"
+    offsets = np.load(victim, mmap_mode="r+")
+    offsets[index] = value
+    offsets.flush()
+    del offsets
+    with pytest.raises(DataError, match=rf"shard_00001\.{kind}\.npy holds corrupt {kind[:-1]} offsets \({what}.*"
+                                        r"rerun `vrgd-data shard` into .*`vrgd-data verify .* --full`"):
+        ShardedCorpus(path, verify="size")
+    ShardedCorpus(path, verify="none")  # the caller's choice
+
+
+@pytest.mark.parametrize("format", ["auto", "text"])
+def test_an_input_that_cannot_be_read_is_named_not_a_shard_write_failure(tokenizer, tmp_path, format):
+    """An input file removed (or made unreadable) after the corpus listed it: a DataError naming that
+    file, from the reader, not "writing shards to ... failed; free disk space" about the output
+    directory. Fails on the old code, whose shard writer caught every OSError of its loop, the
+    reader's FileNotFoundError included."""
+    from vrgd_ds.data_pipeline.corpus import Corpus
+
+    for name in ("a.txt", "b.txt"):
+        (tmp_path / name).write_text("One sentence here. Another one there.\n\nA second document.\n")
+    corpus = Corpus([tmp_path / "a.txt", tmp_path / "b.txt"], format=format)
+    (tmp_path / "b.txt").unlink()
+    with pytest.raises(DataError) as info:
+        write_shards(corpus, tokenizer.path, tmp_path / "out", workers=1, progress=False)
+    message = str(info.value)
+    assert message.startswith(f"{tmp_path / 'b.txt'}") and "cannot be read (FileNotFoundError" in message, message
+    assert "writing shards" not in message
+
+
+def _held(lock) -> bool:
+    """Whether another open file description holds ``lock`` (flock)."""
+    import fcntl
+
+    with open(lock) as probe:
+        try:
+            fcntl.flock(probe, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return True
+        fcntl.flock(probe, fcntl.LOCK_UN)
+        return False
+
+
+def test_the_shard_writer_locks_the_resolved_directory_or_inside_it(tokenizer, tmp_path, monkeypatch):
+    """The writer's lock is named from the resolved directory: a writer through a symlink takes
+    the lock one through the real path takes (``.shards.lock`` beside it). Where the parent is
+    read-only but the directory writable, it locks inside the directory (``.shard-write.lock``)
+    rather than going on unlocked. Fails on the old code: the symlink's own lock
+    (``.alias.lock``), and no lock at all beside a read-only parent."""
+    import os
+
+    real = tmp_path / "data" / "shards"
+    real.mkdir(parents=True)
+    alias = tmp_path / "alias"
+    alias.symlink_to(real)
+    seen = []
+    clear = shards_module._clear_directory
+
+    def probing(directory):
+        lock = (real.parent / ".shards.lock", real / ".shard-write.lock")
+        seen.append(tuple(p.is_file() and _held(p) for p in lock))
+        clear(directory)
+
+    monkeypatch.setattr(shards_module, "_clear_directory", probing)
+    write_shards(INPUT[:3], tokenizer.path, alias, workers=1, progress=False)
+    own_lock = (tmp_path / ".alias.lock").exists()
+
+    real_open, real_access = os.open, os.access
+    parent = str(real.parent)
+
+    def os_open(path, flags, *args, **kwargs):  # the parent refuses new files, as a read-only one does
+        if os.path.dirname(os.path.abspath(path)) == parent and flags & (os.O_RDWR | os.O_WRONLY | os.O_CREAT):
+            raise PermissionError(13, "Permission denied", str(path))
+        return real_open(path, flags, *args, **kwargs)
+
+    (real.parent / ".shards.lock").unlink(missing_ok=True)
+    monkeypatch.setattr(os, "open", os_open)
+    monkeypatch.setattr(os, "access", lambda path, mode: os.path.abspath(path) != parent and real_access(path, mode))
+    write_shards(INPUT[:3], tokenizer.path, real, workers=1, progress=False)
+    assert (seen, own_lock) == ([(True, False), (False, True)], False)

@@ -215,6 +215,8 @@ def fingerprint(tokenizer_sha256: str, manifest: Path, seed: int, split_document
              "split_document": split_document, "next_sentence": next_sentence}
     if next_sentence == "nsp":  # pairs split by both segments' documents (JobData.split)
         parts["split"] = "both segments"
+    if next_sentence == "sop":  # chunks of two sentences wherever a document has them (samples' docstring)
+        parts["sop_pairs"] = "two sentences at least"
     if windows:
         parts["windows"] = "documents end with [SEP]"
     return hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()[:16]
@@ -295,7 +297,7 @@ def prepare_data(job: JobConfig, run_dir: Path, rank: int, barrier: Any, seq_len
     ``windows`` (the GPT), rank 0 also writes the token streams the windows are cut from
     (``JobData.write_streams``, beside the sample indices: ``sample_index``) unless they are
     there, and every rank maps them."""
-    from vrgd_ds.data_pipeline.prepare import SAMPLES_DIR, prepare, prepare_lock
+    from vrgd_ds.data_pipeline.prepare import prepare_lock
 
     cfg = job.data
     out = Path(cfg.path) if cfg.path else run_dir / "data"
@@ -308,49 +310,15 @@ def prepare_data(job: JobConfig, run_dir: Path, rank: int, barrier: Any, seq_len
         from vrgd_ds.data_pipeline.samples import index_is_current
 
         return lambda path: index_is_current(corpus, path, n, job.seed, next_sentence=cfg.next_sentence)
-    # rank 0's alone: the other ranks look the files up after the barrier only (a lookup before rank 0
-    # wrote them could be cached as missing on a network filesystem)
-    prepared = rank == 0 and (out / TOKENIZER_FILE).is_file() and (out / SHARDS_DIR / MANIFEST).is_file()
-    if rank == 0 and cfg.path and not cfg.inputs and prepared:
-        # A directory prepared beforehand (vrgd-data prepare): use its tokenizer and shards as
-        # they are; only sample indices for this job's seed / lengths are added if missing. One
-        # that a preparation left half done (a tokenizer, no shards) is prepared when the job is
-        # asked to (``prepare``; else ``check_data_path`` refused it).
-        from vrgd_ds.data_pipeline.samples import build_sample_index
-
-        with prepare_lock(out):  # another job adding indices here, or preparing it, goes first
-            corpus = ShardedCorpus(out / SHARDS_DIR, verify="size")
-            corpus.check_token_ids()
-            if "vocab_size" in cfg.model_fields_set and cfg.vocab_size != corpus.vocab_size:
-                logger.warning("job.data.vocab_size: %d is not used: %s was prepared with a tokenizer of %d pieces, "
-                               "which the job uses (the key sizes a tokenizer the job trains)", cfg.vocab_size, out,
-                               corpus.vocab_size)
-            for n in seq_lens:
-                where = sample_index(out, run_dir, index_filename(n, job.seed, cfg.next_sentence),
-                                     current=index_check(corpus, n)).parent
-                if where != out / SAMPLES_DIR:
-                    logger.info("%s cannot be written: the sample index of seq_len %d and seed %d goes to %s", out, n,
-                                job.seed, where)
-                build_sample_index(corpus, n, job.seed, where, next_sentence=cfg.next_sentence)
-    elif rank == 0:  # idempotent: checks and reuses what an earlier start built
-        keep = bool(cfg.path) and prepared  # given and prepared already (vrgd-data prepare, another job)
-        if not prepared:
-            logger.info("preparing %s in the job (tokenizer, shards, sample indices): every rank waits for it within "
-                        "job.startup_timeout_minutes (%g min, or job.timeout_minutes where longer); prepare a large "
-                        "corpus beforehand with vrgd-data prepare, or raise the key", out,
-                        max(job.startup_timeout_minutes, job.timeout_minutes))
-        try:
-            prepare(out, inputs=cfg.inputs or None, format=cfg.format, vocab_size=cfg.vocab_size,
-                    seq_lens=tuple(seq_lens), seed=job.seed, workers=cfg.prepare_workers, progress=True,
-                    next_sentence=cfg.next_sentence, keep_built=keep)
-        except DataError as e:
-            if not keep:
-                raise
-            raise ConfigError(f"job.data.inputs: {e} (vocab_size: job.data.vocab_size, seed: job.seed, the corpus: "
-                              f"job.data.inputs and format); other jobs may read it. Drop job.data.inputs to train "
-                              f"on {out} as prepared (the job adds only its sample indices), or set job.data.path to "
-                              "another directory") from None
-        ShardedCorpus(out / SHARDS_DIR, verify="size").check_token_ids()
+    if rank == 0:  # rank 0's alone: the other ranks look the files up after the barrier only (a lookup
+        # before rank 0 wrote them could be cached as missing on a network filesystem)
+        if not (cfg.path and not cfg.inputs and not cfg.prepare):  # else check_data_path found it there
+            out.mkdir(parents=True, exist_ok=True)  # so that the decision below is taken under its lock
+        # Decided under the lock: another job or ``vrgd-data prepare`` rewriting ``out`` (its manifest
+        # deleted first) finishes before this one looks, so a directory prepared beforehand is never
+        # taken, halfway through a rewrite, for one to prepare (``prepare`` takes the lock again).
+        with prepare_lock(out):
+            _prepare_on_rank_0(job, out, run_dir, seq_lens, index_check)
     barrier()
     corpus = ShardedCorpus(out / SHARDS_DIR, verify="size")
     tokenizer = Tokenizer.load(out / TOKENIZER_FILE)
@@ -368,6 +336,70 @@ def prepare_data(job: JobConfig, run_dir: Path, rank: int, barrier: Any, seq_len
         barrier()  # the other ranks look the files up only now (a lookup before could be cached as missing)
         data.streams = tuple(sample_index(out, run_dir, name, built=True) for name in data.stream_names())
     return data
+
+
+def _prepare_on_rank_0(job: JobConfig, out: Path, run_dir: Path, seq_lens: list[int],
+                       index_check: Callable[[Any, int], Callable[[Path], bool]]) -> None:
+    """Rank 0's part of ``prepare_data``, under ``out``'s ``prepare_lock``: open a directory prepared
+    beforehand (adding only missing sample indices), or prepare it (idempotent: checks and reuses
+    what an earlier start built)."""
+    from vrgd_ds.data_pipeline.prepare import RECORD, SAMPLES_DIR, prepare
+
+    cfg = job.data
+    prepared = (out / TOKENIZER_FILE).is_file() and (out / SHARDS_DIR / MANIFEST).is_file()
+    embedded_into_given = bool(cfg.path) and not cfg.inputs
+    if embedded_into_given and prepared:
+        # A directory prepared beforehand (vrgd-data prepare): use its tokenizer and shards as
+        # they are; only sample indices for this job's seed / lengths are added if missing. One
+        # that a preparation left half done (a tokenizer, no shards) is prepared when the job is
+        # asked to (``prepare``; else ``check_data_path`` refused it).
+        from vrgd_ds.data_pipeline.samples import build_sample_index
+
+        corpus = ShardedCorpus(out / SHARDS_DIR, verify="size")
+        corpus.check_token_ids()
+        if "vocab_size" in cfg.model_fields_set and cfg.vocab_size != corpus.vocab_size:
+            logger.warning("job.data.vocab_size: %d is not used: %s was prepared with a tokenizer of %d pieces, "
+                           "which the job uses (the key sizes a tokenizer the job trains)", cfg.vocab_size, out,
+                           corpus.vocab_size)
+        for n in seq_lens:
+            where = sample_index(out, run_dir, index_filename(n, job.seed, cfg.next_sentence),
+                                 current=index_check(corpus, n)).parent
+            if where != out / SAMPLES_DIR:
+                logger.info("%s cannot be written: the sample index of seq_len %d and seed %d goes to %s", out, n,
+                            job.seed, where)
+            build_sample_index(corpus, n, job.seed, where, next_sentence=cfg.next_sentence)
+        return
+    if embedded_into_given:
+        # not prepared now, though check_data_path found it so when the job started (another preparation
+        # rewriting it, or its files removed since): refused as then, unless asked to prepare there
+        check_data_path(job)
+    # given and prepared already (vrgd-data prepare, another job); or, for the embedded corpus, a given
+    # directory holding what a preparation left (a user's data being rewritten, say): prepare() then
+    # rebuilds nothing the embedded corpus with these options did not build, and refuses instead
+    user_data = embedded_into_given and ((out / RECORD).is_file() or (out / TOKENIZER_FILE).is_file())
+    keep = (bool(cfg.path) and prepared) or user_data
+    if not prepared:
+        logger.info("preparing %s in the job (tokenizer, shards, sample indices): every rank waits for it within "
+                    "job.startup_timeout_minutes (%g min, or job.timeout_minutes where longer); prepare a large "
+                    "corpus beforehand with vrgd-data prepare, or raise the key", out,
+                    max(job.startup_timeout_minutes, job.timeout_minutes))
+    try:
+        prepare(out, inputs=cfg.inputs or None, format=cfg.format, vocab_size=cfg.vocab_size,
+                seq_lens=tuple(seq_lens), seed=job.seed, workers=cfg.prepare_workers, progress=True,
+                next_sentence=cfg.next_sentence, keep_built=keep)
+    except DataError as e:
+        if not keep:
+            raise
+        if user_data:
+            raise ConfigError(f"job.data.path: {e}; the job does not fill a directory holding prepared data with the "
+                              f"embedded corpus (job.data.inputs is empty). If another preparation is rewriting {out}, "
+                              "start the job again once it is done; else list the corpus in job.data.inputs, or set "
+                              "job.data.path to another directory") from None
+        raise ConfigError(f"job.data.inputs: {e} (vocab_size: job.data.vocab_size, seed: job.seed, the corpus: "
+                          f"job.data.inputs and format); other jobs may read it. Drop job.data.inputs to train "
+                          f"on {out} as prepared (the job adds only its sample indices), or set job.data.path to "
+                          "another directory") from None
+    ShardedCorpus(out / SHARDS_DIR, verify="size").check_token_ids()
 
 
 def loader(dataset: torch.utils.data.Dataset, sampler: PretrainingSampler, workers: int, pin_memory: bool,
