@@ -203,7 +203,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--out", default=str(common.DOCS / "bf16_moments"))
     args = ap.parse_args(argv)
-    args.at = [s for s in args.at if s <= args.steps]
+    at = args.at
+    args.at = [s for s in at if 1 <= s <= args.steps]
+    if not args.at:  # before training: nothing would be compared, and write() has no row to report
+        ap.error(f"no step of --at {' '.join(map(str, at))} is within --steps {args.steps} (steps 1 to {args.steps})")
     t0 = time.time()
     result = run(args)
     result["seconds"] = round(time.time() - t0, 1)

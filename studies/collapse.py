@@ -64,6 +64,14 @@ FAMILIES = {
 }
 
 
+def at_least_one(text: str) -> int:
+    """``--seeds``: a count of at least 1 (0 seeds would train nothing, then average nothing)."""
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{value} is not at least 1")
+    return value
+
+
 def load(seed: int = 0) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
     """Train / validation / test splits (60/20/20 of the data set, stratified), standardised."""
     from sklearn.datasets import load_digits
@@ -116,7 +124,7 @@ def main() -> None:
     ap.add_argument("--family", action="append", default=None, choices=list(FAMILIES),
                     help="default: every family")
     ap.add_argument("--batch", type=int, action="append", default=None)
-    ap.add_argument("--seeds", type=int, default=3)
+    ap.add_argument("--seeds", type=at_least_one, default=3)
     ap.add_argument("--lr-factor", type=float, action="append", default=None,
                     help="grid around the sqrt-scaled base LR (default 0.25 0.5 1 2 4)")
     ap.add_argument("--epochs", type=int, default=40)
@@ -149,16 +157,18 @@ def main() -> None:
     print(f"digits: {len(data['train'][0])} train / {len(data['val'][0])} val / {len(data['test'][0])} test, "
           f"{args.epochs} epochs, {args.groups} groups per step, {args.seeds} seeds, LR grid x{factors}", flush=True)
     grid: dict[tuple[str, int, float], list[dict[str, float]]] = {}
+    lrs: dict[tuple[str, int, float], float] = {}
     t0 = time.perf_counter()
     for batch in batches:
         for label in labels:
             base = OPTIMIZERS[label][0] * math.sqrt(batch / 32)
             for f in factors:
+                lrs[label, batch, f] = base * f
                 runs = grid[label, batch, f] = [train(label, batch, base * f, seed, data, args)
                                                 for seed in range(args.seeds)]
                 out.log_run({"optimizer": label, "batch": batch, "lr": base * f, "factor": f, "runs": runs})
             print(f"  batch {batch:5d} {label:24s} [{time.perf_counter() - t0:.0f} s]", flush=True)
-    summarise(out, grid, labels, batches, factors, args.seeds, args.epochs, args.groups)
+    summarise(out, grid, lrs, labels, batches, factors, args.seeds, args.epochs, args.groups)
     out.finish()
 
 
@@ -167,10 +177,11 @@ def rebuild(directory: Path) -> None:
     a line saying when and by which commit they were written again."""
     meta = json.loads((directory / "meta.json").read_text())
     cfg = meta["config"]
-    grid = {}
+    grid, lrs = {}, {}
     for line in (directory / "runs.jsonl").read_text().splitlines():
         rec = json.loads(line)
         grid[rec["optimizer"], rec["batch"], rec["factor"]] = rec["runs"]
+        lrs[rec["optimizer"], rec["batch"], rec["factor"]] = rec["lr"]  # the LR it ran at, not today's base LR
     missing = [k for k in ((lb, b, f) for lb in cfg["optimizers"] for b in cfg["batches"] for f in cfg["lr_factors"])
                if k not in grid]
     if missing:
@@ -178,34 +189,37 @@ def rebuild(directory: Path) -> None:
     out = Output(directory, "collapse", cfg, resume=True)
     rewritten = {"command": out.meta["command"], "commit": out.meta["machine"]["commit"], "date": out.meta["started"]}
     out.meta = {**meta, "tables_rewritten": rewritten}
-    summarise(out, grid, cfg["optimizers"], cfg["batches"], cfg["lr_factors"], cfg["seeds"], cfg["epochs"],
+    summarise(out, grid, lrs, cfg["optimizers"], cfg["batches"], cfg["lr_factors"], cfg["seeds"], cfg["epochs"],
               cfg["groups"])
     out.finish(wall_s=meta["wall_s"])
 
 
-def summarise(out: Output, grid: dict[tuple[str, int, float], list[dict[str, float]]], labels: list[str],
-              batches: list[int], factors: list[float], seeds: int, epochs: int, groups: int) -> None:
+def summarise(out: Output, grid: dict[tuple[str, int, float], list[dict[str, float]]],
+              lrs: dict[tuple[str, int, float], float], labels: list[str], batches: list[int], factors: list[float],
+              seeds: int, epochs: int, groups: int) -> None:
     """The table (the factor of best mean validation accuracy per cell, its test accuracy and gap)
-    and the plot, into ``out``."""
+    and the plot, into ``out``. ``lrs``: the LR each grid point ran at (as its runs.jsonl row
+    records it), so a record's tables do not depend on the optimizers this code defines now."""
     rows, best_test = [], {}
     for batch in batches:
         for label in labels:
-            base = OPTIMIZERS[label][0] * math.sqrt(batch / 32)
             f = max(factors, key=lambda f: (mean(r["val"] for r in grid[label, batch, f]), -factors.index(f)))
             runs = grid[label, batch, f]  # the first of equal scores, as the grid ran
             te, gap = [r["test"] for r in runs], [r["gap"] for r in runs]
             best_test[label, batch] = te
             edge = ", grid edge" if len(factors) > 1 and f in (min(factors), max(factors)) else ""  # not bracketed
-            rows.append((batch, runs[0]["steps"], label, f"{base * f:.3g} (×{f:g}{edge})", spread(te),
+            rows.append((batch, runs[0]["steps"], label, f"{lrs[label, batch, f]:.3g} (×{f:g}{edge})", spread(te),
                          spread(gap, "{:+.4f}")))
     out.add_table(f"Digits, test accuracy and generalisation gap at the best LR per cell ({seeds} seeds, "
                   f"mean (min–max); {epochs} epochs, {groups} groups per step)",
                   table(["batch", "steps", "optimizer", "best LR (factor)", "test accuracy", "train − test"], rows))
     pyplot = plt()
-    fams = [fam for fam, members in FAMILIES.items() if any(lb in labels for lb in members)]
-    fig, axes = pyplot.subplots(1, len(fams), figsize=(4.2 * len(fams), 3.4), squeeze=False)
-    for ax, fam in zip(axes[0], fams):
-        for lb in (lb for lb in FAMILIES[fam] if lb in labels):
+    panels = {fam: [lb for lb in members if lb in labels] for fam, members in FAMILIES.items()}
+    panels["other"] = [lb for lb in labels if not any(lb in members for members in FAMILIES.values())]
+    panels = {fam: members for fam, members in panels.items() if members}  # a record's label the code lost: "other"
+    fig, axes = pyplot.subplots(1, len(panels), figsize=(4.2 * len(panels), 3.4), squeeze=False)
+    for ax, (fam, members) in zip(axes[0], panels.items()):
+        for lb in members:
             accs = [best_test[lb, b] for b in batches]
             ax.errorbar(batches, [mean(a) for a in accs], yerr=[[mean(a) - min(a) for a in accs],
                                                                 [max(a) - mean(a) for a in accs]],

@@ -44,17 +44,22 @@ def machine() -> dict[str, Any]:
             out[mod] = __import__(mod).__version__
         except ImportError:  # not installed: not used by this study
             continue
+    out["commit"] = commit()
+    return out
+
+
+def commit() -> str | None:
+    """The checkout's commit, marked "+uncommitted changes" where the code a study runs differs
+    from it (``CODE``); None outside a git checkout."""
     try:
         git = ["git", "-C", str(ROOT)]
-        out["commit"] = subprocess.run([*git, "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                                       check=True).stdout.strip()
+        out = subprocess.run([*git, "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                             check=True).stdout.strip()
         changed = subprocess.run([*git, "status", "--porcelain", "--untracked-files=no", "--", *CODE],
                                  capture_output=True, text=True, check=True).stdout.strip()
-        if changed:  # the code that ran is not the commit's
-            out["commit"] += "+uncommitted changes"
     except (OSError, subprocess.CalledProcessError):
-        out["commit"] = None
-    return out
+        return None
+    return out + "+uncommitted changes" if changed else out  # the code that ran is not the commit's
 
 
 def table(headers: Sequence[str], rows: Iterable[Sequence[Any]]) -> str:

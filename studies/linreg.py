@@ -13,10 +13,11 @@ exact excess population MSE ``(w − W)ᵀ E[xxᵀ] (w − W)`` (the noise floor
 batch estimate. The k group gradients are computed in closed form and handed to the optimizer
 as its statistics source (``set_statistics_source``), so k = 1024 costs no more than k = 2.
 
-Each optimizer's LR is chosen on the same grid (``--lr``) by the mean final loss over seeds;
-the sensitivity sweeps re-tune the LR at every gamma and every k. SGD is ``VRSGD(gsnr=False)``
-(equal to ``torch.optim.SGD``; gamma = 1 equals it too). Per-weight GSNR: ``ḡ_i² / var_i``
-over the k groups, before the per-tensor normalisation.
+Each optimizer's LR is chosen on the same grid (``--lr``) by the mean final loss over seeds,
+among the LRs where no seed diverged (its loss overflowed, or the optimizer skipped a step for
+non-finite values); the sensitivity sweeps re-tune the LR at every gamma and every k. SGD is
+``VRSGD(gsnr=False)`` (equal to ``torch.optim.SGD``; gamma = 1 equals it too). Per-weight GSNR:
+``ḡ_i² / var_i`` over the k groups, before the per-tensor normalisation.
 
     python studies/linreg.py            # full: 5 seeds, the whole grids, ~2 min on 2 CPU cores
     python studies/linreg.py --quick    # 1 seed, small grids (CI)
@@ -66,6 +67,14 @@ class GroupGradients:
         pass
 
 
+def at_least_one(text: str) -> int:
+    """``--seeds``: a count of at least 1 (0 seeds would train nothing, then average nothing)."""
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{value} is not at least 1")
+    return value
+
+
 def second_moment(features: str) -> Tensor:
     """``E[x xᵀ]`` of the input distribution."""
     if features == "uniform":  # Var 1/12 on the diagonal, mean 1/2 everywhere
@@ -102,26 +111,46 @@ def run(optimizer: str, lr: float, seed: int, *, k: int, gamma: float, sigma: fl
         source.feed(w, groups)
         opt.step()
         losses.append(excess())
-        if losses[-1] == math.inf:
+        # Diverged: the loss overflowed, or the optimizer skipped a step for non-finite gradients or
+        # statistics. It skips rather than write them, so the weights stay put and the loss plateaus
+        # where it got to (~1e36-1e38), finite: not a result of training at this LR. The skip count
+        # is exact where a threshold on the loss's growth would be a choice; a run whose loss grows
+        # but stays finite keeps its loss, what its LR did in these steps (behind any LR that trains).
+        if losses[-1] == math.inf or opt.skipped_steps:
+            losses[-1] = math.inf
             losses += [math.inf] * (steps - len(losses) + 1)
             break
     return {"losses": losses, "gsnr": gsnr}
 
 
 def tuned(optimizer: str, lrs: list[float], seeds: list[int], out: Output, tag: dict[str, Any],
-          **problem: Any) -> tuple[float, list[dict[str, Any]]]:
-    """The LR of the grid with the lowest mean final loss, and its runs."""
+          **problem: Any) -> tuple[float | None, list[dict[str, Any]]]:
+    """The LR of the grid with the lowest mean final loss among those where no seed diverged, and
+    its runs; ``None`` and the first LR's runs where every LR diverged."""
     best: tuple[float, float, list[dict[str, Any]]] | None = None
+    first: list[dict[str, Any]] | None = None
     for lr in lrs:
         runs = [run(optimizer, lr, s, **problem) for s in seeds]
+        first = first or runs
         finals = [r["losses"][-1] for r in runs]
         score = mean(finals) if all(math.isfinite(f) for f in finals) else math.inf
         out.log_run({**tag, "optimizer": optimizer, "lr": lr, "final": finals,
                      **{key: v for key, v in problem.items() if key in ("k", "gamma", "sigma")}})
-        if best is None or score < best[0]:
+        if math.isfinite(score) and (best is None or score < best[0]):
             best = (score, lr, runs)
-    assert best is not None
+    if best is None:
+        assert first is not None
+        return None, first
     return best[1], best[2]
+
+
+def lr_text(lr: float | None) -> str:
+    return "none (every LR diverged)" if lr is None else f"{lr:g}"
+
+
+def losses_text(values: list[float]) -> str:
+    """``spread`` of the seeds' losses, or ``diverged`` where one of them did."""
+    return spread(values, "{:.3g}") if all(math.isfinite(v) for v in values) else "diverged"
 
 
 def steps_to_reach(curve: list[float], target: float) -> int | None:
@@ -136,7 +165,7 @@ def mean_curve(runs: list[dict[str, Any]]) -> list[float]:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="1 seed, small grids: a smoke run")
-    ap.add_argument("--seeds", type=int, default=5)
+    ap.add_argument("--seeds", type=at_least_one, default=5)
     ap.add_argument("--steps", type=int, default=100)
     ap.add_argument("--batch", type=int, default=2048)
     ap.add_argument("--k", type=int, default=64, help="gradient groups per step of the main comparison")
@@ -177,8 +206,10 @@ def main() -> None:
             lr, runs = curves[sigma, name]
             reach = [steps_to_reach(r["losses"], sgd_final) for r in runs]
             reach_txt = ", ".join("never" if s is None else str(s) for s in reach)
-            rows.append((f"{sigma:g}", name, f"{lr:g}", spread([r["losses"][-1] for r in runs], "{:.3g}"),
-                         spread([r["losses"][args.steps // 2] for r in runs], "{:.3g}"), reach_txt))
+            if not math.isfinite(sgd_final):
+                reach_txt = "— (SGD diverged)"
+            rows.append((f"{sigma:g}", name, lr_text(lr), losses_text([r["losses"][-1] for r in runs]),
+                         losses_text([r["losses"][args.steps // 2] for r in runs]), reach_txt))
     out.add_table(f"Loss after {args.steps} steps (k = {args.k}, gamma = {args.gamma}, {len(seeds)} seeds)",
                   table(["label noise σ", "optimizer", "best LR", f"excess loss at step {args.steps}",
                          f"at step {args.steps // 2}", "steps to reach SGD's final mean loss (per seed)"], rows))
@@ -186,7 +217,7 @@ def main() -> None:
     for ax, sigma in zip(axes[0], sigmas):
         for name in ("SGD", "VR-SGD"):
             lr, runs = curves[sigma, name]
-            ax.semilogy(mean_curve(runs), label=f"{name} (lr {lr:g})")
+            ax.semilogy(mean_curve(runs), label=f"{name} (lr {lr_text(lr)})")
         ax.set(title=f"label noise σ = {sigma:g}", xlabel="step", ylabel="excess MSE (mean over seeds)")
         ax.legend()
     out.savefig(fig, "loss.png")
@@ -194,7 +225,8 @@ def main() -> None:
     for ax, sigma in zip(axes[0], sigmas):
         per_weight = list(zip(*gsnr_runs[sigma]))
         for i, series in enumerate(per_weight):
-            ax.semilogy(series, label=f"w{i + 1}", color=pyplot.cm.viridis(i / (DIM - 1)))
+            # step t + 1 of the table: the GSNR of the gradients that step applied
+            ax.semilogy(range(1, len(series) + 1), series, label=f"w{i + 1}", color=pyplot.cm.viridis(i / (DIM - 1)))
         ax.set(title=f"VR-SGD, per-weight GSNR, σ = {sigma:g} (seed 0)", xlabel="step", ylabel="ḡ² / var")
     axes[0][-1].legend(fontsize=6, ncol=2)
     out.savefig(fig, "gsnr.png")
@@ -208,7 +240,7 @@ def main() -> None:
                   table(["σ", "step", *(f"w{i + 1}" for i in range(DIM))], gsnr_rows))
 
     # 2. sensitivity to gamma and to k, the LR re-tuned at every point
-    def sweep(key: str, values: list[Any]) -> dict[float, list[tuple[Any, float, list[float]]]]:
+    def sweep(key: str, values: list[Any]) -> dict[float, list[tuple[Any, float | None, list[float]]]]:
         res = {}
         for sigma in sigmas:
             res[sigma] = []
@@ -223,10 +255,12 @@ def main() -> None:
         srows = []
         for sigma in sigmas:
             sgd = [r["losses"][-1] for r in curves[sigma, "SGD"][1]]
-            best = min(res[sigma], key=lambda item: mean(item[2]))[0]
+            trained = [item for item in res[sigma] if item[1] is not None]
+            best = min(trained, key=lambda item: mean(item[2]))[0] if trained else None
             for v, lr, finals in res[sigma]:
-                srows.append((f"{sigma:g}", f"{v:g}" + (" (best)" if v == best else ""), f"{lr:g}",
-                              spread(finals, "{:.3g}"), f"{mean(finals) / mean(sgd):.3g}"))
+                ratio = mean(finals) / mean(sgd) if lr is not None and math.isfinite(mean(sgd)) else None
+                srows.append((f"{sigma:g}", f"{v:g}" + (" (best)" if v == best else ""), lr_text(lr),
+                              losses_text(finals), "—" if ratio is None else f"{ratio:.3g}"))
         out.add_table(f"VR-SGD sensitivity to {key} ({fixed}; LR re-tuned per point; SGD's own best LR as the base)",
                       table(["σ", key, "best LR", f"excess loss at step {args.steps}", "/ SGD's"], srows))
         fig, ax = pyplot.subplots(figsize=(5, 3.6))

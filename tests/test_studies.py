@@ -174,12 +174,12 @@ def test_a_record_marks_its_commit_when_the_data_pipelines_code_is_changed(monke
     clone = tmp_path / "clone"
     subprocess.run(["git", "clone", "-q", "--depth", "1", f"file://{ROOT}", str(clone)], check=True)
     monkeypatch.setattr(common, "ROOT", clone)
-    assert not common.machine()["commit"].endswith("+uncommitted changes")
+    assert not common.commit().endswith("+uncommitted changes")
     for folder in common.CODE:
         assert (clone / folder).is_dir(), folder
     sampler = clone / "data_pipeline" / "sampler.py"
     sampler.write_text(sampler.read_text() + "\n# changed\n")
-    assert common.machine()["commit"].endswith("+uncommitted changes")
+    assert common.commit().endswith("+uncommitted changes")
 
 
 def test_the_adaptive_batch_tables_leave_the_budgets_remainder_out_of_the_controllers_batches():
@@ -2486,3 +2486,99 @@ def test_probe_only_probes_every_corpus(tmp_path, monkeypatch):
     meta = json.loads((tmp_path / "out" / "meta.json").read_text())
     assert prepared == ["a", "b"] and sorted(set(probed)) == ["a", "b"]
     assert meta["noise_scale"] == {"a": 100.0, "b": 100.0}
+
+
+def test_collapse_tables_from_takes_each_runs_lr_from_the_record(tmp_path, monkeypatch):
+    """``collapse.py --tables-from`` labels each best LR with the LR its runs.jsonl row ran at, not
+    with the base LR the code's OPTIMIZERS table gives today: with every base LR changed and a
+    label removed from the code, the committed record still gives its tables.md byte for byte.
+    Before, ``summarise()`` took base LRs from OPTIMIZERS: the changed ones relabelled old runs and
+    the removed label raised KeyError (fails on the old code)."""
+    import shutil
+
+    sys.path.insert(0, str(STUDIES))
+    import collapse
+    import common
+
+    changed = {lb: (base * 10, make) for lb, (base, make) in collapse.OPTIMIZERS.items() if lb != "LAMB"}
+    monkeypatch.setattr(collapse, "OPTIMIZERS", changed)
+    monkeypatch.setattr(sys, "argv", ["collapse.py", "--tables-from", "copy"])
+    monkeypatch.setattr(common, "machine", lambda: {"commit": None})  # not its imports: seconds
+    record = ROOT / "docs" / "studies" / "collapse"
+    copy = tmp_path / "collapse"
+    shutil.copytree(record, copy)
+    collapse.rebuild(copy)
+    assert (copy / "tables.md").read_text() == (record / "tables.md").read_text()
+
+
+def test_linreg_counts_a_run_whose_optimizer_skipped_steps_as_diverged():
+    """``studies/linreg.py``: VR-SGD at LR 1 (k = 64) blows up, and its optimizer then skips every
+    step for non-finite statistics, so the weights stay put and the loss plateaus near 6e36, finite.
+    Such a run now counts as diverged (its losses inf from the first skipped step), and where every
+    LR of the grid diverged ``tuned`` names no best LR. Before, the plateau passed for a final loss
+    and a grid of diverging LRs named its first LR best (fails on the old code)."""
+    sys.path.insert(0, str(STUDIES))
+    import linreg
+
+    problem = dict(k=64, gamma=0.1, sigma=0.0, features="uniform", steps=40, batch=2048)
+    diverging = linreg.run("VR-SGD", 1.0, 0, **problem)["losses"]
+    assert len(diverging) == 41 and diverging[-1] == math.inf and math.isfinite(diverging[1])
+    assert math.isfinite(linreg.run("VR-SGD", 0.35, 0, **problem)["losses"][-1])
+
+    class Record:
+        def log_run(self, record):
+            pass
+
+    lr, runs = linreg.tuned("VR-SGD", [1.0], [0], Record(), {}, **problem)
+    assert lr is None and runs[0]["losses"][-1] == math.inf
+
+
+def test_linreg_gsnr_plot_counts_steps_from_one(tmp_path, monkeypatch):
+    """``studies/linreg.py``'s GSNR plot puts the GSNR of step t's gradients at x = t, t from 1, as
+    the GSNR table's "step" column calls it. Before, the plot's x axis counted from 0: every
+    point one step left of the table's (fails on the old code)."""
+    sys.path.insert(0, str(STUDIES))
+    import common
+    import linreg
+
+    figs = {}
+    monkeypatch.setattr(common.Output, "savefig", lambda self, fig, name: figs.setdefault(name, fig))
+    monkeypatch.setattr(common, "machine", lambda: {"commit": None})  # not its imports: seconds
+    monkeypatch.setattr(sys, "argv", ["linreg.py", "--quick", "--steps", "4", "--batch", "64", "--label-noise", "0",
+                                      "--out", str(tmp_path)])
+    linreg.main()
+    lines = figs["gsnr.png"].axes[0].get_lines()
+    assert len(lines) == linreg.DIM and all(list(line.get_xdata()) == [1, 2, 3, 4] for line in lines)
+    common.plt().close("all")
+
+
+def test_bf16_moments_refuses_an_at_with_no_step_before_training(tmp_path, monkeypatch, capsys):
+    """``studies/bf16_moments.py --steps 1``: the default ``--at 2 10 20 40`` has no step within
+    it, so nothing would be compared; the study now says so, naming --at and --steps, before it
+    trains. Before, it trained, then ``write()`` failed with ``max() arg is an empty sequence``
+    (fails on the old code: it reaches the training here)."""
+    sys.path.insert(0, str(STUDIES))
+    import bf16_moments
+
+    def train(args):
+        raise AssertionError("trained")
+
+    monkeypatch.setattr(bf16_moments, "run", train)
+    with pytest.raises(SystemExit) as stop:
+        bf16_moments.main(["--steps", "1", "--out", str(tmp_path)])
+    assert stop.value.code == 2 and "--at 2 10 20 40" in capsys.readouterr().err
+    assert not any(tmp_path.iterdir())
+
+
+@pytest.mark.parametrize("study", ["collapse", "linreg"])
+def test_studies_refuse_zero_seeds_at_parsing(study, tmp_path, monkeypatch, capsys):
+    """``--seeds 0`` (``studies/collapse.py``, ``studies/linreg.py``) is refused as the arguments
+    are parsed, naming --seeds. Before, the study ran a grid of no runs and failed in
+    ``statistics.mean([])`` (fails on the old code)."""
+    sys.path.insert(0, str(STUDIES))
+    module = __import__(study)
+    monkeypatch.setattr(sys, "argv", [f"{study}.py", "--seeds", "0", "--out", str(tmp_path / "out")])
+    with pytest.raises(SystemExit) as stop:
+        module.main()
+    assert stop.value.code == 2 and "--seeds" in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()
