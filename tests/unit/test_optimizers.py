@@ -116,7 +116,8 @@ def test_fused_equals_reference(name, over, dtype):
     Each step starts from the reference's state: over several steps LARS's trust ratio and the
     GSNR clamp amplify a last-bit difference of a norm (on an AVX-512 build 7e-8 relative in the
     first step's trust ratios, 7e-6 of the weights' scale after five), which says nothing about
-    the kernels."""
+    the kernels. The fp32 state and the metrics after the last step agree to 1e-5 relative (seen:
+    within 2e-6 on this suite's machines; they were held to 1e-4 and 1e-3 before)."""
     data = batches(5, 4, dtype=dtype)
     m1, m2 = make_model(dtype), make_model(dtype)
     o1, o2 = build(name, m1, False, **over), build(name, m2, True, **over)
@@ -136,12 +137,12 @@ def test_fused_equals_reference(name, over, dtype):
     for p1, p2 in zip(m1.parameters(), m2.parameters()):
         for k, v in o1.state[p1].items():
             assert v.dtype == torch.float32  # fp32 state for low-precision params
-            torch.testing.assert_close(v, o2.state[p2][k], rtol=1e-4, atol=1e-5)
+            torch.testing.assert_close(v, o2.state[p2][k], rtol=1e-5, atol=1e-7)
     if REGISTRY[name].vr:
         m1_, m2_ = o1.gsnr_metrics(), o2.gsnr_metrics()
         assert m1_.keys() == m2_.keys()
         for k in m1_:
-            assert m1_[k] == pytest.approx(m2_[k], rel=1e-3, abs=1e-6, nan_ok=True), k
+            assert m1_[k] == pytest.approx(m2_[k], rel=1e-5, abs=1e-8, nan_ok=True), k
 
 
 @pytest.mark.parametrize("fused", IMPLS)
