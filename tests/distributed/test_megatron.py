@@ -535,6 +535,7 @@ def test_sequence_parallel_twin_groups_resume_from_a_dist_checkpoint(megatron2, 
     assert resumed["gsnr"] == straight["gsnr"] and False in straight["gsnr"], (straight, resumed)
     scale = max(abs(v) for t in straight["weights"][2] for v in torch.tensor(t).flatten().tolist())
     assert _max_diff(resumed["weights"][0], straight["weights"][2]) <= TOL * scale
+    assert _max_diff(straight["weights"][2], straight["weights"][1]) > 100 * TOL * scale  # the step moved them
 
 
 @pytest.mark.exhaustive  # make test: _aligned_groups through the twin groups' resume below
@@ -557,6 +558,7 @@ def test_groups_megatrons_key_does_not_tell_apart_resume_into_their_own_options(
     assert resumed["loaded_groups"] == resumed["built_groups"] == straight["built_groups"], resumed
     scale = max(abs(v) for t in straight["weights"][2] for v in torch.tensor(t).flatten().tolist())
     assert _max_diff(resumed["weights"][0], straight["weights"][2]) <= TOL * scale
+    assert _max_diff(straight["weights"][2], straight["weights"][1]) > 100 * TOL * scale  # the step moved them
 
 
 @pytest.mark.parametrize("distributed", [False, pytest.param(True, marks=pytest.mark.exhaustive)])
