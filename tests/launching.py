@@ -13,6 +13,7 @@ host itself had stalled.
 from __future__ import annotations
 
 import os
+import re
 import resource
 import signal
 import socket
@@ -147,3 +148,14 @@ def wait_until(done, what: str, timeout: float = 120.0) -> None:
     while not done():
         assert time.monotonic() < deadline, f"timed out waiting for {what}"
         time.sleep(0.05)
+
+
+def resumed_at(output: str) -> int:
+    """The step a job's output says it resumed at (``loop.Job.resume``'s line, which names the
+    checkpoint tag it loaded: the same step). A job that started afresh instead, on a
+    deterministic run, writes the same records and would pass a comparison of them alone."""
+    found = re.findall(r"resumed from \S*step(\d+) at step (\d+)", output)
+    assert len(found) >= 1, "the job did not say it resumed: " + output[-3000:]
+    tag, step = found[-1]
+    assert int(tag) == int(step), found
+    return int(step)

@@ -120,6 +120,7 @@ def test_killed_mid_adaptation_resumes_on_the_same_trajectory(full):
     assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
     want, got = records(run_full), records(run)
     assert sorted(got) == sorted(want)
+    assert launching.resumed_at(resumed.stdout + resumed.stderr) >= 4  # not a fresh start writing the same records
     for step in sorted(s for s in want if s > 0):
         for key in ("train/global_batch", "train/loss", "train/lr", "adaptive/b_simple", "gsnr/mean"):
             assert got[step].get(key) == want[step].get(key), (step, key)

@@ -154,7 +154,8 @@ def test_a_half_precision_run_resumes_exactly(tmp_path, corpus, precision, distr
             "megatron.model.attention_dropout=0.0")
     whole, out = _launch(tmp_path / "whole", corpus, *sets)
     _cut_back(tmp_path, last, cut)
-    resumed = _train(tmp_path / "cut", corpus, *sets)
+    resumed, out_cut = _launch(tmp_path / "cut", corpus, *sets)
+    assert launching.resumed_at(out_cut) == cut  # not a fresh start that happens to write the same records
     after = range(cut + 1, last + 1)
     assert all(whole[s]["step/skipped"] == 0.0 for s in (cut, *after)), [whole[s]["step/skipped"] for s in whole if s]
     for key in ("train/loss", "train/grad_norm", "train/loss_scale"):

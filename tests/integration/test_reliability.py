@@ -252,6 +252,7 @@ def test_preemption_signal_checkpoints_and_the_requeued_run_continues_exactly(co
     assert 3 <= stopped_at < 8
     again = launching.run(command(config, run, "job.checkpoint_every=0"), timeout=TIMEOUT, marker=run)
     assert again.returncode == 0, again.stderr[-3000:]
+    assert launching.resumed_at(again.stdout + again.stderr) == stopped_at
     assert_same_run(run, alone)
 
 
