@@ -549,3 +549,41 @@ def test_a_set_up_the_hooks_do_not_cover_is_refused_from_the_raw_config(extra, k
     assert str(e.value) == f"vrgd_ds: '{key}' is not supported with VRGD optimizers: {NOT_COVERED[key]}"
     check_config({"optimizer": {"type": "VRLamb", "params": {"lr": 1e-3}}, "bf16": {"enabled": True},
                   "zero_optimization": {"stage": 2, "contiguous_gradients": True}, "gradient_allreduce_op": "mean"})
+
+
+def test_the_deepspeed_job_without_a_launcher_is_one_rank_and_mpi_without_mpi4py_names_the_extra(monkeypatch):
+    """``vrgd-pretrain`` typed at a shell (no launcher variables) runs as one rank, the torch
+    variables set for it; under an MPI launcher without ``mpi4py`` it stops naming the ``[mpi]``
+    extra; as one of several ``srun`` tasks without ``RANK``, or with the variables set in part
+    for another rank, it stops saying how to start it. Fails on the old code, which left every
+    case to DeepSpeed's MPI discovery: ``ModuleNotFoundError: No module named 'mpi4py'`` even for
+    one rank at a shell."""
+    import os
+
+    from vrgd_ds import commands
+    from vrgd_ds.train.config import ConfigError
+    from vrgd_ds.train.engines import deepspeed as engine
+
+    launch = (*engine.TORCH_LAUNCH_ENV, *engine.OTHER_LAUNCH_ENV, "SLURM_PROCID", "SLURM_NTASKS")
+    for var in launch:
+        monkeypatch.delenv(var, raising=False)
+    assert engine.launch_environment() is False
+    assert [os.environ[v] for v in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR")] == ["0", "1", "0", "127.0.0.1"]
+    assert os.environ["MASTER_PORT"].isdigit()
+    assert engine.launch_environment() is False  # a launcher's variables all set: left to them
+    monkeypatch.setattr(commands, "missing_modules", lambda modules: list(modules))
+    cases = [({"OMPI_COMM_WORLD_SIZE": "2"}, 'mpi4py, which is not installed; install it with: pip install "vrgd-ds[mpi]"'),
+             ({"SLURM_PROCID": "1", "SLURM_NTASKS": "4"}, "started by srun as one of 4 tasks without RANK"),
+             ({"RANK": "3"}, "set in part (RANK=3; WORLD_SIZE, MASTER_ADDR, MASTER_PORT, LOCAL_RANK missing)")]
+    for env, message in cases:
+        for var in launch:
+            monkeypatch.delenv(var, raising=False)
+        for var, value in env.items():
+            monkeypatch.setenv(var, value)
+        with pytest.raises(ConfigError) as refused:
+            engine.launch_environment()
+        assert message in str(refused.value), (env, str(refused.value))
+    monkeypatch.setattr(commands, "missing_modules", lambda modules: [])
+    monkeypatch.delenv("RANK")
+    monkeypatch.setenv("OMPI_COMM_WORLD_SIZE", "2")
+    assert engine.launch_environment() is True  # mpi4py there: DeepSpeed's MPI discovery

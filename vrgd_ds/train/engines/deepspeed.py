@@ -18,7 +18,9 @@ import contextlib
 import datetime
 import functools
 import logging
+import os
 import shutil
+import socket
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
@@ -61,6 +63,55 @@ def zero3_weights_of(tag: str) -> Iterator[None]:
         yield
     finally:
         ds_engine.get_fp32_state_dict_from_zero_checkpoint = original
+
+
+#: what torch.distributed's env:// start reads; DeepSpeed asks MPI for them where one is missing
+TORCH_LAUNCH_ENV = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK")
+#: variables by which DeepSpeed's ``init_distributed`` finds its ranks elsewhere (MPI launchers,
+#: AzureML, SageMaker)
+OTHER_LAUNCH_ENV = ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_RANK", "AZUREML_EXPERIMENT_ID", "SM_TRAINING_ENV")
+
+
+def launch_environment() -> bool:
+    """Whether DeepSpeed's ``init_distributed`` is to discover the ranks through MPI
+    (``auto_mpi_discovery``). Started by ``deepspeed``, ``torchrun`` or ``launch/slurm.sbatch``
+    (the torch variables all set): no. Under ``mpirun`` (or AzureML, SageMaker): yes, and
+    ``mpi4py`` must be there, else the job stops naming the extra (DeepSpeed's import error named
+    none). With no launcher at all (``vrgd-pretrain`` typed at a shell): one rank, the variables
+    set for it here (DeepSpeed would ask ``mpi4py`` for a world of one). Under ``srun`` without
+    the script's mapping of Slurm's variables (several tasks, no ``RANK``): refused, since each
+    task would train alone."""
+    from vrgd_ds.commands import missing_modules
+
+    if all(var in os.environ for var in TORCH_LAUNCH_ENV):
+        return False
+    if any(var in os.environ for var in OTHER_LAUNCH_ENV):
+        if missing_modules(["mpi4py"]):
+            raise ConfigError("started by an MPI launcher (or AzureML/SageMaker) without the torch.distributed "
+                              "variables (" + ", ".join(TORCH_LAUNCH_ENV) + "): DeepSpeed finds the ranks through "
+                              "mpi4py, which is not installed; install it with: pip install \"vrgd-ds[mpi]\"")
+        return True
+    tasks = os.environ.get("SLURM_NTASKS", "1")
+    if "SLURM_PROCID" in os.environ and tasks.isdigit() and int(tasks) > 1 and "RANK" not in os.environ:
+        raise ConfigError(f"started by srun as one of {tasks} tasks without RANK, WORLD_SIZE and MASTER_ADDR: each "
+                          "task would train alone. Start the job through launch/slurm.sbatch (it sets them from "
+                          "SLURM_PROCID, SLURM_NTASKS and the first node), or through deepspeed or torchrun")
+    given = {var: os.environ[var] for var in TORCH_LAUNCH_ENV if var in os.environ}
+    if given and (given.get("WORLD_SIZE", "1") != "1" or given.get("RANK", "0") != "0"):
+        shown = ", ".join(f"{k}={v}" for k, v in given.items())
+        raise ConfigError(f"the torch.distributed variables are set in part ({shown}; "
+                          f"{', '.join(v for v in TORCH_LAUNCH_ENV if v not in given)} missing): start the job "
+                          "through deepspeed, torchrun or mpirun, which set them all")
+    single = {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1"}
+    for var, value in single.items():
+        os.environ.setdefault(var, value)
+    if "MASTER_PORT" not in os.environ:
+        with socket.socket() as sock:  # a port the OS has free now
+            sock.bind(("127.0.0.1", 0))
+            os.environ["MASTER_PORT"] = str(sock.getsockname()[1])
+    logger.info("no launcher: one rank (RANK=%s, WORLD_SIZE=%s, MASTER_PORT=%s); start through deepspeed, torchrun "
+                "or mpirun for several", os.environ["RANK"], os.environ["WORLD_SIZE"], os.environ["MASTER_PORT"])
+    return False
 
 
 class DeepSpeedEngine(Engine):
@@ -124,8 +175,8 @@ class DeepSpeedEngine(Engine):
         self.raw, self.job, self.finished = raw, job, finished
         cuda = torch.cuda.is_available()
         shm.prepare_build()
-        deepspeed.init_distributed(dist_backend=backend or ("nccl" if cuda else "gloo"), auto_mpi_discovery=True,
-                                   timeout=timeout)
+        deepspeed.init_distributed(dist_backend=backend or ("nccl" if cuda else "gloo"),
+                                   auto_mpi_discovery=launch_environment(), timeout=timeout)
         self.rank, self.world = torch.distributed.get_rank(), torch.distributed.get_world_size()
         self.data_rank, self.data_world = self.rank, self.world
         if cuda:
