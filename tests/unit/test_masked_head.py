@@ -104,3 +104,20 @@ def test_positions_found_on_the_host_leave_the_device_nothing_to_sync():
         losses.append(loss.detach())
         nonzero.append(sum(name.startswith("nonzero") for name in ops.names))
     assert nonzero == [0, 1] and torch.equal(losses[0], losses[1])
+
+
+def test_a_transformers_release_outside_the_tested_range_is_refused_before_any_work(monkeypatch):
+    """The job's BERT subclasses transformers' BERT classes and reads their modules: a release
+    outside ``TESTED_TRANSFORMERS`` (4.x, which ``[train]`` allowed, or a next major) is refused by
+    the config check that runs before any work, naming the range to install; the release tested
+    passes. Fails on the old code, which checked no release."""
+    import sys
+
+    from vrgd_ds.train.config import ConfigError, ModelConfig
+    from vrgd_ds.train.model import check_model
+
+    check_model(ModelConfig(size="tiny"), 64)
+    for release in ("4.45.0", "6.0.0"):  # the module the job imports (transformers' lazy module stands in sys.modules)
+        monkeypatch.setattr(sys.modules["transformers"], "__version__", release)
+        with pytest.raises(ConfigError, match=rf'transformers {release}: .*pip install "transformers>=5.24,<6"'):
+            check_model(ModelConfig(size="tiny"), 64)

@@ -148,16 +148,29 @@ def _run(args: list[str], **kw) -> subprocess.CompletedProcess:
 def test_wheel_installs_and_runs_without_and_with_the_train_extra(tmp_path):
     """The built wheel in a fresh virtual environment: without extras the optimizers import and
     every command says which extra it needs (no traceback); with ``[train]`` every command's
-    ``--help`` works. The wheel holds ``vrgd_ds/data_pipeline`` and no top-level ``data_pipeline``."""
-    wheels = tmp_path / "wheels"
-    built = _run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "-w", str(wheels), str(ROOT)])
-    assert built.returncode == 0, built.stderr
-    (wheel,) = wheels.glob("vrgd_ds-*.whl")
+    ``--help`` works. The wheel holds ``vrgd_ds/data_pipeline`` and no top-level ``data_pipeline``,
+    exactly the package's tracked modules (built from a copy of the tracked files: a build in the
+    checkout leaves ``build/lib``, whose leftovers a later wheel would ship), and the licence."""
+    import shutil
     import zipfile
 
+    source = tmp_path / "source"
+    tracked = _run(["git", "-C", str(ROOT), "ls-files", "-z"]).stdout.split("\0")
+    for name in filter(None, tracked):
+        if (ROOT / name).is_file():
+            (source / name).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(ROOT / name, source / name)
+    wheels = tmp_path / "wheels"
+    built = _run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "-w", str(wheels), str(source)])
+    assert built.returncode == 0, built.stderr
+    (wheel,) = wheels.glob("vrgd_ds-*.whl")
     names = zipfile.ZipFile(wheel).namelist()
     assert any(n.startswith("vrgd_ds/data_pipeline/cli.py") for n in names)
     assert not [n for n in names if not n.startswith(("vrgd_ds/", "vrgd_ds-"))], "only vrgd_ds in the wheel"
+    modules = {n for n in tracked if n.endswith(".py") and n.startswith(("vrgd_ds/", "data_pipeline/"))}
+    assert {n for n in names if n.endswith(".py")} == {n.replace("data_pipeline/", "vrgd_ds/data_pipeline/", 1)
+                                                       if n.startswith("data_pipeline/") else n for n in modules}
+    assert any(n.endswith(".dist-info/licenses/LICENSE") for n in names), names
 
     venv = tmp_path / "venv"
     assert _run([sys.executable, "-m", "venv", str(venv)]).returncode == 0

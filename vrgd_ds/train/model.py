@@ -40,6 +40,25 @@ def _refused(cfg: ModelConfig, error: Exception) -> ConfigError:
                        f"{type(error).__name__}: {' '.join(str(error).split())[:300]}")
 
 
+#: the transformers releases the job's BERT is tested on: it subclasses ``BertForPreTraining`` /
+#: ``BertForMaskedLM`` and reads their modules (``bert``, ``cls.predictions``, ``cls.seq_relationship``)
+#: and ``modeling_bert``'s output classes (pyproject.toml's ``[train]`` extra bounds it the same way)
+TESTED_TRANSFORMERS = ((5, 24), (6, 0))
+
+
+def check_transformers() -> None:
+    """Refuses a transformers release outside ``TESTED_TRANSFORMERS``, naming the range."""
+    import transformers
+
+    have = tuple(int(part) for part in transformers.__version__.split(".")[:2] if part.isdigit())
+    low, high = TESTED_TRANSFORMERS
+    if not low <= have < high:
+        raise ConfigError(f"transformers {transformers.__version__}: the job's BERT subclasses transformers' BERT "
+                          f"classes and reads their modules, tested on releases from {low[0]}.{low[1]} to before "
+                          f"{high[0]}.{high[1]}; install them with: pip install \"transformers>={low[0]}.{low[1]},"
+                          f"<{high[0]}\"")
+
+
 def check_model(cfg: ModelConfig, max_seq_len: int) -> None:
     """Builds the model ``cfg`` describes on the meta device (no memory, no data: any vocabulary
     size), so that an override transformers refuses (``"hidden_act": "gleu"``, a head count that
@@ -47,6 +66,7 @@ def check_model(cfg: ModelConfig, max_seq_len: int) -> None:
     before any work, not a traceback after the data is prepared."""
     import torch
 
+    check_transformers()
     config = bert_config(cfg, cfg.vocab_size or 128, max_seq_len)
     try:
         with torch.device("meta"):
