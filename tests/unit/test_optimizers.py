@@ -406,6 +406,14 @@ def test_a_torch_optimizers_state_with_an_option_the_member_lacks_is_refused(bas
         return
     with pytest.raises(ValueError, match=f"param group 0 was saved with {refused}.*which {member} does not implement"):
         member_opt.load_state_dict(opt.state_dict())
+    # the same groups handed to the member when it is built, or added: refused too (fails on the old
+    # code, which built VRAdam from Adam(maximize=True).param_groups and minimised)
+    q = torch.nn.Parameter(torch.randn(4))
+    kept = {k: v for k, v in opt.param_groups[0].items() if k != "params"}
+    for build in (lambda: REGISTRY[member].cls([{"params": [q], **kept}], lr=0.1),
+                  lambda: REGISTRY[member].cls([p], lr=0.1).add_param_group({"params": [q], **kept})):
+        with pytest.raises(ValueError, match=f"{refused}.*an option of torch's optimizers {member} does not"):
+            build()
 
 
 @pytest.mark.parametrize("fused", IMPLS)

@@ -263,17 +263,24 @@ class GSNROptimizer(torch.optim.Optimizer):
         "decoupled_weight_decay": lambda g: g["decoupled_weight_decay"] or not g.get("weight_decay"),
     }
 
+    def _foreign_option(self, group: dict[str, Any]) -> str | None:
+        """A torch optimizer's option in ``group`` that this member does not have, set so that it
+        changes the update (it would be dropped): its ``key=value`` words, else None."""
+        for key, neutral in self._FOREIGN_NEUTRAL.items():
+            if key in group and key not in self.defaults and not neutral(group):
+                return f"{key}={group[key]!r}" + (f" and weight_decay={group.get('weight_decay')!r} (L2 decay)"
+                                                 if key == "decoupled_weight_decay" else "")
+        return None
+
     def _refuse_foreign_options(self, index: int, saved: dict[str, Any]) -> None:
         """A torch optimizer's group loaded into this member: an option of its update this member
         does not have, set so that it changes the update, is refused (it would be dropped)."""
-        for key, neutral in self._FOREIGN_NEUTRAL.items():
-            if key in saved and key not in self.defaults and not neutral(saved):
-                raise ValueError(
-                    f"{self.name}.load_state_dict: param group {index} was saved with {key}={saved[key]!r}"
-                    + (f" and weight_decay={saved.get('weight_decay')!r} (L2 decay)"
-                       if key == "decoupled_weight_decay" else "")
-                    + f", which {self.name} does not implement, so its update would change unseen: load it into "
-                    "an optimizer that has it, or set the option as this one steps in the state dict first")
+        foreign = self._foreign_option(saved)
+        if foreign:
+            raise ValueError(
+                f"{self.name}.load_state_dict: param group {index} was saved with {foreign}, which {self.name} does "
+                "not implement, so its update would change unseen: load it into an optimizer that has it, or set "
+                "the option as this one steps in the state dict first")
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         super().add_param_group(param_group)
@@ -299,6 +306,10 @@ class GSNROptimizer(torch.optim.Optimizer):
                 if close:
                     raise ValueError(f"{where}: {key!r} is not an option of {self.name}; did you mean {close[0]!r}? "
                                      "(a param group's key the optimizer does not read is left unread)")
+        foreign = self._foreign_option(group)  # torch's groups handed over as they are (Adam(...).param_groups)
+        if foreign:
+            raise ValueError(f"{where}: {foreign}, an option of torch's optimizers {self.name} does not implement: "
+                             "its update would change unseen; leave it out of the param group")
         for key, value in self._fixed.items():
             if group.get(key, value) != value:
                 raise ValueError(f"{where}: {self.name} is {type(self).__name__} with {key}={value!r}; use "
