@@ -417,6 +417,40 @@ def test_a_torch_optimizers_state_with_an_option_the_member_lacks_is_refused(bas
 
 
 @pytest.mark.parametrize("fused", IMPLS)
+def test_a_parameter_given_another_shape_starts_its_statistics_anew(fused):
+    """A parameter re-initialised with another shape (``p.data = ...``) and its state deleted
+    starts anew, as a fresh optimizer's would, statistics included; a shape changed between two
+    backward passes of one step is refused, naming both shapes. Fails on the old code, whose hooks
+    kept the old shape's buffers: backward() failed with an unrelated message ("shape '[4]' is
+    invalid for input of size 6", "statistics size mismatch"; Triton wrote past them)."""
+    torch.manual_seed(0)
+    p = nn.Parameter(torch.randn(4))
+    opt = vrgd_ds.VRAdam([p], lr=0.1, fused=fused)
+    for _ in range(2):
+        (p * torch.randn(4)).sum().backward()
+    opt.step()
+    opt.zero_grad()
+    new = torch.randn(6)
+    p.data = new.clone()
+    del opt.state[p]
+    fresh = nn.Parameter(new.clone())
+    twin = vrgd_ds.VRAdam([fresh], lr=0.1, fused=fused)
+    for _ in range(3):
+        g = torch.randn(6)
+        (p * g).sum().backward()
+        (fresh * g).sum().backward()
+    opt.step()
+    twin.step()
+    assert torch.equal(p.detach(), fresh.detach()) and not torch.equal(p.detach(), new)
+    opt.zero_grad()
+    (p * torch.randn(6)).sum().backward()
+    p.data = torch.randn(5)
+    p.grad = None
+    with pytest.raises(RuntimeError, match=r"changed from shape \(6,\) on cpu to \(5,\) on cpu between backward"):
+        (p * torch.randn(5)).sum().backward()
+
+
+@pytest.mark.parametrize("fused", IMPLS)
 @pytest.mark.parametrize("reset", ["clear", "replace", "delete one"])
 def test_a_state_cleared_replaced_or_deleted_starts_anew_as_torch_s_does(reset, fused):
     """``opt.state.clear()``, ``opt.state = defaultdict(dict)`` or ``del opt.state[p]`` (a layer

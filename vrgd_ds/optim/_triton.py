@@ -1541,6 +1541,9 @@ class Triton:
         numel = g.numel()
         if not numel:
             return None
+        if sum_g.numel() != numel or sum_sq.numel() != numel:  # the kernel writes numel words into each
+            raise RuntimeError(f"statistics size mismatch: a gradient of {numel} elements, buffers of "
+                               f"{sum_g.numel()} and {sum_sq.numel()}")
         self._fp32([sum_g, sum_sq])
         sg, sq = sum_g.view(-1), sum_sq.view(-1)
         programs = triton.cdiv(numel, HOOK_SPAN)

@@ -137,6 +137,15 @@ class TensorHookStats:
                 "use a dense layer (e.g. nn.Embedding(sparse=False))"
             )
         bufs = self._buffers.get(p)
+        if bufs is not None and (bufs[0].shape != p.shape or bufs[0].device != p.device):
+            # the parameter given another shape or moved (``p.data = ...``, ``model.to(...)`` after the
+            # optimizer was built): new buffers where this step has not recorded it yet, else refused
+            if self._counts.get(p, 0):
+                raise RuntimeError(
+                    f"{self._owner}: a parameter changed from shape {tuple(bufs[0].shape)} on {bufs[0].device} to "
+                    f"{tuple(p.shape)} on {p.device} between backward passes of one step: its statistics cannot "
+                    "go on; zero the gradients (optimizer.zero_grad()) and run the step's backward passes again")
+            bufs = None
         if bufs is None:
             bufs = (torch.empty(p.shape, dtype=torch.float32, device=p.device),
                     torch.empty(p.shape, dtype=torch.float32, device=p.device))
