@@ -416,6 +416,16 @@ def test_a_torch_optimizers_state_with_an_option_the_member_lacks_is_refused(bas
             build()
 
 
+def test_a_parameter_twice_in_one_group_is_refused():
+    """A parameter listed twice in one param group (torch only warns of it) is refused, as one in
+    two groups is: it would be stepped twice a step. Fails on the old code, which stepped it twice
+    (its step count went up by 2 a step)."""
+    p = nn.Parameter(torch.randn(4))
+    with pytest.warns(UserWarning, match="duplicate parameters"):
+        with pytest.raises(ValueError, match="a parameter appears more than once in the param group"):
+            vrgd_ds.VRAdam([p, p])
+
+
 @pytest.mark.parametrize("fused", IMPLS)
 def test_a_parameter_given_another_shape_starts_its_statistics_anew(fused):
     """A parameter re-initialised with another shape (``p.data = ...``) and its state deleted

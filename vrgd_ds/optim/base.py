@@ -314,6 +314,9 @@ class GSNROptimizer(torch.optim.Optimizer):
             if group.get(key, value) != value:
                 raise ValueError(f"{where}: {self.name} is {type(self).__name__} with {key}={value!r}; use "
                                  f"{type(self).__name__} for a param group with {key}={group[key]!r}")
+        if len({id(q) for q in group["params"]}) != len(group["params"]):  # torch only warns of it
+            raise ValueError(f"{where}: a parameter appears more than once in the param group; list each once "
+                             "(it would be stepped twice a step, its state counted twice)")
         check_common(where, group)
         check_dtypes(where, group["params"], self.fused)
         type(self)._check_options(where, group)
