@@ -565,8 +565,9 @@ def test_the_deepspeed_job_without_a_launcher_is_one_rank_and_mpi_without_mpi4py
     from vrgd_ds.train.engines import deepspeed as engine
 
     launch = (*engine.TORCH_LAUNCH_ENV, *engine.OTHER_LAUNCH_ENV, "SLURM_PROCID", "SLURM_NTASKS")
-    for var in launch:
-        monkeypatch.delenv(var, raising=False)
+    for var in launch:  # set first, so that monkeypatch restores each as it was (the code sets some itself)
+        monkeypatch.setenv(var, "")
+        monkeypatch.delenv(var)
     assert engine.launch_environment() is False
     assert [os.environ[v] for v in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR")] == ["0", "1", "0", "127.0.0.1"]
     assert os.environ["MASTER_PORT"].isdigit()
