@@ -4,6 +4,7 @@ conclusions live in docs/results.md, not here."""
 from __future__ import annotations
 
 import json
+import logging
 import math
 import os
 import signal
@@ -2546,7 +2547,12 @@ def test_linreg_gsnr_plot_counts_steps_from_one(tmp_path, monkeypatch):
     monkeypatch.setattr(common, "machine", lambda: {"commit": None})  # not its imports: seconds
     monkeypatch.setattr(sys, "argv", ["linreg.py", "--quick", "--steps", "4", "--batch", "64", "--label-noise", "0",
                                       "--out", str(tmp_path)])
-    linreg.main()
+    quiet = logging.getLogger("vrgd_ds")  # the study quiets the package's warnings: restored after it
+    before = quiet.level
+    try:
+        linreg.main()
+    finally:
+        quiet.setLevel(before)  # (setLevel, not the attribute: it clears the loggers' cached levels too)
     lines = figs["gsnr.png"].axes[0].get_lines()
     assert len(lines) == linreg.DIM and all(list(line.get_xdata()) == [1, 2, 3, 4] for line in lines)
     common.plt().close("all")
