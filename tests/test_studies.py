@@ -2489,6 +2489,7 @@ def test_probe_only_probes_every_corpus(tmp_path, monkeypatch):
     assert meta["noise_scale"] == {"a": 100.0, "b": 100.0}
 
 
+@pytest.mark.exhaustive  # about 3 s (make test: the page from the committed records)
 def test_collapse_tables_from_takes_each_runs_lr_from_the_record(tmp_path, monkeypatch):
     """``collapse.py --tables-from`` labels each best LR with the LR its runs.jsonl row ran at, not
     with the base LR the code's OPTIMIZERS table gives today: with every base LR changed and a

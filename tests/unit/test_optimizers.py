@@ -808,8 +808,10 @@ def test_closure_is_called_and_counts_its_backwards():
     assert torch.is_tensor(loss) and opt.gsnr_metrics()["gsnr/n"] == 2
 
 
-@pytest.mark.parametrize("fused", IMPLS)
-@pytest.mark.parametrize("cls", [vrgd_ds.VRLamb, vrgd_ds.VRAdam])
+@pytest.mark.parametrize("cls, fused", [  # make test: each member on one implementation
+    pytest.param(vrgd_ds.VRLamb, True, marks=FUSED.marks), (vrgd_ds.VRAdam, False),
+    pytest.param(vrgd_ds.VRLamb, False, marks=pytest.mark.exhaustive),
+    pytest.param(vrgd_ds.VRAdam, True, marks=(*FUSED.marks, pytest.mark.exhaustive))])
 def test_lr_scheduler_drives_groups(cls, fused):
     """A torch LR scheduler's value is the one the next step takes: with the LR halved after the
     first step, the second step (from the same weights and moments as a constant-LR run's) is
