@@ -79,6 +79,9 @@ def test_the_job_builds_deepspeeds_cpu_op_with_the_packages_ninja_past_a_killed_
         raise KeyboardInterrupt  # nothing after it is under test
 
     monkeypatch.setattr(deepspeed, "init_distributed", init_distributed)
+    for var, value in {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1",
+                       "MASTER_PORT": "29500"}.items():  # a launcher's (the engine sets them itself without one)
+        monkeypatch.setenv(var, value)
     with pytest.raises(KeyboardInterrupt):
         DeepSpeedEngine({}, None, None, datetime.timedelta(seconds=60))
     assert seen == {"ninja": str(Path(_fused.ninja_dir()) / "ninja"), "lock": False}
