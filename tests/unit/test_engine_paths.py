@@ -564,7 +564,8 @@ def test_the_deepspeed_job_without_a_launcher_is_one_rank_and_mpi_without_mpi4py
     from vrgd_ds.train.config import ConfigError
     from vrgd_ds.train.engines import deepspeed as engine
 
-    launch = (*engine.TORCH_LAUNCH_ENV, *engine.OTHER_LAUNCH_ENV, "SLURM_PROCID", "SLURM_NTASKS")
+    launch = (*engine.TORCH_LAUNCH_ENV, *engine.OTHER_LAUNCH_ENV, "SLURM_PROCID", "SLURM_STEP_NUM_TASKS",
+              "AZUREML_EXPERIMENT_ID", "DLTS_JOB_ID", "SM_TRAINING_ENV")
     for var in launch:  # set first, so that monkeypatch restores each as it was (the code sets some itself)
         monkeypatch.setenv(var, "")
         monkeypatch.delenv(var)
@@ -574,7 +575,7 @@ def test_the_deepspeed_job_without_a_launcher_is_one_rank_and_mpi_without_mpi4py
     assert engine.launch_environment() is False  # a launcher's variables all set: left to them
     monkeypatch.setattr(commands, "missing_modules", lambda modules: list(modules))
     cases = [({"OMPI_COMM_WORLD_SIZE": "2"}, 'mpi4py, which is not installed; install it with: pip install "vrgd-ds[mpi]"'),
-             ({"SLURM_PROCID": "1", "SLURM_NTASKS": "4"}, "started by srun as one of 4 tasks without RANK"),
+             ({"SLURM_PROCID": "1", "SLURM_STEP_NUM_TASKS": "4"}, "started by srun as one of 4 tasks without RANK"),
              ({"RANK": "3"}, "set in part (RANK=3; WORLD_SIZE, MASTER_ADDR, MASTER_PORT, LOCAL_RANK missing)")]
     for env, message in cases:
         for var in launch:
@@ -584,7 +585,20 @@ def test_the_deepspeed_job_without_a_launcher_is_one_rank_and_mpi_without_mpi4py
         with pytest.raises(ConfigError) as refused:
             engine.launch_environment()
         assert message in str(refused.value), (env, str(refused.value))
-    monkeypatch.setattr(commands, "missing_modules", lambda modules: [])
     monkeypatch.delenv("RANK")
     monkeypatch.setenv("OMPI_COMM_WORLD_SIZE", "2")
+    monkeypatch.setenv("AZUREML_EXPERIMENT_ID", "x")
+    assert engine.launch_environment() is True  # AzureML: DeepSpeed reads Open MPI's variables, no mpi4py
+    monkeypatch.delenv("AZUREML_EXPERIMENT_ID")
+    monkeypatch.setattr(commands, "missing_modules", lambda modules: [])
     assert engine.launch_environment() is True  # mpi4py there: DeepSpeed's MPI discovery
+    # a MASTER_ADDR the shell exports for a cluster is not this host's rendezvous for one rank
+    for var in launch:
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setenv("MASTER_ADDR", "node9")
+    assert engine.launch_environment() is False and os.environ["MASTER_ADDR"] == "127.0.0.1"
+    # a batch script's own step (no srun step) on a multi-task allocation: one rank
+    for var in launch:
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setenv("SLURM_PROCID", "0")
+    assert engine.launch_environment() is False and os.environ["WORLD_SIZE"] == "1"

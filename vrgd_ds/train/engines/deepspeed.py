@@ -67,31 +67,35 @@ def zero3_weights_of(tag: str) -> Iterator[None]:
 
 #: what torch.distributed's env:// start reads; DeepSpeed asks MPI for them where one is missing
 TORCH_LAUNCH_ENV = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK")
-#: variables by which DeepSpeed's ``init_distributed`` finds its ranks elsewhere (MPI launchers,
-#: AzureML, SageMaker)
-OTHER_LAUNCH_ENV = ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_RANK", "AZUREML_EXPERIMENT_ID", "SM_TRAINING_ENV")
+#: variables of an MPI launcher (Open MPI, MPICH/Intel MPI, PMIx), whose ranks DeepSpeed's
+#: ``init_distributed`` finds through mpi4py, or on AzureML and SageMaker from Open MPI's variables
+OTHER_LAUNCH_ENV = ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_RANK")
 
 
 def launch_environment() -> bool:
     """Whether DeepSpeed's ``init_distributed`` is to discover the ranks through MPI
     (``auto_mpi_discovery``). Started by ``deepspeed``, ``torchrun`` or ``launch/slurm.sbatch``
-    (the torch variables all set): no. Under ``mpirun`` (or AzureML, SageMaker): yes, and
-    ``mpi4py`` must be there, else the job stops naming the extra (DeepSpeed's import error named
-    none). With no launcher at all (``vrgd-pretrain`` typed at a shell): one rank, the variables
-    set for it here (DeepSpeed would ask ``mpi4py`` for a world of one). Under ``srun`` without
-    the script's mapping of Slurm's variables (several tasks, no ``RANK``): refused, since each
-    task would train alone."""
+    (the torch variables all set): no. Under ``mpirun``: yes, and ``mpi4py`` must be there, else
+    the job stops naming the extra (DeepSpeed's import error named none); on AzureML and SageMaker
+    DeepSpeed reads Open MPI's variables without it. With no launcher at all (``vrgd-pretrain``
+    typed at a shell, or a batch script's own step): one rank, the variables set for it here, its
+    rendezvous on this host (DeepSpeed would ask ``mpi4py`` for a world of one). Under ``srun``
+    without the script's mapping of Slurm's variables (a step of several tasks, no ``RANK``):
+    refused, since each task would train alone."""
     from vrgd_ds.commands import missing_modules
 
     if all(var in os.environ for var in TORCH_LAUNCH_ENV):
         return False
     if any(var in os.environ for var in OTHER_LAUNCH_ENV):
-        if missing_modules(["mpi4py"]):
-            raise ConfigError("started by an MPI launcher (or AzureML/SageMaker) without the torch.distributed "
-                              "variables (" + ", ".join(TORCH_LAUNCH_ENV) + "): DeepSpeed finds the ranks through "
-                              "mpi4py, which is not installed; install it with: pip install \"vrgd-ds[mpi]\"")
+        # AzureML (outside DLTS) and SageMaker: DeepSpeed reads Open MPI's variables itself, no mpi4py
+        hosted = ("AZUREML_EXPERIMENT_ID" in os.environ and "DLTS_JOB_ID" not in os.environ) or \
+            "SM_TRAINING_ENV" in os.environ
+        if not hosted and missing_modules(["mpi4py"]):
+            raise ConfigError("started by an MPI launcher without the torch.distributed variables ("
+                              + ", ".join(TORCH_LAUNCH_ENV) + "): DeepSpeed finds the ranks through mpi4py, which "
+                              "is not installed; install it with: pip install \"vrgd-ds[mpi]\"")
         return True
-    tasks = os.environ.get("SLURM_NTASKS", "1")
+    tasks = os.environ.get("SLURM_STEP_NUM_TASKS", "1")  # an srun step's (a batch script's own step has none)
     if "SLURM_PROCID" in os.environ and tasks.isdigit() and int(tasks) > 1 and "RANK" not in os.environ:
         raise ConfigError(f"started by srun as one of {tasks} tasks without RANK, WORLD_SIZE and MASTER_ADDR: each "
                           "task would train alone. Start the job through launch/slurm.sbatch (it sets them from "
@@ -102,15 +106,17 @@ def launch_environment() -> bool:
         raise ConfigError(f"the torch.distributed variables are set in part ({shown}; "
                           f"{', '.join(v for v in TORCH_LAUNCH_ENV if v not in given)} missing): start the job "
                           "through deepspeed, torchrun or mpirun, which set them all")
-    single = {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1"}
-    for var, value in single.items():
+    for var, value in {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0"}.items():
         os.environ.setdefault(var, value)
-    if "MASTER_PORT" not in os.environ:
+    if "MASTER_PORT" not in os.environ:  # this host's rendezvous (a MASTER_ADDR the shell exports names another)
+        os.environ["MASTER_ADDR"] = "127.0.0.1"
         with socket.socket() as sock:  # a port the OS has free now
             sock.bind(("127.0.0.1", 0))
             os.environ["MASTER_PORT"] = str(sock.getsockname()[1])
-    logger.info("no launcher: one rank (RANK=%s, WORLD_SIZE=%s, MASTER_PORT=%s); start through deepspeed, torchrun "
-                "or mpirun for several", os.environ["RANK"], os.environ["WORLD_SIZE"], os.environ["MASTER_PORT"])
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    logger.info("no launcher: one rank (RANK=%s, WORLD_SIZE=%s, MASTER_ADDR=%s, MASTER_PORT=%s); start through "
+                "deepspeed, torchrun or mpirun for several", os.environ["RANK"], os.environ["WORLD_SIZE"],
+                os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"])
     return False
 
 
