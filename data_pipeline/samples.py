@@ -249,7 +249,9 @@ def _build_rows(corpus: TokenCorpus, max_seq_len: int, seed: int, short_seq_prob
                     target = int(rng.integers(2, max_tokens + 1))
             i += 1
     if skipped:
-        total = sum(len(corpus.sentence_lengths(d)) for d in range(num_docs))
+        total = getattr(corpus, "num_sentences", None)  # a shard set's manifest holds it: no pass over the documents
+        if total is None:
+            total = sum(len(corpus.sentence_lengths(d)) for d in range(num_docs))
         logger.warning("next_sentence='sop': %d chunks (%d sentences of %d, the documents of one sentence) have no "
                        "sentence order to predict and make no sample of %s", skipped, skipped, total, corpus.path)
     return np.asarray(rows, dtype=np.int64).reshape(-1, NUM_COLUMNS)

@@ -837,3 +837,32 @@ def test_a_job_never_prepares_the_embedded_corpus_over_a_users_data(tmp_path, mo
         data.prepare_data(job, tmp_path / "run", 0, lambda: None, [64])
     assert kept == [True]
     assert {p: p.read_bytes() for p in out.rglob("*") if p.is_file() and p.name != ".prepare.lock"} == before
+
+
+def test_a_jobs_own_embedded_preparation_cut_off_part_way_is_prepared_again(tmp_path, monkeypatch):
+    """``job.data.prepare: true`` on a directory whose preparation of the embedded corpus was cut
+    off (pre-empted) after its tokenizer, before its shards: the next start prepares it again
+    (``keep_built`` off), where a user's corpus's preparation is refused (above). Fails on the code
+    that took any record or tokenizer there for a user's: every requeued start stopped."""
+    from vrgd_ds.data_pipeline import prepare as prepare_module
+    from vrgd_ds.train import data
+    from vrgd_ds.train.config import load_config
+
+    out = tmp_path / "prepared"
+    (out / "shards").mkdir(parents=True)
+    (out / "tokenizer.model").write_bytes(b"the job's tokenizer")
+    monkeypatch.setattr(prepare_module, "corpus_fingerprint", lambda corpus: "the embedded corpus")
+    kept = []
+
+    def prepare(out, **kwargs):
+        kept.append(kwargs["keep_built"])
+        raise RuntimeError("prepared again")
+
+    monkeypatch.setattr(prepare_module, "prepare", prepare)
+    _, job = load_config(JOB_CONFIG, [f'job.data.path="{out}"', "job.data.prepare=true"])
+    for record in (None, {"tokenizer": {"corpus_fingerprint": "the embedded corpus", "sha256": "0" * 64}}):
+        if record is not None:
+            (out / "prepare.json").write_text(json.dumps(record))
+        with pytest.raises(RuntimeError, match="prepared again"):
+            data.prepare_data(job, tmp_path / "run", 0, lambda: None, [64])
+    assert kept == [False, False]

@@ -11,6 +11,7 @@ form the held-out set, evaluated with fixed masks (epoch 0) so evaluations compa
 """
 from __future__ import annotations
 
+import json
 import logging
 import os
 from dataclasses import dataclass
@@ -338,6 +339,24 @@ def prepare_data(job: JobConfig, run_dir: Path, rank: int, barrier: Any, seq_len
     return data
 
 
+def _prepared_from_a_corpus(record: Path) -> bool:
+    """Whether ``prepare.json`` says its tokenizer was trained on a user's corpus (its bytes'
+    ``corpus_sha256``, or another corpus fingerprint than the embedded corpus's): a job's own
+    embedded preparation cut off part-way (no record yet, or the embedded corpus's) is prepared
+    again, a user's never overwritten."""
+    from vrgd_ds.data_pipeline import prepare as preparing
+    from vrgd_ds.data_pipeline.corpus import EmbeddedCorpus
+
+    try:
+        tokenizer = json.loads(record.read_text()).get("tokenizer") or {}
+    except (OSError, ValueError, AttributeError):
+        return False
+    if not isinstance(tokenizer, dict) or not tokenizer:
+        return False
+    return bool(tokenizer.get("corpus_sha256")) or \
+        tokenizer.get("corpus_fingerprint") != preparing.corpus_fingerprint(EmbeddedCorpus())
+
+
 def _prepare_on_rank_0(job: JobConfig, out: Path, run_dir: Path, seq_lens: list[int],
                        index_check: Callable[[Any, int], Callable[[Path], bool]]) -> None:
     """Rank 0's part of ``prepare_data``, under ``out``'s ``prepare_lock``: open a directory prepared
@@ -374,9 +393,9 @@ def _prepare_on_rank_0(job: JobConfig, out: Path, run_dir: Path, seq_lens: list[
         # rewriting it, or its files removed since): refused as then, unless asked to prepare there
         check_data_path(job)
     # given and prepared already (vrgd-data prepare, another job); or, for the embedded corpus, a given
-    # directory holding what a preparation left (a user's data being rewritten, say): prepare() then
+    # directory whose record names a user's corpus (its data being rewritten, say): prepare() then
     # rebuilds nothing the embedded corpus with these options did not build, and refuses instead
-    user_data = embedded_into_given and ((out / RECORD).is_file() or (out / TOKENIZER_FILE).is_file())
+    user_data = embedded_into_given and _prepared_from_a_corpus(out / RECORD)
     keep = (bool(cfg.path) and prepared) or user_data
     if not prepared:
         logger.info("preparing %s in the job (tokenizer, shards, sample indices): every rank waits for it within "
