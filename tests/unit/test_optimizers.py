@@ -429,8 +429,10 @@ def test_a_parameter_twice_in_one_group_is_refused():
 @pytest.mark.parametrize("fused", IMPLS)
 def test_a_parameter_given_another_shape_starts_its_statistics_anew(fused):
     """A parameter re-initialised with another shape (``p.data = ...``) and its state deleted
-    starts anew, as a fresh optimizer's would, statistics included; a shape changed between two
-    backward passes of one step is refused, naming both shapes. Fails on the old code, whose hooks
+    starts anew, as a fresh optimizer's would, statistics included, also right after a
+    ``model.zero_grad()`` that dropped a skipped step's statistics (refused as "between backward
+    passes" where the hooks looked before dropping them); a shape changed between two backward
+    passes of one step is refused, naming both shapes. Fails on the old code, whose hooks
     kept the old shape's buffers: backward() failed with an unrelated message ("shape '[4]' is
     invalid for input of size 6", "statistics size mismatch"; Triton wrote past them)."""
     torch.manual_seed(0)
@@ -454,10 +456,18 @@ def test_a_parameter_given_another_shape_starts_its_statistics_anew(fused):
     assert torch.equal(p.detach(), fresh.detach()) and not torch.equal(p.detach(), new)
     opt.zero_grad()
     (p * torch.randn(6)).sum().backward()
+    p.grad = None  # model.zero_grad() after a step the caller skipped: the statistics start anew, then the shape
     p.data = torch.randn(5)
-    p.grad = None
-    with pytest.raises(RuntimeError, match=r"changed from shape \(6,\) on cpu to \(5,\) on cpu between backward"):
+    del opt.state[p]
+    for _ in range(2):
         (p * torch.randn(5)).sum().backward()
+    opt.step()
+    assert opt.state[p]["exp_avg"].shape == (5,)
+    opt.zero_grad()
+    (p * torch.randn(5)).sum().backward()
+    p.data = torch.randn(4)  # the step's gradient kept
+    with pytest.raises(RuntimeError, match=r"changed from shape \(5,\) on cpu to \(4,\) on cpu between backward"):
+        (p * torch.randn(4)).sum().backward()
 
 
 @pytest.mark.parametrize("fused", IMPLS)

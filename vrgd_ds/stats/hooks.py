@@ -136,6 +136,10 @@ class TensorHookStats:
                 f"VRGD statistics do not support sparse gradients (parameter of shape {tuple(p.shape)}); "
                 "use a dense layer (e.g. nn.Embedding(sparse=False))"
             )
+        group = self._passes.current()
+        if group != self._group:  # the first hook of a backward()
+            self._group = group
+            self._drop_if_cleared()
         bufs = self._buffers.get(p)
         if bufs is not None and (bufs[0].shape != p.shape or bufs[0].device != p.device):
             # the parameter given another shape or moved (``p.data = ...``, ``model.to(...)`` after the
@@ -150,10 +154,6 @@ class TensorHookStats:
             bufs = (torch.empty(p.shape, dtype=torch.float32, device=p.device),
                     torch.empty(p.shape, dtype=torch.float32, device=p.device))
             self._buffers[p] = bufs
-        group = self._passes.current()
-        if group != self._group:  # the first hook of a backward()
-            self._group = group
-            self._drop_if_cleared()
         self._passes.record(p, p, self._owner, group)
         count = self._counts.get(p, 0)
         if count == 0 and self._pre_grad and id(p) in self._pre_grad:
