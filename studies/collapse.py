@@ -30,7 +30,7 @@ from pathlib import Path
 from statistics import mean
 
 import torch
-from common import DOCS, Output, plt, spread, table
+from common import DOCS, Output, at_least_one, plt, spread, table
 from torch import nn
 
 import vrgd_ds
@@ -62,14 +62,6 @@ FAMILIES = {
     "momentum": ["Momentum", "VR-Momentum"],
     "lars": ["LARS", "VR-LARS"],
 }
-
-
-def at_least_one(text: str) -> int:
-    """``--seeds``: a count of at least 1 (0 seeds would train nothing, then average nothing)."""
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"{value} is not at least 1")
-    return value
 
 
 def load(seed: int = 0) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:

@@ -4,6 +4,7 @@ plots. One directory per study, ``docs/studies/<name>/`` for the committed full 
 ``studies/page.py`` assembles ``docs/results.md`` from them."""
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import platform
@@ -60,6 +61,14 @@ def commit() -> str | None:
     except (OSError, subprocess.CalledProcessError):
         return None
     return out + "+uncommitted changes" if changed else out  # the code that ran is not the commit's
+
+
+def at_least_one(text: str) -> int:
+    """A count option of at least 1 (``--seeds``: 0 seeds would train nothing, then average nothing)."""
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{value} is not at least 1")
+    return value
 
 
 def table(headers: Sequence[str], rows: Iterable[Sequence[Any]]) -> str:

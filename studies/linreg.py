@@ -33,7 +33,7 @@ from statistics import mean
 from typing import Any
 
 import torch
-from common import DOCS, Output, plt, spread, table
+from common import DOCS, Output, at_least_one, plt, spread, table
 from torch import Tensor
 
 import vrgd_ds
@@ -65,14 +65,6 @@ class GroupGradients:
 
     def reset(self) -> None:
         pass
-
-
-def at_least_one(text: str) -> int:
-    """``--seeds``: a count of at least 1 (0 seeds would train nothing, then average nothing)."""
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"{value} is not at least 1")
-    return value
 
 
 def second_moment(features: str) -> Tensor:
