@@ -173,7 +173,7 @@ def trajectory(run_dir: Path) -> dict:
         step_s.append(rec["train/step_time_s"])
         if "adaptive/controller_s" in rec:
             ctrl.append(rec["adaptive/controller_s"])
-    return {"batches": batches, "samples_at": at, "optimizer_steps": len(batches), "changes": changes(batches),
+    return {"batches": batches, "samples_at": at, "optimizer_steps": len(batches),
             "controller_ms": 1e3 * mean(ctrl) if ctrl else None,
             "controller_share": sum(ctrl) / sum(step_s) if ctrl else None}
 
